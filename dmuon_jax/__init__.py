@@ -1,0 +1,42 @@
+"""dmuon_jax: distributed Muon for JAX, each matrix owned by one device."""
+
+from optax.contrib import MuonDimensionNumbers as MuonDimensionNumbers
+
+from dmuon_jax._alias import dmuon as dmuon
+from dmuon_jax._alias import muon_labels as muon_labels
+from dmuon_jax._newton_schulz import NS_COEFF_PRESETS as NS_COEFF_PRESETS
+from dmuon_jax._newton_schulz import (
+    orthogonality_error as orthogonality_error,
+)
+from dmuon_jax._newton_schulz import (
+    orthogonalize_via_gram_newton_schulz as orthogonalize_via_gram_newton_schulz,
+)
+from dmuon_jax._newton_schulz import (
+    orthogonalize_via_newton_schulz as orthogonalize_via_newton_schulz,
+)
+from dmuon_jax._newton_schulz import resolve_ns_coeffs as resolve_ns_coeffs
+from dmuon_jax._planner import OwnershipPlan as OwnershipPlan
+from dmuon_jax._planner import default_muon_predicate as default_muon_predicate
+from dmuon_jax._planner import plan_ownership as plan_ownership
+from dmuon_jax._transform import ScaleByDMuonState as ScaleByDMuonState
+from dmuon_jax._transform import scale_by_dmuon as scale_by_dmuon
+from dmuon_jax._transform import scale_by_shape as scale_by_shape
+
+__version__ = '0.1.0'
+
+__all__ = (
+    'MuonDimensionNumbers',
+    'NS_COEFF_PRESETS',
+    'OwnershipPlan',
+    'ScaleByDMuonState',
+    'default_muon_predicate',
+    'dmuon',
+    'muon_labels',
+    'orthogonality_error',
+    'orthogonalize_via_gram_newton_schulz',
+    'orthogonalize_via_newton_schulz',
+    'plan_ownership',
+    'resolve_ns_coeffs',
+    'scale_by_dmuon',
+    'scale_by_shape',
+)

@@ -1,0 +1,187 @@
+"""``dmuon``: Muon for matrices, AdamW for everything else."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import jax
+import optax
+
+from dmuon_jax import _planner
+from dmuon_jax import _transform
+
+
+def muon_labels(
+    params: optax.Params,
+    *,
+    predicate: Callable[[str, Any], bool] | None = None,
+    muon_weight_dimension_numbers: _transform.WeightDimNumbers = None,
+) -> optax.Params:
+  """Labels each leaf ``'muon'`` or ``'adam'`` as :func:`dmuon` routes it.
+
+  Args:
+    params: a params tree (arrays or ``jax.ShapeDtypeStruct``).
+    predicate: as for :func:`dmuon`.
+    muon_weight_dimension_numbers: as for :func:`dmuon`.
+
+  Returns:
+    A tree of the structure of ``params`` with ``'muon'`` or ``'adam'``
+    leaves.
+  """
+  specs = _planner.muon_target_specs(
+      params, predicate=predicate,
+      weight_dimension_numbers=muon_weight_dimension_numbers)
+  treedef = jax.tree.structure(params)
+  return jax.tree.unflatten(
+      treedef, ['adam' if s is None else 'muon' for s in specs])
+
+
+def dmuon(
+    learning_rate: optax.ScalarOrSchedule,
+    ns_coeffs: _transform.NsCoeffs = 'jordan',
+    ns_steps: int | None = None,
+    beta: jax.typing.ArrayLike = 0.95,
+    eps: jax.typing.ArrayLike = 1e-8,
+    weight_decay: jax.typing.ArrayLike = 0.0,
+    weight_decay_mask: Any | Callable[[optax.Params], Any] | None = None,
+    mu_dtype: jax.typing.DTypeLike | None = None,
+    *,
+    nesterov: bool = True,
+    adaptive: bool = False,
+    preconditioning: Literal[
+        'frobenius', 'spectral', 'aol', 'schatten'] = 'frobenius',
+    adam_b1: jax.typing.ArrayLike = 0.9,
+    adam_b2: jax.typing.ArrayLike = 0.999,
+    adam_eps_root: jax.typing.ArrayLike = 0.0,
+    adam_weight_decay: jax.typing.ArrayLike = 0.0,
+    adam_learning_rate: optax.ScalarOrSchedule | None = None,
+    muon_weight_dimension_numbers: _transform.WeightDimNumbers = None,
+    consistent_rms: jax.typing.ArrayLike | None = None,
+    predicate: Callable[[str, Any], bool] | None = None,
+    momentum: Literal['optax', 'sgd'] = 'optax',
+    mesh: jax.sharding.Mesh | None = None,
+    axis_names: Sequence[str] | None = None,
+    ns_algorithm: Literal['standard', 'gram'] = 'standard',
+    compute_dtype: jax.typing.DTypeLike | None = None,
+) -> optax.GradientTransformation:
+  r"""Muon with each weight matrix owned by one device of a mesh.
+
+  A drop-in for :func:`optax.contrib.muon` (same arguments, same meaning, same
+  numbers on one device) that adds ownership: every Muon matrix is
+  orthogonalized by exactly one device of ``mesh``, which alone keeps its
+  momentum. Muon targets get
+
+  .. math::
+    W \leftarrow W - \eta \left( s \cdot \mathrm{NS}(\hat M) + \lambda W
+    \right)
+
+  where :math:`\hat M` is the (Nesterov) momentum of
+  :func:`dmuon_jax.scale_by_dmuon`, :math:`s` the shape factor of
+  :func:`dmuon_jax.scale_by_shape` (``consistent_rms``), :math:`\lambda` the
+  ``weight_decay`` and :math:`\eta` the ``learning_rate``. All other leaves
+  are updated by :func:`optax.adamw` with the ``adam_*`` arguments.
+
+  Which leaves are Muon targets:
+
+  * ``predicate`` given: leaves where ``predicate(path, leaf)`` is true (and,
+    if ``muon_weight_dimension_numbers`` is given too, whose entry is not
+    None). ``path`` is ``'/'``-joined, e.g. ``'layers/0/attn/q/kernel'``.
+  * else ``muon_weight_dimension_numbers`` given: leaves whose entry is a
+    ``MuonDimensionNumbers`` (optax's rule).
+  * else :func:`dmuon_jax.default_muon_predicate`: 2-D matrices that are not
+    embeddings, output heads, norms or biases (optax would also send
+    embeddings and the LM head to Muon).
+
+  Args:
+    learning_rate: a scalar or schedule, see
+      :func:`optax.scale_by_learning_rate`.
+    ns_coeffs: Newton–Schulz coefficients: ``'jordan'`` (optax's
+      ``'standard'``), ``'you'`` (optax's ``'dion'``),
+      ``'polar_express_sf1.05'``, a triple, or one triple per iteration.
+    ns_steps: iterations for a single triple (default 5); None or the number
+      of rows for a per-iteration array. Static.
+    beta: momentum decay rate.
+    eps: added to normalizing denominators (Newton–Schulz and AdamW).
+    weight_decay: decoupled weight decay of Muon targets, multiplied by the
+      learning rate as in optax.
+    weight_decay_mask: tree or callable of booleans selecting which Muon
+      targets decay, as in :func:`optax.add_decayed_weights`.
+    mu_dtype: dtype of the momentum accumulators.
+    nesterov: whether to use Nesterov momentum (Muon and AdamW).
+    adaptive: scale each orthogonalized matrix by
+      :math:`\langle \hat M, \mathrm{NS}(\hat M) \rangle`.
+    preconditioning: ``'frobenius'``, ``'spectral'``, ``'aol'`` or
+      ``'schatten'``, as in optax.
+    adam_b1: AdamW's first-moment decay.
+    adam_b2: AdamW's second-moment decay.
+    adam_eps_root: AdamW's epsilon inside the square root.
+    adam_weight_decay: AdamW's weight decay.
+    adam_learning_rate: AdamW's learning rate (default: ``learning_rate``).
+    muon_weight_dimension_numbers: ``optax.contrib.MuonDimensionNumbers`` per
+      leaf (a tree, a prefix tree, or a callable returning one); None entries
+      go to AdamW. Needed for stacked ``(L, m, n)`` leaves
+      (``MuonDimensionNumbers(1, 2)``: each of the L matrices is its own unit)
+      and attention kernels such as ``(d, heads, head_dim)``.
+    consistent_rms: if set, scale updates by
+      :math:`\sqrt{\max(\mathrm{fan\_in}, \mathrm{fan\_out})}` times this
+      value instead of Jordan's width scaling.
+    predicate: optional ``(path, leaf) -> bool`` selecting Muon targets.
+    momentum: ``'optax'`` (bias-corrected EMA, default) or ``'sgd'``
+      (DMuon/Moonlight: ``buf = beta * buf + g``, Nesterov ``g + beta * buf``).
+      Static.
+    mesh: (optional, default None) ``jax.sharding.Mesh`` whose devices own
+      the matrices; if None, the mesh from :func:`jax.set_mesh`, else one
+      device. Static.
+    axis_names: mesh axes the owners range over (default: all). Static.
+    ns_algorithm: ``'standard'`` or ``'gram'`` Newton–Schulz. Static.
+    compute_dtype: dtype of the Newton–Schulz matmuls (default: the
+      momentum's); normalization is always float32.
+
+  Returns:
+    A :class:`optax.GradientTransformation` (an :func:`optax.partition` of a
+    Muon chain and AdamW).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import dmuon_jax
+    >>> params = {'w': jnp.ones((4, 8)), 'b': jnp.zeros((8,))}
+    >>> opt = dmuon_jax.dmuon(learning_rate=0.02)
+    >>> state = opt.init(params)
+    >>> grads = jax.tree.map(jnp.ones_like, params)
+    >>> updates, state = opt.update(grads, state, params)
+    >>> params = optax.apply_updates(params, updates)
+
+  References:
+    Jordan, `Muon <https://kellerjordan.github.io/posts/muon/>`_, 2024
+
+    Liu et al., `Muon is Scalable for LLM Training
+    <https://arxiv.org/abs/2502.16982>`_, 2025
+  """
+  if adam_learning_rate is None:
+    adam_learning_rate = learning_rate
+
+  def param_labels(params):
+    return muon_labels(
+        params, predicate=predicate,
+        muon_weight_dimension_numbers=muon_weight_dimension_numbers)
+
+  muon_chain = optax.chain(
+      _transform.scale_by_dmuon(
+          ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=beta, eps=eps,
+          mu_dtype=mu_dtype, nesterov=nesterov, adaptive=adaptive,
+          preconditioning=preconditioning,
+          weight_dimension_numbers=muon_weight_dimension_numbers,
+          momentum=momentum, mesh=mesh, axis_names=axis_names,
+          ns_algorithm=ns_algorithm, compute_dtype=compute_dtype),
+      _transform.scale_by_shape(
+          weight_dimension_numbers=muon_weight_dimension_numbers,
+          consistent_rms=consistent_rms),
+      optax.add_decayed_weights(weight_decay, weight_decay_mask),
+      optax.scale_by_learning_rate(learning_rate),
+  )
+  adam = optax.adamw(
+      learning_rate=adam_learning_rate, b1=adam_b1, b2=adam_b2, eps=eps,
+      eps_root=adam_eps_root, weight_decay=adam_weight_decay,
+      mu_dtype=mu_dtype, nesterov=nesterov)
+  return optax.partition({'muon': muon_chain, 'adam': adam}, param_labels)

@@ -1,0 +1,1024 @@
+"""Owner plan: which device orthogonalizes which Muon matrix."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Mapping, Sequence
+import dataclasses
+import functools
+import math
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from optax.contrib import MuonDimensionNumbers
+
+Predicate = Callable[[str, Any], bool]
+CostFn = Callable[[int, int], float]
+# None, one MuonDimensionNumbers, a prefix tree of them, or a callable.
+WeightDimNums = Any
+
+_HINT_ADAMW = (
+    'Route it to AdamW: make the predicate return False for it or set its'
+    ' dimension numbers to None.'
+)
+_HINT_DIMS_TREE = (
+    'Pass None, a single optax.contrib.MuonDimensionNumbers, a tree with the'
+    ' structure of params (or a prefix of it) holding MuonDimensionNumbers or'
+    ' None at its leaves, or a callable params -> such a tree.'
+)
+
+# Segments whose name contains one of these (lower-cased) are never Muon
+# targets under the default predicate.
+_EXCLUDED_SUBSTRINGS = (
+    'embed',  # embed, embedding, tok_embeddings, unembed, pos_embedding
+    'norm',  # norm, layernorm, rmsnorm_0, final_norm, norm1
+    'logit',  # logits, logit_proj
+    'lm_head',
+    'wte',  # GPT-2 token embedding
+    'wpe',  # GPT-2 position embedding
+)
+# Segments equal to one of these (lower-cased) are never Muon targets.
+_EXCLUDED_NAMES = frozenset({'bias', 'scale', 'pos_emb', 'tok_emb', 'emb'})
+# Segments equal to one of these are output heads, but only outside a
+# transformer block: BERT's 'layer/0/attention/output/dense' is a projection
+# inside block 0, whereas Llama's top-level 'output' is the LM head.
+_HEAD_NAMES = frozenset({'head', 'output', 'classifier'})
+# ln, ln_f, ln_1, ln1, lnf, ln_2 (GPT-2 style layer norms).
+_LAYER_NORM_RE = re.compile(r'^ln(_|$|f|\d)')
+
+# A block boundary is one of these segments followed by an integer segment
+# ('layers/3'), or one segment like 'layers_3' (flax linen auto-naming).
+_BLOCK_NAMES = frozenset({
+    'layers', 'layer', 'blocks', 'block', 'h', 'encoderblock',
+    'decoderblock', 'resblocks',
+})
+_BLOCK_SEGMENT_RE = re.compile(
+    r'^(layers?|blocks?|h|encoderblock|decoderblock|resblocks)_\d+$'
+)
+# Leading segments that name a flax linen variable collection, not a module.
+_COLLECTION_NAMES = frozenset({'params'})
+
+
+def normalize_path(path: jax.tree_util.KeyPath) -> str:
+  """Spells a pytree key path as a '/'-joined string.
+
+  ``DictKey`` contributes ``str(key)``, ``GetAttrKey`` its name and
+  ``SequenceKey``/``FlattenedIndexKey`` the index. A trailing
+  ``GetAttrKey('value')`` is dropped, so the flax nnx paths
+  ``['layers'][0]['kernel'].value`` (seen by ``nnx.Optimizer`` at init) and
+  ``['layers'][0]['kernel']`` (seen at update) both give ``'layers/0/kernel'``.
+
+  Args:
+    path: a key path, as given by ``jax.tree.flatten_with_path``.
+
+  Returns:
+    The normalized path string (``''`` for the root).
+  """
+  keys = list(path)
+  if (
+      keys
+      and isinstance(keys[-1], jax.tree_util.GetAttrKey)
+      and keys[-1].name == 'value'
+  ):
+    keys.pop()
+  return '/'.join(_key_str(k) for k in keys)
+
+
+def _key_str(key: Any) -> str:
+  if isinstance(key, jax.tree_util.DictKey):
+    return str(key.key)
+  if isinstance(key, jax.tree_util.GetAttrKey):
+    return key.name
+  if isinstance(key, jax.tree_util.SequenceKey):
+    return str(key.idx)
+  if isinstance(key, jax.tree_util.FlattenedIndexKey):
+    return str(key.key)
+  return str(key)
+
+
+def _segments(path: str) -> list[str]:
+  return [s for s in path.split('/') if s]
+
+
+def _block_boundary_end(segments: Sequence[str]) -> int | None:
+  """Returns the end (exclusive) of the outermost block boundary, if any."""
+  for i, seg in enumerate(segments):
+    low = seg.lower()
+    if _BLOCK_SEGMENT_RE.match(low):
+      return i + 1
+    if (
+        low in _BLOCK_NAMES
+        and i + 1 < len(segments)
+        and segments[i + 1].isdigit()
+    ):
+      return i + 2
+  return None
+
+
+def default_muon_predicate(path: str, leaf: Any) -> bool:
+  """Whether a leaf is a Muon matrix under the default rule.
+
+  A leaf is a Muon target when it is a 2-D matrix with both dimensions > 1
+  and it is not an embedding, an output head or logits layer, a norm or a
+  bias. This is decided from the path: no segment (lower-cased) may
+
+  - contain ``'embed'``, ``'norm'``, ``'logit'``, ``'lm_head'``, ``'wte'`` or
+    ``'wpe'`` (embeddings, unembeddings, layer/RMS norms, logits, GPT-2);
+  - equal ``'bias'``, ``'scale'``, ``'emb'``, ``'pos_emb'`` or ``'tok_emb'``;
+  - match ``^ln(_|$|f|\\d)`` (``ln``, ``ln_f``, ``ln_1``, ``ln1``);
+  - equal ``'head'``, ``'output'`` or ``'classifier'`` outside a transformer
+    block (a path without a block boundary such as ``layers/3`` or
+    ``layers_3``), so a top-level LM head is excluded while BERT's
+    ``layer/0/attention/output/dense`` is kept.
+
+  Names such as ``'attn_heads'``, ``'num_heads'``, ``'mlp'``, ``'kernel'``,
+  ``'w_out'``, ``'o_proj'``, ``'out_proj'`` and ``'down_proj'`` are kept.
+  Higher-rank leaves (stacked layers, attention kernels) are never selected
+  by default: give them explicit ``MuonDimensionNumbers``.
+
+  Args:
+    path: the leaf's path, as given by :func:`normalize_path`.
+    leaf: the leaf (anything with a ``shape``).
+
+  Returns:
+    True if the leaf should be optimized with Muon.
+  """
+  shape = np.shape(leaf)
+  if len(shape) != 2 or min(shape) <= 1:
+    return False
+  segments = _segments(path)
+  in_block = _block_boundary_end(segments) is not None
+  for seg in segments:
+    low = seg.lower()
+    if any(s in low for s in _EXCLUDED_SUBSTRINGS):
+      return False
+    if low in _EXCLUDED_NAMES or _LAYER_NORM_RE.match(low):
+      return False
+    if not in_block and low in _HEAD_NAMES:
+      return False
+  return True
+
+
+def _is_dims_leaf(x: Any) -> bool:
+  return x is None or isinstance(x, MuonDimensionNumbers)
+
+
+def _one_level(x: Any) -> tuple[list[Any], Any, list[Any]]:
+  """Flattens one level of a pytree: children, node structure and keys."""
+  with_keys, treedef = jax.tree_util.tree_flatten_with_path(
+      x, is_leaf=lambda y: y is not x
+  )
+  keys = [p[0] if p else None for p, _ in with_keys]
+  return [c for _, c in with_keys], treedef, keys
+
+
+def _align_dims(
+    dims: Any, tree: Any, path: tuple[Any, ...], out: list[Any]
+) -> None:
+  """Appends one dimension-numbers entry per leaf of ``tree`` to ``out``."""
+  if _is_dims_leaf(dims):
+    out.extend([dims] * len(jax.tree.leaves(tree)))
+    return
+  num_leaves = len(jax.tree.leaves(tree))
+  if num_leaves == 0:
+    # None, MaskedNode() or an empty container (e.g. a subtree masked out by
+    # optax.partition): no leaf to route, whatever the dims tree says here.
+    return
+  if isinstance(dims, optax.MaskedNode):
+    raise ValueError(
+        f'dmuon: weight_dimension_numbers has MaskedNode() at'
+        f' {normalize_path(path) or "<root>"!r} where params has'
+        f' {num_leaves} leaves. {_HINT_DIMS_TREE}'
+    )
+  dims_children, dims_def, _ = _one_level(dims)
+  tree_children, tree_def, keys = _one_level(tree)
+  if dims_def.num_nodes == 1 and dims_def.num_leaves == 1:
+    # A leaf that is neither None nor MuonDimensionNumbers.
+    raise ValueError(
+        'dmuon: weight_dimension_numbers has'
+        f' {type(dims).__name__} {dims!r} at'
+        f' {normalize_path(path) or "<root>"!r}; expected'
+        f' optax.contrib.MuonDimensionNumbers or None. {_HINT_DIMS_TREE}'
+    )
+  if dims_def != tree_def:
+    raise ValueError(
+        'dmuon: weight_dimension_numbers does not match the structure of'
+        f' params at {normalize_path(path) or "<root>"!r}: got'
+        f' {dims_def}, params have {tree_def}. {_HINT_DIMS_TREE}'
+    )
+  for key, d, t in zip(keys, dims_children, tree_children):
+    _align_dims(d, t, path + (key,), out)
+
+
+def resolve_dimension_numbers(
+    tree: Any, weight_dimension_numbers: WeightDimNums
+) -> list[MuonDimensionNumbers | None]:
+  """Resolves Muon dimension numbers to one entry per leaf of ``tree``.
+
+  Args:
+    tree: a pytree (params or updates). ``None`` and ``optax.MaskedNode()``
+      placeholders are not leaves, as in ``jax.tree.leaves``.
+    weight_dimension_numbers: None (every entry None), a single
+      ``optax.contrib.MuonDimensionNumbers`` (used for every leaf), a tree that
+      is a prefix of ``tree`` with ``MuonDimensionNumbers`` or None at its
+      leaves (None: not a Muon leaf; an entry covers the whole subtree of
+      ``tree`` below it), or a callable ``tree -> such a value``.
+
+  Returns:
+    A list with one entry per leaf of ``jax.tree.leaves(tree)``.
+
+  Raises:
+    ValueError: if the dimension-numbers tree does not match ``tree``.
+  """
+  dims = weight_dimension_numbers
+  if callable(dims) and not _is_dims_leaf(dims):
+    dims = dims(tree)
+  out: list[Any] = []
+  _align_dims(dims, tree, (), out)
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSpec:
+  """A Muon-target leaf and how it splits into matrices.
+
+  Attributes:
+    leaf_index: index of the leaf in ``jax.tree.leaves(params)``.
+    path: the leaf's path, see :func:`normalize_path`.
+    shape: the full leaf shape.
+    dtype: the numpy dtype name, e.g. ``'float32'``.
+    batch_axes: sorted axes that index independent matrices.
+    reduction_axes: axes flattened into the matrix rows (fan-in), in the order
+      given by the dimension numbers.
+    output_axes: axes flattened into the matrix columns (fan-out).
+  """
+
+  leaf_index: int
+  path: str
+  shape: tuple[int, ...]
+  dtype: str
+  batch_axes: tuple[int, ...]
+  reduction_axes: tuple[int, ...]
+  output_axes: tuple[int, ...]
+
+  @property
+  def batch_shape(self) -> tuple[int, ...]:
+    """Sizes of the batch axes (``()`` for a 2-D leaf)."""
+    return tuple(self.shape[a] for a in self.batch_axes)
+
+  @property
+  def matrix_shape(self) -> tuple[int, int]:
+    """``(fan_in, fan_out)``: products of the reduction and output dims."""
+    return (
+        math.prod(self.shape[a] for a in self.reduction_axes),
+        math.prod(self.shape[a] for a in self.output_axes),
+    )
+
+  @property
+  def num_matrices(self) -> int:
+    """Number of matrices in the leaf (1 for a 2-D leaf)."""
+    return math.prod(self.batch_shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixUnit:
+  """One matrix, the unit of ownership.
+
+  Attributes:
+    leaf_index: the leaf holding it (see :attr:`LeafSpec.leaf_index`).
+    path: the leaf's path.
+    batch_index: multi-index over the leaf's batch axes, ``()`` for 2-D.
+    shape: ``(fan_in, fan_out)``, the leaf's :attr:`LeafSpec.matrix_shape`.
+    layer: grouping key; matrices with the same key are spread over
+      different owners when that costs no makespan.
+    cost: predicted Newton–Schulz FLOPs.
+    nbytes: ``fan_in * fan_out * itemsize``.
+  """
+
+  leaf_index: int
+  path: str
+  batch_index: tuple[int, ...]
+  shape: tuple[int, int]
+  layer: str
+  cost: float
+  nbytes: int
+
+  @property
+  def name(self) -> str:
+    """The path, with the batch index appended for stacked leaves."""
+    if not self.batch_index:
+      return self.path
+    return f'{self.path}[{",".join(str(i) for i in self.batch_index)}]'
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnershipPlan:
+  """Static assignment of every Muon matrix to one owner slot.
+
+  A slot is a row-major flat index over ``mesh_shape``: on a
+  ``('replicate', 'shard')`` mesh of shape ``(R, S)``, slot ``r * S + s`` is
+  the device at ``replicate=r, shard=s``. The plan is built from shapes only,
+  is deterministic and hashable, so it can be a static argument.
+
+  Attributes:
+    axis_names: mesh axes the owners range over, in mesh order.
+    mesh_shape: the sizes of those axes.
+    num_leaves: number of leaves of the params tree (targets or not).
+    leaves: the Muon-target leaves, in leaf order.
+    units: all matrices, in leaf order, then batch index row-major.
+    owners: owner slot of each unit.
+  """
+
+  axis_names: tuple[str, ...]
+  mesh_shape: tuple[int, ...]
+  num_leaves: int
+  leaves: tuple[LeafSpec, ...]
+  units: tuple[MatrixUnit, ...]
+  owners: tuple[int, ...]
+
+  def __hash__(self) -> int:
+    # Plans are static arguments of jitted functions: hash the (large)
+    # tuples once. Equality still compares every field.
+    return self._hash
+
+  @functools.cached_property
+  def _hash(self) -> int:
+    return hash((
+        self.axis_names, self.mesh_shape, self.num_leaves, self.leaves,
+        self.units, self.owners,
+    ))
+
+  @property
+  def num_slots(self) -> int:
+    """Number of owner slots (product of ``mesh_shape``, 1 for no axes)."""
+    return math.prod(self.mesh_shape)
+
+  def slot_coords(self, slot: int) -> tuple[int, ...]:
+    """Mesh coordinates of a slot, one per axis in ``axis_names``.
+
+    Args:
+      slot: a slot index in ``[0, num_slots)``.
+
+    Returns:
+      The coordinates, e.g. ``(r, s)``.
+    """
+    if not 0 <= slot < self.num_slots:
+      raise ValueError(
+          f'dmuon: slot {slot} is out of range; the plan has'
+          f' {self.num_slots} slots.'
+      )
+    coords = []
+    for size in reversed(self.mesh_shape):
+      coords.append(slot % size)
+      slot //= size
+    return tuple(reversed(coords))
+
+  def slot_costs(self) -> tuple[float, ...]:
+    """Predicted Newton–Schulz FLOPs per slot."""
+    costs = [0.0] * self.num_slots
+    for unit, owner in zip(self.units, self.owners):
+      costs[owner] += unit.cost
+    return tuple(costs)
+
+  def slot_bytes(self) -> tuple[int, ...]:
+    """Bytes of the matrices owned by each slot."""
+    nbytes = [0] * self.num_slots
+    for unit, owner in zip(self.units, self.owners):
+      nbytes[owner] += unit.nbytes
+    return tuple(nbytes)
+
+  def units_of(self, slot: int) -> tuple[int, ...]:
+    """Indices (into ``units``) of the matrices owned by a slot, ascending.
+
+    Args:
+      slot: a slot index in ``[0, num_slots)``.
+
+    Returns:
+      A tuple of unit indices.
+    """
+    return self._slot_units[slot]
+
+  @functools.cached_property
+  def _slot_units(self) -> tuple[tuple[int, ...], ...]:
+    per_slot: list[list[int]] = [[] for _ in range(self.num_slots)]
+    for i, owner in enumerate(self.owners):
+      per_slot[owner].append(i)
+    return tuple(tuple(u) for u in per_slot)
+
+  @functools.cached_property
+  def _leaf_offsets(self) -> dict[int, tuple[int, LeafSpec]]:
+    offsets = {}
+    start = 0
+    for spec in self.leaves:
+      offsets[spec.leaf_index] = (start, spec)
+      start += spec.num_matrices
+    return offsets
+
+  def leaf_units(self, leaf_index: int) -> tuple[int, ...]:
+    """Indices (into ``units``) of a leaf's matrices, row-major.
+
+    Args:
+      leaf_index: index in ``jax.tree.leaves(params)``.
+
+    Returns:
+      A tuple of unit indices; empty if the leaf is not a Muon target.
+    """
+    if leaf_index not in self._leaf_offsets:
+      return ()
+    start, spec = self._leaf_offsets[leaf_index]
+    return tuple(range(start, start + spec.num_matrices))
+
+  def unit_index(
+      self, leaf_index: int, batch_index: Sequence[int] = ()
+  ) -> int:
+    """Index (into ``units``) of one matrix.
+
+    Args:
+      leaf_index: index in ``jax.tree.leaves(params)`` of a Muon target.
+      batch_index: multi-index over the leaf's batch axes, ``()`` for 2-D.
+
+    Returns:
+      The unit index.
+    """
+    if leaf_index not in self._leaf_offsets:
+      raise ValueError(
+          f'dmuon: leaf {leaf_index} is not a Muon target of this plan.'
+      )
+    start, spec = self._leaf_offsets[leaf_index]
+    batch_index = tuple(int(i) for i in batch_index)
+    batch_shape = spec.batch_shape
+    if len(batch_index) != len(batch_shape) or not all(
+        0 <= i < n for i, n in zip(batch_index, batch_shape)
+    ):
+      raise ValueError(
+          f'dmuon: batch_index {batch_index} is out of range for'
+          f' {spec.path!r} with batch shape {batch_shape}.'
+      )
+    offset = 0
+    for i, n in zip(batch_index, batch_shape):
+      offset = offset * n + i
+    return start + offset
+
+  @property
+  def makespan(self) -> float:
+    """Largest predicted Newton–Schulz FLOPs of any slot."""
+    return max(self.slot_costs(), default=0.0)
+
+  @property
+  def imbalance(self) -> float:
+    """Max over mean of the per-slot costs; 1.0 when the total is 0."""
+    costs = self.slot_costs()
+    total = sum(costs)
+    if total <= 0:
+      return 1.0
+    return max(costs) / (total / len(costs))
+
+  def summary(self) -> str:
+    """A human-readable, multi-line description of the plan.
+
+    Returns:
+      A header (matrices, slots, mesh axes, total predicted Newton–Schulz
+      FLOPs, imbalance) followed by one section per slot listing its
+      coordinates, cost, bytes and matrices.
+    """
+    return '\n'.join(self._summary_lines())
+
+  def _summary_lines(self) -> list[str]:
+    """The lines of :meth:`summary`; sections are appended in order."""
+    lines = self._summary_header_lines()
+    lines.extend(self._summary_slot_lines())
+    return lines
+
+  def _summary_header_lines(self) -> list[str]:
+    costs = self.slot_costs()
+    nbytes = self.slot_bytes()
+    if self.axis_names:
+      mesh = ' '.join(
+          f'{n}={s}' for n, s in zip(self.axis_names, self.mesh_shape)
+      )
+    else:
+      mesh = '(single slot, no mesh axes)'
+    return [
+        f'OwnershipPlan: {_plural(len(self.units), "matrix", "matrices")}'
+        f' in {_plural(len(self.leaves), "leaf", "leaves")} on'
+        f' {_plural(self.num_slots, "slot", "slots")}, mesh {mesh}',
+        f'  predicted NS FLOPs: total {_human_flops(sum(costs))}, per slot'
+        f' max {_human_flops(max(costs))}, mean'
+        f' {_human_flops(sum(costs) / len(costs))}, imbalance (max/mean)'
+        f' {self.imbalance:.3f}',
+        f'  bytes: total {_human_bytes(sum(nbytes))}, per slot max'
+        f' {_human_bytes(max(nbytes))}',
+    ]
+
+  def _summary_slot_lines(self) -> list[str]:
+    costs = self.slot_costs()
+    nbytes = self.slot_bytes()
+    lines = []
+    for slot in range(self.num_slots):
+      coords = ' '.join(
+          f'{n}={c}' for n, c in zip(self.axis_names, self.slot_coords(slot))
+      )
+      unit_ids = self.units_of(slot)
+      lines.append(
+          f'slot {slot}' + (f' ({coords})' if coords else '')
+          + f': {_plural(len(unit_ids), "matrix", "matrices")},'
+          f' {_human_flops(costs[slot])},'
+          f' {_human_bytes(nbytes[slot])}'
+      )
+      for i in unit_ids:
+        unit = self.units[i]
+        lines.append(f'  {unit.name}  {unit.shape[0]}x{unit.shape[1]}')
+    return lines
+
+
+def _plural(n: int, one: str, many: str) -> str:
+  return f'{n} {one if n == 1 else many}'
+
+
+def _human_bytes(n: float) -> str:
+  for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
+    if abs(n) < 1024 or unit == 'TiB':
+      return f'{n:.0f} {unit}' if unit == 'B' else f'{n:.2f} {unit}'
+    n /= 1024
+  raise AssertionError('unreachable')
+
+
+def _human_flops(n: float) -> str:
+  for prefix in ('', 'k', 'M', 'G', 'T', 'P'):
+    if abs(n) < 1000 or prefix == 'P':
+      return f'{n:.0f} FLOP' if not prefix else f'{n:.2f} {prefix}FLOP'
+    n /= 1000
+  raise AssertionError('unreachable')
+
+
+def ns_flops(m: int, n: int, ns_steps: int = 5) -> float:
+  """Predicted FLOPs of Newton–Schulz on an ``m x n`` matrix.
+
+  With ``s = min(m, n)`` and ``l = max(m, n)``, each quintic iteration forms
+  ``A = X Xᵀ`` (``2 s² l``), ``A·A`` (``2 s³``) and ``B·X`` (``2 s² l``), so
+  the total is ``ns_steps * (4 s² l + 2 s³)`` (about ``20 s² l + 10 s³`` for
+  5 steps, see ../shared/DESIGN.md, "Performance model").
+
+  Args:
+    m: number of rows.
+    n: number of columns.
+    ns_steps: number of Newton–Schulz iterations.
+
+  Returns:
+    The FLOP count, as a float.
+  """
+  s, l = min(m, n), max(m, n)
+  return float(ns_steps) * (4.0 * s * s * l + 2.0 * s**3)
+
+
+def _normalize_axes(
+    value: Any, ndim: int, what: str, path: str, shape: tuple[int, ...]
+) -> tuple[int, ...]:
+  axes = (value,) if isinstance(value, (int, np.integer)) else value
+  try:
+    axes = tuple(axes)
+  except TypeError:
+    axes = None
+  if axes is None or not all(
+      isinstance(a, (int, np.integer)) and not isinstance(a, bool)
+      for a in axes
+  ):
+    raise ValueError(
+        f'dmuon: param {path!r} has {what}={value!r}; expected an int or a'
+        ' sequence of ints. Fix its MuonDimensionNumbers.'
+    )
+  if not axes:
+    raise ValueError(
+        f'dmuon: param {path!r} with shape {shape} has an empty {what}; a'
+        ' matrix needs at least one reduction and one output axis. Fix its'
+        f' MuonDimensionNumbers. {_HINT_ADAMW}'
+    )
+  bad = [a for a in axes if not -ndim <= a < ndim]
+  if bad:
+    raise ValueError(
+        f'dmuon: param {path!r} with shape {shape} (ndim={ndim}) has'
+        f' {what}={value!r}; axes {bad} are out of range [-{ndim}, {ndim}).'
+        ' Fix its MuonDimensionNumbers.'
+    )
+  axes = tuple(int(a) % ndim for a in axes)
+  if len(set(axes)) != len(axes):
+    raise ValueError(
+        f'dmuon: param {path!r} with shape {shape} has {what}={value!r},'
+        ' which repeats an axis. List each axis once in its'
+        ' MuonDimensionNumbers.'
+    )
+  return axes
+
+
+def _make_leaf_spec(
+    leaf_index: int, path: str, leaf: Any, dims: MuonDimensionNumbers | None
+) -> LeafSpec:
+  """Validates a Muon-target leaf and describes its matrices."""
+  shape = tuple(int(d) for d in np.shape(leaf))
+  ndim = len(shape)
+  shown = path or '<root>'
+  if ndim < 2:
+    raise ValueError(
+        f'dmuon: param {shown!r} has shape {shape} (ndim={ndim}) but was'
+        ' selected as a Muon target, which needs a matrix (ndim >= 2).'
+        f' {_HINT_ADAMW}'
+    )
+  dtype = getattr(leaf, 'dtype', None)
+  dtype = np.dtype(np.result_type(leaf) if dtype is None else dtype)
+  if not jax.dtypes.issubdtype(dtype, np.floating):
+    raise ValueError(
+        f'dmuon: param {shown!r} has dtype {dtype.name} but was selected as a'
+        ' Muon target, which needs a real floating-point dtype (float32,'
+        f' bfloat16, ...). {_HINT_ADAMW}'
+    )
+  if dims is None:
+    dims = MuonDimensionNumbers(reduction_axis=ndim - 2, output_axis=ndim - 1)
+  reduction = _normalize_axes(
+      dims.reduction_axis, ndim, 'reduction_axis', shown, shape
+  )
+  output = _normalize_axes(dims.output_axis, ndim, 'output_axis', shown, shape)
+  overlap = sorted(set(reduction) & set(output))
+  if overlap:
+    raise ValueError(
+        f'dmuon: param {shown!r} with shape {shape} has overlapping dimension'
+        f' numbers {dims}: axes {overlap} are both reduction and output axes'
+        ' (after normalizing negative axes). Make them disjoint.'
+    )
+  batch = tuple(sorted(set(range(ndim)) - set(reduction) - set(output)))
+  return LeafSpec(
+      leaf_index=leaf_index,
+      path=path,
+      shape=shape,
+      dtype=dtype.name,
+      batch_axes=batch,
+      reduction_axes=reduction,
+      output_axes=output,
+  )
+
+
+def muon_target_specs(
+    params: Any,
+    *,
+    predicate: Predicate | None = None,
+    weight_dimension_numbers: WeightDimNums = None,
+) -> list[LeafSpec | None]:
+  """Routes every leaf to Muon (a :class:`LeafSpec`) or not (None).
+
+  The rule, shared by the planner and the optimizer:
+
+  - with ``predicate``: a leaf is a target if ``predicate(path, leaf)`` and,
+    when ``weight_dimension_numbers`` is given, its resolved entry is not None;
+  - else with ``weight_dimension_numbers``: a leaf is a target if its resolved
+    entry is not None;
+  - else: :func:`default_muon_predicate`.
+
+  A target without dimension numbers uses reduction axis ``ndim - 2``, output
+  axis ``ndim - 1`` and all leading axes as batch axes (a stack of matrices).
+
+  Args:
+    params: a pytree whose leaves have ``shape`` and ``dtype`` (arrays or
+      ``jax.ShapeDtypeStruct``); None and ``optax.MaskedNode()`` are not
+      leaves. Only shapes and dtypes are read.
+    predicate: (optional) ``(path, leaf) -> bool``, ``path`` as given by
+      :func:`normalize_path`.
+    weight_dimension_numbers: (optional) see
+      :func:`resolve_dimension_numbers`.
+
+  Returns:
+    One entry per leaf of ``jax.tree.leaves(params)``.
+
+  Raises:
+    ValueError: if a target is not a floating-point matrix of rank >= 2 or
+      its dimension numbers are invalid for its shape.
+  """
+  with_path, _ = jax.tree_util.tree_flatten_with_path(params)
+  if weight_dimension_numbers is None:
+    all_dims = [None] * len(with_path)
+  else:
+    all_dims = resolve_dimension_numbers(params, weight_dimension_numbers)
+  specs: list[LeafSpec | None] = []
+  for i, ((key_path, leaf), dims) in enumerate(zip(with_path, all_dims)):
+    path = normalize_path(key_path)
+    if predicate is not None:
+      target = bool(predicate(path, leaf)) and (
+          weight_dimension_numbers is None or dims is not None
+      )
+    elif weight_dimension_numbers is not None:
+      target = dims is not None
+    else:
+      target = default_muon_predicate(path, leaf)
+    specs.append(_make_leaf_spec(i, path, leaf, dims) if target else None)
+  return specs
+
+
+def layer_key(path: str, batch_index: tuple[int, ...] = ()) -> str:
+  """Grouping key of a matrix, used to spread one layer over owners.
+
+  If the path has a block boundary (a segment in ``layers``, ``layer``,
+  ``blocks``, ``block``, ``h``, ``encoderblock``, ``decoderblock`` or
+  ``resblocks`` followed by an integer segment, as in ``layers/3``, or one
+  segment like ``layers_3``), the key is the path up to and including the
+  outermost boundary. Otherwise it is the first path segment (skipping a
+  leading linen ``params`` collection), with ``[i]`` appended for a stacked
+  leaf, ``i`` being the first batch index (the scanned layer). A stacked leaf
+  inside a block (e.g. experts ``(E, m, n)`` in ``layers/3``) keeps the
+  block's key, so its matrices are spread together with the block's others.
+
+  Args:
+    path: the leaf's path, see :func:`normalize_path`.
+    batch_index: the matrix's multi-index over the leaf's batch axes.
+
+  Returns:
+    The key.
+  """
+  segments = _segments(path)
+  end = _block_boundary_end(segments)
+  if end is not None:
+    return '/'.join(segments[:end])
+  start = 0
+  while start < len(segments) - 1 and segments[start] in _COLLECTION_NAMES:
+    start += 1
+  base = '/'.join(segments[: start + 1])
+  if batch_index:
+    return f'{base}[{batch_index[0]}]'
+  return base
+
+
+def _mesh_axes(
+    mesh: Any, axis_names: Any
+) -> tuple[tuple[str, ...], tuple[int, ...]]:
+  """Owner axes (in mesh order) and their sizes."""
+  if mesh is None:
+    sizes: dict[str, int] = {}
+    order: tuple[str, ...] = ()
+  elif isinstance(mesh, Mapping):
+    sizes = {str(k): v for k, v in mesh.items()}
+    order = tuple(sizes)
+  elif hasattr(mesh, 'axis_names') and hasattr(mesh, 'shape'):
+    sizes = dict(mesh.shape)
+    order = tuple(mesh.axis_names)
+  else:
+    raise TypeError(
+        f'dmuon: mesh must be None, a jax.sharding.Mesh or AbstractMesh, or a'
+        f' mapping {{axis_name: size}}; got {type(mesh).__name__}.'
+    )
+  for name, size in sizes.items():
+    if not isinstance(size, (int, np.integer)) or size < 1:
+      raise ValueError(
+          f'dmuon: mesh axis {name!r} has size {size!r}; expected a positive'
+          ' int.'
+      )
+  if axis_names is None:
+    chosen = order
+  else:
+    names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
+    missing = [n for n in names if n not in sizes]
+    if missing:
+      raise ValueError(
+          f'dmuon: axis_names {names} includes {missing}, which are not axes'
+          f' of the mesh; the mesh has axes {order}. Pass a subset of them,'
+          ' or None for all.'
+      )
+    if len(set(names)) != len(names):
+      raise ValueError(f'dmuon: axis_names {names} repeats an axis.')
+    chosen = tuple(n for n in order if n in names)
+  return chosen, tuple(int(sizes[n]) for n in chosen)
+
+
+# Upper bound on partner checks in the layer-spreading repair pass, so that
+# pathological trees (many thousands of matrices) still plan quickly.
+_REPAIR_BUDGET = 500_000
+
+
+def _assign(units: Sequence[MatrixUnit], num_slots: int) -> list[int]:
+  """LPT on cost, spreading the matrices of each layer over owners.
+
+  A layer with ``n`` matrices may put ``cap = ceil(n / num_slots)`` of them on
+  one slot (1 when the layer fits, i.e. distinct owners). Units go in order
+  of decreasing cost (ties: lower unit index first). Plain LPT puts each on
+  the least-loaded slot ``g`` (ties: lowest index). We instead take the
+  least-loaded slot ``a`` still below the layer's cap, if adding the unit
+  there leaves the makespan no larger than plain LPT's choice would:
+  ``loads[a] + c <= max(makespan, loads[g] + c)``. A repair pass then
+  removes remaining excess by moves and swaps that keep the makespan.
+
+  Graham's bound still holds. Let ``W_k`` be the total cost placed before
+  unit ``k``; ``loads[g] <= W_k / P``. After placing unit ``k`` the makespan
+  is at most ``max(M_{k-1}, loads[g] + c_k)``, so by induction the final
+  makespan is at most ``max_k (W_k / P + c_k) <= total / P + max cost``; the
+  repair pass never raises the makespan.
+
+  Args:
+    units: the matrices.
+    num_slots: the number of owner slots.
+
+  Returns:
+    The owner slot of each unit.
+  """
+  sizes = collections.Counter(u.layer for u in units)
+  cap = {layer: -(-n // num_slots) for layer, n in sizes.items()}
+  counts = {layer: np.zeros(num_slots, dtype=np.int64) for layer in sizes}
+  loads = np.zeros(num_slots, dtype=np.float64)
+  owners = [0] * len(units)
+  makespan = 0.0
+  order = sorted(range(len(units)), key=lambda i: (-units[i].cost, i))
+  for i in order:
+    unit = units[i]
+    cost = unit.cost
+    count, limit = counts[unit.layer], cap[unit.layer]
+    g = int(np.argmin(loads))  # argmin returns the lowest index on ties.
+    choice = g
+    if count[g] >= limit:
+      a = int(np.argmin(np.where(count < limit, loads, np.inf)))
+      if count[a] < limit and loads[a] + cost <= max(makespan, loads[g] + cost):
+        choice = a
+    loads[choice] += cost
+    count[choice] += 1
+    makespan = max(makespan, float(loads[choice]))
+    owners[i] = choice
+  _spread_layers(units, owners, loads, counts, cap)
+  return owners
+
+
+def _spread_layers(
+    units: Sequence[MatrixUnit],
+    owners: list[int],
+    loads: np.ndarray,
+    counts: dict[str, np.ndarray],
+    cap: dict[str, int],
+) -> None:
+  """Moves or swaps units, in place, to bring layers under their caps.
+
+  A unit on a slot holding more than ``cap`` units of its layer moves to a
+  slot below the cap, or swaps with a unit there whose layer has room on the
+  first slot, when neither slot then exceeds the current makespan. Every
+  change lowers the total excess by at least one, so this terminates; the
+  search is deterministic (units and slots in index order) and bounded by
+  ``_REPAIR_BUDGET`` partner checks.
+
+  Args:
+    units: the matrices.
+    owners: owner slot per unit, updated in place.
+    loads: cost per slot, updated in place.
+    counts: per layer, the number of its units on each slot (in place).
+    cap: per layer, the most units it should have on one slot.
+  """
+  num_slots = len(loads)
+  makespan = float(loads.max(initial=0.0))
+  on_slot: list[list[int]] = [[] for _ in range(num_slots)]
+  for i, owner in enumerate(owners):
+    on_slot[owner].append(i)
+  budget = _REPAIR_BUDGET
+  changed = True
+  while changed and budget > 0:
+    changed = False
+    for i, unit in enumerate(units):
+      s, layer = owners[i], unit.layer
+      count, limit = counts[layer], cap[layer]
+      if count[s] <= limit:
+        continue
+      for t in range(num_slots):
+        if count[t] >= limit:
+          continue
+        partner = None
+        if loads[t] + unit.cost <= makespan:
+          partner = -1  # a plain move
+        else:
+          for j in on_slot[t]:
+            budget -= 1
+            other = units[j]
+            if other.layer == layer or (
+                counts[other.layer][s] >= cap[other.layer]
+            ):
+              continue
+            delta = other.cost - unit.cost
+            if delta == 0 or (
+                loads[s] + delta <= makespan and loads[t] - delta <= makespan
+            ):
+              partner = j
+              break
+        if partner is None:
+          if budget <= 0:
+            return
+          continue
+        _move(i, s, t, units, owners, loads, counts, on_slot)
+        if partner >= 0:
+          _move(partner, t, s, units, owners, loads, counts, on_slot)
+        changed = True
+        break
+
+
+def _move(
+    i: int,
+    src: int,
+    dst: int,
+    units: Sequence[MatrixUnit],
+    owners: list[int],
+    loads: np.ndarray,
+    counts: dict[str, np.ndarray],
+    on_slot: list[list[int]],
+) -> None:
+  unit = units[i]
+  owners[i] = dst
+  loads[src] -= unit.cost
+  loads[dst] += unit.cost
+  counts[unit.layer][src] -= 1
+  counts[unit.layer][dst] += 1
+  on_slot[src].remove(i)
+  on_slot[dst].append(i)
+
+
+def plan_ownership(
+    params: Any,
+    mesh: Any = None,
+    *,
+    axis_names: str | Sequence[str] | None = None,
+    predicate: Predicate | None = None,
+    weight_dimension_numbers: WeightDimNums = None,
+    ns_steps: int = 5,
+    cost_fn: CostFn | None = None,
+) -> OwnershipPlan:
+  """Assigns every Muon matrix of ``params`` to exactly one owner slot.
+
+  Leaves are routed with :func:`muon_target_specs`; each matrix inside a
+  stacked leaf (``(L, m, n)``, ``(L, E, m, n)``, ...) is its own unit. Units
+  are balanced by longest-processing-time-first on the predicted
+  Newton–Schulz cost, spreading matrices of one layer (see :func:`layer_key`)
+  over different owners whenever that does not increase the makespan. The
+  makespan is at most ``total / num_slots + max cost`` (Graham's bound). No
+  divisibility of shapes or counts by the mesh is needed.
+
+  Args:
+    params: a pytree whose leaves have ``shape`` and ``dtype`` (arrays or
+      ``jax.ShapeDtypeStruct``); may hold None or ``optax.MaskedNode()``
+      placeholders. Only shapes and dtypes are read.
+    mesh: (optional, default None) a ``jax.sharding.Mesh``,
+      ``jax.sharding.AbstractMesh`` or mapping ``{axis_name: size}``; None
+      gives a single slot.
+    axis_names: (optional, default None) the mesh axes that owners range
+      over; None for all. They are kept in mesh order.
+    predicate: (optional) ``(path, leaf) -> bool`` selecting Muon targets.
+    weight_dimension_numbers: (optional) see
+      :func:`resolve_dimension_numbers`.
+    ns_steps: Newton–Schulz iterations, for the default cost model.
+    cost_fn: (optional) ``(fan_in, fan_out) -> float`` replacing the default
+      cost model :func:`ns_flops`.
+
+  Returns:
+    An :class:`OwnershipPlan`.
+
+  Raises:
+    ValueError: for invalid targets (see :func:`muon_target_specs`), unknown
+      ``axis_names`` or a negative or non-finite cost.
+  """
+  if (
+      not isinstance(ns_steps, (int, np.integer))
+      or isinstance(ns_steps, bool)
+      or ns_steps < 1
+  ):
+    raise ValueError(f'dmuon: {ns_steps=} must be a positive int.')
+  names, sizes = _mesh_axes(mesh, axis_names)
+  all_specs = muon_target_specs(
+      params, predicate=predicate,
+      weight_dimension_numbers=weight_dimension_numbers,
+  )
+  leaves = tuple(s for s in all_specs if s is not None)
+  units = []
+  for spec in leaves:
+    fan_in, fan_out = spec.matrix_shape
+    if cost_fn is None:
+      cost = ns_flops(fan_in, fan_out, int(ns_steps))
+    else:
+      cost = float(cost_fn(fan_in, fan_out))
+      if not math.isfinite(cost) or cost < 0:
+        raise ValueError(
+            f'dmuon: cost_fn({fan_in}, {fan_out}) returned {cost} for param'
+            f' {spec.path!r}; expected a finite, non-negative float.'
+        )
+    nbytes = fan_in * fan_out * jnp.dtype(spec.dtype).itemsize
+    for batch_index in np.ndindex(*spec.batch_shape):
+      batch_index = tuple(int(i) for i in batch_index)
+      units.append(
+          MatrixUnit(
+              leaf_index=spec.leaf_index,
+              path=spec.path,
+              batch_index=batch_index,
+              shape=(fan_in, fan_out),
+              layer=layer_key(spec.path, batch_index),
+              cost=cost,
+              nbytes=int(nbytes),
+          )
+      )
+  owners = _assign(units, math.prod(sizes))
+  return OwnershipPlan(
+      axis_names=names,
+      mesh_shape=sizes,
+      num_leaves=len(all_specs),
+      leaves=leaves,
+      units=tuple(units),
+      owners=tuple(owners),
+  )

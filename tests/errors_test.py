@@ -1,0 +1,68 @@
+"""Bad input raises a ValueError that names the leaf and the fix."""
+
+import jax.numpy as jnp
+from absl.testing import absltest
+from absl.testing import parameterized
+from optax.contrib import MuonDimensionNumbers as MDN
+
+import dmuon_jax
+
+
+def params():
+  return {'layers_0': {'w': jnp.zeros((4, 8)), 'b': jnp.zeros((8,))},
+          'step_scale': jnp.zeros(()),
+          'stack': jnp.zeros((2, 4, 8))}
+
+
+class BadInputTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ('1d_leaf', lambda path, x: path.endswith('b') or x.ndim == 2,
+       r"layers_0/b.*AdamW"),
+      ('0d_leaf', lambda path, x: path == 'step_scale' or x.ndim == 2,
+       r"step_scale.*AdamW"),
+  )
+  def test_predicate_selecting_a_vector_or_scalar(self, predicate, pattern):
+    opt = dmuon_jax.dmuon(0.1, predicate=predicate)
+    with self.assertRaisesRegex(ValueError, pattern):
+      opt.init(params())
+
+  @parameterized.named_parameters(
+      ('overlapping', MDN(1, (1, 2)), r'stack'),
+      ('out_of_range', MDN(1, 3), r'stack'),
+  )
+  def test_bad_dimension_numbers(self, dims, pattern):
+    tree = params()
+    all_dims = {'layers_0': {'w': MDN(), 'b': None}, 'step_scale': None,
+                'stack': dims}
+    opt = dmuon_jax.dmuon(0.1, muon_weight_dimension_numbers=all_dims)
+    with self.assertRaisesRegex(ValueError, pattern):
+      opt.init(tree)
+
+  def test_unknown_preset(self):
+    with self.assertRaisesRegex(ValueError, r'polar.*jordan|jordan.*polar'):
+      dmuon_jax.dmuon(0.1, ns_coeffs='polar')
+
+  def test_ns_steps_inconsistent_with_coefficient_rows(self):
+    rows = [(3.4445, -4.7750, 2.0315)] * 4
+    with self.assertRaisesRegex(ValueError, r'4.*ns_steps'):
+      dmuon_jax.dmuon(0.1, ns_coeffs=rows, ns_steps=5)
+    with self.assertRaisesRegex(ValueError, r'ns_steps'):
+      dmuon_jax.dmuon(0.1, ns_coeffs='you', ns_steps=3)
+    # The consistent spellings are accepted.
+    dmuon_jax.dmuon(0.1, ns_coeffs=rows, ns_steps=4)
+    dmuon_jax.dmuon(0.1, ns_coeffs=rows)
+
+  @parameterized.named_parameters(
+      ('momentum', dict(momentum='adam'), r"momentum='adam'"),
+      ('ns_algorithm', dict(ns_algorithm='svd'), r"ns_algorithm='svd'"),
+      ('preconditioning', dict(preconditioning='l2'),
+       r"preconditioning='l2'"),
+  )
+  def test_bad_static_options(self, kwargs, pattern):
+    with self.assertRaisesRegex(ValueError, pattern):
+      dmuon_jax.dmuon(0.1, **kwargs)
+
+
+if __name__ == '__main__':
+  absltest.main()

@@ -66,7 +66,8 @@ def main(argv=None):
 
   import dmuon_jax  # pylint: disable=g-import-not-at-top
 
-  mesh = jax.make_mesh((r, s), ('replicate', 'shard'))
+  mesh = jax.make_mesh((r, s), ('replicate', 'shard'),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
   train, val = load_stdlib_text(args.data_bytes, args.seed)
   print(f'data: {len(train):,} train bytes, {len(val):,} validation bytes; '
         f'mesh {r}x{s} ({jax.device_count()} devices)')
@@ -110,9 +111,9 @@ def main(argv=None):
               lambda lbl: (dmuon_jax.MuonDimensionNumbers()
                            if lbl == 'muon' else None),
               dmuon_jax.muon_labels(p))),
-      'dmuon': dmuon_jax.dmuon(0.02, adam_learning_rate=3e-3, mesh=mesh),
+      'dmuon': dmuon_jax.dmuon(0.02, adam_learning_rate=3e-3),
   }
-  val_batch = batches(val, -1, 1024)
+  val_batch = batches(val, 10**9, 1024)  # a fixed validation sample
   results = []
   for name, tx in optimizers.items():
     model = ByteMlp(nnx.Rngs(args.seed))

@@ -11,6 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dmuon_jax import _collectives
 from dmuon_jax import _layout
 from dmuon_jax import _newton_schulz
 from dmuon_jax import _planner
@@ -80,10 +84,6 @@ def _target_specs(tree, weight_dimension_numbers):
       weight_dimension_numbers=weight_dimension_numbers)
 
 
-def _leaf_dtype(x):
-  return jnp.dtype(x.dtype)
-
-
 def _layout_for(tree, *, mesh, axis_names, weight_dimension_numbers,
                 ns_steps, mu_dtype) -> _layout.Layout:
   """Plans owners for every leaf of ``tree`` and lays out owner buffers."""
@@ -93,17 +93,42 @@ def _layout_for(tree, *, mesh, axis_names, weight_dimension_numbers,
       weight_dimension_numbers=weight_dimension_numbers, ns_steps=ns_steps)
   leaves = jax.tree.leaves(tree)
   dtypes = [mu_dtype if mu_dtype is not None
-            else _leaf_dtype(leaves[s.leaf_index]) for s in plan.leaves]
-  return _layout.Layout.build(plan, dtypes)
+            else jnp.dtype(leaves[s.leaf_index].dtype) for s in plan.leaves]
+  return _layout.Layout(plan, dtypes)
 
 
-def _check_state(layout: _layout.Layout, mu: Sequence[jax.Array]) -> None:
-  expected = layout.buffer_shapes()
+def _leaf_specs(plan, targets, recorded):
+  """Each target's PartitionSpec: from its type, else from init, else P()."""
+  sizes = dict(zip(plan.axis_names, plan.mesh_shape))
+  specs = []
+  for i, (spec, x) in enumerate(zip(plan.leaves, targets)):
+    found = _collectives.spec_of(x)
+    if found is None and recorded is not None:
+      found = recorded[i]
+    found = P() if found is None else found
+    _collectives.check_spec(found, spec.shape, sizes, spec.path)
+    specs.append(found)
+  return specs
+
+
+def _check_state(layout: _layout.Layout, mu: Sequence[jax.Array],
+                 local: bool) -> None:
+  if local:
+    want = tuple(((size,), jnp.dtype(d))
+                 for d, size in zip(layout.dtypes, layout.local_sizes))
+  else:
+    want = tuple((tuple(s.shape), s.dtype) for s in layout.global_shapes())
   got = tuple((tuple(m.shape), jnp.dtype(m.dtype)) for m in mu)
-  want = tuple((tuple(s.shape), s.dtype) for s in expected)
-  if got != want:
-    raise ValueError(TREE_MISMATCH_MSG.format(
-        detail=f'init made momentum buffers {got}, this tree needs {want}'))
+  if got == want:
+    return
+  if local and got == tuple(
+      (tuple(s.shape), s.dtype) for s in layout.global_shapes()):
+    raise ValueError(
+        'dmuon: inside shard_map the momentum buffers must be split over the '
+        f'owner axes {layout.plan.axis_names}: pass the optimizer state with '
+        'in_specs=jax.tree.map(lambda x: x.sharding.spec, opt_state).')
+  raise ValueError(TREE_MISMATCH_MSG.format(
+      detail=f'init made momentum buffers {got}, this tree needs {want}'))
 
 
 def scale_by_dmuon(
@@ -202,48 +227,128 @@ def scale_by_dmuon(
       orthogonalize, preconditioning=preconditioning, eps=eps,
       compute_dtype=compute_dtype)
 
+  mesh = _resolve_mesh(mesh)
+  # Param shardings seen by init (concrete arrays), used by update when the
+  # gradients' sharding cannot be read from their type (meshes with Auto
+  # axes). Keyed by the plan, i.e. by the tree's shapes.
+  init_specs: dict[Any, tuple[P | None, ...]] = {}
+
   def init_fn(params):
     layout = layout_for(params)
-    return ScaleByDMuonState(count=jnp.zeros([], jnp.int32),
-                             mu=layout.zeros())
+    plan = layout.plan
+    leaves = jax.tree.leaves(params)
+    init_specs[plan] = tuple(_collectives.spec_of(leaves[s.leaf_index])
+                             for s in plan.leaves)
+    mu = []
+    for shape in layout.global_shapes():
+      if plan.num_slots > 1:
+        # Each owner's block on its own device (a context mesh from
+        # jax.set_mesh resolves a bare PartitionSpec).
+        sharding = (NamedSharding(mesh, P(plan.axis_names))
+                    if isinstance(mesh, jax.sharding.Mesh)
+                    else P(plan.axis_names))
+        zeros = functools.partial(jnp.zeros, shape.shape, shape.dtype)
+        mu.append(jax.jit(zeros, out_shardings=sharding)())
+      else:
+        mu.append(jnp.zeros(shape.shape, shape.dtype))
+    return ScaleByDMuonState(count=jnp.zeros([], jnp.int32), mu=tuple(mu))
+
+  def momentum_step(grads, mus, count_inc):
+    """Returns (new momentum, the momentum to orthogonalize)."""
+    if momentum == 'optax':
+      # Same operation order as optax.tree.update_moment, so that results
+      # match optax.contrib.muon to rounding.
+      new = tuple((1 - beta) * g + beta * m for m, g in zip(mus, grads))
+      if nesterov:
+        c_mu = 1 - beta ** optax.safe_increment(count_inc)
+        c_g = 1 - beta ** count_inc
+        hat = tuple(beta * (m / c_mu.astype(m.dtype))
+                    + (1 - beta) * (g / c_g.astype(g.dtype))
+                    for m, g in zip(new, grads))
+      else:
+        c_mu = 1 - beta ** count_inc
+        hat = tuple(m / c_mu.astype(m.dtype) for m in new)
+    else:
+      new = tuple(beta * m + g for m, g in zip(mus, grads))
+      hat = (tuple(g + beta * m for m, g in zip(new, grads)) if nesterov
+             else new)
+    return new, hat
+
+  def ortho_fn(stack):
+    out = orthogonalize(stack)
+    if adaptive:
+      out = jnp.sum(stack * out, axis=(-2, -1), keepdims=True) * out
+    return out
+
+  def owner_step(layout, targets, specs, mus, count_inc, *, distributed):
+    """The per-device program: gradients to owners, NS, results back."""
+    plan = layout.plan
+    axes, sizes = plan.axis_names, plan.mesh_shape
+    n = plan.num_slots
+    if not distributed:
+      grads = layout.pack_slot(targets, 0)
+    elif any(_collectives.varying_axes(x) & set(axes) for x in targets):
+      # Explicit path: per-device gradients, reduced straight to the owners.
+      grads = tuple(
+          _collectives.reduce_scatter_to_owners(b, axes, sizes) / n
+          for b in layout.pack_full(targets))
+    else:
+      # Drop-in path: gradients already reduced; each owner takes its own.
+      full = [_collectives.gather_shards(x, spec)
+              for x, spec in zip(targets, specs)]
+      grads = jax.lax.switch(
+          _collectives.slot_index(axes),
+          [functools.partial(layout.pack_slot, slot=s) for s in range(n)],
+          full)
+    new_mu, mu_hat = momentum_step(grads, mus, count_inc)
+    if distributed:
+      ortho = jax.lax.switch(
+          _collectives.slot_index(axes),
+          [functools.partial(layout.map_slot, slot=s, fn=ortho_fn)
+           for s in range(n)], mu_hat)
+      ortho = tuple(_collectives.gather_from_owners(o, axes) for o in ortho)
+    else:
+      ortho = layout.map_slot(mu_hat, 0, ortho_fn)
+    full = layout.unpack_full(ortho)
+    if distributed:
+      sizes_by_name = dict(zip(axes, sizes))
+      full = [_collectives.local_shard(x, spec, sizes_by_name)
+              for x, spec in zip(full, specs)]
+    new_mu = tuple(m.astype(old.dtype) for m, old in zip(new_mu, mus))
+    return [x.astype(t.dtype) for x, t in zip(full, targets)], new_mu
 
   def update_fn(updates, state, params=None):
     del params
     layout = layout_for(updates)
-    _check_state(layout, state.mu)
+    plan = layout.plan
     leaves, treedef = jax.tree.flatten(updates)
-    grads = layout.pack(leaves)
+    targets = [leaves[s.leaf_index] for s in plan.leaves]
     count_inc = optax.safe_increment(state.count)
-    if momentum == 'optax':
-      # Same operation order as optax.tree.update_moment, so that results
-      # match optax.contrib.muon to rounding.
-      mu = tuple((1 - beta) * g + beta * m for m, g in zip(state.mu, grads))
-      if nesterov:
-        c_mu = 1 - beta ** optax.safe_increment(count_inc)
-        c_g = 1 - beta ** count_inc
-        mu_hat = tuple(beta * (m / c_mu.astype(m.dtype))
-                       + (1 - beta) * (g / c_g.astype(g.dtype))
-                       for m, g in zip(mu, grads))
-      else:
-        c_mu = 1 - beta ** count_inc
-        mu_hat = tuple(m / c_mu.astype(m.dtype) for m in mu)
+    manual = _collectives.manual_axes()
+    in_shard_map = bool(set(plan.axis_names) & manual)
+    _check_state(layout, state.mu, local=in_shard_map)
+    if plan.num_slots == 1:
+      new, mu = owner_step(layout, targets, [None] * len(targets), state.mu,
+                           count_inc, distributed=False)
+    elif in_shard_map:
+      # Called inside the user's shard_map (explicit path): the leaves are
+      # this device's (replicated-param) gradients.
+      new, mu = owner_step(layout, targets, [None] * len(targets), state.mu,
+                           count_inc, distributed=True)
     else:
-      mu = tuple(beta * m + g for m, g in zip(state.mu, grads))
-      if nesterov:
-        mu_hat = tuple(g + beta * m for m, g in zip(mu, grads))
-      else:
-        mu_hat = mu
-    ortho = tuple(orthogonalize(m) for m in mu_hat)
-    if adaptive:
-      ortho = tuple(
-          jnp.sum(m * o, axis=(-2, -1), keepdims=True) * o
-          for m, o in zip(mu_hat, ortho))
-    new = layout.unpack(ortho)
-    out = [new[i].astype(x.dtype) if i in new else x
-           for i, x in enumerate(leaves)]
-    mu = tuple(m.astype(s.dtype) for m, s in zip(mu, state.mu))
+      specs = _leaf_specs(plan, targets, init_specs.get(plan))
+      step = functools.partial(owner_step, layout, specs=specs,
+                               distributed=True)
+      new, mu = jax.shard_map(
+          lambda t, m, c: step(t, mus=m, count_inc=c), mesh=mesh,
+          in_specs=(list(specs), P(plan.axis_names), P()),
+          out_specs=(list(specs), P(plan.axis_names)),
+      )(targets, state.mu, count_inc)
+    out = list(leaves)
+    for spec, x in zip(plan.leaves, new):
+      out[spec.leaf_index] = x
     return (jax.tree.unflatten(treedef, out),
-            ScaleByDMuonState(count=count_inc, mu=mu))
+            ScaleByDMuonState(count=count_inc, mu=tuple(mu)))
 
   return optax.GradientTransformation(init_fn, update_fn)
 

@@ -1,0 +1,154 @@
+"""Collectives and sharding helpers used inside ``jax.shard_map`` bodies."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def manual_axes() -> frozenset[str]:
+  """Mesh axes that are manual here (i.e. we are inside ``shard_map``)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty:
+    return frozenset()
+  return frozenset(
+      name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+      if kind == jax.sharding.AxisType.Manual)
+
+
+def varying_axes(x) -> frozenset[str]:
+  """Manual axes over which ``x`` differs between devices (its vma type)."""
+  kind = getattr(jax.typeof(x), 'manual_axis_type', None)
+  return frozenset(getattr(kind, 'varying', ()) or ())
+
+
+def spec_entries(spec: P | None) -> list[tuple[str, ...]]:
+  """The mesh axes of each dimension of a PartitionSpec, as tuples."""
+  out = []
+  for entry in tuple(spec or ()):
+    if entry is None:
+      out.append(())
+    elif isinstance(entry, str):
+      out.append((entry,))
+    else:
+      out.append(tuple(entry))
+  return out
+
+
+def spec_of(x) -> P | None:
+  """The PartitionSpec of an array or tracer, when it can be known.
+
+  Concrete arrays report their ``NamedSharding``; tracers report theirs only
+  under a mesh with explicit axes (``jax.sharding.AxisType.Explicit``).
+  """
+  sharding = getattr(x, 'sharding', None) if isinstance(x, jax.Array) and (
+      not isinstance(x, jax.core.Tracer)) else None
+  if sharding is None:
+    try:
+      sharding = jax.typeof(x).sharding
+    except (AttributeError, TypeError):
+      return None
+    mesh = getattr(sharding, 'mesh', None)
+    if mesh is None or mesh.empty or not any(
+        t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+      return None
+  if isinstance(sharding, NamedSharding):
+    return sharding.spec
+  return None
+
+
+def slot_index(axes: Sequence[str]) -> jax.Array:
+  """Row-major index of this device over ``axes`` (the owner slot)."""
+  return jax.lax.axis_index(tuple(axes))
+
+
+def reduce_scatter_to_owners(buf: jax.Array, axes: Sequence[str],
+                             sizes: Sequence[int]) -> jax.Array:
+  """Sums per-device buffers and leaves each device its own block.
+
+  ``buf`` holds one block per slot, slot-major over ``axes`` (row-major). The
+  reduction runs one ``psum_scatter`` per axis, innermost first: on a
+  ``('replicate', 'shard')`` mesh, over ``'shard'`` and then over
+  ``'replicate'`` (HSDP's two stages).
+
+  Args:
+    buf: ``(prod(sizes) * local,)``, varying over ``axes``.
+    axes: the slot axes.
+    sizes: their sizes.
+
+  Returns:
+    ``(local,)``: the sum over all devices of this device's block.
+  """
+  local = buf.shape[0] // math.prod(sizes)
+  x = buf.reshape(tuple(sizes) + (local,))
+  # Reverse the axis order so that the innermost axis is the leading one.
+  x = x.transpose(tuple(reversed(range(len(sizes)))) + (len(sizes),))
+  x = x.reshape(-1)
+  for axis, size in zip(reversed(axes), reversed(sizes)):
+    if size > 1:
+      x = jax.lax.psum_scatter(x, axis, tiled=True)
+    else:
+      x = x.reshape(1, -1)[0]
+  return x
+
+
+def gather_from_owners(local: jax.Array, axes: Sequence[str]) -> jax.Array:
+  """All-gathers every slot's block, replicated on every device."""
+  return jax.lax.all_gather(local, tuple(axes), tiled=True, to='invarying')
+
+
+def gather_shards(x: jax.Array, spec: P | None) -> jax.Array:
+  """The full array from this device's shard (one all-gather per dim)."""
+  for dim, axes in enumerate(spec_entries(spec)):
+    if axes:
+      x = jax.lax.all_gather(x, axes, axis=dim, tiled=True, to='invarying')
+  return x
+
+
+def local_shard(x: jax.Array, spec: P | None,
+                mesh_sizes: dict[str, int]) -> jax.Array:
+  """This device's shard of a full (replicated) array."""
+  for dim, axes in enumerate(spec_entries(spec)):
+    if axes:
+      n = math.prod(mesh_sizes[a] for a in axes)
+      size = x.shape[dim] // n
+      x = jax.lax.dynamic_slice_in_dim(
+          x, jax.lax.axis_index(axes) * size, size, axis=dim)
+  return x
+
+
+def check_spec(spec: P | None, shape: Sequence[int],
+               mesh_sizes: dict[str, int], path: str) -> None:
+  """Raises if a leaf's sharding does not fit the mesh."""
+  entries = spec_entries(spec)
+  for dim, axes in enumerate(entries):
+    for a in axes:
+      if a not in mesh_sizes:
+        raise ValueError(
+            f'dmuon: param {path!r} is sharded over mesh axis {a!r} (spec '
+            f'{spec}), which is not one of the axes dmuon owns matrices over '
+            f'{tuple(mesh_sizes)}. Shard it over those axes (or replicate '
+            'it), or pass the mesh it lives on as mesh= / axis_names=.')
+    n = math.prod(mesh_sizes[a] for a in axes) if axes else 1
+    if dim < len(shape) and shape[dim] % n:
+      raise ValueError(
+          f'dmuon: param {path!r} has shape {tuple(shape)}; dim {dim} is not '
+          f'divisible by the {n} devices of mesh axes {axes}. Pad it, or '
+          'replicate it.')
+  if len(entries) > len(shape):
+    raise ValueError(
+        f'dmuon: param {path!r} of rank {len(shape)} has a sharding spec '
+        f'{spec} with more entries than dims.')
+
+
+def is_replicated(spec: P | None) -> bool:
+  return not any(spec_entries(spec))
+
+
+def mesh_sizes_of(mesh) -> dict[str, int]:
+  """``{axis name: size}`` of a ``Mesh`` or ``AbstractMesh``."""
+  return dict(mesh.shape)

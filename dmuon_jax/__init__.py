@@ -4,6 +4,12 @@ from optax.contrib import MuonDimensionNumbers as MuonDimensionNumbers
 
 from dmuon_jax._alias import dmuon as dmuon
 from dmuon_jax._alias import muon_labels as muon_labels
+from dmuon_jax._diagnostics import Collective as Collective
+from dmuon_jax._diagnostics import HloReport as HloReport
+from dmuon_jax._diagnostics import analyze as analyze_hlo
+from dmuon_jax._diagnostics import analyze_compiled as analyze_compiled
+from dmuon_jax._explicit import local_value_and_grad as local_value_and_grad
+from dmuon_jax._explicit import mean_over_devices as mean_over_devices
 from dmuon_jax._newton_schulz import NS_COEFF_PRESETS as NS_COEFF_PRESETS
 from dmuon_jax._newton_schulz import (
     orthogonality_error as orthogonality_error,
@@ -25,12 +31,18 @@ from dmuon_jax._transform import scale_by_shape as scale_by_shape
 __version__ = '0.1.0'
 
 __all__ = (
+    'Collective',
+    'HloReport',
     'MuonDimensionNumbers',
     'NS_COEFF_PRESETS',
+    'analyze_compiled',
+    'analyze_hlo',
     'OwnershipPlan',
     'ScaleByDMuonState',
     'default_muon_predicate',
     'dmuon',
+    'local_value_and_grad',
+    'mean_over_devices',
     'muon_labels',
     'orthogonality_error',
     'orthogonalize_via_gram_newton_schulz',

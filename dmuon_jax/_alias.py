@@ -8,6 +8,7 @@ from typing import Any, Literal
 import jax
 import optax
 
+from dmuon_jax import _explicit
 from dmuon_jax import _planner
 from dmuon_jax import _transform
 
@@ -180,8 +181,11 @@ def dmuon(
       optax.add_decayed_weights(weight_decay, weight_decay_mask),
       optax.scale_by_learning_rate(learning_rate),
   )
-  adam = optax.adamw(
-      learning_rate=adam_learning_rate, b1=adam_b1, b2=adam_b2, eps=eps,
-      eps_root=adam_eps_root, weight_decay=adam_weight_decay,
-      mu_dtype=mu_dtype, nesterov=nesterov)
+  adam = optax.chain(
+      # Explicit path: per-device gradients are averaged (pmean) first.
+      _explicit.mean_over_devices(),
+      optax.adamw(
+          learning_rate=adam_learning_rate, b1=adam_b1, b2=adam_b2, eps=eps,
+          eps_root=adam_eps_root, weight_decay=adam_weight_decay,
+          mu_dtype=mu_dtype, nesterov=nesterov))
   return optax.partition({'muon': muon_chain, 'adam': adam}, param_labels)

@@ -39,26 +39,53 @@ def spec_entries(spec: P | None) -> list[tuple[str, ...]]:
   return out
 
 
-def spec_of(x) -> P | None:
+def spec_of(x, explicit: bool) -> P | None:
   """The PartitionSpec of an array or tracer, when it can be known.
 
-  Concrete arrays report their ``NamedSharding``; tracers report theirs only
-  under a mesh with explicit axes (``jax.sharding.AxisType.Explicit``).
+  Args:
+    x: an array or tracer.
+    explicit: whether the mesh has explicit axes
+      (``jax.sharding.AxisType.Explicit``), so that tracers carry their
+      sharding in their type (an unsharded type then means replicated).
+
+  Returns:
+    The spec of a concrete array's ``NamedSharding``, a tracer's spec under
+    an explicit mesh, else None (unknown).
   """
-  sharding = getattr(x, 'sharding', None) if isinstance(x, jax.Array) and (
-      not isinstance(x, jax.core.Tracer)) else None
-  if sharding is None:
-    try:
-      sharding = jax.typeof(x).sharding
-    except (AttributeError, TypeError):
-      return None
-    mesh = getattr(sharding, 'mesh', None)
-    if mesh is None or mesh.empty or not any(
-        t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
-      return None
-  if isinstance(sharding, NamedSharding):
-    return sharding.spec
-  return None
+  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+    sharding = x.sharding
+    return sharding.spec if isinstance(sharding, NamedSharding) else P()
+  if not explicit:
+    return None
+  sharding = jax.typeof(x).sharding
+  if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
+    return P()
+  return sharding.spec
+
+
+def is_explicit(mesh) -> bool:
+  """Whether a mesh has explicit axes (sharding in types)."""
+  return mesh is not None and any(
+      t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+
+
+def to_varying(x: jax.Array, axes: Sequence[str]) -> jax.Array:
+  """Marks ``x`` as varying over ``axes`` (a no-op where it already is)."""
+  missing = tuple(a for a in axes if a not in varying_axes(x))
+  return jax.lax.pcast(x, missing, to='varying') if missing else x
+
+
+def switch_by_slot(axes: Sequence[str], branches, *operands):
+  """``lax.switch`` on this device's owner slot, one branch per slot.
+
+  Branch outputs are marked as varying over ``axes`` so that all branches
+  have the same type under ``shard_map``'s replication checking.
+  """
+  def wrap(branch):
+    return lambda *ops: jax.tree.map(lambda y: to_varying(y, axes),
+                                     branch(*ops))
+  return jax.lax.switch(slot_index(axes), [wrap(b) for b in branches],
+                        *operands)
 
 
 def slot_index(axes: Sequence[str]) -> jax.Array:

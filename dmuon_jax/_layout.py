@@ -90,7 +90,7 @@ class Layout:
     payload = int(self.slot_used.sum())
     return (total - payload) / max(payload, 1)
 
-  def _unit_matrices(self, leaves: Sequence[jax.Array]) -> Callable:
+  def unit_getter(self, leaves: Sequence[jax.Array]) -> Callable:
     """Returns ``u -> (m, n)`` matrix of unit ``u`` from full leaves."""
     cache = {}
 
@@ -121,7 +121,7 @@ class Layout:
     Returns:
       One flat buffer per dtype group.
     """
-    get = self._unit_matrices(leaves)
+    get = self.unit_getter(leaves)
     out = []
     for g in range(self.num_groups):
       dt = dtype or self._promoted(leaves, g)
@@ -132,10 +132,22 @@ class Layout:
   def pack_slot(self, leaves: Sequence[jax.Array], slot: int, dtype=None
                 ) -> tuple[jax.Array, ...]:
     """One slot's buffers, ``(local,)`` each, from full leaves."""
-    get = self._unit_matrices(leaves)
-    return tuple(
-        self._flat_slot(get, g, slot, dtype or self._promoted(leaves, g))
-        for g in range(self.num_groups))
+    return self.pack_slot_from(self.unit_getter(leaves), slot,
+                               [dtype or self._promoted(leaves, g)
+                                for g in range(self.num_groups)])
+
+  def pack_slot_from(self, get: Callable[[int], jax.Array], slot: int,
+                     dtypes: Sequence) -> tuple[jax.Array, ...]:
+    """One slot's buffers from ``get(unit) -> (m, n)`` matrices."""
+    return tuple(self._flat_slot(get, g, slot, dtypes[g])
+                 for g in range(self.num_groups))
+
+  def slot_matrix(self, buffers: Sequence[jax.Array], u: int) -> jax.Array:
+    """Unit ``u``'s ``(m, n)`` matrix from its owner's local buffers."""
+    flat = jax.lax.slice_in_dim(buffers[self.unit_group[u]],
+                                self.unit_offset[u],
+                                self.unit_offset[u] + self.unit_size[u])
+    return flat.reshape(self.plan.units[u].shape)
 
   def _promoted(self, leaves, g):
     dts = [leaves[self.unit_leaf[u]].dtype
@@ -190,3 +202,216 @@ class Layout:
         pieces.append(jnp.zeros((pad,), buf.dtype))
       out.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
     return tuple(out)
+
+
+class Exchange:
+  """Static routes for sharded leaves: pieces to owners and back.
+
+  A leaf sharded along one matrix dimension (one of its reduction or output
+  axes) over some owner axes travels by ``all_to_all``: every device sends
+  each owner its piece of the owner's matrices (one designated sender per
+  piece: the device that matches the owner's coordinates on the axes the leaf
+  is replicated over), and after Newton–Schulz each owner sends every device
+  its piece of the results. Rows of the ``(num_slots, row)`` send buffers are
+  destinations; a row lists the owner's matrices (plan order) piece by piece.
+  Other leaves (replicated, or sharded in ways this does not cover) are
+  gathered whole (see ``gathered``) and their results all-gathered from a
+  compact per-owner buffer (``rep_*``).
+  """
+
+  def __init__(self, layout: Layout, specs: Sequence, entries: Sequence):
+    """Builds the routes.
+
+    Args:
+      layout: the owner layout.
+      specs: each target leaf's PartitionSpec (``plan.leaves`` order).
+      entries: each spec as a list of per-dimension axis tuples.
+    """
+    plan = layout.plan
+    self.layout = layout
+    self.axes = plan.axis_names
+    self.sizes = plan.mesh_shape
+    n = plan.num_slots
+    self.coords = [np.unravel_index(s, self.sizes) if self.sizes else ()
+                   for s in range(n)]
+    self.routed = {}  # leaf -> (axes, k, c, local unit shape, perm)
+    self.gathered = set()  # leaves gathered whole before packing
+    for i, spec in enumerate(plan.leaves):
+      dims = [d for d, axes in enumerate(entries[i]) if axes]
+      if not dims:
+        continue
+      d = dims[0]
+      matrix_axes = spec.reduction_axes + spec.output_axes
+      if len(dims) == 1 and d in matrix_axes:
+        axes = entries[i][d]
+        k = int(np.prod([self.sizes[self.axes.index(a)] for a in axes]))
+        c = matrix_axes.index(d)
+        unit_shape = [spec.shape[a] for a in matrix_axes]
+        unit_shape[c] //= k
+        self.routed[i] = (tuple(axes), k, c, tuple(unit_shape))
+      else:
+        self.gathered.add(i)
+    g_count = layout.num_groups
+    self.row_units = [[[] for _ in range(n)] for _ in range(g_count)]
+    self.rep_units = [[[] for _ in range(n)] for _ in range(g_count)]
+    self.row_off, self.rep_off = {}, {}
+    row_used = np.zeros((g_count, n), np.int64)
+    rep_used = np.zeros((g_count, n), np.int64)
+    for g in range(g_count):
+      for s in range(n):
+        for u in layout.slot_units[g][s]:
+          i = layout.unit_leaf[u]
+          if i in self.routed:
+            self.row_units[g][s].append(u)
+            self.row_off[u] = int(row_used[g, s])
+            row_used[g, s] += layout.unit_size[u] // self.routed[i][1]
+          else:
+            self.rep_units[g][s].append(u)
+            self.rep_off[u] = int(rep_used[g, s])
+            rep_used[g, s] += layout.unit_size[u]
+    self.row_sizes = [int(row_used[g].max()) if n else 0
+                      for g in range(g_count)]
+    self.rep_sizes = [int(rep_used[g].max()) if n else 0
+                      for g in range(g_count)]
+    self.rep_used = rep_used
+
+  def _linear(self, coords) -> int:
+    return int(np.ravel_multi_index(tuple(coords), self.sizes))
+
+  def _axis_pos(self, axes) -> list[int]:
+    return [self.axes.index(a) for a in axes]
+
+  def _block(self, slot: int, axes) -> int:
+    """Row-major index of a slot's coordinates on ``axes``."""
+    pos = self._axis_pos(axes)
+    c = [int(self.coords[slot][p]) for p in pos]
+    return int(np.ravel_multi_index(c, [self.sizes[p] for p in pos]))
+
+  def _local_units(self, x: jax.Array, i: int) -> jax.Array:
+    spec = self.layout.plan.leaves[i]
+    perm = spec.batch_axes + spec.reduction_axes + spec.output_axes
+    unit_shape = self.routed[i][3]
+    return jnp.transpose(x, perm).reshape((spec.num_matrices,) + unit_shape)
+
+  def send_to_owners(self, g: int, local_leaves: Sequence[jax.Array],
+                     axis_index: Callable[[str], jax.Array], dtype
+                     ) -> jax.Array:
+    """This device's ``(num_slots, row)`` pieces for every owner."""
+    layout = self.layout
+    units = {i: self._local_units(local_leaves[i], i) for i in self.routed
+             if any(layout.unit_leaf[u] == i for s in self.row_units[g]
+                    for u in s)}
+    rows = []
+    for o in range(layout.num_slots):
+      pieces = []
+      for u in self.row_units[g][o]:
+        i = layout.unit_leaf[u]
+        piece = units[i][layout.unit_batch[u]].reshape(-1).astype(dtype)
+        # Send only if this device matches the owner on the axes the leaf is
+        # replicated over (one designated sender per piece).
+        keep = None
+        for p, a in enumerate(self.axes):
+          if a in self.routed[i][0] or self.sizes[p] == 1:
+            continue
+          same = axis_index(a) == int(self.coords[o][p])
+          keep = same if keep is None else keep & same
+        if keep is not None:
+          piece = jnp.where(keep, piece, jnp.zeros_like(piece))
+        pieces.append(piece)
+      rows.append(self._row(pieces, self.row_sizes[g], dtype))
+    return jnp.stack(rows)
+
+  @staticmethod
+  def _row(pieces, size, dtype):
+    used = sum(int(p.shape[0]) for p in pieces)
+    if used < size or not pieces:
+      pieces = list(pieces) + [jnp.zeros((size - used,), dtype)]
+    return jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+
+  def assemble(self, g: int, recv: jax.Array, owner: int
+               ) -> dict[int, jax.Array]:
+    """The owner's full matrices from the pieces it received."""
+    layout = self.layout
+    out = {}
+    for u in self.row_units[g][owner]:
+      i = layout.unit_leaf[u]
+      axes, k, c, unit_shape = self.routed[i]
+      size = layout.unit_size[u] // k
+      pos = self._axis_pos(axes)
+      pieces = []
+      for p in range(k):
+        coords = list(self.coords[owner])
+        for q, val in zip(pos, np.unravel_index(p, [self.sizes[q]
+                                                     for q in pos])):
+          coords[q] = int(val)
+        sender = self._linear(coords)
+        off = self.row_off[u]
+        pieces.append(recv[sender, off:off + size].reshape(unit_shape))
+      full = jnp.concatenate(pieces, axis=c)
+      out[u] = full.reshape(layout.plan.units[u].shape)
+    return out
+
+  def send_back(self, g: int, buffers: Sequence[jax.Array], owner: int
+                ) -> jax.Array:
+    """The owner's ``(num_slots, row)`` result pieces for every device."""
+    layout = self.layout
+    dtype = buffers[g].dtype
+    canon = {}
+    for u in self.row_units[g][owner]:
+      i = layout.unit_leaf[u]
+      spec = layout.plan.leaves[i]
+      full_shape = [spec.shape[a]
+                    for a in spec.reduction_axes + spec.output_axes]
+      canon[u] = layout.slot_matrix(buffers, u).reshape(full_shape)
+    rows = []
+    for d in range(layout.num_slots):
+      pieces = []
+      for u in self.row_units[g][owner]:
+        axes, k, c, unit_shape = self.routed[layout.unit_leaf[u]]
+        blk = self._block(d, axes)
+        piece = jax.lax.slice_in_dim(canon[u], blk * unit_shape[c],
+                                     (blk + 1) * unit_shape[c], axis=c)
+        pieces.append(piece.reshape(-1))
+      rows.append(self._row(pieces, self.row_sizes[g], dtype))
+    return jnp.stack(rows)
+
+  def local_leaf(self, i: int, recv: Sequence[jax.Array]) -> jax.Array:
+    """This device's shard of routed leaf ``i`` from the results received."""
+    layout = self.layout
+    spec = layout.plan.leaves[i]
+    axes, k, c, unit_shape = self.routed[i]
+    mats = []
+    for u in layout.leaf_units[i]:
+      g = layout.unit_group[u]
+      off = self.row_off[u]
+      size = layout.unit_size[u] // k
+      mats.append(recv[g][layout.plan.owners[u], off:off + size]
+                  .reshape(unit_shape))
+    perm = spec.batch_axes + spec.reduction_axes + spec.output_axes
+    batch_shape = tuple(spec.shape[a] for a in spec.batch_axes)
+    x = jnp.stack(mats).reshape(batch_shape + unit_shape)
+    return jnp.transpose(x, tuple(np.argsort(perm)))
+
+  def rep_pack(self, buffers: Sequence[jax.Array], slot: int, g: int
+               ) -> jax.Array:
+    """The slot's results of non-routed leaves, compactly, ``(rep,)``."""
+    pieces = [self.layout.slot_matrix(buffers, u).reshape(-1)
+              for u in self.rep_units[g][slot]]
+    return self._row(pieces, self.rep_sizes[g], buffers[g].dtype)
+
+  def rep_unpack(self, gathered: Sequence[jax.Array]) -> dict[int, jax.Array]:
+    """Full non-routed leaves from the all-gathered compact buffers."""
+    layout = self.layout
+    out = {}
+    for i, spec in enumerate(layout.plan.leaves):
+      if i in self.routed:
+        continue
+      mats = []
+      for u in layout.leaf_units[i]:
+        g = layout.unit_group[u]
+        start = layout.plan.owners[u] * self.rep_sizes[g] + self.rep_off[u]
+        flat = jax.lax.slice_in_dim(gathered[g], start,
+                                    start + layout.unit_size[u])
+        mats.append(flat.reshape(layout.plan.units[u].shape))
+      out[i] = from_matrices(jnp.stack(mats), spec)
+    return out

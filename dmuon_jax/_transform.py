@@ -97,12 +97,20 @@ def _layout_for(tree, *, mesh, axis_names, weight_dimension_numbers,
   return _layout.Layout(plan, dtypes)
 
 
-def _leaf_specs(plan, targets, recorded):
+def _on_owner(layout, fn, buffers):
+  """Runs ``fn`` on this device's own matrices (one branch per owner)."""
+  return _collectives.switch_by_slot(
+      layout.plan.axis_names,
+      [functools.partial(layout.map_slot, slot=s, fn=fn)
+       for s in range(layout.num_slots)], buffers)
+
+
+def _leaf_specs(plan, targets, recorded, explicit):
   """Each target's PartitionSpec: from its type, else from init, else P()."""
   sizes = dict(zip(plan.axis_names, plan.mesh_shape))
   specs = []
   for i, (spec, x) in enumerate(zip(plan.leaves, targets)):
-    found = _collectives.spec_of(x)
+    found = _collectives.spec_of(x, explicit)
     if found is None and recorded is not None:
       found = recorded[i]
     found = P() if found is None else found
@@ -237,8 +245,9 @@ def scale_by_dmuon(
     layout = layout_for(params)
     plan = layout.plan
     leaves = jax.tree.leaves(params)
-    init_specs[plan] = tuple(_collectives.spec_of(leaves[s.leaf_index])
-                             for s in plan.leaves)
+    init_specs[plan] = tuple(
+        _collectives.spec_of(leaves[s.leaf_index], explicit=False)
+        for s in plan.leaves)
     mu = []
     for shape in layout.global_shapes():
       if plan.num_slots > 1:
@@ -280,42 +289,87 @@ def scale_by_dmuon(
       out = jnp.sum(stack * out, axis=(-2, -1), keepdims=True) * out
     return out
 
-  def owner_step(layout, targets, specs, mus, count_inc, *, distributed):
-    """The per-device program: gradients to owners, NS, results back."""
+  def owner_step(layout, targets, specs, mus, count_inc, *, distributed,
+                 reduced):
+    """The per-device program: gradients to owners, NS, results back.
+
+    ``reduced`` says whether the gradients are already summed over devices
+    (drop-in path); else (explicit path) they are per device.
+    """
     plan = layout.plan
     axes, sizes = plan.axis_names, plan.mesh_shape
-    n = plan.num_slots
     if not distributed:
       grads = layout.pack_slot(targets, 0)
-    elif any(_collectives.varying_axes(x) & set(axes) for x in targets):
-      # Explicit path: per-device gradients, reduced straight to the owners.
-      grads = tuple(
-          _collectives.reduce_scatter_to_owners(b, axes, sizes) / n
-          for b in layout.pack_full(targets))
-    else:
-      # Drop-in path: gradients already reduced; each owner takes its own.
-      full = [_collectives.gather_shards(x, spec)
-              for x, spec in zip(targets, specs)]
-      grads = jax.lax.switch(
-          _collectives.slot_index(axes),
-          [functools.partial(layout.pack_slot, slot=s) for s in range(n)],
-          full)
-    new_mu, mu_hat = momentum_step(grads, mus, count_inc)
-    if distributed:
-      ortho = jax.lax.switch(
-          _collectives.slot_index(axes),
-          [functools.partial(layout.map_slot, slot=s, fn=ortho_fn)
-           for s in range(n)], mu_hat)
-      ortho = tuple(_collectives.gather_from_owners(o, axes) for o in ortho)
-    else:
+      new_mu, mu_hat = momentum_step(grads, mus, count_inc)
       ortho = layout.map_slot(mu_hat, 0, ortho_fn)
-    full = layout.unpack_full(ortho)
-    if distributed:
-      sizes_by_name = dict(zip(axes, sizes))
-      full = [_collectives.local_shard(x, spec, sizes_by_name)
-              for x, spec in zip(full, specs)]
+      out = layout.unpack_full(ortho)
+    elif not reduced:
+      # Explicit path: per-device gradients, reduced straight to the owners
+      # (reduce-scatter), results all-gathered: one all-reduce's bytes.
+      grads = tuple(
+          _collectives.reduce_scatter_to_owners(b, axes, sizes)
+          / plan.num_slots for b in layout.pack_full(targets))
+      new_mu, mu_hat = momentum_step(grads, mus, count_inc)
+      ortho = _on_owner(layout, ortho_fn, mu_hat)
+      out = layout.unpack_full(
+          [_collectives.gather_from_owners(o, axes) for o in ortho])
+    else:
+      out, new_mu = _drop_in(layout, targets, specs, mus, count_inc)
     new_mu = tuple(m.astype(old.dtype) for m, old in zip(new_mu, mus))
-    return [x.astype(t.dtype) for x, t in zip(full, targets)], new_mu
+    return [x.astype(t.dtype) for x, t in zip(out, targets)], new_mu
+
+  def _drop_in(layout, targets, specs, mus, count_inc):
+    """Gradients already reduced, in the params' sharding."""
+    plan = layout.plan
+    axes, n = plan.axis_names, plan.num_slots
+    entries = [_collectives.spec_entries(sp) for sp in specs]
+    ex = _layout.Exchange(layout, specs, entries)
+    groups = range(layout.num_groups)
+    dtypes = [jnp.result_type(*[targets[layout.unit_leaf[u]].dtype
+                                for s in layout.slot_units[g] for u in s])
+              for g in groups]
+    # Sharded leaves: one all-to-all per dtype group brings every owner the
+    # pieces of its matrices. Others are gathered whole (a no-op when
+    # replicated) and each owner reads its own matrices.
+    recv = {g: jax.lax.all_to_all(
+        ex.send_to_owners(g, targets, jax.lax.axis_index, dtypes[g]),
+        axes, 0, 0, tiled=True) for g in groups if ex.row_sizes[g]}
+    full = [x if i in ex.routed else _collectives.gather_shards(x, specs[i])
+            for i, x in enumerate(targets)]
+
+    def pack(slot):
+      from_full = layout.unit_getter(full)
+      assembled = {}
+      for g, r in recv.items():
+        assembled.update(ex.assemble(g, r, slot))
+      return layout.pack_slot_from(
+          lambda u: assembled[u] if u in assembled else from_full(u),
+          slot, dtypes)
+
+    grads = _collectives.switch_by_slot(
+        axes, [functools.partial(pack, s) for s in range(n)])
+    new_mu, mu_hat = momentum_step(grads, mus, count_inc)
+    ortho = _on_owner(layout, ortho_fn, mu_hat)
+    out = [None] * len(targets)
+    rep_groups = [g for g in groups if ex.rep_sizes[g]]
+    if rep_groups:
+      compact = _collectives.switch_by_slot(axes, [
+          lambda b, s=s: tuple(ex.rep_pack(b, s, g) for g in rep_groups)
+          for s in range(n)], ortho)
+      gathered = [None] * layout.num_groups
+      for g, c in zip(rep_groups, compact):
+        gathered[g] = _collectives.gather_from_owners(c, axes)
+      sizes_by_name = dict(zip(axes, plan.mesh_shape))
+      for i, x in ex.rep_unpack(gathered).items():
+        out[i] = _collectives.local_shard(x, specs[i], sizes_by_name)
+    back = {}
+    for g in recv:
+      send = _collectives.switch_by_slot(axes, [
+          lambda b, s=s, g=g: ex.send_back(g, b, s) for s in range(n)], ortho)
+      back[g] = jax.lax.all_to_all(send, axes, 0, 0, tiled=True)
+    for i in ex.routed:
+      out[i] = ex.local_leaf(i, back)
+    return out, new_mu
 
   def update_fn(updates, state, params=None):
     del params
@@ -329,20 +383,30 @@ def scale_by_dmuon(
     _check_state(layout, state.mu, local=in_shard_map)
     if plan.num_slots == 1:
       new, mu = owner_step(layout, targets, [None] * len(targets), state.mu,
-                           count_inc, distributed=False)
+                           count_inc, distributed=False, reduced=True)
     elif in_shard_map:
-      # Called inside the user's shard_map (explicit path): the leaves are
-      # this device's (replicated-param) gradients.
+      # Called inside the user's shard_map: the leaves are gradients of
+      # replicated params, per device (explicit path, device-varying) or
+      # already summed (invariant).
+      unreduced = any(_collectives.varying_axes(x) & set(plan.axis_names)
+                      for x in targets)
       new, mu = owner_step(layout, targets, [None] * len(targets), state.mu,
-                           count_inc, distributed=True)
+                           count_inc, distributed=True, reduced=not unreduced)
     else:
-      specs = _leaf_specs(plan, targets, init_specs.get(plan))
+      specs = _leaf_specs(plan, targets, init_specs.get(plan),
+                          _collectives.is_explicit(
+                              mesh or jax.sharding.get_abstract_mesh()))
       step = functools.partial(owner_step, layout, specs=specs,
-                               distributed=True)
+                               distributed=True, reduced=True)
       new, mu = jax.shard_map(
           lambda t, m, c: step(t, mus=m, count_inc=c), mesh=mesh,
           in_specs=(list(specs), P(plan.axis_names), P()),
           out_specs=(list(specs), P(plan.axis_names)),
+          # Results of sharded leaves arrive by all_to_all from every owner,
+          # so their type says "varying" over axes they are replicated on
+          # (HSDP's replicate peers receive equal pieces). Nothing here is
+          # differentiated; the parity tests check the values.
+          check_vma=False,
       )(targets, state.mu, count_inc)
     out = list(leaves)
     for spec, x in zip(plan.leaves, new):

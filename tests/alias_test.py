@@ -57,13 +57,20 @@ def grads_at(step, params):
       for kk, x in zip(keys, leaves)])
 
 
-def run(opt, params, steps=STEPS):
-  """Runs ``steps`` jitted updates; returns params after each step."""
+def run(opt, params, steps=STEPS, grad_shardings=None):
+  """Runs ``steps`` jitted updates; returns params after each step.
+
+  ``grad_shardings`` (a tree of shardings) places the gradients as a
+  sharded train step would produce them.
+  """
   state = opt.init(params)
 
   @jax.jit
   def step(params, state, i):
-    updates, state = opt.update(grads_at(i, params), state, params)
+    grads = grads_at(i, params)
+    if grad_shardings is not None:
+      grads = jax.tree.map(jax.reshard, grads, grad_shardings)
+    updates, state = opt.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
   history = []

@@ -487,9 +487,42 @@ class OwnershipPlan:
     """
     return '\n'.join(self._summary_lines())
 
+  def collective_bytes(self) -> dict[str, float]:
+    """Predicted per-device collective bytes of one dmuon step, by path.
+
+    Owner buffers are padded to the largest slot's bytes (``max``), so every
+    figure scales with ``max`` rather than with the mean; with N slots and
+    ``P`` the total bytes of all matrices (in the params' dtype):
+
+    * ``'explicit'``: reduce-scatter of per-device gradients to the owners
+      plus all-gather of the results: ``2 (N - 1) max`` (the all-reduce
+      floor ``2 (N - 1) / N P`` when slots are balanced).
+    * ``'drop-in, replicated params'``: one all-gather: ``(N - 1) max``.
+    * ``'drop-in, sharded params'``: params sharded along one matrix dim
+      over the innermost owner axis (FSDP, or HSDP's ``'shard'``): one
+      all-to-all each way, ``2 (N - 1) max / S`` with S that axis' size.
+    * ``'all-reduce floor'``: ``2 (N - 1) / N P``, what data parallelism pays
+      for these gradients anyway.
+
+    Returns:
+      A dict from path name to bytes.
+    """
+    n = self.num_slots
+    biggest = max(self.slot_bytes())
+    inner = self.mesh_shape[-1] if self.mesh_shape else 1
+    return {
+        'explicit': 2 * (n - 1) * biggest,
+        'drop-in, replicated params': (n - 1) * biggest,
+        'drop-in, sharded params': 2 * (n - 1) * biggest / inner,
+        'all-reduce floor': 2 * (n - 1) / n * sum(self.slot_bytes()),
+    }
+
   def _summary_lines(self) -> list[str]:
     """The lines of :meth:`summary`; sections are appended in order."""
     lines = self._summary_header_lines()
+    lines.append('  predicted collective bytes per device per step:')
+    lines.extend(f'    {path}: {_human_bytes(b)}'
+                 for path, b in self.collective_bytes().items())
     lines.extend(self._summary_slot_lines())
     return lines
 

@@ -236,6 +236,8 @@ def scale_by_dmuon(
       compute_dtype=compute_dtype)
 
   mesh = _resolve_mesh(mesh)
+  if mesh is not None:
+    _planner._mesh_axes(mesh, axis_names)  # Raises for unknown axis names.
   # Param shardings seen by init (concrete arrays), used by update when the
   # gradients' sharding cannot be read from their type (meshes with Auto
   # axes). Keyed by the plan, i.e. by the tree's shapes.

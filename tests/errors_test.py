@@ -1,8 +1,11 @@
 """Bad input raises a ValueError that names the leaf and the fix."""
 
+import jax
 import jax.numpy as jnp
 from absl.testing import absltest
 from absl.testing import parameterized
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers as MDN
 
 import dmuon_jax
@@ -62,6 +65,33 @@ class BadInputTest(parameterized.TestCase):
   def test_bad_static_options(self, kwargs, pattern):
     with self.assertRaisesRegex(ValueError, pattern):
       dmuon_jax.dmuon(0.1, **kwargs)
+
+
+
+class MeshInputTest(absltest.TestCase):
+
+  def test_mesh_without_the_named_axes(self):
+    mesh = jax.make_mesh((8,), ('data',))
+    with self.assertRaisesRegex(ValueError, r"replicate.*data|data.*replicate"):
+      dmuon_jax.dmuon(0.1, mesh=mesh, axis_names=('replicate', 'shard'))
+
+  def test_param_sharded_over_an_axis_dmuon_does_not_own(self):
+    mesh = jax.make_mesh((2, 2, 2), ('replicate', 'shard', 'model'))
+    tree = {'layers_0': {'w': jnp.zeros((8, 16))}}
+    tree = jax.device_put(tree, NamedSharding(mesh, P(None, 'model')))
+    opt = dmuon_jax.dmuon(0.1, mesh=mesh, axis_names=('replicate', 'shard'))
+    state = opt.init(tree)
+    with self.assertRaisesRegex(ValueError, r"layers_0/w.*'model'"):
+      jax.jit(opt.update)(tree, state, tree)
+
+  def test_tree_at_update_differs_from_init_on_a_mesh(self):
+    mesh = jax.make_mesh((1, 8), ('replicate', 'shard'))
+    tree = {'a': jnp.zeros((8, 16)), 'b': jnp.zeros((16, 8))}
+    opt = dmuon_jax.dmuon(0.1, mesh=mesh)
+    state = opt.init(tree)
+    other = {'a': jnp.zeros((8, 16)), 'b': jnp.zeros((16, 24))}
+    with self.assertRaisesRegex(ValueError, 'does not match the one given'):
+      opt.update(other, state, other)
 
 
 if __name__ == '__main__':

@@ -57,7 +57,6 @@ def main(argv=None):
   r, s = (int(v) for v in args.mesh.split('x'))
   import jax  # pylint: disable=g-import-not-at-top
   jax.config.update('jax_num_cpu_devices', max(r * s, 1))
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
@@ -137,7 +136,7 @@ def main(argv=None):
                     float(eval_step(model, val_batch)),
                     time.perf_counter() - start))
 
-  print(f'\n| optimizer | train loss (last 20) | val loss | time (s) |')
+  print('\n| optimizer | train loss (last 20) | val loss | time (s) |')
   print('|---|---|---|---|')
   for name, tr, va, secs in results:
     print(f'| {name} | {tr:.4f} | {va:.4f} | {secs:.1f} |')

@@ -164,6 +164,12 @@ class OptaxParityTest(parameterized.TestCase):
     assert_trees_rel_close(self, ours[-1], ref[-1], rtol=1e-4)
 
 
+@functools.partial(jax.jit, static_argnums=2)
+def _optax_ns(x, coeffs, dims):
+  return optax_muon.orthogonalize_via_newton_schulz(x, coeffs, 5,
+                                                    dimension_numbers=dims)
+
+
 def reference_sgd_muon(params, dims, *, lr, beta, nesterov, wd, steps):
   """A plain loop of the DMuon/Moonlight rule, leaf by leaf.
 
@@ -199,8 +205,7 @@ def reference_sgd_muon(params, dims, *, lr, beta, nesterov, wd, steps):
         continue
       b = beta * b + g
       u = g + beta * b if nesterov else b
-      o = optax_muon.orthogonalize_via_newton_schulz(
-          u, coeffs, 5, dimension_numbers=d)
+      o = _optax_ns(u, coeffs, d)
       red = (d.reduction_axis,) if isinstance(d.reduction_axis, int) else (
           d.reduction_axis)
       out = (d.output_axis,) if isinstance(d.output_axis, int) else (

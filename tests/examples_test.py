@@ -1,0 +1,50 @@
+"""The examples and benchmarks run end to end (shortened)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+from absl.testing import absltest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def run_script(args, timeout=600):
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  env.pop('XLA_FLAGS', None)
+  proc = subprocess.run([sys.executable] + args, cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout,
+                        check=False)
+  if proc.returncode:
+    raise AssertionError(f'{args} failed:\n{proc.stdout}\n{proc.stderr}')
+  return proc.stdout
+
+
+class ExamplesTest(absltest.TestCase):
+
+  def test_train_lm_short_run_prints_a_table(self):
+    out = run_script(['examples/train_lm.py', '--steps', '6',
+                      '--eval-every', '3', '--batch', '32', '--width', '64',
+                      '--layers', '2', '--data-bytes', '200000'])
+    rows = [line for line in out.splitlines() if line.startswith('| ')]
+    names = [r.split('|')[1].strip() for r in rows[1:]]
+    self.assertEqual(names, ['adamw', 'optax.contrib.muon', 'dmuon'])
+    for row in rows[1:]:
+      train, val = (float(v) for v in row.split('|')[2:4])
+      self.assertTrue(0 < train < 6 and 0 < val < 6, row)
+
+  def test_optimizer_step_benchmark_quick(self):
+    out_dir = tempfile.mkdtemp()
+    run_script(['examples/benchmarks/optimizer_step.py', '--quick',
+                '--out-dir', out_dir])
+    lines = pathlib.Path(out_dir, 'optimizer_step_quick.json').read_text()
+    records = [json.loads(line) for line in lines.splitlines() if line]
+    self.assertGreaterEqual(len(records), 6)
+    self.assertTrue(pathlib.Path(out_dir, 'optimizer_step_quick.md').exists())
+
+
+if __name__ == '__main__':
+  absltest.main()

@@ -110,7 +110,7 @@ def main(argv=None):
               lambda lbl: (dmuon_jax.MuonDimensionNumbers()
                            if lbl == 'muon' else None),
               dmuon_jax.muon_labels(p))),
-      'dmuon': dmuon_jax.dmuon(0.02, adam_learning_rate=3e-3),
+      'dmuon': dmuon_jax.dmuon(0.02, adam_learning_rate=3e-3, mesh=mesh),
   }
   val_batch = batches(val, 10**9, 1024)  # a fixed validation sample
   results = []

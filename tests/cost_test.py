@@ -1,11 +1,8 @@
 """Compiled-HLO accounting of dmuon: NS FLOPs, collective bytes, memory."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from absl.testing import absltest
 from absl.testing import parameterized
 from jax.sharding import NamedSharding
@@ -111,18 +108,7 @@ class CommunicationTest(parameterized.TestCase):
       logits = (x * params['norm_f']) @ params['lm_head']
       return jnp.mean(logits ** 2) + jnp.mean(params['embed'] ** 2)
 
-    specs = jax.tree.map(lambda x: getattr(x.sharding, 'spec', P()), state)
-
-    @jax.jit
-    @functools.partial(jax.shard_map, mesh=mesh,
-                       in_specs=(P(), specs, P(AXES)),
-                       out_specs=(P(), specs, P()))
-    def step(params, state, batch):
-      loss, grads = dmuon_jax.local_value_and_grad(loss_fn)(params, batch)
-      updates, state = opt.update(grads, state, params)
-      return (optax.apply_updates(params, updates), state,
-              jax.lax.pmean(loss, AXES))
-
+    step = distributed_test.explicit_step_fn(opt, mesh, state, loss_fn)
     report = dmuon_jax.analyze_hlo(step, params, state, batch)
     p_muon = muon_bytes(params)
     p_other = sum(x.size * 4 for x in jax.tree.leaves(params)) - p_muon

@@ -142,7 +142,8 @@ def mean_loss(params, batch):
   return jnp.mean(jax.vmap(per_example)(batch))
 
 
-def explicit_step_fn(opt, mesh, state):
+def explicit_step_fn(opt, mesh, state, loss_fn=mean_loss):
+  """A DDP train step on the explicit path (params replicated)."""
   specs = jax.tree.map(lambda x: getattr(x.sharding, 'spec', P()), state)
 
   @jax.jit
@@ -150,7 +151,7 @@ def explicit_step_fn(opt, mesh, state):
                      in_specs=(P(), specs, P(AXES)),
                      out_specs=(P(), specs, P()))
   def step(params, state, batch):
-    loss, grads = dmuon_jax.local_value_and_grad(mean_loss)(params, batch)
+    loss, grads = dmuon_jax.local_value_and_grad(loss_fn)(params, batch)
     updates, state = opt.update(grads, state, params)
     return (optax.apply_updates(params, updates), state,
             jax.lax.pmean(loss, AXES))

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import os
 import pathlib
@@ -81,6 +80,9 @@ def parse_args(argv=None):
                  'fewer reps (never under --min-reps); reported as such')
   p.add_argument('--no-all-2d', action='store_true',
                  help='skip the second table (embed and LM head on Muon)')
+  p.add_argument('--no-breakdown', action='store_true',
+                 help='skip the 1-iteration dmuon runs that split the step '
+                 'time into Newton-Schulz and the rest')
   p.add_argument('--only', default=None,
                  help='comma-separated config names to run (debugging)')
   p.add_argument('--quick', action='store_true',
@@ -145,6 +147,41 @@ def load_average() -> list[float] | None:
     return None
 
 
+class CpuMeter:
+  """Share of the machine's CPU time used by *other* processes.
+
+  Reads the busy time of all CPUs from ``/proc/stat`` and subtracts this
+  process's own CPU time (``os.times``), over the interval since
+  construction. Hypervisor steal time counts as "other". None where
+  ``/proc/stat`` is unavailable.
+  """
+
+  def __init__(self):
+    self._start = self._read()
+
+  @staticmethod
+  def _read():
+    busy = None
+    try:
+      with open('/proc/stat', encoding='utf-8') as f:
+        vals = [int(v) for v in f.readline().split()[1:]]
+      # user, nice, system, irq, softirq, steal.
+      busy = sum(vals[i] for i in (0, 1, 2, 5, 6, 7) if i < len(vals))
+      busy /= os.sysconf('SC_CLK_TCK')
+    except (OSError, ValueError):
+      pass
+    t = os.times()
+    return time.perf_counter(), busy, t.user + t.system
+
+  def other_share(self) -> float | None:
+    (w0, b0, o0), (w1, b1, o1) = self._start, self._read()
+    # /proc/stat counts in clock ticks (10 ms): too coarse below ~0.5 s.
+    if b0 is None or b1 is None or w1 - w0 < 0.5:
+      return None
+    share = ((b1 - b0) - (o1 - o0)) / ((w1 - w0) * (os.cpu_count() or 1))
+    return round(min(max(share, 0.0), 1.0), 3)
+
+
 def machine_info(jax, optax, dmuon_jax) -> dict:
   return {
       'cpu_count': os.cpu_count(),
@@ -166,19 +203,27 @@ def machine_info(jax, optax, dmuon_jax) -> dict:
 
 
 def time_steps(step, params, state, grads, *, reps, warmup, min_reps,
-               budget_s, block):
-  """Runs ``warmup`` + timed steps, feeding outputs back; returns times (s).
+               budget_s, block, on_first=None):
+  """Runs warm-up + timed steps, feeding outputs back.
 
   The first warm-up step's duration estimates the step time: if ``reps``
   steps would exceed ``budget_s``, fewer (at least ``min_reps``) are timed.
+  ``on_first(params)``, if given, sees the params after the first step.
+
+  Returns:
+    (timed step durations in s, the first warm-up step's duration in s, the
+    CPU share other processes used meanwhile or None).
   """
   first = None
+  meter = CpuMeter()
   for i in range(max(warmup, 1)):
     t0 = time.perf_counter()
     params, state = step(params, state, grads)
     block((params, state))
     if i == 0:
       first = time.perf_counter() - t0
+      if on_first is not None:
+        on_first(params)
   n = reps
   if first * reps > budget_s:
     n = max(min_reps, int(budget_s // first))
@@ -189,12 +234,16 @@ def time_steps(step, params, state, grads, *, reps, warmup, min_reps,
     params, state = step(params, state, grads)
     block((params, state))
     times.append(time.perf_counter() - t0)
-  return times, first
+  return times, first, meter.other_share()
 
 
 def collective_summary(report) -> tuple[dict, dict]:
   return ({k: float(v) for k, v in report.bytes_by_kind.items()},
           {k: int(v) for k, v in report.count_by_kind.items()})
+
+
+def fmt_share(share: float | None) -> str:
+  return 'n/a' if share is None else f'{100 * share:.0f}%'
 
 
 def fmt_collectives(bytes_by_kind: dict) -> str:
@@ -232,7 +281,7 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
   mesh = jax.make_mesh((r, s), axes,
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
   replicated = NamedSharding(mesh, P())
-  date = datetime.datetime.now(datetime.timezone.utc).isoformat(
+  date = datetime.datetime.now(datetime.UTC).isoformat(
       timespec='seconds')
   machine = machine_info(jax, optax, dmuon_jax)
   load_start = load_average()
@@ -240,7 +289,10 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
            'vocab': args.vocab, 'dtype': 'float32', 'mesh': args.mesh}
 
   shapes = llama_shapes(args.layers, args.d_model, args.d_ff, args.vocab)
-  is_shape = lambda x: isinstance(x, tuple)
+
+  def is_shape(x):
+    return isinstance(x, tuple)
+
   rng = np.random.default_rng(args.seed)
   host_params = jax.tree.map(
       lambda sh: (0.02 * rng.standard_normal(sh)).astype(np.float32),
@@ -281,14 +333,17 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
         lambda lbl: dmuon_jax.MuonDimensionNumbers() if lbl == 'muon'
         else None, labels)
 
-  all_2d = lambda path, x: np.ndim(x) == 2
+  def all_2d(path, x):
+    del path
+    return np.ndim(x) == 2
+
   routings = {'default': None, 'all-2d': all_2d}
 
   def plan_for(routing):
     return dmuon_jax.plan_ownership(host_params, mesh,
                                     predicate=routings[routing])
 
-  def make_optimizer(family, routing):
+  def make_optimizer(family, routing, ns_steps=None):
     labels = dmuon_jax.muon_labels(host_params, predicate=routings[routing])
     if family == 'adamw':
       return optax.adamw(3e-3)
@@ -297,7 +352,7 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
           0.02, adam_learning_rate=3e-3,
           muon_weight_dimension_numbers=muon_dims(labels))
     return dmuon_jax.dmuon(0.02, adam_learning_rate=3e-3, mesh=mesh,
-                           predicate=routings[routing])
+                           predicate=routings[routing], ns_steps=ns_steps)
 
   def make_step(opt, path, param_sh, state_sh, state):
     if path == 'explicit':
@@ -325,27 +380,37 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
   # --- Matmul rate of this machine ---------------------------------------
   mm_m, mm_k = args.d_model, args.d_ff
   per_dev = 4
+  # A batched Gram product X Xᵀ of the model's typical Muon shape
+  # (d_model x d_ff), `per_dev` products on each device, all devices at
+  # once: the aggregate rate the simulated devices get from the shared
+  # cores. Measured before and after the configurations; the floor uses the
+  # faster of the two (the machine at its least disturbed).
   mm_x = jax.device_put(
       rng.standard_normal((n_dev * per_dev, mm_m, mm_k)).astype(np.float32),
       NamedSharding(mesh, P(axes)))
   gram = jax.jit(lambda x: jnp.einsum('bik,bjk->bij', x, x))
-  gram(mm_x).block_until_ready()
-  mm_times = []
-  for _ in range(max(args.reps, 5)):
-    t0 = time.perf_counter()
-    gram(mm_x).block_until_ready()
-    mm_times.append(time.perf_counter() - t0)
   mm_flops = n_dev * per_dev * 2.0 * mm_m * mm_m * mm_k
-  rate = mm_flops / statistics.median(mm_times)
-  matmul = {'config': 'matmul_rate', 'shape': [mm_m, mm_k],
-            'products_per_device': per_dev, 'flops': mm_flops,
-            'median_ms': 1e3 * statistics.median(mm_times),
-            'flop_per_s': rate}
+
+  def matmul_rate():
+    gram(mm_x).block_until_ready()
+    mm_times = []
+    meter = CpuMeter()
+    for _ in range(max(args.reps, 7)):
+      t0 = time.perf_counter()
+      gram(mm_x).block_until_ready()
+      mm_times.append(time.perf_counter() - t0)
+    med = statistics.median(mm_times)
+    return {'median_ms': 1e3 * med, 'flop_per_s': mm_flops / med,
+            'other_processes_cpu_share': meter.other_share()}
+
   print(f'machine: {machine["cpu_count"]} CPUs ({machine["cpu_model"]}), '
         f'{n_dev} simulated devices, jax {machine["jax"]}; load average '
         f'{load_start}')
-  print(f'matmul rate: {rate / 1e9:.1f} GFLOP/s aggregate '
-        f'({n_dev}x{per_dev} products {mm_m}x{mm_k} @ {mm_k}x{mm_m})')
+  mm_start = matmul_rate()
+  print(f'matmul rate: {mm_start["flop_per_s"] / 1e9:.1f} GFLOP/s aggregate '
+        f'({n_dev}x{per_dev} products {mm_m}x{mm_k} @ {mm_k}x{mm_m}; '
+        'other processes used '
+        f'{fmt_share(mm_start["other_processes_cpu_share"])} of the CPUs)')
 
   plans = {k: plan_for(k) for k in routings}
   plan_info = {}
@@ -357,12 +422,12 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
         'ns_flops_largest': max(u.cost for u in plan.units),
         'makespan': plan.makespan,
         'imbalance': plan.imbalance,
-        'machine_floor_ms': 1e3 * total / rate,
     }
-  print(f'model: {n_params / 1e6:.1f}M params, {plan_info["default"]["matrices"]}'
-        f' Muon matrices (default routing), NS '
-        f'{plan_info["default"]["ns_flops_total"] / 1e9:.1f} GFLOP per step; '
-        f'machine floor {plan_info["default"]["machine_floor_ms"]:.0f} ms')
+  default_total = plan_info['default']['ns_flops_total']
+  print(f'model: {n_params / 1e6:.1f}M params, '
+        f'{plan_info["default"]["matrices"]} Muon matrices (default routing), '
+        f'NS {default_total / 1e9:.1f} GFLOP per step; machine floor '
+        f'{1e3 * default_total / mm_start["flop_per_s"]:.0f} ms at this rate')
 
   configs = [
       # name, optimizer family, param layout, update path, routing
@@ -382,13 +447,25 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
         ('dmuon-replicated-all2d', 'dmuon', 'replicated', 'drop-in',
          'all-2d'),
     ]
+  if not args.no_breakdown:
+    # Diagnostics: the same steps with one Newton-Schulz iteration instead of
+    # five. 5/4 of the difference is the time of the NS iterations; the rest
+    # of the 5-step time is everything else (momentum, packing, collectives,
+    # AdamW, apply_updates).
+    configs += [
+        ('dmuon-replicated-ns1', 'dmuon', 'replicated', 'drop-in',
+         'default', 1),
+        ('dmuon-fsdp-ns1', 'dmuon', 'fsdp', 'drop-in', 'default', 1),
+    ]
+  configs = [c + (None,) * (6 - len(c)) for c in configs]
   if args.only:
     wanted = set(args.only.split(','))
     configs = [c for c in configs if c[0] in wanted]
 
   results = {}
-  for name, family, layout, path, routing in configs:
-    opt = make_optimizer(family, routing)
+  reference_deltas = {}
+  for name, family, layout, path, routing, ns_steps in configs:
+    opt = make_optimizer(family, routing, ns_steps)
     params = place(host_params, layout)
     # Explicit path: gradients come in replicated and are made per-device.
     grads = place(host_grads, 'replicated' if path == 'explicit' else layout)
@@ -401,19 +478,30 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
     compiled = lowered.compile()
     t2 = time.perf_counter()
     report = dmuon_jax.analyze_compiled(compiled)
-    times, first = time_steps(
-        compiled, params, state, grads, reps=args.reps, warmup=args.warmup,
+    first_params = {}
+
+    def keep_first(p, store=first_params):
+      store['params'] = jax.tree.map(np.asarray, p)
+
+    # Diagnostic rows are cheap and feed a difference: twice the reps.
+    reps = 2 * args.reps if ns_steps is not None else args.reps
+    times, first, other_cpu = time_steps(
+        compiled, params, state, grads, reps=reps, warmup=args.warmup,
         min_reps=args.min_reps, budget_s=args.budget_s,
-        block=jax.block_until_ready)
+        block=jax.block_until_ready,
+        on_first=keep_first if family != 'adamw' else None)
     bytes_by_kind, count_by_kind = collective_summary(report)
     res = {
         'config': name, 'optimizer': family, 'params': layout,
         'path': path, 'routing': routing,
+        'ns_steps': (None if family == 'adamw' else ns_steps or 5),
+        'diagnostic': ns_steps is not None,
         'median_ms': 1e3 * statistics.median(times),
         'min_ms': 1e3 * min(times),
         'times_ms': [1e3 * t for t in times],
         'first_step_ms': 1e3 * first,
-        'reps': len(times), 'reps_requested': args.reps,
+        'other_processes_cpu_share': other_cpu,
+        'reps': len(times), 'reps_requested': reps,
         'warmup': max(args.warmup, 1),
         'lower_s': t1 - t0, 'compile_s': t2 - t1,
         'flops_per_device': report.flops,
@@ -424,14 +512,47 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
         'grads': ('per-device (unreduced)' if path == 'explicit'
                   else 'reduced'),
     }
+    # Same numbers as optax? The first step's update of every Muon config is
+    # compared with optax.contrib.muon's on replicated params (same routing,
+    # same start): max over leaves of |d - d_ref| / |d_ref| (Frobenius).
+    if family != 'adamw' and ns_steps is None:
+      deltas = jax.tree.map(lambda a, b: a - b, first_params['params'],
+                            host_params)
+      ref_name = ('optax-muon-replicated' if routing == 'default'
+                  else 'optax-muon-replicated-all2d')
+      if name == ref_name:
+        reference_deltas[routing] = deltas
+      elif routing in reference_deltas:
+        res['first_update_rel_diff_vs_optax'] = float(max(
+            np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+            for a, b in zip(jax.tree.leaves(deltas),
+                            jax.tree.leaves(reference_deltas[routing]),
+                            strict=True)))
+    first_params.clear()
     results[name] = res
     reduced_note = (f' (reps cut to {len(times)} by --budget-s)'
-                    if len(times) < args.reps else '')
+                    if len(times) < reps else '')
     print(f'{name:>28}: {res["median_ms"]:9.1f} ms median of {len(times)}'
           f'{reduced_note}, compile {t1 - t0 + t2 - t1:5.1f} s, '
           f'{report.flops / 1e9:7.2f} GFLOP/device, '
-          f'{fmt_collectives(bytes_by_kind)} MB', flush=True)
+          f'{fmt_collectives(bytes_by_kind)} MB; others used '
+          f'{fmt_share(other_cpu)} of the CPUs' + (
+              f'; update vs optax {res["first_update_rel_diff_vs_optax"]:.1e}'
+              if 'first_update_rel_diff_vs_optax' in res else ''),
+          flush=True)
     del params, state, grads, compiled, lowered, step
+
+  mm_end = matmul_rate()
+  rate = max(mm_start['flop_per_s'], mm_end['flop_per_s'])
+  print(f'matmul rate at the end: {mm_end["flop_per_s"] / 1e9:.1f} GFLOP/s '
+        '(other processes used '
+        f'{fmt_share(mm_end["other_processes_cpu_share"])} of the CPUs); the '
+        f'floor uses {rate / 1e9:.1f} GFLOP/s')
+  matmul = {'config': 'matmul_rate', 'shape': [mm_m, mm_k],
+            'products_per_device': per_dev, 'flops': mm_flops,
+            'start': mm_start, 'end': mm_end, 'flop_per_s': rate}
+  for info in plan_info.values():
+    info['machine_floor_ms'] = 1e3 * info['ns_flops_total'] / rate
 
   # --- Ratios and targets --------------------------------------------------
   def ms(name):
@@ -474,6 +595,22 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
           'time_over_machine_floor': ratio(ms(name), floor_ms),
       })
 
+  # Fastest steps, not medians: a difference of two noisy times (8 device
+  # threads on shared cores) is steadiest at the least disturbed steps.
+  breakdown = []
+  for name in ('dmuon-replicated', 'dmuon-fsdp'):
+    if name not in results or name + '-ns1' not in results:
+      continue
+    t5, t1 = results[name]['min_ms'], results[name + '-ns1']['min_ms']
+    ns_ms = 1.25 * (t5 - t1)
+    breakdown.append({
+        'config': name, 'step_ms': t5, 'step_ns1_ms': t1,
+        'ns_iterations_ms': ns_ms, 'outside_ns_ms': t5 - ns_ms,
+        'ns_flop_per_s': (plan_info['default']['ns_flops_total'] / ns_ms * 1e3
+                          if ns_ms > 0 else None),
+        'ns_over_machine_floor': ns_ms / floor_ms,
+    })
+
   all2d = plan_info['all-2d']
   ideal_all2d = max(all2d['ns_flops_total'] / n_dev,
                     all2d['ns_flops_largest'])
@@ -486,7 +623,7 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
   # --- Output ---------------------------------------------------------------
   md = render_markdown(args, date, machine, model, n_params, matmul,
                        plan_info, results, ratios, targets, ideal_all2d,
-                       wall_s)
+                       breakdown, wall_s)
   print()
   print(md)
   out_dir = pathlib.Path(args.out_dir)
@@ -494,12 +631,13 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
   common = {'date': date, 'machine': machine, 'model': model,
             'benchmark': 'optimizer_step', 'quick': args.quick}
   lines = [dict(common, **matmul)]
-  for name, res in results.items():
+  for res in results.values():
     lines.append(dict(common, **res,
                       plan=plan_info[res['routing']]
                       if res['optimizer'] != 'adamw' else None))
   lines.append(dict(common, config='summary', wall_s=wall_s,
                     machine_floor_ms=floor_ms, ratios=ratios,
+                    breakdown=breakdown,
                     targets=targets,
                     all_2d_ideal_flops_per_device=ideal_all2d,
                     plans=plan_info))
@@ -514,10 +652,22 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
 
 
 def render_markdown(args, date, machine, model, n_params, matmul, plan_info,
-                    results, ratios, targets, ideal_all2d, wall_s) -> str:
+                    results, ratios, targets, ideal_all2d, breakdown,
+                    wall_s) -> str:
   """The tables, ratios and targets as markdown."""
   base = results.get('optax-muon-replicated')
   floor_ms = plan_info['default']['machine_floor_ms']
+
+  def diff(res):
+    if 'first_update_rel_diff_vs_optax' not in res:
+      return '–'
+    return f'{res["first_update_rel_diff_vs_optax"]:.1e}'
+
+  def pct(res):
+    if res.get('other_processes_cpu_share') is None:
+      return '–'
+    return fmt_share(res['other_processes_cpu_share'])
+
   out = []
   out.append('# Optimizer step: dmuon vs optax.contrib.muon vs AdamW')
   out.append('')
@@ -527,9 +677,17 @@ def render_markdown(args, date, machine, model, n_params, matmul, plan_info,
   out.append(
       f'- machine: {machine["cpu_count"]} CPUs ({machine["cpu_model"]}), '
       f'{machine["devices"]} simulated XLA:CPU devices (mesh {args.mesh}, '
-      f'replicate x shard); load average at start {machine["load_average_start"]}'
-      f', at end {machine["load_average_end"]} (other processes may share '
-      'the cores)')
+      f'replicate x shard); load average at start '
+      f'{machine["load_average_start"]}, at end '
+      f'{machine["load_average_end"]} (this process\'s own device threads '
+      'count in it). Other processes may share the cores: "others\' CPU" is '
+      'the share of all CPUs they used during a configuration\'s warm-up '
+      'and timed steps (/proc/stat busy time minus this process\'s CPU '
+      'time; – when those took under 0.5 s)')
+  if args.quick:
+    out.append('- **--quick**: a tiny model for a CI smoke run; the targets '
+               'are set for the default model, and millisecond steps on '
+               'shared cores are noisy, so met/missed here means little')
   out.append(
       f'- software: python {machine["python"]}, jax {machine["jax"]}, '
       f'jaxlib {machine["jaxlib"]}, optax {machine["optax"]}, dmuon_jax '
@@ -547,7 +705,9 @@ def render_markdown(args, date, machine, model, n_params, matmul, plan_info,
       f'- matmul rate: {matmul["flop_per_s"] / 1e9:.1f} GFLOP/s aggregate over'
       f' the machine ({machine["devices"]} devices x '
       f'{matmul["products_per_device"]} products {matmul["shape"][0]}x'
-      f'{matmul["shape"][1]} @ {matmul["shape"][1]}x{matmul["shape"][0]});'
+      f'{matmul["shape"][1]} @ {matmul["shape"][1]}x{matmul["shape"][0]};'
+      f' the faster of {matmul["start"]["flop_per_s"] / 1e9:.1f} before and '
+      f'{matmul["end"]["flop_per_s"] / 1e9:.1f} after the configurations);'
       f' machine floor = NS FLOPs / rate = {floor_ms:.0f} ms')
   out.append(
       f'- timing: steady-state median of `reps` steps after '
@@ -558,12 +718,12 @@ def render_markdown(args, date, machine, model, n_params, matmul, plan_info,
   out.append('')
   out.append('## Default routing (embed and LM head on AdamW)')
   out.append('')
-  out.append('| config | params | grads in | median ms | reps | compile s | '
-             'GFLOP / device | collective MB / device | speedup vs optax '
-             'replicated |')
-  out.append('|---|---|---|---:|---:|---:|---:|---|---:|')
+  out.append('| config | params | grads in | median ms | reps | others\' '
+             'CPU | compile s | GFLOP / device | collective MB / device | '
+             'speedup vs optax replicated | update vs optax |')
+  out.append('|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|')
   for name, res in results.items():
-    if res['routing'] != 'default':
+    if res['routing'] != 'default' or res['diagnostic']:
       continue
     speed = (f'{base["median_ms"] / res["median_ms"]:.2f}x'
              if base else '–')
@@ -572,10 +732,11 @@ def render_markdown(args, date, machine, model, n_params, matmul, plan_info,
       reps += '*'
     out.append(
         f'| {name} | {res["params"]} | {res["grads"]} | '
-        f'{res["median_ms"]:.1f} | {reps} | '
+        f'{res["median_ms"]:.1f} | {reps} | {pct(res)} | '
         f'{res["lower_s"] + res["compile_s"]:.1f} | '
         f'{res["flops_per_device"] / 1e9:.2f} | '
-        f'{fmt_collectives(res["collective_bytes_by_kind"])} | {speed} |')
+        f'{fmt_collectives(res["collective_bytes_by_kind"])} | {speed} | '
+        f'{diff(res)} |')
   if any(r['reps'] < r['reps_requested'] for r in results.values()):
     out.append('')
     out.append(f'\\* fewer reps than the requested {args.reps}: the step is '
@@ -587,7 +748,10 @@ def render_markdown(args, date, machine, model, n_params, matmul, plan_info,
   out.append('| dmuon config | speedup vs optax replicated | speedup vs optax '
              'FSDP | time / machine floor |')
   out.append('|---|---:|---:|---:|')
-  fmt = lambda v, suffix='x': '–' if v is None else f'{v:.2f}{suffix}'
+
+  def fmt(v, suffix='x'):
+    return '–' if v is None else f'{v:.2f}{suffix}'
+
   for row in ratios:
     out.append(f'| {row["config"]} | '
                f'{fmt(row["speedup_vs_optax_replicated"])} | '
@@ -601,6 +765,29 @@ def render_markdown(args, date, machine, model, n_params, matmul, plan_info,
     rel = '≥' if t['higher_is_better'] else '≤'
     out.append(f'- {t["target"]}: {fmt(t["value"])} (target {rel} '
                f'{t["goal"]}x) — **{mark}** ({t["detail"]})')
+  if breakdown:
+    out.append('')
+    out.append('## Where dmuon\'s time goes')
+    out.append('')
+    out.append('The same step with 1 Newton-Schulz iteration instead of 5 '
+               '(`dmuon-*-ns1` in the JSON): 5/4 of the difference is the '
+               'time of the 5 iterations, the rest is outside NS (momentum, '
+               'packing to owners and back, collectives, AdamW for the '
+               'non-Muon leaves, apply_updates). Fastest step of each, not '
+               'the median: the difference of two times is steadiest at the '
+               'least disturbed steps.')
+    out.append('')
+    out.append('| config | fastest step ms | fastest 1-iteration step ms | '
+               'NS iterations ms '
+               '| outside NS ms | NS GFLOP/s | NS ms / machine floor |')
+    out.append('|---|---:|---:|---:|---:|---:|---:|')
+    for b in breakdown:
+      rate_s = ('–' if b['ns_flop_per_s'] is None
+                else f'{b["ns_flop_per_s"] / 1e9:.0f}')
+      out.append(
+          f'| {b["config"]} | {b["step_ms"]:.0f} | {b["step_ns1_ms"]:.0f} | '
+          f'{b["ns_iterations_ms"]:.0f} | {b["outside_ns_ms"]:.0f} | '
+          f'{rate_s} | {b["ns_over_machine_floor"]:.2f}x |')
   all2d = [r for r in results.values() if r['routing'] == 'all-2d']
   if all2d:
     info = plan_info['all-2d']
@@ -617,10 +804,11 @@ def render_markdown(args, date, machine, model, n_params, matmul, plan_info,
         f'{info["imbalance"]:.3f}); machine floor '
         f'{info["machine_floor_ms"]:.0f} ms.')
     out.append('')
-    out.append('| config | median ms | reps | compile s | GFLOP / device | '
-               'GFLOP / device ÷ ideal | collective MB / device | speedup '
-               'vs optax replicated | time / machine floor |')
-    out.append('|---|---:|---:|---:|---:|---:|---|---:|---:|')
+    out.append('| config | median ms | reps | others\' CPU | compile s | '
+               'GFLOP / device | GFLOP / device ÷ ideal | collective MB / '
+               'device | speedup vs optax replicated | time / machine floor '
+               '| update vs optax |')
+    out.append('|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|')
     for res in all2d:
       speed = (f'{base2["median_ms"] / res["median_ms"]:.2f}x'
                if base2 else '–')
@@ -629,11 +817,13 @@ def render_markdown(args, date, machine, model, n_params, matmul, plan_info,
         reps += '*'
       out.append(
           f'| {res["config"]} | {res["median_ms"]:.1f} | {reps} | '
+          f'{pct(res)} | '
           f'{res["lower_s"] + res["compile_s"]:.1f} | '
           f'{res["flops_per_device"] / 1e9:.2f} | '
           f'{res["flops_per_device"] / ideal_all2d:.2f} | '
           f'{fmt_collectives(res["collective_bytes_by_kind"])} | {speed} | '
-          f'{res["median_ms"] / info["machine_floor_ms"]:.2f}x |')
+          f'{res["median_ms"] / info["machine_floor_ms"]:.2f}x | '
+          f'{diff(res)} |')
   out.append('')
   out.append('## Notes')
   out.append('')
@@ -651,6 +841,10 @@ def render_markdown(args, date, machine, model, n_params, matmul, plan_info,
       '`dmuon-explicit` receives per-device gradients and its step includes '
       'the reduction (reduce-scatter to owners + all-gather for Muon '
       'matrices, all-reduce for the AdamW leaves).')
+  out.append(
+      '- "update vs optax": the first step\'s parameter update compared '
+      'with optax.contrib.muon\'s on replicated params (same start, same '
+      'routing), max over leaves of ‖Δ − Δ_optax‖ / ‖Δ_optax‖.')
   out.append(
       '- The simulated devices share the machine\'s cores (XLA:CPU runs '
       'every device program on one thread pool), so the machine floor is '

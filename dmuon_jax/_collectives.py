@@ -170,12 +170,3 @@ def check_spec(spec: P | None, shape: Sequence[int],
     raise ValueError(
         f'dmuon: param {path!r} of rank {len(shape)} has a sharding spec '
         f'{spec} with more entries than dims.')
-
-
-def is_replicated(spec: P | None) -> bool:
-  return not any(spec_entries(spec))
-
-
-def mesh_sizes_of(mesh) -> dict[str, int]:
-  """``{axis name: size}`` of a ``Mesh`` or ``AbstractMesh``."""
-  return dict(mesh.shape)

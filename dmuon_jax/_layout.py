@@ -84,12 +84,6 @@ class Layout:
         jax.ShapeDtypeStruct((self.num_slots * size,), jnp.dtype(d))
         for d, size in zip(self.dtypes, self.local_sizes))
 
-  def padding_fraction(self) -> float:
-    """Padding elements over payload elements, all groups together."""
-    total = sum(self.num_slots * size for size in self.local_sizes)
-    payload = int(self.slot_used.sum())
-    return (total - payload) / max(payload, 1)
-
   def unit_getter(self, leaves: Sequence[jax.Array]) -> Callable:
     """Returns ``u -> (m, n)`` matrix of unit ``u`` from full leaves."""
     cache = {}
@@ -219,13 +213,13 @@ class Exchange:
   compact per-owner buffer (``rep_*``).
   """
 
-  def __init__(self, layout: Layout, specs: Sequence, entries: Sequence):
+  def __init__(self, layout: Layout, entries: Sequence):
     """Builds the routes.
 
     Args:
       layout: the owner layout.
-      specs: each target leaf's PartitionSpec (``plan.leaves`` order).
-      entries: each spec as a list of per-dimension axis tuples.
+      entries: each target leaf's PartitionSpec (``plan.leaves`` order) as
+        a list of per-dimension mesh-axis tuples.
     """
     plan = layout.plan
     self.layout = layout

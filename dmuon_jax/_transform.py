@@ -325,7 +325,7 @@ def scale_by_dmuon(
     plan = layout.plan
     axes, n = plan.axis_names, plan.num_slots
     entries = [_collectives.spec_entries(sp) for sp in specs]
-    ex = _layout.Exchange(layout, specs, entries)
+    ex = _layout.Exchange(layout, entries)
     groups = range(layout.num_groups)
     dtypes = [jnp.result_type(*[targets[layout.unit_leaf[u]].dtype
                                 for s in layout.slot_units[g] for u in s])

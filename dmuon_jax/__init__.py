@@ -4,6 +4,8 @@ from optax.contrib import MuonDimensionNumbers as MuonDimensionNumbers
 
 from dmuon_jax._alias import dmuon as dmuon
 from dmuon_jax._alias import muon_labels as muon_labels
+from dmuon_jax._boundaries import HookBoundaries as HookBoundaries
+from dmuon_jax._boundaries import find_hook_boundaries as find_hook_boundaries
 from dmuon_jax._diagnostics import Collective as Collective
 from dmuon_jax._diagnostics import HloReport as HloReport
 from dmuon_jax._diagnostics import analyze as analyze_hlo
@@ -33,6 +35,7 @@ __version__ = '0.1.0'
 __all__ = (
     'Collective',
     'HloReport',
+    'HookBoundaries',
     'MuonDimensionNumbers',
     'NS_COEFF_PRESETS',
     'analyze_compiled',
@@ -41,6 +44,7 @@ __all__ = (
     'ScaleByDMuonState',
     'default_muon_predicate',
     'dmuon',
+    'find_hook_boundaries',
     'local_value_and_grad',
     'mean_over_devices',
     'muon_labels',

@@ -178,8 +178,25 @@ def scale_by_dmuon(
   :math:`\hat M_t = G_t + \beta M_t` (Nesterov) or :math:`M_t`.
 
   Each matrix (each matrix inside a stacked leaf, too) gets one owner slot
-  from :func:`dmuon_jax.plan_ownership`; the momentum is stored in owner
-  buffers, one per matrix shape, whose rows belong to their owner slot.
+  from :func:`dmuon_jax.plan_ownership`. The momentum lives in one flat
+  buffer per dtype, ``(num_slots * local,)``, sharded over the owner axes:
+  each device keeps its own matrices only (``local`` is the busiest slot's
+  element count).
+
+  Sharding (with a mesh of N > 1 owner slots), per step:
+
+  * gradients already reduced (drop-in, under plain ``jit``): one
+    ``shard_map``; replicated leaves need no communication to reach the
+    owner and come back by one ``all_gather``; leaves sharded along one
+    matrix dimension go to the owners by one ``all_to_all`` and come back by
+    another; other shardings are gathered whole first.
+  * per-device gradients (explicit path, inside the caller's ``shard_map``,
+    see :func:`dmuon_jax.local_value_and_grad`): one ``psum_scatter`` per
+    owner axis (innermost first) to the owners, divided by N, and one
+    ``all_gather`` back.
+
+  Newton–Schulz runs on each device for its own matrices only (one
+  ``lax.switch`` branch per owner), with no collective inside.
 
   Args:
     ns_coeffs: Newton–Schulz coefficients: a preset name (see

@@ -1,0 +1,158 @@
+"""Dedicated ownership (owner-stored params, Z2/Z3) on 8 simulated devices."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl.testing import absltest
+from absl.testing import parameterized
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import dmuon_jax
+from dmuon_jax import _dedicated
+from tests import alias_test
+from tests import distributed_test
+
+AXES = distributed_test.AXES
+BLOCKS, WIDTH, MATS = 4, 16, 8
+LR = 0.002
+
+
+def init_params():
+  k = iter(jax.random.split(jax.random.key(0), 64))
+  n = lambda *shape: 0.3 * jax.random.normal(next(k), shape, jnp.float32)
+  params = {f'layers_{i}': {f'w{j}': n(WIDTH, WIDTH) for j in range(MATS)}
+            | {'scale': 1 + n(WIDTH)} for i in range(BLOCKS)}
+  params['head'] = n(WIDTH, 8)
+  return params
+
+
+def block_fn(params, x, i):
+  layer = params[f'layers_{i}']
+  for j in range(MATS):
+    x = x + jnp.tanh(x @ layer[f'w{j}']) * layer['scale']
+  return x
+
+
+def loss_fn(params, x):
+  for i in range(BLOCKS):
+    x = block_fn(params, x, i)
+  return jnp.mean((x @ params['head']) ** 2)
+
+
+def batch():
+  # Many more examples than width: well-conditioned gradient matrices, so
+  # Newton–Schulz (slope ~500 at small singular values) does not amplify
+  # summation-order rounding.
+  return jax.random.normal(jax.random.key(1), (512, WIDTH))
+
+
+def reference(steps):
+  params = init_params()
+  opt = optax.contrib.muon(LR, muon_weight_dimension_numbers=jax.tree.map(
+      lambda l: optax.contrib.MuonDimensionNumbers() if l == 'muon' else None,
+      dmuon_jax.muon_labels(params)))
+  state = opt.init(params)
+
+  @jax.jit
+  def step(params, state):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch())
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  losses = []
+  for _ in range(steps):
+    params, state, loss = step(params, state)
+    losses.append(float(loss))
+  return params, losses
+
+
+def dedicated_step(ded, opt, state):
+  specs = ded.specs()
+  state_specs = jax.tree.map(lambda x: getattr(x.sharding, 'spec', P()),
+                             state)
+
+  def dedicated_loss(dp, x):
+    for i in range(BLOCKS):
+      x = ded.block(functools.partial(block_fn, i=i), f'layers_{i}')(dp, x)
+    rest = dp.rest
+    return jnp.mean((x @ rest['head']) ** 2)
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=ded.mesh,
+                     in_specs=(specs, state_specs, P(AXES)),
+                     out_specs=(specs, state_specs, P()))
+  def step(dp, state, x):
+    loss, grads = dmuon_jax.local_value_and_grad(dedicated_loss)(dp, x)
+    updates, state = opt.update(grads, state, dp)
+    return optax.apply_updates(dp, updates), state, jax.lax.pmean(loss, AXES)
+
+  return step
+
+
+def setup(shape, z3):
+  mesh = distributed_test.make_mesh(shape)
+  params = init_params()
+  ded = _dedicated.dedicate(params, mesh, reshard_after_forward=z3)
+  dp = ded.to_dedicated(jax.device_put(params, NamedSharding(mesh, P())))
+  opt = _dedicated.dedicated_muon(ded, LR)
+  state = opt.init(dp)
+  x = jax.device_put(batch(), NamedSharding(mesh, P(AXES)))
+  return ded, dp, opt, state, x
+
+
+class DedicatedTest(parameterized.TestCase):
+
+  def test_round_trip(self):
+    mesh = distributed_test.make_mesh((1, 8))
+    params = init_params()
+    ded = _dedicated.dedicate(params, mesh)
+    dp = ded.to_dedicated(params)
+    self.assertEqual(ded.boundaries.names,
+                     tuple(f'layers_{i}' for i in range(BLOCKS)))
+    for owned in dp.owned:
+      (buf,) = owned
+      self.assertEqual(buf.sharding.spec, P(AXES))
+      # 8 equal matrices per block on 8 owners: no padding.
+      self.assertEqual(buf.size, MATS * WIDTH * WIDTH)
+    self.assertIsNone(dp.rest['layers_0'].get('w0'))
+    back = ded.to_params(dp)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
+      np.testing.assert_array_equal(a, b)
+
+  @parameterized.named_parameters(('z2_1x8', (1, 8), False),
+                                  ('z3_1x8', (1, 8), True))
+  def test_matches_optax_muon(self, shape, z3):
+    steps = 20
+    ded, dp, opt, state, x = setup(shape, z3)
+    step = dedicated_step(ded, opt, state)
+    losses = []
+    for _ in range(steps):
+      dp, state, loss = step(dp, state, x)
+      losses.append(float(loss))
+    ref_params, ref_losses = reference(steps)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    alias_test.assert_trees_rel_close(self, ded.to_params(dp), ref_params,
+                                      rtol=1e-5)
+
+  @parameterized.named_parameters(('z2', False, 2), ('z3', True, 3))
+  def test_collective_bytes(self, z3, factor):
+    ded, dp, opt, state, x = setup((1, 8), z3)
+    report = dmuon_jax.analyze_hlo(dedicated_step(ded, opt, state), dp,
+                                   state, x)
+    p_muon = BLOCKS * MATS * WIDTH * WIDTH * 4
+    by_kind = report.bytes_by_kind
+    muon = by_kind.get('all-gather', 0) + by_kind.get('reduce-scatter', 0)
+    self.assertLessEqual(muon, 1.10 * factor * 7 / 8 * p_muon)
+    self.assertGreaterEqual(muon, 0.98 * factor * 7 / 8 * p_muon)
+    # All-reduces: the AdamW leaves (scales, head) and the loss only.
+    p_other = (BLOCKS * WIDTH + WIDTH * 8) * 4
+    self.assertLessEqual(by_kind.get('all-reduce', 0),
+                         2 * 7 / 8 * (p_other + 64))
+
+
+if __name__ == '__main__':
+  absltest.main()

@@ -124,7 +124,8 @@ class DedicatedTest(parameterized.TestCase):
       np.testing.assert_array_equal(a, b)
 
   @parameterized.named_parameters(('z2_1x8', (1, 8), False),
-                                  ('z3_1x8', (1, 8), True))
+                                  ('z3_1x8', (1, 8), True),
+                                  ('z3_2x4', (2, 4), True))
   def test_matches_optax_muon(self, shape, z3):
     steps = 20
     ded, dp, opt, state, x = setup(shape, z3)

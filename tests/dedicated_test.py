@@ -155,5 +155,24 @@ class DedicatedTest(parameterized.TestCase):
                          2 * 7 / 8 * (p_other + 64))
 
 
+  def test_update_has_no_collective_for_owned_params(self):
+    ded, dp, opt, state, _ = setup((1, 8), True)
+    specs = ded.specs()
+    state_specs = jax.tree.map(lambda x: getattr(x.sharding, 'spec', P()),
+                               state)
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=ded.mesh,
+                       in_specs=(specs, state_specs, specs),
+                       out_specs=(specs, state_specs))
+    def update(grads, state, dp):
+      # Owned gradients are already on their owners; rest is reduced too.
+      return opt.update(grads, state, dp)
+
+    report = dmuon_jax.analyze_hlo(update, dp, state, dp)
+    self.assertEqual(report.count_by_kind, {})
+    self.assertGreater(report.flops, 0)
+
+
 if __name__ == '__main__':
   absltest.main()

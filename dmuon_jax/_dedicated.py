@@ -174,7 +174,9 @@ class Dedication:
     # there. (jax.checkpoint expresses the same, but XLA:CPU drops its
     # optimization barriers and merges the two identical all-gathers, which
     # silently turns Z3 into Z2. Tying the backward gather to the cotangent
-    # makes it a different value that XLA must compute after the forward.)
+    # makes it a different value that XLA must compute after the forward.
+    # The tie is 0 for a finite cotangent; a non-finite one poisons the
+    # block's gradients, which it would do anyway.)
     @jax.custom_vjp
     def z3(owned_b, rest, *args):
       return run(owned_b, rest, *args)

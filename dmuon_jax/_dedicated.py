@@ -9,7 +9,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -20,6 +19,7 @@ from dmuon_jax import _explicit
 from dmuon_jax import _layout
 from dmuon_jax import _newton_schulz
 from dmuon_jax import _planner
+from dmuon_jax import _transform
 
 
 class DedicatedParams(NamedTuple):
@@ -311,27 +311,18 @@ def scale_by_dedicated_muon(
   def ortho(stack):
     out = _newton_schulz.orthogonalize_via_newton_schulz(
         stack, coeffs, eps=eps)
-    fan_in, fan_out = stack.shape[-2:]
-    if consistent_rms is None:
-      scale = np.sqrt(max(1.0, fan_out / fan_in))
-    else:
-      scale = np.sqrt(max(fan_in, fan_out)) * consistent_rms
+    scale = _transform.shape_scale(*stack.shape[-2:], consistent_rms)
     return (scale * out).astype(out.dtype)
 
   def update_fn(grads, state, params=None):
     del params
     count_inc = optax.safe_increment(state.count)
-    c_mu = 1 - beta ** optax.safe_increment(count_inc)
-    c_g = 1 - beta ** count_inc
     out, mus = [], []
     for b, lay in enumerate(dedication.layouts):
       g = tuple(x / n for x in grads[b])
-      mu = tuple((1 - beta) * x + beta * m for m, x in zip(state.mu[b], g))
-      if nesterov:
-        hat = tuple(beta * (m / c_mu) + (1 - beta) * (x / c_g)
-                    for m, x in zip(mu, g))
-      else:
-        hat = tuple(m / (1 - beta ** count_inc) for m in mu)
+      mu, hat = _transform.momentum_update(
+          g, state.mu[b], count_inc, beta=beta, nesterov=nesterov,
+          rule='optax')
       if n > 1:
         res = _collectives.switch_by_slot(
             dedication.axes,

@@ -97,6 +97,40 @@ def _layout_for(tree, *, mesh, axis_names, weight_dimension_numbers,
   return _layout.Layout(plan, dtypes)
 
 
+def momentum_update(grads, mus, count_inc, *, beta, nesterov, rule):
+  """One momentum step on flat buffers.
+
+  Returns:
+    (new momentum, the momentum to orthogonalize).
+  """
+  if rule == 'optax':
+    # Same operation order as optax.tree.update_moment, so that results
+    # match optax.contrib.muon to rounding.
+    new = tuple((1 - beta) * g + beta * m for m, g in zip(mus, grads))
+    if nesterov:
+      c_mu = 1 - beta ** optax.safe_increment(count_inc)
+      c_g = 1 - beta ** count_inc
+      hat = tuple(beta * (m / c_mu.astype(m.dtype))
+                  + (1 - beta) * (g / c_g.astype(g.dtype))
+                  for m, g in zip(new, grads))
+    else:
+      c_mu = 1 - beta ** count_inc
+      hat = tuple(m / c_mu.astype(m.dtype) for m in new)
+  else:
+    new = tuple(beta * m + g for m, g in zip(mus, grads))
+    hat = (tuple(g + beta * m for m, g in zip(new, grads)) if nesterov
+           else new)
+  return new, hat
+
+
+def shape_scale(fan_in: int, fan_out: int,
+                consistent_rms: jax.typing.ArrayLike | None):
+  """Muon's shape factor for a ``(fan_in, fan_out)`` matrix (as optax)."""
+  if consistent_rms is None:
+    return np.sqrt(max(1.0, fan_out / fan_in))
+  return np.sqrt(max(fan_in, fan_out)) * consistent_rms
+
+
 def _on_owner(layout, fn, buffers):
   """Runs ``fn`` on this device's own matrices (one branch per owner)."""
   return _collectives.switch_by_slot(
@@ -281,26 +315,8 @@ def scale_by_dmuon(
         mu.append(jnp.zeros(shape.shape, shape.dtype))
     return ScaleByDMuonState(count=jnp.zeros([], jnp.int32), mu=tuple(mu))
 
-  def momentum_step(grads, mus, count_inc):
-    """Returns (new momentum, the momentum to orthogonalize)."""
-    if momentum == 'optax':
-      # Same operation order as optax.tree.update_moment, so that results
-      # match optax.contrib.muon to rounding.
-      new = tuple((1 - beta) * g + beta * m for m, g in zip(mus, grads))
-      if nesterov:
-        c_mu = 1 - beta ** optax.safe_increment(count_inc)
-        c_g = 1 - beta ** count_inc
-        hat = tuple(beta * (m / c_mu.astype(m.dtype))
-                    + (1 - beta) * (g / c_g.astype(g.dtype))
-                    for m, g in zip(new, grads))
-      else:
-        c_mu = 1 - beta ** count_inc
-        hat = tuple(m / c_mu.astype(m.dtype) for m in new)
-    else:
-      new = tuple(beta * m + g for m, g in zip(mus, grads))
-      hat = (tuple(g + beta * m for m, g in zip(new, grads)) if nesterov
-             else new)
-    return new, hat
+  momentum_step = functools.partial(
+      momentum_update, beta=beta, nesterov=nesterov, rule=momentum)
 
   def ortho_fn(stack):
     out = orthogonalize(stack)
@@ -463,11 +479,7 @@ def scale_by_shape(
     leaves, treedef = jax.tree.flatten(updates)
     out = []
     for x, spec in zip(leaves, specs, strict=True):
-      fan_in, fan_out = spec.matrix_shape
-      if consistent_rms is None:
-        scale = np.sqrt(max(1.0, fan_out / fan_in))
-      else:
-        scale = np.sqrt(max(fan_in, fan_out)) * consistent_rms
+      scale = shape_scale(*spec.matrix_shape, consistent_rms)
       out.append((scale * x).astype(x.dtype))
     return jax.tree.unflatten(treedef, out), state
 

@@ -651,6 +651,15 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
   return lines
 
 
+def _speed_and_reps(res, base):
+  """Table cells: speedup over ``base`` and reps (``*`` when cut short)."""
+  speed = f'{base["median_ms"] / res["median_ms"]:.2f}x' if base else '–'
+  reps = str(res['reps'])
+  if res['reps'] < res['reps_requested']:
+    reps += '*'
+  return speed, reps
+
+
 def render_markdown(args, date, machine, model, n_params, matmul, plan_info,
                     results, ratios, targets, ideal_all2d, breakdown,
                     wall_s) -> str:
@@ -725,11 +734,7 @@ def render_markdown(args, date, machine, model, n_params, matmul, plan_info,
   for name, res in results.items():
     if res['routing'] != 'default' or res['diagnostic']:
       continue
-    speed = (f'{base["median_ms"] / res["median_ms"]:.2f}x'
-             if base else '–')
-    reps = str(res['reps'])
-    if res['reps'] < res['reps_requested']:
-      reps += '*'
+    speed, reps = _speed_and_reps(res, base)
     out.append(
         f'| {name} | {res["params"]} | {res["grads"]} | '
         f'{res["median_ms"]:.1f} | {reps} | {pct(res)} | '
@@ -810,11 +815,7 @@ def render_markdown(args, date, machine, model, n_params, matmul, plan_info,
                '| update vs optax |')
     out.append('|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|')
     for res in all2d:
-      speed = (f'{base2["median_ms"] / res["median_ms"]:.2f}x'
-               if base2 else '–')
-      reps = str(res['reps'])
-      if res['reps'] < res['reps_requested']:
-        reps += '*'
+      speed, reps = _speed_and_reps(res, base2)
       out.append(
           f'| {res["config"]} | {res["median_ms"]:.1f} | {reps} | '
           f'{pct(res)} | '

@@ -75,17 +75,21 @@ def to_varying(x: jax.Array, axes: Sequence[str]) -> jax.Array:
   return jax.lax.pcast(x, missing, to='varying') if missing else x
 
 
-def switch_by_slot(axes: Sequence[str], branches, *operands):
+def switch_by_slot(axes: Sequence[str], branches, *operands, shift=0):
   """``lax.switch`` on this device's owner slot, one branch per slot.
 
   Branch outputs are marked as varying over ``axes`` so that all branches
-  have the same type under ``shard_map``'s replication checking.
+  have the same type under ``shard_map``'s replication checking. With
+  ``shift`` (an int or traced scalar) the branch is
+  ``(slot - shift) mod len(branches)``.
   """
   def wrap(branch):
     return lambda *ops: jax.tree.map(lambda y: to_varying(y, axes),
                                      branch(*ops))
-  return jax.lax.switch(slot_index(axes), [wrap(b) for b in branches],
-                        *operands)
+  index = slot_index(axes)
+  if not isinstance(shift, int) or shift:
+    index = (index - shift) % len(branches)
+  return jax.lax.switch(index, [wrap(b) for b in branches], *operands)
 
 
 def slot_index(axes: Sequence[str]) -> jax.Array:

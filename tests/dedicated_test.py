@@ -30,8 +30,7 @@ def init_params():
   return params
 
 
-def block_fn(params, x, i):
-  layer = params[f'layers_{i}']
+def block_fn(layer, x):
   for j in range(MATS):
     x = x + jnp.tanh(x @ layer[f'w{j}']) * layer['scale']
   return x
@@ -39,7 +38,7 @@ def block_fn(params, x, i):
 
 def loss_fn(params, x):
   for i in range(BLOCKS):
-    x = block_fn(params, x, i)
+    x = block_fn(params[f'layers_{i}'], x)
   return jnp.mean((x @ params['head']) ** 2)
 
 
@@ -77,7 +76,7 @@ def dedicated_step(ded, opt, state):
 
   def dedicated_loss(dp, x):
     for i in range(BLOCKS):
-      x = ded.block(functools.partial(block_fn, i=i), f'layers_{i}')(dp, x)
+      x = ded.block(block_fn, f'layers_{i}')(dp, x)
     rest = dp.rest
     return jnp.mean((x @ rest['head']) ** 2)
 
@@ -115,7 +114,7 @@ class DedicatedTest(parameterized.TestCase):
                      tuple(f'layers_{i}' for i in range(BLOCKS)))
     for owned in dp.owned:
       (buf,) = owned
-      self.assertEqual(buf.sharding.spec, P(AXES))
+      self.assertEqual(buf.sharding.spec, P(('shard', 'replicate')))
       # 8 equal matrices per block on 8 owners: no padding.
       self.assertEqual(buf.size, MATS * WIDTH * WIDTH)
     self.assertIsNone(dp.rest['layers_0'].get('w0'))

@@ -92,6 +92,17 @@ class Dedication:
                     for b, lay in enumerate(self.layouts)),
         rest=P())
 
+  @staticmethod
+  def specs_of(tree: Any) -> Any:
+    """PartitionSpecs of a tree of global arrays, e.g. the optimizer state.
+
+    Leaves with a ``NamedSharding`` give its spec; any other leaf (a scalar
+    step count, a single-device array) is replicated: ``P()``.
+    """
+    return jax.tree.map(
+        lambda x: x.sharding.spec if isinstance(
+            getattr(x, 'sharding', None), NamedSharding) else P(), tree)
+
   def _boundary_leaves(self, b: int) -> list[int]:
     return [s.leaf_index for s in self.layouts[b].plan.leaves]
 
@@ -125,7 +136,7 @@ class Dedication:
       if self.num_layers[b]:
         bufs = _pack_stack(self, lay, targets)
       else:
-        bufs = jax.jit(lay.pack_full)(targets)
+        bufs = jax.jit(lay.pack_full)(_replicated(self, targets))
       sharding = NamedSharding(self.mesh, self._spec(b))
       owned.append(tuple(jax.device_put(x, sharding) for x in bufs))
     targets = {s.leaf_index for s in self.plan.leaves}
@@ -147,7 +158,8 @@ class Dedication:
       if self.num_layers[b]:
         full = _unpack_stack(self, lay, dedicated.owned[b])
       else:
-        full = jax.jit(lay.unpack_full)(dedicated.owned[b])
+        full = jax.jit(lay.unpack_full)(
+            _replicated(self, dedicated.owned[b]))
       for i, x in zip(self._boundary_leaves(b), full):
         leaves[i] = x
     return jax.tree.unflatten(self.treedef, leaves)
@@ -381,14 +393,25 @@ def _full_leaves(rest: Any, treedef) -> list[Any]:
   return treedef.flatten_up_to(rest)
 
 
+def _replicated(ded: Dedication, xs):
+  """``xs`` on every device (conversions index across the owner axes)."""
+  if ded.mesh is None:
+    return list(xs)
+  return [jax.device_put(x, NamedSharding(ded.mesh, P())) for x in xs]
+
+
 def _pack_stack(ded: Dedication, lay: _layout.Layout, targets):
   """(L, ...) targets -> per dtype (L, num_slots * local), rotated by layer."""
+  targets = _replicated(ded, targets)
+
   def one(layer, xs):
     return tuple(ded._roll(x, layer) for x in lay.pack_full(xs))  # pylint: disable=protected-access
   return jax.jit(jax.vmap(one))(jnp.arange(targets[0].shape[0]), targets)
 
 
 def _unpack_stack(ded: Dedication, lay: _layout.Layout, bufs):
+  bufs = _replicated(ded, bufs)
+
   def one(layer, bs):
     return lay.unpack_full([ded._roll(x, -layer) for x in bs])  # pylint: disable=protected-access
   return jax.jit(jax.vmap(one))(jnp.arange(bufs[0].shape[0]), list(bufs))

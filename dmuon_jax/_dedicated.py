@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -15,22 +14,25 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dmuon_jax import _boundaries
-from dmuon_jax import _collectives
-from dmuon_jax import _explicit
-from dmuon_jax import _layout
-from dmuon_jax import _newton_schulz
-from dmuon_jax import _planner
-from dmuon_jax import _transform
+from dmuon_jax import (
+  _boundaries,
+  _collectives,
+  _explicit,
+  _layout,
+  _newton_schulz,
+  _planner,
+  _transform,
+)
 
 
 class DedicatedParams(NamedTuple):
   """Params with the Muon targets stored in owner layout.
 
   Attributes:
-    owned: per hook boundary, one tuple of flat owner buffers (one per
-      dtype). A loop boundary's buffer is ``(num_slots * local,)``; a scanned
-      stack's is ``(num_layers, num_slots * local)``. Both are sharded over
+    owned: per gather group (see :class:`Dedication`), one tuple of flat
+      owner buffers (one per dtype). A loop group's buffer is
+      ``(num_slots * local,)``; a scanned stack's is
+      ``(num_iterations, num_slots * local)``. Both are sharded over
       the owner axes so that a device's block holds exactly the matrices it
       owns.
     rest: the params tree with every Muon target replaced by None.
@@ -43,28 +45,36 @@ class DedicatedParams(NamedTuple):
 class Dedication:
   """Static description of a dedicated layout (build with :func:`dedicate`).
 
-  Owner slots are numbered in buffer order: row-major over
-  :attr:`buffer_axes` (the shard axes, then the replicate axis), so that a
-  device's block of a gathered buffer is at its slot.
+  Matrices are gathered per *gather group*: ``layers_per_gather``
+  consecutive loop boundaries, or ``layers_per_gather`` layers of a scanned
+  stack per scan iteration. Owner slots are numbered in buffer order:
+  row-major over :attr:`buffer_axes` (the shard axes, then the replicate
+  axis), so that a device's block of a gathered buffer is at its slot.
 
   Attributes:
     plan: the global owner plan (slots in mesh order, as
       :func:`dmuon_jax.plan_ownership`), for inspection.
     boundaries: the hook boundaries.
-    layouts: one owner layout per boundary; for a scanned stack, the layout
-      of one layer (layer ``l`` is the same layout rotated by ``l`` slots).
-    num_layers: per boundary, the stack length (0 for a loop boundary).
+    groups: the boundary indices of each gather group.
+    layouts: one owner layout per group; for a scanned stack, the layout of
+      one iteration (iteration ``t`` is the same layout rotated by ``t``
+      slots).
+    num_iterations: per group, the number of scan iterations (0 for loop
+      boundaries).
+    layers_per_gather: boundaries (or scanned layers) per gather.
     treedef: the params tree structure.
     mesh: the mesh.
     reshard_after_forward: Z3 (True) or Z2 (False), see :meth:`block`.
     buffer_axes: owner axes, major to minor in buffer order.
-    replicate_axis: the HSDP replicate axis (gathered once, outside the
+    replicate_axis: the HSDP replicate axis (gathered first, outside the
       Z3 re-gather), or None.
   """
   plan: _planner.OwnershipPlan
   boundaries: _boundaries.HookBoundaries
+  groups: tuple[tuple[int, ...], ...]
   layouts: tuple[_layout.Layout, ...]
-  num_layers: tuple[int, ...]
+  num_iterations: tuple[int, ...]
+  layers_per_gather: int
   treedef: Any
   mesh: Any
   reshard_after_forward: bool
@@ -75,21 +85,21 @@ class Dedication:
 
   @property
   def num_slots(self) -> int:
-    return self.layouts[0].num_slots if self.layouts else 1
+    return self.plan.num_slots
 
   @property
   def _shard_axes(self) -> tuple[str, ...]:
     return tuple(a for a in self.buffer_axes if a != self.replicate_axis)
 
-  def _spec(self, b: int) -> P:
+  def _spec(self, g: int) -> P:
     axes = self.buffer_axes or None
-    return P(None, axes) if self.num_layers[b] else P(axes)
+    return P(None, axes) if self.num_iterations[g] else P(axes)
 
   def specs(self) -> DedicatedParams:
     """PartitionSpecs of a :class:`DedicatedParams` (for ``shard_map``)."""
     return DedicatedParams(
-        owned=tuple(tuple(self._spec(b) for _ in lay.dtypes)
-                    for b, lay in enumerate(self.layouts)),
+        owned=tuple(tuple(self._spec(g) for _ in lay.dtypes)
+                    for g, lay in enumerate(self.layouts)),
         rest=P())
 
   @staticmethod
@@ -103,8 +113,11 @@ class Dedication:
         lambda x: x.sharding.spec if isinstance(
             getattr(x, 'sharding', None), NamedSharding) else P(), tree)
 
-  def _boundary_leaves(self, b: int) -> list[int]:
-    return [s.leaf_index for s in self.layouts[b].plan.leaves]
+  def _group_leaves(self, g: int) -> list[int]:
+    return [s.leaf_index for s in self.layouts[g].plan.leaves]
+
+  def _group_of(self, b: int) -> int:
+    return next(g for g, bs in enumerate(self.groups) if b in bs)
 
   def _subtree_leaves(self, b: int) -> list[int]:
     """All leaves (targets or not) under boundary ``b``'s module path."""
@@ -124,20 +137,21 @@ class Dedication:
     """Moves a plain params tree into owner layout.
 
     Args:
-      params: a params tree of global arrays (any sharding).
+      params: a params tree of global arrays (any sharding; the Muon
+        targets are gathered for packing).
 
     Returns:
       The :class:`DedicatedParams`.
     """
     leaves = jax.tree.leaves(params)
     owned = []
-    for b, lay in enumerate(self.layouts):
-      targets = [leaves[i] for i in self._boundary_leaves(b)]
-      if self.num_layers[b]:
-        bufs = _pack_stack(self, lay, targets)
+    for g, lay in enumerate(self.layouts):
+      targets = _replicated(self, [leaves[i] for i in self._group_leaves(g)])
+      if self.num_iterations[g]:
+        bufs = _pack_stack(self, g, targets)
       else:
-        bufs = jax.jit(lay.pack_full)(_replicated(self, targets))
-      sharding = NamedSharding(self.mesh, self._spec(b))
+        bufs = jax.jit(lay.pack_full)(targets)
+      sharding = NamedSharding(self.mesh, self._spec(g))
       owned.append(tuple(jax.device_put(x, sharding) for x in bufs))
     targets = {s.leaf_index for s in self.plan.leaves}
     rest = jax.tree.unflatten(self.treedef, [
@@ -151,16 +165,16 @@ class Dedication:
       dedicated: a :class:`DedicatedParams` of global arrays.
 
     Returns:
-      The params tree, Muon targets as full (unsharded-layout) arrays.
+      The params tree; Muon targets are replicated full arrays.
     """
     leaves = _full_leaves(dedicated.rest, self.treedef)
-    for b, lay in enumerate(self.layouts):
-      if self.num_layers[b]:
-        full = _unpack_stack(self, lay, dedicated.owned[b])
+    for g, lay in enumerate(self.layouts):
+      bufs = _replicated(self, dedicated.owned[g])
+      if self.num_iterations[g]:
+        full = _unpack_stack(self, g, bufs)
       else:
-        full = jax.jit(lay.unpack_full)(
-            _replicated(self, dedicated.owned[b]))
-      for i, x in zip(self._boundary_leaves(b), full):
+        full = jax.jit(lay.unpack_full)(bufs)
+      for i, x in zip(self._group_leaves(g), full):
         leaves[i] = x
     return jax.tree.unflatten(self.treedef, leaves)
 
@@ -172,29 +186,32 @@ class Dedication:
     return [jax.lax.all_gather(x, self.replicate_axis, tiled=True)
             for x in local]
 
-  def _gather_shard(self, local: Sequence[jax.Array]) -> list[jax.Array]:
-    if not self._shard_axes:
-      return list(local)
-    return [jax.lax.all_gather(x, self._shard_axes, tiled=True)
-            for x in local]
-
-  def _materialize(self, b: int, rep_local, layer=None) -> dict[int, Any]:
+  def _materialize(self, g: int, rep_local, iteration=None
+                   ) -> dict[int, Any]:
     """Leaf index -> full target, from replicate-gathered local buffers."""
-    full = self._gather_shard(rep_local)
-    if layer is not None:
-      full = [self._roll(x, -layer) for x in full]
-    return dict(zip(self._boundary_leaves(b),
-                    self.layouts[b].unpack_full(full)))
+    full = list(rep_local)
+    if self._shard_axes:
+      full = [jax.lax.all_gather(x, self._shard_axes, tiled=True)
+              for x in full]
+    if iteration is not None:
+      full = [self._roll(x, -iteration) for x in full]
+    return dict(zip(self._group_leaves(g),
+                    self.layouts[g].unpack_full(full)))
 
-  def _subtree(self, b: int, leaves: list[Any]) -> Any:
+  def _fill(self, b: int, sub: list[int], sub_rest, mats) -> Any:
+    """Boundary ``b``'s params subtree from its rest leaves and targets."""
+    leaves = [None] * len(self._leaf_paths)
+    for i, x in zip(sub, sub_rest):
+      leaves[i] = mats.get(i, x)
     tree = jax.tree.unflatten(self.treedef, leaves)
     return _boundaries._subtree(tree, self._boundary_keys[b])  # pylint: disable=protected-access
 
   def params(self, dedicated: DedicatedParams) -> Any:
     """The full params tree inside ``shard_map``: every boundary gathered.
 
-    Handy for evaluation; in a train step use :meth:`block` / :meth:`scan`,
-    which gather one boundary at a time and control Z2/Z3.
+    Handy for evaluation; in a train step use :meth:`block`,
+    :meth:`sequential` or :meth:`scan`, which gather one group at a time and
+    control Z2/Z3.
 
     Args:
       dedicated: the local view of :class:`DedicatedParams`.
@@ -203,21 +220,24 @@ class Dedication:
       The params tree.
     """
     leaves = _full_leaves(dedicated.rest, self.treedef)
-    for b in range(len(self.layouts)):
-      rep = self._gather_replicate(dedicated.owned[b])
-      if self.num_layers[b]:
+    for g in range(len(self.layouts)):
+      rep = self._gather_replicate(dedicated.owned[g])
+      iters = self.num_iterations[g]
+      if iters:
+        idx = self._group_leaves(g)
         mats = jax.lax.map(
-            lambda a: list(self._materialize(b, a[1], a[0]).values()),
-            (jnp.arange(self.num_layers[b]), rep))
-        got = dict(zip(self._boundary_leaves(b), mats))
+            lambda a, g=g, idx=idx: [self._materialize(g, a[1], a[0])[i]
+                                     for i in idx],
+            (jnp.arange(iters), rep))
+        got = {i: m.reshape((-1,) + m.shape[2:]) for i, m in zip(idx, mats)}
       else:
-        got = self._materialize(b, rep)
+        got = self._materialize(g, rep)
       for i, x in got.items():
         leaves[i] = x
     return jax.tree.unflatten(self.treedef, leaves)
 
-  def _z3(self, run: Callable[..., Any]) -> Callable[..., Any]:
-    """``run(rep_local, *rest)`` that gathers again in the backward pass.
+  def _maybe_z3(self, run: Callable[..., Any]) -> Callable[..., Any]:
+    """``run(rep_local, *args)``, gathered again in the backward pass (Z3).
 
     ``jax.checkpoint`` expresses the same, but XLA:CPU drops its
     optimization barriers and merges the two identical all-gathers, which
@@ -226,6 +246,9 @@ class Dedication:
     tie is 0 for a finite cotangent; a non-finite one poisons the block's
     gradients, which it would do anyway.
     """
+    if not self.reshard_after_forward:
+      return run
+
     @jax.custom_vjp
     def z3(rep_local, *args):
       return run(rep_local, *args)
@@ -263,35 +286,102 @@ class Dedication:
 
     Returns:
       ``(dedicated, *args) -> out``, to call inside ``shard_map``.
+
+    Raises:
+      ValueError: for an unknown or scanned boundary, or one gathered
+        together with others (``layers_per_gather > 1``: use
+        :meth:`sequential`).
     """
     b = self._boundary(boundary, scanned=False)
+    g = self._group_of(b)
+    if len(self.groups[g]) > 1:
+      raise ValueError(
+          f'dmuon: boundary {boundary!r} is gathered together with '
+          f'{[self.boundaries.names[i] for i in self.groups[g]]} '
+          f'(layers_per_gather={self.layers_per_gather}); run them with '
+          'Dedication.sequential.')
     sub = self._subtree_leaves(b)
 
     def run(rep_local, sub_rest, *args):
-      leaves = [None] * len(self._leaf_paths)
-      for i, x in zip(sub, sub_rest):
-        leaves[i] = x
-      for i, x in self._materialize(b, rep_local).items():
-        leaves[i] = x
-      return fn(self._subtree(b, leaves), *args)
+      return fn(self._fill(b, sub, sub_rest, self._materialize(g, rep_local)),
+                *args)
 
-    inner = self._z3(run) if self.reshard_after_forward else run
+    inner = self._maybe_z3(run)
 
     def call(dedicated, *args):
       rest = _full_leaves(dedicated.rest, self.treedef)
-      rep = self._gather_replicate(dedicated.owned[b])
-      return inner(rep, [rest[i] for i in sub], *args)
+      return inner(self._gather_replicate(dedicated.owned[g]),
+                   [rest[i] for i in sub], *args)
+
+    return call
+
+  def sequential(self, fn: Callable[[Any, Any], Any],
+                 boundaries: Sequence[str]
+                 ) -> Callable[[DedicatedParams, Any], Any]:
+    """Runs blocks one after another: ``x = fn(block_params, x)`` each.
+
+    Like :meth:`block` for each boundary, but one gather per group of
+    ``layers_per_gather`` boundaries (fewer, larger gathers pad the packed
+    owner buffers less; Z3 keeps one group's weights at a time).
+
+    Args:
+      fn: ``(block_params, x) -> x``, as for :meth:`block`.
+      boundaries: loop boundary names, in order; whole gather groups.
+
+    Returns:
+      ``(dedicated, x) -> x``, to call inside ``shard_map``.
+
+    Raises:
+      ValueError: for unknown or scanned boundaries or a split group.
+    """
+    idx = [self._boundary(name, scanned=False) for name in boundaries]
+    plan = []
+    while idx:
+      g = self._group_of(idx[0])
+      size = len(self.groups[g])
+      if tuple(idx[:size]) != self.groups[g]:
+        raise ValueError(
+            f'dmuon: boundaries {list(boundaries)} split the gather group '
+            f'{[self.boundaries.names[i] for i in self.groups[g]]}; pass '
+            'whole groups, in order.')
+      plan.append(g)
+      idx = idx[size:]
+
+    def make(g):
+      subs = [self._subtree_leaves(b) for b in self.groups[g]]
+
+      def run(rep_local, sub_rests, x):
+        mats = self._materialize(g, rep_local)
+        for b, sub, sub_rest in zip(self.groups[g], subs, sub_rests):
+          x = fn(self._fill(b, sub, sub_rest, mats), x)
+        return x
+
+      inner = self._maybe_z3(run)
+
+      def call(dedicated, x):
+        rest = _full_leaves(dedicated.rest, self.treedef)
+        return inner(self._gather_replicate(dedicated.owned[g]),
+                     [[rest[i] for i in sub] for sub in subs], x)
+      return call
+
+    calls = [make(g) for g in plan]
+
+    def call(dedicated, x):
+      for c in calls:
+        x = c(dedicated, x)
+      return x
 
     return call
 
   def scan(self, fn: Callable[[Any, Any], Any], boundary: str
            ) -> Callable[[DedicatedParams, Any], Any]:
-    """Runs a scanned stack of blocks, gathering one layer per iteration.
+    """Runs a scanned stack of blocks, gathering per scan iteration.
 
-    The stacked params of ``boundary`` (leading layer axis) are sliced per
-    layer inside a :func:`jax.lax.scan`; each iteration all-gathers that
-    layer's matrices from their owners (owners rotate by one slot per
-    layer). Z2/Z3 as for :meth:`block`.
+    The stacked params of ``boundary`` (leading layer axis) are sliced in a
+    :func:`jax.lax.scan`; each iteration all-gathers ``layers_per_gather``
+    layers' matrices from their owners (owners rotate by one slot per
+    iteration) and applies ``fn`` to each layer. Z2/Z3 as for
+    :meth:`block`.
 
     Args:
       fn: ``(layer_params, carry) -> carry``; ``layer_params`` is the
@@ -300,36 +390,37 @@ class Dedication:
 
     Returns:
       ``(dedicated, carry) -> carry``, to call inside ``shard_map``.
+
+    Raises:
+      ValueError: for an unknown boundary or one that is not scanned.
     """
     b = self._boundary(boundary, scanned=True)
+    g = self._group_of(b)
     sub = self._subtree_leaves(b)
+    k, iters = self.layers_per_gather, self.num_iterations[g]
 
-    def run(rep_local, layer, sub_rest, carry):
-      leaves = [None] * len(self._leaf_paths)
-      for i, x in zip(sub, sub_rest):
-        leaves[i] = x
-      for i, x in self._materialize(b, rep_local, layer).items():
-        leaves[i] = x
-      return fn(self._subtree(b, leaves), carry)
+    def run(rep_local, sub_rest, carry, iteration):
+      mats = self._materialize(g, rep_local, iteration)
+      for j in range(k):
+        carry = fn(self._fill(b, sub, [None if x is None else x[j]
+                                       for x in sub_rest],
+                              {i: m[j] for i, m in mats.items()}), carry)
+      return carry
 
-    if self.reshard_after_forward:
-      z3 = self._z3(lambda rep, sub_rest, carry, layer: run(
-          rep, layer, sub_rest, carry))
-      inner = lambda rep, layer, sub_rest, carry: z3(rep, sub_rest, carry,
-                                                     layer)
-    else:
-      inner = run
+    inner = self._maybe_z3(run)
 
     def call(dedicated, carry):
       rest = _full_leaves(dedicated.rest, self.treedef)
 
       def body(carry, xs):
-        layer, owned_l, sub_l = xs
-        rep = self._gather_replicate(owned_l)
-        return inner(rep, layer, sub_l, carry), None
+        iteration, owned, sub_rest = xs
+        return inner(self._gather_replicate(owned), sub_rest, carry,
+                     iteration), None
 
-      xs = (jnp.arange(self.num_layers[b]), list(dedicated.owned[b]),
-            [rest[i] for i in sub])
+      xs = (jnp.arange(iters), list(dedicated.owned[g]),
+            [None if rest[i] is None
+             else rest[i].reshape((iters, k) + rest[i].shape[1:])
+             for i in sub])
       return jax.lax.scan(body, carry, xs)[0]
 
     return call
@@ -340,11 +431,11 @@ class Dedication:
           f'dmuon: no hook boundary {boundary!r}; the boundaries are '
           f'{list(self.boundaries.names)}.')
     b = self.boundaries.names.index(boundary)
-    if bool(self.num_layers[b]) != scanned:
+    if self.boundaries.scanned[b] != scanned:
       raise ValueError(
           f'dmuon: boundary {boundary!r} is '
-          f'{"a scanned stack" if self.num_layers[b] else "not scanned"}; '
-          f'use Dedication.{"scan" if self.num_layers[b] else "block"}.')
+          f'{"a scanned stack" if not scanned else "not scanned"}; use '
+          f'Dedication.{"scan" if not scanned else "block or sequential"}.')
     return b
 
   # -- inspection ------------------------------------------------------------
@@ -353,39 +444,51 @@ class Dedication:
     """``(payload, gathered)`` bytes of one full materialization.
 
     ``payload`` is the Muon targets' bytes; ``gathered`` what the packed
-    owner buffers hold (each boundary pads every owner's share to the
-    largest one in it).
+    owner buffers hold (each gather pads every owner's share to the largest
+    one in it).
+
+    Returns:
+      The two byte counts.
     """
     payload = gathered = 0
-    for b, lay in enumerate(self.layouts):
-      layers = self.num_layers[b] or 1
-      for g, d in enumerate(lay.dtypes):
-        item = np.dtype(d).itemsize
-        payload += layers * int(lay.slot_used[g].sum()) * item
-        gathered += layers * lay.num_slots * lay.local_sizes[g] * item
+    for g, lay in enumerate(self.layouts):
+      used, held = _group_bytes(lay)
+      payload += max(self.num_iterations[g], 1) * used
+      gathered += max(self.num_iterations[g], 1) * held
     return payload, gathered
 
   def summary(self) -> str:
-    """Boundaries, padding of the packed owner buffers, predicted bytes."""
-    n = self.num_slots
+    """The gather groups, their padding, and the owner plan's summary."""
     payload, gathered = self.gather_bytes()
-    lines = [f'Dedicated ownership on {n} slots '
-             f'({"Z3" if self.reshard_after_forward else "Z2"}), buffer axes '
-             f'{self.buffer_axes}' + (f', replicate axis '
-                                      f'{self.replicate_axis!r}'
-                                      if self.replicate_axis else '')]
-    for b, name in enumerate(self.boundaries.names):
-      lay = self.layouts[b]
-      used = sum(int(lay.slot_used[g].sum()) for g in range(lay.num_groups))
-      held = sum(n * s for s in lay.local_sizes)
-      kind = (f'scanned x{self.num_layers[b]}' if self.num_layers[b]
-              else 'block')
-      lines.append(f'  {name or "<root>"} ({kind}): {len(lay.plan.units)} '
-                   f'matrices/layer, padding {100 * (held / max(used, 1) - 1):.1f}%')
-    lines.append(f'  Muon params {_planner._human_bytes(payload)}, gathered '  # pylint: disable=protected-access
-                 f'{_planner._human_bytes(gathered)} '  # pylint: disable=protected-access
+    mode = 'Z3' if self.reshard_after_forward else 'Z2'
+    lines = [f'Dedicated ownership ({mode}) on {self.num_slots} slots, '
+             f'buffer axes {self.buffer_axes}'
+             + (f', replicate axis {self.replicate_axis!r}'
+                if self.replicate_axis else '')
+             + f', {self.layers_per_gather} layer(s) per gather']
+    for g, lay in enumerate(self.layouts):
+      used, held = _group_bytes(lay)
+      names = ', '.join(self.boundaries.names[b] or '<root>'
+                        for b in self.groups[g])
+      times = (f' x {self.num_iterations[g]} iterations'
+               if self.num_iterations[g] else '')
+      lines.append(f'  gather {g}: {names}{times}: {len(lay.plan.units)} '
+                   f'matrices, {_planner._human_bytes(used)} gathered as '  # pylint: disable=protected-access
+                   f'{_planner._human_bytes(held)} '  # pylint: disable=protected-access
+                   f'(padding {100 * (held / max(used, 1) - 1):.1f}%)')
+    lines.append(f'  total: Muon params {_planner._human_bytes(payload)}, '  # pylint: disable=protected-access
+                 f'gathered {_planner._human_bytes(gathered)} '  # pylint: disable=protected-access
                  f'(padding {100 * (gathered / max(payload, 1) - 1):.1f}%)')
     return '\n'.join(lines + [self.plan.summary()])
+
+
+def _group_bytes(lay: _layout.Layout) -> tuple[int, int]:
+  used = held = 0
+  for g, d in enumerate(lay.dtypes):
+    item = np.dtype(d).itemsize
+    used += int(lay.slot_used[g].sum()) * item
+    held += lay.num_slots * lay.local_sizes[g] * item
+  return used, held
 
 
 def _full_leaves(rest: Any, treedef) -> list[Any]:
@@ -400,30 +503,31 @@ def _replicated(ded: Dedication, xs):
   return [jax.device_put(x, NamedSharding(ded.mesh, P())) for x in xs]
 
 
-def _pack_stack(ded: Dedication, lay: _layout.Layout, targets):
-  """(L, ...) targets -> per dtype (L, num_slots * local), rotated by layer."""
-  targets = _replicated(ded, targets)
+def _pack_stack(ded: Dedication, g: int, targets):
+  """(L, ...) targets -> per dtype (iters, num_slots * local), rotated."""
+  iters, lay = ded.num_iterations[g], ded.layouts[g]
 
-  def one(layer, xs):
-    return tuple(ded._roll(x, layer) for x in lay.pack_full(xs))  # pylint: disable=protected-access
-  return jax.jit(jax.vmap(one))(jnp.arange(targets[0].shape[0]), targets)
+  def one(iteration, xs):
+    return tuple(ded._roll(x, iteration) for x in lay.pack_full(xs))  # pylint: disable=protected-access
 
+  def pack(targets):
+    targets = [x.reshape((iters, -1) + x.shape[1:]) for x in targets]
+    return jax.vmap(one)(jnp.arange(iters), targets)
 
-def _unpack_stack(ded: Dedication, lay: _layout.Layout, bufs):
-  bufs = _replicated(ded, bufs)
-
-  def one(layer, bs):
-    return lay.unpack_full([ded._roll(x, -layer) for x in bs])  # pylint: disable=protected-access
-  return jax.jit(jax.vmap(one))(jnp.arange(bufs[0].shape[0]), list(bufs))
+  return jax.jit(pack)(targets)
 
 
-def _layer_spec(spec: _planner.LeafSpec) -> _planner.LeafSpec:
-  """The spec of one layer of a stacked leaf (leading axis removed)."""
-  down = lambda axes: tuple(a - 1 for a in axes if a != 0)
-  return dataclasses.replace(
-      spec, shape=spec.shape[1:], batch_axes=down(spec.batch_axes),
-      reduction_axes=down(spec.reduction_axes),
-      output_axes=down(spec.output_axes))
+def _unpack_stack(ded: Dedication, g: int, bufs):
+  iters, lay = ded.num_iterations[g], ded.layouts[g]
+
+  def one(iteration, bs):
+    return lay.unpack_full([ded._roll(x, -iteration) for x in bs])  # pylint: disable=protected-access
+
+  def unpack(bufs):
+    out = jax.vmap(one)(jnp.arange(iters), bufs)
+    return [x.reshape((-1,) + x.shape[2:]) for x in out]
+
+  return jax.jit(unpack)(list(bufs))
 
 
 def _buffer_axes(plan: _planner.OwnershipPlan, replicate_axis: str | None
@@ -440,12 +544,30 @@ def _buffer_axes(plan: _planner.OwnershipPlan, replicate_axis: str | None
 
 def _to_plan_slot(plan: _planner.OwnershipPlan, buffer_axes, slot: int
                   ) -> int:
+  if not plan.axis_names:
+    return 0
   sizes = dict(zip(plan.axis_names, plan.mesh_shape))
   coords = dict(zip(buffer_axes, np.unravel_index(
-      slot, [sizes[a] for a in buffer_axes]))) if buffer_axes else {}
+      slot, [sizes[a] for a in buffer_axes])))
   return int(np.ravel_multi_index(
-      [int(coords.get(a, 0)) for a in plan.axis_names], plan.mesh_shape)
-             ) if plan.axis_names else 0
+      [int(coords[a]) for a in plan.axis_names], plan.mesh_shape))
+
+
+def _gather_groups(bounds: _boundaries.HookBoundaries, k: int
+                   ) -> list[tuple[int, ...]]:
+  """Consecutive loop boundaries by ``k``; each scanned stack alone."""
+  groups, run = [], []
+  for b, scanned in enumerate(bounds.scanned):
+    if scanned:
+      groups.append((b,))
+      continue
+    run.append(b)
+    if len(run) == k:
+      groups.append(tuple(run))
+      run = []
+  if run:
+    groups.append(tuple(run))
+  return groups
 
 
 def dedicate(
@@ -457,23 +579,30 @@ def dedicate(
     boundary_predicate: _boundaries.BoundaryPredicate | None = None,
     strict: bool = True,
     reshard_after_forward: bool = True,
+    layers_per_gather: int = 1,
     axis_names: Sequence[str] | None = None,
     replicate_axis: str | None = 'replicate',
 ) -> Dedication:
   """Plans dedicated ownership: each Muon matrix stored only on its owner.
 
-  Matrices are assigned to owners boundary by boundary: within a hook
-  boundary (see :func:`dmuon_jax.find_hook_boundaries`), largest first, to
-  the owner holding the fewest bytes of that boundary (ties: the least
-  Newton–Schulz work so far), so that the packed per-boundary gather pads
-  little while the NS work stays balanced over the whole model. A scanned
-  stack is planned for one layer; layer ``l`` rotates those owners by ``l``
-  slots, which spreads every matrix of the layer over all devices.
+  Matrices are gathered per group of ``layers_per_gather`` hook boundaries
+  (see :func:`dmuon_jax.find_hook_boundaries`) or scanned layers. Within a
+  group they are assigned to owners largest first, each to the owner
+  holding the fewest bytes of that group (ties: the least Newton–Schulz
+  work so far), so the packed gather pads little while NS work stays
+  balanced over the whole model. A scanned stack is planned for one
+  iteration; iteration ``t`` rotates those owners by ``t`` slots.
 
-  On an HSDP mesh, owners are global ``(replicate, shard)`` slots: a
-  boundary is gathered over ``replicate`` and then over the shard axes, so
-  that Z3's backward re-gather stays inside the shard group, and gradients
-  are reduce-scattered over the shard axes, then over ``replicate``.
+  A gather moves ``num_slots * (largest owner share)`` bytes: a block with
+  fewer, unequal matrices than devices pads (e.g. a transformer block of 4
+  ``d x d`` and 2 ``d x 2d`` matrices on 8 devices: 100%). Larger groups pad
+  less (2 such blocks per gather: 0%) at the cost of Z3 memory (one group's
+  weights). ``summary()`` reports the padding.
+
+  On an HSDP mesh, owners are global ``(replicate, shard)`` slots: a group
+  is gathered over ``replicate`` and then over the shard axes, so that Z3's
+  backward re-gather stays inside the shard group; gradients are
+  reduce-scattered over the shard axes, then over ``replicate``.
 
   Args:
     params: the params tree (shapes are enough).
@@ -485,6 +614,8 @@ def dedicate(
     strict: raise if a target has no boundary.
     reshard_after_forward: True for Z3 (gather again in the backward pass),
       False for Z2 (keep the gathered weights).
+    layers_per_gather: boundaries (or scanned layers) per gather; must
+      divide the length of every scanned stack.
     axis_names: the owner axes (default: all mesh axes).
     replicate_axis: the HSDP replicate axis name, if the mesh has it.
 
@@ -492,9 +623,16 @@ def dedicate(
     A :class:`Dedication`; move params with ``to_dedicated``.
 
   Raises:
-    ValueError: for targets without a boundary (strict mode) or a scanned
-      stack whose leaves do not share a leading layer axis.
+    ValueError: for targets without a boundary (strict mode), a scanned
+      stack whose leaves do not share a leading layer axis, or a
+      ``layers_per_gather`` that does not divide a stack.
   """
+  if (not isinstance(layers_per_gather, int)
+      or isinstance(layers_per_gather, bool) or layers_per_gather < 1):
+    raise ValueError(
+        f'dmuon: layers_per_gather={layers_per_gather!r} must be a positive '
+        'int.')
+  k = layers_per_gather
   bounds = _boundaries.find_hook_boundaries(
       params, predicate=predicate,
       weight_dimension_numbers=weight_dimension_numbers,
@@ -503,69 +641,78 @@ def dedicate(
       params, mesh, axis_names=axis_names, predicate=predicate,
       weight_dimension_numbers=weight_dimension_numbers)
   buffer_axes, rep_axis = _buffer_axes(plan, replicate_axis)
+  sizes = dict(zip(plan.axis_names, plan.mesh_shape))
   n = plan.num_slots
   leaves = jax.tree.leaves(params)
+  flat = jax.tree.flatten_with_path(params)[0]
+  leaf_paths = tuple(_planner.normalize_path(keys) for keys, _ in flat)
   path_boundary = dict(zip(bounds.paths, bounds.of_target))
-  unit_ids = {(u.leaf_index, u.batch_index): k
-              for k, u in enumerate(plan.units)}
+  unit_ids = {(u.leaf_index, u.batch_index): i
+              for i, u in enumerate(plan.units)}
   owners = [0] * len(plan.units)
   work = np.zeros(n)
-  layouts, num_layers = [], []
-  for b, name in enumerate(bounds.names):
-    specs = [s for s in plan.leaves if path_boundary[s.path] == b]
-    layers = 0
-    if bounds.scanned[b]:
-      layers = specs[0].shape[0]
+  groups = _gather_groups(bounds, k)
+  layouts, num_iterations = [], []
+  for group in groups:
+    specs = [s for s in plan.leaves if path_boundary[s.path] in group]
+    iters = 0
+    if bounds.scanned[group[0]]:
+      name = bounds.names[group[0]]
+      length = specs[0].shape[0]
       bad = [s.path for s in specs
-             if 0 not in s.batch_axes or s.shape[0] != layers]
+             if 0 not in s.batch_axes or s.shape[0] != length]
       if bad:
         raise ValueError(
             f'dmuon: scanned stack {name!r} needs every Muon target to have '
             f'the same leading layer axis (a batch axis of its dimension '
-            f'numbers) of size {layers}; these do not: {bad}.')
-      specs = [_layer_spec(s) for s in specs]
-    base = [dataclasses.replace(u, batch_index=u.batch_index[1:])
-            if layers else u
-            for u in plan.units
-            if path_boundary.get(u.path) == b
-            and (not layers or u.batch_index[0] == 0)]
+            f'numbers) of size {length}; these do not: {bad}.')
+      if length % k:
+        raise ValueError(
+            f'dmuon: layers_per_gather={k} does not divide the {length} '
+            f'layers of scanned stack {name!r}.')
+      iters = length // k
+      specs = [dataclasses.replace(s, shape=(k,) + s.shape[1:])
+               for s in specs]
+    in_group = {s.leaf_index for s in specs}
+    base = [u for u in plan.units if u.leaf_index in in_group
+            and (not iters or u.batch_index[0] < k)]
     held = np.zeros(n)
     base_owner = [0] * len(base)
-    # LPT by bytes inside the boundary (largest first, to the owner holding
+    # LPT by bytes inside the group (largest first, to the owner holding
     # the fewest bytes of it; ties by NS work so far, then slot index).
-    for k in sorted(range(len(base)),
-                    key=lambda k: (-base[k].nbytes, -base[k].cost, k)):
-      u = base[k]
+    for i in sorted(range(len(base)),
+                    key=lambda i: (-base[i].nbytes, -base[i].cost, i)):
+      u = base[i]
       slot = min(range(n), key=lambda s: (held[s], work[s], s))
       held[slot] += u.nbytes
-      base_owner[k] = slot
-      for layer in range(max(layers, 1)):
-        key = (u.leaf_index,
-               ((layer,) + u.batch_index) if layers else u.batch_index)
-        owner = (slot + layer) % n
+      base_owner[i] = slot
+      for t in range(max(iters, 1)):
+        index = u.batch_index
+        if iters:
+          index = (t * k + index[0],) + index[1:]
+        owner = (slot + t) % n
         work[owner] += u.cost
-        owners[unit_ids[key]] = _to_plan_slot(plan, buffer_axes, owner)
-    sizes = dict(zip(plan.axis_names, plan.mesh_shape))
+        owners[unit_ids[(u.leaf_index, index)]] = _to_plan_slot(
+            plan, buffer_axes, owner)
     sub = dataclasses.replace(
         plan, axis_names=buffer_axes,
         mesh_shape=tuple(sizes[a] for a in buffer_axes),
         leaves=tuple(specs), units=tuple(base), owners=tuple(base_owner))
     layouts.append(_layout.Layout(
         sub, [leaves[s.leaf_index].dtype for s in specs]))
-    num_layers.append(layers)
-  plan = dataclasses.replace(plan, owners=tuple(owners))
-  flat = jax.tree.flatten_with_path(params)[0]
-  leaf_paths = tuple(_planner.normalize_path(k) for k, _ in flat)
+    num_iterations.append(iters)
   boundary_keys = []
   for name in bounds.names:
     depth = len([s for s in name.split('/') if s])
-    for keys, _ in flat:
-      path = _planner.normalize_path(keys)
-      if not name or path.startswith(name + '/'):
-        boundary_keys.append(tuple(keys[:depth]))
-        break
-  return Dedication(plan=plan, boundaries=bounds, layouts=tuple(layouts),
-                    num_layers=tuple(num_layers),
+    boundary_keys.append(next(
+        tuple(keys[:depth]) for keys, path in zip(
+            (keys for keys, _ in flat), leaf_paths)
+        if not name or path == name or path.startswith(name + '/')))
+  return Dedication(plan=dataclasses.replace(plan, owners=tuple(owners)),
+                    boundaries=bounds, groups=tuple(groups),
+                    layouts=tuple(layouts),
+                    num_iterations=tuple(num_iterations),
+                    layers_per_gather=k,
                     treedef=jax.tree.structure(params), mesh=mesh,
                     reshard_after_forward=reshard_after_forward,
                     buffer_axes=buffer_axes, replicate_axis=rep_axis,
@@ -648,11 +795,11 @@ def scale_by_dedicated_muon(
           g, state.mu[b], count_inc, beta=beta, nesterov=nesterov,
           rule='optax')
       hat = tuple(h.astype(x.dtype) for h, x in zip(hat, grads[b]))
-      if dedication.num_layers[b]:
-        # Layer l holds base slot (slot - l) mod n of the layer layout.
+      if dedication.num_iterations[b]:
+        # Iteration t holds base slot (slot - t) mod n of the layout.
         res = jax.lax.map(
             lambda a, lay=lay: orthogonalize(lay, a[1], shift=a[0]),
-            (jnp.arange(dedication.num_layers[b]), hat))
+            (jnp.arange(dedication.num_iterations[b]), hat))
       else:
         res = orthogonalize(lay, hat)
       out.append(tuple(res))

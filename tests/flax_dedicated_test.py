@@ -65,6 +65,9 @@ def dedicated_loss(ded, scan):
     x = jnp.take(p['embed']['embedding'], tokens, axis=0)
     if scan:
       x = ded.scan(apply, 'params/layers')(dp, x)
+    elif ded.layers_per_gather > 1:
+      x = ded.sequential(apply, [f'params/layers_{i}'
+                                 for i in range(tf.DEPTH)])(dp, x)
     else:
       for i in range(tf.DEPTH):
         x = ded.block(apply, f'params/layers_{i}')(dp, x)
@@ -90,11 +93,12 @@ def train_step(ded, opt, state, scan):
   return step
 
 
-def setup(shape, scan, z3):
+def setup(shape, scan, z3, per_gather=1):
   mesh = distributed_test.make_mesh(shape)
   params = tf.init(scan)
   ded = _dedicated.dedicate(params, mesh, predicate=tf.predicate,
-                            reshard_after_forward=z3)
+                            reshard_after_forward=z3,
+                            layers_per_gather=per_gather)
   dp = ded.to_dedicated(jax.device_put(params, NamedSharding(mesh, P())))
   opt = _dedicated.dedicated_muon(ded, LR)
   state = opt.init(dp)
@@ -103,8 +107,8 @@ def setup(shape, scan, z3):
 
 
 @functools.cache
-def dedicated_run(shape, scan, z3):
-  ded, dp, opt, state, tokens = setup(shape, scan, z3)
+def dedicated_run(shape, scan, z3, per_gather=1):
+  ded, dp, opt, state, tokens = setup(shape, scan, z3, per_gather)
   step = train_step(ded, opt, state, scan)
   losses = []
   for _ in range(STEPS):
@@ -117,6 +121,10 @@ CONFIGS = [(f'{"scan" if scan else "loop"}_{"z3" if z3 else "z2"}_'
             f'{shape[0]}x{shape[1]}', shape, scan, z3)
            for scan in (False, True) for z3 in (False, True)
            for shape in ((1, 8), (2, 4), (8, 1))]
+# Two layers per gather (sequential / two layers per scan iteration).
+CONFIGS += [(f'{"scan" if scan else "loop"}_z3_{shape[0]}x{shape[1]}_k2',
+             shape, scan, True, 2)
+            for scan in (False, True) for shape in ((1, 8), (2, 4))]
 
 
 class FlaxDedicatedTest(parameterized.TestCase):
@@ -125,14 +133,14 @@ class FlaxDedicatedTest(parameterized.TestCase):
     loop = _dedicated.dedicate(tf.init(False), None, predicate=tf.predicate)
     self.assertEqual(loop.boundaries.names,
                      tuple(f'params/layers_{i}' for i in range(tf.DEPTH)))
-    self.assertEqual(loop.num_layers, (0,) * tf.DEPTH)
+    self.assertEqual(loop.num_iterations, (0,) * tf.DEPTH)
     scan = _dedicated.dedicate(tf.init(True), None, predicate=tf.predicate)
     self.assertEqual(scan.boundaries.names, ('params/layers',))
-    self.assertEqual(scan.num_layers, (tf.DEPTH,))
+    self.assertEqual(scan.num_iterations, (tf.DEPTH,))
 
   @parameterized.named_parameters(*CONFIGS)
-  def test_matches_optax_muon(self, shape, scan, z3):
-    params, losses = dedicated_run(shape, scan, z3)
+  def test_matches_optax_muon(self, shape, scan, z3, per_gather=1):
+    params, losses = dedicated_run(shape, scan, z3, per_gather)
     ref_params, ref_losses = reference(scan)
     self.assertLess(losses[-1], losses[0] - 0.5)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)

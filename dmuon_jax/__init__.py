@@ -6,6 +6,14 @@ from dmuon_jax._alias import dmuon as dmuon
 from dmuon_jax._alias import muon_labels as muon_labels
 from dmuon_jax._boundaries import HookBoundaries as HookBoundaries
 from dmuon_jax._boundaries import find_hook_boundaries as find_hook_boundaries
+from dmuon_jax._dedicated import DedicatedMuonState as DedicatedMuonState
+from dmuon_jax._dedicated import DedicatedParams as DedicatedParams
+from dmuon_jax._dedicated import Dedication as Dedication
+from dmuon_jax._dedicated import dedicate as dedicate
+from dmuon_jax._dedicated import dedicated_muon as dedicated_muon
+from dmuon_jax._dedicated import (
+    scale_by_dedicated_muon as scale_by_dedicated_muon,
+)
 from dmuon_jax._diagnostics import Collective as Collective
 from dmuon_jax._diagnostics import HloReport as HloReport
 from dmuon_jax._diagnostics import analyze as analyze_hlo
@@ -34,6 +42,9 @@ __version__ = '0.1.0'
 
 __all__ = (
     'Collective',
+    'DedicatedMuonState',
+    'DedicatedParams',
+    'Dedication',
     'HloReport',
     'HookBoundaries',
     'MuonDimensionNumbers',
@@ -42,6 +53,8 @@ __all__ = (
     'analyze_hlo',
     'OwnershipPlan',
     'ScaleByDMuonState',
+    'dedicate',
+    'dedicated_muon',
     'default_muon_predicate',
     'dmuon',
     'find_hook_boundaries',
@@ -53,6 +66,7 @@ __all__ = (
     'orthogonalize_via_newton_schulz',
     'plan_ownership',
     'resolve_ns_coeffs',
+    'scale_by_dedicated_muon',
     'scale_by_dmuon',
     'scale_by_shape',
 )

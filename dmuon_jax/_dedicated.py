@@ -68,6 +68,7 @@ class Dedication:
     buffer_axes: owner axes, major to minor in buffer order.
     replicate_axis: the HSDP replicate axis (gathered first, outside the
       Z3 re-gather), or None.
+    remat_policy: the ``jax.checkpoint`` policy of a Z3 block.
   """
   plan: _planner.OwnershipPlan
   boundaries: _boundaries.HookBoundaries
@@ -80,6 +81,7 @@ class Dedication:
   reshard_after_forward: bool
   buffer_axes: tuple[str, ...]
   replicate_axis: str | None
+  remat_policy: Callable[..., Any]
   _leaf_paths: tuple[str, ...]
   _boundary_keys: tuple[Any, ...]
 
@@ -239,29 +241,46 @@ class Dedication:
   def _maybe_z3(self, run: Callable[..., Any]) -> Callable[..., Any]:
     """``run(rep_local, *args)``, gathered again in the backward pass (Z3).
 
-    ``jax.checkpoint`` expresses the same, but XLA:CPU drops its
-    optimization barriers and merges the two identical all-gathers, which
-    silently turns Z3 into Z2. Tying the backward gather to the cotangent
-    makes it a different value that XLA must compute after the forward. The
-    tie is 0 for a finite cotangent; a non-finite one poisons the block's
-    gradients, which it would do anyway.
+    The block runs under ``jax.checkpoint`` with :attr:`remat_policy`
+    (default: save the outputs of matmuls, recompute the rest): the gathered
+    weights are not saved, so the backward pass gathers them again from
+    the owners' blocks. XLA:CPU would otherwise merge the backward all-gather
+    with the identical forward one (it drops the checkpoint's optimization
+    barriers), silently turning Z3 into Z2; tying the backward gather's
+    input to the cotangent makes it a different value that XLA must compute
+    after the forward. The tie is 0 for a finite cotangent; a non-finite one
+    poisons the block's gradients, which it would do anyway.
     """
     if not self.reshard_after_forward:
       return run
+    remat = jax.checkpoint(run, policy=self.remat_policy)
+    # Set at trace time by the forward rule: the residuals' tree and the
+    # positions of rep_local among them.
+    trace: dict[str, Any] = {}
 
     @jax.custom_vjp
     def z3(rep_local, *args):
       return run(rep_local, *args)
 
     def z3_fwd(rep_local, *args):
-      return run(rep_local, *args), (rep_local, args)
+      rep_local = list(rep_local)
+      out, vjp = jax.vjp(remat, rep_local, *args)
+      res, trace['tree'] = jax.tree.flatten(vjp)
+      trace['tied'] = [k for k, r in enumerate(res)
+                       if any(r is x for x in rep_local)]
+      if not trace['tied']:
+        raise ValueError(
+            'dmuon: with this remat_policy the Z3 block saves its gathered '
+            'weights for the backward pass (Z2 memory and bytes). Use a '
+            'policy that does not save them, e.g. jax.checkpoint_policies.'
+            'dots_saveable (the default), or reshard_after_forward=False.')
+      return out, res
 
     def z3_bwd(res, ct):
-      rep_local, args = res
       tie = sum(jnp.sum(c) for c in jax.tree.leaves(ct)) * 0
-      rep_local = [x + tie.astype(x.dtype) for x in rep_local]
-      _, vjp = jax.vjp(run, rep_local, *args)
-      return vjp(ct)
+      res = [r + tie.astype(r.dtype) if k in trace['tied'] else r
+             for k, r in enumerate(res)]
+      return jax.tree.unflatten(trace['tree'], res)(ct)
 
     z3.defvjp(z3_fwd, z3_bwd)
     return z3
@@ -582,6 +601,7 @@ def dedicate(
     layers_per_gather: int = 1,
     axis_names: Sequence[str] | None = None,
     replicate_axis: str | None = 'replicate',
+    remat_policy: Callable[..., Any] | None = None,
 ) -> Dedication:
   """Plans dedicated ownership: each Muon matrix stored only on its owner.
 
@@ -618,6 +638,11 @@ def dedicate(
       divide the length of every scanned stack.
     axis_names: the owner axes (default: all mesh axes).
     replicate_axis: the HSDP replicate axis name, if the mesh has it.
+    remat_policy: for Z3, the ``jax.checkpoint`` policy of a block. The
+      default ``jax.checkpoint_policies.dots_saveable`` keeps matmul outputs
+      and recomputes the gathered weights and elementwise ops in the
+      backward pass; ``nothing_saveable`` recomputes the whole block
+      (activation checkpointing). It must not save the gathered weights.
 
   Returns:
     A :class:`Dedication`; move params with ``to_dedicated``.
@@ -716,6 +741,8 @@ def dedicate(
                     treedef=jax.tree.structure(params), mesh=mesh,
                     reshard_after_forward=reshard_after_forward,
                     buffer_axes=buffer_axes, replicate_axis=rep_axis,
+                    remat_policy=(remat_policy if remat_policy is not None
+                                  else jax.checkpoint_policies.dots_saveable),
                     _leaf_paths=leaf_paths,
                     _boundary_keys=tuple(boundary_keys))
 

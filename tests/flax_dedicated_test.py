@@ -154,5 +154,108 @@ class FlaxDedicatedTest(parameterized.TestCase):
     alias_test.assert_trees_rel_close(self, hsdp, fsdp, rtol=1e-6)
 
 
+def muon_bytes(report):
+  by_kind = report.bytes_by_kind
+  return by_kind.get('all-gather', 0) + by_kind.get('reduce-scatter', 0)
+
+
+def predicted_muon_bytes(ded, shape, factor):
+  """DMuon's model: shard group factor (S-1)/S, replicate 2 (R-1)/R / S."""
+  r, s = shape
+  _, gathered = ded.gather_bytes()
+  return factor * (s - 1) / s * gathered + 2 * (r - 1) / r * gathered / s
+
+
+def per_device_bytes(tree):
+  return sum(x.addressable_shards[0].data.nbytes
+             for x in jax.tree.leaves(tree))
+
+
+class FlaxDedicatedCostTest(parameterized.TestCase):
+  """Compiled HLO of the whole train step: collectives and memory."""
+
+  @functools.cache
+  def compiled(self, shape, scan, z3, per_gather):
+    ded, dp, opt, state, tokens = setup(shape, scan, z3, per_gather)
+    step = train_step(ded, opt, state, scan)
+    return (ded, dp, state, tokens, step,
+            dmuon_jax.analyze_hlo(step, dp, state, tokens))
+
+  @parameterized.named_parameters(
+      ('loop_z2_1x8', (1, 8), False, False, 2),
+      ('loop_z3_1x8', (1, 8), False, True, 2),
+      ('scan_z3_1x8', (1, 8), True, True, 2),
+      ('loop_z3_2x4', (2, 4), False, True, 2),
+      ('loop_z3_1x8_one_block_per_gather', (1, 8), False, True, 1))
+  def test_collective_bytes(self, shape, scan, z3, per_gather):
+    ded, dp, _, _, _, report = self.compiled(shape, scan, z3, per_gather)
+    payload, gathered = ded.gather_bytes()
+    factor = 3 if z3 else 2
+    predicted = predicted_muon_bytes(ded, shape, factor)
+    self.assertBetween(muon_bytes(report), 0.98 * predicted,
+                       1.02 * predicted)
+    n = 8
+    floor = factor * (n - 1) / n * payload
+    if per_gather == 2:
+      # Two blocks per gather pack 8 owners evenly: no padding.
+      self.assertEqual(gathered, payload)
+      self.assertLessEqual(muon_bytes(report), 1.10 * floor)
+    else:
+      # One block (4 of 32x32, 2 of 32x64) on 8 owners pads to 2x; the
+      # summary says so.
+      self.assertEqual(gathered, 2 * payload)
+      self.assertIn('(padding 100.0%)', ded.summary())
+    # No all-reduce of Muon gradients: only the AdamW leaves and the loss.
+    rest = per_device_bytes(dp.rest)
+    self.assertLessEqual(report.bytes_by_kind.get('all-reduce', 0),
+                         2 * (n - 1) / n * rest + 64)
+
+  def test_cuda_program_has_the_same_collectives(self):
+    ded, dp, state, tokens, step, report = self.compiled((1, 8), False, True,
+                                                         2)
+    text = step.trace(dp, state, tokens).lower(
+        lowering_platforms=('cuda',)).as_text()
+    cuda = {}
+    for c in dmuon_jax._diagnostics.stablehlo_collectives(text):  # pylint: disable=protected-access
+      cuda[c.kind] = cuda.get(c.kind, 0) + c.bytes
+    self.assertEqual(set(cuda), set(report.bytes_by_kind))
+    for kind, nbytes in report.bytes_by_kind.items():
+      self.assertAlmostEqual(cuda[kind], nbytes, delta=1e-6 * nbytes)
+
+  @parameterized.parameters(False, True)
+  def test_memory(self, scan):
+    z2 = self.compiled((1, 8), scan, False, 2)
+    z3 = self.compiled((1, 8), scan, True, 2)
+    ded, dp, state, tokens, _, report = z3
+    payload, gathered = ded.gather_bytes()
+    # Resident Muon params + momentum per device: the compiled program's
+    # argument bytes minus everything else it takes.
+    other = per_device_bytes((dp.rest, state[1], state[0][0].count, tokens))
+    muon = report.argument_bytes - other
+    self.assertLessEqual(muon, 1.2 * 2 * payload / 8)
+    self.assertGreaterEqual(muon, 2 * payload / 8)
+    # Z2 keeps every group's gathered weights until the backward pass, Z3
+    # one group at a time: Z2 needs about (groups - 1) gathered groups more.
+    groups = len(ded.groups)
+    self.assertGreaterEqual(z2[-1].temp_bytes - report.temp_bytes,
+                            0.8 * gathered * (groups - 1) / groups)
+
+  def test_update_has_no_collective_for_owned_params(self):
+    ded, dp, state, _, _, _ = self.compiled((1, 8), True, True, 2)
+    opt = _dedicated.dedicated_muon(ded, LR)
+    specs = ded.specs()
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=ded.mesh,
+                       in_specs=(specs, ded.specs_of(state), specs),
+                       out_specs=(specs, ded.specs_of(state)))
+    def update(grads, state, dp):
+      return opt.update(grads, state, dp)
+
+    report = dmuon_jax.analyze_hlo(update, dp, state, dp)
+    self.assertEqual(report.count_by_kind, {})
+    self.assertGreater(report.flops, 0)
+
+
 if __name__ == '__main__':
   absltest.main()

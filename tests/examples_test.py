@@ -1,6 +1,7 @@
 """The examples and benchmarks run end to end (shortened)."""
 
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -44,6 +45,22 @@ class ExamplesTest(absltest.TestCase):
     records = [json.loads(line) for line in lines.splitlines() if line]
     self.assertGreaterEqual(len(records), 6)
     self.assertTrue(pathlib.Path(out_dir, 'optimizer_step_quick.md').exists())
+
+  def test_train_step_benchmark_quick(self):
+    out_dir = tempfile.mkdtemp()
+    run_script(['examples/benchmarks/train_step.py', '--quick',
+                '--out-dir', out_dir])
+    lines = pathlib.Path(out_dir, 'train_step_quick.json').read_text()
+    records = [json.loads(line) for line in lines.splitlines() if line]
+    configs = {r['config']: r for r in records if r['config'] != 'summary'}
+    self.assertEqual(set(configs), {'adamw_fsdp', 'optax_muon_fsdp',
+                                    'dmuon_dropin_fsdp', 'dedicated_z2',
+                                    'dedicated_z3'})
+    for name, r in configs.items():
+      for key in ('median_ms', 'compile_s', 'collective_bytes_total',
+                  'final_loss'):
+        self.assertTrue(math.isfinite(r[key]) and r[key] > 0, (name, key))
+    self.assertTrue(pathlib.Path(out_dir, 'train_step_quick.md').exists())
 
 
 if __name__ == '__main__':

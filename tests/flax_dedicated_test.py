@@ -3,7 +3,6 @@
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from absl.testing import absltest
@@ -16,7 +15,7 @@ from dmuon_jax import _dedicated
 from dmuon_jax import _planner
 from tests import alias_test
 from tests import distributed_test
-from tests import transformer as tf
+from examples import dedicated_linen as tf
 
 AXES = distributed_test.AXES
 LR = 0.005
@@ -56,41 +55,8 @@ def reference(scan):
   return jax.device_get(params), losses
 
 
-def dedicated_loss(ded, scan):
-  block = tf.Block()
-  apply = lambda block_params, x: block.apply({'params': block_params}, x)
-
-  def loss(dp, tokens):
-    p = dp.rest['params']
-    x = jnp.take(p['embed']['embedding'], tokens, axis=0)
-    if scan:
-      x = ded.scan(apply, 'params/layers')(dp, x)
-    elif ded.layers_per_gather > 1:
-      x = ded.sequential(apply, [f'params/layers_{i}'
-                                 for i in range(tf.DEPTH)])(dp, x)
-    else:
-      for i in range(tf.DEPTH):
-        x = ded.block(apply, f'params/layers_{i}')(dp, x)
-    return tf.cross_entropy(tf.head(p, x), tokens)
-
-  return loss
-
-
 def train_step(ded, opt, state, scan):
-  specs = ded.specs()
-  state_specs = ded.specs_of(state)
-  loss_fn = dedicated_loss(ded, scan)
-
-  @jax.jit
-  @functools.partial(jax.shard_map, mesh=ded.mesh,
-                     in_specs=(specs, state_specs, P(AXES)),
-                     out_specs=(specs, state_specs, P()))
-  def step(dp, state, tokens):
-    loss, grads = dmuon_jax.local_value_and_grad(loss_fn)(dp, tokens)
-    updates, state = opt.update(grads, state, dp)
-    return optax.apply_updates(dp, updates), state, jax.lax.pmean(loss, AXES)
-
-  return step
+  return tf.make_train_step(ded, opt, state, scan)
 
 
 def setup(shape, scan, z3, per_gather=1):

@@ -17,7 +17,6 @@ from jax.sharding import PartitionSpec as P
 from dmuon_jax import (
   _boundaries,
   _collectives,
-  _explicit,
   _layout,
   _newton_schulz,
   _planner,
@@ -69,6 +68,8 @@ class Dedication:
     replicate_axis: the HSDP replicate axis (gathered first, outside the
       Z3 re-gather), or None.
     remat_policy: the ``jax.checkpoint`` policy of a Z3 block.
+    rest_specs: per leaf, the PartitionSpec of a non-target param (None for
+      Muon targets).
   """
   plan: _planner.OwnershipPlan
   boundaries: _boundaries.HookBoundaries
@@ -82,6 +83,7 @@ class Dedication:
   buffer_axes: tuple[str, ...]
   replicate_axis: str | None
   remat_policy: Callable[..., Any]
+  rest_specs: tuple[P | None, ...]
   _leaf_paths: tuple[str, ...]
   _boundary_keys: tuple[Any, ...]
 
@@ -98,11 +100,45 @@ class Dedication:
     return P(None, axes) if self.num_iterations[g] else P(axes)
 
   def specs(self) -> DedicatedParams:
-    """PartitionSpecs of a :class:`DedicatedParams` (for ``shard_map``)."""
+    """PartitionSpecs of a :class:`DedicatedParams` (for ``shard_map``).
+
+    Owned buffers are sharded over the owner axes; every other param keeps
+    the sharding it had when :func:`dedicate` saw it (replicated if none).
+    """
     return DedicatedParams(
         owned=tuple(tuple(self._spec(g) for _ in lay.dtypes)
                     for g, lay in enumerate(self.layouts)),
-        rest=P())
+        rest=jax.tree.unflatten(self.treedef, list(self.rest_specs)))
+
+  def _gather_leaf(self, i: int, x: Any, layer_slice: bool = False) -> Any:
+    """All-gathers a non-target leaf's sharded dims (inside ``shard_map``)."""
+    spec = self.rest_specs[i]
+    if x is None or spec is None:
+      return x
+    entries = _collectives.spec_entries(spec)
+    if layer_slice:
+      entries = entries[1:]
+    for dim, axes in enumerate(entries):
+      if axes:
+        x = jax.lax.all_gather(x, axes, axis=dim, tiled=True)
+    return x
+
+  def gather_rest(self, dedicated: DedicatedParams) -> Any:
+    """The non-target params inside ``shard_map``, sharded dims gathered.
+
+    Call it in the loss for the params used outside the blocks (embedding,
+    final norm, head); under :func:`jax.grad` the gathers transpose to
+    reduce-scatters, so their gradients arrive sharded like the params.
+
+    Args:
+      dedicated: the local view of :class:`DedicatedParams`.
+
+    Returns:
+      ``dedicated.rest`` with every leaf whole (Muon targets stay None).
+    """
+    leaves = _full_leaves(dedicated.rest, self.treedef)
+    return jax.tree.unflatten(self.treedef, [
+        self._gather_leaf(i, x) for i, x in enumerate(leaves)])
 
   @staticmethod
   def specs_of(tree: Any) -> Any:
@@ -155,10 +191,14 @@ class Dedication:
         bufs = jax.jit(lay.pack_full)(targets)
       sharding = NamedSharding(self.mesh, self._spec(g))
       owned.append(tuple(jax.device_put(x, sharding) for x in bufs))
-    targets = {s.leaf_index for s in self.plan.leaves}
-    rest = jax.tree.unflatten(self.treedef, [
-        None if i in targets else x for i, x in enumerate(leaves)])
-    return DedicatedParams(owned=tuple(owned), rest=rest)
+    rest = [None if spec is None else x
+            for x, spec in zip(leaves, self.rest_specs)]
+    if self.mesh is not None:
+      rest = [None if x is None else jax.device_put(
+          x, NamedSharding(self.mesh, spec))
+              for x, spec in zip(rest, self.rest_specs)]
+    return DedicatedParams(owned=tuple(owned),
+                           rest=jax.tree.unflatten(self.treedef, rest))
 
   def to_params(self, dedicated: DedicatedParams) -> Any:
     """The plain params tree (e.g. for export, evaluation, checkpoints).
@@ -322,6 +362,7 @@ class Dedication:
     sub = self._subtree_leaves(b)
 
     def run(rep_local, sub_rest, *args):
+      sub_rest = [self._gather_leaf(i, x) for i, x in zip(sub, sub_rest)]
       return fn(self._fill(b, sub, sub_rest, self._materialize(g, rep_local)),
                 *args)
 
@@ -372,6 +413,7 @@ class Dedication:
       def run(rep_local, sub_rests, x):
         mats = self._materialize(g, rep_local)
         for b, sub, sub_rest in zip(self.groups[g], subs, sub_rests):
+          sub_rest = [self._gather_leaf(i, y) for i, y in zip(sub, sub_rest)]
           x = fn(self._fill(b, sub, sub_rest, mats), x)
         return x
 
@@ -421,8 +463,10 @@ class Dedication:
     def run(rep_local, sub_rest, carry, iteration):
       mats = self._materialize(g, rep_local, iteration)
       for j in range(k):
-        carry = fn(self._fill(b, sub, [None if x is None else x[j]
-                                       for x in sub_rest],
+        layer_rest = [self._gather_leaf(i, None if x is None else x[j],
+                                        layer_slice=True)
+                      for i, x in zip(sub, sub_rest)]
+        carry = fn(self._fill(b, sub, layer_rest,
                               {i: m[j] for i, m in mats.items()}), carry)
       return carry
 
@@ -572,6 +616,28 @@ def _to_plan_slot(plan: _planner.OwnershipPlan, buffer_axes, slot: int
       [int(coords[a]) for a in plan.axis_names], plan.mesh_shape))
 
 
+def _rest_spec(x: Any, path: str, mesh: Any, scanned_names) -> P:
+  """The PartitionSpec a non-target param keeps in dedicated mode."""
+  sharding = getattr(x, 'sharding', None)
+  if mesh is None or not isinstance(sharding, NamedSharding):
+    return P()
+  spec = sharding.spec
+  entries = _collectives.spec_entries(spec)
+  unknown = sorted({a for e in entries for a in e} - set(mesh.axis_names))
+  if unknown:
+    raise ValueError(
+        f'dmuon: param {path!r} is sharded over axes {unknown} that mesh '
+        f'{dict(mesh.shape)} does not have; shard it over the mesh given '
+        'to dedicate.')
+  in_stack = any(path.startswith(n + '/') for n in scanned_names)
+  if in_stack and entries and entries[0]:
+    raise ValueError(
+        f'dmuon: param {path!r} of a scanned stack is sharded along its '
+        f'layer axis ({spec}); shard another dimension (the scan slices '
+        'one layer per iteration) or replicate it.')
+  return spec
+
+
 def _gather_groups(bounds: _boundaries.HookBoundaries, k: int
                    ) -> list[tuple[int, ...]]:
   """Consecutive loop boundaries by ``k``; each scanned stack alone."""
@@ -677,6 +743,7 @@ def dedicate(
   owners = [0] * len(plan.units)
   work = np.zeros(n)
   groups = _gather_groups(bounds, k)
+  scanned_names = [n for n, sc in zip(bounds.names, bounds.scanned) if sc]
   layouts, num_iterations = [], []
   for group in groups:
     specs = [s for s in plan.leaves if path_boundary[s.path] in group]
@@ -726,6 +793,10 @@ def dedicate(
     layouts.append(_layout.Layout(
         sub, [leaves[s.leaf_index].dtype for s in specs]))
     num_iterations.append(iters)
+  targets = {s.leaf_index for s in plan.leaves}
+  rest_specs = tuple(
+      None if i in targets else _rest_spec(x, path, mesh, scanned_names)
+      for i, (x, path) in enumerate(zip(leaves, leaf_paths)))
   boundary_keys = []
   for name in bounds.names:
     depth = len([s for s in name.split('/') if s])
@@ -743,6 +814,7 @@ def dedicate(
                     buffer_axes=buffer_axes, replicate_axis=rep_axis,
                     remat_policy=(remat_policy if remat_policy is not None
                                   else jax.checkpoint_policies.dots_saveable),
+                    rest_specs=rest_specs,
                     _leaf_paths=leaf_paths,
                     _boundary_keys=tuple(boundary_keys))
 
@@ -836,6 +908,37 @@ def scale_by_dedicated_muon(
   return optax.GradientTransformation(init_fn, update_fn)
 
 
+def _mean_rest(dedication: Dedication) -> optax.GradientTransformation:
+  """Averages the non-target gradients over all devices (inside shard_map).
+
+  A sharded param's gradient arrives summed over its sharding axes (the
+  transpose of :meth:`Dedication.gather_rest`'s all-gather); it is divided
+  by their size and averaged over the other axes it varies on.
+  """
+  mesh = dedication.mesh
+
+  def update_fn(updates, state, params=None):
+    del params
+    if mesh is None or not _collectives.manual_axes():
+      return updates, state
+    sizes = dict(mesh.shape)
+    out = []
+    for x, spec in zip(_full_leaves(updates, dedication.treedef),
+                       dedication.rest_specs):
+      if x is not None:
+        summed = [a for e in _collectives.spec_entries(spec) for a in e]
+        if summed:
+          x = x / np.prod([sizes[a] for a in summed])
+        others = tuple(a for a in mesh.axis_names if a not in summed
+                       and a in _collectives.varying_axes(x))
+        if others:
+          x = jax.lax.pmean(x, others)
+      out.append(x)
+    return jax.tree.unflatten(dedication.treedef, out), state
+
+  return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
 def dedicated_muon(
     dedication: Dedication,
     learning_rate: optax.ScalarOrSchedule,
@@ -857,7 +960,7 @@ def dedicated_muon(
 
   Muon targets (``owned``) are updated on their owners with no
   communication; the other params (``rest``) by AdamW on gradients averaged
-  over devices (``pmean``). Use with :func:`dmuon_jax.local_value_and_grad`
+  over devices, on the shards they are stored in. Use with :func:`dmuon_jax.local_value_and_grad`
   inside ``jax.shard_map(..., in_specs=dedication.specs() ...)``.
 
   Args:
@@ -888,7 +991,7 @@ def dedicated_muon(
       optax.add_decayed_weights(weight_decay),
       optax.scale_by_learning_rate(learning_rate))
   adam = optax.chain(
-      _explicit.mean_over_devices(),
+      _mean_rest(dedication),
       optax.adamw(adam_learning_rate, b1=adam_b1, b2=adam_b2, eps=eps,
                   weight_decay=adam_weight_decay, nesterov=nesterov))
 

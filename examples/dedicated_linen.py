@@ -104,7 +104,7 @@ def dedicated_loss(ded: dmuon_jax.Dedication, scan: bool):
   apply = lambda block_params, x: block.apply({'params': block_params}, x)
 
   def loss(dp, tokens):
-    p = dp.rest['params']                # embedding, norms, head
+    p = ded.gather_rest(dp)['params']    # embedding, final norm, head
     x = jnp.take(p['embed']['embedding'], tokens, axis=0)
     if scan:
       x = ded.scan(apply, 'params/layers')(dp, x)
@@ -139,15 +139,29 @@ def make_train_step(ded: dmuon_jax.Dedication,
   return train_step
 
 
+def fsdp(params, mesh):
+  """Places params FSDP-style: the last dim divisible by ``'shard'``."""
+  def place(x):
+    size = mesh.shape['shard']
+    dims = [d for d in range(x.ndim) if x.shape[d] % size == 0]
+    spec = [None] * x.ndim
+    if dims and size > 1:
+      spec[dims[-1]] = 'shard'
+    return jax.device_put(x, NamedSharding(mesh, P(*spec)))
+  return jax.tree.map(place, params)
+
+
 def main(steps=20, scan=False, z3=True, mesh_shape=(2, 4), per_gather=1):
   """Trains with dedicated DMuon; returns the losses and plain params."""
   mesh = jax.make_mesh(mesh_shape, AXES)
-  params = init(scan)
+  # Non-Muon params (embedding, norms, head) stay FSDP-sharded; Muon
+  # matrices move to their owners.
+  params = fsdp(init(scan), mesh)
   ded = dmuon_jax.dedicate(params, mesh, predicate=predicate,
                            reshard_after_forward=z3,
                            layers_per_gather=per_gather)
   print(ded.summary())
-  dp = ded.to_dedicated(jax.device_put(params, NamedSharding(mesh, P())))
+  dp = ded.to_dedicated(params)
   opt = dmuon_jax.dedicated_muon(ded, learning_rate=0.005)
   opt_state = opt.init(dp)
   train_step = make_train_step(ded, opt, opt_state, scan)

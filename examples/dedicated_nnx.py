@@ -112,7 +112,7 @@ def main(steps: int = 20, scan: bool = False, z3: bool = True,
     return nnx.merge(block_def, block_params)(x)
 
   def loss_fn(dp, tokens):
-    rest = dp.rest                       # embedding, norm, head: replicated
+    rest = ded.gather_rest(dp)           # embedding, norm, head
     x = jnp.take(rest['embed']['embedding'], tokens, axis=0)
     if scan:
       x = ded.scan(run_block, 'layers')(dp, x)

@@ -59,13 +59,16 @@ def train_step(ded, opt, state, scan):
   return tf.make_train_step(ded, opt, state, scan)
 
 
-def setup(shape, scan, z3, per_gather=1):
+def setup(shape, scan, z3, per_gather=1, fsdp_rest=False):
+  """Non-Muon params replicated, or FSDP-sharded (``fsdp_rest``)."""
   mesh = distributed_test.make_mesh(shape)
   params = tf.init(scan)
+  params = (tf.fsdp(params, mesh) if fsdp_rest
+            else jax.device_put(params, NamedSharding(mesh, P())))
   ded = _dedicated.dedicate(params, mesh, predicate=tf.predicate,
                             reshard_after_forward=z3,
                             layers_per_gather=per_gather)
-  dp = ded.to_dedicated(jax.device_put(params, NamedSharding(mesh, P())))
+  dp = ded.to_dedicated(params)
   opt = _dedicated.dedicated_muon(ded, LR)
   state = opt.init(dp)
   tokens = jax.device_put(tf.tokens(), NamedSharding(mesh, P(AXES)))
@@ -73,8 +76,8 @@ def setup(shape, scan, z3, per_gather=1):
 
 
 @functools.cache
-def dedicated_run(shape, scan, z3, per_gather=1):
-  ded, dp, opt, state, tokens = setup(shape, scan, z3, per_gather)
+def dedicated_run(shape, scan, z3, per_gather=1, fsdp_rest=False):
+  ded, dp, opt, state, tokens = setup(shape, scan, z3, per_gather, fsdp_rest)
   step = train_step(ded, opt, state, scan)
   losses = []
   for _ in range(STEPS):
@@ -91,6 +94,10 @@ CONFIGS = [(f'{"scan" if scan else "loop"}_{"z3" if z3 else "z2"}_'
 CONFIGS += [(f'{"scan" if scan else "loop"}_z3_{shape[0]}x{shape[1]}_k2',
              shape, scan, True, 2)
             for scan in (False, True) for shape in ((1, 8), (2, 4))]
+# Embedding, norms and head FSDP-sharded instead of replicated.
+CONFIGS += [('loop_z3_2x4_fsdp_rest', (2, 4), False, True, 1, True),
+            ('scan_z2_1x8_fsdp_rest', (1, 8), True, False, 1, True),
+            ('loop_z3_1x8_k2_fsdp_rest', (1, 8), False, True, 2, True)]
 
 
 class FlaxDedicatedTest(parameterized.TestCase):
@@ -105,8 +112,9 @@ class FlaxDedicatedTest(parameterized.TestCase):
     self.assertEqual(scan.num_iterations, (tf.DEPTH,))
 
   @parameterized.named_parameters(*CONFIGS)
-  def test_matches_optax_muon(self, shape, scan, z3, per_gather=1):
-    params, losses = dedicated_run(shape, scan, z3, per_gather)
+  def test_matches_optax_muon(self, shape, scan, z3, per_gather=1,
+                              fsdp_rest=False):
+    params, losses = dedicated_run(shape, scan, z3, per_gather, fsdp_rest)
     ref_params, ref_losses = reference(scan)
     self.assertLess(losses[-1], losses[0] - 0.5)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -141,8 +149,9 @@ class FlaxDedicatedCostTest(parameterized.TestCase):
   """Compiled HLO of the whole train step: collectives and memory."""
 
   @functools.cache
-  def compiled(self, shape, scan, z3, per_gather):
-    ded, dp, opt, state, tokens = setup(shape, scan, z3, per_gather)
+  def compiled(self, shape, scan, z3, per_gather, fsdp_rest=False):
+    ded, dp, opt, state, tokens = setup(shape, scan, z3, per_gather,
+                                        fsdp_rest)
     step = train_step(ded, opt, state, scan)
     return (ded, dp, state, tokens, step,
             dmuon_jax.analyze_hlo(step, dp, state, tokens))
@@ -175,6 +184,23 @@ class FlaxDedicatedCostTest(parameterized.TestCase):
     rest = per_device_bytes(dp.rest)
     self.assertLessEqual(report.bytes_by_kind.get('all-reduce', 0),
                          2 * (n - 1) / n * rest + 64)
+
+  def test_fsdp_rest_is_gathered_and_scattered_not_all_reduced(self):
+    ded, dp, state, _, _, report = self.compiled((1, 8), False, True, 2,
+                                                 True)
+    n = 8
+    rest = sum(x.nbytes for x in jax.tree.leaves(dp.rest))
+    # Stored and updated as 1/N shards: params and both Adam moments (and
+    # Adam's step count).
+    self.assertEqual(per_device_bytes((dp.rest, state[1])), 3 * rest // n + 4)
+    # Only the loss is all-reduced; rest moves by all-gather and
+    # reduce-scatter (forward, backward, and Z3's re-gather of the blocks'
+    # norm scales).
+    self.assertLessEqual(report.bytes_by_kind.get('all-reduce', 0), 64)
+    predicted = predicted_muon_bytes(ded, (1, 8), 3)
+    self.assertBetween(muon_bytes(report) - predicted,
+                       0.98 * 2 * (n - 1) / n * rest,
+                       1.02 * 3 * (n - 1) / n * rest)
 
   def test_cuda_program_has_the_same_collectives(self):
     ded, dp, state, tokens, step, report = self.compiled((1, 8), False, True,

@@ -173,5 +173,69 @@ class DedicatedTest(parameterized.TestCase):
     self.assertGreater(report.flops, 0)
 
 
+def is_w(path, leaf):
+  del leaf
+  return path.endswith('/w')
+
+
+class DedicatedErrorsTest(parameterized.TestCase):
+
+  def test_strict_mode_names_targets_without_boundary(self):
+    params = init_params() | {'proj': jnp.ones((WIDTH, WIDTH))}
+    with self.assertRaisesRegex(ValueError, r"no hook boundary: \['proj'\]"):
+      _dedicated.dedicate(params, None)
+    ded = _dedicated.dedicate(params, None, strict=False)
+    self.assertIn('proj', ded.boundaries.names)
+
+  def test_unknown_or_wrong_kind_of_boundary(self):
+    ded = _dedicated.dedicate(init_params(), None)
+    with self.assertRaisesRegex(ValueError, "no hook boundary 'layers_9'"):
+      ded.block(block_fn, 'layers_9')
+    with self.assertRaisesRegex(ValueError, 'not scanned; use .*block'):
+      ded.scan(block_fn, 'layers_0')
+
+  def test_block_inside_a_gather_group(self):
+    ded = _dedicated.dedicate(init_params(), None, layers_per_gather=2)
+    self.assertEqual(len(ded.groups), 2)
+    with self.assertRaisesRegex(ValueError, 'gathered together with'):
+      ded.block(block_fn, 'layers_0')
+    with self.assertRaisesRegex(ValueError, 'split the gather group'):
+      ded.sequential(block_fn, ['layers_1', 'layers_2'])
+
+  def test_layers_per_gather_must_divide_the_stack(self):
+    stacked = {'layers': {'w': jnp.ones((3, WIDTH, WIDTH))}}
+    with self.assertRaisesRegex(ValueError, 'does not divide the 3 layers'):
+      _dedicated.dedicate(stacked, None, predicate=is_w,
+                          layers_per_gather=2)
+    with self.assertRaisesRegex(ValueError, 'positive int'):
+      _dedicated.dedicate(stacked, None, predicate=is_w,
+                          layers_per_gather=0)
+
+  def test_stack_param_sharded_along_the_layer_axis(self):
+    mesh = distributed_test.make_mesh((1, 8))
+    stacked = {'layers': {'w': jnp.ones((8, WIDTH, WIDTH)),
+                          'scale': jax.device_put(
+                              jnp.ones((8, WIDTH)),
+                              NamedSharding(mesh, P('shard')))}}
+    with self.assertRaisesRegex(ValueError,
+                                "'layers/scale' of a scanned stack is sharded"
+                                ' along its layer axis'):
+      _dedicated.dedicate(stacked, mesh, predicate=is_w)
+
+  def test_remat_policy_that_saves_the_weights(self):
+    mesh = distributed_test.make_mesh((1, 8))
+    ded = _dedicated.dedicate(
+        init_params(), mesh,
+        remat_policy=jax.checkpoint_policies.everything_saveable)
+    dp = ded.to_dedicated(init_params())
+    loss = lambda dp, x: jnp.sum(ded.block(block_fn, 'layers_0')(dp, x))
+    step = jax.shard_map(
+        lambda dp, x: dmuon_jax.local_value_and_grad(loss)(dp, x)[0],
+        mesh=mesh, in_specs=(ded.specs(), P(AXES)), out_specs=P(AXES))
+    x = jax.device_put(jnp.ones((8, WIDTH)), NamedSharding(mesh, P(AXES)))
+    with self.assertRaisesRegex(ValueError, 'saves its gathered weights'):
+      jax.jit(step).lower(dp, x)
+
+
 if __name__ == '__main__':
   absltest.main()

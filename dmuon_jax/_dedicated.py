@@ -279,51 +279,10 @@ class Dedication:
     return jax.tree.unflatten(self.treedef, leaves)
 
   def _maybe_z3(self, run: Callable[..., Any]) -> Callable[..., Any]:
-    """``run(rep_local, *args)``, gathered again in the backward pass (Z3).
-
-    The block runs under ``jax.checkpoint`` with :attr:`remat_policy`
-    (default: save the outputs of matmuls, recompute the rest): the gathered
-    weights are not saved, so the backward pass gathers them again from
-    the owners' blocks. XLA:CPU would otherwise merge the backward all-gather
-    with the identical forward one (it drops the checkpoint's optimization
-    barriers), silently turning Z3 into Z2; tying the backward gather's
-    input to the cotangent makes it a different value that XLA must compute
-    after the forward. The tie is 0 for a finite cotangent; a non-finite one
-    poisons the block's gradients, which it would do anyway.
-    """
+    """``run(rep_local, *args)``, gathered again in the backward pass (Z3)."""
     if not self.reshard_after_forward:
       return run
-    remat = jax.checkpoint(run, policy=self.remat_policy)
-    # Set at trace time by the forward rule: the residuals' tree and the
-    # positions of rep_local among them.
-    trace: dict[str, Any] = {}
-
-    @jax.custom_vjp
-    def z3(rep_local, *args):
-      return run(rep_local, *args)
-
-    def z3_fwd(rep_local, *args):
-      rep_local = list(rep_local)
-      out, vjp = jax.vjp(remat, rep_local, *args)
-      res, trace['tree'] = jax.tree.flatten(vjp)
-      trace['tied'] = [k for k, r in enumerate(res)
-                       if any(r is x for x in rep_local)]
-      if not trace['tied']:
-        raise ValueError(
-            'dmuon: with this remat_policy the Z3 block saves its gathered '
-            'weights for the backward pass (Z2 memory and bytes). Use a '
-            'policy that does not save them, e.g. jax.checkpoint_policies.'
-            'dots_saveable (the default), or reshard_after_forward=False.')
-      return out, res
-
-    def z3_bwd(res, ct):
-      tie = sum(jnp.sum(c) for c in jax.tree.leaves(ct)) * 0
-      res = [r + tie.astype(r.dtype) if k in trace['tied'] else r
-             for k, r in enumerate(res)]
-      return jax.tree.unflatten(trace['tree'], res)(ct)
-
-    z3.defvjp(z3_fwd, z3_bwd)
-    return z3
+    return _regather_in_backward(run, self.remat_policy)
 
   def block(self, fn: Callable[..., Any], boundary: str
             ) -> Callable[..., Any]:
@@ -543,6 +502,62 @@ class Dedication:
                  f'gathered {_planner._human_bytes(gathered)} '  # pylint: disable=protected-access
                  f'(padding {100 * (gathered / max(payload, 1) - 1):.1f}%)')
     return '\n'.join(lines + [self.plan.summary()])
+
+
+def _regather_in_backward(run: Callable[..., Any],
+                          policy: Callable[..., Any]) -> Callable[..., Any]:
+  """``run(local, *args)`` that gathers ``local`` again in the backward pass.
+
+  ``run`` all-gathers the list of arrays ``local`` and computes with the
+  result. It runs under ``jax.checkpoint`` with ``policy`` (e.g. save the
+  outputs of matmuls, recompute the rest), so the gathered arrays are not
+  saved and the backward pass gathers them again from ``local``. XLA:CPU
+  would otherwise merge the backward all-gather with the identical forward
+  one (it drops the checkpoint's optimization barriers), silently keeping
+  the gathered arrays (Z2); tying the backward gather's input to the
+  cotangent makes it a different value that XLA must compute after the
+  forward. The tie is 0 for a finite cotangent; a non-finite one poisons the
+  block's gradients, which it would do anyway.
+
+  Args:
+    run: ``(local, *args) -> out``.
+    policy: a ``jax.checkpoint`` policy that does not save the gathered
+      arrays.
+
+  Returns:
+    A function like ``run``.
+  """
+  remat = jax.checkpoint(run, policy=policy)
+  # Set at trace time by the forward rule: the residuals' tree and the
+  # positions of ``local`` among them.
+  trace: dict[str, Any] = {}
+
+  @jax.custom_vjp
+  def regather(local, *args):
+    return run(local, *args)
+
+  def fwd(local, *args):
+    local = list(local)
+    out, vjp = jax.vjp(remat, local, *args)
+    res, trace['tree'] = jax.tree.flatten(vjp)
+    trace['tied'] = [k for k, r in enumerate(res)
+                     if any(r is x for x in local)]
+    if not trace['tied']:
+      raise ValueError(
+          'dmuon: with this remat_policy the Z3 block saves its gathered '
+          'weights for the backward pass (Z2 memory and bytes). Use a '
+          'policy that does not save them, e.g. jax.checkpoint_policies.'
+          'dots_saveable (the default), or reshard_after_forward=False.')
+    return out, res
+
+  def bwd(res, ct):
+    tie = sum(jnp.sum(c) for c in jax.tree.leaves(ct)) * 0
+    res = [r + tie.astype(r.dtype) if k in trace['tied'] else r
+           for k, r in enumerate(res)]
+    return jax.tree.unflatten(trace['tree'], res)(ct)
+
+  regather.defvjp(fwd, bwd)
+  return regather
 
 
 def _group_bytes(lay: _layout.Layout) -> tuple[int, int]:

@@ -53,9 +53,9 @@ class ExamplesTest(absltest.TestCase):
     lines = pathlib.Path(out_dir, 'train_step_quick.json').read_text()
     records = [json.loads(line) for line in lines.splitlines() if line]
     configs = {r['config']: r for r in records if r['config'] != 'summary'}
-    self.assertEqual(set(configs), {'adamw_fsdp', 'optax_muon_fsdp',
-                                    'dmuon_dropin_fsdp', 'dedicated_z2',
-                                    'dedicated_z3'})
+    self.assertEqual(set(configs), {'adamw_fsdp', 'adamw_fsdp_reshard',
+                                    'optax_muon_fsdp', 'dmuon_dropin_fsdp',
+                                    'dedicated_z2', 'dedicated_z3'})
     for name, r in configs.items():
       for key in ('median_ms', 'compile_s', 'collective_bytes_total',
                   'final_loss'):

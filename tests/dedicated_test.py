@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
 from dmuon_jax import _dedicated
+from dmuon_jax import _planner
 from tests import alias_test
 from tests import distributed_test
 
@@ -49,16 +50,28 @@ def batch():
   return jax.random.normal(jax.random.key(1), (512, WIDTH))
 
 
-def reference(steps):
-  params = init_params()
-  opt = optax.contrib.muon(LR, muon_weight_dimension_numbers=jax.tree.map(
-      lambda l: optax.contrib.MuonDimensionNumbers() if l == 'muon' else None,
-      dmuon_jax.muon_labels(params)))
+def optax_muon(learning_rate, params, predicate=None):
+  """optax.contrib.muon on the Muon targets dmuon picks (+ its AdamW)."""
+  specs = _planner.muon_target_specs(params, predicate=predicate)
+  dims = [None if s is None else optax.contrib.MuonDimensionNumbers(
+      reduction_axis=s.reduction_axes, output_axis=s.output_axes)
+          for s in specs]
+  return optax.contrib.muon(
+      learning_rate, muon_weight_dimension_numbers=jax.tree.unflatten(
+          jax.tree.structure(params), dims))
+
+
+def train_single_device(opt, params, loss_fn, steps):
+  """The reference: ``steps`` of ``opt`` on ``loss_fn(params)``, one device.
+
+  Returns:
+    The final params (on the host) and the loss of every step.
+  """
   state = opt.init(params)
 
   @jax.jit
   def step(params, state):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch())
+    loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, state = opt.update(grads, state, params)
     return optax.apply_updates(params, updates), state, loss
 
@@ -66,30 +79,24 @@ def reference(steps):
   for _ in range(steps):
     params, state, loss = step(params, state)
     losses.append(float(loss))
-  return params, losses
+  return jax.device_get(params), losses
+
+
+def reference(steps):
+  params = init_params()
+  return train_single_device(optax_muon(LR, params), params,
+                             lambda p: loss_fn(p, batch()), steps)
 
 
 def dedicated_step(ded, opt, state):
-  specs = ded.specs()
-  state_specs = jax.tree.map(lambda x: getattr(x.sharding, 'spec', P()),
-                             state)
-
   def dedicated_loss(dp, x):
     for i in range(BLOCKS):
       x = ded.block(block_fn, f'layers_{i}')(dp, x)
     rest = dp.rest
     return jnp.mean((x @ rest['head']) ** 2)
 
-  @jax.jit
-  @functools.partial(jax.shard_map, mesh=ded.mesh,
-                     in_specs=(specs, state_specs, P(AXES)),
-                     out_specs=(specs, state_specs, P()))
-  def step(dp, state, x):
-    loss, grads = dmuon_jax.local_value_and_grad(dedicated_loss)(dp, x)
-    updates, state = opt.update(grads, state, dp)
-    return optax.apply_updates(dp, updates), state, jax.lax.pmean(loss, AXES)
-
-  return step
+  return distributed_test.explicit_step_fn(opt, ded.mesh, state,
+                                           dedicated_loss, ded.specs())
 
 
 def setup(shape, z3):

@@ -142,14 +142,14 @@ def mean_loss(params, batch):
   return jnp.mean(jax.vmap(per_example)(batch))
 
 
-def explicit_step_fn(opt, mesh, state, loss_fn=mean_loss):
-  """A DDP train step on the explicit path (params replicated)."""
-  specs = jax.tree.map(lambda x: getattr(x.sharding, 'spec', P()), state)
+def explicit_step_fn(opt, mesh, state, loss_fn=mean_loss, param_specs=P()):
+  """A train step on the explicit path (default: params replicated, DDP)."""
+  specs = dmuon_jax.Dedication.specs_of(state)
 
   @jax.jit
   @functools.partial(jax.shard_map, mesh=mesh,
-                     in_specs=(P(), specs, P(AXES)),
-                     out_specs=(P(), specs, P()))
+                     in_specs=(param_specs, specs, P(AXES)),
+                     out_specs=(param_specs, specs, P()))
   def step(params, state, batch):
     loss, grads = dmuon_jax.local_value_and_grad(loss_fn)(params, batch)
     updates, state = opt.update(grads, state, params)

@@ -4,7 +4,6 @@ import functools
 
 import jax
 import numpy as np
-import optax
 from absl.testing import absltest
 from absl.testing import parameterized
 from jax.sharding import NamedSharding
@@ -12,8 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
 from dmuon_jax import _dedicated
-from dmuon_jax import _planner
 from tests import alias_test
+from tests import dedicated_test
 from tests import distributed_test
 from examples import dedicated_linen as tf
 
@@ -22,37 +21,15 @@ LR = 0.005
 STEPS = 20
 
 
-def optax_dims(params):
-  """optax dimension numbers for the targets dmuon picks with the predicate."""
-  specs = _planner.muon_target_specs(params, predicate=tf.predicate)
-  dims = [None if s is None else optax.contrib.MuonDimensionNumbers(
-      reduction_axis=s.reduction_axes, output_axis=s.output_axes)
-          for s in specs]
-  return jax.tree.unflatten(jax.tree.structure(params), dims)
-
-
 @functools.cache
 def reference(scan):
   """Single-device optax.contrib.muon (+ its AdamW) on the Linen model."""
   params = tf.init(scan)
-  opt = optax.contrib.muon(LR, muon_weight_dimension_numbers=optax_dims(
-      params))
-  state = opt.init(params)
   model = tf.Transformer(scan=scan)
-
-  @jax.jit
-  def step(params, state):
-    def loss_fn(p):
-      return tf.cross_entropy(model.apply(p, tf.tokens()), tf.tokens())
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, state = opt.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, loss
-
-  losses = []
-  for _ in range(STEPS):
-    params, state, loss = step(params, state)
-    losses.append(float(loss))
-  return jax.device_get(params), losses
+  return dedicated_test.train_single_device(
+      dedicated_test.optax_muon(LR, params, tf.predicate), params,
+      lambda p: tf.cross_entropy(model.apply(p, tf.tokens()), tf.tokens()),
+      STEPS)
 
 
 def train_step(ded, opt, state, scan):

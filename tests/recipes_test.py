@@ -1,15 +1,13 @@
 """The README's Flax recipes (examples/dedicated_*.py) train correctly."""
 
-import jax
 import numpy as np
-import optax
 from absl.testing import absltest
 from absl.testing import parameterized
 from flax import nnx
 
-from dmuon_jax import _planner
 from examples import dedicated_nnx
 from tests import alias_test
+from tests import dedicated_test
 
 STEPS = 10
 
@@ -19,30 +17,16 @@ def nnx_reference(scan):
   model = dedicated_nnx.Model(nnx.Rngs(0), scan=scan)
   graphdef, state = nnx.split(model)
   params = nnx.to_pure_dict(state)
-  specs = _planner.muon_target_specs(
-      params, predicate=dedicated_nnx.predicate(scan))
-  dims = jax.tree.unflatten(jax.tree.structure(params), [
-      None if s is None else optax.contrib.MuonDimensionNumbers(
-          s.reduction_axes, s.output_axes) for s in specs])
-  opt = optax.contrib.muon(0.005, muon_weight_dimension_numbers=dims)
-  opt_state = opt.init(params)
   tokens = dedicated_nnx.make_tokens()
 
-  @jax.jit
-  def step(params, opt_state):
-    def loss_fn(p):
-      nnx.replace_by_pure_dict(state, p)
-      logits = nnx.merge(graphdef, state)(tokens)
-      return dedicated_nnx.cross_entropy(logits, tokens)
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = opt.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+  def loss_fn(p):
+    nnx.replace_by_pure_dict(state, p)
+    return dedicated_nnx.cross_entropy(nnx.merge(graphdef, state)(tokens),
+                                       tokens)
 
-  losses = []
-  for _ in range(STEPS):
-    params, opt_state, loss = step(params, opt_state)
-    losses.append(float(loss))
-  return params, losses
+  opt = dedicated_test.optax_muon(0.005, params,
+                                  dedicated_nnx.predicate(scan))
+  return dedicated_test.train_single_device(opt, params, loss_fn, STEPS)
 
 
 class RecipesTest(parameterized.TestCase):

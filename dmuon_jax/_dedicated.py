@@ -653,6 +653,46 @@ def _rest_spec(x: Any, path: str, mesh: Any, scanned_names) -> P:
   return spec
 
 
+def _balance_work(planned, n: int, max_rounds: int = 10_000) -> None:
+  """Evens out Newton–Schulz work by swapping owners inside loop groups.
+
+  Swapping everything two slots own in one gather group keeps that group's
+  bytes per slot (hence its padding) as they are, so only the work moves:
+  repeatedly take the busiest slot and the swap, in any loop group, that
+  lowers the larger of the two slots' work the most. Scanned stacks keep
+  their rotation. Updates the base owners in ``planned`` in place.
+  """
+  per_group = []
+  for _, iters, base, base_owner in planned:
+    w = np.zeros(n)
+    for u, slot in zip(base, base_owner):
+      for t in range(max(iters, 1)):
+        w[(slot + t) % n] += u.cost
+    per_group.append(w)
+  total = sum(per_group, np.zeros(n))
+  movable = [g for g, (_, iters, _, _) in enumerate(planned) if not iters]
+  for _ in range(max_rounds):
+    a = int(np.argmax(total))
+    best, best_max = None, total[a] * (1 - 1e-9)
+    for g in movable:
+      w = per_group[g]
+      for b in range(n):
+        if b != a and w[a] != w[b]:
+          new_max = max(total[a] - w[a] + w[b], total[b] - w[b] + w[a])
+          if new_max < best_max:
+            best, best_max = (g, b), new_max
+    if best is None:
+      return
+    g, b = best
+    w = per_group[g]
+    delta = w[a] - w[b]
+    total[a] -= delta
+    total[b] += delta
+    w[a], w[b] = w[b], w[a]
+    owners = planned[g][3]
+    owners[:] = [b if s == a else a if s == b else s for s in owners]
+
+
 def _gather_groups(bounds: _boundaries.HookBoundaries, k: int
                    ) -> list[tuple[int, ...]]:
   """Consecutive loop boundaries by ``k``; each scanned stack alone."""
@@ -755,11 +795,10 @@ def dedicate(
   path_boundary = dict(zip(bounds.paths, bounds.of_target))
   unit_ids = {(u.leaf_index, u.batch_index): i
               for i, u in enumerate(plan.units)}
-  owners = [0] * len(plan.units)
   work = np.zeros(n)
   groups = _gather_groups(bounds, k)
   scanned_names = [n for n, sc in zip(bounds.names, bounds.scanned) if sc]
-  layouts, num_iterations = [], []
+  planned = []  # per group: (specs, iterations, base units, base owners)
   for group in groups:
     specs = [s for s in plan.leaves if path_boundary[s.path] in group]
     iters = 0
@@ -789,18 +828,23 @@ def dedicate(
     # the fewest bytes of it; ties by NS work so far, then slot index).
     for i in sorted(range(len(base)),
                     key=lambda i: (-base[i].nbytes, -base[i].cost, i)):
-      u = base[i]
       slot = min(range(n), key=lambda s: (held[s], work[s], s))
-      held[slot] += u.nbytes
+      held[slot] += base[i].nbytes
       base_owner[i] = slot
+      for t in range(max(iters, 1)):
+        work[(slot + t) % n] += base[i].cost
+    planned.append((specs, iters, base, base_owner))
+  _balance_work(planned, n)
+  owners = [0] * len(plan.units)
+  layouts, num_iterations = [], []
+  for specs, iters, base, base_owner in planned:
+    for u, slot in zip(base, base_owner):
       for t in range(max(iters, 1)):
         index = u.batch_index
         if iters:
           index = (t * k + index[0],) + index[1:]
-        owner = (slot + t) % n
-        work[owner] += u.cost
         owners[unit_ids[(u.leaf_index, index)]] = _to_plan_slot(
-            plan, buffer_axes, owner)
+            plan, buffer_axes, (slot + t) % n)
     sub = dataclasses.replace(
         plan, axis_names=buffer_axes,
         mesh_shape=tuple(sizes[a] for a in buffer_axes),

@@ -253,27 +253,29 @@ class Dedication:
 
     Handy for evaluation; in a train step use :meth:`block`,
     :meth:`sequential` or :meth:`scan`, which gather one group at a time and
-    control Z2/Z3.
+    control Z2/Z3. The values are the same on every device (typed as
+    device-varying, like any all-gather result in a loss).
 
     Args:
       dedicated: the local view of :class:`DedicatedParams`.
 
     Returns:
-      The params tree.
+      The params tree, every leaf whole.
     """
-    leaves = _full_leaves(dedicated.rest, self.treedef)
+    leaves = _full_leaves(self.gather_rest(dedicated), self.treedef)
     for g in range(len(self.layouts)):
-      rep = self._gather_replicate(dedicated.owned[g])
       iters = self.num_iterations[g]
       if iters:
         idx = self._group_leaves(g)
-        mats = jax.lax.map(
-            lambda a, g=g, idx=idx: [self._materialize(g, a[1], a[0])[i]
-                                     for i in idx],
-            (jnp.arange(iters), rep))
+
+        def one(a, g=g, idx=idx):
+          mats = self._materialize(g, self._gather_replicate(a[1]), a[0])
+          return [mats[i] for i in idx]
+
+        mats = jax.lax.map(one, (jnp.arange(iters), list(dedicated.owned[g])))
         got = {i: m.reshape((-1,) + m.shape[2:]) for i, m in zip(idx, mats)}
       else:
-        got = self._materialize(g, rep)
+        got = self._materialize(g, self._gather_replicate(dedicated.owned[g]))
       for i, x in got.items():
         leaves[i] = x
     return jax.tree.unflatten(self.treedef, leaves)

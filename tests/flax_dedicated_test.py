@@ -96,6 +96,18 @@ class FlaxDedicatedTest(parameterized.TestCase):
     alias_test.assert_trees_rel_close(self, params, ref_params, rtol=1e-5)
 
   @parameterized.parameters(False, True)
+  def test_params_inside_shard_map(self, scan):
+    ded, dp, _, _, _ = setup((2, 4), scan, True, 1 if scan else 2, True)
+    # The gathered values are equal on every device (typed device-varying,
+    # as all-gathers in a loss are), so the replication check is off here.
+    gathered = jax.jit(jax.shard_map(
+        ded.params, mesh=ded.mesh, in_specs=(ded.specs(),), out_specs=P(),
+        check_vma=False))(dp)
+    for got, want in zip(jax.tree.leaves(gathered),
+                         jax.tree.leaves(ded.to_params(dp)), strict=True):
+      np.testing.assert_array_equal(got, want)
+
+  @parameterized.parameters(False, True)
   def test_hsdp_equals_shard_only(self, scan):
     # (Same cache keys as test_matches_optax_muon: positional, in full.)
     hsdp, hsdp_losses = dedicated_run((2, 4), scan, True, 1, False)

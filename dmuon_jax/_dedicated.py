@@ -189,8 +189,10 @@ class Dedication:
         bufs = _pack_stack(self, g, targets)
       else:
         bufs = jax.jit(lay.pack_full)(targets)
-      sharding = NamedSharding(self.mesh, self._spec(g))
-      owned.append(tuple(jax.device_put(x, sharding) for x in bufs))
+      if self.mesh is not None:
+        sharding = NamedSharding(self.mesh, self._spec(g))
+        bufs = tuple(jax.device_put(x, sharding) for x in bufs)
+      owned.append(tuple(bufs))
     rest = [None if spec is None else x
             for x, spec in zip(leaves, self.rest_specs)]
     if self.mesh is not None:

@@ -145,6 +145,35 @@ class DedicatedTest(parameterized.TestCase):
     alias_test.assert_trees_rel_close(self, ded.to_params(dp), ref_params,
                                       rtol=1e-5)
 
+  @parameterized.parameters(False, True)
+  def test_one_device_is_plain_muon(self, z3):
+    # No mesh: no collectives, still the same algorithm.
+    params = init_params()
+    ded = _dedicated.dedicate(params, None, reshard_after_forward=z3)
+    dp = ded.to_dedicated(params)
+    opt = _dedicated.dedicated_muon(ded, LR)
+    state = opt.init(dp)
+
+    def loss(dp, x):
+      for i in range(BLOCKS):
+        x = ded.block(block_fn, f'layers_{i}')(dp, x)
+      return jnp.mean((x @ dp.rest['head']) ** 2)
+
+    @jax.jit
+    def step(dp, state):
+      value, grads = jax.value_and_grad(loss)(dp, batch())
+      updates, state = opt.update(grads, state, dp)
+      return optax.apply_updates(dp, updates), state, value
+
+    losses = []
+    for _ in range(5):
+      dp, state, value = step(dp, state)
+      losses.append(float(value))
+    ref_params, ref_losses = reference(5)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    alias_test.assert_trees_rel_close(self, ded.to_params(dp), ref_params,
+                                      rtol=1e-6)
+
   @parameterized.named_parameters(('z2', False, 2), ('z3', True, 3))
   def test_collective_bytes(self, z3, factor):
     ded, dp, opt, state, x = setup((1, 8), z3)

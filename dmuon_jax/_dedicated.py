@@ -322,19 +322,26 @@ class Dedication:
           f'{[self.boundaries.names[i] for i in self.groups[g]]} '
           f'(layers_per_gather={self.layers_per_gather}); run them with '
           'Dedication.sequential.')
-    sub = self._subtree_leaves(b)
+    return self._run_group(g, lambda trees, *args: fn(trees[0], *args))
 
-    def run(rep_local, sub_rest, *args):
-      sub_rest = [self._gather_leaf(i, x) for i, x in zip(sub, sub_rest)]
-      return fn(self._fill(b, sub, sub_rest, self._materialize(g, rep_local)),
-                *args)
+  def _run_group(self, g: int, body: Callable[..., Any]) -> Callable[..., Any]:
+    """``(dedicated, *args) -> body(block_params_list, *args)``, group ``g``
+    gathered (Z2/Z3 as configured); one subtree per boundary of the group."""
+    subs = [self._subtree_leaves(b) for b in self.groups[g]]
+
+    def run(rep_local, sub_rests, *args):
+      mats = self._materialize(g, rep_local)
+      trees = [self._fill(b, sub, [self._gather_leaf(i, x)
+                                   for i, x in zip(sub, sub_rest)], mats)
+               for b, sub, sub_rest in zip(self.groups[g], subs, sub_rests)]
+      return body(trees, *args)
 
     inner = self._maybe_z3(run)
 
     def call(dedicated, *args):
       rest = _full_leaves(dedicated.rest, self.treedef)
       return inner(self._gather_replicate(dedicated.owned[g]),
-                   [rest[i] for i in sub], *args)
+                   [[rest[i] for i in sub] for sub in subs], *args)
 
     return call
 
@@ -370,25 +377,12 @@ class Dedication:
       plan.append(g)
       idx = idx[size:]
 
-    def make(g):
-      subs = [self._subtree_leaves(b) for b in self.groups[g]]
+    def body(trees, x):
+      for tree in trees:
+        x = fn(tree, x)
+      return x
 
-      def run(rep_local, sub_rests, x):
-        mats = self._materialize(g, rep_local)
-        for b, sub, sub_rest in zip(self.groups[g], subs, sub_rests):
-          sub_rest = [self._gather_leaf(i, y) for i, y in zip(sub, sub_rest)]
-          x = fn(self._fill(b, sub, sub_rest, mats), x)
-        return x
-
-      inner = self._maybe_z3(run)
-
-      def call(dedicated, x):
-        rest = _full_leaves(dedicated.rest, self.treedef)
-        return inner(self._gather_replicate(dedicated.owned[g]),
-                     [[rest[i] for i in sub] for sub in subs], x)
-      return call
-
-    calls = [make(g) for g in plan]
+    calls = [self._run_group(g, body) for g in plan]
 
     def call(dedicated, x):
       for c in calls:

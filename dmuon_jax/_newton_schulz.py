@@ -1,6 +1,6 @@
 """Newton-Schulz orthogonalization (direct and Gram forms) and presets."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 import math
 from typing import Literal, TypeAlias
 
@@ -516,20 +516,37 @@ def orthogonalize_via_gram_newton_schulz(
   x0, r, transposed = _prepare(x, preconditioning, eps, compute_dtype)
   if r is None:
     r = x0 @ _transpose(x0)
-  eye = jnp.eye(x0.shape[-2], dtype=compute_dtype)
+  return _finish(_gram_iterate(x0, r, rows, restarts), transposed, x)
+
+
+def _gram_iterate(
+    x0: jax.Array,
+    r: jax.Array,
+    rows: np.ndarray,
+    restarts: Sequence[int],
+    gram: Callable[[jax.Array], jax.Array] | None = None,
+) -> jax.Array:
+  """The Gram iteration from ``X_0`` and ``R = X_0 X_0^T``; returns ``Q X_0``.
+
+  ``gram(X)`` forms ``X X^T`` at restarts (default: locally; a sum over
+  tensor-parallel shards for a sharded ``X``).
+  """
+  if gram is None:
+    gram = lambda a: a @ _transpose(a)
+  eye = jnp.eye(x0.shape[-2], dtype=x0.dtype)
   q = None  # The identity, not materialized.
   for i, row in enumerate(rows):
     if i in restarts:
       x0 = q @ x0
-      r = x0 @ _transpose(x0)
+      r = gram(x0)
       q = None
-    a, b, c = _coeffs(row, compute_dtype)
+    a, b, c = _coeffs(row, x0.dtype)
     z = b * r + (c * r) @ r + a * eye
     q = z if q is None else z @ q
     if i + 1 < len(rows) and i + 1 not in restarts:
       r = (z @ r) @ z
       r = 0.5 * (r + _transpose(r))
-  return _finish(q @ x0, transposed, x)
+  return q @ x0
 
 
 def _ns_flops(

@@ -94,20 +94,9 @@ def gram_newton_schulz_tp(
   scale = 1 / jnp.where(norm > 0, norm, 1)
   x0 = (x0 * scale).astype(compute_dtype)
   r = (gram * scale**2).astype(compute_dtype)
-  eye = jnp.eye(x0.shape[-2], dtype=compute_dtype)
-  q = None
-  for i, row in enumerate(rows):
-    if i in restarts:
-      x0 = q @ x0
-      r = jax.lax.psum(x0 @ t(x0), axis_name)
-      q = None
-    a, b, c = (jnp.asarray(v, compute_dtype) for v in row)
-    z = b * r + (c * r) @ r + a * eye
-    q = z if q is None else z @ q
-    if i + 1 < len(rows) and i + 1 not in restarts:
-      r = (z @ r) @ z
-      r = 0.5 * (r + t(r))
-  out = q @ x0
+  out = _newton_schulz._gram_iterate(  # pylint: disable=protected-access
+      x0, r, rows, restarts,
+      gram=lambda a: jax.lax.psum(a @ t(a), axis_name))
   if split_axis == -2:
     out = t(out)
   return out.astype(x.dtype)

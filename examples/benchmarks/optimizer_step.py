@@ -147,6 +147,21 @@ def load_average() -> list[float] | None:
     return None
 
 
+def cpu_sample() -> tuple[float, float | None, float]:
+  """``(wall s, busy s of all CPUs from /proc/stat or None, own CPU s)``."""
+  busy = None
+  try:
+    with open('/proc/stat', encoding='utf-8') as f:
+      vals = [int(v) for v in f.readline().split()[1:]]
+    # user, nice, system, irq, softirq, steal.
+    busy = sum(vals[i] for i in (0, 1, 2, 5, 6, 7) if i < len(vals))
+    busy /= os.sysconf('SC_CLK_TCK')
+  except (OSError, ValueError):
+    pass
+  t = os.times()
+  return time.perf_counter(), busy, t.user + t.system
+
+
 class CpuMeter:
   """Share of the machine's CPU time used by *other* processes.
 
@@ -157,24 +172,10 @@ class CpuMeter:
   """
 
   def __init__(self):
-    self._start = self._read()
-
-  @staticmethod
-  def _read():
-    busy = None
-    try:
-      with open('/proc/stat', encoding='utf-8') as f:
-        vals = [int(v) for v in f.readline().split()[1:]]
-      # user, nice, system, irq, softirq, steal.
-      busy = sum(vals[i] for i in (0, 1, 2, 5, 6, 7) if i < len(vals))
-      busy /= os.sysconf('SC_CLK_TCK')
-    except (OSError, ValueError):
-      pass
-    t = os.times()
-    return time.perf_counter(), busy, t.user + t.system
+    self._start = cpu_sample()
 
   def other_share(self) -> float | None:
-    (w0, b0, o0), (w1, b1, o1) = self._start, self._read()
+    (w0, b0, o0), (w1, b1, o1) = self._start, cpu_sample()
     # /proc/stat counts in clock ticks (10 ms): too coarse below ~0.5 s.
     if b0 is None or b1 is None or w1 - w0 < 0.5:
       return None

@@ -239,24 +239,11 @@ class CpuShare:
     self._wall = self._other = 0.0
     self._ok = True
 
-  @staticmethod
-  def _read():
-    busy = None
-    try:
-      with open('/proc/stat', encoding='utf-8') as f:
-        vals = [int(v) for v in f.readline().split()[1:]]
-      busy = sum(vals[i] for i in (0, 1, 2, 5, 6, 7) if i < len(vals))
-      busy /= os.sysconf('SC_CLK_TCK')
-    except (OSError, ValueError):
-      pass
-    t = os.times()
-    return time.perf_counter(), busy, t.user + t.system
-
   def start(self):
-    return self._read()
+    return _common.cpu_sample()
 
   def stop(self, sample):
-    (w0, b0, o0), (w1, b1, o1) = sample, self._read()
+    (w0, b0, o0), (w1, b1, o1) = sample, _common.cpu_sample()
     if b0 is None or b1 is None:
       self._ok = False
       return

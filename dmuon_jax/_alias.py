@@ -63,8 +63,9 @@ def dmuon(
     momentum: Literal['optax', 'sgd'] = 'optax',
     mesh: jax.sharding.Mesh | None = None,
     axis_names: Sequence[str] | None = None,
-    ns_algorithm: Literal['standard', 'gram'] = 'standard',
+    ns_algorithm: Literal['auto', 'standard', 'gram'] = 'auto',
     compute_dtype: jax.typing.DTypeLike | None = None,
+    tensor_parallel_axis: str | None = 'model',
 ) -> optax.GradientTransformation:
   r"""Muon with each weight matrix owned by one device of a mesh.
 
@@ -134,10 +135,16 @@ def dmuon(
     mesh: (optional, default None) ``jax.sharding.Mesh`` whose devices own
       the matrices; if None, the mesh from :func:`jax.set_mesh`, else one
       device. Static.
-    axis_names: mesh axes the owners range over (default: all). Static.
-    ns_algorithm: ``'standard'`` or ``'gram'`` Newton–Schulz. Static.
+    axis_names: mesh axes the owners range over (default: all but
+      ``tensor_parallel_axis``). Static.
+    ns_algorithm: ``'auto'`` (the cheaper form per matrix shape by the
+      planner's cost model), ``'standard'`` or ``'gram'`` Newton–Schulz.
+      Static.
     compute_dtype: dtype of the Newton–Schulz matmuls (default: the
       momentum's); normalization is always float32.
+    tensor_parallel_axis: mesh axis that splits Muon matrices (Megatron
+      column/row-parallel layers), if the mesh has it; see
+      :func:`dmuon_jax.scale_by_dmuon`. None: no TP axis. Static.
 
   Returns:
     A :class:`optax.GradientTransformation` (an :func:`optax.partition` of a
@@ -174,7 +181,8 @@ def dmuon(
           preconditioning=preconditioning,
           weight_dimension_numbers=muon_weight_dimension_numbers,
           momentum=momentum, mesh=mesh, axis_names=axis_names,
-          ns_algorithm=ns_algorithm, compute_dtype=compute_dtype),
+          ns_algorithm=ns_algorithm, compute_dtype=compute_dtype,
+          tensor_parallel_axis=tensor_parallel_axis),
       _transform.scale_by_shape(
           weight_dimension_numbers=muon_weight_dimension_numbers,
           consistent_rms=consistent_rms),

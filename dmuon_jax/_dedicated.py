@@ -20,6 +20,7 @@ from dmuon_jax import (
   _layout,
   _newton_schulz,
   _planner,
+  _tensor_parallel,
   _transform,
 )
 
@@ -70,6 +71,13 @@ class Dedication:
     remat_policy: the ``jax.checkpoint`` policy of a Z3 block.
     rest_specs: per leaf, the PartitionSpec of a non-target param (None for
       Muon targets).
+    tensor_parallel_axis: the mesh axis that splits Muon matrices (None
+      without tensor parallelism). With it, ``plan`` and ``layouts`` hold
+      one TP shard's slice of each split matrix; owned buffers are sharded
+      over ``buffer_axes`` and then this axis.
+    ns_algorithm: the Newton–Schulz form the plan's costs assume and
+      :func:`dedicated_muon` runs for matrices not split by TP (``'auto'``:
+      the cheaper per shape).
   """
   plan: _planner.OwnershipPlan
   boundaries: _boundaries.HookBoundaries
@@ -86,6 +94,11 @@ class Dedication:
   rest_specs: tuple[P | None, ...]
   _leaf_paths: tuple[str, ...]
   _boundary_keys: tuple[Any, ...]
+  tensor_parallel_axis: str | None = None
+  ns_algorithm: str = 'auto'
+  # Per leaf: the dim the TP axis splits (None: not split).
+  _tp_dims: tuple[int | None, ...] = ()
+  _tp_size: int = 1
 
   @property
   def num_slots(self) -> int:
@@ -96,7 +109,10 @@ class Dedication:
     return tuple(a for a in self.buffer_axes if a != self.replicate_axis)
 
   def _spec(self, g: int) -> P:
-    axes = self.buffer_axes or None
+    axes = self.buffer_axes
+    if self.tensor_parallel_axis is not None:
+      axes = axes + (self.tensor_parallel_axis,)
+    axes = axes or None
     return P(None, axes) if self.num_iterations[g] else P(axes)
 
   def specs(self) -> DedicatedParams:
@@ -119,6 +135,8 @@ class Dedication:
     if layer_slice:
       entries = entries[1:]
     for dim, axes in enumerate(entries):
+      # A TP-sharded param stays this TP shard's slice (as the matrices).
+      axes = tuple(a for a in axes if a != self.tensor_parallel_axis)
       if axes:
         x = jax.lax.all_gather(x, axes, axis=dim, tiled=True)
     return x
@@ -184,11 +202,17 @@ class Dedication:
     leaves = jax.tree.leaves(params)
     owned = []
     for g, lay in enumerate(self.layouts):
-      targets = _replicated(self, [leaves[i] for i in self._group_leaves(g)])
-      if self.num_iterations[g]:
-        bufs = _pack_stack(self, g, targets)
-      else:
-        bufs = jax.jit(lay.pack_full)(targets)
+      idx = self._group_leaves(g)
+      targets = _replicated(self, [leaves[i] for i in idx])
+      per_tp = []
+      for t in range(self._tp_size):
+        sliced = [self._tp_slice(i, x, t) for i, x in zip(idx, targets)]
+        if self.num_iterations[g]:
+          per_tp.append(_pack_stack(self, g, sliced))
+        else:
+          per_tp.append(jax.jit(lay.pack_full)(sliced))
+      bufs = tuple(_interleave_tp(self.num_slots, [b[j] for b in per_tp])
+                   for j in range(len(lay.dtypes)))
       if self.mesh is not None:
         sharding = NamedSharding(self.mesh, self._spec(g))
         bufs = tuple(jax.device_put(x, sharding) for x in bufs)
@@ -214,13 +238,26 @@ class Dedication:
     leaves = _full_leaves(dedicated.rest, self.treedef)
     for g, lay in enumerate(self.layouts):
       bufs = _replicated(self, dedicated.owned[g])
-      if self.num_iterations[g]:
-        full = _unpack_stack(self, g, bufs)
-      else:
-        full = jax.jit(lay.unpack_full)(bufs)
-      for i, x in zip(self._group_leaves(g), full):
-        leaves[i] = x
+      per_tp = []
+      for t in range(self._tp_size):
+        mine = [_tp_part(self.num_slots, self._tp_size, x, t) for x in bufs]
+        if self.num_iterations[g]:
+          per_tp.append(_unpack_stack(self, g, mine))
+        else:
+          per_tp.append(jax.jit(lay.unpack_full)(mine))
+      for j, i in enumerate(self._group_leaves(g)):
+        parts = [full[j] for full in per_tp]
+        dim = self._tp_dims[i] if self._tp_dims else None
+        leaves[i] = parts[0] if dim is None else jnp.concatenate(parts, dim)
     return jax.tree.unflatten(self.treedef, leaves)
+
+  def _tp_slice(self, i: int, x: jax.Array, t: int) -> jax.Array:
+    """TP shard ``t``'s slice of target leaf ``i`` (the leaf without TP)."""
+    dim = self._tp_dims[i] if self._tp_dims else None
+    if dim is None:
+      return x
+    size = x.shape[dim] // self._tp_size
+    return jax.lax.slice_in_dim(x, t * size, (t + 1) * size, axis=dim)
 
   # -- inside shard_map ------------------------------------------------------
 
@@ -579,6 +616,23 @@ def _replicated(ded: Dedication, xs):
   return [jax.device_put(x, NamedSharding(ded.mesh, P())) for x in xs]
 
 
+def _interleave_tp(n: int, per_tp: Sequence[jax.Array]) -> jax.Array:
+  """``(..., n * local)`` buffers of each TP shard -> ``(..., n * T * local)``
+  with TP shard ``t`` of slot ``s`` at block ``s * T + t``."""
+  if len(per_tp) == 1:
+    return per_tp[0]
+  x = jnp.stack([b.reshape(b.shape[:-1] + (n, -1)) for b in per_tp], -2)
+  return x.reshape(x.shape[:-3] + (-1,))
+
+
+def _tp_part(n: int, tp: int, x: jax.Array, t: int) -> jax.Array:
+  """Inverse of :func:`_interleave_tp` for TP shard ``t``."""
+  if tp == 1:
+    return x
+  x = x.reshape(x.shape[:-1] + (n, tp, -1))[..., t, :]
+  return x.reshape(x.shape[:-2] + (-1,))
+
+
 def _pack_stack(ded: Dedication, g: int, targets):
   """(L, ...) targets -> per dtype (iters, num_slots * local), rotated."""
   iters, lay = ded.num_iterations[g], ded.layouts[g]
@@ -721,6 +775,8 @@ def dedicate(
     axis_names: Sequence[str] | None = None,
     replicate_axis: str | None = 'replicate',
     remat_policy: Callable[..., Any] | None = None,
+    tensor_parallel_axis: str | None = 'model',
+    ns_algorithm: str = 'auto',
 ) -> Dedication:
   """Plans dedicated ownership: each Muon matrix stored only on its owner.
 
@@ -743,6 +799,19 @@ def dedicate(
   backward re-gather stays inside the shard group; gradients are
   reduce-scattered over the shard axes, then over ``replicate``.
 
+  Tensor parallelism: on a mesh with ``tensor_parallel_axis`` (e.g.
+  ``('replicate', 'shard', 'model')``), owners range over the other axes and
+  a Muon target whose sharding (read from ``params``: arrays placed with a
+  ``NamedSharding``) puts the TP axis on one matrix dimension is split:
+  every TP shard of the owner stores its slice, a block receives each TP
+  shard's slice (write the block Megatron-style: column-parallel matmuls on
+  the local slice, a ``psum`` over the TP axis after row-parallel ones), and
+  :func:`dedicated_muon` orthogonalizes with Gram Newton–Schulz over the TP
+  axis (one Gram all-reduce per restart window, the matrix never gathered).
+  Compute gradients with ``dmuon_jax.local_value_and_grad(loss,
+  axis_names=<the owner axes>)`` so that autodiff still sums the
+  TP-replicated params' gradients over the TP axis.
+
   Args:
     params: the params tree (shapes are enough).
     mesh: the mesh whose devices own the matrices (None: one device).
@@ -755,13 +824,20 @@ def dedicate(
       False for Z2 (keep the gathered weights).
     layers_per_gather: boundaries (or scanned layers) per gather; must
       divide the length of every scanned stack.
-    axis_names: the owner axes (default: all mesh axes).
+    axis_names: the owner axes (default: all mesh axes but
+      ``tensor_parallel_axis``).
     replicate_axis: the HSDP replicate axis name, if the mesh has it.
     remat_policy: for Z3, the ``jax.checkpoint`` policy of a block. The
       default ``jax.checkpoint_policies.dots_saveable`` keeps matmul outputs
       and recomputes the gathered weights and elementwise ops in the
       backward pass; ``nothing_saveable`` recomputes the whole block
       (activation checkpointing). It must not save the gathered weights.
+    tensor_parallel_axis: the mesh axis that splits matrices, if the mesh
+      has it (None: none).
+    ns_algorithm: ``'auto'`` (per matrix shape, the cheaper of direct and
+      Gram Newton–Schulz by the planner's cost model), ``'standard'`` or
+      ``'gram'``; the plan balances that work and :func:`dedicated_muon`
+      runs it. TP-split matrices always use the Gram form.
 
   Returns:
     A :class:`Dedication`; move params with ``to_dedicated``.
@@ -781,9 +857,18 @@ def dedicate(
       params, predicate=predicate,
       weight_dimension_numbers=weight_dimension_numbers,
       boundary_predicate=boundary_predicate, strict=strict)
+  axis_names = _transform.owner_axes(mesh, axis_names, tensor_parallel_axis)
+  tp_n = _transform.tp_size(mesh, tensor_parallel_axis)
+  tp_dims: tuple[int | None, ...] = ()
+  tp_splits_by_leaf: dict[int, int | None] = {}
+  if tp_n > 1:
+    params, tp_dims, tp_splits_by_leaf = _tp_local(
+        params, mesh, predicate, weight_dimension_numbers,
+        tensor_parallel_axis)
   plan = _planner.plan_ownership(
       params, mesh, axis_names=axis_names, predicate=predicate,
-      weight_dimension_numbers=weight_dimension_numbers)
+      weight_dimension_numbers=weight_dimension_numbers,
+      ns_algorithm=ns_algorithm)
   buffer_axes, rep_axis = _buffer_axes(plan, replicate_axis)
   sizes = dict(zip(plan.axis_names, plan.mesh_shape))
   n = plan.num_slots
@@ -848,7 +933,8 @@ def dedicate(
         mesh_shape=tuple(sizes[a] for a in buffer_axes),
         leaves=tuple(specs), units=tuple(base), owners=tuple(base_owner))
     layouts.append(_layout.Layout(
-        sub, [leaves[s.leaf_index].dtype for s in specs]))
+        sub, [leaves[s.leaf_index].dtype for s in specs],
+        [tp_splits_by_leaf.get(s.leaf_index) for s in specs]))
     num_iterations.append(iters)
   targets = {s.leaf_index for s in plan.leaves}
   rest_specs = tuple(
@@ -873,7 +959,50 @@ def dedicate(
                                   else jax.checkpoint_policies.dots_saveable),
                     rest_specs=rest_specs,
                     _leaf_paths=leaf_paths,
-                    _boundary_keys=tuple(boundary_keys))
+                    _boundary_keys=tuple(boundary_keys),
+                    tensor_parallel_axis=(tensor_parallel_axis if tp_n > 1
+                                          else None),
+                    ns_algorithm=ns_algorithm,
+                    _tp_dims=tp_dims, _tp_size=tp_n)
+
+
+def _tp_local(params, mesh, predicate, weight_dimension_numbers, tp_axis):
+  """Params with TP-split targets at one TP shard's shape.
+
+  Returns:
+    ``(params, tp_dims, tp_splits)``: the tree with
+    ``jax.ShapeDtypeStruct`` slices for split targets (the non-targets keep
+    their leaves, for their shardings), per leaf the split dim or None, and
+    per split target's leaf index its matrix split axis (-1 or -2).
+  """
+  leaves, treedef = jax.tree.flatten(params)
+  specs = _planner.muon_target_specs(
+      params, predicate=predicate,
+      weight_dimension_numbers=weight_dimension_numbers)
+  targets = [s for s in specs if s is not None]
+  shardings = [_collectives.spec_of(leaves[s.leaf_index], explicit=False)
+               or P() for s in targets]
+  _, splits, shapes = _transform.split_tensor_parallel(
+      targets, shardings, tp_axis, dict(mesh.shape))
+  whole = [s.path for s, split in zip(targets, splits) if split is None]
+  if whole:
+    raise ValueError(
+        f'dmuon: dedicated mode on a mesh with the tensor-parallel axis '
+        f'{tp_axis!r} needs every Muon target split over it (column- or '
+        f'row-parallel); these are not: {whole}. Shard them over '
+        f'{tp_axis!r} along a matrix dimension, route them to AdamW, or use '
+        'the drop-in dmuon_jax.dmuon (which orthogonalizes TP-replicated '
+        'matrices on every TP shard of the owner).')
+  dims = [None] * len(leaves)
+  by_leaf = {}
+  for s, split, shape in zip(targets, splits, shapes):
+    by_leaf[s.leaf_index] = split
+    if split is not None:
+      dims[s.leaf_index] = next(
+          d for d, (a, b) in enumerate(zip(s.shape, shape)) if a != b)
+      leaves[s.leaf_index] = jax.ShapeDtypeStruct(shape,
+                                                  leaves[s.leaf_index].dtype)
+  return jax.tree.unflatten(treedef, leaves), tuple(dims), by_leaf
 
 
 class DedicatedMuonState(NamedTuple):
@@ -928,10 +1057,23 @@ def scale_by_dedicated_muon(
         count=jnp.zeros([], jnp.int32),
         mu=jax.tree.map(lambda x: jnp.zeros_like(x, dtype=mu_dtype), owned))
 
-  def ortho(stack):
-    out = _newton_schulz.orthogonalize_via_newton_schulz(
-        stack, coeffs, eps=eps)
-    scale = _transform.shape_scale(*stack.shape[-2:], consistent_rms)
+  tp_axis, tp_n = dedication.tensor_parallel_axis, dedication._tp_size  # pylint: disable=protected-access
+
+  def ortho(stack, tp_split):
+    shape = list(stack.shape[-2:])
+    if tp_split is not None:
+      out = _tensor_parallel.gram_newton_schulz_tp(
+          stack, coeffs, axis_name=tp_axis, split_axis=tp_split, eps=eps)
+      shape[tp_split] *= tp_n  # the whole matrix's shape
+    else:
+      algo = dedication.ns_algorithm
+      if algo == 'auto':
+        algo = _newton_schulz.cheaper_ns_algorithm(*shape, len(coeffs))
+      form = (_newton_schulz.orthogonalize_via_gram_newton_schulz
+              if algo == 'gram'
+              else _newton_schulz.orthogonalize_via_newton_schulz)
+      out = form(stack, coeffs, eps=eps)
+    scale = _transform.shape_scale(*shape, consistent_rms)
     return (scale * out).astype(out.dtype)
 
   def orthogonalize(lay, hat, shift=0):
@@ -979,9 +1121,18 @@ def _mean_rest(dedication: Dedication) -> optax.GradientTransformation:
     if mesh is None or not _collectives.manual_axes():
       return updates, state
     sizes = dict(mesh.shape)
+    tp_axis = dedication.tensor_parallel_axis
     out = []
-    for x, spec in zip(_full_leaves(updates, dedication.treedef),
-                       dedication.rest_specs):
+    for x, spec, path in zip(_full_leaves(updates, dedication.treedef),
+                             dedication.rest_specs,
+                             dedication._leaf_paths):  # pylint: disable=protected-access
+      if x is not None and tp_axis in _collectives.varying_axes(x):
+        raise ValueError(
+            f'dmuon: the gradient of {path!r} differs between the shards of '
+            f'the tensor-parallel axis {tp_axis!r} (it is a partial sum '
+            'there). Compute gradients with dmuon_jax.local_value_and_grad('
+            f'loss, axis_names={dedication.buffer_axes}) so that autodiff '
+            'sums TP-replicated params over the TP axis.')
       if x is not None:
         summed = [a for e in _collectives.spec_entries(spec) for a in e]
         if summed:
@@ -1017,8 +1168,8 @@ def dedicated_muon(
 
   Muon targets (``owned``) are updated on their owners with no
   communication; the other params (``rest``) by AdamW on gradients averaged
-  over devices, on the shards they are stored in. Use with :func:`dmuon_jax.local_value_and_grad`
-  inside ``jax.shard_map(..., in_specs=dedication.specs() ...)``.
+  over devices, on the shards they are stored in. Use with
+  :func:`dmuon_jax.local_value_and_grad` inside ``jax.shard_map(..., in_specs=dedication.specs() ...)``.
 
   Args:
     dedication: the :class:`Dedication`.

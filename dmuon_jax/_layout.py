@@ -35,12 +35,16 @@ class Layout:
   each device's block is exactly its own matrices, with no per-shape padding.
   """
 
-  def __init__(self, plan: _planner.OwnershipPlan, dtypes: Sequence):
+  def __init__(self, plan: _planner.OwnershipPlan, dtypes: Sequence,
+               tp_splits: Sequence[int | None] | None = None):
     """Builds the layout.
 
     Args:
       plan: the ownership plan.
       dtypes: the buffer dtype of each of ``plan.leaves``.
+      tp_splits: per ``plan.leaves`` entry, None, or the matrix axis (-1
+        columns, -2 rows) that a tensor-parallel mesh axis splits; the plan
+        then holds each TP shard's slice (see ``_tensor_parallel``).
     """
     self.plan = plan
     self.num_slots = plan.num_slots
@@ -49,6 +53,8 @@ class Layout:
     pos = {spec.leaf_index: i for i, spec in enumerate(plan.leaves)}
     n = len(plan.units)
     self.unit_leaf = [pos[u.leaf_index] for u in plan.units]
+    self.tp_splits = (tuple(tp_splits) if tp_splits is not None
+                      else (None,) * len(plan.leaves))
     self.unit_group = [self.dtypes.index(names[i]) for i in self.unit_leaf]
     self.unit_offset = [0] * n
     self.unit_size = [u.shape[0] * u.shape[1] for u in plan.units]
@@ -170,7 +176,9 @@ class Layout:
     Args:
       buffers: the slot's flat buffers, ``(local,)`` each.
       slot: the (static) slot whose layout to use.
-      fn: maps a ``(count, m, n)`` stack to a stack of the same shape.
+      fn: ``fn(stack, tp_split)`` maps a ``(count, m, n)`` stack of
+        matrices whose leaves have the same ``tp_split`` (see ``__init__``)
+        to a stack of the same shape.
 
     Returns:
       The slot's flat buffers with every matrix replaced by ``fn``'s result
@@ -179,16 +187,17 @@ class Layout:
     out = []
     for g, buf in enumerate(buffers):
       units = self.slot_units[g][slot]
-      by_shape: dict[tuple[int, int], list[int]] = {}
+      by_shape: dict[tuple, list[int]] = {}
       for u in units:
-        by_shape.setdefault(self.plan.units[u].shape, []).append(u)
+        key = (self.plan.units[u].shape, self.tp_splits[self.unit_leaf[u]])
+        by_shape.setdefault(key, []).append(u)
       results = {}
-      for shape, group in by_shape.items():
+      for (shape, split), group in by_shape.items():
         stack = jnp.stack([
             jax.lax.slice_in_dim(buf, self.unit_offset[u],
                                  self.unit_offset[u] + self.unit_size[u]
                                  ).reshape(shape) for u in group])
-        for u, r in zip(group, fn(stack)):
+        for u, r in zip(group, fn(stack, split)):
           results[u] = r.reshape(-1)
       pieces = [results[u].astype(buf.dtype) for u in units]
       pad = self.local_sizes[g] - int(self.slot_used[g, slot])

@@ -16,6 +16,8 @@ import numpy as np
 import optax
 from optax.contrib import MuonDimensionNumbers
 
+from dmuon_jax import _newton_schulz
+
 Predicate = Callable[[str, Any], bool]
 CostFn = Callable[[int, int], float]
 # None, one MuonDimensionNumbers, a prefix tree of them, or a callable.
@@ -608,6 +610,35 @@ def ns_flops(m: int, n: int, ns_steps: int = 5) -> float:
   return float(ns_steps) * (4.0 * s * s * l + 2.0 * s**3)
 
 
+_NS_ALGORITHMS = ('auto', 'standard', 'gram')
+
+
+def ns_cost(m: int, n: int, ns_steps: int = 5,
+            ns_algorithm: str = 'auto') -> float:
+  """Predicted matmul FLOPs of the Newton–Schulz form that will run.
+
+  ``'standard'`` is :func:`ns_flops`; ``'gram'`` the Gram form with its
+  default restarts; ``'auto'`` the cheaper of the two for this shape (what
+  :func:`dmuon_jax.dmuon` runs by default: Gram for aspect ratios above about
+  1.5 with 5 iterations).
+
+  Args:
+    m: rows.
+    n: columns.
+    ns_steps: Newton–Schulz iterations.
+    ns_algorithm: ``'auto'``, ``'standard'`` or ``'gram'``.
+
+  Returns:
+    The FLOP count, as a float.
+  """
+  if ns_algorithm not in _NS_ALGORITHMS:
+    raise ValueError(f'dmuon: ns_algorithm={ns_algorithm!r} is not one of '
+                     f'{_NS_ALGORITHMS}.')
+  if ns_algorithm == 'auto':
+    ns_algorithm = _newton_schulz.cheaper_ns_algorithm(m, n, ns_steps)
+  return float(_newton_schulz._ns_flops(m, n, ns_steps, ns_algorithm))  # pylint: disable=protected-access
+
+
 def _normalize_axes(
     value: Any, ndim: int, what: str, path: str, shape: tuple[int, ...]
 ) -> tuple[int, ...]:
@@ -974,6 +1005,7 @@ def plan_ownership(
     weight_dimension_numbers: WeightDimNums = None,
     ns_steps: int = 5,
     cost_fn: CostFn | None = None,
+    ns_algorithm: str = 'auto',
 ) -> OwnershipPlan:
   """Assigns every Muon matrix of ``params`` to exactly one owner slot.
 
@@ -999,7 +1031,11 @@ def plan_ownership(
       :func:`resolve_dimension_numbers`.
     ns_steps: Newton–Schulz iterations, for the default cost model.
     cost_fn: (optional) ``(fan_in, fan_out) -> float`` replacing the default
-      cost model :func:`ns_flops`.
+      cost model :func:`ns_cost`.
+    ns_algorithm: (optional, default ``'auto'``) the Newton–Schulz form the
+      optimizer runs, for the default cost model: ``'auto'`` (the cheaper
+      form per shape, as :func:`dmuon_jax.dmuon`'s default), ``'standard'``
+      or ``'gram'``.
 
   Returns:
     An :class:`OwnershipPlan`.
@@ -1014,6 +1050,9 @@ def plan_ownership(
       or ns_steps < 1
   ):
     raise ValueError(f'dmuon: {ns_steps=} must be a positive int.')
+  if ns_algorithm not in _NS_ALGORITHMS:
+    raise ValueError(f'dmuon: ns_algorithm={ns_algorithm!r} is not one of '
+                     f'{_NS_ALGORITHMS}.')
   names, sizes = _mesh_axes(mesh, axis_names)
   all_specs = muon_target_specs(
       params, predicate=predicate,
@@ -1024,7 +1063,7 @@ def plan_ownership(
   for spec in leaves:
     fan_in, fan_out = spec.matrix_shape
     if cost_fn is None:
-      cost = ns_flops(fan_in, fan_out, int(ns_steps))
+      cost = ns_cost(fan_in, fan_out, int(ns_steps), ns_algorithm)
     else:
       cost = float(cost_fn(fan_in, fan_out))
       if not math.isfinite(cost) or cost < 0:

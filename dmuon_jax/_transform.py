@@ -18,6 +18,7 @@ from dmuon_jax import _collectives
 from dmuon_jax import _layout
 from dmuon_jax import _newton_schulz
 from dmuon_jax import _planner
+from dmuon_jax import _tensor_parallel
 
 NsCoeffs = (str | tuple[float, float, float]
             | Sequence[tuple[float, float, float]])
@@ -25,7 +26,7 @@ WeightDimNumbers = (optax.contrib.MuonDimensionNumbers | Any
                     | Callable[[optax.Params], Any] | None)
 
 _MOMENTUM_RULES = ('optax', 'sgd')
-_NS_ALGORITHMS = ('standard', 'gram')
+_NS_ALGORITHMS = ('auto', 'standard', 'gram')
 _PRECONDITIONINGS = ('frobenius', 'spectral', 'aol', 'schatten')
 _COMPUTE_DTYPES = ('float32', 'bfloat16', 'float16', 'float64')
 
@@ -85,16 +86,95 @@ def _target_specs(tree, weight_dimension_numbers):
 
 
 def _layout_for(tree, *, mesh, axis_names, weight_dimension_numbers,
-                ns_steps, mu_dtype) -> _layout.Layout:
+                ns_steps, mu_dtype, ns_algorithm='standard',
+                tp_splits=None) -> _layout.Layout:
   """Plans owners for every leaf of ``tree`` and lays out owner buffers."""
   plan = _planner.plan_ownership(
       tree, mesh, axis_names=axis_names,
       predicate=lambda path, leaf: True,
-      weight_dimension_numbers=weight_dimension_numbers, ns_steps=ns_steps)
+      weight_dimension_numbers=weight_dimension_numbers, ns_steps=ns_steps,
+      ns_algorithm=ns_algorithm)
   leaves = jax.tree.leaves(tree)
   dtypes = [mu_dtype if mu_dtype is not None
             else jnp.dtype(leaves[s.leaf_index].dtype) for s in plan.leaves]
-  return _layout.Layout(plan, dtypes)
+  return _layout.Layout(plan, dtypes, tp_splits)
+
+
+def owner_axes(mesh, axis_names, tp_axis):
+  """The owner axes: ``axis_names``, else every mesh axis but the TP one."""
+  names, _ = _planner._mesh_axes(mesh, None)  # pylint: disable=protected-access
+  if tp_axis is None or tp_axis not in names:
+    return axis_names
+  if axis_names is None:
+    return tuple(n for n in names if n != tp_axis)
+  chosen = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
+  if tp_axis in chosen:
+    raise ValueError(
+        f'dmuon: axis_names {chosen} includes the tensor-parallel axis '
+        f'{tp_axis!r}: owners range over data-parallel axes, and every TP '
+        'shard of an owner holds its slice of the matrix. Leave it out of '
+        'axis_names, or pass tensor_parallel_axis=None to use it for owners.')
+  return chosen
+
+
+def tp_size(mesh, tp_axis) -> int:
+  """Size of the tensor-parallel axis (1 when the mesh has none)."""
+  names, sizes = _planner._mesh_axes(mesh, None)  # pylint: disable=protected-access
+  return int(dict(zip(names, sizes)).get(tp_axis, 1))
+
+
+def split_tensor_parallel(leaf_specs, specs, tp_axis, sizes):
+  """Separates the TP axis from each Muon leaf's sharding.
+
+  Args:
+    leaf_specs: the leaves' ``LeafSpec`` (matrix axes).
+    specs: the leaves' PartitionSpecs on the whole mesh.
+    tp_axis: the tensor-parallel axis name.
+    sizes: mesh axis sizes by name.
+
+  Returns:
+    ``(owner_specs, tp_splits, local_shapes)``: the specs without the TP
+    axis, per leaf None or the split matrix axis (-1 for a split output
+    axis, i.e. columns; -2 for a split reduction axis, i.e. rows) and the
+    shape of one TP shard's slice.
+
+  Raises:
+    ValueError: naming the leaf, for a TP axis on a stack (batch) axis,
+      on two dimensions, or together with another axis on one dimension.
+  """
+  owner_specs, splits, shapes = [], [], []
+  for leaf, spec in zip(leaf_specs, specs):
+    entries = _collectives.spec_entries(spec)
+    dims = [d for d, axes in enumerate(entries) if tp_axis in axes]
+    if not dims:
+      owner_specs.append(spec)
+      splits.append(None)
+      shapes.append(tuple(leaf.shape))
+      continue
+    dim = dims[0]
+    if len(dims) > 1 or entries[dim] != (tp_axis,):
+      raise ValueError(
+          f'dmuon: param {leaf.path!r} is sharded as {spec}: the '
+          f'tensor-parallel axis {tp_axis!r} must be the only axis of a '
+          'single dimension (Megatron column- or row-parallel). Shard the '
+          'other dimension over the data-parallel axes instead.')
+    if dim in leaf.output_axes:
+      splits.append(-1)
+    elif dim in leaf.reduction_axes:
+      splits.append(-2)
+    else:
+      raise ValueError(
+          f'dmuon: param {leaf.path!r} of shape {leaf.shape} is sharded over '
+          f'the tensor-parallel axis {tp_axis!r} on dim {dim}, a stack '
+          f'(batch) axis of its MuonDimensionNumbers; TP must split a matrix '
+          'dimension (a reduction or output axis). Shard another dimension, '
+          'or replicate the stack axis.')
+    entries[dim] = ()
+    owner_specs.append(P(*[e if e else None for e in entries]))
+    shape = list(leaf.shape)
+    shape[dim] //= sizes[tp_axis]
+    shapes.append(tuple(shape))
+  return owner_specs, splits, shapes
 
 
 def momentum_update(grads, mus, count_inc, *, beta, nesterov, rule):
@@ -131,6 +211,11 @@ def shape_scale(fan_in: int, fan_out: int,
   return np.sqrt(max(fan_in, fan_out)) * consistent_rms
 
 
+def _buffer_specs(axes, tp_axis, tp_n):
+  """PartitionSpec of the momentum buffers: owners, then TP shards."""
+  return P(tuple(axes) + ((tp_axis,) if tp_n > 1 else ()))
+
+
 def _on_owner(layout, fn, buffers):
   """Runs ``fn`` on this device's own matrices (one branch per owner)."""
   return _collectives.switch_by_slot(
@@ -139,11 +224,10 @@ def _on_owner(layout, fn, buffers):
        for s in range(layout.num_slots)], buffers)
 
 
-def _leaf_specs(plan, targets, recorded, explicit):
+def _leaf_specs(leaf_specs, targets, recorded, explicit, sizes):
   """Each target's PartitionSpec: from its type, else from init, else P()."""
-  sizes = dict(zip(plan.axis_names, plan.mesh_shape))
   specs = []
-  for i, (spec, x) in enumerate(zip(plan.leaves, targets)):
+  for i, (spec, x) in enumerate(zip(leaf_specs, targets)):
     found = _collectives.spec_of(x, explicit)
     if found is None and recorded is not None:
       found = recorded[i]
@@ -153,18 +237,25 @@ def _leaf_specs(plan, targets, recorded, explicit):
   return specs
 
 
+def _global_shapes(layout: _layout.Layout, tp_n: int):
+  """Momentum buffer shapes: every owner slot's block on each TP shard."""
+  return tuple(jax.ShapeDtypeStruct((s.shape[0] * tp_n,), s.dtype)
+               for s in layout.global_shapes())
+
+
 def _check_state(layout: _layout.Layout, mu: Sequence[jax.Array],
-                 local: bool) -> None:
+                 local: bool, tp_n: int = 1) -> None:
   if local:
     want = tuple(((size,), jnp.dtype(d))
                  for d, size in zip(layout.dtypes, layout.local_sizes))
   else:
-    want = tuple((tuple(s.shape), s.dtype) for s in layout.global_shapes())
+    want = tuple((tuple(s.shape), s.dtype)
+                 for s in _global_shapes(layout, tp_n))
   got = tuple((tuple(m.shape), jnp.dtype(m.dtype)) for m in mu)
   if got == want:
     return
   if local and got == tuple(
-      (tuple(s.shape), s.dtype) for s in layout.global_shapes()):
+      (tuple(s.shape), s.dtype) for s in _global_shapes(layout, tp_n)):
     raise ValueError(
         'dmuon: inside shard_map the momentum buffers must be split over the '
         f'owner axes {layout.plan.axis_names}: pass the optimizer state with '
@@ -188,8 +279,9 @@ def scale_by_dmuon(
     momentum: Literal['optax', 'sgd'] = 'optax',
     mesh: jax.sharding.Mesh | None = None,
     axis_names: Sequence[str] | None = None,
-    ns_algorithm: Literal['standard', 'gram'] = 'standard',
+    ns_algorithm: Literal['auto', 'standard', 'gram'] = 'auto',
     compute_dtype: jax.typing.DTypeLike | None = None,
+    tensor_parallel_axis: str | None = 'model',
 ) -> optax.GradientTransformation:
   r"""Muon's momentum orthogonalization, each matrix owned by one device.
 
@@ -232,6 +324,20 @@ def scale_by_dmuon(
   Newton–Schulz runs on each device for its own matrices only (one
   ``lax.switch`` branch per owner), with no collective inside.
 
+  Tensor parallelism (drop-in path): on a mesh with a ``tensor_parallel_axis``
+  (e.g. ``('replicate', 'shard', 'model')``), owners range over the other
+  axes and a Muon leaf may be sharded over the TP axis along one matrix
+  dimension (Megatron column-parallel: output axis; row-parallel: reduction
+  axis). Every TP shard of the owner then keeps the momentum of its own
+  slice, and the owner's TP shards orthogonalize the matrix together with
+  Gram Newton–Schulz: one all-reduce over the TP axis of the Gram matrix of
+  the unsplit dimension per restart window (``1 + restarts`` per matrix
+  shape), no gather of the matrix (see ``_tensor_parallel``). Matrices
+  replicated over the TP axis are orthogonalized by each TP shard of their
+  owner. The momentum buffers are sharded over the owner axes and the TP
+  axis. TP needs the params' shardings: from their types (explicit-axis
+  meshes) or from ``init`` on the sharded params (not under ``jit``).
+
   Args:
     ns_coeffs: Newton–Schulz coefficients: a preset name (see
       :data:`dmuon_jax.NS_COEFF_PRESETS`), one ``(a, b, c)`` triple used at
@@ -256,11 +362,17 @@ def scale_by_dmuon(
     mesh: (optional, default None) ``jax.sharding.Mesh`` whose devices own
       the matrices; if None, the mesh from :func:`jax.set_mesh`, else one
       device. Static.
-    axis_names: mesh axes that owners range over (default: all). Static.
-    ns_algorithm: ``'standard'`` (direct iteration) or ``'gram'`` (Gram
-      Newton–Schulz, cheaper for wide matrices). Static.
+    axis_names: mesh axes that owners range over (default: all but
+      ``tensor_parallel_axis``). Static.
+    ns_algorithm: ``'auto'`` (per matrix shape, the form with fewer matmul
+      FLOPs by the planner's cost model: Gram for aspect ratios above about
+      1.5, direct otherwise), ``'standard'`` (direct iteration) or
+      ``'gram'`` (Gram Newton–Schulz). TP-split matrices always use the
+      Gram form. Static.
     compute_dtype: dtype of the Newton–Schulz matmuls (default: the
       momentum's); the normalization is always done in float32.
+    tensor_parallel_axis: the mesh axis that splits matrices (tensor
+      parallelism), if the mesh has it; None: no TP axis. Static.
 
   Returns:
     A :class:`optax.GradientTransformation` whose state is a
@@ -271,44 +383,81 @@ def scale_by_dmuon(
                         preconditioning=preconditioning,
                         compute_dtype=compute_dtype)
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
-  layout_for = functools.partial(
-      _layout_for, mesh=_resolve_mesh(mesh), axis_names=axis_names,
-      weight_dimension_numbers=weight_dimension_numbers,
-      ns_steps=len(coeffs), mu_dtype=mu_dtype)
 
-  if ns_algorithm == 'gram':
-    orthogonalize = functools.partial(
-        _newton_schulz.orthogonalize_via_gram_newton_schulz, ns_coeffs=coeffs)
-  else:
-    orthogonalize = functools.partial(
-        _newton_schulz.orthogonalize_via_newton_schulz, ns_coeffs=coeffs)
-  orthogonalize = functools.partial(
-      orthogonalize, preconditioning=preconditioning, eps=eps,
-      compute_dtype=compute_dtype)
+  forms = {
+      'gram': _newton_schulz.orthogonalize_via_gram_newton_schulz,
+      'standard': _newton_schulz.orthogonalize_via_newton_schulz}
+  forms = {k: functools.partial(
+      f, ns_coeffs=coeffs, preconditioning=preconditioning, eps=eps,
+      compute_dtype=compute_dtype) for k, f in forms.items()}
+
+  def orthogonalize(stack, tp_split):
+    if tp_split is not None:
+      return _tensor_parallel.gram_newton_schulz_tp(
+          stack, coeffs, axis_name=tensor_parallel_axis, split_axis=tp_split,
+          eps=eps, compute_dtype=compute_dtype)
+    algo = ns_algorithm
+    if algo == 'auto':
+      algo = _newton_schulz.cheaper_ns_algorithm(*stack.shape[-2:],
+                                                 len(coeffs))
+    return forms[algo](stack)
 
   mesh = _resolve_mesh(mesh)
   if mesh is not None:
     _planner._mesh_axes(mesh, axis_names)  # Raises for unknown axis names.
+  axis_names = owner_axes(mesh, axis_names, tensor_parallel_axis)
+  tp_n = tp_size(mesh, tensor_parallel_axis)
+  if tp_n > 1 and preconditioning != 'frobenius':
+    raise ValueError(
+        f'dmuon: preconditioning={preconditioning!r} is not available with '
+        f'the tensor-parallel axis {tensor_parallel_axis!r} (size {tp_n}): '
+        "the TP Gram Newton-Schulz normalizes by the Frobenius norm. Use "
+        "preconditioning='frobenius' or tensor_parallel_axis=None.")
+  mesh_sizes = dict(mesh.shape) if mesh is not None else {}
   # Param shardings seen by init (concrete arrays), used by update when the
   # gradients' sharding cannot be read from their type (meshes with Auto
-  # axes). Keyed by the plan, i.e. by the tree's shapes.
+  # axes). Keyed by the tree's structure, shapes and dtypes.
   init_specs: dict[Any, tuple[P | None, ...]] = {}
 
+  def tree_key(leaves, treedef):
+    return treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+
+  def layout_for(tree, specs=None):
+    """Owner layout of ``tree`` and the leaves' specs without the TP axis.
+
+    With ``specs`` that split leaves over the TP axis, the plan holds one TP
+    shard's slice of each such matrix.
+    """
+    splits = owner_specs = None
+    if specs is not None and tp_n > 1:
+      leaves, treedef = jax.tree.flatten(tree)
+      owner_specs, splits, shapes = split_tensor_parallel(
+          _target_specs(tree, weight_dimension_numbers), specs,
+          tensor_parallel_axis, mesh_sizes)
+      tree = jax.tree.unflatten(treedef, [
+          jax.ShapeDtypeStruct(shape, x.dtype)
+          for x, shape in zip(leaves, shapes)])
+    layout = _layout_for(
+        tree, mesh=mesh, axis_names=axis_names,
+        weight_dimension_numbers=weight_dimension_numbers,
+        ns_steps=len(coeffs), mu_dtype=mu_dtype, ns_algorithm=ns_algorithm,
+        tp_splits=splits)
+    return layout, (owner_specs if owner_specs is not None else specs)
+
   def init_fn(params):
-    layout = layout_for(params)
+    leaves, treedef = jax.tree.flatten(params)
+    specs = tuple(_collectives.spec_of(x, explicit=False) for x in leaves)
+    init_specs[tree_key(leaves, treedef)] = specs
+    layout, _ = layout_for(params, [P() if s is None else s for s in specs])
     plan = layout.plan
-    leaves = jax.tree.leaves(params)
-    init_specs[plan] = tuple(
-        _collectives.spec_of(leaves[s.leaf_index], explicit=False)
-        for s in plan.leaves)
     mu = []
-    for shape in layout.global_shapes():
-      if plan.num_slots > 1:
+    for shape in _global_shapes(layout, tp_n):
+      if plan.num_slots * tp_n > 1:
         # Each owner's block on its own device (a context mesh from
         # jax.set_mesh resolves a bare PartitionSpec).
-        sharding = (NamedSharding(mesh, P(plan.axis_names))
-                    if isinstance(mesh, jax.sharding.Mesh)
-                    else P(plan.axis_names))
+        spec = _buffer_specs(plan.axis_names, tensor_parallel_axis, tp_n)
+        sharding = (NamedSharding(mesh, spec)
+                    if isinstance(mesh, jax.sharding.Mesh) else spec)
         zeros = functools.partial(jnp.zeros, shape.shape, shape.dtype)
         mu.append(jax.jit(zeros, out_shardings=sharding)())
       else:
@@ -318,10 +467,13 @@ def scale_by_dmuon(
   momentum_step = functools.partial(
       momentum_update, beta=beta, nesterov=nesterov, rule=momentum)
 
-  def ortho_fn(stack):
-    out = orthogonalize(stack)
+  def ortho_fn(stack, tp_split=None):
+    out = orthogonalize(stack, tp_split)
     if adaptive:
-      out = jnp.sum(stack * out, axis=(-2, -1), keepdims=True) * out
+      dot = jnp.sum(stack * out, axis=(-2, -1), keepdims=True)
+      if tp_split is not None:
+        dot = jax.lax.psum(dot, tensor_parallel_axis)
+      out = dot * out
     return out
 
   def owner_step(layout, targets, specs, mus, count_inc, *, distributed,
@@ -408,35 +560,50 @@ def scale_by_dmuon(
 
   def update_fn(updates, state, params=None):
     del params
-    layout = layout_for(updates)
+    layout, _ = layout_for(updates)
     plan = layout.plan
     leaves, treedef = jax.tree.flatten(updates)
     targets = [leaves[s.leaf_index] for s in plan.leaves]
     count_inc = optax.safe_increment(state.count)
     manual = _collectives.manual_axes()
     in_shard_map = bool(set(plan.axis_names) & manual)
-    _check_state(layout, state.mu, local=in_shard_map)
-    if plan.num_slots == 1:
+    if in_shard_map and tp_n > 1:
+      raise ValueError(
+          'dmuon: update() inside shard_map (the explicit path) does not '
+          f'support the tensor-parallel axis {tensor_parallel_axis!r}: call '
+          'it under jit on the sharded gradients (drop-in), or use '
+          'dmuon_jax.dedicate.')
+    if plan.num_slots * tp_n == 1:
+      _check_state(layout, state.mu, local=False)
       new, mu = owner_step(layout, targets, [None] * len(targets), state.mu,
                            count_inc, distributed=False, reduced=True)
     elif in_shard_map:
       # Called inside the user's shard_map: the leaves are gradients of
       # replicated params, per device (explicit path, device-varying) or
       # already summed (invariant).
+      _check_state(layout, state.mu, local=True)
       unreduced = any(_collectives.varying_axes(x) & set(plan.axis_names)
                       for x in targets)
       new, mu = owner_step(layout, targets, [None] * len(targets), state.mu,
                            count_inc, distributed=True, reduced=not unreduced)
     else:
-      specs = _leaf_specs(plan, targets, init_specs.get(plan),
+      allowed = dict(zip(plan.axis_names, plan.mesh_shape))
+      if tp_n > 1:
+        allowed[tensor_parallel_axis] = tp_n
+      specs = _leaf_specs(plan.leaves, targets,
+                          init_specs.get(tree_key(leaves, treedef)),
                           _collectives.is_explicit(
-                              mesh or jax.sharding.get_abstract_mesh()))
-      step = functools.partial(owner_step, layout, specs=specs,
+                              mesh or jax.sharding.get_abstract_mesh()),
+                          allowed)
+      layout, owner_specs = layout_for(updates, specs)
+      _check_state(layout, state.mu, local=False, tp_n=tp_n)
+      buffer_spec = _buffer_specs(plan.axis_names, tensor_parallel_axis, tp_n)
+      step = functools.partial(owner_step, layout, specs=owner_specs,
                                distributed=True, reduced=True)
       new, mu = jax.shard_map(
           lambda t, m, c: step(t, mus=m, count_inc=c), mesh=mesh,
-          in_specs=(list(specs), P(plan.axis_names), P()),
-          out_specs=(list(specs), P(plan.axis_names)),
+          in_specs=(list(specs), buffer_spec, P()),
+          out_specs=(list(specs), buffer_spec),
           # Results of sharded leaves arrive by all_to_all from every owner,
           # so their type says "varying" over axes they are replicated on
           # (HSDP's replicate peers receive equal pieces). Nothing here is

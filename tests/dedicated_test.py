@@ -224,8 +224,9 @@ class DedicatedPlanTest(absltest.TestCase):
                               'gate': shape(d, 4 * d), 'up': shape(d, 4 * d),
                               'down': shape(4 * d, d)} for i in range(4)}
     mesh = {'replicate': 1, 'shard': 8}
-    one = _dedicated.dedicate(params, mesh)
-    two = _dedicated.dedicate(params, mesh, layers_per_gather=2)
+    one = _dedicated.dedicate(params, mesh, ns_algorithm='standard')
+    two = _dedicated.dedicate(params, mesh, layers_per_gather=2,
+                              ns_algorithm='standard')
     payload = 4 * 16 * d * d * 4
     # One block (16 d^2 in 7 matrices) on 8 owners: the largest share is a
     # 4 d^2 matrix, so the gather moves 2x; two blocks pack exactly.
@@ -240,6 +241,14 @@ class DedicatedPlanTest(absltest.TestCase):
     for ded in (one, two):
       costs = ded.plan.slot_costs()
       self.assertLessEqual(max(costs) / np.mean(costs), 1.08)
+    # With the default Gram form for the d x 4d matrices (60 d^3 against
+    # 30 d^3 for a direct d x d), per two blocks a slot holds either one
+    # d x 4d (60) or four d x d (120) matrices against a mean of 75: the best
+    # the swaps can do over four blocks is 180 against 150, i.e. 1.2.
+    auto = _dedicated.dedicate(params, mesh, layers_per_gather=2)
+    self.assertEqual(auto.gather_bytes(), (payload, payload))
+    costs = auto.plan.slot_costs()
+    self.assertAlmostEqual(max(costs) / np.mean(costs), 1.2)
 
 
 class DedicatedErrorsTest(parameterized.TestCase):

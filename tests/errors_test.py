@@ -76,13 +76,40 @@ class MeshInputTest(absltest.TestCase):
       dmuon_jax.dmuon(0.1, mesh=mesh, axis_names=('replicate', 'shard'))
 
   def test_param_sharded_over_an_axis_dmuon_does_not_own(self):
-    mesh = jax.make_mesh((2, 2, 2), ('replicate', 'shard', 'model'))
+    mesh = jax.make_mesh((2, 2, 2), ('replicate', 'shard', 'expert'))
     tree = {'layers_0': {'w': jnp.zeros((8, 16))}}
-    tree = jax.device_put(tree, NamedSharding(mesh, P(None, 'model')))
+    tree = jax.device_put(tree, NamedSharding(mesh, P(None, 'expert')))
     opt = dmuon_jax.dmuon(0.1, mesh=mesh, axis_names=('replicate', 'shard'))
     state = opt.init(tree)
-    with self.assertRaisesRegex(ValueError, r"layers_0/w.*'model'"):
+    with self.assertRaisesRegex(ValueError, r"layers_0/w.*'expert'"):
       jax.jit(opt.update)(tree, state, tree)
+
+  def test_tensor_parallel_axis_on_a_stack_axis(self):
+    mesh = jax.make_mesh((1, 4, 2), ('replicate', 'shard', 'model'))
+    tree = {'layers': {'w': jnp.zeros((2, 8, 16))}}
+    tree = jax.device_put(tree, NamedSharding(mesh, P('model')))
+    opt = dmuon_jax.dmuon(
+        0.1, mesh=mesh, predicate=lambda p, x: True,
+        muon_weight_dimension_numbers=MDN(1, 2))
+    with self.assertRaisesRegex(ValueError,
+                                r"layers/w.*'model'.*stack \(batch\) axis"):
+      state = opt.init(tree)
+      jax.jit(opt.update)(tree, state, tree)
+
+  def test_tensor_parallel_axis_with_another_axis_on_one_dim(self):
+    mesh = jax.make_mesh((1, 4, 2), ('replicate', 'shard', 'model'))
+    tree = {'layers_0': {'w': jnp.zeros((8, 16))}}
+    tree = jax.device_put(tree, NamedSharding(mesh, P(None, ('shard',
+                                                             'model'))))
+    opt = dmuon_jax.dmuon(0.1, mesh=mesh)
+    with self.assertRaisesRegex(ValueError, r"layers_0/w.*only axis"):
+      state = opt.init(tree)
+      jax.jit(opt.update)(tree, state, tree)
+
+  def test_tensor_parallel_axis_among_owner_axes(self):
+    mesh = jax.make_mesh((1, 4, 2), ('replicate', 'shard', 'model'))
+    with self.assertRaisesRegex(ValueError, r"tensor-parallel axis 'model'"):
+      dmuon_jax.dmuon(0.1, mesh=mesh, axis_names=('shard', 'model'))
 
   def test_tree_at_update_differs_from_init_on_a_mesh(self):
     mesh = jax.make_mesh((1, 8), ('replicate', 'shard'))

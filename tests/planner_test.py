@@ -411,7 +411,8 @@ class CostModelTest(parameterized.TestCase):
   def test_plan_costs(self):
     tree = {'a': S((64, 256), F32), 'b': S((3, 32, 16), F32)}
     plan = _planner.plan_ownership(
-        tree, MESH_2X4, predicate=lambda p, x: True, ns_steps=4
+        tree, MESH_2X4, predicate=lambda p, x: True, ns_steps=4,
+        ns_algorithm='standard',
     )
     self.assertEqual(
         [u.cost for u in plan.units],
@@ -420,6 +421,25 @@ class CostModelTest(parameterized.TestCase):
     self.assertAlmostEqual(
         sum(plan.slot_costs()), _flops(64, 256, 4) + 3 * _flops(32, 16, 4)
     )
+
+  @parameterized.parameters((64, 64), (64, 80), (64, 128), (300, 64),
+                            (16, 512))
+  def test_auto_costs_the_cheaper_form(self, m, n):
+    # Gram form, restart before iteration 2 (p = 2 windows of k = 5): each
+    # window forms X Xᵀ and applies Q X (4 s² l), iterations cost
+    # (8k - 6p) s³; the default plan charges whichever of the two is less.
+    s, l = min(m, n), max(m, n)
+    gram = 4 * 2 * s * s * l + (8 * 5 - 6 * 2) * s**3
+    plan = _planner.plan_ownership({'a': S((m, n), F32)}, MESH_2X4,
+                                   predicate=lambda p, x: True)
+    self.assertEqual(plan.units[0].cost, min(gram, _flops(m, n)))
+    for algo, want in (('standard', _flops(m, n)), ('gram', gram)):
+      plan = _planner.plan_ownership({'a': S((m, n), F32)}, MESH_2X4,
+                                     predicate=lambda p, x: True,
+                                     ns_algorithm=algo)
+      self.assertEqual(plan.units[0].cost, want)
+    with self.assertRaisesRegex(ValueError, "ns_algorithm='svd'"):
+      _planner.plan_ownership({'a': S((m, n), F32)}, ns_algorithm='svd')
 
   def test_custom_cost(self):
     tree = {'a': S((64, 256), F32)}

@@ -1,0 +1,273 @@
+"""A Flax model with column/row-parallel layers on 3-axis meshes (8 devices).
+
+Megatron-style tensor parallelism over ``'model'``: ``wq``, ``wk`` and
+``up`` are column-parallel (output dim split), ``wo`` and ``down``
+row-parallel (input dim split); ``up``/``down`` are also FSDP-sharded over
+``'shard'`` on their other dim, and ``mix`` is a Muon matrix replicated over
+``'model'`` (orthogonalized by every TP shard of its owner). The reference is
+one device with ``optax.contrib.muon`` (Frobenius normalization, direct
+Newton–Schulz: the same as dmuon's).
+"""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl.testing import absltest
+from absl.testing import parameterized
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import dmuon_jax
+from dmuon_jax import _diagnostics
+from tests import dedicated_test
+from tests import distributed_test
+
+AXES = ('replicate', 'shard', 'model')
+D, F, VOCAB, BLOCKS, STEPS, LR = 32, 64, 64, 2, 20, 0.01
+MESHES = {'1x4x2': (1, 4, 2), '2x2x2': (2, 2, 2)}
+
+
+def dense(features, partition, name):
+  return nn.Dense(features, use_bias=False, name=name,
+                  kernel_init=nn.with_partitioning(
+                      nn.initializers.lecun_normal(), partition))
+
+
+class Block(nn.Module):
+  """Attention-like mixing (column q, k; row o) and an MLP (column up, row
+  down)."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.RMSNorm(name='norm1')(x)
+    a = jnp.tanh(dense(D, (None, 'model'), 'wq')(h))
+    a = a * dense(D, (None, 'model'), 'wk')(h)
+    x = x + dense(D, ('model', None), 'wo')(a)
+    h = nn.RMSNorm(name='norm2')(x)
+    h = nn.gelu(dense(F, ('shard', 'model'), 'up')(h))
+    return x + dense(D, ('model', 'shard'), 'down')(h)
+
+
+class Model(nn.Module):
+  mix: bool = True  # a Muon matrix not split by TP
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(VOCAB, D, name='embed')(tokens)
+    for i in range(BLOCKS):
+      x = Block(name=f'layers_{i}')(x)
+    if self.mix:
+      x = x + jnp.tanh(dense(3 * D, (None, 'shard'), 'mix')(x))[..., :D]
+    return nn.Dense(VOCAB, use_bias=False, name='head')(x)
+
+
+class MegatronBlock(nn.Module):
+  """:class:`Block` on one TP shard's slices (dedicated mode's blocks).
+
+  Column-parallel layers produce this shard's output features; row-parallel
+  ones consume them and sum over the TP axis. With ``tp=1`` and no axis it
+  is :class:`Block` itself (same names, shapes and arithmetic).
+  """
+  tp: int = 1
+  tp_axis: str | None = None
+
+  @nn.compact
+  def __call__(self, x):
+    def column(y, features, name):
+      return nn.Dense(features // self.tp, use_bias=False, name=name)(y)
+
+    def row(y, name):
+      out = nn.Dense(D, use_bias=False, name=name)(y)
+      return jax.lax.psum(out, self.tp_axis) if self.tp_axis else out
+
+    h = nn.RMSNorm(name='norm1')(x)
+    a = jnp.tanh(column(h, D, 'wq')) * column(h, D, 'wk')
+    x = x + row(a, 'wo')
+    h = nn.RMSNorm(name='norm2')(x)
+    return x + row(nn.gelu(column(h, F, 'up')), 'down')
+
+
+def cross_entropy(logits, tokens):
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits, tokens[:, 1:]).mean()
+
+
+def loss_fn(params, tokens, mix=True):
+  return cross_entropy(
+      Model(mix=mix).apply({'params': params}, tokens[:, :-1]), tokens)
+
+
+def tokens():
+  return jax.random.randint(jax.random.key(1), (16, 9), 0, VOCAB)
+
+
+def init(mix=True):
+  """Unboxed params and their PartitionSpecs (Flax's logical = mesh axes)."""
+  boxed = Model(mix=mix).init(jax.random.key(0), tokens()[:, :-1])['params']
+  return nn.unbox(boxed), nn.get_partition_spec(boxed)
+
+
+def predicate(path, leaf):
+  return dmuon_jax.default_muon_predicate(path, leaf) or path == 'mix/kernel'
+
+
+@functools.cache
+def reference(mix=True):
+  params, _ = init(mix)
+  opt = dedicated_test.optax_muon(LR, params, predicate)
+  return dedicated_test.train_single_device(
+      opt, params, lambda p: loss_fn(p, tokens(), mix), STEPS)
+
+
+@functools.cache
+def dedicated_run(mesh_name):
+  """Dedicated Z3 (one block per gather) with Megatron blocks."""
+  mesh = make_mesh(mesh_name)
+  tp = mesh.shape['model']
+  params, specs = init(mix=False)
+  params = jax.device_put(
+      params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+  ded = dmuon_jax.dedicate(params, mesh)
+  dp = ded.to_dedicated(params)
+  opt = dmuon_jax.dedicated_muon(ded, learning_rate=LR)
+  opt_state = opt.init(dp)
+  block = MegatronBlock(tp=tp, tp_axis='model')
+  apply = lambda block_params, x: block.apply({'params': block_params}, x)
+  dp_axes = ded.buffer_axes
+
+  def loss(dp, toks):
+    p = ded.gather_rest(dp)
+    x = jnp.take(p['embed']['embedding'], toks[:, :-1], axis=0)
+    for i in range(BLOCKS):
+      x = ded.block(apply, f'layers_{i}')(dp, x)
+    return cross_entropy(x @ p['head']['kernel'], toks)
+
+  state_specs = ded.specs_of(opt_state)
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh,
+                     in_specs=(ded.specs(), state_specs, P(dp_axes)),
+                     out_specs=(ded.specs(), state_specs, P()))
+  def step(dp, opt_state, toks):
+    # Per device over the data-parallel axes only: autodiff still sums the
+    # TP-replicated params' gradients over 'model'.
+    value, grads = dmuon_jax.local_value_and_grad(
+        loss, axis_names=dp_axes)(dp, toks)
+    updates, opt_state = opt.update(grads, opt_state, dp)
+    return (optax.apply_updates(dp, updates), opt_state,
+            jax.lax.pmean(value, dp_axes))
+
+  data = tokens()
+  losses = []
+  for _ in range(STEPS):
+    dp, opt_state, value = step(dp, opt_state, data)
+    losses.append(float(value))
+  return (jax.device_get(ded.to_params(dp)), np.array(losses), ded, step,
+          (dp, opt_state, data))
+
+
+@functools.cache
+def drop_in_run(mesh_name):
+  mesh = make_mesh(mesh_name)
+  params, specs = init()
+  params = jax.device_put(
+      params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+  data = jax.device_put(tokens(), NamedSharding(mesh, P(AXES[:2])))
+  opt = dmuon_jax.dmuon(LR, mesh=mesh, predicate=predicate)
+  state = opt.init(params)
+
+  @jax.jit
+  def step(params, state):
+    loss, grads = jax.value_and_grad(loss_fn)(params, data)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  losses = []
+  for _ in range(STEPS):
+    params, state, loss = step(params, state)
+    losses.append(float(loss))
+  return (jax.device_get(params), np.array(losses), step, opt,
+          (params, state))
+
+
+def make_mesh(mesh_name):
+  # Auto axes: XLA shards the model's activations; dmuon reads the params'
+  # shardings at init.
+  return jax.make_mesh(MESHES[mesh_name], AXES,
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+class DropInTensorParallelTest(parameterized.TestCase):
+
+  @parameterized.parameters(*MESHES)
+  def test_twenty_steps_equal_single_device_optax_muon(self, mesh_name):
+    ref_params, ref_losses = reference()
+    params, losses, *_ = drop_in_run(mesh_name)
+    self.assertLess(rel(losses, ref_losses), 1e-5)
+    self.assertLess(ref_losses[-1], ref_losses[0] - 0.1)  # it trains
+    for path, want in jax.tree_util.tree_leaves_with_path(ref_params):
+      got = functools.reduce(lambda t, k: t[k.key], path, params)
+      self.assertLess(rel(got, want), 1e-5, jax.tree_util.keystr(path))
+
+  def test_dedicated_twenty_steps_equal_single_device_optax_muon(self):
+    ref_params, ref_losses = reference(mix=False)
+    for mesh_name in MESHES:
+      params, losses, *_ = dedicated_run(mesh_name)
+      self.assertLess(rel(losses, ref_losses), 1e-5, mesh_name)
+      for path, want in jax.tree_util.tree_leaves_with_path(ref_params):
+        got = functools.reduce(lambda t, k: t[k.key], path, params)
+        self.assertLess(rel(got, want), 1e-5,
+                        (mesh_name, jax.tree_util.keystr(path)))
+
+  def test_momentum_is_split_over_owners_and_tp_shards(self):
+    *_, opt, (params, state) = drop_in_run('1x4x2')
+    (muon_state,) = distributed_test.dmuon_states(state)
+    self.assertNotEmpty(muon_state.mu)
+    for buf in muon_state.mu:
+      # Split 8 ways: each (owner, TP shard) keeps only its own slices.
+      self.assertEqual(buf.sharding.shard_shape(buf.shape)[0] * 8,
+                       buf.shape[0])
+
+  def test_update_reduces_only_grams_over_the_tp_axis(self):
+    mesh = make_mesh('1x4x2')
+    *_, opt, (params, state) = drop_in_run('1x4x2')
+    update = jax.jit(opt.update)
+    tp_units = 5 * BLOCKS  # wq, wk, up (column), wo, down (row)
+    # Before XLA combines them (StableHLO; the same program for CUDA): one
+    # psum of a (k, 32, 32) Gram stack per restart window (default restart
+    # before iteration 2: two windows) for each batched bucket of k TP
+    # matrices on an owner: every TP matrix's Gram is reduced exactly twice.
+    text = update.trace(params, state, params).lower(
+        lowering_platforms=('cuda',)).as_text()
+    tp = [c for c in _diagnostics.stablehlo_collectives(text)
+          if c.group_size == mesh.shape['model']]
+    self.assertEqual({c.kind for c in tp}, {'all-reduce'})
+    for c in tp:
+      self.assertEqual(c.shape[1:], (D, D))
+    self.assertEqual(sum(c.shape[0] for c in tp), 2 * tp_units)
+    self.assertLessEqual(len(tp), 2 * tp_units)
+    # Compiled: still only all-reduces over the TP axis (XLA may combine
+    # them into tuples), of exactly those Gram elements; the matrices never
+    # travel over it.
+    report = dmuon_jax.analyze_hlo(update, params, state, params)
+    tp = [c for c in report.collectives if c.group_size == 2]
+    self.assertEqual({c.kind for c in tp}, {'all-reduce'})
+    self.assertEqual(sum(np.prod(c.shape) for c in tp),
+                     2 * tp_units * D * D)
+    # Over the owner axes: the FSDP pieces of up/down/mix go to their owners
+    # and back by all-to-all, replicated matrices come back by all-gather.
+    owner = {c.kind for c in report.collectives if c.group_size == 4}
+    self.assertEqual(owner, {'all-to-all', 'all-gather'})
+
+
+if __name__ == '__main__':
+  absltest.main()

@@ -31,6 +31,9 @@ from dmuon_jax._newton_schulz import (
     orthogonalize_via_newton_schulz as orthogonalize_via_newton_schulz,
 )
 from dmuon_jax._newton_schulz import resolve_ns_coeffs as resolve_ns_coeffs
+from dmuon_jax._tensor_parallel import (
+    orthogonalize_via_gram_newton_schulz_tp as orthogonalize_via_gram_newton_schulz_tp,
+)
 from dmuon_jax._planner import OwnershipPlan as OwnershipPlan
 from dmuon_jax._planner import default_muon_predicate as default_muon_predicate
 from dmuon_jax._planner import plan_ownership as plan_ownership
@@ -63,6 +66,7 @@ __all__ = (
     'muon_labels',
     'orthogonality_error',
     'orthogonalize_via_gram_newton_schulz',
+    'orthogonalize_via_gram_newton_schulz_tp',
     'orthogonalize_via_newton_schulz',
     'plan_ownership',
     'resolve_ns_coeffs',

@@ -1062,7 +1062,7 @@ def scale_by_dedicated_muon(
   def ortho(stack, tp_split):
     shape = list(stack.shape[-2:])
     if tp_split is not None:
-      out = _tensor_parallel.gram_newton_schulz_tp(
+      out = _tensor_parallel.orthogonalize_via_gram_newton_schulz_tp(
           stack, coeffs, axis_name=tp_axis, split_axis=tp_split, eps=eps)
       shape[tp_split] *= tp_n  # the whole matrix's shape
     else:

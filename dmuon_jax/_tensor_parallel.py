@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from dmuon_jax import _newton_schulz
 
 
-def gram_newton_schulz_tp(
+def orthogonalize_via_gram_newton_schulz_tp(
     x: jax.Array,
     ns_coeffs: _newton_schulz.NSCoeffsLike = 'jordan',
     ns_steps: int | None = None,
@@ -47,6 +47,14 @@ def gram_newton_schulz_tp(
   X p(X^T X)``), but the all-reduce and the iteration are ``g x g`` with
   ``g`` the larger dimension.
 
+  Precision: in float32 the result equals direct Newton–Schulz on the whole
+  matrix to about 1e-6 relative. With ``compute_dtype=bfloat16`` (the Gram
+  and the norm still float32) it stays within 8e-2 of it, and within the
+  coefficients' band around the SVD polar factor: for ``'jordan'`` the
+  singular values stay in [0.6, 1.3] (float32: [0.68, 1.14]) and the
+  relative distance to the polar factor grows by less than 0.03 (tested in
+  ``tests/tensor_parallel_test.py``).
+
   Args:
     x: this shard's slice, ``(..., m, n_local)`` for ``split_axis=-1``
       (columns split) or ``(..., m_local, n)`` for ``split_axis=-2``.
@@ -68,6 +76,22 @@ def gram_newton_schulz_tp(
 
   Raises:
     ValueError: for invalid coefficients, restarts or ``split_axis``.
+
+  Examples:
+    >>> import functools, jax, numpy as np
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> import dmuon_jax
+    >>> mesh = jax.make_mesh((2,), ('model',), devices=jax.devices()[:2])
+    >>> column = P(None, 'model')  # columns split over 'model'
+    >>> ns = jax.shard_map(functools.partial(
+    ...     dmuon_jax.orthogonalize_via_gram_newton_schulz_tp,
+    ...     axis_name='model', split_axis=-1),
+    ...     mesh=mesh, in_specs=column, out_specs=column)
+    >>> x = jax.random.normal(jax.random.key(0), (16, 64))
+    >>> y = ns(jax.device_put(x, NamedSharding(mesh, column)))
+    >>> want = dmuon_jax.orthogonalize_via_newton_schulz(x)
+    >>> bool(np.allclose(y, want, atol=1e-5))
+    True
   """
   if split_axis not in (-1, -2):
     raise ValueError(f'dmuon: split_axis={split_axis!r} must be -1 (columns '
@@ -100,3 +124,6 @@ def gram_newton_schulz_tp(
   if split_axis == -2:
     out = t(out)
   return out.astype(x.dtype)
+
+# Old private name, used by examples/benchmarks/gram_ns.py until it is updated.
+gram_newton_schulz_tp = orthogonalize_via_gram_newton_schulz_tp

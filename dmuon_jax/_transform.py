@@ -393,7 +393,7 @@ def scale_by_dmuon(
 
   def orthogonalize(stack, tp_split):
     if tp_split is not None:
-      return _tensor_parallel.gram_newton_schulz_tp(
+      return _tensor_parallel.orthogonalize_via_gram_newton_schulz_tp(
           stack, coeffs, axis_name=tensor_parallel_axis, split_axis=tp_split,
           eps=eps, compute_dtype=compute_dtype)
     algo = ns_algorithm

@@ -7,7 +7,8 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 MODULES = ('_alias', '_boundaries', '_collectives', '_diagnostics',
-           '_explicit', '_layout', '_newton_schulz', '_planner', '_transform')
+           '_explicit', '_layout', '_newton_schulz', '_planner',
+           '_tensor_parallel', '_transform')
 
 
 class DoctestTest(parameterized.TestCase):

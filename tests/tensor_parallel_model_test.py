@@ -28,7 +28,9 @@ from tests import distributed_test
 
 AXES = ('replicate', 'shard', 'model')
 D, F, VOCAB, BLOCKS, STEPS, LR = 32, 64, 64, 2, 20, 0.01
-MESHES = {'1x4x2': (1, 4, 2), '2x2x2': (2, 2, 2)}
+MESHES = {'1x4x2': (1, 4, 2), '2x2x2': (2, 2, 2), '1x2x4': (1, 2, 4)}
+# Dedicated mode is checked on the two meshes the issue names.
+DEDICATED_MESHES = ('1x4x2', '2x2x2')
 
 
 def dense(features, partition, name):
@@ -220,13 +222,23 @@ class DropInTensorParallelTest(parameterized.TestCase):
 
   def test_dedicated_twenty_steps_equal_single_device_optax_muon(self):
     ref_params, ref_losses = reference(mix=False)
-    for mesh_name in MESHES:
+    for mesh_name in DEDICATED_MESHES:
       params, losses, *_ = dedicated_run(mesh_name)
       self.assertLess(rel(losses, ref_losses), 1e-5, mesh_name)
       for path, want in jax.tree_util.tree_leaves_with_path(ref_params):
         got = functools.reduce(lambda t, k: t[k.key], path, params)
         self.assertLess(rel(got, want), 1e-5,
                         (mesh_name, jax.tree_util.keystr(path)))
+
+  def test_dedicated_step_sends_nothing_but_all_reduces_over_tp(self):
+    *_, step, args = dedicated_run('1x4x2')
+    report = dmuon_jax.analyze_hlo(step, *args)
+    tp = [c for c in report.collectives if c.group_size == 2]
+    # The row-parallel psums of activations and the Gram all-reduces; the
+    # owners' buffers move over the data-parallel axes only (group of 4).
+    self.assertEqual({c.kind for c in tp}, {'all-reduce'})
+    owner = {c.kind for c in report.collectives if c.group_size == 4}
+    self.assertTrue({'all-gather', 'reduce-scatter'} <= owner, owner)
 
   def test_momentum_is_split_over_owners_and_tp_shards(self):
     *_, opt, (params, state) = drop_in_run('1x4x2')

@@ -124,6 +124,3 @@ def orthogonalize_via_gram_newton_schulz_tp(
   if split_axis == -2:
     out = t(out)
   return out.astype(x.dtype)
-
-# Old private name, used by examples/benchmarks/gram_ns.py until it is updated.
-gram_newton_schulz_tp = orthogonalize_via_gram_newton_schulz_tp

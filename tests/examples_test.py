@@ -62,6 +62,37 @@ class ExamplesTest(absltest.TestCase):
         self.assertTrue(math.isfinite(r[key]) and r[key] > 0, (name, key))
     self.assertTrue(pathlib.Path(out_dir, 'train_step_quick.md').exists())
 
+  def test_gram_ns_benchmark_quick(self):
+    out_dir = tempfile.mkdtemp()
+    run_script(['examples/benchmarks/gram_ns.py', '--quick',
+                '--out-dir', out_dir])
+    lines = pathlib.Path(out_dir, 'gram_ns_quick.json').read_text()
+    records = [json.loads(line) for line in lines.splitlines() if line]
+    part_a = [r for r in records if r['part'] == 'A']
+    part_b = [r for r in records if r['part'] == 'B']
+    self.assertEqual([r['ratio'] for r in part_a], [1, 2, 4, 8])
+    self.assertLen(part_b, 8)  # T in (2, 4) x (column, row) x (tp, gather)
+    for r in part_a:
+      for variant in ('direct', 'gram'):
+        for key in ('median_ms', 'predicted_flops', 'gflop_per_s',
+                    'rel_diff_vs_f64'):
+          v = r[variant][key]
+          self.assertTrue(math.isfinite(v) and v > 0, (r['config'], key))
+        self.assertLess(r[variant]['rel_diff_vs_f64'], 1e-4)
+      self.assertTrue(math.isfinite(r['speedup_measured']))
+    for r in part_b:
+      for key in ('median_ms', 'flops_per_device', 'collective_bytes_total'):
+        self.assertTrue(math.isfinite(r[key]) and r[key] > 0,
+                        (r['config'], key))
+      self.assertLess(r['rel_diff_tp_vs_gather'], 1e-4)
+      gathered = r['collective_bytes_by_kind'].get('all-gather', 0)
+      if r['variant'] == 'tp':
+        self.assertEqual(gathered, 0, r['config'])
+        self.assertGreater(r['collective_bytes_by_kind']['all-reduce'], 0)
+      else:
+        self.assertGreater(gathered, 0, r['config'])
+    self.assertTrue(pathlib.Path(out_dir, 'gram_ns_quick.md').exists())
+
 
 if __name__ == '__main__':
   absltest.main()

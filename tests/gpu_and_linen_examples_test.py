@@ -1,0 +1,91 @@
+"""The GPU benchmark (CPU smoke mode) and the Linen example run end to end."""
+
+import json
+import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+from absl.testing import absltest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def run_script(args, timeout=120, executable=(sys.executable,)):
+  env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHON=sys.executable)
+  env.pop('XLA_FLAGS', None)
+  proc = subprocess.run(list(executable) + args, cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout,
+                        check=False)
+  if proc.returncode:
+    raise AssertionError(f'{args} failed:\n{proc.stdout}\n{proc.stderr}')
+  return proc.stdout
+
+
+def read_rows(path):
+  return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+class GpuBenchmarkTest(absltest.TestCase):
+
+  def check_smoke_rows(self, rows):
+    for r in rows:
+      for key in ('backend', 'device_kind', 'jax', 'date'):
+        self.assertIn(key, r)
+      self.assertEqual(r['backend'], 'cpu')
+    ns = [r for r in rows if r['part'] == 'ns']
+    self.assertTrue(ns)
+    for r in ns:
+      self.assertEqual(r['status'], 'ok', r)
+      for key in ('median_ms', 'flops', 'tflop_per_s'):
+        self.assertTrue(math.isfinite(r[key]) and r[key] > 0, (r, key))
+      if r['algorithm'] != 'matmul':
+        self.assertTrue(math.isfinite(r['fraction_of_matmul'])
+                        and r['fraction_of_matmul'] > 0, r)
+    seen = {(r['algorithm'], r['dtype']) for r in ns}
+    for algo in ('matmul', 'direct', 'gram'):
+      for dtype in ('bfloat16', 'float32'):
+        self.assertIn((algo, dtype), seen)
+    steps = [r for r in rows if r['part'] == 'optimizer_step']
+    self.assertLen(steps, 1)
+    step = steps[0]
+    self.assertEqual(step['status'], 'ok', step)
+    self.assertEqual(step['layers'], 2)
+    self.assertTrue(step['params_finite'])
+    for key in ('median_ms', 'ns_flops', 'ns_tflop_per_s'):
+      self.assertTrue(math.isfinite(step[key]) and step[key] > 0, key)
+
+  def test_gpu_sh_falls_back_to_smoke_on_cpu(self):
+    out_dir = pathlib.Path(tempfile.mkdtemp())
+    out = run_script(['examples/benchmarks/gpu.sh', str(out_dir)],
+                     executable=('bash',))
+    self.assertIn('smoke run', out)
+    rows = read_rows(out_dir / 'gpu_ns_cpu_smoke.json')
+    self.check_smoke_rows(rows)
+    self.assertTrue(all(r['smoke'] for r in rows))
+    md = (out_dir / 'gpu_ns_cpu_smoke.md').read_text()
+    self.assertIn('| 64x256 | 1 | float32 |', md)
+
+
+class TrainLinenTest(absltest.TestCase):
+
+  def test_short_run_learns(self):
+    out = run_script(['examples/train_linen.py', '--steps', '30',
+                      '--batch', '16', '--width', '64', '--seq', '32',
+                      '--data-bytes', '300000', '--log-every', '10'])
+    losses = [float(v) for v in re.findall(r'^step +\d+ +loss ([\d.na]+)',
+                                           out, re.MULTILINE)]
+    self.assertLen(losses, 4, out)  # steps 1, 10, 20, 30
+    self.assertTrue(all(math.isfinite(v) for v in losses), losses)
+    self.assertLess(losses[-1], losses[0])
+    final = re.search(r'^final: train loss ([\d.]+) +val loss ([\d.]+)',
+                      out, re.MULTILINE)
+    self.assertIsNotNone(final, out)
+    self.assertTrue(all(0 < float(v) < 6 for v in final.groups()), out)
+
+
+if __name__ == '__main__':
+  absltest.main()

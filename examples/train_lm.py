@@ -1,41 +1,96 @@
-"""Compare AdamW, optax.contrib.muon and dmuon on a small byte-level LM.
+"""Train a small GPT on the Python standard library: AdamW vs Muon vs DMuon.
 
-The text is the Python standard library's own source (found through
-``sysconfig``, no download), split into train and validation by file. The
-model is a small Flax NNX MLP language model over a window of previous
-bytes; it runs data-parallel on 8 simulated CPU devices by default.
+A byte-level (vocabulary 256) GPT-style language model in Flax NNX: token and
+position embeddings, ``--layers`` pre-norm blocks of causal self-attention
+and an MLP (every matrix a bias-free 2-D ``nnx.Linear``), a final norm and
+an LM head. The text is the standard library's own ``.py`` source (found
+through ``sysconfig``, no download), split into train and validation *by
+file*.
 
-    python examples/train_lm.py            # defaults: a few minutes on 2 cores
-    python examples/train_lm.py --steps 50 --mesh 1x8
+Four optimizers train the same model from the same initialization on the
+same batches, on a ``('replicate', 'shard')`` mesh of simulated CPU devices
+(2x4 by default):
+
+* ``adamw``: ``optax.adamw``, under ``jax.jit`` (data parallel);
+* ``optax_muon``: ``optax.contrib.muon`` under ``jax.jit``, Muon on the
+  leaves ``dmuon_jax`` picks (the block matrices), AdamW on the rest;
+* ``dmuon``: ``dmuon_jax.dmuon(..., mesh=mesh)``, the drop-in: each matrix
+  orthogonalized once, by its owner device (same numbers as ``optax_muon``);
+* ``dedicated``: ``dmuon_jax.dedicate`` + ``dedicated_muon`` (Z3): Muon
+  matrices stored on their owners only, gathered one block at a time inside
+  a ``jax.shard_map`` train step.
+
+The three Muon variants share their hyperparameters. Writes the loss curves
+(``train_lm.png``), a markdown summary (``train_lm.md``, also printed) and
+every logged point (``train_lm.json``) to ``--out-dir``.
+
+    python examples/train_lm.py                  # 4-7 minutes on 2 CPU cores
+    python examples/train_lm.py --mesh 1x8 --steps 100 --optimizers adamw,dmuon
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import os
 import pathlib
+import sys
 import sysconfig
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import dmuon_jax
+
+AXES = ('replicate', 'shard')
+VOCAB = 256
+OPTIMIZERS = {          # --optimizers key: label in the table and the plot
+    'adamw': 'adamw',
+    'optax_muon': 'optax.contrib.muon',
+    'dmuon': 'dmuon (drop-in)',
+    'dedicated': 'dmuon dedicated Z3',
+}
+DEFAULT_OUT_DIR = pathlib.Path(__file__).resolve().parent / 'results'
+
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0],
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument('--steps', type=int, default=300)
-  p.add_argument('--batch', type=int, default=128)
-  p.add_argument('--context', type=int, default=16)
-  p.add_argument('--width', type=int, default=256)
-  p.add_argument('--layers', type=int, default=3)
+  p.add_argument('--batch', type=int, default=32,
+                 help='sequences per step (global, divisible by devices)')
+  p.add_argument('--context', type=int, default=64, help='bytes per sequence')
+  p.add_argument('--width', type=int, default=128)
+  p.add_argument('--layers', type=int, default=2)
+  p.add_argument('--heads', type=int, default=4)
   p.add_argument('--mesh', default='2x4',
-                 help='replicate x shard, e.g. 2x4, 1x8, 8x1')
+                 help='replicate x shard, e.g. 2x4, 1x8, 8x1, 1x1')
+  p.add_argument('--eval-every', type=int, default=25)
+  p.add_argument('--eval-batch', type=int, default=128,
+                 help='validation sequences (a fixed sample)')
   p.add_argument('--data-bytes', type=int, default=4_000_000)
-  p.add_argument('--eval-every', type=int, default=100)
+  p.add_argument('--muon-lr', type=float, default=0.02)
+  p.add_argument('--adam-lr', type=float, default=3e-3,
+                 help="AdamW's learning rate, and the Muon variants' for "
+                      'the non-matrix params')
   p.add_argument('--seed', type=int, default=0)
+  p.add_argument('--optimizers', default=','.join(OPTIMIZERS),
+                 help='comma-separated subset of ' + ', '.join(OPTIMIZERS))
+  p.add_argument('--out-dir', default=str(DEFAULT_OUT_DIR))
+  p.add_argument('--no-plot', action='store_true')
   return p.parse_args(argv)
 
 
 def load_stdlib_text(max_bytes: int, seed: int):
   """Train/validation bytes from the standard library's .py files."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
   root = pathlib.Path(sysconfig.get_paths()['stdlib'])
   files = sorted(p for p in root.rglob('*.py')
                  if 'site-packages' not in p.parts and p.is_file())
@@ -52,95 +107,363 @@ def load_stdlib_text(max_bytes: int, seed: int):
   return to_array(train), to_array(val)
 
 
+class Block(nnx.Module):
+  """Pre-norm causal self-attention + MLP; every matrix a 2-D Linear."""
+
+  def __init__(self, width: int, heads: int, rngs: nnx.Rngs):
+    dense = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs)
+    self.heads = heads
+    self.norm1 = nnx.LayerNorm(width, use_bias=False, rngs=rngs)
+    self.q, self.k, self.v, self.o = (dense(width, width) for _ in range(4))
+    self.norm2 = nnx.LayerNorm(width, use_bias=False, rngs=rngs)
+    self.up, self.down = dense(width, 4 * width), dense(4 * width, width)
+
+  def __call__(self, x):
+    b, t, d = x.shape
+    y = self.norm1(x)
+    q, k, v = (f(y).reshape(b, t, self.heads, -1)
+               for f in (self.q, self.k, self.v))
+    att = jnp.einsum('bqhd,bkhd->bhqk', q, k) / (d // self.heads) ** 0.5
+    att = jnp.where(jnp.tril(jnp.ones((t, t), bool)), att, -1e9)
+    y = jnp.einsum('bhqk,bkhd->bqhd', jax.nn.softmax(att), v)
+    x = x + self.o(y.reshape(b, t, d))
+    return x + self.down(nnx.gelu(self.up(self.norm2(x))))
+
+
+class GPT(nnx.Module):
+  """Byte embedding + positions, ``layers`` blocks, final norm, LM head."""
+
+  def __init__(self, width: int, layers: int, heads: int, context: int,
+               rngs: nnx.Rngs):
+    self.embed = nnx.Embed(VOCAB, width, rngs=rngs)
+    self.pos_embed = nnx.Embed(context, width, rngs=rngs)
+    self.layers = nnx.List([Block(width, heads, rngs)
+                            for _ in range(layers)])
+    self.norm = nnx.LayerNorm(width, use_bias=False, rngs=rngs)
+    self.head = nnx.Linear(width, VOCAB, use_bias=False, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens) + self.pos_embed(jnp.arange(tokens.shape[1]))
+    for block in self.layers:
+      x = block(x)
+    return self.head(self.norm(x))
+
+
+def make_loss(model: GPT):
+  """``loss(params, chunk, run_blocks)`` on pure-dict params.
+
+  ``run_blocks(x)`` runs the blocks (plain: from ``params['layers']``;
+  dedicated: gathered by the :class:`dmuon_jax.Dedication`); everything else
+  is read from ``params``. ``chunk`` is ``(batch, context + 1)`` bytes; the
+  loss is the mean next-byte cross-entropy (nats) over all positions.
+  """
+  norm_def = nnx.graphdef(model.norm)
+
+  def loss(params, chunk, run_blocks):
+    tokens, targets = chunk[:, :-1], chunk[:, 1:]
+    x = (jnp.take(params['embed']['embedding'], tokens, axis=0)
+         + params['pos_embed']['embedding'][:tokens.shape[1]])
+    x = run_blocks(x)
+    x = nnx.merge(norm_def, params['norm'])(x)
+    logits = x @ params['head']['kernel']
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, targets).mean()
+
+  return loss
+
+
+def make_trainer(key, tx_or_none, model, params, mesh, args):
+  """Returns ``(state, train_step, eval_step)`` for one optimizer.
+
+  ``train_step(state, chunk) -> (state, loss)``; ``eval_step(state, chunk)
+  -> loss``.
+  """
+  loss = make_loss(model)
+  block_def = nnx.graphdef(model.layers[0])
+  run_block = lambda block_params, x: nnx.merge(block_def, block_params)(x)
+  names = [f'layers/{i}' for i in range(args.layers)]
+
+  if key != 'dedicated':
+    tx = tx_or_none
+
+    def plain_loss(params, chunk):
+      def run_blocks(x):
+        for i in range(args.layers):
+          x = run_block(params['layers'][i], x)
+        return x
+      return loss(params, chunk, run_blocks)
+
+    # Eager init on placed params: dmuon reads their sharding here. Every
+    # leaf of the state then keeps its sharding from step to step (one
+    # compilation): unplaced leaves (step counts) are replicated.
+    state = (params, tx.init(params))
+    replicated = NamedSharding(mesh, P())
+    state = jax.tree.map(
+        lambda x: x if isinstance(getattr(x, 'sharding', None), NamedSharding)
+        else jax.device_put(x, replicated), state)
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+
+    @functools.partial(jax.jit, out_shardings=(shardings, replicated))
+    def train_step(state, chunk):
+      params, opt_state = state
+      value, grads = jax.value_and_grad(plain_loss)(params, chunk)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return (optax.apply_updates(params, updates), opt_state), value
+
+    eval_step = jax.jit(lambda state, chunk: plain_loss(state[0], chunk))
+    return state, train_step, eval_step, None
+
+  # Dedicated Z3 (the pattern of examples/dedicated_nnx.py): Muon matrices
+  # stored on their owners, each block gathered just before it runs (and
+  # again in the backward pass), gradients reduce-scattered to the owners.
+  ded = dmuon_jax.dedicate(params, mesh, reshard_after_forward=True)
+  dp = ded.to_dedicated(params)
+  opt = dmuon_jax.dedicated_muon(ded, learning_rate=args.muon_lr,
+                                 adam_learning_rate=args.adam_lr)
+  opt_state = opt.init(dp)
+  state_specs = (ded.specs(), ded.specs_of(opt_state))
+  state = jax.device_put((dp, opt_state), jax.tree.map(
+      lambda spec: NamedSharding(mesh, spec), state_specs))
+
+  def ded_loss(dp, chunk):
+    rest = ded.gather_rest(dp)                 # embeddings, final norm, head
+    return loss(rest, chunk, lambda x: ded.sequential(run_block, names)(dp, x))
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh,
+                     in_specs=(state_specs, P(AXES)),
+                     out_specs=(state_specs, P()))
+  def ded_train_step(state, chunk):
+    dp, opt_state = state
+    value, grads = dmuon_jax.local_value_and_grad(ded_loss)(dp, chunk)
+    updates, opt_state = opt.update(grads, opt_state, dp)
+    return ((optax.apply_updates(dp, updates), opt_state),
+            jax.lax.pmean(value, AXES))
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh,
+                     in_specs=(state_specs, P(AXES)), out_specs=P())
+  def ded_eval_step(state, chunk):
+    return jax.lax.pmean(ded_loss(state[0], chunk), AXES)
+
+  return state, ded_train_step, ded_eval_step, ded
+
+
+def build_optimizer(key, params, mesh, args):
+  """The optax transformation of a non-dedicated optimizer."""
+  if key == 'adamw':
+    return optax.adamw(args.adam_lr, weight_decay=0.0)
+  if key == 'optax_muon':
+    # Muon on exactly the leaves dmuon routes to Muon (block matrices);
+    # optax's default would also take the embeddings and the LM head.
+    dims = jax.tree.map(
+        lambda label: (dmuon_jax.MuonDimensionNumbers()
+                       if label == 'muon' else None),
+        dmuon_jax.muon_labels(params))
+    return optax.contrib.muon(args.muon_lr, adam_learning_rate=args.adam_lr,
+                              muon_weight_dimension_numbers=dims)
+  if key == 'dmuon':
+    return dmuon_jax.dmuon(args.muon_lr, adam_learning_rate=args.adam_lr,
+                           mesh=mesh)
+  return None
+
+
+def train_one(key, model, params, mesh, args, batch_fn, val_chunk):
+  """Trains one optimizer; returns its log (steps, losses, times)."""
+  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+
+  tx = build_optimizer(key, params, mesh, args)
+  start = time.perf_counter()
+  state, train_step, eval_step, ded = make_trainer(
+      key, tx, model, params, mesh, args)
+  log = {'label': OPTIMIZERS[key], 'step': [], 'train_loss': [],
+         'val_loss': [], 'time_s': [], 'step_losses': []}
+  pending = []            # device losses not yet read back
+  train_time = 0.0        # training time so far (eval excluded)
+  first_step_s = None
+  bar = tqdm(total=args.steps, desc=f'{OPTIMIZERS[key]:>20}',
+             file=sys.stderr, dynamic_ncols=True, leave=True)
+  tic = start
+  for step in range(1, args.steps + 1):
+    state, loss = train_step(state, batch_fn(step))
+    pending.append(loss)
+    if step == 1:
+      loss.block_until_ready()
+      first_step_s = time.perf_counter() - start   # setup + compile + step
+    bar.update(1)
+    if step % args.eval_every == 0 or step == args.steps:
+      window = [float(v) for v in pending]         # waits for the steps
+      train_time += time.perf_counter() - tic
+      pending = []
+      log['step_losses'] += window
+      val = float(eval_step(state, val_chunk))
+      log['step'].append(step)
+      log['train_loss'].append(float(np.mean(window)))
+      log['val_loss'].append(val)
+      log['time_s'].append(train_time)
+      bar.set_postfix(train=f'{np.mean(window):.3f}', val=f'{val:.3f}')
+      tic = time.perf_counter()
+  bar.close()
+  steady = args.steps - 1
+  log['first_step_s'] = first_step_s
+  log['train_time_s'] = train_time
+  log['steps_per_s'] = (steady / (train_time - first_step_s)
+                        if steady and train_time > first_step_s else None)
+  log['wall_s'] = time.perf_counter() - start      # eval included
+  if ded is not None:
+    log['dedication'] = ded.summary().splitlines()[0]
+  return log
+
+
+def plot(logs, args, mesh_desc, path):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+  # The three Muon variants compute the same numbers: their curves coincide
+  # in the step panel, so each is drawn thinner than the one before.
+  styles = {'adamw': ('tab:gray', 'o', 2.0),
+            'optax_muon': ('tab:blue', 's', 4.0),
+            'dmuon': ('tab:orange', '^', 2.4),
+            'dedicated': ('tab:green', 'v', 1.0)}
+  for key, log in logs.items():
+    color, marker, lw = styles[key]
+    for ax, xs in ((axes[0], log['step']), (axes[1], log['time_s'])):
+      ax.plot(xs, log['train_loss'], color=color, lw=lw, alpha=0.45,
+              label=f"{log['label']}: train")
+      ax.plot(xs, log['val_loss'], color=color, lw=lw, ls='--',
+              marker=marker, ms=2 + lw, label=f"{log['label']}: val")
+  axes[0].set_xlabel('step')
+  axes[1].set_xlabel('training wall-clock time (s, compile included)')
+  axes[0].set_ylabel('loss (nats / byte)')
+  for ax in axes:
+    ax.grid(alpha=0.3)
+  axes[0].set_title('loss vs step')
+  axes[1].set_title('loss vs time')
+  axes[1].legend(fontsize=8, ncol=1, loc='upper right')
+  fig.suptitle(
+      f'Byte-level GPT on the Python stdlib: {args.layers} layers, width '
+      f'{args.width}, context {args.context}, batch {args.batch}; '
+      f'{mesh_desc}')
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def checks(logs):
+  """The comparisons the example is meant to show, as (text, ok) pairs."""
+  out = []
+  val = lambda k: logs[k]['val_loss'][-1]
+  for key in ('dmuon', 'dedicated'):
+    if key in logs and 'adamw' in logs:
+      ok = val(key) < val('adamw')
+      out.append((f'{key} val < adamw val: {"yes" if ok else "no"}', ok))
+  max_diff = None
+  if 'dmuon' in logs and 'optax_muon' in logs:
+    a, b = logs['dmuon'], logs['optax_muon']
+    diffs = ([abs(x - y) for x, y in zip(a['step_losses'], b['step_losses'])]
+             + [abs(x - y) for x, y in zip(a['val_loss'], b['val_loss'])])
+    max_diff = max(diffs)
+    ok = max_diff < 1e-3
+    text = (f'max |dmuon - optax muon| = {max_diff:.1e} < 1e-3: '
+            f'{"yes" if ok else "no"}')
+    out.append((text, ok))
+  return out, max_diff
+
+
 def main(argv=None):
   args = parse_args(argv)
-  r, s = (int(v) for v in args.mesh.split('x'))
-  import jax  # pylint: disable=g-import-not-at-top
-  jax.config.update('jax_num_cpu_devices', max(r * s, 1))
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
-  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
-
-  import dmuon_jax  # pylint: disable=g-import-not-at-top
-
-  mesh = jax.make_mesh((r, s), ('replicate', 'shard'),
+  r, s = (int(v) for v in args.mesh.lower().split('x'))
+  keys = [k.strip() for k in args.optimizers.split(',') if k.strip()]
+  unknown = set(keys) - set(OPTIMIZERS)
+  if unknown:
+    raise SystemExit(f'unknown --optimizers {sorted(unknown)}; '
+                     f'choose from {list(OPTIMIZERS)}')
+  if args.batch % (r * s) or args.eval_batch % (r * s):
+    raise SystemExit(f'--batch {args.batch} and --eval-batch '
+                     f'{args.eval_batch} must be divisible by {r * s} devices')
+  jax.config.update('jax_num_cpu_devices', r * s)
+  mesh = jax.make_mesh((r, s), AXES,
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  mesh_desc = (f'mesh {r}x{s} ({jax.device_count()} '
+               f'{jax.default_backend()} devices)')
+
   train, val = load_stdlib_text(args.data_bytes, args.seed)
-  print(f'data: {len(train):,} train bytes, {len(val):,} validation bytes; '
-        f'mesh {r}x{s} ({jax.device_count()} devices)')
+  print(f'data: {len(train):,} train bytes, {len(val):,} validation bytes '
+        f'(stdlib .py files, split by file); {mesh_desc}')
 
-  class ByteMlp(nnx.Module):
-    """Predicts the next byte from the previous ``context`` bytes."""
+  data_sharding = NamedSharding(mesh, P(AXES))
 
-    def __init__(self, rngs):
-      self.embed = nnx.Embed(256, 32, rngs=rngs)
-      widths = [32 * args.context] + [args.width] * args.layers
-      self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs)
-                              for a, b in zip(widths[:-1], widths[1:])])
-      self.norm = nnx.LayerNorm(args.width, rngs=rngs)
-      self.head = nnx.Linear(args.width, 256, rngs=rngs)
-
-    def __call__(self, window):
-      x = self.embed(window).reshape(window.shape[0], -1)
-      for layer in self.layers:
-        x = jax.nn.gelu(layer(x))
-      return self.head(self.norm(x))
-
-  data_sharding = NamedSharding(mesh, P(('replicate', 'shard')))
-
-  def batches(data, step, batch):
-    rng = np.random.default_rng((args.seed, step))
+  def batch_of(data, rng, batch):
     starts = rng.integers(0, len(data) - args.context - 1, batch)
     idx = starts[:, None] + np.arange(args.context + 1)
-    chunk = data[idx].astype(np.int32)
-    return jax.device_put(chunk, data_sharding)
+    return jax.device_put(data[idx].astype(np.int32), data_sharding)
 
-  def loss_fn(model, chunk):
-    logits = model(chunk[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits, chunk[:, -1]).mean()
+  # The same batches, in the same order, for every optimizer.
+  batch_fn = lambda step: batch_of(
+      train, np.random.default_rng((args.seed, step)), args.batch)
+  val_chunk = batch_of(val, np.random.default_rng((args.seed, 0)),
+                       args.eval_batch)
 
-  optimizers = {
-      'adamw': optax.adamw(3e-3),
-      'optax.contrib.muon': optax.contrib.muon(
-          0.02, adam_learning_rate=3e-3,
-          muon_weight_dimension_numbers=lambda p: jax.tree.map(
-              lambda lbl: (dmuon_jax.MuonDimensionNumbers()
-                           if lbl == 'muon' else None),
-              dmuon_jax.muon_labels(p))),
-      'dmuon': dmuon_jax.dmuon(0.02, adam_learning_rate=3e-3, mesh=mesh),
-  }
-  val_batch = batches(val, 10**9, 1024)  # a fixed validation sample
-  results = []
-  for name, tx in optimizers.items():
-    model = ByteMlp(nnx.Rngs(args.seed))
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  model = GPT(args.width, args.layers, args.heads, args.context,
+              nnx.Rngs(args.seed))
+  params = jax.device_put(nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+                          NamedSharding(mesh, P()))   # replicated: DDP
+  labels = jax.tree.leaves(dmuon_jax.muon_labels(params))
+  sizes = [x.size for x in jax.tree.leaves(params)]
+  n_muon = sum(n for n, lbl in zip(sizes, labels) if lbl == 'muon')
+  print(f'model: {sum(sizes):,} params ({n_muon:,} in '
+        f'{labels.count("muon")} Muon matrices); {args.layers} layers, '
+        f'width {args.width}, {args.heads} heads, context {args.context}, '
+        f'batch {args.batch}, {args.steps} steps')
 
-    @nnx.jit
-    def train_step(model, optimizer, chunk):
-      loss, grads = nnx.value_and_grad(loss_fn)(model, chunk)
-      optimizer.update(model, grads)
-      return loss
+  logs = {}
+  total = time.perf_counter()
+  for key in keys:
+    logs[key] = train_one(key, model, params, mesh, args, batch_fn,
+                          val_chunk)
+  total = time.perf_counter() - total
 
-    eval_step = nnx.jit(loss_fn)
-    start, losses = time.perf_counter(), []
-    for step in range(args.steps):
-      losses.append(float(train_step(model, optimizer,
-                                     batches(train, step, args.batch))))
-      if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-        print(f'{name:>20} step {step + 1:5d}  train {np.mean(losses[-20:]):.4f}'
-              f'  val {float(eval_step(model, val_batch)):.4f}', flush=True)
-    results.append((name, np.mean(losses[-20:]),
-                    float(eval_step(model, val_batch)),
-                    time.perf_counter() - start))
+  table = [('| optimizer | final train loss | final val loss '
+            '| wall time (s) | compile + 1st step (s) | steps/s |'),
+           '|---|---:|---:|---:|---:|---:|']
+  for log in logs.values():
+    sps = f"{log['steps_per_s']:.1f}" if log['steps_per_s'] else '-'
+    table.append(f"| {log['label']} | {log['train_loss'][-1]:.4f} "
+                 f"| {log['val_loss'][-1]:.4f} | {log['train_time_s']:.1f} "
+                 f"| {log['first_step_s']:.1f} | {sps} |")
+  check_list, max_diff = checks(logs)
+  check_line = 'checks: ' + '; '.join(t for t, _ in check_list)
+  print()
+  print('\n'.join(table))
+  print()
+  print(check_line)
+  print(f'total time {total:.0f} s')
 
-  print('\n| optimizer | train loss (last 20) | val loss | time (s) |')
-  print('|---|---|---|---|')
-  for name, tr, va, secs in results:
-    print(f'| {name} | {tr:.4f} | {va:.4f} | {secs:.1f} |')
-  return results
+  out_dir = pathlib.Path(args.out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  header = (
+      f'Byte-level GPT ({args.layers} layers, width {args.width}, '
+      f'{args.heads} heads, context {args.context}) on the Python standard '
+      f'library; {args.steps} steps of batch {args.batch}, {mesh_desc}. '
+      f'Muon LR {args.muon_lr}, AdamW LR {args.adam_lr}. Train loss: mean '
+      f'of the last {args.eval_every} steps; val loss: a fixed sample of '
+      f'{args.eval_batch} validation sequences. Wall time: training, '
+      f'compile included, evaluation excluded.')
+  (out_dir / 'train_lm.md').write_text(
+      f'# train_lm\n\n{header}\n\n' + '\n'.join(table)
+      + f'\n\n{check_line}\n\nTotal run time {total:.0f} s.\n')
+  (out_dir / 'train_lm.json').write_text(json.dumps({
+      'args': vars(args), 'mesh': mesh_desc, 'total_s': total,
+      'train_bytes': len(train), 'val_bytes': len(val),
+      'checks': {t: ok for t, ok in check_list},
+      'max_abs_diff_dmuon_optax_muon': max_diff,
+      'optimizers': logs}, indent=1))
+  if not args.no_plot:
+    plot(logs, args, mesh_desc, out_dir / 'train_lm.png')
+  print(f'wrote {out_dir}/train_lm.{{md,json{"" if args.no_plot else ",png"}}}')
+  return logs
 
 
 if __name__ == '__main__':

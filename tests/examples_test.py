@@ -13,10 +13,11 @@ from absl.testing import absltest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def run_script(args, timeout=600):
-  env = dict(os.environ, PYTHONPATH=str(ROOT))
+def run_script(args, timeout=600, executable=(sys.executable,)):
+  """Runs a repo script in a fresh process (its own device count)."""
+  env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHON=sys.executable)
   env.pop('XLA_FLAGS', None)
-  proc = subprocess.run([sys.executable] + args, cwd=ROOT, env=env,
+  proc = subprocess.run(list(executable) + args, cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=timeout,
                         check=False)
   if proc.returncode:
@@ -27,15 +28,34 @@ def run_script(args, timeout=600):
 class ExamplesTest(absltest.TestCase):
 
   def test_train_lm_short_run_prints_a_table(self):
-    out = run_script(['examples/train_lm.py', '--steps', '6',
-                      '--eval-every', '3', '--batch', '32', '--width', '64',
-                      '--layers', '2', '--data-bytes', '200000'])
+    out_dir = pathlib.Path(tempfile.mkdtemp())
+    out = run_script(['examples/train_lm.py', '--steps', '12',
+                      '--eval-every', '4', '--batch', '16', '--context',
+                      '16', '--width', '32', '--layers', '1', '--heads',
+                      '2', '--eval-batch', '16', '--data-bytes', '200000',
+                      '--out-dir', str(out_dir)])
+    labels = ['adamw', 'optax.contrib.muon', 'dmuon (drop-in)',
+              'dmuon dedicated Z3']
     rows = [line for line in out.splitlines() if line.startswith('| ')]
-    names = [r.split('|')[1].strip() for r in rows[1:]]
-    self.assertEqual(names, ['adamw', 'optax.contrib.muon', 'dmuon'])
-    for row in rows[1:]:
-      train, val = (float(v) for v in row.split('|')[2:4])
-      self.assertTrue(0 < train < 6 and 0 < val < 6, row)
+    self.assertEqual([r.split('|')[1].strip() for r in rows[1:]], labels)
+    self.assertIn('checks: ', out)
+    result = json.loads((out_dir / 'train_lm.json').read_text())
+    logs = result['optimizers']
+    self.assertEqual([log['label'] for log in logs.values()], labels)
+    for name, log in logs.items():
+      self.assertEqual(log['step'], [4, 8, 12], name)
+      for key in ('train_loss', 'val_loss', 'time_s', 'step_losses'):
+        self.assertTrue(all(math.isfinite(v) for v in log[key]), (name, key))
+      self.assertLen(log['step_losses'], 12)
+      self.assertGreater(log['train_loss'][0], log['train_loss'][-1], name)
+      self.assertGreater(log['val_loss'][0], log['val_loss'][-1], name)
+    self.assertLess(result['max_abs_diff_dmuon_optax_muon'], 1e-3)
+    png = (out_dir / 'train_lm.png').read_bytes()
+    self.assertGreater(len(png), 1000)
+    self.assertEqual(png[:8], b'\x89PNG\r\n\x1a\n')
+    table = (out_dir / 'train_lm.md').read_text()
+    for label in labels:
+      self.assertIn(f'| {label} |', table)
 
   def test_optimizer_step_benchmark_quick(self):
     out_dir = tempfile.mkdtemp()
@@ -92,6 +112,32 @@ class ExamplesTest(absltest.TestCase):
       else:
         self.assertGreater(gathered, 0, r['config'])
     self.assertTrue(pathlib.Path(out_dir, 'gram_ns_quick.md').exists())
+
+  def test_scaling_benchmark_quick(self):
+    out_dir = tempfile.mkdtemp()
+    run_script(['examples/benchmarks/scaling.py', '--quick',
+                '--out-dir', out_dir], timeout=300)
+    lines = pathlib.Path(out_dir, 'scaling_quick.json').read_text()
+    records = [json.loads(line) for line in lines.splitlines() if line]
+    rows = [r for r in records if r['config'] != 'summary']
+    self.assertEqual(sorted({r['devices'] for r in rows}), [1, 2, 4, 8])
+    for r in rows:
+      self.assertBetween(r['flops_ratio_vs_floor'], 0.85, 1.15, r['config'])
+      for key in ('flops_per_device', 'ns_flops_floor', 'plan_makespan',
+                  'median_ms', 'predicted_ms', 'compile_total_s',
+                  'matmul_flop_per_s'):
+        self.assertTrue(math.isfinite(r[key]) and r[key] > 0,
+                        (r['config'], key))
+      self.assertTrue(all(math.isfinite(v)
+                          for v in r['collective_bytes_by_kind'].values()))
+    # Per-device work falls with N for the largest quick size.
+    largest = max(rows, key=lambda r: r['ns_flops_total'])['size']
+    flops = {r['devices']: r['flops_per_device'] for r in rows
+             if r['size'] == largest}
+    self.assertLess(flops[2], flops[1])
+    self.assertLess(flops[4], flops[2])
+    for ext in ('md', 'png'):
+      self.assertTrue(pathlib.Path(out_dir, f'scaling_quick.{ext}').exists())
 
 
 if __name__ == '__main__':

@@ -2,27 +2,13 @@
 
 import json
 import math
-import os
 import pathlib
 import re
-import subprocess
-import sys
 import tempfile
 
 from absl.testing import absltest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def run_script(args, timeout=120, executable=(sys.executable,)):
-  env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHON=sys.executable)
-  env.pop('XLA_FLAGS', None)
-  proc = subprocess.run(list(executable) + args, cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=timeout,
-                        check=False)
-  if proc.returncode:
-    raise AssertionError(f'{args} failed:\n{proc.stdout}\n{proc.stderr}')
-  return proc.stdout
+from tests.examples_test import run_script
 
 
 def read_rows(path):

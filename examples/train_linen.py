@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
-import sysconfig
 import time
 
 
@@ -37,25 +35,6 @@ def parse_args(argv=None):
   p.add_argument('--data-bytes', type=int, default=2_000_000)
   p.add_argument('--seed', type=int, default=0)
   return p.parse_args(argv)
-
-
-def load_stdlib_text(max_bytes: int, seed: int):
-  """Train/validation bytes from the standard library's .py files."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  root = pathlib.Path(sysconfig.get_paths()['stdlib'])
-  files = sorted(p for p in root.rglob('*.py')
-                 if 'site-packages' not in p.parts and p.is_file())
-  rng = np.random.default_rng(seed)
-  rng.shuffle(files)
-  train, val, size = [], [], 0
-  for i, path in enumerate(files):
-    data = path.read_bytes()
-    (val if i % 10 == 0 else train).append(data)
-    size += len(data)
-    if size >= max_bytes:
-      break
-  to_array = lambda parts: np.frombuffer(b'\n'.join(parts), np.uint8)
-  return to_array(train), to_array(val)
 
 
 def main(argv=None):  # pylint: disable=too-many-locals
@@ -109,6 +88,9 @@ def main(argv=None):  # pylint: disable=too-many-locals
 
   mesh = jax.make_mesh((r, s), ('replicate', 'shard'),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  # The same data as train_lm.py (this directory is on sys.path when the
+  # script runs).
+  from train_lm import load_stdlib_text  # pylint: disable=g-import-not-at-top
   train, val = load_stdlib_text(args.data_bytes, args.seed)
   print(f'data: {len(train):,} train bytes, {len(val):,} validation bytes; '
         f'mesh {r}x{s} ({jax.device_count()} devices)', flush=True)

@@ -38,6 +38,22 @@ def muon_labels(
       treedef, ['adam' if s is None else 'muon' for s in specs])
 
 
+def _check_tree_at_update(
+    inner: optax.GradientTransformation) -> optax.GradientTransformation:
+  """Names the leaves added or removed since ``init`` (else optax fails on
+  a bare pytree mismatch)."""
+
+  def update_fn(updates, state, params=None):
+    # The AdamW moments keep init's tree (Muon leaves as MaskedNode).
+    adam_mu = optax.tree_utils.tree_get(state.inner_states['adam'], 'mu')
+    _planner.check_same_tree(
+        updates, adam_mu, 'update()',
+        is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+    return inner.update(updates, state, params)
+
+  return optax.GradientTransformation(inner.init, update_fn)
+
+
 def dmuon(
     learning_rate: optax.ScalarOrSchedule,
     ns_coeffs: _transform.NsCoeffs = 'jordan',
@@ -66,6 +82,7 @@ def dmuon(
     ns_algorithm: Literal['auto', 'standard', 'gram'] = 'auto',
     compute_dtype: jax.typing.DTypeLike | None = None,
     tensor_parallel_axis: str | None = 'model',
+    nonfinite: Literal['skip', 'propagate'] = 'skip',
 ) -> optax.GradientTransformation:
   r"""Muon with each weight matrix owned by one device of a mesh.
 
@@ -145,10 +162,20 @@ def dmuon(
     tensor_parallel_axis: mesh axis that splits Muon matrices (Megatron
       column/row-parallel layers), if the mesh has it; see
       :func:`dmuon_jax.scale_by_dmuon`. None: no TP axis. Static.
+    nonfinite: ``'skip'`` (default): if any gradient (Muon or AdamW leaf, on
+      any device), any update or any new state entry is NaN or Inf, the
+      whole step is skipped: all updates are zero and the whole state
+      (momenta, AdamW moments, counts) stays as it was. This also catches
+      AdamW's second moment overflowing float32 (``|g|`` above about 1e19).
+      ``'propagate'``: as optax, NaN/Inf flow into updates and state.
+      :func:`optax.apply_if_finite` (which checks the gradients itself)
+      composes with both: it skips and counts bad steps, and once it gives
+      up after ``max_consecutive_errors``, ``'skip'`` still keeps the state
+      clean. Static.
 
   Returns:
     A :class:`optax.GradientTransformation` (an :func:`optax.partition` of a
-    Muon chain and AdamW).
+    Muon chain and AdamW, guarded by the ``nonfinite`` policy).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax
@@ -166,6 +193,10 @@ def dmuon(
     Liu et al., `Muon is Scalable for LLM Training
     <https://arxiv.org/abs/2502.16982>`_, 2025
   """
+  _transform._validate_static_args(  # pylint: disable=protected-access
+      momentum=momentum, ns_algorithm=ns_algorithm,
+      preconditioning=preconditioning, compute_dtype=compute_dtype,
+      nonfinite=nonfinite)
   if adam_learning_rate is None:
     adam_learning_rate = learning_rate
 
@@ -182,7 +213,9 @@ def dmuon(
           weight_dimension_numbers=muon_weight_dimension_numbers,
           momentum=momentum, mesh=mesh, axis_names=axis_names,
           ns_algorithm=ns_algorithm, compute_dtype=compute_dtype,
-          tensor_parallel_axis=tensor_parallel_axis),
+          tensor_parallel_axis=tensor_parallel_axis,
+          # The whole step (Muon and AdamW) is guarded below.
+          nonfinite='propagate'),
       _transform.scale_by_shape(
           weight_dimension_numbers=muon_weight_dimension_numbers,
           consistent_rms=consistent_rms),
@@ -196,4 +229,8 @@ def dmuon(
           learning_rate=adam_learning_rate, b1=adam_b1, b2=adam_b2, eps=eps,
           eps_root=adam_eps_root, weight_decay=adam_weight_decay,
           mu_dtype=mu_dtype, nesterov=nesterov))
-  return optax.partition({'muon': muon_chain, 'adam': adam}, param_labels)
+  opt = _check_tree_at_update(
+      optax.partition({'muon': muon_chain, 'adam': adam}, param_labels))
+  if nonfinite == 'skip':
+    opt = _transform.skip_nonfinite(opt)
+  return opt

@@ -198,7 +198,12 @@ class Dedication:
 
     Returns:
       The :class:`DedicatedParams`.
+
+    Raises:
+      ValueError: if ``params`` differs from the tree given to ``dedicate``
+        in structure or in a Muon target's shape.
     """
+    self._check_params(params)
     leaves = jax.tree.leaves(params)
     owned = []
     for g, lay in enumerate(self.layouts):
@@ -234,7 +239,12 @@ class Dedication:
 
     Returns:
       The params tree; Muon targets are replicated full arrays.
+
+    Raises:
+      TypeError: if ``dedicated`` is not a :class:`DedicatedParams`.
+      ValueError: if its owner buffers do not fit this dedication.
     """
+    self.check_dedicated(dedicated, 'to_params()')
     leaves = _full_leaves(dedicated.rest, self.treedef)
     for g, lay in enumerate(self.layouts):
       bufs = _replicated(self, dedicated.owned[g])
@@ -250,6 +260,67 @@ class Dedication:
         dim = self._tp_dims[i] if self._tp_dims else None
         leaves[i] = parts[0] if dim is None else jnp.concatenate(parts, dim)
     return jax.tree.unflatten(self.treedef, leaves)
+
+  def _check_params(self, params: Any) -> None:
+    """Raises unless ``params`` is the tree ``dedicate`` planned."""
+    if isinstance(params, DedicatedParams):
+      raise TypeError(
+          'dmuon: to_dedicated() takes a plain params tree and got '
+          'DedicatedParams (already in owner layout); use it as it is, or '
+          'to_params() to go back.')
+    _planner.check_same_tree(params, jax.tree.unflatten(
+        self.treedef, [0] * self.treedef.num_leaves), 'to_dedicated()',
+                              made_by='dmuon_jax.dedicate()')
+    leaves = jax.tree.leaves(params)
+    for spec in self.plan.leaves:
+      want = list(spec.shape)
+      dim = self._tp_dims[spec.leaf_index] if self._tp_dims else None
+      if dim is not None:
+        want[dim] *= self._tp_size
+      got = tuple(np.shape(leaves[spec.leaf_index]))
+      if got != tuple(want):
+        raise ValueError(
+            f'dmuon: param {spec.path!r} has shape {got}, but dedicate() '
+            f'planned it with shape {tuple(want)}. Call dmuon_jax.dedicate '
+            'again on the new params (and make a new optimizer state).')
+
+  def check_dedicated(self, dedicated: Any, what: str) -> None:
+    """Raises unless ``dedicated`` fits this dedication's owner layout.
+
+    Args:
+      dedicated: a :class:`DedicatedParams` (or a gradient/update tree of
+        that form) of global arrays, or local blocks inside ``shard_map``.
+      what: the operation, for the message (e.g. ``'update()'``).
+
+    Raises:
+      TypeError: if it is not a :class:`DedicatedParams`.
+      ValueError: naming the gather group whose buffers differ.
+    """
+    if not isinstance(dedicated, DedicatedParams):
+      raise TypeError(
+          f'dmuon: {what} takes the DedicatedParams made by '
+          f'Dedication.to_dedicated(params); got {type(dedicated).__name__}.'
+          ' Convert the params with ded.to_dedicated(params) first.')
+    if len(dedicated.owned) != len(self.layouts):
+      raise ValueError(
+          f'dmuon: {what} got DedicatedParams with {len(dedicated.owned)} '
+          f'gather groups, but this dedication has {len(self.layouts)}: it '
+          'was made by another dmuon_jax.dedicate call. Use the Dedication '
+          'that made it, or call to_dedicated again.')
+    for g, (lay, bufs) in enumerate(zip(self.layouts, dedicated.owned)):
+      iters = max(self.num_iterations[g], 1)
+      local = [iters * n for n in lay.local_sizes]
+      sizes = [n * self.num_slots * self._tp_size for n in local]
+      got = [int(np.prod(np.shape(b))) for b in bufs]
+      if got not in (sizes, local):
+        names = [self.boundaries.names[b] or '<root>'
+                 for b in self.groups[g]]
+        raise ValueError(
+            f'dmuon: {what} got owner buffers of sizes {got} for gather '
+            f'group {g} ({names}), but this dedication packs '
+            f'{sizes} (global) there: the params changed since '
+            'dmuon_jax.dedicate. Call dedicate and to_dedicated again on '
+            'the new params (and make a new optimizer state).')
 
   def _tp_slice(self, i: int, x: jax.Array, t: int) -> jax.Array:
     """TP shard ``t``'s slice of target leaf ``i`` (the leaf without TP)."""
@@ -486,7 +557,9 @@ class Dedication:
     if boundary not in self.boundaries.names:
       raise ValueError(
           f'dmuon: no hook boundary {boundary!r}; the boundaries are '
-          f'{list(self.boundaries.names)}.')
+          f'{list(self.boundaries.names)}. Pass one of them (the path of '
+          'the block subtree, as dmuon_jax.find_hook_boundaries(params) '
+          'shows).')
     b = self.boundaries.names.index(boundary)
     if self.boundaries.scanned[b] != scanned:
       raise ValueError(
@@ -532,10 +605,13 @@ class Dedication:
       lines.append(f'  gather {g}: {names}{times}: {len(lay.plan.units)} '
                    f'matrices, {_planner._human_bytes(used)} gathered as '  # pylint: disable=protected-access
                    f'{_planner._human_bytes(held)} '  # pylint: disable=protected-access
-                   f'(padding {100 * (held / max(used, 1) - 1):.1f}%)')
+                   f'(padding {_padding_percent(used, held):.1f}%)')
     lines.append(f'  total: Muon params {_planner._human_bytes(payload)}, '  # pylint: disable=protected-access
                  f'gathered {_planner._human_bytes(gathered)} '  # pylint: disable=protected-access
-                 f'(padding {100 * (gathered / max(payload, 1) - 1):.1f}%)')
+                 f'(padding {_padding_percent(payload, gathered):.1f}%)')
+    if not self.plan.units:
+      lines.append('  no Muon targets: every param is an AdamW param '
+                   '(kept in rest)')
     return '\n'.join(lines + [self.plan.summary()])
 
 
@@ -593,6 +669,11 @@ def _regather_in_backward(run: Callable[..., Any],
 
   regather.defvjp(fwd, bwd)
   return regather
+
+
+def _padding_percent(used: int, held: int) -> float:
+  """Gathered bytes beyond the payload, in percent (0 with no payload)."""
+  return 100 * (held / used - 1) if used else 0.0
 
 
 def _group_bytes(lay: _layout.Layout) -> tuple[int, int]:
@@ -694,8 +775,9 @@ def _rest_spec(x: Any, path: str, mesh: Any, scanned_names) -> P:
   if unknown:
     raise ValueError(
         f'dmuon: param {path!r} is sharded over axes {unknown} that mesh '
-        f'{dict(mesh.shape)} does not have; shard it over the mesh given '
-        'to dedicate.')
+        f'{dict(mesh.shape)} does not have (spec {spec}); shard it over the '
+        'mesh given to dedicate (or replicate it), or pass the mesh it '
+        'lives on.')
   in_stack = any(path.startswith(n + '/') for n in scanned_names)
   if in_stack and entries and entries[0]:
     raise ValueError(
@@ -1061,6 +1143,8 @@ def scale_by_dedicated_muon(
 
   def ortho(stack, tp_split):
     shape = list(stack.shape[-2:])
+    stack = _transform.rescale_large(
+        stack, tp_axis if tp_split is not None else None)
     if tp_split is not None:
       out = _tensor_parallel.orthogonalize_via_gram_newton_schulz_tp(
           stack, coeffs, axis_name=tp_axis, split_axis=tp_split, eps=eps)
@@ -1163,6 +1247,7 @@ def dedicated_muon(
     adam_weight_decay: jax.typing.ArrayLike = 0.0,
     adam_learning_rate: optax.ScalarOrSchedule | None = None,
     consistent_rms: jax.typing.ArrayLike | None = None,
+    nonfinite: str = 'skip',
 ) -> optax.GradientTransformation:
   """:func:`dmuon_jax.dmuon` for :class:`DedicatedParams`, in ``shard_map``.
 
@@ -1186,10 +1271,17 @@ def dedicated_muon(
     adam_weight_decay: as for :func:`dmuon_jax.dmuon`.
     adam_learning_rate: as for :func:`dmuon_jax.dmuon`.
     consistent_rms: as for :func:`dmuon_jax.dmuon`.
+    nonfinite: as for :func:`dmuon_jax.dmuon`: ``'skip'`` zeroes the
+      updates and keeps the whole state when any gradient, update or new
+      state entry is NaN/Inf on any device (the flag is reduced over the
+      mesh axes); ``'propagate'`` lets them through.
 
   Returns:
     A :class:`optax.GradientTransformation` on :class:`DedicatedParams`.
   """
+  _transform._validate_static_args(  # pylint: disable=protected-access
+      momentum='optax', ns_algorithm='auto', preconditioning='frobenius',
+      compute_dtype=None, nonfinite=nonfinite)
   if adam_learning_rate is None:
     adam_learning_rate = learning_rate
   muon = optax.chain(
@@ -1207,6 +1299,7 @@ def dedicated_muon(
     return (muon.init(params.owned), adam.init(params.rest))
 
   def update_fn(updates, state, params=None):
+    dedication.check_dedicated(updates, 'dedicated_muon update()')
     owned_u, muon_state = muon.update(
         updates.owned, state[0], None if params is None else params.owned)
     rest_u, adam_state = adam.update(
@@ -1214,4 +1307,7 @@ def dedicated_muon(
     return (DedicatedParams(owned=owned_u, rest=rest_u),
             (muon_state, adam_state))
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  opt = optax.GradientTransformation(init_fn, update_fn)
+  if nonfinite == 'skip':
+    opt = _transform.skip_nonfinite(opt)
+  return opt

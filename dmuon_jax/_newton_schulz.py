@@ -236,7 +236,8 @@ def _check_static_args(
     )
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(
-        f'{fn_name}: x must have a real floating dtype, got {x.dtype}.'
+        f'{fn_name}: x must have a real floating dtype, got {x.dtype}. '
+        'Cast it first, e.g. x.astype(jnp.float32).'
     )
   if preconditioning not in _PRECONDITIONINGS:
     raise ValueError(

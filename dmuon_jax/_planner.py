@@ -853,6 +853,71 @@ def _mesh_axes(
   return chosen, tuple(int(sizes[n]) for n in chosen)
 
 
+def check_devices(params: Any, mesh: Any) -> None:
+  """Raises if a placed param lives on devices outside ``mesh``.
+
+  Only concrete, committed arrays are checked (tracers, shapes and
+  uncommitted arrays can go anywhere), and only against a concrete
+  ``jax.sharding.Mesh``.
+
+  Args:
+    params: the params tree.
+    mesh: the mesh the optimizer was given (or None).
+
+  Raises:
+    ValueError: naming the first such param, its devices and the mesh's.
+  """
+  if not isinstance(mesh, jax.sharding.Mesh):
+    return
+  mesh_ids = {d.id for d in mesh.devices.flat}
+  for keys, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if (not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer)
+        or not getattr(x, 'committed', True)):
+      continue
+    ids = sorted(d.id for d in x.sharding.device_set)
+    if not set(ids) <= mesh_ids:
+      raise ValueError(
+          f'dmuon: param {normalize_path(keys)!r} is placed on devices '
+          f'{ids}, but the mesh it was given has devices '
+          f'{sorted(mesh_ids)} (axes {dict(mesh.shape)}). Place the params '
+          'on that mesh (jax.device_put(params, NamedSharding(mesh, spec))) '
+          'or pass the mesh they live on as mesh=.')
+
+
+def check_same_tree(tree: Any, reference: Any, what: str,
+                    is_leaf: Callable[[Any], bool] | None = None,
+                    made_by: str = 'init()') -> None:
+  """Raises if ``tree`` and ``reference`` differ in their leaf paths.
+
+  Args:
+    tree: the tree given now (e.g. to ``update``).
+    reference: a tree with the structure recorded earlier (e.g. a state
+      made by ``init``).
+    what: the operation, for the message (e.g. ``'update()'``).
+    is_leaf: leaf predicate for ``reference`` (e.g. to keep
+      ``optax.MaskedNode`` entries).
+    made_by: the call that recorded ``reference``.
+
+  Raises:
+    ValueError: listing the paths only in one of the two trees.
+  """
+  got = [normalize_path(k)
+         for k, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  want = [normalize_path(k) for k, _ in jax.tree_util.tree_flatten_with_path(
+      reference, is_leaf=is_leaf)[0]]
+  if got == want:
+    return
+  extra = sorted(set(got) - set(want))
+  missing = sorted(set(want) - set(got))
+  diff = '; '.join(
+      [f'params {missing} are missing'] * bool(missing)
+      + [f'params {extra} are new'] * bool(extra)) or 'the leaves are reordered'
+  raise ValueError(
+      f'dmuon: the tree given to {what} does not match the one given to '
+      f'{made_by}: {diff}. Call {made_by} again on the new params (a changed '
+      'model needs a new optimizer state).')
+
+
 # Upper bound on partner checks in the layer-spreading repair pass, so that
 # pathological trees (many thousands of matrices) still plan quickly.
 _REPAIR_BUDGET = 500_000
@@ -1054,6 +1119,7 @@ def plan_ownership(
     raise ValueError(f'dmuon: ns_algorithm={ns_algorithm!r} is not one of '
                      f'{_NS_ALGORITHMS}.')
   names, sizes = _mesh_axes(mesh, axis_names)
+  check_devices(params, mesh)
   all_specs = muon_target_specs(
       params, predicate=predicate,
       weight_dimension_numbers=weight_dimension_numbers,

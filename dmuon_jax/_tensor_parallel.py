@@ -97,6 +97,13 @@ def orthogonalize_via_gram_newton_schulz_tp(
     raise ValueError(f'dmuon: split_axis={split_axis!r} must be -1 (columns '
                      'split) or -2 (rows split).')
   rows = _newton_schulz.resolve_ns_coeffs(ns_coeffs, ns_steps)
+  try:
+    tp = jax.lax.axis_size(axis_name)
+  except NameError as e:
+    raise ValueError(
+        f'dmuon: axis_name={axis_name!r} is not bound here: call '
+        'orthogonalize_via_gram_newton_schulz_tp inside jax.shard_map over a '
+        'mesh with that axis (the matrix split over it).') from e
   x = jnp.asarray(x)
   compute_dtype = jnp.dtype(compute_dtype or x.dtype)
   norm_dtype = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
@@ -105,7 +112,7 @@ def orthogonalize_via_gram_newton_schulz_tp(
   if split_axis == -2:
     x0 = t(x0)  # the split dimension last: Gram over the unsplit one
   if (restart_iterations is None and len(rows) >= 4
-      and x0.shape[-2] > x0.shape[-1] * jax.lax.axis_size(axis_name)):
+      and x0.shape[-2] > x0.shape[-1] * tp):
     # A Gram over the long side has a large null space whose rounding the
     # iteration amplifies (seen: 1.6e-5 against direct NS with one restart
     # on 32 x 128, 3.7e-6 with two); restart twice.

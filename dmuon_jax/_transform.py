@@ -29,6 +29,11 @@ _MOMENTUM_RULES = ('optax', 'sgd')
 _NS_ALGORITHMS = ('auto', 'standard', 'gram')
 _PRECONDITIONINGS = ('frobenius', 'spectral', 'aol', 'schatten')
 _COMPUTE_DTYPES = ('float32', 'bfloat16', 'float16', 'float64')
+_NONFINITE = ('skip', 'propagate')
+
+# Matrices whose largest entry exceeds this are divided by a power of two
+# before Newton-Schulz (see rescale_large).
+_LARGE = 2.0 ** 10
 
 TREE_MISMATCH_MSG = (
     'dmuon: the tree given to update() does not match the one given to '
@@ -46,8 +51,14 @@ class ScaleByDMuonState(NamedTuple):
 
 
 def _validate_static_args(*, momentum: str, ns_algorithm: str,
-                          preconditioning: str, compute_dtype) -> None:
+                          preconditioning: str, compute_dtype,
+                          nonfinite: str = 'skip') -> None:
   """Raises for bad static arguments when the factory is called."""
+  if nonfinite not in _NONFINITE:
+    raise ValueError(
+        f'dmuon: nonfinite={nonfinite!r} is not one of {_NONFINITE}: '
+        "'skip' drops a step with a NaN/Inf gradient (zero updates, state "
+        "unchanged), 'propagate' lets it through as optax does.")
   if momentum not in _MOMENTUM_RULES:
     raise ValueError(
         f"dmuon: momentum={momentum!r} is not one of {_MOMENTUM_RULES}: "
@@ -66,6 +77,99 @@ def _validate_static_args(*, momentum: str, ns_algorithm: str,
     raise ValueError(
         f'dmuon: compute_dtype={compute_dtype!r} is not one of '
         f'{_COMPUTE_DTYPES} (or None for the momentum dtype).')
+
+
+def rescale_large(stack: jax.Array, tp_axis: str | None = None) -> jax.Array:
+  """Divides each matrix whose max-abs entry exceeds ``_LARGE`` by 2^k.
+
+  Newton-Schulz normalizes in float32 through sums of squares (the Frobenius
+  norm, the Gram matrix ``X X^T`` and, for ``'schatten'``, its squares),
+  which overflow for entries above about 1e19 (1e9 for ``'schatten'``):
+  the result is then zero (``'frobenius'``) or NaN (``'aol'``,
+  ``'schatten'``). Newton-Schulz is scale invariant (up to ``eps``), so
+  such matrices are brought to a max-abs entry in ``[0.5, 1)`` first. The
+  factor is a power of two, so the scaling itself rounds nothing, and
+  matrices at most ``_LARGE`` are left bitwise as they are.
+
+  Args:
+    stack: ``(..., m, n)`` matrices.
+    tp_axis: the tensor-parallel axis over which the matrices are split
+      (inside ``shard_map``): the factor is then taken over the whole matrix.
+
+  Returns:
+    The stack, each matrix scaled by an exact power of two (or by 1).
+  """
+  if not jnp.issubdtype(stack.dtype, jnp.floating) or (
+      jnp.finfo(stack.dtype).max <= _LARGE):
+    return stack
+  amax = jnp.max(jnp.abs(stack), axis=(-2, -1), keepdims=True)
+  if tp_axis is not None:
+    amax = jax.lax.pmax(amax, tp_axis)
+  _, exponent = jnp.frexp(amax)
+  one = jnp.ones((), stack.dtype)
+  scale = jnp.where(amax > _LARGE, jnp.ldexp(one, -exponent), one)
+  return stack * scale.astype(stack.dtype)
+
+
+def all_finite(*trees: Any) -> jax.Array:
+  """Whether every leaf of ``trees`` is finite, on every device.
+
+  Inside ``shard_map`` the flag is reduced (``pmin``) over the manual mesh
+  axes, so that every device takes the same decision; under plain ``jit``
+  the leaves are global arrays and the reduction is global already.
+  """
+  ok = jnp.array(True)
+  for x in jax.tree.leaves(trees):
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.inexact) and x.size:
+      ok = ok & jnp.all(jnp.isfinite(x))
+  manual = _collectives.manual_axes()
+  if manual:
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = tuple(a for a in mesh.axis_names if a in manual)
+    ok = jax.lax.pmin(ok.astype(jnp.int32), axes) > 0
+  return ok
+
+
+def select_tree(ok: jax.Array, new: Any, old: Any) -> Any:
+  """``new`` where ``ok``, else ``old``, leaf by leaf (``jnp.where``)."""
+  return jax.tree.map(
+      lambda n, o: jnp.where(ok, n, o).astype(jnp.asarray(n).dtype),
+      new, old)
+
+
+def zeros_unless(ok: jax.Array, tree: Any) -> Any:
+  """``tree`` where ``ok``, else zeros of its leaves' shapes and dtypes."""
+  return jax.tree.map(
+      lambda x: jnp.where(ok, x, jnp.zeros((), x.dtype)), tree)
+
+
+def skip_nonfinite(
+    inner: optax.GradientTransformation,
+) -> optax.GradientTransformation:
+  """Skips the whole step of ``inner`` unless everything stays finite.
+
+  A step is skipped when any gradient, any update or any new state leaf of
+  ``inner`` is NaN or infinite (on any device, see :func:`all_finite`): the
+  updates are then zero and ``inner``'s state (counts included) is the old
+  one. ``jnp.where`` selects, so the step costs the same either way.
+
+  Args:
+    inner: the transformation to guard.
+
+  Returns:
+    A :class:`optax.GradientTransformation` with ``inner``'s state.
+  """
+
+  inner = optax.with_extra_args_support(inner)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    new_updates, new_state = inner.update(updates, state, params,
+                                          **extra_args)
+    ok = all_finite(updates, new_updates, new_state)
+    return zeros_unless(ok, new_updates), select_tree(ok, new_state, state)
+
+  return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
 
 def _resolve_mesh(mesh):
@@ -282,6 +386,7 @@ def scale_by_dmuon(
     ns_algorithm: Literal['auto', 'standard', 'gram'] = 'auto',
     compute_dtype: jax.typing.DTypeLike | None = None,
     tensor_parallel_axis: str | None = 'model',
+    nonfinite: Literal['skip', 'propagate'] = 'skip',
 ) -> optax.GradientTransformation:
   r"""Muon's momentum orthogonalization, each matrix owned by one device.
 
@@ -373,6 +478,17 @@ def scale_by_dmuon(
       momentum's); the normalization is always done in float32.
     tensor_parallel_axis: the mesh axis that splits matrices (tensor
       parallelism), if the mesh has it; None: no TP axis. Static.
+    nonfinite: what a NaN or Inf does. ``'skip'`` (default): if any
+      gradient, new momentum or update is non-finite, on any device (the
+      explicit path reduces the flag over the owner axes), the step is
+      skipped: zero updates, momentum and count unchanged. ``'propagate'``:
+      as optax, NaN/Inf flow into the updates and the momentum.
+      :func:`optax.apply_if_finite` (which checks the gradients itself)
+      composes with both; under ``'skip'`` the steps it lets through after
+      ``max_consecutive_errors`` still leave the state clean. Finite
+      gradients never give NaN/Inf either way: matrices with entries above
+      1024 are divided by a power of two before Newton–Schulz, so that its
+      float32 norms cannot overflow. Static.
 
   Returns:
     A :class:`optax.GradientTransformation` whose state is a
@@ -381,7 +497,7 @@ def scale_by_dmuon(
   coeffs = _newton_schulz.resolve_ns_coeffs(ns_coeffs, ns_steps)
   _validate_static_args(momentum=momentum, ns_algorithm=ns_algorithm,
                         preconditioning=preconditioning,
-                        compute_dtype=compute_dtype)
+                        compute_dtype=compute_dtype, nonfinite=nonfinite)
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
 
   forms = {
@@ -392,6 +508,8 @@ def scale_by_dmuon(
       compute_dtype=compute_dtype) for k, f in forms.items()}
 
   def orthogonalize(stack, tp_split):
+    stack = rescale_large(
+        stack, tensor_parallel_axis if tp_split is not None else None)
     if tp_split is not None:
       return _tensor_parallel.orthogonalize_via_gram_newton_schulz_tp(
           stack, coeffs, axis_name=tensor_parallel_axis, split_axis=tp_split,
@@ -610,11 +728,17 @@ def scale_by_dmuon(
           # differentiated; the parity tests check the values.
           check_vma=False,
       )(targets, state.mu, count_inc)
+    mu = tuple(mu)
+    if nonfinite == 'skip':
+      ok = all_finite(targets, new, mu)
+      new = zeros_unless(ok, new)
+      mu = select_tree(ok, mu, tuple(state.mu))
+      count_inc = jnp.where(ok, count_inc, state.count)
     out = list(leaves)
     for spec, x in zip(plan.leaves, new):
       out[spec.leaf_index] = x
     return (jax.tree.unflatten(treedef, out),
-            ScaleByDMuonState(count=count_inc, mu=tuple(mu)))
+            ScaleByDMuonState(count=count_inc, mu=mu))
 
   return optax.GradientTransformation(init_fn, update_fn)
 

@@ -111,6 +111,14 @@ class MeshInputTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, r"tensor-parallel axis 'model'"):
       dmuon_jax.dmuon(0.1, mesh=mesh, axis_names=('shard', 'model'))
 
+  def test_leaf_added_after_init_is_named(self):
+    tree = {'a': jnp.zeros((8, 16)), 'b': jnp.zeros((16,))}
+    opt = dmuon_jax.dmuon(0.1)
+    state = opt.init(tree)
+    other = dict(tree, c=jnp.zeros((4,)))
+    with self.assertRaisesRegex(ValueError, r"\['c'\].*new"):
+      opt.update(other, state, other)
+
   def test_tree_at_update_differs_from_init_on_a_mesh(self):
     mesh = jax.make_mesh((1, 8), ('replicate', 'shard'))
     tree = {'a': jnp.zeros((8, 16)), 'b': jnp.zeros((16, 8))}

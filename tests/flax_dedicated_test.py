@@ -234,7 +234,7 @@ class FlaxDedicatedCostTest(parameterized.TestCase):
       return opt.update(grads, state, dp)
 
     report = dmuon_jax.analyze_hlo(update, dp, state, dp)
-    self.assertEqual(report.count_by_kind, {})
+    dedicated_test.assert_only_the_finite_flag(self, report)
     self.assertGreater(report.flops, 0)
 
 

@@ -81,6 +81,11 @@ class TensorParallelGramTest(parameterized.TestCase):
     fn, xs = tp_ns(np.zeros((16, 32), np.float32), 2, -1)
     np.testing.assert_array_equal(fn(xs), 0)
 
+  def test_outside_shard_map_names_the_axis(self):
+    with self.assertRaisesRegex(ValueError, "axis_name='model' is not bound"):
+      _tensor_parallel.orthogonalize_via_gram_newton_schulz_tp(
+          np.ones((4, 8), np.float32), axis_name='model')
+
   def test_bad_split_axis(self):
     with self.assertRaisesRegex(ValueError, 'split_axis=0'):
       _tensor_parallel.orthogonalize_via_gram_newton_schulz_tp(

@@ -1,0 +1,383 @@
+"""Numerics policy: extreme and non-finite gradients, low precision."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl.testing import absltest, parameterized
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from optax.contrib import MuonDimensionNumbers as MDN
+
+import dmuon_jax
+from tests import alias_test
+
+AXES = ('replicate', 'shard')
+SHAPES = {'w': (16, 32), 'v': (32, 8), 'sq': (12, 12)}  # Muon matrices
+SUBNORMAL = 1e-40  # below float32's smallest normal number (1.2e-38)
+
+
+def make_params():
+  k = iter(jax.random.split(jax.random.key(0), 8))
+  params = {name: 0.1 * jax.random.normal(next(k), s)
+            for name, s in SHAPES.items()}
+  params['b'] = jnp.zeros((8,))  # an AdamW leaf
+  return params
+
+
+def grads_like(params, seed=1):
+  rng = np.random.RandomState(seed)
+  return {k: jnp.asarray(rng.randn(*x.shape), x.dtype)
+          for k, x in params.items()}
+
+
+def rank_one(params, seed=2):
+  rng = np.random.RandomState(seed)
+  out = {}
+  for k, x in params.items():
+    if x.ndim == 2:
+      u, v = rng.randn(x.shape[0]), rng.randn(x.shape[1])
+      out[k] = jnp.asarray(np.outer(u, v), x.dtype)
+    else:
+      out[k] = jnp.asarray(rng.randn(*x.shape), x.dtype)
+  return out
+
+
+def scaled(grads, scale, adam_scale=1.0):
+  """Muon matrices times ``scale``, the AdamW leaf times ``adam_scale``."""
+  return {k: (x * jnp.asarray(scale if x.ndim == 2 else adam_scale,
+                              jnp.float32)).astype(x.dtype)
+          for k, x in grads.items()}
+
+
+def finite(tree):
+  return all(bool(jnp.all(jnp.isfinite(jnp.asarray(x, jnp.float32))))
+             for x in jax.tree.leaves(tree))
+
+
+def same(a, b):
+  return all(bool(jnp.array_equal(x, y)) for x, y in
+             zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def rel_err(a, b):
+  a, b = (np.asarray(jnp.asarray(x, jnp.float32)) for x in (a, b))
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def cases(params):
+  """(name, gradients, muon update expected nonzero)."""
+  g = grads_like(params)
+  return [
+      ('zero', scaled(g, 0.0, 0.0), False),
+      ('tiny', scaled(g, 1e-30), False),
+      ('subnormal', scaled(g, SUBNORMAL), False),
+      ('rank1', rank_one(params), True),
+      ('huge', scaled(g, 1e30), True),
+      ('large', scaled(g, 1e15), True),
+  ]
+
+
+class ExtremeGradientsTest(parameterized.TestCase):
+  """Finite gradients of any scale give finite updates and state."""
+
+  @parameterized.product(
+      ns_algorithm=('standard', 'gram', 'auto'),
+      compute_dtype=(None, jnp.bfloat16, jnp.float16))
+  def test_one_device(self, ns_algorithm, compute_dtype):
+    params = make_params()
+    opt = dmuon_jax.dmuon(0.02, ns_algorithm=ns_algorithm,
+                          compute_dtype=compute_dtype)
+    state = opt.init(params)
+    step = jax.jit(opt.update)
+    reference, _ = step(grads_like(params), state, params)
+    for name, g, nonzero in cases(params):
+      u, new_state = step(g, state, params)
+      self.assertTrue(finite(u) and finite(new_state), name)
+      if nonzero:
+        self.assertGreater(float(jnp.abs(u['w']).max()), 1e-3, name)
+      if name in ('huge', 'large'):
+        # Newton-Schulz is scale invariant: the first step's update of a
+        # huge gradient is that of the same gradient at scale 1.
+        for k in SHAPES:
+          self.assertLess(rel_err(u[k], reference[k]), 1e-3, (name, k))
+
+  @parameterized.parameters('frobenius', 'spectral', 'aol', 'schatten')
+  def test_huge_preconditioning(self, preconditioning):
+    # 'aol' and 'schatten' square the Gram matrix: without the power-of-two
+    # rescaling, 1e20 gave NaN and 1e10 gave zero.
+    params = make_params()
+    opt = dmuon_jax.dmuon(0.02, preconditioning=preconditioning)
+    state = opt.init(params)
+    step = jax.jit(opt.update)
+    reference, _ = step(grads_like(params), state, params)
+    for scale in (1e10, 1e20, 1e30):
+      u, new_state = step(scaled(grads_like(params), scale), state, params)
+      self.assertTrue(finite(u) and finite(new_state), scale)
+      for k in SHAPES:
+        self.assertLess(rel_err(u[k], reference[k]), 1e-3, (scale, k))
+
+  def test_huge_adamw_gradient_skips(self):
+    # AdamW's second moment g**2 overflows float32 for |g| > ~1.8e19: with
+    # 'skip' the step is dropped instead of leaving an Inf in the state.
+    params = make_params()
+    opt = dmuon_jax.dmuon(0.02)
+    state = opt.init(params)
+    g = scaled(grads_like(params), 1.0, adam_scale=1e30)
+    u, new_state = jax.jit(opt.update)(g, state, params)
+    self.assertTrue(same(new_state, state))
+    self.assertTrue(all(not jnp.any(x) for x in jax.tree.leaves(u)))
+
+  def test_mesh_drop_in(self):
+    mesh = jax.make_mesh((2, 4), AXES)
+    params = jax.device_put(make_params(), NamedSharding(mesh, P()))
+    opt = dmuon_jax.dmuon(0.02, mesh=mesh)
+    state = opt.init(params)
+    step = jax.jit(opt.update)
+    for name, g, nonzero in cases(params):
+      g = jax.device_put(g, NamedSharding(mesh, P()))
+      u, new_state = step(g, state, params)
+      self.assertTrue(finite(u) and finite(new_state), name)
+      if nonzero:
+        self.assertGreater(float(jnp.abs(u['w']).max()), 1e-3, name)
+    bad = dict(grads_like(params), sq=grads_like(params)['sq'].at[3, 4].set(
+        jnp.nan))
+    u, new_state = step(jax.device_put(bad, NamedSharding(mesh, P())),
+                        state, params)
+    self.assertTrue(same(new_state, state))
+    self.assertTrue(all(not jnp.any(x) for x in jax.tree.leaves(u)))
+
+
+class NonFiniteTest(parameterized.TestCase):
+  """NaN/Inf gradients: 'skip' drops the step, 'propagate' lets it through."""
+
+  @parameterized.product(leaf=('w', 'b'), value=(np.nan, np.inf))
+  def test_skip_one_device(self, leaf, value):
+    params = make_params()
+    opt = dmuon_jax.dmuon(0.02)
+    state = opt.init(params)
+    step = jax.jit(opt.update)
+    _, state = step(grads_like(params, 5), state, params)  # count 1
+    g = grads_like(params)
+    g[leaf] = g[leaf].at[0].set(value)
+    u, new_state = step(g, state, params)
+    self.assertTrue(same(new_state, state))  # momenta, moments and counts
+    self.assertTrue(all(not jnp.any(x) for x in jax.tree.leaves(u)))
+    # The next finite step continues as if the bad one never happened.
+    good = grads_like(params, 7)
+    u1, s1 = step(good, new_state, params)
+    u2, s2 = step(good, state, params)
+    self.assertTrue(same(u1, u2) and same(s1, s2))
+
+  def test_scale_by_dmuon_skip_and_propagate(self):
+    g = {'w': jnp.ones((8, 16)).at[1, 2].set(jnp.nan)}
+    for policy in ('skip', 'propagate'):
+      tx = dmuon_jax.scale_by_dmuon(nonfinite=policy)
+      state = tx.init(g)
+      u, new_state = jax.jit(tx.update)(g, state)
+      if policy == 'skip':
+        self.assertTrue(same(new_state, state))
+        self.assertFalse(jnp.any(u['w']))
+      else:
+        self.assertEqual(int(new_state.count), 1)
+        self.assertTrue(bool(jnp.isnan(u['w']).all()))
+    with self.assertRaisesRegex(ValueError, 'nonfinite'):
+      dmuon_jax.dmuon(0.02, nonfinite='ignore')
+
+  def test_apply_if_finite(self):
+    # apply_if_finite checks the gradients before dmuon runs: it skips and
+    # counts bad steps under either policy. Once it gives up (more than
+    # max_consecutive_errors in a row) it passes the NaN on: 'skip' still
+    # keeps the state clean, 'propagate' lets the NaN in.
+    params = make_params()
+    bad = dict(grads_like(params), w=grads_like(params)['w'] * jnp.nan)
+    good = grads_like(params, 3)
+    for policy in ('skip', 'propagate'):
+      opt = optax.apply_if_finite(dmuon_jax.dmuon(0.02, nonfinite=policy),
+                                  max_consecutive_errors=2)
+      state = opt.init(params)
+      step = jax.jit(opt.update)
+      s = state
+      for t in range(4):
+        u, s = step(bad, s, params)
+        self.assertEqual(int(s.notfinite_count), t + 1)
+        self.assertFalse(bool(s.last_finite))
+        if t < 2 or policy == 'skip':
+          self.assertTrue(same(s.inner_state, state.inner_state), (policy, t))
+          self.assertTrue(all(not jnp.any(x) for x in jax.tree.leaves(u)))
+        else:  # given up: the NaN reaches the state
+          self.assertFalse(finite(s.inner_state), policy)
+      if policy == 'skip':
+        u, s = step(good, s, params)
+        self.assertEqual(int(s.notfinite_count), 0)
+        self.assertTrue(finite(u) and bool(jnp.any(u['w'])))
+
+  def test_explicit_path_nan_on_one_device(self):
+    # Per-device gradients: only one device sees a NaN; every device must
+    # skip (the flag is reduced over the owner axes).
+    mesh = jax.make_mesh((2, 4), AXES)
+    params = jax.device_put(make_params(), NamedSharding(mesh, P()))
+    opt = dmuon_jax.dmuon(0.02, mesh=mesh)
+    state = opt.init(params)
+    specs = dmuon_jax.Dedication.specs_of(state)
+
+    def loss_fn(p, batch):
+      return sum(jnp.sum(jnp.sin(x * batch.mean()))
+                 for x in jax.tree.leaves(p))
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh,
+                       in_specs=(P(), specs, P(AXES)),
+                       out_specs=(P(), specs))
+    def train_step(p, s, batch):
+      _, grads = dmuon_jax.local_value_and_grad(loss_fn)(p, batch)
+      updates, s = opt.update(grads, s, p)
+      return optax.apply_updates(p, updates), s
+
+    batch = jnp.linspace(0.5, 1.5, 16)
+    put = lambda b: jax.device_put(b, NamedSharding(mesh, P(AXES)))
+    p1, s1 = train_step(params, state, put(batch))
+    self.assertFalse(same(p1, params))
+    p2, s2 = train_step(p1, s1, put(batch.at[5].set(jnp.nan)))  # device 2
+    self.assertTrue(same(p2, p1) and same(s2, s1))
+
+  def test_dedicated_nan_on_one_device(self):
+    from tests import dedicated_test  # pylint: disable=import-outside-toplevel
+    ded, dp, opt, state, x = dedicated_test.setup((2, 4), z3=True)
+    step = dedicated_test.dedicated_step(ded, opt, state)
+    dp1, s1, _ = step(dp, state, x)
+    self.assertTrue(finite(s1) and not same(dp1, dp))
+    bad = np.array(x)
+    bad[3] = np.nan  # rows of one device only
+    bad = jax.device_put(bad, x.sharding)
+    dp2, s2, _ = step(dp1, s1, bad)
+    self.assertTrue(same(dp2, dp1) and same(s2, s1))
+
+
+class LowPrecisionTest(parameterized.TestCase):
+
+  def test_bf16_params_fp32_momentum(self):
+    params = make_params()
+    p16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    opt = dmuon_jax.dmuon(0.02, mu_dtype=jnp.float32)
+    s16, s32 = opt.init(p16), opt.init(params)
+    step = jax.jit(opt.update)
+    worst = 0.0
+    for t in range(3):
+      g16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16),
+                         grads_like(params, t))
+      g32 = jax.tree.map(lambda x: x.astype(jnp.float32), g16)
+      u16, s16 = step(g16, s16, p16)
+      u32, s32 = step(g32, s32, params)
+      # Muon updates in the params' dtype; the AdamW leaf follows
+      # optax.adamw (float32 with mu_dtype=float32; apply_updates casts).
+      self.assertTrue(all(u16[k].dtype == jnp.bfloat16 for k in SHAPES))
+      muon_states = [x for x in jax.tree.leaves(
+          s16, is_leaf=lambda x: isinstance(x, dmuon_jax.ScaleByDMuonState))
+                     if isinstance(x, dmuon_jax.ScaleByDMuonState)]
+      self.assertTrue(muon_states)
+      for x in muon_states:
+        self.assertTrue(all(m.dtype == jnp.float32 for m in x.mu))
+      for k in SHAPES:
+        worst = max(worst, rel_err(u16[k], u32[k]))
+    # bf16 has an 8-bit mantissa (relative rounding 3.9e-3).
+    self.assertLess(worst, 2e-2)
+
+  # Measured worst relative (Frobenius) error over 3 steps and 3 leaves:
+  # float16 1.1e-2, bfloat16 8.8e-2 (8-bit mantissa through 5 iterations).
+  @parameterized.parameters((jnp.bfloat16, 0.12), (jnp.float16, 5e-2))
+  def test_low_precision_compute(self, compute_dtype, tol):
+    params = make_params()
+    ref = dmuon_jax.dmuon(0.02)
+    low = dmuon_jax.dmuon(0.02, compute_dtype=compute_dtype)
+    sr, sl = ref.init(params), low.init(params)
+    worst = 0.0
+    for t in range(3):
+      g = grads_like(params, t)
+      ur, sr = jax.jit(ref.update)(g, sr, params)
+      ul, sl = jax.jit(low.update)(g, sl, params)
+      self.assertTrue(finite(ul) and finite(sl))
+      for k in SHAPES:
+        worst = max(worst, rel_err(ul[k], ur[k]))
+    self.assertLess(worst, tol)
+
+
+_NS_CACHE = {}
+
+
+def _ns_fn(m, n, ns_algorithm, compute_dtype):
+  """NS(G) through scale_by_dmuon's first step (plain momentum), cached."""
+  key = (m, n, ns_algorithm, compute_dtype)
+  if key not in _NS_CACHE:
+    tx = dmuon_jax.scale_by_dmuon(momentum='sgd', nesterov=False,
+                                  ns_algorithm=ns_algorithm,
+                                  compute_dtype=compute_dtype)
+    state = tx.init({'w': jnp.zeros((m, n))})
+    _NS_CACHE[key] = jax.jit(lambda g: tx.update({'w': g}, state)[0]['w'])
+  return _NS_CACHE[key]
+
+
+class PropertyTest(absltest.TestCase):
+
+  @settings(max_examples=15, deadline=None)
+  @given(m=st.integers(1, 48), n=st.integers(1, 48),
+         log_scale=st.floats(-30, 30),
+         algo=st.sampled_from(['standard', 'gram']),
+         compute=st.sampled_from([None, 'bfloat16', 'float16']),
+         seed=st.integers(0, 2**16))
+  def test_ns_finite_and_bounded(self, m, n, log_scale, algo, compute,
+                                 seed):
+    g = np.random.RandomState(seed).randn(m, n) * 10.0 ** log_scale
+    out = np.asarray(_ns_fn(m, n, algo, compute)(
+        jnp.asarray(g, jnp.float32)))
+    self.assertTrue(np.isfinite(out).all())
+    self.assertLessEqual(np.linalg.norm(out, 2), 1.5)
+    if log_scale > -4:  # the norm is far above eps: a real update
+      self.assertGreater(np.linalg.norm(out, 2), 0.5)
+
+  @settings(max_examples=5, deadline=None)
+  @given(shapes=st.lists(st.tuples(st.integers(1, 24), st.integers(1, 24)),
+                         min_size=1, max_size=3),
+         seed=st.integers(0, 2**16))
+  def test_parity_with_optax(self, shapes, seed):
+    rng = np.random.RandomState(seed)
+    params = {f'p{i}': jnp.asarray(0.1 * rng.randn(*s), jnp.float32)
+              for i, s in enumerate(shapes)}
+    dims = {k: MDN() if min(x.shape) > 1 else None
+            for k, x in params.items()}
+    ours = dmuon_jax.dmuon(0.02, muon_weight_dimension_numbers=dims)
+    theirs = optax.contrib.muon(0.02, muon_weight_dimension_numbers=dims)
+    a, sa = params, ours.init(params)
+    b, sb = params, theirs.init(params)
+    for t in range(3):
+      g = alias_test.grads_at(t, params)
+      ua, sa = ours.update(g, sa, a)
+      ub, sb = theirs.update(g, sb, b)
+      a, b = optax.apply_updates(a, ua), optax.apply_updates(b, ub)
+    for k in params:
+      np.testing.assert_allclose(a[k], b[k], atol=1e-5, rtol=1e-5)
+
+  def test_mesh_random_scales(self):
+    mesh = jax.make_mesh((2, 4), AXES)
+    params = jax.device_put(make_params(), NamedSharding(mesh, P()))
+    opt = dmuon_jax.dmuon(0.02, mesh=mesh)
+    state = opt.init(params)
+    step = jax.jit(opt.update)
+
+    @settings(max_examples=8, deadline=None)
+    @given(log_scale=st.floats(-40, 30), seed=st.integers(0, 2**16))
+    def check(log_scale, seed):
+      g = scaled(grads_like(params, seed), 10.0 ** log_scale)
+      u, new_state = step(jax.device_put(g, NamedSharding(mesh, P())),
+                          state, params)
+      self.assertTrue(finite(u) and finite(new_state))
+
+    check()
+
+
+if __name__ == '__main__':
+  absltest.main()

@@ -2,9 +2,15 @@
 
 from optax.contrib import MuonDimensionNumbers as MuonDimensionNumbers
 
+from dmuon_jax import _checkpoint as checkpoint
 from dmuon_jax._alias import dmuon as dmuon
 from dmuon_jax._alias import muon_labels as muon_labels
 from dmuon_jax._boundaries import HookBoundaries as HookBoundaries
+from dmuon_jax._checkpoint import PortableDMuonState as PortableDMuonState
+from dmuon_jax._checkpoint import (
+    state_from_portable as state_from_portable,
+)
+from dmuon_jax._checkpoint import state_to_portable as state_to_portable
 from dmuon_jax._boundaries import find_hook_boundaries as find_hook_boundaries
 from dmuon_jax._dedicated import DedicatedMuonState as DedicatedMuonState
 from dmuon_jax._dedicated import DedicatedParams as DedicatedParams
@@ -54,7 +60,9 @@ __all__ = (
     'NS_COEFF_PRESETS',
     'analyze_compiled',
     'analyze_hlo',
+    'checkpoint',
     'OwnershipPlan',
+    'PortableDMuonState',
     'ScaleByDMuonState',
     'dedicate',
     'dedicated_muon',
@@ -73,4 +81,6 @@ __all__ = (
     'scale_by_dedicated_muon',
     'scale_by_dmuon',
     'scale_by_shape',
+    'state_from_portable',
+    'state_to_portable',
 )

@@ -1,0 +1,392 @@
+"""Multi-process DMuon on one machine: P processes x D simulated CPU devices.
+
+The parent starts ``--processes`` children (this same script, ``--child i``),
+each with ``--local-devices`` CPU devices; they join one global mesh via
+``jax.distributed.initialize`` (gloo collectives) and train a small model
+with ``dmuon`` (``--mode dropin``, under ``jax.jit``) or with
+``dedicated_muon`` (``--mode dedicated``, Z3, the ``shard_map`` recipe).
+Process 0 writes the per-step losses and final params to
+``OUT_DIR/<mode>_p<P>xd<D>.npz``.
+
+    python examples/multihost.py --processes 2 --local-devices 4 \\
+        --mode dedicated --out-dir /tmp/mh
+    python examples/multihost.py --processes 1 --local-devices 8 \\
+        --mode dedicated --out-dir /tmp/mh      # single-process reference
+
+The parent prints ``child <i> pid <pid>`` per child (and writes
+``OUT_DIR/pids.json``). If a child fails (``--fail-at-start i`` makes child
+``i`` raise before ``jax.distributed.initialize``), or the run exceeds
+``--timeout``, the parent kills the remaining children (who would otherwise
+wait for the missing peer), prints the failed child's stderr tail and exits
+nonzero.
+"""
+
+import argparse
+import functools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+AXES = ('replicate', 'shard')
+BLOCKS, WIDTH, MATS, OUT = 4, 16, 8, 8
+BATCH = 512
+LR = 0.002
+
+# ---------------------------------------------------------------- the model
+# (the synthetic model of tests/dedicated_test.py: ``layers_i`` blocks of
+# ``MATS`` Muon matrices each, AdamW for the scales and the head).
+
+
+def init_params():
+  import jax
+  import jax.numpy as jnp
+  k = iter(jax.random.split(jax.random.key(0), 64))
+  n = lambda *shape: 0.3 * jax.random.normal(next(k), shape, jnp.float32)
+  params = {f'layers_{i}': {f'w{j}': n(WIDTH, WIDTH) for j in range(MATS)}
+            | {'scale': 1 + n(WIDTH)} for i in range(BLOCKS)}
+  params['head'] = n(WIDTH, OUT)
+  return params
+
+
+def block_fn(layer, x):
+  import jax.numpy as jnp
+  for j in range(MATS):
+    x = x + jnp.tanh(x @ layer[f'w{j}']) * layer['scale']
+  return x
+
+
+def loss_fn(params, x):
+  import jax.numpy as jnp
+  for i in range(BLOCKS):
+    x = block_fn(params[f'layers_{i}'], x)
+  return jnp.mean((x @ params['head']) ** 2)
+
+
+def make_batch():
+  import jax
+  return jax.random.normal(jax.random.key(1), (BATCH, WIDTH))
+
+
+# ---------------------------------------------------------------- the child
+
+
+def _global(host, sharding):
+  """A global array from host data every process holds in full."""
+  import jax
+  return jax.make_array_from_callback(host.shape, sharding,
+                                      lambda idx: host[idx])
+
+
+def _fsdp_sharding(x, mesh):
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+  size = mesh.shape['shard']
+  for dim in range(x.ndim - 1, -1, -1):
+    if size > 1 and x.shape[dim] % size == 0:
+      spec = [None] * x.ndim
+      spec[dim] = 'shard'
+      return NamedSharding(mesh, P(*spec))
+  return NamedSharding(mesh, P())
+
+
+def _place(host_params, mesh, layout):
+  """Host params -> global arrays (replicated, or FSDP over 'shard')."""
+  import jax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  def one(x):
+    sharding = (NamedSharding(mesh, P()) if layout == 'replicated'
+                else _fsdp_sharding(x, mesh))
+    return _global(x, sharding)
+
+  return jax.tree.map(one, host_params)
+
+
+def _to_host(tree, mesh):
+  """Global arrays -> host numpy on every process (replicated, then local)."""
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+  full = jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, P()))(tree)
+  return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), full)
+
+
+def train_dropin(mesh, host_params, x, steps, layout):
+  import jax
+  import optax
+
+  import dmuon_jax
+  params = _place(host_params, mesh, layout)
+  opt = dmuon_jax.dmuon(LR, mesh=mesh)
+  state = jax.block_until_ready(opt.init(params))   # eagerly, placed arrays
+
+  @jax.jit
+  def step(params, state, x):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  losses = []
+  for _ in range(steps):
+    params, state, loss = step(params, state, x)
+    losses.append(jax.block_until_ready(loss))
+  return losses, params
+
+
+def train_dedicated(mesh, host_params, x, steps, layout, z3=True):
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from jax.sharding import PartitionSpec as P
+
+  import dmuon_jax
+  params = _place(host_params, mesh, layout)
+  ded = dmuon_jax.dedicate(params, mesh, reshard_after_forward=z3)
+  # Every set-up program finishes before the next starts: all processes
+  # then run their collectives in one order.
+  dp = jax.block_until_ready(ded.to_dedicated(params))
+  opt = dmuon_jax.dedicated_muon(ded, learning_rate=LR)
+  state = jax.block_until_ready(opt.init(dp))
+
+  def dedicated_loss(dp, x):
+    rest = ded.gather_rest(dp)
+    for i in range(BLOCKS):
+      x = ded.block(block_fn, f'layers_{i}')(dp, x)
+    return jnp.mean((x @ rest['head']) ** 2)
+
+  specs, state_specs = ded.specs(), ded.specs_of(state)
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh,
+                     in_specs=(specs, state_specs, P(AXES)),
+                     out_specs=(specs, state_specs, P()))
+  def step(dp, state, x):
+    loss, grads = dmuon_jax.local_value_and_grad(dedicated_loss)(dp, x)
+    updates, state = opt.update(grads, state, dp)
+    return (optax.apply_updates(dp, updates), state,
+            jax.lax.pmean(loss, AXES))
+
+  losses = []
+  for _ in range(steps):
+    dp, state, loss = step(dp, state, x)
+    losses.append(jax.block_until_ready(loss))
+  return losses, ded.to_params(dp)
+
+
+def child_main(args):
+  """One process of the run: joins the global mesh, trains, writes .npz."""
+  if args.dump_after:                    # debugging hangs: stacks to stderr
+    import faulthandler
+    faulthandler.dump_traceback_later(args.dump_after, exit=True)
+  import jax
+  jax.config.update('jax_platforms', 'cpu')
+  jax.config.update('jax_num_cpu_devices', args.local_devices)
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  if args.fail_at_start == args.child:   # after the slow import: the peers
+    raise RuntimeError(                  # are waiting in initialize by now
+        f'child {args.child}: failing at start on request (--fail-at-start)')
+  print(f'child {args.child}: jax.distributed.initialize', file=sys.stderr,
+        flush=True)
+  jax.distributed.initialize(
+      coordinator_address=f'127.0.0.1:{args.port}',
+      num_processes=args.processes, process_id=args.child)
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  start = time.time()
+  n = args.processes * args.local_devices
+  assert jax.device_count() == n, (jax.device_count(), n)
+  assert jax.local_device_count() == args.local_devices
+  shape = mesh_shape(args.mesh, n)
+  # Global devices in id order: the same mesh as the 1-process reference.
+  devices = sorted(jax.devices(), key=lambda d: d.id)
+  mesh = Mesh(np.array(devices).reshape(shape), AXES,
+              axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  host_params = jax.tree.map(np.asarray, init_params())
+  x = _global(np.asarray(make_batch()), NamedSharding(mesh, P(AXES)))
+  train = train_dropin if args.mode == 'dropin' else train_dedicated
+  losses, params = train(mesh, host_params, x, args.steps, args.layout)
+  losses, params = _to_host((losses, params), mesh)
+  seconds = time.time() - start
+  if jax.process_index() == 0:
+    flat = {'params' + jax.tree_util.keystr(path): leaf for path, leaf
+            in jax.tree_util.tree_flatten_with_path(params)[0]}
+    os.makedirs(args.out_dir, exist_ok=True)
+    path = os.path.join(args.out_dir, out_name(args))
+    np.savez(path, losses=np.stack(losses), seconds=seconds, **flat)
+    for i, loss in enumerate(losses):
+      print(f'step {i:3d}  loss {float(loss):.6f}')
+    print(f'wrote {path} ({seconds:.1f} s in process 0 after init)')
+  jax.distributed.shutdown()
+  return 0
+
+
+# --------------------------------------------------------------- the parent
+
+
+def mesh_shape(spec, n):
+  if not spec:
+    return (1, n)
+  shape = tuple(int(v) for v in spec.split(','))
+  if len(shape) != 2 or shape[0] * shape[1] != n:
+    raise ValueError(f'--mesh {spec}: needs R,S with R*S = {n}')
+  return shape
+
+
+def out_name(args):
+  return f'{args.mode}_p{args.processes}xd{args.local_devices}.npz'
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def _tail(path, lines=20):
+  try:
+    with open(path, errors='replace') as f:
+      return ''.join(f.readlines()[-lines:])
+  except OSError:
+    return ''
+
+
+def _kill(procs, grace=3.0):
+  """Terminates the still-running children (their process groups), then
+  kills whatever survived ``grace`` seconds. Returns their indices.
+
+  (After ``jax.distributed.initialize`` a child may ignore SIGTERM: JAX's
+  preemption notifier catches it. Hence the SIGKILL.)
+  """
+  killed = [i for i, p in enumerate(procs) if p.poll() is None]
+  alive = [procs[i] for i in killed]
+  for p in alive:
+    try:
+      os.killpg(p.pid, signal.SIGTERM)
+    except ProcessLookupError:
+      pass
+  deadline = time.time() + grace
+  for p in alive:
+    try:
+      p.wait(max(0.1, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+      try:
+        os.killpg(p.pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+      p.wait()
+  return killed
+
+
+def _child_env():
+  env = dict(os.environ)
+  # A forced host device count would clash with jax_num_cpu_devices.
+  flags = [f for f in env.pop('XLA_FLAGS', '').split()
+           if not f.startswith('--xla_force_host_platform_device_count')]
+  if flags:
+    env['XLA_FLAGS'] = ' '.join(flags)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env['PYTHONPATH'] = os.pathsep.join(
+      [root] + [p for p in env.get('PYTHONPATH', '').split(os.pathsep) if p])
+  return env
+
+
+def launch(args, argv):
+  """Starts the children, waits, cleans up; returns the exit status."""
+  os.makedirs(args.out_dir, exist_ok=True)
+  port = args.port or _free_port()
+  env = _child_env()
+  procs, logs = [], []
+  start = time.time()
+
+  def on_sigterm(signum, frame):
+    del frame
+    raise SystemExit(128 + signum)      # runs the ``finally`` below
+
+  previous = signal.signal(signal.SIGTERM, on_sigterm)
+  try:
+    for i in range(args.processes):
+      log = os.path.join(args.out_dir, f'child{i}.stderr')
+      logs.append(log)
+      with open(log, 'w') as err:
+        procs.append(subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), *argv,
+             '--child', str(i), '--port', str(port)],
+            env=env, stderr=err, start_new_session=True))
+      print(f'child {i} pid {procs[-1].pid}', flush=True)
+    with open(os.path.join(args.out_dir, 'pids.json'), 'w') as f:
+      json.dump([p.pid for p in procs], f)
+
+    failed = None
+    while time.time() - start < args.timeout:
+      codes = [p.poll() for p in procs]
+      failed = next((i for i, c in enumerate(codes) if c not in (None, 0)),
+                    None)
+      if failed is not None or all(c == 0 for c in codes):
+        break
+      time.sleep(0.1)
+    else:
+      _kill(procs)
+      print(f'timeout after {args.timeout:.0f} s: killed all children',
+            file=sys.stderr)
+      for i, log in enumerate(logs):
+        print(f'--- child {i} stderr tail ---\n{_tail(log)}', file=sys.stderr)
+      return 3
+    if failed is not None:
+      killed = _kill(procs)
+      print(f'child {failed} failed with exit code {procs[failed].returncode}'
+            f'; killed children {killed}\n--- child {failed} stderr tail ---'
+            f'\n{_tail(logs[failed])}', file=sys.stderr)
+      return 2
+    print(f'all {args.processes} children done in {time.time() - start:.1f} s',
+          flush=True)
+    return 0
+  finally:
+    _kill(procs)                        # SIGTERM, KeyboardInterrupt, errors
+    signal.signal(signal.SIGTERM, previous)
+
+
+def parse_args(argv):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--processes', type=int, default=2)
+  parser.add_argument('--local-devices', type=int, default=4)
+  parser.add_argument('--mode', choices=('dropin', 'dedicated'),
+                      default='dedicated')
+  parser.add_argument('--mesh', default='',
+                      help="R,S over all P*D devices (default '1,P*D')")
+  parser.add_argument('--layout', choices=('replicated', 'fsdp'),
+                      default='replicated',
+                      help='placement of the params before training')
+  parser.add_argument('--steps', type=int, default=10)
+  parser.add_argument('--out-dir', default='/tmp/dmuon_multihost')
+  parser.add_argument('--timeout', type=float, default=600,
+                      help='seconds before the parent kills all children')
+  parser.add_argument('--fail-at-start', type=int, default=-1,
+                      help='child that raises before initialize (testing)')
+  parser.add_argument('--dump-after', type=float, default=0,
+                      help='children dump their stacks and exit after this '
+                      'many seconds (debugging hangs)')
+  parser.add_argument('--child', type=int, default=None,
+                      help=argparse.SUPPRESS)
+  parser.add_argument('--port', type=int, default=0, help=argparse.SUPPRESS)
+  return parser.parse_args(argv)
+
+
+def main(argv=None):
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = parse_args(argv)
+  mesh_shape(args.mesh, args.processes * args.local_devices)   # validate
+  if args.child is not None:
+    return child_main(args)
+  return launch(args, argv)
+
+
+if __name__ == '__main__':
+  sys.exit(main())

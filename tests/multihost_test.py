@@ -1,0 +1,122 @@
+"""examples/multihost.py: 2 processes x 4 devices vs 1 process x 8 devices.
+
+Every run is a fresh launcher process (its children call
+``jax.distributed.initialize``), so nothing here touches this process's JAX.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+from absl.testing import absltest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, 'examples', 'multihost.py')
+MODES = ('dropin', 'dedicated')
+TOPOLOGIES = ((2, 4), (1, 8))          # (processes, local devices)
+MESH = '2,4'                           # the same global mesh in every run
+RTOL = 1e-6
+FAIL_BOUND_S = 60
+
+
+def env():
+  e = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  e['PYTHONPATH'] = ROOT
+  return e
+
+
+def launch(out_dir, processes, devices, mode, *extra):
+  return subprocess.Popen(
+      [sys.executable, SCRIPT, '--processes', str(processes),
+       '--local-devices', str(devices), '--mode', mode, '--mesh', MESH,
+       '--steps', '10', '--out-dir', out_dir, '--timeout', '300', *extra],
+      env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def max_rel_diff(a, b):
+  """max |a - b| / max |b| (0 if both are zero)."""
+  scale = np.max(np.abs(b))
+  return float(np.max(np.abs(a - b)) / scale) if scale else float(
+      np.max(np.abs(a)))
+
+
+class MultihostTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    # All four runs at once: the machine's cores are shared anyway, and
+    # each run is mostly compilation.
+    super().setUpClass()
+    cls.tmp = tempfile.TemporaryDirectory()
+    cls.results, start = {}, time.time()
+    procs = {(mode, topo): launch(os.path.join(cls.tmp.name, mode,
+                                               f'p{topo[0]}'), *topo, mode)
+             for mode in MODES for topo in TOPOLOGIES}
+    for key, proc in procs.items():
+      out, err = proc.communicate(timeout=400)
+      cls.results[key] = (proc.returncode, out, err)
+    cls.seconds = time.time() - start
+
+  @classmethod
+  def tearDownClass(cls):
+    cls.tmp.cleanup()
+    super().tearDownClass()
+
+  def load(self, mode, topo):
+    code, out, err = self.results[(mode, topo)]
+    self.assertEqual(code, 0, f'{mode} {topo}:\n{out}\n{err[-3000:]}')
+    path = os.path.join(self.tmp.name, mode, f'p{topo[0]}',
+                        f'{mode}_p{topo[0]}xd{topo[1]}.npz')
+    with np.load(path) as f:
+      return {k: f[k] for k in f.files if k != 'seconds'}
+
+  def check_mode(self, mode):
+    multi, single = (self.load(mode, topo) for topo in TOPOLOGIES)
+    self.assertEqual(sorted(multi), sorted(single))
+    self.assertLen(multi['losses'], 10)
+    self.assertLess(multi['losses'][-1], multi['losses'][0])   # it trains
+    self.assertGreater(len(multi), 1 + 4 * 8)                  # all params
+    diffs = {k: max_rel_diff(multi[k], single[k]) for k in multi}
+    print(f'{mode}: max rel diff {max(diffs.values()):.3g} '
+          f'(launches together {self.seconds:.0f} s)')
+    for k in multi:
+      np.testing.assert_allclose(
+          multi[k], single[k], rtol=RTOL,
+          atol=RTOL * np.max(np.abs(single[k])), err_msg=k)
+
+  def test_dropin_two_processes_match_one(self):
+    self.check_mode('dropin')
+
+  def test_dedicated_two_processes_match_one(self):
+    self.check_mode('dedicated')
+
+  def test_failed_child_shuts_down_cleanly(self):
+    with tempfile.TemporaryDirectory() as out_dir:
+      start = time.time()
+      proc = launch(out_dir, 2, 4, 'dedicated', '--fail-at-start', '1')
+      try:
+        out, err = proc.communicate(timeout=FAIL_BOUND_S)
+      except subprocess.TimeoutExpired:
+        proc.kill()
+        self.fail(f'launcher still running after {FAIL_BOUND_S} s')
+      seconds = time.time() - start
+      self.assertNotEqual(proc.returncode, 0)
+      self.assertLess(seconds, FAIL_BOUND_S)
+      self.assertIn('child 1 failed', err)
+      self.assertIn('failing at start on request', err)   # its stderr tail
+      with open(os.path.join(out_dir, 'pids.json')) as f:
+        pids = json.load(f)
+      self.assertLen(pids, 2)
+      self.assertIn(f'child 0 pid {pids[0]}', out)
+      for pid in pids:
+        with self.assertRaises(ProcessLookupError, msg=f'pid {pid} alive'):
+          os.kill(pid, 0)
+      print(f'failed launch exited {proc.returncode} in {seconds:.1f} s')
+
+
+if __name__ == '__main__':
+  absltest.main()

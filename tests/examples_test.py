@@ -122,7 +122,11 @@ class ExamplesTest(absltest.TestCase):
     rows = [r for r in records if r['config'] != 'summary']
     self.assertEqual(sorted({r['devices'] for r in rows}), [1, 2, 4, 8])
     for r in rows:
-      self.assertBetween(r['flops_ratio_vs_floor'], 0.85, 1.15, r['config'])
+      # Newton-Schulz (matmul) FLOPs of the busiest device vs the floor; the
+      # XLA total adds elementwise work (large share at these tiny sizes).
+      self.assertBetween(r['dot_flops_ratio_vs_floor'], 0.85, 1.15,
+                         r['config'])
+      self.assertBetween(r['flops_ratio_vs_floor'], 0.85, 1.35, r['config'])
       for key in ('flops_per_device', 'ns_flops_floor', 'plan_makespan',
                   'median_ms', 'predicted_ms', 'compile_total_s',
                   'matmul_flop_per_s'):

@@ -11,8 +11,8 @@ device: :func:`state_from_portable` packs the momentum into the owner
 buffers of the optimizer it is given.
 
 The layouts are read by calling the optimizer's own ``init`` on the params
-(eagerly, as in training) while recording the owner layouts that
-``scale_by_dmuon`` builds, so any composition (``dmuon``, ``optax.chain``,
+(eagerly, as in training) under ``_transform.recording_inits``, which
+collects the owner layouts that ``scale_by_dmuon`` builds, so any composition (``dmuon``, ``optax.chain``,
 ``optax.partition``, ...) works without repeating its arguments.
 """
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
-import threading
 import weakref
 from typing import Any, NamedTuple
 
@@ -30,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dmuon_jax import _layout, _transform
+from dmuon_jax import _dedicated, _layout, _transform
 
 COMMIT_MARKER = 'commit_success.txt'
 
@@ -55,12 +54,60 @@ class _Entry:
   tp_n: int
 
 
-_LOCK = threading.Lock()
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _is_dmuon(x) -> bool:
-  return isinstance(x, (_transform.ScaleByDMuonState, PortableDMuonState))
+  return isinstance(x, (_transform.ScaleByDMuonState, PortableDMuonState,
+                        _dedicated.DedicatedMuonState))
+
+
+def _need_dedication(dedication):
+  if dedication is None:
+    raise ValueError(
+        'dmuon_jax checkpoint: this optimizer state holds a '
+        'DedicatedMuonState (owner-stored momentum of dedicated_muon); pass '
+        'the Dedication that laid it out as dedication=ded.')
+  return dedication
+
+
+def _dedicated_to_portable(ded: _dedicated.Dedication,
+                           st: _dedicated.DedicatedMuonState):
+  """Owner-stored momentum -> params-shaped tree (MaskedNode elsewhere)."""
+  ded.check_dedicated(_dedicated.DedicatedParams(owned=st.mu, rest=None),
+                      'checkpoint')
+  full = ded._unpack_targets(st.mu)  # pylint: disable=protected-access
+  leaves = [full.get(i, optax.MaskedNode())
+            for i in range(ded.treedef.num_leaves)]
+  return PortableDMuonState(count=st.count,
+                            mu=jax.tree.unflatten(ded.treedef, leaves))
+
+
+def _dedicated_abstract(ded: _dedicated.Dedication,
+                        st: _dedicated.DedicatedMuonState):
+  full = ded._target_abstract(st.mu)  # pylint: disable=protected-access
+  leaves = [full.get(i, optax.MaskedNode())
+            for i in range(ded.treedef.num_leaves)]
+  return PortableDMuonState(count=st.count,
+                            mu=jax.tree.unflatten(ded.treedef, leaves))
+
+
+def _dedicated_from_portable(ded: _dedicated.Dedication, portable,
+                             target: _dedicated.DedicatedMuonState):
+  want = ded._target_abstract(target.mu)  # pylint: disable=protected-access
+  leaves = ded.treedef.flatten_up_to(portable.mu)
+  for i, spec in want.items():
+    got = tuple(np.shape(leaves[i]))
+    if got != spec.shape:
+      raise ValueError(
+          f'dmuon_jax checkpoint: momentum of {ded._leaf_paths[i]!r} has '  # pylint: disable=protected-access
+          f'shape {got}, but the dedication expects {spec.shape}.')
+  owned = ded._pack_targets(leaves)  # pylint: disable=protected-access
+  mu = tuple(tuple(jax.device_put(b.astype(t.dtype), t.sharding)
+                   for b, t in zip(bufs, tgt))
+             for bufs, tgt in zip(owned, target.mu))
+  return _dedicated.DedicatedMuonState(
+      count=_like(portable.count, target.count), mu=mu)
 
 
 def _params_key(params):
@@ -73,31 +120,12 @@ def _params_key(params):
 def _record_init(opt, params):
   """Runs ``opt.init(params)``; returns the state and one entry per state.
 
-  Entries are in the order of the ``ScaleByDMuonState`` leaves of the state
-  (``jax.tree.leaves(state, is_leaf=...)``).
+  Entries are in the order of the dmuon state leaves of the state
+  (``jax.tree.leaves(state, is_leaf=_is_dmuon)``); None for a
+  ``DedicatedMuonState`` (its layout is the Dedication's).
   """
-  real_state_cls = _transform.ScaleByDMuonState
-  real_layout_for = _transform._layout_for  # pylint: disable=protected-access
-  calls, made = [], []
-
-  def layout_for(tree, **kwargs):
-    layout = real_layout_for(tree, **kwargs)
-    calls.append((tree, layout))
-    return layout
-
-  def make_state(count, mu):
-    state = real_state_cls(count=count, mu=mu)
-    made.append((state, calls[-1]))
-    return state
-
-  with _LOCK:
-    _transform._layout_for = layout_for  # pylint: disable=protected-access
-    _transform.ScaleByDMuonState = make_state
-    try:
-      state = opt.init(params)
-    finally:
-      _transform._layout_for = real_layout_for  # pylint: disable=protected-access
-      _transform.ScaleByDMuonState = real_state_cls
+  with _transform.recording_inits() as made:
+    state = opt.init(params)
 
   by_param_path = {jax.tree_util.keystr(p): x for p, x in
                    jax.tree_util.tree_flatten_with_path(params)[0]}
@@ -105,7 +133,11 @@ def _record_init(opt, params):
   for leaf in jax.tree.leaves(state, is_leaf=_is_dmuon):
     if not _is_dmuon(leaf):
       continue
-    found = [c for s, c in made if s is leaf or s.mu is leaf.mu]
+    if isinstance(leaf, _dedicated.DedicatedMuonState):
+      entries.append(None)
+      continue
+    found = [(t, lay) for t, lay, s in made
+             if s is leaf or s.mu is leaf.mu]
     if len(found) != 1:
       raise ValueError(
           'dmuon_jax checkpoint: cannot tell which layout built a '
@@ -222,22 +254,31 @@ def _map_dmuon(state, fn):
 
 
 def state_to_portable(opt: optax.GradientTransformation, params,
-                      opt_state):
+                      opt_state, *, dedication=None):
   """Returns ``opt_state`` with mesh-independent Muon momentum.
 
   Args:
     opt: the optimizer that made ``opt_state`` (its mesh is the current one).
-    params: the params ``opt_state`` belongs to (placed as in training).
+    params: the params ``opt_state`` belongs to (placed as in training;
+      :class:`dmuon_jax.DedicatedParams` for :func:`dmuon_jax.dedicated_muon`).
     opt_state: the optimizer state.
+    dedication: the :class:`dmuon_jax.Dedication` of a
+      :func:`dmuon_jax.dedicated_muon` state (None for ``dmuon``).
 
   Returns:
-    ``opt_state`` with each :class:`dmuon_jax.ScaleByDMuonState` replaced by
-    a :class:`PortableDMuonState`: the momentum of each Muon target in its
-    param's shape and sharding. Everything else is unchanged.
+    ``opt_state`` with each :class:`dmuon_jax.ScaleByDMuonState` (or
+    ``DedicatedMuonState``) replaced by a :class:`PortableDMuonState`: the
+    momentum of each Muon target in its param's shape (sharded like the
+    param for ``dmuon``, replicated for dedicated states). Everything else
+    is unchanged.
   """
-  entries = _entries(opt, params)
+  has_scale = any(isinstance(x, _transform.ScaleByDMuonState)
+                  for x in jax.tree.leaves(opt_state, is_leaf=_is_dmuon))
+  entries = _entries(opt, params) if has_scale else None
 
   def one(i, st):
+    if isinstance(st, _dedicated.DedicatedMuonState):
+      return _dedicated_to_portable(_need_dedication(dedication), st)
     entry = entries[i]
     if tuple(tuple(m.shape) for m in st.mu) != entry.buffer_shapes:
       raise ValueError(
@@ -256,7 +297,7 @@ def state_to_portable(opt: optax.GradientTransformation, params,
 
 
 def state_from_portable(opt: optax.GradientTransformation, params,
-                        portable, *, target_state=None):
+                        portable, *, target_state=None, dedication=None):
   """Builds ``opt``'s state (for its mesh) from a portable state.
 
   Args:
@@ -265,6 +306,9 @@ def state_from_portable(opt: optax.GradientTransformation, params,
     params: the params on that mesh (concrete arrays, placed as in training).
     portable: a tree from :func:`state_to_portable` (or :func:`restore`).
     target_state: optional ``opt.init(params)``, if already computed.
+    dedication: for :func:`dmuon_jax.dedicated_muon`, the
+      :class:`dmuon_jax.Dedication` on the target mesh (``params`` are then
+      its :class:`dmuon_jax.DedicatedParams`).
 
   Returns:
     An optimizer state for ``opt``: momentum packed into its owner buffers
@@ -281,6 +325,9 @@ def state_from_portable(opt: optax.GradientTransformation, params,
 
   def one(i, st):
     entry, target = entries[i], targets[i]
+    if isinstance(target, _dedicated.DedicatedMuonState):
+      return _dedicated_from_portable(_need_dedication(dedication), st,
+                                      target)
     leaves = jax.tree.leaves(st.mu)
     shapes = tuple(tuple(x.shape) for x in leaves)
     if shapes != entry.leaf_shapes:
@@ -329,7 +376,7 @@ def _abstract(tree):
 
 
 def portable_abstract(opt: optax.GradientTransformation, params,
-                      target_state=None):
+                      target_state=None, dedication=None):
   """``jax.ShapeDtypeStruct`` tree of the portable state for ``params``.
 
   Shapes, dtypes and shardings (on the params' mesh) that
@@ -341,6 +388,8 @@ def portable_abstract(opt: optax.GradientTransformation, params,
     entries = _entries(opt, params)
 
   def one(i, st):
+    if isinstance(st, _dedicated.DedicatedMuonState):
+      return _dedicated_abstract(_need_dedication(dedication), st)
     entry = entries[i]
     shardings = _param_shardings(params, entry)
     group_dtype = [None] * len(entry.leaf_shapes)
@@ -395,7 +444,8 @@ def latest_step(directory) -> int | None:
 
 def save(directory, step: int, params, opt_state,
          opt: optax.GradientTransformation, *, max_to_keep: int | None = None,
-         extra: dict | None = None) -> pathlib.Path:
+         extra: dict | None = None,
+         dedication: _dedicated.Dedication | None = None) -> pathlib.Path:
   """Saves params and a portable optimizer state as step ``step``.
 
   Blocks until the checkpoint is committed (orbax writes into a temporary
@@ -404,19 +454,25 @@ def save(directory, step: int, params, opt_state,
   Args:
     directory: the checkpoint root directory (created if missing).
     step: the training step.
-    params: the params (any sharding; saved as global arrays).
+    params: the params (any sharding; saved as global arrays), or the
+      :class:`dmuon_jax.DedicatedParams` of dedicated mode (saved in param
+      layout, via ``dedication.to_params``).
     opt_state: ``opt``'s state for ``params``.
     opt: the optimizer.
     max_to_keep: keep only this many latest checkpoints (None: all).
     extra: optional tree of small arrays saved too (e.g. a data RNG key).
+    dedication: the :class:`dmuon_jax.Dedication` of dedicated mode (with
+      :func:`dmuon_jax.dedicated_muon`); None for ``dmuon``.
 
   Returns:
     The step directory.
   """
   ocp = _ocp()
   directory = pathlib.Path(os.path.abspath(directory))
-  tree = {'params': params,
-          'opt_state': state_to_portable(opt, params, opt_state)}
+  portable = state_to_portable(opt, params, opt_state, dedication=dedication)
+  if isinstance(params, _dedicated.DedicatedParams):
+    params = _need_dedication(dedication).to_params(params)
+  tree = {'params': params, 'opt_state': portable}
   if extra is not None:
     tree['extra'] = extra
   with ocp.CheckpointManager(
@@ -436,7 +492,8 @@ def _place_like(like):
 
 
 def restore(directory, params_like, opt: optax.GradientTransformation | None,
-            step: int | None = None, *, extra_like=None):
+            step: int | None = None, *, extra_like=None,
+            dedication: _dedicated.Dedication | None = None):
   """Restores the latest (or ``step``) complete checkpoint.
 
   Args:
@@ -448,11 +505,19 @@ def restore(directory, params_like, opt: optax.GradientTransformation | None,
       restore the params only.
     step: the step to restore (default: the latest complete one).
     extra_like: the ``extra`` tree given to :func:`save`, as a target.
+    dedication: for dedicated mode, the :class:`dmuon_jax.Dedication` made
+      on the target mesh (``params_like`` is still the plain params tree);
+      the params come back as its :class:`dmuon_jax.DedicatedParams`.
 
   Returns:
     None if there is no complete checkpoint, else
     ``(step, params, opt_state)`` (``opt_state`` None without ``opt``), plus
     ``extra`` as a fourth element when ``extra_like`` is given.
+
+  Raises:
+    ValueError: if ``params_like`` (or ``opt``'s state) differs from the
+      saved tree: names the leaves missing, added, or of another shape.
+    FileNotFoundError: if ``step`` is given and not a complete checkpoint.
   """
   if step is None:
     step = latest_step(directory)
@@ -462,23 +527,92 @@ def restore(directory, params_like, opt: optax.GradientTransformation | None,
     raise FileNotFoundError(
         f'dmuon_jax checkpoint: no complete step {step} under {directory}.')
   path = pathlib.Path(os.path.abspath(directory)) / str(step) / 'default'
+  if isinstance(params_like, _dedicated.DedicatedParams):
+    raise TypeError(
+        'dmuon_jax checkpoint: restore() takes params_like as the plain '
+        'params tree (checkpoints hold params in param layout); pass '
+        'dedication= to get DedicatedParams back.')
+  saved = _saved_tree(path)
   params_abs = jax.tree.map(_place_like, params_like)
+  _check_saved(saved, {'params': params_abs}, step)
   # Params first: opt.init needs concrete, placed params.
-  wanted = {'params': params_abs}
-  restored = _partial_restore(path, wanted)
-  params = restored['params']
+  params = _partial_restore(path, {'params': params_abs})['params']
+  if dedication is not None:
+    params = dedication.to_dedicated(params)
   opt_state = None
   extra = None
   if opt is not None:
-    abstract, target_state = portable_abstract(opt, params)
+    abstract, target_state = portable_abstract(opt, params,
+                                               dedication=dedication)
+    _check_saved(saved, {'opt_state': abstract}, step)
     portable = _partial_restore(path, {'opt_state': abstract})['opt_state']
     opt_state = state_from_portable(opt, params, portable,
-                                    target_state=target_state)
+                                    target_state=target_state,
+                                    dedication=dedication)
   if extra_like is not None:
     extra = _partial_restore(
         path, {'extra': jax.tree.map(_place_like, extra_like)})['extra']
     return step, params, opt_state, extra
   return step, params, opt_state
+
+
+def _saved_tree(path):
+  """The saved tree's array metadata (orbax), as nested containers."""
+  ocp = _ocp()
+  with ocp.PyTreeCheckpointer() as ckptr:
+    meta = ckptr.metadata(path)
+  meta = getattr(meta, 'item_metadata', meta)
+  return getattr(meta, 'tree', meta)
+
+
+def _path_str(path) -> str:
+  """A key path as ``a/b/0``, the same for a NamedTuple and its dict."""
+  names = []
+  for k in path:
+    for attr in ('key', 'name', 'idx'):
+      if hasattr(k, attr):
+        names.append(str(getattr(k, attr)))
+        break
+    else:
+      names.append(str(k))
+  return '/'.join(names)
+
+
+def _shapes_by_path(tree) -> dict[str, tuple]:
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {_path_str(p): tuple(getattr(x, 'shape', ())) for p, x in leaves}
+
+
+def _check_saved(saved, wanted, step) -> None:
+  """Raises unless every array of ``wanted`` was saved with its shape."""
+  top = next(iter(wanted))
+  have = _shapes_by_path({top: saved.get(top)} if isinstance(saved, dict)
+                         else saved)
+  have = {p: s for p, s in have.items() if p.split('/')[0] == top}
+  want = _shapes_by_path(wanted)
+  missing = sorted(set(want) - set(have))
+  extra = sorted(set(have) - set(want))
+  shapes = sorted(f'{p}: saved {have[p]}, target {want[p]}'
+                  for p in set(want) & set(have) if have[p] != want[p])
+  if not (missing or extra or shapes):
+    return
+  what = ('params' if top == 'params' else
+          "optimizer state (in its mesh-independent form)")
+  parts = []
+  if shapes:
+    parts.append('different shapes: ' + '; '.join(shapes[:8]))
+  if missing:
+    parts.append('not in the checkpoint: ' + ', '.join(missing[:8]))
+  if extra:
+    parts.append('in the checkpoint but not in the target: '
+                 + ', '.join(extra[:8]))
+  fix = ('Build params_like from the model config the checkpoint was saved '
+         'with (same tree, same shapes).' if top == 'params' else
+         'Make the optimizer as when saving (same Muon routing and '
+         'transformations), or pass opt=None to restore the params only.')
+  raise ValueError(
+      f'dmuon_jax checkpoint: step {step} does not fit the {what} it is '
+      f'restored onto: {" | ".join(parts)}. {fix}')
 
 
 def _partial_restore(path, abstract):

@@ -205,23 +205,7 @@ class Dedication:
     """
     self._check_params(params)
     leaves = jax.tree.leaves(params)
-    owned = []
-    for g, lay in enumerate(self.layouts):
-      idx = self._group_leaves(g)
-      targets = _replicated(self, [leaves[i] for i in idx])
-      per_tp = []
-      for t in range(self._tp_size):
-        sliced = [self._tp_slice(i, x, t) for i, x in zip(idx, targets)]
-        if self.num_iterations[g]:
-          per_tp.append(_pack_stack(self, g, sliced))
-        else:
-          per_tp.append(jax.jit(lay.pack_full)(sliced))
-      bufs = tuple(_interleave_tp(self.num_slots, [b[j] for b in per_tp])
-                   for j in range(len(lay.dtypes)))
-      if self.mesh is not None:
-        sharding = NamedSharding(self.mesh, self._spec(g))
-        bufs = tuple(jax.device_put(x, sharding) for x in bufs)
-      owned.append(tuple(bufs))
+    owned = self._pack_targets(leaves)
     rest = [None if spec is None else x
             for x, spec in zip(leaves, self.rest_specs)]
     if self.mesh is not None:
@@ -246,8 +230,42 @@ class Dedication:
     """
     self.check_dedicated(dedicated, 'to_params()')
     leaves = _full_leaves(dedicated.rest, self.treedef)
+    for i, x in self._unpack_targets(dedicated.owned).items():
+      leaves[i] = x
+    return jax.tree.unflatten(self.treedef, leaves)
+
+  def _pack_targets(self, leaves: Sequence[Any]
+                    ) -> tuple[tuple[jax.Array, ...], ...]:
+    """Owner buffers of every gather group from full per-leaf arrays.
+
+    ``leaves[i]`` is used for each Muon target ``i`` (others are ignored);
+    buffers take the promoted dtype of their leaves (params, or momentum).
+    """
+    owned = []
     for g, lay in enumerate(self.layouts):
-      bufs = _replicated(self, dedicated.owned[g])
+      idx = self._group_leaves(g)
+      targets = _replicated(self, [leaves[i] for i in idx])
+      per_tp = []
+      for t in range(self._tp_size):
+        sliced = [self._tp_slice(i, x, t) for i, x in zip(idx, targets)]
+        if self.num_iterations[g]:
+          per_tp.append(_pack_stack(self, g, sliced))
+        else:
+          per_tp.append(jax.jit(lay.pack_full)(sliced))
+      bufs = tuple(_interleave_tp(self.num_slots, [b[j] for b in per_tp])
+                   for j in range(len(lay.dtypes)))
+      if self.mesh is not None:
+        sharding = NamedSharding(self.mesh, self._spec(g))
+        bufs = tuple(jax.device_put(x, sharding) for x in bufs)
+      owned.append(tuple(bufs))
+    return tuple(owned)
+
+  def _unpack_targets(self, owned: Sequence[Sequence[jax.Array]]
+                      ) -> dict[int, jax.Array]:
+    """Inverse of :meth:`_pack_targets`: leaf index -> full array."""
+    out = {}
+    for g, lay in enumerate(self.layouts):
+      bufs = _replicated(self, owned[g])
       per_tp = []
       for t in range(self._tp_size):
         mine = [_tp_part(self.num_slots, self._tp_size, x, t) for x in bufs]
@@ -258,8 +276,29 @@ class Dedication:
       for j, i in enumerate(self._group_leaves(g)):
         parts = [full[j] for full in per_tp]
         dim = self._tp_dims[i] if self._tp_dims else None
-        leaves[i] = parts[0] if dim is None else jnp.concatenate(parts, dim)
-    return jax.tree.unflatten(self.treedef, leaves)
+        out[i] = parts[0] if dim is None else jnp.concatenate(parts, dim)
+    return out
+
+  def _target_abstract(self, owned: Sequence[Sequence[Any]]
+                       ) -> dict[int, jax.ShapeDtypeStruct]:
+    """Per Muon target: the full array :meth:`_unpack_targets` returns.
+
+    Shape of the whole param, dtype of its buffer in ``owned``, replicated
+    on the mesh (one device without a mesh).
+    """
+    sharding = (NamedSharding(self.mesh, P()) if self.mesh is not None
+                else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    specs = {spec.leaf_index: spec for spec in self.plan.leaves}
+    out = {}
+    for g, lay in enumerate(self.layouts):
+      for j, i in enumerate(self._group_leaves(g)):
+        shape = list(specs[i].shape)
+        dim = self._tp_dims[i] if self._tp_dims else None
+        if dim is not None:
+          shape[dim] *= self._tp_size
+        dtype = owned[g][lay.unit_group[lay.leaf_units[j][0]]].dtype
+        out[i] = jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+    return out
 
   def _check_params(self, params: Any) -> None:
     """Raises unless ``params`` is the tree ``dedicate`` planned."""

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -48,6 +50,36 @@ class ScaleByDMuonState(NamedTuple):
   # (num_slots * per_slot, m, n): each matrix's momentum sits in its owner's
   # rows only (see OwnershipPlan.summary()).
   mu: tuple[jax.Array, ...]
+
+
+# Recorders of scale_by_dmuon inits in this thread (see recording_inits).
+_RECORDERS = threading.local()
+
+
+@contextlib.contextmanager
+def recording_inits() -> Iterator[list]:
+  """Collects what every ``scale_by_dmuon`` init in this thread builds.
+
+  Within the block, each init appends ``(tree, layout, state)``: the Muon
+  tree it planned (one TP shard's slices where TP splits a matrix), its
+  owner :class:`~dmuon_jax._layout.Layout` and the state it returned.
+  ``dmuon_jax.checkpoint`` reads the owner layouts of any optax composition
+  this way, without repeating the optimizer's arguments.
+  """
+  made: list = []
+  stack = getattr(_RECORDERS, 'stack', None)
+  if stack is None:
+    stack = _RECORDERS.stack = []
+  stack.append(made)
+  try:
+    yield made
+  finally:
+    stack.remove(made)
+
+
+def _record_init(tree, layout, state) -> None:
+  for made in getattr(_RECORDERS, 'stack', ()):
+    made.append((tree, layout, state))
 
 
 def _validate_static_args(*, momentum: str, ns_algorithm: str,
@@ -560,13 +592,14 @@ def scale_by_dmuon(
         weight_dimension_numbers=weight_dimension_numbers,
         ns_steps=len(coeffs), mu_dtype=mu_dtype, ns_algorithm=ns_algorithm,
         tp_splits=splits)
-    return layout, (owner_specs if owner_specs is not None else specs)
+    return layout, (owner_specs if owner_specs is not None else specs), tree
 
   def init_fn(params):
     leaves, treedef = jax.tree.flatten(params)
     specs = tuple(_collectives.spec_of(x, explicit=False) for x in leaves)
     init_specs[tree_key(leaves, treedef)] = specs
-    layout, _ = layout_for(params, [P() if s is None else s for s in specs])
+    layout, _, planned = layout_for(
+        params, [P() if s is None else s for s in specs])
     plan = layout.plan
     mu = []
     for shape in _global_shapes(layout, tp_n):
@@ -580,7 +613,9 @@ def scale_by_dmuon(
         mu.append(jax.jit(zeros, out_shardings=sharding)())
       else:
         mu.append(jnp.zeros(shape.shape, shape.dtype))
-    return ScaleByDMuonState(count=jnp.zeros([], jnp.int32), mu=tuple(mu))
+    state = ScaleByDMuonState(count=jnp.zeros([], jnp.int32), mu=tuple(mu))
+    _record_init(planned, layout, state)
+    return state
 
   momentum_step = functools.partial(
       momentum_update, beta=beta, nesterov=nesterov, rule=momentum)
@@ -678,7 +713,7 @@ def scale_by_dmuon(
 
   def update_fn(updates, state, params=None):
     del params
-    layout, _ = layout_for(updates)
+    layout, _, _ = layout_for(updates)
     plan = layout.plan
     leaves, treedef = jax.tree.flatten(updates)
     targets = [leaves[s.leaf_index] for s in plan.leaves]
@@ -713,7 +748,7 @@ def scale_by_dmuon(
                           _collectives.is_explicit(
                               mesh or jax.sharding.get_abstract_mesh()),
                           allowed)
-      layout, owner_specs = layout_for(updates, specs)
+      layout, owner_specs, _ = layout_for(updates, specs)
       _check_state(layout, state.mu, local=False, tp_n=tp_n)
       buffer_spec = _buffer_specs(plan.axis_names, tensor_parallel_axis, tp_n)
       step = functools.partial(owner_step, layout, specs=owner_specs,

@@ -5,6 +5,8 @@ factory, plan or layout is built; the few that need the gradients' sharding
 raise while ``update`` is traced (nothing is compiled).
 """
 
+import tempfile
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -161,6 +163,36 @@ def orthogonalize_integers():
                                                            jnp.int32))
 
 
+def restore_after_save(like, opt_at_restore=None):
+  """Saves ``tree()`` with dmuon, restores onto ``like``."""
+  opt = dmuon_jax.dmuon(0.1)
+  with tempfile.TemporaryDirectory() as d:
+    dmuon_jax.checkpoint.save(d, 1, tree(), opt.init(tree()), opt)
+    dmuon_jax.checkpoint.restore(d, like, opt_at_restore)
+
+
+def restore_onto_other_shapes():
+  restore_after_save(resized())
+
+
+def restore_onto_other_tree():
+  restore_after_save({'layers_0': {'w': jnp.zeros((8, 16)),
+                                   'bias': jnp.zeros((16,))}})
+
+
+def restore_with_other_routing():
+  # Saved with 'w' on Muon; the new optimizer routes it to AdamW.
+  restore_after_save(tree(), dmuon_jax.dmuon(
+      0.1, predicate=lambda path, x: False))
+
+
+def dedicated_state_without_dedication():
+  ded = dmuon_jax.dedicate(tree(), None)
+  opt = dmuon_jax.dedicated_muon(ded, 0.1)
+  dp = ded.to_dedicated(tree())
+  dmuon_jax.checkpoint.state_to_portable(opt, dp, opt.init(dp))
+
+
 # (name, case, exception, regex: what was received, the leaf, the fix)
 CASES = (
     ('predicate_selects_vector', predicate_selects_vector, ValueError,
@@ -219,6 +251,17 @@ CASES = (
      r"shape \(\.\.\., m, n\), got shape \(8,\)\. Reshape vectors"),
     ('orthogonalize_integers', orthogonalize_integers, TypeError,
      r"real floating dtype, got int32\. Cast it first"),
+    ('restore_onto_other_shapes', restore_onto_other_shapes, ValueError,
+     (r"step 1 does not fit the params.*params/layers_0/w: saved \(8, 16\), "
+      r"target \(8, 24\).*same tree, same shapes")),
+    ('restore_onto_other_tree', restore_onto_other_tree, ValueError,
+     (r"not in the checkpoint: params/layers_0/bias \| in the checkpoint but "
+      r"not in the target: params/layers_0/b\.")),
+    ('restore_with_other_routing', restore_with_other_routing, ValueError,
+     r"does not fit the optimizer state.*Make the optimizer as when saving"),
+    ('dedicated_state_without_dedication',
+     dedicated_state_without_dedication, ValueError,
+     r"holds a DedicatedMuonState.*pass the Dedication.*dedication=ded"),
 )
 
 

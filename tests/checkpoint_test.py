@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
 from dmuon_jax import _checkpoint
+from tests import dedicated_test
 from tests import distributed_test
 
 AXES = ('replicate', 'shard')
@@ -154,6 +155,141 @@ class MeshChangeTest(absltest.TestCase):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def dedicated_setup(mesh):
+  """Dedicated Z3 (``dedicated_test``'s model) on ``mesh`` (None: 1 device).
+
+  Returns the dedication, its optimizer and a train step
+  ``step(dp, state) -> (dp, state)``.
+  """
+  ded = dmuon_jax.dedicate(dedicated_test.init_params(), mesh)
+  opt = dmuon_jax.dedicated_muon(ded, dedicated_test.LR, weight_decay=0.01)
+  x = dedicated_test.batch()
+
+  def loss(dp, x):
+    for i in range(dedicated_test.BLOCKS):
+      x = ded.block(dedicated_test.block_fn, f'layers_{i}')(dp, x)
+    return jnp.mean((x @ dp.rest['head']) ** 2)
+
+  if mesh is None:
+    @jax.jit
+    def one_device(dp, state):
+      grads = jax.grad(loss)(dp, x)
+      updates, state = opt.update(grads, state, dp)
+      return optax.apply_updates(dp, updates), state
+    return ded, opt, one_device
+
+  x = jax.device_put(x, NamedSharding(mesh, P(AXES)))
+  state_specs = dmuon_jax.Dedication.specs_of(
+      opt.init(ded.to_dedicated(dedicated_test.init_params())))
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh,
+                     in_specs=(ded.specs(), state_specs, P(AXES)),
+                     out_specs=(ded.specs(), state_specs))
+  def sharded(dp, state, x):
+    _, grads = dmuon_jax.local_value_and_grad(loss)(dp, x)
+    updates, state = opt.update(grads, state, dp)
+    return optax.apply_updates(dp, updates), state
+
+  return ded, opt, lambda dp, state: sharded(dp, state, x)
+
+
+def run_steps(step, dp, state, n):
+  for _ in range(n):
+    dp, state = step(dp, state)
+  return dp, state
+
+
+class DedicatedCheckpointTest(absltest.TestCase):
+  """Dedicated Z3 saved on 2x4 (params and momentum in param layout)."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.tmp = tempfile.TemporaryDirectory()
+    mesh = jax.make_mesh((2, 4), AXES)
+    ded, opt, step = dedicated_setup(mesh)
+    dp = ded.to_dedicated(dedicated_test.init_params())
+    dp, state = run_steps(step, dp, opt.init(dp), 5)
+    _checkpoint.save(cls.tmp.name, 5, dp, state, opt, dedication=ded)
+    cls.portable = jax.tree.map(np.asarray, _checkpoint.state_to_portable(
+        opt, dp, state, dedication=ded))
+    cls.ded, cls.opt, cls.dp, cls.state = ded, opt, dp, state
+    dp, _ = run_steps(step, dp, state, 5)
+    cls.expected = jax.tree.map(np.asarray, ded.to_params(dp))
+
+  @classmethod
+  def tearDownClass(cls):
+    cls.tmp.cleanup()
+    super().tearDownClass()
+
+  def test_portable_round_trip_is_exact(self):
+    portable = _checkpoint.state_to_portable(self.opt, self.dp, self.state,
+                                             dedication=self.ded)
+    back = _checkpoint.state_from_portable(self.opt, self.dp, portable,
+                                           dedication=self.ded)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(self.state)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+      if a.ndim:
+        self.assertEqual(a.sharding, b.sharding)
+    is_p = lambda x: isinstance(x, _checkpoint.PortableDMuonState)
+    (found,) = [x for x in jax.tree.leaves(portable, is_leaf=is_p)
+                if is_p(x)]
+    self.assertEqual(found.mu['layers_0']['w3'].shape,
+                     (dedicated_test.WIDTH, dedicated_test.WIDTH))
+    self.assertIsInstance(found.mu['layers_0']['scale'], optax.MaskedNode)
+
+  def test_params_restore_without_the_dedication(self):
+    # Params are saved in param layout: a drop-in run (or inference) reads
+    # them with no dedication.
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        dedicated_test.init_params())
+    _, params, state = _checkpoint.restore(self.tmp.name, like, None)
+    self.assertIsNone(state)
+    for a, b in zip(jax.tree.leaves(params),
+                    jax.tree.leaves(self.ded.to_params(self.dp))):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+  def test_without_the_dedication_is_an_error(self):
+    with self.assertRaisesRegex(ValueError, 'dedication=ded'):
+      _checkpoint.state_to_portable(self.opt, self.dp, self.state)
+
+  def _resume(self, shape):
+    mesh = None if shape is None else jax.make_mesh(
+        shape, AXES, devices=jax.devices()[:int(np.prod(shape))])
+    ded, opt, step = dedicated_setup(mesh)
+    like = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+        dedicated_test.init_params())
+    got, dp, state = _checkpoint.restore(self.tmp.name, like, opt,
+                                         dedication=ded)
+    self.assertEqual(got, 5)
+    self.assertIsInstance(dp, dmuon_jax.DedicatedParams)
+    # The momentum in param layout is bitwise the saved one.
+    portable = _checkpoint.state_to_portable(opt, dp, state, dedication=ded)
+    for a, b in zip(jax.tree.leaves(portable),
+                    jax.tree.leaves(self.portable)):
+      np.testing.assert_array_equal(np.asarray(a), b)
+    dp, _ = run_steps(step, dp, state, 5)
+    diffs = rel_diffs(ded.to_params(dp), self.expected)
+    print(f'dedicated resume on {shape}: max rel diff '
+          f'{max(diffs.values()):.3g}')
+    for path, d in diffs.items():
+      self.assertLessEqual(d, 1e-6, path)
+
+  def test_resume_on_1x8(self):
+    self._resume((1, 8))
+
+  def test_resume_on_1x4(self):
+    self._resume((1, 4))
+
+  def test_resume_on_4x1(self):
+    self._resume((4, 1))
+
+  def test_resume_on_one_device(self):
+    self._resume(None)
+
+
 class IncompleteCheckpointTest(absltest.TestCase):
 
   def test_unfinished_saves_are_never_picked(self):
@@ -212,22 +348,26 @@ class KillTest(absltest.TestCase):
       out, _ = ref.communicate(timeout=300)
       self.assertEqual(ref.returncode, 0, out)
       kills = []
-      # Kill during the second save (inside the slow save: orbax's
-      # temporary directory exists, the step is not committed), then in
-      # the middle of training steps.
-      for pattern in ('saving 6', 'step 11'):
+      # Kill inside the second save (after orbax created its temporary
+      # directory and wrote into it, before the commit), then in the middle
+      # of training steps.
+      for patterns in (('saving 6', '  writing into'), ('step 11',)):
         proc = run_example([*common, '--dir', run_dir])
-        wait_for(proc, pattern)
-        if pattern.startswith('saving'):
-          time.sleep(0.2)
+        for pattern in patterns:
+          wait_for(proc, pattern)
         tmp = [p.name for p in pathlib.Path(run_dir).iterdir()
                if 'tmp' in p.name]
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
         proc.stdout.close()
-        kills.append((pattern, _checkpoint.complete_steps(run_dir), tmp))
+        kills.append((patterns[-1], _checkpoint.complete_steps(run_dir),
+                      tmp))
       print('kills (when, complete steps, tmp dirs):', kills)
+      # Killed mid-save: step 6's temporary directory was there, only step
+      # 3 is complete.
       self.assertEqual(kills[0][1], [3])
+      self.assertTrue(any(name.startswith('6.') for name in kills[0][2]),
+                      kills[0])
       final = run_example([*common, '--dir', run_dir, '--out',
                            os.path.join(d, 'run.npz')])
       out, _ = final.communicate(timeout=300)

@@ -121,6 +121,22 @@ class ExtremeGradientsTest(parameterized.TestCase):
       for k in SHAPES:
         self.assertLess(rel_err(u[k], reference[k]), 1e-3, (scale, k))
 
+  @parameterized.parameters('standard', 'gram')
+  def test_huge_adaptive(self, ns_algorithm):
+    # adaptive=True scales O = NS(M) by <M, O>, which must use the unscaled
+    # momentum: the update is linear in the gradient's scale.
+    params = make_params()
+    opt = dmuon_jax.dmuon(0.02, adaptive=True, ns_algorithm=ns_algorithm)
+    state = opt.init(params)
+    step = jax.jit(opt.update)
+    reference, _ = step(grads_like(params), state, params)
+    for scale in (1e10, 1e20, 1e30):
+      u, new_state = step(scaled(grads_like(params), scale), state, params)
+      self.assertTrue(finite(u) and finite(new_state), scale)
+      for k in SHAPES:
+        self.assertLess(rel_err(u[k] / scale, reference[k]), 1e-3,
+                        (scale, k))
+
   def test_huge_adamw_gradient_skips(self):
     # AdamW's second moment g**2 overflows float32 for |g| > ~1.8e19: with
     # 'skip' the step is dropped instead of leaving an Inf in the state.

@@ -79,15 +79,8 @@ def parse_args(argv=None):
                  help='per-configuration time budget of the timed rounds')
   p.add_argument('--parts', default='AB', choices=('AB', 'A', 'B'),
                  help='which parts to run (debugging)')
-  p.add_argument('--quick', action='store_true',
-                 help='small matrices, few reps: a CI smoke run (< 40 s)')
-  p.add_argument('--out-dir', default=None,
-                 help='where to write results (default: results/ beside '
-                 'this script)')
-  p.add_argument('--name', default=None,
-                 help='output file stem (default gram_ns, or gram_ns_quick '
-                 'with --quick)')
-  p.add_argument('--seed', type=int, default=0)
+  _common.add_common_args(
+      p, 'gram_ns', 'small matrices, few reps: a CI smoke run (< 40 s)')
   args = p.parse_args(argv)
   if args.quick:
     args.short, args.batch = 64, 2

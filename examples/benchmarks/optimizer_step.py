@@ -58,6 +58,19 @@ TARGET_VS_FSDP = 1.5
 TARGET_VS_FLOOR = 1.3
 
 
+def add_common_args(p, stem: str, quick_help: str) -> None:
+  """The options every CPU benchmark here takes: --quick, --out-dir,
+  --name (file stem: ``stem``, or ``stem_quick`` with --quick), --seed."""
+  p.add_argument('--quick', action='store_true', help=quick_help)
+  p.add_argument('--out-dir', default=None,
+                 help='where to write results (default: results/ beside '
+                 'this script)')
+  p.add_argument('--name', default=None,
+                 help=f'output file stem (default {stem}, or {stem}_quick '
+                 'with --quick)')
+  p.add_argument('--seed', type=int, default=0)
+
+
 def parse_args(argv=None):
   p = argparse.ArgumentParser(
       description=__doc__.splitlines()[0],
@@ -85,15 +98,8 @@ def parse_args(argv=None):
                  'time into Newton-Schulz and the rest')
   p.add_argument('--only', default=None,
                  help='comma-separated config names to run (debugging)')
-  p.add_argument('--quick', action='store_true',
-                 help='tiny model, few reps: a CI smoke run (< 60 s)')
-  p.add_argument('--out-dir', default=None,
-                 help='where to write results (default: results/ beside '
-                 'this script)')
-  p.add_argument('--name', default=None,
-                 help='output file stem (default optimizer_step, or '
-                 'optimizer_step_quick with --quick)')
-  p.add_argument('--seed', type=int, default=0)
+  add_common_args(p, 'optimizer_step',
+                  'tiny model, few reps: a CI smoke run (< 60 s)')
   args = p.parse_args(argv)
   if args.quick:
     args.layers, args.d_model, args.d_ff, args.vocab = 2, 128, 384, 1024
@@ -238,6 +244,21 @@ def time_steps(step, params, state, grads, *, reps, warmup, min_reps,
   return times, first, meter.other_share()
 
 
+def on_mesh(tree, replicated):
+  """``tree`` with arrays on fewer devices than ``replicated`` (the scalars
+  of an optimizer's init sit on one device) replicated over the mesh."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  n_dev = len(replicated.device_set)
+
+  def put(x):
+    if isinstance(x, jax.Array) and len(x.sharding.device_set) < n_dev:
+      return jax.device_put(x, replicated)
+    return x
+
+  return jax.tree.map(put, tree)
+
+
 def collective_summary(report) -> tuple[dict, dict]:
   return ({k: float(v) for k, v in report.bytes_by_kind.items()},
           {k: int(v) for k, v in report.count_by_kind.items()})
@@ -313,14 +334,6 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
     if layout == 'replicated':
       return jax.tree.map(lambda x: jax.device_put(x, replicated), tree)
     return jax.tree.map(lambda x: jax.device_put(x, fsdp_sharding(x)), tree)
-
-  def on_mesh(tree):
-    """Optimizer state on the mesh (scalars from init sit on one device)."""
-    def put(x):
-      if isinstance(x, jax.Array) and len(x.sharding.device_set) < n_dev:
-        return jax.device_put(x, replicated)
-      return x
-    return jax.tree.map(put, tree)
 
   def shardings_of(tree):
     return jax.tree.map(lambda x: x.sharding, tree)
@@ -470,7 +483,7 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
     params = place(host_params, layout)
     # Explicit path: gradients come in replicated and are made per-device.
     grads = place(host_grads, 'replicated' if path == 'explicit' else layout)
-    state = on_mesh(opt.init(params))
+    state = on_mesh(opt.init(params), replicated)
     step = make_step(opt, path, shardings_of(params), shardings_of(state),
                      state)
     t0 = time.perf_counter()

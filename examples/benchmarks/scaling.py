@@ -90,18 +90,11 @@ def parse_args(argv=None):
                  help='fewest timed steps when --budget-s cuts reps')
   p.add_argument('--budget-s', type=float, default=10.0,
                  help='per-(size, N) time budget of the timed steps')
-  p.add_argument('--quick', action='store_true',
-                 help='tiny models, N up to 8, few reps: a CI smoke run '
-                 '(< 60 s)')
-  p.add_argument('--out-dir', default=None,
-                 help='where to write results (default: results/ beside '
-                 'this script)')
-  p.add_argument('--name', default=None,
-                 help='output file stem (default scaling, or scaling_quick '
-                 'with --quick)')
+  _common.add_common_args(
+      p, 'scaling', 'tiny models, N up to 8, few reps: a CI smoke run '
+      '(< 60 s)')
   p.add_argument('--timeout-s', type=float, default=900.0,
                  help='time limit of one device-count subprocess')
-  p.add_argument('--seed', type=int, default=0)
   # Internal: run one device count and write its rows to --worker-out.
   p.add_argument('--worker', type=int, default=None, help=argparse.SUPPRESS)
   p.add_argument('--worker-out', default=None, help=argparse.SUPPRESS)
@@ -217,14 +210,6 @@ def run_worker(args):  # pylint: disable=too-many-locals
   machine = _common.machine_info(jax, optax, dmuon_jax)
   rows = []
 
-  def on_mesh(tree):
-    """Optimizer state on the mesh (scalars from init sit on one device)."""
-    def put(x):
-      if isinstance(x, jax.Array) and len(x.sharding.device_set) < n_dev:
-        return jax.device_put(x, replicated)
-      return x
-    return jax.tree.map(put, tree)
-
   def is_shape(x):
     return isinstance(x, tuple)
 
@@ -271,7 +256,7 @@ def run_worker(args):  # pylint: disable=too-many-locals
     opt = dmuon_jax.dmuon(0.02, adam_learning_rate=3e-3, mesh=mesh)
     params = jax.device_put(host_params, replicated)
     grads = jax.device_put(host_grads, replicated)
-    state = on_mesh(opt.init(params))
+    state = _common.on_mesh(opt.init(params), replicated)
 
     def fn(params, opt_state, grads, opt=opt):
       updates, opt_state = opt.update(grads, opt_state, params)

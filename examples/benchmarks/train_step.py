@@ -112,15 +112,8 @@ def parse_args(argv=None):
                  help='untimed steps after compilation')
   p.add_argument('--only', default=None,
                  help='comma-separated config names to run (debugging)')
-  p.add_argument('--quick', action='store_true',
-                 help='tiny model, few reps: a CI smoke run (< 90 s)')
-  p.add_argument('--out-dir', default=None,
-                 help='where to write results (default: results/ beside '
-                 'this script)')
-  p.add_argument('--name', default=None,
-                 help='output file stem (default train_step, or '
-                 'train_step_quick with --quick)')
-  p.add_argument('--seed', type=int, default=0)
+  _common.add_common_args(
+      p, 'train_step', 'tiny model, few reps: a CI smoke run (< 90 s)')
   args = p.parse_args(argv)
   if args.quick:
     args.layers, args.d_model, args.d_ff, args.heads = 2, 32, 128, 4

@@ -225,18 +225,21 @@ def _param_shardings(params, entry: _Entry):
   return [getattr(by_path[p], 'sharding', None) for p in entry.param_paths]
 
 
-def _replicated(xs):
-  """Each array fully replicated on its mesh (index maps need whole arrays).
+def _replicated(xs, mesh=None):
+  """Each array fully replicated on ``mesh`` (default: its own mesh).
 
   The conversion is a static gather/scatter of whole matrices; doing it on
   replicated copies keeps it valid under explicit-axis sharding types.
+  ``mesh`` moves arrays that live elsewhere (e.g. params restored onto one
+  device for an optimizer on a mesh) to the mesh of the output buffers.
   """
   out = []
   for x in xs:
     sharding = getattr(x, 'sharding', None)
-    if isinstance(sharding, jax.sharding.NamedSharding):
+    target = mesh if mesh is not None else getattr(sharding, 'mesh', None)
+    if isinstance(target, jax.sharding.Mesh):
       x = jax.device_put(x, jax.sharding.NamedSharding(
-          sharding.mesh, jax.sharding.PartitionSpec()))
+          target, jax.sharding.PartitionSpec()))
     out.append(x)
   return out
 
@@ -285,11 +288,16 @@ def state_to_portable(opt: optax.GradientTransformation, params,
           'dmuon_jax checkpoint: opt_state does not belong to this optimizer '
           f'and params (momentum buffers {[m.shape for m in st.mu]}, '
           f'expected {entry.buffer_shapes}).')
-    shardings = _param_shardings(params, entry)
-    outs = [s if isinstance(s, jax.sharding.Sharding) else None
+    shardings = [s if isinstance(s, jax.sharding.Sharding) else None
+                 for s in _param_shardings(params, entry)]
+    devices = st.mu[0].sharding.device_set if st.mu else None
+    # Unpacked where the buffers live, then moved to params elsewhere.
+    outs = [s if s is not None and s.device_set == devices else None
             for s in shardings]
     leaves = jax.jit(lambda mu: _unpack(entry, mu), out_shardings=outs)(
         tuple(_replicated(st.mu)))
+    leaves = [x if o is not None or s is None else jax.device_put(x, s)
+              for x, o, s in zip(leaves, outs, shardings)]
     return PortableDMuonState(
         count=st.count, mu=jax.tree.unflatten(entry.treedef, leaves))
 
@@ -336,8 +344,9 @@ def state_from_portable(opt: optax.GradientTransformation, params,
           f'{shapes} do not match the Muon params {entry.leaf_shapes}.')
     dtypes = [m.dtype for m in target.mu]
     outs = tuple(m.sharding for m in target.mu)
+    mesh = getattr(outs[0], 'mesh', None) if outs else None
     mu = jax.jit(lambda xs: _pack(entry, xs, dtypes), out_shardings=outs)(
-        _replicated(leaves))
+        _replicated(leaves, mesh))
     count = _like(st.count, target.count)
     return _transform.ScaleByDMuonState(count=count, mu=tuple(mu))
 

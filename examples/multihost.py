@@ -6,7 +6,9 @@ each with ``--local-devices`` CPU devices; they join one global mesh via
 with ``dmuon`` (``--mode dropin``, under ``jax.jit``) or with
 ``dedicated_muon`` (``--mode dedicated``, Z3, the ``shard_map`` recipe).
 Process 0 writes the per-step losses and final params to
-``OUT_DIR/<mode>_p<P>xd<D>.npz``.
+``OUT_DIR/<mode>_p<P>xd<D>.npz``; with ``--checkpoint-dir`` all processes
+then save a mesh-independent checkpoint (``dmuon_jax.checkpoint.save``)
+that restores on any mesh, e.g. in one process.
 
     python examples/multihost.py --processes 2 --local-devices 4 \\
         --mode dedicated --out-dir /tmp/mh
@@ -117,7 +119,7 @@ def _to_host(tree, mesh):
   return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), full)
 
 
-def train_dropin(mesh, host_params, x, steps, layout):
+def train_dropin(mesh, host_params, x, steps, layout, checkpoint_dir=None):
   import jax
   import optax
 
@@ -136,10 +138,13 @@ def train_dropin(mesh, host_params, x, steps, layout):
   for _ in range(steps):
     params, state, loss = step(params, state, x)
     losses.append(jax.block_until_ready(loss))
+  if checkpoint_dir:            # every process takes part in the save
+    dmuon_jax.checkpoint.save(checkpoint_dir, steps, params, state, opt)
   return losses, params
 
 
-def train_dedicated(mesh, host_params, x, steps, layout, z3=True):
+def train_dedicated(mesh, host_params, x, steps, layout, checkpoint_dir=None,
+                    z3=True):
   import jax
   import jax.numpy as jnp
   import optax
@@ -176,6 +181,9 @@ def train_dedicated(mesh, host_params, x, steps, layout, z3=True):
   for _ in range(steps):
     dp, state, loss = step(dp, state, x)
     losses.append(jax.block_until_ready(loss))
+  if checkpoint_dir:
+    dmuon_jax.checkpoint.save(checkpoint_dir, steps, dp, state, opt,
+                              dedication=ded)
   return losses, ded.to_params(dp)
 
 
@@ -212,7 +220,8 @@ def child_main(args):
   host_params = jax.tree.map(np.asarray, init_params())
   x = _global(np.asarray(make_batch()), NamedSharding(mesh, P(AXES)))
   train = train_dropin if args.mode == 'dropin' else train_dedicated
-  losses, params = train(mesh, host_params, x, args.steps, args.layout)
+  losses, params = train(mesh, host_params, x, args.steps, args.layout,
+                         args.checkpoint_dir)
   losses, params = _to_host((losses, params), mesh)
   seconds = time.time() - start
   if jax.process_index() == 0:
@@ -366,6 +375,10 @@ def parse_args(argv):
                       help='placement of the params before training')
   parser.add_argument('--steps', type=int, default=10)
   parser.add_argument('--out-dir', default='/tmp/dmuon_multihost')
+  parser.add_argument('--checkpoint-dir', default=None,
+                      help='after training, all processes save the params '
+                      'and optimizer state here (dmuon_jax.checkpoint, '
+                      'mesh-independent: restore on any mesh)')
   parser.add_argument('--timeout', type=float, default=600,
                       help='seconds before the parent kills all children')
   parser.add_argument('--fail-at-start', type=int, default=-1,

@@ -4,6 +4,7 @@ Every run is a fresh launcher process (its children call
 ``jax.distributed.initialize``), so nothing here touches this process's JAX.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -11,8 +12,11 @@ import sys
 import tempfile
 import time
 
+import jax
 import numpy as np
 from absl.testing import absltest
+
+import dmuon_jax
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, 'examples', 'multihost.py')
@@ -53,13 +57,18 @@ class MultihostTest(absltest.TestCase):
     super().setUpClass()
     cls.tmp = tempfile.TemporaryDirectory()
     cls.results, start = {}, time.time()
-    procs = {(mode, topo): launch(os.path.join(cls.tmp.name, mode,
-                                               f'p{topo[0]}'), *topo, mode)
+    procs = {(mode, topo): launch(
+        os.path.join(cls.tmp.name, mode, f'p{topo[0]}'), *topo, mode,
+        '--checkpoint-dir', cls.checkpoint_dir(mode, topo))
              for mode in MODES for topo in TOPOLOGIES}
     for key, proc in procs.items():
       out, err = proc.communicate(timeout=400)
       cls.results[key] = (proc.returncode, out, err)
     cls.seconds = time.time() - start
+
+  @classmethod
+  def checkpoint_dir(cls, mode, topo):
+    return os.path.join(cls.tmp.name, mode, f'ckpt_p{topo[0]}')
 
   @classmethod
   def tearDownClass(cls):
@@ -93,6 +102,52 @@ class MultihostTest(absltest.TestCase):
 
   def test_dedicated_two_processes_match_one(self):
     self.check_mode('dedicated')
+
+  def restore_on_1x8(self, mode, topo):
+    """The run's checkpoint, restored in this (single) process on 1x8."""
+    code, out, err = self.results[(mode, topo)]
+    self.assertEqual(code, 0, f'{mode} {topo}:\n{out}\n{err[-3000:]}')
+    spec = importlib.util.spec_from_file_location('multihost', SCRIPT)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    params = example.init_params()
+    mesh = jax.make_mesh((1, 8), ('replicate', 'shard'))
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        params)
+    ded = None
+    if mode == 'dropin':
+      opt = dmuon_jax.dmuon(example.LR, mesh=mesh)
+    else:
+      ded = dmuon_jax.dedicate(params, mesh)
+      opt = dmuon_jax.dedicated_muon(ded, learning_rate=example.LR)
+    step, params, state = dmuon_jax.checkpoint.restore(
+        self.checkpoint_dir(mode, topo), like, opt, dedication=ded)
+    self.assertEqual(step, 10)
+    portable = dmuon_jax.state_to_portable(opt, params, state,
+                                           dedication=ded)
+    if ded is not None:
+      params = ded.to_params(params)
+    return params, portable
+
+  def test_checkpoints_of_two_processes_restore_in_one(self):
+    # Saved by 2 processes x 4 devices (each writing its shards), restored
+    # in this process: the params are the run's final params, and params
+    # and momentum equal those saved by the 1-process run.
+    for mode in MODES:
+      multi, single = (self.restore_on_1x8(mode, topo)
+                       for topo in TOPOLOGIES)
+      final = self.load(mode, TOPOLOGIES[0])
+      for path, x in jax.tree_util.tree_flatten_with_path(multi[0])[0]:
+        np.testing.assert_array_equal(
+            np.asarray(x), final['params' + jax.tree_util.keystr(path)])
+      leaves = jax.tree.leaves(multi), jax.tree.leaves(single)
+      self.assertEqual(len(leaves[0]), len(leaves[1]))
+      self.assertGreater(len(leaves[0]), 2 * 4 * 8)   # params + momentum
+      diff = max(max_rel_diff(np.asarray(a), np.asarray(b))
+                 for a, b in zip(*leaves))
+      print(f'{mode}: checkpoint of 2 processes vs 1: max rel diff '
+            f'{diff:.3g}')
+      self.assertLessEqual(diff, RTOL)
 
   def test_failed_child_shuts_down_cleanly(self):
     with tempfile.TemporaryDirectory() as out_dir:

@@ -1,4 +1,4 @@
-"""Mesh-independent checkpoints of ``dmuon`` optimizer states (orbax).
+"""Mesh-independent checkpoints of dmuon optimizer states (orbax).
 
 The Muon momentum of :func:`dmuon_jax.scale_by_dmuon` lives in flat owner
 buffers whose layout depends on the mesh (the ownership plan). A portable
@@ -8,12 +8,18 @@ params (one param-shaped array per Muon leaf, sharded like the param), and
 leaves every other part of the state (counts, AdamW moments) as it is. A
 portable state saved on one mesh restores on any other mesh, or on one
 device: :func:`state_from_portable` packs the momentum into the owner
-buffers of the optimizer it is given.
+buffers of the optimizer it is given. Dedicated mode
+(:func:`dmuon_jax.dedicated_muon`) works the same way with the
+:class:`dmuon_jax.Dedication` passed along: its ``DedicatedMuonState``
+becomes a :class:`PortableDMuonState` over the whole params tree
+(``optax.MaskedNode`` for non-Muon leaves), and params are saved in param
+layout.
 
 The layouts are read by calling the optimizer's own ``init`` on the params
 (eagerly, as in training) under ``_transform.recording_inits``, which
-collects the owner layouts that ``scale_by_dmuon`` builds, so any composition (``dmuon``, ``optax.chain``,
-``optax.partition``, ...) works without repeating its arguments.
+collects the owner layouts that ``scale_by_dmuon`` builds; so any
+composition (``dmuon``, ``optax.chain``, ``optax.partition``, ...) works
+without repeating its arguments.
 """
 
 from __future__ import annotations

@@ -77,25 +77,28 @@ def _need_dedication(dedication):
   return dedication
 
 
+def _portable_over_params(ded: _dedicated.Dedication, count, by_leaf):
+  """A PortableDMuonState over the params tree: ``by_leaf[i]`` at each Muon
+  target ``i``, ``optax.MaskedNode()`` at the other leaves."""
+  leaves = [by_leaf.get(i, optax.MaskedNode())
+            for i in range(ded.treedef.num_leaves)]
+  return PortableDMuonState(count=count,
+                            mu=jax.tree.unflatten(ded.treedef, leaves))
+
+
 def _dedicated_to_portable(ded: _dedicated.Dedication,
                            st: _dedicated.DedicatedMuonState):
   """Owner-stored momentum -> params-shaped tree (MaskedNode elsewhere)."""
   ded.check_dedicated(_dedicated.DedicatedParams(owned=st.mu, rest=None),
                       'checkpoint')
-  full = ded._unpack_targets(st.mu)  # pylint: disable=protected-access
-  leaves = [full.get(i, optax.MaskedNode())
-            for i in range(ded.treedef.num_leaves)]
-  return PortableDMuonState(count=st.count,
-                            mu=jax.tree.unflatten(ded.treedef, leaves))
+  return _portable_over_params(
+      ded, st.count, ded._unpack_targets(st.mu))  # pylint: disable=protected-access
 
 
 def _dedicated_abstract(ded: _dedicated.Dedication,
                         st: _dedicated.DedicatedMuonState):
-  full = ded._target_abstract(st.mu)  # pylint: disable=protected-access
-  leaves = [full.get(i, optax.MaskedNode())
-            for i in range(ded.treedef.num_leaves)]
-  return PortableDMuonState(count=st.count,
-                            mu=jax.tree.unflatten(ded.treedef, leaves))
+  return _portable_over_params(
+      ded, st.count, ded._target_abstract(st.mu))  # pylint: disable=protected-access
 
 
 def _dedicated_from_portable(ded: _dedicated.Dedication, portable,
@@ -125,6 +128,9 @@ def _params_key(params):
 
 def _record_init(opt, params):
   """Runs ``opt.init(params)``; returns the state and one entry per state.
+
+  The entries are cached for :func:`_entries` (per optimizer and params
+  shapes, dtypes and shardings).
 
   Entries are in the order of the dmuon state leaves of the state
   (``jax.tree.leaves(state, is_leaf=_is_dmuon)``); None for a
@@ -168,6 +174,7 @@ def _record_init(opt, params):
         leaf_shapes=shapes, split_dims=tuple(splits),
         buffer_shapes=tuple(tuple(m.shape) for m in leaf.mu),
         tp_n=max(1, got // max(1, total))))
+  _CACHE.setdefault(opt.init, {})[_params_key(params)] = entries
   return state, entries
 
 
@@ -177,9 +184,7 @@ def _entries(opt, params):
   per_opt = _CACHE.get(opt.init)
   if per_opt is not None and key in per_opt:
     return per_opt[key]
-  _, entries = _record_init(opt, params)
-  _CACHE.setdefault(opt.init, {})[key] = entries
-  return entries
+  return _record_init(opt, params)[1]
 
 
 def _unpack(entry: _Entry, mu):
@@ -331,7 +336,6 @@ def state_from_portable(opt: optax.GradientTransformation, params,
   """
   if target_state is None:
     target_state, entries = _record_init(opt, params)
-    _CACHE.setdefault(opt.init, {})[_params_key(params)] = entries
   else:
     entries = _entries(opt, params)
   targets = [x for x in jax.tree.leaves(target_state, is_leaf=_is_dmuon)

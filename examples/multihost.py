@@ -8,7 +8,8 @@ with ``dmuon`` (``--mode dropin``, under ``jax.jit``) or with
 Process 0 writes the per-step losses and final params to
 ``OUT_DIR/<mode>_p<P>xd<D>.npz``; with ``--checkpoint-dir`` all processes
 then save a mesh-independent checkpoint (``dmuon_jax.checkpoint.save``)
-that restores on any mesh, e.g. in one process.
+that restores on any mesh, e.g. in one process, restore it again in every
+process and check that it is identical to the trained state.
 
     python examples/multihost.py --processes 2 --local-devices 4 \\
         --mode dedicated --out-dir /tmp/mh
@@ -119,6 +120,40 @@ def _to_host(tree, mesh):
   return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), full)
 
 
+def save_and_check(checkpoint_dir, steps, mesh, like, trained, opt,
+                   dedication=None):
+  """Saves ``trained = (params, state)`` from every process, restores it
+  (every process again, onto the same mesh) and checks it is identical."""
+  import jax
+  import numpy as np
+
+  import dmuon_jax
+  params, state = trained
+  dmuon_jax.checkpoint.save(checkpoint_dir, steps, params, state, opt,
+                            dedication=dedication)
+  step, params2, state2 = dmuon_jax.checkpoint.restore(
+      checkpoint_dir, like, opt, dedication=dedication)
+  def portable(p, s):
+    out = dmuon_jax.state_to_portable(opt, p, s, dedication=dedication)
+    return (p if dedication is None else dedication.to_params(p)), out
+  before = _to_host(portable(params, state), mesh)
+  after = _to_host(portable(params2, state2), mesh)
+  same = step == steps and all(
+      np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before),
+                                           jax.tree.leaves(after)))
+  print(f'process {jax.process_index()}: checkpoint of step {step} restored '
+        f'{"identical" if same else "DIFFERENT"}', flush=True)
+  if not same:
+    raise SystemExit('restored checkpoint differs from the saved state')
+
+
+def _like(params):
+  import jax
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+      params)
+
+
 def train_dropin(mesh, host_params, x, steps, layout, checkpoint_dir=None):
   import jax
   import optax
@@ -138,8 +173,9 @@ def train_dropin(mesh, host_params, x, steps, layout, checkpoint_dir=None):
   for _ in range(steps):
     params, state, loss = step(params, state, x)
     losses.append(jax.block_until_ready(loss))
-  if checkpoint_dir:            # every process takes part in the save
-    dmuon_jax.checkpoint.save(checkpoint_dir, steps, params, state, opt)
+  if checkpoint_dir:            # every process takes part
+    save_and_check(checkpoint_dir, steps, mesh, _like(params),
+                   (params, state), opt)
   return losses, params
 
 
@@ -182,8 +218,8 @@ def train_dedicated(mesh, host_params, x, steps, layout, checkpoint_dir=None,
     dp, state, loss = step(dp, state, x)
     losses.append(jax.block_until_ready(loss))
   if checkpoint_dir:
-    dmuon_jax.checkpoint.save(checkpoint_dir, steps, dp, state, opt,
-                              dedication=ded)
+    save_and_check(checkpoint_dir, steps, mesh, _like(params), (dp, state),
+                   opt, dedication=ded)
   return losses, ded.to_params(dp)
 
 
@@ -378,7 +414,8 @@ def parse_args(argv):
   parser.add_argument('--checkpoint-dir', default=None,
                       help='after training, all processes save the params '
                       'and optimizer state here (dmuon_jax.checkpoint, '
-                      'mesh-independent: restore on any mesh)')
+                      'mesh-independent: restore on any mesh), restore it '
+                      'and check it equals the trained state')
   parser.add_argument('--timeout', type=float, default=600,
                       help='seconds before the parent kills all children')
   parser.add_argument('--fail-at-start', type=int, default=-1,

@@ -134,6 +134,13 @@ class MultihostTest(absltest.TestCase):
     # in this process: the params are the run's final params, and params
     # and momentum equal those saved by the 1-process run.
     for mode in MODES:
+      for topo in TOPOLOGIES:
+        # Every process also restored it right after saving (onto the run's
+        # own mesh) and found it identical to its trained state.
+        out = self.results[(mode, topo)][1]
+        self.assertEqual(
+            out.count('checkpoint of step 10 restored identical'), topo[0],
+            f'{mode} {topo}:\n{out}')
       multi, single = (self.restore_on_1x8(mode, topo)
                        for topo in TOPOLOGIES)
       final = self.load(mode, TOPOLOGIES[0])

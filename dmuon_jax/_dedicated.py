@@ -292,13 +292,18 @@ class Dedication:
     out = {}
     for g, lay in enumerate(self.layouts):
       for j, i in enumerate(self._group_leaves(g)):
-        shape = list(specs[i].shape)
-        dim = self._tp_dims[i] if self._tp_dims else None
-        if dim is not None:
-          shape[dim] *= self._tp_size
         dtype = owned[g][lay.unit_group[lay.leaf_units[j][0]]].dtype
-        out[i] = jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+        out[i] = jax.ShapeDtypeStruct(self._full_shape(specs[i]), dtype,
+                                      sharding=sharding)
     return out
+
+  def _full_shape(self, spec: _planner.LeafSpec) -> tuple[int, ...]:
+    """The whole param's shape (the plan holds one TP shard's slice)."""
+    shape = list(spec.shape)
+    dim = self._tp_dims[spec.leaf_index] if self._tp_dims else None
+    if dim is not None:
+      shape[dim] *= self._tp_size
+    return tuple(shape)
 
   def _check_params(self, params: Any) -> None:
     """Raises unless ``params`` is the tree ``dedicate`` planned."""
@@ -312,12 +317,9 @@ class Dedication:
                               made_by='dmuon_jax.dedicate()')
     leaves = jax.tree.leaves(params)
     for spec in self.plan.leaves:
-      want = list(spec.shape)
-      dim = self._tp_dims[spec.leaf_index] if self._tp_dims else None
-      if dim is not None:
-        want[dim] *= self._tp_size
+      want = self._full_shape(spec)
       got = tuple(np.shape(leaves[spec.leaf_index]))
-      if got != tuple(want):
+      if got != want:
         raise ValueError(
             f'dmuon: param {spec.path!r} has shape {got}, but dedicate() '
             f'planned it with shape {tuple(want)}. Call dmuon_jax.dedicate '

@@ -179,19 +179,9 @@ def dedicated_setup(mesh):
     return ded, opt, one_device
 
   x = jax.device_put(x, NamedSharding(mesh, P(AXES)))
-  state_specs = dmuon_jax.Dedication.specs_of(
-      opt.init(ded.to_dedicated(dedicated_test.init_params())))
-
-  @jax.jit
-  @functools.partial(jax.shard_map, mesh=mesh,
-                     in_specs=(ded.specs(), state_specs, P(AXES)),
-                     out_specs=(ded.specs(), state_specs))
-  def sharded(dp, state, x):
-    _, grads = dmuon_jax.local_value_and_grad(loss)(dp, x)
-    updates, state = opt.update(grads, state, dp)
-    return optax.apply_updates(dp, updates), state
-
-  return ded, opt, lambda dp, state: sharded(dp, state, x)
+  step = dedicated_test.dedicated_step(
+      ded, opt, opt.init(ded.to_dedicated(dedicated_test.init_params())))
+  return ded, opt, lambda dp, state: step(dp, state, x)[:2]
 
 
 def run_steps(step, dp, state, n):

@@ -374,7 +374,7 @@ class PropertyTest(absltest.TestCase):
     for k in params:
       np.testing.assert_allclose(a[k], b[k], atol=1e-5, rtol=1e-5)
 
-  @settings(max_examples=6, deadline=None)
+  @settings(max_examples=6, deadline=None, derandomize=True)
   @given(mesh_shape=st.sampled_from([(1, 8), (2, 4), (4, 2), (8, 1), (1, 2),
                                      (2, 1), (1, 3), (3, 2)]),
          shapes=st.lists(st.tuples(st.integers(2, 20), st.integers(2, 20)),
@@ -385,30 +385,33 @@ class PropertyTest(absltest.TestCase):
     # Random meshes (including device counts that divide nothing), shapes
     # and param dtypes: dmuon's first two updates equal single-device
     # optax.contrib.muon's on float32 copies of the same params: float32
-    # within 1e-5; bfloat16 params (bfloat16 momentum and Newton-Schulz)
-    # within 0.1, bfloat16's rounding through 5 iterations (observed up to
-    # 5e-2; optax's own bfloat16 updates are up to 6e-2 from float32).
+    # within 1e-5. bfloat16 params (bfloat16 momentum and Newton-Schulz):
+    # within 0.1 or twice optax's own bfloat16 error, whichever is larger
+    # (bfloat16 rounding through 5 iterations: optax's own bfloat16 updates
+    # were measured up to 0.14 from float32 on 2x2 matrices).
     n = int(np.prod(mesh_shape))
     mesh = jax.make_mesh(mesh_shape, AXES, devices=jax.devices()[:n])
     rng = np.random.RandomState(seed)
     host = {f'p{i}': (0.1 * rng.randn(*s)).astype(np.float32)
             for i, s in enumerate(shapes)}
-    params = jax.device_put(jax.tree.map(lambda x: jnp.asarray(x, dtype),
-                                         host), NamedSharding(mesh, P()))
+    cast = lambda tree: jax.tree.map(lambda x: jnp.asarray(x, dtype), tree)
+    params = jax.device_put(cast(host), NamedSharding(mesh, P()))
     opt = dmuon_jax.dmuon(0.02, mesh=mesh)
     ref = optax.contrib.muon(0.02)
     state, ref_state = opt.init(params), ref.init(host)
+    low_state = ref.init(cast(host))
     step = jax.jit(opt.update)
-    tol = 1e-5 if dtype == 'float32' else 0.1
     for t in range(2):
       g = alias_test.grads_at(t, host)
-      u, state = step(jax.device_put(
-          jax.tree.map(lambda x: x.astype(dtype), g),
-          NamedSharding(mesh, P())), state, params)
+      u, state = step(jax.device_put(cast(g), NamedSharding(mesh, P())),
+                      state, params)
       ru, ref_state = ref.update(g, ref_state, host)
+      lu, low_state = ref.update(cast(g), low_state, cast(host))
       self.assertTrue(finite(u) and finite(state))
       for k in host:
         self.assertEqual(u[k].dtype, jnp.dtype(dtype))
+        tol = (1e-5 if dtype == 'float32'
+               else max(0.1, 2 * rel_err(lu[k], ru[k])))
         self.assertLess(rel_err(u[k], ru[k]), tol,
                         (mesh_shape, shapes, dtype, t, k))
 

@@ -9,6 +9,7 @@ import jax
 import optax
 
 from dmuon_jax import _explicit
+from dmuon_jax import _owner_update
 from dmuon_jax import _planner
 from dmuon_jax import _transform
 
@@ -83,6 +84,7 @@ def dmuon(
     compute_dtype: jax.typing.DTypeLike | None = None,
     tensor_parallel_axis: str | None = 'model',
     nonfinite: Literal['skip', 'propagate'] = 'skip',
+    param_specs: Any = None,
 ) -> optax.GradientTransformation:
   r"""Muon with each weight matrix owned by one device of a mesh.
 
@@ -150,8 +152,11 @@ def dmuon(
       (DMuon/Moonlight: ``buf = beta * buf + g``, Nesterov ``g + beta * buf``).
       Static.
     mesh: (optional, default None) ``jax.sharding.Mesh`` whose devices own
-      the matrices; if None, the mesh from :func:`jax.set_mesh`, else one
-      device. Static.
+      the matrices; if None, the mesh from :func:`jax.set_mesh`, else the
+      mesh the params are placed on, else one device. Static (with
+      :func:`optax.inject_hyperparams`, leave it out or list it in
+      ``static_args``: a Mesh is callable, so optax would take it for a
+      schedule).
     axis_names: mesh axes the owners range over (default: all but
       ``tensor_parallel_axis``). Static.
     ns_algorithm: ``'auto'`` (the cheaper form per matrix shape by the
@@ -172,6 +177,10 @@ def dmuon(
       composes with both: it skips and counts bad steps, and once it gives
       up after ``max_consecutive_errors``, ``'skip'`` still keeps the state
       clean. Static.
+    param_specs: (optional) the params' shardings (a tree like the params of
+      ``PartitionSpec``, ``NamedSharding`` or None), for when ``init`` cannot
+      see them: abstract values or tracers on a mesh with Auto axes (see
+      :func:`dmuon_jax.scale_by_dmuon`). Static.
 
   Returns:
     A :class:`optax.GradientTransformation` (an :func:`optax.partition` of a
@@ -193,10 +202,7 @@ def dmuon(
     Liu et al., `Muon is Scalable for LLM Training
     <https://arxiv.org/abs/2502.16982>`_, 2025
   """
-  _transform._validate_static_args(  # pylint: disable=protected-access
-      momentum=momentum, ns_algorithm=ns_algorithm,
-      preconditioning=preconditioning, compute_dtype=compute_dtype,
-      nonfinite=nonfinite)
+  _owner_update.check_nonfinite(nonfinite)
   if adam_learning_rate is None:
     adam_learning_rate = learning_rate
 
@@ -206,19 +212,18 @@ def dmuon(
         muon_weight_dimension_numbers=muon_weight_dimension_numbers)
 
   muon_chain = optax.chain(
-      _transform.scale_by_dmuon(
+      _transform.make_scale_by_dmuon(
           ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=beta, eps=eps,
           mu_dtype=mu_dtype, nesterov=nesterov, adaptive=adaptive,
           preconditioning=preconditioning,
           weight_dimension_numbers=muon_weight_dimension_numbers,
           momentum=momentum, mesh=mesh, axis_names=axis_names,
           ns_algorithm=ns_algorithm, compute_dtype=compute_dtype,
-          tensor_parallel_axis=tensor_parallel_axis,
+          tensor_parallel_axis=tensor_parallel_axis, param_specs=param_specs,
           # The whole step (Muon and AdamW) is guarded below.
-          nonfinite='propagate'),
-      _transform.scale_by_shape(
-          weight_dimension_numbers=muon_weight_dimension_numbers,
-          consistent_rms=consistent_rms),
+          nonfinite='propagate',
+          # The owners apply the shape factor (as optax's scale_by_shape).
+          shape_scaling=True, consistent_rms=consistent_rms),
       optax.add_decayed_weights(weight_decay, weight_decay_mask),
       optax.scale_by_learning_rate(learning_rate),
   )
@@ -232,5 +237,5 @@ def dmuon(
   opt = _check_tree_at_update(
       optax.partition({'muon': muon_chain, 'adam': adam}, param_labels))
   if nonfinite == 'skip':
-    opt = _transform.skip_nonfinite(opt)
+    opt = _owner_update.skip_nonfinite(opt)
   return opt

@@ -42,7 +42,7 @@ class HookBoundaries:
     return tuple(p for p, i in zip(self.paths, self.of_target) if i == b)
 
 
-def _subtree(tree: Any, keys) -> Any:
+def subtree(tree: Any, keys) -> Any:
   for key in keys:
     if isinstance(key, jax.tree_util.DictKey):
       tree = tree[key.key]
@@ -63,7 +63,7 @@ def _custom_boundary(params, keys, boundary_predicate) -> str | None:
   for end in range(len(keys) - 1, -1, -1):
     prefix = keys[:end]
     if boundary_predicate(_planner.normalize_path(prefix),
-                          _subtree(params, prefix)):
+                          subtree(params, prefix)):
       return _planner.normalize_path(prefix)
   return None
 
@@ -71,13 +71,13 @@ def _custom_boundary(params, keys, boundary_predicate) -> str | None:
 def _default_boundary(path: str, stacked: bool) -> tuple[str | None, bool]:
   """A block prefix (``layers/3``, ``layers_3``), else a scanned stack."""
   segments = [s for s in path.split('/') if s]
-  end = _planner._block_boundary_end(segments)  # pylint: disable=protected-access
+  end = _planner.block_boundary_end(segments)
   if end is not None:
     return '/'.join(segments[:end]), False
   if stacked:
     start = 0
     while (start < len(segments) - 1
-           and segments[start] in _planner._COLLECTION_NAMES):  # pylint: disable=protected-access
+           and segments[start] in _planner.COLLECTION_NAMES):
       start += 1
     return '/'.join(segments[:start + 1]), True
   return None, False

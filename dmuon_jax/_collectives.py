@@ -6,8 +6,6 @@ import math
 from collections.abc import Sequence
 
 import jax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 
 def manual_axes() -> frozenset[str]:
@@ -24,49 +22,6 @@ def varying_axes(x) -> frozenset[str]:
   """Manual axes over which ``x`` differs between devices (its vma type)."""
   kind = getattr(jax.typeof(x), 'manual_axis_type', None)
   return frozenset(getattr(kind, 'varying', ()) or ())
-
-
-def spec_entries(spec: P | None) -> list[tuple[str, ...]]:
-  """The mesh axes of each dimension of a PartitionSpec, as tuples."""
-  out = []
-  for entry in tuple(spec or ()):
-    if entry is None:
-      out.append(())
-    elif isinstance(entry, str):
-      out.append((entry,))
-    else:
-      out.append(tuple(entry))
-  return out
-
-
-def spec_of(x, explicit: bool) -> P | None:
-  """The PartitionSpec of an array or tracer, when it can be known.
-
-  Args:
-    x: an array or tracer.
-    explicit: whether the mesh has explicit axes
-      (``jax.sharding.AxisType.Explicit``), so that tracers carry their
-      sharding in their type (an unsharded type then means replicated).
-
-  Returns:
-    The spec of a concrete array's ``NamedSharding``, a tracer's spec under
-    an explicit mesh, else None (unknown).
-  """
-  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-    sharding = x.sharding
-    return sharding.spec if isinstance(sharding, NamedSharding) else P()
-  if not explicit:
-    return None
-  sharding = jax.typeof(x).sharding
-  if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
-    return P()
-  return sharding.spec
-
-
-def is_explicit(mesh) -> bool:
-  """Whether a mesh has explicit axes (sharding in types)."""
-  return mesh is not None and any(
-      t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
 
 
 def to_varying(x: jax.Array, axes: Sequence[str]) -> jax.Array:
@@ -130,47 +85,3 @@ def reduce_scatter_to_owners(buf: jax.Array, axes: Sequence[str],
 def gather_from_owners(local: jax.Array, axes: Sequence[str]) -> jax.Array:
   """All-gathers every slot's block, replicated on every device."""
   return jax.lax.all_gather(local, tuple(axes), tiled=True, to='invarying')
-
-
-def gather_shards(x: jax.Array, spec: P | None) -> jax.Array:
-  """The full array from this device's shard (one all-gather per dim)."""
-  for dim, axes in enumerate(spec_entries(spec)):
-    if axes:
-      x = jax.lax.all_gather(x, axes, axis=dim, tiled=True, to='invarying')
-  return x
-
-
-def local_shard(x: jax.Array, spec: P | None,
-                mesh_sizes: dict[str, int]) -> jax.Array:
-  """This device's shard of a full (replicated) array."""
-  for dim, axes in enumerate(spec_entries(spec)):
-    if axes:
-      n = math.prod(mesh_sizes[a] for a in axes)
-      size = x.shape[dim] // n
-      x = jax.lax.dynamic_slice_in_dim(
-          x, jax.lax.axis_index(axes) * size, size, axis=dim)
-  return x
-
-
-def check_spec(spec: P | None, shape: Sequence[int],
-               mesh_sizes: dict[str, int], path: str) -> None:
-  """Raises if a leaf's sharding does not fit the mesh."""
-  entries = spec_entries(spec)
-  for dim, axes in enumerate(entries):
-    for a in axes:
-      if a not in mesh_sizes:
-        raise ValueError(
-            f'dmuon: param {path!r} is sharded over mesh axis {a!r} (spec '
-            f'{spec}), which is not one of the axes dmuon owns matrices over '
-            f'{tuple(mesh_sizes)}. Shard it over those axes (or replicate '
-            'it), or pass the mesh it lives on as mesh= / axis_names=.')
-    n = math.prod(mesh_sizes[a] for a in axes) if axes else 1
-    if dim < len(shape) and shape[dim] % n:
-      raise ValueError(
-          f'dmuon: param {path!r} has shape {tuple(shape)}; dim {dim} is not '
-          f'divisible by the {n} devices of mesh axes {axes}. Pad it, or '
-          'replicate it.')
-  if len(entries) > len(shape):
-    raise ValueError(
-        f'dmuon: param {path!r} of rank {len(shape)} has a sharding spec '
-        f'{spec} with more entries than dims.')

@@ -410,7 +410,7 @@ def orthogonalize_via_newton_schulz(
   return _finish(y, transposed, x)
 
 
-def _check_restart_iterations(
+def check_restart_iterations(
     restart_iterations: Sequence[int] | None, num_iterations: int
 ) -> tuple[int, ...]:
   """Validates restart indices: sorted unique ints in [1, k - 1].
@@ -509,7 +509,7 @@ def orthogonalize_via_gram_newton_schulz(
     https://github.com/Dao-AILab/gram-newton-schulz
   """
   rows = resolve_ns_coeffs(ns_coeffs, ns_steps)
-  restarts = _check_restart_iterations(restart_iterations, len(rows))
+  restarts = check_restart_iterations(restart_iterations, len(rows))
   x = jnp.asarray(x)
   compute_dtype = _check_static_args(
       'orthogonalize_via_gram_newton_schulz', x, preconditioning, compute_dtype
@@ -517,10 +517,10 @@ def orthogonalize_via_gram_newton_schulz(
   x0, r, transposed = _prepare(x, preconditioning, eps, compute_dtype)
   if r is None:
     r = x0 @ _transpose(x0)
-  return _finish(_gram_iterate(x0, r, rows, restarts), transposed, x)
+  return _finish(gram_iterate(x0, r, rows, restarts), transposed, x)
 
 
-def _gram_iterate(
+def gram_iterate(
     x0: jax.Array,
     r: jax.Array,
     rows: np.ndarray,
@@ -550,7 +550,7 @@ def _gram_iterate(
   return q @ x0
 
 
-def _ns_flops(
+def matmul_flops(
     m: int,
     n: int,
     k: int,
@@ -587,7 +587,7 @@ def _ns_flops(
   if algorithm == 'standard':
     return k * (4 * s * s * long + 2 * s**3)
   if algorithm == 'gram':
-    p = len(_check_restart_iterations(restart_iterations, k)) + 1
+    p = len(check_restart_iterations(restart_iterations, k)) + 1
     return 4 * p * s * s * long + (8 * k - 6 * p) * s**3
   raise ValueError(
       f"{algorithm=} is not one of 'standard', 'gram'. Pass one of them."
@@ -597,7 +597,7 @@ def _ns_flops(
 def cheaper_ns_algorithm(m: int, n: int, k: int) -> Literal['standard', 'gram']:
   """The Newton–Schulz form with fewer matmul FLOPs for an ``m x n`` matrix.
 
-  Compares :func:`_ns_flops` of the direct form and of the Gram form with its
+  Compares :func:`matmul_flops` of the direct form and of the Gram form with its
   default restarts: Gram wins for wide (or tall) matrices, from an aspect
   ratio of about 1.5 with 5 iterations; ties go to the direct form.
 
@@ -609,8 +609,8 @@ def cheaper_ns_algorithm(m: int, n: int, k: int) -> Literal['standard', 'gram']:
   Returns:
     ``'gram'`` or ``'standard'``.
   """
-  gram = _ns_flops(m, n, k, 'gram')
-  return 'gram' if gram < _ns_flops(m, n, k, 'standard') else 'standard'
+  gram = matmul_flops(m, n, k, 'gram')
+  return 'gram' if gram < matmul_flops(m, n, k, 'standard') else 'standard'
 
 
 def orthogonality_error(x: jax.typing.ArrayLike) -> jax.Array:

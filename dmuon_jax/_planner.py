@@ -62,7 +62,7 @@ _BLOCK_SEGMENT_RE = re.compile(
     r'^(layers?|blocks?|h|encoderblock|decoderblock|resblocks)_\d+$'
 )
 # Leading segments that name a flax linen variable collection, not a module.
-_COLLECTION_NAMES = frozenset({'params'})
+COLLECTION_NAMES = frozenset({'params'})
 
 
 def normalize_path(path: jax.tree_util.KeyPath) -> str:
@@ -106,7 +106,7 @@ def _segments(path: str) -> list[str]:
   return [s for s in path.split('/') if s]
 
 
-def _block_boundary_end(segments: Sequence[str]) -> int | None:
+def block_boundary_end(segments: Sequence[str]) -> int | None:
   """Returns the end (exclusive) of the outermost block boundary, if any."""
   for i, seg in enumerate(segments):
     low = seg.lower()
@@ -153,7 +153,7 @@ def default_muon_predicate(path: str, leaf: Any) -> bool:
   if len(shape) != 2 or min(shape) <= 1:
     return False
   segments = _segments(path)
-  in_block = _block_boundary_end(segments) is not None
+  in_block = block_boundary_end(segments) is not None
   for seg in segments:
     low = seg.lower()
     if any(s in low for s in _EXCLUDED_SUBSTRINGS):
@@ -501,8 +501,11 @@ class OwnershipPlan:
       floor ``2 (N - 1) / N P`` when slots are balanced).
     * ``'drop-in, replicated params'``: one all-gather: ``(N - 1) max``.
     * ``'drop-in, sharded params'``: params sharded along one matrix dim
-      over the innermost owner axis (FSDP, or HSDP's ``'shard'``): one
-      all-to-all each way, ``2 (N - 1) max / S`` with S that axis' size.
+      over the innermost owner axis (FSDP, or HSDP's ``'shard'``) of size
+      S: one all-to-all over that axis to the owners, ``(S - 1) max / S``,
+      and one over all owner axes back, ``(N - 1) max / S``. (A state's
+      :meth:`dmuon_jax.OwnerLayout.collective_bytes` predicts the bytes for
+      the params' actual shardings.)
     * ``'all-reduce floor'``: ``2 (N - 1) / N P``, what data parallelism pays
       for these gradients anyway.
 
@@ -515,7 +518,7 @@ class OwnershipPlan:
     return {
         'explicit': 2 * (n - 1) * biggest,
         'drop-in, replicated params': (n - 1) * biggest,
-        'drop-in, sharded params': 2 * (n - 1) * biggest / inner,
+        'drop-in, sharded params': (inner - 1 + n - 1) * biggest / inner,
         'all-reduce floor': 2 * (n - 1) / n * sum(self.slot_bytes()),
     }
 
@@ -523,7 +526,7 @@ class OwnershipPlan:
     """The lines of :meth:`summary`; sections are appended in order."""
     lines = self._summary_header_lines()
     lines.append('  predicted collective bytes per device per step:')
-    lines.extend(f'    {path}: {_human_bytes(b)}'
+    lines.extend(f'    {path}: {human_bytes(b)}'
                  for path, b in self.collective_bytes().items())
     lines.extend(self._summary_slot_lines())
     return lines
@@ -541,12 +544,12 @@ class OwnershipPlan:
         f'OwnershipPlan: {_plural(len(self.units), "matrix", "matrices")}'
         f' in {_plural(len(self.leaves), "leaf", "leaves")} on'
         f' {_plural(self.num_slots, "slot", "slots")}, mesh {mesh}',
-        f'  predicted NS FLOPs: total {_human_flops(sum(costs))}, per slot'
-        f' max {_human_flops(max(costs))}, mean'
-        f' {_human_flops(sum(costs) / len(costs))}, imbalance (max/mean)'
+        f'  predicted NS FLOPs: total {human_flops(sum(costs))}, per slot'
+        f' max {human_flops(max(costs))}, mean'
+        f' {human_flops(sum(costs) / len(costs))}, imbalance (max/mean)'
         f' {self.imbalance:.3f}',
-        f'  bytes: total {_human_bytes(sum(nbytes))}, per slot max'
-        f' {_human_bytes(max(nbytes))}',
+        f'  bytes: total {human_bytes(sum(nbytes))}, per slot max'
+        f' {human_bytes(max(nbytes))}',
     ]
 
   def _summary_slot_lines(self) -> list[str]:
@@ -561,8 +564,8 @@ class OwnershipPlan:
       lines.append(
           f'slot {slot}' + (f' ({coords})' if coords else '')
           + f': {_plural(len(unit_ids), "matrix", "matrices")},'
-          f' {_human_flops(costs[slot])},'
-          f' {_human_bytes(nbytes[slot])}'
+          f' {human_flops(costs[slot])},'
+          f' {human_bytes(nbytes[slot])}'
       )
       for i in unit_ids:
         unit = self.units[i]
@@ -574,7 +577,7 @@ def _plural(n: int, one: str, many: str) -> str:
   return f'{n} {one if n == 1 else many}'
 
 
-def _human_bytes(n: float) -> str:
+def human_bytes(n: float) -> str:
   for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
     if abs(n) < 1024 or unit == 'TiB':
       return f'{n:.0f} {unit}' if unit == 'B' else f'{n:.2f} {unit}'
@@ -582,7 +585,7 @@ def _human_bytes(n: float) -> str:
   raise AssertionError('unreachable')
 
 
-def _human_flops(n: float) -> str:
+def human_flops(n: float) -> str:
   for prefix in ('', 'k', 'M', 'G', 'T', 'P'):
     if abs(n) < 1000 or prefix == 'P':
       return f'{n:.0f} FLOP' if not prefix else f'{n:.2f} {prefix}FLOP'
@@ -636,7 +639,7 @@ def ns_cost(m: int, n: int, ns_steps: int = 5,
                      f'{_NS_ALGORITHMS}.')
   if ns_algorithm == 'auto':
     ns_algorithm = _newton_schulz.cheaper_ns_algorithm(m, n, ns_steps)
-  return float(_newton_schulz._ns_flops(m, n, ns_steps, ns_algorithm))  # pylint: disable=protected-access
+  return float(_newton_schulz.matmul_flops(m, n, ns_steps, ns_algorithm))
 
 
 def _normalize_axes(
@@ -800,11 +803,11 @@ def layer_key(path: str, batch_index: tuple[int, ...] = ()) -> str:
     The key.
   """
   segments = _segments(path)
-  end = _block_boundary_end(segments)
+  end = block_boundary_end(segments)
   if end is not None:
     return '/'.join(segments[:end])
   start = 0
-  while start < len(segments) - 1 and segments[start] in _COLLECTION_NAMES:
+  while start < len(segments) - 1 and segments[start] in COLLECTION_NAMES:
     start += 1
   base = '/'.join(segments[: start + 1])
   if batch_index:
@@ -812,8 +815,8 @@ def layer_key(path: str, batch_index: tuple[int, ...] = ()) -> str:
   return base
 
 
-def _mesh_axes(
-    mesh: Any, axis_names: Any
+def mesh_axes(
+    mesh: Any, axis_names: Any = None
 ) -> tuple[tuple[str, ...], tuple[int, ...]]:
   """Owner axes (in mesh order) and their sizes."""
   if mesh is None:
@@ -875,7 +878,9 @@ def check_devices(params: Any, mesh: Any) -> None:
         or not getattr(x, 'committed', True)):
       continue
     ids = sorted(d.id for d in x.sharding.device_set)
-    if not set(ids) <= mesh_ids:
+    if not set(ids) <= mesh_ids or (
+        len(ids) == 1 < len(mesh_ids)
+        and not isinstance(x.sharding, jax.sharding.NamedSharding)):
       raise ValueError(
           f'dmuon: param {normalize_path(keys)!r} is placed on devices '
           f'{ids}, but the mesh it was given has devices '
@@ -1118,7 +1123,7 @@ def plan_ownership(
   if ns_algorithm not in _NS_ALGORITHMS:
     raise ValueError(f'dmuon: ns_algorithm={ns_algorithm!r} is not one of '
                      f'{_NS_ALGORITHMS}.')
-  names, sizes = _mesh_axes(mesh, axis_names)
+  names, sizes = mesh_axes(mesh, axis_names)
   check_devices(params, mesh)
   all_specs = muon_target_specs(
       params, predicate=predicate,
@@ -1160,3 +1165,148 @@ def plan_ownership(
       units=tuple(units),
       owners=tuple(owners),
   )
+
+
+def _balance_work(planned, n: int, max_rounds: int = 10_000) -> None:
+  """Evens out Newton–Schulz work by swapping owners inside loop groups.
+
+  Swapping everything two slots own in one gather group keeps that group's
+  bytes per slot (hence its padding) as they are, so only the work moves:
+  repeatedly take the busiest slot and the swap, in any loop group, that
+  lowers the larger of the two slots' work the most. Scanned stacks keep
+  their rotation. Updates the base owners in ``planned`` in place.
+  """
+  per_group = []
+  for _, iters, base, base_owner in planned:
+    w = np.zeros(n)
+    for u, slot in zip(base, base_owner):
+      for t in range(max(iters, 1)):
+        w[(slot + t) % n] += u.cost
+    per_group.append(w)
+  total = sum(per_group, np.zeros(n))
+  movable = [g for g, (_, iters, _, _) in enumerate(planned) if not iters]
+  for _ in range(max_rounds):
+    a = int(np.argmax(total))
+    best, best_max = None, total[a] * (1 - 1e-9)
+    for g in movable:
+      w = per_group[g]
+      for b in range(n):
+        if b != a and w[a] != w[b]:
+          new_max = max(total[a] - w[a] + w[b], total[b] - w[b] + w[a])
+          if new_max < best_max:
+            best, best_max = (g, b), new_max
+    if best is None:
+      return
+    g, b = best
+    w = per_group[g]
+    delta = w[a] - w[b]
+    total[a] -= delta
+    total[b] += delta
+    w[a], w[b] = w[b], w[a]
+    owners = planned[g][3]
+    owners[:] = [b if s == a else a if s == b else s for s in owners]
+
+
+def _plan_slot(plan: OwnershipPlan, buffer_axes: Sequence[str],
+               slot: int) -> int:
+  """The plan's (mesh-order) slot of a slot in ``buffer_axes`` order."""
+  if not plan.axis_names:
+    return 0
+  sizes = dict(zip(plan.axis_names, plan.mesh_shape))
+  coords = dict(zip(buffer_axes, np.unravel_index(
+      slot, [sizes[a] for a in buffer_axes])))
+  return int(np.ravel_multi_index(
+      [int(coords[a]) for a in plan.axis_names], plan.mesh_shape))
+
+
+def plan_gather_groups(
+    plan: OwnershipPlan,
+    groups: Sequence[tuple[str, bool, Sequence[LeafSpec]]],
+    layers_per_gather: int,
+    buffer_axes: Sequence[str],
+) -> tuple[OwnershipPlan, tuple[OwnershipPlan, ...], tuple[int, ...]]:
+  """Owners for dedicated mode: matrices gathered per group of boundaries.
+
+  Within a group, matrices go to owners largest first, each to the owner
+  holding the fewest bytes of that group (ties: the least Newton–Schulz
+  work so far, then the slot index), so that a gather pads little; then
+  owners are swapped between slots inside loop groups (bytes unchanged) to
+  even out the work over the whole model. A scanned stack is planned for
+  one iteration of ``layers_per_gather`` layers; iteration ``t`` rotates
+  those owners by ``t`` slots.
+
+  Args:
+    plan: the plan of all Muon targets (its units, costs and mesh).
+    groups: per gather group, ``(name, scanned, leaf specs)``; a scanned
+      group's leaves share a leading layer axis.
+    layers_per_gather: layers of a scanned stack per iteration.
+    buffer_axes: the owner axes in buffer order (major to minor).
+
+  Returns:
+    ``(plan, group_plans, iterations)``: ``plan`` with every unit's owner
+    (mesh-order slots), per group a plan over ``buffer_axes`` of its base
+    units (one iteration for a scanned stack), and per group the number of
+    scan iterations (0 for loop groups).
+
+  Raises:
+    ValueError: for a scanned group whose leaves do not share the leading
+      layer axis, or whose length ``layers_per_gather`` does not divide.
+  """
+  k = layers_per_gather
+  sizes = dict(zip(plan.axis_names, plan.mesh_shape))
+  buffer_axes = tuple(buffer_axes)
+  n = plan.num_slots
+  unit_ids = {(u.leaf_index, u.batch_index): i
+              for i, u in enumerate(plan.units)}
+  work = np.zeros(n)
+  planned = []  # per group: (specs, iterations, base units, base owners)
+  for name, scanned, specs in groups:
+    specs = list(specs)
+    iters = 0
+    if scanned:
+      length = specs[0].shape[0]
+      bad = [s.path for s in specs
+             if 0 not in s.batch_axes or s.shape[0] != length]
+      if bad:
+        raise ValueError(
+            f'dmuon: scanned stack {name!r} needs every Muon target to have '
+            f'the same leading layer axis (a batch axis of its dimension '
+            f'numbers) of size {length}; these do not: {bad}.')
+      if length % k:
+        raise ValueError(
+            f'dmuon: layers_per_gather={k} does not divide the {length} '
+            f'layers of scanned stack {name!r}.')
+      iters = length // k
+      specs = [dataclasses.replace(s, shape=(k,) + s.shape[1:])
+               for s in specs]
+    in_group = {s.leaf_index for s in specs}
+    base = [u for u in plan.units if u.leaf_index in in_group
+            and (not iters or u.batch_index[0] < k)]
+    held = np.zeros(n)
+    base_owner = [0] * len(base)
+    for i in sorted(range(len(base)),
+                    key=lambda i: (-base[i].nbytes, -base[i].cost, i)):
+      slot = min(range(n), key=lambda s: (held[s], work[s], s))
+      held[slot] += base[i].nbytes
+      base_owner[i] = slot
+      for t in range(max(iters, 1)):
+        work[(slot + t) % n] += base[i].cost
+    planned.append((specs, iters, base, base_owner))
+  _balance_work(planned, n)
+  owners = [0] * len(plan.units)
+  group_plans, iterations = [], []
+  for specs, iters, base, base_owner in planned:
+    for u, slot in zip(base, base_owner):
+      for t in range(max(iters, 1)):
+        index = u.batch_index
+        if iters:
+          index = (t * k + index[0],) + index[1:]
+        owners[unit_ids[(u.leaf_index, index)]] = _plan_slot(
+            plan, buffer_axes, (slot + t) % n)
+    group_plans.append(dataclasses.replace(
+        plan, axis_names=buffer_axes,
+        mesh_shape=tuple(sizes[a] for a in buffer_axes),
+        leaves=tuple(specs), units=tuple(base), owners=tuple(base_owner)))
+    iterations.append(iters)
+  return (dataclasses.replace(plan, owners=tuple(owners)),
+          tuple(group_plans), tuple(iterations))

@@ -117,7 +117,7 @@ def orthogonalize_via_gram_newton_schulz_tp(
     # iteration amplifies (seen: 1.6e-5 against direct NS with one restart
     # on 32 x 128, 3.7e-6 with two); restart twice.
     restart_iterations = (1, 3)
-  restarts = _newton_schulz._check_restart_iterations(  # pylint: disable=protected-access
+  restarts = _newton_schulz.check_restart_iterations(
       restart_iterations, len(rows))
   gram = jax.lax.psum(x0 @ t(x0), axis_name)
   norm_sq = jnp.trace(gram, axis1=-2, axis2=-1)[..., None, None]
@@ -125,7 +125,7 @@ def orthogonalize_via_gram_newton_schulz_tp(
   scale = 1 / jnp.where(norm > 0, norm, 1)
   x0 = (x0 * scale).astype(compute_dtype)
   r = (gram * scale**2).astype(compute_dtype)
-  out = _newton_schulz._gram_iterate(  # pylint: disable=protected-access
+  out = _newton_schulz.gram_iterate(
       x0, r, rows, restarts,
       gram=lambda a: jax.lax.psum(a @ t(a), axis_name))
   if split_axis == -2:

@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
-from dmuon_jax import _checkpoint
+from dmuon_jax import checkpoint
 
 AXES = ('replicate', 'shard')
 
@@ -84,7 +84,7 @@ def main(argv=None):
   mesh = jax.make_mesh((2, 4), AXES)
   opt = dmuon_jax.dmuon(0.02, weight_decay=0.01, mesh=mesh)
   params = jax.device_put(init_params(), NamedSharding(mesh, P()))
-  restored = _checkpoint.restore(args.dir, params, opt)
+  restored = checkpoint.restore(args.dir, params, opt)
   if restored is None:
     start, state = 0, opt.init(params)
   else:
@@ -102,7 +102,7 @@ def main(argv=None):
     print(f'step {step + 1} loss {float(loss):.6f}', flush=True)
     if (step + 1) % args.every == 0 and step + 1 < args.steps:
       print(f'saving {step + 1}', flush=True)
-      _checkpoint.save(args.dir, step + 1, params, state, opt)
+      checkpoint.save(args.dir, step + 1, params, state)
       print(f'saved {step + 1}', flush=True)
   if args.out:
     flat = {jax.tree_util.keystr(p): np.asarray(x) for p, x in

@@ -129,12 +129,11 @@ def save_and_check(checkpoint_dir, steps, mesh, like, trained, opt,
 
   import dmuon_jax
   params, state = trained
-  dmuon_jax.checkpoint.save(checkpoint_dir, steps, params, state, opt,
-                            dedication=dedication)
+  dmuon_jax.checkpoint.save(checkpoint_dir, steps, params, state)
   step, params2, state2 = dmuon_jax.checkpoint.restore(
       checkpoint_dir, like, opt, dedication=dedication)
   def portable(p, s):
-    out = dmuon_jax.state_to_portable(opt, p, s, dedication=dedication)
+    out = dmuon_jax.checkpoint.state_to_portable(s)
     return (p if dedication is None else dedication.to_params(p)), out
   before = _to_host(portable(params, state), mesh)
   after = _to_host(portable(params2, state2), mesh)

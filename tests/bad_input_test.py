@@ -10,6 +10,7 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from absl.testing import absltest, parameterized
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -167,7 +168,7 @@ def restore_after_save(like, opt_at_restore=None):
   """Saves ``tree()`` with dmuon, restores onto ``like``."""
   opt = dmuon_jax.dmuon(0.1)
   with tempfile.TemporaryDirectory() as d:
-    dmuon_jax.checkpoint.save(d, 1, tree(), opt.init(tree()), opt)
+    dmuon_jax.checkpoint.save(d, 1, tree(), opt.init(tree()))
     dmuon_jax.checkpoint.restore(d, like, opt_at_restore)
 
 
@@ -186,12 +187,38 @@ def restore_with_other_routing():
       0.1, predicate=lambda path, x: False))
 
 
-def dedicated_state_without_dedication():
-  ded = dmuon_jax.dedicate(tree(), None)
-  opt = dmuon_jax.dedicated_muon(ded, 0.1)
-  dp = ded.to_dedicated(tree())
-  dmuon_jax.checkpoint.state_to_portable(opt, dp, opt.init(dp))
 
+def inject_with_a_mesh():
+  # A jax Mesh is callable (a context decorator): inject_hyperparams takes
+  # it for a schedule and calls it.
+  mesh = jax.make_mesh((2, 4), AXES)
+  optax.inject_hyperparams(dmuon_jax.dmuon)(
+      learning_rate=0.1, mesh=mesh).init(tree())
+
+
+def inject_a_dtype():
+  optax.inject_hyperparams(dmuon_jax.dmuon)(
+      learning_rate=0.1, mu_dtype=jnp.float32).init(tree())
+
+
+def inject_ns_steps():
+  opt = optax.inject_hyperparams(dmuon_jax.dmuon)(learning_rate=0.1,
+                                                  ns_steps=5)
+  params = tree()
+  jax.jit(opt.update).trace(params, opt.init(params), params)
+
+
+def state_of_another_mesh():
+  mesh_a, mesh_b = jax.make_mesh((1, 8), AXES), jax.make_mesh((8, 1), AXES)
+  params = place(tree(), mesh_a)
+  state = dmuon_jax.dmuon(0.1, mesh=mesh_a).init(params)
+  opt = dmuon_jax.dmuon(0.1, mesh=mesh_b)
+  jax.jit(opt.update).trace(params, state, params)
+
+
+def params_on_one_device_of_the_mesh():
+  params = jax.device_put(tree(), jax.devices()[0])
+  dmuon_jax.dmuon(0.1, mesh=jax.make_mesh((1, 8), AXES)).init(params)
 
 # (name, case, exception, regex: what was received, the leaf, the fix)
 CASES = (
@@ -259,9 +286,19 @@ CASES = (
       r"not in the target: params/layers_0/b\.")),
     ('restore_with_other_routing', restore_with_other_routing, ValueError,
      r"does not fit the optimizer state.*Make the optimizer as when saving"),
-    ('dedicated_state_without_dedication',
-     dedicated_state_without_dedication, ValueError,
-     r"holds a DedicatedMuonState.*pass the Dedication.*dedication=ded"),
+    ('inject_with_a_mesh', inject_with_a_mesh, TypeError,
+     (r"mesh is a function wrapping a jax.sharding.Mesh.*"
+      r"static_args=\('mesh',\).*jax.set_mesh")),
+    ('inject_a_dtype', inject_a_dtype, TypeError,
+     r"mu_dtype is an array.*as a string \('float32'\)"),
+    ('inject_ns_steps', inject_ns_steps, TypeError,
+     r"ns_steps is a traced value.*static_args=\('ns_steps',\)"),
+    ('state_of_another_mesh', state_of_another_mesh, ValueError,
+     (r"laid out as dmuon_replicate1_shard8_\w+.*runs on mesh "
+      r"\{'replicate': 8, 'shard': 1\}.*state_from_portable")),
+    ('params_on_one_device_of_the_mesh', params_on_one_device_of_the_mesh,
+     ValueError, (r"'layers_0/\w' is placed on devices \[0\].*Place the "
+                  r"params on that mesh")),
 )
 
 
@@ -293,7 +330,7 @@ class NoMuonTargetsTest(absltest.TestCase):
     self.assertIn('no Muon targets', ded.summary())
     self.assertIn('padding 0.0%', ded.summary())
     dp = ded.to_dedicated(params)
-    self.assertEqual(dp.owned, ())
+    self.assertEmpty(dp.owned.buffers)
     opt = dmuon_jax.dedicated_muon(ded, 0.1)
     state = opt.init(dp)
     updates, _ = opt.update(dp, state, dp)
@@ -309,10 +346,11 @@ class CheckDedicatedTest(absltest.TestCase):
     ded = dmuon_jax.dedicate(tree(), None)
     ded.check_dedicated(ded.to_dedicated(tree()), 'update()')  # Fits.
     other = dmuon_jax.dedicate(resized(), None).to_dedicated(resized())
-    with self.assertRaisesRegex(ValueError, r"update\(\) got owner buffers "
-                                r"of sizes \[192\] for gather group 0 "
-                                r"\(\['layers_0'\]\).*dedicate and "
-                                r"to_dedicated again"):
+    # The error names both layouts and how to convert.
+    with self.assertRaisesRegex(
+        ValueError, rf"update\(\) got owner buffers laid out as "
+        rf"{other.owned.layout.name}, but this dedication lays them out as "
+        rf"{ded.layout.name}.*to_params\(\) and to_dedicated\(\)"):
       ded.check_dedicated(other, 'update()')
 
 

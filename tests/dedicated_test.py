@@ -12,7 +12,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
-from dmuon_jax import _dedicated
 from dmuon_jax import _planner
 from tests import alias_test
 from tests import distributed_test
@@ -111,9 +110,9 @@ def dedicated_step(ded, opt, state):
 def setup(shape, z3):
   mesh = distributed_test.make_mesh(shape)
   params = init_params()
-  ded = _dedicated.dedicate(params, mesh, reshard_after_forward=z3)
+  ded = dmuon_jax.dedicate(params, mesh, reshard_after_forward=z3)
   dp = ded.to_dedicated(jax.device_put(params, NamedSharding(mesh, P())))
-  opt = _dedicated.dedicated_muon(ded, LR)
+  opt = dmuon_jax.dedicated_muon(ded, LR)
   state = opt.init(dp)
   x = jax.device_put(batch(), NamedSharding(mesh, P(AXES)))
   return ded, dp, opt, state, x
@@ -124,12 +123,12 @@ class DedicatedTest(parameterized.TestCase):
   def test_round_trip(self):
     mesh = distributed_test.make_mesh((1, 8))
     params = init_params()
-    ded = _dedicated.dedicate(params, mesh)
+    ded = dmuon_jax.dedicate(params, mesh)
     dp = ded.to_dedicated(params)
     self.assertEqual(ded.boundaries.names,
                      tuple(f'layers_{i}' for i in range(BLOCKS)))
-    for owned in dp.owned:
-      (buf,) = owned
+    self.assertLen(dp.owned.buffers, BLOCKS)  # one per block (one dtype)
+    for buf in dp.owned:
       self.assertEqual(buf.sharding.spec, P(('shard', 'replicate')))
       # 8 equal matrices per block on 8 owners: no padding.
       self.assertEqual(buf.size, MATS * WIDTH * WIDTH)
@@ -158,9 +157,9 @@ class DedicatedTest(parameterized.TestCase):
   def test_one_device_is_plain_muon(self, z3):
     # No mesh: no collectives, still the same algorithm.
     params = init_params()
-    ded = _dedicated.dedicate(params, None, reshard_after_forward=z3)
+    ded = dmuon_jax.dedicate(params, None, reshard_after_forward=z3)
     dp = ded.to_dedicated(params)
-    opt = _dedicated.dedicated_muon(ded, LR)
+    opt = dmuon_jax.dedicated_muon(ded, LR)
     state = opt.init(dp)
 
     def loss(dp, x):
@@ -233,8 +232,8 @@ class DedicatedPlanTest(absltest.TestCase):
                               'gate': shape(d, 4 * d), 'up': shape(d, 4 * d),
                               'down': shape(4 * d, d)} for i in range(4)}
     mesh = {'replicate': 1, 'shard': 8}
-    one = _dedicated.dedicate(params, mesh, ns_algorithm='standard')
-    two = _dedicated.dedicate(params, mesh, layers_per_gather=2,
+    one = dmuon_jax.dedicate(params, mesh, ns_algorithm='standard')
+    two = dmuon_jax.dedicate(params, mesh, layers_per_gather=2,
                               ns_algorithm='standard')
     payload = 4 * 16 * d * d * 4
     # One block (16 d^2 in 7 matrices) on 8 owners: the largest share is a
@@ -254,7 +253,7 @@ class DedicatedPlanTest(absltest.TestCase):
     # 30 d^3 for a direct d x d), per two blocks a slot holds either one
     # d x 4d (60) or four d x d (120) matrices against a mean of 75: the best
     # the swaps can do over four blocks is 180 against 150, i.e. 1.2.
-    auto = _dedicated.dedicate(params, mesh, layers_per_gather=2)
+    auto = dmuon_jax.dedicate(params, mesh, layers_per_gather=2)
     self.assertEqual(auto.gather_bytes(), (payload, payload))
     costs = auto.plan.slot_costs()
     self.assertAlmostEqual(max(costs) / np.mean(costs), 1.2)
@@ -265,19 +264,19 @@ class DedicatedErrorsTest(parameterized.TestCase):
   def test_strict_mode_names_targets_without_boundary(self):
     params = init_params() | {'proj': jnp.ones((WIDTH, WIDTH))}
     with self.assertRaisesRegex(ValueError, r"no hook boundary: \['proj'\]"):
-      _dedicated.dedicate(params, None)
-    ded = _dedicated.dedicate(params, None, strict=False)
+      dmuon_jax.dedicate(params, None)
+    ded = dmuon_jax.dedicate(params, None, strict=False)
     self.assertIn('proj', ded.boundaries.names)
 
   def test_unknown_or_wrong_kind_of_boundary(self):
-    ded = _dedicated.dedicate(init_params(), None)
+    ded = dmuon_jax.dedicate(init_params(), None)
     with self.assertRaisesRegex(ValueError, "no hook boundary 'layers_9'"):
       ded.block(block_fn, 'layers_9')
     with self.assertRaisesRegex(ValueError, 'not scanned; use .*block'):
       ded.scan(block_fn, 'layers_0')
 
   def test_block_inside_a_gather_group(self):
-    ded = _dedicated.dedicate(init_params(), None, layers_per_gather=2)
+    ded = dmuon_jax.dedicate(init_params(), None, layers_per_gather=2)
     self.assertEqual(len(ded.groups), 2)
     with self.assertRaisesRegex(ValueError, 'gathered together with'):
       ded.block(block_fn, 'layers_0')
@@ -287,10 +286,10 @@ class DedicatedErrorsTest(parameterized.TestCase):
   def test_layers_per_gather_must_divide_the_stack(self):
     stacked = {'layers': {'w': jnp.ones((3, WIDTH, WIDTH))}}
     with self.assertRaisesRegex(ValueError, 'does not divide the 3 layers'):
-      _dedicated.dedicate(stacked, None, predicate=is_w,
+      dmuon_jax.dedicate(stacked, None, predicate=is_w,
                           layers_per_gather=2)
     with self.assertRaisesRegex(ValueError, 'positive int'):
-      _dedicated.dedicate(stacked, None, predicate=is_w,
+      dmuon_jax.dedicate(stacked, None, predicate=is_w,
                           layers_per_gather=0)
 
   def test_stack_param_sharded_along_the_layer_axis(self):
@@ -302,11 +301,11 @@ class DedicatedErrorsTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError,
                                 "'layers/scale' of a scanned stack is sharded"
                                 ' along its layer axis'):
-      _dedicated.dedicate(stacked, mesh, predicate=is_w)
+      dmuon_jax.dedicate(stacked, mesh, predicate=is_w)
 
   def test_remat_policy_that_saves_the_weights(self):
     mesh = distributed_test.make_mesh((1, 8))
-    ded = _dedicated.dedicate(
+    ded = dmuon_jax.dedicate(
         init_params(), mesh,
         remat_policy=jax.checkpoint_policies.everything_saveable)
     dp = ded.to_dedicated(init_params())
@@ -318,6 +317,82 @@ class DedicatedErrorsTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, 'saves its gathered weights'):
       jax.jit(step).lower(dp, x)
 
+
+
+def _decay_all_but_one(params):
+  mask = jax.tree.map(lambda x: True, params)
+  mask['layers_1']['w3'] = False
+  return mask
+
+
+# (name, dmuon/dedicated_muon arguments, param dtype)
+OWNER_CASES = (
+    ('sgd', dict(momentum='sgd'), jnp.float32),
+    ('sgd_plain', dict(momentum='sgd', nesterov=False), jnp.float32),
+    ('adaptive', dict(adaptive=True), jnp.float32),
+    ('spectral', dict(preconditioning='spectral'), jnp.float32),
+    ('aol', dict(preconditioning='aol'), jnp.float32),
+    ('schatten', dict(preconditioning='schatten'), jnp.float32),
+    ('compute_bf16', dict(compute_dtype=jnp.bfloat16), jnp.float32),
+    ('wd_mask', dict(weight_decay=0.1,
+                     weight_decay_mask=_decay_all_but_one), jnp.float32),
+    ('consistent_rms', dict(consistent_rms=0.2, adam_eps_root=1e-8),
+     jnp.float32),
+    ('bf16_params_f32_mu', dict(mu_dtype=jnp.float32), jnp.bfloat16),
+)
+
+
+class OneOwnerUpdateTest(parameterized.TestCase):
+  """Dedicated mode runs the drop-in path's owner update: same numbers.
+
+  Both optimizers get the same gradients (in param layout for ``dmuon``, in
+  owner layout for ``dedicated_muon``) on a 2x4 mesh, 10 steps, under plain
+  ``jax.jit``.
+  """
+
+  @parameterized.named_parameters(*OWNER_CASES)
+  def test_dedicated_equals_drop_in(self, kwargs, dtype):
+    mesh = distributed_test.make_mesh((2, 4))
+    params = jax.tree.map(lambda x: x.astype(dtype), init_params())
+    placed = jax.device_put(params, NamedSharding(mesh, P()))
+    if callable(kwargs.get('weight_decay_mask')):
+      kwargs = dict(kwargs, weight_decay_mask=kwargs['weight_decay_mask'](
+          params))
+    opt = dmuon_jax.dmuon(LR, mesh=mesh, **kwargs)
+    ded = dmuon_jax.dedicate(placed, mesh)
+    dopt = dmuon_jax.dedicated_muon(ded, LR, **kwargs)
+    p, state = placed, opt.init(placed)
+    dp = ded.to_dedicated(placed)
+    dstate = dopt.init(dp)
+    step = jax.jit(opt.update)
+    dstep = jax.jit(dopt.update)
+    for i in range(10):
+      grads = jax.device_put(alias_test.grads_at(i, params),
+                             NamedSharding(mesh, P()))
+      u, state = step(grads, state, p)
+      p = optax.apply_updates(p, u)
+      du, dstate = dstep(ded.to_dedicated(grads), dstate, dp)
+      dp = optax.apply_updates(dp, du)
+    got = ded.to_params(dp)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(p)):
+      self.assertEqual(a.dtype, b.dtype)
+    alias_test.assert_trees_rel_close(self, got, p, rtol=1e-6)
+    # The options changed the run (the comparison is not vacuous).
+    self.assertGreater(
+        float(np.abs(np.asarray(got['layers_0']['w0'], np.float32)
+                     - np.asarray(params['layers_0']['w0'], np.float32)
+                     ).max()), 1e-4)
+
+  def test_old_keyword_is_deprecated(self):
+    params = init_params()
+    dims = jax.tree.map(lambda x: optax.contrib.MuonDimensionNumbers()
+                        if x.ndim == 2 else None, params)
+    dims['head'] = None
+    with self.assertWarnsRegex(DeprecationWarning,
+                               'muon_weight_dimension_numbers'):
+      old = dmuon_jax.dedicate(params, None, weight_dimension_numbers=dims)
+    new = dmuon_jax.dedicate(params, None, muon_weight_dimension_numbers=dims)
+    self.assertEqual(old.layout, new.layout)
 
 if __name__ == '__main__':
   absltest.main()

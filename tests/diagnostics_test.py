@@ -1,4 +1,4 @@
-"""Tests for dmuon_jax._diagnostics (collective bytes and FLOPs from HLO)."""
+"""Tests for dmuon_jax.diagnostics (collective bytes and FLOPs from HLO)."""
 
 import math
 import unittest
@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
-from dmuon_jax import _diagnostics
+from dmuon_jax import diagnostics
 
 AXES = ('replicate', 'shard')
 BOTH = ('replicate', 'shard')
@@ -50,7 +50,7 @@ class CompiledCollectivesTest(parameterized.TestCase):
         lambda a: lax.all_gather(a, 'shard', tiled=True, to='invarying'),
         mesh, P('shard'), P(),
     )
-    report = _diagnostics.analyze(f, _arg(mesh, (64, 512), P('shard')))
+    report = diagnostics.analyze(f, _arg(mesh, (64, 512), P('shard')))
     self.assertEqual([c.kind for c in report.collectives], ['all-gather'])
     c = report.collectives[0]
     self.assertEqual(c.dtype, 'f32')
@@ -69,14 +69,14 @@ class CompiledCollectivesTest(parameterized.TestCase):
         mesh, P('shard'), P(),
     )
     x = _arg(mesh, (64, 512), P('shard'), jnp.bfloat16)
-    c = _one(_diagnostics.analyze(f, x), 'all-gather')
+    c = _one(diagnostics.analyze(f, x), 'all-gather')
     self.assertEqual(c.dtype, 'f32')
     self.assertEqual(c.bytes, 7 / 8 * 64 * 512 * 4)
 
   def test_psum(self):
     mesh = _mesh((1, 8))
     f = _smap(lambda a: lax.psum(a, 'shard'), mesh, P('shard'), P())
-    report = _diagnostics.analyze(f, _arg(mesh, (64, 512), P('shard')))
+    report = diagnostics.analyze(f, _arg(mesh, (64, 512), P('shard')))
     c = _one(report, 'all-reduce')
     self.assertEqual((c.shape, c.group_size), ((8, 512), 8))
     self.assertEqual(c.bytes, 2 * 7 / 8 * 8 * 512 * 4)
@@ -87,7 +87,7 @@ class CompiledCollectivesTest(parameterized.TestCase):
         lambda a: lax.psum_scatter(a, 'shard', tiled=True),
         mesh, P(), P('shard'),
     )
-    report = _diagnostics.analyze(f, _arg(mesh, (64, 512), P()))
+    report = diagnostics.analyze(f, _arg(mesh, (64, 512), P()))
     c = _one(report, 'reduce-scatter')
     self.assertEqual((c.shape, c.group_size), ((64, 512), 8))
     self.assertEqual(c.bytes, 7 / 8 * 64 * 512 * 4)
@@ -98,7 +98,7 @@ class CompiledCollectivesTest(parameterized.TestCase):
         lambda a: lax.all_to_all(a, 'shard', 1, 1, tiled=True),
         mesh, P('shard'), P('shard'),
     )
-    report = _diagnostics.analyze(f, _arg(mesh, (64, 512), P('shard')))
+    report = diagnostics.analyze(f, _arg(mesh, (64, 512), P('shard')))
     c = _one(report, 'all-to-all')
     # XLA:CPU splits it into 8 operands of (8, 64): summed.
     self.assertEqual(math.prod(c.shape), 8 * 512)
@@ -111,7 +111,7 @@ class CompiledCollectivesTest(parameterized.TestCase):
     f = _smap(
         lambda a: lax.ppermute(a, 'shard', ring), mesh, P('shard'), P('shard')
     )
-    report = _diagnostics.analyze(f, _arg(mesh, (64, 512), P('shard')))
+    report = diagnostics.analyze(f, _arg(mesh, (64, 512), P('shard')))
     c = _one(report, 'collective-permute')
     self.assertEqual((c.shape, c.group_size), ((8, 512), 8))
     self.assertEqual(c.bytes, 8 * 512 * 4)
@@ -125,7 +125,7 @@ class CompiledCollectivesTest(parameterized.TestCase):
     mesh = _mesh((2, 4))
     x = _arg(mesh, (64, 512), P(BOTH))  # local (8, 512)
     psum = _smap(lambda a: lax.psum(a, axes), mesh, P(BOTH), P(BOTH))
-    c = _one(_diagnostics.analyze(psum, x), 'all-reduce')
+    c = _one(diagnostics.analyze(psum, x), 'all-reduce')
     self.assertEqual(c.group_size, n)
     self.assertEqual(c.bytes, 2 * (n - 1) / n * 8 * 512 * 4)
     # The gathered block still varies over the other axis, if any.
@@ -134,7 +134,7 @@ class CompiledCollectivesTest(parameterized.TestCase):
         lambda a: lax.all_gather(a, axes, tiled=True, to='invarying'),
         mesh, P(BOTH), out,
     )
-    c = _one(_diagnostics.analyze(gather, x), 'all-gather')
+    c = _one(diagnostics.analyze(gather, x), 'all-gather')
     self.assertEqual((c.shape, c.group_size), ((8 * n, 512), n))
     self.assertEqual(c.bytes, (n - 1) / n * 8 * n * 512 * 4)
 
@@ -150,7 +150,7 @@ class CompiledCollectivesTest(parameterized.TestCase):
         return lax.fori_loop(0, 5, lambda i, c: body(c), a)
       return lax.scan(lambda c, _: (body(c), None), a, None, length=5)[0]
 
-    report = _diagnostics.analyze(
+    report = diagnostics.analyze(
         _smap(f, mesh, P(BOTH), P(BOTH)), _arg(mesh, (64, 512), P(BOTH))
     )
     c = _one(report, 'all-reduce')
@@ -166,7 +166,7 @@ class CompiledCollectivesTest(parameterized.TestCase):
       inner = lambda j, d: d + 0.5 * lax.psum(d, 'shard')
       return lax.fori_loop(0, 3, lambda i, c: lax.fori_loop(0, 5, inner, c), a)
 
-    report = _diagnostics.analyze(
+    report = diagnostics.analyze(
         _smap(f, mesh, P('shard'), P('shard')),
         _arg(mesh, (64, 512), P('shard')),
     )
@@ -181,7 +181,7 @@ class CompiledCollectivesTest(parameterized.TestCase):
       cond = lambda c: c.sum() < 100.0
       return lax.while_loop(cond, lambda c: c + lax.psum(c, 'shard'), a)
 
-    report = _diagnostics.analyze(
+    report = diagnostics.analyze(
         _smap(f, mesh, P('shard'), P('shard')),
         _arg(mesh, (64, 512), P('shard')),
     )
@@ -195,7 +195,7 @@ class CompiledCollectivesTest(parameterized.TestCase):
       i = lax.axis_index('shard') % 2
       return lax.switch(i, [lambda: a + lax.psum(a, 'shard'), lambda: 2 * a])
 
-    report = _diagnostics.analyze(
+    report = diagnostics.analyze(
         _smap(f, mesh, P('shard'), P('shard')),
         _arg(mesh, (64, 512), P('shard')),
     )
@@ -208,7 +208,7 @@ class CompiledCollectivesTest(parameterized.TestCase):
         lambda a, b: lax.psum((a, b), 'shard'),
         mesh, (P('shard'), P('shard')), (P(), P()),
     )
-    report = _diagnostics.analyze(
+    report = diagnostics.analyze(
         f,
         _arg(mesh, (64, 128), P('shard')),
         _arg(mesh, (64, 256), P('shard')),
@@ -220,7 +220,7 @@ class CompiledCollectivesTest(parameterized.TestCase):
   def test_matmul_flops_per_device(self):
     mesh = _mesh((1, 8))
     f = _smap(lambda a, b: a @ b, mesh, (P('shard'), P()), P('shard'))
-    report = _diagnostics.analyze(
+    report = diagnostics.analyze(
         f, _arg(mesh, (64, 128), P('shard')), _arg(mesh, (128, 32), P())
     )
     self.assertEqual(report.collectives, ())
@@ -234,7 +234,7 @@ class CompiledCollectivesTest(parameterized.TestCase):
     def f(a, b):
       return lax.scan(lambda c, _: (c @ b, None), a, None, length=5)[0]
 
-    report = _diagnostics.analyze(
+    report = diagnostics.analyze(
         _smap(f, mesh, (P('shard'), P()), P('shard')),
         _arg(mesh, (64, 128), P('shard')),
         _arg(mesh, (128, 128), P()),
@@ -251,7 +251,7 @@ class CompiledCollectivesTest(parameterized.TestCase):
       return g, lax.psum(a, 'shard')
 
     x = _arg(mesh, (64, 512), P('shard'))
-    report = _diagnostics.analyze(_smap(f, mesh, P('shard'), (P(), P())), x)
+    report = diagnostics.analyze(_smap(f, mesh, P('shard'), (P(), P())), x)
     gather = 7 / 8 * 64 * 512 * 4
     reduce = 2 * 7 / 8 * 8 * 512 * 4
     self.assertEqual(
@@ -288,15 +288,15 @@ class CompiledCollectivesTest(parameterized.TestCase):
     )
     lowered = jax.jit(f).lower(x)
     reports = [
-        _diagnostics.analyze(f, x),
-        _diagnostics.analyze(jax.jit(f), x),
-        _diagnostics.analyze_compiled(lowered),
-        _diagnostics.analyze_compiled(lowered.compile()),
+        diagnostics.analyze(f, x),
+        diagnostics.analyze(jax.jit(f), x),
+        diagnostics.analyze_compiled(lowered),
+        diagnostics.analyze_compiled(lowered.compile()),
     ]
     for report in reports:
       self.assertEqual(report.collectives, reports[0].collectives)
     with self.assertRaisesRegex(TypeError, 'Compiled'):
-      _diagnostics.analyze_compiled('HloModule m')
+      diagnostics.analyze_compiled('HloModule m')
 
 
 class ReplicaGroupsTest(parameterized.TestCase):
@@ -318,12 +318,12 @@ class ReplicaGroupsTest(parameterized.TestCase):
       ),
   )
   def test_forms(self, text, expected):
-    self.assertEqual(_diagnostics.parse_replica_groups(text), expected)
+    self.assertEqual(diagnostics.parse_replica_groups(text), expected)
 
   def test_empty_means_all_devices(self):
-    self.assertEqual(_diagnostics.parse_replica_groups('{}'), ())
+    self.assertEqual(diagnostics.parse_replica_groups('{}'), ())
     self.assertEqual(
-        _diagnostics.parse_replica_groups('{}', num_devices=4),
+        diagnostics.parse_replica_groups('{}', num_devices=4),
         ((0, 1, 2, 3),),
     )
 
@@ -334,7 +334,7 @@ class ReplicaGroupsTest(parameterized.TestCase):
   )
   def test_invalid(self, text):
     with self.assertRaisesRegex(ValueError, 'replica_groups'):
-      _diagnostics.parse_replica_groups(text)
+      diagnostics.parse_replica_groups(text)
 
 
 # Hand-written compiled HLO in the GPU style: async pairs, inline operand
@@ -407,7 +407,7 @@ body=%body, backend_config={"known_trip_count":{"n":"7"}}
 class HloTextTest(absltest.TestCase):
 
   def test_async_forms_loops_and_groups(self):
-    got = _diagnostics.hlo_collectives(_ASYNC_HLO)
+    got = diagnostics.hlo_collectives(_ASYNC_HLO)
     table = [
         (c.kind, c.name, c.dtype, c.shape, c.group_size, c.executions,
          c.in_loop, c.bytes)
@@ -427,7 +427,7 @@ class HloTextTest(absltest.TestCase):
     ])
 
   def test_num_devices_overrides_empty_groups(self):
-    got = _diagnostics.hlo_collectives(_ASYNC_HLO, num_devices=4)
+    got = diagnostics.hlo_collectives(_ASYNC_HLO, num_devices=4)
     rs = [c for c in got if c.kind == 'reduce-scatter']
     self.assertEqual([c.group_size for c in rs], [4])
     self.assertEqual(rs[0].bytes, 3 / 4 * 64 * 512 * 2)
@@ -464,7 +464,7 @@ class StableHloTest(absltest.TestCase):
     text = fn.trace(*args).lower(lowering_platforms=('cuda',)).as_text()
     got = [
         (c.kind, c.dtype, c.shape, c.group_size, c.in_loop, c.bytes)
-        for c in _diagnostics.stablehlo_collectives(text)
+        for c in diagnostics.stablehlo_collectives(text)
     ]
     self.assertCountEqual(got, [
         ('all-gather', 'f32', (32, 512), 4, False, 3 / 4 * 32 * 512 * 4),
@@ -505,7 +505,7 @@ dense<"0xPAIRS"> : tensor<4x2xi64>}> : (tensor<8xf32>) -> tensor<8xf32>
   }
 }
 """.replace('PAIRS', _hex_i64([[0, 1], [1, 0], [2, 3], [3, 2]]))
-    got = _diagnostics.stablehlo_collectives(text)
+    got = diagnostics.stablehlo_collectives(text)
     self.assertEqual(
         [(c.kind, c.shape, c.group_size, c.in_loop, c.bytes) for c in got],
         [

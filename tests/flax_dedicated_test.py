@@ -10,7 +10,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
-from dmuon_jax import _dedicated
 from tests import alias_test
 from tests import dedicated_test
 from tests import distributed_test
@@ -42,11 +41,11 @@ def setup(shape, scan, z3, per_gather=1, fsdp_rest=False):
   params = tf.init(scan)
   params = (tf.fsdp(params, mesh) if fsdp_rest
             else jax.device_put(params, NamedSharding(mesh, P())))
-  ded = _dedicated.dedicate(params, mesh, predicate=tf.predicate,
+  ded = dmuon_jax.dedicate(params, mesh, predicate=tf.predicate,
                             reshard_after_forward=z3,
                             layers_per_gather=per_gather)
   dp = ded.to_dedicated(params)
-  opt = _dedicated.dedicated_muon(ded, LR)
+  opt = dmuon_jax.dedicated_muon(ded, LR)
   state = opt.init(dp)
   tokens = jax.device_put(tf.tokens(), NamedSharding(mesh, P(AXES)))
   return ded, dp, opt, state, tokens
@@ -78,11 +77,11 @@ CONFIGS += [('loop_z3_2x4_fsdp_rest', (2, 4), False, True, 1, True),
 class FlaxDedicatedTest(parameterized.TestCase):
 
   def test_boundaries(self):
-    loop = _dedicated.dedicate(tf.init(False), None, predicate=tf.predicate)
+    loop = dmuon_jax.dedicate(tf.init(False), None, predicate=tf.predicate)
     self.assertEqual(loop.boundaries.names,
                      tuple(f'params/layers_{i}' for i in range(tf.DEPTH)))
     self.assertEqual(loop.num_iterations, (0,) * tf.DEPTH)
-    scan = _dedicated.dedicate(tf.init(True), None, predicate=tf.predicate)
+    scan = dmuon_jax.dedicate(tf.init(True), None, predicate=tf.predicate)
     self.assertEqual(scan.boundaries.names, ('params/layers',))
     self.assertEqual(scan.num_iterations, (tf.DEPTH,))
 
@@ -197,7 +196,7 @@ class FlaxDedicatedCostTest(parameterized.TestCase):
     text = step.trace(dp, state, tokens).lower(
         lowering_platforms=('cuda',)).as_text()
     cuda = {}
-    for c in dmuon_jax._diagnostics.stablehlo_collectives(text):  # pylint: disable=protected-access
+    for c in dmuon_jax.diagnostics.stablehlo_collectives(text):
       cuda[c.kind] = cuda.get(c.kind, 0) + c.bytes
     self.assertEqual(set(cuda), set(report.bytes_by_kind))
     for kind, nbytes in report.bytes_by_kind.items():
@@ -223,7 +222,7 @@ class FlaxDedicatedCostTest(parameterized.TestCase):
 
   def test_update_has_no_collective_for_owned_params(self):
     ded, dp, state, _, _, _ = compiled((1, 8), True, True, 2)
-    opt = _dedicated.dedicated_muon(ded, LR)
+    opt = dmuon_jax.dedicated_muon(ded, LR)
     specs = ded.specs()
 
     @jax.jit

@@ -15,6 +15,8 @@ import time
 import jax
 import numpy as np
 from absl.testing import absltest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
 
@@ -112,8 +114,8 @@ class MultihostTest(absltest.TestCase):
     spec.loader.exec_module(example)
     params = example.init_params()
     mesh = jax.make_mesh((1, 8), ('replicate', 'shard'))
-    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                        params)
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=NamedSharding(mesh, P())), params)
     ded = None
     if mode == 'dropin':
       opt = dmuon_jax.dmuon(example.LR, mesh=mesh)
@@ -123,8 +125,7 @@ class MultihostTest(absltest.TestCase):
     step, params, state = dmuon_jax.checkpoint.restore(
         self.checkpoint_dir(mode, topo), like, opt, dedication=ded)
     self.assertEqual(step, 10)
-    portable = dmuon_jax.state_to_portable(opt, params, state,
-                                           dedication=ded)
+    portable = dmuon_jax.checkpoint.state_to_portable(state)
     if ded is not None:
       params = ded.to_params(params)
     return params, portable

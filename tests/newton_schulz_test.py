@@ -555,7 +555,7 @@ class FlopsTest(parameterized.TestCase):
   def test_formula_counts_the_traced_matmuls(self, shape, restarts):
     m, n = shape
     direct = _jaxpr_matmul_flops(ns.orthogonalize_via_newton_schulz, shape)
-    self.assertEqual(direct, ns._ns_flops(m, n, 5, 'standard'))
+    self.assertEqual(direct, ns.matmul_flops(m, n, 5, 'standard'))
     gram = _jaxpr_matmul_flops(
         functools.partial(
             ns.orthogonalize_via_gram_newton_schulz,
@@ -563,13 +563,13 @@ class FlopsTest(parameterized.TestCase):
         ),
         shape,
     )
-    self.assertEqual(gram, ns._ns_flops(m, n, 5, 'gram', restarts))
+    self.assertEqual(gram, ns.matmul_flops(m, n, 5, 'gram', restarts))
 
   def test_gram_is_cheaper_for_wide_matrices(self):
     s = 64
-    self.assertEqual(ns._ns_flops(s, 4 * s, 5, 'standard'), 90 * s**3)
-    self.assertEqual(ns._ns_flops(s, 4 * s, 5, 'gram'), 60 * s**3)
-    self.assertEqual(ns._ns_flops(s, s, 5, 'gram'), 36 * s**3)
+    self.assertEqual(ns.matmul_flops(s, 4 * s, 5, 'standard'), 90 * s**3)
+    self.assertEqual(ns.matmul_flops(s, 4 * s, 5, 'gram'), 60 * s**3)
+    self.assertEqual(ns.matmul_flops(s, s, 5, 'gram'), 36 * s**3)
 
 
 if __name__ == '__main__':

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
-from dmuon_jax import _diagnostics
+from dmuon_jax import diagnostics
 from tests import dedicated_test
 from tests import distributed_test
 
@@ -262,7 +262,7 @@ class DropInTensorParallelTest(parameterized.TestCase):
     # overflow-safe power-of-two rescaling of huge gradients).
     text = update.trace(params, state, params).lower(
         lowering_platforms=('cuda',)).as_text()
-    tp = [c for c in _diagnostics.stablehlo_collectives(text)
+    tp = [c for c in diagnostics.stablehlo_collectives(text)
           if c.group_size == mesh.shape['model']]
     self.assertEqual({c.kind for c in tp}, {'all-reduce'})
     grams = [c for c in tp if c.shape[1:] == (D, D)]

@@ -8,7 +8,7 @@ Part ``ns``: batched Newton-Schulz, direct
 gate/up, 14336 x 4096 down; 8192 x 28672 a 70B MLP), in bfloat16 and
 float32 (input dtype = ``compute_dtype``). Each shape runs as a batch of
 ``--target-elems / (m n)`` matrices (at least 1). Reported: TFLOP/s from the
-predicted matmul FLOPs (``dmuon_jax._newton_schulz._ns_flops``), and that
+predicted matmul FLOPs (``dmuon_jax._newton_schulz.matmul_flops``), and that
 rate as a fraction of a plain batched matmul's TFLOP/s measured in the same
 run, same dtype and batch: ``(batch, s, s) @ (batch, s, l)`` with
 ``s = min(m, n)``, ``l = max(m, n)`` (the ``B X`` product of an iteration).
@@ -183,9 +183,9 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
   import optax  # pylint: disable=g-import-not-at-top
 
   import dmuon_jax  # pylint: disable=g-import-not-at-top
-  from dmuon_jax import _newton_schulz  # pylint: disable=g-import-not-at-top,protected-access
+  from dmuon_jax import _newton_schulz  # pylint: disable=g-import-not-at-top
 
-  ns_flops = _newton_schulz._ns_flops  # pylint: disable=protected-access
+  ns_flops = _newton_schulz.matmul_flops
   cheaper = _newton_schulz.cheaper_ns_algorithm
 
   backend = jax.default_backend()

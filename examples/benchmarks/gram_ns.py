@@ -5,7 +5,7 @@ Part A (one device): a batch of ``--batch`` wide float32 matrices ``s x l``,
 direct Newton-Schulz (``dmuon_jax.orthogonalize_via_newton_schulz``) and by
 Gram Newton-Schulz (``dmuon_jax.orthogonalize_via_gram_newton_schulz``,
 default restart before iteration 2), ``'jordan'`` coefficients, 5 steps.
-Per ratio: the predicted matmul FLOPs of both (``_ns_flops``), the median
+Per ratio: the predicted matmul FLOPs of both (``matmul_flops``), the median
 times (jitted, measured side by side: every round runs both, alternating
 which goes first), the achieved GFLOP/s, the measured and predicted speedup
 direct / Gram, and each one's distance from a float64 NumPy reference of the
@@ -204,11 +204,11 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
 
   import dmuon_jax  # pylint: disable=g-import-not-at-top
-  from dmuon_jax import _newton_schulz  # pylint: disable=g-import-not-at-top,protected-access
+  from dmuon_jax import _newton_schulz  # pylint: disable=g-import-not-at-top
 
   # Private helpers: the FLOP model and the default restarts.
-  ns_flops = _newton_schulz._ns_flops  # pylint: disable=protected-access
-  check_restarts = _newton_schulz._check_restart_iterations  # pylint: disable=protected-access
+  ns_flops = _newton_schulz.matmul_flops
+  check_restarts = _newton_schulz.check_restart_iterations
   tp_ns = dmuon_jax.orthogonalize_via_gram_newton_schulz_tp
 
   if jax.device_count() != n_dev:
@@ -482,7 +482,7 @@ def render_markdown(args, date, machine, command, part_a, part_b, summary,
           'already faster there)' if mc is not None else
           'Gram is not faster at any measured ratio'))
   out.append(
-      '- GFLOP: predicted matmul FLOPs of the batch (`_ns_flops`, 2 per '
+      '- GFLOP: predicted matmul FLOPs of the batch (`matmul_flops`, 2 per '
       'multiply-add, normalization not counted); GFLOP/s = predicted FLOPs '
       '/ median time. "vs f64": max over the batch of ‖Y − Y₆₄‖_F / '
       '‖Y₆₄‖_F, Y₆₄ the same direct iteration in float64 NumPy. XLA\'s own '

@@ -42,7 +42,6 @@ import json
 import math
 import os
 import pathlib
-import re
 import statistics
 import subprocess
 import sys
@@ -141,47 +140,9 @@ def size_arg(size: dict) -> str:
 
 
 def dot_flops(hlo_text: str) -> float:
-  """Matmul FLOPs of one device program: ``2 * out * contracted`` per dot.
-
-  Counts like XLA:CPU's cost analysis (the most expensive branch of a
-  ``conditional``, a ``while`` body once) but only ``dot`` instructions, so
-  it can be compared with the plan's Newton-Schulz cost model exactly.
-  """
-  # pylint: disable=g-import-not-at-top,protected-access
-  from dmuon_jax import _diagnostics as diag
-
-  comps, entry, _, _ = diag._parse_module(hlo_text)
-  memo = {}
-
-  def cost(name):
-    if name in memo:
-      return memo[name]
-    memo[name] = 0.0  # Guards against cycles.
-    shapes = {ins.name: diag._elements(ins.shape)
-              for ins in comps.get(name, ())}
-    total = 0.0
-    for ins in comps.get(name, ()):
-      if ins.opcode == 'dot':
-        inline, lhs_name = ins.operands[0]
-        lhs = diag._elements(inline) if inline else shapes.get(lhs_name)
-        out = diag._elements(ins.shape)
-        dims = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', ins.attrs)
-        if not lhs or not out or dims is None:
-          continue
-        contracted = math.prod(
-            lhs[0][1][int(d)] for d in dims[1].split(',') if d)
-        total += 2.0 * math.prod(out[0][1]) * contracted
-      elif ins.opcode == 'conditional':
-        total += max((cost(c) for c in diag._callees(ins)), default=0.0)
-      elif ins.opcode == 'while':
-        body = re.search(r'\bbody=%?([\w.\-]+)', ins.attrs)
-        total += cost(body[1]) if body else 0.0
-      else:
-        total += sum(cost(c) for c in diag._callees(ins))
-    memo[name] = total
-    return total
-
-  return cost(entry) if entry else 0.0
+  """Matmul FLOPs of the busiest device (see ``diagnostics.dot_flops``)."""
+  from dmuon_jax import diagnostics  # pylint: disable=g-import-not-at-top
+  return diagnostics.dot_flops(hlo_text)
 
 
 # ---------------------------------------------------------------------------

@@ -271,6 +271,15 @@ def analyze(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> HloReport:
     An :class:`HloReport`; see :func:`analyze_compiled`.
   """
   jitted = fn if hasattr(fn, 'lower') else jax.jit(fn)
+
+  def free(x):
+    # Uncommitted arrays (e.g. optax's step counts) may go anywhere, as in a
+    # call; lowering would pin them to their one device.
+    if isinstance(x, jax.Array) and not getattr(x, 'committed', True):
+      return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return x
+
+  args, kwargs = jax.tree.map(free, (args, kwargs))
   return analyze_compiled(jitted.lower(*args, **kwargs).compile())
 
 
@@ -896,3 +905,57 @@ def _memory_fields(compiled: Any) -> dict[str, int | None]:
     value = getattr(stats, attr, None) if stats is not None else None
     out[field] = None if value is None else int(value)
   return out
+
+
+def dot_flops(compiled: Any, *, loop_trip_counts: bool = False) -> float:
+  """Matmul FLOPs of one device's program: ``2 * out * contracted`` per dot.
+
+  Counts only ``dot`` instructions, so it compares with a Newton–Schulz cost
+  model exactly (XLA's ``cost_analysis`` also counts elementwise work). A
+  ``conditional`` counts its most expensive branch (on an owner-per-branch
+  program: the busiest owner).
+
+  Args:
+    compiled: a ``jax.stages.Compiled`` (or ``Lowered``), or HLO text.
+    loop_trip_counts: multiply the body of each ``while`` loop by its known
+      trip count (False: count it once, as XLA's ``cost_analysis`` does).
+
+  Returns:
+    The FLOP count.
+  """
+  if isinstance(compiled, jax.stages.Lowered):
+    compiled = compiled.compile()
+  text = compiled if isinstance(compiled, str) else compiled.as_text()
+  comps, entry, _, _ = _parse_module(text)
+  memo: dict[str, float] = {}
+
+  def cost(name):
+    if name in memo:
+      return memo[name]
+    memo[name] = 0.0  # Guards against cycles.
+    shapes = {ins.name: _elements(ins.shape) for ins in comps.get(name, ())}
+    total = 0.0
+    for ins in comps.get(name, ()):
+      if ins.opcode == 'dot':
+        inline, lhs_name = ins.operands[0]
+        lhs = _elements(inline) if inline else shapes.get(lhs_name)
+        out = _elements(ins.shape)
+        dims = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', ins.attrs)
+        if not lhs or not out or dims is None:
+          continue
+        contracted = math.prod(
+            lhs[0][1][int(d)] for d in dims[1].split(',') if d)
+        total += 2.0 * math.prod(out[0][1]) * contracted
+      elif ins.opcode == 'conditional':
+        total += max((cost(c) for c in _callees(ins)), default=0.0)
+      elif ins.opcode == 'while':
+        body = re.search(r'\bbody=%?([\w.\-]+)', ins.attrs)
+        trip = _TRIP_COUNT_RE.search(ins.raw) if loop_trip_counts else None
+        trips = int(trip[1]) if trip else 1
+        total += cost(body[1]) * trips if body else 0.0
+      else:
+        total += sum(cost(c) for c in _callees(ins))
+    memo[name] = total
+    return total
+
+  return cost(entry) if entry else 0.0

@@ -1,0 +1,304 @@
+"""Dedicated mode inside ``shard_map``: gather a boundary's matrices, Z2/Z3.
+
+Functions of a :class:`dmuon_jax.Dedication` (passed as ``ded``) and the
+local view of :class:`dmuon_jax.DedicatedParams`. The forward pass
+all-gathers one gather group's owner buffers just before its blocks run
+(on HSDP: over the replicate axis, then over the shard axes); autodiff's
+transpose of that gather reduce-scatters the gradients to the owners. Z3
+gathers again in the backward pass (:func:`regather_in_backward`), Z2 keeps
+the gathered weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dmuon_jax import _boundaries
+from dmuon_jax import _mesh
+
+
+def full_leaves(rest: Any, treedef) -> list[Any]:
+  """Leaves of ``rest`` with None placeholders kept (one per param)."""
+  return treedef.flatten_up_to(rest)
+
+
+def gather_leaf(ded, i: int, x: Any, layer_slice: bool = False) -> Any:
+  """All-gathers a non-target leaf's sharded dims (inside ``shard_map``)."""
+  spec = ded.rest_specs[i]
+  if x is None or spec is None:
+    return x
+  entries = _mesh.spec_entries(spec)
+  if layer_slice:
+    entries = entries[1:]
+  for dim, axes in enumerate(entries):
+    # A TP-sharded param stays this TP shard's slice (as the matrices).
+    axes = tuple(a for a in axes if a != ded.tensor_parallel_axis)
+    if axes:
+      x = jax.lax.all_gather(x, axes, axis=dim, tiled=True)
+  return x
+
+
+def gather_rest(ded, dedicated) -> Any:
+  """The non-target params, sharded dims gathered (see
+  :meth:`dmuon_jax.Dedication.gather_rest`)."""
+  leaves = full_leaves(dedicated.rest, ded.treedef)
+  return jax.tree.unflatten(ded.treedef, [
+      gather_leaf(ded, i, x) for i, x in enumerate(leaves)])
+
+
+def group_buffers(ded, dedicated, g: int) -> list[jax.Array]:
+  """Gather group ``g``'s local owner buffers (one per dtype)."""
+  return list(ded.layout.group_buffers(dedicated.owned.buffers, g))
+
+
+def gather_replicate(ded, local: Sequence[jax.Array]) -> list[jax.Array]:
+  if ded.replicate_axis is None:
+    return list(local)
+  return [jax.lax.all_gather(x, ded.replicate_axis, tiled=True)
+          for x in local]
+
+
+def materialize(ded, g: int, rep_local, iteration=None) -> dict[int, Any]:
+  """Leaf index -> whole target, from replicate-gathered local buffers."""
+  full = list(rep_local)
+  shard_axes = ded.shard_axes
+  if shard_axes:
+    full = [jax.lax.all_gather(x, shard_axes, tiled=True) for x in full]
+  if iteration is not None:
+    n = ded.num_slots
+    full = [jnp.roll(x.reshape(n, -1), -iteration, axis=0).reshape(-1)
+            for x in full]
+  lay = ded.layout.groups[g]
+  return dict(zip([s.leaf_index for s in lay.plan.leaves],
+                  lay.unpack_full(full)))
+
+
+def fill(ded, b: int, sub: list[int], sub_rest, mats) -> Any:
+  """Boundary ``b``'s params subtree from its rest leaves and targets."""
+  leaves = [None] * len(ded.leaf_paths)
+  for i, x in zip(sub, sub_rest):
+    leaves[i] = mats.get(i, x)
+  tree = jax.tree.unflatten(ded.treedef, leaves)
+  return _boundaries.subtree(tree, ded.boundary_keys[b])
+
+
+def subtree_leaves(ded, b: int) -> list[int]:
+  """All leaves (targets or not) under boundary ``b``'s module path."""
+  name = ded.boundaries.names[b]
+  if not name:
+    return list(range(len(ded.leaf_paths)))
+  return [i for i, p in enumerate(ded.leaf_paths)
+          if p == name or p.startswith(name + '/')]
+
+
+def all_params(ded, dedicated) -> Any:
+  """The whole params tree inside ``shard_map`` (see
+  :meth:`dmuon_jax.Dedication.params`)."""
+  leaves = full_leaves(gather_rest(ded, dedicated), ded.treedef)
+  for g, lay in enumerate(ded.layout.groups):
+    iters = ded.layout.iterations[g]
+    local = group_buffers(ded, dedicated, g)
+    if iters:
+      idx = [s.leaf_index for s in lay.plan.leaves]
+
+      def one(a, g=g, idx=idx):
+        mats = materialize(ded, g, gather_replicate(ded, a[1]), a[0])
+        return [mats[i] for i in idx]
+
+      mats = jax.lax.map(one, (jnp.arange(iters), local))
+      got = {i: m.reshape((-1,) + m.shape[2:]) for i, m in zip(idx, mats)}
+    else:
+      got = materialize(ded, g, gather_replicate(ded, local))
+    for i, x in got.items():
+      leaves[i] = x
+  return jax.tree.unflatten(ded.treedef, leaves)
+
+
+def maybe_z3(ded, run: Callable[..., Any]) -> Callable[..., Any]:
+  """``run(rep_local, *args)``, gathered again in the backward pass (Z3)."""
+  if not ded.reshard_after_forward:
+    return run
+  return regather_in_backward(run, ded.remat_policy)
+
+
+def run_group(ded, g: int, body: Callable[..., Any]) -> Callable[..., Any]:
+  """``(dedicated, *args) -> body(block_params_list, *args)``, group ``g``
+  gathered (Z2/Z3 as configured); one subtree per boundary of the group."""
+  subs = [subtree_leaves(ded, b) for b in ded.groups[g]]
+
+  def run(rep_local, sub_rests, *args):
+    mats = materialize(ded, g, rep_local)
+    trees = [fill(ded, b, sub, [gather_leaf(ded, i, x)
+                                for i, x in zip(sub, sub_rest)], mats)
+             for b, sub, sub_rest in zip(ded.groups[g], subs, sub_rests)]
+    return body(trees, *args)
+
+  inner = maybe_z3(ded, run)
+
+  def call(dedicated, *args):
+    rest = full_leaves(dedicated.rest, ded.treedef)
+    return inner(gather_replicate(ded, group_buffers(ded, dedicated, g)),
+                 [[rest[i] for i in sub] for sub in subs], *args)
+
+  return call
+
+
+def boundary_index(ded, boundary: str, scanned: bool) -> int:
+  if boundary not in ded.boundaries.names:
+    raise ValueError(
+        f'dmuon: no hook boundary {boundary!r}; the boundaries are '
+        f'{list(ded.boundaries.names)}. Pass one of them (the path of '
+        'the block subtree, as dmuon_jax.find_hook_boundaries(params) '
+        'shows).')
+  b = ded.boundaries.names.index(boundary)
+  if ded.boundaries.scanned[b] != scanned:
+    raise ValueError(
+        f'dmuon: boundary {boundary!r} is '
+        f'{"a scanned stack" if not scanned else "not scanned"}; use '
+        f'Dedication.{"scan" if not scanned else "block or sequential"}.')
+  return b
+
+
+def group_of(ded, b: int) -> int:
+  return next(g for g, bs in enumerate(ded.groups) if b in bs)
+
+
+def block(ded, fn: Callable[..., Any], boundary: str) -> Callable[..., Any]:
+  """See :meth:`dmuon_jax.Dedication.block`."""
+  b = boundary_index(ded, boundary, scanned=False)
+  g = group_of(ded, b)
+  if len(ded.groups[g]) > 1:
+    raise ValueError(
+        f'dmuon: boundary {boundary!r} is gathered together with '
+        f'{[ded.boundaries.names[i] for i in ded.groups[g]]} '
+        f'(layers_per_gather={ded.layers_per_gather}); run them with '
+        'Dedication.sequential.')
+  return run_group(ded, g, lambda trees, *args: fn(trees[0], *args))
+
+
+def sequential(ded, fn: Callable[[Any, Any], Any],
+               boundaries: Sequence[str]) -> Callable[[Any, Any], Any]:
+  """See :meth:`dmuon_jax.Dedication.sequential`."""
+  idx = [boundary_index(ded, name, scanned=False) for name in boundaries]
+  plan = []
+  while idx:
+    g = group_of(ded, idx[0])
+    size = len(ded.groups[g])
+    if tuple(idx[:size]) != ded.groups[g]:
+      raise ValueError(
+          f'dmuon: boundaries {list(boundaries)} split the gather group '
+          f'{[ded.boundaries.names[i] for i in ded.groups[g]]}; pass '
+          'whole groups, in order.')
+    plan.append(g)
+    idx = idx[size:]
+
+  def body(trees, x):
+    for tree in trees:
+      x = fn(tree, x)
+    return x
+
+  calls = [run_group(ded, g, body) for g in plan]
+
+  def call(dedicated, x):
+    for c in calls:
+      x = c(dedicated, x)
+    return x
+
+  return call
+
+
+def scan(ded, fn: Callable[[Any, Any], Any], boundary: str
+         ) -> Callable[[Any, Any], Any]:
+  """See :meth:`dmuon_jax.Dedication.scan`."""
+  b = boundary_index(ded, boundary, scanned=True)
+  g = group_of(ded, b)
+  sub = subtree_leaves(ded, b)
+  k, iters = ded.layers_per_gather, ded.layout.iterations[g]
+
+  def run(rep_local, sub_rest, carry, iteration):
+    mats = materialize(ded, g, rep_local, iteration)
+    for j in range(k):
+      layer_rest = [gather_leaf(ded, i, None if x is None else x[j],
+                                layer_slice=True)
+                    for i, x in zip(sub, sub_rest)]
+      carry = fn(fill(ded, b, sub, layer_rest,
+                      {i: m[j] for i, m in mats.items()}), carry)
+    return carry
+
+  inner = maybe_z3(ded, run)
+
+  def call(dedicated, carry):
+    rest = full_leaves(dedicated.rest, ded.treedef)
+
+    def body(carry, xs):
+      iteration, owned, sub_rest = xs
+      return inner(gather_replicate(ded, owned), sub_rest, carry,
+                   iteration), None
+
+    xs = (jnp.arange(iters), group_buffers(ded, dedicated, g),
+          [None if rest[i] is None
+           else rest[i].reshape((iters, k) + rest[i].shape[1:])
+           for i in sub])
+    return jax.lax.scan(body, carry, xs)[0]
+
+  return call
+
+
+def regather_in_backward(run: Callable[..., Any],
+                         policy: Callable[..., Any]) -> Callable[..., Any]:
+  """``run(local, *args)`` that gathers ``local`` again in the backward pass.
+
+  ``run`` all-gathers the list of arrays ``local`` and computes with the
+  result. It runs under ``jax.checkpoint`` with ``policy`` (e.g. save the
+  outputs of matmuls, recompute the rest), so the gathered arrays are not
+  saved and the backward pass gathers them again from ``local``. XLA:CPU
+  would otherwise merge the backward all-gather with the identical forward
+  one (it drops the checkpoint's optimization barriers), silently keeping
+  the gathered arrays (Z2); tying the backward gather's input to the
+  cotangent makes it a different value that XLA must compute after the
+  forward. The tie is 0 for a finite cotangent; a non-finite one poisons the
+  block's gradients, which it would do anyway.
+
+  Args:
+    run: ``(local, *args) -> out``.
+    policy: a ``jax.checkpoint`` policy that does not save the gathered
+      arrays.
+
+  Returns:
+    A function like ``run``.
+  """
+  remat = jax.checkpoint(run, policy=policy)
+  # Set at trace time by the forward rule: the residuals' tree and the
+  # positions of ``local`` among them.
+  trace: dict[str, Any] = {}
+
+  @jax.custom_vjp
+  def regather(local, *args):
+    return run(local, *args)
+
+  def fwd(local, *args):
+    local = list(local)
+    out, vjp = jax.vjp(remat, local, *args)
+    res, trace['tree'] = jax.tree.flatten(vjp)
+    trace['tied'] = [k for k, r in enumerate(res)
+                     if any(r is x for x in local)]
+    if not trace['tied']:
+      raise ValueError(
+          'dmuon: with this remat_policy the Z3 block saves its gathered '
+          'weights for the backward pass (Z2 memory and bytes). Use a '
+          'policy that does not save them, e.g. jax.checkpoint_policies.'
+          'dots_saveable (the default), or reshard_after_forward=False.')
+    return out, res
+
+  def bwd(res, ct):
+    tie = sum(jnp.sum(c) for c in jax.tree.leaves(ct)) * 0
+    res = [r + tie.astype(r.dtype) if k in trace['tied'] else r
+           for k, r in enumerate(res)]
+    return jax.tree.unflatten(trace['tree'], res)(ct)
+
+  regather.defvjp(fwd, bwd)
+  return regather

@@ -1,0 +1,305 @@
+"""Mesh axes in one place: owner axes, sizes, the TP axis, specs, placement."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dmuon_jax import _planner
+
+# Per dimension of an array, the mesh axes it is split over (major first).
+Entries = tuple[tuple[str, ...], ...]
+
+
+def context_mesh() -> Any:
+  """The mesh of :func:`jax.set_mesh`: concrete outside ``jit``, abstract
+  inside; None when there is none."""
+  try:
+    mesh = jax.sharding.get_mesh()
+  except ValueError:  # inside jit: only the abstract mesh is available
+    mesh = None
+  if mesh is None or mesh.empty:
+    mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty:
+    return None
+  return mesh
+
+
+def is_variable(x: Any) -> bool:
+  """Whether ``x`` is a flax ``nnx.Variable`` (duck-typed: flax is optional)."""
+  return (type(x).__module__.startswith('flax.')
+          and hasattr(x, 'get_metadata') and hasattr(x, 'get_value'))
+
+
+def leaf_value(x: Any) -> Any:
+  """The array of a leaf (the value of an ``nnx.Variable``)."""
+  return x.get_value() if is_variable(x) else x
+
+
+def array_mesh(x: Any) -> Any:
+  """The mesh a (possibly abstract or traced) array is placed on, or None."""
+  x = leaf_value(x)
+  if isinstance(x, jax.core.Tracer):
+    sharding = jax.typeof(x).sharding
+  else:
+    sharding = getattr(x, 'sharding', None)
+  if isinstance(sharding, NamedSharding) and not sharding.mesh.empty:
+    return sharding.mesh
+  return None
+
+
+def leaf_spec(x: Any) -> P | None:
+  """The PartitionSpec of a param, where it can be known; else None.
+
+  Known for concrete arrays and ``jax.ShapeDtypeStruct`` with a sharding
+  (their ``NamedSharding``; other shardings are one device: replicated),
+  for tracers on meshes with Explicit axes (their type) and for
+  ``nnx.Variable``\\ s annotated with ``out_sharding`` (mesh axis names).
+  Tracers on Auto meshes carry no sharding: None.
+  """
+  if is_variable(x):
+    names = x.get_metadata().get('out_sharding')
+    value = x.get_value()
+    if names is not None:
+      return P(*names)
+    x = value
+  if isinstance(x, jax.core.Tracer):
+    aval = jax.typeof(x)
+    sharding = getattr(aval, 'sharding', None)
+    if (isinstance(sharding, NamedSharding) and not sharding.mesh.empty
+        and is_explicit(sharding.mesh)):
+      return sharding.spec
+    return None
+  sharding = getattr(x, 'sharding', None)
+  if isinstance(sharding, NamedSharding):
+    return sharding.spec
+  if sharding is not None:
+    return P()
+  return None
+
+
+def type_spec(x: Any) -> P:
+  """The spec in a traced value's type on a mesh with Explicit axes (an
+  array not placed on the mesh is replicated there: ``P()``)."""
+  sharding = getattr(jax.typeof(x), 'sharding', None)
+  if isinstance(sharding, NamedSharding) and not sharding.mesh.empty:
+    return sharding.spec
+  return P()
+
+
+def is_explicit(mesh: Any) -> bool:
+  """Whether a mesh has Explicit axes (sharding in the types)."""
+  return mesh is not None and any(
+      t == jax.sharding.AxisType.Explicit
+      for t in getattr(mesh, 'axis_types', ()))
+
+
+def spec_entries(spec: P | None) -> list[tuple[str, ...]]:
+  """The mesh axes of each dimension of a PartitionSpec, as tuples."""
+  out = []
+  for entry in tuple(spec or ()):
+    if entry is None:
+      out.append(())
+    elif isinstance(entry, str):
+      out.append((entry,))
+    else:
+      out.append(tuple(entry))
+  return out
+
+
+def entries_spec(entries: Sequence[Sequence[str]]) -> P:
+  """The PartitionSpec of per-dimension axis tuples."""
+  return P(*[None if not e else e[0] if len(e) == 1 else tuple(e)
+             for e in entries])
+
+
+def normalize_entries(spec: P | None, ndim: int,
+                      sizes: Mapping[str, int]) -> Entries:
+  """Per-dimension axes of ``spec`` with size-1 axes dropped, ``ndim`` long.
+
+  Axes of size 1 shard nothing; dropping them first means that
+  ``P('fsdp', 'tensor')`` on an 8x1 mesh is the same layout as ``P('fsdp')``.
+  Axes not in ``sizes`` are kept (and reported by :func:`check_entries`).
+  """
+  entries = [tuple(a for a in e if sizes.get(a, 0) != 1)
+             for e in spec_entries(spec)]
+  entries += [()] * (ndim - len(entries))
+  return tuple(entries)
+
+
+def check_entries(entries: Entries, shape: Sequence[int],
+                  sizes: Mapping[str, int], path: str,
+                  spec: P | None = None) -> None:
+  """Raises if a leaf's sharding does not fit the mesh (names the leaf)."""
+  if len(entries) > len(shape):
+    raise ValueError(
+        f'dmuon: param {path!r} of rank {len(shape)} has a sharding spec '
+        f'{spec} with more entries than dims.')
+  for dim, axes in enumerate(entries):
+    for a in axes:
+      if a not in sizes:
+        raise ValueError(
+            f'dmuon: param {path!r} is sharded over mesh axis {a!r} (spec '
+            f'{spec}), which is not one of the axes dmuon owns matrices over '
+            f'{tuple(sizes)}. Shard it over those axes (or replicate '
+            'it), or pass the mesh it lives on as mesh= / axis_names=.')
+    n = math.prod(sizes[a] for a in axes) if axes else 1
+    if shape[dim] % n:
+      raise ValueError(
+          f'dmuon: param {path!r} has shape {tuple(shape)}; dim {dim} is not '
+          f'divisible by the {n} devices of mesh axes {axes}. Pad it, or '
+          'replicate it.')
+
+
+def split_tensor_parallel(leaf, entries: Entries, tp_axis: str,
+                          tp_size: int):
+  """Separates the TP axis from a Muon leaf's sharding.
+
+  Args:
+    leaf: the leaf's ``LeafSpec`` (matrix axes).
+    entries: its normalized sharding (see :func:`normalize_entries`).
+    tp_axis: the tensor-parallel axis name.
+    tp_size: its size.
+
+  Returns:
+    ``(owner_entries, tp_split, tp_dim, local_shape)``: the entries without
+    the TP axis; None or the split matrix axis (-1 for a split output axis,
+    i.e. columns; -2 for a split reduction axis, i.e. rows); the split
+    dimension of the leaf (or None); the shape of one TP shard's slice.
+
+  Raises:
+    ValueError: naming the leaf, for a TP axis on a stack (batch) axis,
+      on two dimensions, or together with another axis on one dimension.
+  """
+  dims = [d for d, axes in enumerate(entries) if tp_axis in axes]
+  if not dims:
+    return entries, None, None, tuple(leaf.shape)
+  dim = dims[0]
+  spec = entries_spec(entries)
+  if len(dims) > 1 or entries[dim] != (tp_axis,):
+    raise ValueError(
+        f'dmuon: param {leaf.path!r} is sharded as {spec}: the '
+        f'tensor-parallel axis {tp_axis!r} must be the only axis of a '
+        'single dimension (Megatron column- or row-parallel). Shard the '
+        'other dimension over the data-parallel axes instead.')
+  if dim in leaf.output_axes:
+    split = -1
+  elif dim in leaf.reduction_axes:
+    split = -2
+  else:
+    raise ValueError(
+        f'dmuon: param {leaf.path!r} of shape {leaf.shape} is sharded over '
+        f'the tensor-parallel axis {tp_axis!r} on dim {dim}, a stack '
+        f'(batch) axis of its MuonDimensionNumbers; TP must split a matrix '
+        'dimension (a reduction or output axis). Shard another dimension, '
+        'or replicate the stack axis.')
+  owner = list(entries)
+  owner[dim] = ()
+  shape = list(leaf.shape)
+  shape[dim] //= tp_size
+  return tuple(owner), split, dim, tuple(shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshInfo:
+  """The axes dmuon uses on one mesh, resolved once.
+
+  Attributes:
+    mesh: the mesh as given (concrete, or abstract inside ``jit``).
+    axis_names: every mesh axis, in mesh order.
+    axis_sizes: their sizes.
+    owner_axes: the axes owners range over, in mesh order.
+    tp_axis: the tensor-parallel axis if the mesh has it with size > 1,
+      else None.
+  """
+  mesh: Any
+  axis_names: tuple[str, ...]
+  axis_sizes: tuple[int, ...]
+  owner_axes: tuple[str, ...]
+  tp_axis: str | None
+
+  @property
+  def sizes(self) -> dict[str, int]:
+    return dict(zip(self.axis_names, self.axis_sizes))
+
+  @property
+  def owner_sizes(self) -> tuple[int, ...]:
+    sizes = self.sizes
+    return tuple(sizes[a] for a in self.owner_axes)
+
+  @property
+  def num_slots(self) -> int:
+    return math.prod(self.owner_sizes)
+
+  @property
+  def tp_size(self) -> int:
+    return self.sizes[self.tp_axis] if self.tp_axis else 1
+
+  @property
+  def abstract(self) -> Any:
+    """The mesh's ``AbstractMesh`` (hashable; what a layout records)."""
+    mesh = self.mesh
+    return getattr(mesh, 'abstract_mesh', mesh)
+
+  @property
+  def explicit(self) -> bool:
+    return is_explicit(self.mesh)
+
+
+def resolve(mesh: Any, axis_names: Any = None,
+            tensor_parallel_axis: str | None = 'model') -> MeshInfo | None:
+  """Owner axes and the TP axis of ``mesh`` (None without a mesh).
+
+  Args:
+    mesh: a ``Mesh`` or ``AbstractMesh``, or None.
+    axis_names: the owner axes (default: every axis but the TP one).
+    tensor_parallel_axis: the axis that splits matrices, if the mesh has it.
+
+  Returns:
+    A :class:`MeshInfo`, or None if ``mesh`` is None.
+
+  Raises:
+    ValueError: for unknown ``axis_names``, or ``axis_names`` naming the TP
+      axis.
+  """
+  if mesh is None:
+    return None
+  names, sizes = _planner.mesh_axes(mesh, None)
+  _planner.mesh_axes(mesh, axis_names)  # Raises for unknown names.
+  by_name = dict(zip(names, sizes))
+  tp = tensor_parallel_axis if tensor_parallel_axis in by_name else None
+  if axis_names is None:
+    owners = tuple(n for n in names if n != tp)
+  else:
+    chosen = (axis_names,) if isinstance(axis_names, str) else tuple(
+        axis_names)
+    if tp is not None and tp in chosen:
+      raise ValueError(
+          f'dmuon: axis_names {chosen} includes the tensor-parallel axis '
+          f'{tp!r}: owners range over data-parallel axes, and every TP '
+          'shard of an owner holds its slice of the matrix. Leave it out of '
+          'axis_names, or pass tensor_parallel_axis=None to use it for '
+          'owners.')
+    owners = tuple(n for n in names if n in chosen)
+  if tp is not None and by_name[tp] == 1:
+    tp = None
+  return MeshInfo(mesh=mesh, axis_names=names, axis_sizes=sizes,
+                  owner_axes=owners, tp_axis=tp)
+
+
+def place(x: jax.Array, mesh: Any, spec: P) -> jax.Array:
+  """``x`` with sharding ``spec`` on ``mesh``, eagerly or under ``jit``.
+
+  Explicit meshes take ``device_put`` (it sets the type); Auto meshes a
+  sharding constraint (``device_put`` under ``jit`` leaves them unsharded).
+  """
+  sharding = NamedSharding(mesh, spec)
+  if is_explicit(mesh):
+    return jax.device_put(x, sharding)
+  return jax.lax.with_sharding_constraint(x, sharding)

@@ -1,0 +1,403 @@
+"""A state's whole owner layout, and the pytree that carries it.
+
+An :class:`OwnerLayout` is how an optimizer state's Muon buffers are laid
+out: its groups (:class:`~dmuon_jax._layout.Layout`), the buffer axes, the
+tensor-parallel split and the param shardings it was built for. It is
+hashable and travels as the static metadata of :class:`OwnerBuffers`, so a
+state always knows its layout: ``update``, checkpoints and diagnostics read
+it from the state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dmuon_jax import _exchange
+from dmuon_jax import _mesh
+from dmuon_jax import _planner
+from dmuon_jax._layout import Layout
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetLeaf:
+  """A Muon target as the optimizer sees it.
+
+  Attributes:
+    index: leaf index in the tree given to ``init``/``update`` (the Muon
+      subtree for ``scale_by_dmuon``, the whole params for dedicated mode).
+    path: its normalized path (see ``_planner.normalize_path``).
+    shape: the whole param's shape (not one TP shard's slice).
+    dtype: the param's dtype name.
+    group: the layout group holding its matrices.
+    tp_dim: the dimension the TP axis splits, or None.
+  """
+  index: int
+  path: str
+  shape: tuple[int, ...]
+  dtype: str
+  group: int
+  tp_dim: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnerLayout:
+  """How an optimizer state's Muon buffers are laid out (static, hashable).
+
+  Attributes:
+    groups: one :class:`Layout` per group of buffers: the whole plan for
+      ``dmuon``, one per gather group in dedicated mode.
+    iterations: per group, 0, or the number of scan iterations of a scanned
+      stack (buffers ``(iterations, num_slots * local)``; iteration ``t``
+      holds the group's layout rotated by ``t`` slots).
+    buffer_axes: the owner axes, major to minor in buffer (slot) order.
+    buffer_sizes: their sizes.
+    tp_axis: the tensor-parallel axis (None without TP).
+    tp_size: its size (1 without TP).
+    mesh: the ``AbstractMesh`` the buffers live on (None: one device).
+    leaves: the Muon targets (:class:`TargetLeaf`), in leaf order.
+    param_entries: per target leaf, its sharding on the whole mesh as
+      per-dimension axis tuples (size-1 axes dropped), or None where it was
+      not known when the layout was built.
+    layers_per_iteration: per group, the layers of a scanned stack gathered
+      per scan iteration (1 for loop groups).
+    kind: ``'dmuon'`` (momentum of ``scale_by_dmuon``) or ``'dedicated'``
+      (owner-stored params and their momentum).
+  """
+  groups: tuple[Layout, ...]
+  iterations: tuple[int, ...]
+  buffer_axes: tuple[str, ...]
+  buffer_sizes: tuple[int, ...]
+  tp_axis: str | None
+  tp_size: int
+  mesh: Any
+  leaves: tuple[TargetLeaf, ...]
+  param_entries: tuple[_mesh.Entries | None, ...]
+  layers_per_iteration: tuple[int, ...] = ()
+  kind: str = 'dmuon'
+
+  @property
+  def num_slots(self) -> int:
+    return int(np.prod(self.buffer_sizes)) if self.buffer_sizes else 1
+
+  @property
+  def distributed(self) -> bool:
+    """Whether more than one device holds buffers."""
+    return self.num_slots * self.tp_size > 1
+
+  @functools.cached_property
+  def buffer_index(self) -> tuple[tuple[int, int], ...]:
+    """``(group, dtype group)`` of each flat buffer, in buffer order."""
+    return tuple((g, j) for g, lay in enumerate(self.groups)
+                 for j in range(lay.num_groups))
+
+  def group_buffers(self, buffers: Sequence[Any], g: int) -> tuple:
+    """The buffers of group ``g`` (one per dtype group)."""
+    return tuple(b for b, (h, _) in zip(buffers, self.buffer_index) if h == g)
+
+  def split_groups(self, buffers: Sequence[Any]) -> list[tuple]:
+    return [self.group_buffers(buffers, g) for g in range(len(self.groups))]
+
+  @functools.cached_property
+  def fingerprint(self) -> str:
+    """8 hex digits naming what the buffers contain (stable across runs)."""
+    key = (
+        tuple((lay.plan.leaves, lay.plan.units, lay.plan.owners,
+               lay.leaf_dtypes, lay.tp_splits) for lay in self.groups),
+        self.iterations, self.buffer_axes, self.buffer_sizes, self.tp_axis,
+        self.tp_size, self.leaves)
+    return hashlib.sha1(repr(key).encode()).hexdigest()[:8]
+
+  @functools.cached_property
+  def name(self) -> str:
+    """A readable name, e.g. ``dmuon_replicate2_shard4_3f2a91c0``.
+
+    It is the prefix of the buffers' pytree keys: a checkpoint of one layout
+    restored into a state of another fails on these keys (orbax names both),
+    instead of silently scrambling the momentum.
+    """
+    parts = [f'{a}{s}' for a, s in zip(self.buffer_axes, self.buffer_sizes)]
+    if self.tp_size > 1:
+      parts.append(f'{self.tp_axis}{self.tp_size}')
+    return '_'.join(['dmuon'] + parts + [self.fingerprint])
+
+  @functools.cached_property
+  def buffer_keys(self) -> tuple[jax.tree_util.DictKey, ...]:
+    return tuple(
+        jax.tree_util.DictKey(f'{self.name}_g{g}_{self.groups[g].dtypes[j]}')
+        for g, j in self.buffer_index)
+
+  def buffer_spec(self, b: int) -> Any:
+    """The PartitionSpec of flat buffer ``b`` on the mesh."""
+    g, _ = self.buffer_index[b]
+    axes = self.buffer_axes + ((self.tp_axis,) if self.tp_size > 1 else ())
+    axes = axes or None
+    spec = (None, axes) if self.iterations[g] else (axes,)
+    return jax.sharding.PartitionSpec(*spec)
+
+  def buffer_specs(self) -> tuple:
+    return tuple(self.buffer_spec(b) for b in range(len(self.buffer_index)))
+
+  def buffer_shapes(self, dtypes: Sequence | None = None
+                    ) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """Global buffer shapes (``dtypes`` overrides the dtype of each)."""
+    out = []
+    for b, (g, j) in enumerate(self.buffer_index):
+      lay = self.groups[g]
+      size = self.num_slots * self.tp_size * lay.local_sizes[j]
+      shape = (self.iterations[g], size) if self.iterations[g] else (size,)
+      dtype = jnp.dtype(lay.dtypes[j] if dtypes is None else dtypes[b])
+      out.append(jax.ShapeDtypeStruct(shape, dtype))
+    return tuple(out)
+
+  def local_shapes(self) -> tuple[tuple[int, ...], ...]:
+    """Per buffer, the shape of one device's block."""
+    out = []
+    for g, j in self.buffer_index:
+      size = self.groups[g].local_sizes[j]
+      out.append((self.iterations[g], size) if self.iterations[g]
+                 else (size,))
+    return tuple(out)
+
+  def shardings(self, mesh: Any = None) -> tuple:
+    """``NamedSharding`` of each buffer (``mesh`` default: the layout's)."""
+    mesh = self.mesh if mesh is None else mesh
+    if mesh is None:
+      return (None,) * len(self.buffer_index)
+    return tuple(jax.sharding.NamedSharding(mesh, s)
+                 for s in self.buffer_specs())
+
+  def leaf(self, index: int) -> TargetLeaf:
+    return self._by_index[index]
+
+  @functools.cached_property
+  def _by_index(self) -> dict[int, TargetLeaf]:
+    return {t.index: t for t in self.leaves}
+
+  def leaf_buffer(self, index: int) -> int:
+    """The flat buffer (position in buffer order) holding a leaf's
+    matrices."""
+    t = self.leaf(index)
+    lay = self.groups[t.group]
+    i = [s.leaf_index for s in lay.plan.leaves].index(index)
+    return self.buffer_index.index(
+        (t.group, lay.dtypes.index(lay.leaf_dtypes[i])))
+
+  def full_shape(self, lay: Layout, u: int) -> tuple[int, int]:
+    """The whole matrix's ``(fan_in, fan_out)`` of unit ``u`` of ``lay``."""
+    shape = list(lay.plan.units[u].shape)
+    split = lay.tp_splits[lay.unit_leaf[u]]
+    if split is not None:
+      shape[split] *= self.tp_size
+    return tuple(shape)
+
+  # -- whole-array conversions (global arrays, e.g. under jax.jit) -------
+
+  def _tp_slice(self, t: TargetLeaf, x: jax.Array, k: int) -> jax.Array:
+    if t.tp_dim is None:
+      return x
+    size = x.shape[t.tp_dim] // self.tp_size
+    return jax.lax.slice_in_dim(x, k * size, (k + 1) * size, axis=t.tp_dim)
+
+  def _roll(self, flat: jax.Array, shift) -> jax.Array:
+    n = self.num_slots
+    return jnp.roll(flat.reshape(n, -1), shift, axis=0).reshape(-1)
+
+  def pack(self, values: dict[int, jax.Array], dtypes: Sequence | None = None
+           ) -> tuple[jax.Array, ...]:
+    """Owner buffers from whole arrays, one per Muon target.
+
+    Args:
+      values: leaf index -> the whole (unsplit) array of each target.
+      dtypes: per buffer, its dtype (default: each group's promoted dtype).
+
+    Returns:
+      The flat buffers, in buffer order (global arrays, not yet placed).
+    """
+    out = []
+    for g, lay in enumerate(self.groups):
+      idx = [s.leaf_index for s in lay.plan.leaves]
+      per_tp = []
+      for k in range(self.tp_size):
+        sliced = [self._tp_slice(self.leaf(i), values[i], k) for i in idx]
+        iters = self.iterations[g]
+        if iters:
+          sliced = [x.reshape((iters, -1) + x.shape[1:]) for x in sliced]
+          per_tp.append(jax.vmap(lambda t, xs, lay=lay: tuple(
+              self._roll(b, t) for b in lay.pack_full(xs)))(
+                  jnp.arange(iters), sliced))
+        else:
+          per_tp.append(lay.pack_full(sliced))
+      for j in range(lay.num_groups):
+        out.append(_interleave_tp(self.num_slots, [b[j] for b in per_tp]))
+    if dtypes is not None:
+      out = [b.astype(d) for b, d in zip(out, dtypes)]
+    return tuple(out)
+
+  def unpack(self, buffers: Sequence[jax.Array]) -> dict[int, jax.Array]:
+    """Inverse of :meth:`pack`: leaf index -> whole array."""
+    out = {}
+    for g, bufs in enumerate(self.split_groups(buffers)):
+      lay = self.groups[g]
+      iters = self.iterations[g]
+      per_tp = []
+      for k in range(self.tp_size):
+        mine = [_tp_part(self.num_slots, self.tp_size, x, k) for x in bufs]
+        if iters:
+          full = jax.vmap(lambda t, bs, lay=lay: lay.unpack_full(
+              [self._roll(b, -t) for b in bs]))(jnp.arange(iters), mine)
+          per_tp.append([x.reshape((-1,) + x.shape[2:]) for x in full])
+        else:
+          per_tp.append(lay.unpack_full(mine))
+      for j, spec in enumerate(lay.plan.leaves):
+        t = self.leaf(spec.leaf_index)
+        parts = [full[j] for full in per_tp]
+        out[t.index] = (parts[0] if t.tp_dim is None
+                        else jnp.concatenate(parts, t.tp_dim))
+    return out
+
+  # -- inspection ----------------------------------------------------------
+
+  @property
+  def plans(self) -> tuple[Any, ...]:
+    """The owner plan of each group (:class:`dmuon_jax.OwnershipPlan`)."""
+    return tuple(lay.plan for lay in self.groups)
+
+  def owner_entries(self, param_entries=None) -> list:
+    """Per target leaf, its sharding over the owner axes (TP axis removed;
+    unknown shardings as replicated)."""
+    entries = self.param_entries if param_entries is None else param_entries
+    out = []
+    for t, e in zip(self.leaves, entries):
+      e = e if e is not None else ((),) * len(t.shape)
+      out.append(tuple(tuple(a for a in d if a != self.tp_axis) for d in e))
+    return out
+
+  def exchange(self, param_entries=None) -> _exchange.Exchange:
+    """The drop-in routes of a ``dmuon`` layout (see ``_exchange``)."""
+    return _exchange.Exchange(self.groups[0],
+                              self.owner_entries(param_entries))
+
+  def collective_bytes(self, param_entries=None) -> dict[str, float]:
+    """Predicted per-device bytes of one drop-in update, by collective kind.
+
+    From the routes for the params' shardings (default: the recorded ones;
+    unknown ones replicated), on the ring model of
+    :mod:`dmuon_jax.diagnostics`; rows padded to the largest owner's share.
+    Tensor-parallel Gram all-reduces and the scalar flags are not included.
+
+    Args:
+      param_entries: per target leaf, per dimension the mesh axes it is
+        sharded over (default: :attr:`param_entries`).
+
+    Returns:
+      ``{'all-to-all': bytes, 'all-gather': bytes}`` (zeros on one slot).
+    """
+    if self.kind != 'dmuon' or self.num_slots == 1:
+      return {'all-to-all': 0.0, 'all-gather': 0.0}
+    lay = self.groups[0]
+    itemsizes = [jnp.dtype(d).itemsize for d in lay.dtypes]
+    return self.exchange(param_entries).predicted_bytes(itemsizes)
+
+  def summary(self) -> str:
+    """The layout's name, param shardings, predicted bytes and plans."""
+    lines = [f'OwnerLayout {self.name}: {len(self.leaves)} Muon leaves, '
+             f'{self.num_slots} owner slot(s) over {self.buffer_axes}'
+             + (f', TP {self.tp_axis}={self.tp_size}' if self.tp_size > 1
+                else '')]
+    if self.kind == 'dmuon' and self.num_slots > 1:
+      predicted = self.collective_bytes()
+      lines.append('  predicted update bytes per device: ' + ', '.join(
+          f'{k} {_planner.human_bytes(v)}' for k, v in predicted.items()))
+    unknown = [t.path for t, e in zip(self.leaves, self.param_entries)
+               if e is None]
+    if unknown and self.distributed and self.kind == 'dmuon':
+      lines.append(f'  param shardings unknown for {len(unknown)} leaves '
+                   f'(treated as replicated): {unknown[:4]}'
+                   + (' ...' if len(unknown) > 4 else ''))
+    for g, lay in enumerate(self.groups):
+      if len(self.groups) > 1:
+        lines.append(f'  group {g}: {len(lay.plan.units)} matrices'
+                     + (f', {self.iterations[g]} scan iterations'
+                        if self.iterations[g] else ''))
+    if len(self.groups) == 1:
+      lines.append(self.groups[0].plan.summary())
+    return '\n'.join(lines)
+
+
+def _interleave_tp(n: int, per_tp: Sequence[jax.Array]) -> jax.Array:
+  """``(..., n * local)`` buffers of each TP shard -> ``(..., n * T * local)``
+  with TP shard ``t`` of slot ``s`` at block ``s * T + t``."""
+  if len(per_tp) == 1:
+    return per_tp[0]
+  x = jnp.stack([b.reshape(b.shape[:-1] + (n, -1)) for b in per_tp], -2)
+  return x.reshape(x.shape[:-3] + (-1,))
+
+
+def _tp_part(n: int, tp: int, x: jax.Array, t: int) -> jax.Array:
+  """Inverse of :func:`_interleave_tp` for TP shard ``t``."""
+  if tp == 1:
+    return x
+  x = x.reshape(x.shape[:-1] + (n, tp, -1))[..., t, :]
+  return x.reshape(x.shape[:-2] + (-1,))
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class OwnerBuffers:
+  """Flat owner buffers and the :class:`OwnerLayout` they are laid out by.
+
+  A pytree: the children are the buffers (global arrays sharded over the
+  owner axes, or one device's blocks inside ``shard_map``), the layout is
+  static metadata. Two states of different layouts have different tree
+  structures, and their buffers different keys (``layout.name``).
+
+  Attributes:
+    buffers: the flat buffers, in the layout's buffer order.
+    layout: the :class:`OwnerLayout`.
+  """
+
+  __slots__ = ('buffers', 'layout')
+
+  def __init__(self, buffers: Sequence[Any], layout: OwnerLayout):
+    self.buffers = tuple(buffers)
+    self.layout = layout
+
+  def tree_flatten_with_keys(self):
+    return tuple(zip(self.layout.buffer_keys, self.buffers)), self.layout
+
+  def tree_flatten(self):
+    return self.buffers, self.layout
+
+  @classmethod
+  def tree_unflatten(cls, layout, children):
+    return cls(children, layout)
+
+  def __iter__(self):
+    return iter(self.buffers)
+
+  def __eq__(self, other: object) -> bool:
+    # As a tuple (layout, *buffers) compares.
+    if not isinstance(other, OwnerBuffers):
+      return NotImplemented
+    return (self.layout, self.buffers) == (other.layout, other.buffers)
+
+  def __hash__(self) -> int:
+    return hash((self.layout, self.buffers))
+
+  def __len__(self) -> int:
+    return len(self.buffers)
+
+  def __getitem__(self, i):
+    return self.buffers[i]
+
+  def __repr__(self) -> str:
+    shapes = ', '.join(f'{getattr(b, "dtype", "?")}{list(np.shape(b))}'
+                       for b in self.buffers)
+    return f'OwnerBuffers({self.layout.name}: {shapes})'

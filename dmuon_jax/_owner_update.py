@@ -1,0 +1,443 @@
+"""The owner update, shared by every path: momentum, Newton–Schulz, scaling.
+
+Each owner runs, on the matrices it owns (its blocks of the owner buffers):
+momentum (optax's bias-corrected EMA or the DMuon/Moonlight rule, with or
+without Nesterov) -> rescaling of huge matrices -> direct, Gram or
+tensor-parallel Gram Newton–Schulz (``compute_dtype``) -> ``adaptive``
+scaling -> the shape factor -> (dedicated mode) masked weight decay. The
+drop-in, explicit and dedicated paths differ only in how gradients reach
+the owner buffers and how results leave them.
+
+Numeric hyperparameters are data (:class:`Hyperparams`), passed into
+``shard_map`` as arguments, so that ``optax.inject_hyperparams`` can inject
+them; everything structural is the frozen :class:`OwnerConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dmuon_jax import _collectives
+from dmuon_jax import _layout
+from dmuon_jax import _owner_layout
+from dmuon_jax import _newton_schulz
+from dmuon_jax import _tensor_parallel
+
+MOMENTUM_RULES = ('optax', 'sgd')
+NS_ALGORITHMS = ('auto', 'standard', 'gram')
+PRECONDITIONINGS = ('frobenius', 'spectral', 'aol', 'schatten')
+COMPUTE_DTYPES = ('float32', 'bfloat16', 'float16', 'float64')
+NONFINITE = ('skip', 'propagate')
+
+# Matrices whose largest entry exceeds this are divided by a power of two
+# before Newton-Schulz (see rescale_large).
+_LARGE = 2.0 ** 10
+
+
+def static_dtype(value: Any, name: str) -> np.dtype | None:
+  """A dtype argument (None, a dtype or its name) as a numpy dtype.
+
+  Raises:
+    TypeError: for a value that is not a dtype, e.g. an array produced by
+      ``optax.inject_hyperparams`` (which calls every callable argument,
+      ``jnp.float32`` included, as a schedule).
+  """
+  if value is None:
+    return None
+  if isinstance(value, (jax.Array, np.ndarray)) or isinstance(
+      value, jax.core.Tracer):
+    raise TypeError(
+        f'dmuon: {name} is an array ({value!r}), not a dtype. '
+        'optax.inject_hyperparams calls every callable argument as a '
+        f'schedule, and dtypes such as jnp.float32 are callable: pass '
+        f"{name} as a string ('float32'), or in static_args=('{name}',).")
+  try:
+    return np.dtype(jnp.dtype(value))
+  except TypeError as e:
+    raise TypeError(f'dmuon: {name}={value!r} is not a dtype.') from e
+
+
+def static_int(value: Any, name: str) -> int | None:
+  """An int argument that decides the program's structure (e.g. ns_steps).
+
+  Concrete arrays (``optax.inject_hyperparams`` turns ints into arrays at
+  ``init``) are read; traced ones are an error that says what to do.
+  """
+  if value is None or isinstance(value, (int, np.integer)):
+    return value
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(
+        f'dmuon: {name} is a traced value: optax.inject_hyperparams injects '
+        f'every int argument, but {name} decides the program (the number of '
+        f"Newton-Schulz iterations). Pass static_args=('{name}',) to "
+        f'inject_hyperparams, or leave {name}=None.')
+  arr = np.asarray(value)
+  if arr.shape == () and np.issubdtype(arr.dtype, np.integer):
+    return int(arr)
+  raise TypeError(f'dmuon: {name}={value!r} must be an int.')
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnerConfig:
+  """Structural (static) options of the owner update.
+
+  Attributes:
+    coeffs: Newton–Schulz rows ``(a, b, c)``, one per iteration.
+    momentum: ``'optax'`` or ``'sgd'``.
+    nesterov: Nesterov momentum.
+    adaptive: scale by the dual norm of each matrix.
+    preconditioning: Newton–Schulz normalization.
+    ns_algorithm: ``'auto'``, ``'standard'`` or ``'gram'``.
+    compute_dtype: dtype name of the Newton–Schulz matmuls, or None.
+    shape_scaling: whether the owner applies Muon's shape factor.
+    consistent_rms: whether the shape factor is ``consistent_rms``'s
+      (``Hyperparams.consistent_rms``) rather than Jordan's width scaling.
+    mu_dtype: momentum dtype name, or None (the gradients').
+  """
+  coeffs: tuple[tuple[float, float, float], ...]
+  momentum: str = 'optax'
+  nesterov: bool = True
+  adaptive: bool = False
+  preconditioning: str = 'frobenius'
+  ns_algorithm: str = 'auto'
+  compute_dtype: str | None = None
+  shape_scaling: bool = True
+  consistent_rms: bool = False
+  mu_dtype: str | None = None
+
+
+def check_nonfinite(nonfinite: str) -> None:
+  if nonfinite not in NONFINITE:
+    raise ValueError(
+        f'dmuon: nonfinite={nonfinite!r} is not one of {NONFINITE}: '
+        "'skip' drops a step with a NaN/Inf gradient (zero updates, state "
+        "unchanged), 'propagate' lets it through as optax does.")
+
+
+def make_config(*, ns_coeffs, ns_steps, momentum, nesterov, adaptive,
+                preconditioning, ns_algorithm, compute_dtype, shape_scaling,
+                consistent_rms, mu_dtype, nonfinite='skip') -> OwnerConfig:
+  """Validates the static arguments (at the factory call) into a config."""
+  check_nonfinite(nonfinite)
+  if momentum not in MOMENTUM_RULES:
+    raise ValueError(
+        f"dmuon: momentum={momentum!r} is not one of {MOMENTUM_RULES}: "
+        "'optax' is optax.contrib.muon's bias-corrected EMA, 'sgd' is the "
+        'DMuon/Moonlight rule buf = beta * buf + g.')
+  if ns_algorithm not in NS_ALGORITHMS:
+    raise ValueError(
+        f'dmuon: ns_algorithm={ns_algorithm!r} is not one of '
+        f'{NS_ALGORITHMS}.')
+  if preconditioning not in PRECONDITIONINGS:
+    raise ValueError(
+        f'dmuon: preconditioning={preconditioning!r} is not one of '
+        f'{PRECONDITIONINGS}.')
+  compute = static_dtype(compute_dtype, 'compute_dtype')
+  if compute is not None and compute.name not in COMPUTE_DTYPES:
+    raise ValueError(
+        f'dmuon: compute_dtype={compute_dtype!r} is not one of '
+        f'{COMPUTE_DTYPES} (or None for the momentum dtype).')
+  mu = static_dtype(mu_dtype, 'mu_dtype')
+  coeffs = _newton_schulz.resolve_ns_coeffs(
+      ns_coeffs, static_int(ns_steps, 'ns_steps'))
+  return OwnerConfig(
+      coeffs=tuple(tuple(float(v) for v in row) for row in coeffs),
+      momentum=momentum, nesterov=bool(nesterov), adaptive=bool(adaptive),
+      preconditioning=preconditioning, ns_algorithm=ns_algorithm,
+      compute_dtype=None if compute is None else compute.name,
+      shape_scaling=shape_scaling, consistent_rms=consistent_rms,
+      mu_dtype=None if mu is None else mu.name)
+
+
+class Hyperparams(NamedTuple):
+  """Numeric hyperparameters of the owner update.
+
+  Python numbers stay Python numbers (so that the arithmetic is optax's,
+  bit for bit); arrays (e.g. injected by ``optax.inject_hyperparams``) are
+  passed into ``shard_map`` as arguments (see :func:`dynamic`), never
+  closed over.
+  """
+  beta: Any
+  eps: Any
+  consistent_rms: Any = None
+  weight_decay: Any = None
+
+
+def _is_static(v: Any) -> bool:
+  return v is None or isinstance(v, (int, float, np.integer, np.floating))
+
+
+def dynamic(hp: Hyperparams) -> dict[str, Any]:
+  """The array-valued hyperparameters, to pass into ``shard_map``."""
+  return {k: v for k, v in hp._asdict().items() if not _is_static(v)}
+
+
+def with_dynamic(hp: Hyperparams, values: dict[str, Any]) -> Hyperparams:
+  """``hp`` with its array-valued fields replaced by ``values``."""
+  return hp._replace(**values)
+
+
+def momentum_update(grads, mus, count_inc, *, beta, nesterov, rule):
+  """One momentum step on flat buffers.
+
+  Returns:
+    (new momentum, the momentum to orthogonalize), in the promoted dtype of
+    gradients and momentum.
+  """
+  if rule == 'optax':
+    # Same operation order as optax.tree.update_moment, so that results
+    # match optax.contrib.muon to rounding.
+    new = tuple((1 - beta) * g + beta * m for m, g in zip(mus, grads))
+    if nesterov:
+      c_mu = 1 - beta ** optax.safe_increment(count_inc)
+      c_g = 1 - beta ** count_inc
+      hat = tuple(beta * (m / c_mu.astype(m.dtype))
+                  + (1 - beta) * (g / c_g.astype(g.dtype))
+                  for m, g in zip(new, grads))
+    else:
+      c_mu = 1 - beta ** count_inc
+      hat = tuple(m / c_mu.astype(m.dtype) for m in new)
+  else:
+    new = tuple(beta * m + g for m, g in zip(mus, grads))
+    hat = (tuple(g + beta * m for m, g in zip(new, grads)) if nesterov
+           else new)
+  return new, hat
+
+
+def rescale_large(stack: jax.Array, tp_axis: str | None = None) -> jax.Array:
+  """Divides each matrix whose max-abs entry exceeds ``_LARGE`` by 2^k.
+
+  Newton-Schulz normalizes in float32 through sums of squares (the Frobenius
+  norm, the Gram matrix ``X X^T`` and, for ``'schatten'``, its squares),
+  which overflow for entries above about 1e19 (1e9 for ``'schatten'``):
+  the result is then zero (``'frobenius'``) or NaN (``'aol'``,
+  ``'schatten'``). Newton-Schulz is scale invariant (up to ``eps``), so
+  such matrices are brought to a max-abs entry in ``[0.5, 1)`` first. The
+  factor is a power of two, so the scaling itself rounds nothing, and
+  matrices at most ``_LARGE`` are left bitwise as they are.
+
+  Args:
+    stack: ``(..., m, n)`` matrices.
+    tp_axis: the tensor-parallel axis over which the matrices are split
+      (inside ``shard_map``): the factor is then taken over the whole matrix.
+
+  Returns:
+    The stack, each matrix scaled by an exact power of two (or by 1).
+  """
+  if not jnp.issubdtype(stack.dtype, jnp.floating) or (
+      jnp.finfo(stack.dtype).max <= _LARGE):
+    return stack
+  amax = jnp.max(jnp.abs(stack), axis=(-2, -1), keepdims=True)
+  if tp_axis is not None:
+    amax = jax.lax.pmax(amax, tp_axis)
+  _, exponent = jnp.frexp(amax)
+  one = jnp.ones((), stack.dtype)
+  scale = jnp.where(amax > _LARGE, jnp.ldexp(one, -exponent), one)
+  return stack * scale.astype(stack.dtype)
+
+
+def shape_scale(fan_in: int, fan_out: int, consistent_rms=None):
+  """Muon's shape factor for a ``(fan_in, fan_out)`` matrix (as optax)."""
+  if consistent_rms is None:
+    return np.sqrt(max(1.0, fan_out / fan_in))
+  return np.sqrt(max(fan_in, fan_out)) * consistent_rms
+
+
+def orthogonalize(cfg: OwnerConfig, hp: Hyperparams, stack: jax.Array,
+                  full_shape: Sequence[int], out_dtype: Any,
+                  tp_split: int | None = None,
+                  tp_axis: str | None = None) -> jax.Array:
+  """Newton–Schulz of a ``(count, m, n)`` stack, then adaptive scaling, the
+  cast to the updates' dtype ``out_dtype`` and the shape factor
+  (``full_shape``: the whole matrix's, for a TP shard's slice)."""
+  x = rescale_large(stack, tp_axis if tp_split is not None else None)
+  compute = cfg.compute_dtype
+  if tp_split is not None:
+    out = _tensor_parallel.orthogonalize_via_gram_newton_schulz_tp(
+        x, cfg.coeffs, axis_name=tp_axis, split_axis=tp_split, eps=hp.eps,
+        compute_dtype=compute)
+  else:
+    algo = cfg.ns_algorithm
+    if algo == 'auto':
+      algo = _newton_schulz.cheaper_ns_algorithm(*x.shape[-2:],
+                                                 len(cfg.coeffs))
+    form = (_newton_schulz.orthogonalize_via_gram_newton_schulz
+            if algo == 'gram'
+            else _newton_schulz.orthogonalize_via_newton_schulz)
+    out = form(x, cfg.coeffs, preconditioning=cfg.preconditioning,
+               eps=hp.eps, compute_dtype=compute)
+  if cfg.adaptive:
+    # The dual norm <M, NS(M)> of the unscaled momentum, per matrix.
+    dot = jnp.sum(stack * out, axis=(-2, -1), keepdims=True)
+    if tp_split is not None:
+      dot = jax.lax.psum(dot, tp_axis)
+    out = dot * out
+  out = out.astype(out_dtype)
+  if cfg.shape_scaling:
+    rms = hp.consistent_rms if cfg.consistent_rms else None
+    out = (shape_scale(*full_shape, rms) * out).astype(out_dtype)
+  return out
+
+
+def slot_update(cfg: OwnerConfig, hp: Hyperparams,
+                olayout: _owner_layout.OwnerLayout, lay: _layout.Layout,
+                slot: int, hat: Sequence[jax.Array],
+                params: Sequence[jax.Array] | None = None,
+                decay: frozenset[int] | None = None) -> tuple[jax.Array, ...]:
+  """One owner slot's results from its (local) buffers of group ``lay``.
+
+  Results are rounded to the params' dtype (the buffers keep the momentum's
+  dtype). With ``params`` and ``decay`` (the leaf indices whose matrices
+  decay), adds ``weight_decay * param`` to those matrices' results, as
+  ``optax.add_decayed_weights`` does.
+  """
+  tp_axis = olayout.tp_axis if olayout.tp_size > 1 else None
+
+  def fn(stacks, bucket):
+    dtype = jnp.dtype(bucket.dtype)
+    out = orthogonalize(cfg, hp, stacks[0],
+                        olayout.full_shape(lay, bucket.units[0]), dtype,
+                        bucket.tp_split, tp_axis)
+    if params is not None and decay:
+      mask = np.array([lay.plan.leaves[lay.unit_leaf[u]].leaf_index in decay
+                       for u in bucket.units])
+      if mask.any():
+        p = stacks[1].astype(dtype)
+        decayed = (out + hp.weight_decay * p).astype(dtype)
+        out = jnp.where(jnp.asarray(mask)[:, None, None], decayed, out)
+    return out
+
+  operands = (tuple(hat),) if params is None else (tuple(hat), tuple(params))
+  return lay.map_slot(operands, slot, fn)
+
+
+def owner_step(cfg: OwnerConfig, hp: Hyperparams,
+               olayout: _owner_layout.OwnerLayout,
+               grads: Sequence[jax.Array], mus: Sequence[jax.Array],
+               count_inc: jax.Array,
+               params: Sequence[jax.Array] | None = None,
+               decay: frozenset[int] | None = None):
+  """The update of this device's own matrices (local blocks, no routing).
+
+  Runs inside ``shard_map`` over the owner axes (one ``lax.switch`` branch
+  per owner slot, so no device computes another owner's matrices), or on
+  one device for a single-slot layout.
+
+  Args:
+    cfg: the static options.
+    hp: the numeric hyperparameters.
+    olayout: the layout of the buffers.
+    grads: this device's gradient blocks, one per buffer.
+    mus: its momentum blocks.
+    count_inc: the incremented step count.
+    params: (dedicated mode) its param blocks, for weight decay.
+    decay: leaf indices whose matrices decay (None: no decay here).
+
+  Returns:
+    ``(results, new momentum)``: the results in the dtype the momentum
+    step produced (cast them to the params' dtype), the momentum in its own
+    dtype.
+  """
+  new_mu, hat = momentum_update(grads, mus, count_inc, beta=hp.beta,
+                                nesterov=cfg.nesterov, rule=cfg.momentum)
+  hat_groups = olayout.split_groups(hat)
+  param_groups = (olayout.split_groups(params) if params is not None
+                  else [None] * len(olayout.groups))
+  axes = olayout.buffer_axes
+  n = olayout.num_slots
+  out = []
+  for g, lay in enumerate(olayout.groups):
+    h, p = hat_groups[g], param_groups[g]
+    run = functools.partial(slot_update, cfg, hp, olayout, lay, decay=decay)
+    if n == 1:
+      if olayout.iterations[g]:
+        res = jax.lax.map(lambda a, run=run: run(0, a[0], a[1]), (h, p))
+      else:
+        res = run(0, h, p)
+    elif olayout.iterations[g]:
+      # Iteration t holds base slot (slot - t) mod n of the layout.
+      def one(a, run=run):
+        t, hh, pp = a
+        return _collectives.switch_by_slot(
+            axes, [functools.partial(run, s) for s in range(n)], hh, pp,
+            shift=t)
+      res = jax.lax.map(one, (jnp.arange(olayout.iterations[g]), h, p))
+    else:
+      res = _collectives.switch_by_slot(
+          axes, [functools.partial(run, s) for s in range(n)], h, p)
+    out.extend(res)
+  new_mu = tuple(m.astype(old.dtype) for m, old in zip(new_mu, mus))
+  return tuple(out), new_mu
+
+
+# ---------------------------------------------------------------------------
+# The non-finite policy.
+
+
+def all_finite(*trees: Any) -> jax.Array:
+  """Whether every leaf of ``trees`` is finite, on every device.
+
+  Inside ``shard_map`` the flag is reduced (``pmin``) over the manual mesh
+  axes, so that every device takes the same decision; under plain ``jit``
+  the leaves are global arrays and the reduction is global already.
+  """
+  ok = jnp.array(True)
+  for x in jax.tree.leaves(trees):
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.inexact) and x.size:
+      ok = ok & jnp.all(jnp.isfinite(x))
+  manual = _collectives.manual_axes()
+  if manual:
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = tuple(a for a in mesh.axis_names if a in manual)
+    ok = jax.lax.pmin(ok.astype(jnp.int32), axes) > 0
+  return ok
+
+
+def select_tree(ok: jax.Array, new: Any, old: Any) -> Any:
+  """``new`` where ``ok``, else ``old``, leaf by leaf (``jnp.where``)."""
+  return jax.tree.map(
+      lambda n, o: jnp.where(ok, n, o).astype(jnp.asarray(n).dtype),
+      new, old)
+
+
+def zeros_unless(ok: jax.Array, tree: Any) -> Any:
+  """``tree`` where ``ok``, else zeros of its leaves' shapes and dtypes."""
+  return jax.tree.map(
+      lambda x: jnp.where(ok, x, jnp.zeros((), x.dtype)), tree)
+
+
+def skip_nonfinite(
+    inner: optax.GradientTransformation,
+) -> optax.GradientTransformation:
+  """Skips the whole step of ``inner`` unless everything stays finite.
+
+  A step is skipped when any gradient, any update or any new state leaf of
+  ``inner`` is NaN or infinite (on any device, see :func:`all_finite`): the
+  updates are then zero and ``inner``'s state (counts included) is the old
+  one. ``jnp.where`` selects, so the step costs the same either way.
+
+  Args:
+    inner: the transformation to guard.
+
+  Returns:
+    A :class:`optax.GradientTransformation` with ``inner``'s state.
+  """
+
+  inner = optax.with_extra_args_support(inner)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    new_updates, new_state = inner.update(updates, state, params,
+                                          **extra_args)
+    ok = all_finite(updates, new_updates, new_state)
+    return zeros_unless(ok, new_updates), select_tree(ok, new_state, state)
+
+  return optax.GradientTransformationExtraArgs(inner.init, update_fn)

@@ -1,0 +1,592 @@
+"""Checkpoints of dmuon optimizer states that survive mesh and layout changes.
+
+The Muon momentum lives in owner buffers whose layout (the
+:class:`dmuon_jax.OwnerLayout` in the state) depends on the mesh and the
+owner plan. Restoring such a state with plain orbax into a state of another
+layout fails on its keys (they carry the layout's name: orbax lists both),
+so momentum is never silently scrambled. To move a state between layouts,
+this module converts it to a *portable* form: each
+:class:`dmuon_jax.ScaleByDMuonState` (or dedicated mode's
+``DedicatedMuonState``) becomes a :class:`PortableDMuonState` whose ``mu``
+holds every Muon target's momentum in its param's shape (a nested dict by
+param path), and everything else in the state stays as it is. The
+conversions read the layouts from the states themselves: no optimizer
+arguments, no params.
+
+:func:`save` and :func:`restore` wrap orbax around this (params are saved in
+param layout, also in dedicated mode); :func:`save_nnx` and
+:func:`restore_nnx` do the same for a Flax ``nnx.Optimizer`` and its model.
+orbax-checkpoint is needed for those (``pip install orbax-checkpoint``).
+
+Examples:
+  >>> import jax, jax.numpy as jnp
+  >>> import dmuon_jax
+  >>> from dmuon_jax import checkpoint
+  >>> params = {'layers_0': {'w': jnp.ones((4, 8))}, 'b': jnp.zeros(8)}
+  >>> opt = dmuon_jax.dmuon(0.02)
+  >>> state = opt.init(params)
+  >>> portable = checkpoint.state_to_portable(state)
+  >>> back = checkpoint.state_from_portable(portable, opt.init(params))
+  >>> jax.tree.structure(back) == jax.tree.structure(state)
+  True
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dmuon_jax import _dedicated
+from dmuon_jax import _owner_layout
+from dmuon_jax import _mesh
+from dmuon_jax import _transform
+
+COMMIT_MARKER = 'commit_success.txt'
+
+
+class PortableDMuonState(NamedTuple):
+  """Mesh-independent form of a dmuon state.
+
+  Attributes:
+    count: the step count.
+    mu: each Muon target's momentum in its param's shape, as a nested dict
+      by param path (``{'layers': {'0': {'w': ...}}}``).
+  """
+  count: jax.Array
+  mu: Any
+
+
+def _is_state(x) -> bool:
+  return isinstance(x, (_transform.ScaleByDMuonState,
+                        _dedicated.DedicatedMuonState, PortableDMuonState))
+
+
+def _nest(by_path: dict[str, Any]) -> dict:
+  out: dict = {}
+  for path, x in by_path.items():
+    node = out
+    parts = path.split('/') if path else ['<root>']
+    for p in parts[:-1]:
+      node = node.setdefault(p, {})
+    node[parts[-1]] = x
+  return out
+
+
+def _flat(nested: Any) -> dict[str, Any]:
+  out = {}
+  for keys, x in jax.tree_util.tree_flatten_with_path(nested)[0]:
+    path = '/'.join(str(getattr(k, 'key', getattr(k, 'name', k)))
+                    for k in keys)
+    out['' if path == '<root>' else path] = x
+  return out
+
+
+def _concrete_mesh(xs) -> Any:
+  for x in xs:
+    sharding = getattr(x, 'sharding', None)
+    if isinstance(sharding, NamedSharding) and isinstance(
+        sharding.mesh, jax.sharding.Mesh):
+      return sharding.mesh
+  return None
+
+
+def _param_shardings(layout: _owner_layout.OwnerLayout, mesh: Any) -> list:
+  """Per target leaf, the sharding of its portable momentum."""
+  if mesh is None:
+    return [None] * len(layout.leaves)
+  out = []
+  for t, e in zip(layout.leaves, layout.param_entries):
+    spec = _mesh.entries_spec(e) if e is not None else P()
+    out.append(NamedSharding(mesh, spec))
+  return out
+
+
+def _to_portable(st) -> PortableDMuonState:
+  layout = st.mu.layout
+  mesh = _concrete_mesh(st.mu.buffers)
+  values = _dedicated.unpack_owned(st.mu)
+  shardings = _param_shardings(layout, mesh)
+  mu = {}
+  for t, s in zip(layout.leaves, shardings):
+    x = values[t.index]
+    mu[t.path] = x if s is None else jax.device_put(x, s)
+  return PortableDMuonState(count=st.count, mu=_nest(mu))
+
+
+def state_to_portable(opt_state: Any) -> Any:
+  """Returns ``opt_state`` with mesh-independent Muon momentum.
+
+  Args:
+    opt_state: an optimizer state holding :class:`dmuon_jax.ScaleByDMuonState`
+      (``dmuon``, ``scale_by_dmuon``, any optax composition of them) or
+      ``DedicatedMuonState`` (``dedicated_muon``) entries.
+
+  Returns:
+    ``opt_state`` with each of those replaced by a
+    :class:`PortableDMuonState`: the momentum of each Muon target in its
+    param's shape, sharded like the param where the layout knows it (else
+    replicated). Everything else is unchanged.
+  """
+  leaves, treedef = jax.tree.flatten(opt_state, is_leaf=_is_state)
+  out = [_to_portable(x) if _is_state(x) and not isinstance(
+      x, PortableDMuonState) else x for x in leaves]
+  return jax.tree.unflatten(treedef, out)
+
+
+def _like(x, target):
+  """``x`` with ``target``'s dtype and placement (uncommitted if it is)."""
+  sharding = getattr(target, 'sharding', None)
+  if isinstance(target, jax.ShapeDtypeStruct):
+    x = jnp.asarray(x, target.dtype)
+    return x if sharding is None else jax.device_put(x, sharding)
+  if not getattr(target, 'committed', True):
+    return jnp.asarray(np.asarray(x), target.dtype)
+  return jax.device_put(jnp.asarray(x, target.dtype), target.sharding)
+
+
+def _from_portable(portable: PortableDMuonState, target) -> Any:
+  layout = target.mu.layout
+  by_path = _flat(portable.mu)
+  want = {t.path: t for t in layout.leaves}
+  missing = sorted(set(want) - set(by_path))
+  extra = sorted(set(by_path) - set(want))
+  if missing or extra:
+    raise ValueError(
+        'dmuon_jax checkpoint: the portable momentum does not fit the '
+        f'optimizer state of layout {layout.name}: '
+        + '; '.join([f'missing {missing}'] * bool(missing)
+                    + [f'not Muon targets here {extra}'] * bool(extra))
+        + '. Make the optimizer as when saving (same Muon routing).')
+  values = {}
+  for path, t in want.items():
+    x = by_path[path]
+    if tuple(np.shape(x)) != t.shape:
+      raise ValueError(
+          f'dmuon_jax checkpoint: momentum of {path!r} has shape '
+          f'{tuple(np.shape(x))}, but the optimizer state of layout '
+          f'{layout.name} expects {t.shape}.')
+    values[t.index] = x
+  dtypes = [b.dtype for b in target.mu.buffers]
+  shardings = [getattr(b, 'sharding', None) for b in target.mu.buffers]
+  mesh = _concrete_mesh(target.mu.buffers)
+  mu = _dedicated.pack_owned(layout, values, mesh, dtypes=dtypes,
+                             shardings=shardings)
+  return type(target)(count=_like(portable.count, target.count), mu=mu)
+
+
+def state_from_portable(portable: Any, target_state: Any) -> Any:
+  """Builds a state laid out as ``target_state`` from a portable state.
+
+  Args:
+    portable: a tree from :func:`state_to_portable` (or :func:`restore`),
+      possibly saved on another mesh.
+    target_state: a state of the optimizer to continue with, e.g.
+      ``opt.init(params)`` on the new mesh, or its abstract form
+      (``jax.eval_shape``); it gives the layouts, dtypes and shardings.
+
+  Returns:
+    ``target_state``'s structure with the portable values: Muon momentum
+    packed into its owner buffers, every other leaf placed as the target's.
+
+  Raises:
+    ValueError: if the two trees differ (names the leaves).
+  """
+  conv_leaves = jax.tree.leaves(portable, is_leaf=_is_state)
+  tgt_leaves, treedef = jax.tree.flatten(target_state, is_leaf=_is_state)
+  if len(conv_leaves) != len(tgt_leaves):
+    raise ValueError('dmuon_jax checkpoint: the portable state does not '
+                     'match the structure of the target optimizer state.')
+  out = []
+  for x, t in zip(conv_leaves, tgt_leaves):
+    if _is_state(t):
+      if not isinstance(x, PortableDMuonState):
+        raise ValueError(
+            'dmuon_jax checkpoint: the portable state has '
+            f'{type(x).__name__} where the target has {type(t).__name__}.')
+      out.append(_from_portable(x, t))
+      continue
+    if tuple(np.shape(x)) != tuple(np.shape(t)):
+      raise ValueError(
+          f'dmuon_jax checkpoint: state leaf of shape {np.shape(x)} where '
+          f'the optimizer expects {np.shape(t)}.')
+    out.append(_like(x, t))
+  return jax.tree.unflatten(treedef, out)
+
+
+def _portable_abstract(target_state: Any) -> Any:
+  """``jax.ShapeDtypeStruct`` tree of the portable form of a state."""
+
+  def one(x):
+    if not _is_state(x):
+      return jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                  sharding=getattr(x, 'sharding', None))
+    layout = x.mu.layout
+    mesh = _concrete_mesh(x.mu.buffers)
+    shardings = _param_shardings(layout, mesh)
+    dtype_of = {t.index: x.mu.buffers[layout.leaf_buffer(t.index)].dtype
+                for t in layout.leaves}
+    mu = {t.path: jax.ShapeDtypeStruct(t.shape, dtype_of[t.index],
+                                       sharding=s)
+          for t, s in zip(layout.leaves, shardings)}
+    count = jax.ShapeDtypeStruct((), x.count.dtype,
+                                 sharding=getattr(x.count, 'sharding', None))
+    return PortableDMuonState(count=count, mu=_nest(mu))
+
+  return jax.tree.map(one, target_state, is_leaf=_is_state)
+
+
+# ----------------------------------------------------------------- orbax
+
+
+def _ocp():
+  try:
+    import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  except ImportError as e:  # pragma: no cover
+    raise ImportError('dmuon_jax checkpoints need orbax-checkpoint: '
+                      'pip install orbax-checkpoint') from e
+  return ocp
+
+
+def complete_steps(directory) -> list[int]:
+  """Steps under ``directory`` whose save completed (sorted).
+
+  A step counts only if its directory name is an integer and holds orbax's
+  commit marker (``commit_success.txt``, written just before the atomic
+  rename of the temporary directory, or as the last file on file systems
+  without atomic rename). Temporary (``*.orbax-checkpoint-tmp-*``) or
+  unfinished step directories are ignored.
+  """
+  path = pathlib.Path(directory)
+  if not path.is_dir():
+    return []
+  steps = []
+  for child in path.iterdir():
+    if child.is_dir() and child.name.isdigit() and (
+        child / COMMIT_MARKER).is_file():
+      steps.append(int(child.name))
+  return sorted(steps)
+
+
+def latest_step(directory) -> int | None:
+  """The latest complete step under ``directory``, or None."""
+  steps = complete_steps(directory)
+  return steps[-1] if steps else None
+
+
+def _plain_params(params):
+  if isinstance(params, _dedicated.DedicatedParams):
+    return _dedicated.to_params(params)
+  return params
+
+
+def save(directory, step: int, params, opt_state, *,
+         max_to_keep: int | None = None,
+         extra: dict | None = None) -> pathlib.Path:
+  """Saves params and a portable optimizer state as step ``step``.
+
+  Blocks until the checkpoint is committed (orbax writes into a temporary
+  directory and renames it, so a killed save leaves no complete step).
+
+  Args:
+    directory: the checkpoint root directory (created if missing).
+    step: the training step.
+    params: the params (any sharding; saved as global arrays), or the
+      :class:`dmuon_jax.DedicatedParams` of dedicated mode (saved in param
+      layout).
+    opt_state: the optimizer state (saved in portable form, see
+      :func:`state_to_portable`).
+    max_to_keep: keep only this many latest checkpoints (None: all).
+    extra: optional tree of small arrays saved too (e.g. a data RNG key).
+
+  Returns:
+    The step directory.
+  """
+  ocp = _ocp()
+  directory = pathlib.Path(os.path.abspath(directory))
+  tree = {'params': _plain_params(params),
+          'opt_state': state_to_portable(opt_state)}
+  if extra is not None:
+    tree['extra'] = extra
+  with ocp.CheckpointManager(
+      directory, options=ocp.CheckpointManagerOptions(
+          max_to_keep=max_to_keep, create=True,
+          enable_async_checkpointing=False)) as manager:
+    manager.save(step, args=ocp.args.StandardSave(tree), force=True)
+    manager.wait_until_finished()
+  return directory / str(step)
+
+
+def _place_like(like):
+  sharding = getattr(like, 'sharding', None)
+  if sharding is None:
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return jax.ShapeDtypeStruct(np.shape(like), like.dtype, sharding=sharding)
+
+
+def _dedicated_like(dp_like: _dedicated.DedicatedParams):
+  """The plain params target of a DedicatedParams target."""
+  layout = dp_like.owned.layout
+  leaves, treedef = jax.tree_util.tree_flatten(
+      dp_like.rest, is_leaf=lambda x: x is None)
+  mesh = _concrete_mesh(dp_like.owned.buffers)
+  sharding = (NamedSharding(mesh, P()) if mesh is not None
+              else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+  for t in layout.leaves:
+    leaves[t.index] = jax.ShapeDtypeStruct(t.shape, jnp.dtype(t.dtype),
+                                           sharding=sharding)
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def _to_dedicated_like(params, dp_like: _dedicated.DedicatedParams):
+  layout = dp_like.owned.layout
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  like_rest, _ = jax.tree_util.tree_flatten(
+      dp_like.rest, is_leaf=lambda x: x is None)
+  values = {t.index: leaves[t.index] for t in layout.leaves}
+  owned = _dedicated.pack_owned(
+      layout, values, _concrete_mesh(dp_like.owned.buffers),
+      dtypes=[b.dtype for b in dp_like.owned.buffers],
+      shardings=[getattr(b, 'sharding', None)
+                 for b in dp_like.owned.buffers])
+  rest = [None if like is None else _like(x, like)
+          for x, like in zip(leaves, like_rest)]
+  return _dedicated.DedicatedParams(owned=owned,
+                                    rest=jax.tree.unflatten(treedef, rest))
+
+
+def restore(directory, params_like, opt=None, step: int | None = None, *,
+            extra_like=None, dedication=None):
+  """Restores the latest (or ``step``) complete checkpoint.
+
+  Args:
+    directory: the checkpoint root directory.
+    params_like: the target params: a tree of arrays or
+      ``jax.ShapeDtypeStruct`` giving shapes, dtypes and shardings (any
+      mesh, or one device: leaves without a sharding go to the first
+      device), or the :class:`dmuon_jax.DedicatedParams` to restore into
+      (their layout and placement).
+    opt: what to restore the optimizer state into: an optimizer (its state
+      is made by ``opt.init`` on the restored params), a state laid out as
+      wanted (``opt.init(params)`` or ``jax.eval_shape`` of it), or None to
+      restore the params only.
+    step: the step to restore (default: the latest complete one).
+    extra_like: the ``extra`` tree given to :func:`save`, as a target.
+    dedication: for dedicated mode with a plain ``params_like``: the
+      :class:`dmuon_jax.Dedication` on the target mesh; the params come back
+      as its :class:`dmuon_jax.DedicatedParams`.
+
+  Returns:
+    None if there is no complete checkpoint, else
+    ``(step, params, opt_state)`` (``opt_state`` None without ``opt``), plus
+    ``extra`` as a fourth element when ``extra_like`` is given.
+
+  Raises:
+    ValueError: if ``params_like`` (or the optimizer state) differs from
+      the saved tree: names the leaves missing, added, or of another shape.
+    FileNotFoundError: if ``step`` is given and not a complete checkpoint.
+  """
+  if step is None:
+    step = latest_step(directory)
+    if step is None:
+      return None
+  elif step not in complete_steps(directory):
+    raise FileNotFoundError(
+        f'dmuon_jax checkpoint: no complete step {step} under {directory}.')
+  path = pathlib.Path(os.path.abspath(directory)) / str(step) / 'default'
+  dp_like = None
+  if isinstance(params_like, _dedicated.DedicatedParams):
+    dp_like = params_like
+    params_like = _dedicated_like(dp_like)
+  saved = _saved_tree(path)
+  params_abs = jax.tree.map(_place_like, params_like)
+  _check_saved(saved, {'params': params_abs}, step)
+  params = _partial_restore(path, {'params': params_abs})['params']
+  if dp_like is not None:
+    params = _to_dedicated_like(params, dp_like)
+  elif dedication is not None:
+    params = dedication.to_dedicated(params)
+  opt_state = None
+  if opt is not None:
+    target = (opt.init(params)
+              if isinstance(opt, optax.GradientTransformation) else opt)
+    abstract = _portable_abstract(target)
+    _check_saved(saved, {'opt_state': abstract}, step)
+    portable = _partial_restore(path, {'opt_state': abstract})['opt_state']
+    opt_state = state_from_portable(portable, target)
+  if extra_like is not None:
+    extra = _partial_restore(
+        path, {'extra': jax.tree.map(_place_like, extra_like)})['extra']
+    return step, params, opt_state, extra
+  return step, params, opt_state
+
+
+# ------------------------------------------------------------------ nnx
+
+
+def _nnx():
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  return nnx
+
+
+def save_nnx(directory, step: int, model, optimizer, *,
+             max_to_keep: int | None = None,
+             extra: dict | None = None) -> pathlib.Path:
+  """Saves a Flax NNX model's params and its ``nnx.Optimizer`` state.
+
+  The optimizer state is saved in portable form (restorable onto another
+  mesh or layout with :func:`restore_nnx`), with ``optimizer.step``.
+
+  Args:
+    directory: the checkpoint root directory.
+    step: the training step.
+    model: the ``nnx.Module``.
+    optimizer: its ``nnx.Optimizer``.
+    max_to_keep: keep only this many latest checkpoints (None: all).
+    extra: optional tree of small arrays saved too.
+
+  Returns:
+    The step directory.
+  """
+  nnx = _nnx()
+  params = nnx.to_pure_dict(nnx.state(model, optimizer.wrt))
+  more = {'optimizer_step': nnx.as_pure(optimizer.step)}
+  if extra is not None:
+    more['user'] = extra
+  return save(directory, step, params, nnx.as_pure(optimizer.opt_state),
+              max_to_keep=max_to_keep, extra=more)
+
+
+def restore_nnx(directory, model, optimizer, step: int | None = None, *,
+                extra_like=None):
+  """Restores :func:`save_nnx`'s checkpoint into a model and its optimizer.
+
+  The model's params and the optimizer state are updated in place. The
+  optimizer may be laid out differently from the one that saved (another
+  mesh, TP setting or owner plan): its momentum is converted into this
+  optimizer's layout.
+
+  Args:
+    directory: the checkpoint root directory.
+    model: the ``nnx.Module`` (its params give shapes and shardings).
+    optimizer: its ``nnx.Optimizer``.
+    step: the step to restore (default: the latest complete one).
+    extra_like: the ``extra`` tree given to :func:`save_nnx`, as a target.
+
+  Returns:
+    None if there is no complete checkpoint, else the step restored (and
+    ``extra`` when ``extra_like`` is given).
+  """
+  nnx = _nnx()
+  state = nnx.state(model, optimizer.wrt)
+  params_like = nnx.to_pure_dict(state)
+  more_like = {'optimizer_step': nnx.as_pure(optimizer.step)}
+  if extra_like is not None:
+    more_like['user'] = extra_like
+  got = restore(directory, params_like, nnx.as_pure(optimizer.opt_state),
+                step, extra_like=more_like)
+  if got is None:
+    return None
+  step, params, opt_state, more = got
+  nnx.replace_by_pure_dict(state, params)
+  nnx.update(model, state)
+  nnx.update(optimizer.opt_state, nnx.state(opt_state))
+  optimizer.step.value = more['optimizer_step']
+  if extra_like is not None:
+    return step, more['user']
+  return step
+
+
+# ------------------------------------------------------ saved-tree checks
+
+
+def _saved_tree(path):
+  """The saved tree's array metadata (orbax), as nested containers."""
+  ocp = _ocp()
+  with ocp.PyTreeCheckpointer() as ckptr:
+    meta = ckptr.metadata(path)
+  meta = getattr(meta, 'item_metadata', meta)
+  return getattr(meta, 'tree', meta)
+
+
+def _path_str(path) -> str:
+  """A key path as ``a/b/0``, the same for a NamedTuple and its dict."""
+  names = []
+  for k in path:
+    for attr in ('key', 'name', 'idx'):
+      if hasattr(k, attr):
+        names.append(str(getattr(k, attr)))
+        break
+    else:
+      names.append(str(k))
+  return '/'.join(names)
+
+
+def _shapes_by_path(tree) -> dict[str, tuple]:
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {_path_str(p): tuple(getattr(x, 'shape', ())) for p, x in leaves}
+
+
+def _check_saved(saved, wanted, step) -> None:
+  """Raises unless every array of ``wanted`` was saved with its shape."""
+  top = next(iter(wanted))
+  have = _shapes_by_path({top: saved.get(top)} if isinstance(saved, dict)
+                         else saved)
+  have = {p: s for p, s in have.items() if p.split('/')[0] == top}
+  want = _shapes_by_path(wanted)
+  missing = sorted(set(want) - set(have))
+  extra = sorted(set(have) - set(want))
+  shapes = sorted(f'{p}: saved {have[p]}, target {want[p]}'
+                  for p in set(want) & set(have) if have[p] != want[p])
+  if not (missing or extra or shapes):
+    return
+  what = ('params' if top == 'params' else
+          "optimizer state (in its mesh-independent form)")
+  parts = []
+  if shapes:
+    parts.append('different shapes: ' + '; '.join(shapes[:8]))
+  if missing:
+    parts.append('not in the checkpoint: ' + ', '.join(missing[:8]))
+  if extra:
+    parts.append('in the checkpoint but not in the target: '
+                 + ', '.join(extra[:8]))
+  fix = ('Build params_like from the model config the checkpoint was saved '
+         'with (same tree, same shapes).' if top == 'params' else
+         'Make the optimizer as when saving (same Muon routing and '
+         'transformations), or pass opt=None to restore the params only.')
+  raise ValueError(
+      f'dmuon_jax checkpoint: step {step} does not fit the {what} it is '
+      f'restored onto: {" | ".join(parts)}. {fix}')
+
+
+def _partial_restore(path, abstract):
+  """Restores the top-level items of ``abstract`` from a saved tree."""
+  ocp = _ocp()
+  with ocp.PyTreeCheckpointer() as ckptr:
+    return ckptr.restore(
+        path, args=ocp.args.PyTreeRestore(
+            item=abstract,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(
+                abstract),
+            partial_restore=True))
+
+
+__all__ = (
+    'COMMIT_MARKER',
+    'PortableDMuonState',
+    'complete_steps',
+    'latest_step',
+    'restore',
+    'restore_nnx',
+    'save',
+    'save_nnx',
+    'state_from_portable',
+    'state_to_portable',
+)

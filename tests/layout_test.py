@@ -1,0 +1,379 @@
+"""The state carries its layout: init under jit, nnx.Optimizer, orbax, specs.
+
+Each case here failed before the owner layout moved into the state (see the
+issue "One owner core, and a state that knows its own layout").
+"""
+
+import importlib
+import tempfile
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from absl.testing import absltest
+from absl.testing import parameterized
+from flax import nnx
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import dmuon_jax
+from tests import alias_test
+
+AXES = ('replicate', 'shard')
+KINDS = (('explicit', AxisType.Explicit), ('auto', AxisType.Auto))
+
+
+def make_mesh(shape, names=AXES, kind=AxisType.Explicit):
+  n = int(np.prod(shape))
+  if jax.device_count() < n:
+    raise absltest.SkipTest(f'needs {n} devices, found {jax.device_count()}')
+  return jax.make_mesh(shape, names, axis_types=(kind,) * len(names))
+
+
+def mlp_params(seed=0, layers=4, d_in=128, d_out=256):
+  k = iter(jax.random.split(jax.random.key(seed), 2 * layers))
+  return {f'layers_{i}': {
+      'w': 0.1 * jax.random.normal(next(k), (d_in, d_out)),
+      'b': 0.1 * jax.random.normal(next(k), (d_out,))}
+          for i in range(layers)}
+
+
+def fsdp(params, mesh, spec=P('shard')):
+  """Kernels sharded by ``spec``, biases replicated."""
+  return jax.tree.map(
+      lambda x: NamedSharding(mesh, spec if x.ndim == 2 else P()), params)
+
+
+def muon_states(state):
+  is_state = lambda x: isinstance(x, dmuon_jax.ScaleByDMuonState)
+  return [x for x in jax.tree.leaves(state, is_leaf=is_state)
+          if is_state(x)]
+
+
+def assert_same_state(test, a, b):
+  """Same tree (layouts included), values, and equivalent placements."""
+  test.assertEqual(jax.tree.structure(a), jax.tree.structure(b))
+  for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0],
+                          jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    if x.ndim:  # (optax's own counts are uncommitted scalars eagerly)
+      test.assertTrue(x.sharding.is_equivalent_to(y.sharding, x.ndim),
+                      (jax.tree_util.keystr(path), x.sharding, y.sharding))
+
+
+def owner_bytes(report):
+  """All-to-all and all-gather bytes (the owner routes) of a report."""
+  kinds = report.bytes_by_kind
+  return kinds.get('all-to-all', 0.0), kinds.get('all-gather', 0.0)
+
+
+class InitTest(parameterized.TestCase):
+  """``init`` gives the same state eagerly and under jit."""
+
+  @parameterized.named_parameters(*KINDS)
+  def test_jit_init_equals_eager_init(self, kind):
+    mesh = make_mesh((2, 4), kind=kind)
+    params = mlp_params()
+    shardings = fsdp(params, mesh)
+    placed = jax.device_put(params, shardings)
+    # On Auto meshes tracers carry no sharding: give the specs (Explicit
+    # meshes read them from the types).
+    specs = shardings if kind == AxisType.Auto else None
+    opt = dmuon_jax.dmuon(0.02, mesh=mesh, param_specs=specs)
+    eager = opt.init(placed)
+    jitted = jax.jit(opt.init)(placed)
+    assert_same_state(self, jitted, eager)
+    (layout,) = dmuon_jax.owner_layouts(jitted)
+    self.assertEqual(layout.param_entries[0], (('shard',), ()))
+    (st,) = muon_states(jitted)
+    for buf in st.mu:
+      self.assertEqual(buf.sharding.spec, P(AXES))
+    grads = alias_test.grads_at(0, placed)
+    step = jax.jit(opt.update)
+    with warnings.catch_warnings():
+      warnings.simplefilter('error', dmuon_jax.DMuonWarning)
+      u_jit, _ = step(grads, jitted, placed)
+    u_eager, _ = step(grads, eager, placed)
+    for a, b in zip(jax.tree.leaves(u_jit), jax.tree.leaves(u_eager)):
+      np.testing.assert_array_equal(a, b)
+
+  def test_unknown_shardings_are_recorded_and_warned(self):
+    # jit-init on an Auto mesh, no param_specs: the state says the
+    # shardings are unknown and the first update warns, naming the fix.
+    mesh = make_mesh((1, 8), kind=AxisType.Auto)
+    params = mlp_params(layers=1)
+    params = jax.device_put(params, fsdp(params, mesh))
+    opt = dmuon_jax.dmuon(0.02, mesh=mesh)
+    state = jax.jit(opt.init)(params)
+    (layout,) = dmuon_jax.owner_layouts(state)
+    self.assertEqual(layout.param_entries, (None,))
+    self.assertIn('param shardings unknown', layout.summary())
+    with self.assertWarnsRegex(dmuon_jax.DMuonWarning,
+                               r"layers_0/w.*param_specs="):
+      report = dmuon_jax.analyze_hlo(opt.update, params, state, params)
+    # It then gathers the sharded gradients (what the warning says).
+    self.assertGreater(owner_bytes(report)[1], 0)
+
+  @parameterized.named_parameters(*KINDS)
+  def test_eval_shape_init_compiles_to_the_all_to_all_path(self, kind):
+    # How large models are set up: the state from jax.eval_shape on
+    # abstract, sharded params; the update compiled from it (no arrays).
+    mesh = make_mesh((2, 4), kind=kind)
+    params = mlp_params()
+    shardings = fsdp(params, mesh)
+    abstract = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        params, shardings)
+    specs = shardings if kind == AxisType.Auto else None
+    opt = dmuon_jax.dmuon(0.02, mesh=mesh, param_specs=specs)
+    state_abs = jax.eval_shape(opt.init, abstract)
+    eager = opt.init(jax.device_put(params, shardings))
+    self.assertEqual(jax.tree.structure(state_abs), jax.tree.structure(eager))
+    (st_abs,), (st,) = muon_states(state_abs), muon_states(eager)
+    if kind == AxisType.Explicit:  # eval_shape keeps Explicit shardings
+      for a, b in zip(st_abs.mu, st.mu):
+        self.assertEqual(a.sharding.spec, b.sharding.spec)
+    (layout,) = dmuon_jax.owner_layouts(state_abs)
+    # Placed as eager init places them (optax's scalar counts: anywhere).
+    state_like = jax.tree.map(
+        lambda a, b: jax.ShapeDtypeStruct(
+            a.shape, a.dtype, sharding=b.sharding if isinstance(
+                b.sharding, NamedSharding) else None), state_abs, eager)
+    report = dmuon_jax.analyze_hlo(opt.update, abstract, state_like,
+                                   abstract)
+    a2a, gather = owner_bytes(report)
+    self.assertEqual(gather, 0.0)
+    want = layout.collective_bytes()['all-to-all']
+    self.assertGreater(want, 0)
+    self.assertBetween(a2a / want, 0.95, 1.05)
+
+
+class NnxOptimizerTest(parameterized.TestCase):
+  """``nnx.Optimizer`` on FSDP-sharded kernels: the all-to-all path."""
+
+  @parameterized.named_parameters(*KINDS)
+  def test_eager_and_jit_created_optimizers_route_like_plain_init(self, kind):
+    mesh = make_mesh((1, 8), kind=kind)
+
+    class Model(nnx.Module):
+
+      def __init__(self, rngs):
+        init = nnx.with_partitioning(nnx.initializers.lecun_normal(),
+                                     ('shard', None))
+        self.layers = nnx.List([
+            nnx.Linear(128, 256 if i % 2 == 0 else 128, kernel_init=init,
+                       use_bias=False, rngs=rngs) for i in range(4)])
+
+    with jax.set_mesh(mesh):
+      model = Model(nnx.Rngs(0))
+      tx = dmuon_jax.dmuon(0.02, mesh=mesh)
+      eager = nnx.Optimizer(model, tx, wrt=nnx.Param)
+      jitted = nnx.jit(lambda m: nnx.Optimizer(m, tx, wrt=nnx.Param))(model)
+      grads = nnx.state(model, nnx.Param)
+      update = nnx.jit(lambda opt, m, g: opt.update(m, g))
+      got = []
+      for opt in (eager, jitted):
+        compiled = update.lower(opt, model, grads).compile()
+        got.append(owner_bytes(dmuon_jax.analyze_compiled(compiled)))
+      # The plain tree: init on placed arrays, then jax.jit(update).
+      params = nnx.to_pure_dict(grads)
+      state = tx.init(params)
+      plain = owner_bytes(dmuon_jax.analyze_hlo(tx.update, params, state,
+                                                params))
+    (layout,) = dmuon_jax.owner_layouts(nnx.as_pure(jitted.opt_state))
+    want = layout.collective_bytes()['all-to-all']
+    # One all-to-all each way over 8 devices, rows of the largest matrix's
+    # piece (128 x 256 / 8 float32).
+    self.assertEqual(want, 2 * 7 * (128 * 256 // 8) * 4)
+    self.assertEqual(got[0], got[1])
+    self.assertEqual(got[0], plain)
+    self.assertEqual(plain, (want, 0.0))
+
+
+class CheckpointLayoutTest(absltest.TestCase):
+  """orbax on ``nnx.state(optimizer)``: another layout fails loudly."""
+
+  def test_orbax_round_trip_of_nnx_state(self):
+    mesh_a = make_mesh((1, 8))
+    mesh_b = make_mesh((8, 1))  # same buffer sizes, other owners
+
+    class Model(nnx.Module):
+
+      def __init__(self, rngs):
+        self.layers = nnx.List([nnx.Linear(32, 48, rngs=rngs)
+                                for _ in range(3)])
+
+      def __call__(self, x):
+        for layer in self.layers:
+          x = jnp.tanh(layer(x))[..., :32]
+        return x
+
+    def trained(mesh, steps):
+      model = Model(nnx.Rngs(0))
+      nnx.update(model, jax.device_put(nnx.state(model),
+                                       NamedSharding(mesh, P())))
+      opt = nnx.Optimizer(model, dmuon_jax.dmuon(0.02, mesh=mesh),
+                          wrt=nnx.Param)
+      x = jnp.linspace(-1, 1, 8 * 32).reshape(8, 32)
+      with jax.set_mesh(mesh):
+        for _ in range(steps):
+          grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model)
+          opt.update(model, grads)
+      return model, opt
+
+    model, opt_a = trained(mesh_a, 3)
+    saved = nnx.state(opt_a)
+    with tempfile.TemporaryDirectory() as d:
+      with ocp.CheckpointManager(d) as manager:
+        manager.save(3, args=ocp.args.StandardSave(saved))
+        manager.wait_until_finished()
+      name_a = dmuon_jax.owner_layouts(nnx.as_pure(opt_a.opt_state))[0].name
+      _, opt_b = trained(mesh_b, 0)
+      name_b = dmuon_jax.owner_layouts(nnx.as_pure(opt_b.opt_state))[0].name
+      self.assertNotEqual(name_a, name_b)
+      # Another layout of the same buffer sizes: orbax refuses, naming the
+      # buffers of both layouts.
+      with ocp.CheckpointManager(d) as manager:
+        with self.assertRaisesRegex(ValueError,
+                                    f'(?s){name_a}.*{name_b}|{name_b}.*'
+                                    f'{name_a}'):
+          manager.restore(3, args=ocp.args.StandardRestore(
+              nnx.state(opt_b)))
+      # The same layout: exact.
+      _, opt_c = trained(mesh_a, 0)
+      with ocp.CheckpointManager(d) as manager:
+        restored = manager.restore(3, args=ocp.args.StandardRestore(
+            nnx.state(opt_c)))
+      nnx.update(opt_c, restored)
+      for x, y in zip(jax.tree.leaves(nnx.state(opt_c)),
+                      jax.tree.leaves(saved)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+  def test_nnx_helpers_convert_between_layouts(self):
+    mesh_a, mesh_b = make_mesh((1, 8)), make_mesh((2, 4))
+
+    def make(mesh):
+      m = nnx.List([nnx.Linear(32, 48, rngs=nnx.Rngs(1))])
+      nnx.update(m, jax.device_put(nnx.state(m), NamedSharding(mesh, P())))
+      return m, nnx.Optimizer(m, dmuon_jax.dmuon(
+          0.02, mesh=mesh, predicate=lambda p, x: x.ndim == 2), wrt=nnx.Param)
+
+    model_a, opt_a = make(mesh_a)
+    grads = jax.tree.map(jnp.ones_like, nnx.state(model_a, nnx.Param))
+    for _ in range(2):
+      opt_a.update(model_a, grads)
+    with tempfile.TemporaryDirectory() as d:
+      dmuon_jax.checkpoint.save_nnx(d, 2, model_a, opt_a)
+      model_b, opt_b = make(mesh_b)
+      self.assertEqual(dmuon_jax.checkpoint.restore_nnx(d, model_b, opt_b), 2)
+    self.assertEqual(int(opt_b.step[...]), 2)
+    for a, b in zip(jax.tree.leaves(nnx.state(model_a)),
+                    jax.tree.leaves(nnx.state(model_b))):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    portable = [dmuon_jax.checkpoint.state_to_portable(nnx.as_pure(o.opt_state))
+                for o in (opt_a, opt_b)]
+    for a, b in zip(*map(jax.tree.leaves, portable)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # And they keep training alike.
+    opt_a.update(model_a, grads)
+    opt_b.update(model_b, jax.device_put(grads, NamedSharding(mesh_b, P())))
+    for a, b in zip(jax.tree.leaves(nnx.state(model_a)),
+                    jax.tree.leaves(nnx.state(model_b))):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6,
+                                 atol=1e-7)
+
+  def test_checkpoint_is_a_real_submodule(self):
+    module = importlib.import_module('dmuon_jax.checkpoint')
+    self.assertIs(module, dmuon_jax.checkpoint)
+    self.assertTrue(callable(module.save))
+
+
+class InjectHyperparamsTest(parameterized.TestCase):
+  """Injected numbers enter shard_map as arguments (both mesh kinds)."""
+
+  @parameterized.named_parameters(*KINDS)
+  def test_injected_and_scheduled_match_optax(self, kind):
+    mesh = make_mesh((2, 4), kind=kind)
+    params, dims = alias_test.make_params(), None
+    dims = alias_test.dim_numbers(params)
+    lr = optax.linear_schedule(0.02, 0.005, 4)
+    beta = lambda count: 0.95 - 0.05 * jnp.minimum(count, 4) / 4
+    # No static_args: the mesh comes from jax.set_mesh.
+    with jax.set_mesh(mesh):
+      ours = optax.inject_hyperparams(dmuon_jax.dmuon)(
+          learning_rate=lr, beta=beta, weight_decay=0.01,
+          muon_weight_dimension_numbers=dims)
+      placed = jax.device_put(params, NamedSharding(mesh, P()))
+      got = alias_test.run(ours, placed, steps=6)
+    ref = alias_test.run(optax.inject_hyperparams(optax.contrib.muon)(
+        learning_rate=lr, beta=beta, weight_decay=0.01,
+        muon_weight_dimension_numbers=dims), params, steps=6)
+    alias_test.assert_trees_rel_close(self, got[-1], ref[-1], rtol=1e-5)
+    # The schedules did change the steps.
+    fixed = alias_test.run(optax.contrib.muon(
+        0.02, muon_weight_dimension_numbers=dims, weight_decay=0.01),
+                           params, steps=6)
+    self.assertGreater(np.abs(fixed[-1]['odd']['kernel']
+                              - ref[-1]['odd']['kernel']).max(), 1e-4)
+
+  def test_mesh_argument_needs_static_args(self):
+    mesh = make_mesh((2, 4))
+    params = mlp_params(layers=1)
+    with self.assertRaisesRegex(TypeError, r"static_args=\('mesh',\)"):
+      optax.inject_hyperparams(dmuon_jax.dmuon)(
+          learning_rate=0.02, mesh=mesh).init(params)
+    # With static_args it works on an Explicit mesh (the injected beta is an
+    # argument of the update's shard_map), and equals the mesh of set_mesh.
+    opt = optax.inject_hyperparams(dmuon_jax.dmuon, static_args=('mesh',))(
+        learning_rate=0.02, beta=0.9, mesh=mesh)
+    placed = jax.device_put(params, NamedSharding(mesh, P()))
+    u, _ = jax.jit(opt.update)(placed, opt.init(placed), placed)
+    with jax.set_mesh(mesh):
+      ctx = optax.inject_hyperparams(dmuon_jax.dmuon)(learning_rate=0.02,
+                                                      beta=0.9)
+      v, _ = jax.jit(ctx.update)(placed, ctx.init(placed), placed)
+    for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(v)):
+      np.testing.assert_array_equal(a, b)
+
+
+SPEC_CASES = (
+    # (name, mesh shape, axis names, spec of the kernels)
+    ('size1_axis_8x1', (8, 1), ('fsdp', 'tensor'), P('fsdp', 'tensor')),
+    ('both_dims_2x4', (2, 4), AXES, P('shard', 'replicate')),
+    ('two_axes_one_dim_2x4', (2, 4), AXES, P(('replicate', 'shard'))),
+    ('columns_1x8', (1, 8), AXES, P(None, 'shard')),
+    ('hsdp_rows_2x4', (2, 4), AXES, P('shard')),
+)
+
+
+class ShardingCoverageTest(parameterized.TestCase):
+  """Shardings reach their owners by all-to-all, not whole gathers."""
+
+  @parameterized.named_parameters(*SPEC_CASES)
+  def test_all_to_all_as_predicted(self, shape, names, spec):
+    mesh = make_mesh(shape, names)
+    params = mlp_params(layers=3)
+    placed = jax.device_put(params, fsdp(params, mesh, spec))
+    opt = dmuon_jax.dmuon(0.02, mesh=mesh)
+    state = opt.init(placed)
+    (layout,) = dmuon_jax.owner_layouts(state)
+    report = dmuon_jax.analyze_hlo(opt.update, placed, state, placed)
+    a2a, gather = owner_bytes(report)
+    want = layout.collective_bytes()
+    self.assertEqual(want['all-gather'], 0)
+    self.assertEqual(gather, 0.0)
+    self.assertBetween(a2a / want['all-to-all'], 0.95, 1.05)
+    self.assertIn('all-to-all', layout.summary())
+    # The numbers are optax's.
+    got = alias_test.run(opt, placed, steps=3, grad_shardings=jax.tree.map(
+        lambda x: x.sharding, placed))
+    ref = alias_test.run(optax.contrib.muon(0.02), params, steps=3)
+    alias_test.assert_trees_rel_close(self, got[-1], ref[-1], rtol=1e-5)
+
+
+if __name__ == '__main__':
+  absltest.main()

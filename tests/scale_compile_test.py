@@ -1,0 +1,47 @@
+"""Compile-only at 64 simulated devices: eval_shape init, all-to-all update."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+from absl.testing import absltest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+class EvalShapeAtScaleTest(absltest.TestCase):
+
+  def test_abstract_state_compiles_to_the_predicted_all_to_alls(self):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / 'tests/workers/eval_shape_at_scale.py'),
+         '--devices', '64'], capture_output=True, text=True, env=env,
+        timeout=600, check=False)
+    self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+    rows = [json.loads(line) for line in proc.stdout.splitlines()
+            if line.startswith('{')]
+    self.assertLen(rows, 2)  # Explicit and Auto (with param_specs)
+    for row in rows:
+      print(row)
+      self.assertTrue(row['param_entries_known'], row)
+      kinds = row['bytes_by_kind']
+      # The sharded gradients are never gathered whole: the owner routes
+      # are all-to-alls, as the layout predicts them.
+      self.assertNotIn('all-gather', kinds, row)
+      want = row['predicted']['all-to-all']
+      self.assertGreater(want, 0)
+      self.assertBetween(kinds['all-to-all'] / want, 0.95, 1.05)
+      # Besides them only scalar flags (non-finite policy) are reduced.
+      self.assertLess(kinds.get('all-reduce', 0), 1024)
+    explicit = rows[0]
+    self.assertIn('Explicit', explicit['mesh_kind'])
+    # On an Explicit mesh jax.eval_shape keeps the buffers' shardings:
+    # those eager init gives.
+    self.assertEqual(explicit['eval_shape_buffer_specs'],
+                     explicit['layout_buffer_specs'])
+
+
+if __name__ == '__main__':
+  absltest.main()

@@ -9,6 +9,7 @@ import jax
 import optax
 
 from dmuon_jax import _explicit
+from dmuon_jax import _mesh
 from dmuon_jax import _owner_update
 from dmuon_jax import _planner
 from dmuon_jax import _transform
@@ -53,6 +54,27 @@ def _check_tree_at_update(
     return inner.update(updates, state, params)
 
   return optax.GradientTransformation(inner.init, update_fn)
+
+
+def _placed_on_the_mesh(
+    inner: optax.GradientTransformation) -> optax.GradientTransformation:
+  """``init`` places the whole state on the owners' mesh (AdamW's counts
+  too), eagerly as under ``jax.jit``."""
+
+  def init_fn(params):
+    state = inner.init(params)
+    for layout in _transform.owner_layouts(state):
+      if layout.distributed:
+        buffers = [x for x in jax.tree.leaves(state)
+                   if isinstance(getattr(x, 'sharding', None),
+                                 jax.sharding.NamedSharding)]
+        mesh = next((b.sharding.mesh for b in buffers
+                     if isinstance(b.sharding.mesh, jax.sharding.Mesh)),
+                    None)
+        return _mesh.replicate_uncommitted(state, mesh)
+    return state
+
+  return optax.GradientTransformation(init_fn, inner.update)
 
 
 def dmuon(
@@ -236,6 +258,7 @@ def dmuon(
           mu_dtype=mu_dtype, nesterov=nesterov))
   opt = _check_tree_at_update(
       optax.partition({'muon': muon_chain, 'adam': adam}, param_labels))
+  opt = _placed_on_the_mesh(opt)
   if nonfinite == 'skip':
     opt = _owner_update.skip_nonfinite(opt)
   return opt

@@ -377,6 +377,16 @@ def _replicated(mesh, xs):
   return [jax.device_put(x, NamedSharding(mesh, P())) for x in xs]
 
 
+@functools.lru_cache(maxsize=64)
+def _packer(layout: _owner_layout.OwnerLayout, dtypes: tuple | None):
+  return jax.jit(lambda values: layout.pack(values, dtypes))
+
+
+@functools.lru_cache(maxsize=64)
+def _unpacker(layout: _owner_layout.OwnerLayout):
+  return jax.jit(layout.unpack)
+
+
 def pack_owned(layout: _owner_layout.OwnerLayout, values: dict[int, Any],
                mesh: Any, dtypes=None, shardings=None
                ) -> _owner_layout.OwnerBuffers:
@@ -384,7 +394,8 @@ def pack_owned(layout: _owner_layout.OwnerLayout, values: dict[int, Any],
   keys = sorted(values)
   mesh_of = mesh if isinstance(mesh, jax.sharding.Mesh) else None
   full = dict(zip(keys, _replicated(mesh_of, [values[k] for k in keys])))
-  bufs = jax.jit(lambda v: layout.pack(v, dtypes))(full)
+  dtypes = None if dtypes is None else tuple(jnp.dtype(d) for d in dtypes)
+  bufs = _packer(layout, dtypes)(full)
   if shardings is None and mesh_of is not None:
     shardings = layout.shardings(mesh_of)
   if shardings is not None:
@@ -399,7 +410,7 @@ def unpack_owned(owned: _owner_layout.OwnerBuffers) -> dict[int, jax.Array]:
   mesh = next((b.sharding.mesh for b in bufs
                if isinstance(getattr(b, 'sharding', None), NamedSharding)),
               None)
-  return jax.jit(owned.layout.unpack)(_replicated(mesh, bufs))
+  return _unpacker(owned.layout)(_replicated(mesh, bufs))
 
 
 def _leaves_with_none(tree: Any) -> tuple[list[Any], Any]:
@@ -1038,7 +1049,9 @@ def dedicated_muon(
 
   def init_fn(params):
     dedication.check_dedicated(params, 'dedicated_muon init()')
-    return (muon.init(params.owned), adam.init(params.rest))
+    state = (muon.init(params.owned), adam.init(params.rest))
+    # On the mesh (the step counts too), eagerly as under jax.jit.
+    return _mesh.replicate_uncommitted(state, dedication.mesh)
 
   def update_fn(updates, state, params=None):
     dedication.check_dedicated(updates, 'dedicated_muon update()')

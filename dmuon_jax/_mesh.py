@@ -303,3 +303,25 @@ def place(x: jax.Array, mesh: Any, spec: P) -> jax.Array:
   if is_explicit(mesh):
     return jax.device_put(x, sharding)
   return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def replicate_uncommitted(tree: Any, mesh: Any) -> Any:
+  """Every uncommitted array of ``tree`` replicated on ``mesh``.
+
+  Optimizer states hold scalars made by ``jnp.zeros`` (step counts) that
+  sit uncommitted on one device when ``init`` runs eagerly, while under
+  ``jax.jit`` on a mesh they come out replicated on it. Placing them on the
+  mesh eagerly too gives one state either way (and the first train step
+  then compiles once, not twice). Tracers and committed arrays are kept.
+  """
+  if not isinstance(mesh, jax.sharding.Mesh) or mesh.size == 1:
+    return tree
+  sharding = NamedSharding(mesh, P())
+
+  def put(x):
+    if (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+        and not getattr(x, 'committed', True)):
+      return jax.device_put(x, sharding)
+    return x
+
+  return jax.tree.map(put, tree)

@@ -346,16 +346,21 @@ def owner_step(cfg: OwnerConfig, hp: Hyperparams,
     step produced (cast them to the params' dtype), the momentum in its own
     dtype.
   """
-  new_mu, hat = momentum_update(grads, mus, count_inc, beta=hp.beta,
-                                nesterov=cfg.nesterov, rule=cfg.momentum)
-  hat_groups = olayout.split_groups(hat)
+  grad_groups = olayout.split_groups(grads)
+  mu_groups = olayout.split_groups(mus)
   param_groups = (olayout.split_groups(params) if params is not None
                   else [None] * len(olayout.groups))
   axes = olayout.buffer_axes
   n = olayout.num_slots
-  out = []
+  out, new_mu = [], []
   for g, lay in enumerate(olayout.groups):
-    h, p = hat_groups[g], param_groups[g]
+    # Group by group, so that one group's momentum temporaries are live at
+    # a time.
+    mu_g, h = momentum_update(grad_groups[g], mu_groups[g], count_inc,
+                              beta=hp.beta, nesterov=cfg.nesterov,
+                              rule=cfg.momentum)
+    new_mu.extend(mu_g)
+    p = param_groups[g]
     run = functools.partial(slot_update, cfg, hp, olayout, lay, decay=decay)
     if n == 1:
       if olayout.iterations[g]:

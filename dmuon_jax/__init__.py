@@ -14,28 +14,28 @@ from dmuon_jax._dedicated import Dedication as Dedication
 from dmuon_jax._dedicated import dedicate as dedicate
 from dmuon_jax._dedicated import dedicated_muon as dedicated_muon
 from dmuon_jax._dedicated import (
-    scale_by_dedicated_muon as scale_by_dedicated_muon,
+  scale_by_dedicated_muon as scale_by_dedicated_muon,
 )
 from dmuon_jax._explicit import local_value_and_grad as local_value_and_grad
 from dmuon_jax._explicit import mean_over_devices as mean_over_devices
-from dmuon_jax._owner_layout import OwnerBuffers as OwnerBuffers
-from dmuon_jax._owner_layout import OwnerLayout as OwnerLayout
 from dmuon_jax._newton_schulz import NS_COEFF_PRESETS as NS_COEFF_PRESETS
 from dmuon_jax._newton_schulz import (
-    orthogonality_error as orthogonality_error,
+  orthogonality_error as orthogonality_error,
 )
 from dmuon_jax._newton_schulz import (
-    orthogonalize_via_gram_newton_schulz as orthogonalize_via_gram_newton_schulz,
+  orthogonalize_via_gram_newton_schulz as orthogonalize_via_gram_newton_schulz,
 )
 from dmuon_jax._newton_schulz import (
-    orthogonalize_via_newton_schulz as orthogonalize_via_newton_schulz,
+  orthogonalize_via_newton_schulz as orthogonalize_via_newton_schulz,
 )
 from dmuon_jax._newton_schulz import resolve_ns_coeffs as resolve_ns_coeffs
+from dmuon_jax._owner_layout import OwnerBuffers as OwnerBuffers
+from dmuon_jax._owner_layout import OwnerLayout as OwnerLayout
 from dmuon_jax._planner import OwnershipPlan as OwnershipPlan
 from dmuon_jax._planner import default_muon_predicate as default_muon_predicate
 from dmuon_jax._planner import plan_ownership as plan_ownership
 from dmuon_jax._tensor_parallel import (
-    orthogonalize_via_gram_newton_schulz_tp as orthogonalize_via_gram_newton_schulz_tp,
+  orthogonalize_via_gram_newton_schulz_tp as orthogonalize_via_gram_newton_schulz_tp,
 )
 from dmuon_jax._transform import DMuonWarning as DMuonWarning
 from dmuon_jax._transform import ScaleByDMuonState as ScaleByDMuonState
@@ -53,42 +53,42 @@ from dmuon_jax.diagnostics import analyze_compiled as analyze_compiled
 __version__ = '0.2.0'
 
 __all__ = (
-    'Collective',
-    'DMuonWarning',
-    'DedicatedMuonState',
-    'DedicatedParams',
-    'Dedication',
-    'HloReport',
-    'HookBoundaries',
-    'MuonDimensionNumbers',
-    'NS_COEFF_PRESETS',
-    'OwnerBuffers',
-    'OwnerLayout',
-    'OwnershipPlan',
-    'PortableDMuonState',
-    'ScaleByDMuonState',
-    'analyze_compiled',
-    'analyze_hlo',
-    'checkpoint',
-    'dedicate',
-    'dedicated_muon',
-    'default_muon_predicate',
-    'diagnostics',
-    'dmuon',
-    'find_hook_boundaries',
-    'local_value_and_grad',
-    'mean_over_devices',
-    'muon_labels',
-    'orthogonality_error',
-    'orthogonalize_via_gram_newton_schulz',
-    'orthogonalize_via_gram_newton_schulz_tp',
-    'orthogonalize_via_newton_schulz',
-    'owner_layouts',
-    'plan_ownership',
-    'resolve_ns_coeffs',
-    'scale_by_dedicated_muon',
-    'scale_by_dmuon',
-    'scale_by_shape',
-    'state_from_portable',
-    'state_to_portable',
+  'Collective',
+  'DMuonWarning',
+  'DedicatedMuonState',
+  'DedicatedParams',
+  'Dedication',
+  'HloReport',
+  'HookBoundaries',
+  'MuonDimensionNumbers',
+  'NS_COEFF_PRESETS',
+  'OwnerBuffers',
+  'OwnerLayout',
+  'OwnershipPlan',
+  'PortableDMuonState',
+  'ScaleByDMuonState',
+  'analyze_compiled',
+  'analyze_hlo',
+  'checkpoint',
+  'dedicate',
+  'dedicated_muon',
+  'default_muon_predicate',
+  'diagnostics',
+  'dmuon',
+  'find_hook_boundaries',
+  'local_value_and_grad',
+  'mean_over_devices',
+  'muon_labels',
+  'orthogonality_error',
+  'orthogonalize_via_gram_newton_schulz',
+  'orthogonalize_via_gram_newton_schulz_tp',
+  'orthogonalize_via_newton_schulz',
+  'owner_layouts',
+  'plan_ownership',
+  'resolve_ns_coeffs',
+  'scale_by_dedicated_muon',
+  'scale_by_dmuon',
+  'scale_by_shape',
+  'state_from_portable',
+  'state_to_portable',
 )

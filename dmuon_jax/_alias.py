@@ -8,18 +8,14 @@ from typing import Any, Literal
 import jax
 import optax
 
-from dmuon_jax import _explicit
-from dmuon_jax import _mesh
-from dmuon_jax import _owner_update
-from dmuon_jax import _planner
-from dmuon_jax import _transform
+from dmuon_jax import _explicit, _mesh, _owner_update, _planner, _transform
 
 
 def muon_labels(
-    params: optax.Params,
-    *,
-    predicate: Callable[[str, Any], bool] | None = None,
-    muon_weight_dimension_numbers: _transform.WeightDimNumbers = None,
+  params: optax.Params,
+  *,
+  predicate: Callable[[str, Any], bool] | None = None,
+  muon_weight_dimension_numbers: _transform.WeightDimNumbers = None,
 ) -> optax.Params:
   """Labels each leaf ``'muon'`` or ``'adam'`` as :func:`dmuon` routes it.
 
@@ -33,15 +29,19 @@ def muon_labels(
     leaves.
   """
   specs = _planner.muon_target_specs(
-      params, predicate=predicate,
-      weight_dimension_numbers=muon_weight_dimension_numbers)
+    params,
+    predicate=predicate,
+    weight_dimension_numbers=muon_weight_dimension_numbers,
+  )
   treedef = jax.tree.structure(params)
   return jax.tree.unflatten(
-      treedef, ['adam' if s is None else 'muon' for s in specs])
+    treedef, ['adam' if s is None else 'muon' for s in specs]
+  )
 
 
 def _check_tree_at_update(
-    inner: optax.GradientTransformation) -> optax.GradientTransformation:
+  inner: optax.GradientTransformation,
+) -> optax.GradientTransformation:
   """Names the leaves added or removed since ``init`` (else optax fails on
   a bare pytree mismatch)."""
 
@@ -49,15 +49,19 @@ def _check_tree_at_update(
     # The AdamW moments keep init's tree (Muon leaves as MaskedNode).
     adam_mu = optax.tree_utils.tree_get(state.inner_states['adam'], 'mu')
     _planner.check_same_tree(
-        updates, adam_mu, 'update()',
-        is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+      updates,
+      adam_mu,
+      'update()',
+      is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+    )
     return inner.update(updates, state, params)
 
   return optax.GradientTransformation(inner.init, update_fn)
 
 
 def _placed_on_the_mesh(
-    inner: optax.GradientTransformation) -> optax.GradientTransformation:
+  inner: optax.GradientTransformation,
+) -> optax.GradientTransformation:
   """``init`` places the whole state on the owners' mesh (AdamW's counts
   too), eagerly as under ``jax.jit``."""
 
@@ -65,12 +69,21 @@ def _placed_on_the_mesh(
     state = inner.init(params)
     for layout in _transform.owner_layouts(state):
       if layout.distributed:
-        buffers = [x for x in jax.tree.leaves(state)
-                   if isinstance(getattr(x, 'sharding', None),
-                                 jax.sharding.NamedSharding)]
-        mesh = next((b.sharding.mesh for b in buffers
-                     if isinstance(b.sharding.mesh, jax.sharding.Mesh)),
-                    None)
+        buffers = [
+          x
+          for x in jax.tree.leaves(state)
+          if isinstance(
+            getattr(x, 'sharding', None), jax.sharding.NamedSharding
+          )
+        ]
+        mesh = next(
+          (
+            b.sharding.mesh
+            for b in buffers
+            if isinstance(b.sharding.mesh, jax.sharding.Mesh)
+          ),
+          None,
+        )
         return _mesh.replicate_uncommitted(state, mesh)
     return state
 
@@ -78,35 +91,36 @@ def _placed_on_the_mesh(
 
 
 def dmuon(
-    learning_rate: optax.ScalarOrSchedule,
-    ns_coeffs: _transform.NsCoeffs = 'jordan',
-    ns_steps: int | None = None,
-    beta: jax.typing.ArrayLike = 0.95,
-    eps: jax.typing.ArrayLike = 1e-8,
-    weight_decay: jax.typing.ArrayLike = 0.0,
-    weight_decay_mask: Any | Callable[[optax.Params], Any] | None = None,
-    mu_dtype: jax.typing.DTypeLike | None = None,
-    *,
-    nesterov: bool = True,
-    adaptive: bool = False,
-    preconditioning: Literal[
-        'frobenius', 'spectral', 'aol', 'schatten'] = 'frobenius',
-    adam_b1: jax.typing.ArrayLike = 0.9,
-    adam_b2: jax.typing.ArrayLike = 0.999,
-    adam_eps_root: jax.typing.ArrayLike = 0.0,
-    adam_weight_decay: jax.typing.ArrayLike = 0.0,
-    adam_learning_rate: optax.ScalarOrSchedule | None = None,
-    muon_weight_dimension_numbers: _transform.WeightDimNumbers = None,
-    consistent_rms: jax.typing.ArrayLike | None = None,
-    predicate: Callable[[str, Any], bool] | None = None,
-    momentum: Literal['optax', 'sgd'] = 'optax',
-    mesh: jax.sharding.Mesh | None = None,
-    axis_names: Sequence[str] | None = None,
-    ns_algorithm: Literal['auto', 'standard', 'gram'] = 'auto',
-    compute_dtype: jax.typing.DTypeLike | None = None,
-    tensor_parallel_axis: str | None = 'model',
-    nonfinite: Literal['skip', 'propagate'] = 'skip',
-    param_specs: Any = None,
+  learning_rate: optax.ScalarOrSchedule,
+  ns_coeffs: _transform.NsCoeffs = 'jordan',
+  ns_steps: int | None = None,
+  beta: jax.typing.ArrayLike = 0.95,
+  eps: jax.typing.ArrayLike = 1e-8,
+  weight_decay: jax.typing.ArrayLike = 0.0,
+  weight_decay_mask: Any | Callable[[optax.Params], Any] | None = None,
+  mu_dtype: jax.typing.DTypeLike | None = None,
+  *,
+  nesterov: bool = True,
+  adaptive: bool = False,
+  preconditioning: Literal[
+    'frobenius', 'spectral', 'aol', 'schatten'
+  ] = 'frobenius',
+  adam_b1: jax.typing.ArrayLike = 0.9,
+  adam_b2: jax.typing.ArrayLike = 0.999,
+  adam_eps_root: jax.typing.ArrayLike = 0.0,
+  adam_weight_decay: jax.typing.ArrayLike = 0.0,
+  adam_learning_rate: optax.ScalarOrSchedule | None = None,
+  muon_weight_dimension_numbers: _transform.WeightDimNumbers = None,
+  consistent_rms: jax.typing.ArrayLike | None = None,
+  predicate: Callable[[str, Any], bool] | None = None,
+  momentum: Literal['optax', 'sgd'] = 'optax',
+  mesh: jax.sharding.Mesh | None = None,
+  axis_names: Sequence[str] | None = None,
+  ns_algorithm: Literal['auto', 'standard', 'gram'] = 'auto',
+  compute_dtype: jax.typing.DTypeLike | None = None,
+  tensor_parallel_axis: str | None = 'model',
+  nonfinite: Literal['skip', 'propagate'] = 'skip',
+  param_specs: Any = None,
 ) -> optax.GradientTransformation:
   r"""Muon with each weight matrix owned by one device of a mesh.
 
@@ -230,34 +244,55 @@ def dmuon(
 
   def param_labels(params):
     return muon_labels(
-        params, predicate=predicate,
-        muon_weight_dimension_numbers=muon_weight_dimension_numbers)
+      params,
+      predicate=predicate,
+      muon_weight_dimension_numbers=muon_weight_dimension_numbers,
+    )
 
   muon_chain = optax.chain(
-      _transform.make_scale_by_dmuon(
-          ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=beta, eps=eps,
-          mu_dtype=mu_dtype, nesterov=nesterov, adaptive=adaptive,
-          preconditioning=preconditioning,
-          weight_dimension_numbers=muon_weight_dimension_numbers,
-          momentum=momentum, mesh=mesh, axis_names=axis_names,
-          ns_algorithm=ns_algorithm, compute_dtype=compute_dtype,
-          tensor_parallel_axis=tensor_parallel_axis, param_specs=param_specs,
-          # The whole step (Muon and AdamW) is guarded below.
-          nonfinite='propagate',
-          # The owners apply the shape factor (as optax's scale_by_shape).
-          shape_scaling=True, consistent_rms=consistent_rms),
-      optax.add_decayed_weights(weight_decay, weight_decay_mask),
-      optax.scale_by_learning_rate(learning_rate),
+    _transform.make_scale_by_dmuon(
+      ns_coeffs=ns_coeffs,
+      ns_steps=ns_steps,
+      beta=beta,
+      eps=eps,
+      mu_dtype=mu_dtype,
+      nesterov=nesterov,
+      adaptive=adaptive,
+      preconditioning=preconditioning,
+      weight_dimension_numbers=muon_weight_dimension_numbers,
+      momentum=momentum,
+      mesh=mesh,
+      axis_names=axis_names,
+      ns_algorithm=ns_algorithm,
+      compute_dtype=compute_dtype,
+      tensor_parallel_axis=tensor_parallel_axis,
+      param_specs=param_specs,
+      # The whole step (Muon and AdamW) is guarded below.
+      nonfinite='propagate',
+      # The owners apply the shape factor (as optax's scale_by_shape).
+      shape_scaling=True,
+      consistent_rms=consistent_rms,
+    ),
+    optax.add_decayed_weights(weight_decay, weight_decay_mask),
+    optax.scale_by_learning_rate(learning_rate),
   )
   adam = optax.chain(
-      # Explicit path: per-device gradients are averaged (pmean) first.
-      _explicit.mean_over_devices(),
-      optax.adamw(
-          learning_rate=adam_learning_rate, b1=adam_b1, b2=adam_b2, eps=eps,
-          eps_root=adam_eps_root, weight_decay=adam_weight_decay,
-          mu_dtype=mu_dtype, nesterov=nesterov))
+    # Explicit path: per-device gradients are averaged (pmean) first.
+    _explicit.mean_over_devices(),
+    optax.adamw(
+      learning_rate=adam_learning_rate,
+      b1=adam_b1,
+      b2=adam_b2,
+      eps=eps,
+      eps_root=adam_eps_root,
+      weight_decay=adam_weight_decay,
+      mu_dtype=mu_dtype,
+      nesterov=nesterov,
+    ),
+  )
   opt = _check_tree_at_update(
-      optax.partition({'muon': muon_chain, 'adam': adam}, param_labels))
+    optax.partition({'muon': muon_chain, 'adam': adam}, param_labels)
+  )
   opt = _placed_on_the_mesh(opt)
   if nonfinite == 'skip':
     opt = _owner_update.skip_nonfinite(opt)

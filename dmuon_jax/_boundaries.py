@@ -62,8 +62,9 @@ def _custom_boundary(params, keys, boundary_predicate) -> str | None:
   """
   for end in range(len(keys) - 1, -1, -1):
     prefix = keys[:end]
-    if boundary_predicate(_planner.normalize_path(prefix),
-                          subtree(params, prefix)):
+    if boundary_predicate(
+      _planner.normalize_path(prefix), subtree(params, prefix)
+    ):
       return _planner.normalize_path(prefix)
   return None
 
@@ -76,20 +77,21 @@ def _default_boundary(path: str, stacked: bool) -> tuple[str | None, bool]:
     return '/'.join(segments[:end]), False
   if stacked:
     start = 0
-    while (start < len(segments) - 1
-           and segments[start] in _planner.COLLECTION_NAMES):
+    while (
+      start < len(segments) - 1 and segments[start] in _planner.COLLECTION_NAMES
+    ):
       start += 1
-    return '/'.join(segments[:start + 1]), True
+    return '/'.join(segments[: start + 1]), True
   return None, False
 
 
 def find_hook_boundaries(
-    params: Any,
-    *,
-    predicate: Callable[[str, Any], bool] | None = None,
-    weight_dimension_numbers: Any = None,
-    boundary_predicate: BoundaryPredicate | None = None,
-    strict: bool = True,
+  params: Any,
+  *,
+  predicate: Callable[[str, Any], bool] | None = None,
+  weight_dimension_numbers: Any = None,
+  boundary_predicate: BoundaryPredicate | None = None,
+  strict: bool = True,
 ) -> HookBoundaries:
   """Assigns every Muon target to a hook boundary.
 
@@ -119,8 +121,10 @@ def find_hook_boundaries(
     ValueError: in strict mode, naming every target without a boundary.
   """
   specs = _planner.muon_target_specs(
-      params, predicate=predicate,
-      weight_dimension_numbers=weight_dimension_numbers)
+    params,
+    predicate=predicate,
+    weight_dimension_numbers=weight_dimension_numbers,
+  )
   flat = jax.tree.flatten_with_path(params)[0]
   names: list[str] = []
   scanned: list[bool] = []
@@ -144,10 +148,15 @@ def find_hook_boundaries(
     of_target.append(names.index(name))
   if strict and missing:
     raise ValueError(
-        f'dmuon: {len(missing)} Muon target(s) have no hook boundary: '
-        f'{missing}. Name blocks like layers/N or layers_N, pass '
-        'boundary_predicate=(path, subtree) -> bool to mark your block '
-        'modules, route these params to AdamW, or pass strict=False to '
-        'gather each of them on its own.')
-  return HookBoundaries(names=tuple(names), scanned=tuple(scanned),
-                        paths=tuple(paths), of_target=tuple(of_target))
+      f'dmuon: {len(missing)} Muon target(s) have no hook boundary: '
+      f'{missing}. Name blocks like layers/N or layers_N, pass '
+      'boundary_predicate=(path, subtree) -> bool to mark your block '
+      'modules, route these params to AdamW, or pass strict=False to '
+      'gather each of them on its own.'
+    )
+  return HookBoundaries(
+    names=tuple(names),
+    scanned=tuple(scanned),
+    paths=tuple(paths),
+    of_target=tuple(of_target),
+  )

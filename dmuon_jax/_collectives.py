@@ -14,8 +14,10 @@ def manual_axes() -> frozenset[str]:
   if mesh is None or mesh.empty:
     return frozenset()
   return frozenset(
-      name for name, kind in zip(mesh.axis_names, mesh.axis_types)
-      if kind == jax.sharding.AxisType.Manual)
+    name
+    for name, kind in zip(mesh.axis_names, mesh.axis_types)
+    if kind == jax.sharding.AxisType.Manual
+  )
 
 
 def varying_axes(x) -> frozenset[str]:
@@ -38,9 +40,12 @@ def switch_by_slot(axes: Sequence[str], branches, *operands, shift=0):
   ``shift`` (an int or traced scalar) the branch is
   ``(slot - shift) mod len(branches)``.
   """
+
   def wrap(branch):
-    return lambda *ops: jax.tree.map(lambda y: to_varying(y, axes),
-                                     branch(*ops))
+    return lambda *ops: jax.tree.map(
+      lambda y: to_varying(y, axes), branch(*ops)
+    )
+
   index = slot_index(axes)
   if not isinstance(shift, int) or shift:
     index = (index - shift) % len(branches)
@@ -52,8 +57,9 @@ def slot_index(axes: Sequence[str]) -> jax.Array:
   return jax.lax.axis_index(tuple(axes))
 
 
-def reduce_scatter_to_owners(buf: jax.Array, axes: Sequence[str],
-                             sizes: Sequence[int]) -> jax.Array:
+def reduce_scatter_to_owners(
+  buf: jax.Array, axes: Sequence[str], sizes: Sequence[int]
+) -> jax.Array:
   """Sums per-device buffers and leaves each device its own block.
 
   ``buf`` holds one block per slot, slot-major over ``axes`` (row-major). The

@@ -15,14 +15,16 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dmuon_jax import _boundaries
-from dmuon_jax import _collectives
-from dmuon_jax import _gather
-from dmuon_jax import _layout
-from dmuon_jax import _owner_layout
-from dmuon_jax import _mesh
-from dmuon_jax import _owner_update
-from dmuon_jax import _planner
+from dmuon_jax import (
+  _boundaries,
+  _collectives,
+  _gather,
+  _layout,
+  _mesh,
+  _owner_layout,
+  _owner_update,
+  _planner,
+)
 
 _UNSET = object()
 
@@ -39,6 +41,7 @@ class DedicatedParams(NamedTuple):
       owns; their layout is the dedication's.
     rest: the params tree with every Muon target replaced by None.
   """
+
   owned: _owner_layout.OwnerBuffers
   rest: Any
 
@@ -82,6 +85,7 @@ class Dedication:
       :func:`dedicated_muon` runs for matrices not split by TP (``'auto'``:
       the cheaper per shape).
   """
+
   plan: _planner.OwnershipPlan
   boundaries: _boundaries.HookBoundaries
   groups: tuple[tuple[int, ...], ...]
@@ -126,8 +130,9 @@ class Dedication:
     the sharding it had when :func:`dedicate` saw it (replicated if none).
     """
     return DedicatedParams(
-        owned=_owner_layout.OwnerBuffers(self.layout.buffer_specs(), self.layout),
-        rest=jax.tree.unflatten(self.treedef, list(self.rest_specs)))
+      owned=_owner_layout.OwnerBuffers(self.layout.buffer_specs(), self.layout),
+      rest=jax.tree.unflatten(self.treedef, list(self.rest_specs)),
+    )
 
   @staticmethod
   def specs_of(tree: Any) -> Any:
@@ -137,8 +142,13 @@ class Dedication:
     step count, a single-device array) is replicated: ``P()``.
     """
     return jax.tree.map(
-        lambda x: x.sharding.spec if isinstance(
-            getattr(x, 'sharding', None), NamedSharding) else P(), tree)
+      lambda x: (
+        x.sharding.spec
+        if isinstance(getattr(x, 'sharding', None), NamedSharding)
+        else P()
+      ),
+      tree,
+    )
 
   # -- inside shard_map ------------------------------------------------------
 
@@ -173,8 +183,7 @@ class Dedication:
     """
     return _gather.all_params(self, dedicated)
 
-  def block(self, fn: Callable[..., Any], boundary: str
-            ) -> Callable[..., Any]:
+  def block(self, fn: Callable[..., Any], boundary: str) -> Callable[..., Any]:
     """Wraps one block so that its weights are gathered inside it.
 
     The owners' matrices of ``boundary`` are all-gathered just before ``fn``
@@ -201,9 +210,9 @@ class Dedication:
     """
     return _gather.block(self, fn, boundary)
 
-  def sequential(self, fn: Callable[[Any, Any], Any],
-                 boundaries: Sequence[str]
-                 ) -> Callable[[DedicatedParams, Any], Any]:
+  def sequential(
+    self, fn: Callable[[Any, Any], Any], boundaries: Sequence[str]
+  ) -> Callable[[DedicatedParams, Any], Any]:
     """Runs blocks one after another: ``x = fn(block_params, x)`` each.
 
     Like :meth:`block` for each boundary, but one gather per group of
@@ -222,8 +231,9 @@ class Dedication:
     """
     return _gather.sequential(self, fn, boundaries)
 
-  def scan(self, fn: Callable[[Any, Any], Any], boundary: str
-           ) -> Callable[[DedicatedParams, Any], Any]:
+  def scan(
+    self, fn: Callable[[Any, Any], Any], boundary: str
+  ) -> Callable[[DedicatedParams, Any], Any]:
     """Runs a scanned stack of blocks, gathering per scan iteration.
 
     The stacked params of ``boundary`` (leading layer axis) are sliced in a
@@ -265,14 +275,17 @@ class Dedication:
     leaves = jax.tree.leaves(params)
     values = {t.index: leaves[t.index] for t in self.layout.leaves}
     owned = pack_owned(self.layout, values, self.mesh)
-    rest = [None if spec is None else x
-            for x, spec in zip(leaves, self.rest_specs)]
+    rest = [
+      None if spec is None else x for x, spec in zip(leaves, self.rest_specs)
+    ]
     if self.mesh is not None:
-      rest = [None if x is None else jax.device_put(
-          x, NamedSharding(self.mesh, spec))
-              for x, spec in zip(rest, self.rest_specs)]
-    return DedicatedParams(owned=owned,
-                           rest=jax.tree.unflatten(self.treedef, rest))
+      rest = [
+        None if x is None else jax.device_put(x, NamedSharding(self.mesh, spec))
+        for x, spec in zip(rest, self.rest_specs)
+      ]
+    return DedicatedParams(
+      owned=owned, rest=jax.tree.unflatten(self.treedef, rest)
+    )
 
   def to_params(self, dedicated: DedicatedParams) -> Any:
     """The plain params tree (e.g. for export, evaluation, checkpoints).
@@ -294,20 +307,25 @@ class Dedication:
     """Raises unless ``params`` is the tree ``dedicate`` planned."""
     if isinstance(params, DedicatedParams):
       raise TypeError(
-          'dmuon: to_dedicated() takes a plain params tree and got '
-          'DedicatedParams (already in owner layout); use it as it is, or '
-          'to_params() to go back.')
-    _planner.check_same_tree(params, jax.tree.unflatten(
-        self.treedef, [0] * self.treedef.num_leaves), 'to_dedicated()',
-                              made_by='dmuon_jax.dedicate()')
+        'dmuon: to_dedicated() takes a plain params tree and got '
+        'DedicatedParams (already in owner layout); use it as it is, or '
+        'to_params() to go back.'
+      )
+    _planner.check_same_tree(
+      params,
+      jax.tree.unflatten(self.treedef, [0] * self.treedef.num_leaves),
+      'to_dedicated()',
+      made_by='dmuon_jax.dedicate()',
+    )
     leaves = jax.tree.leaves(params)
     for t in self.layout.leaves:
       got = tuple(np.shape(leaves[t.index]))
       if got != t.shape:
         raise ValueError(
-            f'dmuon: param {t.path!r} has shape {got}, but dedicate() '
-            f'planned it with shape {t.shape}. Call dmuon_jax.dedicate '
-            'again on the new params (and make a new optimizer state).')
+          f'dmuon: param {t.path!r} has shape {got}, but dedicate() '
+          f'planned it with shape {t.shape}. Call dmuon_jax.dedicate '
+          'again on the new params (and make a new optimizer state).'
+        )
 
   def check_dedicated(self, dedicated: Any, what: str) -> None:
     """Raises unless ``dedicated`` fits this dedication's owner layout.
@@ -324,9 +342,10 @@ class Dedication:
     """
     if not isinstance(dedicated, DedicatedParams):
       raise TypeError(
-          f'dmuon: {what} takes the DedicatedParams made by '
-          f'Dedication.to_dedicated(params); got {type(dedicated).__name__}.'
-          ' Convert the params with ded.to_dedicated(params) first.')
+        f'dmuon: {what} takes the DedicatedParams made by '
+        f'Dedication.to_dedicated(params); got {type(dedicated).__name__}.'
+        ' Convert the params with ded.to_dedicated(params) first.'
+      )
     check_owned(self.layout, dedicated.owned, what)
 
   # -- inspection ------------------------------------------------------------
@@ -348,26 +367,31 @@ class Dedication:
     return _summary(self)
 
 
-def check_owned(layout: _owner_layout.OwnerLayout, owned: Any, what: str) -> None:
+def check_owned(
+  layout: _owner_layout.OwnerLayout, owned: Any, what: str
+) -> None:
   """Raises unless ``owned`` are buffers of ``layout`` (global or local)."""
   if not isinstance(owned, _owner_layout.OwnerBuffers):
     raise TypeError(
-        f'dmuon: {what} takes owner buffers (DedicatedParams.owned); got '
-        f'{type(owned).__name__}.')
+      f'dmuon: {what} takes owner buffers (DedicatedParams.owned); got '
+      f'{type(owned).__name__}.'
+    )
   if owned.layout != layout:
     raise ValueError(
-        f'dmuon: {what} got owner buffers laid out as {owned.layout.name}, '
-        f'but this dedication lays them out as {layout.name}: they were '
-        'made by another dmuon_jax.dedicate call (another mesh, model or '
-        'plan). Use the Dedication that made them, or convert with '
-        'to_params() and to_dedicated().')
+      f'dmuon: {what} got owner buffers laid out as {owned.layout.name}, '
+      f'but this dedication lays them out as {layout.name}: they were '
+      'made by another dmuon_jax.dedicate call (another mesh, model or '
+      'plan). Use the Dedication that made them, or convert with '
+      'to_params() and to_dedicated().'
+    )
   shapes = [tuple(np.shape(b)) for b in owned.buffers]
   glob = [s.shape for s in layout.buffer_shapes()]
   if shapes not in (glob, list(layout.local_shapes())):
     raise ValueError(
-        f'dmuon: {what} got owner buffers of shapes {shapes}, but layout '
-        f'{layout.name} has {glob} (global): the buffers were changed '
-        'outside dmuon. Call dedicate and to_dedicated again.')
+      f'dmuon: {what} got owner buffers of shapes {shapes}, but layout '
+      f'{layout.name} has {glob} (global): the buffers were changed '
+      'outside dmuon. Call dedicate and to_dedicated again.'
+    )
 
 
 def _replicated(mesh, xs):
@@ -387,9 +411,13 @@ def _unpacker(layout: _owner_layout.OwnerLayout):
   return jax.jit(layout.unpack)
 
 
-def pack_owned(layout: _owner_layout.OwnerLayout, values: dict[int, Any],
-               mesh: Any, dtypes=None, shardings=None
-               ) -> _owner_layout.OwnerBuffers:
+def pack_owned(
+  layout: _owner_layout.OwnerLayout,
+  values: dict[int, Any],
+  mesh: Any,
+  dtypes=None,
+  shardings=None,
+) -> _owner_layout.OwnerBuffers:
   """Owner buffers (placed) from whole arrays, leaf index -> array."""
   keys = sorted(values)
   mesh_of = mesh if isinstance(mesh, jax.sharding.Mesh) else None
@@ -399,17 +427,23 @@ def pack_owned(layout: _owner_layout.OwnerLayout, values: dict[int, Any],
   if shardings is None and mesh_of is not None:
     shardings = layout.shardings(mesh_of)
   if shardings is not None:
-    bufs = [b if s is None else jax.device_put(b, s)
-            for b, s in zip(bufs, shardings)]
+    bufs = [
+      b if s is None else jax.device_put(b, s) for b, s in zip(bufs, shardings)
+    ]
   return _owner_layout.OwnerBuffers(bufs, layout)
 
 
 def unpack_owned(owned: _owner_layout.OwnerBuffers) -> dict[int, jax.Array]:
   """Whole (replicated) arrays from owner buffers: leaf index -> array."""
   bufs = list(owned.buffers)
-  mesh = next((b.sharding.mesh for b in bufs
-               if isinstance(getattr(b, 'sharding', None), NamedSharding)),
-              None)
+  mesh = next(
+    (
+      b.sharding.mesh
+      for b in bufs
+      if isinstance(getattr(b, 'sharding', None), NamedSharding)
+    ),
+    None,
+  )
   return _unpacker(owned.layout)(_replicated(mesh, bufs))
 
 
@@ -436,8 +470,10 @@ def _tp_local(params, info, predicate, weight_dimension_numbers):
   """
   leaves, treedef = jax.tree.flatten(params)
   specs = _planner.muon_target_specs(
-      params, predicate=predicate,
-      weight_dimension_numbers=weight_dimension_numbers)
+    params,
+    predicate=predicate,
+    weight_dimension_numbers=weight_dimension_numbers,
+  )
   dims = [None] * len(leaves)
   by_leaf = {}
   whole = []
@@ -448,7 +484,8 @@ def _tp_local(params, info, predicate, weight_dimension_numbers):
     spec = _mesh.leaf_spec(x) or P()
     entries = _mesh.normalize_entries(spec, len(s.shape), info.sizes)
     _, split, dim, shape = _mesh.split_tensor_parallel(
-        s, entries, info.tp_axis, info.tp_size)
+      s, entries, info.tp_axis, info.tp_size
+    )
     if split is None:
       whole.append(s.path)
       continue
@@ -457,17 +494,19 @@ def _tp_local(params, info, predicate, weight_dimension_numbers):
     leaves[s.leaf_index] = jax.ShapeDtypeStruct(shape, x.dtype)
   if whole:
     raise ValueError(
-        f'dmuon: dedicated mode on a mesh with the tensor-parallel axis '
-        f'{info.tp_axis!r} needs every Muon target split over it (column- or '
-        f'row-parallel); these are not: {whole}. Shard them over '
-        f'{info.tp_axis!r} along a matrix dimension, route them to AdamW, or '
-        'use the drop-in dmuon_jax.dmuon (which orthogonalizes '
-        'TP-replicated matrices on every TP shard of the owner).')
+      f'dmuon: dedicated mode on a mesh with the tensor-parallel axis '
+      f'{info.tp_axis!r} needs every Muon target split over it (column- or '
+      f'row-parallel); these are not: {whole}. Shard them over '
+      f'{info.tp_axis!r} along a matrix dimension, route them to AdamW, or '
+      'use the drop-in dmuon_jax.dmuon (which orthogonalizes '
+      'TP-replicated matrices on every TP shard of the owner).'
+    )
   return jax.tree.unflatten(treedef, leaves), tuple(dims), by_leaf
 
 
-def _buffer_axes(plan: _planner.OwnershipPlan, replicate_axis: str | None
-                 ) -> tuple[tuple[str, ...], str | None]:
+def _buffer_axes(
+  plan: _planner.OwnershipPlan, replicate_axis: str | None
+) -> tuple[tuple[str, ...], str | None]:
   """Owner axes in buffer order (shard axes, then replicate) and the
   replicate axis if it has more than one device."""
   sizes = dict(zip(plan.axis_names, plan.mesh_shape))
@@ -475,7 +514,8 @@ def _buffer_axes(plan: _planner.OwnershipPlan, replicate_axis: str | None
     return plan.axis_names, None
   axes = tuple(a for a in plan.axis_names if a != replicate_axis)
   return axes + (replicate_axis,), (
-      replicate_axis if sizes[replicate_axis] > 1 else None)
+    replicate_axis if sizes[replicate_axis] > 1 else None
+  )
 
 
 def _rest_spec(x: Any, path: str, mesh: Any, scanned_names) -> P:
@@ -488,21 +528,24 @@ def _rest_spec(x: Any, path: str, mesh: Any, scanned_names) -> P:
   unknown = sorted({a for e in entries for a in e} - set(mesh.axis_names))
   if unknown:
     raise ValueError(
-        f'dmuon: param {path!r} is sharded over axes {unknown} that mesh '
-        f'{dict(mesh.shape)} does not have (spec {spec}); shard it over the '
-        'mesh given to dedicate (or replicate it), or pass the mesh it '
-        'lives on.')
+      f'dmuon: param {path!r} is sharded over axes {unknown} that mesh '
+      f'{dict(mesh.shape)} does not have (spec {spec}); shard it over the '
+      'mesh given to dedicate (or replicate it), or pass the mesh it '
+      'lives on.'
+    )
   in_stack = any(path.startswith(n + '/') for n in scanned_names)
   if in_stack and entries and entries[0]:
     raise ValueError(
-        f'dmuon: param {path!r} of a scanned stack is sharded along its '
-        f'layer axis ({spec}); shard another dimension (the scan slices '
-        'one layer per iteration) or replicate it.')
+      f'dmuon: param {path!r} of a scanned stack is sharded along its '
+      f'layer axis ({spec}); shard another dimension (the scan slices '
+      'one layer per iteration) or replicate it.'
+    )
   return spec
 
 
-def _gather_groups(bounds: _boundaries.HookBoundaries, k: int
-                   ) -> list[tuple[int, ...]]:
+def _gather_groups(
+  bounds: _boundaries.HookBoundaries, k: int
+) -> list[tuple[int, ...]]:
   """Consecutive loop boundaries by ``k``; each scanned stack alone."""
   groups, run = [], []
   for b, scanned in enumerate(bounds.scanned):
@@ -519,21 +562,21 @@ def _gather_groups(bounds: _boundaries.HookBoundaries, k: int
 
 
 def dedicate(
-    params: Any,
-    mesh: jax.sharding.Mesh | None,
-    *,
-    predicate: Callable[[str, Any], bool] | None = None,
-    muon_weight_dimension_numbers: Any = None,
-    boundary_predicate: _boundaries.BoundaryPredicate | None = None,
-    strict: bool = True,
-    reshard_after_forward: bool = True,
-    layers_per_gather: int = 1,
-    axis_names: Sequence[str] | None = None,
-    replicate_axis: str | None = 'replicate',
-    remat_policy: Callable[..., Any] | None = None,
-    tensor_parallel_axis: str | None = 'model',
-    ns_algorithm: str = 'auto',
-    weight_dimension_numbers: Any = _UNSET,
+  params: Any,
+  mesh: jax.sharding.Mesh | None,
+  *,
+  predicate: Callable[[str, Any], bool] | None = None,
+  muon_weight_dimension_numbers: Any = None,
+  boundary_predicate: _boundaries.BoundaryPredicate | None = None,
+  strict: bool = True,
+  reshard_after_forward: bool = True,
+  layers_per_gather: int = 1,
+  axis_names: Sequence[str] | None = None,
+  replicate_axis: str | None = 'replicate',
+  remat_policy: Callable[..., Any] | None = None,
+  tensor_parallel_axis: str | None = 'model',
+  ns_algorithm: str = 'auto',
+  weight_dimension_numbers: Any = _UNSET,
 ) -> Dedication:
   """Plans dedicated ownership: each Muon matrix stored only on its owner.
 
@@ -623,37 +666,54 @@ def dedicate(
   """
   if weight_dimension_numbers is not _UNSET:
     warnings.warn(
-        'As of dmuon_jax 0.2, dedicate(weight_dimension_numbers=...) is '
-        'called muon_weight_dimension_numbers, as in dmuon_jax.dmuon; the '
-        'old name will be removed.', DeprecationWarning, stacklevel=2)
+      'As of dmuon_jax 0.2, dedicate(weight_dimension_numbers=...) is '
+      'called muon_weight_dimension_numbers, as in dmuon_jax.dmuon; the '
+      'old name will be removed.',
+      DeprecationWarning,
+      stacklevel=2,
+    )
     if muon_weight_dimension_numbers is not None:
       raise TypeError(
-          'dmuon: dedicate got both muon_weight_dimension_numbers and its '
-          'deprecated name weight_dimension_numbers; pass only the first.')
+        'dmuon: dedicate got both muon_weight_dimension_numbers and its '
+        'deprecated name weight_dimension_numbers; pass only the first.'
+      )
     muon_weight_dimension_numbers = weight_dimension_numbers
   dims_numbers = muon_weight_dimension_numbers
-  if (not isinstance(layers_per_gather, int)
-      or isinstance(layers_per_gather, bool) or layers_per_gather < 1):
+  if (
+    not isinstance(layers_per_gather, int)
+    or isinstance(layers_per_gather, bool)
+    or layers_per_gather < 1
+  ):
     raise ValueError(
-        f'dmuon: layers_per_gather={layers_per_gather!r} must be a positive '
-        'int.')
+      f'dmuon: layers_per_gather={layers_per_gather!r} must be a positive int.'
+    )
   k = layers_per_gather
   abstract = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+    lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params
+  )
   bounds = _boundaries.find_hook_boundaries(
-      params, predicate=predicate, weight_dimension_numbers=dims_numbers,
-      boundary_predicate=boundary_predicate, strict=strict)
+    params,
+    predicate=predicate,
+    weight_dimension_numbers=dims_numbers,
+    boundary_predicate=boundary_predicate,
+    strict=strict,
+  )
   info = _mesh.resolve(mesh, axis_names, tensor_parallel_axis)
   tp_n = info.tp_size if info is not None else 1
   tp_dims: tuple[int | None, ...] = (None,) * len(jax.tree.leaves(params))
   tp_splits_by_leaf: dict[int, int | None] = {}
   if tp_n > 1:
     params, tp_dims, tp_splits_by_leaf = _tp_local(
-        params, info, predicate, dims_numbers)
+      params, info, predicate, dims_numbers
+    )
   plan = _planner.plan_ownership(
-      params, mesh, axis_names=None if info is None else info.owner_axes,
-      predicate=predicate, weight_dimension_numbers=dims_numbers,
-      ns_algorithm=ns_algorithm)
+    params,
+    mesh,
+    axis_names=None if info is None else info.owner_axes,
+    predicate=predicate,
+    weight_dimension_numbers=dims_numbers,
+    ns_algorithm=ns_algorithm,
+  )
   buffer_axes, rep_axis = _buffer_axes(plan, replicate_axis)
   sizes = dict(zip(plan.axis_names, plan.mesh_shape))
   leaves = jax.tree.leaves(params)
@@ -663,58 +723,90 @@ def dedicate(
   groups = _gather_groups(bounds, k)
   scanned_names = [n for n, sc in zip(bounds.names, bounds.scanned) if sc]
   group_specs = [
-      (bounds.names[group[0]], bounds.scanned[group[0]],
-       [s for s in plan.leaves if path_boundary[s.path] in group])
-      for group in groups]
+    (
+      bounds.names[group[0]],
+      bounds.scanned[group[0]],
+      [s for s in plan.leaves if path_boundary[s.path] in group],
+    )
+    for group in groups
+  ]
   plan, group_plans, iterations = _planner.plan_gather_groups(
-      plan, group_specs, k, buffer_axes)
+    plan, group_specs, k, buffer_axes
+  )
   layouts = tuple(
-      _layout.Layout(gp, [leaves[s.leaf_index].dtype for s in gp.leaves],
-                     [tp_splits_by_leaf.get(s.leaf_index)
-                      for s in gp.leaves])
-      for gp in group_plans)
+    _layout.Layout(
+      gp,
+      [leaves[s.leaf_index].dtype for s in gp.leaves],
+      [tp_splits_by_leaf.get(s.leaf_index) for s in gp.leaves],
+    )
+    for gp in group_plans
+  )
   full_shapes = jax.tree.leaves(abstract)
-  group_of_leaf = {s.leaf_index: g for g, gp in enumerate(group_plans)
-                   for s in gp.leaves}
+  group_of_leaf = {
+    s.leaf_index: g for g, gp in enumerate(group_plans) for s in gp.leaves
+  }
   distributed = plan.num_slots * tp_n > 1
   layout = _owner_layout.OwnerLayout(
-      groups=layouts, iterations=iterations, buffer_axes=buffer_axes,
-      buffer_sizes=tuple(sizes[a] for a in buffer_axes),
-      tp_axis=info.tp_axis if tp_n > 1 else None, tp_size=tp_n,
-      mesh=info.abstract if distributed else None,
-      leaves=tuple(
-          _owner_layout.TargetLeaf(
-              index=s.leaf_index, path=s.path,
-              shape=tuple(full_shapes[s.leaf_index].shape),
-              dtype=jnp.dtype(s.dtype).name,
-              group=group_of_leaf[s.leaf_index],
-              tp_dim=tp_dims[s.leaf_index])
-          for s in plan.leaves),
-      param_entries=(None,) * len(plan.leaves),
-      layers_per_iteration=tuple(k if it else 1 for it in iterations),
-      kind='dedicated')
+    groups=layouts,
+    iterations=iterations,
+    buffer_axes=buffer_axes,
+    buffer_sizes=tuple(sizes[a] for a in buffer_axes),
+    tp_axis=info.tp_axis if tp_n > 1 else None,
+    tp_size=tp_n,
+    mesh=info.abstract if distributed else None,
+    leaves=tuple(
+      _owner_layout.TargetLeaf(
+        index=s.leaf_index,
+        path=s.path,
+        shape=tuple(full_shapes[s.leaf_index].shape),
+        dtype=jnp.dtype(s.dtype).name,
+        group=group_of_leaf[s.leaf_index],
+        tp_dim=tp_dims[s.leaf_index],
+      )
+      for s in plan.leaves
+    ),
+    param_entries=(None,) * len(plan.leaves),
+    layers_per_iteration=tuple(k if it else 1 for it in iterations),
+    kind='dedicated',
+  )
   targets = {s.leaf_index for s in plan.leaves}
   rest_specs = tuple(
-      None if i in targets else _rest_spec(x, path, mesh, scanned_names)
-      for i, (x, path) in enumerate(zip(leaves, leaf_paths)))
+    None if i in targets else _rest_spec(x, path, mesh, scanned_names)
+    for i, (x, path) in enumerate(zip(leaves, leaf_paths))
+  )
   boundary_keys = []
   for name in bounds.names:
     depth = len([s for s in name.split('/') if s])
-    boundary_keys.append(next(
-        tuple(keys[:depth]) for keys, path in zip(
-            (keys for keys, _ in flat), leaf_paths)
-        if not name or path == name or path.startswith(name + '/')))
+    boundary_keys.append(
+      next(
+        tuple(keys[:depth])
+        for keys, path in zip((keys for keys, _ in flat), leaf_paths)
+        if not name or path == name or path.startswith(name + '/')
+      )
+    )
   return Dedication(
-      plan=plan, boundaries=bounds, groups=tuple(groups), layout=layout,
-      layers_per_gather=k, treedef=jax.tree.structure(params), mesh=mesh,
-      reshard_after_forward=reshard_after_forward,
-      buffer_axes=buffer_axes, replicate_axis=rep_axis,
-      remat_policy=(remat_policy if remat_policy is not None
-                    else jax.checkpoint_policies.dots_saveable),
-      rest_specs=rest_specs, leaf_paths=leaf_paths,
-      boundary_keys=tuple(boundary_keys), abstract_params=abstract,
-      tensor_parallel_axis=info.tp_axis if tp_n > 1 else None,
-      ns_algorithm=ns_algorithm)
+    plan=plan,
+    boundaries=bounds,
+    groups=tuple(groups),
+    layout=layout,
+    layers_per_gather=k,
+    treedef=jax.tree.structure(params),
+    mesh=mesh,
+    reshard_after_forward=reshard_after_forward,
+    buffer_axes=buffer_axes,
+    replicate_axis=rep_axis,
+    remat_policy=(
+      remat_policy
+      if remat_policy is not None
+      else jax.checkpoint_policies.dots_saveable
+    ),
+    rest_specs=rest_specs,
+    leaf_paths=leaf_paths,
+    boundary_keys=tuple(boundary_keys),
+    abstract_params=abstract,
+    tensor_parallel_axis=info.tp_axis if tp_n > 1 else None,
+    ns_algorithm=ns_algorithm,
+  )
 
 
 def _gather_bytes(ded: Dedication) -> tuple[int, int]:
@@ -743,28 +835,35 @@ def _group_bytes(lay: _layout.Layout) -> tuple[int, int]:
 def _summary(ded: Dedication) -> str:
   payload, gathered = _gather_bytes(ded)
   mode = 'Z3' if ded.reshard_after_forward else 'Z2'
-  lines = [f'Dedicated ownership ({mode}) on {ded.num_slots} slots, '
-           f'buffer axes {ded.buffer_axes}'
-           + (f', replicate axis {ded.replicate_axis!r}'
-              if ded.replicate_axis else '')
-           + f', {ded.layers_per_gather} layer(s) per gather'
-           + f', layout {ded.layout.name}']
+  lines = [
+    f'Dedicated ownership ({mode}) on {ded.num_slots} slots, '
+    f'buffer axes {ded.buffer_axes}'
+    + (f', replicate axis {ded.replicate_axis!r}' if ded.replicate_axis else '')
+    + f', {ded.layers_per_gather} layer(s) per gather'
+    + f', layout {ded.layout.name}'
+  ]
   for g, lay in enumerate(ded.layout.groups):
     used, held = _group_bytes(lay)
-    names = ', '.join(ded.boundaries.names[b] or '<root>'
-                      for b in ded.groups[g])
+    names = ', '.join(
+      ded.boundaries.names[b] or '<root>' for b in ded.groups[g]
+    )
     iters = ded.layout.iterations[g]
     times = f' x {iters} iterations' if iters else ''
-    lines.append(f'  gather {g}: {names}{times}: {len(lay.plan.units)} '
-                 f'matrices, {_planner.human_bytes(used)} gathered as '
-                 f'{_planner.human_bytes(held)} '
-                 f'(padding {_padding_percent(used, held):.1f}%)')
-  lines.append(f'  total: Muon params {_planner.human_bytes(payload)}, '
-               f'gathered {_planner.human_bytes(gathered)} '
-               f'(padding {_padding_percent(payload, gathered):.1f}%)')
+    lines.append(
+      f'  gather {g}: {names}{times}: {len(lay.plan.units)} '
+      f'matrices, {_planner.human_bytes(used)} gathered as '
+      f'{_planner.human_bytes(held)} '
+      f'(padding {_padding_percent(used, held):.1f}%)'
+    )
+  lines.append(
+    f'  total: Muon params {_planner.human_bytes(payload)}, '
+    f'gathered {_planner.human_bytes(gathered)} '
+    f'(padding {_padding_percent(payload, gathered):.1f}%)'
+  )
   if not ded.plan.units:
-    lines.append('  no Muon targets: every param is an AdamW param '
-                 '(kept in rest)')
+    lines.append(
+      '  no Muon targets: every param is an AdamW param (kept in rest)'
+    )
   return '\n'.join(lines + [ded.plan.summary()])
 
 
@@ -776,15 +875,20 @@ class DedicatedMuonState(NamedTuple):
     mu: the momentum, laid out like ``DedicatedParams.owned`` (the same
       :class:`dmuon_jax.OwnerLayout`).
   """
+
   count: jax.Array
   mu: _owner_layout.OwnerBuffers
 
 
-def _decayed_leaves(ded: Dedication, weight_decay, weight_decay_mask
-                    ) -> frozenset[int] | None:
+def _decayed_leaves(
+  ded: Dedication, weight_decay, weight_decay_mask
+) -> frozenset[int] | None:
   """Leaf indices of the Muon targets that decay (None: no decay)."""
-  if (isinstance(weight_decay, (int, float)) and not isinstance(
-      weight_decay, bool) and weight_decay == 0):
+  if (
+    isinstance(weight_decay, (int, float))
+    and not isinstance(weight_decay, bool)
+    and weight_decay == 0
+  ):
     return None
   indices = [t.index for t in ded.layout.leaves]
   if weight_decay_mask is None:
@@ -793,32 +897,36 @@ def _decayed_leaves(ded: Dedication, weight_decay, weight_decay_mask
   if callable(mask):
     mask = mask(ded.abstract_params)
   flags = ded.treedef.flatten_up_to(mask)
-  bad = [ded.leaf_paths[i] for i in indices
-         if not isinstance(flags[i], (bool, np.bool_))]
+  bad = [
+    ded.leaf_paths[i]
+    for i in indices
+    if not isinstance(flags[i], (bool, np.bool_))
+  ]
   if bad:
     raise ValueError(
-        f'dmuon: weight_decay_mask has non-boolean entries at {bad}; give a '
-        'tree like the params (or a callable params -> tree) of True/False, '
-        'as for optax.add_decayed_weights.')
+      f'dmuon: weight_decay_mask has non-boolean entries at {bad}; give a '
+      'tree like the params (or a callable params -> tree) of True/False, '
+      'as for optax.add_decayed_weights.'
+    )
   return frozenset(i for i in indices if flags[i])
 
 
 def scale_by_dedicated_muon(
-    dedication: Dedication,
-    ns_coeffs: Any = 'jordan',
-    ns_steps: int | None = None,
-    beta: jax.typing.ArrayLike = 0.95,
-    eps: jax.typing.ArrayLike = 1e-8,
-    mu_dtype: Any = None,
-    *,
-    nesterov: bool = True,
-    consistent_rms: jax.typing.ArrayLike | None = None,
-    adaptive: bool = False,
-    preconditioning: str = 'frobenius',
-    momentum: str = 'optax',
-    compute_dtype: Any = None,
-    weight_decay: jax.typing.ArrayLike = 0.0,
-    weight_decay_mask: Any = None,
+  dedication: Dedication,
+  ns_coeffs: Any = 'jordan',
+  ns_steps: int | None = None,
+  beta: jax.typing.ArrayLike = 0.95,
+  eps: jax.typing.ArrayLike = 1e-8,
+  mu_dtype: Any = None,
+  *,
+  nesterov: bool = True,
+  consistent_rms: jax.typing.ArrayLike | None = None,
+  adaptive: bool = False,
+  preconditioning: str = 'frobenius',
+  momentum: str = 'optax',
+  compute_dtype: Any = None,
+  weight_decay: jax.typing.ArrayLike = 0.0,
+  weight_decay_mask: Any = None,
 ) -> optax.GradientTransformation:
   """Muon on owner buffers: momentum and NS local, no communication.
 
@@ -855,33 +963,45 @@ def scale_by_dedicated_muon(
     A :class:`optax.GradientTransformation` on ``owned`` buffers.
   """
   if dedication.tensor_parallel_axis is not None and (
-      preconditioning != 'frobenius'):
+    preconditioning != 'frobenius'
+  ):
     raise ValueError(
-        f'dmuon: preconditioning={preconditioning!r} is not available with '
-        f'the tensor-parallel axis {dedication.tensor_parallel_axis!r}: the '
-        "TP Gram Newton-Schulz normalizes by the Frobenius norm. Use "
-        "preconditioning='frobenius'.")
+      f'dmuon: preconditioning={preconditioning!r} is not available with '
+      f'the tensor-parallel axis {dedication.tensor_parallel_axis!r}: the '
+      'TP Gram Newton-Schulz normalizes by the Frobenius norm. Use '
+      "preconditioning='frobenius'."
+    )
   cfg = _owner_update.make_config(
-      ns_coeffs=ns_coeffs, ns_steps=ns_steps, momentum=momentum,
-      nesterov=nesterov, adaptive=adaptive, preconditioning=preconditioning,
-      ns_algorithm=dedication.ns_algorithm, compute_dtype=compute_dtype,
-      shape_scaling=True, consistent_rms=consistent_rms is not None,
-      mu_dtype=mu_dtype)
+    ns_coeffs=ns_coeffs,
+    ns_steps=ns_steps,
+    momentum=momentum,
+    nesterov=nesterov,
+    adaptive=adaptive,
+    preconditioning=preconditioning,
+    ns_algorithm=dedication.ns_algorithm,
+    compute_dtype=compute_dtype,
+    shape_scaling=True,
+    consistent_rms=consistent_rms is not None,
+    mu_dtype=mu_dtype,
+  )
   decay = _decayed_leaves(dedication, weight_decay, weight_decay_mask)
-  hp = _owner_update.Hyperparams(beta=beta, eps=eps,
-                                 consistent_rms=consistent_rms,
-                                 weight_decay=weight_decay)
+  hp = _owner_update.Hyperparams(
+    beta=beta, eps=eps, consistent_rms=consistent_rms, weight_decay=weight_decay
+  )
   return optax.GradientTransformation(
-      functools.partial(_muon_init, cfg, dedication),
-      functools.partial(_muon_update, cfg, hp, decay, dedication))
+    functools.partial(_muon_init, cfg, dedication),
+    functools.partial(_muon_update, cfg, hp, decay, dedication),
+  )
 
 
 def _muon_init(cfg, ded, owned):
   check_owned(ded.layout, owned, 'dedicated_muon init()')
   dtype = cfg.mu_dtype
   mu = [jnp.zeros_like(b, dtype=dtype) for b in owned.buffers]
-  return DedicatedMuonState(count=jnp.zeros([], jnp.int32),
-                            mu=_owner_layout.OwnerBuffers(mu, owned.layout))
+  return DedicatedMuonState(
+    count=jnp.zeros([], jnp.int32),
+    mu=_owner_layout.OwnerBuffers(mu, owned.layout),
+  )
 
 
 def _muon_update(cfg, hp, decay, ded, grads, state, params=None):
@@ -889,8 +1009,9 @@ def _muon_update(cfg, hp, decay, ded, grads, state, params=None):
   check_owned(layout, grads, 'dedicated_muon update()')
   if decay is not None and params is None:
     raise ValueError(
-        'dmuon: dedicated_muon with weight_decay needs the params: call '
-        'update(grads, state, params).')
+      'dmuon: dedicated_muon with weight_decay needs the params: call '
+      'update(grads, state, params).'
+    )
   count_inc = optax.safe_increment(state.count)
   manual = _collectives.manual_axes()
   param_bufs = None if params is None else params.buffers
@@ -898,8 +1019,15 @@ def _muon_update(cfg, hp, decay, ded, grads, state, params=None):
     n = layout.num_slots if manual else 1
     g = tuple(x / n for x in grads.buffers) if n > 1 else grads.buffers
     ortho, mu = _owner_update.owner_step(
-        cfg, hp, layout, g, state.mu.buffers, count_inc,
-        params=param_bufs if decay else None, decay=decay)
+      cfg,
+      hp,
+      layout,
+      g,
+      state.mu.buffers,
+      count_inc,
+      params=param_bufs if decay else None,
+      decay=decay,
+    )
   else:
     specs = list(layout.buffer_specs())
     mesh = ded.mesh if ded.mesh is not None else layout.mesh
@@ -907,20 +1035,36 @@ def _muon_update(cfg, hp, decay, ded, grads, state, params=None):
 
     def body(g, mus, ps, count_inc, dyn):
       out, mu = _owner_update.owner_step(
-          cfg, _owner_update.with_dynamic(hp, dyn), layout, g, mus,
-          count_inc, params=ps, decay=decay)
+        cfg,
+        _owner_update.with_dynamic(hp, dyn),
+        layout,
+        g,
+        mus,
+        count_inc,
+        params=ps,
+        decay=decay,
+      )
       return list(out), list(mu)
 
     ortho, mu = jax.shard_map(
-        body, mesh=mesh,
-        in_specs=(specs, specs, specs if decay else None, P(), P()),
-        out_specs=(specs, specs))(
-            list(grads.buffers), list(state.mu.buffers),
-            list(param_bufs) if decay else None, count_inc, dyn)
+      body,
+      mesh=mesh,
+      in_specs=(specs, specs, specs if decay else None, P(), P()),
+      out_specs=(specs, specs),
+    )(
+      list(grads.buffers),
+      list(state.mu.buffers),
+      list(param_bufs) if decay else None,
+      count_inc,
+      dyn,
+    )
   out = [o.astype(g.dtype) for o, g in zip(ortho, grads.buffers)]
-  return (_owner_layout.OwnerBuffers(out, layout),
-          DedicatedMuonState(count=count_inc,
-                             mu=_owner_layout.OwnerBuffers(mu, layout)))
+  return (
+    _owner_layout.OwnerBuffers(out, layout),
+    DedicatedMuonState(
+      count=count_inc, mu=_owner_layout.OwnerBuffers(mu, layout)
+    ),
+  )
 
 
 def _mean_rest(dedication: Dedication) -> optax.GradientTransformation:
@@ -940,21 +1084,27 @@ def _mean_rest(dedication: Dedication) -> optax.GradientTransformation:
     tp_axis = dedication.tensor_parallel_axis
     out = []
     for x, spec, path in zip(
-        _gather.full_leaves(updates, dedication.treedef),
-        dedication.rest_specs, dedication.leaf_paths):
+      _gather.full_leaves(updates, dedication.treedef),
+      dedication.rest_specs,
+      dedication.leaf_paths,
+    ):
       if x is not None and tp_axis in _collectives.varying_axes(x):
         raise ValueError(
-            f'dmuon: the gradient of {path!r} differs between the shards of '
-            f'the tensor-parallel axis {tp_axis!r} (it is a partial sum '
-            'there). Compute gradients with dmuon_jax.local_value_and_grad('
-            f'loss, axis_names={dedication.buffer_axes}) so that autodiff '
-            'sums TP-replicated params over the TP axis.')
+          f'dmuon: the gradient of {path!r} differs between the shards of '
+          f'the tensor-parallel axis {tp_axis!r} (it is a partial sum '
+          'there). Compute gradients with dmuon_jax.local_value_and_grad('
+          f'loss, axis_names={dedication.buffer_axes}) so that autodiff '
+          'sums TP-replicated params over the TP axis.'
+        )
       if x is not None:
         summed = [a for e in _mesh.spec_entries(spec) for a in e]
         if summed:
           x = x / np.prod([sizes[a] for a in summed])
-        others = tuple(a for a in mesh.axis_names if a not in summed
-                       and a in _collectives.varying_axes(x))
+        others = tuple(
+          a
+          for a in mesh.axis_names
+          if a not in summed and a in _collectives.varying_axes(x)
+        )
         if others:
           x = jax.lax.pmean(x, others)
       out.append(x)
@@ -964,28 +1114,28 @@ def _mean_rest(dedication: Dedication) -> optax.GradientTransformation:
 
 
 def dedicated_muon(
-    dedication: Dedication,
-    learning_rate: optax.ScalarOrSchedule,
-    ns_coeffs: Any = 'jordan',
-    ns_steps: int | None = None,
-    beta: jax.typing.ArrayLike = 0.95,
-    eps: jax.typing.ArrayLike = 1e-8,
-    weight_decay: jax.typing.ArrayLike = 0.0,
-    weight_decay_mask: Any = None,
-    mu_dtype: Any = None,
-    *,
-    nesterov: bool = True,
-    adaptive: bool = False,
-    preconditioning: str = 'frobenius',
-    adam_b1: jax.typing.ArrayLike = 0.9,
-    adam_b2: jax.typing.ArrayLike = 0.999,
-    adam_eps_root: jax.typing.ArrayLike = 0.0,
-    adam_weight_decay: jax.typing.ArrayLike = 0.0,
-    adam_learning_rate: optax.ScalarOrSchedule | None = None,
-    consistent_rms: jax.typing.ArrayLike | None = None,
-    momentum: str = 'optax',
-    compute_dtype: Any = None,
-    nonfinite: str = 'skip',
+  dedication: Dedication,
+  learning_rate: optax.ScalarOrSchedule,
+  ns_coeffs: Any = 'jordan',
+  ns_steps: int | None = None,
+  beta: jax.typing.ArrayLike = 0.95,
+  eps: jax.typing.ArrayLike = 1e-8,
+  weight_decay: jax.typing.ArrayLike = 0.0,
+  weight_decay_mask: Any = None,
+  mu_dtype: Any = None,
+  *,
+  nesterov: bool = True,
+  adaptive: bool = False,
+  preconditioning: str = 'frobenius',
+  adam_b1: jax.typing.ArrayLike = 0.9,
+  adam_b2: jax.typing.ArrayLike = 0.999,
+  adam_eps_root: jax.typing.ArrayLike = 0.0,
+  adam_weight_decay: jax.typing.ArrayLike = 0.0,
+  adam_learning_rate: optax.ScalarOrSchedule | None = None,
+  consistent_rms: jax.typing.ArrayLike | None = None,
+  momentum: str = 'optax',
+  compute_dtype: Any = None,
+  nonfinite: str = 'skip',
 ) -> optax.GradientTransformation:
   """:func:`dmuon_jax.dmuon` for :class:`DedicatedParams`.
 
@@ -1034,18 +1184,37 @@ def dedicated_muon(
   if adam_learning_rate is None:
     adam_learning_rate = learning_rate
   muon = optax.chain(
-      scale_by_dedicated_muon(
-          dedication, ns_coeffs, ns_steps, beta, eps, mu_dtype,
-          nesterov=nesterov, consistent_rms=consistent_rms,
-          adaptive=adaptive, preconditioning=preconditioning,
-          momentum=momentum, compute_dtype=compute_dtype,
-          weight_decay=weight_decay, weight_decay_mask=weight_decay_mask),
-      optax.scale_by_learning_rate(learning_rate))
+    scale_by_dedicated_muon(
+      dedication,
+      ns_coeffs,
+      ns_steps,
+      beta,
+      eps,
+      mu_dtype,
+      nesterov=nesterov,
+      consistent_rms=consistent_rms,
+      adaptive=adaptive,
+      preconditioning=preconditioning,
+      momentum=momentum,
+      compute_dtype=compute_dtype,
+      weight_decay=weight_decay,
+      weight_decay_mask=weight_decay_mask,
+    ),
+    optax.scale_by_learning_rate(learning_rate),
+  )
   adam = optax.chain(
-      _mean_rest(dedication),
-      optax.adamw(adam_learning_rate, b1=adam_b1, b2=adam_b2, eps=eps,
-                  eps_root=adam_eps_root, weight_decay=adam_weight_decay,
-                  mu_dtype=mu_dtype, nesterov=nesterov))
+    _mean_rest(dedication),
+    optax.adamw(
+      adam_learning_rate,
+      b1=adam_b1,
+      b2=adam_b2,
+      eps=eps,
+      eps_root=adam_eps_root,
+      weight_decay=adam_weight_decay,
+      mu_dtype=mu_dtype,
+      nesterov=nesterov,
+    ),
+  )
 
   def init_fn(params):
     dedication.check_dedicated(params, 'dedicated_muon init()')
@@ -1056,11 +1225,15 @@ def dedicated_muon(
   def update_fn(updates, state, params=None):
     dedication.check_dedicated(updates, 'dedicated_muon update()')
     owned_u, muon_state = muon.update(
-        updates.owned, state[0], None if params is None else params.owned)
+      updates.owned, state[0], None if params is None else params.owned
+    )
     rest_u, adam_state = adam.update(
-        updates.rest, state[1], None if params is None else params.rest)
-    return (DedicatedParams(owned=owned_u, rest=rest_u),
-            (muon_state, adam_state))
+      updates.rest, state[1], None if params is None else params.rest
+    )
+    return (
+      DedicatedParams(owned=owned_u, rest=rest_u),
+      (muon_state, adam_state),
+    )
 
   opt = optax.GradientTransformation(init_fn, update_fn)
   if nonfinite == 'skip':

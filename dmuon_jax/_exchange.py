@@ -28,9 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dmuon_jax import _collectives
-from dmuon_jax import _layout
-from dmuon_jax import _mesh
+from dmuon_jax import _collectives, _layout, _mesh
 
 
 class _Routed:
@@ -44,8 +42,10 @@ class _Routed:
     self.axis_sizes = tuple(sizes[a] for a in self.axes)
     self.blocks = math.prod(self.axis_sizes)
     self.full = [spec.shape[a] for a in canon]
-    self.piece = [n // math.prod(sizes[a] for a in e)
-                  for n, e in zip(self.full, self.dim_axes)]
+    self.piece = [
+      n // math.prod(sizes[a] for a in e)
+      for n, e in zip(self.full, self.dim_axes)
+    ]
     self.piece_size = math.prod(self.piece)
     self.perm = spec.batch_axes + canon
     self.batch_shape = tuple(spec.shape[a] for a in spec.batch_axes)
@@ -54,8 +54,9 @@ class _Routed:
     """Index of a device (by its coordinates) in its axis group."""
     if not self.axes:
       return 0
-    return int(np.ravel_multi_index(
-        [coords[a] for a in self.axes], self.axis_sizes))
+    return int(
+      np.ravel_multi_index([coords[a] for a in self.axes], self.axis_sizes)
+    )
 
   def assemble(self, pieces: jax.Array) -> jax.Array:
     """``(blocks, *piece)`` pieces (member order) -> the whole matrix
@@ -79,8 +80,9 @@ class _Routed:
       shape.append(self.piece[j])
       src.append(('dim', j))
     x = full.reshape(shape)
-    order = ([src.index(('axis', k)) for k in range(n)]
-             + [src.index(('dim', j)) for j in range(len(self.piece))])
+    order = [src.index(('axis', k)) for k in range(n)] + [
+      src.index(('dim', j)) for j in range(len(self.piece))
+    ]
     return jnp.transpose(x, order).reshape(self.blocks, self.piece_size)
 
 
@@ -94,8 +96,7 @@ class Exchange:
     classes: ``(axes, dtype group)`` of each forward all-to-all.
   """
 
-  def __init__(self, layout: _layout.Layout,
-               entries: Sequence[_mesh.Entries]):
+  def __init__(self, layout: _layout.Layout, entries: Sequence[_mesh.Entries]):
     """Builds the routes.
 
     Args:
@@ -110,8 +111,12 @@ class Exchange:
     self.sizes = dict(zip(plan.axis_names, plan.mesh_shape))
     n = plan.num_slots
     self.num_slots = n
-    self.coords = [dict(zip(self.axes, np.unravel_index(s, plan.mesh_shape)))
-                   if self.axes else {} for s in range(n)]
+    self.coords = [
+      dict(zip(self.axes, np.unravel_index(s, plan.mesh_shape)))
+      if self.axes
+      else {}
+      for s in range(n)
+    ]
     self.entries = list(entries)
     self.routed: dict[int, _Routed] = {}
     self.gathered: set[int] = set()
@@ -150,27 +155,47 @@ class Exchange:
         used.append(off)
       self.fwd_size[key] = max(used)
     # Back: per dtype group, per owner its routed units (all classes).
-    self.back_units = [[[u for u in layout.slot_units[g][s]
-                         if layout.unit_leaf[u] in self.routed]
-                        for s in range(n)] for g in groups]
+    self.back_units = [
+      [
+        [
+          u
+          for u in layout.slot_units[g][s]
+          if layout.unit_leaf[u] in self.routed
+        ]
+        for s in range(n)
+      ]
+      for g in groups
+    ]
     self.back_off = {}
     self.back_size = []
-    self.rep_units = [[[u for u in layout.slot_units[g][s]
-                        if layout.unit_leaf[u] not in self.routed]
-                       for s in range(n)] for g in groups]
+    self.rep_units = [
+      [
+        [
+          u
+          for u in layout.slot_units[g][s]
+          if layout.unit_leaf[u] not in self.routed
+        ]
+        for s in range(n)
+      ]
+      for g in groups
+    ]
     self.rep_off = {}
     self.rep_size = []
     for g in groups:
       for units, offs, sizes, piece in (
-          (self.back_units[g], self.back_off, self.back_size, True),
-          (self.rep_units[g], self.rep_off, self.rep_size, False)):
+        (self.back_units[g], self.back_off, self.back_size, True),
+        (self.rep_units[g], self.rep_off, self.rep_size, False),
+      ):
         used = []
         for per_slot in units:
           off = 0
           for u in per_slot:
             offs[u] = off
-            off += (self.routed[layout.unit_leaf[u]].piece_size if piece
-                    else layout.unit_size[u])
+            off += (
+              self.routed[layout.unit_leaf[u]].piece_size
+              if piece
+              else layout.unit_size[u]
+            )
           used.append(off)
         sizes.append(max(used) if used else 0)
 
@@ -179,8 +204,11 @@ class Exchange:
   def _slot(self, coords: dict[str, int]) -> int:
     if not self.axes:
       return 0
-    return int(np.ravel_multi_index([coords[a] for a in self.axes],
-                                    [self.sizes[a] for a in self.axes]))
+    return int(
+      np.ravel_multi_index(
+        [coords[a] for a in self.axes], [self.sizes[a] for a in self.axes]
+      )
+    )
 
   @staticmethod
   def _row(pieces, size, dtype):
@@ -195,14 +223,16 @@ class Exchange:
 
   # -- forward: pieces to the owners --------------------------------------
 
-  def send_to_owners(self, key, local_leaves: Sequence[jax.Array], dtype
-                     ) -> jax.Array:
+  def send_to_owners(
+    self, key, local_leaves: Sequence[jax.Array], dtype
+  ) -> jax.Array:
     """This device's ``(group size, row)`` pieces for the owners of its
     axis group (class ``key``); rows in member order."""
     axes, g = key
     layout = self.layout
-    routes = {layout.unit_leaf[u]: None for per in self.fwd_units[key]
-              for u in per}
+    routes = {
+      layout.unit_leaf[u]: None for per in self.fwd_units[key] for u in per
+    }
     units = {i: self._local_units(local_leaves[i], i) for i in routes}
     others = tuple(a for a in self.axes if a not in axes)
     other_sizes = [self.sizes[a] for a in others]
@@ -214,37 +244,40 @@ class Exchange:
         coords = dict(zip(others, other_coords))
         coords.update(zip(axes, np.unravel_index(r, group_sizes)))
         owner = self._slot({a: int(c) for a, c in coords.items()})
-        pieces = [units[layout.unit_leaf[u]][layout.unit_batch[u]]
-                  .reshape(-1).astype(dtype)
-                  for u in self.fwd_units[key][owner]]
+        pieces = [
+          units[layout.unit_leaf[u]][layout.unit_batch[u]]
+          .reshape(-1)
+          .astype(dtype)
+          for u in self.fwd_units[key][owner]
+        ]
         rows.append(self._row(pieces, self.fwd_size[key], dtype))
       return jnp.stack(rows)
 
     if math.prod(other_sizes) == 1:
       return rows_for([0] * len(others))
-    branches = [lambda c=c: rows_for(c)
-                for c in np.ndindex(*other_sizes)]
+    branches = [lambda c=c: rows_for(c) for c in np.ndindex(*other_sizes)]
     index = jax.lax.axis_index(others)
-    return jax.lax.switch(index, [
-        lambda b=b: _collectives.to_varying(b(), self.axes)
-        for b in branches])
+    return jax.lax.switch(
+      index,
+      [lambda b=b: _collectives.to_varying(b(), self.axes) for b in branches],
+    )
 
-  def assemble(self, key, recv: jax.Array, owner: int
-               ) -> dict[int, jax.Array]:
+  def assemble(self, key, recv: jax.Array, owner: int) -> dict[int, jax.Array]:
     """The owner's whole matrices of class ``key`` from the pieces."""
     layout = self.layout
     out = {}
     for u in self.fwd_units[key][owner]:
       r = self.routed[layout.unit_leaf[u]]
       off = self.fwd_off[u]
-      pieces = recv[:, off:off + r.piece_size]
+      pieces = recv[:, off : off + r.piece_size]
       out[u] = r.assemble(pieces).reshape(layout.plan.units[u].shape)
     return out
 
   # -- back: results to every device --------------------------------------
 
-  def send_back(self, g: int, buffers: Sequence[jax.Array], owner: int
-                ) -> jax.Array:
+  def send_back(
+    self, g: int, buffers: Sequence[jax.Array], owner: int
+  ) -> jax.Array:
     """The owner's ``(num_slots, row)`` result pieces for every device."""
     layout = self.layout
     dtype = buffers[g].dtype
@@ -257,8 +290,7 @@ class Exchange:
       cols.append(jnp.take(blocks, idx, axis=0))
     used = sum(c.shape[1] for c in cols)
     if used < self.back_size[g] or not cols:
-      cols.append(jnp.zeros((self.num_slots, self.back_size[g] - used),
-                            dtype))
+      cols.append(jnp.zeros((self.num_slots, self.back_size[g] - used), dtype))
     return jnp.concatenate(cols, axis=1) if len(cols) > 1 else cols[0]
 
   def local_leaf(self, i: int, recv: Sequence[jax.Array]) -> jax.Array:
@@ -269,18 +301,24 @@ class Exchange:
     for u in layout.leaf_units[i]:
       g = layout.unit_group[u]
       off = self.back_off[u]
-      mats.append(recv[g][layout.plan.owners[u], off:off + r.piece_size]
-                  .reshape(r.piece))
+      mats.append(
+        recv[g][layout.plan.owners[u], off : off + r.piece_size].reshape(
+          r.piece
+        )
+      )
     x = jnp.stack(mats).reshape(r.batch_shape + tuple(r.piece))
     return jnp.transpose(x, tuple(np.argsort(r.perm)))
 
   # -- replicated (and gathered) leaves -----------------------------------
 
-  def rep_pack(self, buffers: Sequence[jax.Array], slot: int, g: int
-               ) -> jax.Array:
+  def rep_pack(
+    self, buffers: Sequence[jax.Array], slot: int, g: int
+  ) -> jax.Array:
     """The slot's results of non-routed leaves, compactly, ``(rep,)``."""
-    pieces = [self.layout.slot_matrix(buffers, u).reshape(-1)
-              for u in self.rep_units[g][slot]]
+    pieces = [
+      self.layout.slot_matrix(buffers, u).reshape(-1)
+      for u in self.rep_units[g][slot]
+    ]
     return self._row(pieces, self.rep_size[g], buffers[g].dtype)
 
   def rep_unpack(self, gathered: Sequence[jax.Array]) -> dict[int, jax.Array]:
@@ -294,8 +332,9 @@ class Exchange:
       for u in layout.leaf_units[i]:
         g = layout.unit_group[u]
         start = layout.plan.owners[u] * self.rep_size[g] + self.rep_off[u]
-        flat = jax.lax.slice_in_dim(gathered[g], start,
-                                    start + layout.unit_size[u])
+        flat = jax.lax.slice_in_dim(
+          gathered[g], start, start + layout.unit_size[u]
+        )
         mats.append(flat.reshape(layout.plan.units[u].shape))
       out[i] = _layout.from_matrices(jnp.stack(mats), spec)
     return out
@@ -321,8 +360,11 @@ class Exchange:
     for g, size in enumerate(self.back_size):
       if size:
         a2a += (n - 1) * size * itemsizes[g]
-    gather = sum((n - 1) * size * itemsizes[g]
-                 for g, size in enumerate(self.rep_size) if size)
+    gather = sum(
+      (n - 1) * size * itemsizes[g]
+      for g, size in enumerate(self.rep_size)
+      if size
+    )
     layout = self.layout
     for i in self.gathered:
       spec = layout.plan.leaves[i]
@@ -340,15 +382,18 @@ def gather_to_full(x: jax.Array, entries: _mesh.Entries) -> jax.Array:
   return x
 
 
-def local_shard(x: jax.Array, entries: _mesh.Entries,
-                sizes: dict[str, int],
-                axis_index: Callable[..., jax.Array] = jax.lax.axis_index
-                ) -> jax.Array:
+def local_shard(
+  x: jax.Array,
+  entries: _mesh.Entries,
+  sizes: dict[str, int],
+  axis_index: Callable[..., jax.Array] = jax.lax.axis_index,
+) -> jax.Array:
   """This device's shard of a whole (replicated) array."""
   for dim, axes in enumerate(entries):
     if axes:
       n = math.prod(sizes[a] for a in axes)
       size = x.shape[dim] // n
       x = jax.lax.dynamic_slice_in_dim(
-          x, axis_index(axes) * size, size, axis=dim)
+        x, axis_index(axes) * size, size, axis=dim
+      )
   return x

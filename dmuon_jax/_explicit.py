@@ -20,11 +20,11 @@ def _mesh_axes(axis_names: Sequence[str] | None) -> tuple[str, ...]:
 
 
 def local_value_and_grad(
-    fun: Callable[..., Any],
-    argnums: int = 0,
-    has_aux: bool = False,
-    *,
-    axis_names: Sequence[str] | None = None,
+  fun: Callable[..., Any],
+  argnums: int = 0,
+  has_aux: bool = False,
+  *,
+  axis_names: Sequence[str] | None = None,
 ) -> Callable[..., tuple[Any, Any]]:
   """Like :func:`jax.value_and_grad`, without reducing over devices.
 
@@ -57,13 +57,13 @@ def local_value_and_grad(
     axes = _mesh_axes(axis_names)
     if not axes:
       raise ValueError(
-          'dmuon: local_value_and_grad must run inside jax.shard_map (no '
-          'manual mesh axes found here). Outside shard_map use '
-          'jax.value_and_grad.')
+        'dmuon: local_value_and_grad must run inside jax.shard_map (no '
+        'manual mesh axes found here). Outside shard_map use '
+        'jax.value_and_grad.'
+      )
 
     def to_varying(x):
-      missing = tuple(a for a in axes
-                      if a not in _collectives.varying_axes(x))
+      missing = tuple(a for a in axes if a not in _collectives.varying_axes(x))
       return jax.lax.pcast(x, missing, to='varying') if missing else x
 
     args = list(args)
@@ -74,7 +74,7 @@ def local_value_and_grad(
 
 
 def mean_over_devices(
-    axis_names: Sequence[str] | None = None,
+  axis_names: Sequence[str] | None = None,
 ) -> optax.GradientTransformation:
   """Averages per-device gradients over the mesh (``pmean``), if needed.
 
@@ -96,8 +96,11 @@ def mean_over_devices(
     axes = set(_mesh_axes(axis_names))
 
     def mean(x):
-      varying = tuple(a for a in _mesh_axes(axis_names)
-                      if a in _collectives.varying_axes(x) and a in axes)
+      varying = tuple(
+        a
+        for a in _mesh_axes(axis_names)
+        if a in _collectives.varying_axes(x) and a in axes
+      )
       return jax.lax.pmean(x, varying) if varying else x
 
     return jax.tree.map(mean, updates), state

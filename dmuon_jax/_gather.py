@@ -17,8 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dmuon_jax import _boundaries
-from dmuon_jax import _mesh
+from dmuon_jax import _boundaries, _mesh
 
 
 def full_leaves(rest: Any, treedef) -> list[Any]:
@@ -46,8 +45,9 @@ def gather_rest(ded, dedicated) -> Any:
   """The non-target params, sharded dims gathered (see
   :meth:`dmuon_jax.Dedication.gather_rest`)."""
   leaves = full_leaves(dedicated.rest, ded.treedef)
-  return jax.tree.unflatten(ded.treedef, [
-      gather_leaf(ded, i, x) for i, x in enumerate(leaves)])
+  return jax.tree.unflatten(
+    ded.treedef, [gather_leaf(ded, i, x) for i, x in enumerate(leaves)]
+  )
 
 
 def group_buffers(ded, dedicated, g: int) -> list[jax.Array]:
@@ -58,8 +58,7 @@ def group_buffers(ded, dedicated, g: int) -> list[jax.Array]:
 def gather_replicate(ded, local: Sequence[jax.Array]) -> list[jax.Array]:
   if ded.replicate_axis is None:
     return list(local)
-  return [jax.lax.all_gather(x, ded.replicate_axis, tiled=True)
-          for x in local]
+  return [jax.lax.all_gather(x, ded.replicate_axis, tiled=True) for x in local]
 
 
 def materialize(ded, g: int, rep_local, iteration=None) -> dict[int, Any]:
@@ -70,11 +69,13 @@ def materialize(ded, g: int, rep_local, iteration=None) -> dict[int, Any]:
     full = [jax.lax.all_gather(x, shard_axes, tiled=True) for x in full]
   if iteration is not None:
     n = ded.num_slots
-    full = [jnp.roll(x.reshape(n, -1), -iteration, axis=0).reshape(-1)
-            for x in full]
+    full = [
+      jnp.roll(x.reshape(n, -1), -iteration, axis=0).reshape(-1) for x in full
+    ]
   lay = ded.layout.groups[g]
-  return dict(zip([s.leaf_index for s in lay.plan.leaves],
-                  lay.unpack_full(full)))
+  return dict(
+    zip([s.leaf_index for s in lay.plan.leaves], lay.unpack_full(full))
+  )
 
 
 def fill(ded, b: int, sub: list[int], sub_rest, mats) -> Any:
@@ -91,8 +92,11 @@ def subtree_leaves(ded, b: int) -> list[int]:
   name = ded.boundaries.names[b]
   if not name:
     return list(range(len(ded.leaf_paths)))
-  return [i for i, p in enumerate(ded.leaf_paths)
-          if p == name or p.startswith(name + '/')]
+  return [
+    i
+    for i, p in enumerate(ded.leaf_paths)
+    if p == name or p.startswith(name + '/')
+  ]
 
 
 def all_params(ded, dedicated) -> Any:
@@ -132,17 +136,27 @@ def run_group(ded, g: int, body: Callable[..., Any]) -> Callable[..., Any]:
 
   def run(rep_local, sub_rests, *args):
     mats = materialize(ded, g, rep_local)
-    trees = [fill(ded, b, sub, [gather_leaf(ded, i, x)
-                                for i, x in zip(sub, sub_rest)], mats)
-             for b, sub, sub_rest in zip(ded.groups[g], subs, sub_rests)]
+    trees = [
+      fill(
+        ded,
+        b,
+        sub,
+        [gather_leaf(ded, i, x) for i, x in zip(sub, sub_rest)],
+        mats,
+      )
+      for b, sub, sub_rest in zip(ded.groups[g], subs, sub_rests)
+    ]
     return body(trees, *args)
 
   inner = maybe_z3(ded, run)
 
   def call(dedicated, *args):
     rest = full_leaves(dedicated.rest, ded.treedef)
-    return inner(gather_replicate(ded, group_buffers(ded, dedicated, g)),
-                 [[rest[i] for i in sub] for sub in subs], *args)
+    return inner(
+      gather_replicate(ded, group_buffers(ded, dedicated, g)),
+      [[rest[i] for i in sub] for sub in subs],
+      *args,
+    )
 
   return call
 
@@ -150,16 +164,18 @@ def run_group(ded, g: int, body: Callable[..., Any]) -> Callable[..., Any]:
 def boundary_index(ded, boundary: str, scanned: bool) -> int:
   if boundary not in ded.boundaries.names:
     raise ValueError(
-        f'dmuon: no hook boundary {boundary!r}; the boundaries are '
-        f'{list(ded.boundaries.names)}. Pass one of them (the path of '
-        'the block subtree, as dmuon_jax.find_hook_boundaries(params) '
-        'shows).')
+      f'dmuon: no hook boundary {boundary!r}; the boundaries are '
+      f'{list(ded.boundaries.names)}. Pass one of them (the path of '
+      'the block subtree, as dmuon_jax.find_hook_boundaries(params) '
+      'shows).'
+    )
   b = ded.boundaries.names.index(boundary)
   if ded.boundaries.scanned[b] != scanned:
     raise ValueError(
-        f'dmuon: boundary {boundary!r} is '
-        f'{"a scanned stack" if not scanned else "not scanned"}; use '
-        f'Dedication.{"scan" if not scanned else "block or sequential"}.')
+      f'dmuon: boundary {boundary!r} is '
+      f'{"a scanned stack" if not scanned else "not scanned"}; use '
+      f'Dedication.{"scan" if not scanned else "block or sequential"}.'
+    )
   return b
 
 
@@ -173,15 +189,17 @@ def block(ded, fn: Callable[..., Any], boundary: str) -> Callable[..., Any]:
   g = group_of(ded, b)
   if len(ded.groups[g]) > 1:
     raise ValueError(
-        f'dmuon: boundary {boundary!r} is gathered together with '
-        f'{[ded.boundaries.names[i] for i in ded.groups[g]]} '
-        f'(layers_per_gather={ded.layers_per_gather}); run them with '
-        'Dedication.sequential.')
+      f'dmuon: boundary {boundary!r} is gathered together with '
+      f'{[ded.boundaries.names[i] for i in ded.groups[g]]} '
+      f'(layers_per_gather={ded.layers_per_gather}); run them with '
+      'Dedication.sequential.'
+    )
   return run_group(ded, g, lambda trees, *args: fn(trees[0], *args))
 
 
-def sequential(ded, fn: Callable[[Any, Any], Any],
-               boundaries: Sequence[str]) -> Callable[[Any, Any], Any]:
+def sequential(
+  ded, fn: Callable[[Any, Any], Any], boundaries: Sequence[str]
+) -> Callable[[Any, Any], Any]:
   """See :meth:`dmuon_jax.Dedication.sequential`."""
   idx = [boundary_index(ded, name, scanned=False) for name in boundaries]
   plan = []
@@ -190,9 +208,10 @@ def sequential(ded, fn: Callable[[Any, Any], Any],
     size = len(ded.groups[g])
     if tuple(idx[:size]) != ded.groups[g]:
       raise ValueError(
-          f'dmuon: boundaries {list(boundaries)} split the gather group '
-          f'{[ded.boundaries.names[i] for i in ded.groups[g]]}; pass '
-          'whole groups, in order.')
+        f'dmuon: boundaries {list(boundaries)} split the gather group '
+        f'{[ded.boundaries.names[i] for i in ded.groups[g]]}; pass '
+        'whole groups, in order.'
+      )
     plan.append(g)
     idx = idx[size:]
 
@@ -211,8 +230,9 @@ def sequential(ded, fn: Callable[[Any, Any], Any],
   return call
 
 
-def scan(ded, fn: Callable[[Any, Any], Any], boundary: str
-         ) -> Callable[[Any, Any], Any]:
+def scan(
+  ded, fn: Callable[[Any, Any], Any], boundary: str
+) -> Callable[[Any, Any], Any]:
   """See :meth:`dmuon_jax.Dedication.scan`."""
   b = boundary_index(ded, boundary, scanned=True)
   g = group_of(ded, b)
@@ -222,11 +242,13 @@ def scan(ded, fn: Callable[[Any, Any], Any], boundary: str
   def run(rep_local, sub_rest, carry, iteration):
     mats = materialize(ded, g, rep_local, iteration)
     for j in range(k):
-      layer_rest = [gather_leaf(ded, i, None if x is None else x[j],
-                                layer_slice=True)
-                    for i, x in zip(sub, sub_rest)]
-      carry = fn(fill(ded, b, sub, layer_rest,
-                      {i: m[j] for i, m in mats.items()}), carry)
+      layer_rest = [
+        gather_leaf(ded, i, None if x is None else x[j], layer_slice=True)
+        for i, x in zip(sub, sub_rest)
+      ]
+      carry = fn(
+        fill(ded, b, sub, layer_rest, {i: m[j] for i, m in mats.items()}), carry
+      )
     return carry
 
   inner = maybe_z3(ded, run)
@@ -236,20 +258,28 @@ def scan(ded, fn: Callable[[Any, Any], Any], boundary: str
 
     def body(carry, xs):
       iteration, owned, sub_rest = xs
-      return inner(gather_replicate(ded, owned), sub_rest, carry,
-                   iteration), None
+      return inner(
+        gather_replicate(ded, owned), sub_rest, carry, iteration
+      ), None
 
-    xs = (jnp.arange(iters), group_buffers(ded, dedicated, g),
-          [None if rest[i] is None
-           else rest[i].reshape((iters, k) + rest[i].shape[1:])
-           for i in sub])
+    xs = (
+      jnp.arange(iters),
+      group_buffers(ded, dedicated, g),
+      [
+        None
+        if rest[i] is None
+        else rest[i].reshape((iters, k) + rest[i].shape[1:])
+        for i in sub
+      ],
+    )
     return jax.lax.scan(body, carry, xs)[0]
 
   return call
 
 
-def regather_in_backward(run: Callable[..., Any],
-                         policy: Callable[..., Any]) -> Callable[..., Any]:
+def regather_in_backward(
+  run: Callable[..., Any], policy: Callable[..., Any]
+) -> Callable[..., Any]:
   """``run(local, *args)`` that gathers ``local`` again in the backward pass.
 
   ``run`` all-gathers the list of arrays ``local`` and computes with the
@@ -284,20 +314,22 @@ def regather_in_backward(run: Callable[..., Any],
     local = list(local)
     out, vjp = jax.vjp(remat, local, *args)
     res, trace['tree'] = jax.tree.flatten(vjp)
-    trace['tied'] = [k for k, r in enumerate(res)
-                     if any(r is x for x in local)]
+    trace['tied'] = [k for k, r in enumerate(res) if any(r is x for x in local)]
     if not trace['tied']:
       raise ValueError(
-          'dmuon: with this remat_policy the Z3 block saves its gathered '
-          'weights for the backward pass (Z2 memory and bytes). Use a '
-          'policy that does not save them, e.g. jax.checkpoint_policies.'
-          'dots_saveable (the default), or reshard_after_forward=False.')
+        'dmuon: with this remat_policy the Z3 block saves its gathered '
+        'weights for the backward pass (Z2 memory and bytes). Use a '
+        'policy that does not save them, e.g. jax.checkpoint_policies.'
+        'dots_saveable (the default), or reshard_after_forward=False.'
+      )
     return out, res
 
   def bwd(res, ct):
     tie = sum(jnp.sum(c) for c in jax.tree.leaves(ct)) * 0
-    res = [r + tie.astype(r.dtype) if k in trace['tied'] else r
-           for k, r in enumerate(res)]
+    res = [
+      r + tie.astype(r.dtype) if k in trace['tied'] else r
+      for k, r in enumerate(res)
+    ]
     return jax.tree.unflatten(trace['tree'], res)(ct)
 
   regather.defvjp(fwd, bwd)

@@ -21,7 +21,8 @@ def to_matrices(x: jax.Array, spec: _planner.LeafSpec) -> jax.Array:
   """Reshapes a leaf to ``(num_matrices, fan_in, fan_out)``."""
   perm = spec.batch_axes + spec.reduction_axes + spec.output_axes
   return jnp.transpose(x, perm).reshape(
-      (spec.num_matrices,) + spec.matrix_shape)
+    (spec.num_matrices,) + spec.matrix_shape
+  )
 
 
 def from_matrices(x: jax.Array, spec: _planner.LeafSpec) -> jax.Array:
@@ -33,10 +34,11 @@ def from_matrices(x: jax.Array, spec: _planner.LeafSpec) -> jax.Array:
 
 class Bucket(NamedTuple):
   """Matrices of one slot that are orthogonalized as one stack."""
-  shape: tuple[int, int]        # (fan_in, fan_out) of one TP shard's slice
-  tp_split: int | None          # -1 columns / -2 rows split over TP, or None
-  dtype: str                    # the params' dtype (of the updates)
-  units: tuple[int, ...]        # unit indices, in buffer order
+
+  shape: tuple[int, int]  # (fan_in, fan_out) of one TP shard's slice
+  tp_split: int | None  # -1 columns / -2 rows split over TP, or None
+  dtype: str  # the params' dtype (of the updates)
+  units: tuple[int, ...]  # unit indices, in buffer order
 
 
 class Layout:
@@ -51,8 +53,12 @@ class Layout:
   are.
   """
 
-  def __init__(self, plan: _planner.OwnershipPlan, dtypes: Sequence,
-               tp_splits: Sequence[int | None] | None = None):
+  def __init__(
+    self,
+    plan: _planner.OwnershipPlan,
+    dtypes: Sequence,
+    tp_splits: Sequence[int | None] | None = None,
+  ):
     """Builds the layout.
 
     Args:
@@ -70,8 +76,9 @@ class Layout:
     pos = {spec.leaf_index: i for i, spec in enumerate(plan.leaves)}
     n = len(plan.units)
     self.unit_leaf = [pos[u.leaf_index] for u in plan.units]
-    self.tp_splits = (tuple(tp_splits) if tp_splits is not None
-                      else (None,) * len(plan.leaves))
+    self.tp_splits = (
+      tuple(tp_splits) if tp_splits is not None else (None,) * len(plan.leaves)
+    )
     self.unit_group = [self.dtypes.index(names[i]) for i in self.unit_leaf]
     self.unit_offset = [0] * n
     self.unit_size = [u.shape[0] * u.shape[1] for u in plan.units]
@@ -79,11 +86,13 @@ class Layout:
     for u, unit in enumerate(plan.units):
       spec = plan.leaves[self.unit_leaf[u]]
       if unit.batch_index:
-        self.unit_batch[u] = int(np.ravel_multi_index(
-            unit.batch_index, [spec.shape[a] for a in spec.batch_axes]))
+        self.unit_batch[u] = int(
+          np.ravel_multi_index(
+            unit.batch_index, [spec.shape[a] for a in spec.batch_axes]
+          )
+        )
     # slot_units[g][s]: unit indices of group g owned by slot s, in order.
-    self.slot_units = [[[] for _ in range(self.num_slots)]
-                       for _ in self.dtypes]
+    self.slot_units = [[[] for _ in range(self.num_slots)] for _ in self.dtypes]
     used = np.zeros((len(self.dtypes), self.num_slots), np.int64)
     for u, owner in enumerate(plan.owners):
       g = self.unit_group[u]
@@ -91,8 +100,9 @@ class Layout:
       self.unit_offset[u] = int(used[g, owner])
       used[g, owner] += self.unit_size[u]
     self.slot_used = used
-    self.local_sizes = tuple(max(1, int(used[g].max()))
-                             for g in range(len(self.dtypes)))
+    self.local_sizes = tuple(
+      max(1, int(used[g].max())) for g in range(len(self.dtypes))
+    )
     # leaf_units[i]: unit indices of plan.leaves[i] by flat batch index.
     self.leaf_units = [[] for _ in plan.leaves]
     for u in range(n):
@@ -111,8 +121,9 @@ class Layout:
 
   def global_shapes(self) -> tuple[jax.ShapeDtypeStruct, ...]:
     return tuple(
-        jax.ShapeDtypeStruct((self.num_slots * size,), jnp.dtype(d))
-        for d, size in zip(self.dtypes, self.local_sizes))
+      jax.ShapeDtypeStruct((self.num_slots * size,), jnp.dtype(d))
+      for d, size in zip(self.dtypes, self.local_sizes)
+    )
 
   def unit_getter(self, leaves: Sequence[jax.Array]) -> Callable:
     """Returns ``u -> (m, n)`` matrix of unit ``u`` from full leaves."""
@@ -134,8 +145,9 @@ class Layout:
       pieces.append(jnp.zeros((pad,), dtype))
     return jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0]
 
-  def pack_full(self, leaves: Sequence[jax.Array], dtype=None
-                ) -> tuple[jax.Array, ...]:
+  def pack_full(
+    self, leaves: Sequence[jax.Array], dtype=None
+  ) -> tuple[jax.Array, ...]:
     """All slots' buffers, concatenated: one ``(num_slots * local,)`` each.
 
     Args:
@@ -149,34 +161,47 @@ class Layout:
     out = []
     for g in range(self.num_groups):
       dt = dtype or self.promoted(leaves, g)
-      out.append(jnp.concatenate(
-          [self._flat_slot(get, g, s, dt) for s in range(self.num_slots)]))
+      out.append(
+        jnp.concatenate(
+          [self._flat_slot(get, g, s, dt) for s in range(self.num_slots)]
+        )
+      )
     return tuple(out)
 
-  def pack_slot(self, leaves: Sequence[jax.Array], slot: int, dtype=None
-                ) -> tuple[jax.Array, ...]:
+  def pack_slot(
+    self, leaves: Sequence[jax.Array], slot: int, dtype=None
+  ) -> tuple[jax.Array, ...]:
     """One slot's buffers, ``(local,)`` each, from full leaves."""
-    return self.pack_slot_from(self.unit_getter(leaves), slot,
-                               [dtype or self.promoted(leaves, g)
-                                for g in range(self.num_groups)])
+    return self.pack_slot_from(
+      self.unit_getter(leaves),
+      slot,
+      [dtype or self.promoted(leaves, g) for g in range(self.num_groups)],
+    )
 
-  def pack_slot_from(self, get: Callable[[int], jax.Array], slot: int,
-                     dtypes: Sequence) -> tuple[jax.Array, ...]:
+  def pack_slot_from(
+    self, get: Callable[[int], jax.Array], slot: int, dtypes: Sequence
+  ) -> tuple[jax.Array, ...]:
     """One slot's buffers from ``get(unit) -> (m, n)`` matrices."""
-    return tuple(self._flat_slot(get, g, slot, dtypes[g])
-                 for g in range(self.num_groups))
+    return tuple(
+      self._flat_slot(get, g, slot, dtypes[g]) for g in range(self.num_groups)
+    )
 
   def slot_matrix(self, buffers: Sequence[jax.Array], u: int) -> jax.Array:
     """Unit ``u``'s ``(m, n)`` matrix from its owner's local buffers."""
-    flat = jax.lax.slice_in_dim(buffers[self.unit_group[u]],
-                                self.unit_offset[u],
-                                self.unit_offset[u] + self.unit_size[u])
+    flat = jax.lax.slice_in_dim(
+      buffers[self.unit_group[u]],
+      self.unit_offset[u],
+      self.unit_offset[u] + self.unit_size[u],
+    )
     return flat.reshape(self.plan.units[u].shape)
 
   def promoted(self, leaves, g):
     """The promoted dtype of dtype group ``g``'s leaves."""
-    dts = [leaves[self.unit_leaf[u]].dtype
-           for slot in self.slot_units[g] for u in slot]
+    dts = [
+      leaves[self.unit_leaf[u]].dtype
+      for slot in self.slot_units[g]
+      for u in slot
+    ]
     return jnp.result_type(*dts) if dts else jnp.dtype(self.dtypes[g])
 
   def unpack_full(self, buffers: Sequence[jax.Array]) -> list[jax.Array]:
@@ -186,10 +211,10 @@ class Layout:
       mats = []
       for u in self.leaf_units[i]:
         g = self.unit_group[u]
-        start = (self.plan.owners[u] * self.local_sizes[g]
-                 + self.unit_offset[u])
-        flat = jax.lax.slice_in_dim(buffers[g], start,
-                                    start + self.unit_size[u])
+        start = self.plan.owners[u] * self.local_sizes[g] + self.unit_offset[u]
+        flat = jax.lax.slice_in_dim(
+          buffers[g], start, start + self.unit_size[u]
+        )
         mats.append(flat.reshape(self.plan.units[u].shape))
       out.append(from_matrices(jnp.stack(mats), spec))
     return out
@@ -200,14 +225,23 @@ class Layout:
     by_key: dict[tuple, list[int]] = {}
     for u in self.slot_units[g][slot]:
       leaf = self.unit_leaf[u]
-      key = (self.plan.units[u].shape, self.tp_splits[leaf],
-             self.plan.leaves[leaf].dtype)
+      key = (
+        self.plan.units[u].shape,
+        self.tp_splits[leaf],
+        self.plan.leaves[leaf].dtype,
+      )
       by_key.setdefault(key, []).append(u)
-    return [Bucket(shape, split, dtype, tuple(units))
-            for (shape, split, dtype), units in by_key.items()]
+    return [
+      Bucket(shape, split, dtype, tuple(units))
+      for (shape, split, dtype), units in by_key.items()
+    ]
 
-  def map_slot(self, operands: Sequence[Sequence[jax.Array]], slot: int,
-               fn: Callable[..., jax.Array]) -> tuple[jax.Array, ...]:
+  def map_slot(
+    self,
+    operands: Sequence[Sequence[jax.Array]],
+    slot: int,
+    fn: Callable[..., jax.Array],
+  ) -> tuple[jax.Array, ...]:
     """Applies ``fn`` to a slot's matrices, batched by shape.
 
     Args:
@@ -227,11 +261,19 @@ class Layout:
     for g, buf in enumerate(operands[0]):
       results = {}
       for bucket in self.buckets(g, slot):
-        stacks = tuple(jnp.stack([
-            jax.lax.slice_in_dim(ops[g], self.unit_offset[u],
-                                 self.unit_offset[u] + self.unit_size[u]
-                                 ).reshape(bucket.shape)
-            for u in bucket.units]) for ops in operands)
+        stacks = tuple(
+          jnp.stack(
+            [
+              jax.lax.slice_in_dim(
+                ops[g],
+                self.unit_offset[u],
+                self.unit_offset[u] + self.unit_size[u],
+              ).reshape(bucket.shape)
+              for u in bucket.units
+            ]
+          )
+          for ops in operands
+        )
         for u, r in zip(bucket.units, fn(stacks, bucket)):
           results[u] = r.reshape(-1)
       units = self.slot_units[g][slot]

@@ -33,8 +33,11 @@ def context_mesh() -> Any:
 
 def is_variable(x: Any) -> bool:
   """Whether ``x`` is a flax ``nnx.Variable`` (duck-typed: flax is optional)."""
-  return (type(x).__module__.startswith('flax.')
-          and hasattr(x, 'get_metadata') and hasattr(x, 'get_value'))
+  return (
+    type(x).__module__.startswith('flax.')
+    and hasattr(x, 'get_metadata')
+    and hasattr(x, 'get_value')
+  )
 
 
 def leaf_value(x: Any) -> Any:
@@ -72,8 +75,11 @@ def leaf_spec(x: Any) -> P | None:
   if isinstance(x, jax.core.Tracer):
     aval = jax.typeof(x)
     sharding = getattr(aval, 'sharding', None)
-    if (isinstance(sharding, NamedSharding) and not sharding.mesh.empty
-        and is_explicit(sharding.mesh)):
+    if (
+      isinstance(sharding, NamedSharding)
+      and not sharding.mesh.empty
+      and is_explicit(sharding.mesh)
+    ):
       return sharding.spec
     return None
   sharding = getattr(x, 'sharding', None)
@@ -96,8 +102,8 @@ def type_spec(x: Any) -> P:
 def is_explicit(mesh: Any) -> bool:
   """Whether a mesh has Explicit axes (sharding in the types)."""
   return mesh is not None and any(
-      t == jax.sharding.AxisType.Explicit
-      for t in getattr(mesh, 'axis_types', ()))
+    t == jax.sharding.AxisType.Explicit for t in getattr(mesh, 'axis_types', ())
+  )
 
 
 def spec_entries(spec: P | None) -> list[tuple[str, ...]]:
@@ -115,50 +121,59 @@ def spec_entries(spec: P | None) -> list[tuple[str, ...]]:
 
 def entries_spec(entries: Sequence[Sequence[str]]) -> P:
   """The PartitionSpec of per-dimension axis tuples."""
-  return P(*[None if not e else e[0] if len(e) == 1 else tuple(e)
-             for e in entries])
+  return P(
+    *[None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries]
+  )
 
 
-def normalize_entries(spec: P | None, ndim: int,
-                      sizes: Mapping[str, int]) -> Entries:
+def normalize_entries(
+  spec: P | None, ndim: int, sizes: Mapping[str, int]
+) -> Entries:
   """Per-dimension axes of ``spec`` with size-1 axes dropped, ``ndim`` long.
 
   Axes of size 1 shard nothing; dropping them first means that
   ``P('fsdp', 'tensor')`` on an 8x1 mesh is the same layout as ``P('fsdp')``.
   Axes not in ``sizes`` are kept (and reported by :func:`check_entries`).
   """
-  entries = [tuple(a for a in e if sizes.get(a, 0) != 1)
-             for e in spec_entries(spec)]
+  entries = [
+    tuple(a for a in e if sizes.get(a, 0) != 1) for e in spec_entries(spec)
+  ]
   entries += [()] * (ndim - len(entries))
   return tuple(entries)
 
 
-def check_entries(entries: Entries, shape: Sequence[int],
-                  sizes: Mapping[str, int], path: str,
-                  spec: P | None = None) -> None:
+def check_entries(
+  entries: Entries,
+  shape: Sequence[int],
+  sizes: Mapping[str, int],
+  path: str,
+  spec: P | None = None,
+) -> None:
   """Raises if a leaf's sharding does not fit the mesh (names the leaf)."""
   if len(entries) > len(shape):
     raise ValueError(
-        f'dmuon: param {path!r} of rank {len(shape)} has a sharding spec '
-        f'{spec} with more entries than dims.')
+      f'dmuon: param {path!r} of rank {len(shape)} has a sharding spec '
+      f'{spec} with more entries than dims.'
+    )
   for dim, axes in enumerate(entries):
     for a in axes:
       if a not in sizes:
         raise ValueError(
-            f'dmuon: param {path!r} is sharded over mesh axis {a!r} (spec '
-            f'{spec}), which is not one of the axes dmuon owns matrices over '
-            f'{tuple(sizes)}. Shard it over those axes (or replicate '
-            'it), or pass the mesh it lives on as mesh= / axis_names=.')
+          f'dmuon: param {path!r} is sharded over mesh axis {a!r} (spec '
+          f'{spec}), which is not one of the axes dmuon owns matrices over '
+          f'{tuple(sizes)}. Shard it over those axes (or replicate '
+          'it), or pass the mesh it lives on as mesh= / axis_names=.'
+        )
     n = math.prod(sizes[a] for a in axes) if axes else 1
     if shape[dim] % n:
       raise ValueError(
-          f'dmuon: param {path!r} has shape {tuple(shape)}; dim {dim} is not '
-          f'divisible by the {n} devices of mesh axes {axes}. Pad it, or '
-          'replicate it.')
+        f'dmuon: param {path!r} has shape {tuple(shape)}; dim {dim} is not '
+        f'divisible by the {n} devices of mesh axes {axes}. Pad it, or '
+        'replicate it.'
+      )
 
 
-def split_tensor_parallel(leaf, entries: Entries, tp_axis: str,
-                          tp_size: int):
+def split_tensor_parallel(leaf, entries: Entries, tp_axis: str, tp_size: int):
   """Separates the TP axis from a Muon leaf's sharding.
 
   Args:
@@ -184,21 +199,23 @@ def split_tensor_parallel(leaf, entries: Entries, tp_axis: str,
   spec = entries_spec(entries)
   if len(dims) > 1 or entries[dim] != (tp_axis,):
     raise ValueError(
-        f'dmuon: param {leaf.path!r} is sharded as {spec}: the '
-        f'tensor-parallel axis {tp_axis!r} must be the only axis of a '
-        'single dimension (Megatron column- or row-parallel). Shard the '
-        'other dimension over the data-parallel axes instead.')
+      f'dmuon: param {leaf.path!r} is sharded as {spec}: the '
+      f'tensor-parallel axis {tp_axis!r} must be the only axis of a '
+      'single dimension (Megatron column- or row-parallel). Shard the '
+      'other dimension over the data-parallel axes instead.'
+    )
   if dim in leaf.output_axes:
     split = -1
   elif dim in leaf.reduction_axes:
     split = -2
   else:
     raise ValueError(
-        f'dmuon: param {leaf.path!r} of shape {leaf.shape} is sharded over '
-        f'the tensor-parallel axis {tp_axis!r} on dim {dim}, a stack '
-        f'(batch) axis of its MuonDimensionNumbers; TP must split a matrix '
-        'dimension (a reduction or output axis). Shard another dimension, '
-        'or replicate the stack axis.')
+      f'dmuon: param {leaf.path!r} of shape {leaf.shape} is sharded over '
+      f'the tensor-parallel axis {tp_axis!r} on dim {dim}, a stack '
+      f'(batch) axis of its MuonDimensionNumbers; TP must split a matrix '
+      'dimension (a reduction or output axis). Shard another dimension, '
+      'or replicate the stack axis.'
+    )
   owner = list(entries)
   owner[dim] = ()
   shape = list(leaf.shape)
@@ -218,6 +235,7 @@ class MeshInfo:
     tp_axis: the tensor-parallel axis if the mesh has it with size > 1,
       else None.
   """
+
   mesh: Any
   axis_names: tuple[str, ...]
   axis_sizes: tuple[int, ...]
@@ -252,8 +270,9 @@ class MeshInfo:
     return is_explicit(self.mesh)
 
 
-def resolve(mesh: Any, axis_names: Any = None,
-            tensor_parallel_axis: str | None = 'model') -> MeshInfo | None:
+def resolve(
+  mesh: Any, axis_names: Any = None, tensor_parallel_axis: str | None = 'model'
+) -> MeshInfo | None:
   """Owner axes and the TP axis of ``mesh`` (None without a mesh).
 
   Args:
@@ -277,20 +296,21 @@ def resolve(mesh: Any, axis_names: Any = None,
   if axis_names is None:
     owners = tuple(n for n in names if n != tp)
   else:
-    chosen = (axis_names,) if isinstance(axis_names, str) else tuple(
-        axis_names)
+    chosen = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
     if tp is not None and tp in chosen:
       raise ValueError(
-          f'dmuon: axis_names {chosen} includes the tensor-parallel axis '
-          f'{tp!r}: owners range over data-parallel axes, and every TP '
-          'shard of an owner holds its slice of the matrix. Leave it out of '
-          'axis_names, or pass tensor_parallel_axis=None to use it for '
-          'owners.')
+        f'dmuon: axis_names {chosen} includes the tensor-parallel axis '
+        f'{tp!r}: owners range over data-parallel axes, and every TP '
+        'shard of an owner holds its slice of the matrix. Leave it out of '
+        'axis_names, or pass tensor_parallel_axis=None to use it for '
+        'owners.'
+      )
     owners = tuple(n for n in names if n in chosen)
   if tp is not None and by_name[tp] == 1:
     tp = None
-  return MeshInfo(mesh=mesh, axis_names=names, axis_sizes=sizes,
-                  owner_axes=owners, tp_axis=tp)
+  return MeshInfo(
+    mesh=mesh, axis_names=names, axis_sizes=sizes, owner_axes=owners, tp_axis=tp
+  )
 
 
 def place(x: jax.Array, mesh: Any, spec: P) -> jax.Array:
@@ -319,8 +339,11 @@ def replicate_uncommitted(tree: Any, mesh: Any) -> Any:
   sharding = NamedSharding(mesh, P())
 
   def put(x):
-    if (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-        and not getattr(x, 'committed', True)):
+    if (
+      isinstance(x, jax.Array)
+      and not isinstance(x, jax.core.Tracer)
+      and not getattr(x, 'committed', True)
+    ):
       return jax.device_put(x, sharding)
     return x
 

@@ -1,7 +1,7 @@
 """Newton-Schulz orthogonalization (direct and Gram forms) and presets."""
 
-from collections.abc import Callable, Sequence
 import math
+from collections.abc import Callable, Sequence
 from typing import Literal, TypeAlias
 
 import jax
@@ -11,7 +11,7 @@ import numpy as np
 # Anything that :func:`resolve_ns_coeffs` accepts: a preset name, one row
 # ``(a, b, c)`` or a sequence / array of rows of shape ``(k, 3)``.
 NSCoeffsLike: TypeAlias = (
-    str | Sequence[float] | Sequence[Sequence[float]] | np.ndarray
+  str | Sequence[float] | Sequence[Sequence[float]] | np.ndarray
 )
 Preconditioning: TypeAlias = Literal['frobenius', 'spectral', 'aol', 'schatten']
 
@@ -21,11 +21,11 @@ _DEFAULT_NS_STEPS = 5
 # arXiv:2505.16932): the first five rows of the paper's coefficient list,
 # before any safety factor is applied.
 _POLAR_EXPRESS_RAW_ROWS = (
-    (8.28721201814563, -23.595886519098837, 17.300387312530933),
-    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
-    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
-    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
-    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+  (8.28721201814563, -23.595886519098837, 17.300387312530933),
+  (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+  (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+  (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+  (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
 )
 # Safety factor s: every row p(x) = a x + b x^3 + c x^5 is replaced by
 # p(x / s), i.e. (a / s, b / s^3, c / s^5), so that each polynomial stays
@@ -36,28 +36,28 @@ _POLAR_EXPRESS_SAFETY = 1.05
 
 
 def _apply_safety_factor(
-    rows: Sequence[tuple[float, float, float]], safety: float
+  rows: Sequence[tuple[float, float, float]], safety: float
 ) -> tuple[tuple[float, float, float], ...]:
   """Returns the rows of ``p(x / safety)`` for odd quintics ``p``."""
   return tuple((a / safety, b / safety**3, c / safety**5) for a, b, c in rows)
 
 
 NS_COEFF_PRESETS: dict[str, tuple[tuple[float, float, float], ...]] = {
-    # Keller Jordan's Muon quintic (optax's 'standard'), repeated ns_steps
-    # times: https://kellerjordan.github.io/posts/muon/
-    'jordan': ((3.4445, -4.7750, 2.0315),),
-    # Jiacheng You's five per-iteration rows (optax's 'dion').
-    'you': (
-        (4.0848, -6.8946, 2.9270),
-        (3.9505, -6.3029, 2.6377),
-        (3.7418, -5.5913, 2.3037),
-        (2.8769, -3.1427, 1.2046),
-        (2.8366, -3.0525, 1.2012),
-    ),
-    # Polar Express (arXiv:2505.16932), safety factor 1.05, see above.
-    'polar_express_sf1.05': _apply_safety_factor(
-        _POLAR_EXPRESS_RAW_ROWS, _POLAR_EXPRESS_SAFETY
-    ),
+  # Keller Jordan's Muon quintic (optax's 'standard'), repeated ns_steps
+  # times: https://kellerjordan.github.io/posts/muon/
+  'jordan': ((3.4445, -4.7750, 2.0315),),
+  # Jiacheng You's five per-iteration rows (optax's 'dion').
+  'you': (
+    (4.0848, -6.8946, 2.9270),
+    (3.9505, -6.3029, 2.6377),
+    (3.7418, -5.5913, 2.3037),
+    (2.8769, -3.1427, 1.2046),
+    (2.8366, -3.0525, 1.2012),
+  ),
+  # Polar Express (arXiv:2505.16932), safety factor 1.05, see above.
+  'polar_express_sf1.05': _apply_safety_factor(
+    _POLAR_EXPRESS_RAW_ROWS, _POLAR_EXPRESS_SAFETY
+  ),
 }
 r"""Newton-Schulz coefficients by name, one row ``(a, b, c)`` per iteration.
 
@@ -106,18 +106,18 @@ _PRESET_ALIASES = {'standard': 'jordan', 'dion': 'you'}
 
 _PRECONDITIONINGS = ('frobenius', 'spectral', 'aol', 'schatten')
 _COMPUTE_DTYPES = tuple(
-    jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
+  jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
 )
 
 
 def _is_int(value: object) -> bool:
   return isinstance(value, (int, np.integer)) and not isinstance(
-      value, (bool, np.bool_)
+    value, (bool, np.bool_)
   )
 
 
 def resolve_ns_coeffs(
-    ns_coeffs: NSCoeffsLike, ns_steps: int | None = None
+  ns_coeffs: NSCoeffsLike, ns_steps: int | None = None
 ) -> np.ndarray:
   r"""Resolves Newton-Schulz coefficients to one row per iteration.
 
@@ -150,19 +150,17 @@ def resolve_ns_coeffs(
   """
   if ns_steps is not None and (not _is_int(ns_steps) or ns_steps < 1):
     raise ValueError(
-        f'ns_steps must be a positive int or None, got {ns_steps!r}. Pass'
-        ' None (5 steps for a single row, all rows otherwise) or an int >= 1.'
+      f'ns_steps must be a positive int or None, got {ns_steps!r}. Pass'
+      ' None (5 steps for a single row, all rows otherwise) or an int >= 1.'
     )
   if isinstance(ns_coeffs, str):
     name = _PRESET_ALIASES.get(ns_coeffs, ns_coeffs)
     if name not in NS_COEFF_PRESETS:
-      known = ', '.join(
-          repr(n) for n in (*NS_COEFF_PRESETS, *_PRESET_ALIASES)
-      )
+      known = ', '.join(repr(n) for n in (*NS_COEFF_PRESETS, *_PRESET_ALIASES))
       raise ValueError(
-          f'ns_coeffs: unknown preset {ns_coeffs!r}. Known presets: {known}.'
-          ' Or pass the coefficients themselves: one row (a, b, c) or a'
-          ' (k, 3) array.'
+        f'ns_coeffs: unknown preset {ns_coeffs!r}. Known presets: {known}.'
+        ' Or pass the coefficients themselves: one row (a, b, c) or a'
+        ' (k, 3) array.'
       )
     coeffs = np.array(NS_COEFF_PRESETS[name], dtype=np.float64)
     repeat = len(coeffs) == 1
@@ -171,23 +169,23 @@ def resolve_ns_coeffs(
       coeffs = np.array(ns_coeffs, dtype=np.float64)
     except (TypeError, ValueError) as e:
       raise ValueError(
-          'ns_coeffs must be a preset name, one row (a, b, c) or a (k, 3)'
-          ' array of static numbers (not traced arrays), got'
-          f' {ns_coeffs!r}.'
+        'ns_coeffs must be a preset name, one row (a, b, c) or a (k, 3)'
+        ' array of static numbers (not traced arrays), got'
+        f' {ns_coeffs!r}.'
       ) from e
     repeat = coeffs.shape == (3,)
     if repeat:
       coeffs = coeffs[None]
   if coeffs.ndim != 2 or coeffs.shape[1] != 3 or coeffs.shape[0] < 1:
     raise ValueError(
-        'ns_coeffs must have shape (3,) (one row (a, b, c), repeated ns_steps'
-        ' times) or (k, 3) with k >= 1 (one row per iteration), got shape'
-        f' {coeffs.shape}.'
+      'ns_coeffs must have shape (3,) (one row (a, b, c), repeated ns_steps'
+      ' times) or (k, 3) with k >= 1 (one row per iteration), got shape'
+      f' {coeffs.shape}.'
     )
   if not np.all(np.isfinite(coeffs)):
     raise ValueError(
-        f'ns_coeffs must be finite, got {coeffs.tolist()}. Pass finite'
-        ' coefficients.'
+      f'ns_coeffs must be finite, got {coeffs.tolist()}. Pass finite'
+      ' coefficients.'
     )
   if repeat:
     steps = _DEFAULT_NS_STEPS if ns_steps is None else ns_steps
@@ -195,10 +193,10 @@ def resolve_ns_coeffs(
   k = coeffs.shape[0]
   if ns_steps is not None and ns_steps != k:
     raise ValueError(
-        f'ns_coeffs has {k} rows (one per iteration) but {ns_steps=}. Pass'
-        f' ns_steps=None or ns_steps={k} to run the {k} rows, or pass exactly'
-        f' {ns_steps} rows (or one row of shape (3,), which is repeated'
-        ' ns_steps times).'
+      f'ns_coeffs has {k} rows (one per iteration) but {ns_steps=}. Pass'
+      f' ns_steps=None or ns_steps={k} to run the {k} rows, or pass exactly'
+      f' {ns_steps} rows (or one row of shape (3,), which is repeated'
+      ' ns_steps times).'
     )
   return coeffs
 
@@ -223,34 +221,34 @@ def _clipped_rsqrt(x: jax.Array, eps: jax.typing.ArrayLike) -> jax.Array:
 
 
 def _check_static_args(
-    fn_name: str,
-    x: jax.Array,
-    preconditioning: str,
-    compute_dtype: jax.typing.DTypeLike | None,
+  fn_name: str,
+  x: jax.Array,
+  preconditioning: str,
+  compute_dtype: jax.typing.DTypeLike | None,
 ) -> jnp.dtype:
   """Validates arguments from shapes and dtypes; returns the compute dtype."""
   if x.ndim < 2:
     raise ValueError(
-        f'{fn_name}: x must have shape (..., m, n), got shape {x.shape}.'
-        ' Reshape vectors to (1, n) or (n, 1).'
+      f'{fn_name}: x must have shape (..., m, n), got shape {x.shape}.'
+      ' Reshape vectors to (1, n) or (n, 1).'
     )
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(
-        f'{fn_name}: x must have a real floating dtype, got {x.dtype}. '
-        'Cast it first, e.g. x.astype(jnp.float32).'
+      f'{fn_name}: x must have a real floating dtype, got {x.dtype}. '
+      'Cast it first, e.g. x.astype(jnp.float32).'
     )
   if preconditioning not in _PRECONDITIONINGS:
     raise ValueError(
-        f'{fn_name}: unknown {preconditioning=}. Pass one of'
-        f' {", ".join(repr(p) for p in _PRECONDITIONINGS)}.'
+      f'{fn_name}: unknown {preconditioning=}. Pass one of'
+      f' {", ".join(repr(p) for p in _PRECONDITIONINGS)}.'
     )
   if compute_dtype is None:
     compute_dtype = x.dtype
   compute_dtype = jnp.dtype(compute_dtype)
   if compute_dtype not in _COMPUTE_DTYPES:
     raise ValueError(
-        f'{fn_name}: unsupported {compute_dtype=}. Pass None (the dtype of'
-        ' x) or one of float32, bfloat16, float16, float64.'
+      f'{fn_name}: unsupported {compute_dtype=}. Pass None (the dtype of'
+      ' x) or one of float32, bfloat16, float16, float64.'
     )
   return compute_dtype
 
@@ -263,7 +261,7 @@ def _orient(x: jax.Array) -> tuple[jax.Array, bool]:
 
 
 def _normalize(
-    x: jax.Array, preconditioning: str, eps: jax.typing.ArrayLike
+  x: jax.Array, preconditioning: str, eps: jax.typing.ArrayLike
 ) -> tuple[jax.Array, jax.Array | None]:
   """Scales each matrix so that its singular values are at most about 1.
 
@@ -299,10 +297,10 @@ def _normalize(
 
 
 def _prepare(
-    x: jax.Array,
-    preconditioning: str,
-    eps: jax.typing.ArrayLike,
-    compute_dtype: jnp.dtype,
+  x: jax.Array,
+  preconditioning: str,
+  eps: jax.typing.ArrayLike,
+  compute_dtype: jnp.dtype,
 ) -> tuple[jax.Array, jax.Array | None, bool]:
   """Flattens, orients, normalizes and casts to the compute dtype.
 
@@ -319,9 +317,7 @@ def _prepare(
   return x.astype(compute_dtype), gram, transposed
 
 
-def _finish(
-    y: jax.Array, transposed: bool, x: jax.Array
-) -> jax.Array:
+def _finish(y: jax.Array, transposed: bool, x: jax.Array) -> jax.Array:
   """Undoes :func:`_prepare`'s transposition, flattening and cast."""
   if transposed:
     y = _transpose(y)
@@ -333,13 +329,13 @@ def _coeffs(row: np.ndarray, dtype: jnp.dtype) -> tuple[jax.Array, ...]:
 
 
 def orthogonalize_via_newton_schulz(
-    x: jax.typing.ArrayLike,
-    ns_coeffs: NSCoeffsLike = 'jordan',
-    ns_steps: int | None = None,
-    *,
-    preconditioning: Preconditioning = 'frobenius',
-    eps: jax.typing.ArrayLike = 1e-8,
-    compute_dtype: jax.typing.DTypeLike | None = None,
+  x: jax.typing.ArrayLike,
+  ns_coeffs: NSCoeffsLike = 'jordan',
+  ns_steps: int | None = None,
+  *,
+  preconditioning: Preconditioning = 'frobenius',
+  eps: jax.typing.ArrayLike = 1e-8,
+  compute_dtype: jax.typing.DTypeLike | None = None,
 ) -> jax.Array:
   r"""Approximates the polar factor of each matrix by Newton-Schulz iterations.
 
@@ -398,7 +394,7 @@ def orthogonalize_via_newton_schulz(
   rows = resolve_ns_coeffs(ns_coeffs, ns_steps)
   x = jnp.asarray(x)
   compute_dtype = _check_static_args(
-      'orthogonalize_via_newton_schulz', x, preconditioning, compute_dtype
+    'orthogonalize_via_newton_schulz', x, preconditioning, compute_dtype
   )
   y, gram, transposed = _prepare(x, preconditioning, eps, compute_dtype)
   for i, row in enumerate(rows):
@@ -411,7 +407,7 @@ def orthogonalize_via_newton_schulz(
 
 
 def check_restart_iterations(
-    restart_iterations: Sequence[int] | None, num_iterations: int
+  restart_iterations: Sequence[int] | None, num_iterations: int
 ) -> tuple[int, ...]:
   """Validates restart indices: sorted unique ints in [1, k - 1].
 
@@ -424,31 +420,31 @@ def check_restart_iterations(
     restarts = tuple(restart_iterations)
   except TypeError as e:
     raise ValueError(
-        'restart_iterations must be a sequence of ints, got'
-        f' {restart_iterations!r}.'
+      'restart_iterations must be a sequence of ints, got'
+      f' {restart_iterations!r}.'
     ) from e
   valid = all(_is_int(i) and 1 <= i < num_iterations for i in restarts)
   increasing = all(
-      restarts[i] < restarts[i + 1] for i in range(len(restarts) - 1)
+    restarts[i] < restarts[i + 1] for i in range(len(restarts) - 1)
   )
   if not valid or not increasing:
     raise ValueError(
-        'restart_iterations must hold strictly increasing ints in [1,'
-        f' {num_iterations - 1}] (iteration indices, for {num_iterations}'
-        f' iterations), got {restart_iterations!r}. Pass () for no restart.'
+      'restart_iterations must hold strictly increasing ints in [1,'
+      f' {num_iterations - 1}] (iteration indices, for {num_iterations}'
+      f' iterations), got {restart_iterations!r}. Pass () for no restart.'
     )
   return tuple(int(i) for i in restarts)
 
 
 def orthogonalize_via_gram_newton_schulz(
-    x: jax.typing.ArrayLike,
-    ns_coeffs: NSCoeffsLike = 'jordan',
-    ns_steps: int | None = None,
-    *,
-    restart_iterations: Sequence[int] | None = None,
-    preconditioning: Preconditioning = 'frobenius',
-    eps: jax.typing.ArrayLike = 1e-8,
-    compute_dtype: jax.typing.DTypeLike | None = None,
+  x: jax.typing.ArrayLike,
+  ns_coeffs: NSCoeffsLike = 'jordan',
+  ns_steps: int | None = None,
+  *,
+  restart_iterations: Sequence[int] | None = None,
+  preconditioning: Preconditioning = 'frobenius',
+  eps: jax.typing.ArrayLike = 1e-8,
+  compute_dtype: jax.typing.DTypeLike | None = None,
 ) -> jax.Array:
   r"""Newton-Schulz orthogonalization in the Gram (short-side) formulation.
 
@@ -512,7 +508,7 @@ def orthogonalize_via_gram_newton_schulz(
   restarts = check_restart_iterations(restart_iterations, len(rows))
   x = jnp.asarray(x)
   compute_dtype = _check_static_args(
-      'orthogonalize_via_gram_newton_schulz', x, preconditioning, compute_dtype
+    'orthogonalize_via_gram_newton_schulz', x, preconditioning, compute_dtype
   )
   x0, r, transposed = _prepare(x, preconditioning, eps, compute_dtype)
   if r is None:
@@ -521,11 +517,11 @@ def orthogonalize_via_gram_newton_schulz(
 
 
 def gram_iterate(
-    x0: jax.Array,
-    r: jax.Array,
-    rows: np.ndarray,
-    restarts: Sequence[int],
-    gram: Callable[[jax.Array], jax.Array] | None = None,
+  x0: jax.Array,
+  r: jax.Array,
+  rows: np.ndarray,
+  restarts: Sequence[int],
+  gram: Callable[[jax.Array], jax.Array] | None = None,
 ) -> jax.Array:
   """The Gram iteration from ``X_0`` and ``R = X_0 X_0^T``; returns ``Q X_0``.
 
@@ -551,11 +547,11 @@ def gram_iterate(
 
 
 def matmul_flops(
-    m: int,
-    n: int,
-    k: int,
-    algorithm: Literal['standard', 'gram'],
-    restart_iterations: Sequence[int] | None = None,
+  m: int,
+  n: int,
+  k: int,
+  algorithm: Literal['standard', 'gram'],
+  restart_iterations: Sequence[int] | None = None,
 ) -> int:
   """Matmul FLOPs of one orthogonalization (2 per multiply-add).
 
@@ -590,7 +586,7 @@ def matmul_flops(
     p = len(check_restart_iterations(restart_iterations, k)) + 1
     return 4 * p * s * s * long + (8 * k - 6 * p) * s**3
   raise ValueError(
-      f"{algorithm=} is not one of 'standard', 'gram'. Pass one of them."
+    f"{algorithm=} is not one of 'standard', 'gram'. Pass one of them."
   )
 
 
@@ -631,7 +627,7 @@ def orthogonality_error(x: jax.typing.ArrayLike) -> jax.Array:
   x = jnp.asarray(x)
   if x.ndim < 2:
     raise ValueError(
-        f'orthogonality_error: x must have shape (..., m, n), got {x.shape}.'
+      f'orthogonality_error: x must have shape (..., m, n), got {x.shape}.'
     )
   dtype = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
   y, _ = _orient(x.astype(dtype))

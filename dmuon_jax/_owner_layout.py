@@ -20,9 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dmuon_jax import _exchange
-from dmuon_jax import _mesh
-from dmuon_jax import _planner
+from dmuon_jax import _exchange, _mesh, _planner
 from dmuon_jax._layout import Layout
 
 
@@ -39,6 +37,7 @@ class TargetLeaf:
     group: the layout group holding its matrices.
     tp_dim: the dimension the TP axis splits, or None.
   """
+
   index: int
   path: str
   shape: tuple[int, ...]
@@ -71,6 +70,7 @@ class OwnerLayout:
     kind: ``'dmuon'`` (momentum of ``scale_by_dmuon``) or ``'dedicated'``
       (owner-stored params and their momentum).
   """
+
   groups: tuple[Layout, ...]
   iterations: tuple[int, ...]
   buffer_axes: tuple[str, ...]
@@ -95,8 +95,9 @@ class OwnerLayout:
   @functools.cached_property
   def buffer_index(self) -> tuple[tuple[int, int], ...]:
     """``(group, dtype group)`` of each flat buffer, in buffer order."""
-    return tuple((g, j) for g, lay in enumerate(self.groups)
-                 for j in range(lay.num_groups))
+    return tuple(
+      (g, j) for g, lay in enumerate(self.groups) for j in range(lay.num_groups)
+    )
 
   def group_buffers(self, buffers: Sequence[Any], g: int) -> tuple:
     """The buffers of group ``g`` (one per dtype group)."""
@@ -109,10 +110,23 @@ class OwnerLayout:
   def fingerprint(self) -> str:
     """8 hex digits naming what the buffers contain (stable across runs)."""
     key = (
-        tuple((lay.plan.leaves, lay.plan.units, lay.plan.owners,
-               lay.leaf_dtypes, lay.tp_splits) for lay in self.groups),
-        self.iterations, self.buffer_axes, self.buffer_sizes, self.tp_axis,
-        self.tp_size, self.leaves)
+      tuple(
+        (
+          lay.plan.leaves,
+          lay.plan.units,
+          lay.plan.owners,
+          lay.leaf_dtypes,
+          lay.tp_splits,
+        )
+        for lay in self.groups
+      ),
+      self.iterations,
+      self.buffer_axes,
+      self.buffer_sizes,
+      self.tp_axis,
+      self.tp_size,
+      self.leaves,
+    )
     return hashlib.sha1(repr(key).encode()).hexdigest()[:8]
 
   @functools.cached_property
@@ -131,8 +145,9 @@ class OwnerLayout:
   @functools.cached_property
   def buffer_keys(self) -> tuple[jax.tree_util.DictKey, ...]:
     return tuple(
-        jax.tree_util.DictKey(f'{self.name}_g{g}_{self.groups[g].dtypes[j]}')
-        for g, j in self.buffer_index)
+      jax.tree_util.DictKey(f'{self.name}_g{g}_{self.groups[g].dtypes[j]}')
+      for g, j in self.buffer_index
+    )
 
   def buffer_spec(self, b: int) -> Any:
     """The PartitionSpec of flat buffer ``b`` on the mesh."""
@@ -145,8 +160,9 @@ class OwnerLayout:
   def buffer_specs(self) -> tuple:
     return tuple(self.buffer_spec(b) for b in range(len(self.buffer_index)))
 
-  def buffer_shapes(self, dtypes: Sequence | None = None
-                    ) -> tuple[jax.ShapeDtypeStruct, ...]:
+  def buffer_shapes(
+    self, dtypes: Sequence | None = None
+  ) -> tuple[jax.ShapeDtypeStruct, ...]:
     """Global buffer shapes (``dtypes`` overrides the dtype of each)."""
     out = []
     for b, (g, j) in enumerate(self.buffer_index):
@@ -162,8 +178,7 @@ class OwnerLayout:
     out = []
     for g, j in self.buffer_index:
       size = self.groups[g].local_sizes[j]
-      out.append((self.iterations[g], size) if self.iterations[g]
-                 else (size,))
+      out.append((self.iterations[g], size) if self.iterations[g] else (size,))
     return tuple(out)
 
   def shardings(self, mesh: Any = None) -> tuple:
@@ -171,8 +186,9 @@ class OwnerLayout:
     mesh = self.mesh if mesh is None else mesh
     if mesh is None:
       return (None,) * len(self.buffer_index)
-    return tuple(jax.sharding.NamedSharding(mesh, s)
-                 for s in self.buffer_specs())
+    return tuple(
+      jax.sharding.NamedSharding(mesh, s) for s in self.buffer_specs()
+    )
 
   def leaf(self, index: int) -> TargetLeaf:
     return self._by_index[index]
@@ -188,7 +204,8 @@ class OwnerLayout:
     lay = self.groups[t.group]
     i = [s.leaf_index for s in lay.plan.leaves].index(index)
     return self.buffer_index.index(
-        (t.group, lay.dtypes.index(lay.leaf_dtypes[i])))
+      (t.group, lay.dtypes.index(lay.leaf_dtypes[i]))
+    )
 
   def full_shape(self, lay: Layout, u: int) -> tuple[int, int]:
     """The whole matrix's ``(fan_in, fan_out)`` of unit ``u`` of ``lay``."""
@@ -210,8 +227,9 @@ class OwnerLayout:
     n = self.num_slots
     return jnp.roll(flat.reshape(n, -1), shift, axis=0).reshape(-1)
 
-  def pack(self, values: dict[int, jax.Array], dtypes: Sequence | None = None
-           ) -> tuple[jax.Array, ...]:
+  def pack(
+    self, values: dict[int, jax.Array], dtypes: Sequence | None = None
+  ) -> tuple[jax.Array, ...]:
     """Owner buffers from whole arrays, one per Muon target.
 
     Args:
@@ -230,9 +248,13 @@ class OwnerLayout:
         iters = self.iterations[g]
         if iters:
           sliced = [x.reshape((iters, -1) + x.shape[1:]) for x in sliced]
-          per_tp.append(jax.vmap(lambda t, xs, lay=lay: tuple(
-              self._roll(b, t) for b in lay.pack_full(xs)))(
-                  jnp.arange(iters), sliced))
+          per_tp.append(
+            jax.vmap(
+              lambda t, xs, lay=lay: tuple(
+                self._roll(b, t) for b in lay.pack_full(xs)
+              )
+            )(jnp.arange(iters), sliced)
+          )
         else:
           per_tp.append(lay.pack_full(sliced))
       for j in range(lay.num_groups):
@@ -251,16 +273,20 @@ class OwnerLayout:
       for k in range(self.tp_size):
         mine = [_tp_part(self.num_slots, self.tp_size, x, k) for x in bufs]
         if iters:
-          full = jax.vmap(lambda t, bs, lay=lay: lay.unpack_full(
-              [self._roll(b, -t) for b in bs]))(jnp.arange(iters), mine)
+          full = jax.vmap(
+            lambda t, bs, lay=lay: lay.unpack_full(
+              [self._roll(b, -t) for b in bs]
+            )
+          )(jnp.arange(iters), mine)
           per_tp.append([x.reshape((-1,) + x.shape[2:]) for x in full])
         else:
           per_tp.append(lay.unpack_full(mine))
       for j, spec in enumerate(lay.plan.leaves):
         t = self.leaf(spec.leaf_index)
         parts = [full[j] for full in per_tp]
-        out[t.index] = (parts[0] if t.tp_dim is None
-                        else jnp.concatenate(parts, t.tp_dim))
+        out[t.index] = (
+          parts[0] if t.tp_dim is None else jnp.concatenate(parts, t.tp_dim)
+        )
     return out
 
   # -- inspection ----------------------------------------------------------
@@ -282,8 +308,7 @@ class OwnerLayout:
 
   def exchange(self, param_entries=None) -> _exchange.Exchange:
     """The drop-in routes of a ``dmuon`` layout (see ``_exchange``)."""
-    return _exchange.Exchange(self.groups[0],
-                              self.owner_entries(param_entries))
+    return _exchange.Exchange(self.groups[0], self.owner_entries(param_entries))
 
   def collective_bytes(self, param_entries=None) -> dict[str, float]:
     """Predicted per-device bytes of one drop-in update, by collective kind.
@@ -308,25 +333,38 @@ class OwnerLayout:
 
   def summary(self) -> str:
     """The layout's name, param shardings, predicted bytes and plans."""
-    lines = [f'OwnerLayout {self.name}: {len(self.leaves)} Muon leaves, '
-             f'{self.num_slots} owner slot(s) over {self.buffer_axes}'
-             + (f', TP {self.tp_axis}={self.tp_size}' if self.tp_size > 1
-                else '')]
+    lines = [
+      f'OwnerLayout {self.name}: {len(self.leaves)} Muon leaves, '
+      f'{self.num_slots} owner slot(s) over {self.buffer_axes}'
+      + (f', TP {self.tp_axis}={self.tp_size}' if self.tp_size > 1 else '')
+    ]
     if self.kind == 'dmuon' and self.num_slots > 1:
       predicted = self.collective_bytes()
-      lines.append('  predicted update bytes per device: ' + ', '.join(
-          f'{k} {_planner.human_bytes(v)}' for k, v in predicted.items()))
-    unknown = [t.path for t, e in zip(self.leaves, self.param_entries)
-               if e is None]
+      lines.append(
+        '  predicted update bytes per device: '
+        + ', '.join(
+          f'{k} {_planner.human_bytes(v)}' for k, v in predicted.items()
+        )
+      )
+    unknown = [
+      t.path for t, e in zip(self.leaves, self.param_entries) if e is None
+    ]
     if unknown and self.distributed and self.kind == 'dmuon':
-      lines.append(f'  param shardings unknown for {len(unknown)} leaves '
-                   f'(treated as replicated): {unknown[:4]}'
-                   + (' ...' if len(unknown) > 4 else ''))
+      lines.append(
+        f'  param shardings unknown for {len(unknown)} leaves '
+        f'(treated as replicated): {unknown[:4]}'
+        + (' ...' if len(unknown) > 4 else '')
+      )
     for g, lay in enumerate(self.groups):
       if len(self.groups) > 1:
-        lines.append(f'  group {g}: {len(lay.plan.units)} matrices'
-                     + (f', {self.iterations[g]} scan iterations'
-                        if self.iterations[g] else ''))
+        lines.append(
+          f'  group {g}: {len(lay.plan.units)} matrices'
+          + (
+            f', {self.iterations[g]} scan iterations'
+            if self.iterations[g]
+            else ''
+          )
+        )
     if len(self.groups) == 1:
       lines.append(self.groups[0].plan.summary())
     return '\n'.join(lines)
@@ -398,6 +436,7 @@ class OwnerBuffers:
     return self.buffers[i]
 
   def __repr__(self) -> str:
-    shapes = ', '.join(f'{getattr(b, "dtype", "?")}{list(np.shape(b))}'
-                       for b in self.buffers)
+    shapes = ', '.join(
+      f'{getattr(b, "dtype", "?")}{list(np.shape(b))}' for b in self.buffers
+    )
     return f'OwnerBuffers({self.layout.name}: {shapes})'

@@ -25,11 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dmuon_jax import _collectives
-from dmuon_jax import _layout
-from dmuon_jax import _owner_layout
-from dmuon_jax import _newton_schulz
-from dmuon_jax import _tensor_parallel
+from dmuon_jax import (
+  _collectives,
+  _layout,
+  _newton_schulz,
+  _owner_layout,
+  _tensor_parallel,
+)
 
 MOMENTUM_RULES = ('optax', 'sgd')
 NS_ALGORITHMS = ('auto', 'standard', 'gram')
@@ -39,7 +41,7 @@ NONFINITE = ('skip', 'propagate')
 
 # Matrices whose largest entry exceeds this are divided by a power of two
 # before Newton-Schulz (see rescale_large).
-_LARGE = 2.0 ** 10
+_LARGE = 2.0**10
 
 
 def static_dtype(value: Any, name: str) -> np.dtype | None:
@@ -53,12 +55,14 @@ def static_dtype(value: Any, name: str) -> np.dtype | None:
   if value is None:
     return None
   if isinstance(value, (jax.Array, np.ndarray)) or isinstance(
-      value, jax.core.Tracer):
+    value, jax.core.Tracer
+  ):
     raise TypeError(
-        f'dmuon: {name} is an array ({value!r}), not a dtype. '
-        'optax.inject_hyperparams calls every callable argument as a '
-        f'schedule, and dtypes such as jnp.float32 are callable: pass '
-        f"{name} as a string ('float32'), or in static_args=('{name}',).")
+      f'dmuon: {name} is an array ({value!r}), not a dtype. '
+      'optax.inject_hyperparams calls every callable argument as a '
+      f'schedule, and dtypes such as jnp.float32 are callable: pass '
+      f"{name} as a string ('float32'), or in static_args=('{name}',)."
+    )
   try:
     return np.dtype(jnp.dtype(value))
   except TypeError as e:
@@ -75,10 +79,11 @@ def static_int(value: Any, name: str) -> int | None:
     return value
   if isinstance(value, jax.core.Tracer):
     raise TypeError(
-        f'dmuon: {name} is a traced value: optax.inject_hyperparams injects '
-        f'every int argument, but {name} decides the program (the number of '
-        f"Newton-Schulz iterations). Pass static_args=('{name}',) to "
-        f'inject_hyperparams, or leave {name}=None.')
+      f'dmuon: {name} is a traced value: optax.inject_hyperparams injects '
+      f'every int argument, but {name} decides the program (the number of '
+      f"Newton-Schulz iterations). Pass static_args=('{name}',) to "
+      f'inject_hyperparams, or leave {name}=None.'
+    )
   arr = np.asarray(value)
   if arr.shape == () and np.issubdtype(arr.dtype, np.integer):
     return int(arr)
@@ -102,6 +107,7 @@ class OwnerConfig:
       (``Hyperparams.consistent_rms``) rather than Jordan's width scaling.
     mu_dtype: momentum dtype name, or None (the gradients').
   """
+
   coeffs: tuple[tuple[float, float, float], ...]
   momentum: str = 'optax'
   nesterov: bool = True
@@ -117,44 +123,66 @@ class OwnerConfig:
 def check_nonfinite(nonfinite: str) -> None:
   if nonfinite not in NONFINITE:
     raise ValueError(
-        f'dmuon: nonfinite={nonfinite!r} is not one of {NONFINITE}: '
-        "'skip' drops a step with a NaN/Inf gradient (zero updates, state "
-        "unchanged), 'propagate' lets it through as optax does.")
+      f'dmuon: nonfinite={nonfinite!r} is not one of {NONFINITE}: '
+      "'skip' drops a step with a NaN/Inf gradient (zero updates, state "
+      "unchanged), 'propagate' lets it through as optax does."
+    )
 
 
-def make_config(*, ns_coeffs, ns_steps, momentum, nesterov, adaptive,
-                preconditioning, ns_algorithm, compute_dtype, shape_scaling,
-                consistent_rms, mu_dtype, nonfinite='skip') -> OwnerConfig:
+def make_config(
+  *,
+  ns_coeffs,
+  ns_steps,
+  momentum,
+  nesterov,
+  adaptive,
+  preconditioning,
+  ns_algorithm,
+  compute_dtype,
+  shape_scaling,
+  consistent_rms,
+  mu_dtype,
+  nonfinite='skip',
+) -> OwnerConfig:
   """Validates the static arguments (at the factory call) into a config."""
   check_nonfinite(nonfinite)
   if momentum not in MOMENTUM_RULES:
     raise ValueError(
-        f"dmuon: momentum={momentum!r} is not one of {MOMENTUM_RULES}: "
-        "'optax' is optax.contrib.muon's bias-corrected EMA, 'sgd' is the "
-        'DMuon/Moonlight rule buf = beta * buf + g.')
+      f'dmuon: momentum={momentum!r} is not one of {MOMENTUM_RULES}: '
+      "'optax' is optax.contrib.muon's bias-corrected EMA, 'sgd' is the "
+      'DMuon/Moonlight rule buf = beta * buf + g.'
+    )
   if ns_algorithm not in NS_ALGORITHMS:
     raise ValueError(
-        f'dmuon: ns_algorithm={ns_algorithm!r} is not one of '
-        f'{NS_ALGORITHMS}.')
+      f'dmuon: ns_algorithm={ns_algorithm!r} is not one of {NS_ALGORITHMS}.'
+    )
   if preconditioning not in PRECONDITIONINGS:
     raise ValueError(
-        f'dmuon: preconditioning={preconditioning!r} is not one of '
-        f'{PRECONDITIONINGS}.')
+      f'dmuon: preconditioning={preconditioning!r} is not one of '
+      f'{PRECONDITIONINGS}.'
+    )
   compute = static_dtype(compute_dtype, 'compute_dtype')
   if compute is not None and compute.name not in COMPUTE_DTYPES:
     raise ValueError(
-        f'dmuon: compute_dtype={compute_dtype!r} is not one of '
-        f'{COMPUTE_DTYPES} (or None for the momentum dtype).')
+      f'dmuon: compute_dtype={compute_dtype!r} is not one of '
+      f'{COMPUTE_DTYPES} (or None for the momentum dtype).'
+    )
   mu = static_dtype(mu_dtype, 'mu_dtype')
   coeffs = _newton_schulz.resolve_ns_coeffs(
-      ns_coeffs, static_int(ns_steps, 'ns_steps'))
+    ns_coeffs, static_int(ns_steps, 'ns_steps')
+  )
   return OwnerConfig(
-      coeffs=tuple(tuple(float(v) for v in row) for row in coeffs),
-      momentum=momentum, nesterov=bool(nesterov), adaptive=bool(adaptive),
-      preconditioning=preconditioning, ns_algorithm=ns_algorithm,
-      compute_dtype=None if compute is None else compute.name,
-      shape_scaling=shape_scaling, consistent_rms=consistent_rms,
-      mu_dtype=None if mu is None else mu.name)
+    coeffs=tuple(tuple(float(v) for v in row) for row in coeffs),
+    momentum=momentum,
+    nesterov=bool(nesterov),
+    adaptive=bool(adaptive),
+    preconditioning=preconditioning,
+    ns_algorithm=ns_algorithm,
+    compute_dtype=None if compute is None else compute.name,
+    shape_scaling=shape_scaling,
+    consistent_rms=consistent_rms,
+    mu_dtype=None if mu is None else mu.name,
+  )
 
 
 class Hyperparams(NamedTuple):
@@ -165,6 +193,7 @@ class Hyperparams(NamedTuple):
   passed into ``shard_map`` as arguments (see :func:`dynamic`), never
   closed over.
   """
+
   beta: Any
   eps: Any
   consistent_rms: Any = None
@@ -198,17 +227,18 @@ def momentum_update(grads, mus, count_inc, *, beta, nesterov, rule):
     new = tuple((1 - beta) * g + beta * m for m, g in zip(mus, grads))
     if nesterov:
       c_mu = 1 - beta ** optax.safe_increment(count_inc)
-      c_g = 1 - beta ** count_inc
-      hat = tuple(beta * (m / c_mu.astype(m.dtype))
-                  + (1 - beta) * (g / c_g.astype(g.dtype))
-                  for m, g in zip(new, grads))
+      c_g = 1 - beta**count_inc
+      hat = tuple(
+        beta * (m / c_mu.astype(m.dtype))
+        + (1 - beta) * (g / c_g.astype(g.dtype))
+        for m, g in zip(new, grads)
+      )
     else:
-      c_mu = 1 - beta ** count_inc
+      c_mu = 1 - beta**count_inc
       hat = tuple(m / c_mu.astype(m.dtype) for m in new)
   else:
     new = tuple(beta * m + g for m, g in zip(mus, grads))
-    hat = (tuple(g + beta * m for m, g in zip(new, grads)) if nesterov
-           else new)
+    hat = tuple(g + beta * m for m, g in zip(new, grads)) if nesterov else new
   return new, hat
 
 
@@ -233,7 +263,8 @@ def rescale_large(stack: jax.Array, tp_axis: str | None = None) -> jax.Array:
     The stack, each matrix scaled by an exact power of two (or by 1).
   """
   if not jnp.issubdtype(stack.dtype, jnp.floating) or (
-      jnp.finfo(stack.dtype).max <= _LARGE):
+    jnp.finfo(stack.dtype).max <= _LARGE
+  ):
     return stack
   amax = jnp.max(jnp.abs(stack), axis=(-2, -1), keepdims=True)
   if tp_axis is not None:
@@ -251,10 +282,15 @@ def shape_scale(fan_in: int, fan_out: int, consistent_rms=None):
   return np.sqrt(max(fan_in, fan_out)) * consistent_rms
 
 
-def orthogonalize(cfg: OwnerConfig, hp: Hyperparams, stack: jax.Array,
-                  full_shape: Sequence[int], out_dtype: Any,
-                  tp_split: int | None = None,
-                  tp_axis: str | None = None) -> jax.Array:
+def orthogonalize(
+  cfg: OwnerConfig,
+  hp: Hyperparams,
+  stack: jax.Array,
+  full_shape: Sequence[int],
+  out_dtype: Any,
+  tp_split: int | None = None,
+  tp_axis: str | None = None,
+) -> jax.Array:
   """Newton–Schulz of a ``(count, m, n)`` stack, then adaptive scaling, the
   cast to the updates' dtype ``out_dtype`` and the shape factor
   (``full_shape``: the whole matrix's, for a TP shard's slice)."""
@@ -262,18 +298,29 @@ def orthogonalize(cfg: OwnerConfig, hp: Hyperparams, stack: jax.Array,
   compute = cfg.compute_dtype
   if tp_split is not None:
     out = _tensor_parallel.orthogonalize_via_gram_newton_schulz_tp(
-        x, cfg.coeffs, axis_name=tp_axis, split_axis=tp_split, eps=hp.eps,
-        compute_dtype=compute)
+      x,
+      cfg.coeffs,
+      axis_name=tp_axis,
+      split_axis=tp_split,
+      eps=hp.eps,
+      compute_dtype=compute,
+    )
   else:
     algo = cfg.ns_algorithm
     if algo == 'auto':
-      algo = _newton_schulz.cheaper_ns_algorithm(*x.shape[-2:],
-                                                 len(cfg.coeffs))
-    form = (_newton_schulz.orthogonalize_via_gram_newton_schulz
-            if algo == 'gram'
-            else _newton_schulz.orthogonalize_via_newton_schulz)
-    out = form(x, cfg.coeffs, preconditioning=cfg.preconditioning,
-               eps=hp.eps, compute_dtype=compute)
+      algo = _newton_schulz.cheaper_ns_algorithm(*x.shape[-2:], len(cfg.coeffs))
+    form = (
+      _newton_schulz.orthogonalize_via_gram_newton_schulz
+      if algo == 'gram'
+      else _newton_schulz.orthogonalize_via_newton_schulz
+    )
+    out = form(
+      x,
+      cfg.coeffs,
+      preconditioning=cfg.preconditioning,
+      eps=hp.eps,
+      compute_dtype=compute,
+    )
   if cfg.adaptive:
     # The dual norm <M, NS(M)> of the unscaled momentum, per matrix.
     dot = jnp.sum(stack * out, axis=(-2, -1), keepdims=True)
@@ -287,11 +334,16 @@ def orthogonalize(cfg: OwnerConfig, hp: Hyperparams, stack: jax.Array,
   return out
 
 
-def slot_update(cfg: OwnerConfig, hp: Hyperparams,
-                olayout: _owner_layout.OwnerLayout, lay: _layout.Layout,
-                slot: int, hat: Sequence[jax.Array],
-                params: Sequence[jax.Array] | None = None,
-                decay: frozenset[int] | None = None) -> tuple[jax.Array, ...]:
+def slot_update(
+  cfg: OwnerConfig,
+  hp: Hyperparams,
+  olayout: _owner_layout.OwnerLayout,
+  lay: _layout.Layout,
+  slot: int,
+  hat: Sequence[jax.Array],
+  params: Sequence[jax.Array] | None = None,
+  decay: frozenset[int] | None = None,
+) -> tuple[jax.Array, ...]:
   """One owner slot's results from its (local) buffers of group ``lay``.
 
   Results are rounded to the params' dtype (the buffers keep the momentum's
@@ -303,12 +355,22 @@ def slot_update(cfg: OwnerConfig, hp: Hyperparams,
 
   def fn(stacks, bucket):
     dtype = jnp.dtype(bucket.dtype)
-    out = orthogonalize(cfg, hp, stacks[0],
-                        olayout.full_shape(lay, bucket.units[0]), dtype,
-                        bucket.tp_split, tp_axis)
+    out = orthogonalize(
+      cfg,
+      hp,
+      stacks[0],
+      olayout.full_shape(lay, bucket.units[0]),
+      dtype,
+      bucket.tp_split,
+      tp_axis,
+    )
     if params is not None and decay:
-      mask = np.array([lay.plan.leaves[lay.unit_leaf[u]].leaf_index in decay
-                       for u in bucket.units])
+      mask = np.array(
+        [
+          lay.plan.leaves[lay.unit_leaf[u]].leaf_index in decay
+          for u in bucket.units
+        ]
+      )
       if mask.any():
         p = stacks[1].astype(dtype)
         decayed = (out + hp.weight_decay * p).astype(dtype)
@@ -319,12 +381,16 @@ def slot_update(cfg: OwnerConfig, hp: Hyperparams,
   return lay.map_slot(operands, slot, fn)
 
 
-def owner_step(cfg: OwnerConfig, hp: Hyperparams,
-               olayout: _owner_layout.OwnerLayout,
-               grads: Sequence[jax.Array], mus: Sequence[jax.Array],
-               count_inc: jax.Array,
-               params: Sequence[jax.Array] | None = None,
-               decay: frozenset[int] | None = None):
+def owner_step(
+  cfg: OwnerConfig,
+  hp: Hyperparams,
+  olayout: _owner_layout.OwnerLayout,
+  grads: Sequence[jax.Array],
+  mus: Sequence[jax.Array],
+  count_inc: jax.Array,
+  params: Sequence[jax.Array] | None = None,
+  decay: frozenset[int] | None = None,
+):
   """The update of this device's own matrices (local blocks, no routing).
 
   Runs inside ``shard_map`` over the owner axes (one ``lax.switch`` branch
@@ -348,17 +414,25 @@ def owner_step(cfg: OwnerConfig, hp: Hyperparams,
   """
   grad_groups = olayout.split_groups(grads)
   mu_groups = olayout.split_groups(mus)
-  param_groups = (olayout.split_groups(params) if params is not None
-                  else [None] * len(olayout.groups))
+  param_groups = (
+    olayout.split_groups(params)
+    if params is not None
+    else [None] * len(olayout.groups)
+  )
   axes = olayout.buffer_axes
   n = olayout.num_slots
   out, new_mu = [], []
   for g, lay in enumerate(olayout.groups):
     # Group by group, so that one group's momentum temporaries are live at
     # a time.
-    mu_g, h = momentum_update(grad_groups[g], mu_groups[g], count_inc,
-                              beta=hp.beta, nesterov=cfg.nesterov,
-                              rule=cfg.momentum)
+    mu_g, h = momentum_update(
+      grad_groups[g],
+      mu_groups[g],
+      count_inc,
+      beta=hp.beta,
+      nesterov=cfg.nesterov,
+      rule=cfg.momentum,
+    )
     new_mu.extend(mu_g)
     p = param_groups[g]
     run = functools.partial(slot_update, cfg, hp, olayout, lay, decay=decay)
@@ -372,12 +446,14 @@ def owner_step(cfg: OwnerConfig, hp: Hyperparams,
       def one(a, run=run):
         t, hh, pp = a
         return _collectives.switch_by_slot(
-            axes, [functools.partial(run, s) for s in range(n)], hh, pp,
-            shift=t)
+          axes, [functools.partial(run, s) for s in range(n)], hh, pp, shift=t
+        )
+
       res = jax.lax.map(one, (jnp.arange(olayout.iterations[g]), h, p))
     else:
       res = _collectives.switch_by_slot(
-          axes, [functools.partial(run, s) for s in range(n)], h, p)
+        axes, [functools.partial(run, s) for s in range(n)], h, p
+      )
     out.extend(res)
   new_mu = tuple(m.astype(old.dtype) for m, old in zip(new_mu, mus))
   return tuple(out), new_mu
@@ -410,18 +486,17 @@ def all_finite(*trees: Any) -> jax.Array:
 def select_tree(ok: jax.Array, new: Any, old: Any) -> Any:
   """``new`` where ``ok``, else ``old``, leaf by leaf (``jnp.where``)."""
   return jax.tree.map(
-      lambda n, o: jnp.where(ok, n, o).astype(jnp.asarray(n).dtype),
-      new, old)
+    lambda n, o: jnp.where(ok, n, o).astype(jnp.asarray(n).dtype), new, old
+  )
 
 
 def zeros_unless(ok: jax.Array, tree: Any) -> Any:
   """``tree`` where ``ok``, else zeros of its leaves' shapes and dtypes."""
-  return jax.tree.map(
-      lambda x: jnp.where(ok, x, jnp.zeros((), x.dtype)), tree)
+  return jax.tree.map(lambda x: jnp.where(ok, x, jnp.zeros((), x.dtype)), tree)
 
 
 def skip_nonfinite(
-    inner: optax.GradientTransformation,
+  inner: optax.GradientTransformation,
 ) -> optax.GradientTransformation:
   """Skips the whole step of ``inner`` unless everything stays finite.
 
@@ -440,8 +515,7 @@ def skip_nonfinite(
   inner = optax.with_extra_args_support(inner)
 
   def update_fn(updates, state, params=None, **extra_args):
-    new_updates, new_state = inner.update(updates, state, params,
-                                          **extra_args)
+    new_updates, new_state = inner.update(updates, state, params, **extra_args)
     ok = all_finite(updates, new_updates, new_state)
     return zeros_unless(ok, new_updates), select_tree(ok, new_state, state)
 

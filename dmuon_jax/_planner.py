@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Mapping, Sequence
 import dataclasses
 import functools
 import math
 import re
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -24,24 +24,24 @@ CostFn = Callable[[int, int], float]
 WeightDimNums = Any
 
 _HINT_ADAMW = (
-    'Route it to AdamW: make the predicate return False for it or set its'
-    ' dimension numbers to None.'
+  'Route it to AdamW: make the predicate return False for it or set its'
+  ' dimension numbers to None.'
 )
 _HINT_DIMS_TREE = (
-    'Pass None, a single optax.contrib.MuonDimensionNumbers, a tree with the'
-    ' structure of params (or a prefix of it) holding MuonDimensionNumbers or'
-    ' None at its leaves, or a callable params -> such a tree.'
+  'Pass None, a single optax.contrib.MuonDimensionNumbers, a tree with the'
+  ' structure of params (or a prefix of it) holding MuonDimensionNumbers or'
+  ' None at its leaves, or a callable params -> such a tree.'
 )
 
 # Segments whose name contains one of these (lower-cased) are never Muon
 # targets under the default predicate.
 _EXCLUDED_SUBSTRINGS = (
-    'embed',  # embed, embedding, tok_embeddings, unembed, pos_embedding
-    'norm',  # norm, layernorm, rmsnorm_0, final_norm, norm1
-    'logit',  # logits, logit_proj
-    'lm_head',
-    'wte',  # GPT-2 token embedding
-    'wpe',  # GPT-2 position embedding
+  'embed',  # embed, embedding, tok_embeddings, unembed, pos_embedding
+  'norm',  # norm, layernorm, rmsnorm_0, final_norm, norm1
+  'logit',  # logits, logit_proj
+  'lm_head',
+  'wte',  # GPT-2 token embedding
+  'wpe',  # GPT-2 position embedding
 )
 # Segments equal to one of these (lower-cased) are never Muon targets.
 _EXCLUDED_NAMES = frozenset({'bias', 'scale', 'pos_emb', 'tok_emb', 'emb'})
@@ -54,12 +54,20 @@ _LAYER_NORM_RE = re.compile(r'^ln(_|$|f|\d)')
 
 # A block boundary is one of these segments followed by an integer segment
 # ('layers/3'), or one segment like 'layers_3' (flax linen auto-naming).
-_BLOCK_NAMES = frozenset({
-    'layers', 'layer', 'blocks', 'block', 'h', 'encoderblock',
-    'decoderblock', 'resblocks',
-})
+_BLOCK_NAMES = frozenset(
+  {
+    'layers',
+    'layer',
+    'blocks',
+    'block',
+    'h',
+    'encoderblock',
+    'decoderblock',
+    'resblocks',
+  }
+)
 _BLOCK_SEGMENT_RE = re.compile(
-    r'^(layers?|blocks?|h|encoderblock|decoderblock|resblocks)_\d+$'
+  r'^(layers?|blocks?|h|encoderblock|decoderblock|resblocks)_\d+$'
 )
 # Leading segments that name a flax linen variable collection, not a module.
 COLLECTION_NAMES = frozenset({'params'})
@@ -82,9 +90,9 @@ def normalize_path(path: jax.tree_util.KeyPath) -> str:
   """
   keys = list(path)
   if (
-      keys
-      and isinstance(keys[-1], jax.tree_util.GetAttrKey)
-      and keys[-1].name == 'value'
+    keys
+    and isinstance(keys[-1], jax.tree_util.GetAttrKey)
+    and keys[-1].name == 'value'
   ):
     keys.pop()
   return '/'.join(_key_str(k) for k in keys)
@@ -113,9 +121,9 @@ def block_boundary_end(segments: Sequence[str]) -> int | None:
     if _BLOCK_SEGMENT_RE.match(low):
       return i + 1
     if (
-        low in _BLOCK_NAMES
-        and i + 1 < len(segments)
-        and segments[i + 1].isdigit()
+      low in _BLOCK_NAMES
+      and i + 1 < len(segments)
+      and segments[i + 1].isdigit()
     ):
       return i + 2
   return None
@@ -172,14 +180,14 @@ def _is_dims_leaf(x: Any) -> bool:
 def _one_level(x: Any) -> tuple[list[Any], Any, list[Any]]:
   """Flattens one level of a pytree: children, node structure and keys."""
   with_keys, treedef = jax.tree_util.tree_flatten_with_path(
-      x, is_leaf=lambda y: y is not x
+    x, is_leaf=lambda y: y is not x
   )
   keys = [p[0] if p else None for p, _ in with_keys]
   return [c for _, c in with_keys], treedef, keys
 
 
 def _align_dims(
-    dims: Any, tree: Any, path: tuple[Any, ...], out: list[Any]
+  dims: Any, tree: Any, path: tuple[Any, ...], out: list[Any]
 ) -> None:
   """Appends one dimension-numbers entry per leaf of ``tree`` to ``out``."""
   if _is_dims_leaf(dims):
@@ -192,32 +200,32 @@ def _align_dims(
     return
   if isinstance(dims, optax.MaskedNode):
     raise ValueError(
-        f'dmuon: weight_dimension_numbers has MaskedNode() at'
-        f' {normalize_path(path) or "<root>"!r} where params has'
-        f' {num_leaves} leaves. {_HINT_DIMS_TREE}'
+      f'dmuon: weight_dimension_numbers has MaskedNode() at'
+      f' {normalize_path(path) or "<root>"!r} where params has'
+      f' {num_leaves} leaves. {_HINT_DIMS_TREE}'
     )
   dims_children, dims_def, _ = _one_level(dims)
   tree_children, tree_def, keys = _one_level(tree)
   if dims_def.num_nodes == 1 and dims_def.num_leaves == 1:
     # A leaf that is neither None nor MuonDimensionNumbers.
     raise ValueError(
-        'dmuon: weight_dimension_numbers has'
-        f' {type(dims).__name__} {dims!r} at'
-        f' {normalize_path(path) or "<root>"!r}; expected'
-        f' optax.contrib.MuonDimensionNumbers or None. {_HINT_DIMS_TREE}'
+      'dmuon: weight_dimension_numbers has'
+      f' {type(dims).__name__} {dims!r} at'
+      f' {normalize_path(path) or "<root>"!r}; expected'
+      f' optax.contrib.MuonDimensionNumbers or None. {_HINT_DIMS_TREE}'
     )
   if dims_def != tree_def:
     raise ValueError(
-        'dmuon: weight_dimension_numbers does not match the structure of'
-        f' params at {normalize_path(path) or "<root>"!r}: got'
-        f' {dims_def}, params have {tree_def}. {_HINT_DIMS_TREE}'
+      'dmuon: weight_dimension_numbers does not match the structure of'
+      f' params at {normalize_path(path) or "<root>"!r}: got'
+      f' {dims_def}, params have {tree_def}. {_HINT_DIMS_TREE}'
     )
   for key, d, t in zip(keys, dims_children, tree_children):
     _align_dims(d, t, path + (key,), out)
 
 
 def resolve_dimension_numbers(
-    tree: Any, weight_dimension_numbers: WeightDimNums
+  tree: Any, weight_dimension_numbers: WeightDimNums
 ) -> list[MuonDimensionNumbers | None]:
   """Resolves Muon dimension numbers to one entry per leaf of ``tree``.
 
@@ -276,8 +284,8 @@ class LeafSpec:
   def matrix_shape(self) -> tuple[int, int]:
     """``(fan_in, fan_out)``: products of the reduction and output dims."""
     return (
-        math.prod(self.shape[a] for a in self.reduction_axes),
-        math.prod(self.shape[a] for a in self.output_axes),
+      math.prod(self.shape[a] for a in self.reduction_axes),
+      math.prod(self.shape[a] for a in self.output_axes),
     )
 
   @property
@@ -349,10 +357,16 @@ class OwnershipPlan:
 
   @functools.cached_property
   def _hash(self) -> int:
-    return hash((
-        self.axis_names, self.mesh_shape, self.num_leaves, self.leaves,
-        self.units, self.owners,
-    ))
+    return hash(
+      (
+        self.axis_names,
+        self.mesh_shape,
+        self.num_leaves,
+        self.leaves,
+        self.units,
+        self.owners,
+      )
+    )
 
   @property
   def num_slots(self) -> int:
@@ -370,8 +384,8 @@ class OwnershipPlan:
     """
     if not 0 <= slot < self.num_slots:
       raise ValueError(
-          f'dmuon: slot {slot} is out of range; the plan has'
-          f' {self.num_slots} slots.'
+        f'dmuon: slot {slot} is out of range; the plan has'
+        f' {self.num_slots} slots.'
       )
     coords = []
     for size in reversed(self.mesh_shape):
@@ -434,9 +448,7 @@ class OwnershipPlan:
     start, spec = self._leaf_offsets[leaf_index]
     return tuple(range(start, start + spec.num_matrices))
 
-  def unit_index(
-      self, leaf_index: int, batch_index: Sequence[int] = ()
-  ) -> int:
+  def unit_index(self, leaf_index: int, batch_index: Sequence[int] = ()) -> int:
     """Index (into ``units``) of one matrix.
 
     Args:
@@ -448,17 +460,17 @@ class OwnershipPlan:
     """
     if leaf_index not in self._leaf_offsets:
       raise ValueError(
-          f'dmuon: leaf {leaf_index} is not a Muon target of this plan.'
+        f'dmuon: leaf {leaf_index} is not a Muon target of this plan.'
       )
     start, spec = self._leaf_offsets[leaf_index]
     batch_index = tuple(int(i) for i in batch_index)
     batch_shape = spec.batch_shape
     if len(batch_index) != len(batch_shape) or not all(
-        0 <= i < n for i, n in zip(batch_index, batch_shape)
+      0 <= i < n for i, n in zip(batch_index, batch_shape)
     ):
       raise ValueError(
-          f'dmuon: batch_index {batch_index} is out of range for'
-          f' {spec.path!r} with batch shape {batch_shape}.'
+        f'dmuon: batch_index {batch_index} is out of range for'
+        f' {spec.path!r} with batch shape {batch_shape}.'
       )
     offset = 0
     for i, n in zip(batch_index, batch_shape):
@@ -516,18 +528,20 @@ class OwnershipPlan:
     biggest = max(self.slot_bytes())
     inner = self.mesh_shape[-1] if self.mesh_shape else 1
     return {
-        'explicit': 2 * (n - 1) * biggest,
-        'drop-in, replicated params': (n - 1) * biggest,
-        'drop-in, sharded params': (inner - 1 + n - 1) * biggest / inner,
-        'all-reduce floor': 2 * (n - 1) / n * sum(self.slot_bytes()),
+      'explicit': 2 * (n - 1) * biggest,
+      'drop-in, replicated params': (n - 1) * biggest,
+      'drop-in, sharded params': (inner - 1 + n - 1) * biggest / inner,
+      'all-reduce floor': 2 * (n - 1) / n * sum(self.slot_bytes()),
     }
 
   def _summary_lines(self) -> list[str]:
     """The lines of :meth:`summary`; sections are appended in order."""
     lines = self._summary_header_lines()
     lines.append('  predicted collective bytes per device per step:')
-    lines.extend(f'    {path}: {human_bytes(b)}'
-                 for path, b in self.collective_bytes().items())
+    lines.extend(
+      f'    {path}: {human_bytes(b)}'
+      for path, b in self.collective_bytes().items()
+    )
     lines.extend(self._summary_slot_lines())
     return lines
 
@@ -536,20 +550,20 @@ class OwnershipPlan:
     nbytes = self.slot_bytes()
     if self.axis_names:
       mesh = ' '.join(
-          f'{n}={s}' for n, s in zip(self.axis_names, self.mesh_shape)
+        f'{n}={s}' for n, s in zip(self.axis_names, self.mesh_shape)
       )
     else:
       mesh = '(single slot, no mesh axes)'
     return [
-        f'OwnershipPlan: {_plural(len(self.units), "matrix", "matrices")}'
-        f' in {_plural(len(self.leaves), "leaf", "leaves")} on'
-        f' {_plural(self.num_slots, "slot", "slots")}, mesh {mesh}',
-        f'  predicted NS FLOPs: total {human_flops(sum(costs))}, per slot'
-        f' max {human_flops(max(costs))}, mean'
-        f' {human_flops(sum(costs) / len(costs))}, imbalance (max/mean)'
-        f' {self.imbalance:.3f}',
-        f'  bytes: total {human_bytes(sum(nbytes))}, per slot max'
-        f' {human_bytes(max(nbytes))}',
+      f'OwnershipPlan: {_plural(len(self.units), "matrix", "matrices")}'
+      f' in {_plural(len(self.leaves), "leaf", "leaves")} on'
+      f' {_plural(self.num_slots, "slot", "slots")}, mesh {mesh}',
+      f'  predicted NS FLOPs: total {human_flops(sum(costs))}, per slot'
+      f' max {human_flops(max(costs))}, mean'
+      f' {human_flops(sum(costs) / len(costs))}, imbalance (max/mean)'
+      f' {self.imbalance:.3f}',
+      f'  bytes: total {human_bytes(sum(nbytes))}, per slot max'
+      f' {human_bytes(max(nbytes))}',
     ]
 
   def _summary_slot_lines(self) -> list[str]:
@@ -558,14 +572,15 @@ class OwnershipPlan:
     lines = []
     for slot in range(self.num_slots):
       coords = ' '.join(
-          f'{n}={c}' for n, c in zip(self.axis_names, self.slot_coords(slot))
+        f'{n}={c}' for n, c in zip(self.axis_names, self.slot_coords(slot))
       )
       unit_ids = self.units_of(slot)
       lines.append(
-          f'slot {slot}' + (f' ({coords})' if coords else '')
-          + f': {_plural(len(unit_ids), "matrix", "matrices")},'
-          f' {human_flops(costs[slot])},'
-          f' {human_bytes(nbytes[slot])}'
+        f'slot {slot}'
+        + (f' ({coords})' if coords else '')
+        + f': {_plural(len(unit_ids), "matrix", "matrices")},'
+        f' {human_flops(costs[slot])},'
+        f' {human_bytes(nbytes[slot])}'
       )
       for i in unit_ids:
         unit = self.units[i]
@@ -616,8 +631,9 @@ def ns_flops(m: int, n: int, ns_steps: int = 5) -> float:
 _NS_ALGORITHMS = ('auto', 'standard', 'gram')
 
 
-def ns_cost(m: int, n: int, ns_steps: int = 5,
-            ns_algorithm: str = 'auto') -> float:
+def ns_cost(
+  m: int, n: int, ns_steps: int = 5, ns_algorithm: str = 'auto'
+) -> float:
   """Predicted matmul FLOPs of the Newton–Schulz form that will run.
 
   ``'standard'`` is :func:`ns_flops`; ``'gram'`` the Gram form with its
@@ -635,15 +651,16 @@ def ns_cost(m: int, n: int, ns_steps: int = 5,
     The FLOP count, as a float.
   """
   if ns_algorithm not in _NS_ALGORITHMS:
-    raise ValueError(f'dmuon: ns_algorithm={ns_algorithm!r} is not one of '
-                     f'{_NS_ALGORITHMS}.')
+    raise ValueError(
+      f'dmuon: ns_algorithm={ns_algorithm!r} is not one of {_NS_ALGORITHMS}.'
+    )
   if ns_algorithm == 'auto':
     ns_algorithm = _newton_schulz.cheaper_ns_algorithm(m, n, ns_steps)
   return float(_newton_schulz.matmul_flops(m, n, ns_steps, ns_algorithm))
 
 
 def _normalize_axes(
-    value: Any, ndim: int, what: str, path: str, shape: tuple[int, ...]
+  value: Any, ndim: int, what: str, path: str, shape: tuple[int, ...]
 ) -> tuple[int, ...]:
   axes = (value,) if isinstance(value, (int, np.integer)) else value
   try:
@@ -651,38 +668,37 @@ def _normalize_axes(
   except TypeError:
     axes = None
   if axes is None or not all(
-      isinstance(a, (int, np.integer)) and not isinstance(a, bool)
-      for a in axes
+    isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in axes
   ):
     raise ValueError(
-        f'dmuon: param {path!r} has {what}={value!r}; expected an int or a'
-        ' sequence of ints. Fix its MuonDimensionNumbers.'
+      f'dmuon: param {path!r} has {what}={value!r}; expected an int or a'
+      ' sequence of ints. Fix its MuonDimensionNumbers.'
     )
   if not axes:
     raise ValueError(
-        f'dmuon: param {path!r} with shape {shape} has an empty {what}; a'
-        ' matrix needs at least one reduction and one output axis. Fix its'
-        f' MuonDimensionNumbers. {_HINT_ADAMW}'
+      f'dmuon: param {path!r} with shape {shape} has an empty {what}; a'
+      ' matrix needs at least one reduction and one output axis. Fix its'
+      f' MuonDimensionNumbers. {_HINT_ADAMW}'
     )
   bad = [a for a in axes if not -ndim <= a < ndim]
   if bad:
     raise ValueError(
-        f'dmuon: param {path!r} with shape {shape} (ndim={ndim}) has'
-        f' {what}={value!r}; axes {bad} are out of range [-{ndim}, {ndim}).'
-        ' Fix its MuonDimensionNumbers.'
+      f'dmuon: param {path!r} with shape {shape} (ndim={ndim}) has'
+      f' {what}={value!r}; axes {bad} are out of range [-{ndim}, {ndim}).'
+      ' Fix its MuonDimensionNumbers.'
     )
   axes = tuple(int(a) % ndim for a in axes)
   if len(set(axes)) != len(axes):
     raise ValueError(
-        f'dmuon: param {path!r} with shape {shape} has {what}={value!r},'
-        ' which repeats an axis. List each axis once in its'
-        ' MuonDimensionNumbers.'
+      f'dmuon: param {path!r} with shape {shape} has {what}={value!r},'
+      ' which repeats an axis. List each axis once in its'
+      ' MuonDimensionNumbers.'
     )
   return axes
 
 
 def _make_leaf_spec(
-    leaf_index: int, path: str, leaf: Any, dims: MuonDimensionNumbers | None
+  leaf_index: int, path: str, leaf: Any, dims: MuonDimensionNumbers | None
 ) -> LeafSpec:
   """Validates a Muon-target leaf and describes its matrices."""
   shape = tuple(int(d) for d in np.shape(leaf))
@@ -690,48 +706,48 @@ def _make_leaf_spec(
   shown = path or '<root>'
   if ndim < 2:
     raise ValueError(
-        f'dmuon: param {shown!r} has shape {shape} (ndim={ndim}) but was'
-        ' selected as a Muon target, which needs a matrix (ndim >= 2).'
-        f' {_HINT_ADAMW}'
+      f'dmuon: param {shown!r} has shape {shape} (ndim={ndim}) but was'
+      ' selected as a Muon target, which needs a matrix (ndim >= 2).'
+      f' {_HINT_ADAMW}'
     )
   dtype = getattr(leaf, 'dtype', None)
   dtype = np.dtype(np.result_type(leaf) if dtype is None else dtype)
   if not jax.dtypes.issubdtype(dtype, np.floating):
     raise ValueError(
-        f'dmuon: param {shown!r} has dtype {dtype.name} but was selected as a'
-        ' Muon target, which needs a real floating-point dtype (float32,'
-        f' bfloat16, ...). {_HINT_ADAMW}'
+      f'dmuon: param {shown!r} has dtype {dtype.name} but was selected as a'
+      ' Muon target, which needs a real floating-point dtype (float32,'
+      f' bfloat16, ...). {_HINT_ADAMW}'
     )
   if dims is None:
     dims = MuonDimensionNumbers(reduction_axis=ndim - 2, output_axis=ndim - 1)
   reduction = _normalize_axes(
-      dims.reduction_axis, ndim, 'reduction_axis', shown, shape
+    dims.reduction_axis, ndim, 'reduction_axis', shown, shape
   )
   output = _normalize_axes(dims.output_axis, ndim, 'output_axis', shown, shape)
   overlap = sorted(set(reduction) & set(output))
   if overlap:
     raise ValueError(
-        f'dmuon: param {shown!r} with shape {shape} has overlapping dimension'
-        f' numbers {dims}: axes {overlap} are both reduction and output axes'
-        ' (after normalizing negative axes). Make them disjoint.'
+      f'dmuon: param {shown!r} with shape {shape} has overlapping dimension'
+      f' numbers {dims}: axes {overlap} are both reduction and output axes'
+      ' (after normalizing negative axes). Make them disjoint.'
     )
   batch = tuple(sorted(set(range(ndim)) - set(reduction) - set(output)))
   return LeafSpec(
-      leaf_index=leaf_index,
-      path=path,
-      shape=shape,
-      dtype=dtype.name,
-      batch_axes=batch,
-      reduction_axes=reduction,
-      output_axes=output,
+    leaf_index=leaf_index,
+    path=path,
+    shape=shape,
+    dtype=dtype.name,
+    batch_axes=batch,
+    reduction_axes=reduction,
+    output_axes=output,
   )
 
 
 def muon_target_specs(
-    params: Any,
-    *,
-    predicate: Predicate | None = None,
-    weight_dimension_numbers: WeightDimNums = None,
+  params: Any,
+  *,
+  predicate: Predicate | None = None,
+  weight_dimension_numbers: WeightDimNums = None,
 ) -> list[LeafSpec | None]:
   """Routes every leaf to Muon (a :class:`LeafSpec`) or not (None).
 
@@ -772,7 +788,7 @@ def muon_target_specs(
     path = normalize_path(key_path)
     if predicate is not None:
       target = bool(predicate(path, leaf)) and (
-          weight_dimension_numbers is None or dims is not None
+        weight_dimension_numbers is None or dims is not None
       )
     elif weight_dimension_numbers is not None:
       target = dims is not None
@@ -816,7 +832,7 @@ def layer_key(path: str, batch_index: tuple[int, ...] = ()) -> str:
 
 
 def mesh_axes(
-    mesh: Any, axis_names: Any = None
+  mesh: Any, axis_names: Any = None
 ) -> tuple[tuple[str, ...], tuple[int, ...]]:
   """Owner axes (in mesh order) and their sizes."""
   if mesh is None:
@@ -830,14 +846,13 @@ def mesh_axes(
     order = tuple(mesh.axis_names)
   else:
     raise TypeError(
-        f'dmuon: mesh must be None, a jax.sharding.Mesh or AbstractMesh, or a'
-        f' mapping {{axis_name: size}}; got {type(mesh).__name__}.'
+      f'dmuon: mesh must be None, a jax.sharding.Mesh or AbstractMesh, or a'
+      f' mapping {{axis_name: size}}; got {type(mesh).__name__}.'
     )
   for name, size in sizes.items():
     if not isinstance(size, (int, np.integer)) or size < 1:
       raise ValueError(
-          f'dmuon: mesh axis {name!r} has size {size!r}; expected a positive'
-          ' int.'
+        f'dmuon: mesh axis {name!r} has size {size!r}; expected a positive int.'
       )
   if axis_names is None:
     chosen = order
@@ -846,9 +861,9 @@ def mesh_axes(
     missing = [n for n in names if n not in sizes]
     if missing:
       raise ValueError(
-          f'dmuon: axis_names {names} includes {missing}, which are not axes'
-          f' of the mesh; the mesh has axes {order}. Pass a subset of them,'
-          ' or None for all.'
+        f'dmuon: axis_names {names} includes {missing}, which are not axes'
+        f' of the mesh; the mesh has axes {order}. Pass a subset of them,'
+        ' or None for all.'
       )
     if len(set(names)) != len(names):
       raise ValueError(f'dmuon: axis_names {names} repeats an axis.')
@@ -874,24 +889,33 @@ def check_devices(params: Any, mesh: Any) -> None:
     return
   mesh_ids = {d.id for d in mesh.devices.flat}
   for keys, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-    if (not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer)
-        or not getattr(x, 'committed', True)):
+    if (
+      not isinstance(x, jax.Array)
+      or isinstance(x, jax.core.Tracer)
+      or not getattr(x, 'committed', True)
+    ):
       continue
     ids = sorted(d.id for d in x.sharding.device_set)
     if not set(ids) <= mesh_ids or (
-        len(ids) == 1 < len(mesh_ids)
-        and not isinstance(x.sharding, jax.sharding.NamedSharding)):
+      len(ids) == 1 < len(mesh_ids)
+      and not isinstance(x.sharding, jax.sharding.NamedSharding)
+    ):
       raise ValueError(
-          f'dmuon: param {normalize_path(keys)!r} is placed on devices '
-          f'{ids}, but the mesh it was given has devices '
-          f'{sorted(mesh_ids)} (axes {dict(mesh.shape)}). Place the params '
-          'on that mesh (jax.device_put(params, NamedSharding(mesh, spec))) '
-          'or pass the mesh they live on as mesh=.')
+        f'dmuon: param {normalize_path(keys)!r} is placed on devices '
+        f'{ids}, but the mesh it was given has devices '
+        f'{sorted(mesh_ids)} (axes {dict(mesh.shape)}). Place the params '
+        'on that mesh (jax.device_put(params, NamedSharding(mesh, spec))) '
+        'or pass the mesh they live on as mesh=.'
+      )
 
 
-def check_same_tree(tree: Any, reference: Any, what: str,
-                    is_leaf: Callable[[Any], bool] | None = None,
-                    made_by: str = 'init()') -> None:
+def check_same_tree(
+  tree: Any,
+  reference: Any,
+  what: str,
+  is_leaf: Callable[[Any], bool] | None = None,
+  made_by: str = 'init()',
+) -> None:
   """Raises if ``tree`` and ``reference`` differ in their leaf paths.
 
   Args:
@@ -906,21 +930,31 @@ def check_same_tree(tree: Any, reference: Any, what: str,
   Raises:
     ValueError: listing the paths only in one of the two trees.
   """
-  got = [normalize_path(k)
-         for k, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-  want = [normalize_path(k) for k, _ in jax.tree_util.tree_flatten_with_path(
-      reference, is_leaf=is_leaf)[0]]
+  got = [
+    normalize_path(k) for k, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+  ]
+  want = [
+    normalize_path(k)
+    for k, _ in jax.tree_util.tree_flatten_with_path(
+      reference, is_leaf=is_leaf
+    )[0]
+  ]
   if got == want:
     return
   extra = sorted(set(got) - set(want))
   missing = sorted(set(want) - set(got))
-  diff = '; '.join(
+  diff = (
+    '; '.join(
       [f'params {missing} are missing'] * bool(missing)
-      + [f'params {extra} are new'] * bool(extra)) or 'the leaves are reordered'
+      + [f'params {extra} are new'] * bool(extra)
+    )
+    or 'the leaves are reordered'
+  )
   raise ValueError(
-      f'dmuon: the tree given to {what} does not match the one given to '
-      f'{made_by}: {diff}. Call {made_by} again on the new params (a changed '
-      'model needs a new optimizer state).')
+    f'dmuon: the tree given to {what} does not match the one given to '
+    f'{made_by}: {diff}. Call {made_by} again on the new params (a changed '
+    'model needs a new optimizer state).'
+  )
 
 
 # Upper bound on partner checks in the layer-spreading repair pass, so that
@@ -979,11 +1013,11 @@ def _assign(units: Sequence[MatrixUnit], num_slots: int) -> list[int]:
 
 
 def _spread_layers(
-    units: Sequence[MatrixUnit],
-    owners: list[int],
-    loads: np.ndarray,
-    counts: dict[str, np.ndarray],
-    cap: dict[str, int],
+  units: Sequence[MatrixUnit],
+  owners: list[int],
+  loads: np.ndarray,
+  counts: dict[str, np.ndarray],
+  cap: dict[str, int],
 ) -> None:
   """Moves or swaps units, in place, to bring layers under their caps.
 
@@ -1026,12 +1060,12 @@ def _spread_layers(
             budget -= 1
             other = units[j]
             if other.layer == layer or (
-                counts[other.layer][s] >= cap[other.layer]
+              counts[other.layer][s] >= cap[other.layer]
             ):
               continue
             delta = other.cost - unit.cost
             if delta == 0 or (
-                loads[s] + delta <= makespan and loads[t] - delta <= makespan
+              loads[s] + delta <= makespan and loads[t] - delta <= makespan
             ):
               partner = j
               break
@@ -1047,14 +1081,14 @@ def _spread_layers(
 
 
 def _move(
-    i: int,
-    src: int,
-    dst: int,
-    units: Sequence[MatrixUnit],
-    owners: list[int],
-    loads: np.ndarray,
-    counts: dict[str, np.ndarray],
-    on_slot: list[list[int]],
+  i: int,
+  src: int,
+  dst: int,
+  units: Sequence[MatrixUnit],
+  owners: list[int],
+  loads: np.ndarray,
+  counts: dict[str, np.ndarray],
+  on_slot: list[list[int]],
 ) -> None:
   unit = units[i]
   owners[i] = dst
@@ -1067,15 +1101,15 @@ def _move(
 
 
 def plan_ownership(
-    params: Any,
-    mesh: Any = None,
-    *,
-    axis_names: str | Sequence[str] | None = None,
-    predicate: Predicate | None = None,
-    weight_dimension_numbers: WeightDimNums = None,
-    ns_steps: int = 5,
-    cost_fn: CostFn | None = None,
-    ns_algorithm: str = 'auto',
+  params: Any,
+  mesh: Any = None,
+  *,
+  axis_names: str | Sequence[str] | None = None,
+  predicate: Predicate | None = None,
+  weight_dimension_numbers: WeightDimNums = None,
+  ns_steps: int = 5,
+  cost_fn: CostFn | None = None,
+  ns_algorithm: str = 'auto',
 ) -> OwnershipPlan:
   """Assigns every Muon matrix of ``params`` to exactly one owner slot.
 
@@ -1113,21 +1147,39 @@ def plan_ownership(
   Raises:
     ValueError: for invalid targets (see :func:`muon_target_specs`), unknown
       ``axis_names`` or a negative or non-finite cost.
+
+  Example (shapes only; a mapping stands in for the mesh):
+
+    >>> import jax, jax.numpy as jnp, dmuon_jax
+    >>> params = {
+    ...     'up': jax.ShapeDtypeStruct((64, 256), jnp.float32),
+    ...     'down': jax.ShapeDtypeStruct((256, 64), jnp.float32),
+    ...     'wide': jax.ShapeDtypeStruct((512, 512), jnp.float32),
+    ...     'bias': jax.ShapeDtypeStruct((64,), jnp.float32)}
+    >>> plan = dmuon_jax.plan_ownership(params, {'data': 2})
+    >>> [unit.path for unit in plan.units]  # the bias goes to AdamW
+    ['down', 'up', 'wide']
+    >>> plan.owners  # LPT: the big matrix alone, the two small ones together
+    (1, 1, 0)
+    >>> plan.makespan == max(plan.slot_costs()) == plan.units[2].cost
+    True
   """
   if (
-      not isinstance(ns_steps, (int, np.integer))
-      or isinstance(ns_steps, bool)
-      or ns_steps < 1
+    not isinstance(ns_steps, (int, np.integer))
+    or isinstance(ns_steps, bool)
+    or ns_steps < 1
   ):
     raise ValueError(f'dmuon: {ns_steps=} must be a positive int.')
   if ns_algorithm not in _NS_ALGORITHMS:
-    raise ValueError(f'dmuon: ns_algorithm={ns_algorithm!r} is not one of '
-                     f'{_NS_ALGORITHMS}.')
+    raise ValueError(
+      f'dmuon: ns_algorithm={ns_algorithm!r} is not one of {_NS_ALGORITHMS}.'
+    )
   names, sizes = mesh_axes(mesh, axis_names)
   check_devices(params, mesh)
   all_specs = muon_target_specs(
-      params, predicate=predicate,
-      weight_dimension_numbers=weight_dimension_numbers,
+    params,
+    predicate=predicate,
+    weight_dimension_numbers=weight_dimension_numbers,
   )
   leaves = tuple(s for s in all_specs if s is not None)
   units = []
@@ -1139,31 +1191,31 @@ def plan_ownership(
       cost = float(cost_fn(fan_in, fan_out))
       if not math.isfinite(cost) or cost < 0:
         raise ValueError(
-            f'dmuon: cost_fn({fan_in}, {fan_out}) returned {cost} for param'
-            f' {spec.path!r}; expected a finite, non-negative float.'
+          f'dmuon: cost_fn({fan_in}, {fan_out}) returned {cost} for param'
+          f' {spec.path!r}; expected a finite, non-negative float.'
         )
     nbytes = fan_in * fan_out * jnp.dtype(spec.dtype).itemsize
     for batch_index in np.ndindex(*spec.batch_shape):
       batch_index = tuple(int(i) for i in batch_index)
       units.append(
-          MatrixUnit(
-              leaf_index=spec.leaf_index,
-              path=spec.path,
-              batch_index=batch_index,
-              shape=(fan_in, fan_out),
-              layer=layer_key(spec.path, batch_index),
-              cost=cost,
-              nbytes=int(nbytes),
-          )
+        MatrixUnit(
+          leaf_index=spec.leaf_index,
+          path=spec.path,
+          batch_index=batch_index,
+          shape=(fan_in, fan_out),
+          layer=layer_key(spec.path, batch_index),
+          cost=cost,
+          nbytes=int(nbytes),
+        )
       )
   owners = _assign(units, math.prod(sizes))
   return OwnershipPlan(
-      axis_names=names,
-      mesh_shape=sizes,
-      num_leaves=len(all_specs),
-      leaves=leaves,
-      units=tuple(units),
-      owners=tuple(owners),
+    axis_names=names,
+    mesh_shape=sizes,
+    num_leaves=len(all_specs),
+    leaves=leaves,
+    units=tuple(units),
+    owners=tuple(owners),
   )
 
 
@@ -1207,23 +1259,28 @@ def _balance_work(planned, n: int, max_rounds: int = 10_000) -> None:
     owners[:] = [b if s == a else a if s == b else s for s in owners]
 
 
-def _plan_slot(plan: OwnershipPlan, buffer_axes: Sequence[str],
-               slot: int) -> int:
+def _plan_slot(
+  plan: OwnershipPlan, buffer_axes: Sequence[str], slot: int
+) -> int:
   """The plan's (mesh-order) slot of a slot in ``buffer_axes`` order."""
   if not plan.axis_names:
     return 0
   sizes = dict(zip(plan.axis_names, plan.mesh_shape))
-  coords = dict(zip(buffer_axes, np.unravel_index(
-      slot, [sizes[a] for a in buffer_axes])))
-  return int(np.ravel_multi_index(
-      [int(coords[a]) for a in plan.axis_names], plan.mesh_shape))
+  coords = dict(
+    zip(buffer_axes, np.unravel_index(slot, [sizes[a] for a in buffer_axes]))
+  )
+  return int(
+    np.ravel_multi_index(
+      [int(coords[a]) for a in plan.axis_names], plan.mesh_shape
+    )
+  )
 
 
 def plan_gather_groups(
-    plan: OwnershipPlan,
-    groups: Sequence[tuple[str, bool, Sequence[LeafSpec]]],
-    layers_per_gather: int,
-    buffer_axes: Sequence[str],
+  plan: OwnershipPlan,
+  groups: Sequence[tuple[str, bool, Sequence[LeafSpec]]],
+  layers_per_gather: int,
+  buffer_axes: Sequence[str],
 ) -> tuple[OwnershipPlan, tuple[OwnershipPlan, ...], tuple[int, ...]]:
   """Owners for dedicated mode: matrices gathered per group of boundaries.
 
@@ -1256,8 +1313,9 @@ def plan_gather_groups(
   sizes = dict(zip(plan.axis_names, plan.mesh_shape))
   buffer_axes = tuple(buffer_axes)
   n = plan.num_slots
-  unit_ids = {(u.leaf_index, u.batch_index): i
-              for i, u in enumerate(plan.units)}
+  unit_ids = {
+    (u.leaf_index, u.batch_index): i for i, u in enumerate(plan.units)
+  }
   work = np.zeros(n)
   planned = []  # per group: (specs, iterations, base units, base owners)
   for name, scanned, specs in groups:
@@ -1265,27 +1323,33 @@ def plan_gather_groups(
     iters = 0
     if scanned:
       length = specs[0].shape[0]
-      bad = [s.path for s in specs
-             if 0 not in s.batch_axes or s.shape[0] != length]
+      bad = [
+        s.path for s in specs if 0 not in s.batch_axes or s.shape[0] != length
+      ]
       if bad:
         raise ValueError(
-            f'dmuon: scanned stack {name!r} needs every Muon target to have '
-            f'the same leading layer axis (a batch axis of its dimension '
-            f'numbers) of size {length}; these do not: {bad}.')
+          f'dmuon: scanned stack {name!r} needs every Muon target to have '
+          f'the same leading layer axis (a batch axis of its dimension '
+          f'numbers) of size {length}; these do not: {bad}.'
+        )
       if length % k:
         raise ValueError(
-            f'dmuon: layers_per_gather={k} does not divide the {length} '
-            f'layers of scanned stack {name!r}.')
+          f'dmuon: layers_per_gather={k} does not divide the {length} '
+          f'layers of scanned stack {name!r}.'
+        )
       iters = length // k
-      specs = [dataclasses.replace(s, shape=(k,) + s.shape[1:])
-               for s in specs]
+      specs = [dataclasses.replace(s, shape=(k,) + s.shape[1:]) for s in specs]
     in_group = {s.leaf_index for s in specs}
-    base = [u for u in plan.units if u.leaf_index in in_group
-            and (not iters or u.batch_index[0] < k)]
+    base = [
+      u
+      for u in plan.units
+      if u.leaf_index in in_group and (not iters or u.batch_index[0] < k)
+    ]
     held = np.zeros(n)
     base_owner = [0] * len(base)
-    for i in sorted(range(len(base)),
-                    key=lambda i: (-base[i].nbytes, -base[i].cost, i)):
+    for i in sorted(
+      range(len(base)), key=lambda i: (-base[i].nbytes, -base[i].cost, i)
+    ):
       slot = min(range(n), key=lambda s: (held[s], work[s], s))
       held[slot] += base[i].nbytes
       base_owner[i] = slot
@@ -1302,11 +1366,21 @@ def plan_gather_groups(
         if iters:
           index = (t * k + index[0],) + index[1:]
         owners[unit_ids[(u.leaf_index, index)]] = _plan_slot(
-            plan, buffer_axes, (slot + t) % n)
-    group_plans.append(dataclasses.replace(
-        plan, axis_names=buffer_axes,
+          plan, buffer_axes, (slot + t) % n
+        )
+    group_plans.append(
+      dataclasses.replace(
+        plan,
+        axis_names=buffer_axes,
         mesh_shape=tuple(sizes[a] for a in buffer_axes),
-        leaves=tuple(specs), units=tuple(base), owners=tuple(base_owner)))
+        leaves=tuple(specs),
+        units=tuple(base),
+        owners=tuple(base_owner),
+      )
+    )
     iterations.append(iters)
-  return (dataclasses.replace(plan, owners=tuple(owners)),
-          tuple(group_plans), tuple(iterations))
+  return (
+    dataclasses.replace(plan, owners=tuple(owners)),
+    tuple(group_plans),
+    tuple(iterations),
+  )

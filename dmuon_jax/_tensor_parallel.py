@@ -18,15 +18,15 @@ from dmuon_jax import _newton_schulz
 
 
 def orthogonalize_via_gram_newton_schulz_tp(
-    x: jax.Array,
-    ns_coeffs: _newton_schulz.NSCoeffsLike = 'jordan',
-    ns_steps: int | None = None,
-    *,
-    axis_name: str,
-    split_axis: Literal[-1, -2] = -1,
-    restart_iterations: tuple[int, ...] | None = None,
-    eps: jax.typing.ArrayLike = 1e-8,
-    compute_dtype: jax.typing.DTypeLike | None = None,
+  x: jax.Array,
+  ns_coeffs: _newton_schulz.NSCoeffsLike = 'jordan',
+  ns_steps: int | None = None,
+  *,
+  axis_name: str,
+  split_axis: Literal[-1, -2] = -1,
+  restart_iterations: tuple[int, ...] | None = None,
+  eps: jax.typing.ArrayLike = 1e-8,
+  compute_dtype: jax.typing.DTypeLike | None = None,
 ) -> jax.Array:
   r"""Gram Newton–Schulz of a TP-sharded matrix, inside ``shard_map``.
 
@@ -94,16 +94,19 @@ def orthogonalize_via_gram_newton_schulz_tp(
     True
   """
   if split_axis not in (-1, -2):
-    raise ValueError(f'dmuon: split_axis={split_axis!r} must be -1 (columns '
-                     'split) or -2 (rows split).')
+    raise ValueError(
+      f'dmuon: split_axis={split_axis!r} must be -1 (columns '
+      'split) or -2 (rows split).'
+    )
   rows = _newton_schulz.resolve_ns_coeffs(ns_coeffs, ns_steps)
   try:
     tp = jax.lax.axis_size(axis_name)
   except NameError as e:
     raise ValueError(
-        f'dmuon: axis_name={axis_name!r} is not bound here: call '
-        'orthogonalize_via_gram_newton_schulz_tp inside jax.shard_map over a '
-        'mesh with that axis (the matrix split over it).') from e
+      f'dmuon: axis_name={axis_name!r} is not bound here: call '
+      'orthogonalize_via_gram_newton_schulz_tp inside jax.shard_map over a '
+      'mesh with that axis (the matrix split over it).'
+    ) from e
   x = jnp.asarray(x)
   compute_dtype = jnp.dtype(compute_dtype or x.dtype)
   norm_dtype = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
@@ -111,14 +114,18 @@ def orthogonalize_via_gram_newton_schulz_tp(
   x0 = x.astype(norm_dtype)
   if split_axis == -2:
     x0 = t(x0)  # the split dimension last: Gram over the unsplit one
-  if (restart_iterations is None and len(rows) >= 4
-      and x0.shape[-2] > x0.shape[-1] * tp):
+  if (
+    restart_iterations is None
+    and len(rows) >= 4
+    and x0.shape[-2] > x0.shape[-1] * tp
+  ):
     # A Gram over the long side has a large null space whose rounding the
     # iteration amplifies (seen: 1.6e-5 against direct NS with one restart
     # on 32 x 128, 3.7e-6 with two); restart twice.
     restart_iterations = (1, 3)
   restarts = _newton_schulz.check_restart_iterations(
-      restart_iterations, len(rows))
+    restart_iterations, len(rows)
+  )
   gram = jax.lax.psum(x0 @ t(x0), axis_name)
   norm_sq = jnp.trace(gram, axis1=-2, axis2=-1)[..., None, None]
   norm = jnp.sqrt(jnp.maximum(norm_sq, 0)) + eps
@@ -126,8 +133,8 @@ def orthogonalize_via_gram_newton_schulz_tp(
   x0 = (x0 * scale).astype(compute_dtype)
   r = (gram * scale**2).astype(compute_dtype)
   out = _newton_schulz.gram_iterate(
-      x0, r, rows, restarts,
-      gram=lambda a: jax.lax.psum(a @ t(a), axis_name))
+    x0, r, rows, restarts, gram=lambda a: jax.lax.psum(a @ t(a), axis_name)
+  )
   if split_axis == -2:
     out = t(out)
   return out.astype(x.dtype)

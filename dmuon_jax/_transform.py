@@ -14,39 +14,49 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from dmuon_jax import _collectives
-from dmuon_jax import _exchange
-from dmuon_jax import _layout
-from dmuon_jax import _owner_layout
-from dmuon_jax import _mesh
-from dmuon_jax import _owner_update
-from dmuon_jax import _planner
+from dmuon_jax import (
+  _collectives,
+  _exchange,
+  _layout,
+  _mesh,
+  _owner_layout,
+  _owner_update,
+  _planner,
+)
 
-NsCoeffs = (str | tuple[float, float, float]
-            | Sequence[tuple[float, float, float]])
-WeightDimNumbers = (optax.contrib.MuonDimensionNumbers | Any
-                    | Callable[[optax.Params], Any] | None)
+NsCoeffs = (
+  str | tuple[float, float, float] | Sequence[tuple[float, float, float]]
+)
+WeightDimNumbers = (
+  optax.contrib.MuonDimensionNumbers
+  | Any
+  | Callable[[optax.Params], Any]
+  | None
+)
 
 TREE_MISMATCH_MSG = (
-    'dmuon: the tree given to update() does not match the one given to '
-    'init(): {detail}. Call init() again on the new params (a changed model '
-    'needs a new optimizer state).')
+  'dmuon: the tree given to update() does not match the one given to '
+  'init(): {detail}. Call init() again on the new params (a changed model '
+  'needs a new optimizer state).'
+)
 
 UNKNOWN_SPECS_MSG = (
-    'dmuon: the optimizer state {name} was made without knowing how '
-    '{count} Muon param(s) are sharded ({paths}): init saw tracers or '
-    'abstract values on a mesh with Auto axes, which carry no sharding. The '
-    'update treats them as replicated, so if they are sharded (FSDP), their '
-    'gradients are all-gathered whole instead of sent to the owners by '
-    'all-to-all. Call init on placed arrays (not under jax.jit), pass '
-    'param_specs= (e.g. jax.tree.map(lambda x: x.sharding, params)), or use '
-    'a mesh with Explicit axes.')
+  'dmuon: the optimizer state {name} was made without knowing how '
+  '{count} Muon param(s) are sharded ({paths}): init saw tracers or '
+  'abstract values on a mesh with Auto axes, which carry no sharding. The '
+  'update treats them as replicated, so if they are sharded (FSDP), their '
+  'gradients are all-gathered whole instead of sent to the owners by '
+  'all-to-all. Call init on placed arrays (not under jax.jit), pass '
+  'param_specs= (e.g. jax.tree.map(lambda x: x.sharding, params)), or use '
+  'a mesh with Explicit axes.'
+)
 
 GATHERED_MSG = (
-    'dmuon: Muon param(s) {paths} are sharded along a stack (batch) axis of '
-    'their dimension numbers; the update gathers them whole before '
-    'Newton-Schulz (one all-gather of each). Shard a matrix dimension '
-    'instead (rows or columns) to send them to their owners by all-to-all.')
+  'dmuon: Muon param(s) {paths} are sharded along a stack (batch) axis of '
+  'their dimension numbers; the update gathers them whole before '
+  'Newton-Schulz (one all-gather of each). Shard a matrix dimension '
+  'instead (rows or columns) to send them to their owners by all-to-all.'
+)
 
 # Layout names (and messages) already warned about in this process.
 _WARNED: set[tuple[str, str]] = set()
@@ -64,6 +74,7 @@ def warn_once(key: tuple[str, str], message: str) -> None:
 
 class ScaleByDMuonState(NamedTuple):
   """State for :func:`dmuon_jax.scale_by_dmuon`."""
+
   count: jax.Array  # shape=(), dtype=int32
   # The Muon momentum in owner buffers; their layout (owner plan, buffer
   # order, TP split, the params' shardings) is the buffers' static metadata.
@@ -73,6 +84,7 @@ class ScaleByDMuonState(NamedTuple):
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Setup:
   """What ``scale_by_dmuon``'s arguments fix (validated at the call)."""
+
   cfg: _owner_update.OwnerConfig
   mesh: Any
   axis_names: Any
@@ -84,19 +96,22 @@ class _Setup:
 
 def _mesh_argument(mesh: Any) -> Any:
   """Checks ``mesh`` (a Mesh, AbstractMesh or None)."""
-  if mesh is None or isinstance(mesh, (jax.sharding.Mesh,
-                                       jax.sharding.AbstractMesh)):
+  if mesh is None or isinstance(
+    mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)
+  ):
     return mesh
   if callable(mesh) and any(
-      isinstance(getattr(c, 'cell_contents', None), jax.sharding.Mesh)
-      for c in getattr(mesh, '__closure__', None) or ()):
+    isinstance(getattr(c, 'cell_contents', None), jax.sharding.Mesh)
+    for c in getattr(mesh, '__closure__', None) or ()
+  ):
     raise TypeError(
-        'dmuon: mesh is a function wrapping a jax.sharding.Mesh: '
-        'optax.inject_hyperparams treats every callable argument as a '
-        'schedule, and a Mesh is callable (it is a context decorator), so it '
-        "was called with the step count. Pass static_args=('mesh',) to "
-        'inject_hyperparams, or leave mesh out: dmuon then uses the mesh of '
-        'jax.set_mesh(...) or the mesh the params are placed on.')
+      'dmuon: mesh is a function wrapping a jax.sharding.Mesh: '
+      'optax.inject_hyperparams treats every callable argument as a '
+      'schedule, and a Mesh is callable (it is a context decorator), so it '
+      "was called with the step count. Pass static_args=('mesh',) to "
+      'inject_hyperparams, or leave mesh out: dmuon then uses the mesh of '
+      'jax.set_mesh(...) or the mesh the params are placed on.'
+    )
   _planner.mesh_axes(mesh)  # Raises a TypeError naming what it got.
   return mesh
 
@@ -105,19 +120,20 @@ def param_specs_by_path(param_specs: Any) -> dict[str, P] | None:
   """A tree of PartitionSpecs / shardings / None as ``{path: spec}``."""
   if param_specs is None:
     return None
-  is_spec = lambda x: x is None or isinstance(
-      x, (P, jax.sharding.Sharding))
+  is_spec = lambda x: x is None or isinstance(x, (P, jax.sharding.Sharding))
   out = {}
   for keys, x in jax.tree_util.tree_flatten_with_path(
-      param_specs, is_leaf=is_spec)[0]:
+    param_specs, is_leaf=is_spec
+  )[0]:
     if isinstance(x, jax.sharding.NamedSharding):
       x = x.spec
     elif isinstance(x, jax.sharding.Sharding):
       x = P()
     elif x is not None and not isinstance(x, P):
       raise TypeError(
-          f'dmuon: param_specs has {x!r} at {_planner.normalize_path(keys)!r}'
-          '; expected a PartitionSpec, a NamedSharding or None.')
+        f'dmuon: param_specs has {x!r} at {_planner.normalize_path(keys)!r}'
+        '; expected a PartitionSpec, a NamedSharding or None.'
+      )
     out[_planner.normalize_path(keys)] = x
   return out
 
@@ -127,12 +143,15 @@ def _flat_params(params: Any):
   ``nnx.Variable``\\ s; ``spec`` None where unknown)."""
   with_path = jax.tree_util.tree_flatten_with_path(params)[0]
   holders = jax.tree_util.tree_flatten(params, is_leaf=_mesh.is_variable)[0]
-  holders = [h for h in holders
-             if not _mesh.is_variable(h) or jax.tree.leaves(h)]
+  holders = [
+    h for h in holders if not _mesh.is_variable(h) or jax.tree.leaves(h)
+  ]
   if len(holders) != len(with_path):
     holders = [x for _, x in with_path]  # a Variable holding several arrays
-  return [(_planner.normalize_path(k), x, _mesh.leaf_spec(h))
-          for (k, x), h in zip(with_path, holders)]
+  return [
+    (_planner.normalize_path(k), x, _mesh.leaf_spec(h))
+    for (k, x), h in zip(with_path, holders)
+  ]
 
 
 def _allowed_axes(info) -> dict[str, int]:
@@ -167,13 +186,15 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
   sizes = info.sizes if info is not None else {}
   allowed = _allowed_axes(info)
   targets = _planner.muon_target_specs(
-      params, predicate=lambda path, leaf: True,
-      weight_dimension_numbers=setup.weight_dimension_numbers)
+    params,
+    predicate=lambda path, leaf: True,
+    weight_dimension_numbers=setup.weight_dimension_numbers,
+  )
   given = setup.param_specs or {}
   tp_axis = info.tp_axis if info is not None else None
   tp_size = info.tp_size if info is not None else 1
   entries, splits, dims, local = [], [], [], []
-  for (path, x, spec), leaf in zip(flat, targets):
+  for (path, _, spec), leaf in zip(flat, targets):
     if path in given:
       spec = given[path]
     if info is None or info.num_slots * tp_size == 1:
@@ -190,35 +211,50 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
     shape = tuple(leaf.shape)
     if tp_axis is not None:
       _, split, dim, shape = _mesh.split_tensor_parallel(
-          leaf, e, tp_axis, tp_size)
+        leaf, e, tp_axis, tp_size
+      )
     entries.append(e)
     splits.append(split)
     dims.append(dim)
     local.append(shape)
   leaves, treedef = jax.tree.flatten(params)
-  planned = jax.tree.unflatten(treedef, [
-      jax.ShapeDtypeStruct(shape, x.dtype) for x, shape in zip(leaves, local)])
-  owner_mesh = None if info is None else {
-      a: sizes[a] for a in info.owner_axes}
+  planned = jax.tree.unflatten(
+    treedef,
+    [jax.ShapeDtypeStruct(shape, x.dtype) for x, shape in zip(leaves, local)],
+  )
+  owner_mesh = None if info is None else {a: sizes[a] for a in info.owner_axes}
   plan = _planner.plan_ownership(
-      planned, owner_mesh, predicate=lambda path, leaf: True,
-      weight_dimension_numbers=setup.weight_dimension_numbers,
-      ns_steps=len(setup.cfg.coeffs), ns_algorithm=setup.cfg.ns_algorithm)
+    planned,
+    owner_mesh,
+    predicate=lambda path, leaf: True,
+    weight_dimension_numbers=setup.weight_dimension_numbers,
+    ns_steps=len(setup.cfg.coeffs),
+    ns_algorithm=setup.cfg.ns_algorithm,
+  )
   cfg = setup.cfg
   dtypes = [cfg.mu_dtype or leaves[s.leaf_index].dtype for s in plan.leaves]
   distributed = plan.num_slots * tp_size > 1
   layout = _owner_layout.OwnerLayout(
-      groups=(_layout.Layout(plan, dtypes, splits),), iterations=(0,),
-      buffer_axes=plan.axis_names, buffer_sizes=plan.mesh_shape,
-      tp_axis=tp_axis if tp_size > 1 else None, tp_size=tp_size,
-      mesh=info.abstract if distributed else None,
-      leaves=tuple(
-          _owner_layout.TargetLeaf(index=i, path=flat[i][0],
-                             shape=tuple(leaves[i].shape),
-                             dtype=jnp.dtype(leaves[i].dtype).name, group=0,
-                             tp_dim=dims[i])
-          for i in range(len(leaves))),
-      param_entries=tuple(entries))
+    groups=(_layout.Layout(plan, dtypes, splits),),
+    iterations=(0,),
+    buffer_axes=plan.axis_names,
+    buffer_sizes=plan.mesh_shape,
+    tp_axis=tp_axis if tp_size > 1 else None,
+    tp_size=tp_size,
+    mesh=info.abstract if distributed else None,
+    leaves=tuple(
+      _owner_layout.TargetLeaf(
+        index=i,
+        path=flat[i][0],
+        shape=tuple(leaves[i].shape),
+        dtype=jnp.dtype(leaves[i].dtype).name,
+        group=0,
+        tp_dim=dims[i],
+      )
+      for i in range(len(leaves))
+    ),
+    param_entries=tuple(entries),
+  )
   buffers = []
   for shape, spec in zip(layout.buffer_shapes(), layout.buffer_specs()):
     zeros = jnp.zeros(shape.shape, shape.dtype)
@@ -226,16 +262,17 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
   count = jnp.zeros([], jnp.int32)
   if distributed:  # replicated on the mesh, eagerly as under jit
     count = _mesh.place(count, mesh, P())
-  return ScaleByDMuonState(count=count,
-                           mu=_owner_layout.OwnerBuffers(buffers, layout))
+  return ScaleByDMuonState(
+    count=count, mu=_owner_layout.OwnerBuffers(buffers, layout)
+  )
 
 
-def check_state_tree(layout: _owner_layout.OwnerLayout, updates: Any,
-                     what: str = 'update()') -> list[jax.Array]:
+def check_state_tree(
+  layout: _owner_layout.OwnerLayout, updates: Any, what: str = 'update()'
+) -> list[jax.Array]:
   """The target leaves of ``updates``; raises unless they fit ``layout``."""
   with_path = jax.tree_util.tree_flatten_with_path(updates)[0]
-  got = [(_planner.normalize_path(k), tuple(np.shape(x)))
-         for k, x in with_path]
+  got = [(_planner.normalize_path(k), tuple(np.shape(x))) for k, x in with_path]
   want = [(t.path, t.shape) for t in layout.leaves]
   if got != want:
     got_paths = [p for p, _ in got]
@@ -244,41 +281,54 @@ def check_state_tree(layout: _owner_layout.OwnerLayout, updates: Any,
     extra = sorted(set(got_paths) - set(want_paths))
     if missing or extra:
       detail = '; '.join(
-          [f'params {missing} are missing'] * bool(missing)
-          + [f'params {extra} are new'] * bool(extra))
+        [f'params {missing} are missing'] * bool(missing)
+        + [f'params {extra} are new'] * bool(extra)
+      )
     else:
-      shapes = [f'{p!r} has shape {g}, init saw {w}'
-                for (p, g), (_, w) in zip(got, want) if g != w]
+      shapes = [
+        f'{p!r} has shape {g}, init saw {w}'
+        for (p, g), (_, w) in zip(got, want)
+        if g != w
+      ]
       detail = '; '.join(shapes) or 'the leaves are reordered'
-    raise ValueError(TREE_MISMATCH_MSG.format(detail=detail).replace(
-        'update()', what))
+    raise ValueError(
+      TREE_MISMATCH_MSG.format(detail=detail).replace('update()', what)
+    )
   return [x for _, x in with_path]
 
 
-def _check_buffers(layout: _owner_layout.OwnerLayout, mu: Sequence[jax.Array],
-                   local: bool) -> None:
-  want = (layout.local_shapes() if local
-          else tuple(s.shape for s in layout.buffer_shapes()))
+def _check_buffers(
+  layout: _owner_layout.OwnerLayout, mu: Sequence[jax.Array], local: bool
+) -> None:
+  want = (
+    layout.local_shapes()
+    if local
+    else tuple(s.shape for s in layout.buffer_shapes())
+  )
   got = tuple(tuple(np.shape(m)) for m in mu)
   if got == want:
     return
   if local and got == tuple(s.shape for s in layout.buffer_shapes()):
     raise ValueError(
-        'dmuon: inside shard_map the momentum buffers must be split over the '
-        f'owner axes {layout.buffer_axes}: pass the optimizer state with '
-        'in_specs=jax.tree.map(lambda x: x.sharding.spec, opt_state).')
+      'dmuon: inside shard_map the momentum buffers must be split over the '
+      f'owner axes {layout.buffer_axes}: pass the optimizer state with '
+      'in_specs=jax.tree.map(lambda x: x.sharding.spec, opt_state).'
+    )
   raise ValueError(
-      f'dmuon: momentum buffers of shapes {got} do not fit their layout '
-      f'{layout.name} ({want}); the state was changed outside the optimizer.')
+    f'dmuon: momentum buffers of shapes {got} do not fit their layout '
+    f'{layout.name} ({want}); the state was changed outside the optimizer.'
+  )
 
 
-def _update(setup: _Setup, hp: _owner_update.Hyperparams, updates, state,
-            params=None):
+def _update(
+  setup: _Setup, hp: _owner_update.Hyperparams, updates, state, params=None
+):
   del params
   if not isinstance(getattr(state, 'mu', None), _owner_layout.OwnerBuffers):
     raise TypeError(
-        'dmuon: update() takes the state made by this transformation\'s '
-        f'init(); got {type(state).__name__}.')
+      "dmuon: update() takes the state made by this transformation's "
+      f'init(); got {type(state).__name__}.'
+    )
   layout = state.mu.layout
   leaves, treedef = jax.tree.flatten(updates)
   targets = check_state_tree(layout, updates)
@@ -289,15 +339,18 @@ def _update(setup: _Setup, hp: _owner_update.Hyperparams, updates, state,
     _check_buffers(layout, state.mu, local=False)
     lay = layout.groups[0]
     grads = lay.pack_slot(targets, 0)
-    ortho, mu = _owner_update.owner_step(cfg, hp, layout, grads,
-                                         state.mu.buffers, count_inc)
+    ortho, mu = _owner_update.owner_step(
+      cfg, hp, layout, grads, state.mu.buffers, count_inc
+    )
     new = lay.unpack_full(ortho)
   elif set(layout.buffer_axes) & manual:
-    new, mu = _explicit_step(cfg, hp, layout, targets, state.mu.buffers,
-                             count_inc)
+    new, mu = _explicit_step(
+      cfg, hp, layout, targets, state.mu.buffers, count_inc
+    )
   else:
-    new, mu = _drop_in_step(setup, hp, layout, targets, state.mu.buffers,
-                            count_inc)
+    new, mu = _drop_in_step(
+      setup, hp, layout, targets, state.mu.buffers, count_inc
+    )
   new = [x.astype(t.dtype) for x, t in zip(new, targets)]
   mu = tuple(mu)
   if setup.nonfinite == 'skip':
@@ -308,19 +361,23 @@ def _update(setup: _Setup, hp: _owner_update.Hyperparams, updates, state,
   out = list(leaves)
   for t, x in zip(layout.leaves, new):
     out[t.index] = x
-  return (jax.tree.unflatten(treedef, out),
-          ScaleByDMuonState(count=count_inc,
-                            mu=_owner_layout.OwnerBuffers(mu, layout)))
+  return (
+    jax.tree.unflatten(treedef, out),
+    ScaleByDMuonState(
+      count=count_inc, mu=_owner_layout.OwnerBuffers(mu, layout)
+    ),
+  )
 
 
 def _explicit_step(cfg, hp, layout, targets, mus, count_inc):
   """Inside the caller's ``shard_map`` (replicated params, DDP)."""
   if layout.tp_size > 1:
     raise ValueError(
-        'dmuon: update() inside shard_map (the explicit path) does not '
-        f'support the tensor-parallel axis {layout.tp_axis!r}: call '
-        'it under jit on the sharded gradients (drop-in), or use '
-        'dmuon_jax.dedicate.')
+      'dmuon: update() inside shard_map (the explicit path) does not '
+      f'support the tensor-parallel axis {layout.tp_axis!r}: call '
+      'it under jit on the sharded gradients (drop-in), or use '
+      'dmuon_jax.dedicate.'
+    )
   _check_buffers(layout, mus, local=True)
   lay = layout.groups[0]
   axes, sizes = lay.plan.axis_names, lay.plan.mesh_shape
@@ -330,18 +387,23 @@ def _explicit_step(cfg, hp, layout, targets, mus, count_inc):
     # Per-device gradients, reduced straight to the owners (reduce-scatter),
     # results all-gathered: one all-reduce's bytes.
     grads = tuple(
-        _collectives.reduce_scatter_to_owners(b, axes, sizes) / n
-        for b in lay.pack_full(targets))
+      _collectives.reduce_scatter_to_owners(b, axes, sizes) / n
+      for b in lay.pack_full(targets)
+    )
   else:
     # Already reduced (the same on every device): each owner reads its own.
     dtypes = [lay.promoted(targets, g) for g in range(lay.num_groups)]
-    grads = _collectives.switch_by_slot(axes, [
+    grads = _collectives.switch_by_slot(
+      axes,
+      [
         lambda s=s: lay.pack_slot_from(lay.unit_getter(targets), s, dtypes)
-        for s in range(n)])
-  ortho, mu = _owner_update.owner_step(cfg, hp, layout, grads, mus,
-                                       count_inc)
+        for s in range(n)
+      ],
+    )
+  ortho, mu = _owner_update.owner_step(cfg, hp, layout, grads, mus, count_inc)
   new = lay.unpack_full(
-      [_collectives.gather_from_owners(o, axes) for o in ortho])
+    [_collectives.gather_from_owners(o, axes) for o in ortho]
+  )
   return new, mu
 
 
@@ -356,7 +418,8 @@ def _update_entries(layout, targets, sizes, allowed):
   """
   entries, specs, unknown = [], [], []
   explicit = _mesh.is_explicit(jax.sharding.get_abstract_mesh()) or (
-      _mesh.is_explicit(layout.mesh))
+    _mesh.is_explicit(layout.mesh)
+  )
   for t, x, recorded in zip(layout.leaves, targets, layout.param_entries):
     spec = _mesh.type_spec(x) if explicit else None
     if spec is not None:
@@ -373,8 +436,12 @@ def _update_entries(layout, targets, sizes, allowed):
     specs.append(spec)
   if unknown:
     shown = unknown[:3] + (['...'] if len(unknown) > 3 else [])
-    warn_once((layout.name, 'unknown'), UNKNOWN_SPECS_MSG.format(
-        name=layout.name, count=len(unknown), paths=', '.join(shown)))
+    warn_once(
+      (layout.name, 'unknown'),
+      UNKNOWN_SPECS_MSG.format(
+        name=layout.name, count=len(unknown), paths=', '.join(shown)
+      ),
+    )
   return entries, specs
 
 
@@ -385,70 +452,95 @@ def _drop_in_step(setup, hp, layout, targets, mus, count_inc):
   sizes = dict(mesh.shape)
   if tuple(sizes[a] for a in layout.buffer_axes) != layout.buffer_sizes:
     raise ValueError(
-        f'dmuon: the optimizer state is laid out as {layout.name} (owner axes '
-        f'{dict(zip(layout.buffer_axes, layout.buffer_sizes))}), but this '
-        f'optimizer runs on mesh {sizes}. Use a state made by this '
-        "optimizer's init, or convert it with "
-        'dmuon_jax.checkpoint.state_from_portable(state_to_portable(state), '
-        'opt.init(params)).')
+      f'dmuon: the optimizer state is laid out as {layout.name} (owner axes '
+      f'{dict(zip(layout.buffer_axes, layout.buffer_sizes))}), but this '
+      f'optimizer runs on mesh {sizes}. Use a state made by this '
+      "optimizer's init, or convert it with "
+      'dmuon_jax.checkpoint.state_from_portable(state_to_portable(state), '
+      'opt.init(params)).'
+    )
   allowed = {a: sizes[a] for a in layout.buffer_axes}
   if layout.tp_axis is not None:
     allowed[layout.tp_axis] = layout.tp_size
   entries, in_specs = _update_entries(layout, targets, sizes, allowed)
   lay = layout.groups[0]
   owner_entries = []
-  for t, e, spec, split in zip(layout.leaves, entries, lay.plan.leaves,
-                               lay.tp_splits):
+  for t, e, spec, split in zip(
+    layout.leaves, entries, lay.plan.leaves, lay.tp_splits
+  ):
     if layout.tp_axis is not None:
       e2, got, _, _ = _mesh.split_tensor_parallel(
-          dataclasses.replace(spec, shape=t.shape), e, layout.tp_axis,
-          layout.tp_size)
+        dataclasses.replace(spec, shape=t.shape),
+        e,
+        layout.tp_axis,
+        layout.tp_size,
+      )
       if got != split:
         raise ValueError(
-            f'dmuon: param {t.path!r} is sharded as {_mesh.entries_spec(e)} '
-            'at update, but the optimizer state was laid out for '
-            f'{"no tensor-parallel split" if split is None else "a split"} '
-            f'over {layout.tp_axis!r}. Make the state again with init() '
-            'on params sharded as in training.')
+          f'dmuon: param {t.path!r} is sharded as {_mesh.entries_spec(e)} '
+          'at update, but the optimizer state was laid out for '
+          f'{"no tensor-parallel split" if split is None else "a split"} '
+          f'over {layout.tp_axis!r}. Make the state again with init() '
+          'on params sharded as in training.'
+        )
       e = e2
     owner_entries.append(e)
   ex = _exchange.Exchange(lay, owner_entries)
   if ex.gathered:
-    warn_once((layout.name, 'gathered'), GATHERED_MSG.format(
-        paths=[lay.plan.leaves[i].path for i in sorted(ex.gathered)]))
+    warn_once(
+      (layout.name, 'gathered'),
+      GATHERED_MSG.format(
+        paths=[lay.plan.leaves[i].path for i in sorted(ex.gathered)]
+      ),
+    )
   buffer_specs = list(layout.buffer_specs())
   dyn = _owner_update.dynamic(hp)
 
   def body(targets, mus, count_inc, dyn):
-    out, mu = _drop_in_body(setup.cfg, _owner_update.with_dynamic(hp, dyn),
-                            layout, ex, owner_entries, sizes, targets, mus,
-                            count_inc)
+    out, mu = _drop_in_body(
+      setup.cfg,
+      _owner_update.with_dynamic(hp, dyn),
+      layout,
+      ex,
+      owner_entries,
+      sizes,
+      targets,
+      mus,
+      count_inc,
+    )
     return list(out), list(mu)
 
   new, mu = jax.shard_map(
-      body, mesh=mesh,
-      in_specs=(in_specs, buffer_specs, P(), P()),
-      out_specs=(in_specs, buffer_specs),
-      # Results of sharded leaves arrive by all_to_all from every owner,
-      # so their type says "varying" over axes they are replicated on
-      # (HSDP's replicate peers receive equal pieces). Nothing here is
-      # differentiated; the parity tests check the values.
-      check_vma=False,
+    body,
+    mesh=mesh,
+    in_specs=(in_specs, buffer_specs, P(), P()),
+    out_specs=(in_specs, buffer_specs),
+    # Results of sharded leaves arrive by all_to_all from every owner,
+    # so their type says "varying" over axes they are replicated on
+    # (HSDP's replicate peers receive equal pieces). Nothing here is
+    # differentiated; the parity tests check the values.
+    check_vma=False,
   )(list(targets), list(mus), count_inc, dyn)
   return new, mu
 
 
-def _drop_in_body(cfg, hp, layout, ex, owner_entries, sizes, targets, mus,
-                  count_inc):
+def _drop_in_body(
+  cfg, hp, layout, ex, owner_entries, sizes, targets, mus, count_inc
+):
   """The per-device program: pieces to owners, owner update, results back."""
   lay = layout.groups[0]
   axes, n = lay.plan.axis_names, lay.num_slots
   dtypes = [lay.promoted(targets, g) for g in range(lay.num_groups)]
-  recv = {key: jax.lax.all_to_all(
-      ex.send_to_owners(key, targets, dtypes[key[1]]), key[0], 0, 0,
-      tiled=True) for key in ex.classes}
-  full = [x if i in ex.routed else _exchange.gather_to_full(
-      x, owner_entries[i]) for i, x in enumerate(targets)]
+  recv = {
+    key: jax.lax.all_to_all(
+      ex.send_to_owners(key, targets, dtypes[key[1]]), key[0], 0, 0, tiled=True
+    )
+    for key in ex.classes
+  }
+  full = [
+    x if i in ex.routed else _exchange.gather_to_full(x, owner_entries[i])
+    for i, x in enumerate(targets)
+  ]
 
   def pack(slot):
     from_full = lay.unit_getter(full)
@@ -456,19 +548,26 @@ def _drop_in_body(cfg, hp, layout, ex, owner_entries, sizes, targets, mus,
     for key, r in recv.items():
       assembled.update(ex.assemble(key, r, slot))
     return lay.pack_slot_from(
-        lambda u: assembled[u] if u in assembled else from_full(u),
-        slot, dtypes)
+      lambda u: assembled[u] if u in assembled else from_full(u), slot, dtypes
+    )
 
   grads = _collectives.switch_by_slot(
-      axes, [functools.partial(pack, s) for s in range(n)])
-  ortho, new_mu = _owner_update.owner_step(cfg, hp, layout, grads, mus,
-                                           count_inc)
+    axes, [functools.partial(pack, s) for s in range(n)]
+  )
+  ortho, new_mu = _owner_update.owner_step(
+    cfg, hp, layout, grads, mus, count_inc
+  )
   out = [None] * len(targets)
   rep_groups = [g for g in range(lay.num_groups) if ex.rep_size[g]]
   if rep_groups:
-    compact = _collectives.switch_by_slot(axes, [
+    compact = _collectives.switch_by_slot(
+      axes,
+      [
         lambda b, s=s: tuple(ex.rep_pack(b, s, g) for g in rep_groups)
-        for s in range(n)], ortho)
+        for s in range(n)
+      ],
+      ortho,
+    )
     gathered = [None] * lay.num_groups
     for g, c in zip(rep_groups, compact):
       gathered[g] = _collectives.gather_from_owners(c, axes)
@@ -477,9 +576,11 @@ def _drop_in_body(cfg, hp, layout, ex, owner_entries, sizes, targets, mus,
   back = {}
   for g in range(lay.num_groups):
     if ex.back_size[g]:
-      send = _collectives.switch_by_slot(axes, [
-          lambda b, s=s, g=g: ex.send_back(g, b, s) for s in range(n)],
-                                         ortho)
+      send = _collectives.switch_by_slot(
+        axes,
+        [lambda b, s=s, g=g: ex.send_back(g, b, s) for s in range(n)],
+        ortho,
+      )
       back[g] = jax.lax.all_to_all(send, axes, 0, 0, tiled=True)
   for i in ex.routed:
     out[i] = ex.local_leaf(i, back)
@@ -487,25 +588,26 @@ def _drop_in_body(cfg, hp, layout, ex, owner_entries, sizes, targets, mus,
 
 
 def scale_by_dmuon(
-    ns_coeffs: NsCoeffs = 'jordan',
-    ns_steps: int | None = None,
-    beta: jax.typing.ArrayLike = 0.95,
-    eps: jax.typing.ArrayLike = 1e-8,
-    mu_dtype: jax.typing.DTypeLike | None = None,
-    *,
-    nesterov: bool = True,
-    adaptive: bool = False,
-    preconditioning: Literal[
-        'frobenius', 'spectral', 'aol', 'schatten'] = 'frobenius',
-    weight_dimension_numbers: WeightDimNumbers = None,
-    momentum: Literal['optax', 'sgd'] = 'optax',
-    mesh: jax.sharding.Mesh | None = None,
-    axis_names: Sequence[str] | None = None,
-    ns_algorithm: Literal['auto', 'standard', 'gram'] = 'auto',
-    compute_dtype: jax.typing.DTypeLike | None = None,
-    tensor_parallel_axis: str | None = 'model',
-    nonfinite: Literal['skip', 'propagate'] = 'skip',
-    param_specs: Any = None,
+  ns_coeffs: NsCoeffs = 'jordan',
+  ns_steps: int | None = None,
+  beta: jax.typing.ArrayLike = 0.95,
+  eps: jax.typing.ArrayLike = 1e-8,
+  mu_dtype: jax.typing.DTypeLike | None = None,
+  *,
+  nesterov: bool = True,
+  adaptive: bool = False,
+  preconditioning: Literal[
+    'frobenius', 'spectral', 'aol', 'schatten'
+  ] = 'frobenius',
+  weight_dimension_numbers: WeightDimNumbers = None,
+  momentum: Literal['optax', 'sgd'] = 'optax',
+  mesh: jax.sharding.Mesh | None = None,
+  axis_names: Sequence[str] | None = None,
+  ns_algorithm: Literal['auto', 'standard', 'gram'] = 'auto',
+  compute_dtype: jax.typing.DTypeLike | None = None,
+  tensor_parallel_axis: str | None = 'model',
+  nonfinite: Literal['skip', 'propagate'] = 'skip',
+  param_specs: Any = None,
 ) -> optax.GradientTransformation:
   r"""Muon's momentum orthogonalization, each matrix owned by one device.
 
@@ -644,54 +746,96 @@ def scale_by_dmuon(
     (4, 8)
   """
   return make_scale_by_dmuon(
-      ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=beta, eps=eps,
-      mu_dtype=mu_dtype, nesterov=nesterov, adaptive=adaptive,
-      preconditioning=preconditioning,
-      weight_dimension_numbers=weight_dimension_numbers, momentum=momentum,
-      mesh=mesh, axis_names=axis_names, ns_algorithm=ns_algorithm,
-      compute_dtype=compute_dtype,
-      tensor_parallel_axis=tensor_parallel_axis, nonfinite=nonfinite,
-      param_specs=param_specs, shape_scaling=False, consistent_rms=None)
+    ns_coeffs=ns_coeffs,
+    ns_steps=ns_steps,
+    beta=beta,
+    eps=eps,
+    mu_dtype=mu_dtype,
+    nesterov=nesterov,
+    adaptive=adaptive,
+    preconditioning=preconditioning,
+    weight_dimension_numbers=weight_dimension_numbers,
+    momentum=momentum,
+    mesh=mesh,
+    axis_names=axis_names,
+    ns_algorithm=ns_algorithm,
+    compute_dtype=compute_dtype,
+    tensor_parallel_axis=tensor_parallel_axis,
+    nonfinite=nonfinite,
+    param_specs=param_specs,
+    shape_scaling=False,
+    consistent_rms=None,
+  )
 
 
-def make_scale_by_dmuon(*, ns_coeffs, ns_steps, beta, eps, mu_dtype, nesterov,
-                    adaptive, preconditioning, weight_dimension_numbers,
-                    momentum, mesh, axis_names, ns_algorithm, compute_dtype,
-                    tensor_parallel_axis, nonfinite, param_specs,
-                    shape_scaling, consistent_rms
-                    ) -> optax.GradientTransformation:
+def make_scale_by_dmuon(
+  *,
+  ns_coeffs,
+  ns_steps,
+  beta,
+  eps,
+  mu_dtype,
+  nesterov,
+  adaptive,
+  preconditioning,
+  weight_dimension_numbers,
+  momentum,
+  mesh,
+  axis_names,
+  ns_algorithm,
+  compute_dtype,
+  tensor_parallel_axis,
+  nonfinite,
+  param_specs,
+  shape_scaling,
+  consistent_rms,
+) -> optax.GradientTransformation:
   """:func:`scale_by_dmuon`, optionally with the shape factor on the owner
   (what :func:`dmuon_jax.dmuon` uses)."""
   cfg = _owner_update.make_config(
-      ns_coeffs=ns_coeffs, ns_steps=ns_steps, momentum=momentum,
-      nesterov=nesterov, adaptive=adaptive, preconditioning=preconditioning,
-      ns_algorithm=ns_algorithm, compute_dtype=compute_dtype,
-      shape_scaling=shape_scaling, consistent_rms=consistent_rms is not None,
-      mu_dtype=mu_dtype, nonfinite=nonfinite)
+    ns_coeffs=ns_coeffs,
+    ns_steps=ns_steps,
+    momentum=momentum,
+    nesterov=nesterov,
+    adaptive=adaptive,
+    preconditioning=preconditioning,
+    ns_algorithm=ns_algorithm,
+    compute_dtype=compute_dtype,
+    shape_scaling=shape_scaling,
+    consistent_rms=consistent_rms is not None,
+    mu_dtype=mu_dtype,
+    nonfinite=nonfinite,
+  )
   mesh = _mesh_argument(mesh)
   info = _mesh.resolve(mesh, axis_names, tensor_parallel_axis)
-  if (info is not None and info.tp_size > 1
-      and preconditioning != 'frobenius'):
+  if info is not None and info.tp_size > 1 and preconditioning != 'frobenius':
     raise ValueError(
-        f'dmuon: preconditioning={preconditioning!r} is not available with '
-        f'the tensor-parallel axis {tensor_parallel_axis!r} (size '
-        f'{info.tp_size}): the TP Gram Newton-Schulz normalizes by the '
-        "Frobenius norm. Use preconditioning='frobenius' or "
-        'tensor_parallel_axis=None.')
-  setup = _Setup(cfg=cfg, mesh=mesh, axis_names=axis_names,
-                 tensor_parallel_axis=tensor_parallel_axis,
-                 weight_dimension_numbers=weight_dimension_numbers,
-                 param_specs=param_specs_by_path(param_specs),
-                 nonfinite=nonfinite)
-  hp = _owner_update.Hyperparams(beta=beta, eps=eps,
-                                 consistent_rms=consistent_rms)
+      f'dmuon: preconditioning={preconditioning!r} is not available with '
+      f'the tensor-parallel axis {tensor_parallel_axis!r} (size '
+      f'{info.tp_size}): the TP Gram Newton-Schulz normalizes by the '
+      "Frobenius norm. Use preconditioning='frobenius' or "
+      'tensor_parallel_axis=None.'
+    )
+  setup = _Setup(
+    cfg=cfg,
+    mesh=mesh,
+    axis_names=axis_names,
+    tensor_parallel_axis=tensor_parallel_axis,
+    weight_dimension_numbers=weight_dimension_numbers,
+    param_specs=param_specs_by_path(param_specs),
+    nonfinite=nonfinite,
+  )
+  hp = _owner_update.Hyperparams(
+    beta=beta, eps=eps, consistent_rms=consistent_rms
+  )
   return optax.GradientTransformation(
-      functools.partial(_init, setup), functools.partial(_update, setup, hp))
+    functools.partial(_init, setup), functools.partial(_update, setup, hp)
+  )
 
 
 def scale_by_shape(
-    weight_dimension_numbers: WeightDimNumbers = None,
-    consistent_rms: jax.typing.ArrayLike | None = None,
+  weight_dimension_numbers: WeightDimNumbers = None,
+  consistent_rms: jax.typing.ArrayLike | None = None,
 ) -> optax.GradientTransformation:
   r"""Scales each Muon update by a factor of its matrix shape.
 
@@ -715,8 +859,10 @@ def scale_by_shape(
   def update_fn(updates, state, params=None):
     del params
     specs = _planner.muon_target_specs(
-        updates, predicate=lambda path, leaf: True,
-        weight_dimension_numbers=weight_dimension_numbers)
+      updates,
+      predicate=lambda path, leaf: True,
+      weight_dimension_numbers=weight_dimension_numbers,
+    )
     leaves, treedef = jax.tree.flatten(updates)
     out = []
     for x, spec in zip(leaves, specs, strict=True):
@@ -745,5 +891,8 @@ def owner_layouts(opt_state: Any) -> list[_owner_layout.OwnerLayout]:
     [1]
   """
   is_buffers = lambda x: isinstance(x, _owner_layout.OwnerBuffers)
-  return [x.layout for x in jax.tree.leaves(opt_state, is_leaf=is_buffers)
-          if is_buffers(x)]
+  return [
+    x.layout
+    for x in jax.tree.leaves(opt_state, is_leaf=is_buffers)
+    if is_buffers(x)
+  ]

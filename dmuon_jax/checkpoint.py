@@ -44,10 +44,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dmuon_jax import _dedicated
-from dmuon_jax import _owner_layout
-from dmuon_jax import _mesh
-from dmuon_jax import _transform
+from dmuon_jax import _dedicated, _mesh, _owner_layout, _transform
 
 COMMIT_MARKER = 'commit_success.txt'
 
@@ -60,13 +57,20 @@ class PortableDMuonState(NamedTuple):
     mu: each Muon target's momentum in its param's shape, as a nested dict
       by param path (``{'layers': {'0': {'w': ...}}}``).
   """
+
   count: jax.Array
   mu: Any
 
 
 def _is_state(x) -> bool:
-  return isinstance(x, (_transform.ScaleByDMuonState,
-                        _dedicated.DedicatedMuonState, PortableDMuonState))
+  return isinstance(
+    x,
+    (
+      _transform.ScaleByDMuonState,
+      _dedicated.DedicatedMuonState,
+      PortableDMuonState,
+    ),
+  )
 
 
 def _nest(by_path: dict[str, Any]) -> dict:
@@ -83,8 +87,7 @@ def _nest(by_path: dict[str, Any]) -> dict:
 def _flat(nested: Any) -> dict[str, Any]:
   out = {}
   for keys, x in jax.tree_util.tree_flatten_with_path(nested)[0]:
-    path = '/'.join(str(getattr(k, 'key', getattr(k, 'name', k)))
-                    for k in keys)
+    path = '/'.join(str(getattr(k, 'key', getattr(k, 'name', k))) for k in keys)
     out['' if path == '<root>' else path] = x
   return out
 
@@ -93,7 +96,8 @@ def _concrete_mesh(xs) -> Any:
   for x in xs:
     sharding = getattr(x, 'sharding', None)
     if isinstance(sharding, NamedSharding) and isinstance(
-        sharding.mesh, jax.sharding.Mesh):
+      sharding.mesh, jax.sharding.Mesh
+    ):
       return sharding.mesh
   return None
 
@@ -103,7 +107,7 @@ def _param_shardings(layout: _owner_layout.OwnerLayout, mesh: Any) -> list:
   if mesh is None:
     return [None] * len(layout.leaves)
   out = []
-  for t, e in zip(layout.leaves, layout.param_entries):
+  for e in layout.param_entries:
     spec = _mesh.entries_spec(e) if e is not None else P()
     out.append(NamedSharding(mesh, spec))
   return out
@@ -136,8 +140,12 @@ def state_to_portable(opt_state: Any) -> Any:
     replicated). Everything else is unchanged.
   """
   leaves, treedef = jax.tree.flatten(opt_state, is_leaf=_is_state)
-  out = [_to_portable(x) if _is_state(x) and not isinstance(
-      x, PortableDMuonState) else x for x in leaves]
+  out = [
+    _to_portable(x)
+    if _is_state(x) and not isinstance(x, PortableDMuonState)
+    else x
+    for x in leaves
+  ]
   return jax.tree.unflatten(treedef, out)
 
 
@@ -160,25 +168,30 @@ def _from_portable(portable: PortableDMuonState, target) -> Any:
   extra = sorted(set(by_path) - set(want))
   if missing or extra:
     raise ValueError(
-        'dmuon_jax checkpoint: the portable momentum does not fit the '
-        f'optimizer state of layout {layout.name}: '
-        + '; '.join([f'missing {missing}'] * bool(missing)
-                    + [f'not Muon targets here {extra}'] * bool(extra))
-        + '. Make the optimizer as when saving (same Muon routing).')
+      'dmuon_jax checkpoint: the portable momentum does not fit the '
+      f'optimizer state of layout {layout.name}: '
+      + '; '.join(
+        [f'missing {missing}'] * bool(missing)
+        + [f'not Muon targets here {extra}'] * bool(extra)
+      )
+      + '. Make the optimizer as when saving (same Muon routing).'
+    )
   values = {}
   for path, t in want.items():
     x = by_path[path]
     if tuple(np.shape(x)) != t.shape:
       raise ValueError(
-          f'dmuon_jax checkpoint: momentum of {path!r} has shape '
-          f'{tuple(np.shape(x))}, but the optimizer state of layout '
-          f'{layout.name} expects {t.shape}.')
+        f'dmuon_jax checkpoint: momentum of {path!r} has shape '
+        f'{tuple(np.shape(x))}, but the optimizer state of layout '
+        f'{layout.name} expects {t.shape}.'
+      )
     values[t.index] = x
   dtypes = [b.dtype for b in target.mu.buffers]
   shardings = [getattr(b, 'sharding', None) for b in target.mu.buffers]
   mesh = _concrete_mesh(target.mu.buffers)
-  mu = _dedicated.pack_owned(layout, values, mesh, dtypes=dtypes,
-                             shardings=shardings)
+  mu = _dedicated.pack_owned(
+    layout, values, mesh, dtypes=dtypes, shardings=shardings
+  )
   return type(target)(count=_like(portable.count, target.count), mu=mu)
 
 
@@ -202,21 +215,25 @@ def state_from_portable(portable: Any, target_state: Any) -> Any:
   conv_leaves = jax.tree.leaves(portable, is_leaf=_is_state)
   tgt_leaves, treedef = jax.tree.flatten(target_state, is_leaf=_is_state)
   if len(conv_leaves) != len(tgt_leaves):
-    raise ValueError('dmuon_jax checkpoint: the portable state does not '
-                     'match the structure of the target optimizer state.')
+    raise ValueError(
+      'dmuon_jax checkpoint: the portable state does not '
+      'match the structure of the target optimizer state.'
+    )
   out = []
   for x, t in zip(conv_leaves, tgt_leaves):
     if _is_state(t):
       if not isinstance(x, PortableDMuonState):
         raise ValueError(
-            'dmuon_jax checkpoint: the portable state has '
-            f'{type(x).__name__} where the target has {type(t).__name__}.')
+          'dmuon_jax checkpoint: the portable state has '
+          f'{type(x).__name__} where the target has {type(t).__name__}.'
+        )
       out.append(_from_portable(x, t))
       continue
     if tuple(np.shape(x)) != tuple(np.shape(t)):
       raise ValueError(
-          f'dmuon_jax checkpoint: state leaf of shape {np.shape(x)} where '
-          f'the optimizer expects {np.shape(t)}.')
+        f'dmuon_jax checkpoint: state leaf of shape {np.shape(x)} where '
+        f'the optimizer expects {np.shape(t)}.'
+      )
     out.append(_like(x, t))
   return jax.tree.unflatten(treedef, out)
 
@@ -226,18 +243,23 @@ def _portable_abstract(target_state: Any) -> Any:
 
   def one(x):
     if not _is_state(x):
-      return jax.ShapeDtypeStruct(np.shape(x), x.dtype,
-                                  sharding=getattr(x, 'sharding', None))
+      return jax.ShapeDtypeStruct(
+        np.shape(x), x.dtype, sharding=getattr(x, 'sharding', None)
+      )
     layout = x.mu.layout
     mesh = _concrete_mesh(x.mu.buffers)
     shardings = _param_shardings(layout, mesh)
-    dtype_of = {t.index: x.mu.buffers[layout.leaf_buffer(t.index)].dtype
-                for t in layout.leaves}
-    mu = {t.path: jax.ShapeDtypeStruct(t.shape, dtype_of[t.index],
-                                       sharding=s)
-          for t, s in zip(layout.leaves, shardings)}
-    count = jax.ShapeDtypeStruct((), x.count.dtype,
-                                 sharding=getattr(x.count, 'sharding', None))
+    dtype_of = {
+      t.index: x.mu.buffers[layout.leaf_buffer(t.index)].dtype
+      for t in layout.leaves
+    }
+    mu = {
+      t.path: jax.ShapeDtypeStruct(t.shape, dtype_of[t.index], sharding=s)
+      for t, s in zip(layout.leaves, shardings)
+    }
+    count = jax.ShapeDtypeStruct(
+      (), x.count.dtype, sharding=getattr(x.count, 'sharding', None)
+    )
     return PortableDMuonState(count=count, mu=_nest(mu))
 
   return jax.tree.map(one, target_state, is_leaf=_is_state)
@@ -250,8 +272,10 @@ def _ocp():
   try:
     import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   except ImportError as e:  # pragma: no cover
-    raise ImportError('dmuon_jax checkpoints need orbax-checkpoint: '
-                      'pip install orbax-checkpoint') from e
+    raise ImportError(
+      'dmuon_jax checkpoints need orbax-checkpoint: '
+      'pip install orbax-checkpoint'
+    ) from e
   return ocp
 
 
@@ -269,8 +293,11 @@ def complete_steps(directory) -> list[int]:
     return []
   steps = []
   for child in path.iterdir():
-    if child.is_dir() and child.name.isdigit() and (
-        child / COMMIT_MARKER).is_file():
+    if (
+      child.is_dir()
+      and child.name.isdigit()
+      and (child / COMMIT_MARKER).is_file()
+    ):
       steps.append(int(child.name))
   return sorted(steps)
 
@@ -287,9 +314,15 @@ def _plain_params(params):
   return params
 
 
-def save(directory, step: int, params, opt_state, *,
-         max_to_keep: int | None = None,
-         extra: dict | None = None) -> pathlib.Path:
+def save(
+  directory,
+  step: int,
+  params,
+  opt_state,
+  *,
+  max_to_keep: int | None = None,
+  extra: dict | None = None,
+) -> pathlib.Path:
   """Saves params and a portable optimizer state as step ``step``.
 
   Blocks until the checkpoint is committed (orbax writes into a temporary
@@ -311,14 +344,18 @@ def save(directory, step: int, params, opt_state, *,
   """
   ocp = _ocp()
   directory = pathlib.Path(os.path.abspath(directory))
-  tree = {'params': _plain_params(params),
-          'opt_state': state_to_portable(opt_state)}
+  tree = {
+    'params': _plain_params(params),
+    'opt_state': state_to_portable(opt_state),
+  }
   if extra is not None:
     tree['extra'] = extra
   with ocp.CheckpointManager(
-      directory, options=ocp.CheckpointManagerOptions(
-          max_to_keep=max_to_keep, create=True,
-          enable_async_checkpointing=False)) as manager:
+    directory,
+    options=ocp.CheckpointManagerOptions(
+      max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False
+    ),
+  ) as manager:
     manager.save(step, args=ocp.args.StandardSave(tree), force=True)
     manager.wait_until_finished()
   return directory / str(step)
@@ -335,13 +372,18 @@ def _dedicated_like(dp_like: _dedicated.DedicatedParams):
   """The plain params target of a DedicatedParams target."""
   layout = dp_like.owned.layout
   leaves, treedef = jax.tree_util.tree_flatten(
-      dp_like.rest, is_leaf=lambda x: x is None)
+    dp_like.rest, is_leaf=lambda x: x is None
+  )
   mesh = _concrete_mesh(dp_like.owned.buffers)
-  sharding = (NamedSharding(mesh, P()) if mesh is not None
-              else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+  sharding = (
+    NamedSharding(mesh, P())
+    if mesh is not None
+    else jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  )
   for t in layout.leaves:
-    leaves[t.index] = jax.ShapeDtypeStruct(t.shape, jnp.dtype(t.dtype),
-                                           sharding=sharding)
+    leaves[t.index] = jax.ShapeDtypeStruct(
+      t.shape, jnp.dtype(t.dtype), sharding=sharding
+    )
   return jax.tree.unflatten(treedef, leaves)
 
 
@@ -349,21 +391,34 @@ def _to_dedicated_like(params, dp_like: _dedicated.DedicatedParams):
   layout = dp_like.owned.layout
   leaves, treedef = jax.tree_util.tree_flatten(params)
   like_rest, _ = jax.tree_util.tree_flatten(
-      dp_like.rest, is_leaf=lambda x: x is None)
+    dp_like.rest, is_leaf=lambda x: x is None
+  )
   values = {t.index: leaves[t.index] for t in layout.leaves}
   owned = _dedicated.pack_owned(
-      layout, values, _concrete_mesh(dp_like.owned.buffers),
-      dtypes=[b.dtype for b in dp_like.owned.buffers],
-      shardings=[getattr(b, 'sharding', None)
-                 for b in dp_like.owned.buffers])
-  rest = [None if like is None else _like(x, like)
-          for x, like in zip(leaves, like_rest)]
-  return _dedicated.DedicatedParams(owned=owned,
-                                    rest=jax.tree.unflatten(treedef, rest))
+    layout,
+    values,
+    _concrete_mesh(dp_like.owned.buffers),
+    dtypes=[b.dtype for b in dp_like.owned.buffers],
+    shardings=[getattr(b, 'sharding', None) for b in dp_like.owned.buffers],
+  )
+  rest = [
+    None if like is None else _like(x, like)
+    for x, like in zip(leaves, like_rest)
+  ]
+  return _dedicated.DedicatedParams(
+    owned=owned, rest=jax.tree.unflatten(treedef, rest)
+  )
 
 
-def restore(directory, params_like, opt=None, step: int | None = None, *,
-            extra_like=None, dedication=None):
+def restore(
+  directory,
+  params_like,
+  opt=None,
+  step: int | None = None,
+  *,
+  extra_like=None,
+  dedication=None,
+):
   """Restores the latest (or ``step``) complete checkpoint.
 
   Args:
@@ -399,7 +454,8 @@ def restore(directory, params_like, opt=None, step: int | None = None, *,
       return None
   elif step not in complete_steps(directory):
     raise FileNotFoundError(
-        f'dmuon_jax checkpoint: no complete step {step} under {directory}.')
+      f'dmuon_jax checkpoint: no complete step {step} under {directory}.'
+    )
   path = pathlib.Path(os.path.abspath(directory)) / str(step) / 'default'
   dp_like = None
   if isinstance(params_like, _dedicated.DedicatedParams):
@@ -415,15 +471,17 @@ def restore(directory, params_like, opt=None, step: int | None = None, *,
     params = dedication.to_dedicated(params)
   opt_state = None
   if opt is not None:
-    target = (opt.init(params)
-              if isinstance(opt, optax.GradientTransformation) else opt)
+    target = (
+      opt.init(params) if isinstance(opt, optax.GradientTransformation) else opt
+    )
     abstract = _portable_abstract(target)
     _check_saved(saved, {'opt_state': abstract}, step)
     portable = _partial_restore(path, {'opt_state': abstract})['opt_state']
     opt_state = state_from_portable(portable, target)
   if extra_like is not None:
     extra = _partial_restore(
-        path, {'extra': jax.tree.map(_place_like, extra_like)})['extra']
+      path, {'extra': jax.tree.map(_place_like, extra_like)}
+    )['extra']
     return step, params, opt_state, extra
   return step, params, opt_state
 
@@ -433,12 +491,19 @@ def restore(directory, params_like, opt=None, step: int | None = None, *,
 
 def _nnx():
   from flax import nnx  # pylint: disable=import-outside-toplevel
+
   return nnx
 
 
-def save_nnx(directory, step: int, model, optimizer, *,
-             max_to_keep: int | None = None,
-             extra: dict | None = None) -> pathlib.Path:
+def save_nnx(
+  directory,
+  step: int,
+  model,
+  optimizer,
+  *,
+  max_to_keep: int | None = None,
+  extra: dict | None = None,
+) -> pathlib.Path:
   """Saves a Flax NNX model's params and its ``nnx.Optimizer`` state.
 
   The optimizer state is saved in portable form (restorable onto another
@@ -460,12 +525,19 @@ def save_nnx(directory, step: int, model, optimizer, *,
   more = {'optimizer_step': nnx.as_pure(optimizer.step)}
   if extra is not None:
     more['user'] = extra
-  return save(directory, step, params, nnx.as_pure(optimizer.opt_state),
-              max_to_keep=max_to_keep, extra=more)
+  return save(
+    directory,
+    step,
+    params,
+    nnx.as_pure(optimizer.opt_state),
+    max_to_keep=max_to_keep,
+    extra=more,
+  )
 
 
-def restore_nnx(directory, model, optimizer, step: int | None = None, *,
-                extra_like=None):
+def restore_nnx(
+  directory, model, optimizer, step: int | None = None, *, extra_like=None
+):
   """Restores :func:`save_nnx`'s checkpoint into a model and its optimizer.
 
   The model's params and the optimizer state are updated in place. The
@@ -490,8 +562,13 @@ def restore_nnx(directory, model, optimizer, step: int | None = None, *,
   more_like = {'optimizer_step': nnx.as_pure(optimizer.step)}
   if extra_like is not None:
     more_like['user'] = extra_like
-  got = restore(directory, params_like, nnx.as_pure(optimizer.opt_state),
-                step, extra_like=more_like)
+  got = restore(
+    directory,
+    params_like,
+    nnx.as_pure(optimizer.opt_state),
+    step,
+    extra_like=more_like,
+  )
   if got is None:
     return None
   step, params, opt_state, more = got
@@ -537,33 +614,45 @@ def _shapes_by_path(tree) -> dict[str, tuple]:
 def _check_saved(saved, wanted, step) -> None:
   """Raises unless every array of ``wanted`` was saved with its shape."""
   top = next(iter(wanted))
-  have = _shapes_by_path({top: saved.get(top)} if isinstance(saved, dict)
-                         else saved)
+  have = _shapes_by_path(
+    {top: saved.get(top)} if isinstance(saved, dict) else saved
+  )
   have = {p: s for p, s in have.items() if p.split('/')[0] == top}
   want = _shapes_by_path(wanted)
   missing = sorted(set(want) - set(have))
   extra = sorted(set(have) - set(want))
-  shapes = sorted(f'{p}: saved {have[p]}, target {want[p]}'
-                  for p in set(want) & set(have) if have[p] != want[p])
+  shapes = sorted(
+    f'{p}: saved {have[p]}, target {want[p]}'
+    for p in set(want) & set(have)
+    if have[p] != want[p]
+  )
   if not (missing or extra or shapes):
     return
-  what = ('params' if top == 'params' else
-          "optimizer state (in its mesh-independent form)")
+  what = (
+    'params'
+    if top == 'params'
+    else 'optimizer state (in its mesh-independent form)'
+  )
   parts = []
   if shapes:
     parts.append('different shapes: ' + '; '.join(shapes[:8]))
   if missing:
     parts.append('not in the checkpoint: ' + ', '.join(missing[:8]))
   if extra:
-    parts.append('in the checkpoint but not in the target: '
-                 + ', '.join(extra[:8]))
-  fix = ('Build params_like from the model config the checkpoint was saved '
-         'with (same tree, same shapes).' if top == 'params' else
-         'Make the optimizer as when saving (same Muon routing and '
-         'transformations), or pass opt=None to restore the params only.')
+    parts.append(
+      'in the checkpoint but not in the target: ' + ', '.join(extra[:8])
+    )
+  fix = (
+    'Build params_like from the model config the checkpoint was saved '
+    'with (same tree, same shapes).'
+    if top == 'params'
+    else 'Make the optimizer as when saving (same Muon routing and '
+    'transformations), or pass opt=None to restore the params only.'
+  )
   raise ValueError(
-      f'dmuon_jax checkpoint: step {step} does not fit the {what} it is '
-      f'restored onto: {" | ".join(parts)}. {fix}')
+    f'dmuon_jax checkpoint: step {step} does not fit the {what} it is '
+    f'restored onto: {" | ".join(parts)}. {fix}'
+  )
 
 
 def _partial_restore(path, abstract):
@@ -571,22 +660,24 @@ def _partial_restore(path, abstract):
   ocp = _ocp()
   with ocp.PyTreeCheckpointer() as ckptr:
     return ckptr.restore(
-        path, args=ocp.args.PyTreeRestore(
-            item=abstract,
-            restore_args=ocp.checkpoint_utils.construct_restore_args(
-                abstract),
-            partial_restore=True))
+      path,
+      args=ocp.args.PyTreeRestore(
+        item=abstract,
+        restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+        partial_restore=True,
+      ),
+    )
 
 
 __all__ = (
-    'COMMIT_MARKER',
-    'PortableDMuonState',
-    'complete_steps',
-    'latest_step',
-    'restore',
-    'restore_nnx',
-    'save',
-    'save_nnx',
-    'state_from_portable',
-    'state_to_portable',
+  'COMMIT_MARKER',
+  'PortableDMuonState',
+  'complete_steps',
+  'latest_step',
+  'restore',
+  'restore_nnx',
+  'save',
+  'save_nnx',
+  'state_from_portable',
+  'state_to_portable',
 )

@@ -67,22 +67,22 @@ matters.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 import dataclasses
 import math
 import re
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
 import numpy as np
 
 KINDS = (
-    'all-gather',
-    'reduce-scatter',
-    'all-reduce',
-    'all-to-all',
-    'collective-permute',
-    'collective-broadcast',
+  'all-gather',
+  'reduce-scatter',
+  'all-reduce',
+  'all-to-all',
+  'collective-permute',
+  'collective-broadcast',
 )
 
 # StableHLO op names (``stablehlo.all_gather``) to HLO kinds.
@@ -174,10 +174,10 @@ class HloReport:
     None if ``memory_analysis()`` was unavailable.
     """
     parts = (
-        self.argument_bytes,
-        self.output_bytes,
-        self.temp_bytes,
-        self.alias_bytes,
+      self.argument_bytes,
+      self.output_bytes,
+      self.temp_bytes,
+      self.alias_bytes,
     )
     if any(p is None for p in parts):
       return None
@@ -196,7 +196,7 @@ class HloReport:
     """
     selected = _check_kinds(kinds)
     return float(
-        sum(c.total_bytes for c in self.collectives if c.kind in selected)
+      sum(c.total_bytes for c in self.collectives if c.kind in selected)
     )
 
   def summary(self) -> str:
@@ -213,21 +213,21 @@ class HloReport:
     for kind in KINDS:
       if kind in ops:
         lines.append(
-            f'{kind:<22}{ops[kind]:>5}{counts[kind]:>8}'
-            f'{_human_bytes(nbytes[kind]):>14}'
+          f'{kind:<22}{ops[kind]:>5}{counts[kind]:>8}'
+          f'{_human_bytes(nbytes[kind]):>14}'
         )
     lines.append(
-        f'{"total":<22}{len(self.collectives):>5}'
-        f'{sum(counts.values()):>8}{_human_bytes(self.total_bytes()):>14}'
+      f'{"total":<22}{len(self.collectives):>5}'
+      f'{sum(counts.values()):>8}{_human_bytes(self.total_bytes()):>14}'
     )
     lines.append(f'flops per device: {self.flops:.4g}')
     if self.peak_bytes is not None:
       lines.append(
-          f'memory: arguments {_human_bytes(self.argument_bytes)}, outputs'
-          f' {_human_bytes(self.output_bytes)}, temporaries'
-          f' {_human_bytes(self.temp_bytes)}, aliased'
-          f' {_human_bytes(self.alias_bytes)}, peak'
-          f' {_human_bytes(self.peak_bytes)}'
+        f'memory: arguments {_human_bytes(self.argument_bytes)}, outputs'
+        f' {_human_bytes(self.output_bytes)}, temporaries'
+        f' {_human_bytes(self.temp_bytes)}, aliased'
+        f' {_human_bytes(self.alias_bytes)}, peak'
+        f' {_human_bytes(self.peak_bytes)}'
       )
     return '\n'.join(lines)
 
@@ -247,14 +247,12 @@ def analyze_compiled(compiled: Any) -> HloReport:
     compiled = compiled.compile()
   if not hasattr(compiled, 'as_text'):
     raise TypeError(
-        'analyze_compiled expects a jax.stages.Compiled (from'
-        f' jax.jit(f).lower(*args).compile()); got {type(compiled).__name__}.'
+      'analyze_compiled expects a jax.stages.Compiled (from'
+      f' jax.jit(f).lower(*args).compile()); got {type(compiled).__name__}.'
     )
   collectives = hlo_collectives(compiled.as_text())
   memory = _memory_fields(compiled)
-  return HloReport(
-      collectives=collectives, flops=_flops(compiled), **memory
-  )
+  return HloReport(collectives=collectives, flops=_flops(compiled), **memory)
 
 
 def analyze(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> HloReport:
@@ -288,13 +286,13 @@ def analyze(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> HloReport:
 
 
 _IOTA_RE = re.compile(
-    r'^\[(?P<shape>\d+(?:,\d+)*)\]<=\[(?P<dims>\d+(?:,\d+)*)\]'
-    r'(?:T\((?P<perm>\d+(?:,\d+)*)\))?$'
+  r'^\[(?P<shape>\d+(?:,\d+)*)\]<=\[(?P<dims>\d+(?:,\d+)*)\]'
+  r'(?:T\((?P<perm>\d+(?:,\d+)*)\))?$'
 )
 
 
 def parse_replica_groups(
-    text: str, num_devices: int | None = None
+  text: str, num_devices: int | None = None
 ) -> tuple[tuple[int, ...], ...]:
   """Parses an HLO ``replica_groups`` value into explicit groups.
 
@@ -315,12 +313,12 @@ def parse_replica_groups(
     shape = [int(v) for v in m['shape'].split(',')]
     dims = [int(v) for v in m['dims'].split(',')]
     perm = (
-        [int(v) for v in m['perm'].split(',')]
-        if m['perm']
-        else list(range(len(dims)))
+      [int(v) for v in m['perm'].split(',')]
+      if m['perm']
+      else list(range(len(dims)))
     )
     if math.prod(shape) != math.prod(dims) or sorted(perm) != list(
-        range(len(dims))
+      range(len(dims))
     ):
       raise ValueError(f'Inconsistent iota replica_groups {text!r}.')
     ids = np.arange(math.prod(dims)).reshape(dims).transpose(perm)
@@ -333,12 +331,10 @@ def parse_replica_groups(
     groups = re.findall(r'\{([^{}]*)\}', inner)
     if re.sub(r'\{[^{}]*\}', '', inner).strip(','):
       raise ValueError(f'Cannot parse replica_groups {text!r}.')
-    return tuple(
-        tuple(int(v) for v in g.split(',') if v) for g in groups
-    )
+    return tuple(tuple(int(v) for v in g.split(',') if v) for g in groups)
   raise ValueError(
-      f'Cannot parse replica_groups {text!r}; expected {{{{0,1}},{{2,3}}}},'
-      ' [2,4]<=[8] or [4,2]<=[2,4]T(1,0).'
+    f'Cannot parse replica_groups {text!r}; expected {{{{0,1}},{{2,3}}}},'
+    ' [2,4]<=[8] or [4,2]<=[2,4]T(1,0).'
   )
 
 
@@ -388,12 +384,12 @@ _Element = tuple[str, tuple[int, ...]]
 
 
 def _record(
-    kind: str,
-    name: str,
-    elements: list[_Element],
-    group_size: int,
-    executions: int,
-    in_loop: bool,
+  kind: str,
+  name: str,
+  elements: list[_Element],
+  group_size: int,
+  executions: int,
+  in_loop: bool,
 ) -> Collective:
   """Builds a :class:`Collective` from the elements of its full array."""
   full_bytes = sum(_itemsize(d) * math.prod(s) for d, s in elements)
@@ -403,14 +399,14 @@ def _record(
   else:
     shape = (sum(math.prod(s) for _, s in elements),)
   return Collective(
-      kind=kind,
-      name=name,
-      dtype='+'.join(dtypes),
-      shape=shape,
-      group_size=group_size,
-      executions=executions,
-      in_loop=in_loop,
-      bytes=_collective_bytes(kind, group_size, full_bytes),
+    kind=kind,
+    name=name,
+    dtype='+'.join(dtypes),
+    shape=shape,
+    group_size=group_size,
+    executions=executions,
+    in_loop=in_loop,
+    bytes=_collective_bytes(kind, group_size, full_bytes),
   )
 
 
@@ -450,23 +446,23 @@ class _Instruction:
 
 
 _COMPUTATION_RE = re.compile(
-    r'^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\{\s*$'
+  r'^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\{\s*$'
 )
 _INSTRUCTION_RE = re.compile(
-    r'^\s+(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$'
+  r'^\s+(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$'
 )
 _STRING_RE = re.compile(r'"(?:[^"\\]|\\.)*"')
 _COMMENT_RE = re.compile(r'/\*.*?\*/')
 _ELEMENT_RE = re.compile(r'\b([a-z][a-z0-9]*)\[([^\]]*)\]')
 _CALLEE_RE = re.compile(
-    r'\b(?:calls|to_apply|branch_computations|true_computation|'
-    r'false_computation|called_computations)=(\{[^}]*\}|%?[\w.\-]+)'
+  r'\b(?:calls|to_apply|branch_computations|true_computation|'
+  r'false_computation|called_computations)=(\{[^}]*\}|%?[\w.\-]+)'
 )
 _LOOP_RE = re.compile(r'\b(?P<key>body|condition)=%?(?P<name>[\w.\-]+)')
 _TRIP_COUNT_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _GROUPS_RE = re.compile(
-    r'replica_groups=(\{\}|\{(?:\{[\d,\s]*\},?\s*)*\}|\[[\d,]+\]<=\[[\d,]+\]'
-    r'(?:T\([\d,]+\))?)'
+  r'replica_groups=(\{\}|\{(?:\{[\d,\s]*\},?\s*)*\}|\[[\d,]+\]<=\[[\d,]+\]'
+  r'(?:T\([\d,]+\))?)'
 )
 _PAIRS_RE = re.compile(r'source_target_pairs=\{((?:\{[\d,\s]*\},?\s*)*)\}')
 
@@ -491,7 +487,7 @@ def _elements(shape: str) -> list[_Element]:
     if dtype in ('token', 'opaque'):
       continue
     sizes = tuple(
-        int(d.replace('<=', '')) for d in dims.split(',') if d.strip()
+      int(d.replace('<=', '')) for d in dims.split(',') if d.strip()
     )
     out.append((dtype, sizes))
   return out
@@ -513,7 +509,7 @@ def _parse_instruction(line: str) -> _Instruction | None:
     return None
   close = _closing(rest, op.end() - 1)
   operands = []
-  for token in _split_top_level(rest[op.end():close]):
+  for token in _split_top_level(rest[op.end() : close]):
     token = token.strip()
     name = re.search(r'%?([\w.\-]+)$', token)
     if not name:
@@ -521,12 +517,12 @@ def _parse_instruction(line: str) -> _Instruction | None:
     inline = token[: name.start()].strip() or None
     operands.append((inline, name[1]))
   return _Instruction(
-      name=m['name'],
-      shape=shape,
-      opcode=op[1],
-      operands=tuple(operands),
-      attrs=_STRING_RE.sub('""', rest[close + 1:]),
-      raw=line,
+    name=m['name'],
+    shape=shape,
+    opcode=op[1],
+    operands=tuple(operands),
+    attrs=_STRING_RE.sub('""', rest[close + 1 :]),
+    raw=line,
   )
 
 
@@ -546,7 +542,7 @@ def _split_top_level(text: str) -> list[str]:
 
 
 def _parse_module(
-    text: str,
+  text: str,
 ) -> tuple[dict[str, list[_Instruction]], str | None, int, int]:
   """Computations by name, the entry's name, partitions and replicas."""
   computations: dict[str, list[_Instruction]] = {}
@@ -591,7 +587,7 @@ def _hlo_kind(opcode: str) -> str | None:
 
 
 def _group_size(
-    ins: _Instruction, kind: str, num_partitions: int, replica_count: int
+  ins: _Instruction, kind: str, num_partitions: int, replica_count: int
 ) -> int:
   if kind == 'collective-permute':
     m = _PAIRS_RE.search(ins.attrs)
@@ -612,7 +608,7 @@ def _gather_dimension(ins: _Instruction) -> int:
 
 
 def _scaled(
-    elements: list[_Element], dim: int, factor: float
+  elements: list[_Element], dim: int, factor: float
 ) -> list[_Element]:
   out = []
   for dtype, shape in elements:
@@ -624,7 +620,7 @@ def _scaled(
 
 
 def _full_elements(
-    ins: _Instruction, kind: str, n: int, shapes: dict[str, str]
+  ins: _Instruction, kind: str, n: int, shapes: dict[str, str]
 ) -> list[_Element]:
   """Elements of the full array that the byte formula for ``kind`` uses."""
   operands: list[_Element] | None = []
@@ -655,7 +651,7 @@ def _full_elements(
 
 
 def hlo_collectives(
-    text: str, num_devices: int | None = None
+  text: str, num_devices: int | None = None
 ) -> tuple[Collective, ...]:
   """Lists the collectives of a compiled HLO module's text.
 
@@ -677,7 +673,7 @@ def hlo_collectives(
   out: list[Collective] = []
 
   def visit(
-      name: str, executions: int, in_loop: bool, stack: tuple[str, ...]
+    name: str, executions: int, in_loop: bool, stack: tuple[str, ...]
   ) -> None:
     if name not in computations or name in stack:
       return
@@ -689,9 +685,7 @@ def hlo_collectives(
       if kind is not None:
         n = _group_size(ins, kind, num_partitions, replica_count)
         elements = _full_elements(ins, kind, n, shapes)
-        out.append(
-            _record(kind, ins.name, elements, n, executions, in_loop)
-        )
+        out.append(_record(kind, ins.name, elements, n, executions, in_loop))
       if ins.opcode == 'while':
         trip = _TRIP_COUNT_RE.search(ins.raw)
         trips = int(trip[1]) if trip else 1
@@ -709,11 +703,11 @@ def hlo_collectives(
     roots = [entry]
   else:  # A fragment without ENTRY: start from computations nobody calls.
     called = {
-        callee
-        for instructions in computations.values()
-        for ins in instructions
-        for callee in _callees(ins)
-        + [m['name'] for m in _LOOP_RE.finditer(ins.attrs)]
+      callee
+      for instructions in computations.values()
+      for ins in instructions
+      for callee in _callees(ins)
+      + [m['name'] for m in _LOOP_RE.finditer(ins.attrs)]
     }
     roots = [c for c in computations if c not in called]
   for root in roots:
@@ -726,13 +720,13 @@ def hlo_collectives(
 
 
 _MLIR_OP_RE = re.compile(
-    r'(?P<result>%[\w#:]+)\s*=\s*"stablehlo\.(?P<op>all_gather|reduce_scatter|'
-    r'all_reduce|all_to_all|collective_permute|collective_broadcast)"\('
+  r'(?P<result>%[\w#:]+)\s*=\s*"stablehlo\.(?P<op>all_gather|reduce_scatter|'
+  r'all_reduce|all_to_all|collective_permute|collective_broadcast)"\('
 )
 _MLIR_FUNC_RE = re.compile(r'\bfunc\.func\s+(?:\w+\s+)*@(?P<name>[\w.$\-]+)')
 _MLIR_CALL_RE = re.compile(r'\bcall\s+@(?P<name>[\w.$\-]+)')
 _MLIR_TENSOR_RE = re.compile(
-    r'tensor<(?P<dims>(?:(?:\d+|\?)x)*)(?P<dtype>complex<\w+>|\w+)[^<>]*>'
+  r'tensor<(?P<dims>(?:(?:\d+|\?)x)*)(?P<dtype>complex<\w+>|\w+)[^<>]*>'
 )
 _MLIR_SIGNATURE_RE = re.compile(r':\s*\((?P<ins>[^()]*)\)\s*->\s*(?P<outs>.*)$')
 
@@ -751,9 +745,7 @@ def _mlir_dtype(dtype: str) -> str:
 def _mlir_elements(types: str) -> list[_Element]:
   out = []
   for m in _MLIR_TENSOR_RE.finditer(types):
-    dims = tuple(
-        0 if d == '?' else int(d) for d in m['dims'].split('x') if d
-    )
+    dims = tuple(0 if d == '?' else int(d) for d in m['dims'].split('x') if d)
     out.append((_mlir_dtype(m['dtype']), dims))
   return out
 
@@ -761,9 +753,9 @@ def _mlir_elements(types: str) -> list[_Element]:
 def _mlir_matrix(attrs: str, name: str) -> list[tuple[int, ...]] | None:
   """Rows of a ``name = dense<...> : tensor<RxCxi64>`` attribute."""
   m = re.search(
-      name + r'\s*=\s*dense<(?P<value>.*?)>\s*:\s*tensor<(?P<r>\d+)x(?P<c>\d+)'
-      r'xi64>',
-      attrs,
+    name + r'\s*=\s*dense<(?P<value>.*?)>\s*:\s*tensor<(?P<r>\d+)x(?P<c>\d+)'
+    r'xi64>',
+    attrs,
   )
   if not m:
     return None
@@ -783,7 +775,7 @@ def _mlir_matrix(attrs: str, name: str) -> list[tuple[int, ...]] | None:
 
 
 def stablehlo_collectives(
-    text: str, num_devices: int | None = None
+  text: str, num_devices: int | None = None
 ) -> tuple[Collective, ...]:
   """Lists the collectives of a StableHLO (MLIR) module's text.
 
@@ -809,7 +801,7 @@ def stablehlo_collectives(
     partitions = re.search(r'mhlo\.num_partitions\s*=\s*(\d+)', text)
     replicas = re.search(r'mhlo\.num_replicas\s*=\s*(\d+)', text)
     num_devices = (int(partitions[1]) if partitions else 1) * (
-        int(replicas[1]) if replicas else 1
+      int(replicas[1]) if replicas else 1
     )
   # (function, in a while region, kind, result name, op text) per op.
   found: list[tuple[str | None, bool, str, str, str]] = []
@@ -866,9 +858,7 @@ def stablehlo_collectives(
       n = max((len(g) for g in groups), default=0) if groups else 0
       n = n or num_devices
     elements = outs if kind == 'all-gather' else ins
-    out.append(
-        _record(kind, result, elements, n, 1, in_while or fn in looped)
-    )
+    out.append(_record(kind, result, elements, n, 1, in_while or fn in looped))
   return tuple(out)
 
 
@@ -890,11 +880,11 @@ def _flops(compiled: Any) -> float:
 
 def _memory_fields(compiled: Any) -> dict[str, int | None]:
   fields = {
-      'argument_bytes': 'argument_size_in_bytes',
-      'output_bytes': 'output_size_in_bytes',
-      'temp_bytes': 'temp_size_in_bytes',
-      'alias_bytes': 'alias_size_in_bytes',
-      'generated_code_bytes': 'generated_code_size_in_bytes',
+    'argument_bytes': 'argument_size_in_bytes',
+    'output_bytes': 'output_size_in_bytes',
+    'temp_bytes': 'temp_size_in_bytes',
+    'alias_bytes': 'alias_size_in_bytes',
+    'generated_code_bytes': 'generated_code_size_in_bytes',
   }
   try:
     stats = compiled.memory_analysis()
@@ -944,7 +934,8 @@ def dot_flops(compiled: Any, *, loop_trip_counts: bool = False) -> float:
         if not lhs or not out or dims is None:
           continue
         contracted = math.prod(
-            lhs[0][1][int(d)] for d in dims[1].split(',') if d)
+          lhs[0][1][int(d)] for d in dims[1].split(',') if d
+        )
         total += 2.0 * math.prod(out[0][1]) * contracted
       elif ins.opcode == 'conditional':
         total += max((cost(c) for c in _callees(ins)), default=0.0)

@@ -39,8 +39,13 @@ AXES = ('replicate', 'shard')
 def init_params(seed=0, d=32, f=48):
   keys = iter(jax.random.split(jax.random.key(seed), 8))
   n = lambda shape: 0.1 * jax.random.normal(next(keys), shape, jnp.float32)
-  return {'embed': n((16, d)), 'up': n((d, f)), 'down': n((f, d)),
-          'o': n((d, d)), 'norm': 1 + n((d,))}
+  return {
+    'embed': n((16, d)),
+    'up': n((d, f)),
+    'down': n((f, d)),
+    'o': n((d, d)),
+    'norm': 1 + n((d,)),
+  }
 
 
 def loss_fn(params, batch):
@@ -57,6 +62,7 @@ def batch_at(step, mesh):
 def slow_saves(seconds):
   """Makes every save sleep after orbax created its temporary directory."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
   handler = ocp.StandardCheckpointHandler
   original = handler.async_save
 
@@ -74,8 +80,9 @@ def main(argv=None):
   parser.add_argument('--steps', type=int, default=20)
   parser.add_argument('--every', type=int, default=3)
   parser.add_argument('--dir', required=True)
-  parser.add_argument('--out', default=None,
-                      help='write the final params here (.npz)')
+  parser.add_argument(
+    '--out', default=None, help='write the final params here (.npz)'
+  )
   parser.add_argument('--slow-save', type=float, default=0.0)
   args = parser.parse_args(argv)
   if args.slow_save:
@@ -105,8 +112,10 @@ def main(argv=None):
       checkpoint.save(args.dir, step + 1, params, state)
       print(f'saved {step + 1}', flush=True)
   if args.out:
-    flat = {jax.tree_util.keystr(p): np.asarray(x) for p, x in
-            jax.tree_util.tree_flatten_with_path(params)[0]}
+    flat = {
+      jax.tree_util.keystr(p): np.asarray(x)
+      for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
     np.savez(args.out, **flat)
   print('done', flush=True)
   return 0

@@ -32,6 +32,7 @@ VOCAB, WIDTH, HEADS, DEPTH, SEQ = 64, 32, 4, 4, 16
 
 class Block(nn.Module):
   """Pre-norm attention + MLP block."""
+
   width: int = WIDTH
   heads: int = HEADS
 
@@ -50,21 +51,25 @@ class Block(nn.Module):
 
 
 class ScanBlock(Block):
-
   def __call__(self, x, _):
     return super().__call__(x), None
 
 
 class Transformer(nn.Module):
   """Embedding, ``DEPTH`` blocks (``layers_i``, or ``layers`` scanned), head."""
+
   scan: bool = False
 
   @nn.compact
   def __call__(self, tokens):
     x = nn.Embed(VOCAB, WIDTH, name='embed')(tokens)
     if self.scan:
-      stack = nn.scan(ScanBlock, variable_axes={'params': 0},
-                      split_rngs={'params': True}, length=DEPTH)
+      stack = nn.scan(
+        ScanBlock,
+        variable_axes={'params': 0},
+        split_rngs={'params': True},
+        length=DEPTH,
+      )
       x, _ = stack(name='layers')(x, None)
     else:
       for i in range(DEPTH):
@@ -86,7 +91,8 @@ def cross_entropy(logits, tokens):
 
 def init(scan):
   return Transformer(scan=scan).init(
-      jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32))
+    jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32)
+  )
 
 
 def predicate(path, leaf):
@@ -104,13 +110,14 @@ def dedicated_loss(ded: dmuon_jax.Dedication, scan: bool):
   apply = lambda block_params, x: block.apply({'params': block_params}, x)
 
   def loss(dp, tokens):
-    p = ded.gather_rest(dp)['params']    # embedding, final norm, head
+    p = ded.gather_rest(dp)['params']  # embedding, final norm, head
     x = jnp.take(p['embed']['embedding'], tokens, axis=0)
     if scan:
       x = ded.scan(apply, 'params/layers')(dp, x)
-    elif ded.layers_per_gather > 1:      # one gather per group of blocks
-      x = ded.sequential(apply, [f'params/layers_{i}'
-                                 for i in range(DEPTH)])(dp, x)
+    elif ded.layers_per_gather > 1:  # one gather per group of blocks
+      x = ded.sequential(apply, [f'params/layers_{i}' for i in range(DEPTH)])(
+        dp, x
+      )
     else:
       for i in range(DEPTH):
         x = ded.block(apply, f'params/layers_{i}')(dp, x)
@@ -119,28 +126,39 @@ def dedicated_loss(ded: dmuon_jax.Dedication, scan: bool):
   return loss
 
 
-def make_train_step(ded: dmuon_jax.Dedication,
-                    opt: optax.GradientTransformation, opt_state, scan: bool):
+def make_train_step(
+  ded: dmuon_jax.Dedication,
+  opt: optax.GradientTransformation,
+  opt_state,
+  scan: bool,
+):
   """The jitted train step: ``shard_map`` over the mesh, DMuon update."""
   specs, state_specs = ded.specs(), ded.specs_of(opt_state)
   loss_fn = dedicated_loss(ded, scan)
   axes = ded.mesh.axis_names
 
   @jax.jit
-  @functools.partial(jax.shard_map, mesh=ded.mesh,
-                     in_specs=(specs, state_specs, P(axes)),
-                     out_specs=(specs, state_specs, P()))
+  @functools.partial(
+    jax.shard_map,
+    mesh=ded.mesh,
+    in_specs=(specs, state_specs, P(axes)),
+    out_specs=(specs, state_specs, P()),
+  )
   def train_step(dp, opt_state, tokens):
     loss, grads = dmuon_jax.local_value_and_grad(loss_fn)(dp, tokens)
     updates, opt_state = opt.update(grads, opt_state, dp)
-    return (optax.apply_updates(dp, updates), opt_state,
-            jax.lax.pmean(loss, axes))
+    return (
+      optax.apply_updates(dp, updates),
+      opt_state,
+      jax.lax.pmean(loss, axes),
+    )
 
   return train_step
 
 
 def fsdp(params, mesh):
   """Places params FSDP-style: the last dim divisible by ``'shard'``."""
+
   def place(x):
     size = mesh.shape['shard']
     dims = [d for d in range(x.ndim) if x.shape[d] % size == 0]
@@ -148,6 +166,7 @@ def fsdp(params, mesh):
     if dims and size > 1:
       spec[dims[-1]] = 'shard'
     return jax.device_put(x, NamedSharding(mesh, P(*spec)))
+
   return jax.tree.map(place, params)
 
 
@@ -157,9 +176,13 @@ def main(steps=20, scan=False, z3=True, mesh_shape=(2, 4), per_gather=1):
   # Non-Muon params (embedding, norms, head) stay FSDP-sharded; Muon
   # matrices move to their owners.
   params = fsdp(init(scan), mesh)
-  ded = dmuon_jax.dedicate(params, mesh, predicate=predicate,
-                           reshard_after_forward=z3,
-                           layers_per_gather=per_gather)
+  ded = dmuon_jax.dedicate(
+    params,
+    mesh,
+    predicate=predicate,
+    reshard_after_forward=z3,
+    layers_per_gather=per_gather,
+  )
   print(ded.summary())
   dp = ded.to_dedicated(params)
   opt = dmuon_jax.dedicated_muon(ded, learning_rate=0.005)
@@ -184,5 +207,10 @@ if __name__ == '__main__':
   parser.add_argument('--layers-per-gather', type=int, default=1)
   args = parser.parse_args()
   jax.config.update('jax_num_cpu_devices', 8)
-  main(args.steps, args.scan, not args.z2,
-       tuple(int(v) for v in args.mesh.split(',')), args.layers_per_gather)
+  main(
+    args.steps,
+    args.scan,
+    not args.z2,
+    tuple(int(v) for v in args.mesh.split(',')),
+    args.layers_per_gather,
+  )

@@ -62,11 +62,12 @@ class Model(nnx.Module):
     self.head = nnx.Linear(WIDTH, VOCAB, use_bias=False, rngs=rngs)
     self.scan = scan
 
-  def __call__(self, tokens):           # single-device reference forward
+  def __call__(self, tokens):  # single-device reference forward
     x = self.embed(tokens)
     if self.scan:
-      x = nnx.scan(lambda x, block: (block(x), None),
-                   in_axes=(nnx.Carry, 0))(x, self.layers)[0]
+      x = nnx.scan(lambda x, block: (block(x), None), in_axes=(nnx.Carry, 0))(
+        x, self.layers
+      )[0]
     else:
       for block in self.layers:
         x = block(x)
@@ -90,29 +91,34 @@ def predicate(scan: bool):
   return lambda path, x: 'layers' in path and path.endswith('kernel')
 
 
-def main(steps: int = 20, scan: bool = False, z3: bool = True,
-         mesh_shape: tuple[int, int] = (2, 4)) -> tuple[list[float], Model]:
+def main(
+  steps: int = 20,
+  scan: bool = False,
+  z3: bool = True,
+  mesh_shape: tuple[int, int] = (2, 4),
+) -> tuple[list[float], Model]:
   """Trains with dedicated DMuon; returns the losses and the trained model."""
   mesh = jax.make_mesh(mesh_shape, AXES)
   model = Model(nnx.Rngs(0), scan=scan)
   graphdef, state = nnx.split(model)
-  params = nnx.to_pure_dict(state)       # {'layers': {0: {'up': ...}}, ...}
+  params = nnx.to_pure_dict(state)  # {'layers': {0: {'up': ...}}, ...}
   block_def = nnx.graphdef(Block(nnx.Rngs(0)))
 
   # 1. Plan: who owns each matrix; blocks 'layers/0'.. (or the 'layers'
   #    stack) are the hook boundaries. The stacked kernels of a scanned
   #    model are 3-D, so name the targets with a predicate.
-  ded = dmuon_jax.dedicate(params, mesh, predicate=predicate(scan),
-                           reshard_after_forward=z3)
+  ded = dmuon_jax.dedicate(
+    params, mesh, predicate=predicate(scan), reshard_after_forward=z3
+  )
   dp = ded.to_dedicated(jax.device_put(params, NamedSharding(mesh, P())))
   opt = dmuon_jax.dedicated_muon(ded, learning_rate=0.005)
   opt_state = opt.init(dp)
 
-  def run_block(block_params, x):        # one block, weights materialized
+  def run_block(block_params, x):  # one block, weights materialized
     return nnx.merge(block_def, block_params)(x)
 
   def loss_fn(dp, tokens):
-    rest = ded.gather_rest(dp)           # embedding, norm, head
+    rest = ded.gather_rest(dp)  # embedding, norm, head
     x = jnp.take(rest['embed']['embedding'], tokens, axis=0)
     if scan:
       x = ded.scan(run_block, 'layers')(dp, x)
@@ -125,14 +131,19 @@ def main(steps: int = 20, scan: bool = False, z3: bool = True,
   # 2. The train step: shard_map over the mesh, per-device gradients.
   @jax.jit
   @functools.partial(
-      jax.shard_map, mesh=mesh,
-      in_specs=(ded.specs(), ded.specs_of(opt_state), P(AXES)),
-      out_specs=(ded.specs(), ded.specs_of(opt_state), P()))
+    jax.shard_map,
+    mesh=mesh,
+    in_specs=(ded.specs(), ded.specs_of(opt_state), P(AXES)),
+    out_specs=(ded.specs(), ded.specs_of(opt_state), P()),
+  )
   def train_step(dp, opt_state, tokens):
     loss, grads = dmuon_jax.local_value_and_grad(loss_fn)(dp, tokens)
     updates, opt_state = opt.update(grads, opt_state, dp)
-    return (optax.apply_updates(dp, updates), opt_state,
-            jax.lax.pmean(loss, AXES))
+    return (
+      optax.apply_updates(dp, updates),
+      opt_state,
+      jax.lax.pmean(loss, AXES),
+    )
 
   tokens = jax.device_put(make_tokens(), NamedSharding(mesh, P(AXES)))
   losses = []
@@ -152,8 +163,11 @@ if __name__ == '__main__':
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--steps', type=int, default=20)
   parser.add_argument('--scan', action='store_true')
-  parser.add_argument('--z2', action='store_true',
-                      help='keep gathered weights (reshard_after_forward=False)')
+  parser.add_argument(
+    '--z2',
+    action='store_true',
+    help='keep gathered weights (reshard_after_forward=False)',
+  )
   args = parser.parse_args()
   jax.config.update('jax_num_cpu_devices', 8)
   main(args.steps, args.scan, not args.z2)

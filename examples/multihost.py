@@ -47,16 +47,21 @@ LR = 0.002
 def init_params():
   import jax
   import jax.numpy as jnp
+
   k = iter(jax.random.split(jax.random.key(0), 64))
   n = lambda *shape: 0.3 * jax.random.normal(next(k), shape, jnp.float32)
-  params = {f'layers_{i}': {f'w{j}': n(WIDTH, WIDTH) for j in range(MATS)}
-            | {'scale': 1 + n(WIDTH)} for i in range(BLOCKS)}
+  params = {
+    f'layers_{i}': {f'w{j}': n(WIDTH, WIDTH) for j in range(MATS)}
+    | {'scale': 1 + n(WIDTH)}
+    for i in range(BLOCKS)
+  }
   params['head'] = n(WIDTH, OUT)
   return params
 
 
 def block_fn(layer, x):
   import jax.numpy as jnp
+
   for j in range(MATS):
     x = x + jnp.tanh(x @ layer[f'w{j}']) * layer['scale']
   return x
@@ -64,6 +69,7 @@ def block_fn(layer, x):
 
 def loss_fn(params, x):
   import jax.numpy as jnp
+
   for i in range(BLOCKS):
     x = block_fn(params[f'layers_{i}'], x)
   return jnp.mean((x @ params['head']) ** 2)
@@ -71,6 +77,7 @@ def loss_fn(params, x):
 
 def make_batch():
   import jax
+
   return jax.random.normal(jax.random.key(1), (BATCH, WIDTH))
 
 
@@ -80,13 +87,16 @@ def make_batch():
 def _global(host, sharding):
   """A global array from host data every process holds in full."""
   import jax
-  return jax.make_array_from_callback(host.shape, sharding,
-                                      lambda idx: host[idx])
+
+  return jax.make_array_from_callback(
+    host.shape, sharding, lambda idx: host[idx]
+  )
 
 
 def _fsdp_sharding(x, mesh):
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
+
   size = mesh.shape['shard']
   for dim in range(x.ndim - 1, -1, -1):
     if size > 1 and x.shape[dim] % size == 0:
@@ -103,8 +113,11 @@ def _place(host_params, mesh, layout):
   from jax.sharding import PartitionSpec as P
 
   def one(x):
-    sharding = (NamedSharding(mesh, P()) if layout == 'replicated'
-                else _fsdp_sharding(x, mesh))
+    sharding = (
+      NamedSharding(mesh, P())
+      if layout == 'replicated'
+      else _fsdp_sharding(x, mesh)
+    )
     return _global(x, sharding)
 
   return jax.tree.map(one, host_params)
@@ -116,41 +129,53 @@ def _to_host(tree, mesh):
   import numpy as np
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
+
   full = jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, P()))(tree)
   return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), full)
 
 
-def save_and_check(checkpoint_dir, steps, mesh, like, trained, opt,
-                   dedication=None):
+def save_and_check(
+  checkpoint_dir, steps, mesh, like, trained, opt, dedication=None
+):
   """Saves ``trained = (params, state)`` from every process, restores it
   (every process again, onto the same mesh) and checks it is identical."""
   import jax
   import numpy as np
 
   import dmuon_jax
+
   params, state = trained
   dmuon_jax.checkpoint.save(checkpoint_dir, steps, params, state)
   step, params2, state2 = dmuon_jax.checkpoint.restore(
-      checkpoint_dir, like, opt, dedication=dedication)
+    checkpoint_dir, like, opt, dedication=dedication
+  )
+
   def portable(p, s):
     out = dmuon_jax.checkpoint.state_to_portable(s)
     return (p if dedication is None else dedication.to_params(p)), out
+
   before = _to_host(portable(params, state), mesh)
   after = _to_host(portable(params2, state2), mesh)
   same = step == steps and all(
-      np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before),
-                                           jax.tree.leaves(after)))
-  print(f'process {jax.process_index()}: checkpoint of step {step} restored '
-        f'{"identical" if same else "DIFFERENT"}', flush=True)
+    np.array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after))
+  )
+  print(
+    f'process {jax.process_index()}: checkpoint of step {step} restored '
+    f'{"identical" if same else "DIFFERENT"}',
+    flush=True,
+  )
   if not same:
     raise SystemExit('restored checkpoint differs from the saved state')
 
 
 def _like(params):
   import jax
+
   return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-      params)
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+    params,
+  )
 
 
 def train_dropin(mesh, host_params, x, steps, layout, checkpoint_dir=None):
@@ -158,9 +183,10 @@ def train_dropin(mesh, host_params, x, steps, layout, checkpoint_dir=None):
   import optax
 
   import dmuon_jax
+
   params = _place(host_params, mesh, layout)
   opt = dmuon_jax.dmuon(LR, mesh=mesh)
-  state = jax.block_until_ready(opt.init(params))   # eagerly, placed arrays
+  state = jax.block_until_ready(opt.init(params))  # eagerly, placed arrays
 
   @jax.jit
   def step(params, state, x):
@@ -172,20 +198,23 @@ def train_dropin(mesh, host_params, x, steps, layout, checkpoint_dir=None):
   for _ in range(steps):
     params, state, loss = step(params, state, x)
     losses.append(jax.block_until_ready(loss))
-  if checkpoint_dir:            # every process takes part
-    save_and_check(checkpoint_dir, steps, mesh, _like(params),
-                   (params, state), opt)
+  if checkpoint_dir:  # every process takes part
+    save_and_check(
+      checkpoint_dir, steps, mesh, _like(params), (params, state), opt
+    )
   return losses, params
 
 
-def train_dedicated(mesh, host_params, x, steps, layout, checkpoint_dir=None,
-                    z3=True):
+def train_dedicated(
+  mesh, host_params, x, steps, layout, checkpoint_dir=None, z3=True
+):
   import jax
   import jax.numpy as jnp
   import optax
   from jax.sharding import PartitionSpec as P
 
   import dmuon_jax
+
   params = _place(host_params, mesh, layout)
   ded = dmuon_jax.dedicate(params, mesh, reshard_after_forward=z3)
   # Every set-up program finishes before the next starts: all processes
@@ -203,42 +232,59 @@ def train_dedicated(mesh, host_params, x, steps, layout, checkpoint_dir=None,
   specs, state_specs = ded.specs(), ded.specs_of(state)
 
   @jax.jit
-  @functools.partial(jax.shard_map, mesh=mesh,
-                     in_specs=(specs, state_specs, P(AXES)),
-                     out_specs=(specs, state_specs, P()))
+  @functools.partial(
+    jax.shard_map,
+    mesh=mesh,
+    in_specs=(specs, state_specs, P(AXES)),
+    out_specs=(specs, state_specs, P()),
+  )
   def step(dp, state, x):
     loss, grads = dmuon_jax.local_value_and_grad(dedicated_loss)(dp, x)
     updates, state = opt.update(grads, state, dp)
-    return (optax.apply_updates(dp, updates), state,
-            jax.lax.pmean(loss, AXES))
+    return (optax.apply_updates(dp, updates), state, jax.lax.pmean(loss, AXES))
 
   losses = []
   for _ in range(steps):
     dp, state, loss = step(dp, state, x)
     losses.append(jax.block_until_ready(loss))
   if checkpoint_dir:
-    save_and_check(checkpoint_dir, steps, mesh, _like(params), (dp, state),
-                   opt, dedication=ded)
+    save_and_check(
+      checkpoint_dir,
+      steps,
+      mesh,
+      _like(params),
+      (dp, state),
+      opt,
+      dedication=ded,
+    )
   return losses, ded.to_params(dp)
 
 
 def child_main(args):
   """One process of the run: joins the global mesh, trains, writes .npz."""
-  if args.dump_after:                    # debugging hangs: stacks to stderr
+  if args.dump_after:  # debugging hangs: stacks to stderr
     import faulthandler
+
     faulthandler.dump_traceback_later(args.dump_after, exit=True)
   import jax
+
   jax.config.update('jax_platforms', 'cpu')
   jax.config.update('jax_num_cpu_devices', args.local_devices)
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-  if args.fail_at_start == args.child:   # after the slow import: the peers
-    raise RuntimeError(                  # are waiting in initialize by now
-        f'child {args.child}: failing at start on request (--fail-at-start)')
-  print(f'child {args.child}: jax.distributed.initialize', file=sys.stderr,
-        flush=True)
+  if args.fail_at_start == args.child:  # after the slow import: the peers
+    raise RuntimeError(  # are waiting in initialize by now
+      f'child {args.child}: failing at start on request (--fail-at-start)'
+    )
+  print(
+    f'child {args.child}: jax.distributed.initialize',
+    file=sys.stderr,
+    flush=True,
+  )
   jax.distributed.initialize(
-      coordinator_address=f'127.0.0.1:{args.port}',
-      num_processes=args.processes, process_id=args.child)
+    coordinator_address=f'127.0.0.1:{args.port}',
+    num_processes=args.processes,
+    process_id=args.child,
+  )
   import numpy as np
   from jax.sharding import Mesh, NamedSharding
   from jax.sharding import PartitionSpec as P
@@ -250,18 +296,24 @@ def child_main(args):
   shape = mesh_shape(args.mesh, n)
   # Global devices in id order: the same mesh as the 1-process reference.
   devices = sorted(jax.devices(), key=lambda d: d.id)
-  mesh = Mesh(np.array(devices).reshape(shape), AXES,
-              axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  mesh = Mesh(
+    np.array(devices).reshape(shape),
+    AXES,
+    axis_types=(jax.sharding.AxisType.Auto,) * 2,
+  )
   host_params = jax.tree.map(np.asarray, init_params())
   x = _global(np.asarray(make_batch()), NamedSharding(mesh, P(AXES)))
   train = train_dropin if args.mode == 'dropin' else train_dedicated
-  losses, params = train(mesh, host_params, x, args.steps, args.layout,
-                         args.checkpoint_dir)
+  losses, params = train(
+    mesh, host_params, x, args.steps, args.layout, args.checkpoint_dir
+  )
   losses, params = _to_host((losses, params), mesh)
   seconds = time.time() - start
   if jax.process_index() == 0:
-    flat = {'params' + jax.tree_util.keystr(path): leaf for path, leaf
-            in jax.tree_util.tree_flatten_with_path(params)[0]}
+    flat = {
+      'params' + jax.tree_util.keystr(path): leaf
+      for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
     os.makedirs(args.out_dir, exist_ok=True)
     path = os.path.join(args.out_dir, out_name(args))
     np.savez(path, losses=np.stack(losses), seconds=seconds, **flat)
@@ -332,13 +384,17 @@ def _kill(procs, grace=3.0):
 def _child_env():
   env = dict(os.environ)
   # A forced host device count would clash with jax_num_cpu_devices.
-  flags = [f for f in env.pop('XLA_FLAGS', '').split()
-           if not f.startswith('--xla_force_host_platform_device_count')]
+  flags = [
+    f
+    for f in env.pop('XLA_FLAGS', '').split()
+    if not f.startswith('--xla_force_host_platform_device_count')
+  ]
   if flags:
     env['XLA_FLAGS'] = ' '.join(flags)
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env['PYTHONPATH'] = os.pathsep.join(
-      [root] + [p for p in env.get('PYTHONPATH', '').split(os.pathsep) if p])
+    [root] + [p for p in env.get('PYTHONPATH', '').split(os.pathsep) if p]
+  )
   return env
 
 
@@ -352,7 +408,7 @@ def launch(args, argv):
 
   def on_sigterm(signum, frame):
     del frame
-    raise SystemExit(128 + signum)      # runs the ``finally`` below
+    raise SystemExit(128 + signum)  # runs the ``finally`` below
 
   previous = signal.signal(signal.SIGTERM, on_sigterm)
   try:
@@ -360,10 +416,22 @@ def launch(args, argv):
       log = os.path.join(args.out_dir, f'child{i}.stderr')
       logs.append(log)
       with open(log, 'w') as err:
-        procs.append(subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), *argv,
-             '--child', str(i), '--port', str(port)],
-            env=env, stderr=err, start_new_session=True))
+        procs.append(
+          subprocess.Popen(
+            [
+              sys.executable,
+              os.path.abspath(__file__),
+              *argv,
+              '--child',
+              str(i),
+              '--port',
+              str(port),
+            ],
+            env=env,
+            stderr=err,
+            start_new_session=True,
+          )
+        )
       print(f'child {i} pid {procs[-1].pid}', flush=True)
     with open(os.path.join(args.out_dir, 'pids.json'), 'w') as f:
       json.dump([p.pid for p in procs], f)
@@ -371,29 +439,37 @@ def launch(args, argv):
     failed = None
     while time.time() - start < args.timeout:
       codes = [p.poll() for p in procs]
-      failed = next((i for i, c in enumerate(codes) if c not in (None, 0)),
-                    None)
+      failed = next(
+        (i for i, c in enumerate(codes) if c not in (None, 0)), None
+      )
       if failed is not None or all(c == 0 for c in codes):
         break
       time.sleep(0.1)
     else:
       _kill(procs)
-      print(f'timeout after {args.timeout:.0f} s: killed all children',
-            file=sys.stderr)
+      print(
+        f'timeout after {args.timeout:.0f} s: killed all children',
+        file=sys.stderr,
+      )
       for i, log in enumerate(logs):
         print(f'--- child {i} stderr tail ---\n{_tail(log)}', file=sys.stderr)
       return 3
     if failed is not None:
       killed = _kill(procs)
-      print(f'child {failed} failed with exit code {procs[failed].returncode}'
-            f'; killed children {killed}\n--- child {failed} stderr tail ---'
-            f'\n{_tail(logs[failed])}', file=sys.stderr)
+      print(
+        f'child {failed} failed with exit code {procs[failed].returncode}'
+        f'; killed children {killed}\n--- child {failed} stderr tail ---'
+        f'\n{_tail(logs[failed])}',
+        file=sys.stderr,
+      )
       return 2
-    print(f'all {args.processes} children done in {time.time() - start:.1f} s',
-          flush=True)
+    print(
+      f'all {args.processes} children done in {time.time() - start:.1f} s',
+      flush=True,
+    )
     return 0
   finally:
-    _kill(procs)                        # SIGTERM, KeyboardInterrupt, errors
+    _kill(procs)  # SIGTERM, KeyboardInterrupt, errors
     signal.signal(signal.SIGTERM, previous)
 
 
@@ -401,29 +477,48 @@ def parse_args(argv):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--processes', type=int, default=2)
   parser.add_argument('--local-devices', type=int, default=4)
-  parser.add_argument('--mode', choices=('dropin', 'dedicated'),
-                      default='dedicated')
-  parser.add_argument('--mesh', default='',
-                      help="R,S over all P*D devices (default '1,P*D')")
-  parser.add_argument('--layout', choices=('replicated', 'fsdp'),
-                      default='replicated',
-                      help='placement of the params before training')
+  parser.add_argument(
+    '--mode', choices=('dropin', 'dedicated'), default='dedicated'
+  )
+  parser.add_argument(
+    '--mesh', default='', help="R,S over all P*D devices (default '1,P*D')"
+  )
+  parser.add_argument(
+    '--layout',
+    choices=('replicated', 'fsdp'),
+    default='replicated',
+    help='placement of the params before training',
+  )
   parser.add_argument('--steps', type=int, default=10)
   parser.add_argument('--out-dir', default='/tmp/dmuon_multihost')
-  parser.add_argument('--checkpoint-dir', default=None,
-                      help='after training, all processes save the params '
-                      'and optimizer state here (dmuon_jax.checkpoint, '
-                      'mesh-independent: restore on any mesh), restore it '
-                      'and check it equals the trained state')
-  parser.add_argument('--timeout', type=float, default=600,
-                      help='seconds before the parent kills all children')
-  parser.add_argument('--fail-at-start', type=int, default=-1,
-                      help='child that raises before initialize (testing)')
-  parser.add_argument('--dump-after', type=float, default=0,
-                      help='children dump their stacks and exit after this '
-                      'many seconds (debugging hangs)')
-  parser.add_argument('--child', type=int, default=None,
-                      help=argparse.SUPPRESS)
+  parser.add_argument(
+    '--checkpoint-dir',
+    default=None,
+    help='after training, all processes save the params '
+    'and optimizer state here (dmuon_jax.checkpoint, '
+    'mesh-independent: restore on any mesh), restore it '
+    'and check it equals the trained state',
+  )
+  parser.add_argument(
+    '--timeout',
+    type=float,
+    default=600,
+    help='seconds before the parent kills all children',
+  )
+  parser.add_argument(
+    '--fail-at-start',
+    type=int,
+    default=-1,
+    help='child that raises before initialize (testing)',
+  )
+  parser.add_argument(
+    '--dump-after',
+    type=float,
+    default=0,
+    help='children dump their stacks and exit after this '
+    'many seconds (debugging hangs)',
+  )
+  parser.add_argument('--child', type=int, default=None, help=argparse.SUPPRESS)
   parser.add_argument('--port', type=int, default=0, help=argparse.SUPPRESS)
   return parser.parse_args(argv)
 
@@ -431,7 +526,7 @@ def parse_args(argv):
 def main(argv=None):
   argv = sys.argv[1:] if argv is None else list(argv)
   args = parse_args(argv)
-  mesh_shape(args.mesh, args.processes * args.local_devices)   # validate
+  mesh_shape(args.mesh, args.processes * args.local_devices)  # validate
   if args.child is not None:
     return child_main(args)
   return launch(args, argv)

@@ -24,13 +24,18 @@ import time
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--steps', type=int, default=200)
-  p.add_argument('--batch', type=int, default=32,
-                 help='sequences per step (divisible by the device count)')
+  p.add_argument(
+    '--batch',
+    type=int,
+    default=32,
+    help='sequences per step (divisible by the device count)',
+  )
   p.add_argument('--seq', type=int, default=64, help='bytes per sequence')
   p.add_argument('--width', type=int, default=128)
   p.add_argument('--heads', type=int, default=4)
-  p.add_argument('--mesh', default='2x4',
-                 help='replicate x shard, e.g. 2x4, 1x8, 8x1')
+  p.add_argument(
+    '--mesh', default='2x4', help='replicate x shard, e.g. 2x4, 1x8, 8x1'
+  )
   p.add_argument('--log-every', type=int, default=20)
   p.add_argument('--data-bytes', type=int, default=2_000_000)
   p.add_argument('--seed', type=int, default=0)
@@ -41,6 +46,7 @@ def main(argv=None):  # pylint: disable=too-many-locals
   args = parse_args(argv)
   r, s = (int(v) for v in args.mesh.lower().split('x'))
   import jax  # pylint: disable=g-import-not-at-top
+
   # Before anything touches the devices.
   jax.config.update('jax_num_cpu_devices', r * s)
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
@@ -55,6 +61,7 @@ def main(argv=None):  # pylint: disable=too-many-locals
 
   class Block(nn.Module):
     """Pre-norm causal self-attention and MLP."""
+
     heads: int
 
     @nn.compact
@@ -72,6 +79,7 @@ def main(argv=None):  # pylint: disable=too-many-locals
 
   class ByteTransformer(nn.Module):
     """Embedding (+ learned positions), two blocks, final norm, head."""
+
     width: int
     heads: int
 
@@ -79,21 +87,30 @@ def main(argv=None):  # pylint: disable=too-many-locals
     def __call__(self, tokens):
       t = tokens.shape[1]
       x = nn.Embed(256, self.width, name='embed')(tokens)
-      x = x + self.param('pos_embed', nn.initializers.normal(0.02),
-                         (args.seq, self.width))[:t]
+      x = (
+        x
+        + self.param(
+          'pos_embed', nn.initializers.normal(0.02), (args.seq, self.width)
+        )[:t]
+      )
       for i in range(2):
         x = Block(self.heads, name=f'layers_{i}')(x)
       x = nn.LayerNorm(name='final_norm')(x)
       return nn.Dense(256, use_bias=False, name='head')(x)
 
-  mesh = jax.make_mesh((r, s), ('replicate', 'shard'),
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  mesh = jax.make_mesh(
+    (r, s), ('replicate', 'shard'), axis_types=(jax.sharding.AxisType.Auto,) * 2
+  )
   # The same data as train_lm.py (this directory is on sys.path when the
   # script runs).
   from train_lm import load_stdlib_text  # pylint: disable=g-import-not-at-top
+
   train, val = load_stdlib_text(args.data_bytes, args.seed)
-  print(f'data: {len(train):,} train bytes, {len(val):,} validation bytes; '
-        f'mesh {r}x{s} ({jax.device_count()} devices)', flush=True)
+  print(
+    f'data: {len(train):,} train bytes, {len(val):,} validation bytes; '
+    f'mesh {r}x{s} ({jax.device_count()} devices)',
+    flush=True,
+  )
 
   data_sharding = NamedSharding(mesh, P(('replicate', 'shard')))
 
@@ -105,27 +122,34 @@ def main(argv=None):  # pylint: disable=too-many-locals
     return jax.device_put(data[idx].astype(np.int32), data_sharding)
 
   model = ByteTransformer(args.width, args.heads)
-  params = model.init(jax.random.key(args.seed),
-                      jnp.zeros((1, args.seq), jnp.int32))['params']
+  params = model.init(
+    jax.random.key(args.seed), jnp.zeros((1, args.seq), jnp.int32)
+  )['params']
   # Replicated params, placed before the optimizer's init (inside create).
   params = jax.device_put(params, NamedSharding(mesh, P()))
   tx = dmuon_jax.dmuon(0.02, adam_learning_rate=3e-3, mesh=mesh)
-  state = train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                        tx=tx)
+  state = train_state.TrainState.create(
+    apply_fn=model.apply, params=params, tx=tx
+  )
   labels = jax.tree.leaves(dmuon_jax.muon_labels(params))
   n_params = sum(x.size for x in jax.tree.leaves(params))
-  print(f'model: {n_params:,} params, {labels.count("muon")} Muon matrices, '
-        f'{labels.count("adam")} AdamW leaves', flush=True)
+  print(
+    f'model: {n_params:,} params, {labels.count("muon")} Muon matrices, '
+    f'{labels.count("adam")} AdamW leaves',
+    flush=True,
+  )
 
   def loss_fn(params, apply_fn, batch):
     logits = apply_fn({'params': params}, batch[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(
-        logits, batch[:, 1:]).mean()
+      logits, batch[:, 1:]
+    ).mean()
 
   @jax.jit
   def train_step(state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(state.params, state.apply_fn,
-                                              batch)
+    loss, grads = jax.value_and_grad(loss_fn)(
+      state.params, state.apply_fn, batch
+    )
     return state.apply_gradients(grads=grads), loss
 
   @jax.jit
@@ -138,13 +162,18 @@ def main(argv=None):  # pylint: disable=too-many-locals
     state, loss = train_step(state, get_batch(train, step, args.batch))
     losses.append(float(loss))
     if (step + 1) % args.log_every == 0 or step == 0:
-      window = losses[-args.log_every:]
-      print(f'step {step + 1:5d}  loss {np.mean(window):.4f}  '
-            f'({time.perf_counter() - start:.1f} s)', flush=True)
-  train_loss = float(np.mean(losses[-args.log_every:]))
+      window = losses[-args.log_every :]
+      print(
+        f'step {step + 1:5d}  loss {np.mean(window):.4f}  '
+        f'({time.perf_counter() - start:.1f} s)',
+        flush=True,
+      )
+  train_loss = float(np.mean(losses[-args.log_every :]))
   val_loss = float(eval_step(state, val_batch))
-  print(f'final: train loss {train_loss:.4f}  val loss {val_loss:.4f}  '
-        f'({args.steps} steps, {time.perf_counter() - start:.1f} s)')
+  print(
+    f'final: train loss {train_loss:.4f}  val loss {val_loss:.4f}  '
+    f'({args.steps} steps, {time.perf_counter() - start:.1f} s)'
+  )
   return train_loss, val_loss
 
 

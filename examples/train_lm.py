@@ -51,39 +51,56 @@ import dmuon_jax
 
 AXES = ('replicate', 'shard')
 VOCAB = 256
-OPTIMIZERS = {          # --optimizers key: label in the table and the plot
-    'adamw': 'adamw',
-    'optax_muon': 'optax.contrib.muon',
-    'dmuon': 'dmuon (drop-in)',
-    'dedicated': 'dmuon dedicated Z3',
+OPTIMIZERS = {  # --optimizers key: label in the table and the plot
+  'adamw': 'adamw',
+  'optax_muon': 'optax.contrib.muon',
+  'dmuon': 'dmuon (drop-in)',
+  'dedicated': 'dmuon dedicated Z3',
 }
 DEFAULT_OUT_DIR = pathlib.Path(__file__).resolve().parent / 'results'
 
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(
-      description=__doc__.splitlines()[0],
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    description=__doc__.splitlines()[0],
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
   p.add_argument('--steps', type=int, default=300)
-  p.add_argument('--batch', type=int, default=32,
-                 help='sequences per step (global, divisible by devices)')
+  p.add_argument(
+    '--batch',
+    type=int,
+    default=32,
+    help='sequences per step (global, divisible by devices)',
+  )
   p.add_argument('--context', type=int, default=64, help='bytes per sequence')
   p.add_argument('--width', type=int, default=128)
   p.add_argument('--layers', type=int, default=2)
   p.add_argument('--heads', type=int, default=4)
-  p.add_argument('--mesh', default='2x4',
-                 help='replicate x shard, e.g. 2x4, 1x8, 8x1, 1x1')
+  p.add_argument(
+    '--mesh', default='2x4', help='replicate x shard, e.g. 2x4, 1x8, 8x1, 1x1'
+  )
   p.add_argument('--eval-every', type=int, default=25)
-  p.add_argument('--eval-batch', type=int, default=128,
-                 help='validation sequences (a fixed sample)')
+  p.add_argument(
+    '--eval-batch',
+    type=int,
+    default=128,
+    help='validation sequences (a fixed sample)',
+  )
   p.add_argument('--data-bytes', type=int, default=4_000_000)
   p.add_argument('--muon-lr', type=float, default=0.02)
-  p.add_argument('--adam-lr', type=float, default=3e-3,
-                 help="AdamW's learning rate, and the Muon variants' for "
-                      'the non-matrix params')
+  p.add_argument(
+    '--adam-lr',
+    type=float,
+    default=3e-3,
+    help="AdamW's learning rate, and the Muon variants' for "
+    'the non-matrix params',
+  )
   p.add_argument('--seed', type=int, default=0)
-  p.add_argument('--optimizers', default=','.join(OPTIMIZERS),
-                 help='comma-separated subset of ' + ', '.join(OPTIMIZERS))
+  p.add_argument(
+    '--optimizers',
+    default=','.join(OPTIMIZERS),
+    help='comma-separated subset of ' + ', '.join(OPTIMIZERS),
+  )
   p.add_argument('--out-dir', default=str(DEFAULT_OUT_DIR))
   p.add_argument('--no-plot', action='store_true')
   return p.parse_args(argv)
@@ -92,8 +109,11 @@ def parse_args(argv=None):
 def load_stdlib_text(max_bytes: int, seed: int):
   """Train/validation bytes from the standard library's .py files."""
   root = pathlib.Path(sysconfig.get_paths()['stdlib'])
-  files = sorted(p for p in root.rglob('*.py')
-                 if 'site-packages' not in p.parts and p.is_file())
+  files = sorted(
+    p
+    for p in root.rglob('*.py')
+    if 'site-packages' not in p.parts and p.is_file()
+  )
   rng = np.random.default_rng(seed)
   rng.shuffle(files)
   train, val, size = [], [], 0
@@ -121,8 +141,9 @@ class Block(nnx.Module):
   def __call__(self, x):
     b, t, d = x.shape
     y = self.norm1(x)
-    q, k, v = (f(y).reshape(b, t, self.heads, -1)
-               for f in (self.q, self.k, self.v))
+    q, k, v = (
+      f(y).reshape(b, t, self.heads, -1) for f in (self.q, self.k, self.v)
+    )
     att = jnp.einsum('bqhd,bkhd->bhqk', q, k) / (d // self.heads) ** 0.5
     att = jnp.where(jnp.tril(jnp.ones((t, t), bool)), att, -1e9)
     y = jnp.einsum('bhqk,bkhd->bqhd', jax.nn.softmax(att), v)
@@ -133,12 +154,12 @@ class Block(nnx.Module):
 class GPT(nnx.Module):
   """Byte embedding + positions, ``layers`` blocks, final norm, LM head."""
 
-  def __init__(self, width: int, layers: int, heads: int, context: int,
-               rngs: nnx.Rngs):
+  def __init__(
+    self, width: int, layers: int, heads: int, context: int, rngs: nnx.Rngs
+  ):
     self.embed = nnx.Embed(VOCAB, width, rngs=rngs)
     self.pos_embed = nnx.Embed(context, width, rngs=rngs)
-    self.layers = nnx.List([Block(width, heads, rngs)
-                            for _ in range(layers)])
+    self.layers = nnx.List([Block(width, heads, rngs) for _ in range(layers)])
     self.norm = nnx.LayerNorm(width, use_bias=False, rngs=rngs)
     self.head = nnx.Linear(width, VOCAB, use_bias=False, rngs=rngs)
 
@@ -161,13 +182,16 @@ def make_loss(model: GPT):
 
   def loss(params, chunk, run_blocks):
     tokens, targets = chunk[:, :-1], chunk[:, 1:]
-    x = (jnp.take(params['embed']['embedding'], tokens, axis=0)
-         + params['pos_embed']['embedding'][:tokens.shape[1]])
+    x = (
+      jnp.take(params['embed']['embedding'], tokens, axis=0)
+      + params['pos_embed']['embedding'][: tokens.shape[1]]
+    )
     x = run_blocks(x)
     x = nnx.merge(norm_def, params['norm'])(x)
     logits = x @ params['head']['kernel']
     return optax.softmax_cross_entropy_with_integer_labels(
-        logits, targets).mean()
+      logits, targets
+    ).mean()
 
   return loss
 
@@ -191,6 +215,7 @@ def make_trainer(key, tx_or_none, model, params, mesh, args):
         for i in range(args.layers):
           x = run_block(params['layers'][i], x)
         return x
+
       return loss(params, chunk, run_blocks)
 
     # Eager init on placed params: dmuon reads their sharding here. Every
@@ -199,8 +224,13 @@ def make_trainer(key, tx_or_none, model, params, mesh, args):
     state = (params, tx.init(params))
     replicated = NamedSharding(mesh, P())
     state = jax.tree.map(
-        lambda x: x if isinstance(getattr(x, 'sharding', None), NamedSharding)
-        else jax.device_put(x, replicated), state)
+      lambda x: (
+        x
+        if isinstance(getattr(x, 'sharding', None), NamedSharding)
+        else jax.device_put(x, replicated)
+      ),
+      state,
+    )
     shardings = jax.tree.map(lambda x: x.sharding, state)
 
     @functools.partial(jax.jit, out_shardings=(shardings, replicated))
@@ -218,31 +248,40 @@ def make_trainer(key, tx_or_none, model, params, mesh, args):
   # again in the backward pass), gradients reduce-scattered to the owners.
   ded = dmuon_jax.dedicate(params, mesh, reshard_after_forward=True)
   dp = ded.to_dedicated(params)
-  opt = dmuon_jax.dedicated_muon(ded, learning_rate=args.muon_lr,
-                                 adam_learning_rate=args.adam_lr)
+  opt = dmuon_jax.dedicated_muon(
+    ded, learning_rate=args.muon_lr, adam_learning_rate=args.adam_lr
+  )
   opt_state = opt.init(dp)
   state_specs = (ded.specs(), ded.specs_of(opt_state))
-  state = jax.device_put((dp, opt_state), jax.tree.map(
-      lambda spec: NamedSharding(mesh, spec), state_specs))
+  state = jax.device_put(
+    (dp, opt_state),
+    jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs),
+  )
 
   def ded_loss(dp, chunk):
-    rest = ded.gather_rest(dp)                 # embeddings, final norm, head
+    rest = ded.gather_rest(dp)  # embeddings, final norm, head
     return loss(rest, chunk, lambda x: ded.sequential(run_block, names)(dp, x))
 
   @jax.jit
-  @functools.partial(jax.shard_map, mesh=mesh,
-                     in_specs=(state_specs, P(AXES)),
-                     out_specs=(state_specs, P()))
+  @functools.partial(
+    jax.shard_map,
+    mesh=mesh,
+    in_specs=(state_specs, P(AXES)),
+    out_specs=(state_specs, P()),
+  )
   def ded_train_step(state, chunk):
     dp, opt_state = state
     value, grads = dmuon_jax.local_value_and_grad(ded_loss)(dp, chunk)
     updates, opt_state = opt.update(grads, opt_state, dp)
-    return ((optax.apply_updates(dp, updates), opt_state),
-            jax.lax.pmean(value, AXES))
+    return (
+      (optax.apply_updates(dp, updates), opt_state),
+      jax.lax.pmean(value, AXES),
+    )
 
   @jax.jit
-  @functools.partial(jax.shard_map, mesh=mesh,
-                     in_specs=(state_specs, P(AXES)), out_specs=P())
+  @functools.partial(
+    jax.shard_map, mesh=mesh, in_specs=(state_specs, P(AXES)), out_specs=P()
+  )
   def ded_eval_step(state, chunk):
     return jax.lax.pmean(ded_loss(state[0], chunk), AXES)
 
@@ -257,14 +296,20 @@ def build_optimizer(key, params, mesh, args):
     # Muon on exactly the leaves dmuon routes to Muon (block matrices);
     # optax's default would also take the embeddings and the LM head.
     dims = jax.tree.map(
-        lambda label: (dmuon_jax.MuonDimensionNumbers()
-                       if label == 'muon' else None),
-        dmuon_jax.muon_labels(params))
-    return optax.contrib.muon(args.muon_lr, adam_learning_rate=args.adam_lr,
-                              muon_weight_dimension_numbers=dims)
+      lambda label: (
+        dmuon_jax.MuonDimensionNumbers() if label == 'muon' else None
+      ),
+      dmuon_jax.muon_labels(params),
+    )
+    return optax.contrib.muon(
+      args.muon_lr,
+      adam_learning_rate=args.adam_lr,
+      muon_weight_dimension_numbers=dims,
+    )
   if key == 'dmuon':
-    return dmuon_jax.dmuon(args.muon_lr, adam_learning_rate=args.adam_lr,
-                           mesh=mesh)
+    return dmuon_jax.dmuon(
+      args.muon_lr, adam_learning_rate=args.adam_lr, mesh=mesh
+    )
   return None
 
 
@@ -275,24 +320,36 @@ def train_one(key, model, params, mesh, args, batch_fn, val_chunk):
   tx = build_optimizer(key, params, mesh, args)
   start = time.perf_counter()
   state, train_step, eval_step, ded = make_trainer(
-      key, tx, model, params, mesh, args)
-  log = {'label': OPTIMIZERS[key], 'step': [], 'train_loss': [],
-         'val_loss': [], 'time_s': [], 'step_losses': []}
-  pending = []            # device losses not yet read back
-  train_time = 0.0        # training time so far (eval excluded)
+    key, tx, model, params, mesh, args
+  )
+  log = {
+    'label': OPTIMIZERS[key],
+    'step': [],
+    'train_loss': [],
+    'val_loss': [],
+    'time_s': [],
+    'step_losses': [],
+  }
+  pending = []  # device losses not yet read back
+  train_time = 0.0  # training time so far (eval excluded)
   first_step_s = None
-  bar = tqdm(total=args.steps, desc=f'{OPTIMIZERS[key]:>20}',
-             file=sys.stderr, dynamic_ncols=True, leave=True)
+  bar = tqdm(
+    total=args.steps,
+    desc=f'{OPTIMIZERS[key]:>20}',
+    file=sys.stderr,
+    dynamic_ncols=True,
+    leave=True,
+  )
   tic = start
   for step in range(1, args.steps + 1):
     state, loss = train_step(state, batch_fn(step))
     pending.append(loss)
     if step == 1:
       loss.block_until_ready()
-      first_step_s = time.perf_counter() - start   # setup + compile + step
+      first_step_s = time.perf_counter() - start  # setup + compile + step
     bar.update(1)
     if step % args.eval_every == 0 or step == args.steps:
-      window = [float(v) for v in pending]         # waits for the steps
+      window = [float(v) for v in pending]  # waits for the steps
       train_time += time.perf_counter() - tic
       pending = []
       log['step_losses'] += window
@@ -307,9 +364,12 @@ def train_one(key, model, params, mesh, args, batch_fn, val_chunk):
   steady = args.steps - 1
   log['first_step_s'] = first_step_s
   log['train_time_s'] = train_time
-  log['steps_per_s'] = (steady / (train_time - first_step_s)
-                        if steady and train_time > first_step_s else None)
-  log['wall_s'] = time.perf_counter() - start      # eval included
+  log['steps_per_s'] = (
+    steady / (train_time - first_step_s)
+    if steady and train_time > first_step_s
+    else None
+  )
+  log['wall_s'] = time.perf_counter() - start  # eval included
   if ded is not None:
     log['dedication'] = ded.summary().splitlines()[0]
   return log
@@ -317,23 +377,40 @@ def train_one(key, model, params, mesh, args, batch_fn, val_chunk):
 
 def plot(logs, args, mesh_desc, path):
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
   # The three Muon variants compute the same numbers: their curves coincide
   # in the step panel, so each is drawn thinner than the one before.
-  styles = {'adamw': ('tab:gray', 'o', 2.0),
-            'optax_muon': ('tab:blue', 's', 4.0),
-            'dmuon': ('tab:orange', '^', 2.4),
-            'dedicated': ('tab:green', 'v', 1.0)}
+  styles = {
+    'adamw': ('tab:gray', 'o', 2.0),
+    'optax_muon': ('tab:blue', 's', 4.0),
+    'dmuon': ('tab:orange', '^', 2.4),
+    'dedicated': ('tab:green', 'v', 1.0),
+  }
   for key, log in logs.items():
     color, marker, lw = styles[key]
     for ax, xs in ((axes[0], log['step']), (axes[1], log['time_s'])):
-      ax.plot(xs, log['train_loss'], color=color, lw=lw, alpha=0.45,
-              label=f"{log['label']}: train")
-      ax.plot(xs, log['val_loss'], color=color, lw=lw, ls='--',
-              marker=marker, ms=2 + lw, label=f"{log['label']}: val")
+      ax.plot(
+        xs,
+        log['train_loss'],
+        color=color,
+        lw=lw,
+        alpha=0.45,
+        label=f'{log["label"]}: train',
+      )
+      ax.plot(
+        xs,
+        log['val_loss'],
+        color=color,
+        lw=lw,
+        ls='--',
+        marker=marker,
+        ms=2 + lw,
+        label=f'{log["label"]}: val',
+      )
   axes[0].set_xlabel('step')
   axes[1].set_xlabel('training wall-clock time (s, compile included)')
   axes[0].set_ylabel('loss (nats / byte)')
@@ -343,9 +420,10 @@ def plot(logs, args, mesh_desc, path):
   axes[1].set_title('loss vs time')
   axes[1].legend(fontsize=8, ncol=1, loc='upper right')
   fig.suptitle(
-      f'Byte-level GPT on the Python stdlib: {args.layers} layers, width '
-      f'{args.width}, context {args.context}, batch {args.batch}; '
-      f'{mesh_desc}')
+    f'Byte-level GPT on the Python stdlib: {args.layers} layers, width '
+    f'{args.width}, context {args.context}, batch {args.batch}; '
+    f'{mesh_desc}'
+  )
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
@@ -362,12 +440,15 @@ def checks(logs):
   max_diff = None
   if 'dmuon' in logs and 'optax_muon' in logs:
     a, b = logs['dmuon'], logs['optax_muon']
-    diffs = ([abs(x - y) for x, y in zip(a['step_losses'], b['step_losses'])]
-             + [abs(x - y) for x, y in zip(a['val_loss'], b['val_loss'])])
+    diffs = [abs(x - y) for x, y in zip(a['step_losses'], b['step_losses'])] + [
+      abs(x - y) for x, y in zip(a['val_loss'], b['val_loss'])
+    ]
     max_diff = max(diffs)
     ok = max_diff < 1e-3
-    text = (f'max |dmuon - optax muon| = {max_diff:.1e} < 1e-3: '
-            f'{"yes" if ok else "no"}')
+    text = (
+      f'max |dmuon - optax muon| = {max_diff:.1e} < 1e-3: '
+      f'{"yes" if ok else "no"}'
+    )
     out.append((text, ok))
   return out, max_diff
 
@@ -378,20 +459,27 @@ def main(argv=None):
   keys = [k.strip() for k in args.optimizers.split(',') if k.strip()]
   unknown = set(keys) - set(OPTIMIZERS)
   if unknown:
-    raise SystemExit(f'unknown --optimizers {sorted(unknown)}; '
-                     f'choose from {list(OPTIMIZERS)}')
+    raise SystemExit(
+      f'unknown --optimizers {sorted(unknown)}; choose from {list(OPTIMIZERS)}'
+    )
   if args.batch % (r * s) or args.eval_batch % (r * s):
-    raise SystemExit(f'--batch {args.batch} and --eval-batch '
-                     f'{args.eval_batch} must be divisible by {r * s} devices')
+    raise SystemExit(
+      f'--batch {args.batch} and --eval-batch '
+      f'{args.eval_batch} must be divisible by {r * s} devices'
+    )
   jax.config.update('jax_num_cpu_devices', r * s)
-  mesh = jax.make_mesh((r, s), AXES,
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  mesh_desc = (f'mesh {r}x{s} ({jax.device_count()} '
-               f'{jax.default_backend()} devices)')
+  mesh = jax.make_mesh(
+    (r, s), AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2
+  )
+  mesh_desc = (
+    f'mesh {r}x{s} ({jax.device_count()} {jax.default_backend()} devices)'
+  )
 
   train, val = load_stdlib_text(args.data_bytes, args.seed)
-  print(f'data: {len(train):,} train bytes, {len(val):,} validation bytes '
-        f'(stdlib .py files, split by file); {mesh_desc}')
+  print(
+    f'data: {len(train):,} train bytes, {len(val):,} validation bytes '
+    f'(stdlib .py files, split by file); {mesh_desc}'
+  )
 
   data_sharding = NamedSharding(mesh, P(AXES))
 
@@ -402,37 +490,48 @@ def main(argv=None):
 
   # The same batches, in the same order, for every optimizer.
   batch_fn = lambda step: batch_of(
-      train, np.random.default_rng((args.seed, step)), args.batch)
-  val_chunk = batch_of(val, np.random.default_rng((args.seed, 0)),
-                       args.eval_batch)
+    train, np.random.default_rng((args.seed, step)), args.batch
+  )
+  val_chunk = batch_of(
+    val, np.random.default_rng((args.seed, 0)), args.eval_batch
+  )
 
-  model = GPT(args.width, args.layers, args.heads, args.context,
-              nnx.Rngs(args.seed))
-  params = jax.device_put(nnx.to_pure_dict(nnx.state(model, nnx.Param)),
-                          NamedSharding(mesh, P()))   # replicated: DDP
+  model = GPT(
+    args.width, args.layers, args.heads, args.context, nnx.Rngs(args.seed)
+  )
+  params = jax.device_put(
+    nnx.to_pure_dict(nnx.state(model, nnx.Param)), NamedSharding(mesh, P())
+  )  # replicated: DDP
   labels = jax.tree.leaves(dmuon_jax.muon_labels(params))
   sizes = [x.size for x in jax.tree.leaves(params)]
   n_muon = sum(n for n, lbl in zip(sizes, labels) if lbl == 'muon')
-  print(f'model: {sum(sizes):,} params ({n_muon:,} in '
-        f'{labels.count("muon")} Muon matrices); {args.layers} layers, '
-        f'width {args.width}, {args.heads} heads, context {args.context}, '
-        f'batch {args.batch}, {args.steps} steps')
+  print(
+    f'model: {sum(sizes):,} params ({n_muon:,} in '
+    f'{labels.count("muon")} Muon matrices); {args.layers} layers, '
+    f'width {args.width}, {args.heads} heads, context {args.context}, '
+    f'batch {args.batch}, {args.steps} steps'
+  )
 
   logs = {}
   total = time.perf_counter()
   for key in keys:
-    logs[key] = train_one(key, model, params, mesh, args, batch_fn,
-                          val_chunk)
+    logs[key] = train_one(key, model, params, mesh, args, batch_fn, val_chunk)
   total = time.perf_counter() - total
 
-  table = [('| optimizer | final train loss | final val loss '
-            '| wall time (s) | compile + 1st step (s) | steps/s |'),
-           '|---|---:|---:|---:|---:|---:|']
+  table = [
+    (
+      '| optimizer | final train loss | final val loss '
+      '| wall time (s) | compile + 1st step (s) | steps/s |'
+    ),
+    '|---|---:|---:|---:|---:|---:|',
+  ]
   for log in logs.values():
-    sps = f"{log['steps_per_s']:.1f}" if log['steps_per_s'] else '-'
-    table.append(f"| {log['label']} | {log['train_loss'][-1]:.4f} "
-                 f"| {log['val_loss'][-1]:.4f} | {log['train_time_s']:.1f} "
-                 f"| {log['first_step_s']:.1f} | {sps} |")
+    sps = f'{log["steps_per_s"]:.1f}' if log['steps_per_s'] else '-'
+    table.append(
+      f'| {log["label"]} | {log["train_loss"][-1]:.4f} '
+      f'| {log["val_loss"][-1]:.4f} | {log["train_time_s"]:.1f} '
+      f'| {log["first_step_s"]:.1f} | {sps} |'
+    )
   check_list, max_diff = checks(logs)
   check_line = 'checks: ' + '; '.join(t for t, _ in check_list)
   print()
@@ -444,22 +543,34 @@ def main(argv=None):
   out_dir = pathlib.Path(args.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   header = (
-      f'Byte-level GPT ({args.layers} layers, width {args.width}, '
-      f'{args.heads} heads, context {args.context}) on the Python standard '
-      f'library; {args.steps} steps of batch {args.batch}, {mesh_desc}. '
-      f'Muon LR {args.muon_lr}, AdamW LR {args.adam_lr}. Train loss: mean '
-      f'of the last {args.eval_every} steps; val loss: a fixed sample of '
-      f'{args.eval_batch} validation sequences. Wall time: training, '
-      f'compile included, evaluation excluded.')
+    f'Byte-level GPT ({args.layers} layers, width {args.width}, '
+    f'{args.heads} heads, context {args.context}) on the Python standard '
+    f'library; {args.steps} steps of batch {args.batch}, {mesh_desc}. '
+    f'Muon LR {args.muon_lr}, AdamW LR {args.adam_lr}. Train loss: mean '
+    f'of the last {args.eval_every} steps; val loss: a fixed sample of '
+    f'{args.eval_batch} validation sequences. Wall time: training, '
+    f'compile included, evaluation excluded.'
+  )
   (out_dir / 'train_lm.md').write_text(
-      f'# train_lm\n\n{header}\n\n' + '\n'.join(table)
-      + f'\n\n{check_line}\n\nTotal run time {total:.0f} s.\n')
-  (out_dir / 'train_lm.json').write_text(json.dumps({
-      'args': vars(args), 'mesh': mesh_desc, 'total_s': total,
-      'train_bytes': len(train), 'val_bytes': len(val),
-      'checks': {t: ok for t, ok in check_list},
-      'max_abs_diff_dmuon_optax_muon': max_diff,
-      'optimizers': logs}, indent=1))
+    f'# train_lm\n\n{header}\n\n'
+    + '\n'.join(table)
+    + f'\n\n{check_line}\n\nTotal run time {total:.0f} s.\n'
+  )
+  (out_dir / 'train_lm.json').write_text(
+    json.dumps(
+      {
+        'args': vars(args),
+        'mesh': mesh_desc,
+        'total_s': total,
+        'train_bytes': len(train),
+        'val_bytes': len(val),
+        'checks': {t: ok for t, ok in check_list},
+        'max_abs_diff_dmuon_optax_muon': max_diff,
+        'optimizers': logs,
+      },
+      indent=1,
+    )
+  )
   if not args.no_plot:
     plot(logs, args, mesh_desc, out_dir / 'train_lm.png')
   print(f'wrote {out_dir}/train_lm.{{md,json{"" if args.no_plot else ",png"}}}')

@@ -52,11 +52,23 @@ import sys
 import time
 
 # Llama-3-8B: hidden 4096, 8 KV heads of 128, MLP 14336, vocab 128256.
-LLAMA_8B = {'layers': 32, 'd': 4096, 'd_kv': 1024, 'd_ff': 14336,
-            'vocab': 128256}
+LLAMA_8B = {
+  'layers': 32,
+  'd': 4096,
+  'd_kv': 1024,
+  'd_ff': 14336,
+  'vocab': 128256,
+}
 TINY_TREE = {'layers': 2, 'd': 64, 'd_kv': 16, 'd_ff': 224, 'vocab': 256}
-GPU_SHAPES = ((1024, 1024), (4096, 1024), (4096, 4096), (4096, 14336),
-              (14336, 4096), (8192, 8192), (8192, 28672))
+GPU_SHAPES = (
+  (1024, 1024),
+  (4096, 1024),
+  (4096, 4096),
+  (4096, 14336),
+  (14336, 4096),
+  (8192, 8192),
+  (8192, 28672),
+)
 SMOKE_SHAPES = ((64, 64), (64, 256))
 NS_COEFFS = 'jordan'
 NS_STEPS = 5
@@ -67,82 +79,145 @@ FAILURES = (RuntimeError, ValueError, MemoryError)
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(
-      description=__doc__.splitlines()[0],
-      formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument('--out-dir', default=None,
-                 help='where to write results (default: results/ beside '
-                 'this script)')
-  p.add_argument('--name', default=None,
-                 help='output file stem (default gpu_ns, or '
-                 'gpu_ns_cpu_smoke for the smoke run)')
-  p.add_argument('--cpu-smoke', action='store_true',
-                 help='tiny shapes and tree (< 30 s on CPU); automatic on '
-                 'a backend other than gpu')
-  p.add_argument('--shapes', default=None,
-                 help='m x n list, e.g. 1024x1024,4096x14336 (default: '
-                 'Llama shapes, or tiny ones for the smoke run)')
+    description=__doc__.splitlines()[0],
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  p.add_argument(
+    '--out-dir',
+    default=None,
+    help='where to write results (default: results/ beside this script)',
+  )
+  p.add_argument(
+    '--name',
+    default=None,
+    help='output file stem (default gpu_ns, or '
+    'gpu_ns_cpu_smoke for the smoke run)',
+  )
+  p.add_argument(
+    '--cpu-smoke',
+    action='store_true',
+    help='tiny shapes and tree (< 30 s on CPU); automatic on '
+    'a backend other than gpu',
+  )
+  p.add_argument(
+    '--shapes',
+    default=None,
+    help='m x n list, e.g. 1024x1024,4096x14336 (default: '
+    'Llama shapes, or tiny ones for the smoke run)',
+  )
   p.add_argument('--dtypes', default='bfloat16,float32')
-  p.add_argument('--target-elems', type=int, default=2**26,
-                 help='batch = max(1, round(target_elems / (m n)))')
-  p.add_argument('--reps', type=int, default=20,
-                 help='timed calls per configuration (median reported)')
+  p.add_argument(
+    '--target-elems',
+    type=int,
+    default=2**26,
+    help='batch = max(1, round(target_elems / (m n)))',
+  )
+  p.add_argument(
+    '--reps',
+    type=int,
+    default=20,
+    help='timed calls per configuration (median reported)',
+  )
   p.add_argument('--min-reps', type=int, default=3)
-  p.add_argument('--warmup', type=int, default=2,
-                 help='untimed calls after compilation')
-  p.add_argument('--config-budget-s', type=float, default=2.0,
-                 help='time budget of the timed calls of one configuration')
-  p.add_argument('--budget-s', type=float, default=440.0,
-                 help='total budget: later work is recorded as skipped')
-  p.add_argument('--ns-budget-s', type=float, default=230.0,
-                 help='no new Newton-Schulz shape starts after this')
-  p.add_argument('--layers', type=int, default=None,
-                 help='optimizer step: layers (default 32, smoke 2)')
-  p.add_argument('--mu-dtype', default='float32',
-                 help='optimizer step: momentum dtype (none: params dtype)')
-  p.add_argument('--step-compute-dtype', default='bfloat16',
-                 help='optimizer step: Newton-Schulz dtype (none: the '
-                 'momentum dtype)')
+  p.add_argument(
+    '--warmup', type=int, default=2, help='untimed calls after compilation'
+  )
+  p.add_argument(
+    '--config-budget-s',
+    type=float,
+    default=2.0,
+    help='time budget of the timed calls of one configuration',
+  )
+  p.add_argument(
+    '--budget-s',
+    type=float,
+    default=440.0,
+    help='total budget: later work is recorded as skipped',
+  )
+  p.add_argument(
+    '--ns-budget-s',
+    type=float,
+    default=230.0,
+    help='no new Newton-Schulz shape starts after this',
+  )
+  p.add_argument(
+    '--layers',
+    type=int,
+    default=None,
+    help='optimizer step: layers (default 32, smoke 2)',
+  )
+  p.add_argument(
+    '--mu-dtype',
+    default='float32',
+    help='optimizer step: momentum dtype (none: params dtype)',
+  )
+  p.add_argument(
+    '--step-compute-dtype',
+    default='bfloat16',
+    help='optimizer step: Newton-Schulz dtype (none: the momentum dtype)',
+  )
   p.add_argument('--step-reps', type=int, default=5)
   p.add_argument('--step-budget-s', type=float, default=20.0)
-  p.add_argument('--mem-fraction', type=float, default=0.85,
-                 help='skip what is estimated to need more than this share '
-                 'of device memory')
-  p.add_argument('--mem-limit-gib', type=float, default=None,
-                 help='device memory to plan for (default: the device\'s '
-                 'bytes_limit; none on CPU)')
-  p.add_argument('--parts', default='ns,step',
-                 help='comma list of ns, step')
+  p.add_argument(
+    '--mem-fraction',
+    type=float,
+    default=0.85,
+    help='skip what is estimated to need more than this share of device memory',
+  )
+  p.add_argument(
+    '--mem-limit-gib',
+    type=float,
+    default=None,
+    help="device memory to plan for (default: the device's "
+    'bytes_limit; none on CPU)',
+  )
+  p.add_argument('--parts', default='ns,step', help='comma list of ns, step')
   p.add_argument('--seed', type=int, default=0)
   return p.parse_args(argv)
 
 
 def parse_shapes(text):
-  return tuple(tuple(int(v) for v in s.lower().split('x'))
-               for s in text.split(','))
+  return tuple(
+    tuple(int(v) for v in s.lower().split('x')) for s in text.split(',')
+  )
 
 
 def llama_shapes(layers, d, d_kv, d_ff, vocab):
   """A Llama-like tree of shapes (GQA: k and v are ``d x d_kv``)."""
   layer = {
-      'attn': {'q': {'kernel': (d, d)}, 'k': {'kernel': (d, d_kv)},
-               'v': {'kernel': (d, d_kv)}, 'o': {'kernel': (d, d)}},
-      'attn_norm': {'scale': (d,)},
-      'mlp': {'gate': {'kernel': (d, d_ff)}, 'up': {'kernel': (d, d_ff)},
-              'down': {'kernel': (d_ff, d)}},
-      'mlp_norm': {'scale': (d,)},
+    'attn': {
+      'q': {'kernel': (d, d)},
+      'k': {'kernel': (d, d_kv)},
+      'v': {'kernel': (d, d_kv)},
+      'o': {'kernel': (d, d)},
+    },
+    'attn_norm': {'scale': (d,)},
+    'mlp': {
+      'gate': {'kernel': (d, d_ff)},
+      'up': {'kernel': (d, d_ff)},
+      'down': {'kernel': (d_ff, d)},
+    },
+    'mlp_norm': {'scale': (d,)},
   }
   return {
-      'embed': {'embedding': (vocab, d)},
-      'layers': [layer] * layers,
-      'final_norm': {'scale': (d,)},
-      'lm_head': {'kernel': (d, vocab)},
+    'embed': {'embedding': (vocab, d)},
+    'layers': [layer] * layers,
+    'final_norm': {'scale': (d,)},
+    'lm_head': {'kernel': (d, vocab)},
   }
 
 
 def is_oom(err: BaseException) -> bool:
   text = str(err).lower()
-  return any(s in text for s in ('resource_exhausted', 'out of memory',
-                                 'failed to allocate', 'allocation'))
+  return any(
+    s in text
+    for s in (
+      'resource_exhausted',
+      'out of memory',
+      'failed to allocate',
+      'allocation',
+    )
+  )
 
 
 def short_error(err: BaseException) -> str:
@@ -171,8 +246,10 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
   args = parse_args(argv)
   wall_start = time.perf_counter()
   deadline = wall_start + args.budget_s
-  command = ' '.join(['python', 'examples/benchmarks/gpu_ns.py']
-                     + (sys.argv[1:] if argv is None else list(argv)))
+  command = ' '.join(
+    ['python', 'examples/benchmarks/gpu_ns.py']
+    + (sys.argv[1:] if argv is None else list(argv))
+  )
   # Use most of the GPU's memory (JAX preallocates 75% by default).
   os.environ.setdefault('XLA_PYTHON_CLIENT_MEM_FRACTION', '0.92')
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
@@ -195,16 +272,24 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
     args.config_budget_s = min(args.config_budget_s, 0.3)
     args.step_reps, args.step_budget_s = 3, min(args.step_budget_s, 2.0)
     args.target_elems = min(args.target_elems, 2**14)
-  shapes = (parse_shapes(args.shapes) if args.shapes
-            else SMOKE_SHAPES if smoke else GPU_SHAPES)
+  shapes = (
+    parse_shapes(args.shapes)
+    if args.shapes
+    else SMOKE_SHAPES
+    if smoke
+    else GPU_SHAPES
+  )
   tree_cfg = dict(TINY_TREE if smoke else LLAMA_8B)
   if args.layers is not None:
     tree_cfg['layers'] = args.layers
   parts = set(args.parts.split(','))
   if args.name is None:
     args.name = 'gpu_ns_cpu_smoke' if smoke else 'gpu_ns'
-  out_dir = pathlib.Path(args.out_dir) if args.out_dir else (
-      pathlib.Path(__file__).resolve().parent / 'results')
+  out_dir = (
+    pathlib.Path(args.out_dir)
+    if args.out_dir
+    else (pathlib.Path(__file__).resolve().parent / 'results')
+  )
   out_dir.mkdir(parents=True, exist_ok=True)
 
   dev = jax.devices()[0]
@@ -213,14 +298,22 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
     mem_limit = args.mem_limit_gib * 2**30
   date = datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')
   precision = jax.config.jax_default_matmul_precision or 'default'
-  common = {'backend': backend, 'device_kind': dev.device_kind,
-            'jax': jax.__version__, 'date': date, 'smoke': smoke}
+  common = {
+    'backend': backend,
+    'device_kind': dev.device_kind,
+    'jax': jax.__version__,
+    'date': date,
+    'smoke': smoke,
+  }
   rec = Recorder(out_dir / f'{args.name}.json', common)
-  print(f'backend {backend}, device {dev.device_kind} '
-        f'({jax.device_count()} devices), jax {jax.__version__}, '
-        f'memory limit '
-        f'{"n/a" if mem_limit is None else f"{mem_limit / 2**30:.1f} GiB"}, '
-        f'{"smoke run" if smoke else "full run"}', flush=True)
+  print(
+    f'backend {backend}, device {dev.device_kind} '
+    f'({jax.device_count()} devices), jax {jax.__version__}, '
+    f'memory limit '
+    f'{"n/a" if mem_limit is None else f"{mem_limit / 2**30:.1f} GiB"}, '
+    f'{"smoke run" if smoke else "full run"}',
+    flush=True,
+  )
 
   def fits(nbytes):
     return mem_limit is None or nbytes <= args.mem_fraction * mem_limit
@@ -247,9 +340,13 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
       t0 = time.perf_counter()
       block(compiled(*xs))
       times.append(time.perf_counter() - t0)
-    return {'median_ms': 1e3 * statistics.median(times),
-            'min_ms': 1e3 * min(times), 'reps': len(times),
-            'compile_s': compile_s, 'first_call_ms': 1e3 * first}
+    return {
+      'median_ms': 1e3 * statistics.median(times),
+      'min_ms': 1e3 * min(times),
+      'reps': len(times),
+      'compile_s': compile_s,
+      'first_call_ms': 1e3 * first,
+    }
 
   rng = np.random.default_rng(args.seed)
 
@@ -265,8 +362,8 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
 
   # --- Part ns: Newton-Schulz throughput vs matmul --------------------------
   ns_fns = {
-      'direct': (dmuon_jax.orthogonalize_via_newton_schulz, 'standard'),
-      'gram': (dmuon_jax.orthogonalize_via_gram_newton_schulz, 'gram'),
+    'direct': (dmuon_jax.orthogonalize_via_newton_schulz, 'standard'),
+    'gram': (dmuon_jax.orthogonalize_via_gram_newton_schulz, 'gram'),
   }
   dtypes = [jnp.dtype(d) for d in args.dtypes.split(',')]
   matmul_best = {}
@@ -276,24 +373,46 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
     batch = max(1, round(args.target_elems / (m * n)))
     for dtype in dtypes:
       size = dtype.itemsize  # Input dtype = compute dtype.
-      base = {'part': 'ns', 'shape': f'{m}x{n}', 'm': m, 'n': n,
-              'batch': batch, 'dtype': dtype.name,
-              'matmul_precision': precision}
+      base = {
+        'part': 'ns',
+        'shape': f'{m}x{n}',
+        'm': m,
+        'n': n,
+        'batch': batch,
+        'dtype': dtype.name,
+        'matmul_precision': precision,
+      }
       # Input, float32 normalized copy, ~4 compute-dtype copies of X, and
       # a few s x s Grams; the matmul needs its two operands and output.
       need = batch * (m * n * (5 * size + 4) + 6 * s * s * size)
-      over = time.perf_counter() > wall_start + min(args.ns_budget_s,
-                                                    args.budget_s)
-      reason = ('time budget' if over else None if fits(need)
-                else f'memory: needs ~{need / 2**30:.3g} GiB')
+      over = time.perf_counter() > wall_start + min(
+        args.ns_budget_s, args.budget_s
+      )
+      reason = (
+        'time budget'
+        if over
+        else None
+        if fits(need)
+        else f'memory: needs ~{need / 2**30:.3g} GiB'
+      )
       if reason:
         for algo in ('matmul', 'direct', 'gram'):
-          rec.add({**base, 'algorithm': algo, 'status': 'skipped',
-                   'skip_reason': reason})
+          rec.add(
+            {
+              **base,
+              'algorithm': algo,
+              'status': 'skipped',
+              'skip_reason': reason,
+            }
+          )
         print(f'{m}x{n} {dtype.name}: skipped ({reason})', flush=True)
         continue
-      timing = {'reps': args.reps, 'min_reps': args.min_reps,
-                'warmup': args.warmup, 'budget_s': args.config_budget_s}
+      timing = {
+        'reps': args.reps,
+        'min_reps': args.min_reps,
+        'warmup': args.warmup,
+        'budget_s': args.config_budget_s,
+      }
       mm_flops = 2.0 * batch * s * s * l
       mm = None
       try:
@@ -304,13 +423,27 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
         del a, b
         mm = mm_flops / (res['median_ms'] / 1e3) / 1e12
         matmul_best[dtype.name] = max(matmul_best.get(dtype.name, 0.0), mm)
-        rec.add({**base, 'algorithm': 'matmul', 'status': 'ok', **res,
-                 'flops': mm_flops, 'tflop_per_s': mm})
+        rec.add(
+          {
+            **base,
+            'algorithm': 'matmul',
+            'status': 'ok',
+            **res,
+            'flops': mm_flops,
+            'tflop_per_s': mm,
+          }
+        )
         line = [f'{m}x{n} x{batch} {dtype.name}: matmul {mm:.4g} TFLOP/s']
       except FAILURES as e:
-        rec.add({**base, 'algorithm': 'matmul', 'status': 'skipped',
-                 'skip_reason': ('memory: ' if is_oom(e) else 'error: ')
-                 + short_error(e)})
+        rec.add(
+          {
+            **base,
+            'algorithm': 'matmul',
+            'status': 'skipped',
+            'skip_reason': ('memory: ' if is_oom(e) else 'error: ')
+            + short_error(e),
+          }
+        )
         line = [f'{m}x{n} x{batch} {dtype.name}: matmul failed']
       gc.collect()
       k1, key = jax.random.split(key)
@@ -321,20 +454,36 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
           if x is None:
             x = normal(k1, (batch, m, n), dtype)
           res = time_calls(
-              lambda v, fn=fn, d=dtype: fn(v, NS_COEFFS, compute_dtype=d),
-              x, **timing)
+            lambda v, fn=fn, d=dtype: fn(v, NS_COEFFS, compute_dtype=d),
+            x,
+            **timing,
+          )
           tf = flops / (res['median_ms'] / 1e3) / 1e12
-          rec.add({**base, 'algorithm': algo, 'status': 'ok', **res,
-                   'flops': flops, 'tflop_per_s': tf,
-                   'matmul_tflop_per_s': mm,
-                   'fraction_of_matmul': None if mm is None else tf / mm})
+          rec.add(
+            {
+              **base,
+              'algorithm': algo,
+              'status': 'ok',
+              **res,
+              'flops': flops,
+              'tflop_per_s': tf,
+              'matmul_tflop_per_s': mm,
+              'fraction_of_matmul': None if mm is None else tf / mm,
+            }
+          )
           frac = '' if mm is None else f' ({tf / mm:.0%})'
           line.append(f'{algo} {tf:.4g}{frac} {res["median_ms"]:.3g} ms')
         except FAILURES as e:
-          rec.add({**base, 'algorithm': algo, 'status': 'skipped',
-                   'flops': flops, 'skip_reason': ('memory: ' if is_oom(e)
-                                                   else 'error: ')
-                   + short_error(e)})
+          rec.add(
+            {
+              **base,
+              'algorithm': algo,
+              'status': 'skipped',
+              'flops': flops,
+              'skip_reason': ('memory: ' if is_oom(e) else 'error: ')
+              + short_error(e),
+            }
+          )
           line.append(f'{algo} failed ({short_error(e)[:60]})')
       del x
       gc.collect()
@@ -343,11 +492,26 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
 
   # --- Part step: dmuon update on an 8B-shaped tree -------------------------
   if 'step' in parts:
-    run_step(args, rec, tree_cfg, deadline, fits, matmul_best, normal, jax,
-             jnp, optax, dmuon_jax, ns_flops, cheaper, block)
+    run_step(
+      args,
+      rec,
+      tree_cfg,
+      deadline,
+      fits,
+      matmul_best,
+      normal,
+      jax,
+      jnp,
+      optax,
+      dmuon_jax,
+      ns_flops,
+      cheaper,
+      block,
+    )
   total_s = time.perf_counter() - wall_start
-  rec.add({'part': 'summary', 'status': 'ok', 'wall_s': total_s,
-           'command': command})
+  rec.add(
+    {'part': 'summary', 'status': 'ok', 'wall_s': total_s, 'command': command}
+  )
   md_path = out_dir / f'{args.name}.md'
   write_markdown(md_path, rec.rows, common, command)
   print(f'\nwrote {rec.path} and {md_path} ({total_s:.1f} s)\n')
@@ -355,14 +519,31 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
   return rec.rows
 
 
-def run_step(args, rec, cfg, deadline, fits, matmul_best, normal, jax, jnp,
-             optax, dmuon_jax, ns_flops, cheaper, block):
+def run_step(
+  args,
+  rec,
+  cfg,
+  deadline,
+  fits,
+  matmul_best,
+  normal,
+  jax,
+  jnp,
+  optax,
+  dmuon_jax,
+  ns_flops,
+  cheaper,
+  block,
+):
   """Times dmuon's update + apply_updates; falls back when it won't fit."""
   # pylint: disable=too-many-locals
   bf16 = jnp.dtype(jnp.bfloat16)
   mu = None if args.mu_dtype.lower() == 'none' else jnp.dtype(args.mu_dtype)
-  cdt = (None if args.step_compute_dtype.lower() == 'none'
-         else jnp.dtype(args.step_compute_dtype))
+  cdt = (
+    None
+    if args.step_compute_dtype.lower() == 'none'
+    else jnp.dtype(args.step_compute_dtype)
+  )
   attempts = [(cfg['layers'], mu)]
   if mu is not None and mu != bf16:
     attempts.append((cfg['layers'], None))
@@ -372,39 +553,59 @@ def run_step(args, rec, cfg, deadline, fits, matmul_best, normal, jax, jnp,
     layers //= 2
   failures = []
   for layers, mu_dtype in attempts:
-    shapes = llama_shapes(layers, cfg['d'], cfg['d_kv'], cfg['d_ff'],
-                          cfg['vocab'])
-    specs = jax.tree.map(lambda sh: jax.ShapeDtypeStruct(sh, bf16), shapes,
-                         is_leaf=lambda x: isinstance(x, tuple))
+    shapes = llama_shapes(
+      layers, cfg['d'], cfg['d_kv'], cfg['d_ff'], cfg['vocab']
+    )
+    specs = jax.tree.map(
+      lambda sh: jax.ShapeDtypeStruct(sh, bf16),
+      shapes,
+      is_leaf=lambda x: isinstance(x, tuple),
+    )
     labels = jax.tree.leaves(dmuon_jax.muon_labels(specs))
     leaves = jax.tree.leaves(specs)
     n_params = sum(math.prod(x.shape) for x in leaves)
-    n_muon = sum(math.prod(x.shape) for x, lb in zip(leaves, labels)
-                 if lb == 'muon')
+    n_muon = sum(
+      math.prod(x.shape) for x, lb in zip(leaves, labels) if lb == 'muon'
+    )
     n_adam = n_params - n_muon
     mom = 2 if mu_dtype is None else mu_dtype.itemsize
     # Resident: params, grads and state (Muon momentum; AdamW mu, nu). The
     # update's temporaries are not estimated: running out is caught below.
     need = 2 * 2 * n_params + mom * n_muon + (mom + 2) * n_adam
-    flops = float(sum(
+    flops = float(
+      sum(
         ns_flops(*x.shape, NS_STEPS, cheaper(*x.shape, NS_STEPS))
-        for x, lb in zip(leaves, labels) if lb == 'muon'))
-    base = {'part': 'optimizer_step', 'layers': layers,
-            'layers_requested': cfg['layers'], 'd_model': cfg['d'],
-            'd_kv': cfg['d_kv'], 'd_ff': cfg['d_ff'], 'vocab': cfg['vocab'],
-            'params': n_params, 'muon_params': n_muon,
-            'muon_matrices': labels.count('muon'), 'param_dtype': 'bfloat16',
-            'mu_dtype': 'bfloat16' if mu_dtype is None else mu_dtype.name,
-            'compute_dtype': ('momentum dtype' if cdt is None else cdt.name),
-            'ns_flops': flops, 'fallback': bool(failures),
-            'fallback_reasons': list(failures)}
+        for x, lb in zip(leaves, labels)
+        if lb == 'muon'
+      )
+    )
+    base = {
+      'part': 'optimizer_step',
+      'layers': layers,
+      'layers_requested': cfg['layers'],
+      'd_model': cfg['d'],
+      'd_kv': cfg['d_kv'],
+      'd_ff': cfg['d_ff'],
+      'vocab': cfg['vocab'],
+      'params': n_params,
+      'muon_params': n_muon,
+      'muon_matrices': labels.count('muon'),
+      'param_dtype': 'bfloat16',
+      'mu_dtype': 'bfloat16' if mu_dtype is None else mu_dtype.name,
+      'compute_dtype': ('momentum dtype' if cdt is None else cdt.name),
+      'ns_flops': flops,
+      'fallback': bool(failures),
+      'fallback_reasons': list(failures),
+    }
     if time.perf_counter() > deadline - 30:
       rec.add({**base, 'status': 'skipped', 'skip_reason': 'time budget'})
       print(f'optimizer step ({layers} layers): skipped (time budget)')
       return
     if not fits(need):
-      failures.append(f'{layers} layers, mu {base["mu_dtype"]}: estimated '
-                      f'{need / 2**30:.3g} GiB')
+      failures.append(
+        f'{layers} layers, mu {base["mu_dtype"]}: estimated '
+        f'{need / 2**30:.3g} GiB'
+      )
       print(f'optimizer step: {failures[-1]}, does not fit', flush=True)
       continue
     params = grads = state = None
@@ -414,9 +615,11 @@ def run_step(args, rec, cfg, deadline, fits, matmul_best, normal, jax, jnp,
       keys = iter(jax.random.split(key, 2 * len(leaves)))
       treedef = jax.tree.structure(specs)
       params = jax.tree.unflatten(
-          treedef, [normal(next(keys), x.shape, bf16, 0.02) for x in leaves])
+        treedef, [normal(next(keys), x.shape, bf16, 0.02) for x in leaves]
+      )
       grads = jax.tree.unflatten(
-          treedef, [normal(next(keys), x.shape, bf16, 1e-3) for x in leaves])
+        treedef, [normal(next(keys), x.shape, bf16, 1e-3) for x in leaves]
+      )
       opt = dmuon_jax.dmuon(0.02, mu_dtype=mu_dtype, compute_dtype=cdt)
       state = jax.jit(opt.init)(params)
       block((params, grads, state))
@@ -427,8 +630,11 @@ def run_step(args, rec, cfg, deadline, fits, matmul_best, normal, jax, jnp,
         return optax.apply_updates(p, updates), s
 
       t0 = time.perf_counter()
-      compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
-          params, state, grads).compile()
+      compiled = (
+        jax.jit(step, donate_argnums=(0, 1))
+        .lower(params, state, grads)
+        .compile()
+      )
       compile_s = time.perf_counter() - t0
       times, first = [], None
       n = args.step_reps
@@ -450,22 +656,36 @@ def run_step(args, rec, cfg, deadline, fits, matmul_best, normal, jax, jnp,
       if not times:
         times = [first]
       med = statistics.median(times)
-      finite = bool(jnp.isfinite(
-          params['layers'][0]['attn']['q']['kernel'].astype(
-              jnp.float32)).all())
+      finite = bool(
+        jnp.isfinite(
+          params['layers'][0]['attn']['q']['kernel'].astype(jnp.float32)
+        ).all()
+      )
       tf = flops / med / 1e12
       ref = matmul_best.get('bfloat16')
-      rec.add({**base, 'status': 'ok', 'median_ms': 1e3 * med,
-               'min_ms': 1e3 * min(times), 'reps': len(times),
-               'first_call_ms': 1e3 * first, 'compile_s': compile_s,
-               'build_s': build_s, 'ns_tflop_per_s': tf,
-               'bf16_matmul_tflop_per_s': ref,
-               'fraction_of_matmul': None if not ref else tf / ref,
-               'params_finite': finite})
-      print(f'optimizer step: {layers} layers, {n_params / 1e9:.3g}B params '
-            f'(mu {base["mu_dtype"]}): {1e3 * med:.4g} ms, NS '
-            f'{flops / 1e12:.4g} TFLOP -> {tf:.4g} TFLOP/s '
-            f'(compile {compile_s:.1f} s)', flush=True)
+      rec.add(
+        {
+          **base,
+          'status': 'ok',
+          'median_ms': 1e3 * med,
+          'min_ms': 1e3 * min(times),
+          'reps': len(times),
+          'first_call_ms': 1e3 * first,
+          'compile_s': compile_s,
+          'build_s': build_s,
+          'ns_tflop_per_s': tf,
+          'bf16_matmul_tflop_per_s': ref,
+          'fraction_of_matmul': None if not ref else tf / ref,
+          'params_finite': finite,
+        }
+      )
+      print(
+        f'optimizer step: {layers} layers, {n_params / 1e9:.3g}B params '
+        f'(mu {base["mu_dtype"]}): {1e3 * med:.4g} ms, NS '
+        f'{flops / 1e12:.4g} TFLOP -> {tf:.4g} TFLOP/s '
+        f'(compile {compile_s:.1f} s)',
+        flush=True,
+      )
       return
     except FAILURES as e:
       reason = ('memory: ' if is_oom(e) else 'error: ') + short_error(e)
@@ -477,10 +697,17 @@ def run_step(args, rec, cfg, deadline, fits, matmul_best, normal, jax, jnp,
     finally:
       del params, grads, state
       gc.collect()
-  rec.add({'part': 'optimizer_step', 'layers': 0,
-           'layers_requested': cfg['layers'], 'status': 'skipped',
-           'skip_reason': 'does not fit', 'fallback': True,
-           'fallback_reasons': failures})
+  rec.add(
+    {
+      'part': 'optimizer_step',
+      'layers': 0,
+      'layers_requested': cfg['layers'],
+      'status': 'skipped',
+      'skip_reason': 'does not fit',
+      'fallback': True,
+      'fallback_reasons': failures,
+    }
+  )
 
 
 def fmt(v, spec='.3g'):
@@ -490,20 +717,26 @@ def fmt(v, spec='.3g'):
 def write_markdown(path, rows, common, command):
   """A short report: NS throughput table, optimizer step table."""
   lines = [
-      '# Newton-Schulz on one device',
-      '',
-      (f'{common["device_kind"]} ({common["backend"]}), jax '
-       f'{common["jax"]}, {common["date"]}'
-       f'{", CPU smoke run" if common["smoke"] else ""}.'),
-      f'`{command}`',
-      '',
-      ('TFLOP/s from predicted matmul FLOPs (5 Jordan iterations, Gram '
-       'with its default restart); in parentheses the share of a batched '
-       'matmul `(b,s,s)@(b,s,l)` of the same dtype.'),
-      '',
-      ('| shape | batch | dtype | matmul TFLOP/s | direct TFLOP/s | '
-       'gram TFLOP/s | direct ms | gram ms |'),
-      '|---|---|---|---|---|---|---|---|',
+    '# Newton-Schulz on one device',
+    '',
+    (
+      f'{common["device_kind"]} ({common["backend"]}), jax '
+      f'{common["jax"]}, {common["date"]}'
+      f'{", CPU smoke run" if common["smoke"] else ""}.'
+    ),
+    f'`{command}`',
+    '',
+    (
+      'TFLOP/s from predicted matmul FLOPs (5 Jordan iterations, Gram '
+      'with its default restart); in parentheses the share of a batched '
+      'matmul `(b,s,s)@(b,s,l)` of the same dtype.'
+    ),
+    '',
+    (
+      '| shape | batch | dtype | matmul TFLOP/s | direct TFLOP/s | '
+      'gram TFLOP/s | direct ms | gram ms |'
+    ),
+    '|---|---|---|---|---|---|---|---|',
   ]
   ns = {}
   for r in rows:
@@ -512,16 +745,21 @@ def write_markdown(path, rows, common, command):
   for (shape, dtype), by in ns.items():
     cells = [shape, str(next(iter(by.values()))['batch']), dtype]
     mm = by.get('matmul', {})
-    cells.append(fmt(mm.get('tflop_per_s'), '.4g') if mm.get('status') == 'ok'
-                 else 'skipped')
+    cells.append(
+      fmt(mm.get('tflop_per_s'), '.4g')
+      if mm.get('status') == 'ok'
+      else 'skipped'
+    )
     for algo in ('direct', 'gram'):
       r = by.get(algo, {})
       if r.get('status') != 'ok':
         cells.append('skipped: ' + str(r.get('skip_reason', ''))[:40])
         continue
       frac = r.get('fraction_of_matmul')
-      cells.append(fmt(r['tflop_per_s'], '.4g')
-                   + ('' if frac is None else f' ({frac:.0%})'))
+      cells.append(
+        fmt(r['tflop_per_s'], '.4g')
+        + ('' if frac is None else f' ({frac:.0%})')
+      )
     for algo in ('direct', 'gram'):
       r = by.get(algo, {})
       cells.append(fmt(r.get('median_ms'), '.4g'))
@@ -529,27 +767,35 @@ def write_markdown(path, rows, common, command):
   steps = [r for r in rows if r.get('part') == 'optimizer_step']
   if steps:
     lines += [
-        '',
-        ('`dmuon_jax.dmuon(0.02)` update + `optax.apply_updates`, bf16 '
-         'params; NS TFLOP/s = Newton-Schulz FLOPs of a step / step time.'),
-        '',
-        ('| layers | params | mu dtype | NS dtype | step ms | NS TFLOP | '
-         'NS TFLOP/s | of bf16 matmul | note |'),
-        '|---|---|---|---|---|---|---|---|---|',
+      '',
+      (
+        '`dmuon_jax.dmuon(0.02)` update + `optax.apply_updates`, bf16 '
+        'params; NS TFLOP/s = Newton-Schulz FLOPs of a step / step time.'
+      ),
+      '',
+      (
+        '| layers | params | mu dtype | NS dtype | step ms | NS TFLOP | '
+        'NS TFLOP/s | of bf16 matmul | note |'
+      ),
+      '|---|---|---|---|---|---|---|---|---|',
     ]
     for r in steps:
-      note = ('fallback: ' + '; '.join(r.get('fallback_reasons', []))
-              if r.get('fallback') else '')
+      note = (
+        'fallback: ' + '; '.join(r.get('fallback_reasons', []))
+        if r.get('fallback')
+        else ''
+      )
       if r['status'] != 'ok':
         note = f'skipped: {r.get("skip_reason")}. {note}'
       frac = r.get('fraction_of_matmul')
       lines.append(
-          f'| {r["layers"]} | {fmt(r.get("params", 0) / 1e9, ".3g")}B | '
-          f'{r.get("mu_dtype", "–")} | {r.get("compute_dtype", "–")} | '
-          f'{fmt(r.get("median_ms"), ".4g")} | '
-          f'{fmt(r.get("ns_flops", 0) / 1e12, ".4g")} | '
-          f'{fmt(r.get("ns_tflop_per_s"), ".4g")} | '
-          f'{"–" if frac is None else f"{frac:.0%}"} | {note[:200]} |')
+        f'| {r["layers"]} | {fmt(r.get("params", 0) / 1e9, ".3g")}B | '
+        f'{r.get("mu_dtype", "–")} | {r.get("compute_dtype", "–")} | '
+        f'{fmt(r.get("median_ms"), ".4g")} | '
+        f'{fmt(r.get("ns_flops", 0) / 1e12, ".4g")} | '
+        f'{fmt(r.get("ns_tflop_per_s"), ".4g")} | '
+        f'{"–" if frac is None else f"{frac:.0%}"} | {note[:200]} |'
+      )
   path.write_text('\n'.join(lines) + '\n')
 
 

@@ -57,30 +57,62 @@ NS_COEFFS = 'jordan'
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(
-      description=__doc__.splitlines()[0],
-      formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument('--short', type=int, default=512,
-                 help='short side s (Part A) and d (Part B)')
-  p.add_argument('--ratios', default='1,2,4,8',
-                 help='Part A: aspect ratios r (matrices s x r*s)')
-  p.add_argument('--batch', type=int, default=4,
-                 help='Part A: matrices per call')
-  p.add_argument('--tp', default='2,4',
-                 help='Part B: tensor-parallel degrees T')
-  p.add_argument('--ff-mult', type=int, default=4,
-                 help='Part B: f = ff-mult * d')
-  p.add_argument('--reps', type=int, default=9,
-                 help='timed rounds per configuration (median reported)')
-  p.add_argument('--warmup', type=int, default=1,
-                 help='untimed calls of each function after compilation')
-  p.add_argument('--min-reps', type=int, default=3,
-                 help='fewest timed rounds when --budget-s cuts reps')
-  p.add_argument('--budget-s', type=float, default=20.0,
-                 help='per-configuration time budget of the timed rounds')
-  p.add_argument('--parts', default='AB', choices=('AB', 'A', 'B'),
-                 help='which parts to run (debugging)')
+    description=__doc__.splitlines()[0],
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  p.add_argument(
+    '--short',
+    type=int,
+    default=512,
+    help='short side s (Part A) and d (Part B)',
+  )
+  p.add_argument(
+    '--ratios',
+    default='1,2,4,8',
+    help='Part A: aspect ratios r (matrices s x r*s)',
+  )
+  p.add_argument(
+    '--batch', type=int, default=4, help='Part A: matrices per call'
+  )
+  p.add_argument(
+    '--tp', default='2,4', help='Part B: tensor-parallel degrees T'
+  )
+  p.add_argument(
+    '--ff-mult', type=int, default=4, help='Part B: f = ff-mult * d'
+  )
+  p.add_argument(
+    '--reps',
+    type=int,
+    default=9,
+    help='timed rounds per configuration (median reported)',
+  )
+  p.add_argument(
+    '--warmup',
+    type=int,
+    default=1,
+    help='untimed calls of each function after compilation',
+  )
+  p.add_argument(
+    '--min-reps',
+    type=int,
+    default=3,
+    help='fewest timed rounds when --budget-s cuts reps',
+  )
+  p.add_argument(
+    '--budget-s',
+    type=float,
+    default=20.0,
+    help='per-configuration time budget of the timed rounds',
+  )
+  p.add_argument(
+    '--parts',
+    default='AB',
+    choices=('AB', 'A', 'B'),
+    help='which parts to run (debugging)',
+  )
   _common.add_common_args(
-      p, 'gram_ns', 'small matrices, few reps: a CI smoke run (< 40 s)')
+    p, 'gram_ns', 'small matrices, few reps: a CI smoke run (< 40 s)'
+  )
   args = p.parse_args(argv)
   if args.quick:
     args.short, args.batch = 64, 2
@@ -105,6 +137,7 @@ def ns_reference(x, rows, eps=1e-8):
   ``A = X X^T, B = b A + (c A) A, X <- a X + B X`` on the short side.
   """
   import numpy as np  # pylint: disable=g-import-not-at-top
+
   x = np.asarray(x, np.float64)
   tall = x.shape[-2] > x.shape[-1]
   y = np.swapaxes(x, -1, -2) if tall else x
@@ -119,6 +152,7 @@ def ns_reference(x, rows, eps=1e-8):
 def max_rel_diff(a, b) -> float:
   """Max over leading axes of ``||a - b||_F / ||b||_F`` (float64)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
+
   a = np.asarray(a, np.float64).reshape((-1,) + np.shape(a)[-2:])
   b = np.asarray(b, np.float64).reshape(a.shape)
   num = np.linalg.norm(a - b, axis=(-2, -1))
@@ -161,14 +195,20 @@ def time_side_by_side(fns, arg, *, reps, warmup, min_reps, budget_s, block):
 
 
 def fmt_mb(bytes_by_kind: dict) -> str:
-  parts = [f'{KIND_ABBREV.get(k, k)} {v / 1e6:.3g}'
-           for k, v in sorted(bytes_by_kind.items()) if v]
+  parts = [
+    f'{KIND_ABBREV.get(k, k)} {v / 1e6:.3g}'
+    for k, v in sorted(bytes_by_kind.items())
+    if v
+  ]
   return ', '.join(parts) if parts else '–'
 
 
 def fmt_count(count_by_kind: dict) -> str:
-  parts = [f'{KIND_ABBREV.get(k, k)} {v}'
-           for k, v in sorted(count_by_kind.items()) if v]
+  parts = [
+    f'{KIND_ABBREV.get(k, k)} {v}'
+    for k, v in sorted(count_by_kind.items())
+    if v
+  ]
   return ', '.join(parts) if parts else '–'
 
 
@@ -190,12 +230,15 @@ def crossover(ratios, speedups):
 
 def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
   args = parse_args(argv)
-  command = ' '.join(['python', 'examples/benchmarks/gram_ns.py']
-                     + (sys.argv[1:] if argv is None else list(argv)))
+  command = ' '.join(
+    ['python', 'examples/benchmarks/gram_ns.py']
+    + (sys.argv[1:] if argv is None else list(argv))
+  )
   wall_start = time.perf_counter()
   n_dev = max(args.tp + [1])
 
   import jax  # pylint: disable=g-import-not-at-top
+
   jax.config.update('jax_num_cpu_devices', n_dev)
   jax.config.update('jax_platforms', 'cpu')
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -221,9 +264,11 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
   default_restarts = check_restarts(None, k)
   rng = np.random.default_rng(args.seed)
   s = args.short
-  print(f'machine: {machine["cpu_count"]} CPUs ({machine["cpu_model"]}), '
-        f'{n_dev} simulated devices, jax {machine["jax"]}; load average '
-        f'{load_start}')
+  print(
+    f'machine: {machine["cpu_count"]} CPUs ({machine["cpu_model"]}), '
+    f'{n_dev} simulated devices, jax {machine["jax"]}; load average '
+    f'{load_start}'
+  )
 
   def compile_fn(fn, x):
     t0 = time.perf_counter()
@@ -231,10 +276,13 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
     return compiled, time.perf_counter() - t0
 
   def timing(times, first):
-    return {'median_ms': 1e3 * statistics.median(times),
-            'min_ms': 1e3 * min(times),
-            'times_ms': [1e3 * t for t in times],
-            'first_call_ms': 1e3 * first, 'reps': len(times)}
+    return {
+      'median_ms': 1e3 * statistics.median(times),
+      'min_ms': 1e3 * min(times),
+      'times_ms': [1e3 * t for t in times],
+      'first_call_ms': 1e3 * first,
+      'reps': len(times),
+    }
 
   # --- Part A: one device, Gram vs direct ----------------------------------
   dev0 = jax.devices()[0]
@@ -244,10 +292,12 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
     host = rng.standard_normal((args.batch, s, l)).astype(np.float32)
     x = jax.device_put(host, dev0)
     fns = {
-        'direct': lambda a: dmuon_jax.orthogonalize_via_newton_schulz(
-            a, NS_COEFFS),
-        'gram': lambda a: dmuon_jax.orthogonalize_via_gram_newton_schulz(
-            a, NS_COEFFS),
+      'direct': lambda a: dmuon_jax.orthogonalize_via_newton_schulz(
+        a, NS_COEFFS
+      ),
+      'gram': lambda a: dmuon_jax.orthogonalize_via_gram_newton_schulz(
+        a, NS_COEFFS
+      ),
     }
     compiled, compile_s, xla_flops, errs = {}, {}, {}, {}
     ref = ns_reference(host, rows)
@@ -257,34 +307,56 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
       errs[name] = max_rel_diff(compiled[name](x), ref)
     del ref
     times, first, other = time_side_by_side(
-        [compiled['direct'], compiled['gram']], x, reps=args.reps,
-        warmup=args.warmup, min_reps=args.min_reps, budget_s=args.budget_s,
-        block=jax.block_until_ready)
-    pred = {'direct': args.batch * ns_flops(s, l, k, 'standard'),
-            'gram': args.batch * ns_flops(s, l, k, 'gram')}
-    row = {'part': 'A', 'config': f'r{r}', 'ratio': r, 'shape': [s, l],
-           'batch': args.batch, 'dtype': 'float32', 'ns_coeffs': NS_COEFFS,
-           'ns_steps': k, 'gram_restarts': list(default_restarts),
-           'other_processes_cpu_share': other,
-           'reps_requested': args.reps}
+      [compiled['direct'], compiled['gram']],
+      x,
+      reps=args.reps,
+      warmup=args.warmup,
+      min_reps=args.min_reps,
+      budget_s=args.budget_s,
+      block=jax.block_until_ready,
+    )
+    pred = {
+      'direct': args.batch * ns_flops(s, l, k, 'standard'),
+      'gram': args.batch * ns_flops(s, l, k, 'gram'),
+    }
+    row = {
+      'part': 'A',
+      'config': f'r{r}',
+      'ratio': r,
+      'shape': [s, l],
+      'batch': args.batch,
+      'dtype': 'float32',
+      'ns_coeffs': NS_COEFFS,
+      'ns_steps': k,
+      'gram_restarts': list(default_restarts),
+      'other_processes_cpu_share': other,
+      'reps_requested': args.reps,
+    }
     for j, name in enumerate(('direct', 'gram')):
       t = timing(times[j], first[j])
       row[name] = dict(
-          t, compile_s=compile_s[name], predicted_flops=pred[name],
-          xla_flops=xla_flops[name],
-          gflop_per_s=pred[name] / t['median_ms'] / 1e6,
-          rel_diff_vs_f64=errs[name])
-    row['speedup_measured'] = (row['direct']['median_ms']
-                               / row['gram']['median_ms'])
+        t,
+        compile_s=compile_s[name],
+        predicted_flops=pred[name],
+        xla_flops=xla_flops[name],
+        gflop_per_s=pred[name] / t['median_ms'] / 1e6,
+        rel_diff_vs_f64=errs[name],
+      )
+    row['speedup_measured'] = (
+      row['direct']['median_ms'] / row['gram']['median_ms']
+    )
     row['speedup_predicted'] = pred['direct'] / pred['gram']
     part_a.append(row)
-    print(f'A r={r} ({args.batch}x{s}x{l}): direct '
-          f'{row["direct"]["median_ms"]:8.1f} ms, gram '
-          f'{row["gram"]["median_ms"]:8.1f} ms, speedup '
-          f'{row["speedup_measured"]:.2f}x (predicted '
-          f'{row["speedup_predicted"]:.2f}x); vs f64 direct '
-          f'{errs["direct"]:.1e}, gram {errs["gram"]:.1e}; others used '
-          f'{_common.fmt_share(other)} of the CPUs', flush=True)
+    print(
+      f'A r={r} ({args.batch}x{s}x{l}): direct '
+      f'{row["direct"]["median_ms"]:8.1f} ms, gram '
+      f'{row["gram"]["median_ms"]:8.1f} ms, speedup '
+      f'{row["speedup_measured"]:.2f}x (predicted '
+      f'{row["speedup_predicted"]:.2f}x); vs f64 direct '
+      f'{errs["direct"]:.1e}, gram {errs["gram"]:.1e}; others used '
+      f'{_common.fmt_share(other)} of the CPUs',
+      flush=True,
+    )
     del x, compiled
 
   # Predicted crossover: both FLOP counts are affine in l.
@@ -292,10 +364,13 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
     f1 = ns_flops(s, s, k, algorithm)
     f2 = ns_flops(s, 2 * s, k, algorithm)
     return f2 - f1, 2 * f1 - f2  # (per s of l, constant)
+
   (ad, bd), (ag, bg) = affine('standard'), affine('gram')
   predicted_crossover = (bg - bd) / (ad - ag) if ad > ag else None
-  measured_crossover = crossover([row['ratio'] for row in part_a],
-                                 [row['speedup_measured'] for row in part_a])
+  measured_crossover = crossover(
+    [row['ratio'] for row in part_a],
+    [row['speedup_measured'] for row in part_a],
+  )
 
   # --- Part B: tensor-parallel Gram vs gather ------------------------------
   d, f = s, args.ff_mult * s
@@ -313,8 +388,7 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
       x = jax.device_put(host, NamedSharding(mesh, spec))
 
       def tp_body(xl, split_axis=split_axis):
-        return tp_ns(
-            xl, NS_COEFFS, axis_name='model', split_axis=split_axis)
+        return tp_ns(xl, NS_COEFFS, axis_name='model', split_axis=split_axis)
 
       def gather_body(xl, dim=dim):
         full = jax.lax.all_gather(xl, 'model', axis=dim, tiled=True)
@@ -333,9 +407,14 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
       ref = ns_reference(host, rows)
       errs = {name: max_rel_diff(o, ref) for name, o in outs.items()}
       times, first, other = time_side_by_side(
-          [compiled['tp'], compiled['gather']], x, reps=args.reps,
-          warmup=args.warmup, min_reps=args.min_reps,
-          budget_s=args.budget_s, block=jax.block_until_ready)
+        [compiled['tp'], compiled['gather']],
+        x,
+        reps=args.reps,
+        warmup=args.warmup,
+        min_reps=args.min_reps,
+        budget_s=args.budget_s,
+        block=jax.block_until_ready,
+      )
       # Predictions per device. TP: Gram iteration on d x d with the local
       # f / T columns (restarts as the TP function picks them); one
       # all-reduce of the d x d float32 Gram per restart window, ring
@@ -345,59 +424,87 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
       restarts = (1, 3) if d > f and k >= 4 else default_restarts
       windows = len(restarts) + 1
       pred_flops = {
-          'tp': 4 * windows * d * d * n_loc + (8 * k - 6 * windows) * d**3,
-          'gather': ns_flops(d, f, k, 'standard'),
+        'tp': 4 * windows * d * d * n_loc + (8 * k - 6 * windows) * d**3,
+        'gather': ns_flops(d, f, k, 'standard'),
       }
       pred_bytes = {
-          'tp': {'all-reduce': windows * 2 * (tp - 1) / tp * d * d * 4},
-          'gather': {'all-gather': (tp - 1) / tp * d * f * 4},
+        'tp': {'all-reduce': windows * 2 * (tp - 1) / tp * d * d * 4},
+        'gather': {'all-gather': (tp - 1) / tp * d * f * 4},
       }
       for j, name in enumerate(('tp', 'gather')):
         rep = reports[name]
-        row = {'part': 'B', 'config': f'T{tp}-{layout}-{name}', 'tp': tp,
-               'layout': layout, 'variant': name, 'shape': list(shape),
-               'split_axis': split_axis, 'dtype': 'float32',
-               'ns_coeffs': NS_COEFFS, 'ns_steps': k,
-               'restarts': list(restarts) if name == 'tp' else None,
-               **timing(times[j], first[j]),
-               'reps_requested': args.reps, 'compile_s': compile_s[name],
-               'other_processes_cpu_share': other,
-               'flops_per_device': rep.flops,
-               'predicted_flops_per_device': pred_flops[name],
-               'collective_bytes_by_kind': {
-                   kk: float(v) for kk, v in rep.bytes_by_kind.items()},
-               'collective_count_by_kind': {
-                   kk: int(v) for kk, v in rep.count_by_kind.items()},
-               'collective_bytes_total': rep.total_bytes(),
-               'predicted_collective_bytes_by_kind': pred_bytes[name],
-               'peak_bytes_per_device': rep.peak_bytes,
-               'rel_diff_tp_vs_gather': diff,
-               'rel_diff_vs_f64': errs[name]}
+        row = {
+          'part': 'B',
+          'config': f'T{tp}-{layout}-{name}',
+          'tp': tp,
+          'layout': layout,
+          'variant': name,
+          'shape': list(shape),
+          'split_axis': split_axis,
+          'dtype': 'float32',
+          'ns_coeffs': NS_COEFFS,
+          'ns_steps': k,
+          'restarts': list(restarts) if name == 'tp' else None,
+          **timing(times[j], first[j]),
+          'reps_requested': args.reps,
+          'compile_s': compile_s[name],
+          'other_processes_cpu_share': other,
+          'flops_per_device': rep.flops,
+          'predicted_flops_per_device': pred_flops[name],
+          'collective_bytes_by_kind': {
+            kk: float(v) for kk, v in rep.bytes_by_kind.items()
+          },
+          'collective_count_by_kind': {
+            kk: int(v) for kk, v in rep.count_by_kind.items()
+          },
+          'collective_bytes_total': rep.total_bytes(),
+          'predicted_collective_bytes_by_kind': pred_bytes[name],
+          'peak_bytes_per_device': rep.peak_bytes,
+          'rel_diff_tp_vs_gather': diff,
+          'rel_diff_vs_f64': errs[name],
+        }
         part_b.append(row)
-        print(f'B T={tp} {layout:>6} {name:>6} {shape[0]}x{shape[1]}: '
-              f'{row["median_ms"]:8.1f} ms, {rep.flops / 1e9:6.3f} GFLOP/'
-              f'device, {fmt_mb(row["collective_bytes_by_kind"])} MB '
-              f'({fmt_count(row["collective_count_by_kind"])}); tp vs '
-              f'gather {diff:.1e}, vs f64 {errs[name]:.1e}; others used '
-              f'{_common.fmt_share(other)} of the CPUs', flush=True)
+        print(
+          f'B T={tp} {layout:>6} {name:>6} {shape[0]}x{shape[1]}: '
+          f'{row["median_ms"]:8.1f} ms, {rep.flops / 1e9:6.3f} GFLOP/'
+          f'device, {fmt_mb(row["collective_bytes_by_kind"])} MB '
+          f'({fmt_count(row["collective_count_by_kind"])}); tp vs '
+          f'gather {diff:.1e}, vs f64 {errs[name]:.1e}; others used '
+          f'{_common.fmt_share(other)} of the CPUs',
+          flush=True,
+        )
       del x, compiled
 
   wall_s = time.perf_counter() - wall_start
-  machine.update({'load_average_start': load_start,
-                  'load_average_end': _common.load_average()})
-  summary = {'part': 'summary', 'config': 'summary', 'wall_s': wall_s,
-             'predicted_crossover_ratio': predicted_crossover,
-             'measured_crossover_ratio': measured_crossover,
-             'tp_function': tp_ns.__name__, 'command': command}
+  machine.update(
+    {
+      'load_average_start': load_start,
+      'load_average_end': _common.load_average(),
+    }
+  )
+  summary = {
+    'part': 'summary',
+    'config': 'summary',
+    'wall_s': wall_s,
+    'predicted_crossover_ratio': predicted_crossover,
+    'measured_crossover_ratio': measured_crossover,
+    'tp_function': tp_ns.__name__,
+    'command': command,
+  }
 
-  md = render_markdown(args, date, machine, command, part_a, part_b,
-                       summary, default_restarts)
+  md = render_markdown(
+    args, date, machine, command, part_a, part_b, summary, default_restarts
+  )
   print()
   print(md)
   out_dir = pathlib.Path(args.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
-  common = {'date': date, 'machine': machine, 'benchmark': 'gram_ns',
-            'quick': args.quick}
+  common = {
+    'date': date,
+    'machine': machine,
+    'benchmark': 'gram_ns',
+    'quick': args.quick,
+  }
   lines = [dict(common, **row) for row in part_a + part_b]
   lines.append(dict(common, **summary))
   json_path = out_dir / f'{args.name}.json'
@@ -409,8 +516,9 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
   return lines
 
 
-def render_markdown(args, date, machine, command, part_a, part_b, summary,
-                    restarts) -> str:
+def render_markdown(
+  args, date, machine, command, part_a, part_b, summary, restarts
+) -> str:
   """The two tables and notes as markdown."""
 
   def reps(res):
@@ -419,142 +527,181 @@ def render_markdown(args, date, machine, command, part_a, part_b, summary,
 
   s = args.short
   steps = (part_a or part_b)[0]['ns_steps'] if part_a or part_b else 5
-  out = ['# Newton-Schulz: Gram vs direct, tensor-parallel Gram vs gather',
-         '']
-  out.append(f'- date: {date}; wall time of the run {summary["wall_s"]:.0f} s'
-             f'{" (--quick)" if args.quick else ""}')
+  out = ['# Newton-Schulz: Gram vs direct, tensor-parallel Gram vs gather', '']
+  out.append(
+    f'- date: {date}; wall time of the run {summary["wall_s"]:.0f} s'
+    f'{" (--quick)" if args.quick else ""}'
+  )
   out.append(f'- command: `{command}`')
   out.append(
-      f'- machine: {machine["platform"]}, {machine["cpu_count"]} CPUs '
-      f'({machine["cpu_model"]}), {machine["devices"]} simulated XLA:CPU '
-      f'devices; load average at start {machine["load_average_start"]}, at '
-      f'end {machine["load_average_end"]}. "Others\' CPU": share of all '
-      'CPUs other processes used during the timed rounds (– under 0.5 s)')
+    f'- machine: {machine["platform"]}, {machine["cpu_count"]} CPUs '
+    f'({machine["cpu_model"]}), {machine["devices"]} simulated XLA:CPU '
+    f'devices; load average at start {machine["load_average_start"]}, at '
+    f'end {machine["load_average_end"]}. "Others\' CPU": share of all '
+    'CPUs other processes used during the timed rounds (– under 0.5 s)'
+  )
   if args.quick:
-    out.append('- **--quick**: tiny matrices for a CI smoke run; the times '
-               'are dominated by overheads and mean little')
+    out.append(
+      '- **--quick**: tiny matrices for a CI smoke run; the times '
+      'are dominated by overheads and mean little'
+    )
   out.append(
-      f'- software: python {machine["python"]}, jax {machine["jax"]}, '
-      f'jaxlib {machine["jaxlib"]}, dmuon_jax {machine["dmuon_jax"]}')
+    f'- software: python {machine["python"]}, jax {machine["jax"]}, '
+    f'jaxlib {machine["jaxlib"]}, dmuon_jax {machine["dmuon_jax"]}'
+  )
   out.append(
-      f'- Newton-Schulz: `{NS_COEFFS}` coefficients, {steps} steps, '
-      'Frobenius normalization, float32; Gram form restarts before '
-      f'iteration(s) {", ".join(map(str, restarts)) or "none"}; random '
-      'Gaussian inputs')
+    f'- Newton-Schulz: `{NS_COEFFS}` coefficients, {steps} steps, '
+    'Frobenius normalization, float32; Gram form restarts before '
+    f'iteration(s) {", ".join(map(str, restarts)) or "none"}; random '
+    'Gaussian inputs'
+  )
   out.append(
-      f'- timing: median of `reps` rounds after {args.warmup} warm-up '
-      'call(s) of each; every round calls both variants of a row '
-      '(alternating which goes first), `block_until_ready` after each call; '
-      'compile time excluded')
+    f'- timing: median of `reps` rounds after {args.warmup} warm-up '
+    'call(s) of each; every round calls both variants of a row '
+    '(alternating which goes first), `block_until_ready` after each call; '
+    'compile time excluded'
+  )
   out.append('')
-  out.append(f'## A. Gram vs direct on one device ({args.batch} matrices '
-             f'{s} x r·{s} per call)')
+  out.append(
+    f'## A. Gram vs direct on one device ({args.batch} matrices '
+    f'{s} x r·{s} per call)'
+  )
   out.append('')
-  out.append('| r | shape | direct GFLOP | Gram GFLOP | predicted speedup | '
-             'direct ms | Gram ms | measured speedup | direct GFLOP/s | '
-             'Gram GFLOP/s | direct vs f64 | Gram vs f64 | reps | others\' '
-             'CPU |')
-  out.append('|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|'
-             '---:|---:|')
+  out.append(
+    '| r | shape | direct GFLOP | Gram GFLOP | predicted speedup | '
+    'direct ms | Gram ms | measured speedup | direct GFLOP/s | '
+    "Gram GFLOP/s | direct vs f64 | Gram vs f64 | reps | others' "
+    'CPU |'
+  )
+  out.append(
+    '|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|'
+  )
   for row in part_a:
     dr, gr = row['direct'], row['gram']
     out.append(
-        f'| {row["ratio"]} | {row["batch"]}×{row["shape"][0]}×'
-        f'{row["shape"][1]} | {dr["predicted_flops"] / 1e9:.2f} | '
-        f'{gr["predicted_flops"] / 1e9:.2f} | '
-        f'{row["speedup_predicted"]:.2f}x | {dr["median_ms"]:.1f} | '
-        f'{gr["median_ms"]:.1f} | {row["speedup_measured"]:.2f}x | '
-        f'{dr["gflop_per_s"]:.1f} | {gr["gflop_per_s"]:.1f} | '
-        f'{dr["rel_diff_vs_f64"]:.1e} | {gr["rel_diff_vs_f64"]:.1e} | '
-        f'{reps(dr)} | '
-        f'{_common.fmt_share(row["other_processes_cpu_share"])} |')
+      f'| {row["ratio"]} | {row["batch"]}×{row["shape"][0]}×'
+      f'{row["shape"][1]} | {dr["predicted_flops"] / 1e9:.2f} | '
+      f'{gr["predicted_flops"] / 1e9:.2f} | '
+      f'{row["speedup_predicted"]:.2f}x | {dr["median_ms"]:.1f} | '
+      f'{gr["median_ms"]:.1f} | {row["speedup_measured"]:.2f}x | '
+      f'{dr["gflop_per_s"]:.1f} | {gr["gflop_per_s"]:.1f} | '
+      f'{dr["rel_diff_vs_f64"]:.1e} | {gr["rel_diff_vs_f64"]:.1e} | '
+      f'{reps(dr)} | '
+      f'{_common.fmt_share(row["other_processes_cpu_share"])} |'
+    )
   out.append('')
-  pc, mc = summary['predicted_crossover_ratio'], summary[
-      'measured_crossover_ratio']
+  pc, mc = (
+    summary['predicted_crossover_ratio'],
+    summary['measured_crossover_ratio'],
+  )
   out.append(
-      '- Gram becomes cheaper than direct, by predicted FLOPs, above '
-      f'aspect ratio r = {pc:.2f}' if pc is not None else
-      '- by predicted FLOPs, Gram is never cheaper')
+    '- Gram becomes cheaper than direct, by predicted FLOPs, above '
+    f'aspect ratio r = {pc:.2f}'
+    if pc is not None
+    else '- by predicted FLOPs, Gram is never cheaper'
+  )
   out.append(
-      '- measured: ' + (
-          f'Gram is faster from r ≈ {mc:.2f} (log-linear interpolation '
-          'between the measured ratios; ≤ the first ratio when it is '
-          'already faster there)' if mc is not None else
-          'Gram is not faster at any measured ratio'))
+    '- measured: '
+    + (
+      f'Gram is faster from r ≈ {mc:.2f} (log-linear interpolation '
+      'between the measured ratios; ≤ the first ratio when it is '
+      'already faster there)'
+      if mc is not None
+      else 'Gram is not faster at any measured ratio'
+    )
+  )
   out.append(
-      '- GFLOP: predicted matmul FLOPs of the batch (`matmul_flops`, 2 per '
-      'multiply-add, normalization not counted); GFLOP/s = predicted FLOPs '
-      '/ median time. "vs f64": max over the batch of ‖Y − Y₆₄‖_F / '
-      '‖Y₆₄‖_F, Y₆₄ the same direct iteration in float64 NumPy. XLA\'s own '
-      'FLOP count of each compiled call is in the JSON (`xla_flops`)')
+    '- GFLOP: predicted matmul FLOPs of the batch (`matmul_flops`, 2 per '
+    'multiply-add, normalization not counted); GFLOP/s = predicted FLOPs '
+    '/ median time. "vs f64": max over the batch of ‖Y − Y₆₄‖_F / '
+    "‖Y₆₄‖_F, Y₆₄ the same direct iteration in float64 NumPy. XLA's own "
+    'FLOP count of each compiled call is in the JSON (`xla_flops`)'
+  )
   out.append('')
-  out.append(f'## B. Tensor-parallel Gram vs gather (d = {s}, f = '
-             f'{args.ff_mult}·d = {args.ff_mult * s})')
+  out.append(
+    f'## B. Tensor-parallel Gram vs gather (d = {s}, f = '
+    f'{args.ff_mult}·d = {args.ff_mult * s})'
+  )
   out.append('')
-  out.append('| T | layout | matrix | variant | median ms | gather / TP '
-             'time | GFLOP / device (XLA) | GFLOP / device (predicted) | '
-             'GFLOP/s (all T) | collective MB / device | collectives | TP vs '
-             'gather | vs f64 | reps | others\' CPU |')
-  out.append('|---:|---|---|---|---:|---:|---:|---:|---:|---|---|---:|---:|'
-             '---:|---:|')
+  out.append(
+    '| T | layout | matrix | variant | median ms | gather / TP '
+    'time | GFLOP / device (XLA) | GFLOP / device (predicted) | '
+    'GFLOP/s (all T) | collective MB / device | collectives | TP vs '
+    "gather | vs f64 | reps | others' CPU |"
+  )
+  out.append(
+    '|---:|---|---|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|'
+  )
   by_key = {(r['tp'], r['layout'], r['variant']): r for r in part_b}
   for row in part_b:
     tp_row = by_key[(row['tp'], row['layout'], 'tp')]
-    ratio = (f'{row["median_ms"] / tp_row["median_ms"]:.2f}x'
-             if row['variant'] == 'gather' else '1.00x')
+    ratio = (
+      f'{row["median_ms"] / tp_row["median_ms"]:.2f}x'
+      if row['variant'] == 'gather'
+      else '1.00x'
+    )
     split = 'cols' if row['split_axis'] == -1 else 'rows'
     rate = row['tp'] * row['flops_per_device'] / row['median_ms'] / 1e6
     out.append(
-        f'| {row["tp"]} | {row["layout"]} | {row["shape"][0]}×'
-        f'{row["shape"][1]}, {split} split | {row["variant"]} | '
-        f'{row["median_ms"]:.1f} | {ratio} | '
-        f'{row["flops_per_device"] / 1e9:.3f} | '
-        f'{row["predicted_flops_per_device"] / 1e9:.3f} | {rate:.0f} | '
-        f'{fmt_mb(row["collective_bytes_by_kind"])} | '
-        f'{fmt_count(row["collective_count_by_kind"])} | '
-        f'{row["rel_diff_tp_vs_gather"]:.1e} | '
-        f'{row["rel_diff_vs_f64"]:.1e} | {reps(row)} | '
-        f'{_common.fmt_share(row["other_processes_cpu_share"])} |')
+      f'| {row["tp"]} | {row["layout"]} | {row["shape"][0]}×'
+      f'{row["shape"][1]}, {split} split | {row["variant"]} | '
+      f'{row["median_ms"]:.1f} | {ratio} | '
+      f'{row["flops_per_device"] / 1e9:.3f} | '
+      f'{row["predicted_flops_per_device"] / 1e9:.3f} | {rate:.0f} | '
+      f'{fmt_mb(row["collective_bytes_by_kind"])} | '
+      f'{fmt_count(row["collective_count_by_kind"])} | '
+      f'{row["rel_diff_tp_vs_gather"]:.1e} | '
+      f'{row["rel_diff_vs_f64"]:.1e} | {reps(row)} | '
+      f'{_common.fmt_share(row["other_processes_cpu_share"])} |'
+    )
   out.append('')
   out.append(
-      f'- `tp`: `{summary["tp_function"]}` on each shard\'s slice: the d × d '
-      'Gram of the unsplit dimension is the sum of the shards\' local '
-      'Grams, one all-reduce (AR) per restart window; the d × d iteration '
-      'runs on every shard and each applies it to its own slice, so the '
-      'matrix never moves. Predicted per device: 4·p·d²·(f/T) + (8k − '
-      '6p)·d³ FLOPs (p restart windows, k steps) and p all-reduces of '
-      'd²·4 bytes, 2(T−1)/T of that each (ring).')
+    f"- `tp`: `{summary['tp_function']}` on each shard's slice: the d × d "
+    "Gram of the unsplit dimension is the sum of the shards' local "
+    'Grams, one all-reduce (AR) per restart window; the d × d iteration '
+    'runs on every shard and each applies it to its own slice, so the '
+    'matrix never moves. Predicted per device: 4·p·d²·(f/T) + (8k − '
+    '6p)·d³ FLOPs (p restart windows, k steps) and p all-reduces of '
+    'd²·4 bytes, 2(T−1)/T of that each (ring).'
+  )
   out.append(
-      '- `gather`: the gather baseline. `all_gather` (AG) of the slices '
-      '((T−1)/T of the matrix arrives on each device), direct Newton-Schulz '
-      'of the whole d × f matrix on every shard (the same work T times), '
-      'then each shard keeps its slice (`dynamic_slice` at `axis_index`). '
-      'Gathering to one shard and scattering the result back instead moves '
-      'the same bytes per device (the root receives (T−1)/T of the matrix '
-      'and sends as much back) and leaves T−1 shards idle during the '
-      'iteration, so it is no faster than this.')
+    '- `gather`: the gather baseline. `all_gather` (AG) of the slices '
+    '((T−1)/T of the matrix arrives on each device), direct Newton-Schulz '
+    'of the whole d × f matrix on every shard (the same work T times), '
+    'then each shard keeps its slice (`dynamic_slice` at `axis_index`). '
+    'Gathering to one shard and scattering the result back instead moves '
+    'the same bytes per device (the root receives (T−1)/T of the matrix '
+    'and sends as much back) and leaves T−1 shards idle during the '
+    'iteration, so it is no faster than this.'
+  )
   windows = len(restarts) + 1
   byte_ratio = args.ff_mult / (2 * windows)
   out.append(
-      f'- Bytes: the TP path moves {windows}·2(T−1)/T·4d² bytes per device, '
-      'the gather (T−1)/T·4df: fewer for TP only when f > '
-      f'{2 * windows}·d. At f = {args.ff_mult}·d the gather moves '
-      + ('the same bytes as TP' if byte_ratio == 1
-         else f'{byte_ratio:.2g}x the TP bytes')
-      + '; what TP saves here is mostly the '
-      'iteration on the whole matrix, which the gather baseline repeats on '
-      'every shard. GFLOP/s (all T) = T × XLA GFLOP per device / median '
-      'time: the rate the shared cores reached.')
+    f'- Bytes: the TP path moves {windows}·2(T−1)/T·4d² bytes per device, '
+    'the gather (T−1)/T·4df: fewer for TP only when f > '
+    f'{2 * windows}·d. At f = {args.ff_mult}·d the gather moves '
+    + (
+      'the same bytes as TP'
+      if byte_ratio == 1
+      else f'{byte_ratio:.2g}x the TP bytes'
+    )
+    + '; what TP saves here is mostly the '
+    'iteration on the whole matrix, which the gather baseline repeats on '
+    'every shard. GFLOP/s (all T) = T × XLA GFLOP per device / median '
+    'time: the rate the shared cores reached.'
+  )
   out.append(
-      '- Collective MB / device: compiled HLO, ring model (AG all-gather, '
-      'AR all-reduce); collectives: executions per call. GFLOP / device '
-      '(XLA): `cost_analysis()` of the compiled program. "TP vs gather": '
-      '‖Y_tp − Y_gather‖_F / ‖Y_gather‖_F over the whole matrix; "vs f64": '
-      'against the float64 NumPy direct iteration.')
+    '- Collective MB / device: compiled HLO, ring model (AG all-gather, '
+    'AR all-reduce); collectives: executions per call. GFLOP / device '
+    '(XLA): `cost_analysis()` of the compiled program. "TP vs gather": '
+    '‖Y_tp − Y_gather‖_F / ‖Y_gather‖_F over the whole matrix; "vs f64": '
+    'against the float64 NumPy direct iteration.'
+  )
   out.append(
-      '- The T simulated devices share the machine\'s cores (XLA:CPU runs '
-      'all device programs on one thread pool), so a time here is the '
-      'total work of all T shards, not one shard\'s share of it.')
+    "- The T simulated devices share the machine's cores (XLA:CPU runs "
+    'all device programs on one thread pool), so a time here is the '
+    "total work of all T shards, not one shard's share of it."
+  )
   return '\n'.join(out)
 
 

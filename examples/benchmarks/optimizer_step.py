@@ -45,12 +45,12 @@ import sys
 import time
 
 KIND_ABBREV = {
-    'all-gather': 'AG',
-    'reduce-scatter': 'RS',
-    'all-reduce': 'AR',
-    'all-to-all': 'A2A',
-    'collective-permute': 'CP',
-    'collective-broadcast': 'CB',
+  'all-gather': 'AG',
+  'reduce-scatter': 'RS',
+  'all-reduce': 'AR',
+  'all-to-all': 'A2A',
+  'collective-permute': 'CP',
+  'collective-broadcast': 'CB',
 }
 
 TARGET_VS_REPLICATED = 7.5
@@ -62,44 +62,73 @@ def add_common_args(p, stem: str, quick_help: str) -> None:
   """The options every CPU benchmark here takes: --quick, --out-dir,
   --name (file stem: ``stem``, or ``stem_quick`` with --quick), --seed."""
   p.add_argument('--quick', action='store_true', help=quick_help)
-  p.add_argument('--out-dir', default=None,
-                 help='where to write results (default: results/ beside '
-                 'this script)')
-  p.add_argument('--name', default=None,
-                 help=f'output file stem (default {stem}, or {stem}_quick '
-                 'with --quick)')
+  p.add_argument(
+    '--out-dir',
+    default=None,
+    help='where to write results (default: results/ beside this script)',
+  )
+  p.add_argument(
+    '--name',
+    default=None,
+    help=f'output file stem (default {stem}, or {stem}_quick with --quick)',
+  )
   p.add_argument('--seed', type=int, default=0)
 
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(
-      description=__doc__.splitlines()[0],
-      formatter_class=argparse.RawDescriptionHelpFormatter)
+    description=__doc__.splitlines()[0],
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   p.add_argument('--layers', type=int, default=8)
   p.add_argument('--d-model', type=int, default=512)
   p.add_argument('--d-ff', type=int, default=1536)
   p.add_argument('--vocab', type=int, default=8192)
-  p.add_argument('--mesh', default='1x8',
-                 help='replicate x shard, e.g. 1x8, 2x4, 8x1')
-  p.add_argument('--reps', type=int, default=5,
-                 help='timed steps per configuration (median reported)')
-  p.add_argument('--warmup', type=int, default=1,
-                 help='untimed steps after compilation')
-  p.add_argument('--min-reps', type=int, default=3,
-                 help='fewest timed steps when --budget-s cuts reps')
-  p.add_argument('--budget-s', type=float, default=75.0,
-                 help='per-configuration time budget for the timed steps: '
-                 'slow configurations (optax on replicated params) run '
-                 'fewer reps (never under --min-reps); reported as such')
-  p.add_argument('--no-all-2d', action='store_true',
-                 help='skip the second table (embed and LM head on Muon)')
-  p.add_argument('--no-breakdown', action='store_true',
-                 help='skip the 1-iteration dmuon runs that split the step '
-                 'time into Newton-Schulz and the rest')
-  p.add_argument('--only', default=None,
-                 help='comma-separated config names to run (debugging)')
-  add_common_args(p, 'optimizer_step',
-                  'tiny model, few reps: a CI smoke run (< 60 s)')
+  p.add_argument(
+    '--mesh', default='1x8', help='replicate x shard, e.g. 1x8, 2x4, 8x1'
+  )
+  p.add_argument(
+    '--reps',
+    type=int,
+    default=5,
+    help='timed steps per configuration (median reported)',
+  )
+  p.add_argument(
+    '--warmup', type=int, default=1, help='untimed steps after compilation'
+  )
+  p.add_argument(
+    '--min-reps',
+    type=int,
+    default=3,
+    help='fewest timed steps when --budget-s cuts reps',
+  )
+  p.add_argument(
+    '--budget-s',
+    type=float,
+    default=75.0,
+    help='per-configuration time budget for the timed steps: '
+    'slow configurations (optax on replicated params) run '
+    'fewer reps (never under --min-reps); reported as such',
+  )
+  p.add_argument(
+    '--no-all-2d',
+    action='store_true',
+    help='skip the second table (embed and LM head on Muon)',
+  )
+  p.add_argument(
+    '--no-breakdown',
+    action='store_true',
+    help='skip the 1-iteration dmuon runs that split the step '
+    'time into Newton-Schulz and the rest',
+  )
+  p.add_argument(
+    '--only',
+    default=None,
+    help='comma-separated config names to run (debugging)',
+  )
+  add_common_args(
+    p, 'optimizer_step', 'tiny model, few reps: a CI smoke run (< 60 s)'
+  )
   args = p.parse_args(argv)
   if args.quick:
     args.layers, args.d_model, args.d_ff, args.vocab = 2, 128, 384, 1024
@@ -118,20 +147,20 @@ def parse_args(argv=None):
 def llama_shapes(layers: int, d: int, d_ff: int, vocab: int):
   """A Llama-like parameter tree of shapes (dicts and a list of layers)."""
   layer = {
-      'attn': {k: {'kernel': (d, d)} for k in ('q', 'k', 'v', 'o')},
-      'attn_norm': {'scale': (d,)},
-      'mlp': {
-          'gate': {'kernel': (d, d_ff)},
-          'up': {'kernel': (d, d_ff)},
-          'down': {'kernel': (d_ff, d)},
-      },
-      'mlp_norm': {'scale': (d,)},
+    'attn': {k: {'kernel': (d, d)} for k in ('q', 'k', 'v', 'o')},
+    'attn_norm': {'scale': (d,)},
+    'mlp': {
+      'gate': {'kernel': (d, d_ff)},
+      'up': {'kernel': (d, d_ff)},
+      'down': {'kernel': (d_ff, d)},
+    },
+    'mlp_norm': {'scale': (d,)},
   }
   return {
-      'embed': {'embedding': (vocab, d)},
-      'layers': [layer] * layers,
-      'final_norm': {'scale': (d,)},
-      'lm_head': {'kernel': (d, vocab)},
+    'embed': {'embedding': (vocab, d)},
+    'layers': [layer] * layers,
+    'final_norm': {'scale': (d,)},
+    'lm_head': {'kernel': (d, vocab)},
   }
 
 
@@ -191,17 +220,17 @@ class CpuMeter:
 
 def machine_info(jax, optax, dmuon_jax) -> dict:
   return {
-      'cpu_count': os.cpu_count(),
-      'cpu_model': cpu_model(),
-      'platform': platform.platform(),
-      'python': platform.python_version(),
-      'jax': jax.__version__,
-      'jaxlib': getattr(jax.lib, '__version__', None)
-                or __import__('jaxlib').__version__,
-      'optax': optax.__version__,
-      'dmuon_jax': dmuon_jax.__version__,
-      'devices': jax.device_count(),
-      'device_kind': jax.devices()[0].device_kind,
+    'cpu_count': os.cpu_count(),
+    'cpu_model': cpu_model(),
+    'platform': platform.platform(),
+    'python': platform.python_version(),
+    'jax': jax.__version__,
+    'jaxlib': getattr(jax.lib, '__version__', None)
+    or __import__('jaxlib').__version__,
+    'optax': optax.__version__,
+    'dmuon_jax': dmuon_jax.__version__,
+    'devices': jax.device_count(),
+    'device_kind': jax.devices()[0].device_kind,
   }
 
 
@@ -209,8 +238,19 @@ def machine_info(jax, optax, dmuon_jax) -> dict:
 # Measurement.
 
 
-def time_steps(step, params, state, grads, *, reps, warmup, min_reps,
-               budget_s, block, on_first=None):
+def time_steps(
+  step,
+  params,
+  state,
+  grads,
+  *,
+  reps,
+  warmup,
+  min_reps,
+  budget_s,
+  block,
+  on_first=None,
+):
   """Runs warm-up + timed steps, feeding outputs back.
 
   The first warm-up step's duration estimates the step time: if ``reps``
@@ -260,8 +300,10 @@ def on_mesh(tree, replicated):
 
 
 def collective_summary(report) -> tuple[dict, dict]:
-  return ({k: float(v) for k, v in report.bytes_by_kind.items()},
-          {k: int(v) for k, v in report.count_by_kind.items()})
+  return (
+    {k: float(v) for k, v in report.bytes_by_kind.items()},
+    {k: int(v) for k, v in report.count_by_kind.items()},
+  )
 
 
 def fmt_share(share: float | None) -> str:
@@ -269,8 +311,11 @@ def fmt_share(share: float | None) -> str:
 
 
 def fmt_collectives(bytes_by_kind: dict) -> str:
-  parts = [f'{KIND_ABBREV.get(k, k)} {v / 1e6:.1f}'
-           for k, v in sorted(bytes_by_kind.items()) if v]
+  parts = [
+    f'{KIND_ABBREV.get(k, k)} {v / 1e6:.1f}'
+    for k, v in sorted(bytes_by_kind.items())
+    if v
+  ]
   return ', '.join(parts) if parts else '–'
 
 
@@ -285,6 +330,7 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
   n_dev = r * s
 
   import jax  # pylint: disable=g-import-not-at-top
+
   jax.config.update('jax_num_cpu_devices', n_dev)
   jax.config.update('jax_platforms', 'cpu')
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -300,15 +346,21 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
   axes = ('replicate', 'shard')
   # Auto axes: XLA chooses the shardings inside the jitted step (optax's NS
   # on FSDP-sharded matrices would be ambiguous under Explicit axes).
-  mesh = jax.make_mesh((r, s), axes,
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  mesh = jax.make_mesh(
+    (r, s), axes, axis_types=(jax.sharding.AxisType.Auto,) * 2
+  )
   replicated = NamedSharding(mesh, P())
-  date = datetime.datetime.now(datetime.UTC).isoformat(
-      timespec='seconds')
+  date = datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')
   machine = machine_info(jax, optax, dmuon_jax)
   load_start = load_average()
-  model = {'layers': args.layers, 'd_model': args.d_model, 'd_ff': args.d_ff,
-           'vocab': args.vocab, 'dtype': 'float32', 'mesh': args.mesh}
+  model = {
+    'layers': args.layers,
+    'd_model': args.d_model,
+    'd_ff': args.d_ff,
+    'vocab': args.vocab,
+    'dtype': 'float32',
+    'mesh': args.mesh,
+  }
 
   shapes = llama_shapes(args.layers, args.d_model, args.d_ff, args.vocab)
 
@@ -317,11 +369,15 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
 
   rng = np.random.default_rng(args.seed)
   host_params = jax.tree.map(
-      lambda sh: (0.02 * rng.standard_normal(sh)).astype(np.float32),
-      shapes, is_leaf=is_shape)
+    lambda sh: (0.02 * rng.standard_normal(sh)).astype(np.float32),
+    shapes,
+    is_leaf=is_shape,
+  )
   host_grads = jax.tree.map(
-      lambda sh: (1e-3 * rng.standard_normal(sh)).astype(np.float32),
-      shapes, is_leaf=is_shape)
+    lambda sh: (1e-3 * rng.standard_normal(sh)).astype(np.float32),
+    shapes,
+    is_leaf=is_shape,
+  )
   n_params = sum(x.size for x in jax.tree.leaves(host_params))
 
   def fsdp_sharding(x):
@@ -344,8 +400,9 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
 
   def muon_dims(labels):
     return jax.tree.map(
-        lambda lbl: dmuon_jax.MuonDimensionNumbers() if lbl == 'muon'
-        else None, labels)
+      lambda lbl: dmuon_jax.MuonDimensionNumbers() if lbl == 'muon' else None,
+      labels,
+    )
 
   def all_2d(path, x):
     del path
@@ -354,8 +411,9 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
   routings = {'default': None, 'all-2d': all_2d}
 
   def plan_for(routing):
-    return dmuon_jax.plan_ownership(host_params, mesh,
-                                    predicate=routings[routing])
+    return dmuon_jax.plan_ownership(
+      host_params, mesh, predicate=routings[routing]
+    )
 
   def make_optimizer(family, routing, ns_steps=None):
     labels = dmuon_jax.muon_labels(host_params, predicate=routings[routing])
@@ -363,10 +421,17 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
       return optax.adamw(3e-3)
     if family == 'optax.contrib.muon':
       return optax.contrib.muon(
-          0.02, adam_learning_rate=3e-3,
-          muon_weight_dimension_numbers=muon_dims(labels))
-    return dmuon_jax.dmuon(0.02, adam_learning_rate=3e-3, mesh=mesh,
-                           predicate=routings[routing], ns_steps=ns_steps)
+        0.02,
+        adam_learning_rate=3e-3,
+        muon_weight_dimension_numbers=muon_dims(labels),
+      )
+    return dmuon_jax.dmuon(
+      0.02,
+      adam_learning_rate=3e-3,
+      mesh=mesh,
+      predicate=routings[routing],
+      ns_steps=ns_steps,
+    )
 
   def make_step(opt, path, param_sh, state_sh, state):
     if path == 'explicit':
@@ -375,21 +440,26 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
       def body(params, opt_state, grads):
         # Per-device (unreduced) gradients, as local_value_and_grad gives.
         grads = jax.tree.map(
-            lambda g: jax.lax.pcast(g, axes, to='varying'), grads)
+          lambda g: jax.lax.pcast(g, axes, to='varying'), grads
+        )
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-      fn = jax.shard_map(body, mesh=mesh,
-                         in_specs=(P(), state_specs, P()),
-                         out_specs=(P(), state_specs))
+      fn = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(P(), state_specs, P()),
+        out_specs=(P(), state_specs),
+      )
     else:
 
       def fn(params, opt_state, grads):
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    return jax.jit(fn, out_shardings=(param_sh, state_sh),
-                   donate_argnums=(0, 1))
+    return jax.jit(
+      fn, out_shardings=(param_sh, state_sh), donate_argnums=(0, 1)
+    )
 
   # --- Matmul rate of this machine ---------------------------------------
   mm_m, mm_k = args.d_model, args.d_ff
@@ -400,8 +470,9 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
   # cores. Measured before and after the configurations; the floor uses the
   # faster of the two (the machine at its least disturbed).
   mm_x = jax.device_put(
-      rng.standard_normal((n_dev * per_dev, mm_m, mm_k)).astype(np.float32),
-      NamedSharding(mesh, P(axes)))
+    rng.standard_normal((n_dev * per_dev, mm_m, mm_k)).astype(np.float32),
+    NamedSharding(mesh, P(axes)),
+  )
   gram = jax.jit(lambda x: jnp.einsum('bik,bjk->bij', x, x))
   mm_flops = n_dev * per_dev * 2.0 * mm_m * mm_m * mm_k
 
@@ -414,52 +485,69 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
       gram(mm_x).block_until_ready()
       mm_times.append(time.perf_counter() - t0)
     med = statistics.median(mm_times)
-    return {'median_ms': 1e3 * med, 'flop_per_s': mm_flops / med,
-            'other_processes_cpu_share': meter.other_share()}
+    return {
+      'median_ms': 1e3 * med,
+      'flop_per_s': mm_flops / med,
+      'other_processes_cpu_share': meter.other_share(),
+    }
 
-  print(f'machine: {machine["cpu_count"]} CPUs ({machine["cpu_model"]}), '
-        f'{n_dev} simulated devices, jax {machine["jax"]}; load average '
-        f'{load_start}')
+  print(
+    f'machine: {machine["cpu_count"]} CPUs ({machine["cpu_model"]}), '
+    f'{n_dev} simulated devices, jax {machine["jax"]}; load average '
+    f'{load_start}'
+  )
   mm_start = matmul_rate()
-  print(f'matmul rate: {mm_start["flop_per_s"] / 1e9:.1f} GFLOP/s aggregate '
-        f'({n_dev}x{per_dev} products {mm_m}x{mm_k} @ {mm_k}x{mm_m}; '
-        'other processes used '
-        f'{fmt_share(mm_start["other_processes_cpu_share"])} of the CPUs)')
+  print(
+    f'matmul rate: {mm_start["flop_per_s"] / 1e9:.1f} GFLOP/s aggregate '
+    f'({n_dev}x{per_dev} products {mm_m}x{mm_k} @ {mm_k}x{mm_m}; '
+    'other processes used '
+    f'{fmt_share(mm_start["other_processes_cpu_share"])} of the CPUs)'
+  )
 
   plans = {k: plan_for(k) for k in routings}
   plan_info = {}
   for k, plan in plans.items():
     total = sum(u.cost for u in plan.units)
     plan_info[k] = {
-        'matrices': len(plan.units),
-        'ns_flops_total': total,
-        'ns_flops_largest': max(u.cost for u in plan.units),
-        'makespan': plan.makespan,
-        'imbalance': plan.imbalance,
+      'matrices': len(plan.units),
+      'ns_flops_total': total,
+      'ns_flops_largest': max(u.cost for u in plan.units),
+      'makespan': plan.makespan,
+      'imbalance': plan.imbalance,
     }
   default_total = plan_info['default']['ns_flops_total']
-  print(f'model: {n_params / 1e6:.1f}M params, '
-        f'{plan_info["default"]["matrices"]} Muon matrices (default routing), '
-        f'NS {default_total / 1e9:.1f} GFLOP per step; machine floor '
-        f'{1e3 * default_total / mm_start["flop_per_s"]:.0f} ms at this rate')
+  print(
+    f'model: {n_params / 1e6:.1f}M params, '
+    f'{plan_info["default"]["matrices"]} Muon matrices (default routing), '
+    f'NS {default_total / 1e9:.1f} GFLOP per step; machine floor '
+    f'{1e3 * default_total / mm_start["flop_per_s"]:.0f} ms at this rate'
+  )
 
   configs = [
-      # name, optimizer family, param layout, update path, routing
-      ('adamw-fsdp', 'adamw', 'fsdp', 'drop-in', 'default'),
-      ('optax-muon-replicated', 'optax.contrib.muon', 'replicated',
-       'drop-in', 'default'),
-      ('optax-muon-fsdp', 'optax.contrib.muon', 'fsdp', 'drop-in',
-       'default'),
-      ('dmuon-replicated', 'dmuon', 'replicated', 'drop-in', 'default'),
-      ('dmuon-fsdp', 'dmuon', 'fsdp', 'drop-in', 'default'),
-      ('dmuon-explicit', 'dmuon', 'replicated', 'explicit', 'default'),
+    # name, optimizer family, param layout, update path, routing
+    ('adamw-fsdp', 'adamw', 'fsdp', 'drop-in', 'default'),
+    (
+      'optax-muon-replicated',
+      'optax.contrib.muon',
+      'replicated',
+      'drop-in',
+      'default',
+    ),
+    ('optax-muon-fsdp', 'optax.contrib.muon', 'fsdp', 'drop-in', 'default'),
+    ('dmuon-replicated', 'dmuon', 'replicated', 'drop-in', 'default'),
+    ('dmuon-fsdp', 'dmuon', 'fsdp', 'drop-in', 'default'),
+    ('dmuon-explicit', 'dmuon', 'replicated', 'explicit', 'default'),
   ]
   if not args.no_all_2d:
     configs += [
-        ('optax-muon-replicated-all2d', 'optax.contrib.muon', 'replicated',
-         'drop-in', 'all-2d'),
-        ('dmuon-replicated-all2d', 'dmuon', 'replicated', 'drop-in',
-         'all-2d'),
+      (
+        'optax-muon-replicated-all2d',
+        'optax.contrib.muon',
+        'replicated',
+        'drop-in',
+        'all-2d',
+      ),
+      ('dmuon-replicated-all2d', 'dmuon', 'replicated', 'drop-in', 'all-2d'),
     ]
   if not args.no_breakdown:
     # Diagnostics: the same steps with one Newton-Schulz iteration instead of
@@ -467,9 +555,8 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
     # of the 5-step time is everything else (momentum, packing, collectives,
     # AdamW, apply_updates).
     configs += [
-        ('dmuon-replicated-ns1', 'dmuon', 'replicated', 'drop-in',
-         'default', 1),
-        ('dmuon-fsdp-ns1', 'dmuon', 'fsdp', 'drop-in', 'default', 1),
+      ('dmuon-replicated-ns1', 'dmuon', 'replicated', 'drop-in', 'default', 1),
+      ('dmuon-fsdp-ns1', 'dmuon', 'fsdp', 'drop-in', 'default', 1),
     ]
   configs = [c + (None,) * (6 - len(c)) for c in configs]
   if args.only:
@@ -484,8 +571,9 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
     # Explicit path: gradients come in replicated and are made per-device.
     grads = place(host_grads, 'replicated' if path == 'explicit' else layout)
     state = on_mesh(opt.init(params), replicated)
-    step = make_step(opt, path, shardings_of(params), shardings_of(state),
-                     state)
+    step = make_step(
+      opt, path, shardings_of(params), shardings_of(state), state
+    )
     t0 = time.perf_counter()
     lowered = step.lower(params, state, grads)
     t1 = time.perf_counter()
@@ -500,71 +588,105 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
     # Diagnostic rows are cheap and feed a difference: twice the reps.
     reps = 2 * args.reps if ns_steps is not None else args.reps
     times, first, other_cpu = time_steps(
-        compiled, params, state, grads, reps=reps, warmup=args.warmup,
-        min_reps=args.min_reps, budget_s=args.budget_s,
-        block=jax.block_until_ready,
-        on_first=keep_first if family != 'adamw' else None)
+      compiled,
+      params,
+      state,
+      grads,
+      reps=reps,
+      warmup=args.warmup,
+      min_reps=args.min_reps,
+      budget_s=args.budget_s,
+      block=jax.block_until_ready,
+      on_first=keep_first if family != 'adamw' else None,
+    )
     bytes_by_kind, count_by_kind = collective_summary(report)
     res = {
-        'config': name, 'optimizer': family, 'params': layout,
-        'path': path, 'routing': routing,
-        'ns_steps': (None if family == 'adamw' else ns_steps or 5),
-        'diagnostic': ns_steps is not None,
-        'median_ms': 1e3 * statistics.median(times),
-        'min_ms': 1e3 * min(times),
-        'times_ms': [1e3 * t for t in times],
-        'first_step_ms': 1e3 * first,
-        'other_processes_cpu_share': other_cpu,
-        'reps': len(times), 'reps_requested': reps,
-        'warmup': max(args.warmup, 1),
-        'lower_s': t1 - t0, 'compile_s': t2 - t1,
-        'flops_per_device': report.flops,
-        'collective_bytes_by_kind': bytes_by_kind,
-        'collective_count_by_kind': count_by_kind,
-        'collective_bytes_total': report.total_bytes(),
-        'peak_bytes_per_device': report.peak_bytes,
-        'grads': ('per-device (unreduced)' if path == 'explicit'
-                  else 'reduced'),
+      'config': name,
+      'optimizer': family,
+      'params': layout,
+      'path': path,
+      'routing': routing,
+      'ns_steps': (None if family == 'adamw' else ns_steps or 5),
+      'diagnostic': ns_steps is not None,
+      'median_ms': 1e3 * statistics.median(times),
+      'min_ms': 1e3 * min(times),
+      'times_ms': [1e3 * t for t in times],
+      'first_step_ms': 1e3 * first,
+      'other_processes_cpu_share': other_cpu,
+      'reps': len(times),
+      'reps_requested': reps,
+      'warmup': max(args.warmup, 1),
+      'lower_s': t1 - t0,
+      'compile_s': t2 - t1,
+      'flops_per_device': report.flops,
+      'collective_bytes_by_kind': bytes_by_kind,
+      'collective_count_by_kind': count_by_kind,
+      'collective_bytes_total': report.total_bytes(),
+      'peak_bytes_per_device': report.peak_bytes,
+      'grads': ('per-device (unreduced)' if path == 'explicit' else 'reduced'),
     }
     # Same numbers as optax? The first step's update of every Muon config is
     # compared with optax.contrib.muon's on replicated params (same routing,
     # same start): max over leaves of |d - d_ref| / |d_ref| (Frobenius).
     if family != 'adamw' and ns_steps is None:
-      deltas = jax.tree.map(lambda a, b: a - b, first_params['params'],
-                            host_params)
-      ref_name = ('optax-muon-replicated' if routing == 'default'
-                  else 'optax-muon-replicated-all2d')
+      deltas = jax.tree.map(
+        lambda a, b: a - b, first_params['params'], host_params
+      )
+      ref_name = (
+        'optax-muon-replicated'
+        if routing == 'default'
+        else 'optax-muon-replicated-all2d'
+      )
       if name == ref_name:
         reference_deltas[routing] = deltas
       elif routing in reference_deltas:
-        res['first_update_rel_diff_vs_optax'] = float(max(
+        res['first_update_rel_diff_vs_optax'] = float(
+          max(
             np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
-            for a, b in zip(jax.tree.leaves(deltas),
-                            jax.tree.leaves(reference_deltas[routing]),
-                            strict=True)))
+            for a, b in zip(
+              jax.tree.leaves(deltas),
+              jax.tree.leaves(reference_deltas[routing]),
+              strict=True,
+            )
+          )
+        )
     first_params.clear()
     results[name] = res
-    reduced_note = (f' (reps cut to {len(times)} by --budget-s)'
-                    if len(times) < reps else '')
-    print(f'{name:>28}: {res["median_ms"]:9.1f} ms median of {len(times)}'
-          f'{reduced_note}, compile {t1 - t0 + t2 - t1:5.1f} s, '
-          f'{report.flops / 1e9:7.2f} GFLOP/device, '
-          f'{fmt_collectives(bytes_by_kind)} MB; others used '
-          f'{fmt_share(other_cpu)} of the CPUs' + (
-              f'; update vs optax {res["first_update_rel_diff_vs_optax"]:.1e}'
-              if 'first_update_rel_diff_vs_optax' in res else ''),
-          flush=True)
+    reduced_note = (
+      f' (reps cut to {len(times)} by --budget-s)' if len(times) < reps else ''
+    )
+    print(
+      f'{name:>28}: {res["median_ms"]:9.1f} ms median of {len(times)}'
+      f'{reduced_note}, compile {t1 - t0 + t2 - t1:5.1f} s, '
+      f'{report.flops / 1e9:7.2f} GFLOP/device, '
+      f'{fmt_collectives(bytes_by_kind)} MB; others used '
+      f'{fmt_share(other_cpu)} of the CPUs'
+      + (
+        f'; update vs optax {res["first_update_rel_diff_vs_optax"]:.1e}'
+        if 'first_update_rel_diff_vs_optax' in res
+        else ''
+      ),
+      flush=True,
+    )
     del params, state, grads, compiled, lowered, step
 
   mm_end = matmul_rate()
   rate = max(mm_start['flop_per_s'], mm_end['flop_per_s'])
-  print(f'matmul rate at the end: {mm_end["flop_per_s"] / 1e9:.1f} GFLOP/s '
-        '(other processes used '
-        f'{fmt_share(mm_end["other_processes_cpu_share"])} of the CPUs); the '
-        f'floor uses {rate / 1e9:.1f} GFLOP/s')
-  matmul = {'config': 'matmul_rate', 'shape': [mm_m, mm_k],
-            'products_per_device': per_dev, 'flops': mm_flops,
-            'start': mm_start, 'end': mm_end, 'flop_per_s': rate}
+  print(
+    f'matmul rate at the end: {mm_end["flop_per_s"] / 1e9:.1f} GFLOP/s '
+    '(other processes used '
+    f'{fmt_share(mm_end["other_processes_cpu_share"])} of the CPUs); the '
+    f'floor uses {rate / 1e9:.1f} GFLOP/s'
+  )
+  matmul = {
+    'config': 'matmul_rate',
+    'shape': [mm_m, mm_k],
+    'products_per_device': per_dev,
+    'flops': mm_flops,
+    'start': mm_start,
+    'end': mm_end,
+    'flop_per_s': rate,
+  }
   for info in plan_info.values():
     info['machine_floor_ms'] = 1e3 * info['ns_flops_total'] / rate
 
@@ -583,31 +705,52 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
       met = None
     else:
       met = value >= goal if higher_is_better else value <= goal
-    targets.append({'target': label, 'value': value, 'goal': goal,
-                    'higher_is_better': higher_is_better, 'met': met,
-                    'detail': detail})
+    targets.append(
+      {
+        'target': label,
+        'value': value,
+        'goal': goal,
+        'higher_is_better': higher_is_better,
+        'met': met,
+        'detail': detail,
+      }
+    )
 
-  target('dmuon (replicated) speedup vs optax.contrib.muon replicated',
-         ratio(ms('optax-muon-replicated'), ms('dmuon-replicated')),
-         TARGET_VS_REPLICATED, True,
-         'optax-muon-replicated / dmuon-replicated (ms / ms)')
-  target('dmuon (FSDP) speedup vs optax.contrib.muon FSDP',
-         ratio(ms('optax-muon-fsdp'), ms('dmuon-fsdp')),
-         TARGET_VS_FSDP, True, 'optax-muon-fsdp / dmuon-fsdp (ms / ms)')
-  target('dmuon (replicated) time / machine floor',
-         ratio(ms('dmuon-replicated'), floor_ms), TARGET_VS_FLOOR, False,
-         'dmuon-replicated ms / (NS FLOPs / matmul rate)')
+  target(
+    'dmuon (replicated) speedup vs optax.contrib.muon replicated',
+    ratio(ms('optax-muon-replicated'), ms('dmuon-replicated')),
+    TARGET_VS_REPLICATED,
+    True,
+    'optax-muon-replicated / dmuon-replicated (ms / ms)',
+  )
+  target(
+    'dmuon (FSDP) speedup vs optax.contrib.muon FSDP',
+    ratio(ms('optax-muon-fsdp'), ms('dmuon-fsdp')),
+    TARGET_VS_FSDP,
+    True,
+    'optax-muon-fsdp / dmuon-fsdp (ms / ms)',
+  )
+  target(
+    'dmuon (replicated) time / machine floor',
+    ratio(ms('dmuon-replicated'), floor_ms),
+    TARGET_VS_FLOOR,
+    False,
+    'dmuon-replicated ms / (NS FLOPs / matmul rate)',
+  )
 
   ratios = []
   for name in ('dmuon-replicated', 'dmuon-fsdp', 'dmuon-explicit'):
     if name in results:
-      ratios.append({
+      ratios.append(
+        {
           'config': name,
           'speedup_vs_optax_replicated': ratio(
-              ms('optax-muon-replicated'), ms(name)),
+            ms('optax-muon-replicated'), ms(name)
+          ),
           'speedup_vs_optax_fsdp': ratio(ms('optax-muon-fsdp'), ms(name)),
           'time_over_machine_floor': ratio(ms(name), floor_ms),
-      })
+        }
+      )
 
   # Fastest steps, not medians: a difference of two noisy times (8 device
   # threads on shared cores) is steadiest at the least disturbed steps.
@@ -617,44 +760,80 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
       continue
     t5, t1 = results[name]['min_ms'], results[name + '-ns1']['min_ms']
     ns_ms = 1.25 * (t5 - t1)
-    breakdown.append({
-        'config': name, 'step_ms': t5, 'step_ns1_ms': t1,
-        'ns_iterations_ms': ns_ms, 'outside_ns_ms': t5 - ns_ms,
-        'ns_flop_per_s': (plan_info['default']['ns_flops_total'] / ns_ms * 1e3
-                          if ns_ms > 0 else None),
+    breakdown.append(
+      {
+        'config': name,
+        'step_ms': t5,
+        'step_ns1_ms': t1,
+        'ns_iterations_ms': ns_ms,
+        'outside_ns_ms': t5 - ns_ms,
+        'ns_flop_per_s': (
+          plan_info['default']['ns_flops_total'] / ns_ms * 1e3
+          if ns_ms > 0
+          else None
+        ),
         'ns_over_machine_floor': ns_ms / floor_ms,
-    })
+      }
+    )
 
   all2d = plan_info['all-2d']
-  ideal_all2d = max(all2d['ns_flops_total'] / n_dev,
-                    all2d['ns_flops_largest'])
+  ideal_all2d = max(all2d['ns_flops_total'] / n_dev, all2d['ns_flops_largest'])
 
   wall_s = time.perf_counter() - wall_start
   load_end = load_average()
-  machine.update({'load_average_start': load_start,
-                  'load_average_end': load_end})
+  machine.update(
+    {'load_average_start': load_start, 'load_average_end': load_end}
+  )
 
   # --- Output ---------------------------------------------------------------
-  md = render_markdown(args, date, machine, model, n_params, matmul,
-                       plan_info, results, ratios, targets, ideal_all2d,
-                       breakdown, wall_s)
+  md = render_markdown(
+    args,
+    date,
+    machine,
+    model,
+    n_params,
+    matmul,
+    plan_info,
+    results,
+    ratios,
+    targets,
+    ideal_all2d,
+    breakdown,
+    wall_s,
+  )
   print()
   print(md)
   out_dir = pathlib.Path(args.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
-  common = {'date': date, 'machine': machine, 'model': model,
-            'benchmark': 'optimizer_step', 'quick': args.quick}
+  common = {
+    'date': date,
+    'machine': machine,
+    'model': model,
+    'benchmark': 'optimizer_step',
+    'quick': args.quick,
+  }
   lines = [dict(common, **matmul)]
   for res in results.values():
-    lines.append(dict(common, **res,
-                      plan=plan_info[res['routing']]
-                      if res['optimizer'] != 'adamw' else None))
-  lines.append(dict(common, config='summary', wall_s=wall_s,
-                    machine_floor_ms=floor_ms, ratios=ratios,
-                    breakdown=breakdown,
-                    targets=targets,
-                    all_2d_ideal_flops_per_device=ideal_all2d,
-                    plans=plan_info))
+    lines.append(
+      dict(
+        common,
+        **res,
+        plan=plan_info[res['routing']] if res['optimizer'] != 'adamw' else None,
+      )
+    )
+  lines.append(
+    dict(
+      common,
+      config='summary',
+      wall_s=wall_s,
+      machine_floor_ms=floor_ms,
+      ratios=ratios,
+      breakdown=breakdown,
+      targets=targets,
+      all_2d_ideal_flops_per_device=ideal_all2d,
+      plans=plan_info,
+    )
+  )
   json_path = out_dir / f'{args.name}.json'
   with open(json_path, 'w', encoding='utf-8') as f:
     for line in lines:
@@ -674,9 +853,21 @@ def _speed_and_reps(res, base):
   return speed, reps
 
 
-def render_markdown(args, date, machine, model, n_params, matmul, plan_info,
-                    results, ratios, targets, ideal_all2d, breakdown,
-                    wall_s) -> str:
+def render_markdown(
+  args,
+  date,
+  machine,
+  model,
+  n_params,
+  matmul,
+  plan_info,
+  results,
+  ratios,
+  targets,
+  ideal_all2d,
+  breakdown,
+  wall_s,
+) -> str:
   """The tables, ratios and targets as markdown."""
   base = results.get('optax-muon-replicated')
   floor_ms = plan_info['default']['machine_floor_ms']
@@ -695,118 +886,143 @@ def render_markdown(args, date, machine, model, n_params, matmul, plan_info,
   out.append('# Optimizer step: dmuon vs optax.contrib.muon vs AdamW')
   out.append('')
   out.append(
-      f'- date: {date}; wall time of the run {wall_s:.0f} s'
-      f'{" (--quick)" if args.quick else ""}')
+    f'- date: {date}; wall time of the run {wall_s:.0f} s'
+    f'{" (--quick)" if args.quick else ""}'
+  )
   out.append(
-      f'- machine: {machine["cpu_count"]} CPUs ({machine["cpu_model"]}), '
-      f'{machine["devices"]} simulated XLA:CPU devices (mesh {args.mesh}, '
-      f'replicate x shard); load average at start '
-      f'{machine["load_average_start"]}, at end '
-      f'{machine["load_average_end"]} (this process\'s own device threads '
-      'count in it). Other processes may share the cores: "others\' CPU" is '
-      'the share of all CPUs they used during a configuration\'s warm-up '
-      'and timed steps (/proc/stat busy time minus this process\'s CPU '
-      'time; – when those took under 0.5 s)')
+    f'- machine: {machine["cpu_count"]} CPUs ({machine["cpu_model"]}), '
+    f'{machine["devices"]} simulated XLA:CPU devices (mesh {args.mesh}, '
+    f'replicate x shard); load average at start '
+    f'{machine["load_average_start"]}, at end '
+    f"{machine['load_average_end']} (this process's own device threads "
+    'count in it). Other processes may share the cores: "others\' CPU" is '
+    "the share of all CPUs they used during a configuration's warm-up "
+    "and timed steps (/proc/stat busy time minus this process's CPU "
+    'time; – when those took under 0.5 s)'
+  )
   if args.quick:
-    out.append('- **--quick**: a tiny model for a CI smoke run; the targets '
-               'are set for the default model, and millisecond steps on '
-               'shared cores are noisy, so met/missed here means little')
+    out.append(
+      '- **--quick**: a tiny model for a CI smoke run; the targets '
+      'are set for the default model, and millisecond steps on '
+      'shared cores are noisy, so met/missed here means little'
+    )
   out.append(
-      f'- software: python {machine["python"]}, jax {machine["jax"]}, '
-      f'jaxlib {machine["jaxlib"]}, optax {machine["optax"]}, dmuon_jax '
-      f'{machine["dmuon_jax"]}')
+    f'- software: python {machine["python"]}, jax {machine["jax"]}, '
+    f'jaxlib {machine["jaxlib"]}, optax {machine["optax"]}, dmuon_jax '
+    f'{machine["dmuon_jax"]}'
+  )
   out.append(
-      f'- model: {model["layers"]} layers, d_model {model["d_model"]}, d_ff '
-      f'{model["d_ff"]}, vocab {model["vocab"]}, float32, '
-      f'{n_params / 1e6:.2f}M params; '
-      f'{plan_info["default"]["matrices"]} Muon matrices by default '
-      f'(embed and LM head on AdamW), NS '
-      f'{plan_info["default"]["ns_flops_total"] / 1e9:.1f} GFLOP per step '
-      f'(5 quintic steps), owner-plan imbalance '
-      f'{plan_info["default"]["imbalance"]:.3f}')
+    f'- model: {model["layers"]} layers, d_model {model["d_model"]}, d_ff '
+    f'{model["d_ff"]}, vocab {model["vocab"]}, float32, '
+    f'{n_params / 1e6:.2f}M params; '
+    f'{plan_info["default"]["matrices"]} Muon matrices by default '
+    f'(embed and LM head on AdamW), NS '
+    f'{plan_info["default"]["ns_flops_total"] / 1e9:.1f} GFLOP per step '
+    f'(5 quintic steps), owner-plan imbalance '
+    f'{plan_info["default"]["imbalance"]:.3f}'
+  )
   out.append(
-      f'- matmul rate: {matmul["flop_per_s"] / 1e9:.1f} GFLOP/s aggregate over'
-      f' the machine ({machine["devices"]} devices x '
-      f'{matmul["products_per_device"]} products {matmul["shape"][0]}x'
-      f'{matmul["shape"][1]} @ {matmul["shape"][1]}x{matmul["shape"][0]};'
-      f' the faster of {matmul["start"]["flop_per_s"] / 1e9:.1f} before and '
-      f'{matmul["end"]["flop_per_s"] / 1e9:.1f} after the configurations);'
-      f' machine floor = NS FLOPs / rate = {floor_ms:.0f} ms')
+    f'- matmul rate: {matmul["flop_per_s"] / 1e9:.1f} GFLOP/s aggregate over'
+    f' the machine ({machine["devices"]} devices x '
+    f'{matmul["products_per_device"]} products {matmul["shape"][0]}x'
+    f'{matmul["shape"][1]} @ {matmul["shape"][1]}x{matmul["shape"][0]};'
+    f' the faster of {matmul["start"]["flop_per_s"] / 1e9:.1f} before and '
+    f'{matmul["end"]["flop_per_s"] / 1e9:.1f} after the configurations);'
+    f' machine floor = NS FLOPs / rate = {floor_ms:.0f} ms'
+  )
   out.append(
-      f'- timing: steady-state median of `reps` steps after '
-      f'{args.warmup} warm-up step(s), `block_until_ready` after each; '
-      'compile = lower + compile; optimizer step only (update + '
-      'apply_updates), fixed random gradients, params and state donated and '
-      'fed back')
+    f'- timing: steady-state median of `reps` steps after '
+    f'{args.warmup} warm-up step(s), `block_until_ready` after each; '
+    'compile = lower + compile; optimizer step only (update + '
+    'apply_updates), fixed random gradients, params and state donated and '
+    'fed back'
+  )
   out.append('')
   out.append('## Default routing (embed and LM head on AdamW)')
   out.append('')
-  out.append('| config | params | grads in | median ms | reps | others\' '
-             'CPU | compile s | GFLOP / device | collective MB / device | '
-             'speedup vs optax replicated | update vs optax |')
+  out.append(
+    "| config | params | grads in | median ms | reps | others' "
+    'CPU | compile s | GFLOP / device | collective MB / device | '
+    'speedup vs optax replicated | update vs optax |'
+  )
   out.append('|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|')
   for name, res in results.items():
     if res['routing'] != 'default' or res['diagnostic']:
       continue
     speed, reps = _speed_and_reps(res, base)
     out.append(
-        f'| {name} | {res["params"]} | {res["grads"]} | '
-        f'{res["median_ms"]:.1f} | {reps} | {pct(res)} | '
-        f'{res["lower_s"] + res["compile_s"]:.1f} | '
-        f'{res["flops_per_device"] / 1e9:.2f} | '
-        f'{fmt_collectives(res["collective_bytes_by_kind"])} | {speed} | '
-        f'{diff(res)} |')
+      f'| {name} | {res["params"]} | {res["grads"]} | '
+      f'{res["median_ms"]:.1f} | {reps} | {pct(res)} | '
+      f'{res["lower_s"] + res["compile_s"]:.1f} | '
+      f'{res["flops_per_device"] / 1e9:.2f} | '
+      f'{fmt_collectives(res["collective_bytes_by_kind"])} | {speed} | '
+      f'{diff(res)} |'
+    )
   if any(r['reps'] < r['reps_requested'] for r in results.values()):
     out.append('')
-    out.append(f'\\* fewer reps than the requested {args.reps}: the step is '
-               f'slow and the per-configuration budget is {args.budget_s:.0f}'
-               ' s (`--budget-s`); the model size is not reduced.')
+    out.append(
+      f'\\* fewer reps than the requested {args.reps}: the step is '
+      f'slow and the per-configuration budget is {args.budget_s:.0f}'
+      ' s (`--budget-s`); the model size is not reduced.'
+    )
   out.append('')
   out.append('## Ratios')
   out.append('')
-  out.append('| dmuon config | speedup vs optax replicated | speedup vs optax '
-             'FSDP | time / machine floor |')
+  out.append(
+    '| dmuon config | speedup vs optax replicated | speedup vs optax '
+    'FSDP | time / machine floor |'
+  )
   out.append('|---|---:|---:|---:|')
 
   def fmt(v, suffix='x'):
     return '–' if v is None else f'{v:.2f}{suffix}'
 
   for row in ratios:
-    out.append(f'| {row["config"]} | '
-               f'{fmt(row["speedup_vs_optax_replicated"])} | '
-               f'{fmt(row["speedup_vs_optax_fsdp"])} | '
-               f'{fmt(row["time_over_machine_floor"])} |')
+    out.append(
+      f'| {row["config"]} | '
+      f'{fmt(row["speedup_vs_optax_replicated"])} | '
+      f'{fmt(row["speedup_vs_optax_fsdp"])} | '
+      f'{fmt(row["time_over_machine_floor"])} |'
+    )
   out.append('')
   out.append('## Targets')
   out.append('')
   for t in targets:
     mark = {True: 'met', False: 'missed', None: 'not measured'}[t['met']]
     rel = '≥' if t['higher_is_better'] else '≤'
-    out.append(f'- {t["target"]}: {fmt(t["value"])} (target {rel} '
-               f'{t["goal"]}x) — **{mark}** ({t["detail"]})')
+    out.append(
+      f'- {t["target"]}: {fmt(t["value"])} (target {rel} '
+      f'{t["goal"]}x) — **{mark}** ({t["detail"]})'
+    )
   if breakdown:
     out.append('')
-    out.append('## Where dmuon\'s time goes')
+    out.append("## Where dmuon's time goes")
     out.append('')
-    out.append('The same step with 1 Newton-Schulz iteration instead of 5 '
-               '(`dmuon-*-ns1` in the JSON): 5/4 of the difference is the '
-               'time of the 5 iterations, the rest is outside NS (momentum, '
-               'packing to owners and back, collectives, AdamW for the '
-               'non-Muon leaves, apply_updates). Fastest step of each, not '
-               'the median: the difference of two times is steadiest at the '
-               'least disturbed steps.')
+    out.append(
+      'The same step with 1 Newton-Schulz iteration instead of 5 '
+      '(`dmuon-*-ns1` in the JSON): 5/4 of the difference is the '
+      'time of the 5 iterations, the rest is outside NS (momentum, '
+      'packing to owners and back, collectives, AdamW for the '
+      'non-Muon leaves, apply_updates). Fastest step of each, not '
+      'the median: the difference of two times is steadiest at the '
+      'least disturbed steps.'
+    )
     out.append('')
-    out.append('| config | fastest step ms | fastest 1-iteration step ms | '
-               'NS iterations ms '
-               '| outside NS ms | NS GFLOP/s | NS ms / machine floor |')
+    out.append(
+      '| config | fastest step ms | fastest 1-iteration step ms | '
+      'NS iterations ms '
+      '| outside NS ms | NS GFLOP/s | NS ms / machine floor |'
+    )
     out.append('|---|---:|---:|---:|---:|---:|---:|')
     for b in breakdown:
-      rate_s = ('–' if b['ns_flop_per_s'] is None
-                else f'{b["ns_flop_per_s"] / 1e9:.0f}')
+      rate_s = (
+        '–' if b['ns_flop_per_s'] is None else f'{b["ns_flop_per_s"] / 1e9:.0f}'
+      )
       out.append(
-          f'| {b["config"]} | {b["step_ms"]:.0f} | {b["step_ns1_ms"]:.0f} | '
-          f'{b["ns_iterations_ms"]:.0f} | {b["outside_ns_ms"]:.0f} | '
-          f'{rate_s} | {b["ns_over_machine_floor"]:.2f}x |')
+        f'| {b["config"]} | {b["step_ms"]:.0f} | {b["step_ns1_ms"]:.0f} | '
+        f'{b["ns_iterations_ms"]:.0f} | {b["outside_ns_ms"]:.0f} | '
+        f'{rate_s} | {b["ns_over_machine_floor"]:.2f}x |'
+      )
   all2d = [r for r in results.values() if r['routing'] == 'all-2d']
   if all2d:
     info = plan_info['all-2d']
@@ -815,56 +1031,64 @@ def render_markdown(args, date, machine, model, n_params, matmul, plan_info,
     out.append('## Embed and LM head on Muon too (every 2-D leaf)')
     out.append('')
     out.append(
-        f'{info["matrices"]} matrices, NS {info["ns_flops_total"] / 1e9:.1f}'
-        f' GFLOP in all, largest matrix '
-        f'{info["ns_flops_largest"] / 1e9:.1f} GFLOP; ideal per device = '
-        f'max(total / N, largest) = {ideal_all2d / 1e9:.2f} GFLOP; plan '
-        f'makespan {info["makespan"] / 1e9:.2f} GFLOP (imbalance '
-        f'{info["imbalance"]:.3f}); machine floor '
-        f'{info["machine_floor_ms"]:.0f} ms.')
+      f'{info["matrices"]} matrices, NS {info["ns_flops_total"] / 1e9:.1f}'
+      f' GFLOP in all, largest matrix '
+      f'{info["ns_flops_largest"] / 1e9:.1f} GFLOP; ideal per device = '
+      f'max(total / N, largest) = {ideal_all2d / 1e9:.2f} GFLOP; plan '
+      f'makespan {info["makespan"] / 1e9:.2f} GFLOP (imbalance '
+      f'{info["imbalance"]:.3f}); machine floor '
+      f'{info["machine_floor_ms"]:.0f} ms.'
+    )
     out.append('')
-    out.append('| config | median ms | reps | others\' CPU | compile s | '
-               'GFLOP / device | GFLOP / device ÷ ideal | collective MB / '
-               'device | speedup vs optax replicated | time / machine floor '
-               '| update vs optax |')
+    out.append(
+      "| config | median ms | reps | others' CPU | compile s | "
+      'GFLOP / device | GFLOP / device ÷ ideal | collective MB / '
+      'device | speedup vs optax replicated | time / machine floor '
+      '| update vs optax |'
+    )
     out.append('|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|')
     for res in all2d:
       speed, reps = _speed_and_reps(res, base2)
       out.append(
-          f'| {res["config"]} | {res["median_ms"]:.1f} | {reps} | '
-          f'{pct(res)} | '
-          f'{res["lower_s"] + res["compile_s"]:.1f} | '
-          f'{res["flops_per_device"] / 1e9:.2f} | '
-          f'{res["flops_per_device"] / ideal_all2d:.2f} | '
-          f'{fmt_collectives(res["collective_bytes_by_kind"])} | {speed} | '
-          f'{res["median_ms"] / info["machine_floor_ms"]:.2f}x | '
-          f'{diff(res)} |')
+        f'| {res["config"]} | {res["median_ms"]:.1f} | {reps} | '
+        f'{pct(res)} | '
+        f'{res["lower_s"] + res["compile_s"]:.1f} | '
+        f'{res["flops_per_device"] / 1e9:.2f} | '
+        f'{res["flops_per_device"] / ideal_all2d:.2f} | '
+        f'{fmt_collectives(res["collective_bytes_by_kind"])} | {speed} | '
+        f'{res["median_ms"] / info["machine_floor_ms"]:.2f}x | '
+        f'{diff(res)} |'
+      )
   out.append('')
   out.append('## Notes')
   out.append('')
   out.append(
-      '- GFLOP / device is XLA\'s `cost_analysis()` of the compiled step. '
-      'XLA:CPU counts the most expensive branch of a `lax.switch` (dmuon '
-      'runs each owner\'s Newton-Schulz in its own branch, so this is the '
-      'busiest owner) and a `while` body once (both libraries unroll the 5 '
-      'NS steps here).')
+    "- GFLOP / device is XLA's `cost_analysis()` of the compiled step. "
+    'XLA:CPU counts the most expensive branch of a `lax.switch` (dmuon '
+    "runs each owner's Newton-Schulz in its own branch, so this is the "
+    'busiest owner) and a `while` body once (both libraries unroll the 5 '
+    'NS steps here).'
+  )
   out.append(
-      '- Collective MB / device come from the compiled HLO (ring model; AG '
-      'all-gather, RS reduce-scatter, AR all-reduce, A2A all-to-all). '
-      'Configurations 1-5 receive gradients already reduced over devices, '
-      'so their all-reduce of the backward pass is not in the step; '
-      '`dmuon-explicit` receives per-device gradients and its step includes '
-      'the reduction (reduce-scatter to owners + all-gather for Muon '
-      'matrices, all-reduce for the AdamW leaves).')
+    '- Collective MB / device come from the compiled HLO (ring model; AG '
+    'all-gather, RS reduce-scatter, AR all-reduce, A2A all-to-all). '
+    'Configurations 1-5 receive gradients already reduced over devices, '
+    'so their all-reduce of the backward pass is not in the step; '
+    '`dmuon-explicit` receives per-device gradients and its step includes '
+    'the reduction (reduce-scatter to owners + all-gather for Muon '
+    'matrices, all-reduce for the AdamW leaves).'
+  )
   out.append(
-      '- "update vs optax": the first step\'s parameter update compared '
-      'with optax.contrib.muon\'s on replicated params (same start, same '
-      'routing), max over leaves of ‖Δ − Δ_optax‖ / ‖Δ_optax‖.')
+    '- "update vs optax": the first step\'s parameter update compared '
+    "with optax.contrib.muon's on replicated params (same start, same "
+    'routing), max over leaves of ‖Δ − Δ_optax‖ / ‖Δ_optax‖.'
+  )
   out.append(
-      '- The simulated devices share the machine\'s cores (XLA:CPU runs '
-      'every device program on one thread pool), so the machine floor is '
-      'total NS FLOPs over the aggregate matmul rate, not the per-owner '
-      'makespan.')
+    "- The simulated devices share the machine's cores (XLA:CPU runs "
+    'every device program on one thread pool), so the machine floor is '
+    'total NS FLOPs over the aggregate matmul rate, not the per-owner '
+    'makespan.'
+  )
   return '\n'.join(out)
 
 

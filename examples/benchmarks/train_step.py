@@ -66,9 +66,15 @@ import optimizer_step as _common  # pylint: disable=g-import-not-at-top,wrong-im
 
 KIND_ABBREV = _common.KIND_ABBREV
 
-CONFIGS = ('adamw_fsdp', 'adamw_fsdp_reshard', 'adamw_fsdp_jit',
-           'optax_muon_fsdp', 'dmuon_dropin_fsdp',
-           'dedicated_z2', 'dedicated_z3')
+CONFIGS = (
+  'adamw_fsdp',
+  'adamw_fsdp_reshard',
+  'adamw_fsdp_jit',
+  'optax_muon_fsdp',
+  'dmuon_dropin_fsdp',
+  'dedicated_z2',
+  'dedicated_z3',
+)
 # FSDP as FSDP2 runs it by default (reshard_after_forward=True): the design's
 # 3(N-1)/N*P. Plain adamw_fsdp lets XLA keep the gathered weights instead.
 BASELINE = 'adamw_fsdp_reshard'
@@ -86,37 +92,63 @@ ADAM_LR = 3e-3
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(
-      description=__doc__.splitlines()[0],
-      formatter_class=argparse.RawDescriptionHelpFormatter)
+    description=__doc__.splitlines()[0],
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   p.add_argument('--layers', type=int, default=4)
   p.add_argument('--d-model', type=int, default=256)
-  p.add_argument('--d-ff', type=int, default=1024,
-                 help='MLP width; 4 x d-model packs two layers per gather '
-                 '(8 d x d and 6 d x 4d matrices) onto 8 owners with no '
-                 'padding')
+  p.add_argument(
+    '--d-ff',
+    type=int,
+    default=1024,
+    help='MLP width; 4 x d-model packs two layers per gather '
+    '(8 d x d and 6 d x 4d matrices) onto 8 owners with no '
+    'padding',
+  )
   p.add_argument('--heads', type=int, default=4)
   p.add_argument('--vocab', type=int, default=512)
   p.add_argument('--seq', type=int, default=64)
-  p.add_argument('--batch', type=int, default=16,
-                 help='global batch (sequences), divisible by the devices')
-  p.add_argument('--mesh', default='1,8',
-                 help='replicate,shard (or RxS), e.g. 1,8 2,4 8,1')
-  p.add_argument('--layers-per-gather', type=int, default=2,
-                 help='dedicated configs: layers gathered together (K)')
-  p.add_argument('--dedicated-rest', choices=('fsdp', 'replicated'),
-                 default='fsdp',
-                 help='dedicated configs: layout of the non-Muon params '
-                 '(embed, norms, head): FSDP-sharded like adamw_fsdp '
-                 '(gathered in the loss, gradients reduce-scattered) or '
-                 'replicated (gradients all-reduced)')
-  p.add_argument('--reps', type=int, default=10,
-                 help='timed steps per configuration (median reported)')
-  p.add_argument('--warmup', type=int, default=2,
-                 help='untimed steps after compilation')
-  p.add_argument('--only', default=None,
-                 help='comma-separated config names to run (debugging)')
+  p.add_argument(
+    '--batch',
+    type=int,
+    default=16,
+    help='global batch (sequences), divisible by the devices',
+  )
+  p.add_argument(
+    '--mesh', default='1,8', help='replicate,shard (or RxS), e.g. 1,8 2,4 8,1'
+  )
+  p.add_argument(
+    '--layers-per-gather',
+    type=int,
+    default=2,
+    help='dedicated configs: layers gathered together (K)',
+  )
+  p.add_argument(
+    '--dedicated-rest',
+    choices=('fsdp', 'replicated'),
+    default='fsdp',
+    help='dedicated configs: layout of the non-Muon params '
+    '(embed, norms, head): FSDP-sharded like adamw_fsdp '
+    '(gathered in the loss, gradients reduce-scattered) or '
+    'replicated (gradients all-reduced)',
+  )
+  p.add_argument(
+    '--reps',
+    type=int,
+    default=10,
+    help='timed steps per configuration (median reported)',
+  )
+  p.add_argument(
+    '--warmup', type=int, default=2, help='untimed steps after compilation'
+  )
+  p.add_argument(
+    '--only',
+    default=None,
+    help='comma-separated config names to run (debugging)',
+  )
   _common.add_common_args(
-      p, 'train_step', 'tiny model, few reps: a CI smoke run (< 90 s)')
+    p, 'train_step', 'tiny model, few reps: a CI smoke run (< 90 s)'
+  )
   args = p.parse_args(argv)
   if args.quick:
     args.layers, args.d_model, args.d_ff, args.heads = 2, 32, 128, 4
@@ -144,9 +176,17 @@ def layer_name(i: int) -> str:
 
 
 def param_shapes(layers: int, d: int, d_ff: int, vocab: int) -> dict:
-  layer = {'q': (d, d), 'k': (d, d), 'v': (d, d), 'o': (d, d),
-           'gate': (d, d_ff), 'up': (d, d_ff), 'down': (d_ff, d),
-           'norm1': (d,), 'norm2': (d,)}
+  layer = {
+    'q': (d, d),
+    'k': (d, d),
+    'v': (d, d),
+    'o': (d, d),
+    'gate': (d, d_ff),
+    'up': (d, d_ff),
+    'down': (d_ff, d),
+    'norm1': (d,),
+    'norm2': (d,),
+  }
   shapes = {'embed': (vocab, d), 'norm': (d,), 'head': (d, vocab)}
   shapes.update({layer_name(i): dict(layer) for i in range(layers)})
   return shapes
@@ -155,19 +195,22 @@ def param_shapes(layers: int, d: int, d_ff: int, vocab: int) -> dict:
 def init_params(shapes: dict, seed: int):
   """Host (numpy) params: N(0, 0.02) matrices, unit norm scales."""
   import numpy as np  # pylint: disable=g-import-not-at-top
+
   rng = np.random.default_rng(seed)
 
   def one(path, shape):
     if len(shape) == 1:
       return np.ones(shape, np.float32)
     std = 0.02
-    if path[-1] in ('o', 'down'):    # residual outputs, GPT-2 style
+    if path[-1] in ('o', 'down'):  # residual outputs, GPT-2 style
       std = 0.02 / math.sqrt(2 * sum(k.startswith('layers_') for k in shapes))
     return (std * rng.standard_normal(shape)).astype(np.float32)
 
   def walk(tree, path):
-    return {k: walk(v, path + (k,)) if isinstance(v, dict) else one(
-        path + (k,), v) for k, v in sorted(tree.items())}
+    return {
+      k: walk(v, path + (k,)) if isinstance(v, dict) else one(path + (k,), v)
+      for k, v in sorted(tree.items())
+    }
 
   return walk(shapes, ())
 
@@ -258,14 +301,20 @@ class CpuShare:
 
 
 def fmt_collectives(bytes_by_kind: dict, digits: int = 2) -> str:
-  parts = [f'{KIND_ABBREV.get(k, k)} {v / 1e6:.{digits}f}'
-           for k, v in sorted(bytes_by_kind.items()) if v]
+  parts = [
+    f'{KIND_ABBREV.get(k, k)} {v / 1e6:.{digits}f}'
+    for k, v in sorted(bytes_by_kind.items())
+    if v
+  ]
   return ', '.join(parts) if parts else '–'
 
 
 def fmt_count(count_by_kind: dict) -> str:
-  parts = [f'{KIND_ABBREV.get(k, k)} {v}'
-           for k, v in sorted(count_by_kind.items()) if v]
+  parts = [
+    f'{KIND_ABBREV.get(k, k)} {v}'
+    for k, v in sorted(count_by_kind.items())
+    if v
+  ]
   return ', '.join(parts) if parts else '–'
 
 
@@ -282,6 +331,7 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
     sys.exit(f'--batch {args.batch} must be divisible by {n_dev} devices')
 
   import jax  # pylint: disable=g-import-not-at-top
+
   jax.config.update('jax_num_cpu_devices', n_dev)
   jax.config.update('jax_platforms', 'cpu')
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -291,6 +341,7 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
 
   import dmuon_jax  # pylint: disable=g-import-not-at-top
+
   # The Z3 re-gather of dedicated mode, reused for the FSDP baseline.
   from dmuon_jax._gather import regather_in_backward  # pylint: disable=g-import-not-at-top
 
@@ -299,30 +350,41 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
   axes = ('replicate', 'shard')
   # Configs 1-3: Auto axes (XLA chooses the shardings inside the jitted
   # step). Configs 4-5: Explicit axes, as dedicated ownership is tested.
-  auto_mesh = jax.make_mesh((r, s), axes,
-                            axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  auto_mesh = jax.make_mesh(
+    (r, s), axes, axis_types=(jax.sharding.AxisType.Auto,) * 2
+  )
   explicit_mesh = jax.make_mesh((r, s), axes)
   date = datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')
   machine = _common.machine_info(jax, optax, dmuon_jax)
   load_start = _common.load_average()
-  model = {'layers': args.layers, 'd_model': args.d_model, 'd_ff': args.d_ff,
-           'heads': args.heads, 'vocab': args.vocab, 'seq': args.seq,
-           'global_batch': args.batch, 'dtype': 'float32',
-           'mesh': f'{r}x{s}', 'layers_per_gather': args.layers_per_gather,
-           'dedicated_rest': args.dedicated_rest}
+  model = {
+    'layers': args.layers,
+    'd_model': args.d_model,
+    'd_ff': args.d_ff,
+    'heads': args.heads,
+    'vocab': args.vocab,
+    'seq': args.seq,
+    'global_batch': args.batch,
+    'dtype': 'float32',
+    'mesh': f'{r}x{s}',
+    'layers_per_gather': args.layers_per_gather,
+    'dedicated_rest': args.dedicated_rest,
+  }
 
   shapes = param_shapes(args.layers, args.d_model, args.d_ff, args.vocab)
   host_params = init_params(shapes, args.seed)
   rng = np.random.default_rng(args.seed + 1)
-  host_tokens = rng.integers(0, args.vocab, (args.batch, args.seq + 1),
-                             dtype=np.int32)
+  host_tokens = rng.integers(
+    0, args.vocab, (args.batch, args.seq + 1), dtype=np.int32
+  )
   block_fn, lm_loss = build_model(jnp, jax, args.heads)
   names = [layer_name(i) for i in range(args.layers)]
 
   labels = dmuon_jax.muon_labels(host_params)
   leaf_bytes = {'muon': 0, 'adam': 0}
-  for lbl, x in zip(jax.tree.leaves(labels), jax.tree.leaves(host_params),
-                    strict=True):
+  for lbl, x in zip(
+    jax.tree.leaves(labels), jax.tree.leaves(host_params), strict=True
+  ):
     leaf_bytes[lbl] += x.nbytes
   n_muon = sum(lbl == 'muon' for lbl in jax.tree.leaves(labels))
   p_all = leaf_bytes['muon'] + leaf_bytes['adam']
@@ -334,8 +396,7 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
   # --- FSDP layout: first dimension divisible by the device count ----------
   def fsdp_dim(x):
     # -1: no dimension divides, the leaf stays replicated.
-    return next((i for i, n in enumerate(np.shape(x)) if n % n_dev == 0),
-                -1)
+    return next((i for i, n in enumerate(np.shape(x)) if n % n_dev == 0), -1)
 
   dims = jax.tree.map(fsdp_dim, host_params)
 
@@ -348,15 +409,19 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
 
   def place_fsdp(mesh):
     return jax.tree.map(
-        lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)),
-        host_params, fsdp_specs)
+      lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)),
+      host_params,
+      fsdp_specs,
+    )
 
   def on_mesh(tree, mesh):
     """Optimizer state on the mesh (scalars from init sit on one device)."""
+
     def put(x):
       if isinstance(x, jax.Array) and len(x.sharding.device_set) < n_dev:
         return jax.device_put(x, NamedSharding(mesh, P()))
       return x
+
     return jax.tree.map(put, tree)
 
   def shardings_of(tree):
@@ -364,14 +429,16 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
 
   def muon_dims(lbls):
     return jax.tree.map(
-        lambda lbl: dmuon_jax.MuonDimensionNumbers() if lbl == 'muon'
-        else None, lbls)
+      lambda lbl: dmuon_jax.MuonDimensionNumbers() if lbl == 'muon' else None,
+      lbls,
+    )
 
   def plain_loss(params, tokens):
     def blocks(x):
       for name in names:
         x = block_fn(params[name], x)
       return x
+
     return lm_loss(lambda k: params[k], blocks, tokens)
 
   # --- 1. adamw_fsdp: explicit shard_map, gather per layer -----------------
@@ -389,19 +456,20 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
 
     def run_layer(name, local, x):
       tree = jax.tree.structure(params[name])
-      layer = jax.tree.map(gather, jax.tree.unflatten(tree, local),
-                           dims[name])
+      layer = jax.tree.map(gather, jax.tree.unflatten(tree, local), dims[name])
       return block_fn(layer, x)
 
     def loss_fn(params, tokens):
       def blocks(x):
         for name in names:
           run = functools.partial(run_layer, name)
-          if reshard:   # drop the gathered layer, gather again in backward
+          if reshard:  # drop the gathered layer, gather again in backward
             run = regather_in_backward(
-                run, jax.checkpoint_policies.dots_saveable)
+              run, jax.checkpoint_policies.dots_saveable
+            )
           x = run(jax.tree.leaves(params[name]), x)
         return x
+
       return lm_loss(lambda k: gather(params[k], dims[k]), blocks, tokens)
 
     def body(params, state, tokens):
@@ -409,15 +477,26 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
       # Sharded leaves: the all-gather's transpose summed the per-device
       # gradients into the owner's shard. Replicated ones: per device.
       grads = jax.tree.map(
-          lambda g, dim: g / n_dev if dim >= 0
-          else jax.lax.pmean(g, axes), grads, dims)
+        lambda g, dim: g / n_dev if dim >= 0 else jax.lax.pmean(g, axes),
+        grads,
+        dims,
+      )
       updates, state = opt.update(grads, state, params)
-      return (optax.apply_updates(params, updates), state,
-              jax.lax.pmean(loss, axes))
+      return (
+        optax.apply_updates(params, updates),
+        state,
+        jax.lax.pmean(loss, axes),
+      )
 
-    step = jax.jit(jax.shard_map(
-        body, mesh=mesh, in_specs=(fsdp_specs, state_specs, P(axes)),
-        out_specs=(fsdp_specs, state_specs, P())), donate_argnums=(0, 1))
+    step = jax.jit(
+      jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(fsdp_specs, state_specs, P(axes)),
+        out_specs=(fsdp_specs, state_specs, P()),
+      ),
+      donate_argnums=(0, 1),
+    )
     tokens = jax.device_put(host_tokens, NamedSharding(mesh, P(axes)))
     return step, params, state, tokens, {}
 
@@ -427,30 +506,40 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
     if family == 'adamw':
       opt = optax.adamw(ADAM_LR)
     elif family == 'optax':
-      opt = optax.contrib.muon(MUON_LR, adam_learning_rate=ADAM_LR,
-                               muon_weight_dimension_numbers=muon_dims(labels))
+      opt = optax.contrib.muon(
+        MUON_LR,
+        adam_learning_rate=ADAM_LR,
+        muon_weight_dimension_numbers=muon_dims(labels),
+      )
     else:
       opt = dmuon_jax.dmuon(MUON_LR, adam_learning_rate=ADAM_LR, mesh=mesh)
     params = place_fsdp(mesh)
-    state = on_mesh(opt.init(params), mesh)   # eager: records shardings
+    state = on_mesh(opt.init(params), mesh)  # eager: records shardings
 
     def fn(params, state, tokens):
       loss, grads = jax.value_and_grad(plain_loss)(params, tokens)
       updates, state = opt.update(grads, state, params)
       return optax.apply_updates(params, updates), state, loss
 
-    step = jax.jit(fn, out_shardings=(shardings_of(params),
-                                      shardings_of(state),
-                                      NamedSharding(mesh, P())),
-                   donate_argnums=(0, 1))
+    step = jax.jit(
+      fn,
+      out_shardings=(
+        shardings_of(params),
+        shardings_of(state),
+        NamedSharding(mesh, P()),
+      ),
+      donate_argnums=(0, 1),
+    )
     tokens = jax.device_put(host_tokens, NamedSharding(mesh, P(axes)))
     info = {}
     if family == 'dmuon':
       # The owner all-to-alls the state's layout predicts (from the params'
       # shardings it recorded at init).
       (layout,) = dmuon_jax.owner_layouts(state)
-      info = {'predicted_update_bytes': layout.collective_bytes(),
-              'layout': layout.name}
+      info = {
+        'predicted_update_bytes': layout.collective_bytes(),
+        'layout': layout.name,
+      }
     return step, params, state, tokens, info
 
   # --- 4./5. dedicated ownership -------------------------------------------
@@ -463,13 +552,15 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
       placed = place_fsdp(mesh)
     else:
       placed = jax.device_put(host_params, NamedSharding(mesh, P()))
-    ded = dmuon_jax.dedicate(placed, mesh, reshard_after_forward=z3,
-                             layers_per_gather=k)
+    ded = dmuon_jax.dedicate(
+      placed, mesh, reshard_after_forward=z3, layers_per_gather=k
+    )
     dp = ded.to_dedicated(placed)
     del placed
     opt = dmuon_jax.dedicated_muon(ded, MUON_LR, adam_learning_rate=ADAM_LR)
     state = opt.init(dp)
     if k == 1:
+
       def run_blocks(dp, x):
         for name in names:
           x = ded.block(block_fn, name)(dp, x)
@@ -478,66 +569,80 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
       run_blocks = ded.sequential(block_fn, names)
 
     def loss_fn(dp, tokens):
-      rest = ded.gather_rest(dp)     # embed, final norm, head (whole)
-      return lm_loss(lambda name: rest[name],
-                     lambda x: run_blocks(dp, x), tokens)
+      rest = ded.gather_rest(dp)  # embed, final norm, head (whole)
+      return lm_loss(
+        lambda name: rest[name], lambda x: run_blocks(dp, x), tokens
+      )
 
     def body(dp, state, tokens):
       loss, grads = dmuon_jax.local_value_and_grad(loss_fn)(dp, tokens)
       updates, state = opt.update(grads, state, dp)
-      return (optax.apply_updates(dp, updates), state,
-              jax.lax.pmean(loss, axes))
+      return (
+        optax.apply_updates(dp, updates),
+        state,
+        jax.lax.pmean(loss, axes),
+      )
 
-    step = jax.jit(jax.shard_map(
-        body, mesh=mesh,
+    step = jax.jit(
+      jax.shard_map(
+        body,
+        mesh=mesh,
         in_specs=(ded.specs(), ded.specs_of(state), P(axes)),
-        out_specs=(ded.specs(), ded.specs_of(state), P())),
-                   donate_argnums=(0, 1))
+        out_specs=(ded.specs(), ded.specs_of(state), P()),
+      ),
+      donate_argnums=(0, 1),
+    )
     tokens = jax.device_put(host_tokens, NamedSharding(mesh, P(axes)))
     payload, gathered = ded.gather_bytes()
-    info = {'summary': ded.summary(), 'gather_payload_bytes': payload,
-            'gather_gathered_bytes': gathered,
-            'padding': gathered / max(payload, 1) - 1,
-            'groups': [[ded.boundaries.names[b] for b in g]
-                       for g in ded.groups]}
+    info = {
+      'summary': ded.summary(),
+      'gather_payload_bytes': payload,
+      'gather_gathered_bytes': gathered,
+      'padding': gathered / max(payload, 1) - 1,
+      'groups': [[ded.boundaries.names[b] for b in g] for g in ded.groups],
+    }
     return step, dp, state, tokens, info
 
   makers = {
-      'adamw_fsdp': lambda: make_adamw_fsdp(False),
-      'adamw_fsdp_reshard': lambda: make_adamw_fsdp(True),
-      'adamw_fsdp_jit': lambda: make_plain('adamw'),
-      'optax_muon_fsdp': lambda: make_plain('optax'),
-      'dmuon_dropin_fsdp': lambda: make_plain('dmuon'),
-      'dedicated_z2': lambda: make_dedicated(False),
-      'dedicated_z3': lambda: make_dedicated(True),
+    'adamw_fsdp': lambda: make_adamw_fsdp(False),
+    'adamw_fsdp_reshard': lambda: make_adamw_fsdp(True),
+    'adamw_fsdp_jit': lambda: make_plain('adamw'),
+    'optax_muon_fsdp': lambda: make_plain('optax'),
+    'dmuon_dropin_fsdp': lambda: make_plain('dmuon'),
+    'dedicated_z2': lambda: make_dedicated(False),
+    'dedicated_z3': lambda: make_dedicated(True),
   }
   descriptions = {
-      'adamw_fsdp': 'optax.adamw, FSDP params, shard_map (gather per layer '
-                    'in the loss)',
-      'adamw_fsdp_reshard': 'optax.adamw, FSDP params, shard_map, layer '
-                            'weights gathered again in backward',
-      'adamw_fsdp_jit': 'optax.adamw, FSDP params, plain jit (XLA reduces '
-                        'the gradients)',
-      'optax_muon_fsdp': 'optax.contrib.muon, FSDP params, plain jit',
-      'dmuon_dropin_fsdp': 'dmuon drop-in, FSDP params, plain jit',
-      'dedicated_z2': 'dedicated ownership Z2 (keep gathered weights), '
-                      f'shard_map, non-Muon params {args.dedicated_rest}',
-      'dedicated_z3': 'dedicated ownership Z3 (re-gather in backward), '
-                      f'shard_map, non-Muon params {args.dedicated_rest}',
+    'adamw_fsdp': 'optax.adamw, FSDP params, shard_map (gather per layer '
+    'in the loss)',
+    'adamw_fsdp_reshard': 'optax.adamw, FSDP params, shard_map, layer '
+    'weights gathered again in backward',
+    'adamw_fsdp_jit': 'optax.adamw, FSDP params, plain jit (XLA reduces '
+    'the gradients)',
+    'optax_muon_fsdp': 'optax.contrib.muon, FSDP params, plain jit',
+    'dmuon_dropin_fsdp': 'dmuon drop-in, FSDP params, plain jit',
+    'dedicated_z2': 'dedicated ownership Z2 (keep gathered weights), '
+    f'shard_map, non-Muon params {args.dedicated_rest}',
+    'dedicated_z3': 'dedicated ownership Z3 (re-gather in backward), '
+    f'shard_map, non-Muon params {args.dedicated_rest}',
   }
   configs = list(CONFIGS)
   if args.only:
     wanted = set(args.only.split(','))
     configs = [c for c in configs if c in wanted]
 
-  print(f'machine: {machine["cpu_count"]} CPUs ({machine["cpu_model"]}), '
-        f'{n_dev} simulated devices (mesh {r}x{s}), jax {machine["jax"]}; '
-        f'load average {load_start}')
-  print(f'model: {args.layers} layers, d {args.d_model}, d_ff {args.d_ff}, '
-        f'heads {args.heads}, vocab {args.vocab}, seq {args.seq}, global '
-        f'batch {args.batch}; {n_params / 1e6:.2f}M params '
-        f'(P = {p_all / 1e6:.2f} MB), {n_muon} Muon matrices '
-        f'(P_M = {p_muon / 1e6:.2f} MB), rest {p_rest / 1e6:.2f} MB')
+  print(
+    f'machine: {machine["cpu_count"]} CPUs ({machine["cpu_model"]}), '
+    f'{n_dev} simulated devices (mesh {r}x{s}), jax {machine["jax"]}; '
+    f'load average {load_start}'
+  )
+  print(
+    f'model: {args.layers} layers, d {args.d_model}, d_ff {args.d_ff}, '
+    f'heads {args.heads}, vocab {args.vocab}, seq {args.seq}, global '
+    f'batch {args.batch}; {n_params / 1e6:.2f}M params '
+    f'(P = {p_all / 1e6:.2f} MB), {n_muon} Muon matrices '
+    f'(P_M = {p_muon / 1e6:.2f} MB), rest {p_rest / 1e6:.2f} MB'
+  )
 
   # Phase 1: build and compile every config. Phase 2: warm-up steps.
   # Phase 3: timed steps interleaved round-robin over the configs, so that
@@ -550,31 +655,44 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
     step, a, b, tokens, info = makers[name]()
     if 'predicted_update_bytes' in info:
       dropin_info[name] = info
-      print(f'{name}: layout {info["layout"]} predicts update bytes '
-            f'{info["predicted_update_bytes"]}')
+      print(
+        f'{name}: layout {info["layout"]} predicts update bytes '
+        f'{info["predicted_update_bytes"]}'
+      )
     elif info:
       dedicated_info[name] = info
       print(info['summary'])
-      print(f'gather_bytes(): payload {info["gather_payload_bytes"]}, '
-            f'gathered {info["gather_gathered_bytes"]} (padding '
-            f'{100 * info["padding"]:.1f}%)')
+      print(
+        f'gather_bytes(): payload {info["gather_payload_bytes"]}, '
+        f'gathered {info["gather_gathered_bytes"]} (padding '
+        f'{100 * info["padding"]:.1f}%)'
+      )
     t0 = time.perf_counter()
     lowered = step.lower(a, b, tokens)
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
-    runs[name] = {'compiled': compiled, 'a': a, 'b': b, 'tokens': tokens,
-                  'report': dmuon_jax.analyze_compiled(compiled),
-                  'lower_s': t1 - t0, 'compile_s': t2 - t1, 'losses': [],
-                  'times': [], 'cpu': CpuShare()}
+    runs[name] = {
+      'compiled': compiled,
+      'a': a,
+      'b': b,
+      'tokens': tokens,
+      'report': dmuon_jax.analyze_compiled(compiled),
+      'lower_s': t1 - t0,
+      'compile_s': t2 - t1,
+      'losses': [],
+      'times': [],
+      'cpu': CpuShare(),
+    }
     print(f'{name:>18}: compiled in {t2 - t0:.1f} s', flush=True)
     del step, lowered
 
   def one_step(run, timed):
     t = time.perf_counter()
     sample = run['cpu'].start()
-    run['a'], run['b'], loss = run['compiled'](run['a'], run['b'],
-                                               run['tokens'])
+    run['a'], run['b'], loss = run['compiled'](
+      run['a'], run['b'], run['tokens']
+    )
     jax.block_until_ready((run['a'], run['b'], loss))
     run['cpu'].stop(sample)
     if timed:
@@ -601,38 +719,44 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
     bytes_by_kind = {k: float(v) for k, v in report.bytes_by_kind.items()}
     count_by_kind = {k: int(v) for k, v in report.count_by_kind.items()}
     res = {
-        'config': name, 'description': descriptions[name],
-        'median_ms': 1e3 * statistics.median(times),
-        'min_ms': 1e3 * min(times),
-        'times_ms': [1e3 * t for t in times],
-        'first_step_ms': run['first_ms'],
-        'other_processes_cpu_share': other_cpu,
-        'reps': len(times), 'warmup': max(args.warmup, 1),
-        'lower_s': run['lower_s'], 'compile_s': run['compile_s'],
-        'flops_per_device': report.flops,
-        'collective_bytes_by_kind': bytes_by_kind,
-        'collective_count_by_kind': count_by_kind,
-        'collective_bytes_total': float(report.total_bytes()),
-        'peak_bytes_per_device': report.peak_bytes,
-        'argument_bytes': report.argument_bytes,
-        'output_bytes': report.output_bytes,
-        'temp_bytes': report.temp_bytes,
-        'alias_bytes': report.alias_bytes,
-        'initial_loss': losses[0],
-        'losses': losses,
-        'final_loss': final_loss,
-        'steps_before_final_loss': len(losses),
+      'config': name,
+      'description': descriptions[name],
+      'median_ms': 1e3 * statistics.median(times),
+      'min_ms': 1e3 * min(times),
+      'times_ms': [1e3 * t for t in times],
+      'first_step_ms': run['first_ms'],
+      'other_processes_cpu_share': other_cpu,
+      'reps': len(times),
+      'warmup': max(args.warmup, 1),
+      'lower_s': run['lower_s'],
+      'compile_s': run['compile_s'],
+      'flops_per_device': report.flops,
+      'collective_bytes_by_kind': bytes_by_kind,
+      'collective_count_by_kind': count_by_kind,
+      'collective_bytes_total': float(report.total_bytes()),
+      'peak_bytes_per_device': report.peak_bytes,
+      'argument_bytes': report.argument_bytes,
+      'output_bytes': report.output_bytes,
+      'temp_bytes': report.temp_bytes,
+      'alias_bytes': report.alias_bytes,
+      'initial_loss': losses[0],
+      'losses': losses,
+      'final_loss': final_loss,
+      'steps_before_final_loss': len(losses),
     }
     results[name] = res
     peak = report.peak_bytes
-    print(f'{name:>18}: {res["median_ms"]:8.1f} ms median of {len(times)}, '
-          f'compile {res["lower_s"] + res["compile_s"]:5.1f} s, collectives '
-          f'{fmt_collectives(bytes_by_kind)} MB (total '
-          f'{res["collective_bytes_total"] / 1e6:.2f} MB; '
-          f'{fmt_count(count_by_kind)} ops), peak '
-          f'{"n/a" if peak is None else f"{peak / 2**20:.1f} MiB"}, loss '
-          f'{losses[0]:.4f} -> {final_loss:.4f}; others used '
-          f'{_common.fmt_share(other_cpu)} of the CPUs', flush=True)
+    print(
+      f'{name:>18}: {res["median_ms"]:8.1f} ms median of {len(times)}, '
+      f'compile {res["lower_s"] + res["compile_s"]:5.1f} s, collectives '
+      f'{fmt_collectives(bytes_by_kind)} MB (total '
+      f'{res["collective_bytes_total"] / 1e6:.2f} MB; '
+      f'{fmt_count(count_by_kind)} ops), peak '
+      f'{"n/a" if peak is None else f"{peak / 2**20:.1f} MiB"}, loss '
+      f'{losses[0]:.4f} -> {final_loss:.4f}; others used '
+      f'{_common.fmt_share(other_cpu)} of the CPUs',
+      flush=True,
+    )
   del runs
 
   # --- Predictions and targets ----------------------------------------------
@@ -641,16 +765,15 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
   if dedicated_info:
     gathered_m = next(iter(dedicated_info.values()))['gather_gathered_bytes']
   predicted = {
-      'adamw_fsdp': {'regather': 3 * ring * p_all, 'keep': 2 * ring * p_all},
-      'dedicated_z2': 2 * ring * p_muon + 2 * ring * p_rest,
-      'dedicated_z3': 3 * ring * p_muon + 2 * ring * p_rest,
-      'dedicated_z2_padded': 2 * ring * gathered_m + 2 * ring * p_rest,
-      'dedicated_z3_padded': 3 * ring * gathered_m + 2 * ring * p_rest,
+    'adamw_fsdp': {'regather': 3 * ring * p_all, 'keep': 2 * ring * p_all},
+    'dedicated_z2': 2 * ring * p_muon + 2 * ring * p_rest,
+    'dedicated_z3': 3 * ring * p_muon + 2 * ring * p_rest,
+    'dedicated_z2_padded': 2 * ring * gathered_m + 2 * ring * p_rest,
+    'dedicated_z3_padded': 3 * ring * gathered_m + 2 * ring * p_rest,
   }
 
   def total(name):
-    return (results[name]['collective_bytes_total'] if name in results
-            else None)
+    return results[name]['collective_bytes_total'] if name in results else None
 
   targets = []
 
@@ -660,69 +783,134 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
     met = None
     if ratio is not None:
       met = ratio < goal if strict else ratio <= goal
-    targets.append({'target': label, 'config': name, 'ratio': ratio,
-                    'goal': goal, 'strict': strict, 'met': met})
+    targets.append(
+      {
+        'target': label,
+        'config': name,
+        'ratio': ratio,
+        'goal': goal,
+        'strict': strict,
+        'met': met,
+      }
+    )
 
-  target(f'dedicated Z3 total collective bytes / {BASELINE}', 'dedicated_z3',
-         TARGET_Z3_VS_FSDP, False)
-  target(f'dedicated Z2 total collective bytes / {BASELINE}', 'dedicated_z2',
-         TARGET_Z2_VS_FSDP, True)
+  target(
+    f'dedicated Z3 total collective bytes / {BASELINE}',
+    'dedicated_z3',
+    TARGET_Z3_VS_FSDP,
+    False,
+  )
+  target(
+    f'dedicated Z2 total collective bytes / {BASELINE}',
+    'dedicated_z2',
+    TARGET_Z2_VS_FSDP,
+    True,
+  )
   if 'dmuon_dropin_fsdp' in results and 'adamw_fsdp_jit' in results:
     # What drop-in dmuon adds to plain-jit AdamW: its owner all-to-alls
     # (all-gathers for replicated params), against the layout's prediction.
     ours = results['dmuon_dropin_fsdp']['collective_bytes_by_kind']
     base = results['adamw_fsdp_jit']['collective_bytes_by_kind']
     pred = dropin_info['dmuon_dropin_fsdp']['predicted_update_bytes']
-    extra = {k: ours.get(k, 0.0) - base.get(k, 0.0)
-             for k in set(ours) | set(base)}
+    extra = {
+      k: ours.get(k, 0.0) - base.get(k, 0.0) for k in set(ours) | set(base)
+    }
     moved = extra.get('all-to-all', 0.0) + extra.get('all-gather', 0.0)
     want = sum(pred.values())
     ratio = moved / want if want else None
     # Besides the routes, only scalars may differ: the non-finite policy's
     # "all finite?" flags (a few all-reduces of single values).
-    others = {k: v for k, v in extra.items()
-              if k not in ('all-to-all', 'all-gather') and abs(v) > 1024}
-    met = (ratio is not None and abs(ratio - 1) <= TARGET_DROPIN_EXTRA
-           and not others)
-    targets.append({
-        'target': 'dmuon_dropin_fsdp - adamw_fsdp_jit bytes / the layout\'s '
-                  'predicted owner all-to-alls', 'config': 'dmuon_dropin_fsdp',
-        'ratio': ratio, 'goal': 1 + TARGET_DROPIN_EXTRA, 'strict': False,
-        'met': met, 'extra_bytes_by_kind': extra, 'predicted': pred})
+    others = {
+      k: v
+      for k, v in extra.items()
+      if k not in ('all-to-all', 'all-gather') and abs(v) > 1024
+    }
+    met = (
+      ratio is not None and abs(ratio - 1) <= TARGET_DROPIN_EXTRA and not others
+    )
+    targets.append(
+      {
+        'target': "dmuon_dropin_fsdp - adamw_fsdp_jit bytes / the layout's "
+        'predicted owner all-to-alls',
+        'config': 'dmuon_dropin_fsdp',
+        'ratio': ratio,
+        'goal': 1 + TARGET_DROPIN_EXTRA,
+        'strict': False,
+        'met': met,
+        'extra_bytes_by_kind': extra,
+        'predicted': pred,
+      }
+    )
   for t in targets:
     rel = '<' if t['strict'] else '≤'
     mark = {True: 'PASS', False: 'MISS', None: 'not measured'}[t['met']]
     val = '–' if t['ratio'] is None else f'{t["ratio"]:.4f}x'
-    print(f'target: {t["target"]} = {val} (goal {rel} {t["goal"]:.2f}x): '
-          f'{mark}')
-  print(f'predicted bytes / device (ring model, N={n_dev}): FSDP AdamW '
-        f'3(N-1)/N*P = {predicted["adamw_fsdp"]["regather"] / 1e6:.2f} MB '
-        f'(2(N-1)/N*P = {predicted["adamw_fsdp"]["keep"] / 1e6:.2f} MB if '
-        f'the gathered weights are kept); Z2 2(N-1)/N*P_M + rest = '
-        f'{predicted["dedicated_z2"] / 1e6:.2f} MB; Z3 3(N-1)/N*P_M + rest = '
-        f'{predicted["dedicated_z3"] / 1e6:.2f} MB (rest: the AdamW leaves, '
-        f'2(N-1)/N*{p_rest / 1e6:.2f} MB: all-gather + reduce-scatter if '
-        'sharded, all-reduce if replicated)')
+    print(
+      f'target: {t["target"]} = {val} (goal {rel} {t["goal"]:.2f}x): {mark}'
+    )
+  print(
+    f'predicted bytes / device (ring model, N={n_dev}): FSDP AdamW '
+    f'3(N-1)/N*P = {predicted["adamw_fsdp"]["regather"] / 1e6:.2f} MB '
+    f'(2(N-1)/N*P = {predicted["adamw_fsdp"]["keep"] / 1e6:.2f} MB if '
+    f'the gathered weights are kept); Z2 2(N-1)/N*P_M + rest = '
+    f'{predicted["dedicated_z2"] / 1e6:.2f} MB; Z3 3(N-1)/N*P_M + rest = '
+    f'{predicted["dedicated_z3"] / 1e6:.2f} MB (rest: the AdamW leaves, '
+    f'2(N-1)/N*{p_rest / 1e6:.2f} MB: all-gather + reduce-scatter if '
+    'sharded, all-reduce if replicated)'
+  )
 
   wall_s = time.perf_counter() - wall_start
-  machine.update({'load_average_start': load_start,
-                  'load_average_end': _common.load_average()})
-  sizes = {'params': n_params, 'param_bytes': p_all,
-           'muon_matrices': n_muon, 'muon_bytes': p_muon,
-           'rest_bytes': p_rest}
+  machine.update(
+    {
+      'load_average_start': load_start,
+      'load_average_end': _common.load_average(),
+    }
+  )
+  sizes = {
+    'params': n_params,
+    'param_bytes': p_all,
+    'muon_matrices': n_muon,
+    'muon_bytes': p_muon,
+    'rest_bytes': p_rest,
+  }
 
-  md = render_markdown(args, date, machine, model, sizes, results,
-                       dedicated_info, predicted, targets, wall_s)
+  md = render_markdown(
+    args,
+    date,
+    machine,
+    model,
+    sizes,
+    results,
+    dedicated_info,
+    predicted,
+    targets,
+    wall_s,
+  )
   print()
   print(md)
   out_dir = pathlib.Path(args.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
-  common = {'date': date, 'machine': machine, 'model': model,
-            'benchmark': 'train_step', 'quick': args.quick}
-  lines = [dict(common, **res, dedication=dedicated_info.get(res['config']))
-           for res in results.values()]
-  lines.append(dict(common, config='summary', wall_s=wall_s, sizes=sizes,
-                    predicted_bytes=predicted, targets=targets))
+  common = {
+    'date': date,
+    'machine': machine,
+    'model': model,
+    'benchmark': 'train_step',
+    'quick': args.quick,
+  }
+  lines = [
+    dict(common, **res, dedication=dedicated_info.get(res['config']))
+    for res in results.values()
+  ]
+  lines.append(
+    dict(
+      common,
+      config='summary',
+      wall_s=wall_s,
+      sizes=sizes,
+      predicted_bytes=predicted,
+      targets=targets,
+    )
+  )
   json_path = out_dir / f'{args.name}.json'
   with open(json_path, 'w', encoding='utf-8') as f:
     f.writelines(json.dumps(line) + '\n' for line in lines)
@@ -732,94 +920,132 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
   return lines
 
 
-def render_markdown(args, date, machine, model, sizes, results,
-                    dedicated_info, predicted, targets, wall_s) -> str:
+def render_markdown(
+  args,
+  date,
+  machine,
+  model,
+  sizes,
+  results,
+  dedicated_info,
+  predicted,
+  targets,
+  wall_s,
+) -> str:
   """The table, targets and notes as markdown."""
   base = results.get(BASELINE)
-  out = ['# Train step: FSDP AdamW vs Muon (optax, dmuon, dedicated Z2/Z3)',
-         '']
-  out.append(f'- date: {date}; wall time of the run {wall_s:.0f} s'
-             f'{" (--quick)" if args.quick else ""}')
+  out = ['# Train step: FSDP AdamW vs Muon (optax, dmuon, dedicated Z2/Z3)', '']
   out.append(
-      f'- machine: {machine["platform"]}, {machine["cpu_count"]} CPUs '
-      f'({machine["cpu_model"]}), {machine["devices"]} simulated XLA:CPU '
-      f'devices (mesh {model["mesh"]}, replicate x shard); load average at '
-      f'start {machine["load_average_start"]}, at end '
-      f'{machine["load_average_end"]}')
+    f'- date: {date}; wall time of the run {wall_s:.0f} s'
+    f'{" (--quick)" if args.quick else ""}'
+  )
+  out.append(
+    f'- machine: {machine["platform"]}, {machine["cpu_count"]} CPUs '
+    f'({machine["cpu_model"]}), {machine["devices"]} simulated XLA:CPU '
+    f'devices (mesh {model["mesh"]}, replicate x shard); load average at '
+    f'start {machine["load_average_start"]}, at end '
+    f'{machine["load_average_end"]}'
+  )
   if args.quick:
-    out.append('- **--quick**: a tiny model for a CI smoke run; times and '
-               'PASS/MISS here mean little')
+    out.append(
+      '- **--quick**: a tiny model for a CI smoke run; times and '
+      'PASS/MISS here mean little'
+    )
   out.append(
-      f'- software: python {machine["python"]}, jax {machine["jax"]}, '
-      f'jaxlib {machine["jaxlib"]}, optax {machine["optax"]}, dmuon_jax '
-      f'{machine["dmuon_jax"]}')
+    f'- software: python {machine["python"]}, jax {machine["jax"]}, '
+    f'jaxlib {machine["jaxlib"]}, optax {machine["optax"]}, dmuon_jax '
+    f'{machine["dmuon_jax"]}'
+  )
   out.append(
-      f'- model: Llama-like, {model["layers"]} layers, d_model '
-      f'{model["d_model"]}, d_ff {model["d_ff"]} (SwiGLU), {model["heads"]} '
-      f'heads (RoPE), vocab {model["vocab"]}, seq {model["seq"]}, global '
-      f'batch {model["global_batch"]}, float32; {sizes["params"] / 1e6:.3f}M '
-      f'params, P = {sizes["param_bytes"] / 1e6:.2f} MB; '
-      f'{sizes["muon_matrices"]} Muon matrices (default routing), P_M = '
-      f'{sizes["muon_bytes"] / 1e6:.2f} MB; AdamW leaves (embed, head, norms)'
-      f' {sizes["rest_bytes"] / 1e6:.2f} MB')
+    f'- model: Llama-like, {model["layers"]} layers, d_model '
+    f'{model["d_model"]}, d_ff {model["d_ff"]} (SwiGLU), {model["heads"]} '
+    f'heads (RoPE), vocab {model["vocab"]}, seq {model["seq"]}, global '
+    f'batch {model["global_batch"]}, float32; {sizes["params"] / 1e6:.3f}M '
+    f'params, P = {sizes["param_bytes"] / 1e6:.2f} MB; '
+    f'{sizes["muon_matrices"]} Muon matrices (default routing), P_M = '
+    f'{sizes["muon_bytes"] / 1e6:.2f} MB; AdamW leaves (embed, head, norms)'
+    f' {sizes["rest_bytes"] / 1e6:.2f} MB'
+  )
   out.append(
-      f'- optimizers: Muon lr {MUON_LR}, AdamW lr {ADAM_LR} (AdamW for the '
-      'non-Muon leaves in 2-5, for everything in 1)')
+    f'- optimizers: Muon lr {MUON_LR}, AdamW lr {ADAM_LR} (AdamW for the '
+    'non-Muon leaves in 2-5, for everything in 1)'
+  )
   out.append(
-      f'- timing: median of {args.reps} steps after {max(args.warmup, 1)} '
-      'warm-up step(s), `block_until_ready` after each, the timed steps '
-      'interleaved round-robin over the configs (other processes on the '
-      'shared cores slow them alike); compile = lower + compile; params and '
-      'optimizer state donated and fed back; same batch every step. '
-      '"others\' CPU": share of all CPUs used by other processes during the '
-      'config\'s own steps (/proc/stat busy time minus this process\'s; '
-      'n/a under 0.5 s)')
+    f'- timing: median of {args.reps} steps after {max(args.warmup, 1)} '
+    'warm-up step(s), `block_until_ready` after each, the timed steps '
+    'interleaved round-robin over the configs (other processes on the '
+    'shared cores slow them alike); compile = lower + compile; params and '
+    'optimizer state donated and fed back; same batch every step. '
+    '"others\' CPU": share of all CPUs used by other processes during the '
+    "config's own steps (/proc/stat busy time minus this process's; "
+    'n/a under 0.5 s)'
+  )
   if dedicated_info:
     info = next(iter(dedicated_info.values()))
     groups = '; '.join(', '.join(g) for g in info['groups'])
     out.append(
-        '- dedicated: non-Muon params (embed, norms, head) '
-        + ('FSDP-sharded as in `adamw_fsdp` (gathered in the loss with '
-           '`ded.gather_rest` and inside the blocks; gradients '
-           'reduce-scattered)' if args.dedicated_rest == 'fsdp' else
-           'replicated (gradients all-reduced)')
-        + f'; {args.layers_per_gather} layer(s) per gather (groups: '
-        f'{groups}); `gather_bytes()` = (payload '
-        f'{info["gather_payload_bytes"]}, gathered '
-        f'{info["gather_gathered_bytes"]}): padding '
-        f'{100 * info["padding"]:.1f}%')
+      '- dedicated: non-Muon params (embed, norms, head) '
+      + (
+        'FSDP-sharded as in `adamw_fsdp` (gathered in the loss with '
+        '`ded.gather_rest` and inside the blocks; gradients '
+        'reduce-scattered)'
+        if args.dedicated_rest == 'fsdp'
+        else 'replicated (gradients all-reduced)'
+      )
+      + f'; {args.layers_per_gather} layer(s) per gather (groups: '
+      f'{groups}); `gather_bytes()` = (payload '
+      f'{info["gather_payload_bytes"]}, gathered '
+      f'{info["gather_gathered_bytes"]}): padding '
+      f'{100 * info["padding"]:.1f}%'
+    )
   out.append('')
-  out.append('| config | median ms | others\' CPU | compile s | '
-             f'collective MB / device | total MB | ratio vs {BASELINE} | '
-             'peak MiB / device | final loss |')
+  out.append(
+    "| config | median ms | others' CPU | compile s | "
+    f'collective MB / device | total MB | ratio vs {BASELINE} | '
+    'peak MiB / device | final loss |'
+  )
   out.append('|---|---:|---:|---:|---|---:|---:|---:|---:|')
   for name, res in results.items():
-    ratio = ('–' if base is None or not base['collective_bytes_total']
-             else f'{res["collective_bytes_total"] / base["collective_bytes_total"]:.3f}x')  # pylint: disable=line-too-long
+    ratio = (
+      '–'
+      if base is None or not base['collective_bytes_total']
+      else f'{res["collective_bytes_total"] / base["collective_bytes_total"]:.3f}x'
+    )  # pylint: disable=line-too-long
     peak = res['peak_bytes_per_device']
     out.append(
-        f'| `{name}` | {res["median_ms"]:.1f} | '
-        f'{_common.fmt_share(res["other_processes_cpu_share"])} | '
-        f'{res["lower_s"] + res["compile_s"]:.1f} | '
-        f'{fmt_collectives(res["collective_bytes_by_kind"])} | '
-        f'{res["collective_bytes_total"] / 1e6:.2f} | {ratio} | '
-        f'{"–" if peak is None else f"{peak / 2**20:.1f}"} | '
-        f'{res["final_loss"]:.4f} |')
+      f'| `{name}` | {res["median_ms"]:.1f} | '
+      f'{_common.fmt_share(res["other_processes_cpu_share"])} | '
+      f'{res["lower_s"] + res["compile_s"]:.1f} | '
+      f'{fmt_collectives(res["collective_bytes_by_kind"])} | '
+      f'{res["collective_bytes_total"] / 1e6:.2f} | {ratio} | '
+      f'{"–" if peak is None else f"{peak / 2**20:.1f}"} | '
+      f'{res["final_loss"]:.4f} |'
+    )
   out.append('')
-  out.append('Collective ops per step (executions): ' + '; '.join(
+  out.append(
+    'Collective ops per step (executions): '
+    + '; '.join(
       f'`{name}` {fmt_count(res["collective_count_by_kind"])}'
-      for name, res in results.items()) + '.')
+      for name, res in results.items()
+    )
+    + '.'
+  )
   if results:
     first = next(iter(results.values()))
     out.append(
-        f'Loss at the start {first["initial_loss"]:.4f} (every config); '
-        f'final loss after {first["steps_before_final_loss"]} steps.')
-  muon_losses = [res['final_loss'] for name, res in results.items()
-                 if not name.startswith('adamw')]
+      f'Loss at the start {first["initial_loss"]:.4f} (every config); '
+      f'final loss after {first["steps_before_final_loss"]} steps.'
+    )
+  muon_losses = [
+    res['final_loss']
+    for name, res in results.items()
+    if not name.startswith('adamw')
+  ]
   if len(muon_losses) > 1:
     out.append(
-        f'Muon configs (2-5, same algorithm) final losses agree to '
-        f'{max(muon_losses) - min(muon_losses):.1e} (max - min).')
+      f'Muon configs (2-5, same algorithm) final losses agree to '
+      f'{max(muon_losses) - min(muon_losses):.1e} (max - min).'
+    )
   for name in ('adamw_fsdp', 'adamw_fsdp_reshard'):
     if name not in results:
       continue
@@ -828,12 +1054,16 @@ def render_markdown(args, date, machine, model, sizes, results,
     if rs:
       kept = abs(ag / rs - 1) < 0.05
       out.append(
-          f'`{name}`: all-gather / reduce-scatter bytes = {ag / rs:.2f}, '
-          + ('i.e. XLA kept the gathered weights for the backward pass (no '
-             're-gather): it moves 2(N−1)/N·P, the bytes of dedicated Z2, '
-             'not the 3(N−1)/N·P of FSDP that reshards after the forward.'
-             if kept else 'i.e. the backward pass gathers the weights '
-             'again (FSDP resharding after the forward).'))
+        f'`{name}`: all-gather / reduce-scatter bytes = {ag / rs:.2f}, '
+        + (
+          'i.e. XLA kept the gathered weights for the backward pass (no '
+          're-gather): it moves 2(N−1)/N·P, the bytes of dedicated Z2, '
+          'not the 3(N−1)/N·P of FSDP that reshards after the forward.'
+          if kept
+          else 'i.e. the backward pass gathers the weights '
+          'again (FSDP resharding after the forward).'
+        )
+      )
   out.append('')
   out.append('## Targets')
   out.append('')
@@ -841,25 +1071,27 @@ def render_markdown(args, date, machine, model, sizes, results,
     rel = '<' if t['strict'] else '≤'
     mark = {True: 'PASS', False: 'MISS', None: 'not measured'}[t['met']]
     val = '–' if t['ratio'] is None else f'{t["ratio"]:.4f}x'
-    out.append(f'- {t["target"]}: {val} (goal {rel} {t["goal"]:.2f}x) — '
-               f'**{mark}**')
+    out.append(
+      f'- {t["target"]}: {val} (goal {rel} {t["goal"]:.2f}x) — **{mark}**'
+    )
   out.append('')
   out.append('## Predicted collective bytes per device (ring model)')
   out.append('')
   n = machine['devices']
   out.append(
-      f'N = {n}. FSDP AdamW 3(N−1)/N·P = '
-      f'{predicted["adamw_fsdp"]["regather"] / 1e6:.2f} MB (forward gather, '
-      f'backward re-gather, gradient reduce-scatter; 2(N−1)/N·P = '
-      f'{predicted["adamw_fsdp"]["keep"] / 1e6:.2f} MB if the gathered '
-      f'weights are kept for the backward pass). Dedicated Z2 2(N−1)/N·P_M + '
-      f'rest = {predicted["dedicated_z2"] / 1e6:.2f} MB, Z3 3(N−1)/N·P_M + '
-      f'rest = {predicted["dedicated_z3"] / 1e6:.2f} MB, where rest is '
-      f'2(N−1)/N·{sizes["rest_bytes"] / 1e6:.2f} MB for the AdamW leaves '
-      '(all-gather + reduce-scatter when FSDP-sharded, all-reduce when '
-      'replicated) (with the packing padding: Z2 '
-      f'{predicted["dedicated_z2_padded"] / 1e6:.2f} MB, Z3 '
-      f'{predicted["dedicated_z3_padded"] / 1e6:.2f} MB).')
+    f'N = {n}. FSDP AdamW 3(N−1)/N·P = '
+    f'{predicted["adamw_fsdp"]["regather"] / 1e6:.2f} MB (forward gather, '
+    f'backward re-gather, gradient reduce-scatter; 2(N−1)/N·P = '
+    f'{predicted["adamw_fsdp"]["keep"] / 1e6:.2f} MB if the gathered '
+    f'weights are kept for the backward pass). Dedicated Z2 2(N−1)/N·P_M + '
+    f'rest = {predicted["dedicated_z2"] / 1e6:.2f} MB, Z3 3(N−1)/N·P_M + '
+    f'rest = {predicted["dedicated_z3"] / 1e6:.2f} MB, where rest is '
+    f'2(N−1)/N·{sizes["rest_bytes"] / 1e6:.2f} MB for the AdamW leaves '
+    '(all-gather + reduce-scatter when FSDP-sharded, all-reduce when '
+    'replicated) (with the packing padding: Z2 '
+    f'{predicted["dedicated_z2_padded"] / 1e6:.2f} MB, Z3 '
+    f'{predicted["dedicated_z3_padded"] / 1e6:.2f} MB).'
+  )
   if dedicated_info:
     out.append('')
     out.append('## Dedicated layout')
@@ -871,16 +1103,18 @@ def render_markdown(args, date, machine, model, sizes, results,
   out.append('## Notes')
   out.append('')
   out.append(
-      '- Collective MB / device come from the compiled HLO '
-      '(`dmuon_jax.analyze_compiled`, ring model; AG all-gather, RS '
-      'reduce-scatter, AR all-reduce, A2A all-to-all, CP '
-      'collective-permute), loop trip counts included; the loss `pmean` is '
-      'in it. Peak memory is XLA\'s memory analysis of the step: arguments + '
-      'outputs + temporaries − donated aliases, per device.')
+    '- Collective MB / device come from the compiled HLO '
+    '(`dmuon_jax.analyze_compiled`, ring model; AG all-gather, RS '
+    'reduce-scatter, AR all-reduce, A2A all-to-all, CP '
+    'collective-permute), loop trip counts included; the loss `pmean` is '
+    "in it. Peak memory is XLA's memory analysis of the step: arguments + "
+    'outputs + temporaries − donated aliases, per device.'
+  )
   out.append(
-      '- The simulated devices share the machine\'s cores (XLA:CPU runs '
-      'every device program on one thread pool) and collectives are memory '
-      'copies, so step times rank compute, not network time.')
+    "- The simulated devices share the machine's cores (XLA:CPU runs "
+    'every device program on one thread pool) and collectives are memory '
+    'copies, so step times rank compute, not network time.'
+  )
   return '\n'.join(out)
 
 

@@ -13,14 +13,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from absl.testing import absltest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
 from dmuon_jax import checkpoint
-from tests import dedicated_test
-from tests import distributed_test
+from tests import support
+
+# The rest of the grid, for CI and the README's command (see conftest.py);
+# -m 'not slow' keeps one configuration per behaviour.
+SLOW_CASES = (
+  r'resume_on_(1x4|4x1)',
+  r'params_restore_without_the_dedication',
+  r'params_only_restore',
+  r'resume_on_one_device',
+  r'DedicatedCheckpointTest.*resume_on_1x8',
+)
 
 AXES = ('replicate', 'shard')
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -28,8 +38,9 @@ EXAMPLE = ROOT / 'examples' / 'checkpointed_train.py'
 
 
 def make_opt(mesh, dims):
-  return dmuon_jax.dmuon(0.02, weight_decay=0.01,
-                         muon_weight_dimension_numbers=dims, mesh=mesh)
+  return dmuon_jax.dmuon(
+    0.02, weight_decay=0.01, muon_weight_dimension_numbers=dims, mesh=mesh
+  )
 
 
 @functools.cache
@@ -37,7 +48,7 @@ def step_fn(opt):
 
   @jax.jit
   def step(params, state, batch):
-    grads = jax.grad(distributed_test.mean_loss)(params, batch)
+    grads = jax.grad(support.mean_loss)(params, batch)
     updates, state = opt.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
@@ -60,24 +71,26 @@ def train(opt, params, state, mesh, start, stop):
 
 def rel_diffs(actual, expected):
   """Per leaf: max |a - b| / max |b|."""
-  return {jax.tree_util.keystr(p): float(
+  return {
+    jax.tree_util.keystr(p): float(
       np.max(np.abs(np.asarray(a) - np.asarray(b)))
-      / max(np.max(np.abs(np.asarray(b))), 1e-30))
-          for (p, a), b in zip(jax.tree_util.tree_flatten_with_path(actual)[0],
-                               jax.tree.leaves(expected))}
+      / max(np.max(np.abs(np.asarray(b))), 1e-30)
+    )
+    for (p, a), b in zip(
+      jax.tree_util.tree_flatten_with_path(actual)[0], jax.tree.leaves(expected)
+    )
+  }
 
 
 class MeshChangeTest(absltest.TestCase):
-
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
     cls.tmp = tempfile.TemporaryDirectory()
-    params, cls.dims = distributed_test.llama_like()
+    params, cls.dims = support.llama_like()
     cls.mesh = jax.make_mesh((2, 4), AXES)
     cls.opt = make_opt(cls.mesh, cls.dims)
-    placed = jax.device_put(
-        params, distributed_test.fsdp_shardings(params, cls.mesh))
+    placed = jax.device_put(params, support.fsdp_shardings(params, cls.mesh))
     state = cls.opt.init(placed)
     p10, s10 = train(cls.opt, placed, state, cls.mesh, 0, 10)
     cls.p10, cls.s10 = p10, s10
@@ -100,25 +113,30 @@ class MeshChangeTest(absltest.TestCase):
         self.assertEqual(a.sharding, b.sharding)
     # Param-shaped momentum, sharded like the params.
     is_p = lambda x: isinstance(x, checkpoint.PortableDMuonState)
-    (found,) = [x for x in jax.tree.leaves(portable, is_leaf=is_p)
-                if is_p(x)]
+    (found,) = [x for x in jax.tree.leaves(portable, is_leaf=is_p) if is_p(x)]
     mu = found.mu
     self.assertEqual(mu['layers']['up'].shape, (3, 32, 48))
-    self.assertTrue(mu['layers']['up'].sharding.is_equivalent_to(
-        self.p10['layers']['up'].sharding, 3))
+    self.assertTrue(
+      mu['layers']['up'].sharding.is_equivalent_to(
+        self.p10['layers']['up'].sharding, 3
+      )
+    )
 
   def _resume(self, shape, n_devices=None):
     if shape is None:
       mesh = None
       like = jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.params_host)
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.params_host
+      )
     else:
       devices = jax.devices()[:n_devices] if n_devices else None
       mesh = jax.make_mesh(shape, AXES, devices=devices)
       like = jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                         sharding=NamedSharding(mesh, P())),
-          self.params_host)
+        lambda x: jax.ShapeDtypeStruct(
+          x.shape, x.dtype, sharding=NamedSharding(mesh, P())
+        ),
+        self.params_host,
+      )
     opt = make_opt(mesh, self.dims)
     step, params, state = checkpoint.restore(self.tmp.name, like, opt)
     self.assertEqual(step, 10)
@@ -146,8 +164,9 @@ class MeshChangeTest(absltest.TestCase):
     self._resume(None)
 
   def test_params_only_restore(self):
-    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                        self.params_host)
+    like = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.params_host
+    )
     step, params, state = checkpoint.restore(self.tmp.name, like, None)
     self.assertEqual(step, 10)
     self.assertIsNone(state)
@@ -161,26 +180,29 @@ def dedicated_setup(mesh):
   Returns the dedication, its optimizer and a train step
   ``step(dp, state) -> (dp, state)``.
   """
-  ded = dmuon_jax.dedicate(dedicated_test.init_params(), mesh)
-  opt = dmuon_jax.dedicated_muon(ded, dedicated_test.LR, weight_decay=0.01)
-  x = dedicated_test.batch()
+  ded = dmuon_jax.dedicate(support.block_params(), mesh)
+  opt = dmuon_jax.dedicated_muon(ded, support.DEDICATED_LR, weight_decay=0.01)
+  x = support.block_batch()
 
   def loss(dp, x):
-    for i in range(dedicated_test.BLOCKS):
-      x = ded.block(dedicated_test.block_fn, f'layers_{i}')(dp, x)
+    for i in range(support.BLOCKS):
+      x = ded.block(support.block_fn, f'layers_{i}')(dp, x)
     return jnp.mean((x @ dp.rest['head']) ** 2)
 
   if mesh is None:
+
     @jax.jit
     def one_device(dp, state):
       grads = jax.grad(loss)(dp, x)
       updates, state = opt.update(grads, state, dp)
       return optax.apply_updates(dp, updates), state
+
     return ded, opt, one_device
 
   x = jax.device_put(x, NamedSharding(mesh, P(AXES)))
-  step = dedicated_test.dedicated_step(
-      ded, opt, opt.init(ded.to_dedicated(dedicated_test.init_params())))
+  step = support.dedicated_step(
+    ded, opt, opt.init(ded.to_dedicated(support.block_params()))
+  )
   return ded, opt, lambda dp, state: step(dp, state, x)[:2]
 
 
@@ -200,11 +222,10 @@ class DedicatedCheckpointTest(absltest.TestCase):
     cls.tmp = tempfile.TemporaryDirectory()
     mesh = jax.make_mesh((2, 4), AXES)
     ded, opt, step = dedicated_setup(mesh)
-    dp = ded.to_dedicated(dedicated_test.init_params())
+    dp = ded.to_dedicated(support.block_params())
     dp, state = run_steps(step, dp, opt.init(dp), 10)
     checkpoint.save(cls.tmp.name, 10, dp, state)
-    cls.portable = jax.tree.map(np.asarray,
-                                checkpoint.state_to_portable(state))
+    cls.portable = jax.tree.map(np.asarray, checkpoint.state_to_portable(state))
     cls.ded, cls.opt, cls.dp, cls.state = ded, opt, dp, state
     dp, _ = run_steps(step, dp, state, 10)
     cls.expected = jax.tree.map(np.asarray, ded.to_params(dp))
@@ -222,44 +243,52 @@ class DedicatedCheckpointTest(absltest.TestCase):
       if a.ndim:
         self.assertEqual(a.sharding, b.sharding)
     is_p = lambda x: isinstance(x, checkpoint.PortableDMuonState)
-    (found,) = [x for x in jax.tree.leaves(portable, is_leaf=is_p)
-                if is_p(x)]
-    self.assertEqual(found.mu['layers_0']['w3'].shape,
-                     (dedicated_test.WIDTH, dedicated_test.WIDTH))
+    (found,) = [x for x in jax.tree.leaves(portable, is_leaf=is_p) if is_p(x)]
+    self.assertEqual(
+      found.mu['layers_0']['w3'].shape, (support.WIDTH, support.WIDTH)
+    )
     # Only the Muon targets have momentum there.
     self.assertNotIn('scale', found.mu['layers_0'])
 
   def test_params_restore_without_the_dedication(self):
     # Params are saved in param layout: a drop-in run (or inference) reads
     # them with no dedication.
-    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                        dedicated_test.init_params())
+    like = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), support.block_params()
+    )
     _, params, state = checkpoint.restore(self.tmp.name, like, None)
     self.assertIsNone(state)
-    for a, b in zip(jax.tree.leaves(params),
-                    jax.tree.leaves(self.ded.to_params(self.dp))):
+    for a, b in zip(
+      jax.tree.leaves(params), jax.tree.leaves(self.ded.to_params(self.dp))
+    ):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
   def _resume(self, shape):
-    mesh = None if shape is None else jax.make_mesh(
-        shape, AXES, devices=jax.devices()[:int(np.prod(shape))])
+    mesh = (
+      None
+      if shape is None
+      else jax.make_mesh(
+        shape, AXES, devices=jax.devices()[: int(np.prod(shape))]
+      )
+    )
     ded, opt, step = dedicated_setup(mesh)
     like = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-        dedicated_test.init_params())
-    got, dp, state = checkpoint.restore(self.tmp.name, like, opt,
-                                        dedication=ded)
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), support.block_params()
+    )
+    got, dp, state = checkpoint.restore(
+      self.tmp.name, like, opt, dedication=ded
+    )
     self.assertEqual(got, 10)
     self.assertIsInstance(dp, dmuon_jax.DedicatedParams)
     # The momentum in param layout is bitwise the saved one.
     portable = checkpoint.state_to_portable(state)
-    for a, b in zip(jax.tree.leaves(portable),
-                    jax.tree.leaves(self.portable)):
+    for a, b in zip(jax.tree.leaves(portable), jax.tree.leaves(self.portable)):
       np.testing.assert_array_equal(np.asarray(a), b)
     dp, _ = run_steps(step, dp, state, 10)
     diffs = rel_diffs(ded.to_params(dp), self.expected)
-    print(f'dedicated resume on {shape}: max rel diff '
-          f'{max(diffs.values()):.3g}')
+    print(
+      f'dedicated resume on {shape}: max rel diff {max(diffs.values()):.3g}'
+    )
     for path, d in diffs.items():
       self.assertLessEqual(d, 1e-6, path)
 
@@ -277,7 +306,6 @@ class DedicatedCheckpointTest(absltest.TestCase):
 
 
 class IncompleteCheckpointTest(absltest.TestCase):
-
   def test_unfinished_saves_are_never_picked(self):
     with tempfile.TemporaryDirectory() as d:
       params = {'w': jnp.ones((4, 8)), 'b': jnp.zeros((8,))}
@@ -290,8 +318,9 @@ class IncompleteCheckpointTest(absltest.TestCase):
       (pathlib.Path(d) / '9' / 'default').mkdir(parents=True)
       (pathlib.Path(d) / '12.orbax-checkpoint-tmp-1234').mkdir()
       self.assertEqual(checkpoint.complete_steps(d), [3])
-      like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                          params)
+      like = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
+      )
       step, _, _ = checkpoint.restore(d, like, opt)
       self.assertEqual(step, 3)
       with self.assertRaises(FileNotFoundError):
@@ -303,10 +332,15 @@ class IncompleteCheckpointTest(absltest.TestCase):
 
 
 def run_example(args, **kwargs):
-  env = dict(os.environ, PYTHONPATH=str(ROOT))
   return subprocess.Popen(
-      [sys.executable, str(EXAMPLE), *args], env=env, cwd=str(ROOT),
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+    [sys.executable, str(EXAMPLE), *args],
+    env=support.subprocess_env(),
+    cwd=str(ROOT),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    **kwargs,
+  )
 
 
 def wait_for(proc, pattern, timeout=120):
@@ -323,14 +357,15 @@ def wait_for(proc, pattern, timeout=120):
   raise AssertionError(f'no {pattern!r} in output:\n' + ''.join(lines))
 
 
+@pytest.mark.slow
 class KillTest(absltest.TestCase):
-
   def test_resume_after_sigkill_matches_uninterrupted_run(self):
     with tempfile.TemporaryDirectory() as d:
       ref_dir, run_dir = os.path.join(d, 'ref'), os.path.join(d, 'run')
       common = ['--steps', '20', '--every', '3', '--slow-save', '0.5']
-      ref = run_example([*common, '--dir', ref_dir, '--out',
-                         os.path.join(d, 'ref.npz')])
+      ref = run_example(
+        [*common, '--dir', ref_dir, '--out', os.path.join(d, 'ref.npz')]
+      )
       out, _ = ref.communicate(timeout=300)
       self.assertEqual(ref.returncode, 0, out)
       kills = []
@@ -341,31 +376,37 @@ class KillTest(absltest.TestCase):
         proc = run_example([*common, '--dir', run_dir])
         for pattern in patterns:
           wait_for(proc, pattern)
-        tmp = [p.name for p in pathlib.Path(run_dir).iterdir()
-               if 'tmp' in p.name]
+        tmp = [
+          p.name for p in pathlib.Path(run_dir).iterdir() if 'tmp' in p.name
+        ]
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
         proc.stdout.close()
-        kills.append((patterns[-1], checkpoint.complete_steps(run_dir),
-                      tmp))
+        kills.append((patterns[-1], checkpoint.complete_steps(run_dir), tmp))
       print('kills (when, complete steps, tmp dirs):', kills)
       # Killed mid-save: step 6's temporary directory was there, only step
       # 3 is complete.
       self.assertEqual(kills[0][1], [3])
-      self.assertTrue(any(name.startswith('6.') for name in kills[0][2]),
-                      kills[0])
-      final = run_example([*common, '--dir', run_dir, '--out',
-                           os.path.join(d, 'run.npz')])
+      self.assertTrue(
+        any(name.startswith('6.') for name in kills[0][2]), kills[0]
+      )
+      final = run_example(
+        [*common, '--dir', run_dir, '--out', os.path.join(d, 'run.npz')]
+      )
       out, _ = final.communicate(timeout=300)
       self.assertEqual(final.returncode, 0, out)
       self.assertIn('resumed from step', out)
-      a, b = np.load(os.path.join(d, 'run.npz')), np.load(
-          os.path.join(d, 'ref.npz'))
+      a, b = (
+        np.load(os.path.join(d, 'run.npz')),
+        np.load(os.path.join(d, 'ref.npz')),
+      )
       self.assertEqual(sorted(a.files), sorted(b.files))
       for k in a.files:
         np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=0, err_msg=k)
-      print('max |resumed - uninterrupted|:',
-            max(float(np.max(np.abs(a[k] - b[k]))) for k in a.files))
+      print(
+        'max |resumed - uninterrupted|:',
+        max(float(np.max(np.abs(a[k] - b[k]))) for k in a.files),
+      )
 
 
 if __name__ == '__main__':

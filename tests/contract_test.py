@@ -4,52 +4,57 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from absl.testing import absltest
-from absl.testing import parameterized
+from absl.testing import absltest, parameterized
 
 import dmuon_jax
-from tests import alias_test
+from tests import support
 
-DIMS = alias_test.dim_numbers
+DIMS = support.dim_numbers
 
 
 def small_params():
-  params = alias_test.make_params()
+  params = support.make_params()
   del params['layers_0']
   return params
 
 
 def trees_equal(a, b):
-  return all(np.array_equal(np.asarray(x), np.asarray(y))
-             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  return all(
+    np.array_equal(np.asarray(x), np.asarray(y))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )
 
 
 class ContractTest(parameterized.TestCase):
-
   def test_init_from_shape_dtype_structs(self):
     params = small_params()
     opt = dmuon_jax.dmuon(0.02, muon_weight_dimension_numbers=DIMS(params))
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                            params)
+    abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
+    )
     from_abstract = opt.init(abstract)
     from_arrays = opt.init(params)
-    self.assertEqual(jax.tree.structure(from_abstract),
-                     jax.tree.structure(from_arrays))
+    self.assertEqual(
+      jax.tree.structure(from_abstract), jax.tree.structure(from_arrays)
+    )
     self.assertTrue(trees_equal(from_abstract, from_arrays))
     # jax.eval_shape works too (no concrete values needed).
     shapes = jax.eval_shape(opt.init, abstract)
-    self.assertEqual(jax.tree.map(lambda s: (s.shape, s.dtype), shapes),
-                     jax.tree.map(lambda s: (s.shape, s.dtype), from_arrays))
+    self.assertEqual(
+      jax.tree.map(lambda s: (s.shape, s.dtype), shapes),
+      jax.tree.map(lambda s: (s.shape, s.dtype), from_arrays),
+    )
 
   def test_jit_equals_eager_and_state_types_are_stable(self):
     params = small_params()
     opt = dmuon_jax.dmuon(0.02, muon_weight_dimension_numbers=DIMS(params))
     state = opt.init(params)
-    grads = alias_test.grads_at(0, params)
+    grads = support.grads_at(0, params)
     eager_u, eager_s = opt.update(grads, state, params)
     jit_u, jit_s = jax.jit(opt.update)(grads, state, params)
-    for a, b in zip(jax.tree.leaves((eager_u, eager_s)),
-                    jax.tree.leaves((jit_u, jit_s))):
+    for a, b in zip(
+      jax.tree.leaves((eager_u, eager_s)), jax.tree.leaves((jit_u, jit_s))
+    ):
       np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     types = jax.tree.map(jax.typeof, state)
     self.assertEqual(jax.tree.map(jax.typeof, eager_s), types)
@@ -66,8 +71,7 @@ class ContractTest(parameterized.TestCase):
     @jax.jit
     def step(params, state):
       traces.append(1)
-      updates, state = opt.update(alias_test.grads_at(0, params), state,
-                                  params)
+      updates, state = opt.update(support.grads_at(0, params), state, params)
       return optax.apply_updates(params, updates), state
 
     for _ in range(3):
@@ -76,26 +80,36 @@ class ContractTest(parameterized.TestCase):
 
   def test_bf16_params_keep_dtypes_with_f32_momentum(self):
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), small_params())
-    opt = dmuon_jax.dmuon(0.02, mu_dtype=jnp.float32,
-                          muon_weight_dimension_numbers=DIMS(params))
+    opt = dmuon_jax.dmuon(
+      0.02, mu_dtype=jnp.float32, muon_weight_dimension_numbers=DIMS(params)
+    )
     state = opt.init(params)
     updates, new_state = jax.jit(opt.update)(
-        alias_test.grads_at(0, params), state, params)
-    labels = jax.tree.leaves(dmuon_jax.muon_labels(
-        params, muon_weight_dimension_numbers=DIMS(params)))
-    for u, p, label in zip(jax.tree.leaves(updates), jax.tree.leaves(params),
-                           labels):
+      support.grads_at(0, params), state, params
+    )
+    labels = jax.tree.leaves(
+      dmuon_jax.muon_labels(params, muon_weight_dimension_numbers=DIMS(params))
+    )
+    for u, p, label in zip(
+      jax.tree.leaves(updates), jax.tree.leaves(params), labels
+    ):
       self.assertTrue(np.isfinite(np.asarray(u, np.float32)).all())
       if label == 'muon':  # (optax.adamw returns its mu_dtype)
         self.assertEqual(u.dtype, p.dtype)
     new_params = optax.apply_updates(params, updates)
-    self.assertEqual(jax.tree.map(jax.typeof, new_params),
-                     jax.tree.map(jax.typeof, params))
-    self.assertEqual(jax.tree.map(jax.typeof, new_state),
-                     jax.tree.map(jax.typeof, state))
-    dmuon_states = [x for x in jax.tree.leaves(
-        new_state, is_leaf=lambda x: isinstance(x, dmuon_jax.ScaleByDMuonState))
-                    if isinstance(x, dmuon_jax.ScaleByDMuonState)]
+    self.assertEqual(
+      jax.tree.map(jax.typeof, new_params), jax.tree.map(jax.typeof, params)
+    )
+    self.assertEqual(
+      jax.tree.map(jax.typeof, new_state), jax.tree.map(jax.typeof, state)
+    )
+    dmuon_states = [
+      x
+      for x in jax.tree.leaves(
+        new_state, is_leaf=lambda x: isinstance(x, dmuon_jax.ScaleByDMuonState)
+      )
+      if isinstance(x, dmuon_jax.ScaleByDMuonState)
+    ]
     self.assertLen(dmuon_states, 1)
     self.assertNotEmpty(dmuon_states[0].mu)
     self.assertTrue(all(m.dtype == jnp.float32 for m in dmuon_states[0].mu))
@@ -104,31 +118,36 @@ class ContractTest(parameterized.TestCase):
     params = small_params()
     dims = DIMS(params)
     opt = optax.inject_hyperparams(dmuon_jax.dmuon)(
-        learning_rate=0.02, muon_weight_dimension_numbers=dims)
+      learning_rate=0.02, muon_weight_dimension_numbers=dims
+    )
     # optax.contrib.muon under the same wrapper: AdamW leaves see the same
     # injected (array) learning rate.
     plain = optax.inject_hyperparams(optax.contrib.muon)(
-        learning_rate=0.02, muon_weight_dimension_numbers=dims)
-    ours = alias_test.run(opt, params, steps=3)
-    ref = alias_test.run(plain, params, steps=3)
-    alias_test.assert_trees_rel_close(self, ours[-1], ref[-1], rtol=1e-6)
+      learning_rate=0.02, muon_weight_dimension_numbers=dims
+    )
+    ours = support.run(opt, params, steps=3)
+    ref = support.run(plain, params, steps=3)
+    support.assert_trees_rel_close(self, ours[-1], ref[-1], rtol=1e-6)
     # Changing the injected learning rate changes the step.
     state = opt.init(params)
     state.hyperparams['learning_rate'] = jnp.asarray(0.0)
-    updates, _ = opt.update(alias_test.grads_at(0, params), state, params)
-    self.assertTrue(all(np.all(np.asarray(u) == 0)
-                        for u in jax.tree.leaves(updates)))
+    updates, _ = opt.update(support.grads_at(0, params), state, params)
+    self.assertTrue(
+      all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
+    )
 
   def test_multi_steps_accumulates_then_matches_mean_gradient(self):
     params = small_params()
     dims = DIMS(params)
     opt = optax.MultiSteps(
-        dmuon_jax.dmuon(0.02, muon_weight_dimension_numbers=dims), 2)
+      dmuon_jax.dmuon(0.02, muon_weight_dimension_numbers=dims), 2
+    )
     state = opt.init(params)
-    g0, g1 = alias_test.grads_at(0, params), alias_test.grads_at(1, params)
+    g0, g1 = support.grads_at(0, params), support.grads_at(1, params)
     u0, state = jax.jit(opt.update)(g0, state, params)
-    self.assertTrue(all(np.all(np.asarray(u) == 0)
-                        for u in jax.tree.leaves(u0)))
+    self.assertTrue(
+      all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(u0))
+    )
     u1, state = jax.jit(opt.update)(g1, state, params)
     inner = dmuon_jax.dmuon(0.02, muon_weight_dimension_numbers=dims)
     mean = jax.tree.map(lambda a, b: (a + b) / 2, g0, g1)
@@ -140,25 +159,40 @@ class ContractTest(parameterized.TestCase):
     params = small_params()
     dims = DIMS(params)
     schedule = optax.linear_schedule(0.02, 0.0, 4)
-    ours = alias_test.run(dmuon_jax.dmuon(
-        schedule, muon_weight_dimension_numbers=dims), params, steps=5)
-    ref = alias_test.run(optax.contrib.muon(
-        schedule, muon_weight_dimension_numbers=dims), params, steps=5)
-    alias_test.assert_trees_rel_close(self, ours[-1], ref[-1], rtol=1e-6)
+    ours = support.run(
+      dmuon_jax.dmuon(schedule, muon_weight_dimension_numbers=dims),
+      params,
+      steps=5,
+    )
+    ref = support.run(
+      optax.contrib.muon(schedule, muon_weight_dimension_numbers=dims),
+      params,
+      steps=5,
+    )
+    support.assert_trees_rel_close(self, ours[-1], ref[-1], rtol=1e-6)
     # The schedule reached zero: the last step changed nothing.
     self.assertTrue(trees_equal(ours[-1], ours[-2]))
 
   def test_chain_with_clipping_matches_optax(self):
     params = small_params()
     dims = DIMS(params)
-    ours = alias_test.run(optax.chain(
+    ours = support.run(
+      optax.chain(
         optax.clip_by_global_norm(1.0),
-        dmuon_jax.dmuon(0.02, muon_weight_dimension_numbers=dims)), params, 4)
-    ref = alias_test.run(optax.chain(
+        dmuon_jax.dmuon(0.02, muon_weight_dimension_numbers=dims),
+      ),
+      params,
+      4,
+    )
+    ref = support.run(
+      optax.chain(
         optax.clip_by_global_norm(1.0),
-        optax.contrib.muon(0.02, muon_weight_dimension_numbers=dims)),
-                         params, 4)
-    alias_test.assert_trees_rel_close(self, ours[-1], ref[-1], rtol=1e-6)
+        optax.contrib.muon(0.02, muon_weight_dimension_numbers=dims),
+      ),
+      params,
+      4,
+    )
+    support.assert_trees_rel_close(self, ours[-1], ref[-1], rtol=1e-6)
 
   def test_update_with_a_different_tree_raises(self):
     params = small_params()
@@ -170,12 +204,10 @@ class ContractTest(parameterized.TestCase):
 
 
 class FlaxNnxTest(absltest.TestCase):
-
   def test_nnx_optimizer_runs_a_step(self):
     from flax import nnx  # pylint: disable=g-import-not-at-top
 
     class Mlp(nnx.Module):
-
       def __init__(self, rngs):
         self.embed = nnx.Embed(16, 8, rngs=rngs)
         self.layers = nnx.List([nnx.Linear(8, 8, rngs=rngs) for _ in range(2)])
@@ -195,7 +227,8 @@ class FlaxNnxTest(absltest.TestCase):
     def loss_fn(model):
       logits = model(tokens[:, :-1])
       return optax.softmax_cross_entropy_with_integer_labels(
-          logits, tokens[:, 1:]).mean()
+        logits, tokens[:, 1:]
+      ).mean()
 
     @nnx.jit
     def train_step(model, optimizer):

@@ -3,14 +3,13 @@
 import math
 import unittest
 
-from absl.testing import absltest
-from absl.testing import parameterized
 import jax
-from jax import lax
 import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-import numpy as np
 
 from dmuon_jax import diagnostics
 
@@ -26,9 +25,7 @@ def _mesh(shape):
 
 
 def _arg(mesh, shape, spec, dtype=jnp.float32):
-  return jax.ShapeDtypeStruct(
-      shape, dtype, sharding=NamedSharding(mesh, spec)
-  )
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
 
 
 def _smap(f, mesh, in_specs, out_specs):
@@ -43,12 +40,13 @@ def _one(report, kind):
 
 
 class CompiledCollectivesTest(parameterized.TestCase):
-
   def test_all_gather(self):
     mesh = _mesh((1, 8))
     f = _smap(
-        lambda a: lax.all_gather(a, 'shard', tiled=True, to='invarying'),
-        mesh, P('shard'), P(),
+      lambda a: lax.all_gather(a, 'shard', tiled=True, to='invarying'),
+      mesh,
+      P('shard'),
+      P(),
     )
     report = diagnostics.analyze(f, _arg(mesh, (64, 512), P('shard')))
     self.assertEqual([c.kind for c in report.collectives], ['all-gather'])
@@ -65,8 +63,10 @@ class CompiledCollectivesTest(parameterized.TestCase):
     # means the CPU byte counts for bf16 changed too.
     mesh = _mesh((1, 8))
     f = _smap(
-        lambda a: lax.all_gather(a, 'shard', tiled=True, to='invarying'),
-        mesh, P('shard'), P(),
+      lambda a: lax.all_gather(a, 'shard', tiled=True, to='invarying'),
+      mesh,
+      P('shard'),
+      P(),
     )
     x = _arg(mesh, (64, 512), P('shard'), jnp.bfloat16)
     c = _one(diagnostics.analyze(f, x), 'all-gather')
@@ -84,8 +84,10 @@ class CompiledCollectivesTest(parameterized.TestCase):
   def test_psum_scatter(self):
     mesh = _mesh((1, 8))
     f = _smap(
-        lambda a: lax.psum_scatter(a, 'shard', tiled=True),
-        mesh, P(), P('shard'),
+      lambda a: lax.psum_scatter(a, 'shard', tiled=True),
+      mesh,
+      P(),
+      P('shard'),
     )
     report = diagnostics.analyze(f, _arg(mesh, (64, 512), P()))
     c = _one(report, 'reduce-scatter')
@@ -95,8 +97,10 @@ class CompiledCollectivesTest(parameterized.TestCase):
   def test_all_to_all(self):
     mesh = _mesh((1, 8))
     f = _smap(
-        lambda a: lax.all_to_all(a, 'shard', 1, 1, tiled=True),
-        mesh, P('shard'), P('shard'),
+      lambda a: lax.all_to_all(a, 'shard', 1, 1, tiled=True),
+      mesh,
+      P('shard'),
+      P('shard'),
     )
     report = diagnostics.analyze(f, _arg(mesh, (64, 512), P('shard')))
     c = _one(report, 'all-to-all')
@@ -109,7 +113,7 @@ class CompiledCollectivesTest(parameterized.TestCase):
     mesh = _mesh((1, 8))
     ring = [(i, (i + 1) % 8) for i in range(8)]
     f = _smap(
-        lambda a: lax.ppermute(a, 'shard', ring), mesh, P('shard'), P('shard')
+      lambda a: lax.ppermute(a, 'shard', ring), mesh, P('shard'), P('shard')
     )
     report = diagnostics.analyze(f, _arg(mesh, (64, 512), P('shard')))
     c = _one(report, 'collective-permute')
@@ -117,9 +121,9 @@ class CompiledCollectivesTest(parameterized.TestCase):
     self.assertEqual(c.bytes, 8 * 512 * 4)
 
   @parameterized.named_parameters(
-      ('shard', 'shard', 4),
-      ('replicate', 'replicate', 2),
-      ('both', BOTH, 8),
+    ('shard', 'shard', 4),
+    ('replicate', 'replicate', 2),
+    ('both', BOTH, 8),
   )
   def test_group_size_on_2x4_mesh(self, axes, n):
     mesh = _mesh((2, 4))
@@ -131,8 +135,10 @@ class CompiledCollectivesTest(parameterized.TestCase):
     # The gathered block still varies over the other axis, if any.
     out = {'shard': P('replicate'), 'replicate': P('shard')}.get(axes, P())
     gather = _smap(
-        lambda a: lax.all_gather(a, axes, tiled=True, to='invarying'),
-        mesh, P(BOTH), out,
+      lambda a: lax.all_gather(a, axes, tiled=True, to='invarying'),
+      mesh,
+      P(BOTH),
+      out,
     )
     c = _one(diagnostics.analyze(gather, x), 'all-gather')
     self.assertEqual((c.shape, c.group_size), ((8 * n, 512), n))
@@ -151,7 +157,7 @@ class CompiledCollectivesTest(parameterized.TestCase):
       return lax.scan(lambda c, _: (body(c), None), a, None, length=5)[0]
 
     report = diagnostics.analyze(
-        _smap(f, mesh, P(BOTH), P(BOTH)), _arg(mesh, (64, 512), P(BOTH))
+      _smap(f, mesh, P(BOTH), P(BOTH)), _arg(mesh, (64, 512), P(BOTH))
     )
     c = _one(report, 'all-reduce')
     self.assertEqual((c.executions, c.in_loop, c.group_size), (5, True, 4))
@@ -167,8 +173,8 @@ class CompiledCollectivesTest(parameterized.TestCase):
       return lax.fori_loop(0, 3, lambda i, c: lax.fori_loop(0, 5, inner, c), a)
 
     report = diagnostics.analyze(
-        _smap(f, mesh, P('shard'), P('shard')),
-        _arg(mesh, (64, 512), P('shard')),
+      _smap(f, mesh, P('shard'), P('shard')),
+      _arg(mesh, (64, 512), P('shard')),
     )
     c = _one(report, 'all-reduce')
     self.assertEqual((c.executions, c.in_loop), (15, True))
@@ -182,8 +188,8 @@ class CompiledCollectivesTest(parameterized.TestCase):
       return lax.while_loop(cond, lambda c: c + lax.psum(c, 'shard'), a)
 
     report = diagnostics.analyze(
-        _smap(f, mesh, P('shard'), P('shard')),
-        _arg(mesh, (64, 512), P('shard')),
+      _smap(f, mesh, P('shard'), P('shard')),
+      _arg(mesh, (64, 512), P('shard')),
     )
     c = _one(report, 'all-reduce')
     self.assertEqual((c.executions, c.in_loop), (1, True))
@@ -196,8 +202,8 @@ class CompiledCollectivesTest(parameterized.TestCase):
       return lax.switch(i, [lambda: a + lax.psum(a, 'shard'), lambda: 2 * a])
 
     report = diagnostics.analyze(
-        _smap(f, mesh, P('shard'), P('shard')),
-        _arg(mesh, (64, 512), P('shard')),
+      _smap(f, mesh, P('shard'), P('shard')),
+      _arg(mesh, (64, 512), P('shard')),
     )
     c = _one(report, 'all-reduce')
     self.assertEqual((c.executions, c.in_loop), (1, False))
@@ -205,13 +211,15 @@ class CompiledCollectivesTest(parameterized.TestCase):
   def test_tuple_all_reduce_sums_operands(self):
     mesh = _mesh((1, 8))
     f = _smap(
-        lambda a, b: lax.psum((a, b), 'shard'),
-        mesh, (P('shard'), P('shard')), (P(), P()),
+      lambda a, b: lax.psum((a, b), 'shard'),
+      mesh,
+      (P('shard'), P('shard')),
+      (P(), P()),
     )
     report = diagnostics.analyze(
-        f,
-        _arg(mesh, (64, 128), P('shard')),
-        _arg(mesh, (64, 256), P('shard')),
+      f,
+      _arg(mesh, (64, 128), P('shard')),
+      _arg(mesh, (64, 256), P('shard')),
     )
     c = _one(report, 'all-reduce')  # XLA combined the two psums.
     self.assertEqual(c.shape, (8 * 128 + 8 * 256,))
@@ -221,7 +229,7 @@ class CompiledCollectivesTest(parameterized.TestCase):
     mesh = _mesh((1, 8))
     f = _smap(lambda a, b: a @ b, mesh, (P('shard'), P()), P('shard'))
     report = diagnostics.analyze(
-        f, _arg(mesh, (64, 128), P('shard')), _arg(mesh, (128, 32), P())
+      f, _arg(mesh, (64, 128), P('shard')), _arg(mesh, (128, 32), P())
     )
     self.assertEqual(report.collectives, ())
     self.assertAlmostEqual(report.flops / (2 * 8 * 128 * 32), 1.0, delta=0.05)
@@ -235,13 +243,11 @@ class CompiledCollectivesTest(parameterized.TestCase):
       return lax.scan(lambda c, _: (c @ b, None), a, None, length=5)[0]
 
     report = diagnostics.analyze(
-        _smap(f, mesh, (P('shard'), P()), P('shard')),
-        _arg(mesh, (64, 128), P('shard')),
-        _arg(mesh, (128, 128), P()),
+      _smap(f, mesh, (P('shard'), P()), P('shard')),
+      _arg(mesh, (64, 128), P('shard')),
+      _arg(mesh, (128, 128), P()),
     )
-    self.assertAlmostEqual(
-        report.flops / (2 * 8 * 128 * 128), 1.0, delta=0.05
-    )
+    self.assertAlmostEqual(report.flops / (2 * 8 * 128 * 128), 1.0, delta=0.05)
 
   def test_report_totals_summary_and_memory(self):
     mesh = _mesh((1, 8))
@@ -255,14 +261,12 @@ class CompiledCollectivesTest(parameterized.TestCase):
     gather = 7 / 8 * 64 * 512 * 4
     reduce = 2 * 7 / 8 * 8 * 512 * 4
     self.assertEqual(
-        report.bytes_by_kind, {'all-gather': gather, 'all-reduce': reduce}
+      report.bytes_by_kind, {'all-gather': gather, 'all-reduce': reduce}
     )
-    self.assertEqual(
-        report.count_by_kind, {'all-gather': 1, 'all-reduce': 1}
-    )
+    self.assertEqual(report.count_by_kind, {'all-gather': 1, 'all-reduce': 1})
     self.assertEqual(report.total_bytes('all-gather'), gather)
     self.assertEqual(
-        report.total_bytes(['all-gather', 'reduce-scatter']), gather
+      report.total_bytes(['all-gather', 'reduce-scatter']), gather
     )
     self.assertEqual(report.total_bytes(), gather + reduce)
     with self.assertRaisesRegex(ValueError, 'allgather'):
@@ -276,22 +280,22 @@ class CompiledCollectivesTest(parameterized.TestCase):
     self.assertIsNotNone(report.temp_bytes)
     self.assertEqual(report.alias_bytes, 0)
     self.assertEqual(
-        report.peak_bytes,
-        report.argument_bytes + report.output_bytes + report.temp_bytes,
+      report.peak_bytes,
+      report.argument_bytes + report.output_bytes + report.temp_bytes,
     )
 
   def test_analyze_accepts_plain_jitted_lowered_and_concrete(self):
     mesh = _mesh((1, 8))
     f = _smap(lambda a: lax.psum(a, 'shard'), mesh, P('shard'), P())
     x = jax.device_put(
-        jnp.ones((64, 512), jnp.float32), NamedSharding(mesh, P('shard'))
+      jnp.ones((64, 512), jnp.float32), NamedSharding(mesh, P('shard'))
     )
     lowered = jax.jit(f).lower(x)
     reports = [
-        diagnostics.analyze(f, x),
-        diagnostics.analyze(jax.jit(f), x),
-        diagnostics.analyze_compiled(lowered),
-        diagnostics.analyze_compiled(lowered.compile()),
+      diagnostics.analyze(f, x),
+      diagnostics.analyze(jax.jit(f), x),
+      diagnostics.analyze_compiled(lowered),
+      diagnostics.analyze_compiled(lowered.compile()),
     ]
     for report in reports:
       self.assertEqual(report.collectives, reports[0].collectives)
@@ -300,22 +304,21 @@ class CompiledCollectivesTest(parameterized.TestCase):
 
 
 class ReplicaGroupsTest(parameterized.TestCase):
-
   @parameterized.named_parameters(
-      ('explicit', '{{0,1,2,3},{4,5,6,7}}', ((0, 1, 2, 3), (4, 5, 6, 7))),
-      ('explicit_spaces', '{ {0, 4}, {1, 5} }', ((0, 4), (1, 5))),
-      ('iota', '[2,4]<=[8]', ((0, 1, 2, 3), (4, 5, 6, 7))),
-      ('iota_all', '[1,8]<=[8]', (tuple(range(8)),)),
-      (
-          'transposed_iota',
-          '[4,2]<=[2,4]T(1,0)',
-          ((0, 4), (1, 5), (2, 6), (3, 7)),
-      ),
-      (
-          'transposed_iota_3d',
-          '[2,4]<=[2,2,2]T(2,1,0)',
-          ((0, 4, 2, 6), (1, 5, 3, 7)),
-      ),
+    ('explicit', '{{0,1,2,3},{4,5,6,7}}', ((0, 1, 2, 3), (4, 5, 6, 7))),
+    ('explicit_spaces', '{ {0, 4}, {1, 5} }', ((0, 4), (1, 5))),
+    ('iota', '[2,4]<=[8]', ((0, 1, 2, 3), (4, 5, 6, 7))),
+    ('iota_all', '[1,8]<=[8]', (tuple(range(8)),)),
+    (
+      'transposed_iota',
+      '[4,2]<=[2,4]T(1,0)',
+      ((0, 4), (1, 5), (2, 6), (3, 7)),
+    ),
+    (
+      'transposed_iota_3d',
+      '[2,4]<=[2,2,2]T(2,1,0)',
+      ((0, 4, 2, 6), (1, 5, 3, 7)),
+    ),
   )
   def test_forms(self, text, expected):
     self.assertEqual(diagnostics.parse_replica_groups(text), expected)
@@ -323,14 +326,14 @@ class ReplicaGroupsTest(parameterized.TestCase):
   def test_empty_means_all_devices(self):
     self.assertEqual(diagnostics.parse_replica_groups('{}'), ())
     self.assertEqual(
-        diagnostics.parse_replica_groups('{}', num_devices=4),
-        ((0, 1, 2, 3),),
+      diagnostics.parse_replica_groups('{}', num_devices=4),
+      ((0, 1, 2, 3),),
     )
 
   @parameterized.named_parameters(
-      ('bad_iota', '[3,4]<=[8]'),
-      ('bad_perm', '[2,4]<=[2,4]T(0,0)'),
-      ('garbage', 'all'),
+    ('bad_iota', '[3,4]<=[8]'),
+    ('bad_perm', '[2,4]<=[2,4]T(0,0)'),
+    ('garbage', 'all'),
   )
   def test_invalid(self, text):
     with self.assertRaisesRegex(ValueError, 'replica_groups'):
@@ -405,26 +408,76 @@ body=%body, backend_config={"known_trip_count":{"n":"7"}}
 
 
 class HloTextTest(absltest.TestCase):
-
   def test_async_forms_loops_and_groups(self):
     got = diagnostics.hlo_collectives(_ASYNC_HLO)
     table = [
-        (c.kind, c.name, c.dtype, c.shape, c.group_size, c.executions,
-         c.in_loop, c.bytes)
-        for c in got
+      (
+        c.kind,
+        c.name,
+        c.dtype,
+        c.shape,
+        c.group_size,
+        c.executions,
+        c.in_loop,
+        c.bytes,
+      )
+      for c in got
     ]
-    self.assertEqual(table, [
-        ('all-gather', 'all-gather-start', 'f32', (64, 512), 8, 1, False,
-         7 / 8 * 64 * 512 * 4),
-        ('reduce-scatter', 'reduce-scatter-start', 'bf16', (64, 512), 8, 1,
-         False, 7 / 8 * 64 * 512 * 2),
-        ('collective-permute', 'collective-permute-start', 'f32', (8, 512), 2,
-         1, False, 8 * 512 * 4),
-        ('all-to-all', 'a2a', 'f32', (8, 512), 8, 1, False,
-         7 / 8 * 8 * 512 * 4),
-        ('all-reduce', 'all-reduce-start', 'f32', (8, 512), 4, 7, True,
-         2 * 3 / 4 * 8 * 512 * 4),
-    ])
+    self.assertEqual(
+      table,
+      [
+        (
+          'all-gather',
+          'all-gather-start',
+          'f32',
+          (64, 512),
+          8,
+          1,
+          False,
+          7 / 8 * 64 * 512 * 4,
+        ),
+        (
+          'reduce-scatter',
+          'reduce-scatter-start',
+          'bf16',
+          (64, 512),
+          8,
+          1,
+          False,
+          7 / 8 * 64 * 512 * 2,
+        ),
+        (
+          'collective-permute',
+          'collective-permute-start',
+          'f32',
+          (8, 512),
+          2,
+          1,
+          False,
+          8 * 512 * 4,
+        ),
+        (
+          'all-to-all',
+          'a2a',
+          'f32',
+          (8, 512),
+          8,
+          1,
+          False,
+          7 / 8 * 8 * 512 * 4,
+        ),
+        (
+          'all-reduce',
+          'all-reduce-start',
+          'f32',
+          (8, 512),
+          4,
+          7,
+          True,
+          2 * 3 / 4 * 8 * 512 * 4,
+        ),
+      ],
+    )
 
   def test_num_devices_overrides_empty_groups(self):
     got = diagnostics.hlo_collectives(_ASYNC_HLO, num_devices=4)
@@ -439,7 +492,6 @@ def _hex_i64(rows):
 
 
 class StableHloTest(absltest.TestCase):
-
   def test_cuda_lowering_on_cpu(self):
     mesh = _mesh((2, 4))
 
@@ -453,26 +505,29 @@ class StableHloTest(absltest.TestCase):
       h = lax.all_gather(c, BOTH, tiled=True, to='invarying')
       return g, t, h
 
-    fn = jax.jit(_smap(
-        f, mesh, (P(BOTH), P(), P(BOTH)), (P('replicate'), P(BOTH), P())
-    ))
+    fn = jax.jit(
+      _smap(f, mesh, (P(BOTH), P(), P(BOTH)), (P('replicate'), P(BOTH), P()))
+    )
     args = (
-        _arg(mesh, (64, 512), P(BOTH)),
-        _arg(mesh, (64, 512), P()),
-        _arg(mesh, (64, 512), P(BOTH), jnp.bfloat16),
+      _arg(mesh, (64, 512), P(BOTH)),
+      _arg(mesh, (64, 512), P()),
+      _arg(mesh, (64, 512), P(BOTH), jnp.bfloat16),
     )
     text = fn.trace(*args).lower(lowering_platforms=('cuda',)).as_text()
     got = [
-        (c.kind, c.dtype, c.shape, c.group_size, c.in_loop, c.bytes)
-        for c in diagnostics.stablehlo_collectives(text)
+      (c.kind, c.dtype, c.shape, c.group_size, c.in_loop, c.bytes)
+      for c in diagnostics.stablehlo_collectives(text)
     ]
-    self.assertCountEqual(got, [
+    self.assertCountEqual(
+      got,
+      [
         ('all-gather', 'f32', (32, 512), 4, False, 3 / 4 * 32 * 512 * 4),
         ('reduce-scatter', 'f32', (64, 512), 8, False, 7 / 8 * 64 * 512 * 4),
         ('all-reduce', 'f32', (8, 512), 2, True, 2 * 1 / 2 * 8 * 512 * 4),
         ('collective-broadcast', 'f32', (8, 512), 4, False, 8 * 512 * 4),
         ('all-gather', 'bf16', (64, 512), 8, False, 7 / 8 * 64 * 512 * 2),
-    ])
+      ],
+    )
 
   def test_while_region_tuple_and_hex_pairs(self):
     text = """\
@@ -507,11 +562,11 @@ dense<"0xPAIRS"> : tensor<4x2xi64>}> : (tensor<8xf32>) -> tensor<8xf32>
 """.replace('PAIRS', _hex_i64([[0, 1], [1, 0], [2, 3], [3, 2]]))
     got = diagnostics.stablehlo_collectives(text)
     self.assertEqual(
-        [(c.kind, c.shape, c.group_size, c.in_loop, c.bytes) for c in got],
-        [
-            ('all-reduce', (12,), 4, True, 2 * 3 / 4 * 12 * 4),
-            ('collective-permute', (8,), 2, False, 8 * 4),
-        ],
+      [(c.kind, c.shape, c.group_size, c.in_loop, c.bytes) for c in got],
+      [
+        ('all-reduce', (12,), 4, True, 2 * 3 / 4 * 12 * 4),
+        ('collective-permute', (8,), 2, False, 8 * 4),
+      ],
     )
 
 

@@ -6,9 +6,12 @@ import pathlib
 import re
 import tempfile
 
+import pytest
 from absl.testing import absltest
 
-from tests.examples_test import run_script
+from tests.support import run_script
+
+pytestmark = pytest.mark.slow
 
 
 def read_rows(path):
@@ -16,7 +19,6 @@ def read_rows(path):
 
 
 class GpuBenchmarkTest(absltest.TestCase):
-
   def check_smoke_rows(self, rows):
     for r in rows:
       for key in ('backend', 'device_kind', 'jax', 'date'):
@@ -29,8 +31,11 @@ class GpuBenchmarkTest(absltest.TestCase):
       for key in ('median_ms', 'flops', 'tflop_per_s'):
         self.assertTrue(math.isfinite(r[key]) and r[key] > 0, (r, key))
       if r['algorithm'] != 'matmul':
-        self.assertTrue(math.isfinite(r['fraction_of_matmul'])
-                        and r['fraction_of_matmul'] > 0, r)
+        self.assertTrue(
+          math.isfinite(r['fraction_of_matmul'])
+          and r['fraction_of_matmul'] > 0,
+          r,
+        )
     seen = {(r['algorithm'], r['dtype']) for r in ns}
     for algo in ('matmul', 'direct', 'gram'):
       for dtype in ('bfloat16', 'float32'):
@@ -46,8 +51,9 @@ class GpuBenchmarkTest(absltest.TestCase):
 
   def test_gpu_sh_falls_back_to_smoke_on_cpu(self):
     out_dir = pathlib.Path(tempfile.mkdtemp())
-    out = run_script(['examples/benchmarks/gpu.sh', str(out_dir)],
-                     executable=('bash',))
+    out = run_script(
+      ['examples/benchmarks/gpu.sh', str(out_dir)], executable=('bash',)
+    )
     self.assertIn('smoke run', out)
     rows = read_rows(out_dir / 'gpu_ns_cpu_smoke.json')
     self.check_smoke_rows(rows)
@@ -57,18 +63,34 @@ class GpuBenchmarkTest(absltest.TestCase):
 
 
 class TrainLinenTest(absltest.TestCase):
-
   def test_short_run_learns(self):
-    out = run_script(['examples/train_linen.py', '--steps', '30',
-                      '--batch', '16', '--width', '64', '--seq', '32',
-                      '--data-bytes', '300000', '--log-every', '10'])
-    losses = [float(v) for v in re.findall(r'^step +\d+ +loss ([\d.na]+)',
-                                           out, re.MULTILINE)]
+    out = run_script(
+      [
+        'examples/train_linen.py',
+        '--steps',
+        '30',
+        '--batch',
+        '16',
+        '--width',
+        '64',
+        '--seq',
+        '32',
+        '--data-bytes',
+        '300000',
+        '--log-every',
+        '10',
+      ]
+    )
+    losses = [
+      float(v)
+      for v in re.findall(r'^step +\d+ +loss ([\d.na]+)', out, re.MULTILINE)
+    ]
     self.assertLen(losses, 4, out)  # steps 1, 10, 20, 30
     self.assertTrue(all(math.isfinite(v) for v in losses), losses)
     self.assertLess(losses[-1], losses[0])
-    final = re.search(r'^final: train loss ([\d.]+) +val loss ([\d.]+)',
-                      out, re.MULTILINE)
+    final = re.search(
+      r'^final: train loss ([\d.]+) +val loss ([\d.]+)', out, re.MULTILINE
+    )
     self.assertIsNotNone(final, out)
     self.assertTrue(all(0 < float(v) < 6 for v in final.groups()), out)
 

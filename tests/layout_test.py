@@ -13,15 +13,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from absl.testing import absltest
-from absl.testing import parameterized
+from absl.testing import absltest, parameterized
 from flax import nnx
-from jax.sharding import AxisType
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
-from tests import alias_test
+from tests import support
+
+# The rest of the grid, for CI and the README's command (see conftest.py);
+# -m 'not slow' keeps one configuration per behaviour.
+SLOW_CASES = (
+  r'nnx_helpers_convert_between_layouts',
+  r'injected_and_scheduled_match_optax_auto',
+  r'orbax_round_trip_of_nnx_state',
+)
 
 AXES = ('replicate', 'shard')
 KINDS = (('explicit', AxisType.Explicit), ('auto', AxisType.Auto))
@@ -36,33 +42,42 @@ def make_mesh(shape, names=AXES, kind=AxisType.Explicit):
 
 def mlp_params(seed=0, layers=4, d_in=128, d_out=256):
   k = iter(jax.random.split(jax.random.key(seed), 2 * layers))
-  return {f'layers_{i}': {
+  return {
+    f'layers_{i}': {
       'w': 0.1 * jax.random.normal(next(k), (d_in, d_out)),
-      'b': 0.1 * jax.random.normal(next(k), (d_out,))}
-          for i in range(layers)}
+      'b': 0.1 * jax.random.normal(next(k), (d_out,)),
+    }
+    for i in range(layers)
+  }
 
 
-def fsdp(params, mesh, spec=P('shard')):
+SHARD = P('shard')
+
+
+def fsdp(params, mesh, spec=SHARD):
   """Kernels sharded by ``spec``, biases replicated."""
   return jax.tree.map(
-      lambda x: NamedSharding(mesh, spec if x.ndim == 2 else P()), params)
+    lambda x: NamedSharding(mesh, spec if x.ndim == 2 else P()), params
+  )
 
 
 def muon_states(state):
   is_state = lambda x: isinstance(x, dmuon_jax.ScaleByDMuonState)
-  return [x for x in jax.tree.leaves(state, is_leaf=is_state)
-          if is_state(x)]
+  return [x for x in jax.tree.leaves(state, is_leaf=is_state) if is_state(x)]
 
 
 def assert_same_state(test, a, b):
   """Same tree (layouts included), values, and equivalent placements."""
   test.assertEqual(jax.tree.structure(a), jax.tree.structure(b))
-  for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0],
-                          jax.tree.leaves(b)):
+  for (path, x), y in zip(
+    jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)
+  ):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     if x.ndim:  # (optax's own counts are uncommitted scalars eagerly)
-      test.assertTrue(x.sharding.is_equivalent_to(y.sharding, x.ndim),
-                      (jax.tree_util.keystr(path), x.sharding, y.sharding))
+      test.assertTrue(
+        x.sharding.is_equivalent_to(y.sharding, x.ndim),
+        (jax.tree_util.keystr(path), x.sharding, y.sharding),
+      )
 
 
 def owner_bytes(report):
@@ -92,7 +107,7 @@ class InitTest(parameterized.TestCase):
     (st,) = muon_states(jitted)
     for buf in st.mu:
       self.assertEqual(buf.sharding.spec, P(AXES))
-    grads = alias_test.grads_at(0, placed)
+    grads = support.grads_at(0, placed)
     step = jax.jit(opt.update)
     with warnings.catch_warnings():
       warnings.simplefilter('error', dmuon_jax.DMuonWarning)
@@ -112,8 +127,9 @@ class InitTest(parameterized.TestCase):
     (layout,) = dmuon_jax.owner_layouts(state)
     self.assertEqual(layout.param_entries, (None,))
     self.assertIn('param shardings unknown', layout.summary())
-    with self.assertWarnsRegex(dmuon_jax.DMuonWarning,
-                               r"layers_0/w.*param_specs="):
+    with self.assertWarnsRegex(
+      dmuon_jax.DMuonWarning, r'layers_0/w.*param_specs='
+    ):
       report = dmuon_jax.analyze_hlo(opt.update, params, state, params)
     # It then gathers the sharded gradients (what the warning says).
     self.assertGreater(owner_bytes(report)[1], 0)
@@ -126,8 +142,10 @@ class InitTest(parameterized.TestCase):
     params = mlp_params()
     shardings = fsdp(params, mesh)
     abstract = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        params, shardings)
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      params,
+      shardings,
+    )
     specs = shardings if kind == AxisType.Auto else None
     opt = dmuon_jax.dmuon(0.02, mesh=mesh, param_specs=specs)
     state_abs = jax.eval_shape(opt.init, abstract)
@@ -140,11 +158,15 @@ class InitTest(parameterized.TestCase):
     (layout,) = dmuon_jax.owner_layouts(state_abs)
     # Placed as eager init places them (optax's scalar counts: anywhere).
     state_like = jax.tree.map(
-        lambda a, b: jax.ShapeDtypeStruct(
-            a.shape, a.dtype, sharding=b.sharding if isinstance(
-                b.sharding, NamedSharding) else None), state_abs, eager)
-    report = dmuon_jax.analyze_hlo(opt.update, abstract, state_like,
-                                   abstract)
+      lambda a, b: jax.ShapeDtypeStruct(
+        a.shape,
+        a.dtype,
+        sharding=b.sharding if isinstance(b.sharding, NamedSharding) else None,
+      ),
+      state_abs,
+      eager,
+    )
+    report = dmuon_jax.analyze_hlo(opt.update, abstract, state_like, abstract)
     a2a, gather = owner_bytes(report)
     self.assertEqual(gather, 0.0)
     want = layout.collective_bytes()['all-to-all']
@@ -160,13 +182,22 @@ class NnxOptimizerTest(parameterized.TestCase):
     mesh = make_mesh((1, 8), kind=kind)
 
     class Model(nnx.Module):
-
       def __init__(self, rngs):
-        init = nnx.with_partitioning(nnx.initializers.lecun_normal(),
-                                     ('shard', None))
-        self.layers = nnx.List([
-            nnx.Linear(128, 256 if i % 2 == 0 else 128, kernel_init=init,
-                       use_bias=False, rngs=rngs) for i in range(4)])
+        init = nnx.with_partitioning(
+          nnx.initializers.lecun_normal(), ('shard', None)
+        )
+        self.layers = nnx.List(
+          [
+            nnx.Linear(
+              128,
+              256 if i % 2 == 0 else 128,
+              kernel_init=init,
+              use_bias=False,
+              rngs=rngs,
+            )
+            for i in range(4)
+          ]
+        )
 
     with jax.set_mesh(mesh):
       model = Model(nnx.Rngs(0))
@@ -182,8 +213,9 @@ class NnxOptimizerTest(parameterized.TestCase):
       # The plain tree: init on placed arrays, then jax.jit(update).
       params = nnx.to_pure_dict(grads)
       state = tx.init(params)
-      plain = owner_bytes(dmuon_jax.analyze_hlo(tx.update, params, state,
-                                                params))
+      plain = owner_bytes(
+        dmuon_jax.analyze_hlo(tx.update, params, state, params)
+      )
     (layout,) = dmuon_jax.owner_layouts(nnx.as_pure(jitted.opt_state))
     want = layout.collective_bytes()['all-to-all']
     # One all-to-all each way over 8 devices, rows of the largest matrix's
@@ -202,10 +234,10 @@ class CheckpointLayoutTest(absltest.TestCase):
     mesh_b = make_mesh((8, 1))  # same buffer sizes, other owners
 
     class Model(nnx.Module):
-
       def __init__(self, rngs):
-        self.layers = nnx.List([nnx.Linear(32, 48, rngs=rngs)
-                                for _ in range(3)])
+        self.layers = nnx.List(
+          [nnx.Linear(32, 48, rngs=rngs) for _ in range(3)]
+        )
 
       def __call__(self, x):
         for layer in self.layers:
@@ -214,10 +246,12 @@ class CheckpointLayoutTest(absltest.TestCase):
 
     def trained(mesh, steps):
       model = Model(nnx.Rngs(0))
-      nnx.update(model, jax.device_put(nnx.state(model),
-                                       NamedSharding(mesh, P())))
-      opt = nnx.Optimizer(model, dmuon_jax.dmuon(0.02, mesh=mesh),
-                          wrt=nnx.Param)
+      nnx.update(
+        model, jax.device_put(nnx.state(model), NamedSharding(mesh, P()))
+      )
+      opt = nnx.Optimizer(
+        model, dmuon_jax.dmuon(0.02, mesh=mesh), wrt=nnx.Param
+      )
       x = jnp.linspace(-1, 1, 8 * 32).reshape(8, 32)
       with jax.set_mesh(mesh):
         for _ in range(steps):
@@ -238,19 +272,20 @@ class CheckpointLayoutTest(absltest.TestCase):
       # Another layout of the same buffer sizes: orbax refuses, naming the
       # buffers of both layouts.
       with ocp.CheckpointManager(d) as manager:
-        with self.assertRaisesRegex(ValueError,
-                                    f'(?s){name_a}.*{name_b}|{name_b}.*'
-                                    f'{name_a}'):
-          manager.restore(3, args=ocp.args.StandardRestore(
-              nnx.state(opt_b)))
+        with self.assertRaisesRegex(
+          ValueError, f'(?s){name_a}.*{name_b}|{name_b}.*{name_a}'
+        ):
+          manager.restore(3, args=ocp.args.StandardRestore(nnx.state(opt_b)))
       # The same layout: exact.
       _, opt_c = trained(mesh_a, 0)
       with ocp.CheckpointManager(d) as manager:
-        restored = manager.restore(3, args=ocp.args.StandardRestore(
-            nnx.state(opt_c)))
+        restored = manager.restore(
+          3, args=ocp.args.StandardRestore(nnx.state(opt_c))
+        )
       nnx.update(opt_c, restored)
-      for x, y in zip(jax.tree.leaves(nnx.state(opt_c)),
-                      jax.tree.leaves(saved)):
+      for x, y in zip(
+        jax.tree.leaves(nnx.state(opt_c)), jax.tree.leaves(saved)
+      ):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
   def test_nnx_helpers_convert_between_layouts(self):
@@ -259,8 +294,11 @@ class CheckpointLayoutTest(absltest.TestCase):
     def make(mesh):
       m = nnx.List([nnx.Linear(32, 48, rngs=nnx.Rngs(1))])
       nnx.update(m, jax.device_put(nnx.state(m), NamedSharding(mesh, P())))
-      return m, nnx.Optimizer(m, dmuon_jax.dmuon(
-          0.02, mesh=mesh, predicate=lambda p, x: x.ndim == 2), wrt=nnx.Param)
+      return m, nnx.Optimizer(
+        m,
+        dmuon_jax.dmuon(0.02, mesh=mesh, predicate=lambda p, x: x.ndim == 2),
+        wrt=nnx.Param,
+      )
 
     model_a, opt_a = make(mesh_a)
     grads = jax.tree.map(jnp.ones_like, nnx.state(model_a, nnx.Param))
@@ -271,20 +309,25 @@ class CheckpointLayoutTest(absltest.TestCase):
       model_b, opt_b = make(mesh_b)
       self.assertEqual(dmuon_jax.checkpoint.restore_nnx(d, model_b, opt_b), 2)
     self.assertEqual(int(opt_b.step[...]), 2)
-    for a, b in zip(jax.tree.leaves(nnx.state(model_a)),
-                    jax.tree.leaves(nnx.state(model_b))):
+    for a, b in zip(
+      jax.tree.leaves(nnx.state(model_a)), jax.tree.leaves(nnx.state(model_b))
+    ):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    portable = [dmuon_jax.checkpoint.state_to_portable(nnx.as_pure(o.opt_state))
-                for o in (opt_a, opt_b)]
+    portable = [
+      dmuon_jax.checkpoint.state_to_portable(nnx.as_pure(o.opt_state))
+      for o in (opt_a, opt_b)
+    ]
     for a, b in zip(*map(jax.tree.leaves, portable)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # And they keep training alike.
     opt_a.update(model_a, grads)
     opt_b.update(model_b, jax.device_put(grads, NamedSharding(mesh_b, P())))
-    for a, b in zip(jax.tree.leaves(nnx.state(model_a)),
-                    jax.tree.leaves(nnx.state(model_b))):
-      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6,
-                                 atol=1e-7)
+    for a, b in zip(
+      jax.tree.leaves(nnx.state(model_a)), jax.tree.leaves(nnx.state(model_b))
+    ):
+      np.testing.assert_allclose(
+        np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7
+      )
 
   def test_checkpoint_is_a_real_submodule(self):
     module = importlib.import_module('dmuon_jax.checkpoint')
@@ -298,55 +341,73 @@ class InjectHyperparamsTest(parameterized.TestCase):
   @parameterized.named_parameters(*KINDS)
   def test_injected_and_scheduled_match_optax(self, kind):
     mesh = make_mesh((2, 4), kind=kind)
-    params, dims = alias_test.make_params(), None
-    dims = alias_test.dim_numbers(params)
+    params, dims = support.make_params(), None
+    dims = support.dim_numbers(params)
     lr = optax.linear_schedule(0.02, 0.005, 4)
     beta = lambda count: 0.95 - 0.05 * jnp.minimum(count, 4) / 4
     # No static_args: the mesh comes from jax.set_mesh.
     with jax.set_mesh(mesh):
       ours = optax.inject_hyperparams(dmuon_jax.dmuon)(
-          learning_rate=lr, beta=beta, weight_decay=0.01,
-          muon_weight_dimension_numbers=dims)
+        learning_rate=lr,
+        beta=beta,
+        weight_decay=0.01,
+        muon_weight_dimension_numbers=dims,
+      )
       placed = jax.device_put(params, NamedSharding(mesh, P()))
-      got = alias_test.run(ours, placed, steps=6)
-    ref = alias_test.run(optax.inject_hyperparams(optax.contrib.muon)(
-        learning_rate=lr, beta=beta, weight_decay=0.01,
-        muon_weight_dimension_numbers=dims), params, steps=6)
-    alias_test.assert_trees_rel_close(self, got[-1], ref[-1], rtol=1e-5)
+      got = support.run(ours, placed, steps=6)
+    ref = support.run(
+      optax.inject_hyperparams(optax.contrib.muon)(
+        learning_rate=lr,
+        beta=beta,
+        weight_decay=0.01,
+        muon_weight_dimension_numbers=dims,
+      ),
+      params,
+      steps=6,
+    )
+    support.assert_trees_rel_close(self, got[-1], ref[-1], rtol=1e-5)
     # The schedules did change the steps.
-    fixed = alias_test.run(optax.contrib.muon(
-        0.02, muon_weight_dimension_numbers=dims, weight_decay=0.01),
-                           params, steps=6)
-    self.assertGreater(np.abs(fixed[-1]['odd']['kernel']
-                              - ref[-1]['odd']['kernel']).max(), 1e-4)
+    fixed = support.run(
+      optax.contrib.muon(
+        0.02, muon_weight_dimension_numbers=dims, weight_decay=0.01
+      ),
+      params,
+      steps=6,
+    )
+    self.assertGreater(
+      np.abs(fixed[-1]['odd']['kernel'] - ref[-1]['odd']['kernel']).max(), 1e-4
+    )
 
   def test_mesh_argument_needs_static_args(self):
     mesh = make_mesh((2, 4))
     params = mlp_params(layers=1)
     with self.assertRaisesRegex(TypeError, r"static_args=\('mesh',\)"):
       optax.inject_hyperparams(dmuon_jax.dmuon)(
-          learning_rate=0.02, mesh=mesh).init(params)
+        learning_rate=0.02, mesh=mesh
+      ).init(params)
     # With static_args it works on an Explicit mesh (the injected beta is an
     # argument of the update's shard_map), and equals the mesh of set_mesh.
     opt = optax.inject_hyperparams(dmuon_jax.dmuon, static_args=('mesh',))(
-        learning_rate=0.02, beta=0.9, mesh=mesh)
+      learning_rate=0.02, beta=0.9, mesh=mesh
+    )
     placed = jax.device_put(params, NamedSharding(mesh, P()))
     u, _ = jax.jit(opt.update)(placed, opt.init(placed), placed)
     with jax.set_mesh(mesh):
-      ctx = optax.inject_hyperparams(dmuon_jax.dmuon)(learning_rate=0.02,
-                                                      beta=0.9)
+      ctx = optax.inject_hyperparams(dmuon_jax.dmuon)(
+        learning_rate=0.02, beta=0.9
+      )
       v, _ = jax.jit(ctx.update)(placed, ctx.init(placed), placed)
     for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(v)):
       np.testing.assert_array_equal(a, b)
 
 
 SPEC_CASES = (
-    # (name, mesh shape, axis names, spec of the kernels)
-    ('size1_axis_8x1', (8, 1), ('fsdp', 'tensor'), P('fsdp', 'tensor')),
-    ('both_dims_2x4', (2, 4), AXES, P('shard', 'replicate')),
-    ('two_axes_one_dim_2x4', (2, 4), AXES, P(('replicate', 'shard'))),
-    ('columns_1x8', (1, 8), AXES, P(None, 'shard')),
-    ('hsdp_rows_2x4', (2, 4), AXES, P('shard')),
+  # (name, mesh shape, axis names, spec of the kernels)
+  ('size1_axis_8x1', (8, 1), ('fsdp', 'tensor'), P('fsdp', 'tensor')),
+  ('both_dims_2x4', (2, 4), AXES, P('shard', 'replicate')),
+  ('two_axes_one_dim_2x4', (2, 4), AXES, P(('replicate', 'shard'))),
+  ('columns_1x8', (1, 8), AXES, P(None, 'shard')),
+  ('hsdp_rows_2x4', (2, 4), AXES, P('shard')),
 )
 
 
@@ -369,10 +430,14 @@ class ShardingCoverageTest(parameterized.TestCase):
     self.assertBetween(a2a / want['all-to-all'], 0.95, 1.05)
     self.assertIn('all-to-all', layout.summary())
     # The numbers are optax's.
-    got = alias_test.run(opt, placed, steps=3, grad_shardings=jax.tree.map(
-        lambda x: x.sharding, placed))
-    ref = alias_test.run(optax.contrib.muon(0.02), params, steps=3)
-    alias_test.assert_trees_rel_close(self, got[-1], ref[-1], rtol=1e-5)
+    got = support.run(
+      opt,
+      placed,
+      steps=3,
+      grad_shardings=jax.tree.map(lambda x: x.sharding, placed),
+    )
+    ref = support.run(optax.contrib.muon(0.02), params, steps=3)
+    support.assert_trees_rel_close(self, got[-1], ref[-1], rtol=1e-5)
 
 
 if __name__ == '__main__':

@@ -14,44 +14,62 @@ import time
 
 import jax
 import numpy as np
+import pytest
 from absl.testing import absltest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
+from tests import support
+
+pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, 'examples', 'multihost.py')
 MODES = ('dropin', 'dedicated')
-TOPOLOGIES = ((2, 4), (1, 8))          # (processes, local devices)
-MESH = '2,4'                           # the same global mesh in every run
+TOPOLOGIES = ((2, 4), (1, 8))  # (processes, local devices)
+MESH = '2,4'  # the same global mesh in every run
 RTOL = 1e-6
 FAIL_BOUND_S = 60
 
 
-def env():
-  e = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  e['PYTHONPATH'] = ROOT
-  return e
-
-
 def launch(out_dir, processes, devices, mode, *extra):
   return subprocess.Popen(
-      [sys.executable, SCRIPT, '--processes', str(processes),
-       '--local-devices', str(devices), '--mode', mode, '--mesh', MESH,
-       '--steps', '10', '--out-dir', out_dir, '--timeout', '300', *extra],
-      env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    [
+      sys.executable,
+      SCRIPT,
+      '--processes',
+      str(processes),
+      '--local-devices',
+      str(devices),
+      '--mode',
+      mode,
+      '--mesh',
+      MESH,
+      '--steps',
+      '10',
+      '--out-dir',
+      out_dir,
+      '--timeout',
+      '300',
+      *extra,
+    ],
+    env=support.subprocess_env(),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
 
 
 def max_rel_diff(a, b):
   """max |a - b| / max |b| (0 if both are zero)."""
   scale = np.max(np.abs(b))
-  return float(np.max(np.abs(a - b)) / scale) if scale else float(
-      np.max(np.abs(a)))
+  return (
+    float(np.max(np.abs(a - b)) / scale) if scale else float(np.max(np.abs(a)))
+  )
 
 
 class MultihostTest(absltest.TestCase):
-
   @classmethod
   def setUpClass(cls):
     # All four runs at once: the machine's cores are shared anyway, and
@@ -59,10 +77,17 @@ class MultihostTest(absltest.TestCase):
     super().setUpClass()
     cls.tmp = tempfile.TemporaryDirectory()
     cls.results, start = {}, time.time()
-    procs = {(mode, topo): launch(
-        os.path.join(cls.tmp.name, mode, f'p{topo[0]}'), *topo, mode,
-        '--checkpoint-dir', cls.checkpoint_dir(mode, topo))
-             for mode in MODES for topo in TOPOLOGIES}
+    procs = {
+      (mode, topo): launch(
+        os.path.join(cls.tmp.name, mode, f'p{topo[0]}'),
+        *topo,
+        mode,
+        '--checkpoint-dir',
+        cls.checkpoint_dir(mode, topo),
+      )
+      for mode in MODES
+      for topo in TOPOLOGIES
+    }
     for key, proc in procs.items():
       out, err = proc.communicate(timeout=400)
       cls.results[key] = (proc.returncode, out, err)
@@ -80,8 +105,9 @@ class MultihostTest(absltest.TestCase):
   def load(self, mode, topo):
     code, out, err = self.results[(mode, topo)]
     self.assertEqual(code, 0, f'{mode} {topo}:\n{out}\n{err[-3000:]}')
-    path = os.path.join(self.tmp.name, mode, f'p{topo[0]}',
-                        f'{mode}_p{topo[0]}xd{topo[1]}.npz')
+    path = os.path.join(
+      self.tmp.name, mode, f'p{topo[0]}', f'{mode}_p{topo[0]}xd{topo[1]}.npz'
+    )
     with np.load(path) as f:
       return {k: f[k] for k in f.files if k != 'seconds'}
 
@@ -89,15 +115,21 @@ class MultihostTest(absltest.TestCase):
     multi, single = (self.load(mode, topo) for topo in TOPOLOGIES)
     self.assertEqual(sorted(multi), sorted(single))
     self.assertLen(multi['losses'], 10)
-    self.assertLess(multi['losses'][-1], multi['losses'][0])   # it trains
-    self.assertGreater(len(multi), 1 + 4 * 8)                  # all params
+    self.assertLess(multi['losses'][-1], multi['losses'][0])  # it trains
+    self.assertGreater(len(multi), 1 + 4 * 8)  # all params
     diffs = {k: max_rel_diff(multi[k], single[k]) for k in multi}
-    print(f'{mode}: max rel diff {max(diffs.values()):.3g} '
-          f'(launches together {self.seconds:.0f} s)')
+    print(
+      f'{mode}: max rel diff {max(diffs.values()):.3g} '
+      f'(launches together {self.seconds:.0f} s)'
+    )
     for k in multi:
       np.testing.assert_allclose(
-          multi[k], single[k], rtol=RTOL,
-          atol=RTOL * np.max(np.abs(single[k])), err_msg=k)
+        multi[k],
+        single[k],
+        rtol=RTOL,
+        atol=RTOL * np.max(np.abs(single[k])),
+        err_msg=k,
+      )
 
   def test_dropin_two_processes_match_one(self):
     self.check_mode('dropin')
@@ -114,8 +146,12 @@ class MultihostTest(absltest.TestCase):
     spec.loader.exec_module(example)
     params = example.init_params()
     mesh = jax.make_mesh((1, 8), ('replicate', 'shard'))
-    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-        x.shape, x.dtype, sharding=NamedSharding(mesh, P())), params)
+    like = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=NamedSharding(mesh, P())
+      ),
+      params,
+    )
     ded = None
     if mode == 'dropin':
       opt = dmuon_jax.dmuon(example.LR, mesh=mesh)
@@ -123,7 +159,8 @@ class MultihostTest(absltest.TestCase):
       ded = dmuon_jax.dedicate(params, mesh)
       opt = dmuon_jax.dedicated_muon(ded, learning_rate=example.LR)
     step, params, state = dmuon_jax.checkpoint.restore(
-        self.checkpoint_dir(mode, topo), like, opt, dedication=ded)
+      self.checkpoint_dir(mode, topo), like, opt, dedication=ded
+    )
     self.assertEqual(step, 10)
     portable = dmuon_jax.checkpoint.state_to_portable(state)
     if ded is not None:
@@ -140,21 +177,23 @@ class MultihostTest(absltest.TestCase):
         # own mesh) and found it identical to its trained state.
         out = self.results[(mode, topo)][1]
         self.assertEqual(
-            out.count('checkpoint of step 10 restored identical'), topo[0],
-            f'{mode} {topo}:\n{out}')
-      multi, single = (self.restore_on_1x8(mode, topo)
-                       for topo in TOPOLOGIES)
+          out.count('checkpoint of step 10 restored identical'),
+          topo[0],
+          f'{mode} {topo}:\n{out}',
+        )
+      multi, single = (self.restore_on_1x8(mode, topo) for topo in TOPOLOGIES)
       final = self.load(mode, TOPOLOGIES[0])
       for path, x in jax.tree_util.tree_flatten_with_path(multi[0])[0]:
         np.testing.assert_array_equal(
-            np.asarray(x), final['params' + jax.tree_util.keystr(path)])
+          np.asarray(x), final['params' + jax.tree_util.keystr(path)]
+        )
       leaves = jax.tree.leaves(multi), jax.tree.leaves(single)
       self.assertEqual(len(leaves[0]), len(leaves[1]))
-      self.assertGreater(len(leaves[0]), 2 * 4 * 8)   # params + momentum
-      diff = max(max_rel_diff(np.asarray(a), np.asarray(b))
-                 for a, b in zip(*leaves))
-      print(f'{mode}: checkpoint of 2 processes vs 1: max rel diff '
-            f'{diff:.3g}')
+      self.assertGreater(len(leaves[0]), 2 * 4 * 8)  # params + momentum
+      diff = max(
+        max_rel_diff(np.asarray(a), np.asarray(b)) for a, b in zip(*leaves)
+      )
+      print(f'{mode}: checkpoint of 2 processes vs 1: max rel diff {diff:.3g}')
       self.assertLessEqual(diff, RTOL)
 
   def test_failed_child_shuts_down_cleanly(self):
@@ -170,7 +209,7 @@ class MultihostTest(absltest.TestCase):
       self.assertNotEqual(proc.returncode, 0)
       self.assertLess(seconds, FAIL_BOUND_S)
       self.assertIn('child 1 failed', err)
-      self.assertIn('failing at start on request', err)   # its stderr tail
+      self.assertIn('failing at start on request', err)  # its stderr tail
       with open(os.path.join(out_dir, 'pids.json')) as f:
         pids = json.load(f)
       self.assertLen(pids, 2)

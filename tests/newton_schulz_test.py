@@ -3,11 +3,10 @@
 import functools
 import math
 
-from absl.testing import absltest
-from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl.testing import absltest, parameterized
 from optax.contrib import _muon as optax_muon
 
 from dmuon_jax import _newton_schulz as ns
@@ -17,26 +16,26 @@ _STATIC = ('ns_coeffs', 'ns_steps', 'preconditioning', 'compute_dtype')
 # configuration and shape, which the tests below reuse.
 _direct = jax.jit(ns.orthogonalize_via_newton_schulz, static_argnames=_STATIC)
 _gram = jax.jit(
-    ns.orthogonalize_via_gram_newton_schulz,
-    static_argnames=_STATIC + ('restart_iterations',),
+  ns.orthogonalize_via_gram_newton_schulz,
+  static_argnames=_STATIC + ('restart_iterations',),
 )
 _ALGORITHMS = {'direct': _direct, 'gram': _gram}
 
 # Coefficients written out independently of the module.
 _JORDAN = ((3.4445, -4.7750, 2.0315),) * 5
 _YOU = (
-    (4.0848, -6.8946, 2.9270),
-    (3.9505, -6.3029, 2.6377),
-    (3.7418, -5.5913, 2.3037),
-    (2.8769, -3.1427, 1.2046),
-    (2.8366, -3.0525, 1.2012),
+  (4.0848, -6.8946, 2.9270),
+  (3.9505, -6.3029, 2.6377),
+  (3.7418, -5.5913, 2.3037),
+  (2.8769, -3.1427, 1.2046),
+  (2.8366, -3.0525, 1.2012),
 )
 _PE_RAW = (
-    (8.28721201814563, -23.595886519098837, 17.300387312530933),
-    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
-    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
-    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
-    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+  (8.28721201814563, -23.595886519098837, 17.300387312530933),
+  (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+  (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+  (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+  (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
 )
 _PE = tuple((a / 1.05, b / 1.05**3, c / 1.05**5) for a, b, c in _PE_RAW)
 _ROWS = {'jordan': _JORDAN, 'you': _YOU, 'polar_express_sf1.05': _PE}
@@ -46,15 +45,15 @@ _PRESETS = tuple(_ROWS)
 # normalized input singular values x = sigma / ||X||_F >= _CONVERGED_X.
 _CONVERGED_X = 2e-3
 _BANDS = {
-    'jordan': (0.681, 1.203),
-    'you': (0.852, 1.146),
-    'polar_express_sf1.05': (0.846, 1.124),
+  'jordan': (0.681, 1.203),
+  'you': (0.852, 1.146),
+  'polar_express_sf1.05': (0.846, 1.124),
 }
 # Also documented: x from which the band is reached, and phi(1e-3).
 _BAND_EDGES = {
-    'jordan': 1.5e-3,
-    'you': 2.0e-3,
-    'polar_express_sf1.05': 1.22e-3,
+  'jordan': 1.5e-3,
+  'you': 2.0e-3,
+  'polar_express_sf1.05': 1.22e-3,
 }
 _PHI_AT_1E_3 = {'jordan': 0.47, 'you': 0.47, 'polar_express_sf1.05': 0.73}
 # bfloat16 input and compute: 0.1 below and 0.05 above the float32 band.
@@ -105,11 +104,10 @@ def _direct_on_gaussian(shape: tuple[int, ...], preset: str) -> np.ndarray:
 
 
 class PresetTest(parameterized.TestCase):
-
   @parameterized.named_parameters(*((p, p) for p in _PRESETS))
   def test_preset_rows(self, preset):
     np.testing.assert_allclose(
-        ns.resolve_ns_coeffs(preset), np.array(_ROWS[preset]), rtol=1e-15
+      ns.resolve_ns_coeffs(preset), np.array(_ROWS[preset]), rtol=1e-15
     )
 
   @parameterized.named_parameters(*((p, p) for p in _PRESETS))
@@ -131,17 +129,17 @@ class PresetTest(parameterized.TestCase):
     self.assertGreaterEqual(_phi(x_above, _ROWS[preset]).min(), lo)
     self.assertLess(_phi(0.95 * edge, _ROWS[preset]), lo)
     self.assertAlmostEqual(
-        _phi(1e-3, _ROWS[preset]), _PHI_AT_1E_3[preset], delta=0.01
+      _phi(1e-3, _ROWS[preset]), _PHI_AT_1E_3[preset], delta=0.01
     )
 
   @parameterized.named_parameters(
-      (f'{p}_{name}', p, shape)
-      for p in _PRESETS
-      for name, shape in (
-          ('square', (32, 32)),
-          ('wide', (16, 48)),
-          ('tall', (48, 16)),
-      )
+    (f'{p}_{name}', p, shape)
+    for p in _PRESETS
+    for name, shape in (
+      ('square', (32, 32)),
+      ('wide', (16, 48)),
+      ('tall', (48, 16)),
+    )
   )
   def test_singular_values_and_vectors(self, preset, shape):
     lo, hi = _BANDS[preset]
@@ -169,18 +167,17 @@ class PresetTest(parameterized.TestCase):
         # Distance to the exact polar factor U V^T, bounded by the band.
         polar = u @ v.T
         self.assertLessEqual(
-            np.linalg.norm(o - polar, 2), max(1 - lo, hi - 1) + 1e-4
+          np.linalg.norm(o - polar, 2), max(1 - lo, hi - 1) + 1e-4
         )
     # cond = 1e3 does reach the unconverged part, as documented.
     self.assertGreater(num_unconverged, 0)
 
 
 class RobustnessTest(parameterized.TestCase):
-
   @parameterized.named_parameters(
-      (f'{a}_{p}', a, p)
-      for a in _ALGORITHMS
-      for p in ('frobenius', 'spectral', 'aol', 'schatten')
+    (f'{a}_{p}', a, p)
+    for a in _ALGORITHMS
+    for p in ('frobenius', 'spectral', 'aol', 'schatten')
   )
   def test_zero_tiny_and_regular(self, algorithm, preconditioning):
     fn = _ALGORITHMS[algorithm]
@@ -200,7 +197,7 @@ class RobustnessTest(parameterized.TestCase):
       self.assertLessEqual(sv.max(), hi + 1e-4)
 
   @parameterized.named_parameters(
-      (f'{a}_{p}', a, p) for a in _ALGORITHMS for p in _PRESETS
+    (f'{a}_{p}', a, p) for a in _ALGORITHMS for p in _PRESETS
   )
   def test_rank_deficient(self, algorithm, preset):
     lo, hi = _BANDS[preset]
@@ -214,7 +211,7 @@ class RobustnessTest(parameterized.TestCase):
     # On the range: diag(phi(x)) in the band.
     diag = np.diag(u.T @ out @ v)
     np.testing.assert_allclose(
-        diag, _phi(s / np.linalg.norm(s), _ROWS[preset]), atol=1e-4
+      diag, _phi(s / np.linalg.norm(s), _ROWS[preset]), atol=1e-4
     )
     self.assertGreaterEqual(diag.min(), lo - 1e-4)
     self.assertLessEqual(diag.max(), hi + 1e-4)
@@ -226,9 +223,9 @@ class RobustnessTest(parameterized.TestCase):
     self.assertLess(sv[3:].max(), 1e-4)
 
   @parameterized.named_parameters(
-      (f'{a}_{name}', a, shape)
-      for a in _ALGORITHMS
-      for name, shape in (('row', (1, 32)), ('column', (32, 1)))
+    (f'{a}_{name}', a, shape)
+    for a in _ALGORITHMS
+    for name, shape in (('row', (1, 32)), ('column', (32, 1)))
   )
   def test_vector_gives_unit_vector(self, algorithm, shape):
     x = np.asarray(_gaussian(shape, seed=6), np.float64)
@@ -242,9 +239,9 @@ class RobustnessTest(parameterized.TestCase):
     self.assertGreater(cosine, 1 - 1e-6)
 
   @parameterized.named_parameters(
-      (f'{a}_{name}', a, shape)
-      for a in _ALGORITHMS
-      for name, shape in (('wide', (8, 20)), ('tall', (20, 8)))
+    (f'{a}_{name}', a, shape)
+    for a in _ALGORITHMS
+    for name, shape in (('wide', (8, 20)), ('tall', (20, 8)))
   )
   def test_batched_equals_loop(self, algorithm, shape):
     fn = _ALGORITHMS[algorithm]
@@ -256,14 +253,13 @@ class RobustnessTest(parameterized.TestCase):
         # Batched and single matmuls may round differently (transposed
         # layouts): equal up to float32 rounding.
         np.testing.assert_allclose(
-            out[i, j], fn(x[i, j], ns_coeffs='you'), rtol=1e-5, atol=1e-6
+          out[i, j], fn(x[i, j], ns_coeffs='you'), rtol=1e-5, atol=1e-6
         )
 
 
 class LowPrecisionTest(parameterized.TestCase):
-
   @parameterized.named_parameters(
-      (f'{a}_{p}', a, p) for a in _ALGORITHMS for p in _PRESETS
+    (f'{a}_{p}', a, p) for a in _ALGORITHMS for p in _PRESETS
   )
   def test_bfloat16(self, algorithm, preset):
     lo, hi = _BANDS[preset]
@@ -307,17 +303,16 @@ class LowPrecisionTest(parameterized.TestCase):
 
 
 class OptaxTest(parameterized.TestCase):
-
   @parameterized.named_parameters(
-      ('jordan_wide', 'jordan', (24, 40), 'frobenius'),
-      ('jordan_tall', 'jordan', (40, 24), 'frobenius'),
-      ('jordan_stacked', 'jordan', (3, 16, 24), 'frobenius'),
-      ('you_wide', 'you', (24, 40), 'frobenius'),
-      ('you_tall', 'you', (40, 24), 'frobenius'),
-      ('jordan_spectral', 'jordan', (24, 40), 'spectral'),
-      ('jordan_aol', 'jordan', (24, 40), 'aol'),
-      ('jordan_schatten', 'jordan', (40, 24), 'schatten'),
-      ('you_aol', 'you', (40, 24), 'aol'),
+    ('jordan_wide', 'jordan', (24, 40), 'frobenius'),
+    ('jordan_tall', 'jordan', (40, 24), 'frobenius'),
+    ('jordan_stacked', 'jordan', (3, 16, 24), 'frobenius'),
+    ('you_wide', 'you', (24, 40), 'frobenius'),
+    ('you_tall', 'you', (40, 24), 'frobenius'),
+    ('jordan_spectral', 'jordan', (24, 40), 'spectral'),
+    ('jordan_aol', 'jordan', (24, 40), 'aol'),
+    ('jordan_schatten', 'jordan', (40, 24), 'schatten'),
+    ('you_aol', 'you', (40, 24), 'aol'),
   )
   def test_matches_optax(self, preset, shape, preconditioning):
     x = _gaussian(shape, seed=9)
@@ -326,61 +321,58 @@ class OptaxTest(parameterized.TestCase):
     if len(shape) == 3:
       dim_nums = optax_muon.MuonDimensionNumbers(1, 2)
     expected = optax_muon.orthogonalize_via_newton_schulz(
-        x,
-        coeffs,
-        5,
-        preconditioning=preconditioning,
-        dimension_numbers=dim_nums,
+      x,
+      coeffs,
+      5,
+      preconditioning=preconditioning,
+      dimension_numbers=dim_nums,
     )
     out = _direct(x, ns_coeffs=preset, preconditioning=preconditioning)
     self.assertLessEqual(_rel_err(out, expected), 1e-6)
 
 
 _GRAM_SHAPES = (
-    ('16x64', (16, 64)),
-    ('32x128', (32, 128)),
-    ('32x32', (32, 32)),
-    ('64x64', (64, 64)),
+  ('16x64', (16, 64)),
+  ('32x128', (32, 128)),
+  ('32x32', (32, 32)),
+  ('64x64', (64, 64)),
 )
 
 
 class GramTest(parameterized.TestCase):
-
   @parameterized.named_parameters(
-      (f'{p}_{name}', p, shape)
-      for p in _PRESETS
-      for name, shape in _GRAM_SHAPES
+    (f'{p}_{name}', p, shape) for p in _PRESETS for name, shape in _GRAM_SHAPES
   )
   def test_matches_direct(self, preset, shape):
     out = _gram(_gaussian(shape), ns_coeffs=preset)
     self.assertLessEqual(
-        _rel_err(out, _direct_on_gaussian(shape, preset)), 1e-4
+      _rel_err(out, _direct_on_gaussian(shape, preset)), 1e-4
     )
 
   @parameterized.named_parameters(
-      (f'{r_name}_{name}', restarts, shape)
-      for r_name, restarts in (('none', ()), ('2_4', (2, 4)))
-      for name, shape in _GRAM_SHAPES
+    (f'{r_name}_{name}', restarts, shape)
+    for r_name, restarts in (('none', ()), ('2_4', (2, 4)))
+    for name, shape in _GRAM_SHAPES
   )
   def test_restarts_match_direct(self, restarts, shape):
     out = _gram(_gaussian(shape), restart_iterations=restarts)
     self.assertLessEqual(
-        _rel_err(out, _direct_on_gaussian(shape, 'jordan')), 1e-4
+      _rel_err(out, _direct_on_gaussian(shape, 'jordan')), 1e-4
     )
 
   @parameterized.named_parameters(
-      ('zero', (0,)),
-      ('too_large', (5,)),
-      ('unsorted', (3, 2)),
-      ('duplicate', (2, 2)),
-      ('bool', (True,)),
-      ('float', (2.0,)),
-      ('not_a_sequence', 2),
+    ('zero', (0,)),
+    ('too_large', (5,)),
+    ('unsorted', (3, 2)),
+    ('duplicate', (2, 2)),
+    ('bool', (True,)),
+    ('float', (2.0,)),
+    ('not_a_sequence', 2),
   )
   def test_invalid_restart_iterations(self, restarts):
     with self.assertRaisesRegex(ValueError, 'restart_iterations'):
       ns.orthogonalize_via_gram_newton_schulz(
-          jnp.ones((4, 8)), restart_iterations=restarts
+        jnp.ones((4, 8)), restart_iterations=restarts
       )
 
   def test_default_restart_skipped_below_three_iterations(self):
@@ -389,12 +381,12 @@ class GramTest(parameterized.TestCase):
     direct = ns.orthogonalize_via_newton_schulz(x, ns_steps=2)
     np.testing.assert_allclose(gram, direct, rtol=1e-4, atol=1e-5)
     with self.assertRaisesRegex(ValueError, r'Pass \(\) for no restart'):
-      ns.orthogonalize_via_gram_newton_schulz(x, ns_steps=2,
-                                              restart_iterations=(2,))
+      ns.orthogonalize_via_gram_newton_schulz(
+        x, ns_steps=2, restart_iterations=(2,)
+      )
 
 
 class ResolveNsCoeffsTest(parameterized.TestCase):
-
   def test_preset_shapes(self):
     self.assertEqual(ns.resolve_ns_coeffs('jordan').shape, (5, 3))
     self.assertEqual(ns.resolve_ns_coeffs('jordan', 3).shape, (3, 3))
@@ -405,15 +397,15 @@ class ResolveNsCoeffsTest(parameterized.TestCase):
 
   def test_aliases(self):
     np.testing.assert_array_equal(
-        ns.resolve_ns_coeffs('standard'), ns.resolve_ns_coeffs('jordan')
+      ns.resolve_ns_coeffs('standard'), ns.resolve_ns_coeffs('jordan')
     )
     np.testing.assert_array_equal(
-        ns.resolve_ns_coeffs('dion'), ns.resolve_ns_coeffs('you')
+      ns.resolve_ns_coeffs('dion'), ns.resolve_ns_coeffs('you')
     )
 
   @parameterized.named_parameters(
-      ('tuple', (1.0, 2.0, 3.0)),
-      ('array', np.array([1.0, 2.0, 3.0])),
+    ('tuple', (1.0, 2.0, 3.0)),
+    ('array', np.array([1.0, 2.0, 3.0])),
   )
   def test_triple_is_repeated(self, coeffs):
     out = ns.resolve_ns_coeffs(coeffs, 4)
@@ -428,14 +420,14 @@ class ResolveNsCoeffsTest(parameterized.TestCase):
       ns.resolve_ns_coeffs(row, 4)
 
   @parameterized.named_parameters(
-      (f'{name}_{steps}', coeffs, steps)
-      for name, coeffs in (
-          ('jordan', 'jordan'),
-          ('you', 'you'),
-          ('triple', (1.0, -1.0, 0.5)),
-      )
-      for steps in (None, 1, 5)
-      if name != 'you' or steps != 1
+    (f'{name}_{steps}', coeffs, steps)
+    for name, coeffs in (
+      ('jordan', 'jordan'),
+      ('you', 'you'),
+      ('triple', (1.0, -1.0, 0.5)),
+    )
+    for steps in (None, 1, 5)
+    if name != 'you' or steps != 1
   )
   def test_idempotent(self, ns_coeffs, ns_steps):
     once = ns.resolve_ns_coeffs(ns_coeffs, ns_steps)
@@ -453,16 +445,16 @@ class ResolveNsCoeffsTest(parameterized.TestCase):
 
   def test_rows_and_ns_steps_disagree(self):
     with self.assertRaisesRegex(
-        ValueError, r'4 rows.*ns_steps=5.*ns_steps=None or ns_steps=4'
+      ValueError, r'4 rows.*ns_steps=5.*ns_steps=None or ns_steps=4'
     ):
       ns.resolve_ns_coeffs(np.ones((4, 3)), 5)
 
   @parameterized.named_parameters(
-      ('pair', (1.0, 2.0)),
-      ('two_columns', np.ones((5, 2))),
-      ('three_dims', np.ones((2, 3, 3))),
-      ('empty', np.ones((0, 3))),
-      ('ragged', [(1.0, 2.0, 3.0), (1.0, 2.0)]),
+    ('pair', (1.0, 2.0)),
+    ('two_columns', np.ones((5, 2))),
+    ('three_dims', np.ones((2, 3, 3))),
+    ('empty', np.ones((0, 3))),
+    ('ragged', [(1.0, 2.0, 3.0), (1.0, 2.0)]),
   )
   def test_wrong_shape(self, coeffs):
     with self.assertRaisesRegex(ValueError, 'ns_coeffs'):
@@ -473,7 +465,7 @@ class ResolveNsCoeffsTest(parameterized.TestCase):
       ns.resolve_ns_coeffs((1.0, np.nan, 3.0))
 
   @parameterized.named_parameters(
-      ('zero', 0), ('negative', -1), ('float', 2.5), ('bool', True)
+    ('zero', 0), ('negative', -1), ('float', 2.5), ('bool', True)
   )
   def test_invalid_ns_steps(self, ns_steps):
     with self.assertRaisesRegex(ValueError, 'ns_steps'):
@@ -481,12 +473,11 @@ class ResolveNsCoeffsTest(parameterized.TestCase):
 
 
 class ArgumentErrorTest(parameterized.TestCase):
-
   @parameterized.named_parameters(*((a, a) for a in _ALGORITHMS))
   def test_errors(self, algorithm):
     fn = {
-        'direct': ns.orthogonalize_via_newton_schulz,
-        'gram': ns.orthogonalize_via_gram_newton_schulz,
+      'direct': ns.orthogonalize_via_newton_schulz,
+      'gram': ns.orthogonalize_via_gram_newton_schulz,
     }[algorithm]
     with self.assertRaisesRegex(ValueError, 'preconditioning'):
       fn(jnp.ones((4, 8)), preconditioning='newton')
@@ -501,11 +492,10 @@ class ArgumentErrorTest(parameterized.TestCase):
 
 
 class OrthogonalityErrorTest(parameterized.TestCase):
-
   @parameterized.named_parameters(
-      ('square', (16, 16), False),
-      ('tall', (32, 8), False),
-      ('wide', (32, 8), True),
+    ('square', (16, 16), False),
+    ('tall', (32, 8), False),
+    ('wide', (32, 8), True),
   )
   def test_orthogonal_is_zero(self, shape, transpose):
     q, _ = np.linalg.qr(np.random.default_rng(10).standard_normal(shape))
@@ -516,7 +506,7 @@ class OrthogonalityErrorTest(parameterized.TestCase):
   def test_scaled_identity(self):
     # ||4 I - I||_F / sqrt(n) = 3 sqrt(n) / sqrt(n).
     np.testing.assert_allclose(
-        ns.orthogonality_error(2 * jnp.eye(7)), 3.0, rtol=1e-6
+      ns.orthogonality_error(2 * jnp.eye(7)), 3.0, rtol=1e-6
     )
 
   def test_root_mean_square_formula_and_batch_shape(self):
@@ -545,23 +535,22 @@ def _jaxpr_matmul_flops(fn, shape) -> int:
 
 
 class FlopsTest(parameterized.TestCase):
-
   @parameterized.named_parameters(
-      ('wide', (8, 32), ()),
-      ('tall', (32, 8), (2,)),
-      ('square', (16, 16), (1, 3)),
-      ('wide_restarts', (8, 24), (2, 4)),
+    ('wide', (8, 32), ()),
+    ('tall', (32, 8), (2,)),
+    ('square', (16, 16), (1, 3)),
+    ('wide_restarts', (8, 24), (2, 4)),
   )
   def test_formula_counts_the_traced_matmuls(self, shape, restarts):
     m, n = shape
     direct = _jaxpr_matmul_flops(ns.orthogonalize_via_newton_schulz, shape)
     self.assertEqual(direct, ns.matmul_flops(m, n, 5, 'standard'))
     gram = _jaxpr_matmul_flops(
-        functools.partial(
-            ns.orthogonalize_via_gram_newton_schulz,
-            restart_iterations=restarts,
-        ),
-        shape,
+      functools.partial(
+        ns.orthogonalize_via_gram_newton_schulz,
+        restart_iterations=restarts,
+      ),
+      shape,
     )
     self.assertEqual(gram, ns.matmul_flops(m, n, 5, 'gram', restarts))
 

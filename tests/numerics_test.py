@@ -14,7 +14,15 @@ from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers as MDN
 
 import dmuon_jax
-from tests import alias_test
+from tests import support
+
+# The rest of the grid, for CI and the README's command (see conftest.py);
+# -m 'not slow' keeps one configuration per behaviour.
+SLOW_CASES = (
+  r'mesh_parity_random',
+  r'dedicated_nan_on_one_device',
+  r'parity_with_optax',
+)
 
 AXES = ('replicate', 'shard')
 SHAPES = {'w': (16, 32), 'v': (32, 8), 'sq': (12, 12)}  # Muon matrices
@@ -23,16 +31,18 @@ SUBNORMAL = 1e-40  # below float32's smallest normal number (1.2e-38)
 
 def make_params():
   k = iter(jax.random.split(jax.random.key(0), 8))
-  params = {name: 0.1 * jax.random.normal(next(k), s)
-            for name, s in SHAPES.items()}
+  params = {
+    name: 0.1 * jax.random.normal(next(k), s) for name, s in SHAPES.items()
+  }
   params['b'] = jnp.zeros((8,))  # an AdamW leaf
   return params
 
 
 def grads_like(params, seed=1):
   rng = np.random.RandomState(seed)
-  return {k: jnp.asarray(rng.randn(*x.shape), x.dtype)
-          for k, x in params.items()}
+  return {
+    k: jnp.asarray(rng.randn(*x.shape), x.dtype) for k, x in params.items()
+  }
 
 
 def rank_one(params, seed=2):
@@ -49,19 +59,26 @@ def rank_one(params, seed=2):
 
 def scaled(grads, scale, adam_scale=1.0):
   """Muon matrices times ``scale``, the AdamW leaf times ``adam_scale``."""
-  return {k: (x * jnp.asarray(scale if x.ndim == 2 else adam_scale,
-                              jnp.float32)).astype(x.dtype)
-          for k, x in grads.items()}
+  return {
+    k: (
+      x * jnp.asarray(scale if x.ndim == 2 else adam_scale, jnp.float32)
+    ).astype(x.dtype)
+    for k, x in grads.items()
+  }
 
 
 def finite(tree):
-  return all(bool(jnp.all(jnp.isfinite(jnp.asarray(x, jnp.float32))))
-             for x in jax.tree.leaves(tree))
+  return all(
+    bool(jnp.all(jnp.isfinite(jnp.asarray(x, jnp.float32))))
+    for x in jax.tree.leaves(tree)
+  )
 
 
 def same(a, b):
-  return all(bool(jnp.array_equal(x, y)) for x, y in
-             zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+  return all(
+    bool(jnp.array_equal(x, y))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+  )
 
 
 def rel_err(a, b):
@@ -73,25 +90,28 @@ def cases(params):
   """(name, gradients, muon update expected nonzero)."""
   g = grads_like(params)
   return [
-      ('zero', scaled(g, 0.0, 0.0), False),
-      ('tiny', scaled(g, 1e-30), False),
-      ('subnormal', scaled(g, SUBNORMAL), False),
-      ('rank1', rank_one(params), True),
-      ('huge', scaled(g, 1e30), True),
-      ('large', scaled(g, 1e15), True),
+    ('zero', scaled(g, 0.0, 0.0), False),
+    ('tiny', scaled(g, 1e-30), False),
+    ('subnormal', scaled(g, SUBNORMAL), False),
+    ('rank1', rank_one(params), True),
+    ('huge', scaled(g, 1e30), True),
+    ('large', scaled(g, 1e15), True),
   ]
 
 
 class ExtremeGradientsTest(parameterized.TestCase):
   """Finite gradients of any scale give finite updates and state."""
 
-  @parameterized.product(
-      ns_algorithm=('standard', 'gram', 'auto'),
-      compute_dtype=(None, jnp.bfloat16, jnp.float16))
+  @parameterized.named_parameters(
+    (f'{algo}_{dtype or "float32"}', algo, dtype)
+    for algo in ('standard', 'gram', 'auto')
+    for dtype in (None, 'bfloat16', 'float16')
+  )
   def test_one_device(self, ns_algorithm, compute_dtype):
     params = make_params()
-    opt = dmuon_jax.dmuon(0.02, ns_algorithm=ns_algorithm,
-                          compute_dtype=compute_dtype)
+    opt = dmuon_jax.dmuon(
+      0.02, ns_algorithm=ns_algorithm, compute_dtype=compute_dtype
+    )
     state = opt.init(params)
     step = jax.jit(opt.update)
     reference, _ = step(grads_like(params), state, params)
@@ -117,22 +137,27 @@ class ExtremeGradientsTest(parameterized.TestCase):
       u, new_state = step(scaled(grads_like(params), scale), state, params)
       self.assertTrue(finite(u) and finite(new_state), scale)
       for k in SHAPES:
-        self.assertLess(rel_err(u[k] / scale ** power, reference[k]), 1e-3,
-                        (scale, k))
+        self.assertLess(
+          rel_err(u[k] / scale**power, reference[k]), 1e-3, (scale, k)
+        )
 
-  @parameterized.parameters('frobenius', 'spectral', 'aol', 'schatten')
+  @parameterized.named_parameters(
+    (name, name) for name in ('frobenius', 'spectral', 'aol', 'schatten')
+  )
   def test_huge_preconditioning(self, preconditioning):
     # 'aol' and 'schatten' square the Gram matrix: without the power-of-two
     # rescaling, 1e20 gave NaN and 1e10 gave zero. Scale invariant.
     self.assert_scaling(
-        dmuon_jax.dmuon(0.02, preconditioning=preconditioning), power=0)
+      dmuon_jax.dmuon(0.02, preconditioning=preconditioning), power=0
+    )
 
-  @parameterized.parameters('standard', 'gram')
+  @parameterized.named_parameters(('standard', 'standard'), ('gram', 'gram'))
   def test_huge_adaptive(self, ns_algorithm):
     # adaptive=True scales O = NS(M) by <M, O>, which must use the unscaled
     # momentum: the update is linear in the gradient's scale.
-    self.assert_scaling(dmuon_jax.dmuon(0.02, adaptive=True,
-                                        ns_algorithm=ns_algorithm), power=1)
+    self.assert_scaling(
+      dmuon_jax.dmuon(0.02, adaptive=True, ns_algorithm=ns_algorithm), power=1
+    )
 
   def test_huge_adamw_gradient_skips(self):
     # AdamW's second moment g**2 overflows float32 for |g| > ~1.8e19: with
@@ -157,10 +182,12 @@ class ExtremeGradientsTest(parameterized.TestCase):
       self.assertTrue(finite(u) and finite(new_state), name)
       if nonzero:
         self.assertGreater(float(jnp.abs(u['w']).max()), 1e-3, name)
-    bad = dict(grads_like(params), sq=grads_like(params)['sq'].at[3, 4].set(
-        jnp.nan))
-    u, new_state = step(jax.device_put(bad, NamedSharding(mesh, P())),
-                        state, params)
+    bad = dict(
+      grads_like(params), sq=grads_like(params)['sq'].at[3, 4].set(jnp.nan)
+    )
+    u, new_state = step(
+      jax.device_put(bad, NamedSharding(mesh, P())), state, params
+    )
     self.assertTrue(same(new_state, state))
     self.assertTrue(all(not jnp.any(x) for x in jax.tree.leaves(u)))
 
@@ -168,7 +195,11 @@ class ExtremeGradientsTest(parameterized.TestCase):
 class NonFiniteTest(parameterized.TestCase):
   """NaN/Inf gradients: 'skip' drops the step, 'propagate' lets it through."""
 
-  @parameterized.product(leaf=('w', 'b'), value=(np.nan, np.inf))
+  @parameterized.named_parameters(
+    (f'{name}_in_{leaf}', leaf, value)
+    for leaf in ('w', 'b')
+    for name, value in (('nan', np.nan), ('inf', np.inf))
+  )
   def test_skip_one_device(self, leaf, value):
     params = make_params()
     opt = dmuon_jax.dmuon(0.02)
@@ -210,8 +241,9 @@ class NonFiniteTest(parameterized.TestCase):
     bad = dict(grads_like(params), w=grads_like(params)['w'] * jnp.nan)
     good = grads_like(params, 3)
     for policy in ('skip', 'propagate'):
-      opt = optax.apply_if_finite(dmuon_jax.dmuon(0.02, nonfinite=policy),
-                                  max_consecutive_errors=2)
+      opt = optax.apply_if_finite(
+        dmuon_jax.dmuon(0.02, nonfinite=policy), max_consecutive_errors=2
+      )
       state = opt.init(params)
       step = jax.jit(opt.update)
       s = state
@@ -239,13 +271,15 @@ class NonFiniteTest(parameterized.TestCase):
     specs = dmuon_jax.Dedication.specs_of(state)
 
     def loss_fn(p, batch):
-      return sum(jnp.sum(jnp.sin(x * batch.mean()))
-                 for x in jax.tree.leaves(p))
+      return sum(jnp.sum(jnp.sin(x * batch.mean())) for x in jax.tree.leaves(p))
 
     @jax.jit
-    @functools.partial(jax.shard_map, mesh=mesh,
-                       in_specs=(P(), specs, P(AXES)),
-                       out_specs=(P(), specs))
+    @functools.partial(
+      jax.shard_map,
+      mesh=mesh,
+      in_specs=(P(), specs, P(AXES)),
+      out_specs=(P(), specs),
+    )
     def train_step(p, s, batch):
       _, grads = dmuon_jax.local_value_and_grad(loss_fn)(p, batch)
       updates, s = opt.update(grads, s, p)
@@ -259,9 +293,8 @@ class NonFiniteTest(parameterized.TestCase):
     self.assertTrue(same(p2, p1) and same(s2, s1))
 
   def test_dedicated_nan_on_one_device(self):
-    from tests import dedicated_test  # pylint: disable=import-outside-toplevel
-    ded, dp, opt, state, x = dedicated_test.setup((2, 4), z3=True)
-    step = dedicated_test.dedicated_step(ded, opt, state)
+    ded, dp, opt, state, x = support.dedicated_setup((2, 4), z3=True)
+    step = support.dedicated_step(ded, opt, state)
     dp1, s1, _ = step(dp, state, x)
     self.assertTrue(finite(s1) and not same(dp1, dp))
     bad = np.array(x)
@@ -272,7 +305,6 @@ class NonFiniteTest(parameterized.TestCase):
 
 
 class LowPrecisionTest(parameterized.TestCase):
-
   def test_bf16_params_fp32_momentum(self):
     params = make_params()
     p16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
@@ -281,17 +313,22 @@ class LowPrecisionTest(parameterized.TestCase):
     step = jax.jit(opt.update)
     worst = 0.0
     for t in range(3):
-      g16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16),
-                         grads_like(params, t))
+      g16 = jax.tree.map(
+        lambda x: x.astype(jnp.bfloat16), grads_like(params, t)
+      )
       g32 = jax.tree.map(lambda x: x.astype(jnp.float32), g16)
       u16, s16 = step(g16, s16, p16)
       u32, s32 = step(g32, s32, params)
       # Muon updates in the params' dtype; the AdamW leaf follows
       # optax.adamw (float32 with mu_dtype=float32; apply_updates casts).
       self.assertTrue(all(u16[k].dtype == jnp.bfloat16 for k in SHAPES))
-      muon_states = [x for x in jax.tree.leaves(
-          s16, is_leaf=lambda x: isinstance(x, dmuon_jax.ScaleByDMuonState))
-                     if isinstance(x, dmuon_jax.ScaleByDMuonState)]
+      muon_states = [
+        x
+        for x in jax.tree.leaves(
+          s16, is_leaf=lambda x: isinstance(x, dmuon_jax.ScaleByDMuonState)
+        )
+        if isinstance(x, dmuon_jax.ScaleByDMuonState)
+      ]
       self.assertTrue(muon_states)
       for x in muon_states:
         self.assertTrue(all(m.dtype == jnp.float32 for m in x.mu))
@@ -302,7 +339,9 @@ class LowPrecisionTest(parameterized.TestCase):
 
   # Measured worst relative (Frobenius) error over 3 steps and 3 leaves:
   # float16 1.1e-2, bfloat16 8.8e-2 (8-bit mantissa through 5 iterations).
-  @parameterized.parameters((jnp.bfloat16, 0.12), (jnp.float16, 5e-2))
+  @parameterized.named_parameters(
+    ('bfloat16', jnp.bfloat16, 0.12), ('float16', jnp.float16, 5e-2)
+  )
   def test_low_precision_compute(self, compute_dtype, tol):
     params = make_params()
     ref = dmuon_jax.dmuon(0.02)
@@ -326,61 +365,73 @@ def _ns_fn(m, n, ns_algorithm, compute_dtype):
   """NS(G) through scale_by_dmuon's first step (plain momentum), cached."""
   key = (m, n, ns_algorithm, compute_dtype)
   if key not in _NS_CACHE:
-    tx = dmuon_jax.scale_by_dmuon(momentum='sgd', nesterov=False,
-                                  ns_algorithm=ns_algorithm,
-                                  compute_dtype=compute_dtype)
+    tx = dmuon_jax.scale_by_dmuon(
+      momentum='sgd',
+      nesterov=False,
+      ns_algorithm=ns_algorithm,
+      compute_dtype=compute_dtype,
+    )
     state = tx.init({'w': jnp.zeros((m, n))})
     _NS_CACHE[key] = jax.jit(lambda g: tx.update({'w': g}, state)[0]['w'])
   return _NS_CACHE[key]
 
 
 class PropertyTest(absltest.TestCase):
-
   @settings(max_examples=15, deadline=None)
-  @given(m=st.integers(1, 48), n=st.integers(1, 48),
-         log_scale=st.floats(-30, 30),
-         algo=st.sampled_from(['standard', 'gram']),
-         compute=st.sampled_from([None, 'bfloat16', 'float16']),
-         seed=st.integers(0, 2**16))
-  def test_ns_finite_and_bounded(self, m, n, log_scale, algo, compute,
-                                 seed):
-    g = np.random.RandomState(seed).randn(m, n) * 10.0 ** log_scale
-    out = np.asarray(_ns_fn(m, n, algo, compute)(
-        jnp.asarray(g, jnp.float32)))
+  @given(
+    m=st.integers(1, 48),
+    n=st.integers(1, 48),
+    log_scale=st.floats(-30, 30),
+    algo=st.sampled_from(['standard', 'gram']),
+    compute=st.sampled_from([None, 'bfloat16', 'float16']),
+    seed=st.integers(0, 2**16),
+  )
+  def test_ns_finite_and_bounded(self, m, n, log_scale, algo, compute, seed):
+    g = np.random.RandomState(seed).randn(m, n) * 10.0**log_scale
+    out = np.asarray(_ns_fn(m, n, algo, compute)(jnp.asarray(g, jnp.float32)))
     self.assertTrue(np.isfinite(out).all())
     self.assertLessEqual(np.linalg.norm(out, 2), 1.5)
     if log_scale > -4:  # the norm is far above eps: a real update
       self.assertGreater(np.linalg.norm(out, 2), 0.5)
 
   @settings(max_examples=5, deadline=None)
-  @given(shapes=st.lists(st.tuples(st.integers(1, 24), st.integers(1, 24)),
-                         min_size=1, max_size=3),
-         seed=st.integers(0, 2**16))
+  @given(
+    shapes=st.lists(
+      st.tuples(st.integers(1, 24), st.integers(1, 24)), min_size=1, max_size=3
+    ),
+    seed=st.integers(0, 2**16),
+  )
   def test_parity_with_optax(self, shapes, seed):
     rng = np.random.RandomState(seed)
-    params = {f'p{i}': jnp.asarray(0.1 * rng.randn(*s), jnp.float32)
-              for i, s in enumerate(shapes)}
-    dims = {k: MDN() if min(x.shape) > 1 else None
-            for k, x in params.items()}
+    params = {
+      f'p{i}': jnp.asarray(0.1 * rng.randn(*s), jnp.float32)
+      for i, s in enumerate(shapes)
+    }
+    dims = {k: MDN() if min(x.shape) > 1 else None for k, x in params.items()}
     ours = dmuon_jax.dmuon(0.02, muon_weight_dimension_numbers=dims)
     theirs = optax.contrib.muon(0.02, muon_weight_dimension_numbers=dims)
     a, sa = params, ours.init(params)
     b, sb = params, theirs.init(params)
+    ours_step, theirs_step = jax.jit(ours.update), jax.jit(theirs.update)
     for t in range(3):
-      g = alias_test.grads_at(t, params)
-      ua, sa = ours.update(g, sa, a)
-      ub, sb = theirs.update(g, sb, b)
+      g = support.grads_at(t, params)
+      ua, sa = ours_step(g, sa, a)
+      ub, sb = theirs_step(g, sb, b)
       a, b = optax.apply_updates(a, ua), optax.apply_updates(b, ub)
     for k in params:
       np.testing.assert_allclose(a[k], b[k], atol=1e-5, rtol=1e-5)
 
   @settings(max_examples=6, deadline=None, derandomize=True)
-  @given(mesh_shape=st.sampled_from([(1, 8), (2, 4), (4, 2), (8, 1), (1, 2),
-                                     (2, 1), (1, 3), (3, 2)]),
-         shapes=st.lists(st.tuples(st.integers(2, 20), st.integers(2, 20)),
-                         min_size=1, max_size=3),
-         dtype=st.sampled_from(['float32', 'bfloat16']),
-         seed=st.integers(0, 2**16))
+  @given(
+    mesh_shape=st.sampled_from(
+      [(1, 8), (2, 4), (4, 2), (8, 1), (1, 2), (2, 1), (1, 3), (3, 2)]
+    ),
+    shapes=st.lists(
+      st.tuples(st.integers(2, 20), st.integers(2, 20)), min_size=1, max_size=3
+    ),
+    dtype=st.sampled_from(['float32', 'bfloat16']),
+    seed=st.integers(0, 2**16),
+  )
   def test_mesh_parity_random(self, mesh_shape, shapes, dtype, seed):
     # Random meshes (including device counts that divide nothing), shapes
     # and param dtypes: dmuon's first two updates equal single-device
@@ -392,8 +443,10 @@ class PropertyTest(absltest.TestCase):
     n = int(np.prod(mesh_shape))
     mesh = jax.make_mesh(mesh_shape, AXES, devices=jax.devices()[:n])
     rng = np.random.RandomState(seed)
-    host = {f'p{i}': (0.1 * rng.randn(*s)).astype(np.float32)
-            for i, s in enumerate(shapes)}
+    host = {
+      f'p{i}': (0.1 * rng.randn(*s)).astype(np.float32)
+      for i, s in enumerate(shapes)
+    }
     cast = lambda tree: jax.tree.map(lambda x: jnp.asarray(x, dtype), tree)
     params = jax.device_put(cast(host), NamedSharding(mesh, P()))
     opt = dmuon_jax.dmuon(0.02, mesh=mesh)
@@ -402,18 +455,21 @@ class PropertyTest(absltest.TestCase):
     low_state = ref.init(cast(host))
     step = jax.jit(opt.update)
     for t in range(2):
-      g = alias_test.grads_at(t, host)
-      u, state = step(jax.device_put(cast(g), NamedSharding(mesh, P())),
-                      state, params)
+      g = support.grads_at(t, host)
+      u, state = step(
+        jax.device_put(cast(g), NamedSharding(mesh, P())), state, params
+      )
       ru, ref_state = ref.update(g, ref_state, host)
       lu, low_state = ref.update(cast(g), low_state, cast(host))
       self.assertTrue(finite(u) and finite(state))
       for k in host:
         self.assertEqual(u[k].dtype, jnp.dtype(dtype))
-        tol = (1e-5 if dtype == 'float32'
-               else max(0.1, 2 * rel_err(lu[k], ru[k])))
-        self.assertLess(rel_err(u[k], ru[k]), tol,
-                        (mesh_shape, shapes, dtype, t, k))
+        tol = (
+          1e-5 if dtype == 'float32' else max(0.1, 2 * rel_err(lu[k], ru[k]))
+        )
+        self.assertLess(
+          rel_err(u[k], ru[k]), tol, (mesh_shape, shapes, dtype, t, k)
+        )
 
   def test_mesh_random_scales(self):
     mesh = jax.make_mesh((2, 4), AXES)
@@ -425,9 +481,10 @@ class PropertyTest(absltest.TestCase):
     @settings(max_examples=8, deadline=None)
     @given(log_scale=st.floats(-40, 30), seed=st.integers(0, 2**16))
     def check(log_scale, seed):
-      g = scaled(grads_like(params, seed), 10.0 ** log_scale)
-      u, new_state = step(jax.device_put(g, NamedSharding(mesh, P())),
-                          state, params)
+      g = scaled(grads_like(params, seed), 10.0**log_scale)
+      u, new_state = step(
+        jax.device_put(g, NamedSharding(mesh, P())), state, params
+      )
       self.assertTrue(finite(u) and finite(new_state))
 
     check()

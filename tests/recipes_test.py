@@ -1,13 +1,18 @@
 """The README's Flax recipes (examples/dedicated_*.py) train correctly."""
 
 import numpy as np
-from absl.testing import absltest
-from absl.testing import parameterized
+from absl.testing import absltest, parameterized
 from flax import nnx
 
 from examples import dedicated_nnx
-from tests import alias_test
-from tests import dedicated_test
+from tests import support
+
+# The rest of the grid, for CI and the README's command (see conftest.py);
+# -m 'not slow' keeps one configuration per behaviour.
+SLOW_CASES = (
+  r'matches_optax_muon_scan',
+  r'matches_optax_muon_loop',
+)
 
 STEPS = 10
 
@@ -21,16 +26,15 @@ def nnx_reference(scan):
 
   def loss_fn(p):
     nnx.replace_by_pure_dict(state, p)
-    return dedicated_nnx.cross_entropy(nnx.merge(graphdef, state)(tokens),
-                                       tokens)
+    return dedicated_nnx.cross_entropy(
+      nnx.merge(graphdef, state)(tokens), tokens
+    )
 
-  opt = dedicated_test.optax_muon(0.005, params,
-                                  dedicated_nnx.predicate(scan))
-  return dedicated_test.train_single_device(opt, params, loss_fn, STEPS)
+  opt = support.optax_muon(0.005, params, dedicated_nnx.predicate(scan))
+  return support.train_single_device(opt, params, loss_fn, STEPS)
 
 
 class RecipesTest(parameterized.TestCase):
-
   @parameterized.named_parameters(('loop', False), ('scan', True))
   def test_nnx_recipe_matches_optax_muon(self, scan):
     losses, model = dedicated_nnx.main(STEPS, scan=scan)
@@ -38,7 +42,7 @@ class RecipesTest(parameterized.TestCase):
     self.assertLess(losses[-1], losses[0] - 0.3)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     params = nnx.to_pure_dict(nnx.state(model))
-    alias_test.assert_trees_rel_close(self, params, ref_params, rtol=1e-5)
+    support.assert_trees_rel_close(self, params, ref_params, rtol=1e-5)
 
 
 if __name__ == '__main__':

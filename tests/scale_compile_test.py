@@ -1,27 +1,41 @@
 """Compile-only at 64 simulated devices: eval_shape init, all-to-all update."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
+import pytest
 from absl.testing import absltest
+
+from tests import support
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
+pytestmark = pytest.mark.slow
+
 
 class EvalShapeAtScaleTest(absltest.TestCase):
-
   def test_abstract_state_compiles_to_the_predicted_all_to_alls(self):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(
-        [sys.executable, str(ROOT / 'tests/workers/eval_shape_at_scale.py'),
-         '--devices', '64'], capture_output=True, text=True, env=env,
-        timeout=600, check=False)
+      [
+        sys.executable,
+        str(ROOT / 'tests/workers/eval_shape_at_scale.py'),
+        '--devices',
+        '64',
+      ],
+      capture_output=True,
+      text=True,
+      env=support.subprocess_env(),
+      timeout=600,
+      check=False,
+    )
     self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
-    rows = [json.loads(line) for line in proc.stdout.splitlines()
-            if line.startswith('{')]
+    rows = [
+      json.loads(line)
+      for line in proc.stdout.splitlines()
+      if line.startswith('{')
+    ]
     self.assertLen(rows, 2)  # Explicit and Auto (with param_specs)
     for row in rows:
       print(row)
@@ -39,8 +53,9 @@ class EvalShapeAtScaleTest(absltest.TestCase):
     self.assertIn('Explicit', explicit['mesh_kind'])
     # On an Explicit mesh jax.eval_shape keeps the buffers' shardings:
     # those eager init gives.
-    self.assertEqual(explicit['eval_shape_buffer_specs'],
-                     explicit['layout_buffer_specs'])
+    self.assertEqual(
+      explicit['eval_shape_buffer_specs'], explicit['layout_buffer_specs']
+    )
 
 
 if __name__ == '__main__':

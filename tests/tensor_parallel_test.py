@@ -5,8 +5,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl.testing import absltest
-from absl.testing import parameterized
+from absl.testing import absltest, parameterized
 from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
@@ -17,10 +16,19 @@ def tp_ns(x, tp, split_axis, **kwargs):
   mesh = jax.make_mesh((tp,), ('model',), devices=jax.devices()[:tp])
   spec = P(None, 'model') if split_axis == -1 else P('model', None)
   spec = P(*((None,) * (x.ndim - 2)), *spec)
-  fn = jax.jit(jax.shard_map(
-      functools.partial(_tensor_parallel.orthogonalize_via_gram_newton_schulz_tp,
-                        axis_name='model', split_axis=split_axis, **kwargs),
-      mesh=mesh, in_specs=spec, out_specs=spec))
+  fn = jax.jit(
+    jax.shard_map(
+      functools.partial(
+        _tensor_parallel.orthogonalize_via_gram_newton_schulz_tp,
+        axis_name='model',
+        split_axis=split_axis,
+        **kwargs,
+      ),
+      mesh=mesh,
+      in_specs=spec,
+      out_specs=spec,
+    )
+  )
   return fn, jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
 
 
@@ -29,21 +37,33 @@ def rel_err(a, b):
   return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
-SHAPES = {'square': (64, 64), 'wide': (32, 128), 'tall': (128, 32),
-          'batched_wide': (3, 32, 64)}
+SHAPES = {
+  'square': (64, 64),
+  'wide': (32, 128),
+  'tall': (128, 32),
+  'batched_wide': (3, 32, 64),
+}
+SPLIT = {-1: 'columns', -2: 'rows'}  # which dimension the TP axis splits
 
 
 class TensorParallelGramTest(parameterized.TestCase):
-
-  @parameterized.product(shape=tuple(SHAPES), split_axis=(-1, -2),
-                         tp=(2, 4))
+  @parameterized.named_parameters(
+    (f'{shape}_{SPLIT[axis]}_tp{tp}', shape, axis, tp)
+    for shape in SHAPES
+    for axis in (-1, -2)
+    for tp in (2, 4)
+  )
   def test_equals_direct_ns_on_the_whole_matrix(self, shape, split_axis, tp):
     x = jax.random.normal(jax.random.key(0), SHAPES[shape])
     fn, xs = tp_ns(x, tp, split_axis)
     want = dmuon_jax.orthogonalize_via_newton_schulz(x)
     self.assertLess(rel_err(fn(xs), want), 1e-5)
 
-  @parameterized.parameters((None, 1), ((), 0), ((1, 3), 2))
+  @parameterized.named_parameters(
+    ('default_restarts', None, 1),
+    ('no_restart', (), 0),
+    ('restarts_1_3', (1, 3), 2),
+  )
   def test_one_gram_all_reduce_per_restart_window(self, restarts, count):
     x = jax.random.normal(jax.random.key(1), (32, 128))
     fn, xs = tp_ns(x, 4, -1, restart_iterations=restarts)
@@ -56,10 +76,14 @@ class TensorParallelGramTest(parameterized.TestCase):
     want = dmuon_jax.orthogonalize_via_newton_schulz(x)
     self.assertLess(rel_err(fn(xs), want), 1e-5)
 
-  @parameterized.product(shape=('square', 'wide', 'tall'),
-                         split_axis=(-1, -2))
+  @parameterized.named_parameters(
+    (f'{shape}_{SPLIT[axis]}', shape, axis)
+    for shape in ('square', 'wide', 'tall')
+    for axis in (-1, -2)
+  )
   def test_bfloat16_stays_in_the_band_around_the_polar_factor(
-      self, shape, split_axis):
+    self, shape, split_axis
+  ):
     x = jax.random.normal(jax.random.key(0), SHAPES[shape])
     u, _, vt = np.linalg.svd(np.asarray(x, np.float64), full_matrices=False)
     polar = u @ vt
@@ -84,12 +108,14 @@ class TensorParallelGramTest(parameterized.TestCase):
   def test_outside_shard_map_names_the_axis(self):
     with self.assertRaisesRegex(ValueError, "axis_name='model' is not bound"):
       _tensor_parallel.orthogonalize_via_gram_newton_schulz_tp(
-          np.ones((4, 8), np.float32), axis_name='model')
+        np.ones((4, 8), np.float32), axis_name='model'
+      )
 
   def test_bad_split_axis(self):
     with self.assertRaisesRegex(ValueError, 'split_axis=0'):
       _tensor_parallel.orthogonalize_via_gram_newton_schulz_tp(
-          np.ones((4, 4), np.float32), axis_name='model', split_axis=0)
+        np.ones((4, 4), np.float32), axis_name='model', split_axis=0
+      )
 
 
 if __name__ == '__main__':

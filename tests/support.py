@@ -1,0 +1,554 @@
+"""Shared test helpers: meshes, models, references, train steps, assertions.
+
+Test modules import this module only (never each other), so each keeps its
+own tests and the references they share are computed once per process.
+"""
+
+import functools
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl.testing import absltest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from optax.contrib import MuonDimensionNumbers as MDN
+from optax.contrib import _muon as optax_muon_module
+
+import dmuon_jax
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+AXES = ('replicate', 'shard')
+STEPS = 20
+MESHES = (('1x8', (1, 8)), ('2x4', (2, 4)), ('4x2', (4, 2)), ('8x1', (8, 1)))
+
+
+# -- meshes -------------------------------------------------------------------
+
+
+def make_mesh(shape, names=AXES, kind=AxisType.Explicit):
+  """A mesh over the first devices; skips the test if there are too few."""
+  n = int(np.prod(shape))
+  if jax.device_count() < n:
+    raise absltest.SkipTest(f'needs {n} devices, found {jax.device_count()}')
+  return jax.make_mesh(
+    shape, names, axis_types=(kind,) * len(names), devices=jax.devices()[:n]
+  )
+
+
+def fsdp_shardings(params, mesh, axes=('shard',)):
+  """Shards each leaf's first dim divisible by ``axes`` (else replicated)."""
+  size = int(np.prod([mesh.shape[a] for a in axes]))
+
+  def one(x):
+    for dim in range(x.ndim):
+      if size > 1 and x.shape[dim] % size == 0:
+        spec = [None] * x.ndim
+        spec[dim] = axes
+        return NamedSharding(mesh, P(*spec))
+    return NamedSharding(mesh, P())
+
+  return jax.tree.map(one, params)
+
+
+def place(params, mesh, layout):
+  """``'replicated'`` or ``'fsdp'`` (see :func:`fsdp_shardings`)."""
+  if layout == 'replicated':
+    return jax.device_put(params, NamedSharding(mesh, P()))
+  return jax.device_put(params, fsdp_shardings(params, mesh))
+
+
+# -- small models -------------------------------------------------------------
+
+
+def make_params(seed=0):
+  """A small tree with every kind of leaf dmuon has to route."""
+  k = iter(jax.random.split(jax.random.key(seed), 16))
+  n = lambda shape: 0.1 * jax.random.normal(next(k), shape, jnp.float32)
+  return {
+    'embed': {'embedding': n((32, 16))},
+    'layers_0': {
+      'attn': {
+        'qkv': {'kernel': n((16, 2, 8))},  # (d, heads, head_dim)
+        'out': {'kernel': n((16, 16))},
+      },
+      'mlp': {
+        'up': {'kernel': n((16, 40)), 'bias': n((40,))},
+        'down': {'kernel': n((40, 16))},
+      },
+      'norm': {'scale': 1 + n((16,))},
+    },
+    'stack': {'kernel': n((3, 16, 24))},  # scanned layers (L, m, n)
+    'odd': {'kernel': n((7, 13))},
+    'lm_head': {'kernel': n((16, 32))},
+  }
+
+
+def dim_numbers(params):
+  """Explicit routing shared by dmuon and optax in the parity tests."""
+  dims = jax.tree.map(lambda x: MDN() if x.ndim == 2 else None, params)
+  dims['embed']['embedding'] = None
+  dims['lm_head']['kernel'] = None
+  if 'qkv' in params.get('layers_0', {}).get('attn', {}):
+    dims['layers_0']['attn']['qkv']['kernel'] = MDN(0, (1, 2))
+  if 'stack' in params:
+    dims['stack']['kernel'] = MDN(1, 2)
+  return dims
+
+
+def llama_like(seed=0, d=32, f=48, vocab=64, layers=3):
+  """Stacked, attention, odd, 1×n and n×1 leaves; 9 Muon matrices."""
+  k = iter(jax.random.split(jax.random.key(seed), 16))
+  n = lambda shape: 0.1 * jax.random.normal(next(k), shape, jnp.float32)
+  params = {
+    'embed': n((vocab, d)),
+    'layers': {
+      'qkv': n((d, 4, 8)),  # (d, heads, head_dim)
+      'o': n((d, d)),
+      'up': n((layers, d, f)),  # scanned (L, m, n)
+      'down': n((f, d)),
+      'norm': 1 + n((d,)),
+    },
+    'odd': n((7, 13)),
+    'row': n((1, 24)),
+    'col': n((24, 1)),
+    'head': n((d, vocab)),
+  }
+  dims = {
+    'embed': None,
+    'layers': {
+      'qkv': MDN(0, (1, 2)),
+      'o': MDN(),
+      'up': MDN(1, 2),
+      'down': MDN(),
+      'norm': None,
+    },
+    'odd': MDN(),
+    'row': MDN(),
+    'col': MDN(),
+    'head': None,
+  }
+  return params, dims
+
+
+def llama_shapes(layers=8, d=128, f=384, vocab=1024):
+  """Shapes of a Llama-like model (float32)."""
+  s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  tree = {'embed': s(vocab, d), 'norm_f': s(d), 'lm_head': s(d, vocab)}
+  for i in range(layers):
+    tree[f'layers_{i}'] = {
+      'attn': {'q': s(d, d), 'k': s(d, d), 'v': s(d, d), 'o': s(d, d)},
+      'mlp': {'gate': s(d, f), 'up': s(d, f), 'down': s(f, d)},
+      'attn_norm': s(d),
+      'mlp_norm': s(d),
+    }
+  return tree
+
+
+def materialize(shapes, mesh, shardings=None):
+  """Random arrays of ``shapes``, placed (default: replicated on mesh)."""
+  leaves, treedef = jax.tree.flatten(shapes)
+  keys = jax.random.split(jax.random.key(0), len(leaves))
+  arrays = [
+    0.02 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)
+  ]
+  tree = jax.tree.unflatten(treedef, arrays)
+  if shardings is None:
+    shardings = NamedSharding(mesh, P())
+  return jax.device_put(tree, shardings)
+
+
+# -- pseudo-gradients and training loops --------------------------------------
+
+
+def grads_at(step, params):
+  """Deterministic pseudo-gradients, different at every step (host-made,
+  so that no train step compiles a random generator)."""
+  rng = np.random.default_rng(1000 + step)
+  return jax.tree.map(
+    lambda x: jnp.asarray(
+      rng.standard_normal(np.shape(x)).astype(np.float32) * (1 + 0.1 * step),
+      x.dtype,
+    ),
+    params,
+  )
+
+
+def run(opt, params, steps=STEPS, grad_shardings=None):
+  """Runs ``steps`` jitted updates on :func:`grads_at`; returns params after
+  each step (on the host).
+
+  ``grad_shardings`` (a tree of shardings) places the gradients as a
+  sharded train step would produce them.
+  """
+  state = opt.init(params)
+
+  @jax.jit
+  def step(params, state, grads):
+    if grad_shardings is not None:
+      grads = jax.tree.map(jax.reshard, grads, grad_shardings)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  history = []
+  for i in range(steps):
+    params, state = step(params, state, grads_at(i, params))
+    history.append(jax.tree.map(np.asarray, params))
+  return history
+
+
+def assert_trees_rel_close(test, actual, expected, rtol):
+  """Per leaf: ``||a - b|| <= rtol ||b||`` (Frobenius, in float64)."""
+  for (path, a), b in zip(
+    jax.tree.flatten_with_path(actual)[0],
+    jax.tree.leaves(expected),
+    strict=True,
+  ):
+    a = np.asarray(np.asarray(a, np.float32), np.float64)
+    b = np.asarray(np.asarray(b, np.float32), np.float64)
+    err = np.linalg.norm(a - b)
+    ref = np.linalg.norm(b)
+    test.assertLessEqual(
+      err,
+      rtol * max(ref, 1e-30),
+      msg=f'{jax.tree_util.keystr(path)}: {err / ref:.3g}',
+    )
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _optax_ns(x, coeffs, dims):
+  return optax_muon_module.orthogonalize_via_newton_schulz(
+    x, coeffs, 5, dimension_numbers=dims
+  )
+
+
+def reference_sgd_muon(params, dims, *, lr, beta, nesterov, wd, steps):
+  """A plain loop of the DMuon/Moonlight rule, leaf by leaf.
+
+  buf = beta * buf + g; u = g + beta * buf (Nesterov) or buf; Muon leaves get
+  NS(u) (optax's Newton–Schulz) times Jordan's width factor, plus decoupled
+  weight decay; AdamW leaves are left to optax.adamw.
+  """
+  is_dims = lambda d: d is None or isinstance(d, MDN)
+  labels = jax.tree.map(
+    lambda d: 'adam' if d is None else 'muon', dims, is_leaf=is_dims
+  )
+  flat_dims = jax.tree.leaves(dims, is_leaf=is_dims)
+  adam = optax.adamw(lr, eps=1e-8, weight_decay=0.0, nesterov=nesterov)
+  adam_params = jax.tree.map(
+    lambda p, l: p if l == 'adam' else None, params, labels
+  )
+  adam_state = adam.init(adam_params)
+  bufs = jax.tree.map(jnp.zeros_like, params)
+  coeffs = jnp.asarray((3.4445, -4.7750, 2.0315))
+  history = []
+  for i in range(steps):
+    grads = grads_at(i, params)
+    adam_grads = jax.tree.map(
+      lambda g, l: g if l == 'adam' else None, grads, labels
+    )
+    adam_updates, adam_state = adam.update(adam_grads, adam_state, adam_params)
+    leaves, treedef = jax.tree.flatten(params)
+    new_leaves, new_bufs = [], []
+    adam_flat = iter(jax.tree.leaves(adam_updates))
+    for p, g, b, d in zip(
+      leaves, jax.tree.leaves(grads), jax.tree.leaves(bufs), flat_dims
+    ):
+      if d is None:
+        new_leaves.append(p + next(adam_flat))
+        new_bufs.append(b)
+        continue
+      b = beta * b + g
+      u = g + beta * b if nesterov else b
+      o = _optax_ns(u, coeffs, d)
+      red = (
+        (d.reduction_axis,)
+        if isinstance(d.reduction_axis, int)
+        else (d.reduction_axis)
+      )
+      out = (
+        (d.output_axis,) if isinstance(d.output_axis, int) else (d.output_axis)
+      )
+      fan_in = np.prod([p.shape[a] for a in red])
+      fan_out = np.prod([p.shape[a] for a in out])
+      scale = np.sqrt(max(1.0, fan_out / fan_in))
+      new_leaves.append(p - lr * (scale * o + wd * p))
+      new_bufs.append(b)
+    params = jax.tree.unflatten(treedef, new_leaves)
+    adam_params = jax.tree.map(
+      lambda p, l: p if l == 'adam' else None, params, labels
+    )
+    bufs = jax.tree.unflatten(treedef, new_bufs)
+    history.append(jax.tree.map(np.asarray, params))
+  return history
+
+
+def dmuon_states(state):
+  """The ScaleByDMuonState entries of an optimizer state."""
+  is_state = lambda x: isinstance(x, dmuon_jax.ScaleByDMuonState)
+  return [x for x in jax.tree.leaves(state, is_leaf=is_state) if is_state(x)]
+
+
+def optax_muon(learning_rate, params, predicate=None, **kwargs):
+  """optax.contrib.muon on the Muon targets dmuon picks (+ its AdamW)."""
+  flat = jax.tree.leaves(params)
+  targets = {
+    s.leaf_index: s
+    for s in dmuon_jax.plan_ownership(params, None, predicate=predicate).leaves
+  }
+  dims = [
+    MDN(
+      reduction_axis=targets[i].reduction_axes,
+      output_axis=targets[i].output_axes,
+    )
+    if i in targets
+    else None
+    for i in range(len(flat))
+  ]
+  return optax.contrib.muon(
+    learning_rate,
+    muon_weight_dimension_numbers=jax.tree.unflatten(
+      jax.tree.structure(params), dims
+    ),
+    **kwargs,
+  )
+
+
+def train_single_device(opt, params, loss_fn, steps):
+  """The reference: ``steps`` of ``opt`` on ``loss_fn(params)``, one device.
+
+  Returns:
+    The final params (on the host) and the loss of every step.
+  """
+  state = opt.init(params)
+
+  @jax.jit
+  def step(params, state):
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  losses = []
+  for _ in range(steps):
+    params, state, loss = step(params, state)
+    losses.append(float(loss))
+  return jax.device_get(params), losses
+
+
+# -- data-parallel train steps ------------------------------------------------
+
+
+def mean_loss(params, batch):
+  """A batch-mean loss whose gradient depends on the batch."""
+
+  def per_example(b):
+    return sum(jnp.sum(jnp.sin(p * b)) for p in jax.tree.leaves(params))
+
+  return jnp.mean(jax.vmap(per_example)(batch))
+
+
+def explicit_step_fn(opt, mesh, state, loss_fn=mean_loss, param_specs=None):
+  """A train step on the explicit path (default: params replicated, DDP)."""
+  specs = dmuon_jax.Dedication.specs_of(state)
+  param_specs = P() if param_specs is None else param_specs
+
+  @jax.jit
+  @functools.partial(
+    jax.shard_map,
+    mesh=mesh,
+    in_specs=(param_specs, specs, P(AXES)),
+    out_specs=(param_specs, specs, P()),
+  )
+  def step(params, state, batch):
+    loss, grads = dmuon_jax.local_value_and_grad(loss_fn)(params, batch)
+    updates, state = opt.update(grads, state, params)
+    return (
+      optax.apply_updates(params, updates),
+      state,
+      jax.lax.pmean(loss, AXES),
+    )
+
+  return step
+
+
+def drop_in_step_fn(opt, loss_fn=mean_loss):
+  """A plain-jit train step (XLA reduces the gradients)."""
+
+  @jax.jit
+  def step(params, state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  return step
+
+
+# -- the dedicated-mode model: blocks of square matrices ----------------------
+
+BLOCKS, WIDTH, MATS = 4, 16, 8
+DEDICATED_LR = 0.002
+
+
+def block_params(blocks=BLOCKS, mats=MATS, width=WIDTH):
+  k = iter(jax.random.split(jax.random.key(0), 64))
+  n = lambda *shape: 0.3 * jax.random.normal(next(k), shape, jnp.float32)
+  params = {
+    f'layers_{i}': {f'w{j}': n(width, width) for j in range(mats)}
+    | {'scale': 1 + n(width)}
+    for i in range(blocks)
+  }
+  params['head'] = n(width, 8)
+  return params
+
+
+def block_fn(layer, x):
+  for j in range(sum(name.startswith('w') for name in layer)):
+    x = x + jnp.tanh(x @ layer[f'w{j}']) * layer['scale']
+  return x
+
+
+def block_loss(params, x):
+  for i in range(sum(name.startswith('layers_') for name in params)):
+    x = block_fn(params[f'layers_{i}'], x)
+  return jnp.mean((x @ params['head']) ** 2)
+
+
+def block_batch():
+  # Many more examples than width: well-conditioned gradient matrices, so
+  # Newton–Schulz (slope ~500 at small singular values) does not amplify
+  # summation-order rounding.
+  return jax.random.normal(jax.random.key(1), (512, WIDTH))
+
+
+@functools.cache
+def block_reference(steps):
+  """Single-device optax.contrib.muon (+ AdamW) on the block model."""
+  params = block_params()
+  return train_single_device(
+    optax_muon(DEDICATED_LR, params),
+    params,
+    lambda p: block_loss(p, block_batch()),
+    steps,
+  )
+
+
+def dedicated_loss(ded):
+  def loss(dp, x):
+    for i in range(BLOCKS):
+      x = ded.block(block_fn, f'layers_{i}')(dp, x)
+    return jnp.mean((x @ dp.rest['head']) ** 2)
+
+  return loss
+
+
+def dedicated_step(ded, opt, state):
+  """The explicit shard_map train step of the block model, dedicated."""
+  return explicit_step_fn(
+    opt, ded.mesh, state, dedicated_loss(ded), ded.specs()
+  )
+
+
+def dedicated_setup(shape, z3, **kwargs):
+  """``(ded, dp, opt, state, x)`` for the block model on ``shape``."""
+  mesh = make_mesh(shape)
+  params = block_params()
+  ded = dmuon_jax.dedicate(params, mesh, reshard_after_forward=z3)
+  dp = ded.to_dedicated(jax.device_put(params, NamedSharding(mesh, P())))
+  opt = dmuon_jax.dedicated_muon(ded, DEDICATED_LR, **kwargs)
+  state = opt.init(dp)
+  x = jax.device_put(block_batch(), NamedSharding(mesh, P(AXES)))
+  return ded, dp, opt, state, x
+
+
+# -- compiled-program accounting ------------------------------------------------
+
+
+ALL_2D = lambda path, x: x.ndim == 2
+
+
+def muon_bytes(params, predicate=None):
+  labels = dmuon_jax.muon_labels(params, predicate=predicate)
+  return sum(
+    x.size * x.dtype.itemsize
+    for x, l in zip(jax.tree.leaves(params), jax.tree.leaves(labels))
+    if l == 'muon'
+  )
+
+
+def without_finite_flags(test, report):
+  """Collective counts and bytes without the "all finite?" flags.
+
+  With the default nonfinite='skip', the step checks gradients, updates and
+  the new (owner-sharded) state for NaN/Inf on every device: XLA reduces the
+  per-leaf booleans in at most one small all-reduce.
+  """
+  flags = [
+    c
+    for c in report.collectives
+    if c.kind == 'all-reduce' and c.dtype == 'pred'
+  ]
+  test.assertLessEqual(len(flags), 1)
+  test.assertTrue(all(c.bytes < 1024 for c in flags), flags)
+  kinds = dict(report.count_by_kind)
+  if flags:
+    kinds['all-reduce'] -= 1
+    if not kinds['all-reduce']:
+      del kinds['all-reduce']
+  return kinds, report.total_bytes() - sum(c.total_bytes for c in flags)
+
+
+def branch_ns_flops(ded):
+  """Matmul FLOPs of a dedicated update's program, as dot_flops counts
+  them: per gather group (one lax.switch over owners, run once, or once per
+  scan iteration) its busiest owner's Newton-Schulz cost."""
+  return sum(
+    max(iters, 1) * max(lay.plan.slot_costs())
+    for lay, iters in zip(ded.layouts, ded.num_iterations)
+  )
+
+
+def assert_only_the_finite_flag(test, report):
+  """The update's one collective: the all-devices "all finite?" flag of the
+  default nonfinite='skip' policy (a scalar); no Muon data moves."""
+  test.assertLessEqual(set(report.count_by_kind), {'all-reduce'})
+  test.assertLessEqual(report.count_by_kind.get('all-reduce', 0), 1)
+  for c in report.collectives:
+    test.assertLessEqual(int(np.prod(c.shape)), 1, c)
+
+
+# -- subprocesses ---------------------------------------------------------------
+
+
+def subprocess_env():
+  """The environment of a test's child process: the repo on the path, its
+  own device count, and the run's shared compilation cache (children that
+  compile the same programs, e.g. the kill-9 restarts, compile once)."""
+  env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHON=sys.executable)
+  env.pop('XLA_FLAGS', None)
+  cache = os.environ.get('DMUON_TEST_COMPILATION_CACHE')
+  if cache:
+    env['JAX_COMPILATION_CACHE_DIR'] = cache
+    env['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
+    env['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '0'
+  return env
+
+
+def run_script(args, timeout=600, executable=(sys.executable,)):
+  """Runs a repo script in a fresh process (its own device count)."""
+  proc = subprocess.run(
+    list(executable) + args,
+    cwd=ROOT,
+    env=subprocess_env(),
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    check=False,
+  )
+  if proc.returncode:
+    raise AssertionError(f'{args} failed:\n{proc.stdout}\n{proc.stderr}')
+  return proc.stdout

@@ -239,7 +239,7 @@ class ExamplesTest(absltest.TestCase):
     lines = pathlib.Path(out_dir, 'scaling_quick.json').read_text()
     records = [json.loads(line) for line in lines.splitlines() if line]
     rows = [r for r in records if r['config'] != 'summary']
-    self.assertEqual(sorted({r['devices'] for r in rows}), [1, 2, 4, 8])
+    self.assertEqual(sorted({r['devices'] for r in rows}), [1, 2, 8])
     for r in rows:
       # Newton-Schulz (matmul) FLOPs of the busiest device vs the floor; the
       # XLA total adds elementwise work (large share at these tiny sizes).
@@ -266,7 +266,7 @@ class ExamplesTest(absltest.TestCase):
       r['devices']: r['flops_per_device'] for r in rows if r['size'] == largest
     }
     self.assertLess(flops[2], flops[1])
-    self.assertLess(flops[4], flops[2])
+    self.assertLess(flops[8], flops[2])
     for ext in ('md', 'png'):
       self.assertTrue(pathlib.Path(out_dir, f'scaling_quick.{ext}').exists())
 

@@ -65,7 +65,7 @@ SIZES = {
 FULL_SIZES = 'small,medium,large'
 QUICK_SIZES = 'mini'
 FULL_DEVICES = '1,2,4,8,16,32'
-QUICK_DEVICES = '1,2,4,8'
+QUICK_DEVICES = '1,2,8'
 FLOPS_TOLERANCE = 0.15
 
 

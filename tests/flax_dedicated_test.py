@@ -91,7 +91,8 @@ def name(shape, scan, z3, per_gather, fsdp_rest=False):
 # (shape, scan, z3, layers per gather, non-Muon params FSDP-sharded): loop
 # and scanned stacks, Z2 and Z3, FSDP (1x8), HSDP (2x4) and DDP (8x1), two
 # layers per gather (no padding) and one (100% padding), replicated and
-# FSDP-sharded embedding, norms and head. Each runs 20 steps against
+# FSDP-sharded embedding, norms and head (once: how the rest is stored does
+# not depend on the stack's form or the Z mode). Each runs 20 steps against
 # optax.contrib.muon and is checked for bytes and memory.
 GRID = [
   ((1, 8), False, False, 2),
@@ -104,7 +105,6 @@ GRID = [
   ((8, 1), False, True, 2),
   ((1, 8), False, True, 1),
   ((1, 8), False, True, 2, True),
-  ((1, 8), True, False, 2, True),
 ]
 CONFIGS = [(name(*c), *c) for c in GRID]
 

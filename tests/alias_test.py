@@ -21,6 +21,8 @@ SLOW_CASES = (
   r'reference_loop_nesterov',
   r'you_vs_dion',
   r'nesterov_consistent_rms_wd',
+  r'gram_algorithm_close_to_direct',
+  r'jordan_vs_standard',
 )
 
 

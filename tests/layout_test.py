@@ -27,6 +27,8 @@ SLOW_CASES = (
   r'nnx_helpers_convert_between_layouts',
   r'injected_and_scheduled_match_optax_auto',
   r'orbax_round_trip_of_nnx_state',
+  r'injected_and_scheduled_match_optax_explicit',
+  r'route_like_plain_init_auto',
 )
 
 AXES = ('replicate', 'shard')

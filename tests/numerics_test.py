@@ -22,6 +22,7 @@ SLOW_CASES = (
   r'mesh_parity_random',
   r'dedicated_nan_on_one_device',
   r'parity_with_optax',
+  r'ns_finite_and_bounded',
 )
 
 AXES = ('replicate', 'shard')

@@ -18,6 +18,14 @@ param layout, also in dedicated mode); :func:`save_nnx` and
 :func:`restore_nnx` do the same for a Flax ``nnx.Optimizer`` and its model.
 orbax-checkpoint is needed for those (``pip install orbax-checkpoint``).
 
+A checkpoint is never lost quietly: ``save`` rejects a step that is not a
+non-negative integer (``restore`` would never find it) and, given ``opt=``
+(always in ``save_nnx``), a state that is not that optimizer's, before
+writing anything; ``restore`` raises ``FileNotFoundError`` for a path that
+is not a directory (an empty directory is "no checkpoint yet": None), and
+:class:`CheckpointDamagedError` for a step whose files cannot be read,
+falling back to an older step only with ``if_damaged='older'``.
+
 Examples:
   >>> import jax, jax.numpy as jnp
   >>> import dmuon_jax
@@ -33,9 +41,14 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import json
 import os
 import pathlib
-from typing import Any, NamedTuple
+import re
+import warnings
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +60,31 @@ from jax.sharding import PartitionSpec as P
 from dmuon_jax import _dedicated, _mesh, _owner_layout, _transform
 
 COMMIT_MARKER = 'commit_success.txt'
+
+
+class CheckpointDamagedError(ValueError):
+  """A complete checkpoint step whose files cannot be read back.
+
+  Raised by :func:`restore` and :func:`restore_nnx` when orbax (or
+  TensorStore under it) fails on a step's files: a truncated or deleted
+  data file, a metadata file overwritten with something that is not what
+  orbax wrote. The step was committed, so the damage came after the save
+  (disk, copy, a person). It is a ``ValueError``, so ``except ValueError``
+  still catches it, but it is never raised for a target that does not fit
+  (those stay plain ``ValueError`` naming the leaves).
+
+  Attributes:
+    step: the damaged step.
+    file: the file that could not be read (the step's directory where
+      orbax does not say which file).
+    directory: the checkpoint root directory.
+  """
+
+  def __init__(self, message: str, *, step: int, file, directory):
+    super().__init__(message)
+    self.step = step
+    self.file = pathlib.Path(file)
+    self.directory = pathlib.Path(directory)
 
 
 class PortableDMuonState(NamedTuple):
@@ -314,12 +352,85 @@ def _plain_params(params):
   return params
 
 
+def _as_step(step, where: str) -> int:
+  """``step`` as a Python int, or a TypeError/ValueError saying why not."""
+  dtype = getattr(step, 'dtype', None)
+  if isinstance(step, int) and not isinstance(step, bool):
+    value = step
+  elif (
+    dtype is not None
+    and np.shape(step) == ()
+    and jnp.issubdtype(dtype, jnp.integer)
+  ):
+    value = int(step)
+  else:
+    what = (
+      type(step).__name__
+      if dtype is None
+      else f'{jnp.dtype(dtype).name} array of shape {np.shape(step)}'
+    )
+    raise TypeError(
+      f'dmuon_jax checkpoint.{where}: step={step!r} ({what}) is not an '
+      'integer. Pass the training step as a '
+      'non-negative int (or a 0-d integer array such as '
+      'optimizer.step[...]): steps are directories named by the number, '
+      'and restore only finds those named by non-negative integers.'
+    )
+  if value < 0:
+    raise ValueError(
+      f'dmuon_jax checkpoint.{where}: step={value} is negative. Pass the '
+      'non-negative training step (e.g. the number of updates applied so '
+      'far): restore only finds step directories named by non-negative '
+      'integers, so this checkpoint would be lost.'
+    )
+  return value
+
+
+def _check_state_of(opt, params, portable) -> None:
+  """Raises unless ``portable`` is the portable form of a state of ``opt``."""
+  if not callable(getattr(opt, 'init', None)):
+    raise TypeError(
+      'dmuon_jax checkpoint.save: opt= takes the optimizer (an '
+      f'optax.GradientTransformation) whose state is saved; got '
+      f'{type(opt).__name__}. Pass the optimizer, or leave opt out to save '
+      'without checking the state.'
+    )
+  try:
+    abstract = jax.eval_shape(opt.init, params)
+  except Exception as e:  # opt.init's own errors, whatever they are
+    raise ValueError(
+      'dmuon_jax checkpoint.save: opt.init(params) failed '
+      f'({type(e).__name__}: {e}), so opt_state cannot be checked against '
+      'opt. Pass the params opt was initialised with (the DedicatedParams '
+      'in dedicated mode) and the optimizer that made opt_state.'
+    ) from e
+  parts = _diff_parts(
+    _sigs_by_path({'opt_state': portable}),
+    _sigs_by_path({'opt_state': _portable_abstract(abstract)}),
+    what='shapes/dtypes',
+    have_name='opt_state',
+    want_name='opt.init(params)',
+    only_want='not in opt_state',
+    only_have='in opt_state but not in opt.init(params)',
+  )
+  if parts:
+    raise ValueError(
+      'dmuon_jax checkpoint.save: opt_state is not a state of opt (compared '
+      'with jax.eval_shape(opt.init, params), both in mesh-independent '
+      f'form): {" | ".join(parts)}. Nothing was written. Save the state '
+      "returned by this optimizer's init/update, or pass as opt= the "
+      'optimizer that made opt_state (same transformations, same Muon '
+      'routing).'
+    )
+
+
 def save(
   directory,
   step: int,
   params,
   opt_state,
   *,
+  opt: optax.GradientTransformation | None = None,
   max_to_keep: int | None = None,
   extra: dict | None = None,
 ) -> pathlib.Path:
@@ -327,26 +438,44 @@ def save(
 
   Blocks until the checkpoint is committed (orbax writes into a temporary
   directory and renames it, so a killed save leaves no complete step).
+  Nothing is written when an argument is rejected.
 
   Args:
     directory: the checkpoint root directory (created if missing).
-    step: the training step.
+    step: the training step: a non-negative int, or a numpy/jax integer
+      scalar (a 0-d integer array such as an ``nnx.Optimizer``'s
+      ``step[...]``).
     params: the params (any sharding; saved as global arrays), or the
       :class:`dmuon_jax.DedicatedParams` of dedicated mode (saved in param
       layout).
     opt_state: the optimizer state (saved in portable form, see
       :func:`state_to_portable`).
+    opt: the optimizer that made ``opt_state``. When given, ``opt_state``
+      is checked against ``jax.eval_shape(opt.init, params)`` (leaf paths,
+      shapes and dtypes) before anything is written, so a state of another
+      optimizer (or of other Muon routing) fails here and not at restore
+      time. Without it the state is saved as given.
     max_to_keep: keep only this many latest checkpoints (None: all).
     extra: optional tree of small arrays saved too (e.g. a data RNG key).
 
   Returns:
     The step directory.
+
+  Raises:
+    TypeError: if ``step`` is not an integer (a bool, float or str), or
+      ``opt`` is not an optimizer.
+    ValueError: if ``step`` is negative, or ``opt_state`` is not a state of
+      ``opt`` (names the first differing leaves).
   """
+  step = _as_step(step, 'save')
   ocp = _ocp()
   directory = pathlib.Path(os.path.abspath(directory))
+  portable = state_to_portable(opt_state)
+  if opt is not None:
+    _check_state_of(opt, params, portable)
   tree = {
     'params': _plain_params(params),
-    'opt_state': state_to_portable(opt_state),
+    'opt_state': portable,
   }
   if extra is not None:
     tree['extra'] = extra
@@ -410,6 +539,41 @@ def _to_dedicated_like(params, dp_like: _dedicated.DedicatedParams):
   )
 
 
+_IF_DAMAGED = ('raise', 'older')
+
+
+def _check_directory(directory, where: str) -> pathlib.Path:
+  """The absolute root, or FileNotFoundError if it is not a directory."""
+  root = pathlib.Path(os.path.abspath(directory))
+  if not root.exists():
+    raise FileNotFoundError(
+      f'dmuon_jax checkpoint.{where}: {str(directory)!r} does not exist, so '
+      'there is no checkpoint to restore. Pass the directory given to save '
+      '(check the path for a typo). If starting fresh is intended, create '
+      'the directory first (os.makedirs(directory, exist_ok=True): an empty '
+      'directory restores as None) or check os.path.isdir(directory) before '
+      'restoring.'
+    )
+  if not root.is_dir():
+    raise FileNotFoundError(
+      f'dmuon_jax checkpoint.{where}: {str(directory)!r} is a file, not a '
+      'checkpoint directory. Pass the directory given to save (it holds one '
+      'directory per step), not a file in it.'
+    )
+  return root
+
+
+def _check_not_a_step(root: pathlib.Path, where: str) -> None:
+  """Raises if ``root`` (with no complete step) is itself a step directory."""
+  if root.name.isdigit() and (root / COMMIT_MARKER).is_file():
+    raise ValueError(
+      f'dmuon_jax checkpoint.{where}: {str(root)!r} is the directory of '
+      f'step {root.name}, not a checkpoint root. Pass its parent '
+      f'{str(root.parent)!r} (the directory given to save), with '
+      f'step={root.name} to restore this step.'
+    )
+
+
 def restore(
   directory,
   params_like,
@@ -418,11 +582,13 @@ def restore(
   *,
   extra_like=None,
   dedication=None,
+  if_damaged: Literal['raise', 'older'] = 'raise',
 ):
   """Restores the latest (or ``step``) complete checkpoint.
 
   Args:
-    directory: the checkpoint root directory.
+    directory: the checkpoint root directory given to :func:`save`. It must
+      exist: an empty one means no checkpoint yet (returns None).
     params_like: the target params: a tree of arrays or
       ``jax.ShapeDtypeStruct`` giving shapes, dtypes and shardings (any
       mesh, or one device: leaves without a sharding go to the first
@@ -432,39 +598,115 @@ def restore(
       is made by ``opt.init`` on the restored params), a state laid out as
       wanted (``opt.init(params)`` or ``jax.eval_shape`` of it), or None to
       restore the params only.
-    step: the step to restore (default: the latest complete one).
+    step: the step to restore (default: the latest complete one). An
+      explicit step is never replaced by another one.
     extra_like: the ``extra`` tree given to :func:`save`, as a target.
     dedication: for dedicated mode with a plain ``params_like``: the
       :class:`dmuon_jax.Dedication` on the target mesh; the params come back
       as its :class:`dmuon_jax.DedicatedParams`.
+    if_damaged: what to do when the latest complete step is damaged (see
+      :class:`CheckpointDamagedError`): ``'raise'`` (default) raises;
+      ``'older'`` warns (naming the step and the file) and restores the
+      newest undamaged complete step instead. Ignored with ``step``.
 
   Returns:
-    None if there is no complete checkpoint, else
+    None if ``directory`` holds no complete checkpoint, else
     ``(step, params, opt_state)`` (``opt_state`` None without ``opt``), plus
     ``extra`` as a fourth element when ``extra_like`` is given.
 
   Raises:
+    FileNotFoundError: if ``directory`` does not exist or is not a
+      directory, or ``step`` is given and not a complete checkpoint.
+    CheckpointDamagedError: if the step's files cannot be read (with
+      ``if_damaged='older'``: if no complete step can).
     ValueError: if ``params_like`` (or the optimizer state) differs from
-      the saved tree: names the leaves missing, added, or of another shape.
-    FileNotFoundError: if ``step`` is given and not a complete checkpoint.
+      the saved tree: names the leaves missing, added, or of another shape;
+      if ``directory`` is a step directory; if ``if_damaged`` is unknown.
+    TypeError: if ``step`` is not an integer.
   """
-  if step is None:
-    step = latest_step(directory)
-    if step is None:
-      return None
-  elif step not in complete_steps(directory):
-    raise FileNotFoundError(
-      f'dmuon_jax checkpoint: no complete step {step} under {directory}.'
+  return _restore(
+    directory,
+    params_like,
+    opt,
+    step,
+    extra_like=extra_like,
+    dedication=dedication,
+    if_damaged=if_damaged,
+    where='restore',
+  )
+
+
+def _restore(
+  directory,
+  params_like,
+  opt,
+  step,
+  *,
+  extra_like,
+  dedication,
+  if_damaged,
+  where,
+):
+  if if_damaged not in _IF_DAMAGED:
+    raise ValueError(
+      f'dmuon_jax checkpoint.{where}: {if_damaged=}; expected one of '
+      f'{_IF_DAMAGED}.'
     )
-  path = pathlib.Path(os.path.abspath(directory)) / str(step) / 'default'
+  root = _check_directory(directory, where)
+  steps = complete_steps(root)
+  kwargs = dict(extra_like=extra_like, dedication=dedication)
+  if step is not None:
+    step = _as_step(step, where)
+    if step not in steps:
+      raise FileNotFoundError(
+        f'dmuon_jax checkpoint.{where}: no complete step {step} under '
+        f'{directory} (complete steps: {steps}).'
+      )
+    return _restore_step(root, step, steps, params_like, opt, **kwargs)
+  if not steps:
+    _check_not_a_step(root, where)
+    return None
+  damaged = []
+  for candidate in reversed(steps):
+    try:
+      return _restore_step(root, candidate, steps, params_like, opt, **kwargs)
+    except CheckpointDamagedError as e:
+      if if_damaged == 'raise':
+        raise
+      damaged.append(e)
+      warnings.warn(
+        f'dmuon_jax checkpoint.{where}: step {e.step} is damaged ({e.file} '
+        'cannot be read); trying the next older complete step. Delete or '
+        f'move {root / str(e.step)} once you no longer need it.',
+        stacklevel=3,
+      )
+  raise CheckpointDamagedError(
+    f'dmuon_jax checkpoint.{where}: every complete step under {root} is '
+    'damaged: '
+    + '; '.join(f'step {e.step}: {e.file}' for e in damaged)
+    + '. There is nothing to restore: start from scratch (move the '
+    'directory away first) or recover the files from a copy.',
+    step=damaged[-1].step,
+    file=damaged[-1].file,
+    directory=root,
+  ) from damaged[-1]
+
+
+def _restore_step(
+  root, step, steps, params_like, opt, *, extra_like=None, dedication=None
+):
+  path = root / str(step) / 'default'
+  read = functools.partial(_reading, root, step, steps)
   dp_like = None
   if isinstance(params_like, _dedicated.DedicatedParams):
     dp_like = params_like
     params_like = _dedicated_like(dp_like)
-  saved = _saved_tree(path)
+  with read():
+    saved = _saved_tree(path)
   params_abs = jax.tree.map(_place_like, params_like)
   _check_saved(saved, {'params': params_abs}, step)
-  params = _partial_restore(path, {'params': params_abs})['params']
+  with read():
+    params = _partial_restore(path, {'params': params_abs})['params']
   if dp_like is not None:
     params = _to_dedicated_like(params, dp_like)
   elif dedication is not None:
@@ -476,12 +718,14 @@ def restore(
     )
     abstract = _portable_abstract(target)
     _check_saved(saved, {'opt_state': abstract}, step)
-    portable = _partial_restore(path, {'opt_state': abstract})['opt_state']
+    with read():
+      portable = _partial_restore(path, {'opt_state': abstract})['opt_state']
     opt_state = state_from_portable(portable, target)
   if extra_like is not None:
-    extra = _partial_restore(
-      path, {'extra': jax.tree.map(_place_like, extra_like)}
-    )['extra']
+    with read():
+      extra = _partial_restore(
+        path, {'extra': jax.tree.map(_place_like, extra_like)}
+      )['extra']
     return step, params, opt_state, extra
   return step, params, opt_state
 
@@ -507,11 +751,14 @@ def save_nnx(
   """Saves a Flax NNX model's params and its ``nnx.Optimizer`` state.
 
   The optimizer state is saved in portable form (restorable onto another
-  mesh or layout with :func:`restore_nnx`), with ``optimizer.step``.
+  mesh or layout with :func:`restore_nnx`), with ``optimizer.step``. It is
+  checked against ``optimizer.tx`` first (as :func:`save` with ``opt=``).
+  Nothing is written when an argument is rejected.
 
   Args:
     directory: the checkpoint root directory.
-    step: the training step.
+    step: the training step: a non-negative int, or an integer scalar such
+      as ``optimizer.step[...]``.
     model: the ``nnx.Module``.
     optimizer: its ``nnx.Optimizer``.
     max_to_keep: keep only this many latest checkpoints (None: all).
@@ -519,7 +766,13 @@ def save_nnx(
 
   Returns:
     The step directory.
+
+  Raises:
+    TypeError: if ``step`` is not an integer (a bool, float or str).
+    ValueError: if ``step`` is negative, or the optimizer's state is not a
+      state of ``optimizer.tx`` on the model's params (names the leaves).
   """
+  step = _as_step(step, 'save_nnx')
   nnx = _nnx()
   params = nnx.to_pure_dict(nnx.state(model, optimizer.wrt))
   more = {'optimizer_step': nnx.as_pure(optimizer.step)}
@@ -530,13 +783,20 @@ def save_nnx(
     step,
     params,
     nnx.as_pure(optimizer.opt_state),
+    opt=optimizer.tx,
     max_to_keep=max_to_keep,
     extra=more,
   )
 
 
 def restore_nnx(
-  directory, model, optimizer, step: int | None = None, *, extra_like=None
+  directory,
+  model,
+  optimizer,
+  step: int | None = None,
+  *,
+  extra_like=None,
+  if_damaged: Literal['raise', 'older'] = 'raise',
 ):
   """Restores :func:`save_nnx`'s checkpoint into a model and its optimizer.
 
@@ -546,15 +806,26 @@ def restore_nnx(
   optimizer's layout.
 
   Args:
-    directory: the checkpoint root directory.
+    directory: the checkpoint root directory given to :func:`save_nnx`. It
+      must exist: an empty one means no checkpoint yet (returns None).
     model: the ``nnx.Module`` (its params give shapes and shardings).
     optimizer: its ``nnx.Optimizer``.
-    step: the step to restore (default: the latest complete one).
+    step: the step to restore (default: the latest complete one). An
+      explicit step is never replaced by another one.
     extra_like: the ``extra`` tree given to :func:`save_nnx`, as a target.
+    if_damaged: ``'raise'`` (default) or ``'older'``: as in :func:`restore`.
 
   Returns:
-    None if there is no complete checkpoint, else the step restored (and
-    ``extra`` when ``extra_like`` is given).
+    None if there is no complete checkpoint (nothing is updated), else the
+    step restored (and ``extra`` when ``extra_like`` is given).
+
+  Raises:
+    FileNotFoundError: if ``directory`` does not exist or is not a
+      directory, or ``step`` is given and not a complete checkpoint.
+    CheckpointDamagedError: if the step's files cannot be read.
+    ValueError: if the model or optimizer does not fit the checkpoint
+      (names the leaves).
+    TypeError: if ``step`` is not an integer.
   """
   nnx = _nnx()
   state = nnx.state(model, optimizer.wrt)
@@ -562,12 +833,15 @@ def restore_nnx(
   more_like = {'optimizer_step': nnx.as_pure(optimizer.step)}
   if extra_like is not None:
     more_like['user'] = extra_like
-  got = restore(
+  got = _restore(
     directory,
     params_like,
     nnx.as_pure(optimizer.opt_state),
     step,
     extra_like=more_like,
+    dedication=None,
+    if_damaged=if_damaged,
+    where='restore_nnx',
   )
   if got is None:
     return None
@@ -585,11 +859,19 @@ def restore_nnx(
 
 
 def _saved_tree(path):
-  """The saved tree's array metadata (orbax), as nested containers."""
+  """The saved tree's array metadata (orbax), as nested containers.
+
+  Asks the handler, not a checkpointer: ``Checkpointer.metadata`` logs and
+  returns None for unreadable metadata, which would read as an empty tree.
+  """
   ocp = _ocp()
-  with ocp.PyTreeCheckpointer() as ckptr:
-    meta = ckptr.metadata(path)
-  meta = getattr(meta, 'item_metadata', meta)
+  from etils import epath  # pylint: disable=import-outside-toplevel
+
+  handler = ocp.PyTreeCheckpointHandler()
+  try:
+    meta = handler.metadata(epath.Path(path))
+  finally:
+    handler.close()
   return getattr(meta, 'tree', meta)
 
 
@@ -611,6 +893,56 @@ def _shapes_by_path(tree) -> dict[str, tuple]:
   return {_path_str(p): tuple(getattr(x, 'shape', ())) for p, x in leaves}
 
 
+def _is_empty_node(x) -> bool:
+  """None, or a NamedTuple without fields (``EmptyState``, ``MaskedNode``)."""
+  return x is None or (isinstance(x, tuple) and getattr(x, '_fields', 1) == ())
+
+
+def _sigs_by_path(tree) -> dict[str, str]:
+  """Per leaf path: ``'(8, 16) float32'``, or the empty node's type.
+
+  Empty nodes count as leaves, so ``adam`` and ``adamw`` (one more
+  ``EmptyState``) or a leaf masked differently (``MaskedNode``) differ.
+  Containers do not (an ``nnx.State`` and its pure dict agree).
+  """
+  leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_empty_node)
+  out = {}
+  for p, x in leaves[0]:
+    if _is_empty_node(x):
+      out[_path_str(p)] = 'None' if x is None else f'{type(x).__name__}()'
+    else:
+      dtype = getattr(x, 'dtype', None)
+      dtype = '' if dtype is None else f' {jnp.dtype(dtype).name}'
+      out[_path_str(p)] = f'{tuple(np.shape(x))}{dtype}'
+  return out
+
+
+def _diff_parts(
+  have, want, *, what, have_name, want_name, only_want, only_have
+) -> list[str]:
+  """The differences of two ``path -> signature`` dicts (up to 8 each)."""
+  missing = sorted(set(want) - set(have))
+  extra = sorted(set(have) - set(want))
+  differ = sorted(
+    f'{p}: {have_name} {have[p]}, {want_name} {want[p]}'
+    for p in set(want) & set(have)
+    if have[p] != want[p]
+  )
+
+  def first(items, sep):
+    more = f' (and {len(items) - 8} more)' if len(items) > 8 else ''
+    return sep.join(items[:8]) + more
+
+  parts = []
+  if differ:
+    parts.append(f'different {what}: ' + first(differ, '; '))
+  if missing:
+    parts.append(f'{only_want}: ' + first(missing, ', '))
+  if extra:
+    parts.append(f'{only_have}: ' + first(extra, ', '))
+  return parts
+
+
 def _check_saved(saved, wanted, step) -> None:
   """Raises unless every array of ``wanted`` was saved with its shape."""
   top = next(iter(wanted))
@@ -618,30 +950,22 @@ def _check_saved(saved, wanted, step) -> None:
     {top: saved.get(top)} if isinstance(saved, dict) else saved
   )
   have = {p: s for p, s in have.items() if p.split('/')[0] == top}
-  want = _shapes_by_path(wanted)
-  missing = sorted(set(want) - set(have))
-  extra = sorted(set(have) - set(want))
-  shapes = sorted(
-    f'{p}: saved {have[p]}, target {want[p]}'
-    for p in set(want) & set(have)
-    if have[p] != want[p]
+  parts = _diff_parts(
+    have,
+    _shapes_by_path(wanted),
+    what='shapes',
+    have_name='saved',
+    want_name='target',
+    only_want='not in the checkpoint',
+    only_have='in the checkpoint but not in the target',
   )
-  if not (missing or extra or shapes):
+  if not parts:
     return
   what = (
     'params'
     if top == 'params'
     else 'optimizer state (in its mesh-independent form)'
   )
-  parts = []
-  if shapes:
-    parts.append('different shapes: ' + '; '.join(shapes[:8]))
-  if missing:
-    parts.append('not in the checkpoint: ' + ', '.join(missing[:8]))
-  if extra:
-    parts.append(
-      'in the checkpoint but not in the target: ' + ', '.join(extra[:8])
-    )
   fix = (
     'Build params_like from the model config the checkpoint was saved '
     'with (same tree, same shapes).'
@@ -669,8 +993,109 @@ def _partial_restore(path, abstract):
     )
 
 
+# ------------------------------------------------------ damaged checkpoints
+
+# TensorStore's status codes for files that are missing, short or garbled.
+_TS_DAMAGE = re.compile(
+  r'\b(DATA_LOSS|OUT_OF_RANGE|NOT_FOUND|FAILED_PRECONDITION)\b'
+)
+_TS_FILE = re.compile(r'local file "([^"]+)"')
+# The JSON files orbax reads back, relative to a step's item directory.
+_JSON_FILES = ('_METADATA', '_sharding')
+
+
+def _messages(e: BaseException) -> list[str]:
+  out = []
+  while e is not None and len(out) < 8:
+    out.append(str(e))
+    e = e.__cause__ or e.__context__
+  return out
+
+
+def _damaged_file(step_dir: pathlib.Path, e: BaseException):
+  """The file of ``step_dir`` that ``e`` shows is damaged, or None.
+
+  None when nothing says the files are at fault (then ``e`` is not
+  translated): a file under ``step_dir`` named in TensorStore's message, a
+  required file missing, a JSON file that does not parse, or (naming the
+  directory) a JSON error or a TensorStore data-loss status.
+  """
+  item = step_dir / 'default'
+  texts = _messages(e)
+  for text in texts:
+    for name in reversed(_TS_FILE.findall(text)):
+      p = pathlib.Path(name)
+      if not name.endswith('/') and p.is_relative_to(step_dir):
+        return p
+  required = [item / '_METADATA']
+  if (item / 'd').is_dir():
+    required.append(item / 'manifest.ocdbt')
+  for p in required:
+    if not p.is_file():
+      return p
+  jsons = [item / n for n in _JSON_FILES]
+  jsons += sorted((item / 'array_metadatas').glob('*'))
+  for p in jsons:
+    if p.is_file():
+      try:
+        json.loads(p.read_bytes())
+      except ValueError:  # JSONDecodeError and UnicodeDecodeError
+        return p
+  if isinstance(e, json.JSONDecodeError) or any(
+    _TS_DAMAGE.search(t) for t in texts
+  ):
+    return item
+  return None
+
+
+def _reason(e: BaseException) -> str:
+  text = str(e).split(' [tensorstore_spec=')[0].splitlines()
+  text = text[0] if text else ''
+  text = text if len(text) <= 300 else text[:297] + '...'
+  return f'{type(e).__name__}: {text}'
+
+
+@contextlib.contextmanager
+def _reading(root: pathlib.Path, step: int, steps: list[int]):
+  """Turns orbax's failures on damaged files into CheckpointDamagedError."""
+  try:
+    yield
+  except CheckpointDamagedError:
+    raise
+  except Exception as e:  # orbax, TensorStore, json: whatever they raise
+    step_dir = root / str(step)
+    file = _damaged_file(step_dir, e)
+    if file is None:
+      raise
+    others = [s for s in steps if s != step]
+    older = [s for s in others if s < step]
+    fix = (
+      f'Restore another complete step ({others}) with step=N'
+      + (
+        ", or (without step=) pass if_damaged='older' to fall back to the "
+        'newest undamaged one'
+        if older
+        else ''
+      )
+      if others
+      else 'There is no other complete step: recover the files from a copy '
+      'or start from scratch'
+    )
+    raise CheckpointDamagedError(
+      f'dmuon_jax checkpoint: step {step} under {root} is damaged: {file} '
+      f'cannot be read ({_reason(e)}). The step was committed, so its files '
+      'changed after the save; this is not about the targets it is '
+      f'restored onto. {fix}; delete or move {step_dir} so that later '
+      'restores skip it.',
+      step=step,
+      file=file,
+      directory=root,
+    ) from e
+
+
 __all__ = (
   'COMMIT_MARKER',
+  'CheckpointDamagedError',
   'PortableDMuonState',
   'complete_steps',
   'latest_step',

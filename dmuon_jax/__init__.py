@@ -6,6 +6,7 @@ from dmuon_jax import checkpoint as checkpoint
 from dmuon_jax import diagnostics as diagnostics
 from dmuon_jax._alias import dmuon as dmuon
 from dmuon_jax._alias import muon_labels as muon_labels
+from dmuon_jax._alias import routing_summary as routing_summary
 from dmuon_jax._boundaries import HookBoundaries as HookBoundaries
 from dmuon_jax._boundaries import find_hook_boundaries as find_hook_boundaries
 from dmuon_jax._dedicated import DedicatedMuonState as DedicatedMuonState
@@ -34,10 +35,10 @@ from dmuon_jax._owner_layout import OwnerLayout as OwnerLayout
 from dmuon_jax._planner import OwnershipPlan as OwnershipPlan
 from dmuon_jax._planner import default_muon_predicate as default_muon_predicate
 from dmuon_jax._planner import plan_ownership as plan_ownership
+from dmuon_jax._report import DMuonWarning as DMuonWarning
 from dmuon_jax._tensor_parallel import (
   orthogonalize_via_gram_newton_schulz_tp as orthogonalize_via_gram_newton_schulz_tp,
 )
-from dmuon_jax._transform import DMuonWarning as DMuonWarning
 from dmuon_jax._transform import ScaleByDMuonState as ScaleByDMuonState
 from dmuon_jax._transform import owner_layouts as owner_layouts
 from dmuon_jax._transform import scale_by_dmuon as scale_by_dmuon
@@ -85,6 +86,7 @@ __all__ = (
   'orthogonalize_via_newton_schulz',
   'owner_layouts',
   'plan_ownership',
+  'routing_summary',
   'resolve_ns_coeffs',
   'scale_by_dedicated_muon',
   'scale_by_dmuon',

@@ -8,13 +8,21 @@ from typing import Any, Literal
 import jax
 import optax
 
-from dmuon_jax import _explicit, _mesh, _owner_update, _planner, _transform
+from dmuon_jax import (
+  _explicit,
+  _hyperparams,
+  _mesh,
+  _owner_update,
+  _planner,
+  _report,
+  _transform,
+)
 
 
 def muon_labels(
   params: optax.Params,
   *,
-  predicate: Callable[[str, Any], bool] | None = None,
+  predicate: Callable[[str, Any], bool] | Literal['optax'] | None = None,
   muon_weight_dimension_numbers: _transform.WeightDimNumbers = None,
 ) -> optax.Params:
   """Labels each leaf ``'muon'`` or ``'adam'`` as :func:`dmuon` routes it.
@@ -32,11 +40,76 @@ def muon_labels(
     params,
     predicate=predicate,
     weight_dimension_numbers=muon_weight_dimension_numbers,
+    dims_arg=_DIMS_ARG,
   )
   treedef = jax.tree.structure(params)
   return jax.tree.unflatten(
     treedef, ['adam' if s is None else 'muon' for s in specs]
   )
+
+
+def routing_summary(
+  params: optax.Params,
+  *,
+  predicate: Callable[[str, Any], bool] | Literal['optax'] | None = None,
+  muon_weight_dimension_numbers: _transform.WeightDimNumbers = None,
+) -> str:
+  """The one-line routing summary :func:`dmuon` logs on its first ``init``.
+
+  It counts the leaves and elements that go to Muon and to AdamW (as
+  :func:`muon_labels` labels them) and names the leaves that
+  :func:`optax.contrib.muon` with the same ``muon_weight_dimension_numbers``
+  routes otherwise (e.g. embeddings, heads and ``1 x n`` kernels, which the
+  default rule sends to AdamW).
+
+  Args:
+    params: a params tree (arrays or ``jax.ShapeDtypeStruct``).
+    predicate: as for :func:`dmuon`.
+    muon_weight_dimension_numbers: as for :func:`dmuon`.
+
+  Returns:
+    The summary line.
+
+  Examples:
+    >>> import jax.numpy as jnp, dmuon_jax
+    >>> params = {'embed': jnp.ones((64, 8)), 'w': jnp.ones((8, 8))}
+    >>> print(dmuon_jax.routing_summary(params))  # doctest: +NORMALIZE_WHITESPACE
+    dmuon routing: Muon 1 leaf (64 elements, 11.1%), AdamW 1 leaf (512
+    elements); optax.contrib.muon would orthogonalize 1 of the AdamW leaves:
+    'embed' (64, 8) (predicate='optax' routes as optax)
+  """
+  return _planner.route(
+    params,
+    predicate=predicate,
+    weight_dimension_numbers=muon_weight_dimension_numbers,
+    dims_arg=_DIMS_ARG,
+  ).summary
+
+
+_DIMS_ARG = 'muon_weight_dimension_numbers'
+
+
+def _reporting_routing(
+  inner: optax.GradientTransformation, predicate: Any, dims: Any
+) -> optax.GradientTransformation:
+  """Logs the routing on the first ``init`` (and warns if no leaf goes to
+  Muon)."""
+  reported = False
+
+  def init_fn(params):
+    nonlocal reported
+    if not reported:
+      routing = _planner.route(
+        params,
+        predicate=predicate,
+        weight_dimension_numbers=dims,
+        dims_arg=_DIMS_ARG,
+      )
+      _report.report_routing(routing, default_rule=predicate is None)
+      reported = True
+    return inner.init(params)
+
+  return optax.GradientTransformation(init_fn, inner.update)
 
 
 def _check_tree_at_update(
@@ -46,13 +119,15 @@ def _check_tree_at_update(
   a bare pytree mismatch)."""
 
   def update_fn(updates, state, params=None):
-    # The AdamW moments keep init's tree (Muon leaves as MaskedNode).
+    # The AdamW moments keep init's tree and shapes (Muon leaves as
+    # MaskedNode; the Muon chain checks their shapes itself).
     adam_mu = optax.tree_utils.tree_get(state.inner_states['adam'], 'mu')
     _planner.check_same_tree(
       updates,
       adam_mu,
       'update()',
       is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+      shapes=True,
     )
     return inner.update(updates, state, params)
 
@@ -112,13 +187,13 @@ def dmuon(
   adam_learning_rate: optax.ScalarOrSchedule | None = None,
   muon_weight_dimension_numbers: _transform.WeightDimNumbers = None,
   consistent_rms: jax.typing.ArrayLike | None = None,
-  predicate: Callable[[str, Any], bool] | None = None,
+  predicate: Callable[[str, Any], bool] | Literal['optax'] | None = None,
   momentum: Literal['optax', 'sgd'] = 'optax',
   mesh: jax.sharding.Mesh | None = None,
   axis_names: Sequence[str] | None = None,
   ns_algorithm: Literal['auto', 'standard', 'gram'] = 'auto',
   compute_dtype: jax.typing.DTypeLike | None = None,
-  tensor_parallel_axis: str | None = 'model',
+  tensor_parallel_axis: str | None = 'auto',
   nonfinite: Literal['skip', 'propagate'] = 'skip',
   param_specs: Any = None,
 ) -> optax.GradientTransformation:
@@ -141,14 +216,33 @@ def dmuon(
 
   Which leaves are Muon targets:
 
-  * ``predicate`` given: leaves where ``predicate(path, leaf)`` is true (and,
-    if ``muon_weight_dimension_numbers`` is given too, whose entry is not
-    None). ``path`` is ``'/'``-joined, e.g. ``'layers/0/attn/q/kernel'``.
+  * ``predicate='optax'``: :func:`optax.contrib.muon`'s rule, leaf for leaf:
+    every 2-D leaf (embeddings, heads and ``1 x n`` kernels included), or,
+    with ``muon_weight_dimension_numbers``, the leaves whose entry is a
+    ``MuonDimensionNumbers``.
+  * a callable ``predicate``: leaves where ``predicate(path, leaf)`` is true
+    (and, if ``muon_weight_dimension_numbers`` is given too, whose entry is
+    not None). ``path`` is ``'/'``-joined, e.g. ``'layers/0/attn/q/kernel'``.
   * else ``muon_weight_dimension_numbers`` given: leaves whose entry is a
     ``MuonDimensionNumbers`` (optax's rule).
-  * else :func:`dmuon_jax.default_muon_predicate`: 2-D matrices that are not
-    embeddings, output heads, norms or biases (optax would also send
-    embeddings and the LM head to Muon).
+  * else (the default) :func:`dmuon_jax.default_muon_predicate`: 2-D
+    matrices with both dimensions > 1 that are not embeddings, output heads,
+    norms or biases (optax would also send embeddings, the LM head and
+    ``1 x n`` kernels to Muon).
+
+  A Muon target of rank > 2 needs dimension numbers (a stack of matrices and
+  one flattened matrix are both possible readings). On its first ``init``
+  the optimizer logs the routing (logger ``'dmuon_jax'``, level INFO, the
+  line of :func:`dmuon_jax.routing_summary`: leaves and elements on Muon
+  and AdamW, and the leaves optax would route otherwise) and warns
+  (:class:`dmuon_jax.DMuonWarning`) when no leaf goes to Muon.
+
+  Hyperparameters given as numbers are checked at the call (a
+  ``ValueError``/``TypeError`` naming the argument): ``learning_rate`` and
+  ``adam_learning_rate`` a number >= 0 or a schedule, ``0 <= beta < 1``,
+  ``eps > 0``, ``0 <= adam_b1, adam_b2 < 1``, ``adam_eps_root >= 0``
+  (optax accepts all of these and diverges or divides by zero later).
+  Traced and injected values are used as given.
 
   Args:
     learning_rate: a scalar or schedule, see
@@ -183,7 +277,8 @@ def dmuon(
     consistent_rms: if set, scale updates by
       :math:`\sqrt{\max(\mathrm{fan\_in}, \mathrm{fan\_out})}` times this
       value instead of Jordan's width scaling.
-    predicate: optional ``(path, leaf) -> bool`` selecting Muon targets.
+    predicate: (optional, default None: the default rule) ``'optax'`` or a
+      ``(path, leaf) -> bool`` selecting Muon targets, see above. Static.
     momentum: ``'optax'`` (bias-corrected EMA, default) or ``'sgd'``
       (DMuon/Moonlight: ``buf = beta * buf + g``, Nesterov ``g + beta * buf``).
       Static.
@@ -193,8 +288,8 @@ def dmuon(
       :func:`optax.inject_hyperparams`, leave it out or list it in
       ``static_args``: a Mesh is callable, so optax would take it for a
       schedule).
-    axis_names: mesh axes the owners range over (default: all but
-      ``tensor_parallel_axis``). Static.
+    axis_names: mesh axes the owners range over (default: every mesh axis
+      but the tensor-parallel one, whatever their names). Static.
     ns_algorithm: ``'auto'`` (the cheaper form per matrix shape by the
       planner's cost model), ``'standard'`` or ``'gram'`` Newton–Schulz.
       Static.
@@ -202,7 +297,10 @@ def dmuon(
       momentum's); normalization is always float32.
     tensor_parallel_axis: mesh axis that splits Muon matrices (Megatron
       column/row-parallel layers), if the mesh has it; see
-      :func:`dmuon_jax.scale_by_dmuon`. None: no TP axis. Static.
+      :func:`dmuon_jax.scale_by_dmuon`. ``'auto'`` (default): the axis named
+      ``'model'``, ``'tensor'`` or ``'tp'`` that the Muon params are sharded
+      over, if any (such an axis the params are not sharded over holds
+      owners like any other). None: no TP axis. Static.
     nonfinite: ``'skip'`` (default): if any gradient (Muon or AdamW leaf, on
       any device), any update or any new state entry is NaN or Inf, the
       whole step is skipped: all updates are zero and the whole state
@@ -239,6 +337,16 @@ def dmuon(
     <https://arxiv.org/abs/2502.16982>`_, 2025
   """
   _owner_update.check_nonfinite(nonfinite)
+  _planner.check_predicate(predicate)
+  _hyperparams.check_adam(
+    learning_rate=learning_rate,
+    adam_learning_rate=adam_learning_rate,
+    adam_b1=adam_b1,
+    adam_b2=adam_b2,
+    adam_eps_root=adam_eps_root,
+    adam_weight_decay=adam_weight_decay,
+  )
+  _hyperparams.real('weight_decay', weight_decay, '0.1')
   if adam_learning_rate is None:
     adam_learning_rate = learning_rate
 
@@ -293,6 +401,7 @@ def dmuon(
   opt = _check_tree_at_update(
     optax.partition({'muon': muon_chain, 'adam': adam}, param_labels)
   )
+  opt = _reporting_routing(opt, predicate, muon_weight_dimension_numbers)
   opt = _placed_on_the_mesh(opt)
   if nonfinite == 'skip':
     opt = _owner_update.skip_nonfinite(opt)

@@ -19,11 +19,13 @@ from dmuon_jax import (
   _boundaries,
   _collectives,
   _gather,
+  _hyperparams,
   _layout,
   _mesh,
   _owner_layout,
   _owner_update,
   _planner,
+  _report,
 )
 
 _UNSET = object()
@@ -574,7 +576,7 @@ def dedicate(
   axis_names: Sequence[str] | None = None,
   replicate_axis: str | None = 'replicate',
   remat_policy: Callable[..., Any] | None = None,
-  tensor_parallel_axis: str | None = 'model',
+  tensor_parallel_axis: str | None = 'auto',
   ns_algorithm: str = 'auto',
   weight_dimension_numbers: Any = _UNSET,
 ) -> Dedication:
@@ -634,7 +636,9 @@ def dedicate(
       backward pass; ``nothing_saveable`` recomputes the whole block
       (activation checkpointing). It must not save the gathered weights.
     tensor_parallel_axis: the mesh axis that splits matrices, if the mesh
-      has it (None: none).
+      has it. ``'auto'`` (default): the axis named ``'model'``, ``'tensor'``
+      or ``'tp'`` that the (placed) Muon params are sharded over, if any,
+      as for :func:`dmuon_jax.dmuon`. None: none.
     ns_algorithm: ``'auto'`` (per matrix shape, the cheaper of direct and
       Gram Newton–Schulz by the planner's cost model), ``'standard'`` or
       ``'gram'``; the plan balances that work and :func:`dedicated_muon`
@@ -685,12 +689,21 @@ def dedicate(
     or layers_per_gather < 1
   ):
     raise ValueError(
-      f'dmuon: layers_per_gather={layers_per_gather!r} must be a positive int.'
+      f'dmuon: layers_per_gather={layers_per_gather!r} must be a positive'
+      ' int: the number of consecutive hook boundaries gathered together'
+      ' (1, 2, ...; dedicate(...).summary() shows the padding of each).'
     )
   k = layers_per_gather
   abstract = jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params
   )
+  routing = _planner.route(
+    params,
+    predicate=predicate,
+    weight_dimension_numbers=dims_numbers,
+    dims_arg='muon_weight_dimension_numbers',
+  )
+  _report.report_routing(routing, default_rule=predicate is None)
   bounds = _boundaries.find_hook_boundaries(
     params,
     predicate=predicate,
@@ -698,7 +711,19 @@ def dedicate(
     boundary_predicate=boundary_predicate,
     strict=strict,
   )
-  info = _mesh.resolve(mesh, axis_names, tensor_parallel_axis)
+  param_leaves = jax.tree.leaves(params)
+  info = _mesh.resolve(
+    mesh,
+    axis_names,
+    tensor_parallel_axis,
+    sharded_axes=_mesh.sharded_axes(
+      [
+        _mesh.leaf_spec(param_leaves[t.leaf_index])
+        for t in routing.specs
+        if t is not None
+      ]
+    ),
+  )
   tp_n = info.tp_size if info is not None else 1
   tp_dims: tuple[int | None, ...] = (None,) * len(jax.tree.leaves(params))
   tp_splits_by_leaf: dict[int, int | None] = {}
@@ -962,6 +987,12 @@ def scale_by_dedicated_muon(
   Returns:
     A :class:`optax.GradientTransformation` on ``owned`` buffers.
   """
+  hp = _owner_update.make_hyperparams(
+    beta=beta,
+    eps=eps,
+    consistent_rms=consistent_rms,
+    weight_decay=weight_decay,
+  )
   if dedication.tensor_parallel_axis is not None and (
     preconditioning != 'frobenius'
   ):
@@ -985,9 +1016,7 @@ def scale_by_dedicated_muon(
     mu_dtype=mu_dtype,
   )
   decay = _decayed_leaves(dedication, weight_decay, weight_decay_mask)
-  hp = _owner_update.Hyperparams(
-    beta=beta, eps=eps, consistent_rms=consistent_rms, weight_decay=weight_decay
-  )
+
   return optax.GradientTransformation(
     functools.partial(_muon_init, cfg, dedication),
     functools.partial(_muon_update, cfg, hp, decay, dedication),
@@ -1181,6 +1210,14 @@ def dedicated_muon(
     A :class:`optax.GradientTransformation` on :class:`DedicatedParams`.
   """
   _owner_update.check_nonfinite(nonfinite)
+  _hyperparams.check_adam(
+    learning_rate=learning_rate,
+    adam_learning_rate=adam_learning_rate,
+    adam_b1=adam_b1,
+    adam_b2=adam_b2,
+    adam_eps_root=adam_eps_root,
+    adam_weight_decay=adam_weight_decay,
+  )
   if adam_learning_rate is None:
     adam_learning_rate = learning_rate
   muon = optax.chain(
@@ -1224,6 +1261,13 @@ def dedicated_muon(
 
   def update_fn(updates, state, params=None):
     dedication.check_dedicated(updates, 'dedicated_muon update()')
+    _planner.check_same_tree(
+      updates.rest,
+      optax.tree_utils.tree_get(state[1], 'mu'),
+      'dedicated_muon update()',
+      made_by='init()',
+      shapes=True,
+    )
     owned_u, muon_state = muon.update(
       updates.owned, state[0], None if params is None else params.owned
     )

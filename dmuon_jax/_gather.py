@@ -122,11 +122,14 @@ def all_params(ded, dedicated) -> Any:
   return jax.tree.unflatten(ded.treedef, leaves)
 
 
-def maybe_z3(ded, run: Callable[..., Any]) -> Callable[..., Any]:
-  """``run(rep_local, *args)``, gathered again in the backward pass (Z3)."""
+def maybe_z3(
+  ded, run: Callable[..., Any], blocks: Sequence[str] = ()
+) -> Callable[..., Any]:
+  """``run(rep_local, *args)``, gathered again in the backward pass (Z3);
+  ``blocks`` names its boundaries, for messages."""
   if not ded.reshard_after_forward:
     return run
-  return regather_in_backward(run, ded.remat_policy)
+  return regather_in_backward(run, ded.remat_policy, blocks)
 
 
 def run_group(ded, g: int, body: Callable[..., Any]) -> Callable[..., Any]:
@@ -148,7 +151,7 @@ def run_group(ded, g: int, body: Callable[..., Any]) -> Callable[..., Any]:
     ]
     return body(trees, *args)
 
-  inner = maybe_z3(ded, run)
+  inner = maybe_z3(ded, run, [ded.boundaries.names[b] for b in ded.groups[g]])
 
   def call(dedicated, *args):
     rest = full_leaves(dedicated.rest, ded.treedef)
@@ -251,7 +254,7 @@ def scan(
       )
     return carry
 
-  inner = maybe_z3(ded, run)
+  inner = maybe_z3(ded, run, [ded.boundaries.names[b]])
 
   def call(dedicated, carry):
     rest = full_leaves(dedicated.rest, ded.treedef)
@@ -278,7 +281,9 @@ def scan(
 
 
 def regather_in_backward(
-  run: Callable[..., Any], policy: Callable[..., Any]
+  run: Callable[..., Any],
+  policy: Callable[..., Any],
+  blocks: Sequence[str] = (),
 ) -> Callable[..., Any]:
   """``run(local, *args)`` that gathers ``local`` again in the backward pass.
 
@@ -297,6 +302,7 @@ def regather_in_backward(
     run: ``(local, *args) -> out``.
     policy: a ``jax.checkpoint`` policy that does not save the gathered
       arrays.
+    blocks: the hook boundaries ``run`` gathers, for messages.
 
   Returns:
     A function like ``run``.
@@ -317,9 +323,9 @@ def regather_in_backward(
     trace['tied'] = [k for k, r in enumerate(res) if any(r is x for x in local)]
     if not trace['tied']:
       raise ValueError(
-        'dmuon: with this remat_policy the Z3 block saves its gathered '
-        'weights for the backward pass (Z2 memory and bytes). Use a '
-        'policy that does not save them, e.g. jax.checkpoint_policies.'
+        f'dmuon: with this remat_policy the Z3 block {list(blocks)} saves'
+        ' its gathered weights for the backward pass (Z2 memory and bytes).'
+        ' Use a policy that does not save them, e.g. jax.checkpoint_policies.'
         'dots_saveable (the default), or reshard_after_forward=False.'
       )
     return out, res

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -270,29 +270,79 @@ class MeshInfo:
     return is_explicit(self.mesh)
 
 
+# tensor_parallel_axis='auto': mesh axes with these names are tensor
+# parallel when the Muon params are sharded over them.
+TP_AXIS_NAMES = ('model', 'tensor', 'tp')
+AUTO = 'auto'
+
+
+def _auto_tp_axis(
+  names: Sequence[str],
+  by_name: dict[str, int],
+  axis_names: Any,
+  sharded_axes: Collection[str] | None,
+) -> str | None:
+  """The TP axis chosen by ``tensor_parallel_axis='auto'``."""
+  if sharded_axes is None:
+    return None
+  chosen = (
+    ()
+    if axis_names is None
+    else ((axis_names,) if isinstance(axis_names, str) else tuple(axis_names))
+  )
+  hits = [
+    n
+    for n in names
+    if n in TP_AXIS_NAMES
+    and by_name[n] > 1
+    and n in sharded_axes
+    and n not in chosen
+  ]
+  if len(hits) > 1:
+    raise ValueError(
+      f'dmuon: the Muon params are sharded over the mesh axes {hits}, and'
+      f' each could be the tensor-parallel axis (axes named {TP_AXIS_NAMES}'
+      ' are, when params are sharded over them). Say which one splits the'
+      f' matrices with tensor_parallel_axis={hits[0]!r} (the others then'
+      ' hold owners), or tensor_parallel_axis=None for none.'
+    )
+  return hits[0] if hits else None
+
+
 def resolve(
-  mesh: Any, axis_names: Any = None, tensor_parallel_axis: str | None = 'model'
+  mesh: Any,
+  axis_names: Any = None,
+  tensor_parallel_axis: str | None = AUTO,
+  sharded_axes: Collection[str] | None = None,
 ) -> MeshInfo | None:
   """Owner axes and the TP axis of ``mesh`` (None without a mesh).
 
   Args:
     mesh: a ``Mesh`` or ``AbstractMesh``, or None.
     axis_names: the owner axes (default: every axis but the TP one).
-    tensor_parallel_axis: the axis that splits matrices, if the mesh has it.
+    tensor_parallel_axis: the axis that splits matrices, if the mesh has it;
+      ``'auto'``: the axis named ``'model'``, ``'tensor'`` or ``'tp'`` (of
+      size > 1, not in ``axis_names``) that ``sharded_axes`` holds, if any.
+    sharded_axes: the mesh axes the Muon params are sharded over; None when
+      not known yet (then ``'auto'`` resolves to no TP axis: a factory-time
+      check; ``init`` resolves again with the params).
 
   Returns:
     A :class:`MeshInfo`, or None if ``mesh`` is None.
 
   Raises:
-    ValueError: for unknown ``axis_names``, or ``axis_names`` naming the TP
-      axis.
+    ValueError: for unknown ``axis_names``, ``axis_names`` naming the TP
+      axis, or ``'auto'`` finding several TP axes.
   """
   if mesh is None:
     return None
   names, sizes = _planner.mesh_axes(mesh, None)
   _planner.mesh_axes(mesh, axis_names)  # Raises for unknown names.
   by_name = dict(zip(names, sizes))
-  tp = tensor_parallel_axis if tensor_parallel_axis in by_name else None
+  if tensor_parallel_axis == AUTO:
+    tp = _auto_tp_axis(names, by_name, axis_names, sharded_axes)
+  else:
+    tp = tensor_parallel_axis if tensor_parallel_axis in by_name else None
   if axis_names is None:
     owners = tuple(n for n in names if n != tp)
   else:
@@ -311,6 +361,11 @@ def resolve(
   return MeshInfo(
     mesh=mesh, axis_names=names, axis_sizes=sizes, owner_axes=owners, tp_axis=tp
   )
+
+
+def sharded_axes(specs: Sequence[P | None]) -> set[str]:
+  """The mesh axes that any of ``specs`` shards over."""
+  return {a for spec in specs for e in spec_entries(spec) for a in e}
 
 
 def place(x: jax.Array, mesh: Any, spec: P) -> jax.Array:

@@ -150,7 +150,7 @@ def resolve_ns_coeffs(
   """
   if ns_steps is not None and (not _is_int(ns_steps) or ns_steps < 1):
     raise ValueError(
-      f'ns_steps must be a positive int or None, got {ns_steps!r}. Pass'
+      f'dmuon: ns_steps must be a positive int or None, got {ns_steps!r}. Pass'
       ' None (5 steps for a single row, all rows otherwise) or an int >= 1.'
     )
   if isinstance(ns_coeffs, str):

@@ -27,6 +27,7 @@ import optax
 
 from dmuon_jax import (
   _collectives,
+  _hyperparams,
   _layout,
   _newton_schulz,
   _owner_layout,
@@ -198,6 +199,26 @@ class Hyperparams(NamedTuple):
   eps: Any
   consistent_rms: Any = None
   weight_decay: Any = None
+
+
+def make_hyperparams(
+  *,
+  beta: Any,
+  eps: Any,
+  consistent_rms: Any = None,
+  weight_decay: Any = None,
+) -> Hyperparams:
+  """Validates concrete values (at the factory call) into
+  :class:`Hyperparams`; run-time values (tracers) pass through."""
+  _hyperparams.check_muon(
+    beta=beta,
+    eps=eps,
+    consistent_rms=consistent_rms,
+    weight_decay=weight_decay,
+  )
+  return Hyperparams(
+    beta=beta, eps=eps, consistent_rms=consistent_rms, weight_decay=weight_decay
+  )
 
 
 def _is_static(v: Any) -> bool:

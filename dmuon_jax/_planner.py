@@ -8,7 +8,7 @@ import functools
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +19,8 @@ from optax.contrib import MuonDimensionNumbers
 from dmuon_jax import _newton_schulz
 
 Predicate = Callable[[str, Any], bool]
+# predicate='optax': optax.contrib.muon's routing.
+OPTAX_ROUTING = 'optax'
 CostFn = Callable[[int, int], float]
 # None, one MuonDimensionNumbers, a prefix tree of them, or a callable.
 WeightDimNums = Any
@@ -187,9 +189,16 @@ def _one_level(x: Any) -> tuple[list[Any], Any, list[Any]]:
 
 
 def _align_dims(
-  dims: Any, tree: Any, path: tuple[Any, ...], out: list[Any]
+  dims: Any,
+  tree: Any,
+  path: tuple[Any, ...],
+  out: list[Any],
+  arg: str = 'weight_dimension_numbers',
 ) -> None:
-  """Appends one dimension-numbers entry per leaf of ``tree`` to ``out``."""
+  """Appends one dimension-numbers entry per leaf of ``tree`` to ``out``.
+
+  ``arg`` is the argument's name as the user spelled it, for messages.
+  """
   if _is_dims_leaf(dims):
     out.extend([dims] * len(jax.tree.leaves(tree)))
     return
@@ -200,7 +209,7 @@ def _align_dims(
     return
   if isinstance(dims, optax.MaskedNode):
     raise ValueError(
-      f'dmuon: weight_dimension_numbers has MaskedNode() at'
+      f'dmuon: {arg} has MaskedNode() at'
       f' {normalize_path(path) or "<root>"!r} where params has'
       f' {num_leaves} leaves. {_HINT_DIMS_TREE}'
     )
@@ -209,23 +218,25 @@ def _align_dims(
   if dims_def.num_nodes == 1 and dims_def.num_leaves == 1:
     # A leaf that is neither None nor MuonDimensionNumbers.
     raise ValueError(
-      'dmuon: weight_dimension_numbers has'
+      f'dmuon: {arg} has'
       f' {type(dims).__name__} {dims!r} at'
       f' {normalize_path(path) or "<root>"!r}; expected'
       f' optax.contrib.MuonDimensionNumbers or None. {_HINT_DIMS_TREE}'
     )
   if dims_def != tree_def:
     raise ValueError(
-      'dmuon: weight_dimension_numbers does not match the structure of'
+      f'dmuon: {arg} does not match the structure of'
       f' params at {normalize_path(path) or "<root>"!r}: got'
       f' {dims_def}, params have {tree_def}. {_HINT_DIMS_TREE}'
     )
   for key, d, t in zip(keys, dims_children, tree_children):
-    _align_dims(d, t, path + (key,), out)
+    _align_dims(d, t, path + (key,), out, arg)
 
 
 def resolve_dimension_numbers(
-  tree: Any, weight_dimension_numbers: WeightDimNums
+  tree: Any,
+  weight_dimension_numbers: WeightDimNums,
+  arg: str = 'weight_dimension_numbers',
 ) -> list[MuonDimensionNumbers | None]:
   """Resolves Muon dimension numbers to one entry per leaf of ``tree``.
 
@@ -237,6 +248,8 @@ def resolve_dimension_numbers(
       is a prefix of ``tree`` with ``MuonDimensionNumbers`` or None at its
       leaves (None: not a Muon leaf; an entry covers the whole subtree of
       ``tree`` below it), or a callable ``tree -> such a value``.
+    arg: the argument's name in the caller's API, for messages
+      (``'muon_weight_dimension_numbers'`` for :func:`dmuon_jax.dmuon`).
 
   Returns:
     A list with one entry per leaf of ``jax.tree.leaves(tree)``.
@@ -248,7 +261,7 @@ def resolve_dimension_numbers(
   if callable(dims) and not _is_dims_leaf(dims):
     dims = dims(tree)
   out: list[Any] = []
-  _align_dims(dims, tree, (), out)
+  _align_dims(dims, tree, (), out, arg)
   return out
 
 
@@ -341,6 +354,10 @@ class OwnershipPlan:
     leaves: the Muon-target leaves, in leaf order.
     units: all matrices, in leaf order, then batch index row-major.
     owners: owner slot of each unit.
+    routing: the one-line routing summary of the params tree the plan was
+      built from (Muon and AdamW leaves and elements, and the leaves
+      ``optax.contrib.muon`` routes otherwise), as :func:`dmuon_jax.dmuon`
+      logs it on its first ``init``; empty when unknown. Not compared.
   """
 
   axis_names: tuple[str, ...]
@@ -349,6 +366,7 @@ class OwnershipPlan:
   leaves: tuple[LeafSpec, ...]
   units: tuple[MatrixUnit, ...]
   owners: tuple[int, ...]
+  routing: str = dataclasses.field(default='', compare=False, repr=False)
 
   def __hash__(self) -> int:
     # Plans are static arguments of jitted functions: hash the (large)
@@ -385,7 +403,7 @@ class OwnershipPlan:
     if not 0 <= slot < self.num_slots:
       raise ValueError(
         f'dmuon: slot {slot} is out of range; the plan has'
-        f' {self.num_slots} slots.'
+        f' {self.num_slots} slots: pass 0 to {self.num_slots - 1}.'
       )
     coords = []
     for size in reversed(self.mesh_shape):
@@ -554,17 +572,22 @@ class OwnershipPlan:
       )
     else:
       mesh = '(single slot, no mesh axes)'
-    return [
-      f'OwnershipPlan: {_plural(len(self.units), "matrix", "matrices")}'
-      f' in {_plural(len(self.leaves), "leaf", "leaves")} on'
-      f' {_plural(self.num_slots, "slot", "slots")}, mesh {mesh}',
-      f'  predicted NS FLOPs: total {human_flops(sum(costs))}, per slot'
-      f' max {human_flops(max(costs))}, mean'
-      f' {human_flops(sum(costs) / len(costs))}, imbalance (max/mean)'
-      f' {self.imbalance:.3f}',
-      f'  bytes: total {human_bytes(sum(nbytes))}, per slot max'
-      f' {human_bytes(max(nbytes))}',
-    ]
+    return (
+      [
+        f'OwnershipPlan: {_plural(len(self.units), "matrix", "matrices")}'
+        f' in {_plural(len(self.leaves), "leaf", "leaves")} on'
+        f' {_plural(self.num_slots, "slot", "slots")}, mesh {mesh}',
+      ]
+      + [f'  {self.routing}'] * bool(self.routing)
+      + [
+        f'  predicted NS FLOPs: total {human_flops(sum(costs))}, per slot'
+        f' max {human_flops(max(costs))}, mean'
+        f' {human_flops(sum(costs) / len(costs))}, imbalance (max/mean)'
+        f' {self.imbalance:.3f}',
+        f'  bytes: total {human_bytes(sum(nbytes))}, per slot max'
+        f' {human_bytes(max(nbytes))}',
+      ]
+    )
 
   def _summary_slot_lines(self) -> list[str]:
     costs = self.slot_costs()
@@ -697,8 +720,32 @@ def _normalize_axes(
   return axes
 
 
+def _no_dims_message(shown: str, shape: tuple[int, ...], arg: str) -> str:
+  """The error for a >2-D Muon target without dimension numbers."""
+  ndim = len(shape)
+  stack = MuonDimensionNumbers(reduction_axis=ndim - 2, output_axis=ndim - 1)
+  flat = MuonDimensionNumbers(
+    reduction_axis=0, output_axis=tuple(range(1, ndim))
+  )
+  count = math.prod(shape[:-2])
+  return (
+    f'dmuon: param {shown!r} has shape {shape} (ndim={ndim}) and was'
+    ' selected as a Muon target without dimension numbers, which say how'
+    f' to read it as matrices. Either as a stack of {count} matrices'
+    f' {shape[-2]}x{shape[-1]} (scanned layers, experts): {stack}; or as'
+    f' one {shape[0]}x{math.prod(shape[1:])} matrix (e.g. an attention'
+    f' kernel (d_model, heads, head_dim)): {flat}. Give the one you mean for'
+    f' this leaf in {arg} (a tree like the params, None for AdamW leaves),'
+    ' or route the leaf to AdamW.'
+  )
+
+
 def _make_leaf_spec(
-  leaf_index: int, path: str, leaf: Any, dims: MuonDimensionNumbers | None
+  leaf_index: int,
+  path: str,
+  leaf: Any,
+  dims: MuonDimensionNumbers | None,
+  dims_arg: str = 'weight_dimension_numbers',
 ) -> LeafSpec:
   """Validates a Muon-target leaf and describes its matrices."""
   shape = tuple(int(d) for d in np.shape(leaf))
@@ -719,7 +766,9 @@ def _make_leaf_spec(
       f' bfloat16, ...). {_HINT_ADAMW}'
     )
   if dims is None:
-    dims = MuonDimensionNumbers(reduction_axis=ndim - 2, output_axis=ndim - 1)
+    if ndim > 2:
+      raise ValueError(_no_dims_message(shown, shape, dims_arg))
+    dims = MuonDimensionNumbers(reduction_axis=0, output_axis=1)
   reduction = _normalize_axes(
     dims.reduction_axis, ndim, 'reduction_axis', shown, shape
   )
@@ -743,59 +792,173 @@ def _make_leaf_spec(
   )
 
 
+def check_predicate(predicate: Any) -> None:
+  """Raises unless ``predicate`` is None, ``'optax'`` or a callable."""
+  if predicate is None or callable(predicate) or predicate == OPTAX_ROUTING:
+    return
+  raise TypeError(
+    f'dmuon: predicate={predicate!r} is not a routing rule. Pass None (the'
+    " default rule, see dmuon_jax.default_muon_predicate), 'optax' (every"
+    ' 2-D leaf, or the leaves with dimension numbers, as'
+    ' optax.contrib.muon), or a callable (path, leaf) -> bool.'
+  )
+
+
+def _optax_target(leaf: Any, dims: Any, have_dims: bool) -> bool:
+  """``optax.contrib.muon``'s rule: leaves with dimension numbers when they
+  are given, else every 2-D leaf (optax 0.2.8, ``contrib/_muon.py``)."""
+  return dims is not None if have_dims else np.ndim(leaf) == 2
+
+
+def _is_target(
+  path: str, leaf: Any, dims: Any, have_dims: bool, predicate: Any
+) -> bool:
+  if isinstance(predicate, str):
+    return _optax_target(leaf, dims, have_dims)
+  if predicate is not None:
+    return bool(predicate(path, leaf)) and (not have_dims or dims is not None)
+  if have_dims:
+    return dims is not None
+  return default_muon_predicate(path, leaf)
+
+
 def muon_target_specs(
   params: Any,
   *,
-  predicate: Predicate | None = None,
+  predicate: Predicate | str | None = None,
   weight_dimension_numbers: WeightDimNums = None,
+  dims_arg: str = 'weight_dimension_numbers',
 ) -> list[LeafSpec | None]:
   """Routes every leaf to Muon (a :class:`LeafSpec`) or not (None).
 
   The rule, shared by the planner and the optimizer:
 
-  - with ``predicate``: a leaf is a target if ``predicate(path, leaf)`` and,
-    when ``weight_dimension_numbers`` is given, its resolved entry is not None;
+  - with ``predicate='optax'``: ``optax.contrib.muon``'s rule, the leaves
+    whose dimension numbers are not None when ``weight_dimension_numbers``
+    is given, else every 2-D leaf;
+  - with a callable ``predicate``: a leaf is a target if
+    ``predicate(path, leaf)`` and, when ``weight_dimension_numbers`` is
+    given, its resolved entry is not None;
   - else with ``weight_dimension_numbers``: a leaf is a target if its resolved
     entry is not None;
   - else: :func:`default_muon_predicate`.
 
-  A target without dimension numbers uses reduction axis ``ndim - 2``, output
-  axis ``ndim - 1`` and all leading axes as batch axes (a stack of matrices).
+  A 2-D target without dimension numbers uses reduction axis 0 and output
+  axis 1; a target of higher rank needs dimension numbers.
 
   Args:
     params: a pytree whose leaves have ``shape`` and ``dtype`` (arrays or
       ``jax.ShapeDtypeStruct``); None and ``optax.MaskedNode()`` are not
       leaves. Only shapes and dtypes are read.
-    predicate: (optional) ``(path, leaf) -> bool``, ``path`` as given by
-      :func:`normalize_path`.
+    predicate: (optional) ``'optax'`` or ``(path, leaf) -> bool``, ``path``
+      as given by :func:`normalize_path`.
     weight_dimension_numbers: (optional) see
       :func:`resolve_dimension_numbers`.
+    dims_arg: the name of ``weight_dimension_numbers`` in the caller's API,
+      for messages.
 
   Returns:
     One entry per leaf of ``jax.tree.leaves(params)``.
 
   Raises:
-    ValueError: if a target is not a floating-point matrix of rank >= 2 or
-      its dimension numbers are invalid for its shape.
+    ValueError: if a target is not a floating-point matrix of rank >= 2, has
+      rank > 2 and no dimension numbers, or its dimension numbers are
+      invalid for its shape.
   """
+  return route(
+    params,
+    predicate=predicate,
+    weight_dimension_numbers=weight_dimension_numbers,
+    dims_arg=dims_arg,
+  ).specs
+
+
+def _human_count(n: int) -> str:
+  for unit, size in (('B', 1e9), ('M', 1e6), ('K', 1e3)):
+    if n >= size:
+      return f'{n / size:.3g}{unit}'
+  return str(n)
+
+
+class Routing(NamedTuple):
+  """Where each leaf goes: see :func:`route`."""
+
+  specs: list[LeafSpec | None]
+  summary: str
+  num_muon: int
+
+
+def route(
+  params: Any,
+  *,
+  predicate: Predicate | str | None = None,
+  weight_dimension_numbers: WeightDimNums = None,
+  dims_arg: str = 'weight_dimension_numbers',
+) -> Routing:
+  """Routes the leaves (see :func:`muon_target_specs`) and summarizes it.
+
+  The summary is one line counting the leaves and elements that go to Muon
+  and to AdamW, naming the leaves that ``optax.contrib.muon`` with the same
+  dimension numbers routes otherwise.
+  """
+  check_predicate(predicate)
   with_path, _ = jax.tree_util.tree_flatten_with_path(params)
-  if weight_dimension_numbers is None:
-    all_dims = [None] * len(with_path)
+  have_dims = weight_dimension_numbers is not None
+  if have_dims:
+    all_dims = resolve_dimension_numbers(
+      params, weight_dimension_numbers, dims_arg
+    )
   else:
-    all_dims = resolve_dimension_numbers(params, weight_dimension_numbers)
+    all_dims = [None] * len(with_path)
   specs: list[LeafSpec | None] = []
+  counts = {True: [0, 0], False: [0, 0]}
+  only_optax, only_here, stacks = [], [], []
   for i, ((key_path, leaf), dims) in enumerate(zip(with_path, all_dims)):
     path = normalize_path(key_path)
-    if predicate is not None:
-      target = bool(predicate(path, leaf)) and (
-        weight_dimension_numbers is None or dims is not None
-      )
-    elif weight_dimension_numbers is not None:
-      target = dims is not None
-    else:
-      target = default_muon_predicate(path, leaf)
-    specs.append(_make_leaf_spec(i, path, leaf, dims) if target else None)
-  return specs
+    target = _is_target(path, leaf, dims, have_dims, predicate)
+    specs.append(
+      _make_leaf_spec(i, path, leaf, dims, dims_arg) if target else None
+    )
+    counts[target][0] += 1
+    counts[target][1] += math.prod(np.shape(leaf))
+    shown = f'{path or "<root>"!r} {tuple(np.shape(leaf))}'
+    if _optax_target(leaf, dims, have_dims) != target:
+      (only_here if target else only_optax).append(shown)
+    elif not target and not have_dims and np.ndim(leaf) > 2:
+      stacks.append(shown)
+  total = max(1, counts[True][1] + counts[False][1])
+  parts = [
+    f'dmuon routing: Muon {_plural(counts[True][0], "leaf", "leaves")}'
+    f' ({_human_count(counts[True][1])} elements,'
+    f' {100 * counts[True][1] / total:.1f}%), AdamW'
+    f' {_plural(counts[False][0], "leaf", "leaves")}'
+    f' ({_human_count(counts[False][1])} elements)'
+  ]
+
+  def listed(paths):
+    more = f' and {len(paths) - 6} more' if len(paths) > 6 else ''
+    return ', '.join(paths[:6]) + more
+
+  if only_optax:
+    parts.append(
+      f'optax.contrib.muon would orthogonalize {len(only_optax)} of the'
+      f" AdamW leaves: {listed(only_optax)} (predicate='optax' routes as"
+      ' optax)'
+    )
+  if only_here:
+    parts.append(
+      f'optax.contrib.muon would send {len(only_here)} of the Muon leaves'
+      f' to AdamW: {listed(only_here)}'
+    )
+  if not (only_optax or only_here):
+    parts.append('the same leaves as optax.contrib.muon')
+  if stacks:
+    parts.append(
+      f'{_plural(len(stacks), "AdamW leaf", "AdamW leaves")} of rank > 2'
+      ' (scanned layers, attention kernels) would go to Muon only with'
+      f' dimension numbers: {listed(stacks)}'
+    )
+  return Routing(specs, '; '.join(parts), counts[True][0])
 
 
 def layer_key(path: str, batch_index: tuple[int, ...] = ()) -> str:
@@ -859,6 +1022,11 @@ def mesh_axes(
   else:
     names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
     missing = [n for n in names if n not in sizes]
+    if missing and mesh is None:
+      raise ValueError(
+        f'dmuon: axis_names {names} names mesh axes, but no mesh was given'
+        ' (one slot, no axes). Pass the mesh too, or leave axis_names None.'
+      )
     if missing:
       raise ValueError(
         f'dmuon: axis_names {names} includes {missing}, which are not axes'
@@ -915,8 +1083,10 @@ def check_same_tree(
   what: str,
   is_leaf: Callable[[Any], bool] | None = None,
   made_by: str = 'init()',
+  shapes: bool = False,
 ) -> None:
-  """Raises if ``tree`` and ``reference`` differ in their leaf paths.
+  """Raises if ``tree`` and ``reference`` differ in their leaf paths (and,
+  with ``shapes``, in the shapes of the reference leaves that have one).
 
   Args:
     tree: the tree given now (e.g. to ``update``).
@@ -926,21 +1096,36 @@ def check_same_tree(
     is_leaf: leaf predicate for ``reference`` (e.g. to keep
       ``optax.MaskedNode`` entries).
     made_by: the call that recorded ``reference``.
+    shapes: also compare shapes (reference leaves without a ``shape``, such
+      as ``optax.MaskedNode()``, match any).
 
   Raises:
-    ValueError: listing the paths only in one of the two trees.
+    ValueError: listing the paths only in one of the two trees, or the
+      leaves whose shapes differ.
   """
-  got = [
-    normalize_path(k) for k, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
-  ]
-  want = [
-    normalize_path(k)
-    for k, _ in jax.tree_util.tree_flatten_with_path(
-      reference, is_leaf=is_leaf
-    )[0]
-  ]
+  got_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  want_leaves = jax.tree_util.tree_flatten_with_path(
+    reference, is_leaf=is_leaf
+  )[0]
+  got = [normalize_path(k) for k, _ in got_leaves]
+  want = [normalize_path(k) for k, _ in want_leaves]
   if got == want:
-    return
+    if not shapes:
+      return
+    differ = [
+      f'{p or "<root>"!r} has shape {tuple(np.shape(x))}, {made_by} saw'
+      f' {tuple(np.shape(r))}'
+      for p, (_, x), (_, r) in zip(got, got_leaves, want_leaves)
+      if hasattr(r, 'shape') and tuple(np.shape(x)) != tuple(np.shape(r))
+    ]
+    if not differ:
+      return
+    raise ValueError(
+      f'dmuon: the tree given to {what} does not match the one given to'
+      f' {made_by}: {"; ".join(differ[:8])}. Call {made_by} again on the new'
+      ' params (a changed model needs a new optimizer state), or pass'
+      ' gradients of the params the state was made for.'
+    )
   extra = sorted(set(got) - set(want))
   missing = sorted(set(want) - set(got))
   diff = (
@@ -1105,7 +1290,7 @@ def plan_ownership(
   mesh: Any = None,
   *,
   axis_names: str | Sequence[str] | None = None,
-  predicate: Predicate | None = None,
+  predicate: Predicate | str | None = None,
   weight_dimension_numbers: WeightDimNums = None,
   ns_steps: int = 5,
   cost_fn: CostFn | None = None,
@@ -1130,7 +1315,8 @@ def plan_ownership(
       gives a single slot.
     axis_names: (optional, default None) the mesh axes that owners range
       over; None for all. They are kept in mesh order.
-    predicate: (optional) ``(path, leaf) -> bool`` selecting Muon targets.
+    predicate: (optional) ``(path, leaf) -> bool`` selecting Muon targets,
+      or ``'optax'``, as for :func:`dmuon_jax.dmuon`.
     weight_dimension_numbers: (optional) see
       :func:`resolve_dimension_numbers`.
     ns_steps: Newton–Schulz iterations, for the default cost model.
@@ -1169,18 +1355,22 @@ def plan_ownership(
     or isinstance(ns_steps, bool)
     or ns_steps < 1
   ):
-    raise ValueError(f'dmuon: {ns_steps=} must be a positive int.')
+    raise ValueError(
+      f'dmuon: {ns_steps=} must be a positive int (the Newton-Schulz'
+      ' iterations the cost model counts); pass e.g. 5, as the optimizer.'
+    )
   if ns_algorithm not in _NS_ALGORITHMS:
     raise ValueError(
       f'dmuon: ns_algorithm={ns_algorithm!r} is not one of {_NS_ALGORITHMS}.'
     )
   names, sizes = mesh_axes(mesh, axis_names)
   check_devices(params, mesh)
-  all_specs = muon_target_specs(
+  routing = route(
     params,
     predicate=predicate,
     weight_dimension_numbers=weight_dimension_numbers,
   )
+  all_specs = routing.specs
   leaves = tuple(s for s in all_specs if s is not None)
   units = []
   for spec in leaves:
@@ -1216,6 +1406,7 @@ def plan_ownership(
     leaves=leaves,
     units=tuple(units),
     owners=tuple(owners),
+    routing=routing.summary,
   )
 
 
@@ -1333,9 +1524,10 @@ def plan_gather_groups(
           f'numbers) of size {length}; these do not: {bad}.'
         )
       if length % k:
+        fits = [d for d in range(1, length + 1) if length % d == 0]
         raise ValueError(
           f'dmuon: layers_per_gather={k} does not divide the {length} '
-          f'layers of scanned stack {name!r}.'
+          f'layers of scanned stack {name!r}. Pass one of {fits}.'
         )
       iters = length // k
       specs = [dataclasses.replace(s, shape=(k,) + s.shape[1:]) for s in specs]

@@ -22,6 +22,7 @@ from dmuon_jax import (
   _owner_layout,
   _owner_update,
   _planner,
+  _report,
 )
 
 NsCoeffs = (
@@ -37,7 +38,8 @@ WeightDimNumbers = (
 TREE_MISMATCH_MSG = (
   'dmuon: the tree given to update() does not match the one given to '
   'init(): {detail}. Call init() again on the new params (a changed model '
-  'needs a new optimizer state).'
+  'needs a new optimizer state), or pass gradients of the params the state '
+  'was made for.'
 )
 
 UNKNOWN_SPECS_MSG = (
@@ -62,14 +64,10 @@ GATHERED_MSG = (
 _WARNED: set[tuple[str, str]] = set()
 
 
-class DMuonWarning(UserWarning):
-  """A warning that dmuon communicates more than it could (says why)."""
-
-
 def warn_once(key: tuple[str, str], message: str) -> None:
   if key not in _WARNED:
     _WARNED.add(key)
-    warnings.warn(message, DMuonWarning, stacklevel=4)
+    warnings.warn(message, _report.DMuonWarning, stacklevel=4)
 
 
 class ScaleByDMuonState(NamedTuple):
@@ -182,15 +180,23 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
   flat = _flat_params(params)
   mesh = _find_mesh(setup, flat)
   _planner.check_devices(params, mesh)
-  info = _mesh.resolve(mesh, setup.axis_names, setup.tensor_parallel_axis)
-  sizes = info.sizes if info is not None else {}
-  allowed = _allowed_axes(info)
   targets = _planner.muon_target_specs(
     params,
     predicate=lambda path, leaf: True,
     weight_dimension_numbers=setup.weight_dimension_numbers,
   )
   given = setup.param_specs or {}
+  info = _mesh.resolve(
+    mesh,
+    setup.axis_names,
+    setup.tensor_parallel_axis,
+    sharded_axes=_mesh.sharded_axes(
+      [given.get(path, spec) for path, _, spec in flat]
+    ),
+  )
+  check_tp_preconditioning(info, setup.cfg.preconditioning)
+  sizes = info.sizes if info is not None else {}
+  allowed = _allowed_axes(info)
   tp_axis = info.tp_axis if info is not None else None
   tp_size = info.tp_size if info is not None else 1
   entries, splits, dims, local = [], [], [], []
@@ -267,6 +273,18 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
   )
 
 
+def check_tp_preconditioning(info: Any, preconditioning: str) -> None:
+  """Raises if a TP axis meets a preconditioning other than Frobenius."""
+  if info is not None and info.tp_size > 1 and preconditioning != 'frobenius':
+    raise ValueError(
+      f'dmuon: preconditioning={preconditioning!r} is not available with '
+      f'the tensor-parallel axis {info.tp_axis!r} (size '
+      f'{info.tp_size}): the TP Gram Newton-Schulz normalizes by the '
+      "Frobenius norm. Use preconditioning='frobenius' or "
+      'tensor_parallel_axis=None.'
+    )
+
+
 def check_state_tree(
   layout: _owner_layout.OwnerLayout, updates: Any, what: str = 'update()'
 ) -> list[jax.Array]:
@@ -286,7 +304,7 @@ def check_state_tree(
       )
     else:
       shapes = [
-        f'{p!r} has shape {g}, init saw {w}'
+        f'{p!r} has shape {g}, init() saw {w}'
         for (p, g), (_, w) in zip(got, want)
         if g != w
       ]
@@ -605,7 +623,7 @@ def scale_by_dmuon(
   axis_names: Sequence[str] | None = None,
   ns_algorithm: Literal['auto', 'standard', 'gram'] = 'auto',
   compute_dtype: jax.typing.DTypeLike | None = None,
-  tensor_parallel_axis: str | None = 'model',
+  tensor_parallel_axis: str | None = 'auto',
   nonfinite: Literal['skip', 'propagate'] = 'skip',
   param_specs: Any = None,
 ) -> optax.GradientTransformation:
@@ -711,7 +729,12 @@ def scale_by_dmuon(
     compute_dtype: dtype of the Newton–Schulz matmuls (default: the
       momentum's); the normalization is always done in float32.
     tensor_parallel_axis: the mesh axis that splits matrices (tensor
-      parallelism), if the mesh has it; None: no TP axis. Static.
+      parallelism), if the mesh has it. ``'auto'`` (default): the axis named
+      ``'model'``, ``'tensor'`` or ``'tp'`` (size > 1) that the Muon params
+      are sharded over, decided at ``init``; an axis of those names that no
+      Muon param is sharded over holds owners like any other, and two
+      candidates raise a ``ValueError`` asking to choose. None: no TP axis.
+      Static.
     nonfinite: what a NaN or Inf does. ``'skip'`` (default): if any
       gradient, new momentum or update is non-finite, on any device (the
       explicit path reduces the flag over the owner axes), the step is
@@ -792,6 +815,9 @@ def make_scale_by_dmuon(
 ) -> optax.GradientTransformation:
   """:func:`scale_by_dmuon`, optionally with the shape factor on the owner
   (what :func:`dmuon_jax.dmuon` uses)."""
+  hp = _owner_update.make_hyperparams(
+    beta=beta, eps=eps, consistent_rms=consistent_rms
+  )
   cfg = _owner_update.make_config(
     ns_coeffs=ns_coeffs,
     ns_steps=ns_steps,
@@ -807,15 +833,9 @@ def make_scale_by_dmuon(
     nonfinite=nonfinite,
   )
   mesh = _mesh_argument(mesh)
-  info = _mesh.resolve(mesh, axis_names, tensor_parallel_axis)
-  if info is not None and info.tp_size > 1 and preconditioning != 'frobenius':
-    raise ValueError(
-      f'dmuon: preconditioning={preconditioning!r} is not available with '
-      f'the tensor-parallel axis {tensor_parallel_axis!r} (size '
-      f'{info.tp_size}): the TP Gram Newton-Schulz normalizes by the '
-      "Frobenius norm. Use preconditioning='frobenius' or "
-      'tensor_parallel_axis=None.'
-    )
+  check_tp_preconditioning(
+    _mesh.resolve(mesh, axis_names, tensor_parallel_axis), preconditioning
+  )
   setup = _Setup(
     cfg=cfg,
     mesh=mesh,
@@ -824,9 +844,6 @@ def make_scale_by_dmuon(
     weight_dimension_numbers=weight_dimension_numbers,
     param_specs=param_specs_by_path(param_specs),
     nonfinite=nonfinite,
-  )
-  hp = _owner_update.Hyperparams(
-    beta=beta, eps=eps, consistent_rms=consistent_rms
   )
   return optax.GradientTransformation(
     functools.partial(_init, setup), functools.partial(_update, setup, hp)

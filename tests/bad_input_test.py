@@ -8,7 +8,10 @@ what was received, the leaf (or argument) and the fix the message names.
 """
 
 import functools
+import pathlib
+import re
 import tempfile
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +72,11 @@ def in_pairs():
 def scanned_w(path, leaf):
   del leaf
   return path.endswith('/w')
+
+
+def stacks(params):
+  """Dimension numbers reading leaves of rank > 2 as stacks of matrices."""
+  return jax.tree.map(lambda x: MDN(1, 2) if x.ndim == 3 else None, params)
 
 
 # -- the cases: each raises ----------------------------------------------
@@ -137,7 +145,12 @@ def dmuon_with(**kwargs):
 
 
 def tensor_parallel_axis_among_owner_axes():
-  dmuon_jax.dmuon(0.1, mesh=tp_mesh(), axis_names=('shard', 'model'))
+  dmuon_jax.dmuon(
+    0.1,
+    mesh=tp_mesh(),
+    axis_names=('shard', 'model'),
+    tensor_parallel_axis='model',
+  )
 
 
 def params_outside_the_mesh():
@@ -205,7 +218,9 @@ def stack_param_sharded_along_the_layer_axis():
       'scale': place(jnp.ones((8, 16)), mesh, P('shard')),
     }
   }
-  dmuon_jax.dedicate(params, mesh, predicate=scanned_w)
+  dmuon_jax.dedicate(
+    params, mesh, predicate=scanned_w, muon_weight_dimension_numbers=stacks
+  )
 
 
 def shapes_differ_between_init_and_update(mesh=None):
@@ -272,7 +287,13 @@ def sequential_splitting_a_gather_group():
 
 def layers_per_gather(n):
   params = {'layers': {'w': jnp.ones((3, 16, 16))}}
-  dmuon_jax.dedicate(params, None, predicate=scanned_w, layers_per_gather=n)
+  dmuon_jax.dedicate(
+    params,
+    None,
+    predicate=scanned_w,
+    muon_weight_dimension_numbers=stacks,
+    layers_per_gather=n,
+  )
 
 
 def remat_policy_saving_the_weights():
@@ -337,10 +358,13 @@ def restore_onto_other_tree():
 
 
 def restore_with_other_routing():
-  # Saved with 'w' on Muon; the new optimizer routes it to AdamW.
-  restore_after_save(
-    tree(), dmuon_jax.dmuon(0.1, predicate=lambda path, x: False)
-  )
+  # Saved with 'w' on Muon; the new optimizer routes it to AdamW (and says
+  # so: no leaf goes to Muon).
+  with warnings.catch_warnings():
+    warnings.filterwarnings('ignore', 'dmuon: no leaf goes to Muon')
+    restore_after_save(
+      tree(), dmuon_jax.dmuon(0.1, predicate=lambda path, x: False)
+    )
 
 
 def inject_with_a_mesh():
@@ -375,6 +399,68 @@ def state_of_another_mesh():
 def params_on_one_device_of_the_mesh():
   params = jax.device_put(tree(), jax.devices()[0])
   dmuon_jax.dmuon(0.1, mesh=jax.make_mesh((1, 8), AXES)).init(params)
+
+
+# -- hyperparameters, checked when the factory is called ----------------------
+
+
+def hyper(factory='dmuon', **kwargs):
+  """Only builds the optimizer: the factory call itself must raise."""
+  if factory == 'dmuon':
+    dmuon_jax.dmuon(**{'learning_rate': 0.02, **kwargs})
+  elif factory == 'scale_by_dmuon':
+    dmuon_jax.scale_by_dmuon(**kwargs)
+  else:
+    ded = dmuon_jax.dedicate(tree(), None)
+    if factory == 'dedicated_muon':
+      dmuon_jax.dedicated_muon(ded, **{'learning_rate': 0.02, **kwargs})
+    else:
+      dmuon_jax.scale_by_dedicated_muon(ded, **kwargs)
+
+
+def predicate_a_string():
+  dmuon_jax.dmuon(0.02, predicate='2d')
+
+
+# -- shapes -------------------------------------------------------------------
+
+
+def stack_without_dims(where='dmuon'):
+  params = {'layers': {'w': jnp.ones((3, 8, 16))}}
+  if where == 'dmuon':
+    dmuon_jax.dmuon(0.02, predicate=scanned_w).init(params)
+  elif where == 'dedicate':
+    dmuon_jax.dedicate(params, None, predicate=scanned_w)
+  else:
+    dmuon_jax.plan_ownership(params, None, predicate=scanned_w)
+
+
+def adamw_leaf_shape_differs(mesh=None):
+  opt = dmuon_jax.dmuon(0.1, mesh=mesh)
+  params = tree() if mesh is None else place(tree(), mesh)
+  state = opt.init(params)
+  grads = {'layers_0': {'w': params['layers_0']['w'], 'b': jnp.zeros((12,))}}
+  jax.jit(opt.update).trace(grads, state, params)
+
+
+def dedicated_adamw_leaf_shape_differs():
+  ded = dmuon_jax.dedicate(support.block_params(), None)
+  dp = ded.to_dedicated(support.block_params())
+  opt = dmuon_jax.dedicated_muon(ded, 0.1)
+  state = opt.init(dp)
+  rest = dict(dp.rest, head=jnp.zeros((17, 8)))
+  grads = dmuon_jax.DedicatedParams(owned=dp.owned, rest=rest)
+  jax.jit(opt.update).trace(grads, state, dp)
+
+
+def two_tensor_parallel_candidates():
+  mesh = support.make_mesh((2, 2, 2), ('shard', 'model', 'tp'))
+  w = place(jnp.ones((16, 32)), mesh, P('model', 'tp'))
+  dmuon_jax.dmuon(0.02, mesh=mesh).init({'layers_0': {'w': w}})
+
+
+def slot_out_of_range():
+  dmuon_jax.plan_ownership(tree(), {'shard': 4}).slot_coords(4)
 
 
 # (name, case, exception, regex: what was received, the leaf, the fix)
@@ -525,8 +611,8 @@ CASES = (
     functools.partial(plan, mesh=None, axis_names=('shard',)),
     ValueError,
     (
-      r"axis_names \('shard',\) includes \['shard'\], which are not axes of "
-      r'the mesh; the mesh has axes \(\)\. Pass a subset of them, or None'
+      r"axis_names \('shard',\) names mesh axes, but no mesh was given.*"
+      r'Pass the mesh too'
     ),
   ),
   (
@@ -655,7 +741,7 @@ CASES = (
     ValueError,
     (
       r"does not match the one given to init\(\): 'layers_0/w' has shape "
-      r'\(8, 24\), init saw \(8, 16\)\. Call init\(\) again'
+      r'\(8, 24\), init\(\) saw \(8, 16\)\. Call init\(\) again'
     ),
   ),
   (
@@ -664,7 +750,7 @@ CASES = (
     ValueError,
     (
       r"does not match the one given to init\(\): 'layers_0/w' has shape "
-      r'\(8, 24\), init saw \(8, 16\)\. Call init\(\) again'
+      r'\(8, 24\), init\(\) saw \(8, 16\)\. Call init\(\) again'
     ),
   ),
   (
@@ -784,8 +870,8 @@ CASES = (
     remat_policy_saving_the_weights,
     ValueError,
     (
-      r'with this remat_policy the Z3 block saves its gathered '
-      r'weights.*Use a policy that does not save them, e\.g\. '
+      r"with this remat_policy the Z3 block \['layers_0'\] saves its "
+      r'gathered weights.*Use a policy that does not save them, e\.g\. '
       r'jax\.checkpoint_policies\.dots_saveable.*or '
       r'reshard_after_forward=False'
     ),
@@ -921,6 +1007,171 @@ CASES = (
       r'params on that mesh'
     ),
   ),
+  (
+    'learning_rate_a_string',
+    functools.partial(hyper, learning_rate='0.02'),
+    TypeError,
+    r"learning_rate='0.02' is a str, not a number.*or a schedule",
+  ),
+  (
+    'learning_rate_none',
+    functools.partial(hyper, learning_rate=None),
+    TypeError,
+    r'learning_rate=None is None, not a number.*Pass a number',
+  ),
+  (
+    'learning_rate_negative',
+    functools.partial(hyper, learning_rate=-0.02),
+    ValueError,
+    r'learning_rate=-0.02 must be a finite number >= 0.*Pass its magnitude',
+  ),
+  (
+    'learning_rate_nan',
+    functools.partial(hyper, learning_rate=float('nan')),
+    ValueError,
+    r'learning_rate=nan must be a finite number >= 0',
+  ),
+  (
+    'adam_learning_rate_negative',
+    functools.partial(hyper, adam_learning_rate=-1e-3),
+    ValueError,
+    r'adam_learning_rate=-0.001 must be a finite number >= 0',
+  ),
+  (
+    'beta_above_one',
+    functools.partial(hyper, beta=1.5),
+    ValueError,
+    r'beta=1.5 must be in \[0, 1\).*grows without bound.*such as 0.95',
+  ),
+  (
+    'beta_one',
+    functools.partial(hyper, beta=1.0),
+    ValueError,
+    r'beta=1.0 must be in \[0, 1\).*divides by zero',
+  ),
+  (
+    'beta_a_jax_array_above_one',
+    functools.partial(hyper, beta=jnp.asarray(1.25)),
+    ValueError,
+    r'beta=Array\(1.25.*must be in \[0, 1\)',
+  ),
+  (
+    'eps_zero',
+    functools.partial(hyper, eps=0.0),
+    ValueError,
+    r'eps=0.0 must be a finite number > 0.*zero gradient.*e\.g\. 1e-8',
+  ),
+  (
+    'adam_b1_one',
+    functools.partial(hyper, adam_b1=1.0),
+    ValueError,
+    r'adam_b1=1.0 must be in \[0, 1\).*such as 0.9',
+  ),
+  (
+    'adam_b2_negative',
+    functools.partial(hyper, adam_b2=-0.1),
+    ValueError,
+    r'adam_b2=-0.1 must be in \[0, 1\).*such as 0.999',
+  ),
+  (
+    'adam_eps_root_negative',
+    functools.partial(hyper, adam_eps_root=-1.0),
+    ValueError,
+    r'adam_eps_root=-1.0 must be a finite number >= 0',
+  ),
+  (
+    'weight_decay_a_string',
+    functools.partial(hyper, weight_decay='0.1'),
+    TypeError,
+    r"weight_decay='0.1' is a str, not a number",
+  ),
+  (
+    'consistent_rms_negative',
+    functools.partial(hyper, consistent_rms=-0.2),
+    ValueError,
+    r'consistent_rms=-0.2 must be a finite number >= 0',
+  ),
+  (
+    'scale_by_dmuon_beta',
+    functools.partial(hyper, 'scale_by_dmuon', beta=2.0),
+    ValueError,
+    r'beta=2.0 must be in \[0, 1\)',
+  ),
+  (
+    'dedicated_muon_learning_rate_negative',
+    functools.partial(hyper, 'dedicated_muon', learning_rate=-1.0),
+    ValueError,
+    r'learning_rate=-1.0 must be a finite number >= 0',
+  ),
+  (
+    'scale_by_dedicated_muon_eps',
+    functools.partial(hyper, 'scale_by_dedicated_muon', eps=-1e-8),
+    ValueError,
+    r'eps=-1e-08 must be a finite number > 0',
+  ),
+  (
+    'predicate_a_string',
+    predicate_a_string,
+    TypeError,
+    r"predicate='2d' is not a routing rule.*'optax' \(every 2-D leaf",
+  ),
+  (
+    'stack_without_dimension_numbers',
+    stack_without_dims,
+    ValueError,
+    (
+      r"'layers/w' has shape \(3, 8, 16\) \(ndim=3\) and was selected as a"
+      r' Muon target without dimension numbers.*stack of 3 matrices 8x16.*'
+      r'MuonDimensionNumbers\(reduction_axis=1, output_axis=2\).*one 3x128'
+      r' matrix.*output_axis=\(1, 2\).*muon_weight_dimension_numbers'
+    ),
+  ),
+  (
+    'dedicate_stack_without_dimension_numbers',
+    functools.partial(stack_without_dims, 'dedicate'),
+    ValueError,
+    r"'layers/w' has shape \(3, 8, 16\).*without dimension numbers",
+  ),
+  (
+    'plan_stack_without_dimension_numbers',
+    functools.partial(stack_without_dims, 'plan'),
+    ValueError,
+    r"'layers/w' has shape \(3, 8, 16\).*without dimension numbers.*in"
+    r' weight_dimension_numbers',
+  ),
+  (
+    'adamw_leaf_shape_differs',
+    adamw_leaf_shape_differs,
+    ValueError,
+    r"update\(\) does not match.*'layers_0/b' has shape \(12,\), init\(\)"
+    r' saw \(16,\)\. Call init\(\) again.*or pass gradients of the params',
+  ),
+  (
+    'adamw_leaf_shape_differs_on_a_mesh',
+    lambda: adamw_leaf_shape_differs(jax.make_mesh((2, 4), AXES)),
+    ValueError,
+    r"'layers_0/b' has shape \(12,\), init\(\) saw \(16,\)",
+  ),
+  (
+    'dedicated_adamw_leaf_shape_differs',
+    dedicated_adamw_leaf_shape_differs,
+    ValueError,
+    r"dedicated_muon update\(\) does not match.*'head' has shape \(17, 8\),"
+    r' init\(\) saw \(16, 8\)',
+  ),
+  (
+    'two_tensor_parallel_candidates',
+    two_tensor_parallel_candidates,
+    ValueError,
+    r"sharded over the mesh axes \['model', 'tp'\].*Say which one.*"
+    r"tensor_parallel_axis='model'",
+  ),
+  (
+    'slot_out_of_range',
+    slot_out_of_range,
+    ValueError,
+    r'slot 4 is out of range; the plan has 4 slots: pass 0 to 3',
+  ),
 )
 
 
@@ -963,22 +1214,28 @@ class SuggestedFixTest(absltest.TestCase):
 
 
 class NoMuonTargetsTest(absltest.TestCase):
-  """A tree without Muon targets is valid: everything is AdamW."""
+  """A tree without Muon targets works (everything is AdamW) and warns once
+  (a DMuonWarning naming what to do)."""
 
   def test_dmuon_on_a_mesh(self):
     mesh = jax.make_mesh((1, 8), AXES)
     params = {'norm': {'scale': jnp.ones((16,))}}
     opt = dmuon_jax.dmuon(0.1, mesh=mesh)
-    state = opt.init(params)
+    with self.assertWarnsRegex(
+      dmuon_jax.DMuonWarning,
+      r"no leaf goes to Muon.*Muon 0 leaves.*AdamW 1 leaf.*predicate='optax'",
+    ):
+      state = opt.init(params)
     updates, _ = opt.update(params, state, params)
     self.assertEqual(updates['norm']['scale'].shape, (16,))
-    state = opt.init({})
+    state = opt.init({})  # The first init warned; this one does not.
     self.assertEqual(opt.update({}, state, {})[0], {})
 
   def test_dedicate(self):
     mesh = jax.make_mesh((1, 8), AXES)
     params = {'norm': {'scale': jnp.ones((16,))}}
-    ded = dmuon_jax.dedicate(params, mesh)
+    with self.assertWarnsRegex(dmuon_jax.DMuonWarning, 'no leaf goes to Muon'):
+      ded = dmuon_jax.dedicate(params, mesh)
     self.assertIn('no Muon targets', ded.summary())
     self.assertIn('padding 0.0%', ded.summary())
     dp = ded.to_dedicated(params)
@@ -1007,6 +1264,41 @@ class CheckDedicatedTest(absltest.TestCase):
       rf'{ded.layout.name}.*to_params\(\) and to_dedicated\(\)',
     ):
       ded.check_dedicated(other, 'update()')
+
+
+class ReadmeTableTest(absltest.TestCase):
+  """Every row of the README's "Bad input" tables names a test that exists:
+  a case of :data:`CASES`, or ``Class.test`` of
+  ``tests/checkpoint_misuse_test.py``."""
+
+  def test_every_row_names_a_test(self):
+    readme = pathlib.Path(__file__).parents[1] / 'README.md'
+    text = readme.read_text()
+    section = text[text.index('## Bad input\n') : text.index('## Numerics\n')]
+    named = re.findall(r'^\|.*\| `([\w.]+)` \|$', section, re.M)
+    self.assertGreaterEqual(len(named), 40)
+    self.assertLen(set(named), len(named))  # One row per test.
+    cases = {name for name, *_ in CASES}
+    misuse = _load_misuse_tests()
+    for name in named:
+      if '.' in name:
+        cls, method = name.split('.')
+        self.assertIn(method, misuse.get(cls, ()), name)
+      else:
+        self.assertIn(name, cases)
+
+
+def _load_misuse_tests() -> dict[str, set[str]]:
+  """Test method names per class of ``checkpoint_misuse_test`` (with the
+  parameterized suffixes)."""
+  from tests import checkpoint_misuse_test  # noqa: PLC0415
+
+  out = {}
+  for name in dir(checkpoint_misuse_test):
+    cls = getattr(checkpoint_misuse_test, name)
+    if isinstance(cls, type) and issubclass(cls, absltest.TestCase):
+      out[name] = {m for m in dir(cls) if m.startswith('test')}
+  return out
 
 
 if __name__ == '__main__':

@@ -22,6 +22,7 @@ WITH_EXAMPLES = (
   'scale_by_dmuon',
   'dedicate',
   'plan_ownership',
+  'routing_summary',
   'owner_layouts',
   'orthogonalize_via_gram_newton_schulz_tp',
 )

@@ -23,7 +23,7 @@ def reference(scan):
   params = tf.init(scan)
   model = tf.Transformer(scan=scan)
   return support.train_single_device(
-    support.optax_muon(LR, params, tf.predicate),
+    support.optax_muon(LR, params, dims=tf.muon_dims),
     params,
     lambda p: tf.cross_entropy(model.apply(p, tf.tokens()), tf.tokens()),
     STEPS,
@@ -42,7 +42,7 @@ def setup(shape, scan, z3, per_gather=1, fsdp_rest=False):
   ded = dmuon_jax.dedicate(
     params,
     mesh,
-    predicate=tf.predicate,
+    muon_weight_dimension_numbers=tf.muon_dims,
     reshard_after_forward=z3,
     layers_per_gather=per_gather,
   )
@@ -144,13 +144,17 @@ def per_device_bytes(tree):
 
 class FlaxDedicatedTest(parameterized.TestCase):
   def test_boundaries(self):
-    loop = dmuon_jax.dedicate(tf.init(False), None, predicate=tf.predicate)
+    loop = dmuon_jax.dedicate(
+      tf.init(False), None, muon_weight_dimension_numbers=tf.muon_dims
+    )
     self.assertEqual(
       loop.boundaries.names,
       tuple(f'params/layers_{i}' for i in range(tf.DEPTH)),
     )
     self.assertEqual(loop.num_iterations, (0,) * tf.DEPTH)
-    scan = dmuon_jax.dedicate(tf.init(True), None, predicate=tf.predicate)
+    scan = dmuon_jax.dedicate(
+      tf.init(True), None, muon_weight_dimension_numbers=tf.muon_dims
+    )
     self.assertEqual(scan.boundaries.names, ('params/layers',))
     self.assertEqual(scan.num_iterations, (tf.DEPTH,))
 

@@ -408,7 +408,8 @@ class PropertyTest(absltest.TestCase):
       f'p{i}': jnp.asarray(0.1 * rng.randn(*s), jnp.float32)
       for i, s in enumerate(shapes)
     }
-    dims = {k: MDN() if min(x.shape) > 1 else None for k, x in params.items()}
+    # Every leaf on Muon, 1 x n and n x 1 included (optax's routing).
+    dims = {k: MDN() for k in params}
     ours = dmuon_jax.dmuon(0.02, muon_weight_dimension_numbers=dims)
     theirs = optax.contrib.muon(0.02, muon_weight_dimension_numbers=dims)
     a, sa = params, ours.init(params)

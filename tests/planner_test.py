@@ -13,6 +13,16 @@ from dmuon_jax import _planner
 
 S = jax.ShapeDtypeStruct
 F32 = jnp.float32
+
+
+def _stacks(tree):
+  """Dimension numbers reading every leaf of rank >= 2 as a stack of
+  matrices over its last two axes (a leaf of rank > 2 needs them)."""
+  return jax.tree.map(
+    lambda x: MDN(x.ndim - 2, x.ndim - 1) if x.ndim >= 2 else None, tree
+  )
+
+
 D, F = 512, 1536
 MESH_2X4 = {'replicate': 2, 'shard': 4}
 
@@ -234,7 +244,10 @@ class PlanTest(parameterized.TestCase):
   def test_stacked_leaf_splits(self):
     tree = {'w': S((6, 32, 64), F32), 'b': S((64,), F32)}
     plan = _planner.plan_ownership(
-      tree, MESH_2X4, predicate=lambda p, x: len(x.shape) == 3
+      tree,
+      MESH_2X4,
+      predicate=lambda p, x: len(x.shape) == 3,
+      weight_dimension_numbers=_stacks,
     )
     (spec,) = plan.leaves
     self.assertEqual(spec.batch_axes, (0,))
@@ -409,6 +422,7 @@ class CostModelTest(parameterized.TestCase):
       tree,
       MESH_2X4,
       predicate=lambda p, x: True,
+      weight_dimension_numbers=_stacks,
       ns_steps=4,
       ns_algorithm='standard',
     )
@@ -474,7 +488,12 @@ class BalanceTest(parameterized.TestCase):
       tree['stack'] = S((int(rng.integers(1, 9)), 128, 384), F32)
     for num_slots in (1, 2, 3, 5, 8, 13, 16, 64):
       mesh = {'replicate': 1, 'shard': num_slots}
-      plan = _planner.plan_ownership(tree, mesh, predicate=lambda p, x: True)
+      plan = _planner.plan_ownership(
+        tree,
+        mesh,
+        predicate=lambda p, x: True,
+        weight_dimension_numbers=_stacks,
+      )
       _check_graham(self, plan)
       self.assertLen(plan.owners, len(plan.units))
 
@@ -526,7 +545,7 @@ class SummaryTest(parameterized.TestCase):
 
   def test_summary_single_slot(self):
     plan = _planner.plan_ownership(
-      {'w': S((3, 8, 8), F32)}, predicate=lambda p, x: True
+      {'w': S((3, 8, 8), F32)}, weight_dimension_numbers=_stacks
     )
     text = plan.summary()
     self.assertIn('w[2]  8x8', text)
@@ -538,7 +557,8 @@ class SummaryTest(parameterized.TestCase):
     coords = [plan.slot_coords(s) for s in range(24)]
     self.assertEqual(coords, list(np.ndindex(2, 3, 4)))
     with self.assertRaisesRegex(
-      ValueError, r'slot 24 is out of range; the plan has 24 slots\.'
+      ValueError,
+      r'slot 24 is out of range; the plan has 24 slots: pass 0 to 23',
     ):
       plan.slot_coords(24)
 

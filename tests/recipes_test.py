@@ -30,7 +30,7 @@ def nnx_reference(scan):
       nnx.merge(graphdef, state)(tokens), tokens
     )
 
-  opt = support.optax_muon(0.005, params, dedicated_nnx.predicate(scan))
+  opt = support.optax_muon(0.005, params, dims=dedicated_nnx.muon_dims(scan))
   return support.train_single_device(opt, params, loss_fn, STEPS)
 
 

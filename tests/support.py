@@ -294,13 +294,13 @@ def dmuon_states(state):
   return [x for x in jax.tree.leaves(state, is_leaf=is_state) if is_state(x)]
 
 
-def optax_muon(learning_rate, params, predicate=None, **kwargs):
+def optax_muon(learning_rate, params, predicate=None, dims=None, **kwargs):
   """optax.contrib.muon on the Muon targets dmuon picks (+ its AdamW)."""
   flat = jax.tree.leaves(params)
-  targets = {
-    s.leaf_index: s
-    for s in dmuon_jax.plan_ownership(params, None, predicate=predicate).leaves
-  }
+  plan = dmuon_jax.plan_ownership(
+    params, None, predicate=predicate, weight_dimension_numbers=dims
+  )
+  targets = {s.leaf_index: s for s in plan.leaves}
   dims = [
     MDN(
       reduction_axis=targets[i].reduction_axes,

@@ -12,6 +12,8 @@ reproduces an uninterrupted one.
 
 ``--slow-save SECONDS`` sleeps inside each save after orbax has created its
 temporary directory (a window for killing the process mid-save in tests).
+At the end the run checks that its params trained (``checks``); if not, it
+prints a ``FAILED checks:`` line (stderr) and exits with status 1.
 """
 
 from __future__ import annotations
@@ -75,15 +77,72 @@ def slow_saves(seconds):
   handler.async_save = async_save
 
 
+class _Formatter(
+  argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter
+):
+  """Defaults in ``--help``; the description keeps its line breaks."""
+
+
+# The check (see ``checks``): the final params' loss on the last step's
+# batch is at most MAX_LOSS_RATIO times the initial params' loss on that
+# batch (the batches are random, so losses of different steps do not
+# compare). Measured with the defaults (``--steps 20 --every 3``),
+# uninterrupted or resumed from step 3: 0.000813 against 0.043622, a ratio
+# of 0.019. Shorter runs: 0.28 at --steps 3, 0.10 at --steps 6. 0.5 (the
+# run at least halves the loss) holds from --steps 3 on and, at the
+# default, with a 26x margin.
+MAX_LOSS_RATIO = 0.5
+
+
+def checks(losses, params, mesh, last_step):
+  """``(text, ok)`` pairs: this run's losses are finite and the params it
+  ends with (trained here or restored) fit better than the initial ones."""
+  yes_no = lambda ok: 'yes' if ok else 'no'
+  batch = batch_at(last_step, mesh)
+  init = jax.device_put(init_params(), NamedSharding(mesh, P()))
+  final, first = (float(jax.jit(loss_fn)(p, batch)) for p in (params, init))
+  finite = all(np.isfinite(losses))
+  ratio = final / first
+  trained = ratio <= MAX_LOSS_RATIO
+  return [
+    (f'losses of this run finite: {yes_no(finite)}', finite),
+    (
+      f'loss on the step-{last_step + 1} batch: final params {final:.6f} '
+      f'<= {MAX_LOSS_RATIO} x initial params {first:.6f} (ratio '
+      f'{ratio:.3f}): {yes_no(trained)}',
+      trained,
+    ),
+  ]
+
+
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__)
-  parser.add_argument('--steps', type=int, default=20)
-  parser.add_argument('--every', type=int, default=3)
-  parser.add_argument('--dir', required=True)
+  parser = argparse.ArgumentParser(
+    description=__doc__,
+    formatter_class=_Formatter,
+  )
+  parser.add_argument(
+    '--steps', type=int, default=20, help='train up to this step'
+  )
+  parser.add_argument(
+    '--every',
+    type=int,
+    default=3,
+    help='save a checkpoint every this many steps',
+  )
+  parser.add_argument(
+    '--dir',
+    required=True,
+    help='checkpoint directory: resumes from its latest complete step',
+  )
   parser.add_argument(
     '--out', default=None, help='write the final params here (.npz)'
   )
-  parser.add_argument('--slow-save', type=float, default=0.0)
+  parser.add_argument(
+    '--slow-save',
+    type=float,
+    default=0.0,
+    help='seconds each save sleeps inside orbax (for kill tests)',
+  )
   args = parser.parse_args(argv)
   if args.slow_save:
     slow_saves(args.slow_save)
@@ -91,6 +150,9 @@ def main(argv=None):
   mesh = jax.make_mesh((2, 4), AXES)
   opt = dmuon_jax.dmuon(0.02, weight_decay=0.01, mesh=mesh)
   params = jax.device_put(init_params(), NamedSharding(mesh, P()))
+  # A first run starts fresh: restore raises for a missing directory (a
+  # typo), and an empty one holds no checkpoint yet (None).
+  os.makedirs(args.dir, exist_ok=True)
   restored = checkpoint.restore(args.dir, params, opt)
   if restored is None:
     start, state = 0, opt.init(params)
@@ -104,8 +166,10 @@ def main(argv=None):
     updates, state = opt.update(grads, state, params)
     return optax.apply_updates(params, updates), state, loss
 
+  losses = []
   for step in range(start, args.steps):
     params, state, loss = train_step(params, state, batch_at(step, mesh))
+    losses.append(float(loss))
     print(f'step {step + 1} loss {float(loss):.6f}', flush=True)
     if (step + 1) % args.every == 0 and step + 1 < args.steps:
       print(f'saving {step + 1}', flush=True)
@@ -117,6 +181,12 @@ def main(argv=None):
       for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
     }
     np.savez(args.out, **flat)
+  check_list = checks(losses, params, mesh, max(args.steps, start, 1) - 1)
+  print('checks: ' + '; '.join(t for t, _ in check_list), flush=True)
+  failed = [t for t, ok in check_list if not ok]
+  if failed:
+    print('FAILED checks: ' + '; '.join(failed), file=sys.stderr, flush=True)
+    return 1
   print('done', flush=True)
   return 0
 

@@ -9,11 +9,15 @@ runs (and again in the backward pass with Z3).
     python examples/dedicated_linen.py [--steps 20] [--scan] [--z2]
         [--mesh 2,4] [--layers-per-gather 2]
 
-Runs on 8 simulated CPU devices.
+Runs on 8 simulated CPU devices. Run as a script, it then checks that the
+model trained (``checks``): if not, it prints a ``FAILED checks:`` line
+(stderr) and exits with status 1.
 """
 
 import argparse
 import functools
+import math
+import sys
 
 import flax.linen as nn
 import jax
@@ -24,6 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
+from dmuon_jax import MuonDimensionNumbers
 
 AXES = ('replicate', 'shard')
 
@@ -95,9 +100,18 @@ def init(scan):
   )
 
 
-def predicate(path, leaf):
-  """Muon targets: the blocks' kernels (2-D, or stacked ``(L, m, n)``)."""
-  return 'layers' in path and path.endswith('kernel')
+def muon_dims(params):
+  """Muon targets by dimension numbers (optax's rule): the blocks' kernels,
+  2-D or stacked ``(L, m, n)`` (each of the L matrices its own unit); None
+  (AdamW) for the rest."""
+
+  def one(path, leaf):
+    names = [str(getattr(k, 'key', k)) for k in path]
+    if names[-1] != 'kernel' or not any(n.startswith('layers') for n in names):
+      return None
+    return MuonDimensionNumbers(leaf.ndim - 2, leaf.ndim - 1)
+
+  return jax.tree_util.tree_map_with_path(one, params)
 
 
 def tokens(batch=32):
@@ -179,7 +193,7 @@ def main(steps=20, scan=False, z3=True, mesh_shape=(2, 4), per_gather=1):
   ded = dmuon_jax.dedicate(
     params,
     mesh,
-    predicate=predicate,
+    muon_weight_dimension_numbers=muon_dims,
     reshard_after_forward=z3,
     layers_per_gather=per_gather,
   )
@@ -198,19 +212,86 @@ def main(steps=20, scan=False, z3=True, mesh_shape=(2, 4), per_gather=1):
   return losses, ded.to_params(dp)
 
 
+def context_free_floor(tokens) -> float:
+  """The entropy of the targets' token frequencies: the lowest loss any
+  predictor that ignores the context can reach on this batch."""
+  targets = np.asarray(tokens)[:, 1:].ravel()
+  freq = np.bincount(targets, minlength=VOCAB) / targets.size
+  return float(-np.sum(freq[freq > 0] * np.log(freq[freq > 0])))
+
+
+def checks(losses, params, scan=False):
+  """``(text, ok)`` pairs: dedicated DMuon trained the model.
+
+  Measured with the defaults (``python examples/dedicated_linen.py``, 20
+  steps, Z3, mesh 2x4, one layer per gather) on a 2-core CPU VM: the loss
+  falls from 4.600 to 2.422; the trained params, run by the ordinary Linen
+  ``Transformer.apply`` on one device, reach 2.328 against a context-free
+  floor of 4.089 nats (``--scan``: 4.831 -> 2.678, params 2.592; ``--z2``,
+  ``--layers-per-gather 2`` and ``--mesh 1,8``: as the default). Below
+  the floor the model uses the context: it memorizes the fixed batch,
+  which is what 20 steps can show. With ``--steps 1`` both checks fail.
+  """
+  yes_no = lambda ok: 'yes' if ok else 'no'
+  batch = tokens()
+  plain = jax.device_get(params)  # host arrays: one device, no mesh
+  final = float(
+    cross_entropy(Transformer(scan=scan).apply(plain, batch), batch)
+  )
+  floor = context_free_floor(batch)
+  falls = all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+  below = final < floor
+  return [
+    (
+      f'loss falls ({losses[0]:.4f} -> {losses[-1]:.4f}), all finite: '
+      f'{yes_no(falls)}',
+      falls,
+    ),
+    (
+      f'trained Linen params loss {final:.4f} < context-free floor '
+      f'{floor:.4f}: {yes_no(below)}',
+      below,
+    ),
+  ]
+
+
 if __name__ == '__main__':
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--steps', type=int, default=20)
-  parser.add_argument('--scan', action='store_true')
-  parser.add_argument('--z2', action='store_true')
-  parser.add_argument('--mesh', default='2,4')
-  parser.add_argument('--layers-per-gather', type=int, default=1)
+  parser = argparse.ArgumentParser(
+    description=__doc__.splitlines()[0],
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  parser.add_argument('--steps', type=int, default=20, help='training steps')
+  parser.add_argument(
+    '--scan',
+    action='store_true',
+    help='an nn.scan-ed layers stack instead of layers_i blocks',
+  )
+  parser.add_argument(
+    '--z2',
+    action='store_true',
+    help='keep gathered weights (reshard_after_forward=False)',
+  )
+  parser.add_argument(
+    '--mesh', default='2,4', help='replicate,shard over the 8 devices'
+  )
+  parser.add_argument(
+    '--layers-per-gather',
+    type=int,
+    default=1,
+    help='blocks gathered together (Dedication.sequential)',
+  )
   args = parser.parse_args()
   jax.config.update('jax_num_cpu_devices', 8)
-  main(
+  losses, params = main(
     args.steps,
     args.scan,
     not args.z2,
     tuple(int(v) for v in args.mesh.split(',')),
     args.layers_per_gather,
   )
+  check_list = checks(losses, params, args.scan)
+  print('checks: ' + '; '.join(t for t, _ in check_list))
+  failed = [t for t, ok in check_list if not ok]
+  if failed:
+    print('FAILED checks: ' + '; '.join(failed), file=sys.stderr)
+    sys.exit(1)

@@ -9,20 +9,26 @@ update runs Newton–Schulz with no communication.
 
 Runs on 8 simulated CPU devices (mesh 2x4: HSDP). ``--scan`` stacks the
 blocks (``nnx.vmap``-created, run with ``Dedication.scan``) instead of a
-Python loop over ``nnx.List``.
+Python loop over ``nnx.List``. Run as a script, it then checks that the
+model trained (``checks``): if not, it prints a ``FAILED checks:`` line
+(stderr) and exits with status 1.
 """
 
 import argparse
 import functools
+import math
+import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
+from dmuon_jax import MuonDimensionNumbers
 
 VOCAB, WIDTH, HEADS, DEPTH, SEQ = 64, 32, 4, 4, 16
 AXES = ('replicate', 'shard')
@@ -84,11 +90,19 @@ def make_tokens():
   return jax.random.randint(jax.random.key(1), (32, SEQ), 0, VOCAB)
 
 
-def predicate(scan: bool):
-  """Muon targets: the default routing, or the stacked block kernels."""
+def muon_dims(scan: bool):
+  """Muon targets: the default routing, or (scanned model) the stacked
+  block kernels ``(L, m, n)`` by dimension numbers: L matrices each."""
   if not scan:
     return None
-  return lambda path, x: 'layers' in path and path.endswith('kernel')
+
+  def one(path, leaf):
+    names = [str(getattr(k, 'key', k)) for k in path]
+    if names[-1] != 'kernel' or 'layers' not in names:
+      return None
+    return MuonDimensionNumbers(leaf.ndim - 2, leaf.ndim - 1)
+
+  return lambda params: jax.tree_util.tree_map_with_path(one, params)
 
 
 def main(
@@ -106,9 +120,12 @@ def main(
 
   # 1. Plan: who owns each matrix; blocks 'layers/0'.. (or the 'layers'
   #    stack) are the hook boundaries. The stacked kernels of a scanned
-  #    model are 3-D, so name the targets with a predicate.
+  #    model are 3-D: dimension numbers say they are stacks of matrices.
   ded = dmuon_jax.dedicate(
-    params, mesh, predicate=predicate(scan), reshard_after_forward=z3
+    params,
+    mesh,
+    muon_weight_dimension_numbers=muon_dims(scan),
+    reshard_after_forward=z3,
   )
   dp = ded.to_dedicated(jax.device_put(params, NamedSharding(mesh, P())))
   opt = dmuon_jax.dedicated_muon(ded, learning_rate=0.005)
@@ -159,10 +176,56 @@ def main(
   return losses, model
 
 
+def context_free_floor(tokens) -> float:
+  """The entropy of the targets' token frequencies: the lowest loss any
+  predictor that ignores the context can reach on this batch."""
+  targets = np.asarray(tokens)[:, 1:].ravel()
+  freq = np.bincount(targets, minlength=VOCAB) / targets.size
+  return float(-np.sum(freq[freq > 0] * np.log(freq[freq > 0])))
+
+
+def checks(losses: list[float], model: Model) -> list[tuple[str, bool]]:
+  """``(text, ok)`` pairs: dedicated DMuon trained the model.
+
+  Measured with the defaults (``python examples/dedicated_nnx.py``, 20
+  steps, Z3, mesh 2x4) on a 2-core CPU VM: the loss falls from 4.634 to
+  2.488; the trained model, evaluated by the ordinary NNX forward on one
+  device, is at 2.396 against a context-free floor of 4.089 nats
+  (``--scan``: 4.775 -> 2.990, model 2.914; ``--z2``: as Z3). Below the
+  floor the model uses the context: it memorizes the fixed batch, which is
+  what 20 steps can show. With ``--steps 1`` both checks fail.
+  """
+  yes_no = lambda ok: 'yes' if ok else 'no'
+  tokens = make_tokens()
+  final = float(cross_entropy(model(tokens), tokens))
+  floor = context_free_floor(tokens)
+  falls = all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+  below = final < floor
+  return [
+    (
+      f'loss falls ({losses[0]:.4f} -> {losses[-1]:.4f}), all finite: '
+      f'{yes_no(falls)}',
+      falls,
+    ),
+    (
+      f'trained NNX model loss {final:.4f} < context-free floor '
+      f'{floor:.4f}: {yes_no(below)}',
+      below,
+    ),
+  ]
+
+
 if __name__ == '__main__':
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--steps', type=int, default=20)
-  parser.add_argument('--scan', action='store_true')
+  parser = argparse.ArgumentParser(
+    description=__doc__.splitlines()[0],
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  parser.add_argument('--steps', type=int, default=20, help='training steps')
+  parser.add_argument(
+    '--scan',
+    action='store_true',
+    help='stacked blocks (nnx.vmap, Dedication.scan) instead of nnx.List',
+  )
   parser.add_argument(
     '--z2',
     action='store_true',
@@ -170,4 +233,10 @@ if __name__ == '__main__':
   )
   args = parser.parse_args()
   jax.config.update('jax_num_cpu_devices', 8)
-  main(args.steps, args.scan, not args.z2)
+  losses, model = main(args.steps, args.scan, not args.z2)
+  check_list = checks(losses, model)
+  print('checks: ' + '; '.join(t for t, _ in check_list))
+  failed = [t for t, ok in check_list if not ok]
+  if failed:
+    print('FAILED checks: ' + '; '.join(failed), file=sys.stderr)
+    sys.exit(1)

@@ -8,7 +8,9 @@ file). The loop has the shape of the usual Flax example: ``TrainState.create``
 with ``tx=dmuon_jax.dmuon(...)``, a jitted ``train_step(state, batch)`` that
 calls ``state.apply_gradients``, and an ``eval_step``. It runs data parallel
 on 8 simulated CPU devices: params replicated, the batch split over both
-mesh axes; ``dmuon`` gives each Muon matrix one owner device.
+mesh axes; ``dmuon`` gives each Muon matrix one owner device. At the end it
+checks that the model learned (see ``checks``); if not, it prints a
+``FAILED checks:`` line (stderr) and exits with status 1.
 
     python examples/train_linen.py                # < 2 min on 2 cores
     python examples/train_linen.py --steps 50 --mesh 1x8
@@ -17,13 +19,18 @@ mesh axes; ``dmuon`` gives each Muon matrix one owner device.
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import sys
 import time
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument('--steps', type=int, default=200)
+  p = argparse.ArgumentParser(
+    description=__doc__.splitlines()[0],
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  p.add_argument('--steps', type=int, default=200, help='training steps')
   p.add_argument(
     '--batch',
     type=int,
@@ -31,15 +38,59 @@ def parse_args(argv=None):
     help='sequences per step (divisible by the device count)',
   )
   p.add_argument('--seq', type=int, default=64, help='bytes per sequence')
-  p.add_argument('--width', type=int, default=128)
-  p.add_argument('--heads', type=int, default=4)
+  p.add_argument('--width', type=int, default=128, help='model width')
+  p.add_argument('--heads', type=int, default=4, help='attention heads')
   p.add_argument(
     '--mesh', default='2x4', help='replicate x shard, e.g. 2x4, 1x8, 8x1'
   )
-  p.add_argument('--log-every', type=int, default=20)
-  p.add_argument('--data-bytes', type=int, default=2_000_000)
-  p.add_argument('--seed', type=int, default=0)
+  p.add_argument(
+    '--log-every',
+    type=int,
+    default=20,
+    help='steps between printed losses (mean over the window)',
+  )
+  p.add_argument(
+    '--data-bytes',
+    type=int,
+    default=2_000_000,
+    help='bytes of standard-library source to read (train + validation)',
+  )
+  p.add_argument(
+    '--seed', type=int, default=0, help='initialization and data order'
+  )
   return p.parse_args(argv)
+
+
+def checks(losses, train_loss, val_loss, floor):
+  """``(text, ok)`` pairs: the run learned the data.
+
+  Measured with the default flags (``python examples/train_linen.py``, 200
+  steps) on a 2-core CPU VM: step-1 loss 5.99, final train loss 1.80, val
+  loss 1.93 against a context-free floor of 3.09 nats (margin 1.16); the
+  shortened run of tests/gpu_and_linen_examples_test.py (30 steps, width
+  64): val loss 2.50 against a floor of 3.02 (margin 0.52). After 2 steps
+  (val loss 4.82) the floor check fails.
+  """
+  yes_no = lambda ok: 'yes' if ok else 'no'
+  finite = all(math.isfinite(v) for v in losses + [val_loss])
+  # Any decrease: the first window (step 1) is the initialization's loss.
+  learns = finite and train_loss < losses[0]
+  # The floor is the entropy of the validation targets' byte frequencies:
+  # the lowest loss any predictor that ignores the context can reach on
+  # that sample. Below it, the model uses the context.
+  uses_context = val_loss < floor
+  return [
+    (
+      f'train loss {train_loss:.4f} < step-1 loss {losses[0]:.4f}, all '
+      f'finite: {yes_no(learns)}',
+      learns,
+    ),
+    (
+      f'val loss {val_loss:.4f} < context-free floor {floor:.4f} (entropy '
+      f'of the validation bytes): {yes_no(uses_context)}',
+      uses_context,
+    ),
+  ]
 
 
 def main(argv=None):  # pylint: disable=too-many-locals
@@ -174,6 +225,15 @@ def main(argv=None):  # pylint: disable=too-many-locals
     f'final: train loss {train_loss:.4f}  val loss {val_loss:.4f}  '
     f'({args.steps} steps, {time.perf_counter() - start:.1f} s)'
   )
+  targets = np.asarray(val_batch)[:, 1:].ravel()
+  freq = np.bincount(targets, minlength=256) / targets.size
+  floor = float(-np.sum(freq[freq > 0] * np.log(freq[freq > 0])))
+  check_list = checks(losses, train_loss, val_loss, floor)
+  print('checks: ' + '; '.join(t for t, _ in check_list))
+  failed = [t for t, ok in check_list if not ok]
+  if failed:
+    print('FAILED checks: ' + '; '.join(failed), file=sys.stderr)
+    sys.exit(1)
   return train_loss, val_loss
 
 

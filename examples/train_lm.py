@@ -22,7 +22,12 @@ same batches, on a ``('replicate', 'shard')`` mesh of simulated CPU devices
 
 The three Muon variants share their hyperparameters. Writes the loss curves
 (``train_lm.png``), a markdown summary (``train_lm.md``, also printed) and
-every logged point (``train_lm.json``) to ``--out-dir``.
+every logged point (``train_lm.json``) to ``--out-dir``, then checks what
+the run is meant to show (see ``checks``): every optimizer learns, each Muon
+variant ends below AdamW, and the three Muon variants compute the same
+losses (to 1e-5 over the first 100 steps; later differences are printed).
+If a check fails it says so on a ``FAILED checks:`` line (stderr) and exits
+with status 1.
 
     python examples/train_lm.py                  # 4-7 minutes on 2 CPU cores
     python examples/train_lm.py --mesh 1x8 --steps 100 --optimizers adamw,dmuon
@@ -33,6 +38,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import pathlib
 import sys
@@ -65,7 +71,7 @@ def parse_args(argv=None):
     description=__doc__.splitlines()[0],
     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
-  p.add_argument('--steps', type=int, default=300)
+  p.add_argument('--steps', type=int, default=300, help='training steps')
   p.add_argument(
     '--batch',
     type=int,
@@ -73,21 +79,36 @@ def parse_args(argv=None):
     help='sequences per step (global, divisible by devices)',
   )
   p.add_argument('--context', type=int, default=64, help='bytes per sequence')
-  p.add_argument('--width', type=int, default=128)
-  p.add_argument('--layers', type=int, default=2)
-  p.add_argument('--heads', type=int, default=4)
+  p.add_argument('--width', type=int, default=128, help='model width')
+  p.add_argument('--layers', type=int, default=2, help='transformer blocks')
+  p.add_argument('--heads', type=int, default=4, help='attention heads')
   p.add_argument(
     '--mesh', default='2x4', help='replicate x shard, e.g. 2x4, 1x8, 8x1, 1x1'
   )
-  p.add_argument('--eval-every', type=int, default=25)
+  p.add_argument(
+    '--eval-every',
+    type=int,
+    default=25,
+    help='steps between validation evaluations (and train-loss windows)',
+  )
   p.add_argument(
     '--eval-batch',
     type=int,
     default=128,
     help='validation sequences (a fixed sample)',
   )
-  p.add_argument('--data-bytes', type=int, default=4_000_000)
-  p.add_argument('--muon-lr', type=float, default=0.02)
+  p.add_argument(
+    '--data-bytes',
+    type=int,
+    default=4_000_000,
+    help='bytes of standard-library source to read (train + validation)',
+  )
+  p.add_argument(
+    '--muon-lr',
+    type=float,
+    default=0.02,
+    help="the Muon variants' learning rate for the block matrices",
+  )
   p.add_argument(
     '--adam-lr',
     type=float,
@@ -95,14 +116,22 @@ def parse_args(argv=None):
     help="AdamW's learning rate, and the Muon variants' for "
     'the non-matrix params',
   )
-  p.add_argument('--seed', type=int, default=0)
+  p.add_argument(
+    '--seed', type=int, default=0, help='initialization and data order'
+  )
   p.add_argument(
     '--optimizers',
     default=','.join(OPTIMIZERS),
     help='comma-separated subset of ' + ', '.join(OPTIMIZERS),
   )
-  p.add_argument('--out-dir', default=str(DEFAULT_OUT_DIR))
-  p.add_argument('--no-plot', action='store_true')
+  p.add_argument(
+    '--out-dir',
+    default=str(DEFAULT_OUT_DIR),
+    help='where to write train_lm.{md,json,png}',
+  )
+  p.add_argument(
+    '--no-plot', action='store_true', help='skip the plot (train_lm.png)'
+  )
   return p.parse_args(argv)
 
 
@@ -429,28 +458,104 @@ def plot(logs, args, mesh_desc, path):
   plt.close(fig)
 
 
-def checks(logs):
-  """The comparisons the example is meant to show, as (text, ok) pairs."""
-  out = []
-  val = lambda k: logs[k]['val_loss'][-1]
-  for key in ('dmuon', 'dedicated'):
-    if key in logs and 'adamw' in logs:
-      ok = val(key) < val('adamw')
-      out.append((f'{key} val < adamw val: {"yes" if ok else "no"}', ok))
-  max_diff = None
-  if 'dmuon' in logs and 'optax_muon' in logs:
-    a, b = logs['dmuon'], logs['optax_muon']
-    diffs = [abs(x - y) for x, y in zip(a['step_losses'], b['step_losses'])] + [
-      abs(x - y) for x, y in zip(a['val_loss'], b['val_loss'])
-    ]
-    max_diff = max(diffs)
-    ok = max_diff < 1e-3
-    text = (
-      f'max |dmuon - optax muon| = {max_diff:.1e} < 1e-3: '
-      f'{"yes" if ok else "no"}'
+# The checks (see ``checks``) and their thresholds. Measured with the
+# default flags (``python examples/train_lm.py``: 300 steps, mesh 2x4) on a
+# 2-core CPU VM, unless said otherwise:
+# * every optimizer learns: its final validation loss is below its loss at
+#   step 1 (the initialization's, 6.26 nats) and every logged loss is
+#   finite. Measured: final val 1.82 (Muon variants) and 2.06 (AdamW).
+# * each Muon variant beats AdamW: a lower final validation loss. Measured:
+#   1.8178 against 2.0580, a margin of 0.24 nats (0.066 nats in the
+#   shortened run of tests/examples_test.py). With Muon's learning rate cut
+#   to 0.0002 (``--steps 40 --muon-lr 0.0002``) AdamW wins by 0.054 nats
+#   and the check fails, as it should.
+# * the three Muon variants compute the same numbers: for each pair, the
+#   largest |difference| of the train loss of every step and of every
+#   validation loss in the first CHECK_STEPS steps is below SAME_TOL. They
+#   differ by float32 rounding only (optax.contrib.muon runs each matrix's
+#   Newton-Schulz on every device, dmuon on its owner, dedicated on
+#   gradients reduce-scattered to the owner). Measured over steps 1-100:
+#   at most 7.2e-7 (one or two float32 ulps of the loss) for every pair, on
+#   meshes 2x4, 1x8 and 8x1 and in the shortened test run; 9.5e-7 over the
+#   40 steps of ``--steps 40 --muon-lr 0.0002``. SAME_TOL is 10x that. A
+#   real difference is far larger: dmuon with a learning rate 1% off
+#   (0.0202) differs by 1.7e-3 at step 5, above SAME_TOL from step 2 on.
+#   Later steps are reported, not checked: training amplifies the rounding
+#   differences about 4x per 100 steps from step ~300 on, alike for every
+#   pair (``--steps 1000``: 8.3e-7 up to step 200, 3.5e-6 to 4.6e-6 at 300,
+#   6.7e-5 to 8.1e-5 at 500, 1.7e-2 to 2.3e-2 at 1000), so no fixed
+#   tolerance over a whole run holds.
+CHECK_STEPS = 100
+SAME_TOL = 1e-5
+MUON_KEYS = ('optax_muon', 'dmuon', 'dedicated')
+
+
+def max_abs_diff(a, b, steps=None):
+  """Largest |a - b| over the step losses and validation losses of two logs,
+  in the first ``steps`` steps (all if None); NaN if a loss is NaN or the
+  logs are of different runs."""
+  if a['step'] != b['step'] or len(a['step_losses']) != len(b['step_losses']):
+    return float('nan')  # different runs: never "the same numbers"
+  n = len(a['step_losses']) if steps is None else steps
+  val = [i for i, step in enumerate(a['step']) if step <= n]
+  pairs = [
+    (a['step_losses'][:n], b['step_losses'][:n]),
+    ([a['val_loss'][i] for i in val], [b['val_loss'][i] for i in val]),
+  ]
+  return float(
+    max(
+      np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))
+      for x, y in pairs
+      if x
     )
-    out.append((text, ok))
-  return out, max_diff
+  )
+
+
+def checks(logs):
+  """What the example is meant to show, as ``(text, ok)`` pairs, and the
+  largest loss differences between the Muon variants over the whole run
+  (by pair; reported, checked over the first CHECK_STEPS steps only)."""
+  out = []
+  yes_no = lambda ok: 'yes' if ok else 'no'
+  val = lambda k: logs[k]['val_loss'][-1]
+  for key, log in logs.items():
+    first = log['step_losses'][0]
+    finite = all(math.isfinite(v) for v in log['step_losses'] + log['val_loss'])
+    ok = finite and val(key) < first
+    out.append(
+      (
+        f'{key} learns (final val {val(key):.4f} < step-1 loss '
+        f'{first:.4f}, all finite): {yes_no(ok)}',
+        ok,
+      )
+    )
+  if 'adamw' in logs:
+    for key in MUON_KEYS:
+      if key in logs:
+        ok = val(key) < val('adamw')
+        out.append(
+          (
+            f'{key} val {val(key):.4f} < adamw val {val("adamw"):.4f}: '
+            f'{yes_no(ok)}',
+            ok,
+          )
+        )
+  diffs = {}
+  present = [k for k in MUON_KEYS if k in logs]
+  for i, a in enumerate(present):
+    for b in present[i + 1 :]:
+      diffs[f'{a} vs {b}'] = max_abs_diff(logs[a], logs[b])
+      diff = max_abs_diff(logs[a], logs[b], CHECK_STEPS)
+      n = min(CHECK_STEPS, len(logs[a]['step_losses']))
+      ok = diff < SAME_TOL
+      out.append(
+        (
+          f'max |{a} - {b}| over steps 1-{n} = {diff:.1e} < '
+          f'{SAME_TOL:.0e}: {yes_no(ok)}',
+          ok,
+        )
+      )
+  return out, diffs
 
 
 def main(argv=None):
@@ -532,12 +637,21 @@ def main(argv=None):
       f'| {log["val_loss"][-1]:.4f} | {log["train_time_s"]:.1f} '
       f'| {log["first_step_s"]:.1f} | {sps} |'
     )
-  check_list, max_diff = checks(logs)
+  check_list, diffs = checks(logs)
+  failed = [t for t, ok in check_list if not ok]
   check_line = 'checks: ' + '; '.join(t for t, _ in check_list)
   print()
   print('\n'.join(table))
   print()
   print(check_line)
+  diff_line = ''
+  if diffs:
+    diff_line = (
+      f'max |difference| over all {args.steps} steps (reported, not '
+      'checked: training amplifies rounding differences in long runs): '
+      + '; '.join(f'{pair} {diff:.1e}' for pair, diff in diffs.items())
+    )
+    print(diff_line)
   print(f'total time {total:.0f} s')
 
   out_dir = pathlib.Path(args.out_dir)
@@ -554,7 +668,9 @@ def main(argv=None):
   (out_dir / 'train_lm.md').write_text(
     f'# train_lm\n\n{header}\n\n'
     + '\n'.join(table)
-    + f'\n\n{check_line}\n\nTotal run time {total:.0f} s.\n'
+    + f'\n\n{check_line}\n\n'
+    + (f'{diff_line}\n\n' if diff_line else '')
+    + f'Total run time {total:.0f} s.\n'
   )
   (out_dir / 'train_lm.json').write_text(
     json.dumps(
@@ -565,7 +681,9 @@ def main(argv=None):
         'train_bytes': len(train),
         'val_bytes': len(val),
         'checks': {t: ok for t, ok in check_list},
-        'max_abs_diff_dmuon_optax_muon': max_diff,
+        'checks_passed': not failed,
+        'max_abs_diff_dmuon_optax_muon': diffs.get('optax_muon vs dmuon'),
+        'max_abs_diffs': diffs,
         'optimizers': logs,
       },
       indent=1,
@@ -574,6 +692,10 @@ def main(argv=None):
   if not args.no_plot:
     plot(logs, args, mesh_desc, out_dir / 'train_lm.png')
   print(f'wrote {out_dir}/train_lm.{{md,json{"" if args.no_plot else ",png"}}}')
+  if failed:
+    print('FAILED checks: ' + '; '.join(failed), file=sys.stderr)
+    sys.exit(1)
+  print(f'all {len(check_list)} checks passed')
   return logs
 
 

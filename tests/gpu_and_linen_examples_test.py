@@ -93,6 +93,11 @@ class TrainLinenTest(absltest.TestCase):
     )
     self.assertIsNotNone(final, out)
     self.assertTrue(all(0 < float(v) < 6 for v in final.groups()), out)
+    # The script's own checks ran and held (it exits 1 if one fails): the
+    # val loss is below the context-free floor (measured 2.50 against 3.02).
+    (checks,) = re.findall(r'^checks: (.*)$', out, re.MULTILINE)
+    self.assertIn('< context-free floor', checks)
+    self.assertEqual(checks.count(': yes'), 2, checks)
 
 
 if __name__ == '__main__':

@@ -77,20 +77,26 @@ NS_STEPS = 5
 FAILURES = (RuntimeError, ValueError, MemoryError)
 
 
+class _Formatter(
+  argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter
+):
+  """Defaults in ``--help``; the description keeps its line breaks."""
+
+
 def parse_args(argv=None):
   p = argparse.ArgumentParser(
     description=__doc__.splitlines()[0],
-    formatter_class=argparse.RawDescriptionHelpFormatter,
+    formatter_class=_Formatter,
   )
   p.add_argument(
     '--out-dir',
     default=None,
-    help='where to write results (default: results/ beside this script)',
+    help='where to write results (unset: results/ beside this script)',
   )
   p.add_argument(
     '--name',
     default=None,
-    help='output file stem (default gpu_ns, or '
+    help='output file stem (unset: gpu_ns, or '
     'gpu_ns_cpu_smoke for the smoke run)',
   )
   p.add_argument(
@@ -102,10 +108,14 @@ def parse_args(argv=None):
   p.add_argument(
     '--shapes',
     default=None,
-    help='m x n list, e.g. 1024x1024,4096x14336 (default: '
+    help='m x n list, e.g. 1024x1024,4096x14336 (unset: '
     'Llama shapes, or tiny ones for the smoke run)',
   )
-  p.add_argument('--dtypes', default='bfloat16,float32')
+  p.add_argument(
+    '--dtypes',
+    default='bfloat16,float32',
+    help='Newton-Schulz dtypes (comma list)',
+  )
   p.add_argument(
     '--target-elems',
     type=int,
@@ -118,7 +128,12 @@ def parse_args(argv=None):
     default=20,
     help='timed calls per configuration (median reported)',
   )
-  p.add_argument('--min-reps', type=int, default=3)
+  p.add_argument(
+    '--min-reps',
+    type=int,
+    default=3,
+    help='fewest timed calls when --config-budget-s cuts reps',
+  )
   p.add_argument(
     '--warmup', type=int, default=2, help='untimed calls after compilation'
   )
@@ -144,7 +159,7 @@ def parse_args(argv=None):
     '--layers',
     type=int,
     default=None,
-    help='optimizer step: layers (default 32, smoke 2)',
+    help='optimizer step: layers (unset: 32, smoke 2)',
   )
   p.add_argument(
     '--mu-dtype',
@@ -156,8 +171,18 @@ def parse_args(argv=None):
     default='bfloat16',
     help='optimizer step: Newton-Schulz dtype (none: the momentum dtype)',
   )
-  p.add_argument('--step-reps', type=int, default=5)
-  p.add_argument('--step-budget-s', type=float, default=20.0)
+  p.add_argument(
+    '--step-reps',
+    type=int,
+    default=5,
+    help='optimizer step: timed steps (median reported)',
+  )
+  p.add_argument(
+    '--step-budget-s',
+    type=float,
+    default=20.0,
+    help='optimizer step: time budget of the timed steps',
+  )
   p.add_argument(
     '--mem-fraction',
     type=float,
@@ -168,11 +193,13 @@ def parse_args(argv=None):
     '--mem-limit-gib',
     type=float,
     default=None,
-    help="device memory to plan for (default: the device's "
+    help="device memory to plan for (unset: the device's "
     'bytes_limit; none on CPU)',
   )
   p.add_argument('--parts', default='ns,step', help='comma list of ns, step')
-  p.add_argument('--seed', type=int, default=0)
+  p.add_argument(
+    '--seed', type=int, default=0, help='seed of the random inputs'
+  )
   return p.parse_args(argv)
 
 

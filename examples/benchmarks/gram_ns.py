@@ -58,13 +58,13 @@ NS_COEFFS = 'jordan'
 def parse_args(argv=None):
   p = argparse.ArgumentParser(
     description=__doc__.splitlines()[0],
-    formatter_class=argparse.RawDescriptionHelpFormatter,
+    formatter_class=_common.HelpFormatter,
   )
   p.add_argument(
     '--short',
     type=int,
     default=512,
-    help='short side s (Part A) and d (Part B)',
+    help='short side s (Part A) and d (Part B) (--quick: 64)',
   )
   p.add_argument(
     '--ratios',
@@ -72,7 +72,10 @@ def parse_args(argv=None):
     help='Part A: aspect ratios r (matrices s x r*s)',
   )
   p.add_argument(
-    '--batch', type=int, default=4, help='Part A: matrices per call'
+    '--batch',
+    type=int,
+    default=4,
+    help='Part A: matrices per call (--quick: 2)',
   )
   p.add_argument(
     '--tp', default='2,4', help='Part B: tensor-parallel degrees T'
@@ -84,7 +87,7 @@ def parse_args(argv=None):
     '--reps',
     type=int,
     default=9,
-    help='timed rounds per configuration (median reported)',
+    help='timed rounds per configuration (median reported; --quick: 5)',
   )
   p.add_argument(
     '--warmup',

@@ -58,6 +58,12 @@ TARGET_VS_FSDP = 1.5
 TARGET_VS_FLOOR = 1.3
 
 
+class HelpFormatter(
+  argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter
+):
+  """Defaults in ``--help``; the description keeps its line breaks."""
+
+
 def add_common_args(p, stem: str, quick_help: str) -> None:
   """The options every CPU benchmark here takes: --quick, --out-dir,
   --name (file stem: ``stem``, or ``stem_quick`` with --quick), --seed."""
@@ -65,25 +71,35 @@ def add_common_args(p, stem: str, quick_help: str) -> None:
   p.add_argument(
     '--out-dir',
     default=None,
-    help='where to write results (default: results/ beside this script)',
+    help='where to write results (unset: results/ beside this script)',
   )
   p.add_argument(
     '--name',
     default=None,
-    help=f'output file stem (default {stem}, or {stem}_quick with --quick)',
+    help=f'output file stem (unset: {stem}, or {stem}_quick with --quick)',
   )
-  p.add_argument('--seed', type=int, default=0)
+  p.add_argument(
+    '--seed', type=int, default=0, help='seed of the random inputs'
+  )
 
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(
     description=__doc__.splitlines()[0],
-    formatter_class=argparse.RawDescriptionHelpFormatter,
+    formatter_class=HelpFormatter,
   )
-  p.add_argument('--layers', type=int, default=8)
-  p.add_argument('--d-model', type=int, default=512)
-  p.add_argument('--d-ff', type=int, default=1536)
-  p.add_argument('--vocab', type=int, default=8192)
+  p.add_argument(
+    '--layers', type=int, default=8, help='transformer layers (--quick: 2)'
+  )
+  p.add_argument(
+    '--d-model', type=int, default=512, help='model width (--quick: 128)'
+  )
+  p.add_argument(
+    '--d-ff', type=int, default=1536, help='MLP width (--quick: 384)'
+  )
+  p.add_argument(
+    '--vocab', type=int, default=8192, help='vocabulary (--quick: 1024)'
+  )
   p.add_argument(
     '--mesh', default='1x8', help='replicate x shard, e.g. 1x8, 2x4, 8x1'
   )
@@ -91,7 +107,7 @@ def parse_args(argv=None):
     '--reps',
     type=int,
     default=5,
-    help='timed steps per configuration (median reported)',
+    help='timed steps per configuration (median reported; --quick: 3)',
   )
   p.add_argument(
     '--warmup', type=int, default=1, help='untimed steps after compilation'
@@ -124,7 +140,7 @@ def parse_args(argv=None):
   p.add_argument(
     '--only',
     default=None,
-    help='comma-separated config names to run (debugging)',
+    help='comma-separated config names to run (debugging; unset: all)',
   )
   add_common_args(
     p, 'optimizer_step', 'tiny model, few reps: a CI smoke run (< 60 s)'

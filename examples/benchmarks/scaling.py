@@ -72,12 +72,12 @@ FLOPS_TOLERANCE = 0.15
 def parse_args(argv=None):
   p = argparse.ArgumentParser(
     description=__doc__.splitlines()[0],
-    formatter_class=argparse.RawDescriptionHelpFormatter,
+    formatter_class=_common.HelpFormatter,
   )
   p.add_argument(
     '--devices',
     default=None,
-    help=f'comma-separated device counts N (default '
+    help=f'comma-separated device counts N (unset: '
     f'{FULL_DEVICES}; {QUICK_DEVICES} with --quick)',
   )
   p.add_argument(
@@ -86,13 +86,13 @@ def parse_args(argv=None):
     help='comma-separated model sizes: names from '
     f'{sorted(SIZES)} or [NAME=]LAYERSxDxD_FFxVOCAB, e.g. '
     'xl=2x1024x4096x1024'
-    f' (default {FULL_SIZES}; {QUICK_SIZES} with --quick)',
+    f' (unset: {FULL_SIZES}; {QUICK_SIZES} with --quick)',
   )
   p.add_argument(
     '--reps',
     type=int,
     default=5,
-    help='timed steps per (size, N) (median reported)',
+    help='timed steps per (size, N) (median reported; --quick: 3)',
   )
   p.add_argument(
     '--warmup', type=int, default=1, help='untimed steps after compilation'

@@ -93,26 +93,34 @@ ADAM_LR = 3e-3
 def parse_args(argv=None):
   p = argparse.ArgumentParser(
     description=__doc__.splitlines()[0],
-    formatter_class=argparse.RawDescriptionHelpFormatter,
+    formatter_class=_common.HelpFormatter,
   )
-  p.add_argument('--layers', type=int, default=4)
-  p.add_argument('--d-model', type=int, default=256)
+  p.add_argument(
+    '--layers', type=int, default=4, help='transformer layers (--quick: 2)'
+  )
+  p.add_argument(
+    '--d-model', type=int, default=256, help='model width (--quick: 32)'
+  )
   p.add_argument(
     '--d-ff',
     type=int,
     default=1024,
     help='MLP width; 4 x d-model packs two layers per gather '
     '(8 d x d and 6 d x 4d matrices) onto 8 owners with no '
-    'padding',
+    'padding (--quick: 128)',
   )
-  p.add_argument('--heads', type=int, default=4)
-  p.add_argument('--vocab', type=int, default=512)
-  p.add_argument('--seq', type=int, default=64)
+  p.add_argument('--heads', type=int, default=4, help='attention heads')
+  p.add_argument(
+    '--vocab', type=int, default=512, help='vocabulary (--quick: 64)'
+  )
+  p.add_argument(
+    '--seq', type=int, default=64, help='sequence length (--quick: 16)'
+  )
   p.add_argument(
     '--batch',
     type=int,
     default=16,
-    help='global batch (sequences), divisible by the devices',
+    help='global batch (sequences), divisible by the devices (--quick: 8)',
   )
   p.add_argument(
     '--mesh', default='1,8', help='replicate,shard (or RxS), e.g. 1,8 2,4 8,1'
@@ -136,15 +144,18 @@ def parse_args(argv=None):
     '--reps',
     type=int,
     default=10,
-    help='timed steps per configuration (median reported)',
+    help='timed steps per configuration (median reported; --quick: 2)',
   )
   p.add_argument(
-    '--warmup', type=int, default=2, help='untimed steps after compilation'
+    '--warmup',
+    type=int,
+    default=2,
+    help='untimed steps after compilation (--quick: 1)',
   )
   p.add_argument(
     '--only',
     default=None,
-    help='comma-separated config names to run (debugging)',
+    help='comma-separated config names to run (debugging; unset: all)',
   )
   _common.add_common_args(
     p, 'train_step', 'tiny model, few reps: a CI smoke run (< 90 s)'

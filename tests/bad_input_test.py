@@ -443,6 +443,18 @@ def adamw_leaf_shape_differs(mesh=None):
   jax.jit(opt.update).trace(grads, state, params)
 
 
+def explicit_adamw_leaf_shape_differs():
+  # The explicit path: per-device gradients inside the user's shard_map.
+  mesh = support.make_mesh((1, 8))
+  opt = dmuon_jax.dmuon(0.1, mesh=mesh)
+  state = opt.init(place(tree(), mesh))
+  grown = {'layers_0': {'w': jnp.zeros((8, 16)), 'b': jnp.zeros((12,))}}
+  loss = lambda p, b: sum(jnp.sum(q**2) for q in jax.tree.leaves(p)) * b.mean()
+  step = support.explicit_step_fn(opt, mesh, state, loss_fn=loss)
+  batch = place(jnp.ones((8, 4)), mesh, P(AXES))
+  step.trace(place(grown, mesh), state, batch)
+
+
 def dedicated_adamw_leaf_shape_differs():
   ded = dmuon_jax.dedicate(support.block_params(), None)
   dp = ded.to_dedicated(support.block_params())
@@ -1149,6 +1161,12 @@ CASES = (
   (
     'adamw_leaf_shape_differs_on_a_mesh',
     lambda: adamw_leaf_shape_differs(jax.make_mesh((2, 4), AXES)),
+    ValueError,
+    r"'layers_0/b' has shape \(12,\), init\(\) saw \(16,\)",
+  ),
+  (
+    'explicit_adamw_leaf_shape_differs',
+    explicit_adamw_leaf_shape_differs,
     ValueError,
     r"'layers_0/b' has shape \(12,\), init\(\) saw \(16,\)",
   ),

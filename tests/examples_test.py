@@ -94,7 +94,15 @@ class ExamplesTest(absltest.TestCase):
   def test_optimizer_step_benchmark_quick(self):
     out_dir = tempfile.mkdtemp()
     run_script(
-      ['examples/benchmarks/optimizer_step.py', '--quick', '--out-dir', out_dir]
+      # Without the one-iteration diagnostics (the NS share of a step; two
+      # more compiles): the smoke run is the suite's costliest child.
+      [
+        'examples/benchmarks/optimizer_step.py',
+        '--quick',
+        '--no-breakdown',
+        '--out-dir',
+        out_dir,
+      ]
     )
     lines = pathlib.Path(out_dir, 'optimizer_step_quick.json').read_text()
     records = [json.loads(line) for line in lines.splitlines() if line]
@@ -114,8 +122,6 @@ class ExamplesTest(absltest.TestCase):
         'dmuon-explicit',
         'optax-muon-replicated-all2d',
         'dmuon-replicated-all2d',
-        'dmuon-replicated-ns1',
-        'dmuon-fsdp-ns1',
       },
     )
     for name, r in configs.items():
@@ -143,7 +149,7 @@ class ExamplesTest(absltest.TestCase):
       self.assertLess(ratio, (0.2 if r['ns_steps'] == 5 else 0.1), name)
     # Sharded params: the owner routes are all-to-alls, nothing is
     # gathered whole; the explicit path reduce-scatters what it gathers.
-    for name in ('dmuon-fsdp', 'dmuon-fsdp-ns1'):
+    for name in ('dmuon-fsdp',):
       kinds = configs[name]['collective_bytes_by_kind']
       self.assertNotIn('all-gather', kinds, name)
       self.assertGreater(kinds['all-to-all'], 0, name)

@@ -105,7 +105,7 @@ def _reporting_routing(
         weight_dimension_numbers=dims,
         dims_arg=_DIMS_ARG,
       )
-      _report.report_routing(routing, default_rule=predicate is None)
+      _report.report_routing(routing)
       reported = True
     return inner.init(params)
 

@@ -703,7 +703,7 @@ def dedicate(
     weight_dimension_numbers=dims_numbers,
     dims_arg='muon_weight_dimension_numbers',
   )
-  _report.report_routing(routing, default_rule=predicate is None)
+  _report.report_routing(routing)
   bounds = _boundaries.find_hook_boundaries(
     params,
     predicate=predicate,

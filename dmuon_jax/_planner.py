@@ -886,6 +886,8 @@ class Routing(NamedTuple):
   specs: list[LeafSpec | None]
   summary: str
   num_muon: int
+  # Whether default_muon_predicate chose (no predicate, no dimension numbers).
+  default_rule: bool
 
 
 def route(
@@ -958,7 +960,12 @@ def route(
       ' (scanned layers, attention kernels) would go to Muon only with'
       f' dimension numbers: {listed(stacks)}'
     )
-  return Routing(specs, '; '.join(parts), counts[True][0])
+  return Routing(
+    specs,
+    '; '.join(parts),
+    counts[True][0],
+    default_rule=predicate is None and not have_dims,
+  )
 
 
 def layer_key(path: str, batch_index: tuple[int, ...] = ()) -> str:
@@ -1103,42 +1110,69 @@ def check_same_tree(
     ValueError: listing the paths only in one of the two trees, or the
       leaves whose shapes differ.
   """
-  got_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  want_leaves = jax.tree_util.tree_flatten_with_path(
-    reference, is_leaf=is_leaf
-  )[0]
-  got = [normalize_path(k) for k, _ in got_leaves]
-  want = [normalize_path(k) for k, _ in want_leaves]
-  if got == want:
-    if not shapes:
-      return
+  got = [
+    (normalize_path(k), tuple(np.shape(x)))
+    for k, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+  ]
+  want = [
+    (normalize_path(k), tuple(np.shape(r)) if hasattr(r, 'shape') else None)
+    for k, r in jax.tree_util.tree_flatten_with_path(
+      reference, is_leaf=is_leaf
+    )[0]
+  ]
+  if not shapes:
+    got = [(p, None) for p, _ in got]
+    want = [(p, None) for p, _ in want]
+  check_same_leaves(got, want, what, made_by)
+
+
+def check_same_leaves(
+  got: Sequence[tuple[str, tuple[int, ...] | None]],
+  want: Sequence[tuple[str, tuple[int, ...] | None]],
+  what: str,
+  made_by: str = 'init()',
+) -> None:
+  """Raises unless ``got`` has the paths of ``want``, in order, and its
+  shapes (a ``want`` shape of None matches any).
+
+  Args:
+    got: ``(path, shape)`` of each leaf given now (e.g. to ``update``).
+    want: ``(path, shape or None)`` of each leaf recorded by ``made_by``.
+    what: the operation, for the message (e.g. ``'update()'``).
+    made_by: the call that recorded ``want``.
+
+  Raises:
+    ValueError: naming the paths missing or new, else the leaves of
+      another shape, else saying the leaves are reordered.
+  """
+  got_paths = [p for p, _ in got]
+  want_paths = [p for p, _ in want]
+  if got_paths == want_paths:
     differ = [
-      f'{p or "<root>"!r} has shape {tuple(np.shape(x))}, {made_by} saw'
-      f' {tuple(np.shape(r))}'
-      for p, (_, x), (_, r) in zip(got, got_leaves, want_leaves)
-      if hasattr(r, 'shape') and tuple(np.shape(x)) != tuple(np.shape(r))
+      f'{p or "<root>"!r} has shape {g}, {made_by} saw {w}'
+      for (p, g), (_, w) in zip(got, want)
+      if w is not None and g != w
     ]
     if not differ:
       return
-    raise ValueError(
-      f'dmuon: the tree given to {what} does not match the one given to'
-      f' {made_by}: {"; ".join(differ[:8])}. Call {made_by} again on the new'
-      ' params (a changed model needs a new optimizer state), or pass'
-      ' gradients of the params the state was made for.'
+    detail = '; '.join(differ[:8])
+  else:
+    missing = sorted(set(want_paths) - set(got_paths))
+    extra = sorted(set(got_paths) - set(want_paths))
+    detail = (
+      '; '.join(
+        [f'params {missing} are missing'] * bool(missing)
+        + [f'params {extra} are new'] * bool(extra)
+      )
+      or 'the leaves are reordered'
     )
-  extra = sorted(set(got) - set(want))
-  missing = sorted(set(want) - set(got))
-  diff = (
-    '; '.join(
-      [f'params {missing} are missing'] * bool(missing)
-      + [f'params {extra} are new'] * bool(extra)
-    )
-    or 'the leaves are reordered'
+  grads = ', or pass gradients of the params the state was made for' * (
+    'update' in what
   )
   raise ValueError(
-    f'dmuon: the tree given to {what} does not match the one given to '
-    f'{made_by}: {diff}. Call {made_by} again on the new params (a changed '
-    'model needs a new optimizer state).'
+    f'dmuon: the tree given to {what} does not match the one given to'
+    f' {made_by}: {detail}. Call {made_by} again on the new params (a changed'
+    f' model needs a new optimizer state){grads}.'
   )
 
 

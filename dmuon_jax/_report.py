@@ -24,7 +24,7 @@ class DMuonWarning(UserWarning):
   do)."""
 
 
-def report_routing(routing: _planner.Routing, default_rule: bool) -> None:
+def report_routing(routing: _planner.Routing) -> None:
   """Logs the routing summary at INFO; warns if no leaf goes to Muon."""
   LOGGER.info('%s', routing.summary)
   if routing.num_muon == 0:
@@ -32,7 +32,7 @@ def report_routing(routing: _planner.Routing, default_rule: bool) -> None:
       'The default rule (dmuon_jax.default_muon_predicate) takes 2-D'
       ' matrices with both dims > 1 that are not embeddings, heads, norms'
       ' or biases. '
-      if default_rule
+      if routing.default_rule
       else ''
     )
     warnings.warn(

@@ -35,13 +35,6 @@ WeightDimNumbers = (
   | None
 )
 
-TREE_MISMATCH_MSG = (
-  'dmuon: the tree given to update() does not match the one given to '
-  'init(): {detail}. Call init() again on the new params (a changed model '
-  'needs a new optimizer state), or pass gradients of the params the state '
-  'was made for.'
-)
-
 UNKNOWN_SPECS_MSG = (
   'dmuon: the optimizer state {name} was made without knowing how '
   '{count} Muon param(s) are sharded ({paths}): init saw tracers or '
@@ -290,28 +283,11 @@ def check_state_tree(
 ) -> list[jax.Array]:
   """The target leaves of ``updates``; raises unless they fit ``layout``."""
   with_path = jax.tree_util.tree_flatten_with_path(updates)[0]
-  got = [(_planner.normalize_path(k), tuple(np.shape(x))) for k, x in with_path]
-  want = [(t.path, t.shape) for t in layout.leaves]
-  if got != want:
-    got_paths = [p for p, _ in got]
-    want_paths = [p for p, _ in want]
-    missing = sorted(set(want_paths) - set(got_paths))
-    extra = sorted(set(got_paths) - set(want_paths))
-    if missing or extra:
-      detail = '; '.join(
-        [f'params {missing} are missing'] * bool(missing)
-        + [f'params {extra} are new'] * bool(extra)
-      )
-    else:
-      shapes = [
-        f'{p!r} has shape {g}, init() saw {w}'
-        for (p, g), (_, w) in zip(got, want)
-        if g != w
-      ]
-      detail = '; '.join(shapes) or 'the leaves are reordered'
-    raise ValueError(
-      TREE_MISMATCH_MSG.format(detail=detail).replace('update()', what)
-    )
+  _planner.check_same_leaves(
+    [(_planner.normalize_path(k), tuple(np.shape(x))) for k, x in with_path],
+    [(t.path, t.shape) for t in layout.leaves],
+    what,
+  )
   return [x for _, x in with_path]
 
 

@@ -2,6 +2,7 @@
 and the tensor-parallel axis by name."""
 
 import logging
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -196,6 +197,16 @@ class SummaryTest(absltest.TestCase):
       r" \(1, 32\).*'dense2/kernel' \(32, 1\).*predicate='optax'",
     ):
       dmuon_jax.dmuon(0.02).init(params)
+    # Dimension numbers that route every leaf to AdamW: the warning does not
+    # blame the default rule, which did not choose.
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter('always')
+      dmuon_jax.dmuon(
+        0.02, muon_weight_dimension_numbers=jax.tree.map(lambda _: None, params)
+      ).init(params)
+    (warning,) = caught
+    self.assertIn('no leaf goes to Muon', str(warning.message))
+    self.assertNotIn('default rule', str(warning.message))
     # With optax's routing the kernels are orthogonalized: no warning.
     state = dmuon_jax.dmuon(0.02, predicate='optax').init(params)
     self.assertLen(dmuon_jax.owner_layouts(state)[0].leaves, 2)

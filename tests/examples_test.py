@@ -4,15 +4,13 @@ their checks fail, and show their defaults in ``--help``."""
 import json
 import math
 import pathlib
-import subprocess
-import sys
 import tempfile
 
 import numpy as np
 import pytest
 from absl.testing import absltest, parameterized
 
-from tests.support import ROOT, run_script, subprocess_env
+from tests.support import ROOT, run_script, run_unchecked
 
 pytestmark = pytest.mark.slow
 
@@ -74,20 +72,6 @@ for script in scripts:
 with open(out, 'w') as f:
   json.dump(results, f)
 """
-
-
-def run_unchecked(args, timeout=600):
-  """Runs a repo script in a fresh process; returns it whatever its exit
-  status (run_script raises on a nonzero one)."""
-  return subprocess.run(
-    [sys.executable, *args],
-    cwd=ROOT,
-    env=subprocess_env(),
-    capture_output=True,
-    text=True,
-    timeout=timeout,
-    check=False,
-  )
 
 
 class ExamplesTest(absltest.TestCase):

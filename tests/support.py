@@ -538,9 +538,10 @@ def subprocess_env():
   return env
 
 
-def run_script(args, timeout=600, executable=(sys.executable,)):
-  """Runs a repo script in a fresh process (its own device count)."""
-  proc = subprocess.run(
+def run_unchecked(args, timeout=600, executable=(sys.executable,)):
+  """Runs a repo script in a fresh process (its own device count); returns
+  it whatever its exit status."""
+  return subprocess.run(
     list(executable) + args,
     cwd=ROOT,
     env=subprocess_env(),
@@ -549,6 +550,12 @@ def run_script(args, timeout=600, executable=(sys.executable,)):
     timeout=timeout,
     check=False,
   )
+
+
+def run_script(args, timeout=600, executable=(sys.executable,)):
+  """Runs a repo script in a fresh process (its own device count); raises
+  on a nonzero exit status."""
+  proc = run_unchecked(args, timeout, executable)
   if proc.returncode:
     raise AssertionError(f'{args} failed:\n{proc.stdout}\n{proc.stderr}')
   return proc.stdout

@@ -2,10 +2,33 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
+
+_SUMMED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+  'dmuon_gradients_summed_over', default=frozenset()
+)
+
+
+@contextlib.contextmanager
+def gradients_summed_over(axes: Sequence[str]) -> Iterator[None]:
+  """Declares that gradients computed here are *sums* over ``axes`` of
+  per-device mean-loss gradients (a step run whole inside ``shard_map``,
+  differentiated by plain autodiff), so the optimizer divides them."""
+  reset = _SUMMED.set(frozenset(axes))
+  try:
+    yield
+  finally:
+    _SUMMED.reset(reset)
+
+
+def summed_axes() -> frozenset[str]:
+  """The axes of the enclosing :func:`gradients_summed_over` (or none)."""
+  return _SUMMED.get()
 
 
 def manual_axes() -> frozenset[str]:

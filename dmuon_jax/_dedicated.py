@@ -66,6 +66,9 @@ class Dedication:
     layout: the :class:`dmuon_jax.OwnerLayout` of the owned buffers (and of
       the momentum of :func:`dedicated_muon`).
     layers_per_gather: boundaries (or scanned layers) per gather.
+    layers_per_gather_choice: how it was chosen: ``'given'`` (an int
+      passed to :func:`dedicate`), ``'auto'`` (the smallest with padding at
+      most 5%) or ``'auto, least padding'`` (none reached 5%).
     treedef: the params tree structure.
     mesh: the mesh.
     reshard_after_forward: Z3 (True) or Z2 (False), see :meth:`block`.
@@ -105,6 +108,7 @@ class Dedication:
   abstract_params: Any
   tensor_parallel_axis: str | None = None
   ns_algorithm: str = 'auto'
+  layers_per_gather_choice: str = 'given'
 
   @property
   def num_slots(self) -> int:
@@ -572,7 +576,7 @@ def dedicate(
   boundary_predicate: _boundaries.BoundaryPredicate | None = None,
   strict: bool = True,
   reshard_after_forward: bool = True,
-  layers_per_gather: int = 1,
+  layers_per_gather: int | str = 'auto',
   axis_names: Sequence[str] | None = None,
   replicate_axis: str | None = 'replicate',
   remat_policy: Callable[..., Any] | None = None,
@@ -595,7 +599,9 @@ def dedicate(
   fewer, unequal matrices than devices pads (e.g. a transformer block of 4
   ``d x d`` and 2 ``d x 2d`` matrices on 8 devices: 100%). Larger groups pad
   less (2 such blocks per gather: 0%) at the cost of Z3 memory (one group's
-  weights). ``summary()`` reports the padding.
+  weights). ``layers_per_gather='auto'`` (default) takes the smallest group
+  size whose padding is at most 5% (or, if none is, the least padding);
+  ``summary()`` reports the choice and the padding.
 
   On an HSDP mesh, owners are global ``(replicate, shard)`` slots: a group
   is gathered over ``replicate`` and then over the shard axes, so that Z3's
@@ -626,7 +632,10 @@ def dedicate(
     reshard_after_forward: True for Z3 (gather again in the backward pass),
       False for Z2 (keep the gathered weights).
     layers_per_gather: boundaries (or scanned layers) per gather; must
-      divide the length of every scanned stack.
+      divide the length of every scanned stack. ``'auto'`` (default): the
+      smallest such number whose gathers pad at most
+      ``AUTO_PADDING_PERCENT`` (5%) over the Muon params' bytes, else the
+      one padding least.
     axis_names: the owner axes (default: all mesh axes but
       ``tensor_parallel_axis``).
     replicate_axis: the HSDP replicate axis name, if the mesh has it.
@@ -683,17 +692,16 @@ def dedicate(
       )
     muon_weight_dimension_numbers = weight_dimension_numbers
   dims_numbers = muon_weight_dimension_numbers
-  if (
+  if layers_per_gather != 'auto' and (
     not isinstance(layers_per_gather, int)
     or isinstance(layers_per_gather, bool)
     or layers_per_gather < 1
   ):
     raise ValueError(
       f'dmuon: layers_per_gather={layers_per_gather!r} must be a positive'
-      ' int: the number of consecutive hook boundaries gathered together'
-      ' (1, 2, ...; dedicate(...).summary() shows the padding of each).'
+      ' int (the number of consecutive hook boundaries gathered together:'
+      " 1, 2, ...; dedicate(...).summary() shows the padding) or 'auto'."
     )
-  k = layers_per_gather
   abstract = jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params
   )
@@ -731,7 +739,7 @@ def dedicate(
     params, tp_dims, tp_splits_by_leaf = _tp_local(
       params, info, predicate, dims_numbers
     )
-  plan = _planner.plan_ownership(
+  base_plan = _planner.plan_ownership(
     params,
     mesh,
     axis_names=None if info is None else info.owner_axes,
@@ -739,99 +747,148 @@ def dedicate(
     weight_dimension_numbers=dims_numbers,
     ns_algorithm=ns_algorithm,
   )
-  buffer_axes, rep_axis = _buffer_axes(plan, replicate_axis)
-  sizes = dict(zip(plan.axis_names, plan.mesh_shape))
-  leaves = jax.tree.leaves(params)
-  flat = jax.tree.flatten_with_path(params)[0]
-  leaf_paths = tuple(_planner.normalize_path(keys) for keys, _ in flat)
-  path_boundary = dict(zip(bounds.paths, bounds.of_target))
-  groups = _gather_groups(bounds, k)
-  scanned_names = [n for n, sc in zip(bounds.names, bounds.scanned) if sc]
-  group_specs = [
-    (
-      bounds.names[group[0]],
-      bounds.scanned[group[0]],
-      [s for s in plan.leaves if path_boundary[s.path] in group],
+
+  def build(k: int, choice: str) -> Dedication:
+    plan = base_plan
+    buffer_axes, rep_axis = _buffer_axes(plan, replicate_axis)
+    sizes = dict(zip(plan.axis_names, plan.mesh_shape))
+    leaves = jax.tree.leaves(params)
+    flat = jax.tree.flatten_with_path(params)[0]
+    leaf_paths = tuple(_planner.normalize_path(keys) for keys, _ in flat)
+    path_boundary = dict(zip(bounds.paths, bounds.of_target))
+    groups = _gather_groups(bounds, k)
+    scanned_names = [n for n, sc in zip(bounds.names, bounds.scanned) if sc]
+    group_specs = [
+      (
+        bounds.names[group[0]],
+        bounds.scanned[group[0]],
+        [s for s in plan.leaves if path_boundary[s.path] in group],
+      )
+      for group in groups
+    ]
+    plan, group_plans, iterations = _planner.plan_gather_groups(
+      plan, group_specs, k, buffer_axes
     )
-    for group in groups
-  ]
-  plan, group_plans, iterations = _planner.plan_gather_groups(
-    plan, group_specs, k, buffer_axes
-  )
-  layouts = tuple(
-    _layout.Layout(
-      gp,
-      [leaves[s.leaf_index].dtype for s in gp.leaves],
-      [tp_splits_by_leaf.get(s.leaf_index) for s in gp.leaves],
+    layouts = tuple(
+      _layout.Layout(
+        gp,
+        [leaves[s.leaf_index].dtype for s in gp.leaves],
+        [tp_splits_by_leaf.get(s.leaf_index) for s in gp.leaves],
+      )
+      for gp in group_plans
     )
-    for gp in group_plans
-  )
-  full_shapes = jax.tree.leaves(abstract)
-  group_of_leaf = {
-    s.leaf_index: g for g, gp in enumerate(group_plans) for s in gp.leaves
+    full_shapes = jax.tree.leaves(abstract)
+    group_of_leaf = {
+      s.leaf_index: g for g, gp in enumerate(group_plans) for s in gp.leaves
+    }
+    distributed = plan.num_slots * tp_n > 1
+    layout = _owner_layout.OwnerLayout(
+      groups=layouts,
+      iterations=iterations,
+      buffer_axes=buffer_axes,
+      buffer_sizes=tuple(sizes[a] for a in buffer_axes),
+      tp_axis=info.tp_axis if tp_n > 1 else None,
+      tp_size=tp_n,
+      mesh=info.abstract if distributed else None,
+      leaves=tuple(
+        _owner_layout.TargetLeaf(
+          index=s.leaf_index,
+          path=s.path,
+          shape=tuple(full_shapes[s.leaf_index].shape),
+          dtype=jnp.dtype(s.dtype).name,
+          group=group_of_leaf[s.leaf_index],
+          tp_dim=tp_dims[s.leaf_index],
+        )
+        for s in plan.leaves
+      ),
+      param_entries=(None,) * len(plan.leaves),
+      layers_per_iteration=tuple(k if it else 1 for it in iterations),
+      kind='dedicated',
+    )
+    targets = {s.leaf_index for s in plan.leaves}
+    rest_specs = tuple(
+      None if i in targets else _rest_spec(x, path, mesh, scanned_names)
+      for i, (x, path) in enumerate(zip(leaves, leaf_paths))
+    )
+    boundary_keys = []
+    for name in bounds.names:
+      depth = len([s for s in name.split('/') if s])
+      boundary_keys.append(
+        next(
+          tuple(keys[:depth])
+          for keys, path in zip((keys for keys, _ in flat), leaf_paths)
+          if not name or path == name or path.startswith(name + '/')
+        )
+      )
+    return Dedication(
+      plan=plan,
+      boundaries=bounds,
+      groups=tuple(groups),
+      layout=layout,
+      layers_per_gather=k,
+      layers_per_gather_choice=choice,
+      treedef=jax.tree.structure(params),
+      mesh=mesh,
+      reshard_after_forward=reshard_after_forward,
+      buffer_axes=buffer_axes,
+      replicate_axis=rep_axis,
+      remat_policy=(
+        remat_policy
+        if remat_policy is not None
+        else jax.checkpoint_policies.dots_saveable
+      ),
+      rest_specs=rest_specs,
+      leaf_paths=leaf_paths,
+      boundary_keys=tuple(boundary_keys),
+      abstract_params=abstract,
+      tensor_parallel_axis=info.tp_axis if tp_n > 1 else None,
+      ns_algorithm=ns_algorithm,
+    )
+
+  if layers_per_gather != 'auto':
+    return build(layers_per_gather, 'given')
+  shape_of = {
+    _planner.normalize_path(keys): np.shape(x)
+    for keys, x in jax.tree.flatten_with_path(params)[0]
   }
-  distributed = plan.num_slots * tp_n > 1
-  layout = _owner_layout.OwnerLayout(
-    groups=layouts,
-    iterations=iterations,
-    buffer_axes=buffer_axes,
-    buffer_sizes=tuple(sizes[a] for a in buffer_axes),
-    tp_axis=info.tp_axis if tp_n > 1 else None,
-    tp_size=tp_n,
-    mesh=info.abstract if distributed else None,
-    leaves=tuple(
-      _owner_layout.TargetLeaf(
-        index=s.leaf_index,
-        path=s.path,
-        shape=tuple(full_shapes[s.leaf_index].shape),
-        dtype=jnp.dtype(s.dtype).name,
-        group=group_of_leaf[s.leaf_index],
-        tp_dim=tp_dims[s.leaf_index],
-      )
-      for s in plan.leaves
-    ),
-    param_entries=(None,) * len(plan.leaves),
-    layers_per_iteration=tuple(k if it else 1 for it in iterations),
-    kind='dedicated',
+  stacks = sorted(
+    {
+      shape_of[path][0]
+      for path, b in zip(bounds.paths, bounds.of_target)
+      if bounds.scanned[b] and shape_of[path]
+    }
   )
-  targets = {s.leaf_index for s in plan.leaves}
-  rest_specs = tuple(
-    None if i in targets else _rest_spec(x, path, mesh, scanned_names)
-    for i, (x, path) in enumerate(zip(leaves, leaf_paths))
-  )
-  boundary_keys = []
-  for name in bounds.names:
-    depth = len([s for s in name.split('/') if s])
-    boundary_keys.append(
-      next(
-        tuple(keys[:depth])
-        for keys, path in zip((keys for keys, _ in flat), leaf_paths)
-        if not name or path == name or path.startswith(name + '/')
-      )
-    )
-  return Dedication(
-    plan=plan,
-    boundaries=bounds,
-    groups=tuple(groups),
-    layout=layout,
-    layers_per_gather=k,
-    treedef=jax.tree.structure(params),
-    mesh=mesh,
-    reshard_after_forward=reshard_after_forward,
-    buffer_axes=buffer_axes,
-    replicate_axis=rep_axis,
-    remat_policy=(
-      remat_policy
-      if remat_policy is not None
-      else jax.checkpoint_policies.dots_saveable
-    ),
-    rest_specs=rest_specs,
-    leaf_paths=leaf_paths,
-    boundary_keys=tuple(boundary_keys),
-    abstract_params=abstract,
-    tensor_parallel_axis=info.tp_axis if tp_n > 1 else None,
-    ns_algorithm=ns_algorithm,
-  )
+  return _auto_layers_per_gather(bounds, stacks, build)
+
+
+AUTO_PADDING_PERCENT = 5.0
+
+
+def _auto_layers_per_gather(
+  bounds: _boundaries.HookBoundaries,
+  stacks: Sequence[int],
+  build: Callable[[int, str], Dedication],
+) -> Dedication:
+  """The dedication of ``layers_per_gather='auto'``.
+
+  Tries 1, 2, ... consecutive boundaries per gather (those dividing every
+  scanned stack) and keeps the first whose gathers pad at most
+  ``AUTO_PADDING_PERCENT`` over the payload; if none does, the one padding
+  least (the smallest of equals).
+  """
+  loops = sum(1 for sc in bounds.scanned if not sc)
+  top = max([loops] + stacks + [1])
+  ks = [k for k in range(1, top + 1) if all(n % k == 0 for n in stacks)]
+  best = None
+  for k in ks:
+    ded = build(k, 'auto')
+    pad = _padding_percent(*ded.gather_bytes())
+    if pad <= AUTO_PADDING_PERCENT:
+      return ded
+    if best is None or pad < best[0] - 1e-9:
+      best = (pad, k)
+  assert best is not None
+  return build(best[1], 'auto, least padding')
 
 
 def _gather_bytes(ded: Dedication) -> tuple[int, int]:
@@ -865,6 +922,11 @@ def _summary(ded: Dedication) -> str:
     f'buffer axes {ded.buffer_axes}'
     + (f', replicate axis {ded.replicate_axis!r}' if ded.replicate_axis else '')
     + f', {ded.layers_per_gather} layer(s) per gather'
+    + (
+      f' ({ded.layers_per_gather_choice}: padding <= {AUTO_PADDING_PERCENT:g}%)'
+      if ded.layers_per_gather_choice == 'auto'
+      else f' ({ded.layers_per_gather_choice})'
+    )
     + f', layout {ded.layout.name}'
   ]
   for g, lay in enumerate(ded.layout.groups):
@@ -1127,6 +1189,13 @@ def _mean_rest(dedication: Dedication) -> optax.GradientTransformation:
         )
       if x is not None:
         summed = [a for e in _mesh.spec_entries(spec) for a in e]
+        # Invariant over an axis of a step run whole inside shard_map
+        # (dmuon_jax.flax.train_step): autodiff summed it there.
+        summed += [
+          a
+          for a in sorted(_collectives.summed_axes())
+          if a not in summed and a not in _collectives.varying_axes(x)
+        ]
         if summed:
           x = x / np.prod([sizes[a] for a in summed])
         others = tuple(

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dmuon_jax import _boundaries, _mesh
+from dmuon_jax import _boundaries, _collectives, _mesh
 
 
 def full_leaves(rest: Any, treedef) -> list[Any]:
@@ -61,12 +61,28 @@ def gather_replicate(ded, local: Sequence[jax.Array]) -> list[jax.Array]:
   return [jax.lax.all_gather(x, ded.replicate_axis, tiled=True) for x in local]
 
 
-def materialize(ded, g: int, rep_local, iteration=None) -> dict[int, Any]:
-  """Leaf index -> whole target, from replicate-gathered local buffers."""
+def materialize(
+  ded, g: int, rep_local, iteration=None, sink=None
+) -> dict[int, Any]:
+  """Leaf index -> whole target, from replicate-gathered local buffers.
+
+  With ``sink`` (from :func:`gather_sink`), the targets' cotangents go to
+  it rather than through this gather's own transpose.
+  """
   full = list(rep_local)
   shard_axes = ded.shard_axes
+  if sink is not None:
+    full = [jax.lax.stop_gradient(x) for x in full]
   if shard_axes:
     full = [jax.lax.all_gather(x, shard_axes, tiled=True) for x in full]
+  if sink is not None:
+    full = [route(s, x) for s, x in zip(sink, full)]
+  return unpack_gathered(ded, g, full, iteration)
+
+
+def unpack_gathered(ded, g: int, full, iteration=None) -> dict[int, Any]:
+  """Leaf index -> whole target, from group ``g``'s whole buffers (slot
+  order; a scan iteration's rotated back by ``iteration``)."""
   if iteration is not None:
     n = ded.num_slots
     full = [
@@ -307,36 +323,181 @@ def regather_in_backward(
   Returns:
     A function like ``run``.
   """
+  tied = regather_group_in_backward(run, policy, last=True, blocks=blocks)
+  return lambda local, *args: tied(local, new_token(), *args)[0]
+
+
+def new_token() -> jax.Array:
+  """A group's first token: a scalar 0, varying over the manual axes (its
+  cotangent, the backward tie, varies like the cotangents it comes from)."""
+  return _collectives.to_varying(
+    jnp.zeros([]), tuple(sorted(_collectives.manual_axes()))
+  )
+
+
+def regather_group_in_backward(
+  run: Callable[..., Any],
+  policy: Callable[..., Any],
+  *,
+  last: bool,
+  blocks: Sequence[str] = (),
+) -> Callable[..., Any]:
+  """:func:`regather_in_backward` for one of several calls sharing a gather.
+
+  The calls of one gather group (hook boundaries called one after another
+  by the model) each gather the same ``local`` buffers. They pass a scalar
+  *token* along: ``(out, token) = f(local, token, *args)``. In the backward
+  pass the group's last call ties its re-gather to its own cotangent and
+  hands that tie back through the token's cotangent to the earlier calls,
+  which tie theirs to it: every call's re-gather is then the same value,
+  which XLA computes once (when the last call's backward starts) and keeps
+  until the first call's backward ends — Z3 for a group. The forward
+  gathers are identical too, and are computed once.
+
+  Args:
+    run: ``(local, *args) -> out``.
+    policy: a ``jax.checkpoint`` policy that does not save the gathered
+      arrays.
+    last: whether this is the group's last call (its backward runs first).
+    blocks: the hook boundaries ``run`` gathers, for messages.
+
+  Returns:
+    ``(local, token, *args) -> (out, token)``.
+  """
   remat = jax.checkpoint(run, policy=policy)
   # Set at trace time by the forward rule: the residuals' tree and the
   # positions of ``local`` among them.
   trace: dict[str, Any] = {}
 
   @jax.custom_vjp
-  def regather(local, *args):
-    return run(local, *args)
+  def regather(local, token, *args):
+    return run(local, *args), token
 
-  def fwd(local, *args):
+  def fwd(local, token, *args):
     local = list(local)
     out, vjp = jax.vjp(remat, local, *args)
-    res, trace['tree'] = jax.tree.flatten(vjp)
-    trace['tied'] = [k for k, r in enumerate(res) if any(r is x for x in local)]
-    if not trace['tied']:
+    res, tree = jax.tree.flatten(vjp)
+    tied = [k for k, r in enumerate(res) if any(r is x for x in local)]
+    # A transformation may trace this rule more than once (nnx.scan does,
+    # with different residuals): the backward rule finds its trace by the
+    # residuals' types.
+    trace[_avals(res)] = (tree, tied)
+    trace['kinds'] = [
+      _collectives.varying_axes(x) for x in jax.tree.leaves((local, args))
+    ]
+    if not tied:
       raise ValueError(
         f'dmuon: with this remat_policy the Z3 block {list(blocks)} saves'
         ' its gathered weights for the backward pass (Z2 memory and bytes).'
         ' Use a policy that does not save them, e.g. jax.checkpoint_policies.'
         'dots_saveable (the default), or reshard_after_forward=False.'
       )
-    return out, res
+    return (out, token), (res, token)
 
-  def bwd(res, ct):
-    tie = sum(jnp.sum(c) for c in jax.tree.leaves(ct)) * 0
+  def bwd(saved, cts):
+    res, token = saved
+    ct, ct_token = cts
+    if last:
+      floats = [
+        c
+        for c in jax.tree.leaves(ct)
+        if jnp.issubdtype(jnp.result_type(c), jnp.inexact)
+      ]
+      tie = sum((jnp.sum(c) for c in floats), jnp.zeros([])) * 0
+      tie = _collectives.to_varying(
+        tie.astype(token.dtype), tuple(_collectives.varying_axes(token))
+      )
+    else:
+      tie = ct_token
+    tree, tied = trace[_avals(res)]
     res = [
-      r + tie.astype(r.dtype) if k in trace['tied'] else r
-      for k, r in enumerate(res)
+      r + tie.astype(r.dtype) if k in tied else r for k, r in enumerate(res)
     ]
-    return jax.tree.unflatten(trace['tree'], res)(ct)
+    grads = jax.tree.unflatten(tree, res)(ct)
+    leaves, treedef = jax.tree.flatten((grads[0], grads[1:]))
+    # A cotangent varying where its input does not (an axis the input's
+    # sharding dropped) is summed there: the transpose of the broadcast.
+    leaves = (
+      [_sum_to(c, kind) for c, kind in zip(leaves, trace['kinds'])]
+      if len(leaves) == len(trace['kinds'])
+      else leaves
+    )
+    local_ct, args_ct = jax.tree.unflatten(treedef, leaves)
+    return (local_ct, tie, *args_ct)
 
   regather.defvjp(fwd, bwd)
   return regather
+
+
+def _avals(xs) -> tuple:
+  return tuple((tuple(x.shape), str(x.dtype)) for x in xs)
+
+
+def _sum_to(ct, kind: frozenset[str]):
+  """``ct`` summed over the manual axes it varies on and ``kind`` not."""
+  if not hasattr(ct, 'dtype') or not jnp.issubdtype(ct.dtype, jnp.inexact):
+    return ct
+  extra = tuple(sorted(_collectives.varying_axes(ct) - kind))
+  return jax.lax.psum(ct, extra) if extra else ct
+
+
+def gather_sink(ded, local: Sequence[jax.Array]) -> list[jax.Array]:
+  """Zeros shaped like ``local`` gathered over all owner axes, whose
+  cotangent is reduce-scattered onto ``local`` (over the shard axes, then
+  the replicate axis: the transpose of :func:`gather_replicate` and
+  :func:`materialize`'s gather). One reduce-scatter per gather group,
+  however many calls route gradients to it (see :func:`route`)."""
+  shard_axes = ded.shard_axes
+  rep_axis = ded.replicate_axis
+  n = ded.num_slots
+
+  @jax.custom_vjp
+  def sink(local):
+    # Varying over every manual axis, as the cotangents routed to it.
+    return [
+      _collectives.to_varying(
+        jnp.zeros((x.shape[0] * n,) + x.shape[1:], x.dtype),
+        tuple(sorted(_collectives.manual_axes())),
+      )
+      for x in local
+    ]
+
+  kinds = [_collectives.varying_axes(x) for x in local]
+
+  def fwd(local):
+    return sink(local), None
+
+  def bwd(_, cts):
+    out = []
+    for c, kind in zip(cts, kinds):
+      if shard_axes:
+        c = jax.lax.psum_scatter(c, shard_axes, tiled=True)
+      if rep_axis is not None:
+        c = jax.lax.psum_scatter(c, rep_axis, tiled=True)
+      # Where the buffer is the same on every device (an axis of size 1
+      # that the sharding dropped), its cotangent is the sum there.
+      out.append(_sum_to(c, kind))
+    return (out,)
+
+  sink.defvjp(fwd, bwd)
+  return sink(list(local))
+
+
+@jax.custom_vjp
+def route(grad_to: jax.Array, value: jax.Array) -> jax.Array:
+  """``value``, with its cotangent sent to ``grad_to`` instead (no
+  residuals: ``grad_to`` is only a destination)."""
+  del grad_to
+  return value
+
+
+def _route_fwd(grad_to, value):
+  del grad_to
+  return value, None
+
+
+def _route_bwd(_, ct):
+  return ct, jnp.zeros_like(ct)
+
+
+route.defvjp(_route_fwd, _route_bwd)

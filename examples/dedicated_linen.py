@@ -128,13 +128,10 @@ def dedicated_loss(ded: dmuon_jax.Dedication, scan: bool):
     x = jnp.take(p['embed']['embedding'], tokens, axis=0)
     if scan:
       x = ded.scan(apply, 'params/layers')(dp, x)
-    elif ded.layers_per_gather > 1:  # one gather per group of blocks
+    else:  # one gather per group of layers_per_gather blocks
       x = ded.sequential(apply, [f'params/layers_{i}' for i in range(DEPTH)])(
         dp, x
       )
-    else:
-      for i in range(DEPTH):
-        x = ded.block(apply, f'params/layers_{i}')(dp, x)
     return cross_entropy(head(p, x), tokens)
 
   return loss

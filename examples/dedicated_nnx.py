@@ -140,8 +140,9 @@ def main(
     if scan:
       x = ded.scan(run_block, 'layers')(dp, x)
     else:
-      for i in range(DEPTH):
-        x = ded.block(run_block, f'layers/{i}')(dp, x)
+      x = ded.sequential(run_block, [f'layers/{i}' for i in range(DEPTH)])(
+        dp, x
+      )
     x = nnx.merge(nnx.graphdef(model.norm), rest['norm'])(x)
     return cross_entropy(x @ rest['head']['kernel'], tokens)
 

@@ -235,8 +235,7 @@ def train_dedicated(
 
   def dedicated_loss(dp, x):
     rest = ded.gather_rest(dp)
-    for i in range(BLOCKS):
-      x = ded.block(block_fn, f'layers_{i}')(dp, x)
+    x = ded.sequential(block_fn, [f'layers_{i}' for i in range(BLOCKS)])(dp, x)
     return jnp.mean((x @ rest['head']) ** 2)
 
   specs, state_specs = ded.specs(), ded.specs_of(state)

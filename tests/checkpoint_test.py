@@ -185,8 +185,8 @@ def dedicated_setup(mesh):
   x = support.block_batch()
 
   def loss(dp, x):
-    for i in range(support.BLOCKS):
-      x = ded.block(support.block_fn, f'layers_{i}')(dp, x)
+    names = [f'layers_{i}' for i in range(support.BLOCKS)]
+    x = ded.sequential(support.block_fn, names)(dp, x)
     return jnp.mean((x @ dp.rest['head']) ** 2)
 
   if mesh is None:

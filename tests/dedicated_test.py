@@ -77,8 +77,9 @@ class DedicatedTest(parameterized.TestCase):
     state = opt.init(dp)
 
     def loss(dp, x):
-      for i in range(BLOCKS):
-        x = ded.block(block_fn, f'layers_{i}')(dp, x)
+      x = ded.sequential(block_fn, [f'layers_{i}' for i in range(BLOCKS)])(
+        dp, x
+      )
       return jnp.mean((x @ dp.rest['head']) ** 2)
 
     @jax.jit
@@ -159,7 +160,9 @@ class DedicatedPlanTest(absltest.TestCase):
       for i in range(4)
     }
     mesh = {'replicate': 1, 'shard': 8}
-    one = dmuon_jax.dedicate(params, mesh, ns_algorithm='standard')
+    one = dmuon_jax.dedicate(
+      params, mesh, layers_per_gather=1, ns_algorithm='standard'
+    )
     two = dmuon_jax.dedicate(
       params, mesh, layers_per_gather=2, ns_algorithm='standard'
     )
@@ -169,6 +172,12 @@ class DedicatedPlanTest(absltest.TestCase):
     self.assertEqual(one.gather_bytes(), (payload, 2 * payload))
     self.assertEqual(two.gather_bytes(), (payload, payload))
     self.assertIn('(padding 0.0%)', two.summary())
+    # The default picks the smallest group size padding at most 5%: two.
+    auto = dmuon_jax.dedicate(params, mesh, ns_algorithm='standard')
+    self.assertEqual(auto.layers_per_gather, 2)
+    self.assertEqual(auto.gather_bytes(), (payload, payload))
+    self.assertIn('2 layer(s) per gather (auto: padding <= 5%)', auto.summary())
+    self.assertIn('1 layer(s) per gather (given)', one.summary())
     # Byte-balanced owners alone would give two slots eight d x d matrices
     # (4.03 GFLOP) and the others two d x 4d ones (3.02): imbalance 1.23.
     # Swapping owners inside a gather group (bytes unchanged) evens it out:

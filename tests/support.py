@@ -439,8 +439,7 @@ def block_reference(steps):
 
 def dedicated_loss(ded):
   def loss(dp, x):
-    for i in range(BLOCKS):
-      x = ded.block(block_fn, f'layers_{i}')(dp, x)
+    x = ded.sequential(block_fn, [f'layers_{i}' for i in range(BLOCKS)])(dp, x)
     return jnp.mean((x @ dp.rest['head']) ** 2)
 
   return loss

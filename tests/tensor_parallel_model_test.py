@@ -163,8 +163,7 @@ def dedicated_run(mesh_name):
   def loss(dp, toks):
     p = ded.gather_rest(dp)
     x = jnp.take(p['embed']['embedding'], toks[:, :-1], axis=0)
-    for i in range(BLOCKS):
-      x = ded.block(apply, f'layers_{i}')(dp, x)
+    x = ded.sequential(apply, [f'layers_{i}' for i in range(BLOCKS)])(dp, x)
     return cross_entropy(x @ p['head']['kernel'], toks)
 
   state_specs = ded.specs_of(opt_state)

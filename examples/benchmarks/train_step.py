@@ -570,14 +570,7 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
     del placed
     opt = dmuon_jax.dedicated_muon(ded, MUON_LR, adam_learning_rate=ADAM_LR)
     state = opt.init(dp)
-    if k == 1:
-
-      def run_blocks(dp, x):
-        for name in names:
-          x = ded.block(block_fn, name)(dp, x)
-        return x
-    else:
-      run_blocks = ded.sequential(block_fn, names)
+    run_blocks = ded.sequential(block_fn, names)
 
     def loss_fn(dp, tokens):
       rest = ded.gather_rest(dp)  # embed, final norm, head (whole)

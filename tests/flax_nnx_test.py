@@ -38,6 +38,16 @@ D, HEADS, KV_HEADS, HEAD_DIM, FF, VOCAB, DEPTH, SEQ, BATCH = (
 LR = 0.01
 STEPS = 20
 
+# The rest of the grid, for CI and the README's command (see conftest.py);
+# -m 'not slow' keeps one configuration per behaviour.
+SLOW_CASES = (
+  r'loop_z2_2x4',
+  r'loop_z3_2x4',
+  r'scan_z2_2x4',
+  r'auto_mesh',
+  r'temporaries',
+)
+
 
 class Attention(nnx.Module):
   """Grouped-query attention; kernels are einsum weights, not matrices."""

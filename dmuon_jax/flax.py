@@ -30,6 +30,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,6 +55,7 @@ __all__ = (
   'OwnedBuffer',
   'ScanIteration',
   'dedicate',
+  'dedicate_linen',
   'dedicated_muon',
   'train_step',
 )
@@ -94,6 +96,9 @@ class _StepContext:
   groups: dict[int, tuple] = dataclasses.field(default_factory=dict)
 
 
+_LINEN: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
+  'dmuon_jax_flax_linen', default=None
+)
 _ACTIVE: contextvars.ContextVar[_StepContext | None] = contextvars.ContextVar(
   'dmuon_jax_flax_step', default=None
 )
@@ -125,6 +130,38 @@ class ModelDedication:
   targets: tuple[tuple[tuple[int, tuple[Any, ...]], ...], ...]
   replicated: tuple[str, ...]
   warned: list[bool] = dataclasses.field(default_factory=lambda: [False])
+  linen_model: Any = None
+  placeholder_paths: tuple[tuple[Any, ...], ...] = ()
+  boundary_paths: tuple[tuple[Any, ...], ...] = ()
+
+  def apply(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
+    """``linen_model.apply`` with the boundaries gathering (Linen only).
+
+    Use it as the ``apply_fn`` of a ``TrainState`` (and for evaluation):
+    each boundary module's call gathers its group's matrices from the
+    owned buffers in ``variables['params']``.
+
+    Args:
+      variables: as for ``flax.linen.Module.apply``, with the dedicated
+        params of :func:`dedicate_linen`.
+      *args: as for ``flax.linen.Module.apply``.
+      **kwargs: as for ``flax.linen.Module.apply`` (``mutable``, ``rngs``,
+        ``method`` ...).
+
+    Returns:
+      What ``linen_model.apply`` returns.
+    """
+    if self.linen_model is None:
+      raise TypeError(
+        'dmuon: ModelDedication.apply is for Linen models (from '
+        'dmuon_jax.flax.dedicate_linen); an NNX model is called directly.'
+      )
+    reset = _LINEN.set((self, variables['params']))
+    try:
+      with nn.intercept_methods(_linen_interceptor):
+        return self.linen_model.apply(variables, *args, **kwargs)
+    finally:
+      _LINEN.reset(reset)
 
   @property
   def axes(self) -> tuple[str, ...]:
@@ -141,17 +178,24 @@ class ModelDedication:
       )
     return text
 
-  def to_params(self, model: nnx.Module) -> Any:
-    """The model's plain params (``nnx.to_pure_dict`` form), targets whole.
+  def to_params(self, model: Any) -> Any:
+    """The model's plain params, Muon targets whole.
 
     Args:
-      model: the dedicated model.
+      model: the dedicated NNX model, or (Linen) the dedicated params of
+        :func:`dedicate_linen`.
 
     Returns:
-      The params as a nested dict of arrays, as before :func:`dedicate`.
+      The params as a nested dict of arrays, as before dedication
+      (``nnx.to_pure_dict`` form for NNX).
     """
-    state = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    by_path = {tuple(p): v.get_value() for p, v in state}
+    if isinstance(model, nnx.Module):
+      state = nnx.to_flat_state(nnx.state(model, nnx.Param))
+      by_path = {tuple(p): v.get_value() for p, v in state}
+    else:
+      by_path = {
+        _path(k): x for k, x in jax.tree_util.tree_flatten_with_path(model)[0]
+      }
     owned = [by_path[p] for p in self.buffer_paths]
     rest = [None if p is None else by_path[p] for p in self.rest_paths]
     ded = self.dedication
@@ -353,35 +397,12 @@ def dedicate(
       'API (dmuon_jax.dedicate, Dedication.block/scan) for tensor '
       'parallelism, or pass tensor-parallel params replicated.'
     )
-  # AdamW params sharded over an owner axis are replicated over those axes:
-  # inside train_step every device runs the whole model on its own batch.
-  leaves = jax.tree.leaves(params)
+  params, ded, replicated, moved = _replicate_rest(
+    ded, params, mesh, layers_per_gather, kwargs
+  )
   flat = jax.tree.flatten_with_path(params)[0]
-  owner = set(ded.buffer_axes)
-  replicated = []
-  for i, (spec, (keys, x)) in enumerate(zip(ded.rest_specs, flat)):
-    if (
-      spec is None
-      or not {a for e in _mesh.spec_entries(spec) for a in e} & owner
-    ):
-      continue
-    kept = P(
-      *(
-        tuple(a for a in e if a not in owner) or None
-        for e in _mesh.spec_entries(spec)
-      )
-    )
-    placed = jax.device_put(x, NamedSharding(mesh, kept))
-    _node_at(model, _path(keys)).set_value(placed)
-    leaves[i] = placed
-    replicated.append(_text(_path(keys)))
-  if replicated:
-    params = jax.tree.unflatten(jax.tree.structure(params), leaves)
-    ded = _dedicated.dedicate(
-      params, mesh, layers_per_gather=ded.layers_per_gather, **kwargs
-    )
-    if ded.layers_per_gather_choice == 'given' and layers_per_gather == 'auto':
-      ded = dataclasses.replace(ded, layers_per_gather_choice='auto')
+  for i, x in moved.items():
+    _node_at(model, _path(flat[i][0])).set_value(x)
   placed = params
   if mesh is not None:
     placed = jax.tree.map(
@@ -465,6 +486,37 @@ def dedicate(
   return md
 
 
+def _replicate_rest(ded, params, mesh, layers_per_gather, kwargs):
+  """AdamW params sharded over an owner axis, replicated over the owner
+  axes (inside train_step every device runs the whole model on its own
+  batch); the dedication planned again if any moved."""
+  leaves = jax.tree.leaves(params)
+  flat = jax.tree.flatten_with_path(params)[0]
+  owner = set(ded.buffer_axes)
+  replicated, moved = [], {}
+  for i, (spec, (keys, x)) in enumerate(zip(ded.rest_specs, flat)):
+    axes = {a for e in _mesh.spec_entries(spec) for a in e} if spec else set()
+    if not axes & owner:
+      continue
+    kept = P(
+      *(
+        tuple(a for a in e if a not in owner) or None
+        for e in _mesh.spec_entries(spec)
+      )
+    )
+    moved[i] = leaves[i] = jax.device_put(x, NamedSharding(mesh, kept))
+    replicated.append(_text(_path(keys)))
+  if replicated:
+    params = jax.tree.unflatten(jax.tree.structure(params), leaves)
+    choice = ded.layers_per_gather_choice
+    ded = _dedicated.dedicate(
+      params, mesh, layers_per_gather=ded.layers_per_gather, **kwargs
+    )
+    if layers_per_gather == 'auto':
+      ded = dataclasses.replace(ded, layers_per_gather_choice=choice)
+  return params, ded, replicated, moved
+
+
 def _split_args(args, kwargs):
   leaves, treedef = jax.tree.flatten((args, kwargs))
   is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
@@ -526,6 +578,25 @@ def _boundary_call(md: ModelDedication, module, original, args, kwargs):
       _node_at(m, rel).set_value(jnp.zeros(*holes[rel]))
     return out, nnx.state(m, nnx.Not(owned_filter))
 
+  out, new_state = _gathered(md, b, local, iteration, run, state, arrays)
+  nnx.update(module, new_state)
+  return out
+
+
+def _gathered(
+  md: ModelDedication, b: int, local, iteration, run, state, arrays
+):
+  """``run(mats, state, arrays)`` with boundary ``b``'s group gathered.
+
+  Inside :func:`train_step` (manual owner axes): Z2 gathers the group at
+  its first call and reuses it; Z3 re-gathers in the backward pass once per
+  group (token-tied) and reduce-scatters once (through a sink). Elsewhere
+  on a mesh: a sharding constraint gathers (GSPMD; warned once).
+  """
+  ded = md.dedication
+  g = _gather.group_of(ded, b)
+  name = ded.boundaries.names[b]
+  scanned = ded.boundaries.scanned[b]
   layout = ded.layout
   manual = layout.distributed and set(ded.buffer_axes) <= (
     _collectives.manual_axes()
@@ -539,8 +610,8 @@ def _boundary_call(md: ModelDedication, module, original, args, kwargs):
     run = lambda mats, *a: run_layer({i: m[0] for i, m in mats.items()}, *a)
   if not layout.distributed:
     mats = _gather.unpack_gathered(ded, g, local, iteration)
-    out, new_state = run(mats, state, arrays)
-  elif manual and not z3:
+    return run(mats, state, arrays)
+  if manual and not z3:
     hit = cache.get(g)
     if hit is not None and hit[0] == ids:
       mats = hit[1]
@@ -549,8 +620,8 @@ def _boundary_call(md: ModelDedication, module, original, args, kwargs):
         ded, g, _gather.gather_replicate(ded, local), iteration
       )
       cache[g] = (ids, mats)
-    out, new_state = run(mats, state, arrays)
-  elif manual:
+    return run(mats, state, arrays)
+  if manual:
     hit = cache.get(g)
     if hit is not None and hit[0] == ids:
       _, rep, sink, token = hit
@@ -569,21 +640,228 @@ def _boundary_call(md: ModelDedication, module, original, args, kwargs):
       last=b == ded.groups[g][-1] or scanned,
       blocks=[name],
     )
-    (out, new_state), token = call(rep, token, sink, iteration, state, arrays)
+    out, token = call(rep, token, sink, iteration, state, arrays)
     cache[g] = (ids, rep, sink, token)
-  else:
-    _warn_bare(md, local)
+    return out
+  _warn_bare(md, local)
 
-    def run_global(local, iteration, state, arrays):
-      full = [_mesh.place(x, ded.mesh, P()) for x in local]
-      return run(
-        _gather.unpack_gathered(ded, g, full, iteration), state, arrays
+  def run_global(local, iteration, state, arrays):
+    full = [_mesh.place(x, ded.mesh, P()) for x in local]
+    return run(_gather.unpack_gathered(ded, g, full, iteration), state, arrays)
+
+  if z3:
+    run_global = jax.checkpoint(run_global, policy=ded.remat_policy)
+  return run_global(local, iteration, state, arrays)
+
+
+def dedicate_linen(
+  model: nn.Module,
+  params: Any,
+  mesh: jax.sharding.Mesh | None,
+  *,
+  predicate: Callable[[str, Any], bool] | str | None = None,
+  muon_weight_dimension_numbers: Any = None,
+  boundary_predicate: _boundaries.BoundaryPredicate | None = None,
+  strict: bool = True,
+  reshard_after_forward: bool = True,
+  layers_per_gather: int | str = 'auto',
+  axis_names: Sequence[str] | None = None,
+  replicate_axis: str | None = 'replicate',
+  remat_policy: Callable[..., Any] | None = None,
+  ns_algorithm: str = 'auto',
+) -> tuple[ModelDedication, Any]:
+  """:func:`dedicate` for a Linen model: returns the dedicated params.
+
+  The module's code does not change. Use ``ded.apply`` as the model's
+  apply function (e.g. ``TrainState.create(apply_fn=ded.apply, ...)``):
+  each hook boundary submodule (``layers_3``, ``blocks_0`` ...) gathers its
+  group's matrices when it is called; other collections (``batch_stats``)
+  pass through as without dedication.
+
+  Args:
+    model: the Linen module.
+    params: its ``'params'`` collection (``variables['params']``).
+    mesh: as for :func:`dedicate`.
+    predicate: as for :func:`dedicate`.
+    muon_weight_dimension_numbers: as for :func:`dedicate`.
+    boundary_predicate: as for :func:`dedicate`.
+    strict: as for :func:`dedicate`.
+    reshard_after_forward: as for :func:`dedicate`.
+    layers_per_gather: as for :func:`dedicate`.
+    axis_names: as for :func:`dedicate`.
+    replicate_axis: as for :func:`dedicate`.
+    remat_policy: as for :func:`dedicate`.
+    ns_algorithm: as for :func:`dedicate`.
+
+  Returns:
+    ``(dedication, dedicated_params)``: the Muon targets replaced by
+    zero-size placeholders, each gather group's owner buffers stored as
+    ``dmuon_owned_<j>`` under the group's first boundary.
+
+  Raises:
+    ValueError: for a variables dict instead of its ``'params'``, a
+      scanned stack (``nn.scan``: use the explicit API), a tensor-parallel
+      axis, or what :func:`dmuon_jax.dedicate` rejects.
+  """
+  if not isinstance(model, nn.Module):
+    raise TypeError(
+      'dmuon: dedicate_linen takes a flax.linen.Module; got '
+      f'{type(model).__name__} (NNX models: dmuon_jax.flax.dedicate).'
+    )
+  params = _plain_dicts(params)
+  if 'params' in params and isinstance(params['params'], dict):
+    raise ValueError(
+      "dmuon: dedicate_linen takes the 'params' collection; got a "
+      "variables dict (it has a 'params' key): pass variables['params']."
+    )
+  kwargs = dict(
+    predicate=predicate,
+    muon_weight_dimension_numbers=muon_weight_dimension_numbers,
+    boundary_predicate=boundary_predicate,
+    strict=strict,
+    reshard_after_forward=reshard_after_forward,
+    axis_names=axis_names,
+    replicate_axis=replicate_axis,
+    remat_policy=remat_policy,
+    ns_algorithm=ns_algorithm,
+  )
+  ded = _dedicated.dedicate(
+    params, mesh, layers_per_gather=layers_per_gather, **kwargs
+  )
+  scanned = [
+    n for n, sc in zip(ded.boundaries.names, ded.boundaries.scanned) if sc
+  ]
+  if scanned:
+    raise ValueError(
+      'dmuon: dedicate_linen does not run scanned stacks (nn.scan) yet: '
+      f'{scanned}. Use the explicit API (dmuon_jax.dedicate, '
+      'Dedication.scan).'
+    )
+  if ded.tensor_parallel_axis is not None:
+    raise ValueError(
+      'dmuon: dedicate_linen does not split matrices over the '
+      f'tensor-parallel axis {ded.tensor_parallel_axis!r}; use the explicit '
+      'API (dmuon_jax.dedicate, Dedication.block/sequential).'
+    )
+  params, ded, replicated, _ = _replicate_rest(
+    ded, params, mesh, layers_per_gather, kwargs
+  )
+  placed = params
+  if mesh is not None:
+    placed = jax.tree.map(
+      lambda x: (
+        x
+        if isinstance(getattr(x, 'sharding', None), NamedSharding)
+        else jax.device_put(x, NamedSharding(mesh, P()))
+      ),
+      params,
+    )
+  dp = ded.to_dedicated(placed)
+  flat = jax.tree.flatten_with_path(placed)[0]
+  paths = [_path(k) for k, _ in flat]
+  targets_by_leaf = {t.index: t for t in ded.layout.leaves}
+  out = _plain_dicts(placed)
+  for i, t in targets_by_leaf.items():
+    hole = jnp.zeros((0,), t.dtype)
+    if mesh is not None:
+      hole = jax.device_put(hole, NamedSharding(mesh, P()))
+    _set_item(out, paths[i], hole)
+  boundary_paths = tuple(_path(k) for k in ded.boundary_keys)
+  buffer_paths: list[tuple] = [()] * len(dp.owned.buffers)
+  for g, group in enumerate(ded.groups):
+    first = boundary_paths[group[0]]
+    mine = [k for k, (h, _) in enumerate(ded.layout.buffer_index) if h == g]
+    for j, bi in enumerate(mine):
+      buffer_paths[bi] = first + (f'dmuon_owned_{j}',)
+      _set_item(out, buffer_paths[bi], dp.owned.buffers[bi])
+  targets: list[list[tuple[int, tuple]]] = [[] for _ in boundary_paths]
+  for i, t in targets_by_leaf.items():
+    b = ded.boundaries.of_target[ded.boundaries.paths.index(t.path)]
+    targets[b].append((i, paths[i][len(boundary_paths[b]) :]))
+  key = f'dmuon{next(_COUNTER)}'
+  md = ModelDedication(
+    dedication=ded,
+    key=key,
+    buffer_paths=tuple(buffer_paths),
+    rest_paths=tuple(
+      None if i in targets_by_leaf else p for i, p in enumerate(paths)
+    ),
+    targets=tuple(tuple(t) for t in targets),
+    replicated=tuple(replicated),
+    linen_model=model,
+    placeholder_paths=tuple(paths[i] for i in targets_by_leaf),
+    boundary_paths=boundary_paths,
+  )
+  _REGISTRY[key] = md
+  return md, out
+
+
+def _plain_dicts(tree: Any) -> Any:
+  """Nested dicts (FrozenDicts too) as plain dicts, leaves kept."""
+  if hasattr(tree, 'items') and not hasattr(tree, 'shape'):
+    return {k: _plain_dicts(v) for k, v in tree.items()}
+  return tree
+
+
+def _set_item(tree: dict, path: Sequence[Any], value: Any) -> None:
+  for k in path[:-1]:
+    tree = tree[k]
+  tree[path[-1]] = value
+
+
+def _node_at_dict(tree: Any, path: Sequence[Any]) -> Any:
+  for k in path:
+    tree = tree[k]
+  return tree
+
+
+def _linen_interceptor(next_fun, args, kwargs, context):
+  active = _LINEN.get()
+  if active is None or context.method_name != '__call__':
+    return next_fun(*args, **kwargs)
+  md, root = active
+  module = context.module
+  path = tuple(module.path)
+  if path not in md.boundary_paths:
+    return next_fun(*args, **kwargs)
+  b = md.boundary_paths.index(path)
+  ded = md.dedication
+  g = _gather.group_of(ded, b)
+  local = [
+    _node_at_dict(root, md.buffer_paths[k])
+    for k, (h, _) in enumerate(ded.layout.buffer_index)
+    if h == g
+  ]
+  cols = {c: _plain_dicts(module.variables[c]) for c in module.variables}
+  sub = {
+    k: v
+    for k, v in cols.pop('params', {}).items()
+    if not str(k).startswith('dmuon_owned_')
+  }
+  mutable = [c for c in cols if module.is_mutable_collection(c)]
+  rngs = {name: module.make_rng(name) for name in module.scope.rngs}
+  mine = md.targets[b]
+  arrays, rebuild = _split_args(args, kwargs)
+
+  def run(mats, state, arrays):
+    p, others, keys = state
+    p = _plain_dicts(p)
+    for i, rel in mine:
+      _set_item(p, rel, mats[i])
+    a, kw = rebuild(arrays)
+    reset = _LINEN.set(None)  # the block's own submodules run as written
+    try:
+      result = module.clone(parent=None).apply(
+        {'params': p, **others}, *a, rngs=keys, mutable=mutable or False, **kw
       )
+    finally:
+      _LINEN.reset(reset)
+    return result if mutable else (result, {})
 
-    if z3:
-      run_global = jax.checkpoint(run_global, policy=ded.remat_policy)
-    out, new_state = run_global(local, iteration, state, arrays)
-  nnx.update(module, new_state)
+  out, updates = _gathered(md, b, local, None, run, (sub, cols, rngs), arrays)
+  for c, tree in updates.items():
+    for name, value in tree.items():
+      module.put_variable(c, name, value)
   return out
 
 
@@ -632,6 +910,7 @@ def dedicated_muon(
   core = _dedicated.dedicated_muon(ded, learning_rate, **kwargs)
   buffer_of = {p: k for k, p in enumerate(md.buffer_paths)}
   leaf_of = {p: i for i, p in enumerate(md.rest_paths) if p is not None}
+  holes = set(md.placeholder_paths)
 
   def value(x):
     return x.get_value() if isinstance(x, nnx.Variable) else x
@@ -648,6 +927,8 @@ def dedicated_muon(
         owned[buffer_of[p]] = value(x)
       elif p in leaf_of:
         rest[leaf_of[p]] = value(x)
+      elif p in holes:
+        continue
       else:
         raise ValueError(
           f'dmuon: {what} got param {_text(p)!r}, which the dedicated model'
@@ -671,8 +952,10 @@ def dedicated_muon(
   def from_core(dp, like):
     rest = ded.treedef.flatten_up_to(dp.rest)
 
-    def pick(keys, _):
+    def pick(keys, x):
       p = _path(keys)
+      if p in holes:
+        return jnp.zeros_like(value(x))
       return (
         dp.owned.buffers[buffer_of[p]] if p in buffer_of else rest[leaf_of[p]]
       )
@@ -740,11 +1023,42 @@ def _fold_in(key: jax.Array, data: jax.Array) -> jax.Array:
   return folded.reshape(key.shape)
 
 
+def _output_specs(
+  out: Any,
+  other_def: Any,
+  other_specs: Sequence[P],
+  other_state: Sequence[bool],
+) -> list[P]:
+  """Per output leaf: the specs of the state argument it has the structure
+  of (a returned ``TrainState``), else ``P()``."""
+  args = jax.tree.unflatten(other_def, list(range(other_def.num_leaves)))
+  by_structure = {}
+  for arg in args:
+    leaves = jax.tree.leaves(arg)
+    if not leaves or not other_state[leaves[0]]:
+      continue
+    by_structure.setdefault(
+      jax.tree.structure(arg), [other_specs[k] for k in leaves]
+    )
+  parts = out if isinstance(out, (tuple, list)) else (out,)
+  specs: list[P] = []
+  for part in parts:
+    known = by_structure.get(jax.tree.structure(part))
+    specs.extend(
+      known if known is not None else [P()] * len(jax.tree.leaves(part))
+    )
+  if len(specs) != len(jax.tree.leaves(out)):
+    return [P()] * len(jax.tree.leaves(out))
+  return specs
+
+
 def train_step(
   dedication: ModelDedication,
   fn: Callable[..., Any] | None = None,
+  *,
+  batch_argnums: Sequence[int] | None = None,
 ) -> Any:
-  """Compiles an NNX train step so that Muon runs at the byte floors.
+  """Compiles a train step so that Muon runs at the byte floors.
 
   Use it instead of ``@nnx.jit`` on the step, unchanged::
 
@@ -761,8 +1075,12 @@ def train_step(
   back to the owners by reduce-scatter (Z2: 2(N-1)/N of the Muon bytes per
   step, Z3: 3(N-1)/N). What differs from ``nnx.jit``:
 
-  - Array arguments are split over the owner axes along their first axis
-    (the batch); scalars are passed whole.
+  - The batch arguments (``batch_argnums``, default: the last) are split
+    over the owner axes along their first axis unless placed on the mesh
+    already; other arguments are state: arrays placed on the mesh keep
+    their sharding, unplaced ones are replicated, and an output with the
+    structure of a state argument (a returned ``TrainState``) keeps its
+    shardings.
   - Gradients are sums over devices of per-device mean-loss gradients; the
     optimizer of :func:`dedicated_muon` divides them (write the loss as a
     mean over the batch, as usual).
@@ -776,22 +1094,28 @@ def train_step(
 
   Args:
     dedication: the model's :class:`ModelDedication`.
-    fn: the step ``(model, optimizer, *batch) -> outputs``; graph nodes
-      (modules, optimizers) among the arguments are updated in place, as
-      with ``nnx.jit``.
+    fn: the step, e.g. ``(model, optimizer, batch) -> loss`` (NNX: graph
+      nodes among the arguments are updated in place, as with ``nnx.jit``)
+      or ``(state, batch) -> (state, metrics)`` (Linen ``TrainState``).
+    batch_argnums: the positions of the batch arguments (default: the
+      last argument).
 
   Returns:
     The compiled step (or a decorator, without ``fn``).
   """
   if fn is None:
-    return functools.partial(train_step, dedication)
+    return functools.partial(
+      train_step, dedication, batch_argnums=batch_argnums
+    )
   md = dedication
   ded = md.dedication
   axes = tuple(ded.buffer_axes) if ded.layout.distributed else ()
   manual = frozenset(axes)
   compiled: dict[Any, Callable[..., Any]] = {}
 
-  def build(graphdef, treedef, specs, other_def, other_specs, paths):
+  def build(
+    graphdef, treedef, specs, other_def, other_specs, other_state, paths
+  ):
     def body(flat, other):
       ctx = _ACTIVE.set(_StepContext(md))
       try:
@@ -820,31 +1144,54 @@ def train_step(
         _settle(x, s, axes, f'state {p!r}')
         for x, s, p in zip(new_flat, specs, paths)
       ]
-      out = jax.tree.map(
-        lambda x: _settle(x, P(), axes, 'an output of the step'), out
-      )
-      return new_flat, out
+      leaves, out_def = jax.tree.flatten(out)
+      out_specs = cell.get('out') or [P()] * len(leaves)
+      leaves = [
+        _settle(x, sp, axes, 'an output of the step')
+        for x, sp in zip(leaves, out_specs)
+      ]
+      return new_flat, jax.tree.unflatten(out_def, leaves)
 
+    cell: dict[str, Any] = {}
     if not axes:
       return jax.jit(body)
-    mapped = jax.shard_map(
-      body,
-      mesh=ded.mesh,
-      in_specs=(list(specs), list(other_specs)),
-      out_specs=(list(specs), P()),
-      axis_names=manual,
-    )
+
+    def mapped(flat, other):
+      # Outputs like an argument (a returned TrainState) keep its specs;
+      # the rest is averaged. The output's structure comes from a trace.
+      probe = jax.shard_map(
+        body,
+        mesh=ded.mesh,
+        in_specs=(list(specs), list(other_specs)),
+        out_specs=(list(specs), P()),
+        axis_names=manual,
+        check_vma=False,
+      )
+      out = jax.eval_shape(probe, flat, other)[1]
+      cell['out'] = _output_specs(out, other_def, other_specs, other_state)
+      return jax.shard_map(
+        body,
+        mesh=ded.mesh,
+        in_specs=(list(specs), list(other_specs)),
+        out_specs=(
+          list(specs),
+          jax.tree.unflatten(jax.tree.structure(out), cell['out']),
+        ),
+        axis_names=manual,
+      )(flat, other)
+
+    def place(x, spec):
+      if (
+        isinstance(getattr(x, 'sharding', None), NamedSharding)
+        and _manual_spec(x, manual) == spec
+      ):
+        return x
+      return _mesh.place(x, ded.mesh, spec)
 
     def placed(flat, other):
       # The batch (and any unplaced state) onto the specs shard_map expects.
-      flat = [
-        x
-        if isinstance(getattr(x, 'sharding', None), NamedSharding)
-        and _manual_spec(x, manual) == s
-        else _mesh.place(x, ded.mesh, s)
-        for x, s in zip(flat, specs)
-      ]
-      other = [_mesh.place(x, ded.mesh, s) for x, s in zip(other, other_specs)]
+      flat = [place(x, s) for x, s in zip(flat, specs)]
+      other = [place(x, s) for x, s in zip(other, other_specs)]
       return mapped(flat, other)
 
     return jax.jit(placed)
@@ -874,15 +1221,43 @@ def train_step(
     )
     treedef = jax.tree.structure(state)
     specs = tuple(_manual_spec(x, manual) for x in flat)
+    batch = {len(args) - 1} if batch_argnums is None else set(batch_argnums)
     other, other_def = jax.tree.flatten(rest)
+    is_batch = []
+    for k, a in enumerate(args):
+      if k not in positions:
+        is_batch += [k in batch] * len(jax.tree.leaves(a))
+    # Arrays placed on the mesh keep their specs; unplaced batch arrays are
+    # split over the owner axes along their first axis, unplaced state (a
+    # TrainState's batch statistics) is replicated.
+    other = [
+      x
+      if b
+      or isinstance(getattr(x, 'sharding', None), NamedSharding)
+      or not axes
+      else jax.device_put(x, NamedSharding(ded.mesh, P()))
+      for x, b in zip(other, is_batch)
+    ]
     other_specs = tuple(
-      P(axes) if axes and np.ndim(x) >= 1 else P() for x in other
+      _manual_spec(x, manual)
+      if isinstance(getattr(x, 'sharding', None), NamedSharding)
+      else (P(axes) if axes and b and np.ndim(x) >= 1 else P())
+      for x, b in zip(other, is_batch)
     )
-    key = (graphdef, treedef, specs, other_def, other_specs, tuple(positions))
+    other_state = tuple(not b for b in is_batch)
+    key = (
+      graphdef,
+      treedef,
+      specs,
+      other_def,
+      other_specs,
+      other_state,
+      tuple(positions),
+    )
     if key not in compiled:
       paths = tuple(_text(_path(k)) for k, _ in flat_paths)
       compiled[key] = build(
-        graphdef, treedef, specs, other_def, other_specs, paths
+        graphdef, treedef, specs, other_def, other_specs, other_state, paths
       )
     return compiled[key], flat, other, nodes, treedef
 

@@ -16,9 +16,10 @@ same batches, on a ``('replicate', 'shard')`` mesh of simulated CPU devices
   leaves ``dmuon_jax`` picks (the block matrices), AdamW on the rest;
 * ``dmuon``: ``dmuon_jax.dmuon(..., mesh=mesh)``, the drop-in: each matrix
   orthogonalized once, by its owner device (same numbers as ``optax_muon``);
-* ``dedicated``: ``dmuon_jax.dedicate`` + ``dedicated_muon`` (Z3): Muon
-  matrices stored on their owners only, gathered one block at a time inside
-  a ``jax.shard_map`` train step.
+* ``dedicated``: ``dmuon_jax.flax.dedicate`` + ``dedicated_muon`` (Z3) on
+  the same NNX model, its ``__call__`` and the train step unchanged: Muon
+  matrices stored on their owners only, each group of blocks gathered when
+  the model calls it, inside ``dmuon_jax.flax.train_step``.
 
 The three Muon variants share their hyperparameters. Writes the loss curves
 (``train_lm.png``), a markdown summary (``train_lm.md``, also printed) and
@@ -54,6 +55,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
+import dmuon_jax.flax as dflax
 
 AXES = ('replicate', 'shard')
 VOCAB = 256
@@ -202,9 +204,8 @@ class GPT(nnx.Module):
 def make_loss(model: GPT):
   """``loss(params, chunk, run_blocks)`` on pure-dict params.
 
-  ``run_blocks(x)`` runs the blocks (plain: from ``params['layers']``;
-  dedicated: gathered by the :class:`dmuon_jax.Dedication`); everything else
-  is read from ``params``. ``chunk`` is ``(batch, context + 1)`` bytes; the
+  ``run_blocks(x)`` runs the blocks from ``params['layers']``; everything
+  else is read from ``params`` (the dedicated run calls the model itself). ``chunk`` is ``(batch, context + 1)`` bytes; the
   loss is the mean next-byte cross-entropy (nats) over all positions.
   """
   norm_def = nnx.graphdef(model.norm)
@@ -234,7 +235,6 @@ def make_trainer(key, tx_or_none, model, params, mesh, args):
   loss = make_loss(model)
   block_def = nnx.graphdef(model.layers[0])
   run_block = lambda block_params, x: nnx.merge(block_def, block_params)(x)
-  names = [f'layers/{i}' for i in range(args.layers)]
 
   if key != 'dedicated':
     tx = tx_or_none
@@ -272,49 +272,47 @@ def make_trainer(key, tx_or_none, model, params, mesh, args):
     eval_step = jax.jit(lambda state, chunk: plain_loss(state[0], chunk))
     return state, train_step, eval_step, None
 
-  # Dedicated Z3 (the pattern of examples/dedicated_nnx.py): Muon matrices
-  # stored on their owners, each block gathered just before it runs (and
-  # again in the backward pass), gradients reduce-scattered to the owners.
-  ded = dmuon_jax.dedicate(params, mesh, reshard_after_forward=True)
-  dp = ded.to_dedicated(params)
-  opt = dmuon_jax.dedicated_muon(
-    ded, learning_rate=args.muon_lr, adam_learning_rate=args.adam_lr
-  )
-  opt_state = opt.init(dp)
-  state_specs = (ded.specs(), ded.specs_of(opt_state))
-  state = jax.device_put(
-    (dp, opt_state),
-    jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs),
+  # Dedicated Z3 on the example's own model, unchanged (dmuon_jax.flax):
+  # Muon matrices stored on their owners, each group of blocks gathered when
+  # the model calls it (and again in the backward pass), gradients
+  # reduce-scattered to the owners. Three lines differ from an nnx.jit loop.
+  model = nnx.clone(model)
+  state = nnx.state(model, nnx.Param)
+  nnx.replace_by_pure_dict(state, params)  # the others' initial weights
+  nnx.update(model, state)
+  ded = dflax.dedicate(model, mesh, reshard_after_forward=True)
+  optimizer = nnx.Optimizer(
+    model,
+    dflax.dedicated_muon(
+      ded, learning_rate=args.muon_lr, adam_learning_rate=args.adam_lr
+    ),
+    wrt=nnx.Param,
   )
 
-  def ded_loss(dp, chunk):
-    rest = ded.gather_rest(dp)  # embeddings, final norm, head
-    return loss(rest, chunk, lambda x: ded.sequential(run_block, names)(dp, x))
+  def model_loss(model, chunk):
+    return optax.softmax_cross_entropy_with_integer_labels(
+      model(chunk[:, :-1]), chunk[:, 1:]
+    ).mean()
 
-  @jax.jit
-  @functools.partial(
-    jax.shard_map,
-    mesh=mesh,
-    in_specs=(state_specs, P(AXES)),
-    out_specs=(state_specs, P()),
-  )
+  @dflax.train_step(ded)
+  def nnx_train_step(model, optimizer, chunk):
+    value, grads = nnx.value_and_grad(model_loss)(model, chunk)
+    optimizer.update(model, grads)
+    return value
+
+  @dflax.train_step(ded)
+  def nnx_eval_step(model, chunk):
+    return model_loss(model, chunk)
+
   def ded_train_step(state, chunk):
-    dp, opt_state = state
-    value, grads = dmuon_jax.local_value_and_grad(ded_loss)(dp, chunk)
-    updates, opt_state = opt.update(grads, opt_state, dp)
-    return (
-      (optax.apply_updates(dp, updates), opt_state),
-      jax.lax.pmean(value, AXES),
-    )
+    return state, nnx_train_step(*state, chunk)
 
-  @jax.jit
-  @functools.partial(
-    jax.shard_map, mesh=mesh, in_specs=(state_specs, P(AXES)), out_specs=P()
+  return (
+    (model, optimizer),
+    ded_train_step,
+    lambda state, chunk: nnx_eval_step(state[0], chunk),
+    ded,
   )
-  def ded_eval_step(state, chunk):
-    return jax.lax.pmean(ded_loss(state[0], chunk), AXES)
-
-  return state, ded_train_step, ded_eval_step, ded
 
 
 def build_optimizer(key, params, mesh, args):

@@ -341,6 +341,7 @@ def regather_group_in_backward(
   *,
   last: bool,
   blocks: Sequence[str] = (),
+  routed: bool = False,
 ) -> Callable[..., Any]:
   """:func:`regather_in_backward` for one of several calls sharing a gather.
 
@@ -360,6 +361,9 @@ def regather_group_in_backward(
       arrays.
     last: whether this is the group's last call (its backward runs first).
     blocks: the hook boundaries ``run`` gathers, for messages.
+    routed: the first of ``args`` is a :func:`gather_sink` (zeros that only
+      receive the gathered weights' cotangents): it is not saved for the
+      backward pass (fresh zeros stand in for it there).
 
   Returns:
     ``(local, token, *args) -> (out, token)``.
@@ -375,13 +379,23 @@ def regather_group_in_backward(
 
   def fwd(local, token, *args):
     local = list(local)
+    zeros = []
+    if routed:  # fresh zeros, so that the caller's sink is not kept alive
+      zeros = [jnp.zeros_like(z) for z in args[0]]
+      args = (zeros, *args[1:])
     out, vjp = jax.vjp(remat, local, *args)
     res, tree = jax.tree.flatten(vjp)
     tied = [k for k, r in enumerate(res) if any(r is x for x in local)]
+    holes = {
+      k: (r.shape, r.dtype)
+      for k, r in enumerate(res)
+      if any(r is z for z in zeros)
+    }
+    res = [r for k, r in enumerate(res) if k not in holes]
     # A transformation may trace this rule more than once (nnx.scan does,
     # with different residuals): the backward rule finds its trace by the
     # residuals' types.
-    trace[_avals(res)] = (tree, tied)
+    trace[_avals(res)] = (tree, tied, holes)
     trace['kinds'] = [
       _collectives.varying_axes(x) for x in jax.tree.leaves((local, args))
     ]
@@ -409,7 +423,16 @@ def regather_group_in_backward(
       )
     else:
       tie = ct_token
-    tree, tied = trace[_avals(res)]
+    tree, tied, holes = trace[_avals(res)]
+    it = iter(res)
+    res = [
+      _collectives.to_varying(
+        jnp.zeros(*holes[k]), tuple(sorted(_collectives.manual_axes()))
+      )
+      if k in holes
+      else next(it)
+      for k in range(len(res) + len(holes))
+    ]
     res = [
       r + tie.astype(r.dtype) if k in tied else r for k, r in enumerate(res)
     ]

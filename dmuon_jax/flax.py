@@ -46,6 +46,7 @@ from dmuon_jax import (
   _gather,
   _mesh,
   _owner_layout,
+  _planner,
   _report,
 )
 
@@ -390,6 +391,7 @@ def dedicate(
   ded = _dedicated.dedicate(
     params, mesh, layers_per_gather=layers_per_gather, **kwargs
   )
+  _check_boundaries_hold_targets(params, ded, boundary_predicate)
   if ded.tensor_parallel_axis is not None:
     raise ValueError(
       'dmuon: dmuon_jax.flax.dedicate does not split matrices over the '
@@ -517,6 +519,33 @@ def _replicate_rest(ded, params, mesh, layers_per_gather, kwargs):
   return params, ded, replicated, moved
 
 
+def _check_boundaries_hold_targets(params, ded, boundary_predicate) -> None:
+  """Raises for a module the boundary predicate names (outermost matches)
+  that holds no Muon target: its call would gather nothing."""
+  if boundary_predicate is None:
+    return
+  targets = [t.path for t in ded.layout.leaves]
+  seen = set()
+  for keys, _ in jax.tree.flatten_with_path(params)[0]:
+    for depth in range(1, len(keys)):
+      prefix = _planner.normalize_path(keys[:depth])
+      if prefix in seen:
+        break
+      seen.add(prefix)
+      if not boundary_predicate(
+        prefix, _boundaries.subtree(params, keys[:depth])
+      ):
+        continue
+      if not any(t == prefix or t.startswith(prefix + '/') for t in targets):
+        raise ValueError(
+          f'dmuon: boundary_predicate names module {prefix!r}, which holds '
+          'no Muon target (its params are AdamW params): its call would '
+          'gather nothing. Leave it out of the predicate (the boundaries '
+          f'with targets are {list(ded.boundaries.names)}).'
+        )
+      break
+
+
 def _split_args(args, kwargs):
   leaves, treedef = jax.tree.flatten((args, kwargs))
   is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
@@ -639,6 +668,7 @@ def _gathered(
       ded.remat_policy,
       last=b == ded.groups[g][-1] or scanned,
       blocks=[name],
+      routed=True,
     )
     out, token = call(rep, token, sink, iteration, state, arrays)
     cache[g] = (ids, rep, sink, token)
@@ -649,8 +679,9 @@ def _gathered(
     full = [_mesh.place(x, ded.mesh, P()) for x in local]
     return run(_gather.unpack_gathered(ded, g, full, iteration), state, arrays)
 
-  if z3:
-    run_global = jax.checkpoint(run_global, policy=ded.remat_policy)
+  # The boundaries of a group constrain the same buffers: XLA gathers them
+  # once and keeps them (Z2 memory: a re-gather per boundary would move the
+  # group again for each of its blocks).
   return run_global(local, iteration, state, arrays)
 
 
@@ -728,6 +759,7 @@ def dedicate_linen(
   ded = _dedicated.dedicate(
     params, mesh, layers_per_gather=layers_per_gather, **kwargs
   )
+  _check_boundaries_hold_targets(params, ded, boundary_predicate)
   scanned = [
     n for n, sc in zip(ded.boundaries.names, ded.boundaries.scanned) if sc
   ]
@@ -875,11 +907,13 @@ def _warn_bare(md: ModelDedication, local) -> None:
     'dmuon: a dedicated model ran under plain jax.jit/nnx.jit (outside '
     'dmuon_jax.flax.train_step). It computes the same numbers, but XLA '
     "reduces the Muon gradients with an all-reduce rather than the owners'"
-    f' reduce-scatter: {4 if z3 else 3}({n}-1)/{n} x the Muon bytes per '
-    f'step instead of the {"Z3" if z3 else "Z2"} floor {3 if z3 else 2}'
-    f'({n}-1)/{n}. Decorate the train step with '
-    '@dmuon_jax.flax.train_step(dedication) instead of jax.jit/nnx.jit to '
-    'get the floor (evaluation outside it is fine).',
+    f' reduce-scatter: an all-gather forward and an all-reduce backward, '
+    f'3({n}-1)/{n} x the Muon bytes per step instead of the '
+    f'{"Z3" if z3 else "Z2"} floor {3 if z3 else 2}({n}-1)/{n}'
+    + (', and the gathered weights are kept (Z2 memory)' if z3 else '')
+    + '. Decorate the train step with @dmuon_jax.flax.train_step(dedication)'
+    ' instead of jax.jit/nnx.jit to get the floor (evaluation outside it '
+    'is fine).',
     _report.DMuonWarning,
     stacklevel=4,
   )
@@ -1023,6 +1057,31 @@ def _fold_in(key: jax.Array, data: jax.Array) -> jax.Array:
   return folded.reshape(key.shape)
 
 
+_MANUAL_AXIS_ERRORS = (
+  'can only refer to Auto axes',
+  'Manual axes',
+  'manual axes',
+)
+
+
+def _explain_annotation(err: Exception, axes: Sequence[str]) -> None:
+  """Re-raises JAX's error for a sharding annotation naming a manual axis
+  inside the step with what to do about it."""
+  text = str(err)
+  if any(s in text for s in _MANUAL_AXIS_ERRORS) and any(
+    a in text for a in axes
+  ):
+    raise ValueError(
+      f'dmuon: a sharding annotation inside the step names an owner axis '
+      f'of {tuple(axes)}, which dmuon_jax.flax.train_step runs manually '
+      '(each device runs the model on its own share of the batch). Leave '
+      "those axes out of the model's activation annotations "
+      '(with_sharding_constraint, out_sharding=, e.g. a sharding config '
+      'without the data-parallel axis); annotations over the other mesh '
+      f'axes keep working. JAX said: {text.splitlines()[0]}'
+    ) from err
+
+
 def _output_specs(
   out: Any,
   other_def: Any,
@@ -1134,7 +1193,11 @@ def train_step(
             index = jax.lax.axis_index(axes)
             for v, k in zip(keys, saved):
               v.set_value(_fold_in(k, index))
-          out = fn(*args)
+          try:
+            out = fn(*args)
+          except (ValueError, TypeError) as err:
+            _explain_annotation(err, axes)
+            raise
           for v, k in zip(keys, saved):
             v.set_value(k)
           new_flat = treedef.flatten_up_to(nnx.split(nodes)[1])

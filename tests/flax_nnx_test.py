@@ -18,6 +18,8 @@ import numpy as np
 import optax
 from absl.testing import absltest, parameterized
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
 import dmuon_jax.flax as dflax
@@ -369,28 +371,46 @@ class NnxBehaviourTest(absltest.TestCase):
     self.assertTrue(np.isfinite(losses[0]))
 
   def test_bare_jit_warns_once_and_moves_what_it_says(self):
-    mesh = make_mesh((1, 8))
+    mesh = make_mesh((1, 8), auto=True)  # the model indexes embeddings
     model = make_model(False)
-    ded = dflax.dedicate(
-      model,
-      mesh,
-      muon_weight_dimension_numbers=muon_dims,
-      reshard_after_forward=False,
-    )
+    ded = dflax.dedicate(model, mesh, muon_weight_dimension_numbers=muon_dims)
     optimizer = nnx.Optimizer(
       model, dflax.dedicated_muon(ded, learning_rate=LR), wrt=nnx.Param
     )
+    toks = jax.device_put(tokens(), NamedSharding(mesh, P(support.AXES)))
+    graphdef, state = nnx.split((model, optimizer))
     step = nnx.jit(train_step)
     with warnings.catch_warnings(record=True) as caught:
       warnings.simplefilter('always')
-      loss = float(step(model, optimizer, tokens()))
-      float(step(model, optimizer, tokens()))
+      loss = float(step(model, optimizer, toks))
+      float(step(model, optimizer, toks))
     said = [w for w in caught if issubclass(w.category, dmuon_jax.DMuonWarning)]
     self.assertLen(said, 1)
-    self.assertIn('all-reduce', str(said[0].message))
-    self.assertIn('3(8-1)/8', str(said[0].message))
+    message = str(said[0].message)
+    self.assertIn('all-gather forward and an all-reduce backward', message)
+    self.assertIn('3(8-1)/8', message)
+    self.assertIn('Z2 memory', message)
     _, want_losses = reference(False)
     self.assertLess(abs(loss - want_losses[0]) / want_losses[0], 1e-5)
+
+    def plain(state, toks):  # the same step, for its compiled HLO
+      m, o = nnx.merge(graphdef, state)
+      value = train_step(m, o, toks)
+      return nnx.split((m, o))[1], value
+
+    with warnings.catch_warnings():
+      warnings.simplefilter('ignore')
+      compiled = jax.jit(plain).lower(state, toks).compile()
+    kinds = dmuon_jax.analyze_compiled(compiled).bytes_by_kind
+    payload, gathered = ded.dedication.gather_bytes()
+    share = 7 / 8
+    # What the warning says: one all-gather of the gathered group forward,
+    # the Muon gradients in an all-reduce (2 (N-1)/N, with the AdamW
+    # gradients: 4385 elements of them, the tied embedding twice).
+    self.assertAlmostEqual(kinds['all-gather'], share * gathered, delta=1)
+    self.assertNotIn('reduce-scatter', kinds)
+    self.assertGreaterEqual(kinds['all-reduce'], 2 * share * payload)
+    self.assertLessEqual(kinds['all-reduce'], 2 * share * (payload + 4 * 4400))
 
 
 class NnxMistakeTest(absltest.TestCase):
@@ -402,6 +422,48 @@ class NnxMistakeTest(absltest.TestCase):
 
     with self.assertRaisesRegex(ValueError, r'layers/0.*kernel.*tied'):
       dflax.dedicate(Tied(nnx.Rngs(0)), make_mesh((1, 8)))
+
+  def test_annotation_naming_an_owner_axis(self):
+    class Annotated(Decoder):
+      def __call__(self, toks):
+        x = jax.lax.with_sharding_constraint(self.embed(toks), P(support.AXES))
+        for block in self.layers:
+          x = block(x)
+        return self.embed.attend(self.norm(x))
+
+    mesh = make_mesh((1, 8), auto=True)
+    model = Annotated(nnx.Rngs(0))
+    ded = dflax.dedicate(model, mesh, muon_weight_dimension_numbers=muon_dims)
+    optimizer = nnx.Optimizer(
+      model, dflax.dedicated_muon(ded, learning_rate=LR), wrt=nnx.Param
+    )
+    with self.assertRaisesRegex(ValueError, r'names an owner axis.*Leave'):
+      dflax.train_step(ded)(train_step)(model, optimizer, tokens())
+
+  def test_eager_call_outside_any_mesh_context(self):
+    # Evaluation outside train_step: the model gathers through the mesh it
+    # was dedicated on, no warning (nothing is traced), same logits.
+    plain = make_model(False)
+    model = make_model(False)
+    dflax.dedicate(
+      model, make_mesh((1, 8)), muon_weight_dimension_numbers=muon_dims
+    )
+    with warnings.catch_warnings():
+      warnings.simplefilter('error', dmuon_jax.DMuonWarning)
+      got = model(tokens())
+    np.testing.assert_allclose(got, plain(tokens()), rtol=1e-5, atol=1e-6)
+
+  def test_boundary_without_muon_target(self):
+    model = make_model(False)
+    with self.assertRaisesRegex(ValueError, r"'embed'.*no Muon target"):
+      dflax.dedicate(
+        model,
+        None,
+        muon_weight_dimension_numbers=muon_dims,
+        boundary_predicate=lambda path, _: (
+          path == 'embed' or path.count('/') == 1 and path.startswith('layers/')
+        ),
+      )
 
   def test_dedicating_twice(self):
     model = make_model(False)

@@ -203,7 +203,7 @@ class LinenMistakeTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, r"variables\['params'\]"):
       dflax.dedicate_linen(Transformer(), init(), None)
 
-  def test_apply_without_the_dedication_names_the_fix(self):
+  def test_plain_apply_is_flax_shape_error(self):
     variables = init()
     _, params = dflax.dedicate_linen(Transformer(), variables['params'], None)
     # Flax's own check names the param whose value is the placeholder.

@@ -10,6 +10,8 @@ the compiled step.
 
 import functools
 import math
+import pathlib
+import re
 import warnings
 
 import jax
@@ -504,6 +506,28 @@ class NnxMistakeTest(absltest.TestCase):
     nnx.update(model, plain)  # the kernels' values land in the placeholders
     with self.assertRaisesRegex(ValueError, r'layers/0/attn/q/kernel.*plain'):
       model(tokens())
+
+
+class ReadmeMistakeTableTest(absltest.TestCase):
+  def test_every_row_names_tests_that_exist(self):
+    root = pathlib.Path(__file__).resolve().parent
+    text = (root.parent / 'README.md').read_text()
+    table = text[
+      text.index('Mistakes with dedicated Flax models') : text.index(
+        'A Linen model, from'
+      )
+    ]
+    sources = ''.join(
+      (root / f).read_text() for f in ('flax_nnx_test.py', 'flax_linen_test.py')
+    )
+    rows = [r for r in table.splitlines() if r.startswith('| ') and '::' in r]
+    self.assertGreaterEqual(len(rows), 8)
+    for row in rows:
+      cls = None
+      for name in re.findall(r'`(\w*)::(\w+)`', row.rsplit('|', 2)[1]):
+        cls = name[0] or cls
+        self.assertIn(f'class {cls}(', sources, row)
+        self.assertIn(f'def {name[1]}(', sources, row)
 
 
 if __name__ == '__main__':

@@ -1,4 +1,4 @@
-"""Dedicated DMuon for Flax NNX models as they are written (optional: flax).
+"""Dedicated DMuon for Flax models as they are written (optional: flax).
 
 Three lines turn an ordinary NNX training loop into DMuon proper::
 
@@ -17,7 +17,9 @@ run by ``nnx.scan``) gather its group's matrices when the model calls it.
 manual axes are the owner (data-parallel) axes, so that autodiff's
 transpose of those gathers is the reduce-scatter to the owners: Muon at
 exactly the Z2/Z3 byte floors. The model's ``__call__`` and the step stay as
-written.
+written. Linen models: :func:`dedicate_linen` returns the dedicated params
+and ``ded.apply`` (the ``TrainState``'s ``apply_fn``) makes the boundary
+submodules gather; the same :func:`train_step` and :func:`dedicated_muon`.
 """
 
 from __future__ import annotations

@@ -68,7 +68,9 @@ class Dedication:
     layers_per_gather: boundaries (or scanned layers) per gather.
     layers_per_gather_choice: how it was chosen: ``'given'`` (an int
       passed to :func:`dedicate`), ``'auto'`` (the smallest with padding at
-      most 5%) or ``'auto, least padding'`` (none reached 5%).
+      most 5%), ``'auto, least padding'`` (none reached 5%) or, from
+      :func:`dmuon_jax.flax.dedicate`, ``'one layer per nnx.scan
+      iteration'``.
     treedef: the params tree structure.
     mesh: the mesh.
     reshard_after_forward: Z3 (True) or Z2 (False), see :meth:`block`.

@@ -393,6 +393,10 @@ def dedicate(
   ded = _dedicated.dedicate(
     params, mesh, layers_per_gather=layers_per_gather, **kwargs
   )
+  if any(bounds.scanned):
+    ded = dataclasses.replace(
+      ded, layers_per_gather_choice='one layer per nnx.scan iteration'
+    )
   _check_boundaries_hold_targets(params, ded, boundary_predicate)
   if ded.tensor_parallel_axis is not None:
     raise ValueError(
@@ -401,9 +405,7 @@ def dedicate(
       'API (dmuon_jax.dedicate, Dedication.block/scan) for tensor '
       'parallelism, or pass tensor-parallel params replicated.'
     )
-  params, ded, replicated, moved = _replicate_rest(
-    ded, params, mesh, layers_per_gather, kwargs
-  )
+  params, ded, replicated, moved = _replicate_rest(ded, params, mesh, kwargs)
   flat = jax.tree.flatten_with_path(params)[0]
   for i, x in moved.items():
     _node_at(model, _path(flat[i][0])).set_value(x)
@@ -490,7 +492,7 @@ def dedicate(
   return md
 
 
-def _replicate_rest(ded, params, mesh, layers_per_gather, kwargs):
+def _replicate_rest(ded, params, mesh, kwargs):
   """AdamW params sharded over an owner axis, replicated over the owner
   axes (inside train_step every device runs the whole model on its own
   batch); the dedication planned again if any moved."""
@@ -516,8 +518,7 @@ def _replicate_rest(ded, params, mesh, layers_per_gather, kwargs):
     ded = _dedicated.dedicate(
       params, mesh, layers_per_gather=ded.layers_per_gather, **kwargs
     )
-    if layers_per_gather == 'auto':
-      ded = dataclasses.replace(ded, layers_per_gather_choice=choice)
+    ded = dataclasses.replace(ded, layers_per_gather_choice=choice)
   return params, ded, replicated, moved
 
 
@@ -779,9 +780,7 @@ def dedicate_linen(
       f'tensor-parallel axis {ded.tensor_parallel_axis!r}; use the explicit '
       'API (dmuon_jax.dedicate, Dedication.block/sequential).'
     )
-  params, ded, replicated, _ = _replicate_rest(
-    ded, params, mesh, layers_per_gather, kwargs
-  )
+  params, ded, replicated, _ = _replicate_rest(ded, params, mesh, kwargs)
   placed = params
   if mesh is not None:
     placed = jax.tree.map(

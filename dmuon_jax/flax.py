@@ -390,39 +390,16 @@ def dedicate(
         'layer. Pass layers_per_gather=1 (or the default).'
       )
     layers_per_gather = 1
-  ded = _dedicated.dedicate(
-    params, mesh, layers_per_gather=layers_per_gather, **kwargs
+  choice = 'one layer per nnx.scan iteration' if any(bounds.scanned) else None
+  ded, placed, dp, replicated, moved = _plan(
+    'dmuon_jax.flax.dedicate', params, mesh, layers_per_gather, choice, kwargs
   )
-  if any(bounds.scanned):
-    ded = dataclasses.replace(
-      ded, layers_per_gather_choice='one layer per nnx.scan iteration'
-    )
-  _check_boundaries_hold_targets(params, ded, boundary_predicate)
-  if ded.tensor_parallel_axis is not None:
-    raise ValueError(
-      'dmuon: dmuon_jax.flax.dedicate does not split matrices over the '
-      f'tensor-parallel axis {ded.tensor_parallel_axis!r}; use the explicit '
-      'API (dmuon_jax.dedicate, Dedication.block/scan) for tensor '
-      'parallelism, or pass tensor-parallel params replicated.'
-    )
-  params, ded, replicated, moved = _replicate_rest(ded, params, mesh, kwargs)
-  flat = jax.tree.flatten_with_path(params)[0]
+  flat = jax.tree.flatten_with_path(placed)[0]
+  paths = [_path(keys) for keys, _ in flat]
   for i, x in moved.items():
-    _node_at(model, _path(flat[i][0])).set_value(x)
-  placed = params
-  if mesh is not None:
-    placed = jax.tree.map(
-      lambda x: (
-        x
-        if isinstance(getattr(x, 'sharding', None), NamedSharding)
-        else jax.device_put(x, NamedSharding(mesh, P()))
-      ),
-      params,
-    )
-  dp = ded.to_dedicated(placed)
+    _node_at(model, paths[i]).set_value(x)
 
   refs = _references(model)
-  paths = [_path(keys) for keys, _ in flat]
   targets_by_leaf = {t.index: t for t in ded.layout.leaves}
   for i in targets_by_leaf:
     # The target, or a module on its path, held by two parents: tied.
@@ -465,16 +442,13 @@ def dedicate(
       n = ded.layout.iterations[g]
       module.dmuon_iteration = ScanIteration(jnp.arange(n))
     module.__class__ = _hooked(type(module))
-  targets: list[list[tuple[int, tuple]]] = [[] for _ in boundary_paths]
   for i, t in targets_by_leaf.items():
-    b = ded.boundaries.of_target[ded.boundaries.paths.index(t.path)]
-    scanned = ded.boundaries.scanned[b]
+    scanned = ded.boundaries.scanned[_boundary_of(ded, t)]
     _set_at(
       model,
       paths[i],
       DedicatedWeight(_placeholder(t.shape, t.dtype, scanned)),
     )
-    targets[b].append((i, paths[i][len(boundary_paths[b]) :]))
 
   owned_state = nnx.to_flat_state(nnx.state(model, OwnedBuffer))
   where = {id(v): tuple(p) for p, v in owned_state}
@@ -485,11 +459,63 @@ def dedicate(
     rest_paths=tuple(
       None if i in targets_by_leaf else p for i, p in enumerate(paths)
     ),
-    targets=tuple(tuple(t) for t in targets),
+    targets=_targets(ded, paths, boundary_paths),
     replicated=tuple(replicated),
   )
   _REGISTRY[key] = md
   return md
+
+
+def _plan(who, params, mesh, layers_per_gather, choice, kwargs):
+  """The dedication of a Flax model's params, and the params placed for it.
+
+  Plans with :func:`dmuon_jax.dedicate`, checks what ``dmuon_jax.flax``
+  cannot run, replicates AdamW params sharded over an owner axis (see
+  :func:`_replicate_rest`) and puts unplaced params on the mesh.
+
+  Returns:
+    ``(dedication, placed params, DedicatedParams, replicated paths, {leaf
+    index: moved param})``.
+  """
+  ded = _dedicated.dedicate(
+    params, mesh, layers_per_gather=layers_per_gather, **kwargs
+  )
+  if choice is not None:
+    ded = dataclasses.replace(ded, layers_per_gather_choice=choice)
+  _check_boundaries_hold_targets(params, ded, kwargs['boundary_predicate'])
+  if ded.tensor_parallel_axis is not None:
+    raise ValueError(
+      f'dmuon: {who} does not split matrices over the tensor-parallel axis '
+      f'{ded.tensor_parallel_axis!r}; use the explicit API '
+      '(dmuon_jax.dedicate, Dedication.block/sequential/scan) for tensor '
+      'parallelism, or pass tensor-parallel params replicated.'
+    )
+  params, ded, replicated, moved = _replicate_rest(ded, params, mesh, kwargs)
+  placed = params
+  if mesh is not None:
+    placed = jax.tree.map(
+      lambda x: (
+        x
+        if isinstance(getattr(x, 'sharding', None), NamedSharding)
+        else jax.device_put(x, NamedSharding(mesh, P()))
+      ),
+      params,
+    )
+  return ded, placed, ded.to_dedicated(placed), replicated, moved
+
+
+def _boundary_of(ded, target) -> int:
+  return ded.boundaries.of_target[ded.boundaries.paths.index(target.path)]
+
+
+def _targets(ded, paths, boundary_paths) -> tuple:
+  """Per boundary, ``(leaf index, path inside the boundary module)`` of its
+  Muon targets."""
+  targets: list[list[tuple[int, tuple]]] = [[] for _ in boundary_paths]
+  for t in ded.layout.leaves:
+    b = _boundary_of(ded, t)
+    targets[b].append((t.index, paths[t.index][len(boundary_paths[b]) :]))
+  return tuple(tuple(t) for t in targets)
 
 
 def _replicate_rest(ded, params, mesh, kwargs):
@@ -637,7 +663,9 @@ def _gathered(
   cache = ctx.groups if ctx is not None and ctx.md is md else {}
   ids = tuple(id(x) for x in local)
   z3 = ded.reshard_after_forward
-  if manual and ids not in [hit[0] for hit in cache.values()]:
+  hit = cache.get(g)
+  hit = hit[1:] if hit is not None and hit[0] == ids else None
+  if manual and hit is None:  # the group's first block
     local = _after(local, arrays)
   if scanned:  # one layer per iteration: drop the group's layer axis
     run_layer = run
@@ -646,9 +674,8 @@ def _gathered(
     mats = _gather.unpack_gathered(ded, g, local, iteration)
     return run(mats, state, arrays)
   if manual and not z3:
-    hit = cache.get(g)
-    if hit is not None and hit[0] == ids:
-      mats = hit[1]
+    if hit is not None:
+      (mats,) = hit
     else:
       mats = _gather.materialize(
         ded, g, _gather.gather_replicate(ded, local), iteration
@@ -656,9 +683,8 @@ def _gathered(
       cache[g] = (ids, mats)
     return run(mats, state, arrays)
   if manual:
-    hit = cache.get(g)
-    if hit is not None and hit[0] == ids:
-      _, rep, sink, token = hit
+    if hit is not None:
+      rep, sink, token = hit
     else:
       rep = _gather.gather_replicate(ded, local)
       sink = _gather.gather_sink(ded, local)
@@ -761,10 +787,9 @@ def dedicate_linen(
     remat_policy=remat_policy,
     ns_algorithm=ns_algorithm,
   )
-  ded = _dedicated.dedicate(
-    params, mesh, layers_per_gather=layers_per_gather, **kwargs
+  ded, placed, dp, replicated, _ = _plan(
+    'dedicate_linen', params, mesh, layers_per_gather, None, kwargs
   )
-  _check_boundaries_hold_targets(params, ded, boundary_predicate)
   scanned = [
     n for n, sc in zip(ded.boundaries.names, ded.boundaries.scanned) if sc
   ]
@@ -774,24 +799,6 @@ def dedicate_linen(
       f'{scanned}. Use the explicit API (dmuon_jax.dedicate, '
       'Dedication.scan).'
     )
-  if ded.tensor_parallel_axis is not None:
-    raise ValueError(
-      'dmuon: dedicate_linen does not split matrices over the '
-      f'tensor-parallel axis {ded.tensor_parallel_axis!r}; use the explicit '
-      'API (dmuon_jax.dedicate, Dedication.block/sequential).'
-    )
-  params, ded, replicated, _ = _replicate_rest(ded, params, mesh, kwargs)
-  placed = params
-  if mesh is not None:
-    placed = jax.tree.map(
-      lambda x: (
-        x
-        if isinstance(getattr(x, 'sharding', None), NamedSharding)
-        else jax.device_put(x, NamedSharding(mesh, P()))
-      ),
-      params,
-    )
-  dp = ded.to_dedicated(placed)
   flat = jax.tree.flatten_with_path(placed)[0]
   paths = [_path(k) for k, _ in flat]
   targets_by_leaf = {t.index: t for t in ded.layout.leaves}
@@ -809,10 +816,6 @@ def dedicate_linen(
     for j, bi in enumerate(mine):
       buffer_paths[bi] = first + (f'dmuon_owned_{j}',)
       _set_item(out, buffer_paths[bi], dp.owned.buffers[bi])
-  targets: list[list[tuple[int, tuple]]] = [[] for _ in boundary_paths]
-  for i, t in targets_by_leaf.items():
-    b = ded.boundaries.of_target[ded.boundaries.paths.index(t.path)]
-    targets[b].append((i, paths[i][len(boundary_paths[b]) :]))
   key = f'dmuon{next(_COUNTER)}'
   md = ModelDedication(
     dedication=ded,
@@ -821,7 +824,7 @@ def dedicate_linen(
     rest_paths=tuple(
       None if i in targets_by_leaf else p for i, p in enumerate(paths)
     ),
-    targets=tuple(tuple(t) for t in targets),
+    targets=_targets(ded, paths, boundary_paths),
     replicated=tuple(replicated),
     linen_model=model,
     placeholder_paths=tuple(paths[i] for i in targets_by_leaf),
@@ -1246,6 +1249,8 @@ def train_step(
     def mapped(flat, other):
       # Outputs like an argument (a returned TrainState) keep its specs;
       # the rest is averaged. The output's structure comes from a trace.
+      # Shapes only (eval_shape computes nothing): replication typing off
+      # so that P() fits every output before its specs are known.
       probe = jax.shard_map(
         body,
         mesh=ded.mesh,

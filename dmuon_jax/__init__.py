@@ -32,6 +32,7 @@ from dmuon_jax._newton_schulz import (
 from dmuon_jax._newton_schulz import resolve_ns_coeffs as resolve_ns_coeffs
 from dmuon_jax._owner_layout import OwnerBuffers as OwnerBuffers
 from dmuon_jax._owner_layout import OwnerLayout as OwnerLayout
+from dmuon_jax._planner import OwnerGroup as OwnerGroup
 from dmuon_jax._planner import OwnershipPlan as OwnershipPlan
 from dmuon_jax._planner import default_muon_predicate as default_muon_predicate
 from dmuon_jax._planner import plan_ownership as plan_ownership
@@ -65,6 +66,7 @@ __all__ = (
   'NS_COEFF_PRESETS',
   'OwnerBuffers',
   'OwnerLayout',
+  'OwnerGroup',
   'OwnershipPlan',
   'PortableDMuonState',
   'ScaleByDMuonState',

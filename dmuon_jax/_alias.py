@@ -196,6 +196,7 @@ def dmuon(
   tensor_parallel_axis: str | None = 'auto',
   nonfinite: Literal['skip', 'propagate'] = 'skip',
   param_specs: Any = None,
+  owner_groups: int | Literal['auto'] | None = 'auto',
 ) -> optax.GradientTransformation:
   r"""Muon with each weight matrix owned by one device of a mesh.
 
@@ -315,6 +316,10 @@ def dmuon(
       ``PartitionSpec``, ``NamedSharding`` or None), for when ``init`` cannot
       see them: abstract values or tracers on a mesh with Auto axes (see
       :func:`dmuon_jax.scale_by_dmuon`). Static.
+    owner_groups: (optional, default ``'auto'``) split matrices that alone
+      would set the busiest device's Newton–Schulz over a group of devices
+      (see :func:`dmuon_jax.scale_by_dmuon`); an int ``k`` splits every Muon
+      matrix over ``k`` devices; None: one owner per matrix. Static.
 
   Returns:
     A :class:`optax.GradientTransformation` (an :func:`optax.partition` of a
@@ -380,6 +385,7 @@ def dmuon(
       # The owners apply the shape factor (as optax's scale_by_shape).
       shape_scaling=True,
       consistent_rms=consistent_rms,
+      owner_groups=owner_groups,
     ),
     optax.add_decayed_weights(weight_decay, weight_decay_mask),
     optax.scale_by_learning_rate(learning_rate),

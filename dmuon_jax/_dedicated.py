@@ -526,6 +526,15 @@ def _buffer_axes(
   )
 
 
+def _group_axis(
+  plan: _planner.OwnershipPlan, rep_axis: str | None
+) -> str | None:
+  """The axis owner groups range over: the innermost owner axis that is not
+  the HSDP replicate axis (a group's Grams then stay in a shard group)."""
+  axes = [a for a in plan.axis_names if a != rep_axis] or list(plan.axis_names)
+  return axes[-1] if axes else None
+
+
 def _rest_spec(x: Any, path: str, mesh: Any, scanned_names) -> P:
   """The PartitionSpec a non-target param keeps in dedicated mode."""
   sharding = getattr(x, 'sharding', None)
@@ -585,6 +594,7 @@ def dedicate(
   tensor_parallel_axis: str | None = 'auto',
   ns_algorithm: str = 'auto',
   weight_dimension_numbers: Any = _UNSET,
+  owner_groups: int | str | None = 'auto',
 ) -> Dedication:
   """Plans dedicated ownership: each Muon matrix stored only on its owner.
 
@@ -656,6 +666,11 @@ def dedicate(
       runs it. TP-split matrices always use the Gram form.
     weight_dimension_numbers: deprecated name of
       ``muon_weight_dimension_numbers``.
+    owner_groups: ``'auto'`` (default), an int ``k`` or None: matrices
+      split over a group of owners, as for :func:`dmuon_jax.dmuon` (their
+      slices are stored on the group's devices and gathered like whole
+      matrices). Not for scanned stacks and TP matrices ('auto' leaves them
+      whole; ``k`` raises).
 
   Returns:
     A :class:`Dedication`; move params with ``to_dedicated``.
@@ -741,6 +756,28 @@ def dedicate(
     params, tp_dims, tp_splits_by_leaf = _tp_local(
       params, info, predicate, dims_numbers
     )
+  scanned_leaves = [
+    t.leaf_index
+    for t, path in zip(
+      (t for t in routing.specs if t is not None),
+      (t.path for t in routing.specs if t is not None),
+    )
+    if bounds.scanned[dict(zip(bounds.paths, bounds.of_target))[path]]
+  ]
+  _planner.check_owner_groups(owner_groups)
+  if owner_groups not in (None, 'auto'):
+    if tp_n > 1:
+      raise ValueError(
+        f'dmuon: owner_groups={owner_groups} with the tensor-parallel axis '
+        f'{info.tp_axis!r}: TP matrices are split over it already. Pass '
+        'owner_groups=None (or the default).'
+      )
+    if scanned_leaves:
+      raise ValueError(
+        f'dmuon: owner_groups={owner_groups} with scanned stacks: their '
+        'owners rotate per scan iteration, which groups do not follow. Pass '
+        "owner_groups='auto' (scanned stacks stay whole) or None."
+      )
   base_plan = _planner.plan_ownership(
     params,
     mesh,
@@ -748,6 +785,8 @@ def dedicate(
     predicate=predicate,
     weight_dimension_numbers=dims_numbers,
     ns_algorithm=ns_algorithm,
+    owner_groups=None if tp_n > 1 else owner_groups,
+    ungroupable=scanned_leaves,
   )
 
   def build(k: int, choice: str) -> Dedication:
@@ -769,7 +808,7 @@ def dedicate(
       for group in groups
     ]
     plan, group_plans, iterations = _planner.plan_gather_groups(
-      plan, group_specs, k, buffer_axes
+      plan, group_specs, k, buffer_axes, _group_axis(plan, rep_axis)
     )
     layouts = tuple(
       _layout.Layout(

@@ -28,13 +28,33 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dmuon_jax import _collectives, _layout, _mesh
+from dmuon_jax import _collectives, _layout, _mesh, _planner
 
 
 class _Routed:
   """One routed leaf: its axis set and how a matrix splits into pieces."""
 
   def __init__(self, spec, entries, sizes):
+    # The leaf's own local shard shape, and that of the view (a sliced
+    # spec's view splits one dimension; see _planner.sliced_spec).
+    self.leaf_local = tuple(
+      n // math.prod(sizes[a] for a in e)
+      for n, e in zip(spec.leaf_shape, entries)
+    )
+    entries = _planner.view_entries(spec, entries)
+    if spec.sliced:
+      d = spec.slice_axis - 1
+      shards = math.prod(sizes[a] for a in entries[d])
+      if shards != spec.shape[d]:
+        raise ValueError(
+          f'dmuon: param {spec.path!r} is sharded {shards} ways along the '
+          'dimension its owner group slices, but the optimizer state was '
+          f'laid out for {spec.shape[d]}. Make the state again with init() '
+          'on params sharded as in training.'
+        )
+    self.view_local = tuple(
+      n // math.prod(sizes[a] for a in e) for n, e in zip(spec.shape, entries)
+    )
     canon = spec.reduction_axes + spec.output_axes
     self.dim_axes = [tuple(entries[a]) for a in canon]
     axes = {a for e in self.dim_axes for a in e}
@@ -121,7 +141,11 @@ class Exchange:
     self.routed: dict[int, _Routed] = {}
     self.gathered: set[int] = set()
     for i, spec in enumerate(plan.leaves):
-      sharded = [d for d, axes in enumerate(entries[i]) if axes]
+      sharded = [
+        d
+        for d, axes in enumerate(_planner.view_entries(spec, entries[i]))
+        if axes
+      ]
       if not sharded:
         continue
       matrix = set(spec.reduction_axes + spec.output_axes)
@@ -219,6 +243,7 @@ class Exchange:
 
   def _local_units(self, x: jax.Array, i: int) -> jax.Array:
     r = self.routed[i]
+    x = x.reshape(r.view_local)
     return jnp.transpose(x, r.perm).reshape((-1,) + tuple(r.piece))
 
   # -- forward: pieces to the owners --------------------------------------
@@ -307,7 +332,7 @@ class Exchange:
         )
       )
     x = jnp.stack(mats).reshape(r.batch_shape + tuple(r.piece))
-    return jnp.transpose(x, tuple(np.argsort(r.perm)))
+    return jnp.transpose(x, tuple(np.argsort(r.perm))).reshape(r.leaf_local)
 
   # -- replicated (and gathered) leaves -----------------------------------
 

@@ -18,8 +18,10 @@ from dmuon_jax import _planner
 
 
 def to_matrices(x: jax.Array, spec: _planner.LeafSpec) -> jax.Array:
-  """Reshapes a leaf to ``(num_matrices, fan_in, fan_out)``."""
+  """Reshapes a leaf to ``(num_matrices, fan_in, fan_out)`` (for a sliced
+  spec: its slices, from the leaf in its own shape)."""
   perm = spec.batch_axes + spec.reduction_axes + spec.output_axes
+  x = x.reshape(spec.shape)
   return jnp.transpose(x, perm).reshape(
     (spec.num_matrices,) + spec.matrix_shape
   )
@@ -29,7 +31,7 @@ def from_matrices(x: jax.Array, spec: _planner.LeafSpec) -> jax.Array:
   """Inverse of :func:`to_matrices`."""
   perm = spec.batch_axes + spec.reduction_axes + spec.output_axes
   x = x.reshape(tuple(spec.shape[a] for a in perm))
-  return jnp.transpose(x, tuple(np.argsort(perm)))
+  return jnp.transpose(x, tuple(np.argsort(perm))).reshape(spec.leaf_shape)
 
 
 class Bucket(NamedTuple):
@@ -39,6 +41,7 @@ class Bucket(NamedTuple):
   tp_split: int | None  # -1 columns / -2 rows split over TP, or None
   dtype: str  # the params' dtype (of the updates)
   units: tuple[int, ...]  # unit indices, in buffer order
+  grouped: bool = False  # slices of owner groups (see _planner.OwnerGroup)
 
 
 class Layout:
@@ -229,11 +232,12 @@ class Layout:
         self.plan.units[u].shape,
         self.tp_splits[leaf],
         self.plan.leaves[leaf].dtype,
+        self.plan.units[u].group >= 0,
       )
       by_key.setdefault(key, []).append(u)
     return [
-      Bucket(shape, split, dtype, tuple(units))
-      for (shape, split, dtype), units in by_key.items()
+      Bucket(shape, split, dtype, tuple(units), grouped)
+      for (shape, split, dtype, grouped), units in by_key.items()
     ]
 
   def map_slot(

@@ -516,6 +516,32 @@ def orthogonalize_via_gram_newton_schulz(
   return _finish(gram_iterate(x0, r, rows, restarts), transposed, x)
 
 
+def gram_segments(
+  num_iterations: int, restarts: Sequence[int]
+) -> tuple[tuple[int, int], ...]:
+  """``[start, end)`` iteration ranges between restarts."""
+  bounds = (0,) + tuple(restarts) + (num_iterations,)
+  return tuple(zip(bounds[:-1], bounds[1:]))
+
+
+def gram_factor(r: jax.Array, rows: np.ndarray) -> jax.Array:
+  """The factor ``Q`` of one restart window: from the Gram ``R`` of the
+  window's ``X``, iterates ``Z = a I + b R + c R^2, Q <- Z Q,
+  R <- Z R Z`` over ``rows`` (``R`` re-symmetrized); ``Q X`` is the
+  window's result. Only ``g x g`` matrices: this is the part of Gram
+  Newton–Schulz that does not split over the long side."""
+  eye = jnp.eye(r.shape[-1], dtype=r.dtype)
+  q = None  # The identity, not materialized.
+  for j, row in enumerate(rows):
+    a, b, c = _coeffs(row, r.dtype)
+    z = b * r + (c * r) @ r + a * eye
+    q = z if q is None else z @ q
+    if j + 1 < len(rows):
+      r = (z @ r) @ z
+      r = 0.5 * (r + _transpose(r))
+  return q
+
+
 def gram_iterate(
   x0: jax.Array,
   r: jax.Array,
@@ -530,20 +556,11 @@ def gram_iterate(
   """
   if gram is None:
     gram = lambda a: a @ _transpose(a)
-  eye = jnp.eye(x0.shape[-2], dtype=x0.dtype)
-  q = None  # The identity, not materialized.
-  for i, row in enumerate(rows):
-    if i in restarts:
-      x0 = q @ x0
+  for w, (start, end) in enumerate(gram_segments(len(rows), restarts)):
+    if w:
       r = gram(x0)
-      q = None
-    a, b, c = _coeffs(row, x0.dtype)
-    z = b * r + (c * r) @ r + a * eye
-    q = z if q is None else z @ q
-    if i + 1 < len(rows) and i + 1 not in restarts:
-      r = (z @ r) @ z
-      r = 0.5 * (r + _transpose(r))
-  return q @ x0
+    x0 = gram_factor(r, rows[start:end]) @ x0
+  return x0
 
 
 def matmul_flops(

@@ -209,6 +209,9 @@ class OwnerLayout:
 
   def full_shape(self, lay: Layout, u: int) -> tuple[int, int]:
     """The whole matrix's ``(fan_in, fan_out)`` of unit ``u`` of ``lay``."""
+    spec = lay.plan.leaves[lay.unit_leaf[u]]
+    if spec.sliced:
+      return spec.whole_matrix
     shape = list(lay.plan.units[u].shape)
     split = lay.tp_splits[lay.unit_leaf[u]]
     if split is not None:

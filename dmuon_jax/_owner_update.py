@@ -31,6 +31,7 @@ from dmuon_jax import (
   _layout,
   _newton_schulz,
   _owner_layout,
+  _staged,
   _tensor_parallel,
 )
 
@@ -42,7 +43,7 @@ NONFINITE = ('skip', 'propagate')
 
 # Matrices whose largest entry exceeds this are divided by a power of two
 # before Newton-Schulz (see rescale_large).
-_LARGE = 2.0**10
+_LARGE = _staged.LARGE
 
 
 def static_dtype(value: Any, name: str) -> np.dtype | None:
@@ -342,17 +343,30 @@ def orthogonalize(
       eps=hp.eps,
       compute_dtype=compute,
     )
+  dot = None
   if cfg.adaptive:
     # The dual norm <M, NS(M)> of the unscaled momentum, per matrix.
     dot = jnp.sum(stack * out, axis=(-2, -1), keepdims=True)
     if tp_split is not None:
       dot = jax.lax.psum(dot, tp_axis)
+  return finish_ns(cfg, hp, out, dot, full_shape, out_dtype)
+
+
+def finish_ns(cfg, hp, out, dot, full_shape, out_dtype):
+  """After Newton–Schulz: ``adaptive``'s dual norm ``dot`` (None without),
+  the cast to the updates' dtype and the shape factor of ``full_shape``."""
+  if dot is not None:
     out = dot * out
   out = out.astype(out_dtype)
   if cfg.shape_scaling:
     rms = hp.consistent_rms if cfg.consistent_rms else None
     out = (shape_scale(*full_shape, rms) * out).astype(out_dtype)
   return out
+
+
+def _decayed(hp, out, param, dtype):
+  """``out + weight_decay * param`` (as ``optax.add_decayed_weights``)."""
+  return (out + hp.weight_decay * param.astype(dtype)).astype(dtype)
 
 
 def slot_update(
@@ -364,8 +378,11 @@ def slot_update(
   hat: Sequence[jax.Array],
   params: Sequence[jax.Array] | None = None,
   decay: frozenset[int] | None = None,
+  skip_distributed: bool = False,
 ) -> tuple[jax.Array, ...]:
-  """One owner slot's results from its (local) buffers of group ``lay``.
+  """One owner slot's results from its (local) buffers of group ``lay``
+  (with ``skip_distributed``: zeros for owner-group and TP matrices, which
+  ``_staged`` orthogonalizes).
 
   Results are rounded to the params' dtype (the buffers keep the momentum's
   dtype). With ``params`` and ``decay`` (the leaf indices whose matrices
@@ -376,6 +393,8 @@ def slot_update(
 
   def fn(stacks, bucket):
     dtype = jnp.dtype(bucket.dtype)
+    if skip_distributed and (bucket.grouped or bucket.tp_split is not None):
+      return jnp.zeros_like(stacks[0])
     out = orthogonalize(
       cfg,
       hp,
@@ -393,8 +412,7 @@ def slot_update(
         ]
       )
       if mask.any():
-        p = stacks[1].astype(dtype)
-        decayed = (out + hp.weight_decay * p).astype(dtype)
+        decayed = _decayed(hp, out, stacks[1], dtype)
         out = jnp.where(jnp.asarray(mask)[:, None, None], decayed, out)
     return out
 
@@ -457,6 +475,13 @@ def owner_step(
     new_mu.extend(mu_g)
     p = param_groups[g]
     run = functools.partial(slot_update, cfg, hp, olayout, lay, decay=decay)
+    if _staged.needs_stages(olayout, lay):
+      out.extend(
+        _staged_update(
+          cfg, hp, olayout, lay, h, p, decay, olayout.iterations[g]
+        )
+      )
+      continue
     if n == 1:
       if olayout.iterations[g]:
         res = jax.lax.map(lambda a, run=run: run(0, a[0], a[1]), (h, p))
@@ -478,6 +503,51 @@ def owner_step(
     out.extend(res)
   new_mu = tuple(m.astype(old.dtype) for m, old in zip(new_mu, mus))
   return tuple(out), new_mu
+
+
+def _staged_update(cfg, hp, olayout, lay, hat, params, decay, iterations):
+  """Owner-group and TP matrices by :mod:`_staged` (collectives between
+  branches), the slot's whole matrices in its first stage."""
+  if cfg.preconditioning != 'frobenius':
+    raise ValueError(
+      'dmuon: owner groups and tensor-parallel matrices run Gram '
+      "Newton-Schulz with preconditioning='frobenius'; got "
+      f"{cfg.preconditioning!r}. Pass preconditioning='frobenius' or "
+      'owner_groups=None.'
+    )
+  stages = _stages(olayout, lay, len(cfg.coeffs))
+  rows = np.asarray(cfg.coeffs)
+
+  def plain(slot, h, p):
+    return slot_update(
+      cfg, hp, olayout, lay, slot, h, p, decay=decay, skip_distributed=True
+    )
+
+  def finish(u, ns_out, dot, param):
+    spec = lay.plan.leaves[lay.unit_leaf[u]]
+    dtype = jnp.dtype(spec.dtype)
+    out = finish_ns(cfg, hp, ns_out, dot, olayout.full_shape(lay, u), dtype)
+    if param is not None and decay and spec.leaf_index in decay:
+      out = _decayed(hp, out, param, dtype)
+    return out
+
+  return _staged.run(
+    stages,
+    finish,
+    plain,
+    rows,
+    cfg.compute_dtype,
+    hp.eps,
+    cfg.adaptive,
+    tuple(hat),
+    None if params is None else tuple(params),
+    iterations,
+  )
+
+
+@functools.lru_cache(maxsize=64)
+def _stages(olayout, lay, num_rows):
+  return _staged.Stages(olayout, lay, num_rows)
 
 
 # ---------------------------------------------------------------------------

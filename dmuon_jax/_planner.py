@@ -287,6 +287,24 @@ class LeafSpec:
   batch_axes: tuple[int, ...]
   reduction_axes: tuple[int, ...]
   output_axes: tuple[int, ...]
+  # Owner groups (see sliced_spec): the leaf's own shape when ``shape`` is a
+  # view that splits each matrix's long side into slices, and the view's
+  # slice axis, the split side of each slice (-1 columns, -2 rows) and the
+  # whole matrix's (fan_in, fan_out).
+  original_shape: tuple[int, ...] | None = None
+  slice_axis: int | None = None
+  split_axis: int | None = None
+  whole_matrix: tuple[int, int] | None = None
+
+  @property
+  def sliced(self) -> bool:
+    """Whether this spec views the leaf's matrices as slices."""
+    return self.original_shape is not None
+
+  @property
+  def leaf_shape(self) -> tuple[int, ...]:
+    """The shape of the leaf itself (``shape`` unless sliced)."""
+    return self.shape if self.original_shape is None else self.original_shape
 
   @property
   def batch_shape(self) -> tuple[int, ...]:
@@ -329,6 +347,7 @@ class MatrixUnit:
   layer: str
   cost: float
   nbytes: int
+  group: int = -1  # index into OwnershipPlan.groups for a slice, else -1
 
   @property
   def name(self) -> str:
@@ -336,6 +355,41 @@ class MatrixUnit:
     if not self.batch_index:
       return self.path
     return f'{self.path}[{",".join(str(i) for i in self.batch_index)}]'
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnerGroup:
+  """One matrix orthogonalized by a group of owners.
+
+  Its long side is split into slices (units of the plan, on owners of one
+  row of the group axis: the same coordinates on every other owner axis).
+  Each slice owner forms its slices' Gram matrices; their sum reaches the
+  iteration owner (one reduce-scatter over the group axis), which runs the
+  small ``g x g`` iteration alone; the factor goes back to the slice owners
+  (one all-gather), which apply it to their slices.
+
+  Attributes:
+    leaf_index: the leaf holding the matrix.
+    batch_index: the matrix's index over the leaf's own batch axes.
+    shape: the whole matrix's ``(fan_in, fan_out)``.
+    units: the slices' unit indices.
+    iteration_owner: the slot that runs the ``g x g`` iteration.
+    iteration_cost: its predicted FLOPs.
+    distinct: whether every slice has its own owner (``owner_groups=k``).
+  """
+
+  leaf_index: int
+  batch_index: tuple[int, ...]
+  shape: tuple[int, int]
+  units: tuple[int, ...]
+  iteration_owner: int
+  iteration_cost: float
+  distinct: bool = False
+
+  @property
+  def gram_size(self) -> int:
+    """``g``: the short side, the size of the Gram matrix."""
+    return min(self.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,6 +408,9 @@ class OwnershipPlan:
     leaves: the Muon-target leaves, in leaf order.
     units: all matrices, in leaf order, then batch index row-major.
     owners: owner slot of each unit.
+    groups: the owner groups (:class:`OwnerGroup`): matrices whose slices
+      are units owned by several slots; empty when every unit is a whole
+      matrix.
     routing: the one-line routing summary of the params tree the plan was
       built from (Muon and AdamW leaves and elements, and the leaves
       ``optax.contrib.muon`` routes otherwise), as :func:`dmuon_jax.dmuon`
@@ -366,6 +423,8 @@ class OwnershipPlan:
   leaves: tuple[LeafSpec, ...]
   units: tuple[MatrixUnit, ...]
   owners: tuple[int, ...]
+  groups: tuple[OwnerGroup, ...] = ()
+  group_axis_name: str | None = None
   routing: str = dataclasses.field(default='', compare=False, repr=False)
 
   def __hash__(self) -> int:
@@ -383,6 +442,7 @@ class OwnershipPlan:
         self.leaves,
         self.units,
         self.owners,
+        self.groups,
       )
     )
 
@@ -416,7 +476,39 @@ class OwnershipPlan:
     costs = [0.0] * self.num_slots
     for unit, owner in zip(self.units, self.owners):
       costs[owner] += unit.cost
+    for group in self.groups:
+      costs[group.iteration_owner] += group.iteration_cost
     return tuple(costs)
+
+  def group_axis(self) -> str | None:
+    """The owner axis a group's slice owners range over (default: the
+    innermost)."""
+    if self.group_axis_name is not None:
+      return self.group_axis_name
+    return self.axis_names[-1] if self.axis_names else None
+
+  def group_row(self, slot: int) -> int:
+    """The row of a slot: its index over the owner axes but the group axis."""
+    if not self.axis_names:
+      return 0
+    pos = self.axis_names.index(self.group_axis())
+    coords = list(self.slot_coords(slot))
+    del coords[pos]
+    shape = list(self.mesh_shape)
+    del shape[pos]
+    return int(np.ravel_multi_index(coords, shape)) if shape else 0
+
+  def group_member(self, slot: int) -> int:
+    """A slot's coordinate on the group axis."""
+    if not self.axis_names:
+      return 0
+    return self.slot_coords(slot)[self.axis_names.index(self.group_axis())]
+
+  def group_slots(self, g: int) -> tuple[int, ...]:
+    """The slots holding a slice of group ``g`` or running its iteration."""
+    group = self.groups[g]
+    slots = {self.owners[u] for u in group.units} | {group.iteration_owner}
+    return tuple(sorted(slots))
 
   def slot_bytes(self) -> tuple[int, ...]:
     """Bytes of the matrices owned by each slot."""
@@ -563,6 +655,25 @@ class OwnershipPlan:
     lines.extend(self._summary_slot_lines())
     return lines
 
+  def group_lines(self) -> list[str]:
+    """One line per shape of grouped matrices (empty without groups)."""
+    by_shape: dict[tuple, list[int]] = {}
+    for g, group in enumerate(self.groups):
+      key = (group.shape, len(group.units))
+      by_shape.setdefault(key, []).append(g)
+    lines = []
+    for (shape, slices), gs in by_shape.items():
+      sizes = sorted({len(self.group_slots(g)) for g in gs})
+      k = f'{sizes[0]}' if len(sizes) == 1 else f'{sizes[0]}-{sizes[-1]}'
+      lines.append(
+        f'  owner groups: {_plural(len(gs), "matrix", "matrices")} '
+        f'{shape[0]}x{shape[1]}, {slices} slices each on k={k} devices '
+        f'along {self.group_axis()!r}; the {min(shape)}x{min(shape)} '
+        f'iteration ({human_flops(self.groups[gs[0]].iteration_cost)}) on '
+        'one of them'
+      )
+    return lines
+
   def _summary_header_lines(self) -> list[str]:
     costs = self.slot_costs()
     nbytes = self.slot_bytes()
@@ -579,6 +690,7 @@ class OwnershipPlan:
         f' {_plural(self.num_slots, "slot", "slots")}, mesh {mesh}',
       ]
       + [f'  {self.routing}'] * bool(self.routing)
+      + self.group_lines()
       + [
         f'  predicted NS FLOPs: total {human_flops(sum(costs))}, per slot'
         f' max {human_flops(max(costs))}, mean'
@@ -607,7 +719,12 @@ class OwnershipPlan:
       )
       for i in unit_ids:
         unit = self.units[i]
-        lines.append(f'  {unit.name}  {unit.shape[0]}x{unit.shape[1]}')
+        what = '' if unit.group < 0 else f'  (slice of group {unit.group})'
+        lines.append(f'  {unit.name}  {unit.shape[0]}x{unit.shape[1]}{what}')
+      for g, group in enumerate(self.groups):
+        if group.iteration_owner == slot:
+          s = group.gram_size
+          lines.append(f'  iteration of group {g}  {s}x{s}')
     return lines
 
 
@@ -1329,6 +1446,9 @@ def plan_ownership(
   ns_steps: int = 5,
   cost_fn: CostFn | None = None,
   ns_algorithm: str = 'auto',
+  owner_groups: int | str | None = 'auto',
+  shard_counts: Mapping[int, Sequence[int]] | None = None,
+  ungroupable: Sequence[int] = (),
 ) -> OwnershipPlan:
   """Assigns every Muon matrix of ``params`` to exactly one owner slot.
 
@@ -1360,6 +1480,16 @@ def plan_ownership(
       optimizer runs, for the default cost model: ``'auto'`` (the cheaper
       form per shape, as :func:`dmuon_jax.dmuon`'s default), ``'standard'``
       or ``'gram'``.
+    owner_groups: (optional, default ``'auto'``) owner groups (see
+      :class:`OwnerGroup`): ``'auto'`` splits matrices that alone would set
+      the makespan (each costs more than ``total / N`` and at least 1e10
+      FLOPs) when that lowers the predicted time (FLOPs plus
+      ``FLOPS_PER_BYTE`` per byte of the groups' collectives) by 5%; an int
+      ``k`` splits every Muon matrix into ``k`` slices on ``k`` devices of
+      the innermost owner axis; None never splits.
+    shard_counts: (optional) leaf index -> per dimension its number of
+      shards, so that slices take an equal part of every shard.
+    ungroupable: (optional) leaf indices never split.
 
   Returns:
     An :class:`OwnershipPlan`.
@@ -1433,6 +1563,31 @@ def plan_ownership(
         )
       )
   owners = _assign(units, math.prod(sizes))
+  groups = ()
+  check_owner_groups(owner_groups)
+  if owner_groups is not None:
+    if owner_groups != 'auto' and ns_algorithm == 'standard':
+      raise ValueError(
+        f'dmuon: owner_groups={owner_groups} runs Gram Newton-Schulz on '
+        "the groups' matrices, but ns_algorithm='standard'. Pass "
+        "ns_algorithm='auto' or 'gram', or owner_groups=None."
+      )
+    grouped = None
+    if owner_groups != 'auto' or (
+      ns_algorithm != 'standard' and cost_fn is None
+    ):
+      grouped = _plan_with_groups(
+        leaves,
+        units,
+        sizes,
+        owner_groups,
+        int(ns_steps),
+        dict(shard_counts or {}),
+        frozenset(ungroupable),
+        owners,
+      )
+    if grouped is not None:
+      leaves, units, owners, groups = grouped
   return OwnershipPlan(
     axis_names=names,
     mesh_shape=sizes,
@@ -1440,11 +1595,374 @@ def plan_ownership(
     leaves=leaves,
     units=tuple(units),
     owners=tuple(owners),
+    groups=groups,
     routing=routing.summary,
   )
 
 
-def _balance_work(planned, n: int, max_rounds: int = 10_000) -> None:
+def check_owner_groups(owner_groups: Any) -> None:
+  """Raises unless ``owner_groups`` is ``'auto'``, None or an int >= 2."""
+  if owner_groups is None or owner_groups == 'auto':
+    return
+  if (
+    isinstance(owner_groups, (int, np.integer))
+    and not isinstance(owner_groups, bool)
+    and owner_groups >= 2
+  ):
+    return
+  raise ValueError(
+    f"dmuon: owner_groups={owner_groups!r} is not 'auto', None or an int "
+    '>= 2 (the number of devices that share each matrix).'
+  )
+
+
+# ---------------------------------------------------------------------------
+# Owner groups: a large matrix split into slices over several owners.
+
+# 'auto' splits a matrix only when its Newton-Schulz costs at least this
+# much: below it, the two extra collectives per restart window cost more
+# than the work they spread (a 1024 x 4096 Gram NS is 6.4e10 FLOPs).
+_MIN_GROUP_FLOPS = 1e10
+# 'auto' looks for groups when the plain plan's makespan exceeds the ideal
+# total / N by this factor, and keeps them when they lower the predicted
+# time (FLOPs plus the bytes term below) by at least _GROUP_GAIN.
+_GROUP_TRIGGER = 1.10
+_GROUP_GAIN = 0.05
+# 'auto' considers matrices costing more than this fraction of total / N:
+# coarser pieces than that pack badly (70B's 3.1e13-FLOP MLP matrices on
+# 256 devices, 3.9e13 each: the plain plan is 1.2x the ideal).
+_COARSE = 0.25
+# Slices per grouped matrix: each at most this fraction of the bound
+# max(total / N, largest iteration), so slices fill owners finely.
+_SLICE_FRACTION = 0.1
+# Slices keep at least this many rows/columns of the long side.
+_MIN_SLICE = 128
+# The planner's exchange rate between Gram bytes and NS FLOPs: a byte a
+# device sends in a group's collectives counts as this many FLOPs (a GPU
+# doing ~1e14 FLOP/s of float32 matmuls over ~1e12 bytes/s of NVLink).
+FLOPS_PER_BYTE = 100.0
+
+
+def gram_parts(s: int, l: int, ns_steps: int) -> tuple[float, float]:
+  """``(long-side work, g x g iteration)`` FLOPs of Gram Newton–Schulz on an
+  ``s x l`` matrix (``s <= l``) with the default restarts.
+
+  The long-side work (forming each segment's Gram ``X X^T`` and applying
+  its factor ``Q X``: ``4 p s^2 l`` for ``p`` segments) splits over slices
+  of the long side; the iteration on the ``s x s`` Gram
+  (``(8 k - 6 p) s^3``) does not. Together they are
+  :func:`dmuon_jax.matmul_flops` of the Gram form.
+  """
+  p = len(_newton_schulz.check_restart_iterations(None, ns_steps)) + 1
+  return 4.0 * p * s * s * l, float((8 * ns_steps - 6 * p) * s**3)
+
+
+def sliced_spec(
+  spec: LeafSpec,
+  slices: int,
+  strides: Sequence[int] | None = None,
+  min_slice: int = 1,
+) -> LeafSpec | None:
+  """A view of ``spec`` whose matrices are slices of the long side.
+
+  A long-side dimension ``d`` of size ``T * slices * w`` (``T`` the number
+  of shards of ``d``, from ``strides``) is viewed as ``(T, slices, w)``; the
+  middle one is a batch axis, so slice ``j`` of a matrix takes the ``j``-th
+  ``w`` rows/columns of every shard. A sharded leaf then holds a piece of
+  every slice, as of every whole matrix: the view is a free reshape of the
+  leaf and of each shard, and routes move exactly what they moved before.
+
+  Args:
+    spec: the leaf's spec.
+    slices: the number of slices per matrix.
+    strides: per leaf dimension, its number of shards (default all 1).
+    min_slice: the fewest rows/columns of the long side a slice keeps.
+
+  Returns:
+    The view's spec, or None when no long-side dimension divides (or the
+    slices would be narrower than ``min_slice``).
+  """
+  fi, fo = spec.matrix_shape
+  columns = fo >= fi
+  long_axes = spec.output_axes if columns else spec.reduction_axes
+  strides = tuple(strides) if strides is not None else (1,) * len(spec.shape)
+  d = next(
+    (a for a in long_axes if spec.shape[a] % (strides[a] * slices) == 0),
+    None,
+  )
+  if d is None or max(fi, fo) // slices < min_slice:
+    return None
+  stride = strides[d]
+  w = spec.shape[d] // (stride * slices)
+  shape = spec.shape[:d] + (stride, slices, w) + spec.shape[d + 1 :]
+
+  def remap(axes):
+    out = []
+    for a in axes:
+      out += [d, d + 2] if a == d else [a if a < d else a + 2]
+    return tuple(out)
+
+  return dataclasses.replace(
+    spec,
+    shape=shape,
+    batch_axes=tuple(sorted(remap(spec.batch_axes) + (d + 1,))),
+    reduction_axes=remap(spec.reduction_axes),
+    output_axes=remap(spec.output_axes),
+    original_shape=spec.shape,
+    slice_axis=d + 1,
+    split_axis=-1 if columns else -2,
+    whole_matrix=(fi, fo),
+  )
+
+
+def view_entries(spec: LeafSpec, entries: Sequence[Any]) -> tuple | None:
+  """A leaf's per-dimension sharding entries for the view of a sliced
+  spec (the entries themselves for an unsliced one); None when the leaf's
+  sharding of the split dimension is not the view's (another shard count
+  than the state was laid out for)."""
+  entries = tuple(tuple(e) for e in entries)
+  if not spec.sliced:
+    return entries
+  d = spec.slice_axis - 1
+  return entries[:d] + (entries[d], (), ()) + entries[d + 1 :]
+
+
+def whole_batch_index(spec: LeafSpec, batch_index: Sequence[int]) -> tuple:
+  """A unit's matrix index over the leaf's own batch axes (the slice index
+  dropped for a sliced spec)."""
+  batch_index = tuple(batch_index)
+  if not spec.sliced:
+    return batch_index
+  pos = spec.batch_axes.index(spec.slice_axis)
+  return batch_index[:pos] + batch_index[pos + 1 :]
+
+
+def slice_index(spec: LeafSpec, batch_index: Sequence[int]) -> int:
+  """A slice unit's index among its matrix's slices."""
+  return int(batch_index[spec.batch_axes.index(spec.slice_axis)])
+
+
+def _group_members(
+  pieces: list[tuple[float, int, str, int, int]],
+  row_size: int,
+) -> dict[tuple[str, int], int]:
+  """LPT of one row's pieces onto its members.
+
+  Pieces are ``(cost, order, kind, ref, group)``: ``kind`` is ``'unit'``
+  (a whole matrix or a slice, ``ref`` its unit index) or ``'iteration'``
+  (``ref`` the group); ``group`` is the slice's group for distinct groups,
+  else -1. Each piece goes to the least-loaded member (ties: lowest),
+  a distinct group's slices to members not yet holding one.
+  """
+  loads = np.zeros(row_size)
+  held: dict[int, set[int]] = collections.defaultdict(set)
+  out = {}
+  # A distinct group's iteration goes to one of its k slice owners, so it
+  # is placed after every slice.
+  ordered = sorted(
+    pieces, key=lambda p: (p[2] == 'iteration' and p[4] >= 0, -p[0], p[1])
+  )
+  for cost, _, kind, ref, group in ordered:
+    choice = int(np.argmin(loads))
+    if group >= 0 and kind == 'iteration':
+      choice = min(held[group], key=lambda m: (loads[m], m))
+    elif group >= 0:
+      free = [m for m in range(row_size) if m not in held[group]]
+      if free:
+        choice = min(free, key=lambda m: (loads[m], m))
+      held[group].add(int(choice))
+    loads[choice] += cost
+    out[(kind, ref)] = int(choice)
+  return out
+
+
+def _plan_with_groups(
+  leaves: Sequence[LeafSpec],
+  units: Sequence[MatrixUnit],
+  sizes: Sequence[int],
+  owner_groups: Any,
+  ns_steps: int,
+  strides: Mapping[int, Sequence[int]],
+  ungroupable: frozenset[int],
+  plain_owners: Sequence[int],
+) -> tuple[tuple, tuple, tuple, tuple] | None:
+  """Leaves, units, owners and groups of a plan with owner groups, or None
+  when ``'auto'`` finds no gain (or nothing to group)."""
+  n = math.prod(sizes)
+  row_size = sizes[-1] if sizes else 1
+  forced = owner_groups != 'auto'
+  if forced and not 2 <= owner_groups <= row_size:
+    raise ValueError(
+      f'dmuon: owner_groups={owner_groups} needs 2 <= k <= the size of the '
+      f'innermost owner axis ({row_size}), along which a group of owners '
+      "shares a matrix. Pass a smaller k, or owner_groups='auto'."
+    )
+  if n == 1 or row_size == 1:
+    return None
+  costs = np.zeros(n)
+  for u, o in zip(units, plain_owners):
+    costs[o] += u.cost
+  total = float(costs.sum())
+  ideal = total / n
+  plain = float(costs.max(initial=0.0))
+  if not forced and plain <= _GROUP_TRIGGER * ideal:
+    return None
+  first_cost = {}
+  for u in units:
+    first_cost.setdefault(u.leaf_index, u.cost)
+  chosen = []
+  for spec in leaves:
+    s_, l_ = sorted(spec.matrix_shape)
+    if spec.leaf_index in ungroupable or s_ < 2:
+      continue
+    if not forced and (
+      first_cost[spec.leaf_index] < _MIN_GROUP_FLOPS
+      or first_cost[spec.leaf_index] <= _COARSE * ideal
+    ):
+      continue
+    chosen.append(spec)
+  if not chosen:
+    return None
+  parts = {
+    s.leaf_index: gram_parts(*sorted(s.matrix_shape), ns_steps) for s in chosen
+  }
+  bound = max([ideal] + [p[1] for p in parts.values()])
+  views = {}
+  for spec in chosen:
+    stride = strides.get(spec.leaf_index)
+    work = parts[spec.leaf_index][0]
+    if forced:
+      view = sliced_spec(spec, owner_groups, stride)
+      if view is None:
+        raise ValueError(
+          f'dmuon: owner_groups={owner_groups}: the long side of param '
+          f'{spec.path!r} (matrices {spec.matrix_shape[0]}x'
+          f'{spec.matrix_shape[1]}) does not split into {owner_groups} '
+          'slices on a dimension divisible by that times its shard count. '
+          "Pass a k that divides it, or owner_groups='auto'."
+        )
+    else:
+      least = max(2, math.ceil(work / (_SLICE_FRACTION * bound)))
+      view = None
+      for k in range(least, 4 * least + 1):
+        view = sliced_spec(spec, k, stride, _MIN_SLICE)
+        if view is not None:
+          break
+      if view is None:
+        continue
+    views[spec.leaf_index] = view
+  if not views:
+    return None
+  new_leaves = tuple(views.get(s.leaf_index, s) for s in leaves)
+  new_units: list[MatrixUnit] = []
+  groups_meta = []  # (leaf_index, whole batch index, shape, iteration cost)
+  items = []  # (cost, order, whole unit index | -(group + 1))
+  group_units: list[list[int]] = []
+  for spec in new_leaves:
+    if not spec.sliced:
+      for u in units:
+        if u.leaf_index == spec.leaf_index:
+          items.append((u.cost, len(items), len(new_units)))
+          new_units.append(u)
+      continue
+    fi, fo = spec.whole_matrix
+    work, iteration = parts[spec.leaf_index]
+    k = spec.shape[spec.slice_axis]
+    slice_shape = spec.matrix_shape
+    nbytes = slice_shape[0] * slice_shape[1] * jnp.dtype(spec.dtype).itemsize
+    index_of = {}
+    for batch_index in np.ndindex(*spec.batch_shape):
+      batch_index = tuple(int(i) for i in batch_index)
+      whole = whole_batch_index(spec, batch_index)
+      if whole not in index_of:
+        index_of[whole] = len(groups_meta)
+        groups_meta.append((spec.leaf_index, whole, (fi, fo), iteration))
+        group_units.append([])
+        items.append((work + iteration, len(items), -len(groups_meta)))
+      g = index_of[whole]
+      group_units[g].append(len(new_units))
+      new_units.append(
+        MatrixUnit(
+          leaf_index=spec.leaf_index,
+          path=spec.path,
+          batch_index=batch_index,
+          shape=slice_shape,
+          layer=layer_key(spec.path, whole),
+          cost=work / k,
+          nbytes=int(nbytes),
+          group=g,
+        )
+      )
+  rows = n // row_size
+  row_load = np.zeros(rows)
+  row_pieces: list[list] = [[] for _ in range(rows)]
+  for cost, order, ref in sorted(items, key=lambda x: (-x[0], x[1])):
+    r = int(np.argmin(row_load))
+    row_load[r] += cost
+    if ref >= 0:
+      row_pieces[r].append((cost, order, 'unit', ref, -1))
+      continue
+    g = -ref - 1
+    row_pieces[r].append(
+      (groups_meta[g][3], order, 'iteration', g, g if forced else -1)
+    )
+    for u in group_units[g]:
+      row_pieces[r].append(
+        (new_units[u].cost, order, 'unit', u, g if forced else -1)
+      )
+  owners = [0] * len(new_units)
+  iteration_owner = [0] * len(groups_meta)
+  for r, pieces in enumerate(row_pieces):
+    for (kind, ref), m in _group_members(pieces, row_size).items():
+      if kind == 'unit':
+        owners[ref] = r * row_size + m
+      else:
+        iteration_owner[ref] = r * row_size + m
+  groups = tuple(
+    OwnerGroup(
+      leaf_index=leaf,
+      batch_index=whole,
+      shape=shape,
+      units=tuple(group_units[g]),
+      iteration_owner=iteration_owner[g],
+      iteration_cost=iteration,
+      distinct=forced,
+    )
+    for g, (leaf, whole, shape, iteration) in enumerate(groups_meta)
+  )
+  if not forced:
+    loads = np.zeros(n)
+    for u, o in zip(new_units, owners):
+      loads[o] += u.cost
+    for group in groups:
+      loads[group.iteration_owner] += group.iteration_cost
+    exchange = group_exchange_bytes(groups, n, row_size)
+    if loads.max() + FLOPS_PER_BYTE * exchange > (1 - _GROUP_GAIN) * plain:
+      return None
+  return new_leaves, tuple(new_units), tuple(owners), groups
+
+
+def group_exchange_bytes(
+  groups: Sequence[OwnerGroup], num_slots: int, row_size: int, ns_steps=5
+) -> float:
+  """Predicted per-device bytes of the groups' collectives in one update.
+
+  Per restart window one reduce-scatter of the Gram blocks over the group
+  axis and one all-gather of the factors: ``2 (S - 1) B`` float32 elements,
+  ``B`` the most Gram elements any slot iterates (ring model).
+  """
+  if not groups:
+    return 0.0
+  per_slot = np.zeros(num_slots)
+  for group in groups:
+    per_slot[group.iteration_owner] += group.gram_size**2
+  windows = len(_newton_schulz.check_restart_iterations(None, ns_steps)) + 1
+  return 2.0 * windows * (row_size - 1) * float(per_slot.max()) * 4
+
+
+def _balance_work(
+  planned, n: int, row_of: Mapping[int, int], max_rounds: int = 10_000
+) -> None:
   """Evens out Newton–Schulz work by swapping owners inside loop groups.
 
   Swapping everything two slots own in one gather group keeps that group's
@@ -1454,20 +1972,26 @@ def _balance_work(planned, n: int, max_rounds: int = 10_000) -> None:
   their rotation. Updates the base owners in ``planned`` in place.
   """
   per_group = []
-  for _, iters, base, base_owner in planned:
+  for _, iters, base, base_owner, _, ggroups, it_owner, _ in planned:
     w = np.zeros(n)
     for u, slot in zip(base, base_owner):
       for t in range(max(iters, 1)):
         w[(slot + t) % n] += u.cost
+    for g, grp in ggroups:
+      w[it_owner[g]] += grp.iteration_cost
     per_group.append(w)
   total = sum(per_group, np.zeros(n))
-  movable = [g for g, (_, iters, _, _) in enumerate(planned) if not iters]
+  movable = [g for g, entry in enumerate(planned) if not entry[1]]
   for _ in range(max_rounds):
     a = int(np.argmax(total))
     best, best_max = None, total[a] * (1 - 1e-9)
     for g in movable:
       w = per_group[g]
-      for b in range(n):
+      # A group with owner groups swaps within a row only (its slices and
+      # iterations must share the row's collectives).
+      rows = planned[g][7]
+      candidates = rows[row_of[a]] if planned[g][5] else range(n)
+      for b in candidates:
         if b != a and w[a] != w[b]:
           new_max = max(total[a] - w[a] + w[b], total[b] - w[b] + w[a])
           if new_max < best_max:
@@ -1482,6 +2006,9 @@ def _balance_work(planned, n: int, max_rounds: int = 10_000) -> None:
     w[a], w[b] = w[b], w[a]
     owners = planned[g][3]
     owners[:] = [b if s == a else a if s == b else s for s in owners]
+    it_owner = planned[g][6]
+    for j, s in it_owner.items():
+      it_owner[j] = b if s == a else a if s == b else s
 
 
 def _plan_slot(
@@ -1506,6 +2033,7 @@ def plan_gather_groups(
   groups: Sequence[tuple[str, bool, Sequence[LeafSpec]]],
   layers_per_gather: int,
   buffer_axes: Sequence[str],
+  group_axis: str | None = None,
 ) -> tuple[OwnershipPlan, tuple[OwnershipPlan, ...], tuple[int, ...]]:
   """Owners for dedicated mode: matrices gathered per group of boundaries.
 
@@ -1523,6 +2051,8 @@ def plan_gather_groups(
       group's leaves share a leading layer axis.
     layers_per_gather: layers of a scanned stack per iteration.
     buffer_axes: the owner axes in buffer order (major to minor).
+    group_axis: the axis owner groups range over (default: the last buffer
+      axis).
 
   Returns:
     ``(plan, group_plans, iterations)``: ``plan`` with every unit's owner
@@ -1538,6 +2068,19 @@ def plan_gather_groups(
   sizes = dict(zip(plan.axis_names, plan.mesh_shape))
   buffer_axes = tuple(buffer_axes)
   n = plan.num_slots
+  shape = tuple(sizes[a] for a in buffer_axes)
+  probe = dataclasses.replace(
+    plan,
+    axis_names=buffer_axes,
+    mesh_shape=shape,
+    group_axis_name=group_axis,
+    groups=(),
+  )
+  by_row: dict[int, list[int]] = {}
+  for slot in range(n):
+    by_row.setdefault(probe.group_row(slot), []).append(slot)
+  rows = [by_row[r] for r in sorted(by_row)]
+  row_of = {slot: r for r, slots in enumerate(rows) for slot in slots}
   unit_ids = {
     (u.leaf_index, u.batch_index): i for i, u in enumerate(plan.units)
   }
@@ -1566,26 +2109,84 @@ def plan_gather_groups(
       iters = length // k
       specs = [dataclasses.replace(s, shape=(k,) + s.shape[1:]) for s in specs]
     in_group = {s.leaf_index for s in specs}
-    base = [
-      u
-      for u in plan.units
+    base_ids = [
+      i
+      for i, u in enumerate(plan.units)
       if u.leaf_index in in_group and (not iters or u.batch_index[0] < k)
     ]
+    base = [plan.units[i] for i in base_ids]
     held = np.zeros(n)
     base_owner = [0] * len(base)
+    # Owner groups of this gather group: slices in one row, the iteration
+    # on a member of that row (see OwnerGroup).
+    local = {u: i for i, u in enumerate(base_ids)}
+    ggroups = [
+      (g, grp)
+      for g, grp in enumerate(plan.groups)
+      if grp.units and grp.units[0] in local
+    ]
+    if ggroups and iters:
+      raise ValueError(
+        f'dmuon: scanned stack {name!r} holds owner-group matrices; pass '
+        'owner_groups=None (scanned stacks rotate whole matrices).'
+      )
+    iteration_owner = {}
+    for g, grp in sorted(
+      ggroups,
+      key=lambda x: (-sum(plan.units[u].nbytes for u in x[1].units), x[0]),
+    ):
+      r = min(
+        range(len(rows)),
+        key=lambda r: (held[rows[r]].sum(), work[rows[r]].sum(), r),
+      )
+      members = rows[r]
+      taken: list[int] = []
+      for u in grp.units:
+        free = [m for m in members if not grp.distinct or m not in taken]
+        slot = min(free or members, key=lambda s: (held[s], work[s], s))
+        taken.append(slot)
+        held[slot] += plan.units[u].nbytes
+        work[slot] += plan.units[u].cost
+        base_owner[local[u]] = slot
+      pool = taken if grp.distinct else list(members)
+      slot = min(pool, key=lambda s: (work[s], s))
+      work[slot] += grp.iteration_cost
+      iteration_owner[g] = slot
+    grouped_units = {u for _, grp in ggroups for u in grp.units}
     for i in sorted(
       range(len(base)), key=lambda i: (-base[i].nbytes, -base[i].cost, i)
     ):
+      if base_ids[i] in grouped_units:
+        continue
       slot = min(range(n), key=lambda s: (held[s], work[s], s))
       held[slot] += base[i].nbytes
       base_owner[i] = slot
       for t in range(max(iters, 1)):
         work[(slot + t) % n] += base[i].cost
-    planned.append((specs, iters, base, base_owner))
-  _balance_work(planned, n)
+    planned.append(
+      (specs, iters, base, base_owner, base_ids, ggroups, iteration_owner, rows)
+    )
+  _balance_work(planned, n, row_of)
   owners = [0] * len(plan.units)
   group_plans, iterations = [], []
-  for specs, iters, base, base_owner in planned:
+  full_iteration = {}
+  for specs, iters, base, base_owner, base_ids, ggroups, it_owner, _ in planned:
+    local = {u: i for i, u in enumerate(base_ids)}
+    sub_groups = []
+    for g, grp in ggroups:
+      full_iteration[g] = _plan_slot(plan, buffer_axes, it_owner[g])
+      sub_groups.append(
+        dataclasses.replace(
+          grp,
+          units=tuple(local[u] for u in grp.units),
+          iteration_owner=it_owner[g],
+        )
+      )
+    remap = {g: j for j, (g, _) in enumerate(ggroups)}
+    base = [
+      dataclasses.replace(u, group=remap[u.group]) if u.group >= 0 else u
+      for u in base
+    ]
     for u, slot in zip(base, base_owner):
       for t in range(max(iters, 1)):
         index = u.batch_index
@@ -1602,11 +2203,17 @@ def plan_gather_groups(
         leaves=tuple(specs),
         units=tuple(base),
         owners=tuple(base_owner),
+        groups=tuple(sub_groups),
+        group_axis_name=group_axis,
       )
     )
     iterations.append(iters)
+  groups = tuple(
+    dataclasses.replace(grp, iteration_owner=full_iteration.get(g, 0))
+    for g, grp in enumerate(plan.groups)
+  )
   return (
-    dataclasses.replace(plan, owners=tuple(owners)),
+    dataclasses.replace(plan, owners=tuple(owners), groups=groups),
     tuple(group_plans),
     tuple(iterations),
   )

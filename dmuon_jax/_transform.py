@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
@@ -83,6 +84,7 @@ class _Setup:
   weight_dimension_numbers: Any
   param_specs: dict[str, P] | None
   nonfinite: str
+  owner_groups: Any = 'auto'
 
 
 def _mesh_argument(mesh: Any) -> Any:
@@ -222,6 +224,15 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
     [jax.ShapeDtypeStruct(shape, x.dtype) for x, shape in zip(leaves, local)],
   )
   owner_mesh = None if info is None else {a: sizes[a] for a in info.owner_axes}
+  groups = setup.owner_groups
+  if tp_size > 1 and groups is not None:
+    if groups != 'auto':
+      raise ValueError(
+        f'dmuon: owner_groups={groups} with the tensor-parallel axis '
+        f'{tp_axis!r}: TP matrices are split over that axis already. Pass '
+        'owner_groups=None (or the default).'
+      )
+    groups = None
   plan = _planner.plan_ownership(
     planned,
     owner_mesh,
@@ -229,6 +240,12 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
     weight_dimension_numbers=setup.weight_dimension_numbers,
     ns_steps=len(setup.cfg.coeffs),
     ns_algorithm=setup.cfg.ns_algorithm,
+    owner_groups=groups,
+    shard_counts={
+      i: tuple(math.prod(sizes[a] for a in d) for d in e)
+      for i, e in enumerate(entries)
+      if e is not None
+    },
   )
   cfg = setup.cfg
   dtypes = [cfg.mu_dtype or leaves[s.leaf_index].dtype for s in plan.leaves]
@@ -264,6 +281,23 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
   return ScaleByDMuonState(
     count=count, mu=_owner_layout.OwnerBuffers(buffers, layout)
   )
+
+
+def check_owner_groups(owner_groups, preconditioning, ns_algorithm):
+  """``owner_groups`` as the planner takes it: 'auto' becomes None where
+  groups cannot run (other preconditionings, the direct form only); a
+  forced ``k`` there raises."""
+  _planner.check_owner_groups(owner_groups)
+  if preconditioning != 'frobenius' or ns_algorithm == 'standard':
+    if owner_groups not in (None, 'auto'):
+      raise ValueError(
+        f'dmuon: owner_groups={owner_groups} runs Gram Newton-Schulz with '
+        "preconditioning='frobenius', but preconditioning="
+        f'{preconditioning!r}, ns_algorithm={ns_algorithm!r}. Pass those, '
+        'or owner_groups=None.'
+      )
+    return None
+  return owner_groups
 
 
 def check_tp_preconditioning(info: Any, preconditioning: str) -> None:
@@ -602,6 +636,7 @@ def scale_by_dmuon(
   tensor_parallel_axis: str | None = 'auto',
   nonfinite: Literal['skip', 'propagate'] = 'skip',
   param_specs: Any = None,
+  owner_groups: int | Literal['auto'] | None = 'auto',
 ) -> optax.GradientTransformation:
   r"""Muon's momentum orthogonalization, each matrix owned by one device.
 
@@ -647,8 +682,17 @@ def scale_by_dmuon(
     ``all_gather`` back.
 
   Newton–Schulz runs on each device for its own matrices only (one
-  ``lax.switch`` branch per owner), with no collective inside except the
-  tensor-parallel Gram all-reduces.
+  ``lax.switch`` branch per owner), with no collective inside a branch:
+  owner-group and tensor-parallel matrices run in stages, their collectives
+  between the stages on every device.
+
+  Owner groups: once devices outnumber the large matrices, a matrix alone
+  sets the busiest device's work. Such matrices are split into slices of
+  their long side owned by several devices of the innermost owner axis (an
+  :class:`dmuon_jax.OwnerGroup`), which orthogonalize them together with
+  Gram Newton–Schulz: one reduce-scatter over that axis per restart window
+  brings the summed Gram to one device, which runs the small iteration
+  alone, and one all-gather returns the factor.
 
   Where the params' shardings come from (for the routes above): their
   arrays at ``init`` (placed arrays, ``jax.ShapeDtypeStruct`` with a
@@ -726,6 +770,11 @@ def scale_by_dmuon(
       see them (abstract values or tracers on a mesh with Auto axes): a
       tree like the params with ``PartitionSpec``, ``NamedSharding`` or
       None leaves (a prefix is not enough; leaves are matched by path).
+    owner_groups: (optional, default ``'auto'``) ``'auto'`` lets the
+      planner split matrices over owner groups where that lowers the
+      predicted step (see :func:`dmuon_jax.plan_ownership`); an int ``k``
+      splits every Muon matrix over ``k`` devices; None never splits. Not
+      with a tensor-parallel axis ('auto' then never splits). Static.
 
   Returns:
     A :class:`optax.GradientTransformation` whose state is a
@@ -764,6 +813,7 @@ def scale_by_dmuon(
     param_specs=param_specs,
     shape_scaling=False,
     consistent_rms=None,
+    owner_groups=owner_groups,
   )
 
 
@@ -788,6 +838,7 @@ def make_scale_by_dmuon(
   param_specs,
   shape_scaling,
   consistent_rms,
+  owner_groups='auto',
 ) -> optax.GradientTransformation:
   """:func:`scale_by_dmuon`, optionally with the shape factor on the owner
   (what :func:`dmuon_jax.dmuon` uses)."""
@@ -820,6 +871,9 @@ def make_scale_by_dmuon(
     weight_dimension_numbers=weight_dimension_numbers,
     param_specs=param_specs_by_path(param_specs),
     nonfinite=nonfinite,
+    owner_groups=check_owner_groups(
+      owner_groups, preconditioning, ns_algorithm
+    ),
   )
   return optax.GradientTransformation(
     functools.partial(_init, setup), functools.partial(_update, setup, hp)

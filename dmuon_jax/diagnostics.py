@@ -71,7 +71,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -859,6 +859,67 @@ def stablehlo_collectives(
       n = n or num_devices
     elements = outs if kind == 'all-gather' else ins
     out.append(_record(kind, result, elements, n, 1, in_while or fn in looped))
+  return tuple(out)
+
+
+class NestedCollective(NamedTuple):
+  """A collective and the control flow around it (see
+  :func:`collective_nesting`)."""
+
+  kind: str
+  context: tuple[str, ...]
+  elements: int
+
+
+def collective_nesting(compiled: Any) -> tuple[NestedCollective, ...]:
+  """Every collective of a compiled program with the control flow around it.
+
+  On GPU a collective that only some devices of its replica groups execute
+  (one inside a branch of a ``conditional`` that devices take differently)
+  is a hazard: NCCL matches collectives by their order on each
+  communicator. This lists, for each collective instruction, the
+  ``conditional`` and ``while`` instructions it is nested in.
+
+  Args:
+    compiled: a ``jax.stages.Compiled`` (or ``Lowered``), or HLO text.
+
+  Returns:
+    A :class:`NestedCollective` per collective instruction (asynchronous
+    pairs counted once, by their start): its kind, the enclosing
+    ``'conditional'`` and ``'while'`` opcodes, outermost first (``()`` at
+    the top level), and the elements of its result (one execution).
+  """
+  if isinstance(compiled, jax.stages.Lowered):
+    compiled = compiled.compile()
+  text = compiled if isinstance(compiled, str) else compiled.as_text()
+  comps, entry, _, _ = _parse_module(text)
+  out: list[NestedCollective] = []
+  seen: set[tuple[str, tuple[str, ...]]] = set()
+
+  def visit(name: str, context: tuple[str, ...]) -> None:
+    if (name, context) in seen:
+      return
+    seen.add((name, context))
+    for ins in comps.get(name, ()):
+      kind = _hlo_kind(ins.opcode)
+      if kind is not None and not ins.opcode.endswith('-done'):
+        elements = _elements(ins.shape)
+        if ins.opcode.endswith('-start') and len(elements) > 1:
+          elements = elements[len(elements) // 2 :]  # (operands, results)
+        size = sum(math.prod(dims) for _, dims in elements)
+        out.append(NestedCollective(kind, context, int(size)))
+      if ins.opcode == 'while':
+        for m in _LOOP_RE.finditer(ins.attrs):
+          visit(m['name'], context + ('while',))
+      elif ins.opcode == 'conditional':
+        for c in _callees(ins):
+          visit(c, context + ('conditional',))
+      else:
+        for c in _callees(ins):
+          visit(c, context)
+
+  if entry:
+    visit(entry, ())
   return tuple(out)
 
 

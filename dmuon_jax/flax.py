@@ -311,6 +311,7 @@ def dedicate(
   replicate_axis: str | None = 'replicate',
   remat_policy: Callable[..., Any] | None = None,
   ns_algorithm: str = 'auto',
+  owner_groups: int | str | None = 'auto',
 ) -> ModelDedication:
   """Stores an NNX model's Muon targets on their owners, in place.
 
@@ -340,6 +341,7 @@ def dedicate(
     replicate_axis: as for :func:`dmuon_jax.dedicate`.
     remat_policy: as for :func:`dmuon_jax.dedicate`.
     ns_algorithm: as for :func:`dmuon_jax.dedicate`.
+    owner_groups: as for :func:`dmuon_jax.dedicate`.
 
   Returns:
     A :class:`ModelDedication`, for :func:`dedicated_muon` and
@@ -373,6 +375,7 @@ def dedicate(
     replicate_axis=replicate_axis,
     remat_policy=remat_policy,
     ns_algorithm=ns_algorithm,
+    owner_groups=owner_groups,
   )
   bounds = _boundaries.find_hook_boundaries(
     params,
@@ -731,6 +734,7 @@ def dedicate_linen(
   replicate_axis: str | None = 'replicate',
   remat_policy: Callable[..., Any] | None = None,
   ns_algorithm: str = 'auto',
+  owner_groups: int | str | None = 'auto',
 ) -> tuple[ModelDedication, Any]:
   """:func:`dedicate` for a Linen model: returns the dedicated params.
 
@@ -754,6 +758,7 @@ def dedicate_linen(
     replicate_axis: as for :func:`dedicate`.
     remat_policy: as for :func:`dedicate`.
     ns_algorithm: as for :func:`dedicate`.
+    owner_groups: as for :func:`dedicate`.
 
   Returns:
     ``(dedication, dedicated_params)``: the Muon targets replaced by
@@ -786,6 +791,7 @@ def dedicate_linen(
     replicate_axis=replicate_axis,
     remat_policy=remat_policy,
     ns_algorithm=ns_algorithm,
+    owner_groups=owner_groups,
   )
   ded, placed, dp, replicated, _ = _plan(
     'dedicate_linen', params, mesh, layers_per_gather, None, kwargs

@@ -65,6 +65,7 @@ def _run(shape, scan, z3, per_gather, fsdp_rest):
   step = tf.make_train_step(ded, opt, state, scan)
   compiled = step.lower(dp, state, tokens).compile()
   report = dmuon_jax.analyze_compiled(compiled)
+  nesting = dmuon_jax.diagnostics.collective_nesting(compiled)
   first = (dp, state, tokens, step)
   losses = []
   for _ in range(STEPS):
@@ -74,6 +75,7 @@ def _run(shape, scan, z3, per_gather, fsdp_rest):
     'ded': ded,
     'first': first,
     'report': report,
+    'nesting': nesting,
     'params': jax.device_get(ded.to_params(dp)),
     'losses': losses,
     'state': state,
@@ -224,6 +226,16 @@ class FlaxDedicatedTest(parameterized.TestCase):
       # summary says so.
       self.assertEqual(gathered, 2 * payload)
       self.assertIn('(padding 100.0%)', ded.summary())
+    # Every collective runs on every device: none inside a conditional;
+    # inside loops only a scanned stack's per-layer gathers (forward,
+    # backward re-gather) and reduce-scatters.
+    nesting = got['nesting']
+    self.assertEmpty([c for c in nesting if 'conditional' in c.context])
+    looped = {c.kind for c in nesting if 'while' in c.context}
+    if scan:
+      self.assertEqual(looped, {'all-gather', 'reduce-scatter'})
+    else:
+      self.assertEmpty(looped)
     # No all-reduce of Muon gradients: only the AdamW leaves and the loss.
     rest = per_device_bytes(dp.rest)
     self.assertLessEqual(

@@ -183,7 +183,7 @@ def make_mesh(shape, auto=False):
 
 
 @functools.cache
-def dedicated(shape, scan, z3, auto=False):
+def dedicated(shape, scan, z3, auto=False, owner_groups='auto'):
   """The recipe: three lines added; 20 steps; the compiled step."""
   mesh = make_mesh(shape, auto)
   model = make_model(scan)
@@ -192,6 +192,7 @@ def dedicated(shape, scan, z3, auto=False):
     mesh,
     muon_weight_dimension_numbers=muon_dims,
     reshard_after_forward=z3,
+    owner_groups=owner_groups,
   )
   optimizer = nnx.Optimizer(  # 2
     model, dflax.dedicated_muon(ded, learning_rate=LR), wrt=nnx.Param
@@ -205,6 +206,7 @@ def dedicated(shape, scan, z3, auto=False):
     'losses': losses,
     'params': jax.device_get(ded.to_params(model)),
     'report': dmuon_jax.analyze_compiled(compiled),
+    'nesting': dmuon_jax.diagnostics.collective_nesting(compiled),
     'memory': compiled.memory_analysis(),
     'model': model,
     'optimizer': optimizer,
@@ -286,6 +288,27 @@ class NnxBytesTest(parameterized.TestCase):
     )
     self.assertLessEqual(all_reduced, 2 * adam + 8)
     self.assertLess(all_reduced, payload / 4 / 8)
+    # Every collective runs on every device: none inside a conditional; in
+    # loops (nnx.scan) only each layer's gathers and reduce-scatters and the
+    # all-reduce of its AdamW params' gradients (autodiff sums the stack's
+    # norm scales per iteration).
+    nesting = run['nesting']
+    self.assertEmpty([c for c in nesting if 'conditional' in c.context])
+    looped = [c for c in nesting if 'while' in c.context]
+    if scan:
+      self.assertEqual(
+        {c.kind for c in looped}, {'all-gather', 'reduce-scatter', 'all-reduce'}
+      )
+      stack_adam = sum(
+        x.size // x.shape[0]
+        for p, x in zip(ded.leaf_paths, jax.tree.leaves(ded.abstract_params))
+        if p not in targets and p.startswith('layers/')
+      )
+      self.assertLessEqual(
+        sum(c.elements for c in looped if c.kind == 'all-reduce'), stack_adam
+      )
+    else:
+      self.assertEmpty(looped)
 
   def test_z3_regathers_once_per_group(self):
     run = dedicated((1, 8), False, True)

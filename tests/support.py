@@ -452,11 +452,13 @@ def dedicated_step(ded, opt, state):
   )
 
 
-def dedicated_setup(shape, z3, **kwargs):
+def dedicated_setup(shape, z3, owner_groups='auto', **kwargs):
   """``(ded, dp, opt, state, x)`` for the block model on ``shape``."""
   mesh = make_mesh(shape)
   params = block_params()
-  ded = dmuon_jax.dedicate(params, mesh, reshard_after_forward=z3)
+  ded = dmuon_jax.dedicate(
+    params, mesh, reshard_after_forward=z3, owner_groups=owner_groups
+  )
   dp = ded.to_dedicated(jax.device_put(params, NamedSharding(mesh, P())))
   opt = dmuon_jax.dedicated_muon(ded, DEDICATED_LR, **kwargs)
   state = opt.init(dp)
@@ -465,6 +467,21 @@ def dedicated_setup(shape, z3, **kwargs):
 
 
 # -- compiled-program accounting ------------------------------------------------
+
+
+def assert_no_collective_in_a_conditional(test, compiled, scanned=False):
+  """No collective is nested in a conditional; inside while loops only the
+  per-layer gathers of a scanned stack (``scanned``) and their transposes."""
+  nesting = dmuon_jax.diagnostics.collective_nesting(compiled)
+  test.assertNotEmpty(nesting)
+  in_branch = [c for c in nesting if 'conditional' in c.context]
+  test.assertEmpty(in_branch, in_branch)
+  looped = {c.kind for c in nesting if 'while' in c.context}
+  if scanned:
+    test.assertNotEmpty(looped)
+    test.assertLessEqual(looped, {'all-gather', 'reduce-scatter'})
+  else:
+    test.assertEmpty(looped)
 
 
 ALL_2D = lambda path, x: x.ndim == 2

@@ -263,7 +263,11 @@ class DropInTensorParallelTest(parameterized.TestCase):
 
   def test_dedicated_step_sends_nothing_but_all_reduces_over_tp(self):
     *_, step, args = dedicated_run('1x4x2')
-    report = dmuon_jax.analyze_hlo(step, *args)
+    compiled = step.lower(*args).compile()
+    report = dmuon_jax.analyze_compiled(compiled)
+    # Every collective runs on every device: none inside a conditional (the
+    # owners' branches), none in a loop.
+    support.assert_no_collective_in_a_conditional(self, compiled)
     tp = [c for c in report.collectives if c.group_size == 2]
     # The row-parallel psums of activations and the Gram all-reduces; the
     # owners' buffers move over the data-parallel axes only (group of 4).
@@ -284,12 +288,25 @@ class DropInTensorParallelTest(parameterized.TestCase):
     *_, opt, (params, state) = drop_in_run('1x4x2')
     update = jax.jit(opt.update)
     tp_units = 5 * BLOCKS  # wq, wk, up (column), wo, down (row)
-    # Before XLA combines them (StableHLO; the same program for CUDA): one
-    # psum of a (k, 32, 32) Gram stack per restart window (default restart
-    # before iteration 2: two windows) for each batched bucket of k TP
-    # matrices on an owner: every TP matrix's Gram is reduced exactly twice.
-    # The only other TP traffic: one (k, 1, 1) max of |X| per bucket (the
-    # overflow-safe power-of-two rescaling of huge gradients).
+    (layout,) = dmuon_jax.owner_layouts(state)
+    lay = layout.groups[0]
+    per_slot = [
+      sum(
+        len(b.units)
+        for g in range(lay.num_groups)
+        for b in lay.buckets(g, s)
+        if b.tp_split is not None
+      )
+      for s in range(lay.num_slots)
+    ]
+    self.assertEqual(sum(per_slot), tp_units)
+    # Before XLA combines them (StableHLO; the same program for CUDA): the
+    # TP collectives run between the owner branches, on every device, on
+    # payloads of one fixed size: one max of |X| per TP matrix (the
+    # overflow-safe power-of-two rescaling), then one psum of the owner's
+    # stacked D x D Grams per restart window (default restart before
+    # iteration 2: two windows), sized by the owner with the most TP
+    # matrices.
     text = (
       update.trace(params, state, params)
       .lower(lowering_platforms=('cuda',))
@@ -301,20 +318,18 @@ class DropInTensorParallelTest(parameterized.TestCase):
       if c.group_size == mesh.shape['model']
     ]
     self.assertEqual({c.kind for c in tp}, {'all-reduce'})
-    grams = [c for c in tp if c.shape[1:] == (D, D)]
-    scalars = [c for c in tp if c.shape[1:] == (1, 1)]
-    self.assertEqual(len(grams) + len(scalars), len(tp))
-    self.assertEqual(sum(c.shape[0] for c in grams), 2 * tp_units)
-    self.assertLessEqual(len(grams), 2 * tp_units)
-    self.assertEqual(sum(c.shape[0] for c in scalars), tp_units)
+    sizes = sorted(int(np.prod(c.shape)) for c in tp)
+    self.assertEqual(sizes, [max(per_slot)] + [max(per_slot) * D * D] * 2)
     # Compiled: still only all-reduces over the TP axis (XLA may combine
     # them into tuples), of exactly those elements; the matrices never
     # travel over it.
-    report = dmuon_jax.analyze_hlo(update, params, state, params)
+    compiled = update.lower(params, state, params).compile()
+    support.assert_no_collective_in_a_conditional(self, compiled)
+    report = dmuon_jax.analyze_compiled(compiled)
     tp = [c for c in report.collectives if c.group_size == 2]
     self.assertEqual({c.kind for c in tp}, {'all-reduce'})
     self.assertEqual(
-      sum(np.prod(c.shape) for c in tp), 2 * tp_units * D * D + tp_units
+      sum(np.prod(c.shape) for c in tp), max(per_slot) * (2 * D * D + 1)
     )
     # Over the owner axes: the FSDP pieces of up/down/mix go to their owners
     # and back by all-to-all, replicated matrices come back by all-gather.

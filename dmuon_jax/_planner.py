@@ -672,6 +672,14 @@ class OwnershipPlan:
         f'iteration ({human_flops(self.groups[gs[0]].iteration_cost)}) on '
         'one of them'
       )
+    if self.groups:
+      row = dict(zip(self.axis_names, self.mesh_shape))[self.group_axis()]
+      exchange = group_exchange_bytes(self.groups, self.num_slots, row)
+      lines.append(
+        f'  owner groups exchange per device per step: '
+        f'{human_bytes(exchange)} (float32 Grams and factors, '
+        f'reduce-scatter + all-gather over {self.group_axis()!r})'
+      )
     return lines
 
   def _summary_header_lines(self) -> list[str]:

@@ -958,7 +958,12 @@ def _memory_fields(compiled: Any) -> dict[str, int | None]:
   return out
 
 
-def dot_flops(compiled: Any, *, loop_trip_counts: bool = False) -> float:
+def dot_flops(
+  compiled: Any,
+  *,
+  loop_trip_counts: bool = False,
+  branches_per_device: int | None = None,
+) -> float:
   """Matmul FLOPs of one device's program: ``2 * out * contracted`` per dot.
 
   Counts only ``dot`` instructions, so it compares with a Newton–Schulz cost
@@ -970,6 +975,11 @@ def dot_flops(compiled: Any, *, loop_trip_counts: bool = False) -> float:
     compiled: a ``jax.stages.Compiled`` (or ``Lowered``), or HLO text.
     loop_trip_counts: multiply the body of each ``while`` loop by its known
       trip count (False: count it once, as XLA's ``cost_analysis`` does).
+    branches_per_device: (optional) the number of owner slots: every
+      ``conditional`` with that many branches is taken to branch on the
+      owner slot (as dmuon's updates do, stage after stage), so branch ``i``
+      of each is device ``i``'s work: the result is the busiest device's
+      total rather than the sum of each conditional's busiest branch.
 
   Returns:
     The FLOP count.
@@ -978,14 +988,16 @@ def dot_flops(compiled: Any, *, loop_trip_counts: bool = False) -> float:
     compiled = compiled.compile()
   text = compiled if isinstance(compiled, str) else compiled.as_text()
   comps, entry, _, _ = _parse_module(text)
-  memo: dict[str, float] = {}
+  memo: dict[str, Any] = {}
+  n = branches_per_device or 0
 
   def cost(name):
+    """A float, or with ``branches_per_device`` an array: per slot."""
     if name in memo:
       return memo[name]
-    memo[name] = 0.0  # Guards against cycles.
+    memo[name] = np.zeros(n) if n else 0.0  # Guards against cycles.
     shapes = {ins.name: _elements(ins.shape) for ins in comps.get(name, ())}
-    total = 0.0
+    total = np.zeros(n) if n else 0.0
     for ins in comps.get(name, ()):
       if ins.opcode == 'dot':
         inline, lhs_name = ins.operands[0]
@@ -999,7 +1011,11 @@ def dot_flops(compiled: Any, *, loop_trip_counts: bool = False) -> float:
         )
         total += 2.0 * math.prod(out[0][1]) * contracted
       elif ins.opcode == 'conditional':
-        total += max((cost(c) for c in _callees(ins)), default=0.0)
+        callees = _callees(ins)
+        if n and len(callees) == n:
+          total = total + np.array([np.max(cost(c)) for c in callees])
+        else:
+          total = total + max((np.max(cost(c)) for c in callees), default=0.0)
       elif ins.opcode == 'while':
         body = re.search(r'\bbody=%?([\w.\-]+)', ins.attrs)
         trip = _TRIP_COUNT_RE.search(ins.raw) if loop_trip_counts else None
@@ -1010,4 +1026,4 @@ def dot_flops(compiled: Any, *, loop_trip_counts: bool = False) -> float:
     memo[name] = total
     return total
 
-  return cost(entry) if entry else 0.0
+  return float(np.max(cost(entry))) if entry else 0.0

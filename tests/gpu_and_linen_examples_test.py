@@ -60,6 +60,20 @@ class GpuBenchmarkTest(absltest.TestCase):
     self.assertTrue(all(r['smoke'] for r in rows))
     md = (out_dir / 'gpu_ns_cpu_smoke.md').read_text()
     self.assertIn('| 64x256 | 1 | float32 |', md)
+    # Owner groups (k = 2) and TP on 8 CPU devices: optax's numbers, no
+    # collective inside a conditional.
+    groups = {
+      r['case']: r for r in read_rows(out_dir / 'gpu_groups_cpu_smoke.json')
+    }
+    self.assertEqual(set(groups), {'groups', 'tp'})
+    for case, row in groups.items():
+      self.assertEqual(row['status'], 'ok', row)
+      self.assertEqual(row['devices'], 8)
+      self.assertLess(row['max_rel_error'], 1e-5, case)
+      self.assertGreater(row['collectives'], 0, case)
+      self.assertEqual(row['in_conditional'], 0, case)
+    self.assertGreater(groups['groups']['groups'], 0)
+    self.assertIn('reduce-scatter', groups['groups']['bytes_by_kind'])
 
 
 class TrainLinenTest(absltest.TestCase):

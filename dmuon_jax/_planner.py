@@ -655,6 +655,14 @@ class OwnershipPlan:
     lines.extend(self._summary_slot_lines())
     return lines
 
+  def group_exchange_bytes(self) -> float:
+    """Predicted per-device bytes of the owner groups' collectives per step
+    (see :func:`group_exchange_bytes`; 0 without groups)."""
+    if not self.groups:
+      return 0.0
+    row = dict(zip(self.axis_names, self.mesh_shape))[self.group_axis()]
+    return group_exchange_bytes(self.groups, self.num_slots, row)
+
   def group_lines(self) -> list[str]:
     """One line per shape of grouped matrices (empty without groups)."""
     by_shape: dict[tuple, list[int]] = {}
@@ -673,8 +681,7 @@ class OwnershipPlan:
         'one of them'
       )
     if self.groups:
-      row = dict(zip(self.axis_names, self.mesh_shape))[self.group_axis()]
-      exchange = group_exchange_bytes(self.groups, self.num_slots, row)
+      exchange = self.group_exchange_bytes()
       lines.append(
         f'  owner groups exchange per device per step: '
         f'{human_bytes(exchange)} (float32 Grams and factors, '
@@ -1113,17 +1120,25 @@ def layer_key(path: str, batch_index: tuple[int, ...] = ()) -> str:
   Returns:
     The key.
   """
-  segments = _segments(path)
-  end = block_boundary_end(segments)
-  if end is not None:
-    return '/'.join(segments[:end])
-  start = 0
-  while start < len(segments) - 1 and segments[start] in COLLECTION_NAMES:
-    start += 1
-  base = '/'.join(segments[: start + 1])
+  block, base = _layer_base(path)
+  if block:
+    return base
   if batch_index:
     return f'{base}[{batch_index[0]}]'
   return base
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_base(path: str) -> tuple[bool, str]:
+  """``(whether the path has a block boundary, the key's path part)``."""
+  segments = _segments(path)
+  end = block_boundary_end(segments)
+  if end is not None:
+    return True, '/'.join(segments[:end])
+  start = 0
+  while start < len(segments) - 1 and segments[start] in COLLECTION_NAMES:
+    start += 1
+  return False, '/'.join(segments[: start + 1])
 
 
 def mesh_axes(
@@ -1852,7 +1867,11 @@ def _plan_with_groups(
     else:
       least = max(2, math.ceil(work / (_SLICE_FRACTION * bound)))
       view = None
-      for k in range(least, 4 * least + 1):
+      # The fewest slices that are fine enough; else, if slices of
+      # _MIN_SLICE would be too narrow, the most that are not.
+      for k in list(range(least, 4 * least + 1)) + list(
+        range(least - 1, 1, -1)
+      ):
         view = sliced_spec(spec, k, stride, _MIN_SLICE)
         if view is not None:
           break

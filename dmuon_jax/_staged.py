@@ -26,6 +26,7 @@ Plain (whole) matrices are finished in the first stage, as before.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -269,7 +270,9 @@ def run(
     for it in st.items[s]:
       if not it.holds:
         continue
-      amax = max(jnp.max(jnp.abs(region(hat, u))) for u in it.units)
+      amax = functools.reduce(
+        jnp.maximum, [jnp.max(jnp.abs(region(hat, u))) for u in it.units]
+      )
       name = 'amax_g' if it.kind == 'group' else 'amax_t'
       c[name] = set_vec(c[name], it.pos, amax)
     return c

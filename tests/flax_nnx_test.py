@@ -592,5 +592,20 @@ class ReadmeMistakeTableTest(absltest.TestCase):
         self.assertIn(f'def {name[1]}(', sources, row)
 
 
+class FlaxNnxGroupsTest(absltest.TestCase):
+  def test_gemma_like_decoder_equals_single_device_optax(self):
+    # Every Muon kernel split over 2 devices of 'shard' (owner groups).
+    want_params, want_losses = reference(False)
+    run = dedicated((2, 4), False, True, owner_groups=2)
+    self.assertIn('k=2 devices', run['ded'].summary())
+    nesting = run['nesting']
+    self.assertEmpty([c for c in nesting if 'conditional' in c.context])
+    self.assertLess(rel(run['losses'], want_losses), 1e-5)
+    for got, want in zip(
+      jax.tree.leaves(run['params']), jax.tree.leaves(want_params)
+    ):
+      self.assertLess(rel(got, want), 1e-5)
+
+
 if __name__ == '__main__':
   absltest.main()

@@ -69,8 +69,10 @@ def model_params(name):
   from optax.contrib import MuonDimensionNumbers as Dims  # pylint: disable=import-outside-toplevel
 
   s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-  if name in LLAMA:
-    layers, d, f, kv = LLAMA[name]
+  base, _, cut = name.partition('_L')
+  if base in LLAMA:
+    layers, d, f, kv = LLAMA[base]
+    layers = int(cut) if cut else layers
     params = {
       f'layers_{i}': {
         'q': s(d, d),
@@ -168,7 +170,6 @@ def memory(compiled):
 
 def plan_row(name, n, s):
   import dmuon_jax  # pylint: disable=import-outside-toplevel
-  from dmuon_jax import _planner  # pylint: disable=import-outside-toplevel
 
   params, dims = model_params(name)
   mesh = {'replicate': n // s, 'shard': s}
@@ -199,9 +200,7 @@ def plan_row(name, n, s):
     'plan_makespan': plan.makespan,
     'plan_ratio': plan.makespan / max(total / n, iteration),
     'plain_ratio': plain.makespan / (total / n),
-    'group_exchange_bytes': _planner.group_exchange_bytes(
-      plan.groups, plan.num_slots, s
-    ),
+    'group_exchange_bytes': plan.group_exchange_bytes(),
   }
 
 
@@ -238,11 +237,7 @@ def drop_in_row(name, n, s):
   )
   nesting = diagnostics.collective_nesting(compiled)
   predicted = layout.collective_bytes()
-  from dmuon_jax import _planner  # pylint: disable=import-outside-toplevel
-
-  predicted['gram exchange'] = _planner.group_exchange_bytes(
-    plan.groups, plan.num_slots, s
-  )
+  predicted['gram exchange'] = plan.group_exchange_bytes()
   return {
     'model': name,
     'devices': n,
@@ -310,7 +305,7 @@ def dedicated_row(name, n, s):
     updates, state = opt.update(grads, state, dp)
     return optax.apply_updates(dp, updates), state, jax.lax.pmean(value, axes)
 
-  d = LLAMA[name][1]
+  d = LLAMA[name.partition('_L')[0]][1]
   x = jax.ShapeDtypeStruct(
     (tokens, d), jnp.bfloat16, sharding=NamedSharding(mesh, P(axes))
   )
@@ -365,7 +360,7 @@ def worker(args):
   n, s = args.worker, 8
   for name in args.models.split(','):
     for mode in args.modes.split(','):
-      if mode == 'dedicated' and name not in LLAMA:
+      if mode == 'dedicated' and name.partition('_L')[0] not in LLAMA:
         continue
       fn = {
         'plan': plan_row,
@@ -537,8 +532,43 @@ def write_markdown(rows, path):
       lines.append(
         f'- {r.get("model", "")} {r.get("mode")} N={r["devices"]}: {r["error"]}'
       )
+  sweep = sorted(
+    (
+      r
+      for r in rows
+      if r.get('mode') == 'drop-in' and '_L' in r['model'] and 'error' not in r
+    ),
+    key=lambda r: r['model'],
+  )
+  if len(sweep) > 1:
+    matrices = {
+      r['model']: r['matrices']
+      for r in rows
+      if r.get('mode') == 'plan' and '_L' in r.get('model', '')
+    }
+    xs = [matrices[r['model']] for r in sweep]
+    e = exponent(xs, [r['compile_s'] for r in sweep])
+    lines += [
+      '',
+      '## Compile time against the number of matrices',
+      '',
+      f'Llama-3-8B shapes cut to fewer layers, drop-in update at N = '
+      f'{sweep[0]["devices"]}: compile time ~ matrices^{e:.2f}',
+      '',
+      '| layers | matrices | lower | compile |',
+      '|---:|---:|---:|---:|',
+    ]
+    for r, m in zip(sweep, xs):
+      lines.append(
+        f'| {r["model"].partition("_L")[2]} | {m} | {r["lower_s"]:.1f} s | '
+        f'{r["compile_s"]:.1f} s |'
+      )
   compiled = [
-    r for r in rows if r.get('mode') == 'drop-in' and 'error' not in r
+    r
+    for r in rows
+    if r.get('mode') == 'drop-in'
+    and 'error' not in r
+    and '_L' not in r['model']
   ]
   by_model = {}
   for r in compiled:

@@ -55,6 +55,27 @@ def group_buffers(ded, dedicated, g: int) -> list[jax.Array]:
   return list(ded.layout.group_buffers(dedicated.owned.buffers, g))
 
 
+def after_inputs(local: Sequence[jax.Array], arrays: Sequence[Any]) -> list:
+  """``local``, tied to a group's inputs: the group is gathered when its
+  first block is about to run, not every group at the start of the step
+  (XLA would otherwise hoist every forward gather, holding all gathered
+  weights at once). The tie is 0 for finite inputs."""
+  xs = [
+    x
+    for x in jax.tree.leaves(arrays)
+    if hasattr(x, 'dtype') and jnp.issubdtype(x.dtype, jnp.inexact)
+  ]
+  if not xs:
+    return list(local)
+  tie = jnp.sum(xs[0]) * 0
+  out = []
+  for x in local:
+    if _collectives.varying_axes(tie) <= _collectives.varying_axes(x):
+      x = x + tie.astype(x.dtype)
+    out.append(x)
+  return out
+
+
 def gather_replicate(ded, local: Sequence[jax.Array]) -> list[jax.Array]:
   if ded.replicate_axis is None:
     return list(local)
@@ -171,8 +192,9 @@ def run_group(ded, g: int, body: Callable[..., Any]) -> Callable[..., Any]:
 
   def call(dedicated, *args):
     rest = full_leaves(dedicated.rest, ded.treedef)
+    local = after_inputs(group_buffers(ded, dedicated, g), args)
     return inner(
-      gather_replicate(ded, group_buffers(ded, dedicated, g)),
+      gather_replicate(ded, local),
       [[rest[i] for i in sub] for sub in subs],
       *args,
     )

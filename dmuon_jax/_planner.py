@@ -698,9 +698,16 @@ class OwnershipPlan:
       )
     else:
       mesh = '(single slot, no mesh axes)'
+    whole = sum(u.group < 0 for u in self.units) + len(self.groups)
+    what = _plural(len(self.units), 'matrix', 'matrices')
+    if self.groups:
+      what = (
+        f'{_plural(whole, "matrix", "matrices")} ({len(self.groups)} split '
+        f'into {len(self.units) - whole + len(self.groups)} slices)'
+      )
     return (
       [
-        f'OwnershipPlan: {_plural(len(self.units), "matrix", "matrices")}'
+        f'OwnershipPlan: {what}'
         f' in {_plural(len(self.leaves), "leaf", "leaves")} on'
         f' {_plural(self.num_slots, "slot", "slots")}, mesh {mesh}',
       ]

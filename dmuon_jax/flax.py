@@ -669,7 +669,7 @@ def _gathered(
   hit = cache.get(g)
   hit = hit[1:] if hit is not None and hit[0] == ids else None
   if manual and hit is None:  # the group's first block
-    local = _after(local, arrays)
+    local = _gather.after_inputs(local, arrays)
   if scanned:  # one layer per iteration: drop the group's layer axis
     run_layer = run
     run = lambda mats, *a: run_layer({i: m[0] for i, m in mats.items()}, *a)
@@ -906,27 +906,6 @@ def _linen_interceptor(next_fun, args, kwargs, context):
   for c, tree in updates.items():
     for name, value in tree.items():
       module.put_variable(c, name, value)
-  return out
-
-
-def _after(local, arrays):
-  """``local``, tied to the boundary's inputs: a group is gathered when its
-  first block is about to run, not all groups at the start of the step
-  (XLA would otherwise hoist every forward gather, holding all gathered
-  weights at once). The tie is 0 for finite inputs."""
-  xs = [
-    x
-    for x in arrays
-    if hasattr(x, 'dtype') and jnp.issubdtype(x.dtype, jnp.inexact)
-  ]
-  if not xs:
-    return local
-  tie = jnp.sum(xs[0]) * 0
-  out = []
-  for x in local:
-    if _collectives.varying_axes(tie) <= _collectives.varying_axes(x):
-      x = x + tie.astype(x.dtype)
-    out.append(x)
   return out
 
 

@@ -546,8 +546,8 @@ def _staged_update(cfg, hp, olayout, lay, hat, params, decay, iterations):
 
 
 @functools.lru_cache(maxsize=64)
-def _stages(olayout, lay, num_rows):
-  return _staged.Stages(olayout, lay, num_rows)
+def _stages(olayout, lay, ns_steps):
+  return _staged.Stages(olayout, lay, ns_steps)
 
 
 # ---------------------------------------------------------------------------

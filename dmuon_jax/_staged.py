@@ -60,7 +60,7 @@ class _Item:
 class Stages:
   """The static plan of a staged update of one layout group."""
 
-  def __init__(self, olayout, lay, num_rows: int):
+  def __init__(self, olayout, lay, ns_steps: int):
     plan = lay.plan
     self.lay = lay
     self.n = lay.num_slots
@@ -73,8 +73,7 @@ class Stages:
     )
     self.tp_axis = olayout.tp_axis if olayout.tp_size > 1 else None
     self.tp_size = olayout.tp_size
-    self.num_rows = num_rows
-    k = num_rows  # iterations (coefficient rows)
+    k = ns_steps
     group_restarts = _newton_schulz.check_restart_iterations(None, k)
     # Row positions of the groups (for the per-matrix vectors).
     rows: dict[int, list[int]] = {}
@@ -104,26 +103,24 @@ class Stages:
               m, nn = plan.units[u].shape
               split = bucket.tp_split
               g_size, w = (m, nn) if split == -1 else (nn, m)
-              restarts = None
-              if k >= 4 and g_size > w * self.tp_size:
-                restarts = (
-                  1,
-                  3,
-                )  # as _tensor_parallel: Gram over the long side
-              restarts = _newton_schulz.check_restart_iterations(restarts, k)
+              # As _tensor_parallel: a Gram over the long side restarts twice.
+              long_gram = k >= 4 and g_size > w * self.tp_size
+              restarts = _newton_schulz.check_restart_iterations(
+                (1, 3) if long_gram else None, k
+              )
               items.append(
                 _Item(
-                  'tp',
-                  u,
-                  (u,),
-                  split,
-                  g_size,
-                  _newton_schulz.gram_segments(k, restarts),
-                  len([i for i in items if i.kind == 'tp']),
-                  tp_used,
-                  0,
-                  True,
-                  True,
+                  kind='tp',
+                  key=u,
+                  units=(u,),
+                  split=split,
+                  gram=g_size,
+                  segments=_newton_schulz.gram_segments(k, restarts),
+                  pos=len([i for i in items if i.kind == 'tp']),
+                  off=tp_used,
+                  member=0,
+                  iterates=True,
+                  holds=True,
                 )
               )
               tp_used += g_size**2
@@ -136,17 +133,17 @@ class Stages:
         spec = plan.leaves[lay.unit_leaf[g.units[0]]]
         items.append(
           _Item(
-            'group',
-            j,
-            tuple(held.get(j, ())),
-            spec.split_axis,
-            g.gram_size,
-            _newton_schulz.gram_segments(k, group_restarts),
-            pos[j],
-            off[j],
-            plan.group_member(g.iteration_owner),
-            g.iteration_owner == s,
-            j in held,
+            kind='group',
+            key=j,
+            units=tuple(held.get(j, ())),
+            split=spec.split_axis,
+            gram=g.gram_size,
+            segments=_newton_schulz.gram_segments(k, group_restarts),
+            pos=pos[j],
+            off=off[j],
+            member=plan.group_member(g.iteration_owner),
+            iterates=g.iteration_owner == s,
+            holds=j in held,
           )
         )
       tp_block = max(tp_block, tp_used)

@@ -441,6 +441,12 @@ def run_all(args):
         }
       )
       print(rows[-1], flush=True)
+  # Rows measured again replace the old ones (same model, N and mode).
+  key = lambda r: (r.get('model'), r.get('devices'), r.get('mode'))
+  latest = {}
+  for row in rows:
+    latest[key(row)] = row
+  rows = list(latest.values())
   with open(out_dir / 'scale.json', 'w') as f:
     for row in rows:
       f.write(json.dumps(row) + '\n')

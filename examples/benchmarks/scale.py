@@ -39,6 +39,7 @@ with the ideal lines) next to this file, or under ``--out-dir``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -257,8 +258,7 @@ def drop_in_row(name, n, s):
   }
 
 
-def dedicated_row(name, n, s):
-  import functools  # pylint: disable=import-outside-toplevel
+def dedicated_row(name, n, s, layers_per_gather='auto'):
 
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -272,7 +272,12 @@ def dedicated_row(name, n, s):
   mesh = jax.make_mesh((n // s, s), ('replicate', 'shard'))
   params, dims = model_params(name)
   t = time.perf_counter()
-  ded = dmuon_jax.dedicate(params, mesh, reshard_after_forward=True)
+  ded = dmuon_jax.dedicate(
+    params,
+    mesh,
+    reshard_after_forward=True,
+    layers_per_gather=layers_per_gather,
+  )
   plan_s = time.perf_counter() - t
   opt = dmuon_jax.dedicated_muon(ded, 0.02, nonfinite='propagate')
   dp = jax.eval_shape(ded.to_dedicated, params)
@@ -330,7 +335,13 @@ def dedicated_row(name, n, s):
   return {
     'model': name,
     'devices': n,
-    'mode': 'dedicated Z3',
+    'mode': 'dedicated Z3'
+    + (
+      ''
+      if layers_per_gather == 'auto'
+      else f', {layers_per_gather} layer/gather'
+    ),
+    'layers_per_gather': ded.layers_per_gather,
     'plan_s': plan_s,
     'lower_s': lower_s,
     'compile_s': compile_s,
@@ -360,12 +371,15 @@ def worker(args):
   n, s = args.worker, 8
   for name in args.models.split(','):
     for mode in args.modes.split(','):
-      if mode == 'dedicated' and name.partition('_L')[0] not in LLAMA:
+      if mode.startswith('dedicated') and name.partition('_L')[0] not in LLAMA:
         continue
       fn = {
         'plan': plan_row,
         'drop_in': drop_in_row,
         'dedicated': dedicated_row,
+        # Z3 memory with one layer per gather (more padding, one layer's
+        # weights gathered at a time):
+        'dedicated1': functools.partial(dedicated_row, layers_per_gather=1),
       }[mode]
       t = time.perf_counter()
       try:
@@ -510,7 +524,9 @@ def write_markdown(rows, path):
     if r.get('mode') == 'plan' and 'error' not in r
   }
   for r in rows:
-    if r.get('mode') not in ('drop-in', 'dedicated Z3'):
+    if r.get('mode') != 'drop-in' and not r.get('mode', '').startswith(
+      'dedicated Z3'
+    ):
       continue
     if 'error' in r:
       continue
@@ -547,27 +563,28 @@ def write_markdown(rows, path):
     key=lambda r: r['model'],
   )
   if len(sweep) > 1:
-    matrices = {
-      r['model']: r['matrices']
+    plans = {
+      r['model']: r
       for r in rows
       if r.get('mode') == 'plan' and '_L' in r.get('model', '')
     }
-    xs = [matrices[r['model']] for r in sweep]
+    xs = [plans[r['model']]['units'] for r in sweep]
     e = exponent(xs, [r['compile_s'] for r in sweep])
     lines += [
       '',
-      '## Compile time against the number of matrices',
+      '## Compile time against the number of units (matrices and slices)',
       '',
       f'Llama-3-8B shapes cut to fewer layers, drop-in update at N = '
-      f'{sweep[0]["devices"]}: compile time ~ matrices^{e:.2f}',
+      f'{sweep[0]["devices"]}: compile time ~ units^{e:.2f}',
       '',
-      '| layers | matrices | lower | compile |',
-      '|---:|---:|---:|---:|',
+      '| layers | matrices | units (groups) | lower | compile |',
+      '|---:|---:|---:|---:|---:|',
     ]
     for r, m in zip(sweep, xs):
+      p = plans[r['model']]
       lines.append(
-        f'| {r["model"].partition("_L")[2]} | {m} | {r["lower_s"]:.1f} s | '
-        f'{r["compile_s"]:.1f} s |'
+        f'| {r["model"].partition("_L")[2]} | {p["matrices"]} | {m} '
+        f'({p["groups"]}) | {r["lower_s"]:.1f} s | {r["compile_s"]:.1f} s |'
       )
   compiled = [
     r

@@ -80,11 +80,15 @@ def static_int(value: Any, name: str) -> int | None:
   if value is None or isinstance(value, (int, np.integer)):
     return value
   if isinstance(value, jax.core.Tracer):
+    what = {
+      'ns_steps': 'the number of Newton-Schulz iterations',
+      'owner_groups': 'how matrices are split over devices',
+    }.get(name, 'its structure')
     raise TypeError(
       f'dmuon: {name} is a traced value: optax.inject_hyperparams injects '
-      f'every int argument, but {name} decides the program (the number of '
-      f"Newton-Schulz iterations). Pass static_args=('{name}',) to "
-      f'inject_hyperparams, or leave {name}=None.'
+      f'every int argument, but {name} decides the program ({what}). Pass '
+      f"static_args=('{name}',) to inject_hyperparams, or leave {name} at "
+      'its default.'
     )
   arr = np.asarray(value)
   if arr.shape == () and np.issubdtype(arr.dtype, np.integer):

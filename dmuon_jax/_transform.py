@@ -286,7 +286,10 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
 def check_owner_groups(owner_groups, preconditioning, ns_algorithm):
   """``owner_groups`` as the planner takes it: 'auto' becomes None where
   groups cannot run (other preconditionings, the direct form only); a
-  forced ``k`` there raises."""
+  forced ``k`` there raises. A concrete array (``optax.inject_hyperparams``
+  injects int arguments) is read as its int."""
+  if owner_groups is not None and not isinstance(owner_groups, str):
+    owner_groups = _owner_update.static_int(owner_groups, 'owner_groups')
   _planner.check_owner_groups(owner_groups)
   if preconditioning != 'frobenius' or ns_algorithm == 'standard':
     if owner_groups not in (None, 'auto'):

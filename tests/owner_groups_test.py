@@ -273,6 +273,17 @@ class PlannerGroupsTest(parameterized.TestCase):
     ded = dmuon_jax.dedicate(support.block_params(), support.make_mesh((1, 8)))
     self.assertEmpty(ded.plan.groups)
 
+  def test_inject_hyperparams_reads_the_injected_int(self):
+    # optax.inject_hyperparams turns every int argument into an array.
+    mesh = support.make_mesh((1, 8))
+    opt = optax.inject_hyperparams(dmuon_jax.dmuon)(
+      learning_rate=LR, owner_groups=2
+    )
+    with jax.set_mesh(mesh):
+      state = opt.init(jax.device_put(wide_params(), NamedSharding(mesh, P())))
+    (layout,) = dmuon_jax.owner_layouts(state)
+    self.assertLen(layout.plans[0].groups, 6)
+
   def test_forced_groups_need_a_dividing_k(self):
     params = {'layers_0': {'w': jax.ShapeDtypeStruct((30, 90), jnp.float32)}}
     with self.assertRaisesRegex(ValueError, "owner_groups=4.*'layers_0/w'"):

@@ -42,12 +42,36 @@ SMOKE_TREE = {'layers': 2, 'd': 64, 'd_kv': 16, 'd_ff': 128}
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--cpu-smoke', action='store_true')
-  parser.add_argument('--steps', type=int, default=5)
-  parser.add_argument('--reps', type=int, default=5)
-  parser.add_argument('--out-dir', default=str(HERE / 'results' / 'gpu'))
-  parser.add_argument('--name', default=None)
+  parser = argparse.ArgumentParser(
+    description=__doc__,
+    formatter_class=type(
+      'Formatter',
+      (
+        argparse.ArgumentDefaultsHelpFormatter,
+        argparse.RawDescriptionHelpFormatter,
+      ),
+      {},
+    ),
+  )
+  parser.add_argument(
+    '--cpu-smoke',
+    action='store_true',
+    help='8 simulated CPU devices, tiny shapes',
+  )
+  parser.add_argument(
+    '--steps', type=int, default=5, help='steps compared with optax'
+  )
+  parser.add_argument('--reps', type=int, default=5, help='timed steps')
+  parser.add_argument(
+    '--out-dir',
+    default=str(HERE / 'results' / 'gpu'),
+    help='where to write results',
+  )
+  parser.add_argument(
+    '--name',
+    default=None,
+    help='file stem (unset: gpu_groups, or gpu_groups_cpu_smoke)',
+  )
   args = parser.parse_args(argv)
   if args.cpu_smoke:
     os.environ['XLA_FLAGS'] = (

@@ -677,11 +677,33 @@ def plot(rows, path):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--devices', default='8,64,256,1024')
-  parser.add_argument('--models', default=','.join(MODELS))
-  parser.add_argument('--modes', default='plan,drop_in,dedicated')
-  parser.add_argument('--budget', type=float, default=5400.0)
+  parser = argparse.ArgumentParser(
+    description=__doc__,
+    formatter_class=type(
+      'Formatter',
+      (
+        argparse.ArgumentDefaultsHelpFormatter,
+        argparse.RawDescriptionHelpFormatter,
+      ),
+      {},
+    ),
+  )
+  parser.add_argument(
+    '--devices',
+    default='8,64,256,1024',
+    help='device counts N, comma-separated',
+  )
+  parser.add_argument(
+    '--models', default=','.join(MODELS), help='models, comma-separated'
+  )
+  parser.add_argument(
+    '--modes',
+    default='plan,drop_in,dedicated',
+    help='plan, drop_in, dedicated (Z3), dedicated1 (Z3, one layer per gather)',
+  )
+  parser.add_argument(
+    '--budget', type=float, default=5400.0, help='seconds for the whole run'
+  )
   parser.add_argument(
     '--worker-timeout',
     type=float,
@@ -691,8 +713,12 @@ def main():
   parser.add_argument(
     '--append', action='store_true', help='add to an existing scale.json'
   )
-  parser.add_argument('--out-dir', default=str(HERE / 'results'))
-  parser.add_argument('--worker', type=int, default=0)
+  parser.add_argument(
+    '--out-dir', default=str(HERE / 'results'), help='where to write results'
+  )
+  parser.add_argument(
+    '--worker', type=int, default=0, help='(internal) run one device count'
+  )
   args = parser.parse_args()
   if args.worker:
     worker(args)

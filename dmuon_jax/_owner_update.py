@@ -295,10 +295,7 @@ def rescale_large(stack: jax.Array, tp_axis: str | None = None) -> jax.Array:
   amax = jnp.max(jnp.abs(stack), axis=(-2, -1), keepdims=True)
   if tp_axis is not None:
     amax = jax.lax.pmax(amax, tp_axis)
-  _, exponent = jnp.frexp(amax)
-  one = jnp.ones((), stack.dtype)
-  scale = jnp.where(amax > _LARGE, jnp.ldexp(one, -exponent), one)
-  return stack * scale.astype(stack.dtype)
+  return stack * _staged.rescale_factor(amax, stack.dtype).astype(stack.dtype)
 
 
 def shape_scale(fan_in: int, fan_out: int, consistent_rms=None):

@@ -1684,7 +1684,8 @@ def gram_parts(s: int, l: int, ns_steps: int) -> tuple[float, float]:
   :func:`dmuon_jax.matmul_flops` of the Gram form.
   """
   p = len(_newton_schulz.check_restart_iterations(None, ns_steps)) + 1
-  return 4.0 * p * s * s * l, float((8 * ns_steps - 6 * p) * s**3)
+  work = 4.0 * p * s * s * l
+  return work, float(_newton_schulz.matmul_flops(s, l, ns_steps, 'gram') - work)
 
 
 def sliced_spec(

@@ -40,6 +40,18 @@ from dmuon_jax import _collectives, _newton_schulz
 LARGE = 2.0**10
 
 
+def rescale_factor(amax: jax.Array, dtype) -> jax.Array:
+  """The power of two that brings a matrix whose max-abs entry is ``amax``
+  (above ``LARGE``) to a max-abs entry in ``[0.5, 1)``; 1 otherwise, and for
+  dtypes whose range stays below ``LARGE`` (see
+  ``_owner_update.rescale_large``)."""
+  if not jnp.issubdtype(dtype, jnp.floating) or (jnp.finfo(dtype).max <= LARGE):
+    return jnp.ones(jnp.shape(amax), dtype)
+  _, exponent = jnp.frexp(amax.astype(dtype))
+  one = jnp.ones((), dtype)
+  return jnp.where(amax > LARGE, jnp.ldexp(one, -exponent), one)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Item:
   """One distributed matrix as one slot sees it."""
@@ -87,6 +99,9 @@ class Stages:
       off[j] = int(used[g.iteration_owner])
       used[g.iteration_owner] += g.gram_size**2
     self.block = int(used.max(initial=0))
+    iterated: dict[int, set[int]] = {}
+    for j, g in enumerate(plan.groups):
+      iterated.setdefault(g.iteration_owner, set()).add(j)
     self.items: list[list[_Item]] = []
     tp_block, tp_vec = 0, 0
     for s in range(self.n):
@@ -124,10 +139,7 @@ class Stages:
                 )
               )
               tp_used += g_size**2
-      mine = sorted(
-        set(held)
-        | {j for j, g in enumerate(plan.groups) if g.iteration_owner == s}
-      )
+      mine = sorted(set(held) | iterated.get(s, set()))
       for j in mine:
         g = plan.groups[j]
         spec = plan.leaves[lay.unit_leaf[g.units[0]]]
@@ -256,6 +268,13 @@ def run(
       v, value.reshape(-1).astype(v.dtype), start, 0
     )
 
+  def send_gram(it, gram, tg, g):
+    """Puts an item's local Gram where its reduction takes it: the
+    iteration owner's block of the group payload, or the TP payload."""
+    if it.kind == 'group':
+      return set_block(gram, it.member * st.block + it.off, g), tg
+    return gram, set_block(tg, it.off, g)
+
   def get_block(v, start, g):
     return jax.lax.slice_in_dim(v, start, start + g * g).reshape(g, g)
 
@@ -274,17 +293,6 @@ def run(
       c[name] = set_vec(c[name], it.pos, amax)
     return c
 
-  def rescale_factor(amax, dtype):
-    # The factor of _owner_update.rescale_large, from the whole matrix's
-    # max-abs entry.
-    if not jnp.issubdtype(dtype, jnp.floating) or (
-      jnp.finfo(dtype).max <= LARGE
-    ):
-      return jnp.ones((), dtype)
-    _, exponent = jnp.frexp(amax.astype(dtype))
-    one = jnp.ones((), dtype)
-    return jnp.where(amax > LARGE, jnp.ldexp(one, -exponent), one)
-
   def stage_gram(s, c, hat, p):
     c = dict(c)
     gram = c['gram']
@@ -302,10 +310,7 @@ def run(
         (lambda m: m @ jnp.swapaxes(m, -1, -2))(_orient(region(x, u), it.split))
         for u in it.units
       )
-      if it.kind == 'group':
-        gram = set_block(gram, it.member * st.block + it.off, g)
-      else:
-        tg = set_block(tg, it.off, g)
+      gram, tg = send_gram(it, gram, tg, g)
     c.update(gram=gram, tg=tg, x=x)
     return c
 
@@ -369,10 +374,7 @@ def run(
           new.append(m)
         if not last:
           g = sum(m @ jnp.swapaxes(m, -1, -2) for m in new)
-          if it.kind == 'group':
-            gram = set_block(gram, it.member * st.block + it.off, g)
-          else:
-            tg = set_block(tg, it.off, g)
+          gram, tg = send_gram(it, gram, tg, g)
         elif adaptive:
           d = sum(
             jnp.sum(region(hat, u).astype(norm) * region(x, u))

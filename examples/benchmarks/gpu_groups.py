@@ -36,7 +36,12 @@ import statistics
 import sys
 import time
 
+# Shared helpers of the benchmarks here (the --help formatter).
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import optimizer_step as _common  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 HERE = pathlib.Path(__file__).resolve().parent
+
 GPU_TREE = {'layers': 4, 'd': 2048, 'd_kv': 512, 'd_ff': 7168}
 SMOKE_TREE = {'layers': 2, 'd': 64, 'd_kv': 16, 'd_ff': 128}
 
@@ -44,14 +49,7 @@ SMOKE_TREE = {'layers': 2, 'd': 64, 'd_kv': 16, 'd_ff': 128}
 def main(argv=None):
   parser = argparse.ArgumentParser(
     description=__doc__,
-    formatter_class=type(
-      'Formatter',
-      (
-        argparse.ArgumentDefaultsHelpFormatter,
-        argparse.RawDescriptionHelpFormatter,
-      ),
-      {},
-    ),
+    formatter_class=_common.HelpFormatter,
   )
   parser.add_argument(
     '--cpu-smoke',

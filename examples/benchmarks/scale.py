@@ -48,6 +48,10 @@ import subprocess
 import sys
 import time
 
+# Shared helpers of the benchmarks here (the --help formatter).
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import optimizer_step as _common  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 HERE = pathlib.Path(__file__).resolve().parent
 
 # name: (layers, d_model, d_ff, kv width)
@@ -154,6 +158,18 @@ def gpu_bytes(traced, n):
   return out
 
 
+def compile_timed(jitted, n, *args):
+  """``(compiled, lower_s, compile_s, bytes by kind for CUDA)``."""
+  t = time.perf_counter()
+  traced = jitted.trace(*args)
+  lowered = traced.lower()
+  lower_s = time.perf_counter() - t
+  cuda = gpu_bytes(traced, n)
+  t = time.perf_counter()
+  compiled = lowered.compile()
+  return compiled, lower_s, time.perf_counter() - t, cuda
+
+
 def memory(compiled):
   m = compiled.memory_analysis()
   fields = ('argument', 'output', 'temp', 'alias')
@@ -222,14 +238,9 @@ def drop_in_row(name, n, s):
     state = jax.eval_shape(opt.init, params)
     init_s = time.perf_counter() - t
     update = jax.jit(lambda g, st, p: opt.update(g, st, p))
-    t = time.perf_counter()
-    traced = update.trace(params, state, params)
-    lowered = traced.lower()
-    lower_s = time.perf_counter() - t
-    cuda = gpu_bytes(traced, n)
-    t = time.perf_counter()
-    compiled = lowered.compile()
-    compile_s = time.perf_counter() - t
+    compiled, lower_s, compile_s, cuda = compile_timed(
+      update, n, params, state, params
+    )
   (layout,) = dmuon_jax.owner_layouts(state)
   plan = layout.plans[0]
   report = dmuon_jax.analyze_compiled(compiled)
@@ -314,14 +325,7 @@ def dedicated_row(name, n, s, layers_per_gather='auto'):
   x = jax.ShapeDtypeStruct(
     (tokens, d), jnp.bfloat16, sharding=NamedSharding(mesh, P(axes))
   )
-  t = time.perf_counter()
-  traced = step.trace(dp, state, x)
-  lowered = traced.lower()
-  lower_s = time.perf_counter() - t
-  cuda = gpu_bytes(traced, n)
-  t = time.perf_counter()
-  compiled = lowered.compile()
-  compile_s = time.perf_counter() - t
+  compiled, lower_s, compile_s, cuda = compile_timed(step, n, dp, state, x)
   report = dmuon_jax.analyze_compiled(compiled)
   n_slots = ded.num_slots
   flops = diagnostics.dot_flops(
@@ -679,14 +683,7 @@ def plot(rows, path):
 def main():
   parser = argparse.ArgumentParser(
     description=__doc__,
-    formatter_class=type(
-      'Formatter',
-      (
-        argparse.ArgumentDefaultsHelpFormatter,
-        argparse.RawDescriptionHelpFormatter,
-      ),
-      {},
-    ),
+    formatter_class=_common.HelpFormatter,
   )
   parser.add_argument(
     '--devices',

@@ -10,17 +10,17 @@ Bytes per device (ring / bus-bandwidth model). ``N`` is the number of devices
 in one replica group (``group_size``) and ``B`` the size in bytes
 (elements times itemsize) of the *full* array named below:
 
-=======================  ==================  ================================
-kind                     bytes per device    ``B`` is
-=======================  ==================  ================================
-``all-gather``           (N-1)/N * B         the result (the gathered array)
-``reduce-scatter``       (N-1)/N * B         the operand (N times the result)
-``all-reduce``           2 (N-1)/N * B       the operand (= the result)
-``all-to-all``           (N-1)/N * B         the operand on one device
-``collective-permute``   B                   the operand (bytes received)
-``collective-broadcast`` B                   the operand (bytes a non-source
-                                             device receives)
-=======================  ==================  ================================
+========================  ==================  ================================
+kind                      bytes per device    ``B`` is
+========================  ==================  ================================
+``all-gather``            (N-1)/N * B         the result (the gathered array)
+``reduce-scatter``        (N-1)/N * B         the operand (N times the result)
+``all-reduce``            2 (N-1)/N * B       the operand (= the result)
+``all-to-all``            (N-1)/N * B         the operand on one device
+``collective-permute``    B                   the operand (bytes received)
+``collective-broadcast``  B                   the operand (bytes a non-source
+                                              device receives)
+========================  ==================  ================================
 
 A group of one device (``N = 1``) moves 0 bytes. Ops with several operands
 (a combined, tuple-shaped all-reduce; XLA:CPU's all-to-all, which it splits
@@ -84,6 +84,7 @@ KINDS = (
   'collective-permute',
   'collective-broadcast',
 )
+"""The collective kinds reported, in HLO spelling (``Collective.kind``)."""
 
 # StableHLO op names (``stablehlo.all_gather``) to HLO kinds.
 _STABLEHLO_KINDS = {k.replace('-', '_'): k for k in KINDS}
@@ -1027,3 +1028,18 @@ def dot_flops(
     return total
 
   return float(np.max(cost(entry))) if entry else 0.0
+
+
+__all__ = (
+  'KINDS',
+  'Collective',
+  'HloReport',
+  'NestedCollective',
+  'analyze',
+  'analyze_compiled',
+  'collective_nesting',
+  'dot_flops',
+  'hlo_collectives',
+  'parse_replica_groups',
+  'stablehlo_collectives',
+)

@@ -35,6 +35,15 @@ def muon_labels(
   Returns:
     A tree of the structure of ``params`` with ``'muon'`` or ``'adam'``
     leaves.
+
+  Examples:
+    >>> import jax.numpy as jnp, dmuon_jax
+    >>> params = {'embed': jnp.ones((16, 8)), 'w': jnp.ones((8, 8)),
+    ...           'norm': jnp.ones(8)}
+    >>> dmuon_jax.muon_labels(params)
+    {'embed': 'adam', 'norm': 'adam', 'w': 'muon'}
+    >>> dmuon_jax.muon_labels(params, predicate='optax')  # optax's rule
+    {'embed': 'muon', 'norm': 'adam', 'w': 'muon'}
   """
   specs = _planner.muon_target_specs(
     params,
@@ -331,8 +340,19 @@ def dmuon(
     >>> params = {'w': jnp.ones((4, 8)), 'b': jnp.zeros((8,))}
     >>> opt = dmuon_jax.dmuon(learning_rate=0.02)
     >>> state = opt.init(params)
+    >>> dmuon_jax.muon_labels(params)  # the bias goes to AdamW
+    {'b': 'adam', 'w': 'muon'}
     >>> grads = jax.tree.map(jnp.ones_like, params)
     >>> updates, state = opt.update(grads, state, params)
+    >>> jax.tree.map(jnp.shape, updates)
+    {'b': (8,), 'w': (4, 8)}
+
+    On one device it computes what :func:`optax.contrib.muon` computes:
+
+    >>> ref = optax.contrib.muon(learning_rate=0.02)
+    >>> ref_updates, _ = ref.update(grads, ref.init(params), params)
+    >>> bool(jnp.allclose(updates['w'], ref_updates['w'], atol=1e-6))
+    True
     >>> params = optax.apply_updates(params, updates)
 
   References:

@@ -147,6 +147,16 @@ def resolve_ns_coeffs(
     ValueError: for an unknown preset name, a shape other than ``(3,)`` or
       ``(k, 3)`` with ``k >= 1``, non-finite values, an ``ns_steps`` that is
       not a positive int, or ``ns_steps`` disagreeing with ``k`` rows.
+
+  Examples:
+    >>> import dmuon_jax
+    >>> dmuon_jax.resolve_ns_coeffs('jordan', ns_steps=2)
+    array([[ 3.4445, -4.775 ,  2.0315],
+           [ 3.4445, -4.775 ,  2.0315]])
+    >>> dmuon_jax.resolve_ns_coeffs('you').shape  # five rows, once each
+    (5, 3)
+    >>> dmuon_jax.resolve_ns_coeffs((2.0, -1.5, 0.5)).shape  # 5 by default
+    (5, 3)
   """
   if ns_steps is not None and (not _is_int(ns_steps) or ns_steps < 1):
     raise ValueError(
@@ -388,6 +398,22 @@ def orthogonalize_via_newton_schulz(
       ``preconditioning`` or ``compute_dtype``, or ``x.ndim < 2``.
     TypeError: if ``x`` does not have a real floating dtype.
 
+  Examples:
+    >>> import jax, numpy as np, dmuon_jax
+    >>> x = jax.random.normal(jax.random.key(0), (4, 16))
+    >>> y = dmuon_jax.orthogonalize_via_newton_schulz(x)
+    >>> y.shape, y.dtype
+    ((4, 16), dtype('float32'))
+    >>> s = np.linalg.svd(y, compute_uv=False)  # in 'jordan''s band
+    >>> bool(((0.68 < s) & (s < 1.21)).all())
+    True
+    >>> err = dmuon_jax.orthogonality_error  # 0 for orthonormal rows
+    >>> float(err(y)) < 0.25 < 10 < float(err(x))
+    True
+    >>> stack = x.reshape(2, 4, 8)  # two matrices, each on its own
+    >>> dmuon_jax.orthogonalize_via_newton_schulz(stack, 'you').shape
+    (2, 4, 8)
+
   References:
     Jordan, `Muon <https://kellerjordan.github.io/posts/muon/>`_, 2024
   """
@@ -498,6 +524,16 @@ def orthogonalize_via_gram_newton_schulz(
       ``restart_iterations``, ``preconditioning`` or ``compute_dtype``, or
       ``x.ndim < 2``.
     TypeError: if ``x`` does not have a real floating dtype.
+
+  Examples:
+    >>> import jax, numpy as np, dmuon_jax
+    >>> x = jax.random.normal(jax.random.key(0), (4, 16))
+    >>> y = dmuon_jax.orthogonalize_via_gram_newton_schulz(x)
+    >>> y.shape
+    (4, 16)
+    >>> direct = dmuon_jax.orthogonalize_via_newton_schulz(x)
+    >>> bool(np.allclose(y, direct, atol=1e-5))  # the same polynomial
+    True
 
   References:
     Dao, Zhang, Amsel & Chen, `Gram Newton-Schulz
@@ -640,6 +676,16 @@ def orthogonality_error(x: jax.typing.ArrayLike) -> jax.Array:
 
   Returns:
     A float32 array (float64 for float64 inputs) of shape ``x.shape[:-2]``.
+
+  Examples:
+    >>> import jax.numpy as jnp, dmuon_jax
+    >>> eye = jnp.eye(4, 16)  # orthonormal rows
+    >>> float(dmuon_jax.orthogonality_error(eye))
+    0.0
+    >>> float(dmuon_jax.orthogonality_error(2 * eye))  # 2**2 - 1
+    3.0
+    >>> dmuon_jax.orthogonality_error(jnp.stack([eye, 2 * eye])).tolist()
+    [0.0, 3.0]
   """
   x = jnp.asarray(x)
   if x.ndim < 2:

@@ -51,8 +51,9 @@ class OwnerLayout:
   """How an optimizer state's Muon buffers are laid out (static, hashable).
 
   Attributes:
-    groups: one :class:`Layout` per group of buffers: the whole plan for
-      ``dmuon``, one per gather group in dedicated mode.
+    groups: one ``Layout`` per group of buffers (its owner ``plan``, the
+      order of its matrices in the buffers, their dtypes and TP splits): the
+      whole plan for ``dmuon``, one per gather group in dedicated mode.
     iterations: per group, 0, or the number of scan iterations of a scanned
       stack (buffers ``(iterations, num_slots * local)``; iteration ``t``
       holds the group's layout rotated by ``t`` slots).
@@ -61,7 +62,9 @@ class OwnerLayout:
     tp_axis: the tensor-parallel axis (None without TP).
     tp_size: its size (1 without TP).
     mesh: the ``AbstractMesh`` the buffers live on (None: one device).
-    leaves: the Muon targets (:class:`TargetLeaf`), in leaf order.
+    leaves: the Muon targets, in leaf order: ``TargetLeaf`` records with
+      the leaf's ``index``, ``path``, whole ``shape``, ``dtype``, layout
+      ``group`` and ``tp_dim`` (the dimension the TP axis splits, or None).
     param_entries: per target leaf, its sharding on the whole mesh as
       per-dimension axis tuples (size-1 axes dropped), or None where it was
       not known when the layout was built.
@@ -69,6 +72,20 @@ class OwnerLayout:
       per scan iteration (1 for loop groups).
     kind: ``'dmuon'`` (momentum of ``scale_by_dmuon``) or ``'dedicated'``
       (owner-stored params and their momentum).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax
+    >>> mesh = jax.make_mesh((1,), ('data',), devices=jax.devices()[:1])
+    >>> params = {'layers_0': {'w': jnp.ones((4, 8))},
+    ...           'layers_1': {'w': jnp.ones((8, 8))}}
+    >>> state = dmuon_jax.dmuon(0.02, mesh=mesh).init(params)
+    >>> (layout,) = dmuon_jax.owner_layouts(state)
+    >>> layout.kind, layout.buffer_axes, layout.num_slots
+    ('dmuon', ('data',), 1)
+    >>> [leaf.path for leaf in layout.leaves]
+    ['layers_0/w', 'layers_1/w']
+    >>> print(layout.summary().splitlines()[0])  # doctest: +ELLIPSIS
+    OwnerLayout dmuon_data1_...: 2 Muon leaves, 1 owner slot(s) over ('data',)
   """
 
   groups: tuple[Layout, ...]
@@ -85,6 +102,7 @@ class OwnerLayout:
 
   @property
   def num_slots(self) -> int:
+    """Number of owner slots: the product of ``buffer_sizes`` (1 if none)."""
     return int(np.prod(self.buffer_sizes)) if self.buffer_sizes else 1
 
   @property
@@ -402,6 +420,17 @@ class OwnerBuffers:
   Attributes:
     buffers: the flat buffers, in the layout's buffer order.
     layout: the :class:`OwnerLayout`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax
+    >>> mu = dmuon_jax.scale_by_dmuon().init({'w': jnp.ones((4, 8))}).mu
+    >>> mu  # doctest: +ELLIPSIS
+    OwnerBuffers(dmuon_...: float32[32])
+    >>> [b.shape for b in mu.buffers], mu.layout.num_slots
+    ([(32,)], 1)
+    >>> other = dmuon_jax.scale_by_dmuon().init({'w': jnp.ones((8, 4))}).mu
+    >>> jax.tree.structure(mu) == jax.tree.structure(other)  # other layout
+    False
   """
 
   __slots__ = ('buffers', 'layout')

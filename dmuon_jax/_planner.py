@@ -153,11 +153,26 @@ def default_muon_predicate(path: str, leaf: Any) -> bool:
   by default: give them explicit ``MuonDimensionNumbers``.
 
   Args:
-    path: the leaf's path, as given by :func:`normalize_path`.
+    path: the leaf's path, ``'/'``-joined (``'layers/0/attn/q/kernel'``;
+      flax nnx's trailing ``.value`` dropped).
     leaf: the leaf (anything with a ``shape``).
 
   Returns:
     True if the leaf should be optimized with Muon.
+
+  Examples:
+    >>> import jax.numpy as jnp, dmuon_jax
+    >>> w = jnp.ones((8, 8))
+    >>> dmuon_jax.default_muon_predicate('layers/0/mlp/up/kernel', w)
+    True
+    >>> dmuon_jax.default_muon_predicate('embed/embedding', w)
+    False
+    >>> dmuon_jax.default_muon_predicate('head/kernel', w)  # a top-level head
+    False
+    >>> dmuon_jax.default_muon_predicate('layers/0/attention/output/kernel', w)
+    True
+    >>> dmuon_jax.default_muon_predicate('layers/0/mlp/up/bias', jnp.ones(8))
+    False
   """
   shape = np.shape(leaf)
   if len(shape) != 2 or min(shape) <= 1:
@@ -376,6 +391,18 @@ class OwnerGroup:
     iteration_owner: the slot that runs the ``g x g`` iteration.
     iteration_cost: its predicted FLOPs.
     distinct: whether every slice has its own owner (``owner_groups=k``).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax
+    >>> params = {'w': jax.ShapeDtypeStruct((256, 64), jnp.float32)}
+    >>> plan = dmuon_jax.plan_ownership(params, {'data': 2}, owner_groups=2)
+    >>> (group,) = plan.groups
+    >>> group.shape, group.gram_size, group.units
+    ((256, 64), 64, (0, 1))
+    >>> [plan.units[u].shape for u in group.units]  # the long side halved
+    [(128, 64), (128, 64)]
+    >>> [plan.owners[u] for u in group.units], group.iteration_owner
+    ([0, 1], 0)
   """
 
   leaf_index: int
@@ -406,15 +433,31 @@ class OwnershipPlan:
     mesh_shape: the sizes of those axes.
     num_leaves: number of leaves of the params tree (targets or not).
     leaves: the Muon-target leaves, in leaf order.
-    units: all matrices, in leaf order, then batch index row-major.
+    units: all matrices, in leaf order, then batch index row-major; each
+      has a ``path``, ``batch_index``, ``shape`` ``(fan_in, fan_out)``,
+      predicted Newton–Schulz ``cost`` (FLOPs) and ``nbytes``.
     owners: owner slot of each unit.
     groups: the owner groups (:class:`OwnerGroup`): matrices whose slices
       are units owned by several slots; empty when every unit is a whole
       matrix.
+    group_axis_name: the owner axis the groups' slices range over; None
+      means the innermost owner axis.
     routing: the one-line routing summary of the params tree the plan was
       built from (Muon and AdamW leaves and elements, and the leaves
       ``optax.contrib.muon`` routes otherwise), as :func:`dmuon_jax.dmuon`
       logs it on its first ``init``; empty when unknown. Not compared.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax
+    >>> w = jax.ShapeDtypeStruct((32, 32), jnp.float32)
+    >>> params = {f'layers_{i}': {'w': w} for i in range(3)}
+    >>> plan = dmuon_jax.plan_ownership(params, {'replicate': 2, 'shard': 2})
+    >>> plan.num_slots, plan.slot_coords(3)  # slot 3 is replicate=1, shard=1
+    (4, (1, 1))
+    >>> plan.owners, plan.units_of(2)  # one matrix each, slot 3 idle
+    ((0, 1, 2), (2,))
+    >>> print(plan.summary().splitlines()[0])
+    OwnershipPlan: 3 matrices in 3 leaves on 4 slots, mesh replicate=2 shard=2
   """
 
   axis_names: tuple[str, ...]
@@ -991,8 +1034,9 @@ def muon_target_specs(
       leaves. Only shapes and dtypes are read.
     predicate: (optional) ``'optax'`` or ``(path, leaf) -> bool``, ``path``
       as given by :func:`normalize_path`.
-    weight_dimension_numbers: (optional) see
-      :func:`resolve_dimension_numbers`.
+    weight_dimension_numbers: (optional) ``MuonDimensionNumbers`` for
+      every leaf, a tree (prefix) of them or a callable returning one, as
+      ``muon_weight_dimension_numbers`` of :func:`dmuon_jax.dmuon`.
     dims_arg: the name of ``weight_dimension_numbers`` in the caller's API,
       for messages.
 
@@ -1482,10 +1526,12 @@ def plan_ownership(
 ) -> OwnershipPlan:
   """Assigns every Muon matrix of ``params`` to exactly one owner slot.
 
-  Leaves are routed with :func:`muon_target_specs`; each matrix inside a
+  Leaves are routed to Muon as :func:`dmuon_jax.dmuon` routes them
+  (``predicate``, ``weight_dimension_numbers``); each matrix inside a
   stacked leaf (``(L, m, n)``, ``(L, E, m, n)``, ...) is its own unit. Units
   are balanced by longest-processing-time-first on the predicted
-  Newton–Schulz cost, spreading matrices of one layer (see :func:`layer_key`)
+  Newton–Schulz cost, spreading matrices of one layer (the path up to its
+  block boundary, such as ``layers/3``, or the scanned layer of a stack)
   over different owners whenever that does not increase the makespan. The
   makespan is at most ``total / num_slots + max cost`` (Graham's bound). No
   divisibility of shapes or counts by the mesh is needed.
@@ -1501,11 +1547,12 @@ def plan_ownership(
       over; None for all. They are kept in mesh order.
     predicate: (optional) ``(path, leaf) -> bool`` selecting Muon targets,
       or ``'optax'``, as for :func:`dmuon_jax.dmuon`.
-    weight_dimension_numbers: (optional) see
-      :func:`resolve_dimension_numbers`.
+    weight_dimension_numbers: (optional) ``MuonDimensionNumbers`` for
+      every leaf, a tree (prefix) of them or a callable returning one, as
+      ``muon_weight_dimension_numbers`` of :func:`dmuon_jax.dmuon`.
     ns_steps: Newton–Schulz iterations, for the default cost model.
     cost_fn: (optional) ``(fan_in, fan_out) -> float`` replacing the default
-      cost model :func:`ns_cost`.
+      cost model (the matmul FLOPs of the Newton–Schulz form that runs).
     ns_algorithm: (optional, default ``'auto'``) the Newton–Schulz form the
       optimizer runs, for the default cost model: ``'auto'`` (the cheaper
       form per shape, as :func:`dmuon_jax.dmuon`'s default), ``'standard'``
@@ -1525,10 +1572,13 @@ def plan_ownership(
     An :class:`OwnershipPlan`.
 
   Raises:
-    ValueError: for invalid targets (see :func:`muon_target_specs`), unknown
+    ValueError: for invalid targets (not a floating-point matrix of rank
+      >= 2, of rank > 2 without dimension numbers, or with dimension numbers
+      invalid for its shape), unknown
       ``axis_names`` or a negative or non-finite cost.
 
-  Example (shapes only; a mapping stands in for the mesh):
+  Examples:
+    Shapes only; a mapping stands in for the mesh:
 
     >>> import jax, jax.numpy as jnp, dmuon_jax
     >>> params = {

@@ -31,8 +31,9 @@ def orthogonalize_via_gram_newton_schulz_tp(
   r"""Gram Newton–Schulz of a TP-sharded matrix, inside ``shard_map``.
 
   The result is this shard's slice of the Newton–Schulz polynomial of the
-  whole matrix (the same polynomial as :func:`dmuon_jax.
-  orthogonalize_via_newton_schulz` with Frobenius normalization).
+  whole matrix (the same polynomial as
+  :func:`dmuon_jax.orthogonalize_via_newton_schulz` with Frobenius
+  normalization).
 
   Formulation: with ``X`` arranged so that the split dimension is the last
   one, ``X = [X_1 | ... | X_T]``, the Gram of the unsplit dimension is
@@ -81,7 +82,8 @@ def orthogonalize_via_gram_newton_schulz_tp(
     >>> import functools, jax, numpy as np
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
     >>> import dmuon_jax
-    >>> mesh = jax.make_mesh((2,), ('model',), devices=jax.devices()[:2])
+    >>> devices = jax.devices()[:2]  # a TP axis of 2, or 1 on one device
+    >>> mesh = jax.make_mesh((len(devices),), ('model',), devices=devices)
     >>> column = P(None, 'model')  # columns split over 'model'
     >>> ns = jax.shard_map(functools.partial(
     ...     dmuon_jax.orthogonalize_via_gram_newton_schulz_tp,

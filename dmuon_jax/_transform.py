@@ -65,7 +65,30 @@ def warn_once(key: tuple[str, str], message: str) -> None:
 
 
 class ScaleByDMuonState(NamedTuple):
-  """State for :func:`dmuon_jax.scale_by_dmuon`."""
+  """State for :func:`dmuon_jax.scale_by_dmuon`.
+
+  The step count and the Muon momentum, laid out by owner: each device's
+  block of ``mu`` holds the momentum of the matrices it owns only. The
+  layout (owner plan, buffer order, tensor-parallel split, the params'
+  shardings) is static metadata of ``mu``, so ``update``, checkpoints
+  (:mod:`dmuon_jax.checkpoint`) and :func:`dmuon_jax.owner_layouts` read it
+  from the state itself.
+
+  Attributes:
+    count: the number of updates applied, an ``int32`` scalar.
+    mu: the momentum, an :class:`dmuon_jax.OwnerBuffers` (flat buffers, one
+      per dtype, sharded over the owner axes, and their
+      :class:`dmuon_jax.OwnerLayout`).
+
+  Examples:
+    >>> import jax.numpy as jnp, dmuon_jax
+    >>> tx = dmuon_jax.scale_by_dmuon()
+    >>> state = tx.init({'w': jnp.ones((4, 8))})
+    >>> type(state).__name__, int(state.count)
+    ('ScaleByDMuonState', 0)
+    >>> [b.shape for b in state.mu.buffers]  # one slot: all 32 elements
+    [(32,)]
+  """
 
   count: jax.Array  # shape=(), dtype=int32
   # The Muon momentum in owner buffers; their layout (owner plan, buffer
@@ -904,6 +927,17 @@ def scale_by_shape(
 
   Returns:
     A stateless :class:`optax.GradientTransformation`.
+
+  Examples:
+    >>> import jax.numpy as jnp, dmuon_jax
+    >>> tx = dmuon_jax.scale_by_shape()
+    >>> updates = {'tall': jnp.ones((8, 2)), 'wide': jnp.ones((2, 8))}
+    >>> scaled, _ = tx.update(updates, tx.init(updates))
+    >>> float(scaled['tall'][0, 0]), float(scaled['wide'][0, 0])  # sqrt(4)
+    (1.0, 2.0)
+    >>> tx = dmuon_jax.scale_by_shape(consistent_rms=0.2)
+    >>> round(float(tx.update(updates, tx.init(updates))[0]['wide'][0, 0]), 4)
+    0.5657
   """
 
   def update_fn(updates, state, params=None):
@@ -932,7 +966,7 @@ def owner_layouts(opt_state: Any) -> list[_owner_layout.OwnerLayout]:
 
   Returns:
     One :class:`dmuon_jax.OwnerLayout` per owner-buffer tree, in tree order;
-    ``layout.summary()`` and ``layout.plan`` describe each.
+    ``layout.summary()`` and ``layout.plans`` describe each.
 
   Examples:
     >>> import jax.numpy as jnp, dmuon_jax

@@ -60,6 +60,10 @@ from jax.sharding import PartitionSpec as P
 from dmuon_jax import _dedicated, _mesh, _owner_layout, _transform
 
 COMMIT_MARKER = 'commit_success.txt'
+"""The file orbax writes into a step directory when its save is committed.
+
+:func:`complete_steps` counts a step only if its directory holds it.
+"""
 
 
 class CheckpointDamagedError(ValueError):

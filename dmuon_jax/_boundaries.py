@@ -29,6 +29,19 @@ class HookBoundaries:
       over a leading layer axis: one gather per scan iteration).
     paths: the Muon targets' paths, in leaf order.
     of_target: for each of ``paths``, the index of its boundary in ``names``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax
+    >>> w = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+    >>> stack = jax.ShapeDtypeStruct((3, 8, 8), jnp.float32)  # 3 layers
+    >>> params = {'layers_0': {'q': w}, 'scan': {'q': stack}}
+    >>> MDN = dmuon_jax.MuonDimensionNumbers
+    >>> dims = {'layers_0': {'q': MDN()}, 'scan': {'q': MDN(1, 2)}}
+    >>> b = dmuon_jax.find_hook_boundaries(params, weight_dimension_numbers=dims)
+    >>> b.names, b.scanned  # a loop block, and a stack gathered per layer
+    (('layers_0', 'scan'), (False, True))
+    >>> b.paths, b.of_target
+    (('layers_0/q', 'scan/q'), (0, 1))
   """
 
   names: tuple[str, ...]
@@ -119,6 +132,30 @@ def find_hook_boundaries(
 
   Raises:
     ValueError: in strict mode, naming every target without a boundary.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax
+    >>> w = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+    >>> params = {'embed': w, 'layers_0': {'q': w, 'o': w},
+    ...           'layers_1': {'q': w, 'o': w}, 'mlp': {'w': w}}
+    >>> dmuon_jax.find_hook_boundaries(params)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: dmuon: 1 Muon target(s) have no hook boundary: ['mlp/w']. ...
+    >>> b = dmuon_jax.find_hook_boundaries(params, strict=False)
+    >>> b.names
+    ('layers_0', 'layers_1', 'mlp/w')
+    >>> b.paths  # the embedding goes to AdamW
+    ('layers_0/o', 'layers_0/q', 'layers_1/o', 'layers_1/q', 'mlp/w')
+    >>> b.of_target
+    (0, 0, 1, 1, 2)
+
+    A custom rule, e.g. for blocks named without an index:
+
+    >>> vit = {'enc_a': {'attn': {'q': w}, 'mlp': {'up': w}},
+    ...        'enc_b': {'attn': {'q': w}, 'mlp': {'up': w}}}
+    >>> dmuon_jax.find_hook_boundaries(
+    ...     vit, boundary_predicate=lambda path, sub: 'attn' in sub).names
+    ('enc_a', 'enc_b')
   """
   specs = _planner.muon_target_specs(
     params,

@@ -42,6 +42,19 @@ class DedicatedParams(NamedTuple):
       owner axes so that a device's block holds exactly the matrices it
       owns; their layout is the dedication's.
     rest: the params tree with every Muon target replaced by None.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax
+    >>> params = {'layers_0': {'w': jnp.ones((4, 8)), 'b': jnp.zeros(8)}}
+    >>> ded = dmuon_jax.dedicate(params, None)  # None: one device
+    >>> dp = ded.to_dedicated(params)
+    >>> dp.owned  # doctest: +ELLIPSIS
+    OwnerBuffers(dmuon_...: float32[32])
+    >>> dp.rest['layers_0']['w'] is None, dp.rest['layers_0']['b'].shape
+    (True, (8,))
+    >>> back = ded.to_params(dp)
+    >>> bool((back['layers_0']['w'] == params['layers_0']['w']).all())
+    True
   """
 
   owned: _owner_layout.OwnerBuffers
@@ -91,6 +104,20 @@ class Dedication:
     ns_algorithm: the Newton–Schulz form the plan's costs assume and
       :func:`dedicated_muon` runs for matrices not split by TP (``'auto'``:
       the cheaper per shape).
+
+  Examples:
+    >>> import jax.numpy as jnp, dmuon_jax
+    >>> params = {f'layers_{i}': {'w': jnp.ones((8, 8)), 'b': jnp.zeros(8)}
+    ...           for i in range(2)}
+    >>> ded = dmuon_jax.dedicate(params, None, layers_per_gather=2)
+    >>> ded.boundaries.names, ded.groups  # both blocks in one gather group
+    (('layers_0', 'layers_1'), ((0, 1),))
+    >>> ded.num_slots, ded.layers_per_gather_choice, ded.reshard_after_forward
+    (1, 'given', True)
+    >>> ded.gather_bytes()  # (payload, gathered): no padding on one slot
+    (512, 512)
+    >>> print(ded.summary().splitlines()[0])  # doctest: +ELLIPSIS
+    Dedicated ownership (Z3) on 1 slots, buffer axes (), 2 layer(s) per ...
   """
 
   plan: _planner.OwnershipPlan
@@ -1002,6 +1029,15 @@ class DedicatedMuonState(NamedTuple):
     count: the step count.
     mu: the momentum, laid out like ``DedicatedParams.owned`` (the same
       :class:`dmuon_jax.OwnerLayout`).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax
+    >>> params = {'layers_0': {'w': jnp.ones((4, 8)), 'b': jnp.zeros(8)}}
+    >>> ded = dmuon_jax.dedicate(params, None)  # None: one device
+    >>> dp = ded.to_dedicated(params)
+    >>> state = dmuon_jax.scale_by_dedicated_muon(ded).init(dp.owned)
+    >>> int(state.count), state.mu.layout == dp.owned.layout
+    (0, True)
   """
 
   count: jax.Array
@@ -1089,6 +1125,20 @@ def scale_by_dedicated_muon(
 
   Returns:
     A :class:`optax.GradientTransformation` on ``owned`` buffers.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax
+    >>> params = {'layers_0': {'w': jnp.ones((4, 8)), 'b': jnp.zeros(8)}}
+    >>> ded = dmuon_jax.dedicate(params, None)  # None: one device
+    >>> dp = ded.to_dedicated(params)
+    >>> tx = dmuon_jax.scale_by_dedicated_muon(ded)
+    >>> state = tx.init(dp.owned)
+    >>> grads = jax.tree.map(jnp.ones_like, dp.owned)
+    >>> updates, state = tx.update(grads, state, dp.owned)
+    >>> updates  # doctest: +ELLIPSIS
+    OwnerBuffers(dmuon_...: float32[32])
+    >>> int(state.count)
+    1
   """
   hp = _owner_update.make_hyperparams(
     beta=beta,
@@ -1318,6 +1368,25 @@ def dedicated_muon(
 
   Returns:
     A :class:`optax.GradientTransformation` on :class:`DedicatedParams`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax
+    >>> params = {'layers_0': {'w': jnp.ones((4, 8)), 'b': jnp.zeros(8)}}
+    >>> ded = dmuon_jax.dedicate(params, None)  # None: one device
+    >>> dp = ded.to_dedicated(params)
+    >>> opt = dmuon_jax.dedicated_muon(ded, learning_rate=0.02)
+    >>> state = opt.init(dp)
+    >>> grads = jax.tree.map(jnp.ones_like, dp)  # gradients in owner layout
+    >>> updates, state = opt.update(grads, state, dp)
+
+    The same numbers as :func:`dmuon_jax.dmuon` on the plain params:
+
+    >>> ref = dmuon_jax.dmuon(learning_rate=0.02)
+    >>> ones = jax.tree.map(jnp.ones_like, params)
+    >>> ref_updates, _ = ref.update(ones, ref.init(params), params)
+    >>> plain = ded.to_params(updates)
+    >>> jax.tree.all(jax.tree.map(jnp.array_equal, plain, ref_updates))
+    True
   """
   _owner_update.check_nonfinite(nonfinite)
   _hyperparams.check_adam(

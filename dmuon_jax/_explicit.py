@@ -48,9 +48,27 @@ def local_value_and_grad(
     value yourself (e.g. ``jax.lax.pmean(loss, axis_names)``) for logging.
 
   Examples:
-    >>> # inside jax.shard_map(..., in_specs=(P(), state_specs, P(axes))):
-    >>> # loss, grads = dmuon_jax.local_value_and_grad(loss_fn)(params, batch)
-    >>> # updates, opt_state = opt.update(grads, opt_state, params)
+    In a train step, ``opt.update(grads, ...)`` then reduces the per-device
+    gradients itself. Here the per-device gradients come out of
+    ``shard_map`` unreduced, one per device:
+
+    >>> import functools, jax, jax.numpy as jnp, dmuon_jax
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> devices = jax.devices()[:2]
+    >>> mesh = jax.make_mesh((len(devices),), ('data',), devices=devices)
+    >>> loss_fn = lambda w, x: jnp.mean((x @ w) ** 2)
+    >>> @functools.partial(jax.shard_map, mesh=mesh,
+    ...                    in_specs=(P(), P('data')), out_specs=P('data'))
+    ... def per_device_grads(w, x):
+    ...   loss, grads = dmuon_jax.local_value_and_grad(loss_fn)(w, x)
+    ...   return grads[None]
+    >>> w, data = jnp.ones((4, 2)), NamedSharding(mesh, P('data'))
+    >>> x = jnp.arange(8.0 * len(devices)).reshape(-1, 4)  # 2 rows per device
+    >>> grads = per_device_grads(w, jax.device_put(x, data))
+    >>> grads.shape == (len(devices), 4, 2)
+    True
+    >>> bool(jnp.allclose(grads.mean(0), jax.grad(loss_fn)(w, x)))
+    True
   """
 
   def wrapped(*args, **kwargs):
@@ -87,6 +105,24 @@ def mean_over_devices(
 
   Returns:
     A stateless :class:`optax.GradientTransformation`.
+
+  Examples:
+    >>> import functools, jax, jax.numpy as jnp, dmuon_jax
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> tx = dmuon_jax.mean_over_devices()
+    >>> grads = {'b': jnp.arange(3.0)}
+    >>> tx.update(grads, tx.init(grads))[0]  # outside shard_map: unchanged
+    {'b': Array([0., 1., 2.], dtype=float32)}
+    >>> devices = jax.devices()[:2]
+    >>> mesh = jax.make_mesh((len(devices),), ('data',), devices=devices)
+    >>> @functools.partial(jax.shard_map, mesh=mesh,
+    ...                    in_specs=P('data'), out_specs=P())
+    ... def averaged(b):
+    ...   return tx.update({'b': b}, tx.init({'b': b}))[0]['b']
+    >>> b = jnp.arange(3.0 * len(devices))  # device i holds b[3 i : 3 i + 3]
+    >>> out = averaged(jax.device_put(b, NamedSharding(mesh, P('data'))))
+    >>> bool(jnp.allclose(out, b.reshape(-1, 3).mean(0)))
+    True
   """
 
   def update_fn(updates, state, params=None):

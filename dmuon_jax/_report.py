@@ -19,9 +19,28 @@ NO_MUON_MSG = (
 
 
 class DMuonWarning(UserWarning):
-  """A warning that dmuon does less than it could: it communicates more
-  than needed, or routes no leaf to Muon (the message says why and what to
-  do)."""
+  """A warning that dmuon does less than it could.
+
+  Raised (with :func:`warnings.warn`) when the optimizer communicates more
+  than needed (params sharded along a stack axis gathered whole, shardings
+  ``init`` could not see treated as replicated) or routes no leaf to Muon.
+  The message says why and what to pass instead. It is a ``UserWarning``;
+  ``warnings.simplefilter('error', dmuon_jax.DMuonWarning)`` makes it an
+  error, e.g. in tests.
+
+  Attributes:
+    args: a 1-tuple holding the message.
+
+  Examples:
+    >>> import warnings, jax.numpy as jnp, dmuon_jax
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter('always')
+    ...   _ = dmuon_jax.dmuon(0.02).init({'bias': jnp.zeros(8)})  # no matrix
+    >>> [w.category.__name__ for w in caught]
+    ['DMuonWarning']
+    >>> print(caught[0].message.args[0][:47])
+    dmuon: no leaf goes to Muon, so every leaf is u
+  """
 
 
 def report_routing(routing: _planner.Routing) -> None:

@@ -37,7 +37,8 @@ class HookBoundaries:
     >>> params = {'layers_0': {'q': w}, 'scan': {'q': stack}}
     >>> MDN = dmuon_jax.MuonDimensionNumbers
     >>> dims = {'layers_0': {'q': MDN()}, 'scan': {'q': MDN(1, 2)}}
-    >>> b = dmuon_jax.find_hook_boundaries(params, weight_dimension_numbers=dims)
+    >>> b = dmuon_jax.find_hook_boundaries(
+    ...     params, weight_dimension_numbers=dims)
     >>> b.names, b.scanned  # a loop block, and a stack gathered per layer
     (('layers_0', 'scan'), (False, True))
     >>> b.paths, b.of_target

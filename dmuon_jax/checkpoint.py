@@ -82,6 +82,29 @@ class CheckpointDamagedError(ValueError):
     file: the file that could not be read (the step's directory where
       orbax does not say which file).
     directory: the checkpoint root directory.
+
+  Examples:
+    >>> import pathlib, tempfile, warnings, jax.numpy as jnp, dmuon_jax
+    >>> from dmuon_jax import checkpoint
+    >>> params = {'layers_0': {'w': jnp.ones((4, 8)), 'b': jnp.zeros(8)}}
+    >>> opt = dmuon_jax.dmuon(0.02)
+    >>> state = opt.init(params)
+    >>> with tempfile.TemporaryDirectory() as directory:
+    ...   for step in (1, 2):
+    ...     _ = checkpoint.save(directory, step, params, state, opt=opt)
+    ...   metadata = pathlib.Path(directory, '2', 'default', '_METADATA')
+    ...   _ = metadata.write_bytes(b'garbage')  # damaged after the save
+    ...   try:
+    ...     checkpoint.restore(directory, params, opt)
+    ...   except checkpoint.CheckpointDamagedError as e:
+    ...     print(e.step, e.file.name)
+    ...   with warnings.catch_warnings(record=True):  # it warns, naming step 2
+    ...     warnings.simplefilter('always')
+    ...     step, _, _ = checkpoint.restore(directory, params, opt,
+    ...                                     if_damaged='older')
+    2 _METADATA
+    >>> step
+    1
   """
 
   def __init__(self, message: str, *, step: int, file, directory):
@@ -98,6 +121,17 @@ class PortableDMuonState(NamedTuple):
     count: the step count.
     mu: each Muon target's momentum in its param's shape, as a nested dict
       by param path (``{'layers': {'0': {'w': ...}}}``).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax
+    >>> from dmuon_jax import checkpoint
+    >>> params = {'layers_0': {'w': jnp.ones((4, 8))}}
+    >>> state = dmuon_jax.scale_by_dmuon().init(params)
+    >>> portable = checkpoint.state_to_portable(state)
+    >>> type(portable).__name__, int(portable.count)
+    ('PortableDMuonState', 0)
+    >>> jax.tree.map(jnp.shape, portable.mu)  # param shapes, by param path
+    {'layers_0': {'w': (4, 8)}}
   """
 
   count: jax.Array
@@ -180,6 +214,18 @@ def state_to_portable(opt_state: Any) -> Any:
     :class:`PortableDMuonState`: the momentum of each Muon target in its
     param's shape, sharded like the param where the layout knows it (else
     replicated). Everything else is unchanged.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax
+    >>> from dmuon_jax import checkpoint
+    >>> params = {'layers_0': {'w': jnp.ones((4, 8)), 'b': jnp.zeros(8)}}
+    >>> state = dmuon_jax.dmuon(0.02).init(params)
+    >>> portable = checkpoint.state_to_portable(state)
+    >>> is_portable = lambda x: isinstance(x, checkpoint.PortableDMuonState)
+    >>> (muon,) = [x for x in jax.tree.leaves(portable, is_leaf=is_portable)
+    ...            if is_portable(x)]
+    >>> jax.tree.map(jnp.shape, muon.mu)  # the Muon momentum, param-shaped
+    {'layers_0': {'w': (4, 8)}}
   """
   leaves, treedef = jax.tree.flatten(opt_state, is_leaf=_is_state)
   out = [
@@ -253,6 +299,26 @@ def state_from_portable(portable: Any, target_state: Any) -> Any:
 
   Raises:
     ValueError: if the two trees differ (names the leaves).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax
+    >>> from dmuon_jax import checkpoint
+    >>> params = {'layers_0': {'w': jnp.ones((4, 8))}}
+    >>> tx = dmuon_jax.scale_by_dmuon()
+    >>> state = tx.init(params)
+    >>> _, state = tx.update({'layers_0': {'w': jnp.eye(4, 8)}}, state, params)
+    >>> portable = checkpoint.state_to_portable(state)
+
+    Into a state of another layout (here: of a one-device ``'data'`` mesh):
+
+    >>> mesh = jax.make_mesh((1,), ('data',), devices=jax.devices()[:1])
+    >>> target = dmuon_jax.scale_by_dmuon(mesh=mesh).init(params)
+    >>> moved = checkpoint.state_from_portable(portable, target)
+    >>> moved.mu.layout == target.mu.layout != state.mu.layout
+    True
+    >>> back = checkpoint.state_to_portable(moved)
+    >>> bool((back.mu['layers_0']['w'] == portable.mu['layers_0']['w']).all())
+    True
   """
   conv_leaves = jax.tree.leaves(portable, is_leaf=_is_state)
   tgt_leaves, treedef = jax.tree.flatten(target_state, is_leaf=_is_state)
@@ -329,6 +395,25 @@ def complete_steps(directory) -> list[int]:
   rename of the temporary directory, or as the last file on file systems
   without atomic rename). Temporary (``*.orbax-checkpoint-tmp-*``) or
   unfinished step directories are ignored.
+
+  Args:
+    directory: the checkpoint root directory (a ``str`` or ``os.PathLike``).
+
+  Returns:
+    The complete steps, ascending; ``[]`` if there are none or
+    ``directory`` does not exist.
+
+  Examples:
+    >>> import pathlib, tempfile
+    >>> from dmuon_jax import checkpoint
+    >>> with tempfile.TemporaryDirectory() as directory:
+    ...   root = pathlib.Path(directory)
+    ...   for step in (10, 2, 7):
+    ...     (root / str(step)).mkdir()
+    ...   for step in (10, 2):  # step 7's save never committed
+    ...     _ = (root / str(step) / checkpoint.COMMIT_MARKER).write_text('')
+    ...   checkpoint.complete_steps(directory)
+    [2, 10]
   """
   path = pathlib.Path(directory)
   if not path.is_dir():
@@ -345,7 +430,26 @@ def complete_steps(directory) -> list[int]:
 
 
 def latest_step(directory) -> int | None:
-  """The latest complete step under ``directory``, or None."""
+  """The latest complete step under ``directory``, or None.
+
+  Args:
+    directory: the checkpoint root directory (a ``str`` or ``os.PathLike``).
+
+  Returns:
+    The largest of :func:`complete_steps`, or None if there is none.
+
+  Examples:
+    >>> import tempfile, jax.numpy as jnp, dmuon_jax
+    >>> from dmuon_jax import checkpoint
+    >>> params = {'layers_0': {'w': jnp.ones((4, 8)), 'b': jnp.zeros(8)}}
+    >>> state = dmuon_jax.dmuon(0.02).init(params)
+    >>> with tempfile.TemporaryDirectory() as directory:
+    ...   print(checkpoint.latest_step(directory))
+    ...   _ = checkpoint.save(directory, 5, params, state)
+    ...   print(checkpoint.latest_step(directory))
+    None
+    5
+  """
   steps = complete_steps(directory)
   return steps[-1] if steps else None
 
@@ -470,6 +574,17 @@ def save(
       ``opt`` is not an optimizer.
     ValueError: if ``step`` is negative, or ``opt_state`` is not a state of
       ``opt`` (names the first differing leaves).
+
+  Examples:
+    >>> import tempfile, jax.numpy as jnp, dmuon_jax
+    >>> from dmuon_jax import checkpoint
+    >>> params = {'layers_0': {'w': jnp.ones((4, 8)), 'b': jnp.zeros(8)}}
+    >>> opt = dmuon_jax.dmuon(0.02)
+    >>> state = opt.init(params)
+    >>> with tempfile.TemporaryDirectory() as directory:
+    ...   path = checkpoint.save(directory, 3, params, state, opt=opt)
+    ...   print(path.name, checkpoint.complete_steps(directory))
+    3 [3]
   """
   step = _as_step(step, 'save')
   ocp = _ocp()
@@ -627,6 +742,29 @@ def restore(
       the saved tree: names the leaves missing, added, or of another shape;
       if ``directory`` is a step directory; if ``if_damaged`` is unknown.
     TypeError: if ``step`` is not an integer.
+
+  Examples:
+    >>> import tempfile, jax, jax.numpy as jnp, dmuon_jax
+    >>> from dmuon_jax import checkpoint
+    >>> params = {'layers_0': {'w': jnp.ones((4, 8)), 'b': jnp.zeros(8)}}
+    >>> opt = dmuon_jax.dmuon(0.02)
+    >>> state = opt.init(params)
+
+    Restored into an optimizer of another layout (a one-device ``'data'``
+    mesh), the momentum is repacked for it:
+
+    >>> mesh = jax.make_mesh((1,), ('data',), devices=jax.devices()[:1])
+    >>> new_opt = dmuon_jax.dmuon(0.02, mesh=mesh)
+    >>> with tempfile.TemporaryDirectory() as directory:
+    ...   print(checkpoint.restore(directory, params, new_opt))  # no step yet
+    ...   _ = checkpoint.save(directory, 3, params, state, opt=opt)
+    ...   restored = checkpoint.restore(directory, params, new_opt)
+    None
+    >>> step, params, new_state = restored
+    >>> step, params['layers_0']['w'].shape
+    (3, (4, 8))
+    >>> [layout.name[:12] for layout in dmuon_jax.owner_layouts(new_state)]
+    ['dmuon_data1_']
   """
   return _restore(
     directory,
@@ -775,6 +913,17 @@ def save_nnx(
     TypeError: if ``step`` is not an integer (a bool, float or str).
     ValueError: if ``step`` is negative, or the optimizer's state is not a
       state of ``optimizer.tx`` on the model's params (names the leaves).
+
+  Examples:
+    >>> import tempfile, dmuon_jax
+    >>> from flax import nnx
+    >>> from dmuon_jax import checkpoint
+    >>> model = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+    >>> optimizer = nnx.Optimizer(model, dmuon_jax.dmuon(0.02), wrt=nnx.Param)
+    >>> with tempfile.TemporaryDirectory() as directory:
+    ...   path = checkpoint.save_nnx(directory, 1, model, optimizer)
+    ...   print(path.name, checkpoint.latest_step(directory))
+    1 1
   """
   step = _as_step(step, 'save_nnx')
   nnx = _nnx()
@@ -830,6 +979,20 @@ def restore_nnx(
     ValueError: if the model or optimizer does not fit the checkpoint
       (names the leaves).
     TypeError: if ``step`` is not an integer.
+
+  Examples:
+    >>> import tempfile, jax.numpy as jnp, dmuon_jax
+    >>> from flax import nnx
+    >>> from dmuon_jax import checkpoint
+    >>> model = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+    >>> optimizer = nnx.Optimizer(model, dmuon_jax.dmuon(0.02), wrt=nnx.Param)
+    >>> saved = model.kernel[...]
+    >>> with tempfile.TemporaryDirectory() as directory:
+    ...   _ = checkpoint.save_nnx(directory, 1, model, optimizer)
+    ...   model.kernel[...] = jnp.zeros((4, 8))  # changed after the save
+    ...   step = checkpoint.restore_nnx(directory, model, optimizer)
+    >>> step, bool((model.kernel[...] == saved).all())
+    (1, True)
   """
   nnx = _nnx()
   state = nnx.state(model, optimizer.wrt)

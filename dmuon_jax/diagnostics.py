@@ -109,6 +109,34 @@ class Collective:
     in_loop: whether it sits in a ``while`` body or condition, or in a
       computation called from one.
     bytes: bytes per device per execution.
+
+  Examples:
+    >>> import functools, jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> from dmuon_jax import diagnostics
+    >>> devices = jax.devices()[:2]
+    >>> n = len(devices)  # 2, or 1 on a single device
+    >>> mesh = jax.make_mesh((n,), ('data',), devices=devices)
+    >>> def body(i, y):
+    ...   return y + jax.lax.psum(y, 'data')
+    >>> @jax.jit
+    ... @functools.partial(jax.shard_map, mesh=mesh,
+    ...                    in_specs=P('data'), out_specs=P('data'))
+    ... def step(x):  # x: this device's f32[8, 16] block
+    ...   x = x + jax.lax.psum(x, 'data')  # one all-reduce
+    ...   return jax.lax.fori_loop(0, 3, body, x)  # and one per iteration
+    >>> data = NamedSharding(mesh, P('data'))
+    >>> x = jax.device_put(jnp.ones((8 * n, 16)), data)
+    >>> report = diagnostics.analyze(step, x)
+    >>> outside, inside = report.collectives
+    >>> outside.kind, outside.shape, outside.group_size == n
+    ('all-reduce', (8, 16), True)
+    >>> inside.in_loop, inside.executions  # the loop's known trip count
+    (True, 3)
+    >>> inside.bytes == 2 * (n - 1) / n * 8 * 16 * 4  # ring all-reduce
+    True
+    >>> inside.total_bytes == 3 * inside.bytes
+    True
   """
 
   kind: str
@@ -122,7 +150,7 @@ class Collective:
 
   @property
   def total_bytes(self) -> float:
-    """Bytes per device per call of the program: ``bytes * executions``."""
+    """``bytes * executions``: bytes per device per call of the program."""
     return self.bytes * self.executions
 
 
@@ -142,6 +170,33 @@ class HloReport:
     alias_bytes: bytes of outputs aliased to (donated) arguments; None if
       unavailable.
     generated_code_bytes: size of the generated code; None if unavailable.
+
+  Examples:
+    >>> import functools, jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> from dmuon_jax import diagnostics
+    >>> devices = jax.devices()[:2]
+    >>> n = len(devices)  # 2, or 1 on a single device
+    >>> mesh = jax.make_mesh((n,), ('data',), devices=devices)
+    >>> def body(i, y):
+    ...   return y + jax.lax.psum(y, 'data')
+    >>> @jax.jit
+    ... @functools.partial(jax.shard_map, mesh=mesh,
+    ...                    in_specs=P('data'), out_specs=P('data'))
+    ... def step(x):  # x: this device's f32[8, 16] block
+    ...   x = x + jax.lax.psum(x, 'data')  # one all-reduce
+    ...   return jax.lax.fori_loop(0, 3, body, x)  # and one per iteration
+    >>> data = NamedSharding(mesh, P('data'))
+    >>> x = jax.device_put(jnp.ones((8 * n, 16)), data)
+    >>> report = diagnostics.analyze(step, x)
+    >>> report.count_by_kind  # 1 + 3 executions per call
+    {'all-reduce': 4}
+    >>> report.total_bytes('all-reduce') == 4 * 2 * (n - 1) / n * 8 * 16 * 4
+    True
+    >>> report.peak_bytes is not None  # from compiled.memory_analysis()
+    True
+    >>> print(report.summary().splitlines()[1][:35])
+    all-reduce                2       4
   """
 
   collectives: tuple[Collective, ...]
@@ -170,7 +225,7 @@ class HloReport:
 
   @property
   def peak_bytes(self) -> int | None:
-    """Estimated peak memory: arguments + outputs + temporaries - aliases.
+    """The estimated peak memory, arguments + outputs + temporaries - aliases.
 
     None if ``memory_analysis()`` was unavailable.
     """
@@ -243,6 +298,30 @@ def analyze_compiled(compiled: Any) -> HloReport:
 
   Returns:
     An :class:`HloReport`.
+
+  Examples:
+    >>> import functools, jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> from dmuon_jax import diagnostics
+    >>> devices = jax.devices()[:2]
+    >>> n = len(devices)  # 2, or 1 on a single device
+    >>> mesh = jax.make_mesh((n,), ('data',), devices=devices)
+    >>> def body(i, y):
+    ...   return y + jax.lax.psum(y, 'data')
+    >>> @jax.jit
+    ... @functools.partial(jax.shard_map, mesh=mesh,
+    ...                    in_specs=P('data'), out_specs=P('data'))
+    ... def step(x):  # x: this device's f32[8, 16] block
+    ...   x = x + jax.lax.psum(x, 'data')  # one all-reduce
+    ...   return jax.lax.fori_loop(0, 3, body, x)  # and one per iteration
+    >>> data = NamedSharding(mesh, P('data'))
+    >>> x = jax.device_put(jnp.ones((8 * n, 16)), data)
+    >>> compiled = step.lower(x).compile()
+    >>> report = diagnostics.analyze_compiled(compiled)
+    >>> [(c.kind, c.executions) for c in report.collectives]
+    [('all-reduce', 1), ('all-reduce', 3)]
+    >>> report == diagnostics.analyze_compiled(step.lower(x))  # compiled here
+    True
   """
   if isinstance(compiled, jax.stages.Lowered):
     compiled = compiled.compile()
@@ -268,6 +347,17 @@ def analyze(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> HloReport:
 
   Returns:
     An :class:`HloReport`; see :func:`analyze_compiled`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from dmuon_jax import diagnostics
+    >>> matmul = lambda a, b: a @ b
+    >>> a = jax.ShapeDtypeStruct((8, 16), jnp.float32)  # shapes are enough
+    >>> report = diagnostics.analyze(matmul, a, jnp.ones((16, 4)))
+    >>> report.collectives, report.flops  # 2 * 8 * 16 * 4
+    ((), 1024.0)
+    >>> report.argument_bytes, report.output_bytes  # (128 + 64) and 32 f32
+    (768, 128)
   """
   jitted = fn if hasattr(fn, 'lower') else jax.jit(fn)
 
@@ -307,6 +397,15 @@ def parse_replica_groups(
 
   Returns:
     A tuple of groups, each a tuple of device ids.
+
+  Examples:
+    >>> from dmuon_jax import diagnostics
+    >>> diagnostics.parse_replica_groups('[2,4]<=[8]')
+    ((0, 1, 2, 3), (4, 5, 6, 7))
+    >>> diagnostics.parse_replica_groups('[4,2]<=[2,4]T(1,0)')
+    ((0, 4), (1, 5), (2, 6), (3, 7))
+    >>> diagnostics.parse_replica_groups('{}', num_devices=4)
+    ((0, 1, 2, 3),)
   """
   compact = re.sub(r'\s+', '', text)
   m = _IOTA_RE.match(compact)
@@ -667,6 +766,39 @@ def hlo_collectives(
     The collectives, walking from the entry computation through the
     computations it calls (see the module docstring for loops, branches and
     async ops).
+
+  Examples:
+    >>> import functools, jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> from dmuon_jax import diagnostics
+    >>> devices = jax.devices()[:2]
+    >>> n = len(devices)  # 2, or 1 on a single device
+    >>> mesh = jax.make_mesh((n,), ('data',), devices=devices)
+    >>> def body(i, y):
+    ...   return y + jax.lax.psum(y, 'data')
+    >>> @jax.jit
+    ... @functools.partial(jax.shard_map, mesh=mesh,
+    ...                    in_specs=P('data'), out_specs=P('data'))
+    ... def step(x):  # x: this device's f32[8, 16] block
+    ...   x = x + jax.lax.psum(x, 'data')  # one all-reduce
+    ...   return jax.lax.fori_loop(0, 3, body, x)  # and one per iteration
+    >>> data = NamedSharding(mesh, P('data'))
+    >>> x = jax.device_put(jnp.ones((8 * n, 16)), data)
+    >>> text = step.lower(x).compile().as_text()
+    >>> [(c.kind, c.in_loop, c.executions)
+    ...  for c in diagnostics.hlo_collectives(text)]
+    [('all-reduce', False, 1), ('all-reduce', True, 3)]
+
+    Any HLO module text will do, e.g. an all-gather over 2 devices:
+
+    >>> text = '''HloModule m, num_partitions=2
+    ... ENTRY main (x: f32[8]) -> f32[16] {
+    ...   x = f32[8] parameter(0)
+    ...   ROOT g = f32[16] all-gather(x), replica_groups={{0,1}}, dimensions={0}
+    ... }'''
+    >>> (c,) = diagnostics.hlo_collectives(text)
+    >>> c.kind, c.shape, c.group_size, c.bytes  # half of the 16 gathered f32s
+    ('all-gather', (16,), 2, 32.0)
   """
   computations, entry, num_partitions, replica_count = _parse_module(text)
   if num_devices is not None:
@@ -797,6 +929,28 @@ def stablehlo_collectives(
     The collectives in text order, each with ``executions=1``. ``in_loop`` is
     True inside a ``stablehlo.while`` region or in a function called
     (transitively) from one.
+
+  Examples:
+    >>> import functools, jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> from dmuon_jax import diagnostics
+    >>> devices = jax.devices()[:2]
+    >>> n = len(devices)  # 2, or 1 on a single device
+    >>> mesh = jax.make_mesh((n,), ('data',), devices=devices)
+    >>> def body(i, y):
+    ...   return y + jax.lax.psum(y, 'data')
+    >>> @jax.jit
+    ... @functools.partial(jax.shard_map, mesh=mesh,
+    ...                    in_specs=P('data'), out_specs=P('data'))
+    ... def step(x):  # x: this device's f32[8, 16] block
+    ...   x = x + jax.lax.psum(x, 'data')  # one all-reduce
+    ...   return jax.lax.fori_loop(0, 3, body, x)  # and one per iteration
+    >>> data = NamedSharding(mesh, P('data'))
+    >>> x = jax.device_put(jnp.ones((8 * n, 16)), data)
+    >>> lowered = step.trace(x).lower(lowering_platforms=('cuda',))
+    >>> [(c.kind, c.in_loop, c.executions, c.group_size == n)
+    ...  for c in diagnostics.stablehlo_collectives(lowered.as_text())]
+    [('all-reduce', False, 1, True), ('all-reduce', True, 1, True)]
   """
   if num_devices is None:
     partitions = re.search(r'mhlo\.num_partitions\s*=\s*(\d+)', text)
@@ -864,8 +1018,28 @@ def stablehlo_collectives(
 
 
 class NestedCollective(NamedTuple):
-  """A collective and the control flow around it (see
-  :func:`collective_nesting`)."""
+  """A collective and the control flow around it.
+
+  One entry of :func:`collective_nesting`: a collective inside a
+  ``conditional`` runs only on the devices that take its branch, which
+  NCCL, matching collectives by their order, does not allow.
+
+  Attributes:
+    kind: one of :data:`KINDS`.
+    context: the enclosing ``'conditional'`` and ``'while'`` instructions,
+      outermost first; ``()`` at the top level.
+    elements: the number of elements of its result (one execution).
+
+  Examples:
+    >>> from dmuon_jax import diagnostics
+    >>> text = '''HloModule m, num_partitions=2
+    ... ENTRY main (x: f32[8]) -> f32[16] {
+    ...   x = f32[8] parameter(0)
+    ...   ROOT g = f32[16] all-gather(x), replica_groups={{0,1}}, dimensions={0}
+    ... }'''
+    >>> diagnostics.collective_nesting(text)
+    (NestedCollective(kind='all-gather', context=(), elements=16),)
+  """
 
   kind: str
   context: tuple[str, ...]
@@ -889,6 +1063,28 @@ def collective_nesting(compiled: Any) -> tuple[NestedCollective, ...]:
     pairs counted once, by their start): its kind, the enclosing
     ``'conditional'`` and ``'while'`` opcodes, outermost first (``()`` at
     the top level), and the elements of its result (one execution).
+
+  Examples:
+    >>> import functools, jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> from dmuon_jax import diagnostics
+    >>> devices = jax.devices()[:2]
+    >>> n = len(devices)  # 2, or 1 on a single device
+    >>> mesh = jax.make_mesh((n,), ('data',), devices=devices)
+    >>> def body(i, y):
+    ...   return y + jax.lax.psum(y, 'data')
+    >>> @jax.jit
+    ... @functools.partial(jax.shard_map, mesh=mesh,
+    ...                    in_specs=P('data'), out_specs=P('data'))
+    ... def step(x):  # x: this device's f32[8, 16] block
+    ...   x = x + jax.lax.psum(x, 'data')  # one all-reduce
+    ...   return jax.lax.fori_loop(0, 3, body, x)  # and one per iteration
+    >>> data = NamedSharding(mesh, P('data'))
+    >>> x = jax.device_put(jnp.ones((8 * n, 16)), data)
+    >>> for c in diagnostics.collective_nesting(step.lower(x).compile()):
+    ...   print(c.kind, c.context, c.elements)
+    all-reduce () 128
+    all-reduce ('while',) 128
   """
   if isinstance(compiled, jax.stages.Lowered):
     compiled = compiled.compile()
@@ -984,6 +1180,18 @@ def dot_flops(
 
   Returns:
     The FLOP count.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from dmuon_jax import diagnostics
+    >>> def three_matmuls(a, b):
+    ...   return jax.lax.fori_loop(0, 3, lambda i, a: jnp.tanh(a @ b), a)
+    >>> a, b = jnp.ones((8, 16)), jnp.ones((16, 16))
+    >>> compiled = jax.jit(three_matmuls).lower(a, b).compile()
+    >>> diagnostics.dot_flops(compiled)  # the loop body once: 2 * 8 * 16 * 16
+    4096.0
+    >>> diagnostics.dot_flops(compiled, loop_trip_counts=True)
+    12288.0
   """
   if isinstance(compiled, jax.stages.Lowered):
     compiled = compiled.compile()

@@ -71,6 +71,23 @@ class OwnedBuffer(nnx.Param):
   Every boundary module of the group refers to the same variable. It is an
   ``nnx.Param``, so ``nnx.Optimizer(..., wrt=nnx.Param)`` and ``nnx.grad``
   see it.
+
+  Attributes:
+    value: the flat buffer, ``(num_slots * local,)`` for a loop group or
+      ``(num_iterations, num_slots * local)`` for a scanned stack (as
+      :class:`dmuon_jax.DedicatedParams` ``owned``).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax.flax as dflax
+    >>> from flax import nnx
+    >>> model = nnx.Sequential(nnx.Linear(8, 8, rngs=nnx.Rngs(0)), jnp.tanh,
+    ...                        nnx.Linear(8, 8, rngs=nnx.Rngs(1)))
+    >>> ded = dflax.dedicate(model, None)  # None: one device
+    >>> buffers = nnx.state(model, dflax.OwnedBuffer)
+    >>> for path, buffer in nnx.to_flat_state(buffers):
+    ...   print(path, buffer.shape)  # one 8 x 8 kernel each
+    ('layers', 0, 'dmuon_owned_0') (64,)
+    ('layers', 2, 'dmuon_owned_0') (64,)
   """
 
 
@@ -80,12 +97,56 @@ class DedicatedWeight(nnx.Variable):
   Holds a zero-size array (with the stack's layer axis for a scanned
   stack); the boundary module's call replaces it by the gathered matrix
   while the module runs.
+
+  Attributes:
+    value: the zero-size array, ``(0,)`` (``(num_layers, 0)`` in a scanned
+      stack).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax.flax as dflax
+    >>> from flax import nnx
+    >>> model = nnx.Sequential(nnx.Linear(8, 8, rngs=nnx.Rngs(0)), jnp.tanh,
+    ...                        nnx.Linear(8, 8, rngs=nnx.Rngs(1)))
+    >>> ded = dflax.dedicate(model, None)  # None: one device
+    >>> kernel = model.layers[0].kernel
+    >>> type(kernel).__name__, kernel.shape
+    ('DedicatedWeight', (0,))
+    >>> y = model(jnp.ones((2, 8)))  # the layer sees its gathered matrix
+    >>> y.shape
+    (2, 8)
   """
 
 
 class ScanIteration(nnx.Variable):
-  """Layer indices of a scanned stack (``nnx.scan`` slices them with the
-  layers, so each iteration knows which owners hold its matrices)."""
+  """Layer indices of a scanned stack.
+
+  :func:`dedicate` adds one to each ``nnx.vmap`` stack of layers, as
+  ``dmuon_iteration``; ``nnx.scan`` slices it with the layers, so each
+  iteration knows which owners hold its matrices (they rotate by one slot
+  per layer).
+
+  Attributes:
+    value: ``arange(num_layers)``, an ``int32`` array.
+
+  Examples:
+    >>> import jax.numpy as jnp, dmuon_jax, dmuon_jax.flax as dflax
+    >>> from flax import nnx
+    >>> class Stack(nnx.Module):
+    ...   def __init__(self, rngs):
+    ...     self.layers = nnx.vmap(lambda rngs: nnx.Linear(8, 8, rngs=rngs),
+    ...                            in_axes=None, axis_size=3)(rngs)
+    ...   def __call__(self, x):
+    ...     step = lambda x, layer: (jnp.tanh(layer(x)), None)
+    ...     return nnx.scan(step, in_axes=(nnx.Carry, 0))(x, self.layers)[0]
+    >>> model = Stack(nnx.Rngs(0))
+    >>> MDN = dmuon_jax.MuonDimensionNumbers  # (3, 8, 8): 3 matrices
+    >>> dims = {'layers': {'kernel': MDN(1, 2), 'bias': None}}
+    >>> ded = dflax.dedicate(model, None, muon_weight_dimension_numbers=dims)
+    >>> model.layers.dmuon_iteration[...]
+    Array([0, 1, 2], dtype=int32)
+    >>> model(jnp.ones((2, 8))).shape
+    (2, 8)
+  """
 
 
 _REGISTRY: dict[str, ModelDedication] = {}
@@ -124,6 +185,27 @@ class ModelDedication:
     replicated: AdamW params that were sharded over an owner axis and are
       now replicated over the owner axes (inside :func:`train_step` every
       device runs the whole model on its own batch).
+    warned: a one-element list: whether the GSPMD-gather warning of a call
+      outside :func:`train_step` was given (once per model).
+    linen_model: the Linen module (from :func:`dedicate_linen`), or None
+      for an NNX model.
+    placeholder_paths: per Muon target, the path of its placeholder
+      (:class:`DedicatedWeight` in NNX, a zero-size array in Linen params).
+    boundary_paths: per boundary, its module path.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax.flax as dflax
+    >>> from flax import nnx
+    >>> model = nnx.Sequential(nnx.Linear(8, 8, rngs=nnx.Rngs(0)), jnp.tanh,
+    ...                        nnx.Linear(8, 8, rngs=nnx.Rngs(1)))
+    >>> ded = dflax.dedicate(model, None)  # None: one device
+    >>> ded.dedication.boundaries.names, ded.axes
+    (('layers/0', 'layers/2'), ())
+    >>> ded.buffer_paths  # one owned buffer per gather group
+    (('layers', 0, 'dmuon_owned_0'), ('layers', 2, 'dmuon_owned_0'))
+    >>> plain = ded.to_params(model)  # the params as before dedication
+    >>> jax.tree.map(jnp.shape, plain['layers'][0])
+    {'bias': (8,), 'kernel': (8, 8)}
   """
 
   dedication: _dedicated.Dedication
@@ -168,7 +250,7 @@ class ModelDedication:
 
   @property
   def axes(self) -> tuple[str, ...]:
-    """The owner axes: :func:`train_step`'s manual (data-parallel) axes."""
+    """The owner axes, :func:`train_step`'s manual (data-parallel) axes."""
     return self.dedication.buffer_axes
 
   def summary(self) -> str:
@@ -351,6 +433,21 @@ def dedicate(
     ValueError: for a model dedicated already, a Muon target held by two
       modules (tied weights), a boundary that is not a module, a mesh with
       a tensor-parallel axis, or what :func:`dmuon_jax.dedicate` rejects.
+
+  Examples:
+    >>> import jax.numpy as jnp, dmuon_jax.flax as dflax
+    >>> from flax import nnx
+    >>> model = nnx.Sequential(nnx.Linear(8, 8, rngs=nnx.Rngs(0)), jnp.tanh,
+    ...                        nnx.Linear(8, 8, rngs=nnx.Rngs(1)))
+    >>> x = jnp.ones((2, 8))
+    >>> before = model(x)
+    >>> ded = dflax.dedicate(model, None)  # None: one device
+    >>> ded.dedication.boundaries.names  # nnx.Sequential's layers 0 and 2
+    ('layers/0', 'layers/2')
+    >>> type(model.layers[0].kernel).__name__  # stored in an OwnedBuffer
+    'DedicatedWeight'
+    >>> bool(jnp.allclose(model(x), before))  # the model runs as written
+    True
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(
@@ -769,6 +866,23 @@ def dedicate_linen(
     ValueError: for a variables dict instead of its ``'params'``, a
       scanned stack (``nn.scan``: use the explicit API), a tensor-parallel
       axis, or what :func:`dmuon_jax.dedicate` rejects.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, dmuon_jax.flax as dflax
+    >>> class MLP(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     for i in range(2):
+    ...       x = jnp.tanh(nn.Dense(8, name=f'layers_{i}')(x))
+    ...     return x
+    >>> model, x = MLP(), jnp.ones((2, 8))
+    >>> params = model.init(jax.random.key(0), x)['params']
+    >>> ded, dparams = dflax.dedicate_linen(model, params, None)
+    >>> jax.tree.map(jnp.shape, dparams['layers_0'])
+    {'bias': (8,), 'dmuon_owned_0': (64,), 'kernel': (0,)}
+    >>> y = ded.apply({'params': dparams}, x)  # the TrainState's apply_fn
+    >>> bool(jnp.allclose(y, model.apply({'params': params}, x)))
+    True
   """
   if not isinstance(model, nn.Module):
     raise TypeError(
@@ -950,6 +1064,18 @@ def dedicated_muon(
 
   Returns:
     A :class:`optax.GradientTransformation` over the model's param state.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax.flax as dflax
+    >>> from flax import nnx
+    >>> model = nnx.Sequential(nnx.Linear(8, 8, rngs=nnx.Rngs(0)), jnp.tanh,
+    ...                        nnx.Linear(8, 8, rngs=nnx.Rngs(1)))
+    >>> ded = dflax.dedicate(model, None)  # None: one device
+    >>> optimizer = nnx.Optimizer(
+    ...     model, dflax.dedicated_muon(ded, learning_rate=0.02), wrt=nnx.Param)
+    >>> import dmuon_jax
+    >>> [layout.kind for layout in dmuon_jax.owner_layouts(optimizer.opt_state)]
+    ['dedicated']
   """
   md = dedication
   ded = md.dedication
@@ -1173,6 +1299,25 @@ def train_step(
 
   Returns:
     The compiled step (or a decorator, without ``fn``).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax.flax as dflax
+    >>> from flax import nnx
+    >>> model = nnx.Sequential(nnx.Linear(8, 8, rngs=nnx.Rngs(0)), jnp.tanh,
+    ...                        nnx.Linear(8, 8, rngs=nnx.Rngs(1)))
+    >>> ded = dflax.dedicate(model, None)  # None: one device
+    >>> optimizer = nnx.Optimizer(
+    ...     model, dflax.dedicated_muon(ded, learning_rate=0.02), wrt=nnx.Param)
+    >>> @dflax.train_step(ded)
+    ... def step(model, optimizer, x):
+    ...   loss_fn = lambda model: jnp.mean(model(x) ** 2)
+    ...   loss, grads = nnx.value_and_grad(loss_fn)(model)
+    ...   optimizer.update(model, grads)
+    ...   return loss
+    >>> x = jnp.ones((4, 8))
+    >>> losses = [float(step(model, optimizer, x)) for _ in range(3)]
+    >>> losses[2] < losses[1] < losses[0]
+    True
   """
   if fn is None:
     return functools.partial(

@@ -67,7 +67,7 @@ def routing_summary(
 
   It counts the leaves and elements that go to Muon and to AdamW (as
   :func:`muon_labels` labels them) and names the leaves that
-  :func:`optax.contrib.muon` with the same ``muon_weight_dimension_numbers``
+  ``optax.contrib.muon`` with the same ``muon_weight_dimension_numbers``
   routes otherwise (e.g. embeddings, heads and ``1 x n`` kernels, which the
   default rule sends to AdamW).
 
@@ -209,7 +209,7 @@ def dmuon(
 ) -> optax.GradientTransformation:
   r"""Muon with each weight matrix owned by one device of a mesh.
 
-  A drop-in for :func:`optax.contrib.muon` (same arguments, same meaning, same
+  A drop-in for ``optax.contrib.muon`` (same arguments, same meaning, same
   numbers on one device) that adds ownership: every Muon matrix is
   orthogonalized by exactly one device of ``mesh``, which alone keeps its
   momentum. Muon targets get
@@ -222,11 +222,11 @@ def dmuon(
   :func:`dmuon_jax.scale_by_dmuon`, :math:`s` the shape factor of
   :func:`dmuon_jax.scale_by_shape` (``consistent_rms``), :math:`\lambda` the
   ``weight_decay`` and :math:`\eta` the ``learning_rate``. All other leaves
-  are updated by :func:`optax.adamw` with the ``adam_*`` arguments.
+  are updated by ``optax.adamw`` with the ``adam_*`` arguments.
 
   Which leaves are Muon targets:
 
-  * ``predicate='optax'``: :func:`optax.contrib.muon`'s rule, leaf for leaf:
+  * ``predicate='optax'``: ``optax.contrib.muon``'s rule, leaf for leaf:
     every 2-D leaf (embeddings, heads and ``1 x n`` kernels included), or,
     with ``muon_weight_dimension_numbers``, the leaves whose entry is a
     ``MuonDimensionNumbers``.
@@ -256,7 +256,7 @@ def dmuon(
 
   Args:
     learning_rate: a scalar or schedule, see
-      :func:`optax.scale_by_learning_rate`.
+      ``optax.scale_by_learning_rate``.
     ns_coeffs: Newton–Schulz coefficients: ``'jordan'`` (optax's
       ``'standard'``), ``'you'`` (optax's ``'dion'``),
       ``'polar_express_sf1.05'``, a triple, or one triple per iteration.
@@ -267,7 +267,7 @@ def dmuon(
     weight_decay: decoupled weight decay of Muon targets, multiplied by the
       learning rate as in optax.
     weight_decay_mask: tree or callable of booleans selecting which Muon
-      targets decay, as in :func:`optax.add_decayed_weights`.
+      targets decay, as in ``optax.add_decayed_weights``.
     mu_dtype: dtype of the momentum accumulators.
     nesterov: whether to use Nesterov momentum (Muon and AdamW).
     adaptive: scale each orthogonalized matrix by
@@ -293,9 +293,9 @@ def dmuon(
       (DMuon/Moonlight: ``buf = beta * buf + g``, Nesterov ``g + beta * buf``).
       Static.
     mesh: (optional, default None) ``jax.sharding.Mesh`` whose devices own
-      the matrices; if None, the mesh from :func:`jax.set_mesh`, else the
+      the matrices; if None, the mesh from ``jax.set_mesh``, else the
       mesh the params are placed on, else one device. Static (with
-      :func:`optax.inject_hyperparams`, leave it out or list it in
+      ``optax.inject_hyperparams``, leave it out or list it in
       ``static_args``: a Mesh is callable, so optax would take it for a
       schedule).
     axis_names: mesh axes the owners range over (default: every mesh axis
@@ -317,7 +317,7 @@ def dmuon(
       (momenta, AdamW moments, counts) stays as it was. This also catches
       AdamW's second moment overflowing float32 (``|g|`` above about 1e19).
       ``'propagate'``: as optax, NaN/Inf flow into updates and state.
-      :func:`optax.apply_if_finite` (which checks the gradients itself)
+      ``optax.apply_if_finite`` (which checks the gradients itself)
       composes with both: it skips and counts bad steps, and once it gives
       up after ``max_consecutive_errors``, ``'skip'`` still keeps the state
       clean. Static.
@@ -331,7 +331,7 @@ def dmuon(
       matrix over ``k`` devices; None: one owner per matrix. Static.
 
   Returns:
-    A :class:`optax.GradientTransformation` (an :func:`optax.partition` of a
+    A ``optax.GradientTransformation`` (an ``optax.partition`` of a
     Muon chain and AdamW, guarded by the ``nonfinite`` policy).
 
   Examples:
@@ -347,7 +347,7 @@ def dmuon(
     >>> jax.tree.map(jnp.shape, updates)
     {'b': (8,), 'w': (4, 8)}
 
-    On one device it computes what :func:`optax.contrib.muon` computes:
+    On one device it computes what ``optax.contrib.muon`` computes:
 
     >>> ref = optax.contrib.muon(learning_rate=0.02)
     >>> ref_updates, _ = ref.update(grads, ref.init(params), params)

@@ -141,6 +141,7 @@ class Dedication:
 
   @property
   def num_slots(self) -> int:
+    """The number of owner slots (devices of the owner axes)."""
     return self.plan.num_slots
 
   @property
@@ -156,6 +157,7 @@ class Dedication:
 
   @property
   def shard_axes(self) -> tuple[str, ...]:
+    """The owner axes but the replicate axis (where Z3 gathers again)."""
     return tuple(a for a in self.buffer_axes if a != self.replicate_axis)
 
   def specs(self) -> DedicatedParams:
@@ -191,7 +193,7 @@ class Dedication:
     """The non-target params inside ``shard_map``, sharded dims gathered.
 
     Call it in the loss for the params used outside the blocks (embedding,
-    final norm, head); under :func:`jax.grad` the gathers transpose to
+    final norm, head); under ``jax.grad`` the gathers transpose to
     reduce-scatters, so their gradients arrive sharded like the params.
 
     Args:
@@ -223,7 +225,7 @@ class Dedication:
 
     The owners' matrices of ``boundary`` are all-gathered just before ``fn``
     runs (on HSDP: over ``replicate``, then over the shard axes); under
-    :func:`jax.grad` the transpose reduce-scatters the gradients back to the
+    ``jax.grad`` the transpose reduce-scatters the gradients back to the
     owners. With ``reshard_after_forward=True`` (Z3) the gathered weights
     are freed after the forward and gathered again (over the shard axes) in
     the backward pass: 3 (N-1)/N bytes per element. With False (Z2) they are
@@ -272,7 +274,7 @@ class Dedication:
     """Runs a scanned stack of blocks, gathering per scan iteration.
 
     The stacked params of ``boundary`` (leading layer axis) are sliced in a
-    :func:`jax.lax.scan`; each iteration all-gathers ``layers_per_gather``
+    ``jax.lax.scan``; each iteration all-gathers ``layers_per_gather``
     layers' matrices from their owners (owners rotate by one slot per
     iteration) and applies ``fn`` to each layer. Z2/Z3 as for
     :meth:`block`.
@@ -1102,7 +1104,7 @@ def scale_by_dedicated_muon(
   that :meth:`Dedication.block` / :meth:`~.scan` deliver to the owners: sums
   over all devices of per-device mean-loss gradients, divided here by the
   number of owner slots (DMuon's net divisor ``R * S``). Under plain
-  :func:`jax.jit` (global arrays) it runs its own ``shard_map`` over the
+  ``jax.jit`` (global arrays) it runs its own ``shard_map`` over the
   owner axes, on gradients already averaged.
 
   Args:
@@ -1119,12 +1121,12 @@ def scale_by_dedicated_muon(
     momentum: as for :func:`dmuon_jax.dmuon`.
     compute_dtype: as for :func:`dmuon_jax.dmuon`.
     weight_decay: decoupled weight decay (not multiplied by the learning
-      rate here: chain :func:`optax.scale_by_learning_rate` after).
+      rate here: chain ``optax.scale_by_learning_rate`` after).
     weight_decay_mask: as for :func:`dmuon_jax.dmuon` (a tree like the plain
       params, or a callable of them).
 
   Returns:
-    A :class:`optax.GradientTransformation` on ``owned`` buffers.
+    A ``optax.GradientTransformation`` on ``owned`` buffers.
 
   Examples:
     >>> import jax, jax.numpy as jnp, dmuon_jax
@@ -1367,7 +1369,7 @@ def dedicated_muon(
       mesh axes); ``'propagate'`` lets them through.
 
   Returns:
-    A :class:`optax.GradientTransformation` on :class:`DedicatedParams`.
+    A ``optax.GradientTransformation`` on :class:`DedicatedParams`.
 
   Examples:
     >>> import jax, jax.numpy as jnp, dmuon_jax

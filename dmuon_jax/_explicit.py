@@ -26,7 +26,7 @@ def local_value_and_grad(
   *,
   axis_names: Sequence[str] | None = None,
 ) -> Callable[..., tuple[Any, Any]]:
-  """Like :func:`jax.value_and_grad`, without reducing over devices.
+  """Like ``jax.value_and_grad``, without reducing over devices.
 
   Inside ``jax.shard_map``, the gradient of a replicated (invariant) argument
   is summed over the devices by autodiff: an all-reduce. This wrapper marks
@@ -39,7 +39,7 @@ def local_value_and_grad(
   Args:
     fun: the loss function.
     argnums: the argument to differentiate (an int).
-    has_aux: as in :func:`jax.value_and_grad`.
+    has_aux: as in ``jax.value_and_grad``.
     axis_names: mesh axes the devices differ over (default: every manual
       axis of the enclosing ``shard_map``).
 
@@ -104,7 +104,7 @@ def mean_over_devices(
     axis_names: the axes to average over (default: every manual axis).
 
   Returns:
-    A stateless :class:`optax.GradientTransformation`.
+    A stateless ``optax.GradientTransformation``.
 
   Examples:
     >>> import functools, jax, jax.numpy as jnp, dmuon_jax

@@ -18,7 +18,7 @@ Entries = tuple[tuple[str, ...], ...]
 
 
 def context_mesh() -> Any:
-  """The mesh of :func:`jax.set_mesh`: concrete outside ``jit``, abstract
+  """The mesh of ``jax.set_mesh``: concrete outside ``jit``, abstract
   inside; None when there is none."""
   try:
     mesh = jax.sharding.get_mesh()

@@ -362,7 +362,7 @@ def orthogonalize_via_newton_schulz(
   The normalization runs in float32 (float64 for float64 inputs), the
   iterations in ``compute_dtype``. For float32 inputs this follows the
   operation order of ``optax.contrib.orthogonalize_via_newton_schulz`` with
-  the same coefficients and preconditioning (under :func:`jax.jit` on CPU we
+  the same coefficients and preconditioning (under ``jax.jit`` on CPU we
   observed bitwise-equal results); optax normalizes low-precision inputs in
   their own dtype instead. See :data:`NS_COEFF_PRESETS` for the singular
   values each preset produces.

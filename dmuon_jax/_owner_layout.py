@@ -102,7 +102,7 @@ class OwnerLayout:
 
   @property
   def num_slots(self) -> int:
-    """Number of owner slots: the product of ``buffer_sizes`` (1 if none)."""
+    """The number of owner slots (the product of ``buffer_sizes``, or 1)."""
     return int(np.prod(self.buffer_sizes)) if self.buffer_sizes else 1
 
   @property
@@ -122,6 +122,7 @@ class OwnerLayout:
     return tuple(b for b, (h, _) in zip(buffers, self.buffer_index) if h == g)
 
   def split_groups(self, buffers: Sequence[Any]) -> list[tuple]:
+    """The buffers of each group, in group order."""
     return [self.group_buffers(buffers, g) for g in range(len(self.groups))]
 
   @functools.cached_property
@@ -162,6 +163,7 @@ class OwnerLayout:
 
   @functools.cached_property
   def buffer_keys(self) -> tuple[jax.tree_util.DictKey, ...]:
+    """The pytree key of each buffer: ``name``, group and dtype."""
     return tuple(
       jax.tree_util.DictKey(f'{self.name}_g{g}_{self.groups[g].dtypes[j]}')
       for g, j in self.buffer_index
@@ -176,6 +178,7 @@ class OwnerLayout:
     return jax.sharding.PartitionSpec(*spec)
 
   def buffer_specs(self) -> tuple:
+    """The ``PartitionSpec`` of each buffer (see :meth:`buffer_spec`)."""
     return tuple(self.buffer_spec(b) for b in range(len(self.buffer_index)))
 
   def buffer_shapes(
@@ -209,6 +212,7 @@ class OwnerLayout:
     )
 
   def leaf(self, index: int) -> TargetLeaf:
+    """The target leaf (an entry of ``leaves``) of a leaf index."""
     return self._by_index[index]
 
   @functools.cached_property

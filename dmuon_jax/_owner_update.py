@@ -601,7 +601,7 @@ def skip_nonfinite(
     inner: the transformation to guard.
 
   Returns:
-    A :class:`optax.GradientTransformation` with ``inner``'s state.
+    A ``optax.GradientTransformation`` with ``inner``'s state.
   """
 
   inner = optax.with_extra_args_support(inner)

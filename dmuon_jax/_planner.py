@@ -415,7 +415,7 @@ class OwnerGroup:
 
   @property
   def gram_size(self) -> int:
-    """``g``: the short side, the size of the Gram matrix."""
+    """The short side ``g``, the size of the Gram matrix."""
     return min(self.shape)
 
 

@@ -21,7 +21,7 @@ NO_MUON_MSG = (
 class DMuonWarning(UserWarning):
   """A warning that dmuon does less than it could.
 
-  Raised (with :func:`warnings.warn`) when the optimizer communicates more
+  Raised (with ``warnings.warn``) when the optimizer communicates more
   than needed (params sharded along a stack axis gathered whole, shardings
   ``init`` could not see treated as replicated) or routes no leaf to Muon.
   The message says why and what to pass instead. It is a ``UserWarning``;

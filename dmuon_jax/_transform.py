@@ -76,7 +76,7 @@ class ScaleByDMuonState(NamedTuple):
 
   Attributes:
     count: the number of updates applied, an ``int32`` scalar.
-    mu: the momentum, an :class:`dmuon_jax.OwnerBuffers` (flat buffers, one
+    mu: the momentum, a :class:`dmuon_jax.OwnerBuffers` (flat buffers, one
       per dtype, sharded over the owner axes, and their
       :class:`dmuon_jax.OwnerLayout`).
 
@@ -668,8 +668,8 @@ def scale_by_dmuon(
 
   The building block of :func:`dmuon_jax.dmuon` (see there), without shape
   scaling, weight decay or learning rate, like
-  :func:`optax.contrib.scale_by_muon`. Every leaf it sees is a Muon target:
-  route other leaves elsewhere (e.g. with :func:`optax.partition`).
+  ``optax.contrib.scale_by_muon``. Every leaf it sees is a Muon target:
+  route other leaves elsewhere (e.g. with ``optax.partition``).
 
   With ``momentum='optax'`` (bias-corrected EMA, as optax), for gradient
   :math:`G_t` and step :math:`t`:
@@ -691,7 +691,7 @@ def scale_by_dmuon(
   tensor-parallel split and the params' shardings) as static metadata of
   its :class:`dmuon_jax.OwnerBuffers`, so ``update``, checkpoints and
   diagnostics read it from the state; ``init`` gives the same state eagerly
-  and under :func:`jax.jit`.
+  and under ``jax.jit``.
 
   Sharding (with a mesh of N > 1 owner slots), per step:
 
@@ -746,7 +746,7 @@ def scale_by_dmuon(
       every iteration, or one triple per iteration. Static.
     ns_steps: number of iterations for a single triple (default 5); for a
       per-iteration array it must be None or equal its length. Static: not
-      injectable with :func:`optax.inject_hyperparams`.
+      injectable with ``optax.inject_hyperparams``.
     beta: momentum decay rate (injectable).
     eps: added to the normalizing norm (injectable).
     mu_dtype: momentum dtype (default: the gradient's dtype); a dtype or its
@@ -763,7 +763,7 @@ def scale_by_dmuon(
       axes are a stack of matrices.
     momentum: ``'optax'`` or ``'sgd'`` (static).
     mesh: (optional, default None) ``jax.sharding.Mesh`` whose devices own
-      the matrices; if None, the mesh from :func:`jax.set_mesh`, else the
+      the matrices; if None, the mesh from ``jax.set_mesh``, else the
       mesh the params are placed on, else one device. Static.
     axis_names: mesh axes that owners range over (default: all but
       ``tensor_parallel_axis``). Static.
@@ -786,7 +786,7 @@ def scale_by_dmuon(
       explicit path reduces the flag over the owner axes), the step is
       skipped: zero updates, momentum and count unchanged. ``'propagate'``:
       as optax, NaN/Inf flow into the updates and the momentum.
-      :func:`optax.apply_if_finite` (which checks the gradients itself)
+      ``optax.apply_if_finite`` (which checks the gradients itself)
       composes with both; under ``'skip'`` the steps it lets through after
       ``max_consecutive_errors`` still leave the state clean. Finite
       gradients never give NaN/Inf either way: matrices with entries above
@@ -803,7 +803,7 @@ def scale_by_dmuon(
       with a tensor-parallel axis ('auto' then never splits). Static.
 
   Returns:
-    A :class:`optax.GradientTransformation` whose state is a
+    A ``optax.GradientTransformation`` whose state is a
     :class:`ScaleByDMuonState`.
 
   Examples:
@@ -926,7 +926,7 @@ def scale_by_shape(
     consistent_rms: optional target RMS; None selects width scaling.
 
   Returns:
-    A stateless :class:`optax.GradientTransformation`.
+    A stateless ``optax.GradientTransformation``.
 
   Examples:
     >>> import jax.numpy as jnp, dmuon_jax

@@ -150,7 +150,7 @@ class Collective:
 
   @property
   def total_bytes(self) -> float:
-    """``bytes * executions``: bytes per device per call of the program."""
+    """Bytes per device per call of the program (``bytes * executions``)."""
     return self.bytes * self.executions
 
 
@@ -339,7 +339,7 @@ def analyze(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> HloReport:
   """Compiles ``fn`` for ``args`` and analyzes the result.
 
   Args:
-    fn: a function, or one already wrapped in :func:`jax.jit` (anything with
+    fn: a function, or one already wrapped in ``jax.jit`` (anything with
       a ``lower`` method).
     *args: positional arguments, arrays or ``jax.ShapeDtypeStruct`` (with a
       ``sharding`` where the program needs one).

@@ -1063,7 +1063,7 @@ def dedicated_muon(
     **kwargs: every other argument of :func:`dmuon_jax.dedicated_muon`.
 
   Returns:
-    A :class:`optax.GradientTransformation` over the model's param state.
+    A ``optax.GradientTransformation`` over the model's param state.
 
   Examples:
     >>> import jax, jax.numpy as jnp, dmuon_jax.flax as dflax

@@ -34,6 +34,9 @@ myst_heading_anchors = 3
 autosummary_generate = True
 autosummary_ignore_module_all = False
 autodoc_typehints = 'description'
+# Types only where the docstring documents the parameter (a dataclass's
+# fields are its Attributes:, not a second, empty parameter list).
+autodoc_typehints_description_target = 'documented'
 autodoc_member_order = 'bysource'
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False

@@ -280,7 +280,7 @@ class ApiReferenceTest(parameterized.TestCase):
     # Documented once, under its module; the top-level spelling is listed
     # (docs/api/index.md, "Top-level aliases") and gets no page of its own.
     text = (API_DOCS / 'index.md').read_text()
-    self.assertIn(f'``{name}``', text)
+    self.assertIn(f'`{name}`', text)
     self.assertNotIn(name, _pages())
 
   def test_no_page_for_a_name_that_is_not_public(self):

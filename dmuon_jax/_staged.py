@@ -47,9 +47,22 @@ def rescale_factor(amax: jax.Array, dtype) -> jax.Array:
   ``_owner_update.rescale_large``)."""
   if not jnp.issubdtype(dtype, jnp.floating) or (jnp.finfo(dtype).max <= LARGE):
     return jnp.ones(jnp.shape(amax), dtype)
-  _, exponent = jnp.frexp(amax.astype(dtype))
-  one = jnp.ones((), dtype)
-  return jnp.where(amax > LARGE, jnp.ldexp(one, -exponent), one)
+  # The factor is built from the IEEE 754 exponent field (as frexp reads
+  # it): a few integer ops, where jnp.frexp + jnp.ldexp expand to ~60 ops
+  # per call (a third of a small model's compiled update). Exact: float32
+  # holds every bfloat16/float16 value.
+  wide = jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+  info = jnp.finfo(wide)
+  ints = jnp.int64 if wide == jnp.float64 else jnp.int32
+  bias = info.maxexp - 1  # 127 for float32
+  a = amax.astype(wide)
+  field = (jax.lax.bitcast_convert_type(a, ints) >> info.nmant) & (2 * bias + 1)
+  # a = f * 2**e, f in [0.5, 1), e = field - bias + 1; 2**-e has the field
+  # bias - e. At most 2**(1 - bias), the smallest normal (a >= 2**(bias -
+  # 1), near float32's max: the result's max-abs entry is then in [1, 4)).
+  scale_field = jnp.maximum(2 * bias - 1 - field, 1).astype(ints)
+  factor = jax.lax.bitcast_convert_type(scale_field << info.nmant, wide)
+  return jnp.where((a > LARGE) & (a < jnp.inf), factor, 1).astype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -68,6 +68,14 @@ def scaled(grads, scale, adam_scale=1.0):
   }
 
 
+def to_max_abs(grads, amax):
+  """Muon matrices rescaled to the max-abs entry ``amax``."""
+  return {
+    k: (x * (amax / jnp.abs(x).max())).astype(x.dtype) if x.ndim == 2 else x
+    for k, x in grads.items()
+  }
+
+
 def finite(tree):
   return all(
     bool(jnp.all(jnp.isfinite(jnp.asarray(x, jnp.float32))))
@@ -126,6 +134,23 @@ class ExtremeGradientsTest(parameterized.TestCase):
         # huge gradient is that of the same gradient at scale 1.
         for k in SHAPES:
           self.assertLess(rel_err(u[k], reference[k]), 1e-3, (name, k))
+
+  @parameterized.named_parameters(('standard', 'standard'), ('gram', 'gram'))
+  def test_near_float32_max(self, ns_algorithm):
+    # Momentum entries in [2**126, 2**127): the power-of-two rescaling takes
+    # float32's smallest normal factor (frexp's, 2**-127, is subnormal and
+    # was flushed to zero: a zero update). momentum='sgd': the Nesterov
+    # momentum is 1.95 g (optax's rule first divides g by 1 - beta, which
+    # overflows above 1.7e37, as optax.contrib.muon does).
+    params = make_params()
+    opt = dmuon_jax.dmuon(0.02, momentum='sgd', ns_algorithm=ns_algorithm)
+    state = opt.init(params)
+    step = jax.jit(opt.update)
+    reference, _ = step(grads_like(params), state, params)
+    u, new_state = step(to_max_abs(grads_like(params), 6e37), state, params)
+    self.assertTrue(finite(u) and finite(new_state))
+    for k in SHAPES:
+      self.assertLess(rel_err(u[k], reference[k]), 1e-3, k)
 
   def assert_scaling(self, opt, power):
     """Gradients times 1e10, 1e20, 1e30 give finite updates and states,

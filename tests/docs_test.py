@@ -187,42 +187,73 @@ LINK = re.compile(r'!?\[[^\]]*\]\(([^)\s]+)(?:\s+"[^"]*")?\)')
 DIRECTIVE_PATH = re.compile(
   r'^(?:`{3,}|:{3,})\{(?:include|literalinclude|image|figure)\}\s+(\S+)', re.M
 )
+DOC_ROLE = re.compile(r'\{doc\}`(?:[^`<]*<)?([^`<>]+)>?`')
+LITERALINCLUDE = re.compile(
+  r'^`{3,}\{literalinclude\}\s+(\S+)\n((?::[\w-]+:.*\n)*)', re.M
+)
 HEADING = re.compile(r'^(#{1,6})\s+(.*?)\s*#*\s*$', re.M)
+CODE = re.compile(r'(?ms)^(`{3,}).*?^\1\s*$')
 
 
 def slug(heading: str) -> str:
   """GitHub's (and MyST's ``myst_heading_anchors``) anchor of a heading."""
-  text = re.sub(r'[`*_]|\[([^\]]*)\]\([^)]*\)', r'\1', heading).lower()
-  text = re.sub(r'[^\w\- ]', '', text)
+  text = re.sub(r'[`*_]|\[([^\]]*)\]\([^)]*\)', r'\1', heading.strip())
+  text = re.sub(r'[^\w\- ]', '', text.lower())
   return text.replace(' ', '-')
 
 
 def anchors(path: pathlib.Path) -> set[str]:
-  text = re.sub(r'```.*?```', '', path.read_text(), flags=re.S)
+  text = CODE.sub('', path.read_text())
   return {slug(m.group(2)) for m in HEADING.finditer(text)}
 
 
 def links(path: pathlib.Path) -> list[str]:
-  text = re.sub(r'(?ms)^```(?!\{).*?^```', '', path.read_text())
-  text = re.sub(r'`[^`\n]*`', '', text)  # inline code is not a link
-  return LINK.findall(text) + DIRECTIVE_PATH.findall(path.read_text())
+  """Markdown links and images outside code, and the files of directives."""
+  text = path.read_text()
+  prose = re.sub(r'`[^`\n]*`', '', CODE.sub('', text))
+  return LINK.findall(prose) + DIRECTIVE_PATH.findall(text)
 
 
 class LinkTest(parameterized.TestCase):
+  """Every relative link, image and included file of ``README.md`` and the
+  docs pages exists (and a ``#anchor`` is a heading of its page); absolute
+  links are checked for form only (CI has no network). ``{doc}`` roles name
+  pages that exist, and ``literalinclude`` ranges match their file."""
+
   @parameterized.named_parameters(
     (str(p.relative_to(ROOT)).replace('/', '_').removesuffix('.md'), p)
     for p in [ROOT / 'README.md', *PAGES]
   )
   def test_links_resolve(self, path):
+    name = path.relative_to(ROOT)
     for target in links(path):
       if re.match(r'[a-z][a-z0-9+.-]*:', target):
         self.assertRegex(target, r'^(https?://[^\s/]+\.[^\s]+|mailto:\S+@)')
         continue
       file, _, anchor = target.partition('#')
       dest = (path.parent / file).resolve() if file else path
-      self.assertTrue(dest.exists(), f'{path.name}: {target} ({dest})')
+      self.assertTrue(dest.exists(), f'{name}: {target} ({dest})')
       if anchor and dest.suffix == '.md':
-        self.assertIn(anchor, anchors(dest), f'{path.name}: {target}')
+        self.assertIn(anchor, anchors(dest), f'{name}: {target}')
+    for target in DOC_ROLE.findall(path.read_text()):
+      base = DOCS if target.startswith('/') else path.parent
+      dest = base / f'{target.lstrip("/")}.md'
+      self.assertTrue(dest.exists(), f'{name}: {{doc}}`{target}` ({dest})')
+
+  @parameterized.named_parameters(
+    (str(p.relative_to(ROOT)).replace('/', '_').removesuffix('.md'), p)
+    for p in PAGES
+    if LITERALINCLUDE.search(p.read_text())
+  )
+  def test_literalinclude_ranges_exist(self, path):
+    for file, options in LITERALINCLUDE.findall(path.read_text()):
+      source = (path.parent / file).read_text()
+      for key, value in re.findall(r'^:([\w-]+):\s*(.*?)\s*$', options, re.M):
+        value = value.strip('"\'')
+        if key in ('start-after', 'start-at', 'end-before', 'end-at'):
+          self.assertIn(value, source, f'{path.name}: {key} {value!r}')
+        elif key == 'pyobject':
+          self.assertRegex(source, rf'(?m)^(def|class) {value}\b', path.name)
 
 
 if __name__ == '__main__':

@@ -93,11 +93,22 @@ def code_blocks(text: str) -> list[Block]:
 
 
 def run_in_process(path: pathlib.Path, blocks: list[Block]) -> None:
+  """Runs the blocks in order in one fresh namespace; what they write with
+  ``tempfile`` (checkpoints) goes to a directory removed afterwards."""
   namespace = {'__name__': f'docs_guide_{path.stem}'}
-  for block in blocks:
-    if block.skip is None:
-      where = f'{path.relative_to(ROOT)}:{block.line}'
-      exec(compile(block.code, where, 'exec'), namespace)  # noqa: S102
+  with tempfile.TemporaryDirectory(prefix=f'guide-{path.stem}-') as tmp:
+    saved, tempfile.tempdir = tempfile.tempdir, tmp
+    try:
+      for block in blocks:
+        if block.skip is None:
+          where = f'{path.relative_to(ROOT)}:{block.line}'
+          try:
+            exec(compile(block.code, where, 'exec'), namespace)  # noqa: S102
+          except BaseException as e:
+            e.add_note(f'in the code block at {where}')
+            raise
+    finally:
+      tempfile.tempdir = saved
 
 
 def run_as_project(path: pathlib.Path, blocks: list[Block]) -> str:

@@ -1,10 +1,11 @@
 """Bad input to every entry point: the error names the leaf and the fix.
 
-Every row of the README's "Bad input" table has a case in ``CASES``; some
-have several (one per entry point or variant). Most raise while the
-factory, plan or layout is built; the few that need the gradients' sharding
-raise while ``update`` is traced (nothing is compiled). Each regex asks for
-what was received, the leaf (or argument) and the fix the message names.
+Every row of the "Bad input" tables (``docs/reference/bad_input.md``) has a
+case in ``CASES``; some have several (one per entry point or variant). Most
+raise while the factory, plan or layout is built; the few that need the
+gradients' sharding raise while ``update`` is traced (nothing is compiled).
+Each regex asks for what was received, the leaf (or argument) and the fix
+the message names.
 """
 
 import functools
@@ -1284,16 +1285,15 @@ class CheckDedicatedTest(absltest.TestCase):
       ded.check_dedicated(other, 'update()')
 
 
-class ReadmeTableTest(absltest.TestCase):
-  """Every row of the README's "Bad input" tables names a test that exists:
-  a case of :data:`CASES`, or ``Class.test`` of
+class DocsTableTest(absltest.TestCase):
+  """Every row of the "Bad input" tables (``docs/reference/bad_input.md``)
+  names a test that exists: a case of :data:`CASES`, or ``Class.test`` of
   ``tests/checkpoint_misuse_test.py``."""
 
   def test_every_row_names_a_test(self):
-    readme = pathlib.Path(__file__).parents[1] / 'README.md'
-    text = readme.read_text()
-    section = text[text.index('## Bad input\n') : text.index('## Numerics\n')]
-    named = re.findall(r'^\|.*\| `([\w.]+)` \|$', section, re.M)
+    page = pathlib.Path(__file__).parents[1] / 'docs/reference/bad_input.md'
+    text = page.read_text()
+    named = re.findall(r'^\|.*\| `([\w.]+)` \|$', text, re.M)
     self.assertGreaterEqual(len(named), 40)
     self.assertLen(set(named), len(named))  # One row per test.
     cases = {name for name, *_ in CASES}

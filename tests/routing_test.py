@@ -166,7 +166,7 @@ class SummaryTest(absltest.TestCase):
     ):
       self.assertIn(leaf, text)
     self.assertIn("predicate='optax'", text)
-    # The line the README shows for this tree.
+    # The line docs/reference/routing.md shows for this tree.
     self.assertEqual(
       text,
       'dmuon routing: Muon 1 leaf (384 elements, 11.9%), AdamW 8 leaves'

@@ -12,11 +12,14 @@ import re
 import shutil
 import tempfile
 
+import chex
 import jax
 import pytest
 
-# Must run before any JAX computation; fails loudly if it is too late.
-jax.config.update('jax_num_cpu_devices', 8)
+# Must run before any JAX computation: chex raises if JAX already started
+# (child processes get an environment without this XLA flag; see
+# support.subprocess_env).
+chex.set_n_cpu_devices(8)
 jax.config.update('jax_platforms', 'cpu')
 
 

@@ -627,3 +627,59 @@ def host_values(abstract, std, seed=0):
     return jnp.asarray((scale * rng.standard_normal(x.shape)).astype(x.dtype))
 
   return jax.tree.map_with_path(one, abstract)
+
+
+@functools.cache
+def block_reference_history(steps=STEPS):
+  """Single-device optax.contrib.muon (+ AdamW) on the block model, as
+  :func:`block_reference`, one run for every step count up to ``steps``:
+  ``(params after each step (host), losses)``."""
+  params = block_params()
+  opt = optax_muon(DEDICATED_LR, params)
+  state = opt.init(params)
+  x = block_batch()
+
+  @jax.jit
+  def step(params, state):
+    loss, grads = jax.value_and_grad(block_loss)(params, x)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  history, losses = [], []
+  for _ in range(steps):
+    params, state, loss = step(params, state)
+    history.append(jax.device_get(params))
+    losses.append(float(loss))
+  return history, losses
+
+
+def block_reference_at(steps):
+  """``(params, losses)`` after ``steps`` (<= STEPS) of the reference."""
+  history, losses = block_reference_history()
+  return history[steps - 1], losses[:steps]
+
+
+@functools.cache
+def dedicated_run(shape, z3, owner_groups='auto', steps=STEPS):
+  """The block model's dedicated train step on ``shape``, compiled once and
+  run ``steps`` times: every check of a configuration (parity, HLO bytes,
+  collective nesting) reads this one executable.
+
+  Returns:
+    A dict: ``ded``, ``compiled``, ``report`` (its
+    :func:`dmuon_jax.analyze_compiled`), ``losses``, ``params`` (plain, on
+    the host, after the last step).
+  """
+  ded, dp, opt, state, x = dedicated_setup(shape, z3, owner_groups)
+  compiled = dedicated_step(ded, opt, state).lower(dp, state, x).compile()
+  losses = []
+  for _ in range(steps):
+    dp, state, loss = compiled(dp, state, x)
+    losses.append(float(loss))
+  return {
+    'ded': ded,
+    'compiled': compiled,
+    'report': dmuon_jax.analyze_compiled(compiled),
+    'losses': losses,
+    'params': jax.device_get(ded.to_params(dp)),
+  }

@@ -141,7 +141,11 @@ class AutoGroupsTest(absltest.TestCase):
       h = jnp.tanh(x @ p['layers_0']['small'])
       return jnp.mean(jnp.tanh(h @ p['layers_0']['wide']) ** 2)
 
-    x = wide_batch()
+    # A quarter of wide_batch's rows (every device computes the replicated
+    # batch's forward and backward: 4x less running): measured relative
+    # error 9.0e-8 (8.1e-8 with all 2048). The wide model's parity needs
+    # all of them (512 rows: 5.9e-6 instead of 1.5e-6).
+    x = wide_batch()[:512]
     mesh = support.make_mesh((1, 8))
     with mock.patch.object(_planner, '_MIN_GROUP_FLOPS', 0.0):
       opt = dmuon_jax.dmuon(LR, mesh=mesh)

@@ -17,7 +17,6 @@ from tests import support
 # The rest of the grid, for CI and the README's command (see conftest.py);
 # -m 'not slow' keeps one configuration per behaviour.
 SLOW_CASES = (
-  r'collective_bytes_z2',
   r'z2_no_mesh',
   r'drop_in_(sgd_plain|spectral|aol|compute_bf16|consistent_rms)',
 )
@@ -51,8 +50,11 @@ class DedicatedTest(parameterized.TestCase):
 
   # Z2 and Z3 on 1x8, 2x4 and 8x1, loop and scan: flax_dedicated_test.py
   # (the same Dedication.block/scan path on a Linen model). Z3 on HSDP here:
-  # the run whose compiled step test_collective_bytes_z3 reads.
-  @parameterized.named_parameters(('z3_2x4', (2, 4), True))
+  # the run whose compiled step test_collective_bytes_z3 reads; Z2 too
+  # (test_collective_bytes_z2's run; Z2 in the inner loop).
+  @parameterized.named_parameters(
+    ('z3_2x4', (2, 4), True), ('z2_2x4', (2, 4), False)
+  )
   def test_matches_optax_muon(self, shape, z3):
     run = support.dedicated_run(shape, z3)
     ref_params, ref_losses = support.block_reference_at(20)

@@ -46,6 +46,7 @@ STEPS = 20
 # The rest of the grid, for CI and the README's command (see conftest.py);
 # -m 'not slow' keeps one configuration per behaviour.
 SLOW_CASES = (
+  r'loop_z2_1x8',  # Z2 in the inner loop: dedicated_test's z2_2x4
   r'_k1',
   r'_2x4',
   r'auto_mesh',

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
+from jax.extend import core as jax_core
 from optax.contrib import _muon as optax_muon
 
 from dmuon_jax import _newton_schulz as ns
@@ -522,16 +523,24 @@ class OrthogonalityErrorTest(parameterized.TestCase):
 
 
 def _jaxpr_matmul_flops(fn, shape) -> int:
-  """Sums 2 * output size * contraction size over the dot_generals."""
-  jaxpr = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct(shape, jnp.float32))
-  flops = 0
-  for eqn in jaxpr.jaxpr.eqns:
-    if eqn.primitive.name == 'dot_general':
-      (lhs_contract, _), _ = eqn.params['dimension_numbers']
-      lhs_shape = eqn.invars[0].aval.shape
-      out_size = math.prod(eqn.outvars[0].aval.shape)
-      flops += 2 * out_size * math.prod(lhs_shape[d] for d in lhs_contract)
-  return flops
+  """Sums 2 * output size * contraction size over the dot_generals (a scan's
+  body times its length)."""
+
+  def count(jaxpr) -> int:
+    flops = 0
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == 'dot_general':
+        (lhs_contract, _), _ = eqn.params['dimension_numbers']
+        lhs_shape = eqn.invars[0].aval.shape
+        out_size = math.prod(eqn.outvars[0].aval.shape)
+        flops += 2 * out_size * math.prod(lhs_shape[d] for d in lhs_contract)
+      for v in eqn.params.values():
+        if isinstance(v, jax_core.ClosedJaxpr):
+          trips = eqn.params['length'] if eqn.primitive.name == 'scan' else 1
+          flops += trips * count(v.jaxpr)
+    return flops
+
+  return count(jax.make_jaxpr(fn)(jax.ShapeDtypeStruct(shape, jnp.float32)))
 
 
 class FlopsTest(parameterized.TestCase):

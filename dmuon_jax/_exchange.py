@@ -313,7 +313,7 @@ class Exchange:
       blocks = r.split(full)
       idx = np.array([r.member(self.coords[d]) for d in range(self.num_slots)])
       if not np.array_equal(idx, np.arange(len(idx))):
-        blocks = jnp.take(blocks, idx, axis=0, mode='promise_in_bounds')
+        blocks = blocks.at[idx].get(mode='promise_in_bounds')
       cols.append(blocks)
     used = sum(c.shape[1] for c in cols)
     if used < self.back_size[g] or not cols:

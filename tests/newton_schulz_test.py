@@ -3,6 +3,7 @@
 import functools
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -303,7 +304,8 @@ class LowPrecisionTest(parameterized.TestCase):
     self.assertLess(_rel_err(out.astype(jnp.float32), reference), 2e-2)
 
 
-class OptaxTest(parameterized.TestCase):
+class OptaxTest(chex.TestCase):
+  @chex.variants(with_jit=True, without_jit=True)
   @parameterized.named_parameters(
     ('jordan_wide', 'jordan', (24, 40), 'frobenius'),
     ('jordan_tall', 'jordan', (40, 24), 'frobenius'),
@@ -328,8 +330,15 @@ class OptaxTest(parameterized.TestCase):
       preconditioning=preconditioning,
       dimension_numbers=dim_nums,
     )
-    out = _direct(x, ns_coeffs=preset, preconditioning=preconditioning)
-    self.assertLessEqual(_rel_err(out, expected), 1e-6)
+    direct = self.variant(
+      ns.orthogonalize_via_newton_schulz, static_argnames=_STATIC
+    )
+    out = direct(x, ns_coeffs=preset, preconditioning=preconditioning)
+    # Op by op (without_jit, nothing fused) float32 rounds differently:
+    # measured 1.04e-6 ('schatten') and 1.06e-6 ('aol', whose normalization
+    # squares the Gram matrix) from optax's jitted result, <= 1e-6 jitted.
+    tol = 1e-6 if self.variant.type == chex.ChexVariantType.WITH_JIT else 2e-6
+    self.assertLessEqual(_rel_err(out, expected), tol)
 
 
 _GRAM_SHAPES = (

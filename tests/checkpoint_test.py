@@ -46,8 +46,10 @@ def make_opt(mesh, dims):
 
 @functools.cache
 def step_fn(opt):
+  # One trace per optimizer: a restored state has the trained one's types.
 
   @jax.jit
+  @chex.assert_max_traces(n=1)
   def step(params, state, batch):
     grads = jax.grad(support.mean_loss)(params, batch)
     updates, state = opt.update(grads, state, params)
@@ -199,6 +201,7 @@ def dedicated_setup(mesh):
   if mesh is None:
 
     @jax.jit
+    @chex.assert_max_traces(n=1)
     def one_device(dp, state):
       grads = jax.grad(loss)(dp, x)
       updates, state = opt.update(grads, state, dp)

@@ -269,7 +269,10 @@ def make_trainer(key, tx_or_none, model, params, mesh, args):
       updates, opt_state = tx.update(grads, opt_state, params)
       return (optax.apply_updates(params, updates), opt_state), value
 
-    eval_step = jax.jit(lambda state, chunk: plain_loss(state[0], chunk))
+    # The loss of the params alone: one program for every optimizer here
+    # (the compilation cache then holds it once).
+    eval_loss = jax.jit(plain_loss)
+    eval_step = lambda state, chunk: eval_loss(state[0], chunk)
     return state, train_step, eval_step, None
 
   # Dedicated Z3 on the example's own model, unchanged (dmuon_jax.flax):

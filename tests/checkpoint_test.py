@@ -183,18 +183,28 @@ class MeshChangeTest(absltest.TestCase):
     chex.assert_trees_all_equal(params, self.p10)
 
 
+# Blocks of dedicated_test's model here (its default: 4): 2 blocks of 8
+# Muon matrices, smaller programs for the five meshes' compiles.
+BLOCKS = 2
+
+
+def block_params():
+  return support.block_params(blocks=BLOCKS)
+
+
 def dedicated_setup(mesh):
-  """Dedicated Z3 (``dedicated_test``'s model) on ``mesh`` (None: 1 device).
+  """Dedicated Z3 (``dedicated_test``'s model, ``BLOCKS`` blocks) on
+  ``mesh`` (None: 1 device).
 
   Returns the dedication, its optimizer and a train step
   ``step(dp, state) -> (dp, state)``.
   """
-  ded = dmuon_jax.dedicate(support.block_params(), mesh)
+  ded = dmuon_jax.dedicate(block_params(), mesh)
   opt = dmuon_jax.dedicated_muon(ded, support.DEDICATED_LR, weight_decay=0.01)
   x = support.block_batch()
 
   def loss(dp, x):
-    names = [f'layers_{i}' for i in range(support.BLOCKS)]
+    names = [f'layers_{i}' for i in range(BLOCKS)]
     x = ded.sequential(support.block_fn, names)(dp, x)
     return jnp.mean((x @ dp.rest['head']) ** 2)
 
@@ -210,8 +220,8 @@ def dedicated_setup(mesh):
     return ded, opt, one_device
 
   x = jax.device_put(x, NamedSharding(mesh, P(AXES)))
-  step = support.dedicated_step(
-    ded, opt, opt.init(ded.to_dedicated(support.block_params()))
+  step = support.explicit_step_fn(
+    opt, mesh, opt.init(ded.to_dedicated(block_params())), loss, ded.specs()
   )
   return ded, opt, lambda dp, state: step(dp, state, x)[:2]
 
@@ -232,7 +242,7 @@ class DedicatedCheckpointTest(absltest.TestCase):
     cls.tmp = tempfile.TemporaryDirectory()
     mesh = jax.make_mesh((2, 4), AXES)
     ded, opt, step = dedicated_setup(mesh)
-    dp = ded.to_dedicated(support.block_params())
+    dp = ded.to_dedicated(block_params())
     dp, state = run_steps(step, dp, opt.init(dp), 10)
     checkpoint.save(cls.tmp.name, 10, dp, state)
     cls.portable = jax.tree.map(np.asarray, checkpoint.state_to_portable(state))
@@ -264,7 +274,7 @@ class DedicatedCheckpointTest(absltest.TestCase):
     # Params are saved in param layout: a drop-in run (or inference) reads
     # them with no dedication.
     like = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), support.block_params()
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), block_params()
     )
     _, params, state = checkpoint.restore(self.tmp.name, like, None)
     self.assertIsNone(state)
@@ -280,7 +290,7 @@ class DedicatedCheckpointTest(absltest.TestCase):
     )
     ded, opt, step = dedicated_setup(mesh)
     like = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), support.block_params()
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), block_params()
     )
     got, dp, state = checkpoint.restore(
       self.tmp.name, like, opt, dedication=ded

@@ -52,7 +52,10 @@ class GpuBenchmarkTest(absltest.TestCase):
   def test_gpu_sh_falls_back_to_smoke_on_cpu(self):
     out_dir = pathlib.Path(tempfile.mkdtemp())
     out = run_script(
-      ['examples/benchmarks/gpu.sh', str(out_dir)], executable=('bash',)
+      # One of the smoke run's two NS shapes (every algorithm and dtype):
+      # gpu.sh passes the flags after out_dir on to gpu_ns.py.
+      ['examples/benchmarks/gpu.sh', str(out_dir), '--shapes', '64x256'],
+      executable=('bash',),
     )
     self.assertIn('smoke run', out)
     rows = read_rows(out_dir / 'gpu_ns_cpu_smoke.json')

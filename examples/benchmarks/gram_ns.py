@@ -117,9 +117,12 @@ def parse_args(argv=None):
     p, 'gram_ns', 'small matrices, few reps: a CI smoke run (< 40 s)'
   )
   args = p.parse_args(argv)
-  if args.quick:
-    args.short, args.batch = 64, 2
-    args.reps, args.warmup, args.min_reps = 5, 1, 3
+  _common.apply_quick(
+    p,
+    args,
+    argv,
+    {'short': 64, 'batch': 2, 'reps': 5, 'warmup': 1, 'min_reps': 3},
+  )
   args.ratios = [int(v) for v in str(args.ratios).split(',')]
   args.tp = [int(v) for v in str(args.tp).split(',')]
   if args.name is None:

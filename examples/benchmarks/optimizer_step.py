@@ -67,7 +67,11 @@ class HelpFormatter(
 def add_common_args(p, stem: str, quick_help: str) -> None:
   """The options every CPU benchmark here takes: --quick, --out-dir,
   --name (file stem: ``stem``, or ``stem_quick`` with --quick), --seed."""
-  p.add_argument('--quick', action='store_true', help=quick_help)
+  p.add_argument(
+    '--quick',
+    action='store_true',
+    help=quick_help + '; options given explicitly override its settings',
+  )
   p.add_argument(
     '--out-dir',
     default=None,
@@ -81,6 +85,41 @@ def add_common_args(p, stem: str, quick_help: str) -> None:
   p.add_argument(
     '--seed', type=int, default=0, help='seed of the random inputs'
   )
+
+
+def given_options(p, argv=None) -> set[str]:
+  """The ``dest`` of every option of parser ``p`` given in ``argv``
+  (``sys.argv[1:]`` if None), whatever its value."""
+  saved = [(a, a.default) for a in p._actions]  # pylint: disable=protected-access
+  try:
+    for a, _ in saved:
+      a.default = argparse.SUPPRESS
+    return set(vars(p.parse_args(argv)))
+  finally:
+    for a, default in saved:
+      a.default = default
+
+
+def apply_quick(p, args, argv, settings: dict) -> None:
+  """``--quick``: ``settings`` (dest -> value) for the options not given
+  explicitly in ``argv``."""
+  if not args.quick:
+    return
+  given = given_options(p, argv)
+  for dest, value in settings.items():
+    if dest not in given:
+      setattr(args, dest, value)
+
+
+QUICK = {
+  'layers': 2,
+  'd_model': 128,
+  'd_ff': 384,
+  'vocab': 1024,
+  'reps': 3,
+  'warmup': 1,
+  'min_reps': 3,
+}
 
 
 def parse_args(argv=None):
@@ -146,9 +185,7 @@ def parse_args(argv=None):
     p, 'optimizer_step', 'tiny model, few reps: a CI smoke run (< 60 s)'
   )
   args = p.parse_args(argv)
-  if args.quick:
-    args.layers, args.d_model, args.d_ff, args.vocab = 2, 128, 384, 1024
-    args.reps, args.warmup, args.min_reps = 3, 1, 3
+  apply_quick(p, args, argv, QUICK)
   if args.name is None:
     args.name = 'optimizer_step_quick' if args.quick else 'optimizer_step'
   if args.out_dir is None:

@@ -122,8 +122,7 @@ def parse_args(argv=None):
   p.add_argument('--worker', type=int, default=None, help=argparse.SUPPRESS)
   p.add_argument('--worker-out', default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
-  if args.quick:
-    args.reps, args.warmup, args.min_reps = 3, 1, 3
+  _common.apply_quick(p, args, argv, {'reps': 3, 'warmup': 1, 'min_reps': 3})
   if args.devices is None:
     args.devices = QUICK_DEVICES if args.quick else FULL_DEVICES
   if args.sizes is None:

@@ -88,6 +88,17 @@ TARGET_DROPIN_EXTRA = 0.05
 
 MUON_LR = 0.02
 ADAM_LR = 3e-3
+QUICK = {
+  'layers': 2,
+  'd_model': 32,
+  'd_ff': 128,
+  'heads': 4,
+  'vocab': 64,
+  'seq': 16,
+  'batch': 8,
+  'reps': 2,
+  'warmup': 1,
+}
 
 
 def parse_args(argv=None):
@@ -161,10 +172,7 @@ def parse_args(argv=None):
     p, 'train_step', 'tiny model, few reps: a CI smoke run (< 90 s)'
   )
   args = p.parse_args(argv)
-  if args.quick:
-    args.layers, args.d_model, args.d_ff, args.heads = 2, 32, 128, 4
-    args.vocab, args.seq, args.batch = 64, 16, 8
-    args.reps, args.warmup = 2, 1
+  _common.apply_quick(p, args, argv, QUICK)
   if args.name is None:
     args.name = 'train_step_quick' if args.quick else 'train_step'
   if args.out_dir is None:

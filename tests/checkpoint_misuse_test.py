@@ -14,6 +14,7 @@ import pathlib
 import shutil
 import tempfile
 import time
+import warnings
 
 import chex
 import jax
@@ -411,8 +412,15 @@ class NnxTest(TempDirTest):
     # against optimizer.tx (nnx.State containers vs a pure dict).
     step = self.optimizer.step[...]
     checkpoint.save_nnx(self.tmp, step, self.model, self.optimizer)
-    got = checkpoint.restore_nnx(self.tmp, self.model, self.optimizer)
+    with warnings.catch_warnings(record=True) as caught:
+      # (pyproject ignores flax's DeprecationWarnings; users may not.)
+      warnings.simplefilter('always', DeprecationWarning)
+      got = checkpoint.restore_nnx(self.tmp, self.model, self.optimizer)
     self.assertEqual(got, int(step))
+    # No deprecated flax API (the '.value' setter of the step counter).
+    self.assertEqual(
+      [str(w.message) for w in caught if w.category is DeprecationWarning], []
+    )
 
   def test_state_of_another_optimizer_is_rejected(self):
     other = nnx.Optimizer(self.model, optax.adam(1e-3), wrt=nnx.Param)

@@ -128,18 +128,30 @@ class ExamplesTest(absltest.TestCase):
       for key in (
         'median_ms',
         'compile_s',
-        'flops_per_device',
+        'xla_cost_analysis_flops',
         'peak_bytes_per_device',
       ):
         self.assertTrue(math.isfinite(r[key]) and r[key] > 0, (name, key))
+      # Per-device FLOPs are the step's matmuls, loops times their trip
+      # counts: Newton-Schulz only (none for AdamW).
+      if r['optimizer'] == 'adamw':
+        self.assertEqual(r['flops_per_device'], 0, name)
+      else:
+        self.assertGreater(r['flops_per_device'], 0, name)
     dmuon = [c for c in configs if c.startswith('dmuon')]
     for name in dmuon:
       r = configs[name]
       if not r['diagnostic']:
         # The first update equals optax.contrib.muon's (fp32 noise).
         self.assertLess(r['first_update_rel_diff_vs_optax'], 1e-5, name)
-      # Each device runs about 1/8 of optax's Newton-Schulz work (the
-      # busiest owner; measured 0.17 and 0.12 (all-2d) at this size).
+      # Each device runs the busiest owner's Newton-Schulz, all 5
+      # iterations: exactly the plan's makespan ...
+      self.assertAlmostEqual(
+        r['flops_per_device'] / r['plan']['makespan'], 1, delta=1e-6, msg=name
+      )
+      # ... about 1/8 of optax's on replicated params (every device all of
+      # it, its iterations a loop too; measured 0.16 and 0.12 (all-2d) at
+      # this size: 7 matrices of two costs do not pack evenly on 8 owners).
       optax_name = (
         'optax-muon-replicated-all2d'
         if 'all2d' in name
@@ -147,6 +159,7 @@ class ExamplesTest(absltest.TestCase):
       )
       ratio = r['flops_per_device'] / configs[optax_name]['flops_per_device']
       self.assertLess(ratio, (0.2 if r['ns_steps'] == 5 else 0.1), name)
+      self.assertGreater(ratio, 1 / 8 - 0.01, name)
     # Sharded params: the owner routes are all-to-alls, nothing is
     # gathered whole; the explicit path reduce-scatters what it gathers.
     for name in ('dmuon-fsdp',):
@@ -256,16 +269,32 @@ class ExamplesTest(absltest.TestCase):
           'predicted_flops',
           'gflop_per_s',
           'rel_diff_vs_f64',
+          'xla_cost_analysis_flops',
         ):
           v = r[variant][key]
           self.assertTrue(math.isfinite(v) and v > 0, (r['config'], key))
         self.assertLess(r[variant]['rel_diff_vs_f64'], 1e-4)
+        # The compiled call's matmuls (the direct iteration's loop times
+        # its trip count) are the FLOP model's.
+        self.assertAlmostEqual(
+          r[variant]['flops'] / r[variant]['predicted_flops'],
+          1,
+          delta=1e-6,
+          msg=(r['config'], variant),
+        )
       self.assertTrue(math.isfinite(r['speedup_measured']))
     for r in part_b:
       for key in ('median_ms', 'flops_per_device', 'collective_bytes_total'):
         self.assertTrue(
           math.isfinite(r[key]) and r[key] > 0, (r['config'], key)
         )
+      # Per-device matmul FLOPs (loops times their trip counts) as predicted.
+      self.assertAlmostEqual(
+        r['flops_per_device'] / r['predicted_flops_per_device'],
+        1,
+        delta=1e-6,
+        msg=r['config'],
+      )
       self.assertLess(r['rel_diff_tp_vs_gather'], 1e-4)
       gathered = r['collective_bytes_by_kind'].get('all-gather', 0)
       if r['variant'] == 'tp':
@@ -295,12 +324,16 @@ class ExamplesTest(absltest.TestCase):
     rows = [r for r in records if r['config'] != 'summary']
     self.assertEqual(sorted({r['devices'] for r in rows}), [1, 2, 8])
     for r in rows:
-      # Newton-Schulz (matmul) FLOPs of the busiest device vs the floor; the
-      # XLA total adds elementwise work (large share at these tiny sizes).
-      self.assertBetween(r['dot_flops_ratio_vs_floor'], 0.85, 1.15, r['config'])
-      self.assertBetween(r['flops_ratio_vs_floor'], 0.85, 1.35, r['config'])
+      # Newton-Schulz FLOPs of the busiest device (its program's matmuls,
+      # the iterations' loop times its trip count) are the plan's makespan,
+      # within 15% of the floor (measured 1.000 at N = 1, 2, 8).
+      self.assertAlmostEqual(
+        r['flops_ratio_vs_makespan'], 1, delta=1e-6, msg=r['config']
+      )
+      self.assertBetween(r['flops_ratio_vs_floor'], 0.85, 1.15, r['config'])
       for key in (
         'flops_per_device',
+        'xla_cost_analysis_flops',
         'ns_flops_floor',
         'plan_makespan',
         'median_ms',

@@ -312,7 +312,9 @@ class Exchange:
       full = layout.slot_matrix(buffers, u).reshape(r.full)
       blocks = r.split(full)
       idx = np.array([r.member(self.coords[d]) for d in range(self.num_slots)])
-      cols.append(jnp.take(blocks, idx, axis=0))
+      if not np.array_equal(idx, np.arange(len(idx))):
+        blocks = blocks.at[idx].get(mode='promise_in_bounds')
+      cols.append(blocks)
     used = sum(c.shape[1] for c in cols)
     if used < self.back_size[g] or not cols:
       cols.append(jnp.zeros((self.num_slots, self.back_size[g] - used), dtype))

@@ -423,13 +423,29 @@ def orthogonalize_via_newton_schulz(
     'orthogonalize_via_newton_schulz', x, preconditioning, compute_dtype
   )
   y, gram, transposed = _prepare(x, preconditioning, eps, compute_dtype)
-  for i, row in enumerate(rows):
-    a, b, c = _coeffs(row, compute_dtype)
-    if i > 0 or gram is None:
-      gram = y @ _transpose(y)
-    poly = b * gram + (c * gram) @ gram
-    y = a * y + poly @ y
+  if gram is not None:  # 'aol'/'schatten' computed the first X X^T already
+    y = _quintic_step(y, gram, _coeffs(rows[0], compute_dtype))
+    rows = rows[1:]
+  if len(rows) > 1:
+    # One loop body instead of an unrolled copy per iteration (as optax's
+    # Newton-Schulz loops): the compiled update of many matrix shapes is
+    # several times smaller and compiles faster; same operations, same
+    # order. The coefficients travel as data (rounded to the compute dtype,
+    # as the unrolled form's constants are).
+    def body(y, row):
+      return _quintic_step(y, y @ _transpose(y), (row[0], row[1], row[2])), None
+
+    y, _ = jax.lax.scan(body, y, jnp.asarray(np.asarray(rows), compute_dtype))
+  elif len(rows):
+    y = _quintic_step(y, y @ _transpose(y), _coeffs(rows[0], compute_dtype))
   return _finish(y, transposed, x)
+
+
+def _quintic_step(y, gram, coeffs):
+  """One iteration ``X <- a X + (b A + c A^2) X`` with ``A = gram``."""
+  a, b, c = coeffs
+  poly = b * gram + (c * gram) @ gram
+  return a * y + poly @ y
 
 
 def check_restart_iterations(

@@ -562,11 +562,20 @@ def all_finite(*trees: Any) -> jax.Array:
   axes, so that every device takes the same decision; under plain ``jit``
   the leaves are global arrays and the reduction is global already.
   """
+  flags = [
+    jnp.all(jnp.isfinite(x)).astype(jnp.int32)
+    for x in map(jnp.asarray, jax.tree.leaves(trees))
+    if jnp.issubdtype(x.dtype, jnp.inexact) and x.size
+  ]
   ok = jnp.array(True)
-  for x in jax.tree.leaves(trees):
-    x = jnp.asarray(x)
-    if jnp.issubdtype(x.dtype, jnp.inexact) and x.size:
-      ok = ok & jnp.all(jnp.isfinite(x))
+  if flags:
+    # The flag of the first non-finite leaf (argmin): XLA unrolls an ``all``
+    # (or ``&``) of per-leaf flags into a chain of scalar ops and copies it
+    # into every select that reads the result, leaves x selects ops (36% of
+    # a 56-matrix model's compiled update); an argmin it keeps as one
+    # reduction.
+    stacked = jnp.stack(flags)
+    ok = stacked[jnp.argmin(stacked)] > 0
   manual = _collectives.manual_axes()
   if manual:
     mesh = jax.sharding.get_abstract_mesh()

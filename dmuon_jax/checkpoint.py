@@ -1016,7 +1016,7 @@ def restore_nnx(
   nnx.replace_by_pure_dict(state, params)
   nnx.update(model, state)
   nnx.update(optimizer.opt_state, nnx.state(opt_state))
-  optimizer.step.value = more['optimizer_step']
+  optimizer.step.set_value(more['optimizer_step'])
   if extra_like is not None:
     return step, more['user']
   return step

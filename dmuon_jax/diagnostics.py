@@ -1158,7 +1158,7 @@ def _memory_fields(compiled: Any) -> dict[str, int | None]:
 def dot_flops(
   compiled: Any,
   *,
-  loop_trip_counts: bool = False,
+  loop_trip_counts: bool = True,
   branches_per_device: int | None = None,
 ) -> float:
   """Matmul FLOPs of one device's program: ``2 * out * contracted`` per dot.
@@ -1170,8 +1170,10 @@ def dot_flops(
 
   Args:
     compiled: a ``jax.stages.Compiled`` (or ``Lowered``), or HLO text.
-    loop_trip_counts: multiply the body of each ``while`` loop by its known
-      trip count (False: count it once, as XLA's ``cost_analysis`` does).
+    loop_trip_counts: (default True) multiply the body of each ``while``
+      loop by its known trip count: dmuon's Newton–Schulz iterations and
+      scanned layers are loops. False counts each body once, as XLA's
+      ``cost_analysis`` (and so :attr:`HloReport.flops`) does.
     branches_per_device: (optional) the number of owner slots: every
       ``conditional`` with that many branches is taken to branch on the
       owner slot (as dmuon's updates do, stage after stage), so branch ``i``
@@ -1188,10 +1190,10 @@ def dot_flops(
     ...   return jax.lax.fori_loop(0, 3, lambda i, a: jnp.tanh(a @ b), a)
     >>> a, b = jnp.ones((8, 16)), jnp.ones((16, 16))
     >>> compiled = jax.jit(three_matmuls).lower(a, b).compile()
-    >>> diagnostics.dot_flops(compiled)  # the loop body once: 2 * 8 * 16 * 16
-    4096.0
-    >>> diagnostics.dot_flops(compiled, loop_trip_counts=True)
+    >>> diagnostics.dot_flops(compiled)  # 3 iterations of 2 * 8 * 16 * 16
     12288.0
+    >>> diagnostics.dot_flops(compiled, loop_trip_counts=False)  # body once
+    4096.0
   """
   if isinstance(compiled, jax.stages.Lowered):
     compiled = compiled.compile()

@@ -10,6 +10,8 @@ Process 0 writes the per-step losses and final params to
 then save a mesh-independent checkpoint (``dmuon_jax.checkpoint.save``)
 that restores on any mesh, e.g. in one process, restore it again in every
 process and check that it is bitwise identical to the trained state.
+``--mode both`` trains drop-in, then dedicated, in the same processes (one
+launch, one ``.npz`` per mode, checkpoints in ``CHECKPOINT_DIR/<mode>``).
 
     python examples/multihost.py --processes 1 --local-devices 8 \\
         --mode dedicated --out-dir /tmp/mh      # single-process reference
@@ -54,7 +56,7 @@ COMPARE_RTOL = 1e-6  # --compare-to's default tolerance (see check_run)
 # ``MATS`` Muon matrices each, AdamW for the scales and the head).
 
 
-def init_params():
+def init_params(blocks=BLOCKS):
   import jax
   import jax.numpy as jnp
 
@@ -63,7 +65,7 @@ def init_params():
   params = {
     f'layers_{i}': {f'w{j}': n(WIDTH, WIDTH) for j in range(MATS)}
     | {'scale': 1 + n(WIDTH)}
-    for i in range(BLOCKS)
+    for i in range(blocks)
   }
   params['head'] = n(WIDTH, OUT)
   return params
@@ -77,11 +79,18 @@ def block_fn(layer, x):
   return x
 
 
+def block_names(params):
+  """``layers_0``, ``layers_1``, ... of ``params`` (``init_params``), in order."""
+  return [
+    f'layers_{i}' for i in range(sum(k.startswith('layers_') for k in params))
+  ]
+
+
 def loss_fn(params, x):
   import jax.numpy as jnp
 
-  for i in range(BLOCKS):
-    x = block_fn(params[f'layers_{i}'], x)
+  for name in block_names(params):
+    x = block_fn(params[name], x)
   return jnp.mean((x @ params['head']) ** 2)
 
 
@@ -235,7 +244,7 @@ def train_dedicated(
 
   def dedicated_loss(dp, x):
     rest = ded.gather_rest(dp)
-    x = ded.sequential(block_fn, [f'layers_{i}' for i in range(BLOCKS)])(dp, x)
+    x = ded.sequential(block_fn, block_names(host_params))(dp, x)
     return jnp.mean((x @ rest['head']) ** 2)
 
   specs, state_specs = ded.specs(), ded.specs_of(state)
@@ -310,25 +319,29 @@ def child_main(args):
     AXES,
     axis_types=(jax.sharding.AxisType.Auto,) * 2,
   )
-  host_params = jax.tree.map(np.asarray, init_params())
+  host_params = jax.tree.map(np.asarray, init_params(args.blocks))
   x = _global(np.asarray(make_batch()), NamedSharding(mesh, P(AXES)))
-  train = train_dropin if args.mode == 'dropin' else train_dedicated
-  losses, params = train(
-    mesh, host_params, x, args.steps, args.layout, args.checkpoint_dir
-  )
-  losses, params = _to_host((losses, params), mesh)
-  seconds = time.time() - start
-  if jax.process_index() == 0:
-    flat = {
-      'params' + jax.tree_util.keystr(path): leaf
-      for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-    }
-    os.makedirs(args.out_dir, exist_ok=True)
-    path = os.path.join(args.out_dir, out_name(args))
-    np.savez(path, losses=np.stack(losses), seconds=seconds, **flat)
-    for i, loss in enumerate(losses):
-      print(f'step {i:3d}  loss {float(loss):.6f}')
-    print(f'wrote {path} ({seconds:.1f} s in process 0 after init)')
+  for mode in modes(args):
+    train = train_dropin if mode == 'dropin' else train_dedicated
+    checkpoint_dir = args.checkpoint_dir
+    if checkpoint_dir and args.mode == 'both':
+      checkpoint_dir = os.path.join(checkpoint_dir, mode)
+    losses, params = train(
+      mesh, host_params, x, args.steps, args.layout, checkpoint_dir
+    )
+    losses, params = _to_host((losses, params), mesh)
+    seconds = time.time() - start
+    if jax.process_index() == 0:
+      flat = {
+        'params' + jax.tree_util.keystr(path): leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+      }
+      os.makedirs(args.out_dir, exist_ok=True)
+      path = os.path.join(args.out_dir, out_name(args, mode))
+      np.savez(path, losses=np.stack(losses), seconds=seconds, **flat)
+      for i, loss in enumerate(losses):
+        print(f'{mode} step {i:3d}  loss {float(loss):.6f}')
+      print(f'wrote {path} ({seconds:.1f} s in process 0 after init)')
   jax.distributed.shutdown()
   return 0
 
@@ -345,8 +358,14 @@ def mesh_shape(spec, n):
   return shape
 
 
-def out_name(args):
-  return f'{args.mode}_p{args.processes}xd{args.local_devices}.npz'
+def modes(args):
+  """The modes a run trains, in order."""
+  return ('dropin', 'dedicated') if args.mode == 'both' else (args.mode,)
+
+
+def out_name(args, mode=None):
+  mode = mode or args.mode
+  return f'{mode}_p{args.processes}xd{args.local_devices}.npz'
 
 
 def _free_port():
@@ -521,19 +540,21 @@ def check_run(args):
   """
   import numpy as np
 
-  path = os.path.join(args.out_dir, out_name(args))
-  with np.load(path) as f:
-    run = {k: f[k] for k in f.files if k != 'seconds'}
-  losses = run['losses']
-  trains = bool(np.all(np.isfinite(losses)) and losses[-1] < losses[0])
-  results = [
-    (
-      f'loss falls ({losses[0]:.6f} -> {losses[-1]:.6f}), all finite: '
-      f'{"yes" if trains else "no"}',
-      trains,
+  results = []
+  for mode in modes(args):
+    path = os.path.join(args.out_dir, out_name(args, mode))
+    with np.load(path) as f:
+      run = {k: f[k] for k in f.files if k != 'seconds'}
+    losses = run['losses']
+    trains = bool(np.all(np.isfinite(losses)) and losses[-1] < losses[0])
+    results.append(
+      (
+        f'{mode} loss falls ({losses[0]:.6f} -> {losses[-1]:.6f}), all '
+        f'finite: {"yes" if trains else "no"}',
+        trains,
+      )
     )
-  ]
-  if args.compare_to:
+  if args.compare_to:  # one mode (see main)
     with np.load(args.compare_to) as f:
       other = {k: f[k] for k in f.files if k != 'seconds'}
     same_keys = sorted(run) == sorted(other)
@@ -580,9 +601,10 @@ def parse_args(argv):
   )
   parser.add_argument(
     '--mode',
-    choices=('dropin', 'dedicated'),
+    choices=('dropin', 'dedicated', 'both'),
     default='dedicated',
-    help='dmuon under jax.jit, or dedicated_muon (Z3) under shard_map',
+    help='dmuon under jax.jit, or dedicated_muon (Z3) under shard_map, or '
+    'both (drop-in, then dedicated, in the same processes)',
   )
   parser.add_argument(
     '--mesh', default=None, help='R,S over all P*D devices (unset: 1,P*D)'
@@ -594,6 +616,12 @@ def parse_args(argv):
     help='placement of the params before training',
   )
   parser.add_argument('--steps', type=int, default=10, help='training steps')
+  parser.add_argument(
+    '--blocks',
+    type=int,
+    default=BLOCKS,
+    help=f'blocks of the model ({MATS} {WIDTH}x{WIDTH} Muon matrices each)',
+  )
   parser.add_argument(
     '--out-dir',
     default='/tmp/dmuon_multihost',
@@ -649,6 +677,10 @@ def main(argv=None):
   argv = sys.argv[1:] if argv is None else list(argv)
   args = parse_args(argv)
   mesh_shape(args.mesh, args.processes * args.local_devices)  # validate
+  if args.compare_to and args.mode == 'both':
+    raise SystemExit(
+      '--compare-to compares one mode: --mode dropin or dedicated'
+    )
   if args.child is not None:
     return child_main(args)
   code = launch(args, argv)

@@ -179,9 +179,13 @@ def main(argv=None):  # pylint: disable=too-many-locals
   # Replicated params, placed before the optimizer's init (inside create).
   params = jax.device_put(params, NamedSharding(mesh, P()))
   tx = dmuon_jax.dmuon(0.02, adam_learning_rate=3e-3, mesh=mesh)
-  state = train_state.TrainState.create(
-    apply_fn=model.apply, params=params, tx=tx
-  )
+  with jax.set_mesh(mesh):  # the optimizer's counters on the mesh too
+    state = train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=tx
+    )
+    # create() starts `step` as the Python int 0: an array instead keeps
+    # the second call of train_step from compiling it again.
+    state = state.replace(step=jnp.zeros((), jnp.int32))
   labels = jax.tree.leaves(dmuon_jax.muon_labels(params))
   n_params = sum(x.size for x in jax.tree.leaves(params))
   print(

@@ -14,6 +14,7 @@ import re
 import tempfile
 import warnings
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -1229,7 +1230,7 @@ class SuggestedFixTest(absltest.TestCase):
     want = support.block_fn(
       params['layers_1'], support.block_fn(params['layers_0'], x)
     )
-    np.testing.assert_allclose(got, want, rtol=1e-6)
+    chex.assert_trees_all_close(got, want, rtol=1e-6)
 
 
 class NoMuonTargetsTest(absltest.TestCase):

@@ -14,7 +14,9 @@ import pathlib
 import shutil
 import tempfile
 import time
+import warnings
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,14 +61,6 @@ def files_under(path):
     for p in glob.glob(os.path.join(path, '**'), recursive=True)
     if os.path.isfile(p)
   )
-
-
-def assert_trees_equal(test, actual, expected):
-  a_leaves, a_def = jax.tree.flatten(actual)
-  e_leaves, e_def = jax.tree.flatten(expected)
-  test.assertEqual(a_def, e_def)
-  for a, e in zip(a_leaves, e_leaves):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
 
 
 class TempDirTest(parameterized.TestCase):
@@ -120,7 +114,7 @@ class SaveStepTest(TempDirTest):
     got, params, _ = checkpoint.restore(self.tmp, like(self.params), None)
     self.assertEqual(got, expected)
     self.assertIsInstance(got, int)
-    assert_trees_equal(self, params, self.params)
+    chex.assert_trees_all_equal(params, self.params)
 
   def test_restore_rejects_a_bool_step(self):
     # True == 1: without the check it would pick step 1 as "step=True".
@@ -179,7 +173,7 @@ class SaveOptCheckTest(TempDirTest):
     state = OPT.init(self.params)
     checkpoint.save(self.tmp, 1, self.params, state, opt=OPT)
     _, _, back = checkpoint.restore(self.tmp, like(self.params), OPT)
-    assert_trees_equal(self, back, state)
+    chex.assert_trees_all_equal(back, state)
 
   def test_dedicated_state_with_dedicated_params_is_accepted(self):
     params = {'layers_0': {'w': self.params['w']}, 'b': self.params['b']}
@@ -340,14 +334,14 @@ class DamagedCheckpointTest(TempDirTest):
       step, params, state = self.restore(if_damaged='older')
     self.assertIn(str(path), str(cm.warning))
     self.assertEqual(step, 1)
-    assert_trees_equal(self, params, self.params[1])
-    assert_trees_equal(self, state, self.states[1])
+    chex.assert_trees_all_equal(params, self.params[1])
+    chex.assert_trees_all_equal(state, self.states[1])
 
   def test_older_restores_the_latest_when_it_is_intact(self):
     step, params, state = self.restore(if_damaged='older')
     self.assertEqual(step, 2)
-    assert_trees_equal(self, params, self.params[2])
-    assert_trees_equal(self, state, self.states[2])
+    chex.assert_trees_all_equal(params, self.params[2])
+    chex.assert_trees_all_equal(state, self.states[2])
 
   def test_explicit_step_never_falls_back(self):
     corrupt(self.dir / '2', 'default/_METADATA', 'garbage')
@@ -388,8 +382,8 @@ class DamagedCheckpointTest(TempDirTest):
     (self.dir / '2' / '_CHECKPOINT_METADATA').write_bytes(b'garbage{{')
     step, params, state = self.restore()
     self.assertEqual(step, 2)
-    assert_trees_equal(self, params, self.params[2])
-    assert_trees_equal(self, state, self.states[2])
+    chex.assert_trees_all_equal(params, self.params[2])
+    chex.assert_trees_all_equal(state, self.states[2])
 
 
 class NnxTest(TempDirTest):
@@ -418,8 +412,15 @@ class NnxTest(TempDirTest):
     # against optimizer.tx (nnx.State containers vs a pure dict).
     step = self.optimizer.step[...]
     checkpoint.save_nnx(self.tmp, step, self.model, self.optimizer)
-    got = checkpoint.restore_nnx(self.tmp, self.model, self.optimizer)
+    with warnings.catch_warnings(record=True) as caught:
+      # (pyproject ignores flax's DeprecationWarnings; users may not.)
+      warnings.simplefilter('always', DeprecationWarning)
+      got = checkpoint.restore_nnx(self.tmp, self.model, self.optimizer)
     self.assertEqual(got, int(step))
+    # No deprecated flax API (the '.value' setter of the step counter).
+    self.assertEqual(
+      [str(w.message) for w in caught if w.category is DeprecationWarning], []
+    )
 
   def test_state_of_another_optimizer_is_rejected(self):
     other = nnx.Optimizer(self.model, optax.adam(1e-3), wrt=nnx.Param)

@@ -18,8 +18,10 @@ import pytest
 
 # Must run before any JAX computation: chex raises if JAX already started
 # (child processes get an environment without this XLA flag; see
-# support.subprocess_env).
+# support.subprocess_env). The config says the same, so that code under test
+# that sets it as a user's script does (the docs' guides) finds it set.
 chex.set_n_cpu_devices(8)
+jax.config.update('jax_num_cpu_devices', 8)
 jax.config.update('jax_platforms', 'cpu')
 
 

@@ -1,10 +1,13 @@
 """dmuon behaves as an optax GradientTransformation: composition, jit, state."""
 
+import functools
+
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from absl.testing import absltest, parameterized
+from absl.testing import absltest
 
 import dmuon_jax
 from tests import support
@@ -18,65 +21,58 @@ def small_params():
   return params
 
 
-def trees_equal(a, b):
-  return all(
-    np.array_equal(np.asarray(x), np.asarray(y))
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
-  )
+@functools.cache
+def small_setup():
+  """One optimizer, state and gradients, shared (its jitted update compiles
+  once per process)."""
+  params = small_params()
+  opt = dmuon_jax.dmuon(0.02, muon_weight_dimension_numbers=DIMS(params))
+  return params, opt, opt.init(params), support.grads_at(0, params)
 
 
-class ContractTest(parameterized.TestCase):
+def zeros_like(tree):
+  return jax.tree.map(jnp.zeros_like, tree)
+
+
+class ContractTest(chex.TestCase):
   def test_init_from_shape_dtype_structs(self):
-    params = small_params()
-    opt = dmuon_jax.dmuon(0.02, muon_weight_dimension_numbers=DIMS(params))
+    params, opt, from_arrays, _ = small_setup()
     abstract = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
     )
-    from_abstract = opt.init(abstract)
-    from_arrays = opt.init(params)
-    self.assertEqual(
-      jax.tree.structure(from_abstract), jax.tree.structure(from_arrays)
-    )
-    self.assertTrue(trees_equal(from_abstract, from_arrays))
+    # The same state (structure, layout metadata and values) from shapes.
+    chex.assert_trees_all_equal(opt.init(abstract), from_arrays)
     # jax.eval_shape works too (no concrete values needed).
-    shapes = jax.eval_shape(opt.init, abstract)
-    self.assertEqual(
-      jax.tree.map(lambda s: (s.shape, s.dtype), shapes),
-      jax.tree.map(lambda s: (s.shape, s.dtype), from_arrays),
+    chex.assert_trees_all_equal_shapes_and_dtypes(
+      jax.eval_shape(opt.init, abstract), from_arrays
     )
 
-  def test_jit_equals_eager_and_state_types_are_stable(self):
-    params = small_params()
-    opt = dmuon_jax.dmuon(0.02, muon_weight_dimension_numbers=DIMS(params))
-    state = opt.init(params)
-    grads = support.grads_at(0, params)
-    eager_u, eager_s = opt.update(grads, state, params)
-    jit_u, jit_s = jax.jit(opt.update)(grads, state, params)
-    for a, b in zip(
-      jax.tree.leaves((eager_u, eager_s)), jax.tree.leaves((jit_u, jit_s))
-    ):
-      np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_update_equals_jitted_update_and_keeps_state_types(self):
+    params, opt, state, grads = small_setup()
+    updates, new_state = self.variant(opt.update)(grads, state, params)
+    # Eager (op by op) and jit agree to float32 rounding.
+    reference = jax.jit(opt.update)(grads, state, params)
+    chex.assert_trees_all_close(
+      (updates, new_state), reference, rtol=1e-6, atol=1e-7
+    )
+    # The state keeps its types (shapes, dtypes, shardings) step after step.
     types = jax.tree.map(jax.typeof, state)
-    self.assertEqual(jax.tree.map(jax.typeof, eager_s), types)
-    self.assertEqual(jax.tree.map(jax.typeof, jit_s), types)
-    _, again = jax.jit(opt.update)(grads, jit_s, params)
+    self.assertEqual(jax.tree.map(jax.typeof, new_state), types)
+    _, again = self.variant(opt.update)(grads, new_state, params)
     self.assertEqual(jax.tree.map(jax.typeof, again), types)
 
   def test_compiles_once_across_steps(self):
-    params = small_params()
-    opt = dmuon_jax.dmuon(0.02, muon_weight_dimension_numbers=DIMS(params))
-    state = opt.init(params)
-    traces = []
+    params, opt, state, _ = small_setup()
 
     @jax.jit
+    @chex.assert_max_traces(n=1)
     def step(params, state):
-      traces.append(1)
       updates, state = opt.update(support.grads_at(0, params), state, params)
       return optax.apply_updates(params, updates), state
 
     for _ in range(3):
       params, state = step(params, state)
-    self.assertLen(traces, 1)
 
   def test_bf16_params_keep_dtypes_with_f32_momentum(self):
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), small_params())
@@ -90,10 +86,10 @@ class ContractTest(parameterized.TestCase):
     labels = jax.tree.leaves(
       dmuon_jax.muon_labels(params, muon_weight_dimension_numbers=DIMS(params))
     )
+    chex.assert_tree_all_finite(updates)
     for u, p, label in zip(
       jax.tree.leaves(updates), jax.tree.leaves(params), labels
     ):
-      self.assertTrue(np.isfinite(np.asarray(u, np.float32)).all())
       if label == 'muon':  # (optax.adamw returns its mu_dtype)
         self.assertEqual(u.dtype, p.dtype)
     new_params = optax.apply_updates(params, updates)
@@ -132,9 +128,7 @@ class ContractTest(parameterized.TestCase):
     state = opt.init(params)
     state.hyperparams['learning_rate'] = jnp.asarray(0.0)
     updates, _ = opt.update(support.grads_at(0, params), state, params)
-    self.assertTrue(
-      all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
-    )
+    chex.assert_trees_all_equal(updates, zeros_like(updates))
 
   def test_multi_steps_accumulates_then_matches_mean_gradient(self):
     params = small_params()
@@ -145,15 +139,12 @@ class ContractTest(parameterized.TestCase):
     state = opt.init(params)
     g0, g1 = support.grads_at(0, params), support.grads_at(1, params)
     u0, state = jax.jit(opt.update)(g0, state, params)
-    self.assertTrue(
-      all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(u0))
-    )
+    chex.assert_trees_all_equal(u0, zeros_like(u0))
     u1, state = jax.jit(opt.update)(g1, state, params)
     inner = dmuon_jax.dmuon(0.02, muon_weight_dimension_numbers=dims)
     mean = jax.tree.map(lambda a, b: (a + b) / 2, g0, g1)
     expected, _ = inner.update(mean, inner.init(params), params)
-    for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(expected)):
-      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    chex.assert_trees_all_close(u1, expected, rtol=1e-5, atol=1e-7)
 
   def test_schedule_matches_optax(self):
     params = small_params()
@@ -171,7 +162,7 @@ class ContractTest(parameterized.TestCase):
     )
     support.assert_trees_rel_close(self, ours[-1], ref[-1], rtol=1e-6)
     # The schedule reached zero: the last step changed nothing.
-    self.assertTrue(trees_equal(ours[-1], ours[-2]))
+    chex.assert_trees_all_equal(ours[-1], ours[-2])
 
   def test_chain_with_clipping_matches_optax(self):
     params = small_params()
@@ -195,9 +186,7 @@ class ContractTest(parameterized.TestCase):
     support.assert_trees_rel_close(self, ours[-1], ref[-1], rtol=1e-6)
 
   def test_update_with_a_different_tree_raises(self):
-    params = small_params()
-    opt = dmuon_jax.dmuon(0.02, muon_weight_dimension_numbers=DIMS(params))
-    state = opt.init(params)
+    params, opt, state, _ = small_setup()
     other = dict(params, odd={'kernel': jnp.zeros((9, 13))})
     with self.assertRaisesRegex(ValueError, 'does not match the one given to'):
       opt.update(other, state, other)

@@ -4,10 +4,12 @@ Each case here failed before the owner layout moved into the state (see the
 issue "One owner core, and a state that knows its own layout").
 """
 
+import functools
 import importlib
 import tempfile
 import warnings
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,6 +31,8 @@ SLOW_CASES = (
   r'orbax_round_trip_of_nnx_state',
   r'injected_and_scheduled_match_optax_explicit',
   r'route_like_plain_init_auto',
+  # Sharding kinds beyond both dims sharded and columns sharded.
+  r'all_to_all_as_predicted_(size1_axis_8x1|two_axes_one_dim|hsdp_rows)',
 )
 
 AXES = ('replicate', 'shard')
@@ -70,11 +74,11 @@ def muon_states(state):
 
 def assert_same_state(test, a, b):
   """Same tree (layouts included), values, and equivalent placements."""
-  test.assertEqual(jax.tree.structure(a), jax.tree.structure(b))
+  chex.assert_trees_all_equal_structs(a, b)
+  chex.assert_trees_all_equal(a, b)
   for (path, x), y in zip(
     jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)
   ):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     if x.ndim:  # (optax's own counts are uncommitted scalars eagerly)
       test.assertTrue(
         x.sharding.is_equivalent_to(y.sharding, x.ndim),
@@ -115,8 +119,7 @@ class InitTest(parameterized.TestCase):
       warnings.simplefilter('error', dmuon_jax.DMuonWarning)
       u_jit, _ = step(grads, jitted, placed)
     u_eager, _ = step(grads, eager, placed)
-    for a, b in zip(jax.tree.leaves(u_jit), jax.tree.leaves(u_eager)):
-      np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(u_jit, u_eager)
 
   def test_unknown_shardings_are_recorded_and_warned(self):
     # jit-init on an Auto mesh, no param_specs: the state says the
@@ -152,7 +155,8 @@ class InitTest(parameterized.TestCase):
     opt = dmuon_jax.dmuon(0.02, mesh=mesh, param_specs=specs)
     state_abs = jax.eval_shape(opt.init, abstract)
     eager = opt.init(jax.device_put(params, shardings))
-    self.assertEqual(jax.tree.structure(state_abs), jax.tree.structure(eager))
+    chex.assert_trees_all_equal_structs(state_abs, eager)
+    chex.assert_trees_all_equal_shapes_and_dtypes(state_abs, eager)
     (st_abs,), (st,) = muon_states(state_abs), muon_states(eager)
     if kind == AxisType.Explicit:  # eval_shape keeps Explicit shardings
       for a, b in zip(st_abs.mu, st.mu):
@@ -255,10 +259,15 @@ class CheckpointLayoutTest(absltest.TestCase):
         model, dmuon_jax.dmuon(0.02, mesh=mesh), wrt=nnx.Param
       )
       x = jnp.linspace(-1, 1, 8 * 32).reshape(8, 32)
+
+      @nnx.jit  # one compile (eager updates: tests/contract_test.py)
+      def train_step(model, opt):
+        grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        opt.update(model, grads)
+
       with jax.set_mesh(mesh):
         for _ in range(steps):
-          grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model)
-          opt.update(model, grads)
+          train_step(model, opt)
       return model, opt
 
     model, opt_a = trained(mesh_a, 3)
@@ -285,10 +294,9 @@ class CheckpointLayoutTest(absltest.TestCase):
           3, args=ocp.args.StandardRestore(nnx.state(opt_c))
         )
       nnx.update(opt_c, restored)
-      for x, y in zip(
-        jax.tree.leaves(nnx.state(opt_c)), jax.tree.leaves(saved)
-      ):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+      chex.assert_trees_all_equal(
+        nnx.to_pure_dict(nnx.state(opt_c)), nnx.to_pure_dict(saved)
+      )
 
   def test_nnx_helpers_convert_between_layouts(self):
     mesh_a, mesh_b = make_mesh((1, 8)), make_mesh((2, 4))
@@ -296,45 +304,79 @@ class CheckpointLayoutTest(absltest.TestCase):
     def make(mesh):
       m = nnx.List([nnx.Linear(32, 48, rngs=nnx.Rngs(1))])
       nnx.update(m, jax.device_put(nnx.state(m), NamedSharding(mesh, P())))
-      return m, nnx.Optimizer(
-        m,
-        dmuon_jax.dmuon(0.02, mesh=mesh, predicate=lambda p, x: x.ndim == 2),
-        wrt=nnx.Param,
-      )
+      with jax.set_mesh(mesh):  # the optimizer's step counter on it too
+        return m, nnx.Optimizer(
+          m,
+          dmuon_jax.dmuon(0.02, mesh=mesh, predicate=lambda p, x: x.ndim == 2),
+          wrt=nnx.Param,
+        )
 
     model_a, opt_a = make(mesh_a)
     grads = jax.tree.map(jnp.ones_like, nnx.state(model_a, nnx.Param))
+    # Jitted (eager updates: tests/contract_test.py): one compile per mesh.
+    update = nnx.jit(chex.assert_max_traces(lambda o, m, g: o.update(m, g), 2))
     for _ in range(2):
-      opt_a.update(model_a, grads)
+      update(opt_a, model_a, grads)
     with tempfile.TemporaryDirectory() as d:
       dmuon_jax.checkpoint.save_nnx(d, 2, model_a, opt_a)
       model_b, opt_b = make(mesh_b)
       self.assertEqual(dmuon_jax.checkpoint.restore_nnx(d, model_b, opt_b), 2)
     self.assertEqual(int(opt_b.step[...]), 2)
-    for a, b in zip(
-      jax.tree.leaves(nnx.state(model_a)), jax.tree.leaves(nnx.state(model_b))
-    ):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    portable = [
-      dmuon_jax.checkpoint.state_to_portable(nnx.as_pure(o.opt_state))
-      for o in (opt_a, opt_b)
-    ]
-    for a, b in zip(*map(jax.tree.leaves, portable)):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    # And they keep training alike.
-    opt_a.update(model_a, grads)
-    opt_b.update(model_b, jax.device_put(grads, NamedSharding(mesh_b, P())))
-    for a, b in zip(
-      jax.tree.leaves(nnx.state(model_a)), jax.tree.leaves(nnx.state(model_b))
-    ):
-      np.testing.assert_allclose(
-        np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7
+    pure = lambda m: nnx.to_pure_dict(nnx.state(m))
+    chex.assert_trees_all_equal(pure(model_a), pure(model_b))
+    chex.assert_trees_all_equal(
+      *(
+        dmuon_jax.checkpoint.state_to_portable(nnx.as_pure(o.opt_state))
+        for o in (opt_a, opt_b)
       )
+    )
+    # And they keep training alike.
+    update(opt_a, model_a, grads)
+    update(opt_b, model_b, jax.device_put(grads, NamedSharding(mesh_b, P())))
+    chex.assert_trees_all_close(
+      pure(model_a), pure(model_b), rtol=1e-6, atol=1e-7
+    )
 
   def test_checkpoint_is_a_real_submodule(self):
     module = importlib.import_module('dmuon_jax.checkpoint')
     self.assertIs(module, dmuon_jax.checkpoint)
     self.assertTrue(callable(module.save))
+
+
+INJECT_STEPS = 6
+
+
+@functools.cache
+def inject_references():
+  """optax's runs of InjectHyperparamsTest (the same for both mesh kinds):
+  the scheduled run's and a fixed-hyperparameter run's final params."""
+  params = support.make_params()
+  dims = support.dim_numbers(params)
+  lr, beta = inject_schedules()
+  ref = support.run(
+    optax.inject_hyperparams(optax.contrib.muon)(
+      learning_rate=lr,
+      beta=beta,
+      weight_decay=0.01,
+      muon_weight_dimension_numbers=dims,
+    ),
+    params,
+    steps=INJECT_STEPS,
+  )
+  fixed = support.run(
+    optax.contrib.muon(
+      0.02, muon_weight_dimension_numbers=dims, weight_decay=0.01
+    ),
+    params,
+    steps=INJECT_STEPS,
+  )
+  return ref[-1], fixed[-1]
+
+
+def inject_schedules():
+  lr = optax.linear_schedule(0.02, 0.005, 4)
+  beta = lambda count: 0.95 - 0.05 * jnp.minimum(count, 4) / 4
+  return lr, beta
 
 
 class InjectHyperparamsTest(parameterized.TestCase):
@@ -343,10 +385,9 @@ class InjectHyperparamsTest(parameterized.TestCase):
   @parameterized.named_parameters(*KINDS)
   def test_injected_and_scheduled_match_optax(self, kind):
     mesh = make_mesh((2, 4), kind=kind)
-    params, dims = support.make_params(), None
+    params = support.make_params()
     dims = support.dim_numbers(params)
-    lr = optax.linear_schedule(0.02, 0.005, 4)
-    beta = lambda count: 0.95 - 0.05 * jnp.minimum(count, 4) / 4
+    lr, beta = inject_schedules()
     # No static_args: the mesh comes from jax.set_mesh.
     with jax.set_mesh(mesh):
       ours = optax.inject_hyperparams(dmuon_jax.dmuon)(
@@ -356,28 +397,12 @@ class InjectHyperparamsTest(parameterized.TestCase):
         muon_weight_dimension_numbers=dims,
       )
       placed = jax.device_put(params, NamedSharding(mesh, P()))
-      got = support.run(ours, placed, steps=6)
-    ref = support.run(
-      optax.inject_hyperparams(optax.contrib.muon)(
-        learning_rate=lr,
-        beta=beta,
-        weight_decay=0.01,
-        muon_weight_dimension_numbers=dims,
-      ),
-      params,
-      steps=6,
-    )
-    support.assert_trees_rel_close(self, got[-1], ref[-1], rtol=1e-5)
+      got = support.run(ours, placed, steps=INJECT_STEPS)
+    ref, fixed = inject_references()
+    support.assert_trees_rel_close(self, got[-1], ref, rtol=1e-5)
     # The schedules did change the steps.
-    fixed = support.run(
-      optax.contrib.muon(
-        0.02, muon_weight_dimension_numbers=dims, weight_decay=0.01
-      ),
-      params,
-      steps=6,
-    )
     self.assertGreater(
-      np.abs(fixed[-1]['odd']['kernel'] - ref[-1]['odd']['kernel']).max(), 1e-4
+      np.abs(fixed['odd']['kernel'] - ref['odd']['kernel']).max(), 1e-4
     )
 
   def test_mesh_argument_needs_static_args(self):
@@ -399,8 +424,7 @@ class InjectHyperparamsTest(parameterized.TestCase):
         learning_rate=0.02, beta=0.9
       )
       v, _ = jax.jit(ctx.update)(placed, ctx.init(placed), placed)
-    for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(v)):
-      np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(u, v)
 
 
 SPEC_CASES = (
@@ -413,6 +437,17 @@ SPEC_CASES = (
 )
 
 
+COVERAGE_STEPS = 3
+
+
+@functools.cache
+def coverage_reference():
+  """Single-device optax.contrib.muon on ShardingCoverageTest's params."""
+  return support.run(
+    optax.contrib.muon(0.02), mlp_params(layers=3), steps=COVERAGE_STEPS
+  )[-1]
+
+
 class ShardingCoverageTest(parameterized.TestCase):
   """Shardings reach their owners by all-to-all, not whole gathers."""
 
@@ -420,26 +455,34 @@ class ShardingCoverageTest(parameterized.TestCase):
   def test_all_to_all_as_predicted(self, shape, names, spec):
     mesh = make_mesh(shape, names)
     params = mlp_params(layers=3)
-    placed = jax.device_put(params, fsdp(params, mesh, spec))
+    shardings = fsdp(params, mesh, spec)
+    placed = jax.device_put(params, shardings)
     opt = dmuon_jax.dmuon(0.02, mesh=mesh)
     state = opt.init(placed)
     (layout,) = dmuon_jax.owner_layouts(state)
-    report = dmuon_jax.analyze_hlo(opt.update, placed, state, placed)
-    a2a, gather = owner_bytes(report)
+
+    def step(params, state, grads):
+      updates, state = opt.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+    # One program, analyzed and run: the update and apply_updates
+    # (elementwise, no collective), gradients placed like the params.
+    compiled = jax.jit(step).lower(placed, state, placed).compile()
+    a2a, gather = owner_bytes(dmuon_jax.analyze_compiled(compiled))
     want = layout.collective_bytes()
     self.assertEqual(want['all-gather'], 0)
     self.assertEqual(gather, 0.0)
     self.assertBetween(a2a / want['all-to-all'], 0.95, 1.05)
     self.assertIn('all-to-all', layout.summary())
-    # The numbers are optax's.
-    got = support.run(
-      opt,
-      placed,
-      steps=3,
-      grad_shardings=jax.tree.map(lambda x: x.sharding, placed),
+    # The numbers are optax's (and the compiled step takes back its own
+    # outputs: the state keeps its layout).
+    got = placed
+    for i in range(COVERAGE_STEPS):
+      grads = jax.device_put(support.grads_at(i, got), shardings)
+      got, state = compiled(got, state, grads)
+    support.assert_trees_rel_close(
+      self, jax.device_get(got), coverage_reference(), rtol=1e-5
     )
-    ref = support.run(optax.contrib.muon(0.02), params, steps=3)
-    support.assert_trees_rel_close(self, got[-1], ref[-1], rtol=1e-5)
 
 
 if __name__ == '__main__':

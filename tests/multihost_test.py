@@ -2,6 +2,9 @@
 
 Every run is a fresh launcher process (its children call
 ``jax.distributed.initialize``), so nothing here touches this process's JAX.
+Two launches (``--mode both``: each process trains drop-in, then dedicated)
+serve all four comparisons; the model has 1 block of 8 Muon matrices (the
+script's default: 4 blocks), so each mode's step compiles a smaller program.
 """
 
 import importlib.util
@@ -12,6 +15,7 @@ import sys
 import tempfile
 import time
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -29,6 +33,8 @@ SCRIPT = os.path.join(ROOT, 'examples', 'multihost.py')
 MODES = ('dropin', 'dedicated')
 TOPOLOGIES = ((2, 4), (1, 8))  # (processes, local devices)
 MESH = '2,4'  # the same global mesh in every run
+STEPS = 10
+BLOCKS = 1
 RTOL = 1e-6
 FAIL_BOUND_S = 60
 
@@ -47,7 +53,9 @@ def launch(out_dir, processes, devices, mode, *extra):
       '--mesh',
       MESH,
       '--steps',
-      '10',
+      str(STEPS),
+      '--blocks',
+      str(BLOCKS),
       '--out-dir',
       out_dir,
       '--timeout',
@@ -61,74 +69,74 @@ def launch(out_dir, processes, devices, mode, *extra):
   )
 
 
-def max_rel_diff(a, b):
-  """max |a - b| / max |b| (0 if both are zero)."""
-  scale = np.max(np.abs(b))
-  return (
-    float(np.max(np.abs(a - b)) / scale) if scale else float(np.max(np.abs(a)))
-  )
-
-
 class MultihostTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
-    # All four runs at once: the machine's cores are shared anyway, and
+    # Both launches at once: the machine's cores are shared anyway, and
     # each run is mostly compilation.
     super().setUpClass()
     cls.tmp = tempfile.TemporaryDirectory()
     cls.results, start = {}, time.time()
     procs = {
-      (mode, topo): launch(
-        os.path.join(cls.tmp.name, mode, f'p{topo[0]}'),
+      topo: launch(
+        cls.out_dir(topo),
         *topo,
-        mode,
+        'both',
         '--checkpoint-dir',
-        cls.checkpoint_dir(mode, topo),
+        os.path.join(cls.tmp.name, f'ckpt_p{topo[0]}'),
       )
-      for mode in MODES
       for topo in TOPOLOGIES
     }
-    for key, proc in procs.items():
+    for topo, proc in procs.items():
       out, err = proc.communicate(timeout=400)
-      cls.results[key] = (proc.returncode, out, err)
+      cls.results[topo] = (proc.returncode, out, err)
     cls.seconds = time.time() - start
 
   @classmethod
+  def out_dir(cls, topo):
+    return os.path.join(cls.tmp.name, f'p{topo[0]}')
+
+  @classmethod
   def checkpoint_dir(cls, mode, topo):
-    return os.path.join(cls.tmp.name, mode, f'ckpt_p{topo[0]}')
+    # --mode both saves each mode's checkpoint under its own name.
+    return os.path.join(cls.tmp.name, f'ckpt_p{topo[0]}', mode)
 
   @classmethod
   def tearDownClass(cls):
     cls.tmp.cleanup()
     super().tearDownClass()
 
+  def assert_launched(self, topo):
+    code, out, err = self.results[topo]
+    self.assertEqual(code, 0, f'{topo}:\n{out}\n{err[-3000:]}')
+    # The parent's checks of both modes (the loss falls) passed.
+    for mode in MODES:
+      self.assertIn(f'{mode} loss falls', out)
+
   def load(self, mode, topo):
-    code, out, err = self.results[(mode, topo)]
-    self.assertEqual(code, 0, f'{mode} {topo}:\n{out}\n{err[-3000:]}')
-    path = os.path.join(
-      self.tmp.name, mode, f'p{topo[0]}', f'{mode}_p{topo[0]}xd{topo[1]}.npz'
-    )
+    self.assert_launched(topo)
+    path = os.path.join(self.out_dir(topo), f'{mode}_p{topo[0]}xd{topo[1]}.npz')
     with np.load(path) as f:
       return {k: f[k] for k in f.files if k != 'seconds'}
 
   def check_mode(self, mode):
     multi, single = (self.load(mode, topo) for topo in TOPOLOGIES)
     self.assertEqual(sorted(multi), sorted(single))
-    self.assertLen(multi['losses'], 10)
+    self.assertLen(multi['losses'], STEPS)
     self.assertLess(multi['losses'][-1], multi['losses'][0])  # it trains
-    self.assertGreater(len(multi), 1 + 4 * 8)  # all params
-    diffs = {k: max_rel_diff(multi[k], single[k]) for k in multi}
+    self.assertLen(multi, 1 + BLOCKS * (8 + 1) + 1)  # losses, all params
+    diffs = {k: support.max_rel_diff(multi[k], single[k]) for k in multi}
     print(
       f'{mode}: max rel diff {max(diffs.values()):.3g} '
       f'(launches together {self.seconds:.0f} s)'
     )
-    for k in multi:
-      np.testing.assert_allclose(
+    for k in multi:  # elementwise, each array in its own largest unit
+      chex.assert_trees_all_close(
         multi[k],
         single[k],
         rtol=RTOL,
         atol=RTOL * np.max(np.abs(single[k])),
-        err_msg=k,
+        custom_message=k,
       )
 
   def test_dropin_two_processes_match_one(self):
@@ -139,12 +147,11 @@ class MultihostTest(absltest.TestCase):
 
   def restore_on_1x8(self, mode, topo):
     """The run's checkpoint, restored in this (single) process on 1x8."""
-    code, out, err = self.results[(mode, topo)]
-    self.assertEqual(code, 0, f'{mode} {topo}:\n{out}\n{err[-3000:]}')
+    self.assert_launched(topo)
     spec = importlib.util.spec_from_file_location('multihost', SCRIPT)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    params = example.init_params()
+    params = example.init_params(BLOCKS)
     mesh = jax.make_mesh((1, 8), ('replicate', 'shard'))
     like = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(
@@ -161,7 +168,7 @@ class MultihostTest(absltest.TestCase):
     step, params, state = dmuon_jax.checkpoint.restore(
       self.checkpoint_dir(mode, topo), like, opt, dedication=ded
     )
-    self.assertEqual(step, 10)
+    self.assertEqual(step, STEPS)
     portable = dmuon_jax.checkpoint.state_to_portable(state)
     if ded is not None:
       params = ded.to_params(params)
@@ -171,30 +178,36 @@ class MultihostTest(absltest.TestCase):
     # Saved by 2 processes x 4 devices (each writing its shards), restored
     # in this process: the params are the run's final params, and params
     # and momentum equal those saved by the 1-process run.
+    for topo in TOPOLOGIES:
+      # Every process also restored each mode's checkpoint right after
+      # saving it (onto the run's own mesh) and found it identical to its
+      # trained state (else it exits nonzero: assert_launched).
+      out = self.results[topo][1]
+      self.assertEqual(
+        out.count(f'checkpoint of step {STEPS} restored identical'),
+        len(MODES) * topo[0],
+        f'{topo}:\n{out}',
+      )
     for mode in MODES:
-      for topo in TOPOLOGIES:
-        # Every process also restored it right after saving (onto the run's
-        # own mesh) and found it identical to its trained state.
-        out = self.results[(mode, topo)][1]
-        self.assertEqual(
-          out.count('checkpoint of step 10 restored identical'),
-          topo[0],
-          f'{mode} {topo}:\n{out}',
-        )
       multi, single = (self.restore_on_1x8(mode, topo) for topo in TOPOLOGIES)
       final = self.load(mode, TOPOLOGIES[0])
-      for path, x in jax.tree_util.tree_flatten_with_path(multi[0])[0]:
-        np.testing.assert_array_equal(
-          np.asarray(x), final['params' + jax.tree_util.keystr(path)]
-        )
-      leaves = jax.tree.leaves(multi), jax.tree.leaves(single)
-      self.assertEqual(len(leaves[0]), len(leaves[1]))
-      self.assertGreater(len(leaves[0]), 2 * 4 * 8)  # params + momentum
+      chex.assert_trees_all_equal(
+        jax.tree.map(np.asarray, multi[0]),
+        jax.tree_util.tree_map_with_path(
+          lambda path, _, final=final: final[
+            'params' + jax.tree_util.keystr(path)
+          ],
+          multi[0],
+        ),
+      )
+      leaves = jax.tree.leaves(multi)
+      self.assertGreater(len(leaves), 2 * BLOCKS * 8)  # params + momentum
       diff = max(
-        max_rel_diff(np.asarray(a), np.asarray(b)) for a, b in zip(*leaves)
+        support.max_rel_diff(a, b)
+        for a, b in zip(leaves, jax.tree.leaves(single))
       )
       print(f'{mode}: checkpoint of 2 processes vs 1: max rel diff {diff:.3g}')
-      self.assertLessEqual(diff, RTOL)
+      support.assert_trees_max_rel_close(multi, single, RTOL)
 
   def test_failed_child_shuts_down_cleanly(self):
     with tempfile.TemporaryDirectory() as out_dir:

@@ -4,6 +4,7 @@ and the tensor-parallel axis by name."""
 import logging
 import warnings
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,8 +118,7 @@ class OptaxRoutingTest(parameterized.TestCase):
       )
       p_ours, s_ours = step_ours(g, s_ours, p_ours)
       p_ref, s_ref = step_ref(g, s_ref, p_ref)
-    for a, b in zip(jax.tree.leaves(p_ours), jax.tree.leaves(p_ref)):
-      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(p_ours, p_ref, rtol=1e-5, atol=1e-6)
 
 
 class SummaryTest(absltest.TestCase):

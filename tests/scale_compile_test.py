@@ -23,6 +23,14 @@ class EvalShapeAtScaleTest(absltest.TestCase):
         str(ROOT / 'tests/workers/eval_shape_at_scale.py'),
         '--devices',
         '64',
+        # One layer of 7 matrices at d=128 (the worker's default: 4 at
+        # d=512): as many devices, a smaller program to compile.
+        '--layers',
+        '1',
+        '--d-model',
+        '128',
+        '--d-ff',
+        '384',
       ],
       capture_output=True,
       text=True,

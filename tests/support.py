@@ -683,3 +683,28 @@ def dedicated_run(shape, z3, owner_groups='auto', steps=STEPS):
     'losses': losses,
     'params': jax.device_get(ded.to_params(dp)),
   }
+
+
+# -- subprocess and checkpoint tests --------------------------------------------
+
+
+def max_rel_diff(actual, expected) -> float:
+  """``max |a - b| / max |b|`` (float64; ``max |a|`` if ``b`` is all zeros)."""
+  a = np.asarray(np.asarray(actual, np.float32), np.float64)
+  b = np.asarray(np.asarray(expected, np.float32), np.float64)
+  scale = np.max(np.abs(b)) if b.size else 0.0
+  diff = np.max(np.abs(a - b)) if a.size else 0.0
+  return float(diff / scale if scale else diff)
+
+
+def assert_trees_max_rel_close(actual, expected, rtol):
+  """Per leaf: ``max |a - b| <= rtol max |b|`` (a whole-array relative
+  check, in the largest entry's units, as the resumed-run and multi-process
+  comparisons state it). On ``chex.assert_trees_all_equal_comparator``: a
+  failure names the leaf; the trees must have the same structure."""
+  chex.assert_trees_all_equal_comparator(
+    lambda a, b: max_rel_diff(a, b) <= rtol,
+    lambda a, b: f'max |a - b| / max |b| = {max_rel_diff(a, b):.3g} > {rtol:g}',
+    actual,
+    expected,
+  )

@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
 from dmuon_jax import _tensor_parallel
+from tests import support
 
 
 def tp_ns(x, tp, split_axis, **kwargs):
@@ -32,9 +33,7 @@ def tp_ns(x, tp, split_axis, **kwargs):
   return fn, jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
 
 
-def rel_err(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.linalg.norm(a - b) / np.linalg.norm(b)
+rel_err = support.rel_err
 
 
 SHAPES = {

@@ -5,7 +5,9 @@ Part A (one device): a batch of ``--batch`` wide float32 matrices ``s x l``,
 direct Newton-Schulz (``dmuon_jax.orthogonalize_via_newton_schulz``) and by
 Gram Newton-Schulz (``dmuon_jax.orthogonalize_via_gram_newton_schulz``,
 default restart before iteration 2), ``'jordan'`` coefficients, 5 steps.
-Per ratio: the predicted matmul FLOPs of both (``matmul_flops``), the median
+Per ratio: the predicted matmul FLOPs of both (``matmul_flops``) and those of
+the compiled calls (``diagnostics.dot_flops``: the ``dot`` instructions, each
+``while`` loop body times its trip count), the median
 times (jitted, measured side by side: every round runs both, alternating
 which goes first), the achieved GFLOP/s, the measured and predicted speedup
 direct / Gram, and each one's distance from a float64 NumPy reference of the
@@ -24,8 +26,10 @@ Part B (``T`` simulated devices, one mesh axis ``'model'``, ``T`` in
    whole matrix on every shard, each shard keeps its own slice.
 
 Per variant: median time, collective bytes per device and counts by kind
-(compiled HLO, ring model), per-device FLOPs (XLA's cost analysis) and the
-relative difference of the two results.
+(compiled HLO, ring model), per-device matmul FLOPs (``diagnostics.dot_flops``
+of the compiled program, loops times their trip counts; XLA's
+``cost_analysis``, which counts a loop body once, is only an extra JSON field)
+and the relative difference of the two results.
 
     python examples/benchmarks/gram_ns.py            # ~1 min, 2 idle cores
     python examples/benchmarks/gram_ns.py --quick    # < 40 s (CI)
@@ -117,9 +121,12 @@ def parse_args(argv=None):
     p, 'gram_ns', 'small matrices, few reps: a CI smoke run (< 40 s)'
   )
   args = p.parse_args(argv)
-  if args.quick:
-    args.short, args.batch = 64, 2
-    args.reps, args.warmup, args.min_reps = 5, 1, 3
+  _common.apply_quick(
+    p,
+    args,
+    argv,
+    {'short': 64, 'batch': 2, 'reps': 5, 'warmup': 1, 'min_reps': 3},
+  )
   args.ratios = [int(v) for v in str(args.ratios).split(',')]
   args.tp = [int(v) for v in str(args.tp).split(',')]
   if args.name is None:
@@ -302,11 +309,13 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
         a, NS_COEFFS
       ),
     }
-    compiled, compile_s, xla_flops, errs = {}, {}, {}, {}
+    compiled, compile_s, flops, errs = {}, {}, {}, {}
     ref = ns_reference(host, rows)
     for name, fn in fns.items():
       compiled[name], compile_s[name] = compile_fn(fn, x)
-      xla_flops[name] = dmuon_jax.analyze_compiled(compiled[name]).flops
+      flops[name] = _common.flop_counts(
+        compiled[name], dmuon_jax.analyze_compiled(compiled[name])
+      )
       errs[name] = max_rel_diff(compiled[name](x), ref)
     del ref
     times, first, other = time_side_by_side(
@@ -341,7 +350,8 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
         t,
         compile_s=compile_s[name],
         predicted_flops=pred[name],
-        xla_flops=xla_flops[name],
+        flops=flops[name]['flops_per_device'],
+        xla_cost_analysis_flops=flops[name]['xla_cost_analysis_flops'],
         gflop_per_s=pred[name] / t['median_ms'] / 1e6,
         rel_diff_vs_f64=errs[name],
       )
@@ -452,7 +462,7 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
           'reps_requested': args.reps,
           'compile_s': compile_s[name],
           'other_processes_cpu_share': other,
-          'flops_per_device': rep.flops,
+          **_common.flop_counts(compiled[name], rep),
           'predicted_flops_per_device': pred_flops[name],
           'collective_bytes_by_kind': {
             kk: float(v) for kk, v in rep.bytes_by_kind.items()
@@ -469,8 +479,9 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
         part_b.append(row)
         print(
           f'B T={tp} {layout:>6} {name:>6} {shape[0]}x{shape[1]}: '
-          f'{row["median_ms"]:8.1f} ms, {rep.flops / 1e9:6.3f} GFLOP/'
-          f'device, {fmt_mb(row["collective_bytes_by_kind"])} MB '
+          f'{row["median_ms"]:8.1f} ms, '
+          f'{row["flops_per_device"] / 1e9:6.3f} matmul GFLOP/device, '
+          f'{fmt_mb(row["collective_bytes_by_kind"])} MB '
           f'({fmt_count(row["collective_count_by_kind"])}); tp vs '
           f'gather {diff:.1e}, vs f64 {errs[name]:.1e}; others used '
           f'{_common.fmt_share(other)} of the CPUs',
@@ -617,8 +628,12 @@ def render_markdown(
     '- GFLOP: predicted matmul FLOPs of the batch (`matmul_flops`, 2 per '
     'multiply-add, normalization not counted); GFLOP/s = predicted FLOPs '
     '/ median time. "vs f64": max over the batch of ‖Y − Y₆₄‖_F / '
-    "‖Y₆₄‖_F, Y₆₄ the same direct iteration in float64 NumPy. XLA's own "
-    'FLOP count of each compiled call is in the JSON (`xla_flops`)'
+    '‖Y₆₄‖_F, Y₆₄ the same direct iteration in float64 NumPy. The '
+    "compiled call's matmul FLOPs (`dmuon_jax.diagnostics.dot_flops`, "
+    'each `while` loop body times its trip count) are in the JSON as '
+    "`flops`; XLA's `cost_analysis()` as `xla_cost_analysis_flops`, for "
+    'reference only: it counts a loop body once (the direct iteration is '
+    'a loop)'
   )
   out.append('')
   out.append(
@@ -628,7 +643,7 @@ def render_markdown(
   out.append('')
   out.append(
     '| T | layout | matrix | variant | median ms | gather / TP '
-    'time | GFLOP / device (XLA) | GFLOP / device (predicted) | '
+    'time | matmul GFLOP / device (HLO) | GFLOP / device (predicted) | '
     'GFLOP/s (all T) | collective MB / device | collectives | TP vs '
     "gather | vs f64 | reps | others' CPU |"
   )
@@ -690,13 +705,17 @@ def render_markdown(
     )
     + '; what TP saves here is mostly the '
     'iteration on the whole matrix, which the gather baseline repeats on '
-    'every shard. GFLOP/s (all T) = T × XLA GFLOP per device / median '
+    'every shard. GFLOP/s (all T) = T × matmul GFLOP per device / median '
     'time: the rate the shared cores reached.'
   )
   out.append(
     '- Collective MB / device: compiled HLO, ring model (AG all-gather, '
-    'AR all-reduce); collectives: executions per call. GFLOP / device '
-    '(XLA): `cost_analysis()` of the compiled program. "TP vs gather": '
+    'AR all-reduce); collectives: executions per call. Matmul GFLOP / '
+    'device (HLO): the `dot` instructions of the compiled per-device '
+    'program (`dmuon_jax.diagnostics.dot_flops`), each `while` loop body '
+    "times its trip count; XLA's `cost_analysis()` FLOPs, which count a "
+    'loop body once, are in the JSON as `xla_cost_analysis_flops`. "TP vs '
+    'gather": '
     '‖Y_tp − Y_gather‖_F / ‖Y_gather‖_F over the whole matrix; "vs f64": '
     'against the float64 NumPy direct iteration.'
   )

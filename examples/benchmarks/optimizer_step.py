@@ -23,7 +23,11 @@ LM head to Muon too (every 2-D leaf) for dmuon vs optax on replicated params.
 
 The machine's matmul rate (a batched ``512 x 1536`` Gram product, sharded over
 all devices) gives the machine floor: total Newton-Schulz FLOPs of the plan
-divided by that rate.
+divided by that rate. Per configuration: compile time, median step time,
+matmul FLOPs per device (``diagnostics.dot_flops`` of the compiled step:
+``while`` loops times their trip counts, the busiest ``lax.switch`` branch;
+XLA's ``cost_analysis`` counts a loop body once, so it is only an extra JSON
+field), collective bytes per device by kind and peak memory.
 
     python examples/benchmarks/optimizer_step.py            # ~10 min, 2 cores
     python examples/benchmarks/optimizer_step.py --quick    # < 1 min (CI)
@@ -67,7 +71,11 @@ class HelpFormatter(
 def add_common_args(p, stem: str, quick_help: str) -> None:
   """The options every CPU benchmark here takes: --quick, --out-dir,
   --name (file stem: ``stem``, or ``stem_quick`` with --quick), --seed."""
-  p.add_argument('--quick', action='store_true', help=quick_help)
+  p.add_argument(
+    '--quick',
+    action='store_true',
+    help=quick_help + '; options given explicitly override its settings',
+  )
   p.add_argument(
     '--out-dir',
     default=None,
@@ -81,6 +89,41 @@ def add_common_args(p, stem: str, quick_help: str) -> None:
   p.add_argument(
     '--seed', type=int, default=0, help='seed of the random inputs'
   )
+
+
+def given_options(p, argv=None) -> set[str]:
+  """The ``dest`` of every option of parser ``p`` given in ``argv``
+  (``sys.argv[1:]`` if None), whatever its value."""
+  saved = [(a, a.default) for a in p._actions]  # pylint: disable=protected-access
+  try:
+    for a, _ in saved:
+      a.default = argparse.SUPPRESS
+    return set(vars(p.parse_args(argv)))
+  finally:
+    for a, default in saved:
+      a.default = default
+
+
+def apply_quick(p, args, argv, settings: dict) -> None:
+  """``--quick``: ``settings`` (dest -> value) for the options not given
+  explicitly in ``argv``."""
+  if not args.quick:
+    return
+  given = given_options(p, argv)
+  for dest, value in settings.items():
+    if dest not in given:
+      setattr(args, dest, value)
+
+
+QUICK = {
+  'layers': 2,
+  'd_model': 128,
+  'd_ff': 384,
+  'vocab': 1024,
+  'reps': 3,
+  'warmup': 1,
+  'min_reps': 3,
+}
 
 
 def parse_args(argv=None):
@@ -146,9 +189,7 @@ def parse_args(argv=None):
     p, 'optimizer_step', 'tiny model, few reps: a CI smoke run (< 60 s)'
   )
   args = p.parse_args(argv)
-  if args.quick:
-    args.layers, args.d_model, args.d_ff, args.vocab = 2, 128, 384, 1024
-    args.reps, args.warmup, args.min_reps = 3, 1, 3
+  apply_quick(p, args, argv, QUICK)
   if args.name is None:
     args.name = 'optimizer_step_quick' if args.quick else 'optimizer_step'
   if args.out_dir is None:
@@ -320,6 +361,28 @@ def collective_summary(report) -> tuple[dict, dict]:
     {k: float(v) for k, v in report.bytes_by_kind.items()},
     {k: int(v) for k, v in report.count_by_kind.items()},
   )
+
+
+def flop_counts(compiled, report) -> dict:
+  """The per-device FLOP fields of a JSON row, from ``compiled`` and its
+  ``dmuon_jax.analyze_compiled`` report.
+
+  ``flops_per_device``: the matmul FLOPs of one device's program
+  (``diagnostics.dot_flops``: ``2 * out * contracted`` per ``dot``, each
+  ``while`` body times its trip count, the busiest branch of each
+  ``lax.switch``, i.e. the busiest owner's Newton-Schulz). Both dmuon and
+  optax.contrib.muon run their Newton-Schulz iterations in a loop, so this
+  is the figure every ratio here uses. ``xla_cost_analysis_flops``: XLA's
+  ``cost_analysis()['flops']`` (``report.flops``), kept for reference only:
+  it adds elementwise work but counts a loop body once, so it under-counts
+  the iterations.
+  """
+  from dmuon_jax import diagnostics  # pylint: disable=g-import-not-at-top
+
+  return {
+    'flops_per_device': diagnostics.dot_flops(compiled),
+    'xla_cost_analysis_flops': float(report.flops),
+  }
 
 
 def fmt_share(share: float | None) -> str:
@@ -596,6 +659,7 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
     compiled = lowered.compile()
     t2 = time.perf_counter()
     report = dmuon_jax.analyze_compiled(compiled)
+    flops = flop_counts(compiled, report)
     first_params = {}
 
     def keep_first(p, store=first_params):
@@ -634,7 +698,7 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
       'warmup': max(args.warmup, 1),
       'lower_s': t1 - t0,
       'compile_s': t2 - t1,
-      'flops_per_device': report.flops,
+      **flops,
       'collective_bytes_by_kind': bytes_by_kind,
       'collective_count_by_kind': count_by_kind,
       'collective_bytes_total': report.total_bytes(),
@@ -674,7 +738,7 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
     print(
       f'{name:>28}: {res["median_ms"]:9.1f} ms median of {len(times)}'
       f'{reduced_note}, compile {t1 - t0 + t2 - t1:5.1f} s, '
-      f'{report.flops / 1e9:7.2f} GFLOP/device, '
+      f'{flops["flops_per_device"] / 1e9:7.2f} matmul GFLOP/device, '
       f'{fmt_collectives(bytes_by_kind)} MB; others used '
       f'{fmt_share(other_cpu)} of the CPUs'
       + (
@@ -958,7 +1022,7 @@ def render_markdown(
   out.append('')
   out.append(
     "| config | params | grads in | median ms | reps | others' "
-    'CPU | compile s | GFLOP / device | collective MB / device | '
+    'CPU | compile s | matmul GFLOP / device | collective MB / device | '
     'speedup vs optax replicated | update vs optax |'
   )
   out.append('|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|')
@@ -1058,9 +1122,9 @@ def render_markdown(
     out.append('')
     out.append(
       "| config | median ms | reps | others' CPU | compile s | "
-      'GFLOP / device | GFLOP / device ÷ ideal | collective MB / '
-      'device | speedup vs optax replicated | time / machine floor '
-      '| update vs optax |'
+      'matmul GFLOP / device | matmul GFLOP / device ÷ ideal | '
+      'collective MB / device | speedup vs optax replicated | '
+      'time / machine floor | update vs optax |'
     )
     out.append('|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|')
     for res in all2d:
@@ -1079,11 +1143,17 @@ def render_markdown(
   out.append('## Notes')
   out.append('')
   out.append(
-    "- GFLOP / device is XLA's `cost_analysis()` of the compiled step. "
-    'XLA:CPU counts the most expensive branch of a `lax.switch` (dmuon '
-    "runs each owner's Newton-Schulz in its own branch, so this is the "
-    'busiest owner) and a `while` body once (both libraries unroll the 5 '
-    'NS steps here).'
+    '- matmul GFLOP / device: the `dot` instructions of the compiled '
+    "step's per-device program (`dmuon_jax.diagnostics.dot_flops`: "
+    '2 × output elements × contracted size each), every `while` loop '
+    'body times its trip count (both libraries run the 5 NS steps in a '
+    'loop) and the most expensive branch of each `lax.switch` (dmuon runs '
+    "each owner's Newton-Schulz in its own branch, so this is the busiest "
+    "owner's). The optimizer step's only matmuls are Newton-Schulz, so "
+    "this is each device's NS work (0 for AdamW); ÷ ideal divides it by "
+    "max(total / N, largest matrix). XLA's `cost_analysis()` FLOPs are "
+    'in the JSON as `xla_cost_analysis_flops`, for reference only: they '
+    'add elementwise work but count a loop body once.'
   )
   out.append(
     '- Collective MB / device come from the compiled HLO (ring model; AG '

@@ -38,7 +38,12 @@ Per configuration: compile time, median step time (``block_until_ready``
 after every step; the timed steps run round-robin over the configurations,
 so that other processes on shared cores slow them alike), collective bytes
 per device by kind (compiled HLO, ring model), peak memory per device (XLA's
-memory analysis) and the loss.
+memory analysis) and the loss. The JSON also has the matmul FLOPs per device
+(``flops_per_device``: ``diagnostics.dot_flops`` of the compiled step, forward,
+backward and Newton-Schulz, each ``while`` loop body times its trip count, the
+busiest ``lax.switch`` branch) and XLA's ``cost_analysis`` figure
+(``xla_cost_analysis_flops``: elementwise work too, but a loop body counted
+once).
 
     python examples/benchmarks/train_step.py            # ~2 min, 2 cores
     python examples/benchmarks/train_step.py --quick    # < 90 s (CI)
@@ -88,6 +93,17 @@ TARGET_DROPIN_EXTRA = 0.05
 
 MUON_LR = 0.02
 ADAM_LR = 3e-3
+QUICK = {
+  'layers': 2,
+  'd_model': 32,
+  'd_ff': 128,
+  'heads': 4,
+  'vocab': 64,
+  'seq': 16,
+  'batch': 8,
+  'reps': 2,
+  'warmup': 1,
+}
 
 
 def parse_args(argv=None):
@@ -161,10 +177,7 @@ def parse_args(argv=None):
     p, 'train_step', 'tiny model, few reps: a CI smoke run (< 90 s)'
   )
   args = p.parse_args(argv)
-  if args.quick:
-    args.layers, args.d_model, args.d_ff, args.heads = 2, 32, 128, 4
-    args.vocab, args.seq, args.batch = 64, 16, 8
-    args.reps, args.warmup = 2, 1
+  _common.apply_quick(p, args, argv, QUICK)
   if args.name is None:
     args.name = 'train_step_quick' if args.quick else 'train_step'
   if args.out_dir is None:
@@ -676,12 +689,14 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
+    report = dmuon_jax.analyze_compiled(compiled)
     runs[name] = {
       'compiled': compiled,
       'a': a,
       'b': b,
       'tokens': tokens,
-      'report': dmuon_jax.analyze_compiled(compiled),
+      'report': report,
+      'flops': _common.flop_counts(compiled, report),
       'lower_s': t1 - t0,
       'compile_s': t2 - t1,
       'losses': [],
@@ -734,7 +749,7 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
       'warmup': max(args.warmup, 1),
       'lower_s': run['lower_s'],
       'compile_s': run['compile_s'],
-      'flops_per_device': report.flops,
+      **run['flops'],
       'collective_bytes_by_kind': bytes_by_kind,
       'collective_count_by_kind': count_by_kind,
       'collective_bytes_total': float(report.total_bytes()),
@@ -1113,6 +1128,14 @@ def render_markdown(
     'collective-permute), loop trip counts included; the loss `pmean` is '
     "in it. Peak memory is XLA's memory analysis of the step: arguments + "
     'outputs + temporaries − donated aliases, per device.'
+  )
+  out.append(
+    '- The JSON has the matmul FLOPs per device too (`flops_per_device`: '
+    "the `dot` instructions of the step's per-device program, "
+    '`dmuon_jax.diagnostics.dot_flops`, every `while` loop body times its '
+    "trip count and the busiest `lax.switch` branch); XLA's "
+    '`cost_analysis()` FLOPs (`xla_cost_analysis_flops`) count a loop '
+    'body once, so they under-count the Newton-Schulz iterations.'
   )
   out.append(
     "- The simulated devices share the machine's cores (XLA:CPU runs "

@@ -2,8 +2,8 @@
 
 import functools
 
+import chex
 import jax
-import numpy as np
 from absl.testing import absltest, parameterized
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -18,9 +18,21 @@ STEPS = 20
 
 
 @functools.cache
+def init(scan):
+  """tf.init's variables, their values drawn on the host
+  (support.host_values: Flax's initializers run eagerly cost 1.4 s (loop)
+  and 2.7 s (scan) of compilation here): LeCun's scale for kernels, as
+  nn.Dense's default (fan-in: the second-to-last axis, a stack's too)."""
+  std = lambda name, shape: (
+    (shape[-2] if name == 'kernel' else shape[-1]) ** -0.5
+  )
+  return support.host_values(jax.eval_shape(lambda: tf.init(scan)), std)
+
+
+@functools.cache
 def reference(scan):
   """Single-device optax.contrib.muon (+ its AdamW) on the Linen model."""
-  params = tf.init(scan)
+  params = init(scan)
   model = tf.Transformer(scan=scan)
   return support.train_single_device(
     support.optax_muon(LR, params, dims=tf.muon_dims),
@@ -33,7 +45,7 @@ def reference(scan):
 def setup(shape, scan, z3, per_gather=1, fsdp_rest=False):
   """Non-Muon params replicated, or FSDP-sharded (``fsdp_rest``)."""
   mesh = support.make_mesh(shape)
-  params = tf.init(scan)
+  params = init(scan)
   params = (
     tf.fsdp(params, mesh)
     if fsdp_rest
@@ -91,21 +103,22 @@ def name(shape, scan, z3, per_gather, fsdp_rest=False):
 
 
 # (shape, scan, z3, layers per gather, non-Muon params FSDP-sharded): loop
-# and scanned stacks, Z2 and Z3 (FSDP, 1x8), Z3 on HSDP (2x4) and DDP (8x1;
+# and scanned stacks, Z3 and (scanned) Z2 (FSDP, 1x8; the loop's Z2 on 1x8:
+# flax_nnx_test's loop_z2_1x8 through the same Dedication.sequential, and
+# dedicated_test's z2_2x4 on this API), Z3 on HSDP (2x4) and DDP (8x1;
 # Z2 differs from Z3 only by the backward regather), two
-# layers per gather (no padding) and one (100% padding), replicated and
+# layers per gather (no padding) and one (100% padding; on DDP: the owners
+# and their padding are the same 8 slots on any mesh shape), replicated and
 # FSDP-sharded embedding, norms and head (once: how the rest is stored does
 # not depend on the stack's form or the Z mode). Each runs 20 steps against
 # optax.contrib.muon and is checked for bytes and memory.
 GRID = [
-  ((1, 8), False, False, 2),
   ((1, 8), False, True, 2),
   ((1, 8), True, False, 2),
   ((1, 8), True, True, 2),
   ((2, 4), False, True, 2),
   ((2, 4), True, True, 2),
-  ((8, 1), False, True, 2),
-  ((1, 8), False, True, 1),
+  ((8, 1), False, True, 1),
   ((1, 8), False, True, 2, True),
 ]
 CONFIGS = [(name(*c), *c) for c in GRID]
@@ -120,8 +133,6 @@ SLOW_CASES = (
   r'scan_z2',
   r'hsdp_equals_shard_only',
   r'memory_scan',
-  r'loop_z2',
-  r'memory_loop',
   r'collective_bytes_scan',
   r'scan_z3',
   r'update_has_no_collective_for_owned_params',
@@ -147,7 +158,7 @@ def per_device_bytes(tree):
 class FlaxDedicatedTest(parameterized.TestCase):
   def test_boundaries(self):
     loop = dmuon_jax.dedicate(
-      tf.init(False), None, muon_weight_dimension_numbers=tf.muon_dims
+      init(False), None, muon_weight_dimension_numbers=tf.muon_dims
     )
     self.assertEqual(
       loop.boundaries.names,
@@ -155,7 +166,7 @@ class FlaxDedicatedTest(parameterized.TestCase):
     )
     self.assertEqual(loop.num_iterations, (0,) * tf.DEPTH)
     scan = dmuon_jax.dedicate(
-      tf.init(True), None, muon_weight_dimension_numbers=tf.muon_dims
+      init(True), None, muon_weight_dimension_numbers=tf.muon_dims
     )
     self.assertEqual(scan.boundaries.names, ('params/layers',))
     self.assertEqual(scan.num_iterations, (tf.DEPTH,))
@@ -168,7 +179,8 @@ class FlaxDedicatedTest(parameterized.TestCase):
     params, losses = got['params'], got['losses']
     ref_params, ref_losses = reference(scan)
     self.assertLess(losses[-1], losses[0] - 0.5)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    # Measured (every config): losses <= 8.3e-7, params <= 4.2e-7.
+    chex.assert_trees_all_close(losses, ref_losses, rtol=1e-5)
     support.assert_trees_rel_close(self, params, ref_params, rtol=1e-5)
 
   @parameterized.named_parameters(('loop', False), ('scan', True))
@@ -185,13 +197,11 @@ class FlaxDedicatedTest(parameterized.TestCase):
         check_vma=False,
       )
     )(dp)
-    for got, want in zip(
-      jax.tree.leaves(gathered), jax.tree.leaves(ded.to_params(dp)), strict=True
-    ):
-      np.testing.assert_array_equal(got, want)
+    chex.assert_trees_all_equal(gathered, ded.to_params(dp))
 
   @parameterized.named_parameters(('loop', False), ('scan', True))
   def test_hsdp_equals_shard_only(self, scan):
+    # Measured: losses <= 1.9e-7, params <= 4.1e-7 apart.
     hsdp = run((2, 4), scan, True, 2)
     fsdp = run((1, 8), scan, True, 2)
     hsdp, hsdp_losses, fsdp, fsdp_losses = (
@@ -200,7 +210,7 @@ class FlaxDedicatedTest(parameterized.TestCase):
       fsdp['params'],
       fsdp['losses'],
     )
-    np.testing.assert_allclose(hsdp_losses, fsdp_losses, rtol=1e-6)
+    chex.assert_trees_all_close(hsdp_losses, fsdp_losses, rtol=1e-6)
     support.assert_trees_rel_close(self, hsdp, fsdp, rtol=1e-6)
 
   # -- the same compiled steps: collectives and memory ----------------------
@@ -278,10 +288,12 @@ class FlaxDedicatedTest(parameterized.TestCase):
     for kind, nbytes in report.bytes_by_kind.items():
       self.assertAlmostEqual(cuda[kind], nbytes, delta=1e-6 * nbytes)
 
-  @parameterized.named_parameters(('loop', False), ('scan', True))
-  def test_memory(self, scan):
-    z2 = run((1, 8), scan, False, 2)
-    z3 = run((1, 8), scan, True, 2)
+  # The loop's Z2-vs-Z3 temporaries: flax_nnx_test's
+  # NnxMemoryTest.test_z3_temporaries_below_z2 (four groups); its resident
+  # params and momentum: NnxMemoryTest.test_owned_params_and_momentum_*.
+  def test_memory_scan(self):
+    z2 = run((1, 8), True, False, 2)
+    z3 = run((1, 8), True, True, 2)
     ded, report = z3['ded'], z3['report']
     dp, state, tokens, _ = z3['first']
     payload, gathered = ded.gather_bytes()
@@ -323,7 +335,7 @@ class FlaxDedicatedTest(parameterized.TestCase):
     # Newton-Schulz of the device's own matrices only: per scan iteration
     # (lax.map: a while loop) one owner branch, none of the others'.
     flops = dmuon_jax.diagnostics.dot_flops(compiled, loop_trip_counts=True)
-    np.testing.assert_allclose(flops, support.branch_ns_flops(ded), rtol=1e-6)
+    chex.assert_trees_all_close(flops, support.branch_ns_flops(ded), rtol=1e-6)
     self.assertLess(flops, 0.5 * sum(u.cost for u in ded.plan.units))
 
 

@@ -9,11 +9,11 @@ import functools
 import math
 from typing import Any
 
+import chex
 import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from absl.testing import absltest, parameterized
 from flax.training import train_state
@@ -26,7 +26,7 @@ D, FF, HEADS, VOCAB, DEPTH, SEQ, BATCH = 32, 64, 4, 64, 4, 8, 16
 LR = 0.01
 STEPS = 20
 
-SLOW_CASES = (r'z2_2x4', r'z3_2x4')
+SLOW_CASES = (r'z2_2x4',)
 
 
 class Block(nn.Module):
@@ -95,7 +95,18 @@ def train_step(state, toks):  # the ordinary Linen step, unchanged
 
 
 def init():
-  return Transformer().init(jax.random.key(0), tokens(), train=False)
+  """Transformer().init's variables, their values drawn on the host
+  (support.host_values; Flax's initializers run eagerly cost 3.6 s of
+  compilation here): LeCun's scale for kernels, as nn.Dense's default."""
+  abstract = jax.eval_shape(
+    functools.partial(Transformer().init, train=False),
+    jax.random.key(0),
+    tokens(),
+  )
+  std = lambda name, shape: (
+    (math.prod(shape[:-1]) if name == 'kernel' else shape[-1]) ** -0.5
+  )
+  return support.host_values(abstract, std)
 
 
 @functools.cache
@@ -146,15 +157,12 @@ def dedicated(shape, z3):
   }
 
 
-def rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-
-
+# Z3 on 1x8 (the inner loop) and Z2 on HSDP: what the Linen layer adds
+# (dedicate_linen, ded.apply under a TrainState, batch statistics) does not
+# depend on the Z mode or the mesh, which flax_nnx_test covers (Z2 on 1x8,
+# HSDP) through the same dmuon_jax.flax.train_step.
 CONFIGS = [
   ('z3_1x8', (1, 8), True),
-  ('z2_1x8', (1, 8), False),
-  ('z3_2x4', (2, 4), True),
   ('z2_2x4', (2, 4), False),
 ]
 
@@ -165,25 +173,19 @@ class LinenTest(parameterized.TestCase):
     want_params, want_stats, want_losses = reference()
     run = dedicated(shape, z3)
     # fp32 noise (optax.contrib.muon is ~7e-6 from float64 after 20 steps).
-    self.assertLess(rel(run['losses'], want_losses), 1e-5)
-    muon = {t.path for t in run['ded'].dedication.layout.leaves}
-    for (keys, got), want in zip(
-      jax.tree_util.tree_flatten_with_path(run['params'])[0],
-      jax.tree.leaves(want_params),
-    ):
-      path = '/'.join(str(getattr(k, 'key', k)) for k in keys)
-      # Muon leaves: 1e-5. AdamW leaves: 5e-5, measured 1.3e-5..1.9e-5 on
-      # head/kernel only (losses agree to 2e-7). The batch statistics here
-      # are a pmean of per-device means (axis_name), the reference's one
-      # reduction over the batch: the same model without BatchNorm gives
-      # at most 2.4e-6 on every leaf (and the reference under plain jit on
-      # 8 devices 3e-6), so the rest is that summation order, which Adam's
-      # division by sqrt(v) turns into visible steps.
-      self.assertLess(rel(got, want), 1e-5 if path in muon else 5e-5, path)
-    for got, want in zip(
-      jax.tree.leaves(run['batch_stats']), jax.tree.leaves(want_stats)
-    ):
-      self.assertLess(rel(got, want), 1e-5)
+    chex.assert_trees_all_close(run['losses'], want_losses, rtol=1e-5)
+    # Measured (relative Frobenius per leaf): Muon leaves <= 3.6e-6, AdamW
+    # leaves <= 2.8e-6, batch statistics <= 2.2e-6; losses <= 4.9e-6. By
+    # max-abs / max, AdamW leaves reach 1.6e-5 (the embedding; it was
+    # 1.3e-5..1.9e-5 on head/kernel with flax's initial values, so this
+    # test allowed 5e-5 there with that metric): the batch statistics here
+    # are a pmean of per-device means (axis_name), the reference's one
+    # reduction over the batch: the same model without BatchNorm gave at
+    # most 2.4e-6 on every leaf (and the reference under plain jit on 8
+    # devices 3e-6), so the rest is that summation order, which Adam's
+    # division by sqrt(v) turns into visible steps on a few entries.
+    support.assert_trees_rel_close(self, run['params'], want_params, 1e-5)
+    support.assert_trees_rel_close(self, run['batch_stats'], want_stats, 1e-5)
     self.assertLess(run['losses'][-1], run['losses'][0] - 0.5)
 
   @parameterized.named_parameters(*CONFIGS)

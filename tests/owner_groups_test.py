@@ -9,6 +9,7 @@ compiled programs: no collective inside a conditional.
 import functools
 from unittest import mock
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +23,8 @@ from dmuon_jax import _planner
 from tests import support
 
 # The rest of the grid, for CI and the README's command (see conftest.py).
-SLOW_CASES = (r'DropInGroupsTest::.*k4_1x8',)
+# (k=4 in the inner loop: DropInGroupsTest's k4_2x4.)
+SLOW_CASES = (r'DedicatedGroupsTest::.*k4',)
 
 STEPS = 10
 LR = 0.02
@@ -60,15 +62,10 @@ def wide_reference():
   )
 
 
-def rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
 class DropInGroupsTest(parameterized.TestCase):
-  @parameterized.named_parameters(
-    ('k2_1x8', 2, (1, 8)), ('k4_2x4', 4, (2, 4)), ('k4_1x8', 4, (1, 8))
-  )
+  # k=4 on 1x8 is DedicatedGroupsTest's k4_z2_1x8 (the same planner and
+  # owner update; k2_1x8 here is the drop-in path on 1x8).
+  @parameterized.named_parameters(('k2_1x8', 2, (1, 8)), ('k4_2x4', 4, (2, 4)))
   def test_ten_steps_equal_single_device_optax_muon(self, k, shape):
     mesh = support.make_mesh(shape)
     params = jax.device_put(
@@ -102,12 +99,9 @@ class DropInGroupsTest(parameterized.TestCase):
         params, state = compiled(params, state)
         jax.block_until_ready(params)
     want, _ = wide_reference()
-    errors = [
-      rel(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want))
-    ]
     # Measured: <= 1.5e-6, as single owners on this model (Gram form on
     # slices against the direct form on whole matrices).
-    self.assertLess(max(errors), 1e-5, errors)
+    support.assert_trees_rel_close(self, params, want, 1e-5)
     if k == 2 and shape == (1, 8):
       self.check_checkpoint_conversion(mesh, params, state)
 
@@ -125,8 +119,7 @@ class DropInGroupsTest(parameterized.TestCase):
       )
     (layout,) = dmuon_jax.owner_layouts(single)
     self.assertEmpty(layout.plans[0].groups)
-    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(state)):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(back, state)
     mu = jax.tree.leaves(portable)
     self.assertTrue(any(np.abs(np.asarray(m)).max() > 0 for m in mu))
 
@@ -148,7 +141,11 @@ class AutoGroupsTest(absltest.TestCase):
       h = jnp.tanh(x @ p['layers_0']['small'])
       return jnp.mean(jnp.tanh(h @ p['layers_0']['wide']) ** 2)
 
-    x = wide_batch()
+    # A quarter of wide_batch's rows (every device computes the replicated
+    # batch's forward and backward: 4x less running): measured relative
+    # error 9.0e-8 (8.1e-8 with all 2048). The wide model's parity needs
+    # all of them (512 rows: 5.9e-6 instead of 1.5e-6).
+    x = wide_batch()[:512]
     mesh = support.make_mesh((1, 8))
     with mock.patch.object(_planner, '_MIN_GROUP_FLOPS', 0.0):
       opt = dmuon_jax.dmuon(LR, mesh=mesh)
@@ -176,8 +173,7 @@ class AutoGroupsTest(absltest.TestCase):
     want, _ = support.train_single_device(
       optax.contrib.muon(LR), params, lambda p: loss(p, x), STEPS
     )
-    for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(want)):
-      self.assertLess(rel(a, b), 1e-5)
+    support.assert_trees_rel_close(self, placed, want, 1e-5)
 
 
 class ExplicitGroupsTest(absltest.TestCase):
@@ -195,10 +191,7 @@ class ExplicitGroupsTest(absltest.TestCase):
       placed, state, _ = compiled(placed, state, x)
       jax.block_until_ready(placed)
     want, _ = wide_reference()
-    errors = [
-      rel(a, b) for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(want))
-    ]
-    self.assertLess(max(errors), 1e-5, errors)
+    support.assert_trees_rel_close(self, placed, want, 1e-5)
 
 
 class DedicatedGroupsTest(parameterized.TestCase):
@@ -206,18 +199,12 @@ class DedicatedGroupsTest(parameterized.TestCase):
     ('k2_z3_2x4', 2, (2, 4), True), ('k4_z2_1x8', 4, (1, 8), False)
   )
   def test_ten_steps_equal_single_device_optax_muon(self, k, shape, z3):
-    ded, dp, opt, state, x = support.dedicated_setup(shape, z3, owner_groups=k)
-    self.assertIn(f'k={k} devices', ded.summary())
-    step = support.dedicated_step(ded, opt, state)
-    compiled = step.lower(dp, state, x).compile()
-    support.assert_no_collective_in_a_conditional(self, compiled)
-    losses = []
-    for _ in range(STEPS):
-      dp, state, loss = compiled(dp, state, x)
-      losses.append(float(loss))
-    want, want_losses = support.block_reference(STEPS)
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-    support.assert_trees_rel_close(self, ded.to_params(dp), want, rtol=1e-5)
+    run = support.dedicated_run(shape, z3, owner_groups=k, steps=STEPS)
+    self.assertIn(f'k={k} devices', run['ded'].summary())
+    support.assert_no_collective_in_a_conditional(self, run['compiled'])
+    want, want_losses = support.block_reference_at(STEPS)
+    chex.assert_trees_all_close(run['losses'], want_losses, rtol=1e-5)
+    support.assert_trees_rel_close(self, run['params'], want, rtol=1e-5)
 
 
 def llama(layers, d, f, kv):

@@ -1,6 +1,6 @@
 """The README's Flax recipes (examples/dedicated_*.py) train correctly."""
 
-import numpy as np
+import chex
 from absl.testing import absltest, parameterized
 from flax import nnx
 
@@ -40,7 +40,7 @@ class RecipesTest(parameterized.TestCase):
     losses, model = dedicated_nnx.main(STEPS, scan=scan)
     ref_params, ref_losses = nnx_reference(scan)
     self.assertLess(losses[-1], losses[0] - 0.3)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    chex.assert_trees_all_close(losses, ref_losses, rtol=1e-5)
     params = nnx.to_pure_dict(nnx.state(model))
     support.assert_trees_rel_close(self, params, ref_params, rtol=1e-5)
 

@@ -585,6 +585,106 @@ def run_script(args, timeout=600, executable=(sys.executable,)):
   return proc.stdout
 
 
+# -- dedicated-mode tests (shared by flax_*/dedicated/owner_groups tests) --
+
+
+def _leaf_name(path):
+  for k in reversed(path):
+    name = getattr(k, 'key', getattr(k, 'name', None))
+    if name != 'value':
+      return str(name)
+  return ''
+
+
+def host_values(abstract, std, seed=0):
+  """Values for a tree of shapes (e.g. ``jax.eval_shape`` of a model's
+  init), drawn on the host: ones for norm scales and variances, zeros for
+  biases, means and counters, ``jax.random.key(seed)`` (split to the
+  shape) for PRNG keys, normal(0, ``std``) for every other float (``std``:
+  a number, or a function of the leaf's name and shape).
+
+  Flax initializers, run eagerly, compile a small program per op and
+  shape: measured 1.4 to 4.4 s of CPU per model on the 2-core machine (a fifth of
+  a dedicated step's compilation); this compiles at most one (the key).
+  The tests compare runs started from the same values, so which
+  initializer drew them does not matter.
+  """
+  rng = np.random.default_rng(seed)
+
+  def one(path, x):
+    name = _leaf_name(path)
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      key = jax.random.key(seed)
+      return key if not x.shape else jax.random.split(key, x.shape)
+    if not jnp.issubdtype(x.dtype, jnp.floating) or name in (
+      'bias',
+      'mean',
+    ):
+      return jnp.asarray(np.zeros(x.shape, x.dtype))
+    if name in ('scale', 'var'):
+      return jnp.asarray(np.ones(x.shape, x.dtype))
+    scale = std(name, x.shape) if callable(std) else std
+    return jnp.asarray((scale * rng.standard_normal(x.shape)).astype(x.dtype))
+
+  return jax.tree.map_with_path(one, abstract)
+
+
+@functools.cache
+def block_reference_history(steps=STEPS):
+  """Single-device optax.contrib.muon (+ AdamW) on the block model, as
+  :func:`block_reference`, one run for every step count up to ``steps``:
+  ``(params after each step (host), losses)``."""
+  params = block_params()
+  opt = optax_muon(DEDICATED_LR, params)
+  state = opt.init(params)
+  x = block_batch()
+
+  @jax.jit
+  def step(params, state):
+    loss, grads = jax.value_and_grad(block_loss)(params, x)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  history, losses = [], []
+  for _ in range(steps):
+    params, state, loss = step(params, state)
+    history.append(jax.device_get(params))
+    losses.append(float(loss))
+  return history, losses
+
+
+def block_reference_at(steps):
+  """``(params, losses)`` after ``steps`` (<= STEPS) of the reference."""
+  history, losses = block_reference_history()
+  return history[steps - 1], losses[:steps]
+
+
+@functools.cache
+def dedicated_run(shape, z3, owner_groups='auto', steps=STEPS):
+  """The block model's dedicated train step on ``shape``, compiled once and
+  run ``steps`` times: every check of a configuration (parity, HLO bytes,
+  collective nesting) reads this one executable.
+
+  Returns:
+    A dict: ``ded``, ``compiled``, ``report`` (its
+    :func:`dmuon_jax.analyze_compiled`), ``losses``, ``params`` (plain, on
+    the host, after the last step).
+  """
+  ded, dp, opt, state, x = dedicated_setup(shape, z3, owner_groups)
+  compiled = dedicated_step(ded, opt, state).lower(dp, state, x).compile()
+  losses = []
+  for _ in range(steps):
+    dp, state, loss = compiled(dp, state, x)
+    losses.append(float(loss))
+  return {
+    'ded': ded,
+    'compiled': compiled,
+    'report': dmuon_jax.analyze_compiled(compiled),
+    'losses': losses,
+    'params': jax.device_get(ded.to_params(dp)),
+  }
+
+
 # -- subprocess and checkpoint tests --------------------------------------------
 
 

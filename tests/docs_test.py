@@ -33,6 +33,11 @@ from absl.testing import absltest, parameterized
 
 from tests import support
 
+# Each guide compiles its own programs (measured 42 s of the inner loop's
+# 200 s of worker time); the full suite runs every guide, the inner loop
+# checks the links.
+SLOW_CASES = (r'GuideTest::',)
+
 ROOT = support.ROOT
 DOCS = ROOT / 'docs'
 GUIDES = sorted(p for p in (DOCS / 'guides').glob('*.md') if p.stem != 'index')

@@ -79,10 +79,9 @@ def _run(shape, scan, z3, per_gather, fsdp_rest):
   report = dmuon_jax.analyze_compiled(compiled)
   nesting = dmuon_jax.diagnostics.collective_nesting(compiled)
   first = (dp, state, tokens, step)
-  losses = []
-  for _ in range(STEPS):
-    dp, state, loss = compiled(dp, state, tokens)
-    losses.append(float(loss))
+  dp, state, losses = support.run_dedicated_steps(
+    compiled, dp, state, tokens, STEPS
+  )
   return {
     'ded': ded,
     'first': first,

@@ -659,6 +659,16 @@ def block_reference_at(steps):
   return history[steps - 1], losses[:steps]
 
 
+def run_dedicated_steps(compiled, dp, state, batch, steps):
+  """Runs a compiled dedicated step ``(dp, state, batch) -> (dp, state,
+  loss)`` ``steps`` times: ``(dp, state, losses)``."""
+  losses = []
+  for _ in range(steps):
+    dp, state, loss = compiled(dp, state, batch)
+    losses.append(float(loss))
+  return dp, state, losses
+
+
 @functools.cache
 def dedicated_run(shape, z3, owner_groups='auto', steps=STEPS):
   """The block model's dedicated train step on ``shape``, compiled once and
@@ -672,10 +682,7 @@ def dedicated_run(shape, z3, owner_groups='auto', steps=STEPS):
   """
   ded, dp, opt, state, x = dedicated_setup(shape, z3, owner_groups)
   compiled = dedicated_step(ded, opt, state).lower(dp, state, x).compile()
-  losses = []
-  for _ in range(steps):
-    dp, state, loss = compiled(dp, state, x)
-    losses.append(float(loss))
+  dp, state, losses = run_dedicated_steps(compiled, dp, state, x, steps)
   return {
     'ded': ded,
     'compiled': compiled,

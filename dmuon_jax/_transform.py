@@ -24,6 +24,7 @@ from dmuon_jax import (
   _owner_update,
   _planner,
   _report,
+  _states,
 )
 
 NsCoeffs = (
@@ -79,6 +80,12 @@ class ScaleByDMuonState(NamedTuple):
     mu: the momentum, a :class:`dmuon_jax.OwnerBuffers` (flat buffers, one
       per dtype, sharded over the owner axes, and their
       :class:`dmuon_jax.OwnerLayout`).
+    stamp: the layout that wrote ``mu``, as data (two ``uint32`` scalars
+      under layout-independent keys, ``'stamp_marker'`` and ``'stamp'``). A checkpoint of another
+      layout restored with orbax's ``partial_restore=True`` restores the
+      stamp but not the momentum (whose keys name the layout): the
+      restored tree then raises a ``ValueError`` naming
+      :mod:`dmuon_jax.checkpoint`, instead of training on zero momentum.
 
   Examples:
     >>> import jax.numpy as jnp, dmuon_jax
@@ -94,6 +101,9 @@ class ScaleByDMuonState(NamedTuple):
   # The Muon momentum in owner buffers; their layout (owner plan, buffer
   # order, TP split, the params' shardings) is the buffers' static metadata.
   mu: _owner_layout.OwnerBuffers
+  # Which layout wrote mu, as data (restored with the layout-independent
+  # leaves, checked against mu's layout whenever the tree is rebuilt).
+  stamp: _states.LayoutStamp
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -299,10 +309,14 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
     zeros = jnp.zeros(shape.shape, shape.dtype)
     buffers.append(_mesh.place(zeros, mesh, spec) if distributed else zeros)
   count = jnp.zeros([], jnp.int32)
+  replicate = None
   if distributed:  # replicated on the mesh, eagerly as under jit
-    count = _mesh.place(count, mesh, P())
+    replicate = functools.partial(_mesh.place, mesh=mesh, spec=P())
+    count = replicate(count)
   return ScaleByDMuonState(
-    count=count, mu=_owner_layout.OwnerBuffers(buffers, layout)
+    count=count,
+    mu=_owner_layout.OwnerBuffers(buffers, layout),
+    stamp=_states.make_stamp(layout, replicate),
   )
 
 
@@ -418,7 +432,9 @@ def _update(
   return (
     jax.tree.unflatten(treedef, out),
     ScaleByDMuonState(
-      count=count_inc, mu=_owner_layout.OwnerBuffers(mu, layout)
+      count=count_inc,
+      mu=_owner_layout.OwnerBuffers(mu, layout),
+      stamp=state.stamp,
     ),
   )
 
@@ -961,8 +977,10 @@ def owner_layouts(opt_state: Any) -> list[_owner_layout.OwnerLayout]:
   """The owner layouts of every dmuon state in an optimizer state.
 
   Args:
-    opt_state: any optimizer state (``dmuon``, ``dedicated_muon``, or a
-      composition holding them; also ``nnx.Optimizer``'s ``opt_state``).
+    opt_state: any optimizer state (``dmuon``, ``dedicated_muon``, or any
+      optax wrapper or composition holding them: ``chain``, ``named_chain``,
+      ``partition``, ``masked``, ``MultiSteps``, ``apply_if_finite``,
+      ``inject_hyperparams``; also ``nnx.Optimizer``'s ``opt_state``).
 
   Returns:
     One :class:`dmuon_jax.OwnerLayout` per owner-buffer tree, in tree order;
@@ -975,8 +993,4 @@ def owner_layouts(opt_state: Any) -> list[_owner_layout.OwnerLayout]:
     [1]
   """
   is_buffers = lambda x: isinstance(x, _owner_layout.OwnerBuffers)
-  return [
-    x.layout
-    for x in jax.tree.leaves(opt_state, is_leaf=is_buffers)
-    if is_buffers(x)
-  ]
+  return [x.layout for _, x in _states.find(opt_state, is_buffers)]

@@ -26,6 +26,7 @@ from dmuon_jax import (
   _owner_update,
   _planner,
   _report,
+  _states,
 )
 
 _UNSET = object()
@@ -1031,6 +1032,9 @@ class DedicatedMuonState(NamedTuple):
     count: the step count.
     mu: the momentum, laid out like ``DedicatedParams.owned`` (the same
       :class:`dmuon_jax.OwnerLayout`).
+    stamp: the layout that wrote ``mu``, as data: a checkpoint of another
+      layout restored with orbax's ``partial_restore=True`` raises instead
+      of leaving zero momentum (see :class:`dmuon_jax.ScaleByDMuonState`).
 
   Examples:
     >>> import jax, jax.numpy as jnp, dmuon_jax
@@ -1044,6 +1048,8 @@ class DedicatedMuonState(NamedTuple):
 
   count: jax.Array
   mu: _owner_layout.OwnerBuffers
+  # Which layout wrote mu, as data (see dmuon_jax.ScaleByDMuonState).
+  stamp: _states.LayoutStamp
 
 
 def _decayed_leaves(
@@ -1185,6 +1191,7 @@ def _muon_init(cfg, ded, owned):
   return DedicatedMuonState(
     count=jnp.zeros([], jnp.int32),
     mu=_owner_layout.OwnerBuffers(mu, owned.layout),
+    stamp=_states.make_stamp(owned.layout),
   )
 
 
@@ -1246,7 +1253,9 @@ def _muon_update(cfg, hp, decay, ded, grads, state, params=None):
   return (
     _owner_layout.OwnerBuffers(out, layout),
     DedicatedMuonState(
-      count=count_inc, mu=_owner_layout.OwnerBuffers(mu, layout)
+      count=count_inc,
+      mu=_owner_layout.OwnerBuffers(mu, layout),
+      stamp=state.stamp,
     ),
   )
 

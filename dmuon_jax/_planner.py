@@ -1291,8 +1291,9 @@ def check_same_tree(
     reference: a tree with the structure recorded earlier (e.g. a state
       made by ``init``).
     what: the operation, for the message (e.g. ``'update()'``).
-    is_leaf: leaf predicate for ``reference`` (e.g. to keep
-      ``optax.MaskedNode`` entries).
+    is_leaf: leaf predicate for both trees (e.g. to keep
+      ``optax.MaskedNode`` entries: a wrapper's ``optax.masked`` gives them
+      to ``update`` where ``init`` had them too).
     made_by: the call that recorded ``reference``.
     shapes: also compare shapes (reference leaves without a ``shape``, such
       as ``optax.MaskedNode()``, match any).
@@ -1302,8 +1303,9 @@ def check_same_tree(
       leaves whose shapes differ.
   """
   got = [
-    (normalize_path(k), tuple(np.shape(x)))
-    for k, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+    # (A leaf that is an empty node, as optax.MaskedNode(), has no shape.)
+    (normalize_path(k), None if isinstance(x, tuple) else tuple(np.shape(x)))
+    for k, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
   ]
   want = [
     (normalize_path(k), tuple(np.shape(r)) if hasattr(r, 'shape') else None)

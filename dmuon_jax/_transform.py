@@ -25,6 +25,7 @@ from dmuon_jax import (
   _owner_update,
   _planner,
   _report,
+  _states,
 )
 
 NsCoeffs = (
@@ -108,6 +109,12 @@ class ScaleByDMuonState(NamedTuple):
     mu: the momentum, a :class:`dmuon_jax.OwnerBuffers` (flat buffers, one
       per dtype, sharded over the owner axes, and their
       :class:`dmuon_jax.OwnerLayout`).
+    stamp: the layout that wrote ``mu``, as data (two ``uint32`` scalars
+      under layout-independent keys, ``'stamp_marker'`` and ``'stamp'``). A checkpoint of another
+      layout restored with orbax's ``partial_restore=True`` restores the
+      stamp but not the momentum (whose keys name the layout): the
+      restored tree then raises a ``ValueError`` naming
+      :mod:`dmuon_jax.checkpoint`, instead of training on zero momentum.
 
   Examples:
     >>> import jax.numpy as jnp, dmuon_jax
@@ -123,6 +130,9 @@ class ScaleByDMuonState(NamedTuple):
   # The Muon momentum in owner buffers; their layout (owner plan, buffer
   # order, TP split, the params' shardings) is the buffers' static metadata.
   mu: _owner_layout.OwnerBuffers
+  # Which layout wrote mu, as data (restored with the layout-independent
+  # leaves, checked against mu's layout whenever the tree is rebuilt).
+  stamp: _states.LayoutStamp
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -346,10 +356,14 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
       buf = _mesh.box_like(template, buf, spec)
     buffers.append(buf)
   count = jnp.zeros([], jnp.int32)
+  replicate = None
   if distributed:  # replicated on the mesh, eagerly as under jit
-    count = _mesh.place(count, mesh, P())
+    replicate = functools.partial(_mesh.place, mesh=mesh, spec=P())
+    count = replicate(count)
   return ScaleByDMuonState(
-    count=count, mu=_owner_layout.OwnerBuffers(buffers, layout)
+    count=count,
+    mu=_owner_layout.OwnerBuffers(buffers, layout),
+    stamp=_states.make_stamp(layout, replicate),
   )
 
 
@@ -464,7 +478,9 @@ def _update(
     out[t.index] = x
   return (
     jax.tree.unflatten(treedef, out),
-    ScaleByDMuonState(count=count_inc, mu=state.mu.rebox(mu)),
+    ScaleByDMuonState(
+      count=count_inc, mu=state.mu.rebox(mu), stamp=state.stamp
+    ),
   )
 
 
@@ -1106,8 +1122,10 @@ def owner_layouts(opt_state: Any) -> list[_owner_layout.OwnerLayout]:
   """The owner layouts of every dmuon state in an optimizer state.
 
   Args:
-    opt_state: any optimizer state (``dmuon``, ``dedicated_muon``, or a
-      composition holding them; also ``nnx.Optimizer``'s ``opt_state``).
+    opt_state: any optimizer state (``dmuon``, ``dedicated_muon``, or any
+      optax wrapper or composition holding them: ``chain``, ``named_chain``,
+      ``partition``, ``masked``, ``MultiSteps``, ``apply_if_finite``,
+      ``inject_hyperparams``; also ``nnx.Optimizer``'s ``opt_state``).
 
   Returns:
     One :class:`dmuon_jax.OwnerLayout` per owner-buffer tree, in tree order;
@@ -1120,8 +1138,4 @@ def owner_layouts(opt_state: Any) -> list[_owner_layout.OwnerLayout]:
     [1]
   """
   is_buffers = lambda x: isinstance(x, _owner_layout.OwnerBuffers)
-  return [
-    x.layout
-    for x in jax.tree.leaves(opt_state, is_leaf=is_buffers)
-    if is_buffers(x)
-  ]
+  return [x.layout for _, x in _states.find(opt_state, is_buffers)]

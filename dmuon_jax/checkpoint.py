@@ -57,7 +57,19 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dmuon_jax import _dedicated, _mesh, _owner_layout, _transform
+from dmuon_jax import _dedicated, _mesh, _owner_layout, _states
+
+_NO_DEVICES_MSG = (
+  'dmuon_jax checkpoint: the abstract optimizer state of layout {name} '
+  'does not say which devices its owner buffers live on (jax.eval_shape '
+  'gives no sharding on Auto meshes and AbstractMesh ones on Explicit '
+  'meshes), so the portable target cannot be placed. Pass the state made '
+  'by opt.init(params_like) (params_like: ShapeDtypeStructs with the '
+  'shardings wanted), or its abstract form with concrete shardings: '
+  'jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, '
+  'sharding=s), traced.out_info, traced.lower().compile().output_shardings)'
+  ' with traced = jax.jit(opt.init).trace(params_like).'
+)
 
 COMMIT_MARKER = 'commit_success.txt'
 """The file orbax writes into a step directory when its save is committed.
@@ -139,13 +151,14 @@ class PortableDMuonState(NamedTuple):
 
 
 def _is_state(x) -> bool:
-  return isinstance(
-    x,
-    (
-      _transform.ScaleByDMuonState,
-      _dedicated.DedicatedMuonState,
-      PortableDMuonState,
-    ),
+  """A dmuon state (of any layout) or its portable form."""
+  return _states.is_dmuon_state(x) or isinstance(x, PortableDMuonState)
+
+
+def _is_abstract(st) -> bool:
+  """Whether a dmuon state's buffers are shapes only (``jax.eval_shape``)."""
+  return any(
+    isinstance(b, jax.ShapeDtypeStruct) for b in jax.tree.leaves(st.mu)
   )
 
 
@@ -190,6 +203,8 @@ def _param_shardings(layout: _owner_layout.OwnerLayout, mesh: Any) -> list:
 
 
 def _to_portable(st) -> PortableDMuonState:
+  if _is_abstract(st):
+    return _abstract_portable(st)
   layout = st.mu.layout
   mesh = _concrete_mesh(st.mu.buffers)
   values = _dedicated.unpack_owned(st.mu)
@@ -206,14 +221,20 @@ def state_to_portable(opt_state: Any) -> Any:
 
   Args:
     opt_state: an optimizer state holding :class:`dmuon_jax.ScaleByDMuonState`
-      (``dmuon``, ``scale_by_dmuon``, any optax composition of them) or
-      ``DedicatedMuonState`` (``dedicated_muon``) entries.
+      (``dmuon``, ``scale_by_dmuon``) or ``DedicatedMuonState``
+      (``dedicated_muon``) entries anywhere: inside any optax wrapper or
+      composition (``chain``, ``named_chain``, ``partition``, ``masked``,
+      ``MultiSteps``, ``apply_if_finite``, ``inject_hyperparams``), or a
+      whole train state holding one. It may be abstract (``jax.eval_shape``
+      of ``opt.init``): then the result is abstract too, the target to
+      restore a portable checkpoint into with orbax.
 
   Returns:
     ``opt_state`` with each of those replaced by a
     :class:`PortableDMuonState`: the momentum of each Muon target in its
     param's shape, sharded like the param where the layout knows it (else
-    replicated). Everything else is unchanged.
+    replicated); ``jax.ShapeDtypeStruct``\\ s of it for an abstract state.
+    Everything else is unchanged.
 
   Examples:
     >>> import jax, jax.numpy as jnp, dmuon_jax
@@ -280,7 +301,15 @@ def _from_portable(portable: PortableDMuonState, target) -> Any:
   mu = _dedicated.pack_owned(
     layout, values, mesh, dtypes=dtypes, shardings=shardings
   )
-  return type(target)(count=_like(portable.count, target.count), mu=mu)
+  fields = {'count': _like(portable.count, target.count), 'mu': mu}
+  if isinstance(getattr(target, 'stamp', None), _states.LayoutStamp):
+    marker, value = _states.stamp_value(layout)
+    fields['stamp'] = _states.LayoutStamp(
+      _like(marker, target.stamp.marker),
+      _like(value, target.stamp.value),
+      layout.name,
+    )
+  return target._replace(**fields)
 
 
 def state_from_portable(portable: Any, target_state: Any) -> Any:
@@ -346,31 +375,45 @@ def state_from_portable(portable: Any, target_state: Any) -> Any:
   return jax.tree.unflatten(treedef, out)
 
 
-def _portable_abstract(target_state: Any) -> Any:
+def _abstract_leaf(x) -> jax.ShapeDtypeStruct:
+  dtype = getattr(x, 'dtype', None)
+  return jax.ShapeDtypeStruct(
+    np.shape(x),
+    jnp.result_type(x) if dtype is None else dtype,
+    sharding=getattr(x, 'sharding', None),
+  )
+
+
+def _abstract_portable(x, placed: bool = True) -> PortableDMuonState:
+  """The portable form of a dmuon state, as ``jax.ShapeDtypeStruct``\\ s
+  (``placed``: raise unless the buffers say which devices they are on)."""
+  layout = x.mu.layout
+  mesh = _concrete_mesh(x.mu.buffers)
+  if mesh is None and layout.distributed and placed:
+    raise ValueError(_NO_DEVICES_MSG.format(name=layout.name))
+  shardings = _param_shardings(layout, mesh)
+  dtype_of = {
+    t.index: x.mu.buffers[layout.leaf_buffer(t.index)].dtype
+    for t in layout.leaves
+  }
+  mu = {
+    t.path: jax.ShapeDtypeStruct(t.shape, dtype_of[t.index], sharding=s)
+    for t, s in zip(layout.leaves, shardings)
+  }
+  return PortableDMuonState(count=_abstract_leaf(x.count), mu=_nest(mu))
+
+
+def _portable_abstract(target_state: Any, placed: bool = True) -> Any:
   """``jax.ShapeDtypeStruct`` tree of the portable form of a state."""
-
-  def one(x):
-    if not _is_state(x):
-      return jax.ShapeDtypeStruct(
-        np.shape(x), x.dtype, sharding=getattr(x, 'sharding', None)
-      )
-    layout = x.mu.layout
-    mesh = _concrete_mesh(x.mu.buffers)
-    shardings = _param_shardings(layout, mesh)
-    dtype_of = {
-      t.index: x.mu.buffers[layout.leaf_buffer(t.index)].dtype
-      for t in layout.leaves
-    }
-    mu = {
-      t.path: jax.ShapeDtypeStruct(t.shape, dtype_of[t.index], sharding=s)
-      for t, s in zip(layout.leaves, shardings)
-    }
-    count = jax.ShapeDtypeStruct(
-      (), x.count.dtype, sharding=getattr(x.count, 'sharding', None)
-    )
-    return PortableDMuonState(count=count, mu=_nest(mu))
-
-  return jax.tree.map(one, target_state, is_leaf=_is_state)
+  return jax.tree.map(
+    lambda x: (
+      _abstract_portable(x, placed)
+      if _states.is_dmuon_state(x)
+      else _abstract_leaf(x)
+    ),
+    target_state,
+    is_leaf=_states.is_dmuon_state,
+  )
 
 
 # ----------------------------------------------------------------- orbax
@@ -514,7 +557,7 @@ def _check_state_of(opt, params, portable) -> None:
     ) from e
   parts = _diff_parts(
     _sigs_by_path({'opt_state': portable}),
-    _sigs_by_path({'opt_state': _portable_abstract(abstract)}),
+    _sigs_by_path({'opt_state': _portable_abstract(abstract, placed=False)}),
     what='shapes/dtypes',
     have_name='opt_state',
     want_name='opt.init(params)',
@@ -713,9 +756,11 @@ def restore(
       mesh, or one device: leaves without a sharding go to the first
       device), or the :class:`dmuon_jax.DedicatedParams` to restore into
       (their layout and placement).
-    opt: what to restore the optimizer state into: an optimizer (its state
-      is made by ``opt.init`` on the restored params), a state laid out as
-      wanted (``opt.init(params)`` or ``jax.eval_shape`` of it), or None to
+    opt: what to restore the optimizer state into: an optimizer (anything
+      with ``init``: an ``optax.GradientTransformation`` or any optax
+      wrapper of one, ``optax.MultiSteps`` included; its state is made by
+      ``opt.init`` on the restored params), a state laid out as wanted
+      (``opt.init(params)`` or ``jax.eval_shape`` of it), or None to
       restore the params only.
     step: the step to restore (default: the latest complete one). An
       explicit step is never replaced by another one.
@@ -834,6 +879,32 @@ def _restore(
   ) from damaged[-1]
 
 
+def _is_optimizer(opt) -> bool:
+  """An optimizer (anything with ``init``: ``GradientTransformation``,
+  ``GradientTransformationExtraArgs``, ``optax.MultiSteps``), not a state."""
+  return callable(getattr(opt, 'init', None))
+
+
+def _target_state(opt, params):
+  """The state to restore into: ``opt`` itself if it is a state, else
+  ``opt.init(params)``'s shapes, dtypes and shardings, abstractly.
+
+  Nothing is allocated (a fresh state would double the optimizer's memory
+  while the checkpoint is read). ``jax.eval_shape`` alone gives no devices
+  (no shardings on Auto meshes, ``AbstractMesh`` ones on Explicit meshes),
+  so the shardings come from compiling ``opt.init`` (not running it).
+  """
+  if not _is_optimizer(opt):
+    return opt
+  traced = jax.jit(opt.init).trace(params)
+  shardings = traced.lower().compile().output_shardings
+  return jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+    traced.out_info,
+    shardings,
+  )
+
+
 def _restore_step(
   root, step, steps, params_like, opt, *, extra_like=None, dedication=None
 ):
@@ -855,9 +926,7 @@ def _restore_step(
     params = dedication.to_dedicated(params)
   opt_state = None
   if opt is not None:
-    target = (
-      opt.init(params) if isinstance(opt, optax.GradientTransformation) else opt
-    )
+    target = _target_state(opt, params)
     abstract = _portable_abstract(target)
     _check_saved(saved, {'opt_state': abstract}, step)
     with read():

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from absl.testing import absltest
 from jax.sharding import NamedSharding
@@ -319,6 +320,145 @@ class DedicatedCheckpointTest(absltest.TestCase):
 
   def test_resume_on_one_device(self):
     self._resume(None)
+
+
+def small_params():
+  rng = np.random.default_rng(3)
+  return {
+    'layers_0': {'w': jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)},
+    'layers_1': {'w': jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)},
+    'b': jnp.zeros((32,), jnp.float32),
+  }
+
+
+def abstract(tree):
+  return jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
+  )
+
+
+class OrbaxManagerTest(absltest.TestCase):
+  """A trainer's own ``ocp.CheckpointManager`` (legacy and ``args`` APIs)
+  saves ``{'params', 'opt_state'}`` on 2x4 and restores on 1x4: exact
+  through the portable form; a native state of another layout never comes
+  back with zero momentum (orbax refuses it; ``partial_restore=True``
+  raises, naming the conversion)."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.tmp = tempfile.TemporaryDirectory()
+    mesh_2x4 = support.make_mesh((2, 4))
+    cls.mesh_1x4 = support.make_mesh((1, 4))
+    tree = jax.device_put(small_params(), NamedSharding(mesh_2x4, P()))
+    opt = optax.MultiSteps(dmuon_jax.dmuon(0.02, mesh=mesh_2x4), 2)
+    state = opt.init(tree)
+    _, state = opt.update(support.grads_at(0, tree), state, tree)
+    cls.state, cls.saved = state, checkpoint.state_to_portable(state)
+    cls.native = {'params': tree, 'opt_state': state}
+    cls.portable = {'params': tree, 'opt_state': cls.saved}
+    cls.opt_1x4 = optax.MultiSteps(dmuon_jax.dmuon(0.02, mesh=cls.mesh_1x4), 2)
+    cls.params_1x4 = abstract(
+      jax.device_put(small_params(), NamedSharding(cls.mesh_1x4, P()))
+    )
+    # The state the trainer would start from (placed zeros).
+    cls.target = cls.opt_1x4.init(cls.params_1x4)
+
+  @classmethod
+  def tearDownClass(cls):
+    cls.tmp.cleanup()
+    super().tearDownClass()
+
+  def directory(self, name, tree, legacy):
+    path = os.path.join(self.tmp.name, name)
+    if legacy:
+      with ocp.CheckpointManager(path, ocp.PyTreeCheckpointer()) as mngr:
+        mngr.save(7, tree)
+        mngr.wait_until_finished()
+    else:
+      with ocp.CheckpointManager(path) as mngr:
+        mngr.save(7, args=ocp.args.StandardSave(tree))
+        mngr.wait_until_finished()
+    return path
+
+  def check_exact(self, restored):
+    opt_state = checkpoint.state_from_portable(
+      restored['opt_state'], self.target
+    )
+    chex.assert_trees_all_equal(
+      checkpoint.state_to_portable(opt_state), self.saved
+    )
+    (layout,) = dmuon_jax.owner_layouts(opt_state)
+    self.assertEqual(layout.buffer_sizes, (1, 4))
+    self.assertGreater(float(opt_state.mini_step), 0)  # MultiSteps' own
+    return opt_state
+
+  def test_portable_form_restores_exactly_args_api(self):
+    path = self.directory('portable_args', self.portable, legacy=False)
+    like = {
+      'params': self.params_1x4,
+      'opt_state': checkpoint.state_to_portable(self.target),
+    }
+    with ocp.CheckpointManager(path) as mngr:
+      restored = mngr.restore(7, args=ocp.args.StandardRestore(like))
+    self.check_exact(restored)
+
+  def test_portable_form_restores_exactly_legacy_api(self):
+    path = self.directory('portable_legacy', self.portable, legacy=True)
+    like = {
+      'params': self.params_1x4,
+      'opt_state': checkpoint.state_to_portable(self.target),
+    }
+    with ocp.CheckpointManager(path, ocp.PyTreeCheckpointer()) as mngr:
+      restored = mngr.restore(
+        7,
+        items=like,
+        restore_kwargs={
+          'restore_args': ocp.checkpoint_utils.construct_restore_args(like)
+        },
+      )
+    self.check_exact(restored)
+
+  def test_abstract_target_without_devices_is_refused(self):
+    # jax.eval_shape keeps no devices: the portable target could not be
+    # placed, so the conversion says what to pass instead.
+    with self.assertRaisesRegex(ValueError, 'opt.init.params_like'):
+      checkpoint.state_to_portable(
+        jax.eval_shape(self.opt_1x4.init, self.params_1x4)
+      )
+
+  def test_native_state_into_another_layout_never_zero(self):
+    fresh = {
+      'params': self.params_1x4,
+      'opt_state': self.opt_1x4.init(self.params_1x4),
+    }
+    (saved_layout,) = dmuon_jax.owner_layouts(self.state)
+    (new_layout,) = dmuon_jax.owner_layouts(fresh['opt_state'])
+    for legacy in (False, True):
+      path = self.directory(f'native_{legacy}', self.native, legacy=legacy)
+      # orbax itself refuses: the momentum keys name the layouts.
+      with ocp.CheckpointManager(path) as mngr:
+        with self.assertRaisesRegex(ValueError, saved_layout.name):
+          mngr.restore(7, args=ocp.args.StandardRestore(fresh))
+      # Following its hint restores the rest and not the momentum: the
+      # stamp of the saved layout comes back and says so.
+      for target in (fresh, abstract(fresh)):
+        with ocp.CheckpointManager(path) as mngr:
+          with self.assertRaisesRegex(
+            ValueError,
+            rf'(?s){new_layout.name}.*_{saved_layout.fingerprint}.*'
+            r'dmuon_jax\.checkpoint.*state_from_portable',
+          ):
+            mngr.restore(
+              7,
+              args=ocp.args.PyTreeRestore(
+                item=target,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(
+                  target
+                ),
+                partial_restore=True,
+              ),
+            )
 
 
 class IncompleteCheckpointTest(absltest.TestCase):

@@ -885,6 +885,16 @@ def _is_optimizer(opt) -> bool:
   return callable(getattr(opt, 'init', None))
 
 
+def _params_mesh(params):
+  """The concrete mesh ``params`` are placed on, or ``None``."""
+  for leaf in jax.tree.leaves(params):
+    sharding = getattr(leaf, 'sharding', None)
+    mesh = getattr(sharding, 'mesh', None)
+    if isinstance(mesh, jax.sharding.Mesh):
+      return mesh
+  return None
+
+
 def _target_state(opt, params):
   """The state to restore into: ``opt`` itself if it is a state, else
   ``opt.init(params)``'s shapes, dtypes and shardings, abstractly.
@@ -896,8 +906,12 @@ def _target_state(opt, params):
   """
   if not _is_optimizer(opt):
     return opt
-  traced = jax.jit(opt.init).trace(params)
-  shardings = traced.lower().compile().output_shardings
+  mesh = _params_mesh(params)
+  # Explicit-mesh params type-check only inside their mesh's context.
+  ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+  with ctx:
+    traced = jax.jit(opt.init).trace(params)
+    shardings = traced.lower().compile().output_shardings
   return jax.tree.map(
     lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
     traced.out_info,

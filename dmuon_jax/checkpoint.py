@@ -301,6 +301,8 @@ def _from_portable(portable: PortableDMuonState, target) -> Any:
   mu = _dedicated.pack_owned(
     layout, values, mesh, dtypes=dtypes, shardings=shardings
   )
+  # Boxed targets (Flax metadata on the buffers) get their boxes back.
+  mu = target.mu.rebox(mu.buffers)
   fields = {'count': _like(portable.count, target.count), 'mu': mu}
   if isinstance(getattr(target, 'stamp', None), _states.LayoutStamp):
     marker, value = _states.stamp_value(layout)

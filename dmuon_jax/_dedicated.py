@@ -1249,7 +1249,11 @@ def _muon_update(cfg, hp, decay, ded, grads, state, params=None):
       count_inc,
       dyn,
     )
-  out = [o.astype(g.dtype) for o, g in zip(ortho, grads.buffers)]
+  # optax.contrib.muon's dtype: the momentum's promoted with the gradient's.
+  out = [
+    o.astype(jnp.result_type(m.dtype, g.dtype))
+    for o, m, g in zip(ortho, state.mu.buffers, grads.buffers)
+  ]
   return (
     _owner_layout.OwnerBuffers(out, layout),
     DedicatedMuonState(

@@ -244,7 +244,9 @@ class Exchange:
   def _local_units(self, x: jax.Array, i: int) -> jax.Array:
     r = self.routed[i]
     x = x.reshape(r.view_local)
-    return jnp.transpose(x, r.perm).reshape((-1,) + tuple(r.piece))
+    # The count is explicit: a -1 cannot be inferred for an empty leaf.
+    count = math.prod(r.batch_shape)
+    return jnp.transpose(x, r.perm).reshape((count,) + tuple(r.piece))
 
   # -- forward: pieces to the owners --------------------------------------
 

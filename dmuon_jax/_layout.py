@@ -7,6 +7,7 @@ dedicated mode, or all Muon targets of ``dmuon``) in per-slot flat buffers;
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -39,9 +40,64 @@ class Bucket(NamedTuple):
 
   shape: tuple[int, int]  # (fan_in, fan_out) of one TP shard's slice
   tp_split: int | None  # -1 columns / -2 rows split over TP, or None
-  dtype: str  # the params' dtype (of the updates)
+  dtype: str  # the params' dtype
   units: tuple[int, ...]  # unit indices, in buffer order
   grouped: bool = False  # slices of owner groups (see _planner.OwnerGroup)
+  # A zero-padded leaf's (see Layout.crops): the rows and columns of its
+  # padded matrices that hold the param, or None.
+  crop: tuple[np.ndarray, np.ndarray] | None = None
+
+
+def _crop(
+  spec: _planner.LeafSpec,
+  logical: tuple[int, ...] | None,
+  tp_split: int | None,
+) -> tuple[np.ndarray, np.ndarray] | None:
+  """The rows and columns of a padded leaf's matrices that hold the param
+  (flat indices into the padded fan-in and fan-out), or None.
+
+  Newton–Schulz of a zero-padded matrix is the zero-padded Newton–Schulz of
+  the matrix, but not bit for bit: orientation and the direct-vs-Gram
+  choice follow the shape. The owner orthogonalizes the param's own rows
+  and columns (these), so that the numbers are those of the unpadded
+  matrix. TP-split leaves keep their padding (their slices are
+  orthogonalized together, by Gram Newton–Schulz, whatever the shape).
+  """
+  if logical is None or tp_split is not None or spec.sliced:
+    return None
+
+  def flat(axes):
+    padded = [spec.shape[a] for a in axes]
+    grid = np.indices([logical[a] for a in axes]).reshape(len(axes), -1)
+    return np.ravel_multi_index(grid, padded).astype(np.int32)
+
+  return flat(spec.reduction_axes), flat(spec.output_axes)
+
+
+def _index(idx: np.ndarray):
+  """A slice for a prefix ``0..k-1``, else the index array."""
+  if np.array_equal(idx, np.arange(len(idx))):
+    return slice(0, len(idx))
+  return jnp.asarray(idx)
+
+
+def crop_stack(x: jax.Array, crop) -> jax.Array:
+  """The param's own rows and columns of a ``(count, m, n)`` stack of
+  padded matrices (``crop``: a :attr:`Bucket.crop`)."""
+  rows, cols = crop
+  return x[:, _index(rows)][:, :, _index(cols)]
+
+
+def uncrop_stack(y: jax.Array, crop, shape: Sequence[int]) -> jax.Array:
+  """Inverse of :func:`crop_stack`: ``y`` placed in zeros of ``shape``."""
+  rows, cols = crop
+  r, c = _index(rows), _index(cols)
+  out = jnp.zeros(tuple(shape), y.dtype)
+  if isinstance(r, slice) and isinstance(c, slice):
+    return out.at[:, r, c].set(y)
+  r = jnp.arange(len(rows)) if isinstance(r, slice) else r
+  c = jnp.arange(len(cols)) if isinstance(c, slice) else c
+  return out.at[:, r[:, None], c[None, :]].set(y)
 
 
 class Layout:
@@ -61,6 +117,7 @@ class Layout:
     plan: _planner.OwnershipPlan,
     dtypes: Sequence,
     tp_splits: Sequence[int | None] | None = None,
+    logical: Sequence[tuple[int, ...] | None] | None = None,
   ):
     """Builds the layout.
 
@@ -70,6 +127,9 @@ class Layout:
       tp_splits: per ``plan.leaves`` entry, None, or the matrix axis (-1
         columns, -2 rows) that a tensor-parallel mesh axis splits; the plan
         then holds each TP shard's slice (see ``_tensor_parallel``).
+      logical: per ``plan.leaves`` entry, None, or the param's own (whole)
+        shape when the plan holds it zero-padded (an unevenly sharded leaf,
+        padded to a multiple of its devices per sharded dimension).
     """
     self.plan = plan
     self.num_slots = plan.num_slots
@@ -110,7 +170,16 @@ class Layout:
     self.leaf_units = [[] for _ in plan.leaves]
     for u in range(n):
       self.leaf_units[self.unit_leaf[u]].append(u)
-    self._key = (plan, names, self.tp_splits)
+    self.logical = (
+      tuple(None if x is None else tuple(x) for x in logical)
+      if logical is not None
+      else (None,) * len(plan.leaves)
+    )
+    self.crops = [
+      _crop(spec, shape, split)
+      for spec, shape, split in zip(plan.leaves, self.logical, self.tp_splits)
+    ]
+    self._key = (plan, names, self.tp_splits, self.logical)
 
   def __eq__(self, other: object) -> bool:
     return isinstance(other, Layout) and self._key == other._key
@@ -222,22 +291,44 @@ class Layout:
       out.append(from_matrices(jnp.stack(mats), spec))
     return out
 
+  def logical_matrix(self, i: int) -> tuple[int, int] | None:
+    """``(fan_in, fan_out)`` of plan leaf ``i``'s param before padding (the
+    whole matrix, not a TP shard's slice), or None if it is not padded."""
+    shape = self.logical[i]
+    if shape is None:
+      return None
+    spec = self.plan.leaves[i]
+    if spec.sliced:
+      raise ValueError(
+        f'dmuon: internal: padded param {spec.path!r} was sliced for an '
+        'owner group.'
+      )
+    return (
+      math.prod(shape[a] for a in spec.reduction_axes),
+      math.prod(shape[a] for a in spec.output_axes),
+    )
+
   def buckets(self, g: int, slot: int) -> list[Bucket]:
     """A slot's matrices of dtype group ``g``, by (shape, TP split, the
-    params' dtype)."""
+    params' dtype, the padding)."""
     by_key: dict[tuple, list[int]] = {}
+    crops = {}
     for u in self.slot_units[g][slot]:
       leaf = self.unit_leaf[u]
+      crop = self.crops[leaf]
+      ckey = None if crop is None else (crop[0].tobytes(), crop[1].tobytes())
+      crops[ckey] = crop
       key = (
         self.plan.units[u].shape,
         self.tp_splits[leaf],
         self.plan.leaves[leaf].dtype,
         self.plan.units[u].group >= 0,
+        ckey,
       )
       by_key.setdefault(key, []).append(u)
     return [
-      Bucket(shape, split, dtype, tuple(units), grouped)
-      for (shape, split, dtype, grouped), units in by_key.items()
+      Bucket(shape, split, dtype, tuple(units), grouped, crops[ckey])
+      for (shape, split, dtype, grouped, ckey), units in by_key.items()
     ]
 
   def map_slot(

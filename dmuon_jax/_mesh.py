@@ -257,8 +257,14 @@ def check_entries(
   sizes: Mapping[str, int],
   path: str,
   spec: P | None = None,
+  even: bool = True,
 ) -> None:
-  """Raises if a leaf's sharding does not fit the mesh (names the leaf)."""
+  """Raises if a leaf's sharding does not fit the mesh (names the leaf).
+
+  With ``even=False`` a dimension need not divide by its devices (uneven
+  sharding, which JAX accepts): the caller pads it (see
+  :func:`padded_shape`).
+  """
   if len(entries) > len(shape):
     raise ValueError(
       f'dmuon: param {path!r} of rank {len(shape)} has a sharding spec '
@@ -274,12 +280,24 @@ def check_entries(
           'it), or pass the mesh it lives on as mesh= / axis_names=.'
         )
     n = math.prod(sizes[a] for a in axes) if axes else 1
-    if shape[dim] % n:
+    if even and shape[dim] % n:
       raise ValueError(
         f'dmuon: param {path!r} has shape {tuple(shape)}; dim {dim} is not '
         f'divisible by the {n} devices of mesh axes {axes}. Pad it, or '
         'replicate it.'
       )
+
+
+def padded_shape(
+  shape: Sequence[int], entries: Entries, sizes: Mapping[str, int]
+) -> tuple[int, ...]:
+  """``shape`` with each sharded dimension rounded up to a multiple of its
+  devices (what an unevenly sharded Muon leaf is padded to with zeros)."""
+  out = []
+  for n, axes in zip(shape, tuple(entries) + ((),) * len(shape)):
+    k = math.prod(sizes[a] for a in axes) if axes else 1
+    out.append(-(-n // k) * k)
+  return tuple(out)
 
 
 def split_tensor_parallel(leaf, entries: Entries, tp_axis: str, tp_size: int):
@@ -324,6 +342,15 @@ def split_tensor_parallel(leaf, entries: Entries, tp_axis: str, tp_size: int):
       f'(batch) axis of its MuonDimensionNumbers; TP must split a matrix '
       'dimension (a reduction or output axis). Shard another dimension, '
       'or replicate the stack axis.'
+    )
+  if leaf.shape[dim] % tp_size:
+    raise ValueError(
+      f'dmuon: param {leaf.path!r} of shape {leaf.shape} is sharded over '
+      f'the tensor-parallel axis {tp_axis!r} on dim {dim}, which does not '
+      f'divide by its {tp_size} devices. Dedicated mode stores each TP '
+      "shard's slice of the matrix and does not pad: make that dim a "
+      f'multiple of {tp_size}, or use the drop-in dmuon_jax.dmuon (which '
+      'pads uneven shardings internally).'
     )
   owner = list(entries)
   owner[dim] = ()

@@ -36,6 +36,9 @@ class TargetLeaf:
     dtype: the param's dtype name.
     group: the layout group holding its matrices.
     tp_dim: the dimension the TP axis splits, or None.
+    padded: for a leaf sharded unevenly (a sharded dimension that does not
+      divide by its devices), the shape its matrices are held at: each such
+      dimension zero-padded up to a multiple of its devices; else None.
   """
 
   index: int
@@ -44,6 +47,25 @@ class TargetLeaf:
   dtype: str
   group: int
   tp_dim: int | None = None
+  padded: tuple[int, ...] | None = None
+
+  @property
+  def held_shape(self) -> tuple[int, ...]:
+    """The shape the layout holds the leaf at (``padded`` or ``shape``)."""
+    return self.shape if self.padded is None else self.padded
+
+
+def pad_to(x: jax.Array, shape: Sequence[int]) -> jax.Array:
+  """``x`` zero-padded at the end of each dimension up to ``shape``."""
+  widths = [(0, n - m) for m, n in zip(np.shape(x), shape)]
+  return jnp.pad(x, widths) if any(w for _, w in widths) else x
+
+
+def unpad(x: jax.Array, shape: Sequence[int]) -> jax.Array:
+  """Inverse of :func:`pad_to`: the leading ``shape`` block of ``x``."""
+  if tuple(np.shape(x)) == tuple(shape):
+    return x
+  return x[tuple(slice(0, n) for n in shape)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +252,11 @@ class OwnerLayout:
     )
 
   def full_shape(self, lay: Layout, u: int) -> tuple[int, int]:
-    """The whole matrix's ``(fan_in, fan_out)`` of unit ``u`` of ``lay``."""
+    """The whole matrix's ``(fan_in, fan_out)`` of unit ``u`` of ``lay``
+    (of the param itself for a zero-padded one)."""
+    logical = lay.logical_matrix(lay.unit_leaf[u])
+    if logical is not None:
+      return logical
     spec = lay.plan.leaves[lay.unit_leaf[u]]
     if spec.sliced:
       return spec.whole_matrix
@@ -264,6 +290,7 @@ class OwnerLayout:
     Returns:
       The flat buffers, in buffer order (global arrays, not yet placed).
     """
+    values = {i: pad_to(x, self.leaf(i).held_shape) for i, x in values.items()}
     out = []
     for g, lay in enumerate(self.groups):
       idx = [s.leaf_index for s in lay.plan.leaves]
@@ -303,14 +330,17 @@ class OwnerLayout:
               [self._roll(b, -t) for b in bs]
             )
           )(jnp.arange(iters), mine)
-          per_tp.append([x.reshape((-1,) + x.shape[2:]) for x in full])
+          per_tp.append(
+            [x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:]) for x in full]
+          )
         else:
           per_tp.append(lay.unpack_full(mine))
       for j, spec in enumerate(lay.plan.leaves):
         t = self.leaf(spec.leaf_index)
         parts = [full[j] for full in per_tp]
-        out[t.index] = (
-          parts[0] if t.tp_dim is None else jnp.concatenate(parts, t.tp_dim)
+        out[t.index] = unpad(
+          parts[0] if t.tp_dim is None else jnp.concatenate(parts, t.tp_dim),
+          t.shape,
         )
     return out
 
@@ -370,6 +400,16 @@ class OwnerLayout:
         + ', '.join(
           f'{k} {_planner.human_bytes(v)}' for k, v in predicted.items()
         )
+      )
+    padded = [t for t in self.leaves if t.padded is not None]
+    if padded:
+      extra = sum(
+        int(np.prod(t.padded)) - int(np.prod(t.shape)) for t in padded
+      )
+      lines.append(
+        f'  zero-padded for uneven sharding ({extra} elements): '
+        + ', '.join(f'{t.path} {t.shape}->{t.padded}' for t in padded[:4])
+        + (' ...' if len(padded) > 4 else '')
       )
     unknown = [
       t.path for t, e in zip(self.leaves, self.param_entries) if e is None

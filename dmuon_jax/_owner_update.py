@@ -292,16 +292,22 @@ def rescale_large(stack: jax.Array, tp_axis: str | None = None) -> jax.Array:
     jnp.finfo(stack.dtype).max <= _LARGE
   ):
     return stack
-  amax = jnp.max(jnp.abs(stack), axis=(-2, -1), keepdims=True)
+  # initial=0: the max-abs of an empty (e.g. (0, n)) matrix is 0, which a
+  # reduction without an identity would refuse.
+  amax = jnp.max(jnp.abs(stack), axis=(-2, -1), keepdims=True, initial=0)
   if tp_axis is not None:
     amax = jax.lax.pmax(amax, tp_axis)
   return stack * _staged.rescale_factor(amax, stack.dtype).astype(stack.dtype)
 
 
 def shape_scale(fan_in: int, fan_out: int, consistent_rms=None):
-  """Muon's shape factor for a ``(fan_in, fan_out)`` matrix (as optax)."""
+  """Muon's shape factor for a ``(fan_in, fan_out)`` matrix (as optax).
+
+  An empty matrix (``fan_in == 0``; its update is empty) gets 1, where
+  optax's ``fan_out / fan_in`` divides by zero.
+  """
   if consistent_rms is None:
-    return np.sqrt(max(1.0, fan_out / fan_in))
+    return np.sqrt(max(1.0, fan_out / fan_in)) if fan_in else 1.0
   return np.sqrt(max(fan_in, fan_out)) * consistent_rms
 
 
@@ -385,26 +391,33 @@ def slot_update(
   (with ``skip_distributed``: zeros for owner-group and TP matrices, which
   ``_staged`` orthogonalizes).
 
-  Results are rounded to the params' dtype (the buffers keep the momentum's
-  dtype). With ``params`` and ``decay`` (the leaf indices whose matrices
-  decay), adds ``weight_decay * param`` to those matrices' results, as
+  Results have the dtype of the momentum step's output ``hat`` (the
+  promoted dtype of momentum and gradients), as ``optax.contrib.muon``'s
+  updates do: float32 momentum of bfloat16 params gives float32 updates.
+  With ``params`` and ``decay`` (the leaf indices whose matrices decay),
+  adds ``weight_decay * param`` to those matrices' results, as
   ``optax.add_decayed_weights`` does.
   """
   tp_axis = olayout.tp_axis if olayout.tp_size > 1 else None
 
   def fn(stacks, bucket):
-    dtype = jnp.dtype(bucket.dtype)
+    dtype = stacks[0].dtype
     if skip_distributed and (bucket.grouped or bucket.tp_split is not None):
       return jnp.zeros_like(stacks[0])
+    x = stacks[0]
+    if bucket.crop is not None:  # a padded leaf: its own rows and columns
+      x = _layout.crop_stack(x, bucket.crop)
     out = orthogonalize(
       cfg,
       hp,
-      stacks[0],
+      x,
       olayout.full_shape(lay, bucket.units[0]),
       dtype,
       bucket.tp_split,
       tp_axis,
     )
+    if bucket.crop is not None:
+      out = _layout.uncrop_stack(out, bucket.crop, stacks[0].shape)
     if params is not None and decay:
       mask = np.array(
         [
@@ -449,8 +462,8 @@ def owner_step(
 
   Returns:
     ``(results, new momentum)``: the results in the dtype the momentum
-    step produced (cast them to the params' dtype), the momentum in its own
-    dtype.
+    step produced (momentum and gradients promoted, as optax's updates),
+    the momentum in its own dtype.
   """
   grad_groups = olayout.split_groups(grads)
   mu_groups = olayout.split_groups(mus)
@@ -526,7 +539,7 @@ def _staged_update(cfg, hp, olayout, lay, hat, params, decay, iterations):
 
   def finish(u, ns_out, dot, param):
     spec = lay.plan.leaves[lay.unit_leaf[u]]
-    dtype = jnp.dtype(spec.dtype)
+    dtype = hat[lay.unit_group[u]].dtype  # as slot_update's results
     out = finish_ns(cfg, hp, ns_out, dot, olayout.full_shape(lay, u), dtype)
     if param is not None and decay and spec.leaf_index in decay:
       out = _decayed(hp, out, param, dtype)

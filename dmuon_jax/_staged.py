@@ -300,7 +300,8 @@ def run(
       if not it.holds:
         continue
       amax = functools.reduce(
-        jnp.maximum, [jnp.max(jnp.abs(region(hat, u))) for u in it.units]
+        jnp.maximum,
+        [jnp.max(jnp.abs(region(hat, u)), initial=0) for u in it.units],
       )
       name = 'amax_g' if it.kind == 'group' else 'amax_t'
       c[name] = set_vec(c[name], it.pos, amax)

@@ -267,7 +267,7 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
   allowed = _allowed_axes(info)
   tp_axis = info.tp_axis if info is not None else None
   tp_size = info.tp_size if info is not None else 1
-  entries, splits, dims, local = [], [], [], []
+  entries, splits, dims, local, padded = [], [], [], [], []
   for (path, _, spec), leaf in zip(flat, targets):
     if path in given:
       spec = given[path]
@@ -278,14 +278,18 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
       splits.append(None)
       dims.append(None)
       local.append(tuple(leaf.shape))
+      padded.append(None)
       continue
     e = _mesh.normalize_entries(spec, len(leaf.shape), sizes)
-    _mesh.check_entries(e, leaf.shape, allowed, path, spec)
+    _mesh.check_entries(e, leaf.shape, allowed, path, spec, even=False)
+    # Uneven sharding (JAX accepts it): the layout holds the leaf
+    # zero-padded to a multiple of its devices per sharded dimension.
+    shape = _mesh.padded_shape(leaf.shape, e, sizes)
+    padded.append(None if shape == tuple(leaf.shape) else shape)
     split = dim = None
-    shape = tuple(leaf.shape)
     if tp_axis is not None:
       _, split, dim, shape = _mesh.split_tensor_parallel(
-        leaf, e, tp_axis, tp_size
+        dataclasses.replace(leaf, shape=shape), e, tp_axis, tp_size
       )
     entries.append(e)
     splits.append(split)
@@ -319,12 +323,19 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
       for i, e in enumerate(entries)
       if e is not None
     },
+    # A padded leaf is orthogonalized by one owner (on its own rows and
+    # columns, see _layout.Layout.crops), never sliced over a group.
+    ungroupable=[i for i, p in enumerate(padded) if p is not None],
   )
   cfg = setup.cfg
   dtypes = [cfg.mu_dtype or leaves[s.leaf_index].dtype for s in plan.leaves]
   distributed = plan.num_slots * tp_size > 1
+  logical = [
+    None if padded[s.leaf_index] is None else tuple(leaves[s.leaf_index].shape)
+    for s in plan.leaves
+  ]
   layout = _owner_layout.OwnerLayout(
-    groups=(_layout.Layout(plan, dtypes, splits),),
+    groups=(_layout.Layout(plan, dtypes, splits, logical),),
     iterations=(0,),
     buffer_axes=plan.axis_names,
     buffer_sizes=plan.mesh_shape,
@@ -339,6 +350,7 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
         dtype=jnp.dtype(leaves[i].dtype).name,
         group=0,
         tp_dim=dims[i],
+        padded=padded[i],
       )
       for i in range(len(leaves))
     ),
@@ -466,7 +478,14 @@ def _update(
     new, mu = _drop_in_step(
       setup, hp, layout, targets, state.mu.buffers, count_inc
     )
-  new = [x.astype(t.dtype) for x, t in zip(new, targets)]
+  # optax.contrib.muon's dtype: its momentum (mu_dtype, else the params'
+  # dtype) promoted with the gradient's, e.g. float32 updates for float32
+  # params and bfloat16 gradients.
+  lay = layout.groups[0]
+  new = [
+    x.astype(jnp.result_type(jnp.dtype(d), t.dtype))
+    for x, t, d in zip(new, targets, lay.leaf_dtypes)
+  ]
   mu = tuple(mu)
   if setup.nonfinite == 'skip':
     ok = _owner_update.all_finite(targets, new, mu)
@@ -494,6 +513,14 @@ def _explicit_step(cfg, hp, layout, targets, mus, count_inc):
       'dmuon_jax.dedicate.'
     )
   _check_buffers(layout, mus, local=True)
+  padded = [t.path for t in layout.leaves if t.padded is not None]
+  if padded:
+    raise ValueError(
+      'dmuon: update() inside shard_map (the explicit path) takes '
+      'replicated params, but the optimizer state was made for params '
+      f'{padded} sharded unevenly (padded at init). Call init() on the '
+      'params as the explicit step holds them (replicated).'
+    )
   lay = layout.groups[0]
   axes, sizes = lay.plan.axis_names, lay.plan.mesh_shape
   n = lay.num_slots
@@ -539,7 +566,14 @@ def _update_entries(layout, targets, sizes, allowed):
     spec = _mesh.type_spec(x) if explicit else None
     if spec is not None:
       e = _mesh.normalize_entries(spec, len(t.shape), sizes)
-      _mesh.check_entries(e, t.shape, allowed, t.path, spec)
+      _mesh.check_entries(e, t.shape, allowed, t.path, spec, even=False)
+      if _mesh.padded_shape(t.shape, e, sizes) != t.held_shape:
+        raise ValueError(
+          f'dmuon: param {t.path!r} of shape {t.shape} is sharded as '
+          f'{spec} at update, but the optimizer state holds it at shape '
+          f'{t.held_shape} (padded for the sharding it had at init). Make '
+          'the state again with init() on params sharded as in training.'
+        )
     else:
       if recorded is not None:
         e = recorded
@@ -667,7 +701,7 @@ def _drop_in_step(setup, hp, layout, targets, mus, count_inc):
   ):
     if layout.tp_axis is not None:
       e2, got, _, _ = _mesh.split_tensor_parallel(
-        dataclasses.replace(spec, shape=t.shape),
+        dataclasses.replace(spec, shape=t.held_shape),
         e,
         layout.tp_axis,
         layout.tp_size,
@@ -692,6 +726,14 @@ def _drop_in_step(setup, hp, layout, targets, mus, count_inc):
     )
   buffer_specs = list(layout.buffer_specs())
   dyn = _owner_update.dynamic(hp)
+  # Unevenly sharded leaves: zero-padded here, in the global (GSPMD)
+  # domain, to the shape the layout holds them at (a multiple of their
+  # devices per sharded dimension), and their results sliced back below.
+  # (Only Auto axes hold uneven shardings: Explicit ones refuse them.)
+  targets = [
+    _owner_layout.pad_to(x, t.held_shape)
+    for x, t in zip(targets, layout.leaves)
+  ]
 
   def body(targets, mus, count_inc, dyn):
     out, mu = _drop_in_body(
@@ -723,6 +765,7 @@ def _drop_in_step(setup, hp, layout, targets, mus, count_inc):
       x if g == spec else jax.sharding.reshard(x, NamedSharding(mesh, g))
       for x, g, spec in zip(mu, given, layout.buffer_specs())
     ]
+  new = [_owner_layout.unpad(x, t.shape) for x, t in zip(new, layout.leaves)]
   return new, mu
 
 

@@ -349,9 +349,9 @@ class LowPrecisionTest(parameterized.TestCase):
       g32 = jax.tree.map(lambda x: x.astype(jnp.float32), g16)
       u16, s16 = step(g16, s16, p16)
       u32, s32 = step(g32, s32, params)
-      # Muon updates in the params' dtype; the AdamW leaf follows
-      # optax.adamw (float32 with mu_dtype=float32; apply_updates casts).
-      self.assertTrue(all(u16[k].dtype == jnp.bfloat16 for k in SHAPES))
+      # float32 updates (the momentum's dtype), as optax.contrib.muon and
+      # optax.adamw give with mu_dtype=float32; apply_updates casts.
+      self.assertTrue(all(u16[k].dtype == jnp.float32 for k in SHAPES))
       muon_states = [
         x
         for x in jax.tree.leaves(

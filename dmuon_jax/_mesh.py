@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -40,9 +41,64 @@ def is_variable(x: Any) -> bool:
   )
 
 
+def is_box(x: Any) -> bool:
+  """Whether ``x`` is a flax Linen metadata box (``nn.Partitioned``,
+  ``nn.LogicallyPartitioned``, any ``flax.core.meta.AxisMetadata``).
+
+  Flax is optional: without ``flax.core.meta`` imported there are no boxes.
+  """
+  meta = sys.modules.get('flax.core.meta')
+  return meta is not None and isinstance(x, meta.AxisMetadata)
+
+
+def is_boxed(x: Any) -> bool:
+  """Whether ``x`` wraps a value with Flax metadata (a Linen box or an
+  ``nnx.Variable``)."""
+  return is_variable(x) or is_box(x)
+
+
+def unbox(x: Any) -> Any:
+  """The value inside Flax boxes and ``nnx.Variable``\\ s (``x`` itself
+  otherwise), without applying their sharding constraints."""
+  while True:
+    if is_variable(x):
+      x = x.get_value()
+    elif is_box(x):
+      meta = sys.modules['flax.core.meta']
+      x = x.value if isinstance(x, meta.Partitioned) else x.unbox()
+    else:
+      return x
+
+
+def rebox(box: Any, value: Any) -> Any:
+  """``value`` in a box like ``box`` (same type and metadata); ``value``
+  itself where ``box`` is not boxed."""
+  if not is_boxed(box):
+    return value
+  return jax.tree.unflatten(jax.tree.structure(box), [value])
+
+
+def box_like(template: Any, value: Any, spec: P) -> Any:
+  """``value`` boxed as ``template`` is boxed, with sharding ``spec``.
+
+  Linen boxes give an ``nn.Partitioned`` whose names are the spec's mesh
+  axes (``nn.get_sharding`` and ``nn.logical_to_mesh_sharding`` both read
+  them as they are: tuple entries pass logical rules unchanged); an
+  ``nnx.Variable`` gives a Variable of its type with ``out_sharding`` the
+  spec (what ``nnx.get_partition_spec`` reads) and eager sharding off, since
+  ``value`` is placed already (``nnx.Optimizer`` copies the metadata into
+  its ``OptVariable``).
+  """
+  names = tuple(spec)
+  if is_variable(template):
+    return template.replace(value, out_sharding=names, eager_sharding=False)
+  meta = sys.modules['flax.core.meta']
+  return meta.Partitioned(value, names, mesh=getattr(template, 'mesh', None))
+
+
 def leaf_value(x: Any) -> Any:
-  """The array of a leaf (the value of an ``nnx.Variable``)."""
-  return x.get_value() if is_variable(x) else x
+  """The array of a leaf (the value of an ``nnx.Variable`` or Linen box)."""
+  return unbox(x)
 
 
 def array_mesh(x: Any) -> Any:
@@ -57,21 +113,60 @@ def array_mesh(x: Any) -> Any:
   return None
 
 
+def _variable_spec(x: Any) -> P | None:
+  """The spec of an ``nnx.Variable``'s ``out_sharding`` (logical names
+  mapped by its ``sharding_rules`` and the active logical axis rules, as
+  ``nnx.get_partition_spec`` maps them), or None without it."""
+  if not x.get_metadata().get('out_sharding'):
+    return None
+  from flax.nnx import spmd  # flax is optional: lazily
+
+  return spmd.get_var_pspec(x)
+
+
+def _box_spec(x: Any) -> P | None:
+  """The mesh spec of a Linen box, or None where it cannot be known.
+
+  ``nn.Partitioned`` names mesh axes. ``nn.LogicallyPartitioned`` names
+  logical axes, mapped by its own ``rules`` or else the active
+  ``nn.logical_axis_rules`` (as its ``unbox`` maps them); without any rules
+  its logical names say nothing about the mesh: None.
+  """
+  names = getattr(x, 'names', None)
+  if names is None or not hasattr(x, 'get_partition_spec'):
+    return None
+  if not hasattr(x, 'rules'):
+    return x.get_partition_spec()
+  from flax.linen import spmd  # flax is optional: lazily
+
+  rules = x.rules if x.rules is not None else spmd.get_logical_axis_rules()
+  if not rules and any(isinstance(n, str) for n in names):
+    return None
+  return spmd.logical_to_mesh_axes(names, rules)
+
+
 def leaf_spec(x: Any) -> P | None:
   """The PartitionSpec of a param, where it can be known; else None.
 
   Known for concrete arrays and ``jax.ShapeDtypeStruct`` with a sharding
   (their ``NamedSharding``; other shardings are one device: replicated),
-  for tracers on meshes with Explicit axes (their type) and for
-  ``nnx.Variable``\\ s annotated with ``out_sharding`` (mesh axis names).
-  Tracers on Auto meshes carry no sharding: None.
+  for tracers on meshes with Explicit axes (their type), for
+  ``nnx.Variable``\\ s annotated with ``out_sharding`` and for Linen boxes:
+  ``nn.Partitioned`` (mesh axis names) and ``nn.LogicallyPartitioned``
+  (logical names, mapped by its rules or the active
+  ``nn.logical_axis_rules``). A box's metadata comes before its value's
+  sharding. Tracers on Auto meshes carry no sharding: None.
   """
   if is_variable(x):
-    names = x.get_metadata().get('out_sharding')
-    value = x.get_value()
-    if names is not None:
-      return P(*names)
-    x = value
+    spec = _variable_spec(x)
+    if spec is not None:
+      return spec
+    return leaf_spec(x.get_value())
+  if is_box(x):
+    spec = _box_spec(x)
+    if spec is not None:
+      return spec
+    return leaf_spec(unbox(x))
   if isinstance(x, jax.core.Tracer):
     aval = jax.typeof(x)
     sharding = getattr(aval, 'sharding', None)
@@ -104,6 +199,20 @@ def is_explicit(mesh: Any) -> bool:
   return mesh is not None and any(
     t == jax.sharding.AxisType.Explicit for t in getattr(mesh, 'axis_types', ())
   )
+
+
+def local_shape(
+  shape: Sequence[int], spec: P | None, sizes: Mapping[str, int]
+) -> tuple[int, ...]:
+  """One device's block of an array of ``shape`` sharded by ``spec`` over
+  axes of ``sizes`` (ceil division, as JAX pads uneven shards)."""
+  entries = spec_entries(spec)
+  out = []
+  for d, n in enumerate(shape):
+    axes = entries[d] if d < len(entries) else ()
+    k = math.prod(sizes.get(a, 1) for a in axes)
+    out.append(-(-n // k))
+  return tuple(out)
 
 
 def spec_entries(spec: P | None) -> list[tuple[str, ...]]:

@@ -421,8 +421,18 @@ class OwnerBuffers:
   static metadata. Two states of different layouts have different tree
   structures, and their buffers different keys (``layout.name``).
 
+  When ``init`` gets Flax-boxed params (``nn.Partitioned``,
+  ``nn.LogicallyPartitioned``, ``nnx.Variable``), each child is a box around
+  its buffer that carries the buffer's sharding as Flax metadata
+  (``nn.Partitioned`` names, ``nnx.Variable`` ``out_sharding``), so that
+  ``nn.get_sharding``, ``nn.get_partition_spec`` and
+  ``nnx.get_partition_spec`` of the state give the layout's shardings.
+  ``buffers`` are always the arrays.
+
   Attributes:
-    buffers: the flat buffers, in the layout's buffer order.
+    buffers: the flat buffers (arrays, unboxed), in the layout's buffer
+      order.
+    children: the buffers as stored: arrays, or the boxes holding them.
     layout: the :class:`OwnerLayout`.
 
   Examples:
@@ -437,17 +447,27 @@ class OwnerBuffers:
     False
   """
 
-  __slots__ = ('buffers', 'layout')
+  __slots__ = ('children', 'layout')
 
   def __init__(self, buffers: Sequence[Any], layout: OwnerLayout):
-    self.buffers = tuple(buffers)
+    self.children = tuple(buffers)
     self.layout = layout
 
+  @property
+  def buffers(self) -> tuple[Any, ...]:
+    return tuple(_mesh.unbox(c) for c in self.children)
+
+  def rebox(self, buffers: Sequence[Any]) -> OwnerBuffers:
+    """New buffers of the same layout, boxed as these children are."""
+    return OwnerBuffers(
+      [_mesh.rebox(c, b) for c, b in zip(self.children, buffers)], self.layout
+    )
+
   def tree_flatten_with_keys(self):
-    return tuple(zip(self.layout.buffer_keys, self.buffers)), self.layout
+    return tuple(zip(self.layout.buffer_keys, self.children)), self.layout
 
   def tree_flatten(self):
-    return self.buffers, self.layout
+    return self.children, self.layout
 
   @classmethod
   def tree_unflatten(cls, layout, children):
@@ -457,16 +477,16 @@ class OwnerBuffers:
     return iter(self.buffers)
 
   def __eq__(self, other: object) -> bool:
-    # As a tuple (layout, *buffers) compares.
+    # As a tuple (layout, *children) compares.
     if not isinstance(other, OwnerBuffers):
       return NotImplemented
-    return (self.layout, self.buffers) == (other.layout, other.buffers)
+    return (self.layout, self.children) == (other.layout, other.children)
 
   def __hash__(self) -> int:
-    return hash((self.layout, self.buffers))
+    return hash((self.layout, self.children))
 
   def __len__(self) -> int:
-    return len(self.buffers)
+    return len(self.children)
 
   def __getitem__(self, i):
     return self.buffers[i]

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import (
@@ -38,13 +39,38 @@ WeightDimNumbers = (
 
 UNKNOWN_SPECS_MSG = (
   'dmuon: the optimizer state {name} was made without knowing how '
-  '{count} Muon param(s) are sharded ({paths}): init saw tracers or '
-  'abstract values on a mesh with Auto axes, which carry no sharding. The '
-  'update treats them as replicated, so if they are sharded (FSDP), their '
-  'gradients are all-gathered whole instead of sent to the owners by '
-  'all-to-all. Call init on placed arrays (not under jax.jit), pass '
-  'param_specs= (e.g. jax.tree.map(lambda x: x.sharding, params)), or use '
-  'a mesh with Explicit axes.'
+  '{count} Muon param(s) are sharded ({paths}): init saw unboxed tracers '
+  'or abstract values on a mesh with Auto axes, which carry no sharding '
+  '(or nn.LogicallyPartitioned boxes with no logical axis rules in '
+  'effect). The update treats them as replicated, so if they are sharded '
+  '(FSDP), their gradients are all-gathered whole instead of sent to the '
+  'owners by all-to-all. Under jax.jit / jax.eval_shape, give init the '
+  'params boxed as Flax makes them (nn.Partitioned from '
+  'nn.with_partitioning, nnx.Variables with out_sharding; '
+  'nn.LogicallyPartitioned inside `with nn.logical_axis_rules(rules):`): '
+  'init reads their sharding metadata. Or pass param_specs= specs known '
+  'before tracing, e.g. param_specs=nn.get_partition_spec(boxed_params) '
+  '(mapped by nn.logical_to_mesh(..., rules) for logical names), or '
+  'jax.tree.map(lambda x: x.sharding, params) taken outside the jitted '
+  'function (x.sharding raises on tracers). Or use a mesh with Explicit '
+  'axes.'
+)
+
+FORCED_MSG = (
+  'dmuon: momentum buffer {buffer} of {name} reaches update() sharded as '
+  '{got}, not as its layout says ({want}): each device holds {held} of '
+  'it instead of {owned} ({extra} more per device, {total} over the '
+  '{devices} devices), and a train step that keeps it in that sharding '
+  'all-gathers the new momentum every step ({gather} per device). Its '
+  'sharding was forced, e.g. by out_shardings derived from rules that do '
+  'not know the owner buffers. Derive the state shardings from a state '
+  'made by init: give init the params boxed (nn.Partitioned, '
+  'nn.LogicallyPartitioned, nnx.Variable) and nn.get_sharding / '
+  'nn.get_partition_spec / nnx.get_named_sharding of the (abstract) state '
+  'read the layout from the boxed buffers; on Explicit meshes '
+  'jax.tree.map(lambda x: x.sharding, jax.eval_shape(opt.init, params)); '
+  'for placed states jax.tree.map(lambda x: x.sharding, opt_state); or '
+  'dmuon_jax.owner_layouts(opt_state)[i].shardings(mesh) for the buffers.'
 )
 
 GATHERED_MSG = (
@@ -56,6 +82,9 @@ GATHERED_MSG = (
 
 # Layout names (and messages) already warned about in this process.
 _WARNED: set[tuple[str, str]] = set()
+# Layout names whose buffers' shardings an Auto-mesh compile has reported
+# (see _check_buffer_shardings): later traces need no probe.
+_PROBED: set[str] = set()
 
 
 def warn_once(key: tuple[str, str], message: str) -> None:
@@ -154,20 +183,31 @@ def param_specs_by_path(param_specs: Any) -> dict[str, P] | None:
   return out
 
 
+def _holders(params: Any) -> list[Any]:
+  """Per array leaf, what holds it: its ``nnx.Variable`` or Linen box
+  (``nn.Partitioned``, ``nn.LogicallyPartitioned``), else the leaf."""
+  leaves = jax.tree.leaves(params)
+  holders = jax.tree.leaves(params, is_leaf=_mesh.is_boxed)
+  holders = [h for h in holders if not _mesh.is_boxed(h) or jax.tree.leaves(h)]
+  if len(holders) != len(leaves):
+    return leaves  # a box holding several arrays
+  return holders
+
+
 def _flat_params(params: Any):
   """``[(path, value, spec)]`` of the array leaves (values unwrapped from
-  ``nnx.Variable``\\ s; ``spec`` None where unknown)."""
+  ``nnx.Variable``\\ s and Linen boxes; ``spec`` None where unknown)."""
   with_path = jax.tree_util.tree_flatten_with_path(params)[0]
-  holders = jax.tree_util.tree_flatten(params, is_leaf=_mesh.is_variable)[0]
-  holders = [
-    h for h in holders if not _mesh.is_variable(h) or jax.tree.leaves(h)
-  ]
-  if len(holders) != len(with_path):
-    holders = [x for _, x in with_path]  # a Variable holding several arrays
   return [
     (_planner.normalize_path(k), x, _mesh.leaf_spec(h))
-    for (k, x), h in zip(with_path, holders)
+    for (k, x), h in zip(with_path, _holders(params))
   ]
+
+
+def _box_template(params: Any) -> Any:
+  """The first Flax box (Linen box or ``nnx.Variable``) holding a param,
+  or None: owner buffers are boxed like it (see ``_mesh.box_like``)."""
+  return next((h for h in _holders(params) if _mesh.is_boxed(h)), None)
 
 
 def _allowed_axes(info) -> dict[str, int]:
@@ -294,10 +334,17 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
     ),
     param_entries=tuple(entries),
   )
+  # Boxed params (Linen boxes, nnx Variables) give boxed buffers: Flax's
+  # sharding tools (nn.get_sharding, nnx.get_partition_spec, ...) then read
+  # the buffers' layout from the state as they read the params'.
+  template = _box_template(params)
   buffers = []
   for shape, spec in zip(layout.buffer_shapes(), layout.buffer_specs()):
     zeros = jnp.zeros(shape.shape, shape.dtype)
-    buffers.append(_mesh.place(zeros, mesh, spec) if distributed else zeros)
+    buf = _mesh.place(zeros, mesh, spec) if distributed else zeros
+    if template is not None:
+      buf = _mesh.box_like(template, buf, spec)
+    buffers.append(buf)
   count = jnp.zeros([], jnp.int32)
   if distributed:  # replicated on the mesh, eagerly as under jit
     count = _mesh.place(count, mesh, P())
@@ -417,9 +464,7 @@ def _update(
     out[t.index] = x
   return (
     jax.tree.unflatten(treedef, out),
-    ScaleByDMuonState(
-      count=count_inc, mu=_owner_layout.OwnerBuffers(mu, layout)
-    ),
+    ScaleByDMuonState(count=count_inc, mu=state.mu.rebox(mu)),
   )
 
 
@@ -499,6 +544,76 @@ def _update_entries(layout, targets, sizes, allowed):
   return entries, specs
 
 
+def _warn_if_forced(layout, b: int, shape, got, sizes) -> None:
+  """Warns once if buffer ``b`` arrives in another sharding than its
+  layout's (``got``: its spec, or a ``jax.sharding.Sharding``)."""
+  spec = getattr(got, 'spec', got)
+  if isinstance(got, jax.sharding.Sharding) and not isinstance(
+    got, jax.sharding.NamedSharding
+  ):
+    local = tuple(got.shard_shape(tuple(shape)))
+    spec = got
+  else:
+    local = _mesh.local_shape(shape, spec, sizes)
+  want = layout.buffer_spec(b)
+  if local == _mesh.local_shape(shape, want, sizes):
+    return
+  dtype = layout.buffer_shapes()[b].dtype
+  nbytes = lambda s: math.prod(s) * jnp.dtype(dtype).itemsize
+  held = nbytes(local)
+  owned = nbytes(_mesh.local_shape(shape, want, sizes))
+  hb = _planner.human_bytes
+  devices = math.prod(sizes.values())
+  warn_once(
+    (layout.name, f'forced{b}'),
+    FORCED_MSG.format(
+      buffer=b,
+      name=layout.name,
+      got=spec,
+      want=want,
+      held=hb(held),
+      owned=hb(owned),
+      extra=hb(held - owned),
+      total=hb(devices * (held - owned)),
+      devices=devices,
+      gather=hb(held - owned),
+    ),
+  )
+
+
+def _check_buffer_shardings(layout, mus, mesh) -> None:
+  """Warns once per buffer whose sharding is not its layout's.
+
+  Read where it is known: a concrete array's sharding (eager calls); a
+  tracer's type on a mesh with Explicit axes; on Auto meshes, the sharding
+  XLA gives it, reported at compile time by
+  ``jax.debug.inspect_array_sharding`` (a jitted update's state arrives in
+  the sharding its caller committed or forced). That probe's callback key
+  makes the program's persistent-cache key unique, so it is only traced
+  until one compile of the layout has reported.
+  """
+  sizes = dict(mesh.shape)
+  for b, x in enumerate(mus):
+    shape = tuple(np.shape(x))
+    if not isinstance(x, jax.core.Tracer):
+      sharding = getattr(x, 'sharding', None)
+      if sharding is not None:
+        _warn_if_forced(layout, b, shape, sharding, sizes)
+    elif _mesh.is_explicit(mesh):
+      _warn_if_forced(layout, b, shape, _mesh.type_spec(x), sizes)
+    elif layout.name not in _PROBED:
+      jax.debug.inspect_array_sharding(
+        x,
+        callback=functools.partial(_reported, layout, b, shape, sizes),
+      )
+
+
+def _reported(layout, b: int, shape, sizes, sharding) -> None:
+  """The Auto-mesh probe's callback (at compile time)."""
+  _PROBED.add(layout.name)
+  _warn_if_forced(layout, b, shape, sharding, sizes)
+
+
 def _drop_in_step(setup, hp, layout, targets, mus, count_inc):
   """Gradients already reduced, in the params' sharding (plain jit)."""
   _check_buffers(layout, mus, local=False)
@@ -513,6 +628,18 @@ def _drop_in_step(setup, hp, layout, targets, mus, count_inc):
       'dmuon_jax.checkpoint.state_from_portable(state_to_portable(state), '
       'opt.init(params)).'
     )
+  _check_buffer_shardings(layout, mus, mesh)
+  given = None
+  if _mesh.is_explicit(mesh):
+    # A state forced into another sharding (warned above) enters the
+    # owners' shard_map resharded (on Explicit axes its in_specs must be the
+    # inputs' types) and leaves it in its own type: the state's types stay
+    # those of its init, at the cost the warning names.
+    given = [_mesh.type_spec(x) for x in mus]
+    mus = [
+      x if g == spec else jax.sharding.reshard(x, NamedSharding(mesh, spec))
+      for x, g, spec in zip(mus, given, layout.buffer_specs())
+    ]
   allowed = {a: sizes[a] for a in layout.buffer_axes}
   if layout.tp_axis is not None:
     allowed[layout.tp_axis] = layout.tp_size
@@ -575,6 +702,11 @@ def _drop_in_step(setup, hp, layout, targets, mus, count_inc):
     # differentiated; the parity tests check the values.
     check_vma=False,
   )(list(targets), list(mus), count_inc, dyn)
+  if given is not None:
+    mu = [
+      x if g == spec else jax.sharding.reshard(x, NamedSharding(mesh, g))
+      for x, g, spec in zip(mu, given, layout.buffer_specs())
+    ]
   return new, mu
 
 
@@ -722,12 +854,25 @@ def scale_by_dmuon(
 
   Where the params' shardings come from (for the routes above): their
   arrays at ``init`` (placed arrays, ``jax.ShapeDtypeStruct`` with a
-  sharding, ``nnx.Variable`` metadata ``out_sharding``, tracers on meshes
-  with Explicit axes), else ``param_specs``. Tracers on Auto meshes carry
-  none: the state then records them as unknown, and the first ``update``
-  warns (:class:`dmuon_jax.DMuonWarning`) and treats them as replicated.
-  On Explicit meshes the update reads the gradients' shardings from their
+  sharding, tracers on meshes with Explicit axes) or their Flax metadata
+  (``nnx.Variable`` ``out_sharding``; Linen ``nn.Partitioned`` names and
+  ``nn.LogicallyPartitioned`` names under its rules or the active
+  ``nn.logical_axis_rules``; also under ``jax.jit`` and ``jax.eval_shape``),
+  else ``param_specs``. Unboxed tracers on Auto meshes carry none: the
+  state then records them as unknown, and the first ``update`` warns
+  (:class:`dmuon_jax.DMuonWarning`) and treats them as replicated. On
+  Explicit meshes the update reads the gradients' shardings from their
   types.
+
+  Flax-boxed params give a boxed state: each owner buffer is then an
+  ``nn.Partitioned`` (Linen boxes) or an ``nnx.Variable`` (with
+  ``out_sharding``) holding its own sharding, so ``nn.get_sharding``,
+  ``nn.get_partition_spec`` (+ ``nn.logical_to_mesh_sharding``) and
+  ``nnx.get_partition_spec`` of the (abstract) state give the buffers their
+  layout's sharding. ``update`` takes boxed or unboxed gradients and state
+  and returns them boxed as they came. A state whose buffers arrive in
+  another sharding (e.g. ``out_shardings`` forcing ``P()``) is warned about
+  once, naming the bytes it costs.
 
   Tensor parallelism (drop-in path): on a mesh with a ``tensor_parallel_axis``
   (e.g. ``('replicate', 'shard', 'model')``), owners range over the other

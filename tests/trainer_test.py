@@ -1,0 +1,249 @@
+"""dmuon in GSPMD trainers as they are written (nanodo, MaxText styles).
+
+Each trainer here is this suite's own small version of a pattern large
+JAX models are trained with (not a copy of any): a Linen decoder whose
+params are boxed for FSDP (``nn.with_partitioning``, or
+``nn.with_logical_partitioning`` + ``nn.logical_axis_rules``), an activation
+sharding constraint inside the model, the optimizer wrapped in
+``optax.MultiSteps``, the state built abstractly (``jax.eval_shape`` ->
+the trainer's sharding recipe -> ``jax.jit(init, out_shardings=...)``), a
+plain ``jax.jit`` train step, and orbax's own ``CheckpointManager``.
+
+The swap is one line: ``optax.contrib.muon(...)`` -> ``dmuon_jax.dmuon(...,
+predicate='optax')``. Held to: the owner buffers come out of the recipe
+sharded as their layout says (1/N of the momentum per device), the compiled
+step moves AdamW's bytes plus only the owner all-to-alls the layout
+predicts, and the numbers equal ``optax.contrib.muon`` on one device.
+"""
+
+import functools
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl.testing import absltest, parameterized
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import dmuon_jax
+from tests import support
+
+SLOW_CASES = (r'_maxtext',)
+
+VOCAB, D, F, SEQ, BATCH = 32, 16, 64, 8, 16
+LR = 0.01
+EVERY_K = 2  # MultiSteps: one update every 2 micro-steps
+STEPS = 20  # micro-steps
+AXES = ('replicate', 'shard')
+# The trainer's logical axis rules (MaxText style); the nanodo style writes
+# the mesh axes these map to into nn.with_partitioning directly.
+RULES = (
+  ('batch', AXES),
+  ('embed', 'shard'),
+  ('mlp', None),
+  ('vocab', None),
+)
+MESH_AXES = {name: axes for name, axes in RULES}
+
+
+def _part(style, names):
+  init = nn.initializers.normal(0.1)
+  if style == 'maxtext':
+    return nn.with_logical_partitioning(init, names)
+  return nn.with_partitioning(init, tuple(MESH_AXES[n] for n in names))
+
+
+class Decoder(nn.Module):
+  """Embedding, two MLP blocks with a norm, an output head."""
+
+  style: str
+
+  @nn.compact
+  def __call__(self, tokens):
+    s = self.style
+    x = nn.Embed(VOCAB, D, embedding_init=_part(s, ('vocab', 'embed')))(tokens)
+    for i in range(2):
+      h = nn.LayerNorm(
+        use_bias=False,
+        scale_init=nn.with_partitioning(nn.initializers.ones, ('shard',))
+        if s == 'nanodo'
+        else nn.with_logical_partitioning(nn.initializers.ones, ('embed',)),
+        name=f'norm_{i}',
+      )(x)
+      h = nn.Dense(F, use_bias=False, kernel_init=_part(s, ('embed', 'mlp')))(h)
+      h = nn.gelu(h)
+      # The activation annotation a GSPMD model carries: batch over the
+      # data axes.
+      if jax.sharding.get_abstract_mesh().empty:
+        pass  # the single-device reference
+      elif s == 'maxtext':
+        h = nn.with_logical_constraint(h, ('batch', None, 'mlp'))
+      else:
+        h = jax.lax.with_sharding_constraint(h, P(AXES, None, None))
+      x = x + nn.Dense(
+        D, use_bias=False, kernel_init=_part(s, ('mlp', 'embed'))
+      )(h)
+    return nn.Dense(
+      VOCAB, use_bias=False, kernel_init=_part(s, ('embed', 'vocab'))
+    )(x)
+
+
+def tokens():
+  rng = np.random.default_rng(0)
+  return jnp.asarray(rng.integers(0, VOCAB, (BATCH, SEQ + 1)), jnp.int32)
+
+
+def loss_fn(model, params, batch):
+  logits = model.apply({'params': params}, batch[:, :-1])
+  return optax.softmax_cross_entropy_with_integer_labels(
+    logits, batch[:, 1:]
+  ).mean()
+
+
+def make_tx(kind, mesh=None):
+  if kind == 'dmuon':
+    inner = dmuon_jax.dmuon(LR, predicate='optax', mesh=mesh)
+  elif kind == 'muon':
+    inner = optax.contrib.muon(LR)
+  else:
+    inner = optax.adamw(LR)
+  return optax.MultiSteps(inner, every_k_schedule=EVERY_K)
+
+
+def shardings_of(style, abstract, mesh):
+  """The trainer's own recipe for the state's shardings."""
+  if style == 'maxtext':
+    return nn.logical_to_mesh_sharding(
+      nn.get_partition_spec(abstract), mesh, RULES
+    )
+  return nn.get_sharding(abstract, mesh)
+
+
+class Trainer:
+  """A trainer's whole set-up on ``mesh`` (compiled once per config)."""
+
+  def __init__(self, style, kind, shape):
+    self.mesh = mesh = support.make_mesh(
+      shape, AXES, kind=jax.sharding.AxisType.Auto
+    )
+    self.model = model = Decoder(style)
+    self.tx = tx = make_tx(kind, mesh)
+
+    def init(rng):
+      params = model.init(rng, jnp.zeros((1, SEQ), jnp.int32))['params']
+      return {'params': params, 'opt_state': tx.init(params)}
+
+    def step(state, batch):
+      loss, grads = jax.value_and_grad(functools.partial(loss_fn, model))(
+        state['params'], batch
+      )
+      updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
+      params = optax.apply_updates(state['params'], updates)
+      return {'params': params, 'opt_state': opt_state}, loss
+
+    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+      abstract = jax.eval_shape(init, jax.random.key(0))
+      self.shardings = shardings = shardings_of(style, abstract, mesh)
+      self.state = jax.jit(init, out_shardings=shardings)(jax.random.key(0))
+      self.batch_sharding = NamedSharding(mesh, P(AXES))
+      self.batch = jax.device_put(tokens(), self.batch_sharding)
+      self.step = (
+        jax.jit(
+          step,
+          in_shardings=(shardings, self.batch_sharding),
+          out_shardings=(shardings, NamedSharding(mesh, P())),
+        )
+        .lower(self.state, self.batch)
+        .compile()
+      )
+
+  def run(self, steps):
+    state, losses = self.state, []
+    for _ in range(steps):
+      state, loss = self.step(state, self.batch)
+      losses.append(float(loss))
+    return state, losses
+
+
+@functools.cache
+def trainer(style, kind='dmuon', shape=(2, 4)):
+  return Trainer(style, kind, shape)
+
+
+@functools.cache
+def run(style, steps=STEPS):
+  t = trainer(style)
+  init = jax.device_get(nn.unbox(t.state['params']))
+  state, losses = t.run(steps)
+  return init, state, losses
+
+
+@functools.cache
+def reference(style, steps=STEPS):
+  """optax.contrib.muon in the same MultiSteps on one device."""
+  params0, _, _ = run(style)
+  model, tx = Decoder(style), make_tx('muon')
+  batch = tokens()
+
+  @jax.jit
+  def step(params, opt_state):
+    with nn.logical_axis_rules(()):
+      loss, grads = jax.value_and_grad(functools.partial(loss_fn, model))(
+        params, batch
+      )
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  params, opt_state, losses = params0, tx.init(params0), []
+  for _ in range(steps):
+    params, opt_state, loss = step(params, opt_state)
+    losses.append(float(loss))
+  return jax.device_get(params), losses
+
+
+def owner_buffers(state):
+  (st,) = support.dmuon_states(state['opt_state'])
+  return st, jax.tree.leaves(st.mu)
+
+
+class TrainerTest(parameterized.TestCase):
+  @parameterized.named_parameters(('nanodo', 'nanodo'), ('maxtext', 'maxtext'))
+  def test_momentum_sharded_as_its_layout(self, style):
+    t = trainer(style)
+    st, buffers = owner_buffers(t.state)
+    (layout,) = dmuon_jax.owner_layouts(t.state['opt_state'])
+    self.assertGreater(layout.num_slots, 1)
+    for buf, spec in zip(buffers, layout.buffer_specs(), strict=True):
+      self.assertEqual(buf.sharding.spec, spec)
+      shard_sizes = {s.data.size for s in buf.addressable_shards}
+      self.assertEqual(shard_sizes, {buf.size // 8})
+
+  @parameterized.named_parameters(('nanodo', 'nanodo'), ('maxtext', 'maxtext'))
+  def test_step_bytes_are_adamw_plus_the_owner_all_to_alls(self, style):
+    t = trainer(style)
+    adamw = dmuon_jax.analyze_compiled(trainer(style, 'adamw').step)
+    mine = dmuon_jax.analyze_compiled(t.step)
+    (layout,) = dmuon_jax.owner_layouts(t.state['opt_state'])
+    predicted = layout.collective_bytes()
+    # No Muon gradient is all-gathered whole: all-gathers as AdamW's.
+    self.assertLessEqual(
+      mine.total_bytes('all-gather'), 1.05 * adamw.total_bytes('all-gather')
+    )
+    want = adamw.total_bytes() + sum(predicted.values())
+    self.assertBetween(mine.total_bytes(), 0.95 * want, 1.05 * want)
+
+  @parameterized.named_parameters(('nanodo', 'nanodo'), ('maxtext', 'maxtext'))
+  def test_matches_optax_muon(self, style):
+    _, state, losses = run(style)
+    ref_params, ref_losses = reference(style)
+    chex.assert_trees_all_close(losses, ref_losses, rtol=1e-5)
+    support.assert_trees_rel_close(
+      self, jax.device_get(nn.unbox(state['params'])), ref_params, rtol=1e-5
+    )
+
+
+if __name__ == '__main__':
+  absltest.main()

@@ -13,10 +13,14 @@ The swap is one line: ``optax.contrib.muon(...)`` -> ``dmuon_jax.dmuon(...,
 predicate='optax')``. Held to: the owner buffers come out of the recipe
 sharded as their layout says (1/N of the momentum per device), the compiled
 step moves AdamW's bytes plus only the owner all-to-alls the layout
-predicts, and the numbers equal ``optax.contrib.muon`` on one device.
+predicts, the numbers equal ``optax.contrib.muon`` on one device, and the
+trainer's checkpoint resumes on another mesh through the documented
+conversion (a plain ``partial_restore=True`` into another layout raises).
 """
 
 import functools
+import os
+import tempfile
 
 import chex
 import flax.linen as nn
@@ -24,11 +28,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 from absl.testing import absltest, parameterized
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
+from dmuon_jax import checkpoint
 from tests import support
 
 SLOW_CASES = (r'_maxtext',)
@@ -160,8 +166,8 @@ class Trainer:
         .compile()
       )
 
-  def run(self, steps):
-    state, losses = self.state, []
+  def run(self, steps, state=None):
+    state, losses = self.state if state is None else state, []
     for _ in range(steps):
       state, loss = self.step(state, self.batch)
       losses.append(float(loss))
@@ -243,6 +249,96 @@ class TrainerTest(parameterized.TestCase):
     support.assert_trees_rel_close(
       self, jax.device_get(nn.unbox(state['params'])), ref_params, rtol=1e-5
     )
+
+
+def abstract(tree):
+  """Shapes, dtypes and shardings of ``tree`` (boxes kept)."""
+  return jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
+  )
+
+
+class TrainerCheckpointTest(parameterized.TestCase):
+  """The trainer's own orbax ``CheckpointManager`` (legacy API): saved on
+  2x4 after 10 micro-steps, restored on 1x4 through the documented
+  conversion (``checkpoint.state_to_portable`` / ``state_from_portable``);
+  10 more micro-steps equal 20 uninterrupted ones. The state as it is
+  (not converted) with orbax's ``partial_restore=True`` hint raises."""
+
+  def setUp(self):
+    super().setUp()
+    tmp = tempfile.TemporaryDirectory()
+    self.addCleanup(tmp.cleanup)
+    self.tmp = tmp.name
+
+  def save(self, name, items):
+    path = os.path.join(self.tmp, name)
+    with ocp.CheckpointManager(path, ocp.PyTreeCheckpointer()) as mngr:
+      mngr.save(10, items)
+      mngr.wait_until_finished()
+    return path
+
+  @parameterized.named_parameters(('nanodo', 'nanodo'), ('maxtext', 'maxtext'))
+  def test_resume_on_1x4_matches_uninterrupted(self, style):
+    t = trainer(style)
+    half, _ = t.run(STEPS // 2)
+    path = self.save(
+      'portable',
+      {
+        'params': half['params'],
+        'opt_state': checkpoint.state_to_portable(half['opt_state']),
+      },
+    )
+    # The 1x4 trainer as it starts: its fresh state is the target.
+    small = trainer(style, shape=(1, 4))
+    target = small.state['opt_state']
+    like = {
+      'params': abstract(small.state['params']),
+      'opt_state': checkpoint.state_to_portable(target),
+    }
+    with ocp.CheckpointManager(path, ocp.PyTreeCheckpointer()) as mngr:
+      restored = mngr.restore(
+        10,
+        items=like,
+        restore_kwargs={
+          'restore_args': ocp.checkpoint_utils.construct_restore_args(like)
+        },
+      )
+    opt_state = checkpoint.state_from_portable(restored['opt_state'], target)
+    # The trainer's tree as it was: boxed params, boxed owner buffers.
+    chex.assert_trees_all_equal_structs(opt_state, target)
+    (layout,) = dmuon_jax.owner_layouts(opt_state)
+    self.assertEqual(layout.buffer_sizes, (1, 4))
+    resumed, _ = small.run(
+      STEPS // 2, {'params': restored['params'], 'opt_state': opt_state}
+    )
+    _, whole, _ = run(style)
+    support.assert_trees_rel_close(
+      self,
+      jax.device_get(nn.unbox(resumed['params'])),
+      jax.device_get(nn.unbox(whole['params'])),
+      rtol=1e-5,
+    )
+
+  @parameterized.named_parameters(('nanodo', 'nanodo'), ('maxtext', 'maxtext'))
+  def test_partial_restore_into_another_layout_raises(self, style):
+    t = trainer(style)
+    path = self.save('native', {'opt_state': t.state['opt_state']})
+    target = {
+      'opt_state': abstract(trainer(style, shape=(1, 4)).state)['opt_state']
+    }
+    with ocp.CheckpointManager(path, ocp.PyTreeCheckpointer()) as mngr:
+      with self.assertRaisesRegex(
+        ValueError, r'dmuon_jax\.checkpoint.*state_from_portable'
+      ):
+        mngr.restore(
+          10,
+          items=target,
+          restore_kwargs={
+            'restore_args': ocp.checkpoint_utils.construct_restore_args(target),
+            'partial_restore': True,
+          },
+        )
 
 
 if __name__ == '__main__':

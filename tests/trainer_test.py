@@ -309,6 +309,13 @@ class TrainerCheckpointTest(parameterized.TestCase):
     chex.assert_trees_all_equal_structs(opt_state, target)
     (layout,) = dmuon_jax.owner_layouts(opt_state)
     self.assertEqual(layout.buffer_sizes, (1, 4))
+    # ... with the momentum sharded as the new layout says (1/4 each).
+    _, buffers = owner_buffers({'opt_state': opt_state})
+    for buf, spec in zip(buffers, layout.buffer_specs(), strict=True):
+      self.assertEqual(buf.sharding.spec, spec)
+      self.assertEqual(
+        {s.data.size for s in buf.addressable_shards}, {buf.size // 4}
+      )
     resumed, _ = small.run(
       STEPS // 2, {'params': restored['params'], 'opt_state': opt_state}
     )

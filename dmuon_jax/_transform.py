@@ -74,6 +74,15 @@ FORCED_MSG = (
   'dmuon_jax.owner_layouts(opt_state)[i].shardings(mesh) for the buffers.'
 )
 
+PADDED_MSG = (
+  'dmuon: Muon param(s) {leaves} are sharded unevenly (a sharded dimension '
+  'does not divide by its devices); their momentum is held and exchanged '
+  'zero-padded ({extra} more elements than the params, {pct:.1f}% of the '
+  "layout's Muon elements). The numbers are unchanged. To avoid the "
+  'padding, shard a dimension that divides by its devices, or replicate '
+  'these params (layout.summary() lists them).'
+)
+
 GATHERED_MSG = (
   'dmuon: Muon param(s) {paths} are sharded along a stack (batch) axis of '
   'their dimension numbers; the update gathers them whole before '
@@ -356,6 +365,7 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
     ),
     param_entries=tuple(entries),
   )
+  _warn_if_padded(layout)
   # Boxed params (Linen boxes, nnx Variables) give boxed buffers: Flax's
   # sharding tools (nn.get_sharding, nnx.get_partition_spec, ...) then read
   # the buffers' layout from the state as they read the params'.
@@ -592,6 +602,23 @@ def _update_entries(layout, targets, sizes, allowed):
       ),
     )
   return entries, specs
+
+
+def _warn_if_padded(layout) -> None:
+  """Warns once per layout that holds unevenly sharded leaves padded."""
+  padded = [t for t in layout.leaves if t.padded is not None]
+  if not padded:
+    return
+  extra = sum(math.prod(t.padded) - math.prod(t.shape) for t in padded)
+  total = sum(math.prod(t.shape) for t in layout.leaves)
+  warn_once(
+    (layout.name, 'padded'),
+    PADDED_MSG.format(
+      leaves=', '.join(f'{t.path} {t.shape}->{t.padded}' for t in padded),
+      extra=extra,
+      pct=100 * extra / max(total, 1),
+    ),
+  )
 
 
 def _warn_if_forced(layout, b: int, shape, got, sizes) -> None:

@@ -7,6 +7,7 @@ The reference is ``optax.contrib.muon`` on one device, ``predicate='optax'``
 """
 
 import functools
+import warnings
 
 import chex
 import jax
@@ -388,9 +389,11 @@ def _toy_run(kind):
   opt = dmuon_jax.dmuon(
     0.02, predicate='optax', mesh=mesh, param_specs=TOY_SPECS, **kw
   )
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh), warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always', dmuon_jax.DMuonWarning)
     history, final = _toy_train(opt, params, batch)
-  return history, final, opt, mesh
+  said = [str(w.message) for w in caught]
+  return history, final, opt, mesh, said
 
 
 class UnevenShardingTest(parameterized.TestCase):
@@ -402,7 +405,7 @@ class UnevenShardingTest(parameterized.TestCase):
   )
   def test_flax_fsdp_toy(self, kind):
     ref = _toy_reference()
-    history, state, _, _ = _toy_run(kind)
+    history, state, _, _, said = _toy_run(kind)
     for step, (got, want) in enumerate(zip(history, ref)):
       chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
       # float32; measured 1.2e-7 (reduction order of the gradients).
@@ -413,3 +416,6 @@ class UnevenShardingTest(parameterized.TestCase):
     (layout,) = dmuon_jax.owner_layouts(state)
     held = {t.path: t.padded for t in layout.leaves}
     self.assertEqual(held, {'w1': None, 'w2': (32, 4)})
+    # ... and init says so, once, with the cost (w2: 128 held for 32).
+    (msg,) = said
+    self.assertRegex(msg, r'w2 \(32, 1\)->\(32, 4\).*96 more elements')

@@ -102,6 +102,12 @@ def _run(kind, pd, gd, md):
     )
     params, grads = put(params), [put(g) for g in grads]
     opt = dmuon_jax.dmuon(predicate='optax', mesh=mesh, **kw)
+  return _updates(opt, params, grads)
+
+
+def _updates(opt, params, grads):
+  """``opt``'s jitted updates for each of ``grads`` (params held fixed),
+  and the final state, on the host."""
   state = opt.init(params)
   update = jax.jit(opt.update)
   out = []
@@ -288,13 +294,7 @@ def _zero_run(kind):
     )
     params, grads = put(params), [put(g) for g in grads]
     opt = dmuon_jax.dmuon(LR, predicate='optax', mesh=mesh)
-  state = opt.init(params)
-  update = jax.jit(opt.update)
-  out = []
-  for g in grads:
-    u, state = update(g, state, params)
-    out.append(jax.tree.map(np.asarray, u))
-  return out, jax.tree.map(np.asarray, state)
+  return _updates(opt, params, grads)
 
 
 class ZeroSizeTest(parameterized.TestCase):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -386,6 +387,13 @@ class OwnerLayout:
     itemsizes = [jnp.dtype(d).itemsize for d in lay.dtypes]
     return self.exchange(param_entries).predicted_bytes(itemsizes)
 
+  def padding(self) -> tuple[list[TargetLeaf], int]:
+    """The unevenly sharded leaves held zero-padded, and how many elements
+    the padding adds."""
+    padded = [t for t in self.leaves if t.padded is not None]
+    extra = sum(math.prod(t.padded) - math.prod(t.shape) for t in padded)
+    return padded, extra
+
   def summary(self) -> str:
     """The layout's name, param shardings, predicted bytes and plans."""
     lines = [
@@ -401,11 +409,8 @@ class OwnerLayout:
           f'{k} {_planner.human_bytes(v)}' for k, v in predicted.items()
         )
       )
-    padded = [t for t in self.leaves if t.padded is not None]
+    padded, extra = self.padding()
     if padded:
-      extra = sum(
-        int(np.prod(t.padded)) - int(np.prod(t.shape)) for t in padded
-      )
       lines.append(
         f'  zero-padded for uneven sharding ({extra} elements): '
         + ', '.join(f'{t.path} {t.shape}->{t.padded}' for t in padded[:4])

@@ -606,10 +606,9 @@ def _update_entries(layout, targets, sizes, allowed):
 
 def _warn_if_padded(layout) -> None:
   """Warns once per layout that holds unevenly sharded leaves padded."""
-  padded = [t for t in layout.leaves if t.padded is not None]
+  padded, extra = layout.padding()
   if not padded:
     return
-  extra = sum(math.prod(t.padded) - math.prod(t.shape) for t in padded)
   total = sum(math.prod(t.shape) for t in layout.leaves)
   warn_once(
     (layout.name, 'padded'),

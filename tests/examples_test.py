@@ -359,6 +359,35 @@ class ExamplesTest(absltest.TestCase):
 
 
 class TrainLmTest(absltest.TestCase):
+  def test_dedicated_route_benchmark_quick(self):
+    out_dir = tempfile.mkdtemp()
+    run_script(
+      [
+        'examples/benchmarks/dedicated_route.py',
+        '--quick',
+        '--out-dir',
+        out_dir,
+      ]
+    )
+    lines = pathlib.Path(out_dir, 'dedicated_route_quick.json').read_text()
+    rows = {
+      r['config']: r for r in (json.loads(x) for x in lines.splitlines() if x)
+    }
+    plain = rows['plain_jit']
+    # Muon bytes against the Z2 floor 2(N-1)/N * P_M, from the compiled
+    # HLO: route R's Z2 at it, Z3 one re-gather more (1.5x), no all-reduce.
+    floor = 2 * 7 / 8 * plain['model']['muon_bytes']
+    for name, want in (('route_z2', 1.0), ('route_z3', 1.5)):
+      muon = rows[name]['collectives']['muon']
+      self.assertNotIn('all-reduce', muon, name)
+      got = sum(c['bytes'] for c in muon.values())
+      self.assertAlmostEqual(got / floor, want, delta=0.01, msg=name)
+      # Plain-jit semantics: the same gradient, metric and RNG counts.
+      self.assertLess(rows[name]['grad_max_rel_diff'], 1e-5, name)
+      for key in ('metric_count', 'rngs_count'):
+        self.assertEqual(rows[name][key], plain[key], (name, key))
+    self.assertIn('Explicit', rows['route_auto']['error'])
+
   def test_crippled_muon_exits_nonzero_naming_the_check(self):
     # The command (--steps 40 --muon-lr 0.0002: Muon's learning
     # rate cut 100x) on a smaller model: AdamW wins (measured 3.198

@@ -78,14 +78,27 @@ def parse_args(argv=None):
     description=__doc__.split('\n\n')[0],
     formatter_class=_common.HelpFormatter,
   )
-  p.add_argument('--d-model', type=int, default=64, help='D')
-  p.add_argument('--d-ff', type=int, default=128, help='F')
-  p.add_argument('--vocab', type=int, default=64)
-  p.add_argument('--seq', type=int, default=16)
+  p.add_argument(
+    '--d-model', type=int, default=64, help='model width D (--quick: 32)'
+  )
+  p.add_argument(
+    '--d-ff', type=int, default=128, help='MLP width F (--quick: 64)'
+  )
+  p.add_argument(
+    '--vocab', type=int, default=64, help='vocabulary (--quick: 48)'
+  )
+  p.add_argument('--seq', type=int, default=16, help='sequence length')
   p.add_argument('--batch', type=int, default=16, help='global batch')
-  _common.add_common_args(p, 'dedicated_route', 'D 32, F 64')
+  _common.add_common_args(p, 'dedicated_route', 'D 32, F 64, vocab 48')
   args = p.parse_args(argv)
-  _common.apply_quick(p, args, argv, {'d_model': 32, 'd_ff': 64})
+  _common.apply_quick(p, args, argv, {'d_model': 32, 'd_ff': 64, 'vocab': 48})
+  # Collectives are told apart by element count: the sizes must differ.
+  rest, buf = 2 * args.vocab * args.d_model, 2 * args.d_model * args.d_ff
+  if rest <= buf <= rest + 8:
+    p.error(
+      f'--vocab {args.vocab}: the embedding + head gradients have as many '
+      f'elements as a block buffer ({buf}); choose another vocab'
+    )
   if args.name is None:
     args.name = 'dedicated_route_quick' if args.quick else 'dedicated_route'
   if args.out_dir is None:

@@ -1166,6 +1166,28 @@ def _spec_axes(spec: P) -> set[str]:
   return {a for e in _mesh.spec_entries(spec) for a in e}
 
 
+def _check_no_nested_nodes(args, positions) -> None:
+  """Raises for NNX graph nodes inside a container argument (a list or
+  dict of metrics): train_step updates graph nodes passed as arguments
+  themselves, and those would be copied in and their updates lost."""
+  for k, a in enumerate(args):
+    if k in positions:
+      continue
+    nested = [
+      x
+      for x in jax.tree.leaves(a, is_leaf=lambda x: isinstance(x, nnx.Pytree))
+      if isinstance(x, nnx.Pytree)
+    ]
+    if nested:
+      raise TypeError(
+        f'dmuon: argument {k} of the train step holds NNX graph nodes '
+        f'({", ".join(sorted({type(x).__name__ for x in nested}))}) inside '
+        f'a {type(a).__name__}; train_step updates graph nodes passed as '
+        'arguments themselves (as nnx.jit does for its arguments), so their '
+        'state would be lost here. Pass each one as an argument of its own.'
+      )
+
+
 def _settle(x, spec: P, axes: Sequence[str], what: str):
   """``x`` varying only where ``spec`` shards it: averaged over the other
   manual axes (e.g. batch statistics computed on each device's batch)."""
@@ -1281,8 +1303,13 @@ def train_step(
   - Gradients are sums over devices of per-device mean-loss gradients; the
     optimizer of :func:`dedicated_muon` divides them (write the loss as a
     mean over the batch, as usual).
+  - Every NNX graph node among the arguments (model, optimizer, metrics,
+    ``nnx.Rngs``) is updated in place, as with ``nnx.jit``; graph nodes
+    inside a container argument raise ``TypeError``.
   - Outputs, and float state that ends up differing between devices (e.g.
-    batch statistics), are averaged over the owner axes. ``nnx.BatchNorm``
+    batch statistics, a metric's total), are averaged over the owner axes
+    (a metric summing over examples keeps one device's share in its
+    ``total`` and ``count``; its ``compute()`` is the global one). ``nnx.BatchNorm``
     with ``axis_name=None`` normalizes with the device's batch: set
     ``axis_name=ded.axes`` for the global batch statistics.
   - Inside the step, sharding annotations (``with_sharding_constraint``,
@@ -1427,11 +1454,10 @@ def train_step(
     return args
 
   def prepare(args):
-    positions[:] = [
-      k
-      for k, a in enumerate(args)
-      if isinstance(a, (nnx.Module, nnx.Optimizer))
-    ]
+    # Every NNX graph node among the arguments (model, optimizer, metrics,
+    # nnx.Rngs, ...) is updated in place afterwards, as nnx.jit does.
+    positions[:] = [k for k, a in enumerate(args) if isinstance(a, nnx.Pytree)]
+    _check_no_nested_nodes(args, positions)
     nodes = tuple(args[k] for k in positions)
     rest = [a for k, a in enumerate(args) if k not in positions]
     graphdef, state = nnx.split(nodes)

@@ -466,6 +466,82 @@ class NnxBehaviourTest(absltest.TestCase):
     )
     self.assertTrue(np.isfinite(loss))
 
+  def test_graph_node_arguments_are_updated_as_under_nnx_jit(self):
+    # An nnx.MultiMetric and an nnx.Rngs passed to the step: updated as
+    # nnx.jit updates them (before: copied in, their updates lost; the
+    # metric's count stayed 0 and its loss NaN).
+    def step(model, optimizer, metrics, rngs, toks):
+      noise = jax.random.normal(rngs.noise(), ())  # draws from the Rngs
+      loss, grads = nnx.value_and_grad(loss_fn)(model, toks)
+      optimizer.update(model, grads)
+      # A scalar and per-example values (the batch's first tokens).
+      metrics.update(loss=loss + 0 * noise, first=toks[:, 0] * 1.0)
+      return loss
+
+    def run(make_step, make_tx):
+      model = make_model(False, depth=1)
+      params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+      optimizer = nnx.Optimizer(model, make_tx(model, params), wrt=nnx.Param)
+      metrics = nnx.MultiMetric(
+        loss=nnx.metrics.Average('loss'), first=nnx.metrics.Average('first')
+      )
+      rngs = nnx.Rngs(noise=3)
+      run_step = make_step(model)
+      losses = [
+        float(run_step(model, optimizer, metrics, rngs, tokens()))
+        for _ in range(2)
+      ]
+      state = nnx.state(metrics)
+      computed = {k: float(v) for k, v in metrics.compute().items()}
+      return (losses, float(state['loss']['total'][...]), computed), (
+        int(state['loss']['count'][...]),
+        int(rngs.noise.count[...]),
+      )
+
+    mesh = make_mesh((2, 4))
+    dedicated_run = {}
+
+    def dedicated_tx(model, params):
+      del params
+      ded = dedicated_run['ded'] = dflax.dedicate(
+        model, mesh, muon_weight_dimension_numbers=muon_dims
+      )
+      return dflax.dedicated_muon(ded, learning_rate=LR)
+
+    def dims(state):  # muon_dims of the nnx.State the optimizer passes
+      flat = jax.tree.leaves(
+        muon_dims(nnx.to_pure_dict(state)),
+        is_leaf=lambda x: x is None or isinstance(x, MDN),
+      )
+      return jax.tree.unflatten(jax.tree.structure(state), flat)
+
+    got = run(
+      lambda m: dflax.train_step(dedicated_run['ded'])(step), dedicated_tx
+    )
+    want = run(
+      lambda m: nnx.jit(step),
+      # One device, plain nnx.jit (the drop-in is held to optax.contrib.muon
+      # by NnxParityTest's reference and the distributed tests).
+      lambda m, p: dmuon_jax.dmuon(LR, muon_weight_dimension_numbers=dims),
+    )
+    self.assertEqual(got[1], want[1])  # counts: metric 2, RNG draws 2
+    # Losses, the loss metric's total and both metrics' values (the
+    # per-example one's total and count hold one device's share, see the
+    # train_step docs; its value is the global mean).
+    chex.assert_trees_all_close(got[0], want[0], rtol=1e-5)
+
+  def test_graph_nodes_inside_a_container_argument_are_refused(self):
+    model = make_model(False, depth=1)
+    ded = dflax.dedicate(model, None, muon_weight_dimension_numbers=muon_dims)
+
+    @dflax.train_step(ded)
+    def step(model, metrics, toks):
+      metrics['loss'].update(loss=loss_fn(model, toks))
+
+    metrics = {'loss': nnx.metrics.Average('loss')}
+    with self.assertRaisesRegex(TypeError, r'argument 1 .*Average.*dict'):
+      step(model, metrics, tokens())
+
   def test_adamw_params_sharded_over_owner_axes_are_replicated(self):
     # Every run of dedicated() starts with the embedding sharded over
     # 'shard'; this one's 20 steps match the reference (NnxParityTest).

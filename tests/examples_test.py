@@ -375,17 +375,30 @@ class TrainLmTest(absltest.TestCase):
     }
     plain = rows['plain_jit']
     # Muon bytes against the Z2 floor 2(N-1)/N * P_M, from the compiled
-    # HLO: route R's Z2 at it, Z3 one re-gather more (1.5x), no all-reduce.
+    # HLO: route R's Z2 at it, Z3 one re-gather more (1.5x), no all-reduce;
+    # the same as a scan over layers (one gather and one scatter per
+    # iteration); HSDP with a shard_map gather over 'shard' at it too.
     floor = 2 * 7 / 8 * plain['model']['muon_bytes']
-    for name, want in (('route_z2', 1.0), ('route_z3', 1.5)):
+    for name, want in (
+      ('route_z2', 1.0),
+      ('route_z3', 1.5),
+      ('route_scan_z2', 1.0),
+      ('route_hsdp_sm', 1.0),
+    ):
       muon = rows[name]['collectives']['muon']
-      self.assertNotIn('all-reduce', muon, name)
+      if name == 'route_hsdp_sm':
+        self.assertEqual(muon['all-gather']['group_sizes'], [4])
+      else:
+        self.assertNotIn('all-reduce', muon, name)
       got = sum(c['bytes'] for c in muon.values())
       self.assertAlmostEqual(got / floor, want, delta=0.01, msg=name)
       # Plain-jit semantics: the same gradient, metric and RNG counts.
       self.assertLess(rows[name]['grad_max_rel_diff'], 1e-5, name)
       for key in ('metric_count', 'rngs_count'):
         self.assertEqual(rows[name][key], plain[key], (name, key))
+    scan = rows['route_scan_z2']['collectives']['muon']
+    self.assertEqual(scan['all-gather']['ops'], 1)  # in the while body
+    self.assertEqual(scan['all-gather']['count'], 3)  # trip count 3
     self.assertIn('Explicit', rows['route_auto']['error'])
 
   def test_crippled_muon_exits_nonzero_naming_the_check(self):

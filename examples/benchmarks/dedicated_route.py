@@ -20,6 +20,14 @@ matrices D x F and F x D, dropout, head; float32):
 - ``route_hsdp``: buffers ``P('shard')`` (replicated over ``'replicate'``),
   backward reduce-scatter over ``'shard'`` then all-reduce over
   ``'replicate'``.
+- ``route_hsdp_sm``: as ``route_hsdp``, the forward a ``shard_map``
+  ``all_gather(to='reduced')`` over ``'shard'`` only, then
+  ``pcast('replicate', to='reduced')``.
+- ``route_scan_z2`` / ``route_scan_z3``: the blocks as ``nnx.scan`` over an
+  ``nnx.vmap``-created stack of buffers ``(layers, 2DF)``, sharded
+  ``P(None, axes)``; Z3 puts the scan body under ``nnx.remat``.
+- ``route_tied``: the embedding table is also the head (``embed.attend``).
+- ``route_shared``: block 0 is applied a second time after block 2.
 - ``route_auto``: route R on an Auto mesh (what happens is recorded).
 - ``dedicated_z2`` / ``dedicated_z3``: today's ``dmuon_jax.flax.dedicate`` +
   ``dmuon_jax.flax.train_step`` (a step-level ``shard_map``) with
@@ -30,10 +38,11 @@ Per configuration: collectives of the compiled step per kind (count and
 bytes per device, ``while`` trip counts included), split into Muon (the
 owner buffers' size) and the rest; the gradient's max relative difference
 from single-device autodiff of the same model; whether the metric's count
-and the Rngs' count advance as under ``plain_jit`` after 2 steps.
+and the Rngs' count after 2 steps are those of single-device ``nnx.jit`` of
+the same model.
 
-    python examples/benchmarks/dedicated_route.py            # ~30 s, 2 cores
-    python examples/benchmarks/dedicated_route.py --quick
+    python examples/benchmarks/dedicated_route.py  # ~27 s, 2 cores
+    python examples/benchmarks/dedicated_route.py --quick  # fewer rows, ~20 s
 
 Writes ``results/<name>.json`` (one JSON object per line) and
 ``results/<name>.md`` next to this file (or under ``--out-dir``).
@@ -71,6 +80,14 @@ STEPS = 2
 # probability is 1.0 in float32: every mask is all ones (exact parity with
 # the reference) and every call draws from the Rngs.
 DROP_RATE = 1e-9
+# Left out of --quick (about 18 s instead of 27).
+QUICK_SKIP = (
+  'route_hsdp',
+  'route_scan_z3',
+  'route_tied',
+  'route_shared',
+  'dedicated_z3',
+)
 
 
 def parse_args(argv=None):
@@ -110,12 +127,16 @@ def parse_args(argv=None):
 # The reduced gather (route R).
 
 
-def reduced_gather(axes, owner_spec, stages):
+def reduced_gather(axes, owner_spec, stages, forward_axes=None):
   """A gather of an owner buffer to a ``reduced`` replicated value.
 
   ``stages``: ``((scatter_axes, sum_axes),)``: the backward reduce-scatters
   the unreduced cotangent over ``scatter_axes`` and all-reduces it over
   ``sum_axes`` (HSDP: ``('shard',)``, ``('replicate',)``).
+  ``forward_axes``: ``None`` gathers with ``jax.reshard``; a tuple of axes
+  gathers over those only in a ``shard_map`` (``all_gather(to='reduced')``)
+  and marks the other axes reduced with ``pcast`` (the buffer is already
+  replicated over them).
   """
   scatter_axes, sum_axes = stages
 
@@ -125,9 +146,18 @@ def reduced_gather(axes, owner_spec, stages):
       g = jax.lax.psum(g, sum_axes)
     return g  # f32[n / |scatter_axes|]
 
+  def _gather(b):  # b: f32[n / |forward_axes|]{V:forward_axes}
+    w = jax.lax.all_gather(b, forward_axes, tiled=True, to='reduced')
+    rest = tuple(a for a in axes if a not in forward_axes)
+    return jax.lax.pcast(w, rest, to='reduced')  # f32[n]{R:axes}
+
   @jax.custom_vjp
   def gather(buf):
-    return jax.reshard(buf, P(reduced=set(axes)))
+    if forward_axes is None:
+      return jax.reshard(buf, P(reduced=set(axes)))
+    return jax.shard_map(
+      _gather, in_specs=owner_spec, out_specs=P(reduced=set(axes))
+    )(buf)
 
   def fwd(buf):
     return gather(buf), None
@@ -171,18 +201,86 @@ class RouteBlock(nnx.Module):
     self.gather = gather
 
   def __call__(self, x):
-    (d, f), _ = self.shapes
     w = self.gather(self.buf[...])  # f32[2 d f]{R:axes}
-    up, down = w[: d * f].reshape(d, f), w[d * f :].reshape(f, d)
+    up, down = split_buf(w, self.shapes)
     return x + self.drop(nnx.gelu(x @ up) @ down)
 
 
+def split_buf(w, shapes):
+  (d, f), _ = shapes
+  return w[: d * f].reshape(d, f), w[d * f :].reshape(f, d)
+
+
+class ScanBlock(nnx.Module):
+  """One layer of a scanned stack: a flat owner buffer and a dropout."""
+
+  def __init__(self, buf, rngs, shapes, gather):
+    self.buf = nnx.Param(buf)
+    self.drop = nnx.Dropout(DROP_RATE, rngs=rngs)
+    self.shapes = shapes
+    self.gather = gather
+
+  def __call__(self, x):
+    up, down = split_buf(self.gather(self.buf[...]), self.shapes)
+    return x + self.drop(nnx.gelu(x @ up) @ down)
+
+
+class ScanLayers(nnx.Module):
+  """The blocks as ``nnx.scan`` over an ``nnx.vmap``-created stack whose
+  buffers, ``(layers, 2 d f)``, are sharded ``P(None, axes)``."""
+
+  def __init__(self, blocks, mesh, gather):
+    shapes = (blocks[0].up.kernel.shape, blocks[0].down.kernel.shape)
+    bufs = jnp.stack(
+      [
+        jnp.concatenate([b.up.kernel[...].ravel(), b.down.kernel[...].ravel()])
+        for b in blocks
+      ]
+    )
+
+    @nnx.split_rngs(splits=len(blocks))
+    @nnx.vmap(in_axes=(0, 0), out_axes=0)
+    def make(buf, rngs):
+      return ScanBlock(buf, rngs, shapes, gather)
+
+    self.stack = make(bufs, nnx.Rngs(dropout=1))
+    state = nnx.state(self.stack)
+    nnx.update(
+      self.stack,
+      jax.tree.map(
+        lambda x: jax.device_put(x, NamedSharding(mesh, P())), state
+      ),
+    )
+    self.stack.buf.value = jax.device_put(
+      self.stack.buf[...], NamedSharding(mesh, P(None, AXES))
+    )
+
+  def __call__(self, x, remat, constrain):
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    def body(block, x):
+      if remat:
+        x = nnx.remat(
+          lambda b, x: b(x), policy=jax.checkpoint_policies.nothing_saveable
+        )(block, x)
+      else:
+        x = block(x)
+      if constrain is not None:
+        x = jax.lax.with_sharding_constraint(x, constrain)
+      return x
+
+    return body(self.stack, x)
+
+
 class Model(nnx.Module):
-  def __init__(self, args, rngs):
+  def __init__(self, args, rngs, *, tied=False, shared=False):
     d, f = args.d_model, args.d_ff
     self.embed = nnx.Embed(args.vocab, d, rngs=rngs)
-    self.layers = nnx.List([Block(d, f, rngs) for _ in range(LAYERS)])
+    blocks = [Block(d, f, rngs) for _ in range(LAYERS)]
+    if shared:  # block 0 applied a second time, after the others
+      blocks.append(blocks[0])
+    self.layers = nnx.List(blocks)
     self.head = nnx.Linear(d, args.vocab, use_bias=False, rngs=rngs)
+    self.tied = tied  # the embedding table is also the output head
     self.constrain = None  # a PartitionSpec of the activations, or None
     self.lookup = None  # the embedding lookup's out_sharding (Explicit)
     self.remat = False
@@ -192,16 +290,19 @@ class Model(nnx.Module):
       x = self.embed(tokens)
     else:  # Explicit axes: the lookup's output sharding must be given
       x = self.embed.embedding[...].at[tokens].get(out_sharding=self.lookup)
-    for block in self.layers:
-      if self.remat:
-        x = nnx.remat(
-          lambda b, x: b(x), policy=jax.checkpoint_policies.nothing_saveable
-        )(block, x)
-      else:
-        x = block(x)
-      if self.constrain is not None:
-        x = jax.lax.with_sharding_constraint(x, self.constrain)
-    return self.head(x)
+    if isinstance(self.layers, ScanLayers):
+      x = self.layers(x, self.remat, self.constrain)
+    else:
+      for block in self.layers:
+        if self.remat:
+          x = nnx.remat(
+            lambda b, x: b(x), policy=jax.checkpoint_policies.nothing_saveable
+          )(block, x)
+        else:
+          x = block(x)
+        if self.constrain is not None:
+          x = jax.lax.with_sharding_constraint(x, self.constrain)
+    return self.embed.attend(x) if self.tied else self.head(x)
 
 
 def loss_fn(model, tokens):
@@ -229,15 +330,19 @@ def new_metrics():
   return nnx.MultiMetric(loss=nnx.metrics.Average('loss'))
 
 
-def new_model(args):
-  return Model(args, nnx.Rngs(params=0, dropout=1))
+def new_model(args, **variant):
+  return Model(args, nnx.Rngs(params=0, dropout=1), **variant)
 
 
 def counters(model, metrics):
+  if isinstance(model.layers, ScanLayers):  # layer 0's stream of the stack
+    rngs = model.layers.stack.drop.rngs.count[...][0]
+  else:
+    rngs = model.layers[0].drop.rngs.count[...]
   return {
     'metric_count': int(metrics.loss.count[...]),
     'metric_total': float(metrics.loss.total[...]),
-    'rngs_count': int(model.layers[0].drop.rngs.count[...]),
+    'rngs_count': int(rngs),
   }
 
 
@@ -245,21 +350,24 @@ def counters(model, metrics):
 # Measurement.
 
 
-def collectives(compiled, rest_elems):
-  """Per kind: count and bytes per device (executions included), split into
-  "rest" (scalars: loss, metric; and ops of ``rest_elems`` elements: the
-  embedding and head gradients) and "Muon" (everything else: the owner
-  buffers' gathers and scatters, or a combined all-reduce of all
+def collectives(compiled, rest_elems, devices=8):
+  """Per kind: count and bytes per device (executions included; ``ops``:
+  the HLO ops, fewer than ``count`` inside a ``while``), split into "rest"
+  (ops over all devices of scalars: loss, metric; or of ``rest_elems``
+  elements: the embedding and head gradients) and "Muon" (everything else:
+  the owner buffers' gathers and scatters, or a combined all-reduce of all
   gradients)."""
   report = dmuon_jax.analyze_compiled(compiled)
   out = {'muon': {}, 'rest': {}}
   for c in report.collectives:
     n = int(np.prod(c.shape))
-    part = 'rest' if n == 1 or rest_elems <= n <= rest_elems + 8 else 'muon'
+    rest = n == 1 or rest_elems <= n <= rest_elems + 8
+    part = 'rest' if rest and c.group_size == devices else 'muon'
     row = out[part].setdefault(
-      c.kind, {'count': 0, 'bytes': 0.0, 'group_sizes': []}
+      c.kind, {'count': 0, 'ops': 0, 'bytes': 0.0, 'group_sizes': []}
     )
     row['count'] += c.executions
+    row['ops'] += 1
     if c.group_size not in row['group_sizes']:
       row['group_sizes'].append(c.group_size)
     row['bytes'] += c.bytes * c.executions
@@ -271,6 +379,9 @@ def max_rel_diff(got: dict, want: dict) -> float:
   for k, b in want.items():
     a = np.asarray(got[k], np.float64)
     b = np.asarray(b, np.float64)
+    if not np.abs(b).max():  # an unused leaf (the tied model's head)
+      worst = max(worst, float(np.abs(a).max()))
+      continue
     worst = max(worst, float(np.abs(a - b).max() / np.abs(b).max()))
   return worst
 
@@ -279,7 +390,7 @@ def plain_grads(grads) -> dict:
   g = nnx.to_pure_dict(grads)
   out = {'embed': g['embed']['embedding'], 'head': g['head']['kernel']}
   for i, layer in g['layers'].items():
-    if 'buf' in layer:
+    if 'buf' in layer or 'stack' in g['layers']:
       continue
     out[f'{i}/up'] = layer['up']['kernel']
     out[f'{i}/down'] = layer['down']['kernel']
@@ -289,11 +400,14 @@ def plain_grads(grads) -> dict:
 def route_grads(model, grads) -> dict:
   out = plain_grads(grads)
   g = nnx.to_pure_dict(grads)
-  for i, block in enumerate(model.layers):
-    (d, f), _ = block.shapes
-    flat = np.asarray(g['layers'][i]['buf'])
-    out[f'{i}/up'] = flat[: d * f].reshape(d, f)
-    out[f'{i}/down'] = flat[d * f :].reshape(f, d)
+  if isinstance(model.layers, ScanLayers):
+    shapes = model.layers.stack.shapes
+    rows = enumerate(np.asarray(g['layers']['stack']['buf']))
+  else:  # a block used twice has one gradient, under its first index
+    shapes = model.layers[0].shapes
+    rows = ((i, np.asarray(v['buf'])) for i, v in g['layers'].items())
+  for i, flat in rows:
+    out[f'{i}/up'], out[f'{i}/down'] = split_buf(flat, shapes)
   return out
 
 
@@ -302,9 +416,12 @@ def error_line(err: Exception) -> str:
   return text[:300]
 
 
-def run_grad_config(name, args, mesh, tokens_np, *, route=None, remat=False):
-  """Plain ``nnx.jit`` of ``grad_step``, replicated params or route R."""
-  model = new_model(args)
+def run_grad_config(
+  name, args, mesh, tokens_np, *, route=None, remat=False, scan=False, **variant
+):
+  """Plain ``nnx.jit`` of ``grad_step``, replicated params or route R
+  (``route``: owner spec, backward stages and forward axes)."""
+  model = new_model(args, **variant)
   with jax.set_mesh(mesh):
     data = NamedSharding(mesh, P(AXES))
     state = nnx.state(model)
@@ -319,12 +436,19 @@ def run_grad_config(name, args, mesh, tokens_np, *, route=None, remat=False):
       model.lookup = P(AXES)
     model.remat = remat
     if route is not None:
-      owner_spec, stages = route
-      gather = reduced_gather(AXES, owner_spec, stages)
+      owner_spec, stages, *forward = route
+      gather = reduced_gather(AXES, owner_spec, stages, *forward)
       sharding = NamedSharding(mesh, owner_spec)
-      model.layers = nnx.List(
-        [RouteBlock(b, sharding, gather) for b in model.layers]
-      )
+      if scan:
+        model.layers = ScanLayers(list(model.layers), mesh, gather)
+      else:  # one RouteBlock per distinct Block (a shared one stays shared)
+        routed = {}
+        model.layers = nnx.List(
+          [
+            routed.setdefault(id(b), RouteBlock(b, sharding, gather))
+            for b in model.layers
+          ]
+        )
     metrics = new_metrics()
     tokens = jax.device_put(tokens_np, data)
     step = nnx.jit(grad_step)
@@ -372,20 +496,33 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
     )
   )
 
-  # Single-device autodiff: the reference gradient.
-  ref_model = new_model(args)
-  ref_metrics = new_metrics()
-  _, ref_grads = nnx.jit(grad_step)(
-    ref_model, ref_metrics, jnp.asarray(tokens_np)
-  )
-  ref = plain_grads(ref_grads)
+  refs = {}
+
+  def reference(tied=False, shared=False):
+    """Single-device autodiff of the same model under plain ``nnx.jit``:
+    the reference gradient and the counts after ``STEPS`` steps."""
+    if (tied, shared) not in refs:
+      model = new_model(args, tied=tied, shared=shared)
+      metrics = new_metrics()
+      step = nnx.jit(grad_step)
+      for _ in range(STEPS):
+        _, grads = step(model, metrics, jnp.asarray(tokens_np))
+      refs[tied, shared] = plain_grads(grads), counters(model, metrics)
+    return refs[tied, shared]
 
   both = (AXES, ())
   hsdp = (('shard',), ('replicate',))
   results = {}
 
-  def grad_config(name, description, mesh=explicit, **kw):
+  def grad_config(name, description, mesh=explicit, note='', **kw):
+    if args.quick and name in QUICK_SKIP:
+      return
     row = {'config': name, 'description': description}
+    t = time.perf_counter()
+    if note:
+      row['note'] = note
+    ref, ref_count = reference(kw.get('tied', False), kw.get('shared', False))
+    row.update({f'ref_{k}': v for k, v in ref_count.items()})
     try:
       compiled, loss, grads, count = run_grad_config(
         name, args, mesh, tokens_np, **kw
@@ -394,13 +531,14 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
       row['error'] = error_line(err)
     else:
       row.update(
-        collectives=collectives(compiled, rest_elems),
+        collectives=collectives(compiled, rest_elems, n),
         loss=loss,
         grad_max_rel_diff=max_rel_diff(grads, ref),
         **count,
       )
+    row['wall_s'] = time.perf_counter() - t
     results[name] = row
-    print(name, {k: v for k, v in row.items() if k != 'description'})
+    print(name, f'{row["wall_s"]:.1f} s', row.get('error', ''))
 
   grad_config('plain_jit', 'nnx.jit, replicated params (data parallel)')
   grad_config(
@@ -420,6 +558,40 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
     route=(P('shard'), hsdp),
   )
   grad_config(
+    'route_hsdp_sm',
+    'as route_hsdp, forward a shard_map all_gather(to=reduced) over shard'
+    ' + pcast(replicate, to=reduced)',
+    route=(P('shard'), hsdp, ('shard',)),
+  )
+  grad_config(
+    'route_scan_z2',
+    'route_z2 as nnx.scan over an nnx.vmap stack, buffers'
+    ' (layers, 2DF) P(None, (replicate, shard))',
+    route=(P(AXES), both),
+    scan=True,
+  )
+  grad_config(
+    'route_scan_z3',
+    'as route_scan_z2, the scan body under nnx.remat(nothing_saveable)',
+    route=(P(AXES), both),
+    scan=True,
+    remat=True,
+  )
+  grad_config(
+    'route_tied',
+    'route_z2, the embedding table also the head (embed.attend)',
+    route=(P(AXES), both),
+    tied=True,
+    note='rest: one tuple all-reduce of the table gradient per use'
+    ' (lookup scatter, attend), summed after it: 2·V·D elements as untied',
+  )
+  grad_config(
+    'route_shared',
+    'route_z2, block 0 applied again after block 2 (4 uses, 3 buffers)',
+    route=(P(AXES), both),
+    shared=True,
+  )
+  grad_config(
     'route_auto',
     'route_z2 on an Auto mesh',
     mesh=auto,
@@ -428,6 +600,8 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
 
   for z3 in (False, True):
     name = 'dedicated_z3' if z3 else 'dedicated_z2'
+    if args.quick and name in QUICK_SKIP:
+      continue
     row = {
       'config': name,
       'description': 'dmuon_jax.flax.dedicate + train_step (shard_map step)'
@@ -445,7 +619,7 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
       row['error'] = error_line(err)
     else:
       row.update(
-        collectives=collectives(compiled, rest_elems),
+        collectives=collectives(compiled, rest_elems, n),
         loss=loss,
         gathers=[ln.strip() for ln in summary if 'gathered as' in ln],
         **count,
@@ -493,10 +667,14 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
   return lines
 
 
+def _ops(v: dict) -> str:
+  return f' ({v["ops"]} op)' if v.get('ops', v['count']) != v['count'] else ''
+
+
 def _fmt(part: dict) -> str:
   items = [
     f'{_common.KIND_ABBREV.get(k, k)}/{"+".join(map(str, v["group_sizes"]))}'
-    f' {v["count"]}× {v["bytes"] / 1e3:.1f}'
+    f' {v["count"]}×{_ops(v)} {v["bytes"] / 1e3:.1f}'
     for k, v in sorted(part.items())
     if v['count']
   ]
@@ -526,8 +704,10 @@ def render_markdown(args, date, machine, model, floors, results, wall_s):
     ' (told by size), "Muon" = everything else',
     '- grad rel. diff: max over leaves of max|g − g_ref| / max|g_ref|,'
     ' g_ref = single-device autodiff (float32); metric / Rngs counts after'
-    f' {STEPS} steps ({base.get("metric_count")} / {base.get("rngs_count")}'
-    ' under plain nnx.jit)',
+    f' {STEPS} steps, "(=)" where single-device nnx.jit of the same model'
+    f' gives the same ({base.get("metric_count")} / {base.get("rngs_count")}'
+    " for the untied, unshared model; the Rngs count is block 0's dropout"
+    ' stream)',
     '',
     '| config | Muon collectives | Muon kB | × Z2 floor | rest | total kB |'
     ' grad rel. diff | metric count | Rngs count | note |',
@@ -543,13 +723,14 @@ def render_markdown(args, date, machine, model, floors, results, wall_s):
     muon_b = sum(v['bytes'] for v in muon.values())
     diff = row.get('grad_max_rel_diff')
 
-    mark = {
-      key: f'{row[key]} {"(=)" if row[key] == base.get(key) else "(≠ plain)"}'
-      for key in ('metric_count', 'rngs_count')
-    }
+    mark = {}
+    for key in ('metric_count', 'rngs_count'):
+      want = row.get(f'ref_{key}', base.get(key))
+      mark[key] = f'{row[key]} {"(=)" if row[key] == want else "(≠ plain)"}'
     note = row.get('error_with_constraint', '')
     if note:
       note = f'with the activation constraint: {note}'
+    note = '; '.join(filter(None, [row.get('note', ''), note]))
     if name == 'plain_jit':
       note = 'one combined all-reduce of every gradient (Muon and rest)'
     gathers = row.get('gathers')

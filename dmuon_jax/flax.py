@@ -1034,9 +1034,13 @@ def _warn_bare(md: ModelDedication, local) -> None:
     'dmuon_jax.flax.train_step). It computes the same numbers, but XLA '
     "reduces the Muon gradients with an all-reduce rather than the owners'"
     f' reduce-scatter: an all-gather forward and an all-reduce backward, '
-    f'3({n}-1)/{n} x the Muon bytes per step instead of the '
-    f'{"Z3" if z3 else "Z2"} floor {3 if z3 else 2}({n}-1)/{n}'
-    + (', and the gathered weights are kept (Z2 memory)' if z3 else '')
+    f'3({n}-1)/{n} x the Muon bytes per step'
+    + (
+      " (the Z3 floor's bytes), but the gathered weights are kept for the "
+      'backward (Z2 memory) and every device holds all Muon gradients'
+      if z3
+      else f' instead of the Z2 floor 2({n}-1)/{n}'
+    )
     + '. Decorate the train step with @dmuon_jax.flax.train_step(dedication)'
     ' instead of jax.jit/nnx.jit to get the floor (evaluation outside it '
     'is fine).',
@@ -1164,6 +1168,25 @@ def _manual_spec(x: Any, axes: frozenset[str]) -> P:
 
 def _spec_axes(spec: P) -> set[str]:
   return {a for e in _mesh.spec_entries(spec) for a in e}
+
+
+def _default_batch(args, positions) -> set[int]:
+  """The default batch argument: the last one holding an array of rank 1
+  or more (trailing scalars, e.g. a step number or a typed RNG key, are
+  state), graph nodes aside."""
+  for k in range(len(args) - 1, -1, -1):
+    if k in positions:
+      continue
+    leaves = jax.tree.leaves(args[k])
+    if any(
+      np.ndim(x) >= 1
+      and not jax.dtypes.issubdtype(
+        getattr(x, 'dtype', None), jax.dtypes.prng_key
+      )
+      for x in leaves
+    ):
+      return {k}
+  return set()
 
 
 def _check_no_nested_nodes(args, positions) -> None:
@@ -1294,7 +1317,9 @@ def train_step(
   back to the owners by reduce-scatter (Z2: 2(N-1)/N of the Muon bytes per
   step, Z3: 3(N-1)/N). What differs from ``nnx.jit``:
 
-  - The batch arguments (``batch_argnums``, default: the last) are split
+  - The batch arguments (``batch_argnums``, default: the last argument
+    holding an array of rank 1 or more, so that trailing scalars such as a
+    step number are not taken for the batch) are split
     over the owner axes along their first axis unless placed on the mesh
     already; other arguments are state: arrays placed on the mesh keep
     their sharding, unplaced ones are replicated, and an output with the
@@ -1322,7 +1347,7 @@ def train_step(
       nodes among the arguments are updated in place, as with ``nnx.jit``)
       or ``(state, batch) -> (state, metrics)`` (Linen ``TrainState``).
     batch_argnums: the positions of the batch arguments (default: the
-      last argument).
+      last argument holding an array of rank 1 or more).
 
   Returns:
     The compiled step (or a decorator, without ``fn``).
@@ -1469,7 +1494,11 @@ def train_step(
     )
     treedef = jax.tree.structure(state)
     specs = tuple(_manual_spec(x, manual) for x in flat)
-    batch = {len(args) - 1} if batch_argnums is None else set(batch_argnums)
+    batch = (
+      _default_batch(args, positions)
+      if batch_argnums is None
+      else set(batch_argnums)
+    )
     other, other_def = jax.tree.flatten(rest)
     is_batch = []
     for k, a in enumerate(args):

@@ -530,6 +530,31 @@ class NnxBehaviourTest(absltest.TestCase):
     # train_step docs; its value is the global mean).
     chex.assert_trees_all_close(got[0], want[0], rtol=1e-5)
 
+  def test_trailing_scalar_argument_is_not_the_batch(self):
+    # step(model, optimizer, toks, step_number): the batch is still split
+    # over the devices (before: the scalar was taken for the batch, and
+    # every device ran the whole batch), and the loss is nnx.jit's.
+    model = make_model(False, depth=1)
+    want = initial_loss(model)  # nnx.jit's, before dedication
+    ded = dflax.dedicate(
+      model, make_mesh((2, 4)), muon_weight_dimension_numbers=muon_dims
+    )
+    optimizer = nnx.Optimizer(
+      model, dflax.dedicated_muon(ded, learning_rate=LR), wrt=nnx.Param
+    )
+    with_scalar = dflax.train_step(ded)(
+      lambda model, optimizer, toks, i: (train_step(model, optimizer, toks), i)
+    )
+    plain = dflax.train_step(ded)(train_step)
+    flops = lambda c: c.cost_analysis()['flops']
+    self.assertEqual(
+      flops(with_scalar.compile(model, optimizer, tokens(), jnp.int32(0))),
+      flops(plain.compile(model, optimizer, tokens())),
+    )
+    loss, i = with_scalar(model, optimizer, tokens(), jnp.int32(3))
+    self.assertEqual(int(i), 3)
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+
   def test_graph_nodes_inside_a_container_argument_are_refused(self):
     model = make_model(False, depth=1)
     ded = dflax.dedicate(model, None, muon_weight_dimension_numbers=muon_dims)

@@ -1244,6 +1244,11 @@ _MANUAL_AXIS_ERRORS = (
   'can only refer to Auto axes',
   'Manual axes',
   'manual axes',
+  # reshard / out_sharding= (dot_general, ...) naming a manual axis:
+  'of type Auto or Manual',
+  'AxisType.Manual',
+  # jax's NotImplementedError for a Manual -> Auto/Explicit conversion.
+  'from Manual AxisType',
 )
 
 
@@ -1404,7 +1409,7 @@ def train_step(
               v.set_value(_fold_in(k, index))
           try:
             out = fn(*args)
-          except (ValueError, TypeError) as err:
+          except (ValueError, TypeError, NotImplementedError) as err:
             _explain_annotation(err, axes)
             raise
           for v, k in zip(keys, saved):

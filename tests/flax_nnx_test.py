@@ -645,6 +645,39 @@ class NnxMistakeTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, r'names an owner axis.*Leave'):
       dflax.train_step(ded)(train_step)(model, optimizer, tokens())
 
+  def test_explicit_annotations_naming_an_owner_axis(self):
+    # On Explicit axes: jax.sharding.reshard and out_sharding= (here of a
+    # dot) naming the owner axes raised JAX's "of type Auto or Manual".
+    annotate = {
+      'reshard': lambda x: jax.sharding.reshard(x, P(support.AXES)),
+      'out_sharding': lambda x: jnp.einsum(
+        'bsd,de->bse', x, jnp.eye(D), out_sharding=P(support.AXES)
+      ),
+    }
+    for name, fn in annotate.items():
+
+      class Annotated(Decoder):
+        def __call__(self, toks, fn=fn):
+          x = fn(self.embed(toks))
+          for block in self.layers:
+            x = block(x)
+          return self.embed.attend(self.norm(x))
+
+      model = make_model(False, depth=1, cls=Annotated)
+      ded = dflax.dedicate(
+        model, make_mesh((2, 4)), muon_weight_dimension_numbers=muon_dims
+      )
+      optimizer = nnx.Optimizer(
+        model, dflax.dedicated_muon(ded, learning_rate=LR), wrt=nnx.Param
+      )
+      with (
+        self.subTest(name),
+        self.assertRaisesRegex(
+          ValueError, r'names an owner axis.*Leave.*JAX said'
+        ),
+      ):
+        dflax.train_step(ded)(train_step)(model, optimizer, tokens())
+
   def test_eager_call_outside_any_mesh_context(self):
     # Evaluation outside train_step: the model gathers through the mesh it
     # was dedicated on, no warning (nothing is traced), same logits as the

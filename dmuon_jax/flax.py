@@ -241,7 +241,14 @@ class ModelDedication:
         'dmuon: ModelDedication.apply is for Linen models (from '
         'dmuon_jax.flax.dedicate_linen); an NNX model is called directly.'
       )
-    reset = _LINEN.set((self, variables['params']))
+    # Flax boxes come off here: unboxing inside the model would constrain
+    # each value to its names, which train_step's manual owner axes refuse
+    # (the arrays are placed already).
+    params = jax.tree.map(
+      _mesh.unbox, variables['params'], is_leaf=_mesh.is_box
+    )
+    variables = {**variables, 'params': params}
+    reset = _LINEN.set((self, params))
     try:
       with nn.intercept_methods(_linen_interceptor):
         return self.linen_model.apply(variables, *args, **kwargs)
@@ -279,7 +286,10 @@ class ModelDedication:
       by_path = {tuple(p): v.get_value() for p, v in state}
     else:
       by_path = {
-        _path(k): x for k, x in jax.tree_util.tree_flatten_with_path(model)[0]
+        _path(k): _mesh.unbox(x)
+        for k, x in jax.tree_util.tree_flatten_with_path(
+          model, is_leaf=_mesh.is_box
+        )[0]
       }
     owned = [by_path[p] for p in self.buffer_paths]
     rest = [None if p is None else by_path[p] for p in self.rest_paths]
@@ -843,7 +853,9 @@ def dedicate_linen(
 
   Args:
     model: the Linen module.
-    params: its ``'params'`` collection (``variables['params']``).
+    params: its ``'params'`` collection (``variables['params']``), boxed
+      (``nn.Partitioned``, ``nn.LogicallyPartitioned``: an unplaced value
+      is placed as its box says) or not.
     mesh: as for :func:`dedicate`.
     predicate: as for :func:`dedicate`.
     muon_weight_dimension_numbers: as for :func:`dedicate`.
@@ -860,7 +872,9 @@ def dedicate_linen(
   Returns:
     ``(dedication, dedicated_params)``: the Muon targets replaced by
     zero-size placeholders, each gather group's owner buffers stored as
-    ``dmuon_owned_<j>`` under the group's first boundary.
+    ``dmuon_owned_<j>`` under the group's first boundary. Boxed params
+    keep their boxes, and the owner buffers are boxed with their layout's
+    spec (``nn.get_sharding`` of the params gives the owners' sharding).
 
   Raises:
     ValueError: for a variables dict instead of its ``'params'``, a
@@ -895,6 +909,7 @@ def dedicate_linen(
       "dmuon: dedicate_linen takes the 'params' collection; got a "
       "variables dict (it has a 'params' key): pass variables['params']."
     )
+  params, boxes = _unbox_linen(params, mesh)
   kwargs = dict(
     predicate=predicate,
     muon_weight_dimension_numbers=muon_weight_dimension_numbers,
@@ -935,7 +950,15 @@ def dedicate_linen(
     mine = [k for k, (h, _) in enumerate(ded.layout.buffer_index) if h == g]
     for j, bi in enumerate(mine):
       buffer_paths[bi] = first + (f'dmuon_owned_{j}',)
-      _set_item(out, buffer_paths[bi], dp.owned.buffers[bi])
+      buf = dp.owned.buffers[bi]
+      template = next((b for b in boxes if b is not None), None)
+      if template is not None:  # boxed params: boxed buffers (their spec)
+        buf = _mesh.box_like(template, buf, ded.layout.buffer_specs()[bi])
+      _set_item(out, buffer_paths[bi], buf)
+  # Boxed params keep their boxes (Flax's sharding tools read them).
+  for i, box in enumerate(boxes):
+    if box is not None and i not in targets_by_leaf:
+      _set_item(out, paths[i], _mesh.rebox(box, _node_at_dict(out, paths[i])))
   key = f'dmuon{next(_COUNTER)}'
   md = ModelDedication(
     dedication=ded,
@@ -952,6 +975,30 @@ def dedicate_linen(
   )
   _REGISTRY[key] = md
   return md, out
+
+
+def _unbox_linen(params: Any, mesh: Any) -> tuple[Any, list[Any]]:
+  """Linen params with their Flax boxes (``nn.Partitioned``,
+  ``nn.LogicallyPartitioned``) taken off, an unplaced value put on
+  ``mesh`` as its box says; and per leaf its box (or None), to put back."""
+  flat, treedef = jax.tree.flatten(params, is_leaf=_mesh.is_box)
+  values, boxes = [], []
+  for x in flat:
+    if not _mesh.is_box(x):
+      values.append(x)
+      boxes.append(None)
+      continue
+    v = _mesh.unbox(x)
+    spec = _mesh.leaf_spec(x)
+    if (
+      mesh is not None
+      and spec is not None
+      and not isinstance(getattr(v, 'sharding', None), NamedSharding)
+    ):
+      v = jax.device_put(v, NamedSharding(mesh, spec))
+    values.append(v)
+    boxes.append(x)
+  return jax.tree.unflatten(treedef, values), boxes
 
 
 def _plain_dicts(tree: Any) -> Any:
@@ -986,7 +1033,7 @@ def _linen_interceptor(next_fun, args, kwargs, context):
   ded = md.dedication
   g = _gather.group_of(ded, b)
   local = [
-    _node_at_dict(root, md.buffer_paths[k])
+    _mesh.unbox(_node_at_dict(root, md.buffer_paths[k]))
     for k, (h, _) in enumerate(ded.layout.buffer_index)
     if h == g
   ]
@@ -1088,13 +1135,14 @@ def dedicated_muon(
   leaf_of = {p: i for i, p in enumerate(md.rest_paths) if p is not None}
   holes = set(md.placeholder_paths)
 
-  def value(x):
-    return x.get_value() if isinstance(x, nnx.Variable) else x
+  def value(x):  # of an nnx.Variable (OwnedBuffer too) or a Linen box
+    return x.get_value() if isinstance(x, nnx.Variable) else _mesh.unbox(x)
+
+  def is_leaf(x):
+    return isinstance(x, nnx.Variable) or _mesh.is_box(x)
 
   def to_core(tree, what):
-    flat = jax.tree_util.tree_flatten_with_path(
-      tree, is_leaf=lambda x: isinstance(x, nnx.Variable)
-    )[0]
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
     owned = [None] * len(md.buffer_paths)
     rest = [None] * len(md.rest_paths)
     for keys, x in flat:
@@ -1132,11 +1180,12 @@ def dedicated_muon(
       p = _path(keys)
       if p in holes:
         return jnp.zeros_like(value(x))
-      return (
+      new = (
         dp.owned.buffers[buffer_of[p]] if p in buffer_of else rest[leaf_of[p]]
       )
+      return _mesh.rebox(x, new) if _mesh.is_box(x) else new
 
-    return jax.tree_util.tree_map_with_path(pick, like)
+    return jax.tree_util.tree_map_with_path(pick, like, is_leaf=_mesh.is_box)
 
   def init_fn(params):
     return core.init(to_core(params, 'init()'))

@@ -203,6 +203,89 @@ class LinenTest(parameterized.TestCase):
     self.assertLessEqual(got, 1.05 * (3 if z3 else 2) * (n - 1) / n * payload)
 
 
+class BoxedBlock(nn.Module):
+  """An MLP block whose kernels are boxed for FSDP (nn.with_partitioning)."""
+
+  @nn.compact
+  def __call__(self, x):
+    part = lambda names: nn.with_partitioning(
+      nn.initializers.lecun_normal(), names
+    )
+    h = nn.Dense(FF, use_bias=False, kernel_init=part(('shard', None)))(x)
+    h = nn.Dense(D, use_bias=False, kernel_init=part((None, 'shard')))(
+      jax.nn.gelu(h)
+    )
+    return x + h
+
+
+class Boxed(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    for i in range(2):
+      x = BoxedBlock(name=f'layers_{i}')(x)
+    return nn.LayerNorm(
+      scale_init=nn.with_partitioning(nn.initializers.ones, ('shard',))
+    )(x)
+
+
+class LinenBoxedTest(absltest.TestCase):
+  """Params boxed by nn.with_partitioning, dedicated as they come (before:
+  "TypeError: 'Partitioned' object does not support item assignment")."""
+
+  def test_boxed_params_train_as_optax_and_keep_their_boxes(self):
+    mesh = support.make_mesh((2, 4), kind=jax.sharding.AxisType.Auto)
+    x = jax.random.normal(jax.random.key(1), (BATCH, D))
+    boxed = Boxed().init(jax.random.key(0), x)['params']
+    loss = lambda p, x: jnp.mean(Boxed().apply({'params': p}, x) ** 2)
+
+    ded, params = dflax.dedicate_linen(Boxed(), boxed, mesh)
+    # AdamW leaves keep their boxes; each owned buffer is boxed with its
+    # layout's spec, so nn.get_sharding reads the owners' sharding.
+    self.assertIsInstance(params['LayerNorm_0']['scale'], nn.Partitioned)
+    (spec,) = ded.dedication.layout.buffer_specs()
+    owned = params['layers_0']['dmuon_owned_0']
+    self.assertIsInstance(owned, nn.Partitioned)
+    self.assertEqual(
+      nn.get_sharding(params, mesh)['layers_0']['dmuon_owned_0'].spec, spec
+    )
+    state = train_state.TrainState.create(
+      apply_fn=ded.apply,
+      params=params,
+      tx=dflax.dedicated_muon(ded, learning_rate=LR),
+    )
+
+    @dflax.train_step(ded)
+    def step(state, x):
+      value, grads = jax.value_and_grad(
+        lambda p: jnp.mean(state.apply_fn({'params': p}, x) ** 2)
+      )(state.params)
+      return state.apply_gradients(grads=grads), value
+
+    plain = nn.unbox(boxed)
+    ref = train_state.TrainState.create(
+      apply_fn=None, params=plain, tx=support.optax_muon(LR, plain)
+    )
+    ref_step = jax.jit(
+      lambda s, x: (
+        s.apply_gradients(grads=jax.grad(loss)(s.params, x)),
+        loss(s.params, x),
+      )
+    )
+    for _ in range(5):
+      state, got = step(state, x)
+      ref, want = ref_step(ref, x)
+      self.assertAlmostEqual(float(got), float(want), delta=1e-5 * float(want))
+    self.assertIsInstance(
+      state.params['layers_0']['dmuon_owned_0'], nn.Partitioned
+    )
+    support.assert_trees_rel_close(
+      self,
+      jax.device_get(ded.to_params(state.params)),
+      jax.device_get(ref.params),
+      1e-5,
+    )
+
+
 class LinenMistakeTest(absltest.TestCase):
   def test_variables_instead_of_params(self):
     with self.assertRaisesRegex(ValueError, r"variables\['params'\]"):

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import pathlib
 import sys
@@ -646,10 +645,6 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
     'z3': 3 * (n - 1) / n * p_m,
   }
   md = render_markdown(args, date, machine, model_info, floors, results, wall_s)
-  print()
-  print(md)
-  out_dir = pathlib.Path(args.out_dir)
-  out_dir.mkdir(parents=True, exist_ok=True)
   common = {
     'date': date,
     'machine': machine,
@@ -659,12 +654,7 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
   }
   lines = [dict(common, **row) for row in results.values()]
   lines.append(dict(common, config='summary', wall_s=wall_s, floors=floors))
-  json_path = out_dir / f'{args.name}.json'
-  with open(json_path, 'w', encoding='utf-8') as fh:
-    fh.writelines(json.dumps(line) + '\n' for line in lines)
-  md_path = out_dir / f'{args.name}.md'
-  md_path.write_text(md + '\n', encoding='utf-8')
-  print(f'\nwrote {json_path} and {md_path} ({wall_s:.0f} s)')
+  _common.write_results(args.out_dir, args.name, lines, md, wall_s)
   return lines
 
 

@@ -881,10 +881,6 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
     breakdown,
     wall_s,
   )
-  print()
-  print(md)
-  out_dir = pathlib.Path(args.out_dir)
-  out_dir.mkdir(parents=True, exist_ok=True)
   common = {
     'date': date,
     'machine': machine,
@@ -914,14 +910,23 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
       plans=plan_info,
     )
   )
-  json_path = out_dir / f'{args.name}.json'
+  write_results(args.out_dir, args.name, lines, md, wall_s)
+  return lines
+
+
+def write_results(out_dir, name: str, lines: list, md: str, wall_s: float):
+  """Prints the markdown table and writes ``name.json`` (one JSON object
+  per line) and ``name.md`` into ``out_dir`` (made if missing)."""
+  print()
+  print(md)
+  out_dir = pathlib.Path(out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  json_path = out_dir / f'{name}.json'
   with open(json_path, 'w', encoding='utf-8') as f:
-    for line in lines:
-      f.write(json.dumps(line) + '\n')
-  md_path = out_dir / f'{args.name}.md'
+    f.writelines(json.dumps(line) + '\n' for line in lines)
+  md_path = out_dir / f'{name}.md'
   md_path.write_text(md + '\n', encoding='utf-8')
   print(f'\nwrote {json_path} and {md_path} ({wall_s:.0f} s)')
-  return lines
 
 
 def _speed_and_reps(res, base):

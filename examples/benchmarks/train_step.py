@@ -57,7 +57,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import json
 import math
 import os
 import pathlib
@@ -905,10 +904,6 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
     targets,
     wall_s,
   )
-  print()
-  print(md)
-  out_dir = pathlib.Path(args.out_dir)
-  out_dir.mkdir(parents=True, exist_ok=True)
   common = {
     'date': date,
     'machine': machine,
@@ -930,12 +925,7 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
       targets=targets,
     )
   )
-  json_path = out_dir / f'{args.name}.json'
-  with open(json_path, 'w', encoding='utf-8') as f:
-    f.writelines(json.dumps(line) + '\n' for line in lines)
-  md_path = out_dir / f'{args.name}.md'
-  md_path.write_text(md + '\n', encoding='utf-8')
-  print(f'\nwrote {json_path} and {md_path} ({wall_s:.0f} s)')
+  _common.write_results(args.out_dir, args.name, lines, md, wall_s)
   return lines
 
 

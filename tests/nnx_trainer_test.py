@@ -22,12 +22,10 @@ state restored into another layout raises instead of zeroing momentum.
 """
 
 import functools
-import tempfile
 
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from absl.testing import absltest, parameterized
@@ -117,9 +115,7 @@ class Decoder(nnx.Module):
     return self.head(x, out_sharding=out)
 
 
-def tokens():
-  rng = np.random.default_rng(0)
-  return jnp.asarray(rng.integers(0, VOCAB, (BATCH, SEQ + 1)), jnp.int32)
+tokens = functools.partial(support.token_batch, BATCH, SEQ + 1, VOCAB)
 
 
 def loss_fn(model, batch):
@@ -129,14 +125,9 @@ def loss_fn(model, batch):
   ).mean()
 
 
-def make_tx(opt, mesh=None):
-  if opt == 'dmuon':
-    inner = dmuon_jax.dmuon(LR, predicate='optax', mesh=mesh)
-  elif opt == 'muon':
-    inner = optax.contrib.muon(LR)
-  else:
-    inner = optax.adamw(LR)
-  return optax.MultiSteps(inner, every_k_schedule=EVERY_K)
+make_tx = functools.partial(
+  support.multi_steps_tx, learning_rate=LR, every_k=EVERY_K
+)
 
 
 def pure_params(model):
@@ -302,9 +293,7 @@ class NnxCheckpointTest(parameterized.TestCase):
 
   def setUp(self):
     super().setUp()
-    tmp = tempfile.TemporaryDirectory()
-    self.addCleanup(tmp.cleanup)
-    self.root = tmp.name
+    self.root = support.temp_dir(self)
 
   def saved(self, kind, name, portable):
     """Saves the 2x4 run after 10 micro-steps; returns its directory."""

@@ -9,6 +9,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 import chex
 import jax
@@ -325,6 +326,32 @@ def optax_muon(learning_rate, params, predicate=None, dims=None, **kwargs):
     ),
     **kwargs,
   )
+
+
+def temp_dir(test) -> str:
+  """A temporary directory removed when ``test`` ends (absltest's
+  ``create_tempdir`` needs parsed absl flags, which pytest has not)."""
+  tmp = tempfile.TemporaryDirectory()
+  test.addCleanup(tmp.cleanup)
+  return tmp.name
+
+
+def token_batch(batch, length, vocab, seed=0):
+  """A fixed batch of ``batch`` token sequences of ``length`` (int32)."""
+  rng = np.random.default_rng(seed)
+  return jnp.asarray(rng.integers(0, vocab, (batch, length)), jnp.int32)
+
+
+def multi_steps_tx(kind, mesh=None, *, learning_rate, every_k):
+  """A trainer's optimizer in ``optax.MultiSteps``: ``'dmuon'`` (on
+  ``mesh``, optax's routing), ``'muon'`` (optax.contrib.muon) or AdamW."""
+  if kind == 'dmuon':
+    inner = dmuon_jax.dmuon(learning_rate, predicate='optax', mesh=mesh)
+  elif kind == 'muon':
+    inner = optax.contrib.muon(learning_rate)
+  else:
+    inner = optax.adamw(learning_rate)
+  return optax.MultiSteps(inner, every_k_schedule=every_k)
 
 
 def train_single_device(opt, params, loss_fn, steps):

@@ -20,13 +20,11 @@ conversion (a plain ``partial_restore=True`` into another layout raises).
 
 import functools
 import os
-import tempfile
 
 import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from absl.testing import absltest, parameterized
@@ -97,9 +95,7 @@ class Decoder(nn.Module):
     )(x)
 
 
-def tokens():
-  rng = np.random.default_rng(0)
-  return jnp.asarray(rng.integers(0, VOCAB, (BATCH, SEQ + 1)), jnp.int32)
+tokens = functools.partial(support.token_batch, BATCH, SEQ + 1, VOCAB)
 
 
 def loss_fn(model, params, batch):
@@ -109,14 +105,9 @@ def loss_fn(model, params, batch):
   ).mean()
 
 
-def make_tx(kind, mesh=None):
-  if kind == 'dmuon':
-    inner = dmuon_jax.dmuon(LR, predicate='optax', mesh=mesh)
-  elif kind == 'muon':
-    inner = optax.contrib.muon(LR)
-  else:
-    inner = optax.adamw(LR)
-  return optax.MultiSteps(inner, every_k_schedule=EVERY_K)
+make_tx = functools.partial(
+  support.multi_steps_tx, learning_rate=LR, every_k=EVERY_K
+)
 
 
 def shardings_of(style, abstract, mesh):
@@ -267,9 +258,7 @@ class TrainerCheckpointTest(parameterized.TestCase):
 
   def setUp(self):
     super().setUp()
-    tmp = tempfile.TemporaryDirectory()
-    self.addCleanup(tmp.cleanup)
-    self.tmp = tmp.name
+    self.tmp = support.temp_dir(self)
 
   def save(self, name, items):
     path = os.path.join(self.tmp, name)

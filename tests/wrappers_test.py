@@ -10,7 +10,6 @@ survives a checkpoint saved on a 2x4 mesh and restored on 1x4. Tiny params
 """
 
 import functools
-import tempfile
 
 import chex
 import jax
@@ -165,9 +164,7 @@ class CheckpointTest(parameterized.TestCase):
 
   def setUp(self):
     super().setUp()
-    tmp = tempfile.TemporaryDirectory()
-    self.addCleanup(tmp.cleanup)
-    self.dir = tmp.name
+    self.dir = support.temp_dir(self)
 
   def saved_state(self, opt, tree):
     """``opt``'s state on ``tree``, every leaf changed (see randomized)."""

@@ -33,12 +33,11 @@ def context_mesh() -> Any:
 
 
 def is_variable(x: Any) -> bool:
-  """Whether ``x`` is a flax ``nnx.Variable`` (duck-typed: flax is optional)."""
-  return (
-    type(x).__module__.startswith('flax.')
-    and hasattr(x, 'get_metadata')
-    and hasattr(x, 'get_value')
-  )
+  """Whether ``x`` is a flax ``nnx.Variable``, of any subclass (e.g.
+  ``dmuon_jax.flax.OwnedBuffer``). Flax is optional: without its variables
+  module imported there are none."""
+  lib = sys.modules.get('flax.nnx.variablelib')
+  return lib is not None and isinstance(x, lib.Variable)
 
 
 def is_box(x: Any) -> bool:

@@ -1135,14 +1135,10 @@ def dedicated_muon(
   leaf_of = {p: i for i, p in enumerate(md.rest_paths) if p is not None}
   holes = set(md.placeholder_paths)
 
-  def value(x):  # of an nnx.Variable (OwnedBuffer too) or a Linen box
-    return x.get_value() if isinstance(x, nnx.Variable) else _mesh.unbox(x)
-
-  def is_leaf(x):
-    return isinstance(x, nnx.Variable) or _mesh.is_box(x)
+  value = _mesh.unbox  # of an nnx.Variable or a Linen box
 
   def to_core(tree, what):
-    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_mesh.is_boxed)[0]
     owned = [None] * len(md.buffer_paths)
     rest = [None] * len(md.rest_paths)
     for keys, x in flat:

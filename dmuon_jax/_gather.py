@@ -19,6 +19,8 @@ import jax.numpy as jnp
 
 from dmuon_jax import _boundaries, _collectives, _mesh
 
+P = jax.sharding.PartitionSpec
+
 
 def full_leaves(rest: Any, treedef) -> list[Any]:
   """Leaves of ``rest`` with None placeholders kept (one per param)."""
@@ -546,3 +548,152 @@ def _route_bwd(_, ct):
 
 
 route.defvjp(_route_fwd, _route_bwd)
+
+
+# The reduced gather: dedicated mode under plain jit (Explicit owner axes).
+#
+# Outside shard_map a gather's autodiff transpose is an all-reduce plus a
+# slice on XLA:CPU (an all-gather's transpose in GSPMD). Typing the gathered
+# weights ``reduced`` over the owner axes makes their cotangent
+# ``unreduced`` there (jax's sharding-in-types: each device holds its own
+# partial sum), and a custom backward reduce-scatters that partial sum onto
+# the owners in a small shard_map: all-gather forward, reduce-scatter
+# backward, the Z2 floor, with the user's step under plain jax.jit/nnx.jit.
+# Measured in docs/benchmarks/dedicated_route.md (jax 0.10.2, 8 devices).
+
+
+def reduced_route(ded) -> bool:
+  """Whether the model's gathers can be reduced gathers under plain jit:
+  a distributed layout without tensor parallelism whose owner axes are all
+  ``Explicit`` in its mesh (jax refuses ``reduced`` over other axes)."""
+  layout = ded.layout
+  if not layout.distributed or layout.tp_size > 1 or ded.mesh is None:
+    return False
+  types = dict(zip(ded.mesh.axis_names, ded.mesh.axis_types))
+  return all(
+    types.get(a) == jax.sharding.AxisType.Explicit for a in ded.buffer_axes
+  )
+
+
+def _sharding(ded, spec) -> jax.sharding.NamedSharding:
+  return jax.sharding.NamedSharding(ded.mesh, spec)
+
+
+def _whole(ded, g: int, local, iteration) -> dict[int, Any]:
+  """Group ``g``'s targets, all-gathered (replicated, plain types)."""
+  axes = tuple(ded.buffer_axes)
+  full = jax.shard_map(
+    lambda xs: [
+      jax.lax.all_gather(x, axes, tiled=True, to='invarying') for x in xs
+    ],
+    mesh=ded.mesh,
+    in_specs=P(axes),
+    out_specs=P(),
+  )(list(local))
+  return unpack_gathered(ded, g, full, iteration)
+
+
+def _as_reduced(ded, mats: dict[int, Any]) -> dict[int, Any]:
+  reduced = _sharding(ded, P(reduced=set(ded.buffer_axes)))
+  return {i: jax.reshard(m, reduced) for i, m in mats.items()}
+
+
+def _scatter_to_owners(ded, g: int, local, iteration, cts) -> list:
+  """The targets' ``unreduced`` cotangents packed into group ``g``'s
+  buffers and summed onto their owners: inside a shard_map over the owner
+  axes each device packs its partial sums (the transpose of
+  :func:`unpack_gathered`, on plain local arrays) and one reduce-scatter
+  per buffer adds them up on the owners."""
+  axes = tuple(ded.buffer_axes)
+  shapes = [(x.shape, x.dtype) for x in local]  # global: the whole buffers
+
+  def pack(cts, it):
+    # The transpose of unpacking reduced values takes unreduced ones.
+    zeros = [
+      jax.lax.pcast(jnp.zeros(s, d), axes, to='reduced') for s, d in shapes
+    ]
+    _, vjp = jax.vjp(lambda f: unpack_gathered(ded, g, f), zeros)
+    (full,) = vjp(cts)
+    if it is not None:  # unpack_gathered's rotation, undone
+      full = [_roll_slots(x, it, ded.num_slots) for x in full]
+    return [jax.lax.psum_scatter(f, axes, tiled=True) for f in full]
+
+  unreduced = P(unreduced=set(axes))
+  specs = (jax.tree.map(lambda _: unreduced, cts), P())
+  return jax.shard_map(
+    pack if iteration is not None else lambda c, _: pack(c, None),
+    mesh=ded.mesh,
+    in_specs=specs,
+    out_specs=[P(axes)] * len(local),
+  )(cts, jnp.zeros([], jnp.int32) if iteration is None else iteration)
+
+
+def _roll_slots(x: jax.Array, shift: jax.Array, n: int) -> jax.Array:
+  """``jnp.roll(x.reshape(n, -1), shift, axis=0).reshape(-1)`` for an
+  ``unreduced`` ``x`` (jax has no unreduced rule for dynamic_slice): the
+  roll by each bit of ``shift`` a static one, selected."""
+  rows = x.reshape(n, -1)
+  shift = shift % n
+  bit = 1
+  while bit < n:
+    rolled = jnp.concatenate([rows[n - bit :], rows[: n - bit]])
+    rows = jnp.where((shift & bit) > 0, rolled, rows)
+    bit *= 2
+  return rows.reshape(-1)
+
+
+def reduced_gather(ded, g: int, local, iteration=None) -> dict[int, Any]:
+  """Group ``g``'s targets from its owner buffers (``(size,)`` each,
+  sharded over the owner axes), whole and typed ``reduced``; their
+  cotangents are reduce-scattered back (:func:`_scatter_to_owners`)."""
+
+  @jax.custom_vjp
+  def gather(local, iteration):
+    return _as_reduced(ded, _whole(ded, g, local, iteration))
+
+  def fwd(local, iteration):
+    return gather(local, iteration), (local, iteration)
+
+  def bwd(saved, cts):
+    local, iteration = saved
+    return _scatter_to_owners(ded, g, local, iteration, cts), None
+
+  gather.defvjp(fwd, bwd)
+  return gather(list(local), iteration)
+
+
+def reduced_sink(ded, g: int, local, iteration=None) -> dict[int, Any]:
+  """:func:`gather_sink` for the reduced gather: zeros shaped like group
+  ``g``'s targets (a list, in :func:`unpack_gathered`'s order), typed
+  ``reduced``, whose summed cotangent is reduce-scattered onto ``local``
+  once per gather group."""
+  shapes = jax.eval_shape(lambda l, i: _whole(ded, g, l, i), local, iteration)
+
+  @jax.custom_vjp
+  def sink(local, iteration):
+    del local, iteration
+    zeros = {i: jnp.zeros(s.shape, s.dtype) for i, s in shapes.items()}
+    return _as_reduced(ded, zeros)
+
+  def fwd(local, iteration):
+    return sink(local, iteration), (local, iteration)
+
+  def bwd(saved, cts):
+    local, iteration = saved
+    return _scatter_to_owners(ded, g, local, iteration, cts), None
+
+  sink.defvjp(fwd, bwd)
+  return list(sink(list(local), iteration).values())
+
+
+def materialize_reduced(
+  ded, g: int, local, iteration=None, sink=None
+) -> dict[int, Any]:
+  """:func:`materialize` for the reduced gather (``local``: the owner
+  buffers; with ``sink``, from :func:`reduced_sink`, cotangents go to
+  it)."""
+  if sink is None:
+    return reduced_gather(ded, g, local, iteration)
+  local = [jax.lax.stop_gradient(x) for x in local]
+  mats = _as_reduced(ded, _whole(ded, g, local, iteration))
+  return {i: route(s, m) for s, (i, m) in zip(sink, mats.items())}

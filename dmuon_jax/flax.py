@@ -34,6 +34,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -187,6 +188,10 @@ class ModelDedication:
       device runs the whole model on its own batch).
     warned: a one-element list: whether the GSPMD-gather warning of a call
       outside :func:`train_step` was given (once per model).
+    gathered: under plain ``jit`` on Explicit owner axes, each gather
+      group's gathered value in the trace that is running (so a group's
+      blocks, and a block called twice, share one gather and one
+      reduce-scatter); replaced when another trace starts.
     linen_model: the Linen module (from :func:`dedicate_linen`), or None
       for an NNX model.
     placeholder_paths: per Muon target, the path of its placeholder
@@ -215,6 +220,7 @@ class ModelDedication:
   targets: tuple[tuple[tuple[int, tuple[Any, ...]], ...], ...]
   replicated: tuple[str, ...]
   warned: list[bool] = dataclasses.field(default_factory=lambda: [False])
+  gathered: dict = dataclasses.field(default_factory=dict, repr=False)
   linen_model: Any = None
   placeholder_paths: tuple[tuple[Any, ...], ...] = ()
   boundary_paths: tuple[tuple[Any, ...], ...] = ()
@@ -686,17 +692,31 @@ def _check_boundaries_hold_targets(params, ded, boundary_predicate) -> None:
 
 
 def _split_args(args, kwargs):
-  leaves, treedef = jax.tree.flatten((args, kwargs))
-  is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
-  arrays = [x for x, a in zip(leaves, is_array) if a]
-  static = [None if a else x for x, a in zip(leaves, is_array)]
+  """``(arrays, nodes, rebuild)``: the call's array leaves, the NNX graph
+  nodes among its arguments (an ``nnx.Rngs`` or a module passed in: they
+  flow through the gathered call as state, so what the call does to them
+  is kept), and ``rebuild(arrays, nodes) -> (args, kwargs)``."""
+  leaves, treedef = jax.tree.flatten(
+    (args, kwargs), is_leaf=lambda x: isinstance(x, nnx.Pytree)
+  )
+  kind = [
+    'array'
+    if isinstance(x, (jax.Array, np.ndarray))
+    else 'node'
+    if isinstance(x, nnx.Pytree)
+    else None
+    for x in leaves
+  ]
+  arrays = [x for x, k in zip(leaves, kind) if k == 'array']
+  nodes = tuple(x for x, k in zip(leaves, kind) if k == 'node')
+  static = [None if k else x for x, k in zip(leaves, kind)]
 
-  def rebuild(arrs):
-    it = iter(arrs)
-    full = [next(it) if a else s for s, a in zip(static, is_array)]
+  def rebuild(arrs, new_nodes=()):
+    it = {'array': iter(arrs), 'node': iter(new_nodes)}
+    full = [next(it[k]) if k else s for s, k in zip(static, kind)]
     return jax.tree.unflatten(treedef, full)
 
-  return arrays, rebuild
+  return arrays, nodes, rebuild
 
 
 def _boundary_call(md: ModelDedication, module, original, args, kwargs):
@@ -732,22 +752,22 @@ def _boundary_call(md: ModelDedication, module, original, args, kwargs):
   # The owned buffers stay out of the state that flows through the call:
   # every boundary of a group then sees the same buffer values.
   owned_filter = (OwnedBuffer, ScanIteration)
-  graphdef, fixed, state = nnx.split(module, owned_filter, ...)
+  arrays, nodes, rebuild = _split_args(args, kwargs)
+  graphdef, fixed, state = nnx.split((module, nodes), owned_filter, ...)
   fixed = jax.tree.map(jax.lax.stop_gradient, fixed)
-  arrays, rebuild = _split_args(args, kwargs)
 
   def run(mats, state, arrays):
-    m = nnx.merge(graphdef, fixed, state)
+    m, new_nodes = nnx.merge(graphdef, fixed, state)
     for i, rel in mine:
       _node_at(m, rel).set_value(mats[i])
-    a, kw = rebuild(arrays)
+    a, kw = rebuild(arrays, new_nodes)
     out = original(m, *a, **kw)
     for _, rel in mine:
       _node_at(m, rel).set_value(jnp.zeros(*holes[rel]))
-    return out, nnx.state(m, nnx.Not(owned_filter))
+    return out, nnx.state((m, new_nodes), nnx.Not(owned_filter))
 
   out, new_state = _gathered(md, b, local, iteration, run, state, arrays)
-  nnx.update(module, new_state)
+  nnx.update((module, nodes), new_state)
   return out
 
 
@@ -814,7 +834,14 @@ def _gathered(
     out, token = call(rep, token, sink, iteration, state, arrays)
     cache[g] = (ids, rep, sink, token)
     return out
-  _warn_bare(md, local)
+  if _gather.reduced_route(ded) and any(
+    isinstance(x, jax.core.Tracer) for x in local
+  ):
+    if _sharded_over(arrays, ded.buffer_axes):
+      return _reduced_call(md, b, local, iteration, run, state, arrays)
+    _warn_unsharded(md, name, arrays)
+  else:
+    _warn_bare(md, local)
 
   def run_global(local, iteration, state, arrays):
     full = [_mesh.place(x, ded.mesh, P()) for x in local]
@@ -824,6 +851,95 @@ def _gathered(
   # once and keeps them (Z2 memory: a re-gather per boundary would move the
   # group again for each of its blocks).
   return run_global(local, iteration, state, arrays)
+
+
+def _sharded_over(arrays, axes: Sequence[str]) -> bool:
+  """Whether the boundary's array inputs are split over every owner axis
+  (the reduced gather's cotangent is a per-device partial sum: jax types a
+  weight ``reduced`` only where its contraction runs over those axes)."""
+
+  def named(x):
+    spec = getattr(jax.typeof(x).sharding, 'spec', None)
+    return {a for e in _mesh.spec_entries(spec) for a in e}
+
+  leaves = jax.tree.leaves(arrays)
+  return any(set(axes) <= named(x) for x in leaves if np.ndim(x) >= 1)
+
+
+def _warn_unsharded(md: ModelDedication, name: str, arrays) -> None:
+  if md.warned[0]:
+    return
+  md.warned[0] = True
+  xs = [x for x in jax.tree.leaves(arrays) if np.ndim(x) >= 1]
+  typed = str(jax.typeof(xs[0])) if xs else 'no array'
+  warnings.warn(
+    f'dmuon: the dedicated boundary {name!r} ran under jax.jit/nnx.jit on '
+    f'an input typed {typed}, not split over the owner axes '
+    f'{md.axes}: its matrices were gathered with GSPMD, and a gradient '
+    'through them is all-reduced (3(N-1)/N x the Muon bytes instead of '
+    'the reduce-scatter floor). Shard the batch over the owner axes, '
+    'e.g. jax.device_put(batch, NamedSharding(mesh, P(ded.axes))), or '
+    'use dmuon_jax.flax.train_step(ded), which does (evaluation on a '
+    'replicated batch is otherwise fine).',
+    _report.DMuonWarning,
+    stacklevel=5,
+  )
+
+
+def _trace_cache(md: ModelDedication, g: int, local, iteration):
+  """``(entry, store)``: group ``g``'s cached gather in the running trace
+  (``None`` if its buffers were not gathered in it yet), and a function
+  that records a new one."""
+  trace = jax.extend.core.get_opaque_trace_state(convention='nnx')
+  cache = md.gathered
+  if cache.get('trace') != trace:
+    cache.clear()
+    cache['trace'] = trace
+  keys = (*local, iteration)
+  hit = cache.get(g)
+  entry = None
+  if hit is not None and all(a is b for a, b in zip(hit[0], keys)):
+    entry = hit[1]
+
+  def store(value):
+    cache[g] = (keys, value)
+
+  return entry, store
+
+
+def _reduced_call(md: ModelDedication, b: int, local, iteration, run, *args):
+  """:func:`_gathered` under plain ``jit`` on Explicit owner axes: the
+  group's buffers gathered typed ``reduced`` (see
+  ``_gather.reduced_gather``), once per trace; Z3 re-gathers once per group
+  in the backward pass."""
+  ded = md.dedication
+  g = _gather.group_of(ded, b)
+  entry, store = _trace_cache(md, g, local, iteration)
+  if not ded.reshard_after_forward:
+    if entry is None:
+      entry = _gather.materialize_reduced(ded, g, local, iteration)
+      store(entry)
+    return run(entry, *args)
+  sink, token = entry or (
+    _gather.reduced_sink(ded, g, local, iteration),
+    _gather.new_token(),
+  )
+  scanned = ded.boundaries.scanned[b]
+
+  def run_z3(local, sink, iteration, *args):
+    mats = _gather.materialize_reduced(ded, g, local, iteration, sink=sink)
+    return run(mats, *args)
+
+  call = _gather.regather_group_in_backward(
+    run_z3,
+    ded.remat_policy,
+    last=b == ded.groups[g][-1] or scanned,
+    blocks=[ded.boundaries.names[b]],
+    routed=True,
+  )
+  out, token = call(local, token, sink, iteration, *args)
+  store((sink, token))
+  return out
 
 
 def dedicate_linen(
@@ -1046,7 +1162,7 @@ def _linen_interceptor(next_fun, args, kwargs, context):
   mutable = [c for c in cols if module.is_mutable_collection(c)]
   rngs = {name: module.make_rng(name) for name in module.scope.rngs}
   mine = md.targets[b]
-  arrays, rebuild = _split_args(args, kwargs)
+  arrays, _, rebuild = _split_args(args, kwargs)
 
   def run(mats, state, arrays):
     p, others, keys = state

@@ -12,9 +12,11 @@ held to the same model under single-device ``nnx.jit`` with
 ``optax.contrib.muon``.
 """
 
+import contextlib
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from absl.testing import absltest
@@ -255,3 +257,268 @@ class GemmaLikeDecoderTest(absltest.TestCase):
 
 if __name__ == '__main__':
   absltest.main()
+
+
+# -- a scanned stack with BatchNorm ---------------------------------------------
+
+
+class NormBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.norm = nnx.BatchNorm(D, rngs=rngs)
+    self.up = nnx.Linear(D, F, use_bias=False, rngs=rngs)
+    self.down = nnx.Linear(F, D, use_bias=False, rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.down(nnx.gelu(self.up(self.norm(x))))
+
+
+class ScannedModel(nnx.Module):
+  """Layers made by ``nnx.vmap`` and run by ``nnx.scan``, each with a
+  BatchNorm whose statistics are the global batch's under plain jit."""
+
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(V, D, rngs=rngs)
+
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(key):
+      return NormBlock(nnx.Rngs(key))
+
+    self.layers = make(jax.random.split(jax.random.key(3), LAYERS))
+    self.head = nnx.Linear(D, V, use_bias=False, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens, out_sharding=P(AXES))
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def body(x, block):
+      return block(x)
+
+    return self.head(body(x, self.layers))
+
+
+def stacked_dims(params):
+  """The stacked kernels' dimension numbers (layer axis 0), for both."""
+  return jax.tree_util.tree_map_with_path(
+    lambda p, _: (
+      dmuon_jax.MuonDimensionNumbers(reduction_axis=1, output_axis=2)
+      if 'layers' in jax.tree_util.keystr(p)
+      and 'kernel' in jax.tree_util.keystr(p)
+      else None
+    ),
+    params,
+  )
+
+
+def scan_loss(model, tokens):
+  logits = model(tokens[:, :-1])
+  return optax.softmax_cross_entropy_with_integer_labels(
+    logits, tokens[:, 1:]
+  ).mean()
+
+
+def scan_step(model, optimizer, tokens):
+  loss, grads = nnx.value_and_grad(scan_loss)(model, tokens)
+  optimizer.update(model, grads)
+  return loss
+
+
+def run_model(mesh, make, loss_step, dedicated, dims_fn, z3=False):
+  """20 steps of ``make()`` under ``nnx.jit(loss_step)``: losses, plain
+  params, batch statistics, the compiled step's collectives."""
+  with jax.set_mesh(mesh):
+    model = make()
+    ded = None
+    if dedicated:
+      ded = dflax.dedicate(
+        model,
+        mesh,
+        reshard_after_forward=z3,
+        muon_weight_dimension_numbers=dims_fn,
+      )
+      tx = dflax.dedicated_muon(ded, learning_rate=LR)
+    else:
+      tx = optax.contrib.muon(LR, muon_weight_dimension_numbers=dims_fn)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    tokens = jax.device_put(token_batch(), NamedSharding(mesh, P(AXES)))
+    step = nnx.jit(loss_step)
+    losses = [float(step(model, optimizer, tokens)) for _ in range(STEPS)]
+    compiled = step.lower(model, optimizer, tokens).compile()
+    params = (
+      ded.to_params(model)
+      if dedicated
+      else nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    )
+    stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
+    return {
+      'losses': np.array(losses),
+      'params': jax.tree.map(np.asarray, params),
+      'stats': jax.tree.map(np.asarray, stats),
+      'collectives': collectives(compiled),
+      'ded': ded,
+    }
+
+
+@functools.cache
+def scan_run(dedicated, z3=False):
+  mesh = support.make_mesh((2, 4)) if dedicated else single_mesh()
+  return run_model(
+    mesh,
+    lambda: ScannedModel(nnx.Rngs(0)),
+    scan_step,
+    dedicated,
+    stacked_dims,
+    z3,
+  )
+
+
+class ScannedBatchNormTest(absltest.TestCase):
+  """``nnx.scan`` over an ``nnx.vmap`` stack with BatchNorm, dedicated,
+  under plain ``nnx.jit``: the statistics are the global batch's, as
+  under single-device ``nnx.jit``, and each iteration's gather and
+  reduce-scatter run inside the loops."""
+
+  def check(self, z3):
+    want, got = scan_run(False), scan_run(True, z3)
+    rel = np.max(np.abs(got['losses'] - want['losses']) / want['losses'])
+    self.assertLess(rel, 1e-5)
+    support.assert_trees_max_rel_close(got['params'], want['params'], 1e-5)
+    support.assert_trees_max_rel_close(got['stats'], want['stats'], 1e-5)
+    kinds = got['collectives']
+    floor = muon_floor(got['ded'], z3)
+    muon = kinds['all-gather'][1] + kinds['reduce-scatter'][1]
+    self.assertLessEqual(muon, 1.05 * floor)
+    self.assertGreaterEqual(muon, floor - 1)
+    # One reduce-scatter per layer (in the backward loop).
+    self.assertEqual(kinds['reduce-scatter'][0], LAYERS)
+
+  def test_z2(self):
+    self.check(False)
+
+  def test_z3(self):
+    self.check(True)
+
+
+# -- Flax's FSDP toy MLP --------------------------------------------------------
+
+
+class FsdpMlp(nnx.Module):
+  """Our version of the MLP of Flax's sharding guide: kernels partitioned
+  over ``'shard'`` with ``nnx.with_partitioning`` (FSDP), the root module
+  its only boundary."""
+
+  def __init__(self, rngs, fsdp=True):
+    init = nnx.initializers.lecun_normal()
+    part = (
+      (lambda f: nnx.with_partitioning(f, (None, 'shard')))
+      if fsdp
+      else (lambda f: f)
+    )
+    self.dot1 = nnx.Linear(
+      D, F, use_bias=False, kernel_init=part(init), rngs=rngs
+    )
+    self.w2 = nnx.Param(part(init)(rngs.params(), (F, D)))
+    self.out = nnx.Linear(D, 1, rngs=rngs)
+
+  def __call__(self, x):
+    y = nnx.relu(self.dot1(x))
+    return self.out(y @ self.w2[...])[:, 0]
+
+
+def mlp_batch():
+  rng = np.random.default_rng(5)
+  x = rng.normal(size=(BATCH, D)).astype(np.float32)
+  return jnp.asarray(x), jnp.asarray(np.tanh(x[:, 0] - x[:, 1]))
+
+
+def mlp_step(model, optimizer, batch):
+  x, y = batch
+
+  def loss_fn(model):
+    return jnp.mean((model(x) - y) ** 2)
+
+  loss, grads = nnx.value_and_grad(loss_fn)(model)
+  optimizer.update(model, grads)
+  return loss
+
+
+@functools.cache
+def mlp_run(dedicated, z3=False):
+  # The reference: one device, no mesh (optax.contrib.muon cannot
+  # orthogonalize a kernel typed sharded over an Explicit axis: its
+  # Newton-Schulz matmuls have ambiguous shardings).
+  mesh = support.make_mesh((2, 4)) if dedicated else None
+  with jax.set_mesh(mesh) if dedicated else contextlib.nullcontext():
+    # The same values either way: the partitioning is metadata.
+    model = FsdpMlp(nnx.Rngs(0), fsdp=dedicated)
+    batch = mlp_batch()
+    if dedicated:
+      batch = jax.device_put(batch, NamedSharding(mesh, P(AXES)))
+    ded = None
+    if dedicated:
+      sharded = model.dot1.kernel.get_value().sharding.spec
+      ded = dflax.dedicate(
+        model,
+        mesh,
+        reshard_after_forward=z3,
+        boundary_predicate=lambda p, _: p == '',
+      )
+      tx = dflax.dedicated_muon(ded, learning_rate=LR)
+    else:
+      sharded = None
+      tx = optax.contrib.muon(LR, muon_weight_dimension_numbers=dims)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    step = nnx.jit(mlp_step)
+    losses = [float(step(model, optimizer, batch)) for _ in range(STEPS)]
+    compiled = step.lower(model, optimizer, batch).compile()
+    params = (
+      ded.to_params(model)
+      if dedicated
+      else nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    )
+    return {
+      'losses': np.array(losses),
+      'params': jax.tree.map(np.asarray, params),
+      'collectives': collectives(compiled),
+      'ded': ded,
+      'sharded': sharded,
+    }
+
+
+class FsdpMlpTest(absltest.TestCase):
+  """Flax's FSDP toy MLP (params made sharded by their metadata),
+  dedicated, under plain ``nnx.jit``."""
+
+  def test_z3_matches_single_device_at_the_floor(self):
+    want, got = mlp_run(False), mlp_run(True, True)
+    self.assertEqual(got['sharded'], P(None, 'shard'))  # FSDP as made
+    rel = np.max(np.abs(got['losses'] - want['losses']) / want['losses'])
+    self.assertLess(rel, 1e-5)
+    support.assert_trees_max_rel_close(got['params'], want['params'], 1e-5)
+    kinds = got['collectives']
+    floor = muon_floor(got['ded'], True)
+    muon = kinds['all-gather'][1] + kinds['reduce-scatter'][1]
+    self.assertLessEqual(muon, 1.05 * floor)
+    self.assertGreaterEqual(muon, floor - 1)
+
+
+# -- what plain jit cannot do at the floor ----------------------------------------
+
+
+class UnshardedBatchTest(absltest.TestCase):
+  def test_replicated_batch_warns_and_computes_the_same(self):
+    mesh = support.make_mesh((2, 4))
+    with jax.set_mesh(mesh):
+      model = FsdpMlp(nnx.Rngs(0))
+      ded = dflax.dedicate(model, mesh, boundary_predicate=lambda p, _: p == '')
+      optimizer = nnx.Optimizer(
+        model, dflax.dedicated_muon(ded, learning_rate=LR), wrt=nnx.Param
+      )
+      replicated = jax.device_put(mlp_batch(), NamedSharding(mesh, P()))
+
+      with self.assertWarnsRegex(
+        dmuon_jax.DMuonWarning,
+        r"boundary '' ran .*not split over the owner axes",
+      ):
+        loss = float(nnx.jit(mlp_step)(model, optimizer, replicated))
+    want = mlp_run(False)['losses'][0]
+    self.assertLess(abs(loss - want) / want, 1e-5)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import functools
+import inspect
 import itertools
 import warnings
 from collections.abc import Callable, Sequence
@@ -96,8 +97,12 @@ class DedicatedWeight(nnx.Variable):
   """Placeholder of a Muon target stored in an :class:`OwnedBuffer`.
 
   Holds a zero-size array (with the stack's layer axis for a scanned
-  stack); the boundary module's call replaces it by the gathered matrix
-  while the module runs.
+  stack); the boundary module's call (or a call of one of its public
+  methods, e.g. ``Embed.attend``) replaces it by the gathered matrix while
+  the module runs. Reading it elsewhere (``[...]``, ``.shape``,
+  ``get_value()``) raises an error naming the param and
+  ``ModelDedication.to_params`` (the whole arrays), so that no zero-size
+  array reaches metrics or evaluation code.
 
   Attributes:
     value: the zero-size array, ``(0,)`` (``(num_layers, 0)`` in a scanned
@@ -110,12 +115,31 @@ class DedicatedWeight(nnx.Variable):
     ...                        nnx.Linear(8, 8, rngs=nnx.Rngs(1)))
     >>> ded = dflax.dedicate(model, None)  # None: one device
     >>> kernel = model.layers[0].kernel
-    >>> type(kernel).__name__, kernel.shape
+    >>> type(kernel).__name__, kernel.get_raw_value().shape
     ('DedicatedWeight', (0,))
     >>> y = model(jnp.ones((2, 8)))  # the layer sees its gathered matrix
     >>> y.shape
     (2, 8)
+    >>> kernel[...]  # outside the layer's call: an error naming it
+    Traceback (most recent call last):
+    ...
+    ValueError: dmuon: 'layers/0/kernel' is a dedicated Muon weight...
   """
+
+  def get_value(self, **kwargs: Any) -> Any:
+    """The value; a clear error while this is the zero-size placeholder
+    (outside its boundary module's call)."""
+    if np.size(self.get_raw_value()) == 0:
+      name = self.get_metadata().get('dmuon_name', '?')
+      boundary = self.get_metadata().get('dmuon_boundary', '?')
+      raise ValueError(
+        f'dmuon: {name!r} is a dedicated Muon weight: its values are stored '
+        'on their owner devices and gathered only while its hook boundary '
+        f'{boundary!r} runs (call that module, or a method of it). For the '
+        'whole array outside (metrics, sharding visualization, export), '
+        'read ded.to_params(model).'
+      )
+    return super().get_value(**kwargs)
 
 
 class ScanIteration(nnx.Variable):
@@ -166,6 +190,11 @@ _LINEN: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
 )
 _ACTIVE: contextvars.ContextVar[_StepContext | None] = contextvars.ContextVar(
   'dmuon_jax_flax_step', default=None
+)
+# Ids of the boundary modules (the merged copies) whose call is running:
+# their other methods run as written inside it.
+_RUNNING: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+  'dmuon_jax_flax_running', default=frozenset()
 )
 
 
@@ -359,29 +388,52 @@ def _references(model: nnx.Module) -> dict[int, list[tuple]]:
   return refs
 
 
+def _methods(cls: type) -> list[str]:
+  """``__call__`` and the public methods ``cls`` adds to ``nnx.Module``
+  (``Embed.attend``, a block's helper): each may read the Muon targets."""
+  names = []
+  for klass in cls.__mro__:
+    if klass is nnx.Module or not issubclass(klass, nnx.Module):
+      break
+    for name, fn in vars(klass).items():
+      public = name == '__call__' or not (
+        name.startswith('_') or hasattr(nnx.Module, name)
+      )
+      if public and inspect.isfunction(fn) and name not in names:
+        names.append(name)
+  return names
+
+
 def _hooked(cls: type) -> type:
-  """``cls`` whose ``__call__`` gathers the boundary's matrices first."""
+  """``cls`` whose ``__call__`` and public methods gather the boundary's
+  matrices first (a method called inside another runs as written)."""
   if cls in _HOOKED:
     return _HOOKED[cls]
   if getattr(cls, '_dmuon_base', None) is not None:
     return cls
-  original = cls.__call__
 
-  def __call__(self, *args, **kwargs):  # noqa: N807
-    md = _REGISTRY.get(self.dmuon_key)
-    if md is None:
-      raise ValueError(
-        f'dmuon: module {type(self).__name__} was dedicated by a '
-        'dmuon_jax.flax.dedicate() of another process or session; call '
-        'dedicate() again on a fresh model.'
-      )
-    return _boundary_call(md, self, original, args, kwargs)
+  def hook(original):
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+      if id(self) in _RUNNING.get():
+        return original(self, *args, **kwargs)
+      md = _REGISTRY.get(self.dmuon_key)
+      if md is None:
+        raise ValueError(
+          f'dmuon: module {type(self).__name__} was dedicated by a '
+          'dmuon_jax.flax.dedicate() of another process or session; call '
+          'dedicate() again on a fresh model.'
+        )
+      return _boundary_call(md, self, original, args, kwargs)
 
+    return method
+
+  attrs = {name: hook(getattr(cls, name)) for name in _methods(cls)}
   sub = type(
     cls.__name__,
     (cls,),
     {
-      '__call__': __call__,
+      **attrs,
       '__module__': cls.__module__,
       '__qualname__': cls.__qualname__,
       '_dmuon_base': cls,
@@ -563,7 +615,11 @@ def dedicate(
     _set_at(
       model,
       paths[i],
-      DedicatedWeight(_placeholder(t.shape, t.dtype, scanned)),
+      DedicatedWeight(
+        _placeholder(t.shape, t.dtype, scanned),
+        dmuon_name=_text(paths[i]),
+        dmuon_boundary=ded.boundaries.names[_boundary_of(ded, t)],
+      ),
     )
 
   owned_state = nnx.to_flat_state(nnx.state(model, OwnedBuffer))
@@ -737,7 +793,7 @@ def _boundary_call(md: ModelDedication, module, original, args, kwargs):
     )
   iteration = module.dmuon_iteration.get_value() if scanned else None
   mine = md.targets[b]
-  holes = {rel: _node_at(module, rel).get_value() for _, rel in mine}
+  holes = {rel: _node_at(module, rel).get_raw_value() for _, rel in mine}
   full = [rel for rel, x in holes.items() if np.size(x)]
   holes = {rel: (tuple(x.shape), x.dtype) for rel, x in holes.items()}
   if full:
@@ -761,7 +817,11 @@ def _boundary_call(md: ModelDedication, module, original, args, kwargs):
     for i, rel in mine:
       _node_at(m, rel).set_value(mats[i])
     a, kw = rebuild(arrays, new_nodes)
-    out = original(m, *a, **kw)
+    running = _RUNNING.set(_RUNNING.get() | {id(m)})
+    try:
+      out = original(m, *a, **kw)
+    finally:
+      _RUNNING.reset(running)
     for _, rel in mine:
       _node_at(m, rel).set_value(jnp.zeros(*holes[rel]))
     return out, nnx.state((m, new_nodes), nnx.Not(owned_filter))

@@ -130,7 +130,9 @@ def rng_count(rngs) -> int:
   return int(np.asarray(rngs.dropout.count.get_value()))
 
 
-def run_decoder(mesh, dedicated, z3=False, functional=False, rate=0.0):
+def run_decoder(
+  mesh, dedicated, z3=False, functional=False, rate=0.0, steps=STEPS
+):
   """20 steps of the decoder; returns losses, final plain params, the
   metric's (count, average), the dropout RNG count and the compiled
   step's collectives."""
@@ -148,14 +150,14 @@ def run_decoder(mesh, dedicated, z3=False, functional=False, rate=0.0):
     losses = []
     if functional:
       graphdef, state = nnx.split((model, optimizer, metrics, rngs))
-      for _ in range(STEPS):
+      for _ in range(steps):
         loss, state = functional_step(graphdef, state, tokens)
         losses.append(float(loss))
       compiled = functional_step.lower(graphdef, state, tokens).compile()
       nnx.update((model, optimizer, metrics, rngs), state)
     else:
       step = nnx.jit(nnx_step)
-      for _ in range(STEPS):
+      for _ in range(steps):
         losses.append(float(step(model, optimizer, metrics, rngs, tokens, 1.0)))
       compiled = step.lower(
         model, optimizer, metrics, rngs, tokens, 1.0
@@ -180,14 +182,19 @@ def run_decoder(mesh, dedicated, z3=False, functional=False, rate=0.0):
 
 
 @functools.cache
-def decoder_reference(rate=0.0):
-  return run_decoder(single_mesh(), dedicated=False, rate=rate)
+def decoder_reference(rate=0.0, steps=STEPS):
+  return run_decoder(single_mesh(), dedicated=False, rate=rate, steps=steps)
 
 
 @functools.cache
-def decoder_run(z3, functional, rate=0.0):
+def decoder_run(z3, functional, rate=0.0, steps=STEPS):
   return run_decoder(
-    support.make_mesh((2, 4)), True, z3=z3, functional=functional, rate=rate
+    support.make_mesh((2, 4)),
+    True,
+    z3=z3,
+    functional=functional,
+    rate=rate,
+    steps=steps,
   )
 
 
@@ -195,14 +202,6 @@ def muon_floor(ded, z3) -> float:
   """The plan's Z2/Z3 floor for its (padded) gathers, bytes per device."""
   _, gathered = ded.dedication.gather_bytes()
   return (3 if z3 else 2) * (N - 1) / N * gathered
-
-
-CASES = (
-  ('z2_nnx_jit', False, False),
-  ('z3_nnx_jit', True, False),
-  ('z2_functional_jax_jit', False, True),
-  ('z3_functional_jax_jit', True, True),
-)
 
 
 class GemmaLikeDecoderTest(absltest.TestCase):
@@ -234,21 +233,17 @@ class GemmaLikeDecoderTest(absltest.TestCase):
     adamw = 2 * (N - 1) / N * (2 * table + norms)
     self.assertLessEqual(kinds['all-reduce'][1], adamw + 64)
 
+  # Z2 x nnx.jit and Z3 x functional jax.jit: the gather mode and the
+  # step's form are independent (one trace of the user's step either way).
   def test_z2_nnx_jit(self):
     self.check(False, False)
-
-  def test_z3_nnx_jit(self):
-    self.check(True, False)
-
-  def test_z2_functional_jax_jit(self):
-    self.check(False, True)
 
   def test_z3_functional_jax_jit(self):
     self.check(True, True)
 
   def test_dropout_rng_state_advances_as_under_nnx_jit(self):
-    want = decoder_reference(rate=0.1)
-    got = decoder_run(False, False, rate=0.1)
+    want = decoder_reference(rate=0.1, steps=3)
+    got = decoder_run(False, False, rate=0.1, steps=3)
     self.assertEqual(got['rng'], want['rng'])
     self.assertGreater(got['rng'], 0)
     self.assertTrue(np.all(np.isfinite(got['losses'])))

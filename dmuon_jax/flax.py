@@ -283,7 +283,7 @@ class ModelDedication:
       _mesh.unbox, variables['params'], is_leaf=_mesh.is_box
     )
     variables = {**variables, 'params': params}
-    reset = _LINEN.set((self, params))
+    reset = _LINEN.set((self, params, {}))
     try:
       with nn.intercept_methods(_linen_interceptor):
         return self.linen_model.apply(variables, *args, **kwargs)
@@ -1197,10 +1197,12 @@ def _node_at_dict(tree: Any, path: Sequence[Any]) -> Any:
 
 
 def _linen_interceptor(next_fun, args, kwargs, context):
+  """Runs a boundary module's method (``__call__`` or any other: a
+  ``decode``, an ``attend``) on its group's gathered matrices."""
   active = _LINEN.get()
-  if active is None or context.method_name != '__call__':
+  if active is None or context.method_name == 'setup':
     return next_fun(*args, **kwargs)
-  md, root = active
+  md, root, traces = active
   module = context.module
   path = tuple(module.path)
   if path not in md.boundary_paths:
@@ -1213,6 +1215,7 @@ def _linen_interceptor(next_fun, args, kwargs, context):
     for k, (h, _) in enumerate(ded.layout.buffer_index)
     if h == g
   ]
+  _check_one_trace_per_group(md, g, path, local, traces)
   cols = {c: _plain_dicts(module.variables[c]) for c in module.variables}
   sub = {
     k: v
@@ -1223,6 +1226,7 @@ def _linen_interceptor(next_fun, args, kwargs, context):
   rngs = {name: module.make_rng(name) for name in module.scope.rngs}
   mine = md.targets[b]
   arrays, _, rebuild = _split_args(args, kwargs)
+  method = context.method_name
 
   def run(mats, state, arrays):
     p, others, keys = state
@@ -1233,7 +1237,12 @@ def _linen_interceptor(next_fun, args, kwargs, context):
     reset = _LINEN.set(None)  # the block's own submodules run as written
     try:
       result = module.clone(parent=None).apply(
-        {'params': p, **others}, *a, rngs=keys, mutable=mutable or False, **kw
+        {'params': p, **others},
+        *a,
+        rngs=keys,
+        mutable=mutable or False,
+        method=method,
+        **kw,
       )
     finally:
       _LINEN.reset(reset)
@@ -1244,6 +1253,44 @@ def _linen_interceptor(next_fun, args, kwargs, context):
     for name, value in tree.items():
       module.put_variable(c, name, value)
   return out
+
+
+LIFTED_BOUNDARY_MSG = (
+  'dmuon: the dedicated boundary {name!r} runs inside a Flax lifted '
+  'transform of its own (nn.remat, nn.jit, nn.vmap ... around the boundary '
+  'module: a trace of its own per block), so each of its gather group '
+  '{group} blocks gathers the group again: the numbers are right, but '
+  'the step moves one reduce-scatter (Z3: and all-gather) per block '
+  'instead of one per group ({blocks} blocks, up to {blocks}x the Muon '
+  "gradient bytes of the plan's floor). Apply the transform inside the "
+  'block, to its submodules (e.g. nn.remat(nn.Dense) in the block), '
+  'rather than to the boundary module; for the memory of the gathered '
+  'matrices, dedicate_linen(reshard_after_forward=True) frees them after '
+  'the forward and re-gathers each group once in the backward pass.'
+)
+
+
+def _check_one_trace_per_group(md, g: int, path, local, traces) -> None:
+  """Warns (once per model) where group ``g``'s blocks run under different
+  traces in one ``ded.apply`` on the reduced route: a lifted transform
+  around each boundary module, so the group is gathered per block."""
+  ded = md.dedication
+  if not _gather.reduced_route(ded) or not any(
+    isinstance(x, jax.core.Tracer) for x in local
+  ):
+    return
+  trace = jax.extend.core.get_opaque_trace_state(convention='nnx')
+  first = traces.setdefault(g, trace)
+  if first == trace or md.warned[0]:
+    return
+  md.warned[0] = True
+  warnings.warn(
+    LIFTED_BOUNDARY_MSG.format(
+      name=_text(path), group=g, blocks=len(ded.groups[g])
+    ),
+    _report.DMuonWarning,
+    stacklevel=4,
+  )
 
 
 def _warn_bare(md: ModelDedication, local) -> None:

@@ -517,3 +517,47 @@ class UnshardedBatchTest(absltest.TestCase):
         loss = float(nnx.jit(mlp_step)(model, optimizer, replicated))
     want = mlp_run(False)['losses'][0]
     self.assertLess(abs(loss - want) / want, 1e-5)
+
+
+# -- reading dedicated weights outside their boundary ---------------------------
+
+
+class Helper(nnx.Module):
+  def __init__(self, rngs):
+    self.up = nnx.Linear(D, F, use_bias=False, rngs=rngs)
+    self.down = nnx.Linear(F, D, use_bias=False, rngs=rngs)
+
+  def mlp(self, x):  # a public method the model calls directly
+    return self.down(nnx.gelu(self.up(x)))
+
+  def __call__(self, x):
+    return x + self.mlp(x)
+
+
+class HelperModel(nnx.Module):
+  def __init__(self, rngs):
+    self.layers = nnx.List([Helper(rngs) for _ in range(2)])
+
+  def __call__(self, x):
+    return self.layers[1](self.layers[0].mlp(x))
+
+
+class OutsideTest(absltest.TestCase):
+  def test_a_boundary_method_runs_on_its_gathered_matrices(self):
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(8, D)), jnp.float32)
+    want = np.asarray(HelperModel(nnx.Rngs(0))(x))
+    model = HelperModel(nnx.Rngs(0))
+    dflax.dedicate(model, support.make_mesh((2, 4)))
+    np.testing.assert_allclose(np.asarray(model(x)), want, rtol=1e-6)
+
+  def test_reading_a_placeholder_names_the_param(self):
+    model = HelperModel(nnx.Rngs(0))
+    dflax.dedicate(model, support.make_mesh((2, 4)))
+    kernel = model.layers[0].up.kernel
+    for read in (lambda: kernel[...], lambda: kernel.shape, kernel.get_value):
+      with self.assertRaisesRegex(
+        ValueError,
+        r"'layers/0/up/kernel' is a dedicated Muon weight.*'layers/0'.*"
+        r'to_params',
+      ):
+        read()

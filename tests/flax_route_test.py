@@ -561,3 +561,57 @@ class OutsideTest(absltest.TestCase):
         r'to_params',
       ):
         read()
+
+
+# -- a block used twice -----------------------------------------------------------
+
+
+class SharedModel(nnx.Module):
+  """Block 0 runs again after block 1 (a weight-shared layer)."""
+
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(V, D, rngs=rngs)
+    self.layers = nnx.List([Block(rngs, 0.0) for _ in range(2)])
+    self.head = nnx.Linear(D, V, use_bias=False, rngs=rngs)
+
+  def __call__(self, tokens, rngs):
+    x = self.embed(tokens, out_sharding=P(AXES))
+    for block in (self.layers[0], self.layers[1], self.layers[0]):
+      x = block(x, rngs)
+    return self.head(x, out_sharding=P(AXES))
+
+
+def shared_step(model, optimizer, tokens):
+  loss, grads = nnx.value_and_grad(loss_fn)(model, tokens, nnx.Rngs(0))
+  optimizer.update(model, grads)
+  return loss
+
+
+class SharedBlockTest(absltest.TestCase):
+  def test_each_group_is_gathered_and_reduce_scattered_once(self):
+    want = run_model(
+      single_mesh(),
+      lambda: SharedModel(nnx.Rngs(0)),
+      shared_step,
+      False,
+      dims,
+    )
+    got = run_model(
+      support.make_mesh((2, 4)),
+      lambda: SharedModel(nnx.Rngs(0)),
+      shared_step,
+      True,
+      None,
+    )
+    rel = np.max(np.abs(got['losses'] - want['losses']) / want['losses'])
+    self.assertLess(rel, 1e-5)
+    support.assert_trees_max_rel_close(got['params'], want['params'], 1e-5)
+    kinds = got['collectives']
+    groups = len(got['ded'].dedication.groups)
+    # Three block calls: still one gather and one reduce-scatter per group
+    # (the second use's cotangent is added before the reduce-scatter).
+    self.assertEqual(kinds['all-gather'][0], groups)
+    self.assertEqual(kinds['reduce-scatter'][0], groups)
+    floor = muon_floor(got['ded'], False)
+    muon = kinds['all-gather'][1] + kinds['reduce-scatter'][1]
+    self.assertLessEqual(muon, 1.05 * floor)

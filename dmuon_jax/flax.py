@@ -99,10 +99,11 @@ class DedicatedWeight(nnx.Variable):
   Holds a zero-size array (with the stack's layer axis for a scanned
   stack); the boundary module's call (or a call of one of its public
   methods, e.g. ``Embed.attend``) replaces it by the gathered matrix while
-  the module runs. Reading it elsewhere (``[...]``, ``.shape``,
-  ``get_value()``) raises an error naming the param and
-  ``ModelDedication.to_params`` (the whole arrays), so that no zero-size
-  array reaches metrics or evaluation code.
+  the module runs. Reading its value elsewhere (``[...]``, ``get_value()``,
+  ``jax.debug.visualize_array_sharding``, arithmetic) raises an error naming
+  the param and ``ModelDedication.to_params`` (the whole arrays), so that no
+  zero-size array reaches metrics or evaluation code; ``.shape`` is the
+  placeholder's (Flax's ``nnx.get_named_sharding`` reads it).
 
   Attributes:
     value: the zero-size array, ``(0,)`` (``(num_layers, 0)`` in a scanned
@@ -115,7 +116,7 @@ class DedicatedWeight(nnx.Variable):
     ...                        nnx.Linear(8, 8, rngs=nnx.Rngs(1)))
     >>> ded = dflax.dedicate(model, None)  # None: one device
     >>> kernel = model.layers[0].kernel
-    >>> type(kernel).__name__, kernel.get_raw_value().shape
+    >>> type(kernel).__name__, kernel.shape
     ('DedicatedWeight', (0,))
     >>> y = model(jnp.ones((2, 8)))  # the layer sees its gathered matrix
     >>> y.shape
@@ -125,6 +126,11 @@ class DedicatedWeight(nnx.Variable):
     ...
     ValueError: dmuon: 'layers/0/kernel' is a dedicated Muon weight...
   """
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """The placeholder's shape (Flax's sharding helpers read it)."""
+    return tuple(self.get_raw_value().shape)
 
   def get_value(self, **kwargs: Any) -> Any:
     """The value; a clear error while this is the zero-size placeholder
@@ -309,15 +315,21 @@ class ModelDedication:
     """The model's plain params, Muon targets whole.
 
     Args:
-      model: the dedicated NNX model, or (Linen) the dedicated params of
-        :func:`dedicate_linen`.
+      model: the dedicated NNX model, an ``nnx.State`` of its params (e.g.
+        the gradients from ``nnx.value_and_grad``: logged gradient norms
+        then mean what they mean on the plain model, without the owner
+        buffers' padding), or (Linen) the dedicated params of
+        :func:`dedicate_linen` (or their gradients).
 
     Returns:
       The params as a nested dict of arrays, as before dedication
       (``nnx.to_pure_dict`` form for NNX).
     """
-    if isinstance(model, nnx.Module):
-      state = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    if isinstance(model, (nnx.Module, nnx.State)):
+      params = model if isinstance(model, nnx.State) else None
+      if params is None:
+        params = nnx.state(model, nnx.Param)
+      state = nnx.to_flat_state(params)
       by_path = {tuple(p): v.get_value() for p, v in state}
     else:
       by_path = {
@@ -596,7 +608,16 @@ def dedicate(
 
   key = f'dmuon{next(_COUNTER)}'
   buffers = list(dp.owned.buffers)
-  owned_vars = [OwnedBuffer(x) for x in buffers]
+  # Each buffer's layout spec as its out_sharding metadata: Flax's
+  # nnx.get_named_sharding (of the model, or of an abstract one from
+  # nnx.eval_shape) gives the owners' sharding, and nnx.Optimizer copies
+  # it into the momentum's variables.
+  owned_vars = [
+    _mesh.box_like(OwnedBuffer(x), x, spec)
+    if ded.layout.distributed
+    else OwnedBuffer(x)
+    for x, spec in zip(buffers, ded.layout.buffer_specs())
+  ]
   for b, bpath in enumerate(boundary_paths):
     module = _node_at(model, bpath) if bpath else model
     g = _gather.group_of(ded, b)

@@ -317,7 +317,7 @@ def scan_step(model, optimizer, tokens):
   return loss
 
 
-def run_model(mesh, make, loss_step, dedicated, dims_fn, z3=False):
+def run_model(mesh, make, loss_step, dedicated, dims_fn, z3=False, steps=STEPS):
   """20 steps of ``make()`` under ``nnx.jit(loss_step)``: losses, plain
   params, batch statistics, the compiled step's collectives."""
   with jax.set_mesh(mesh):
@@ -336,7 +336,7 @@ def run_model(mesh, make, loss_step, dedicated, dims_fn, z3=False):
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     tokens = jax.device_put(token_batch(), NamedSharding(mesh, P(AXES)))
     step = nnx.jit(loss_step)
-    losses = [float(step(model, optimizer, tokens)) for _ in range(STEPS)]
+    losses = [float(step(model, optimizer, tokens)) for _ in range(steps)]
     compiled = step.lower(model, optimizer, tokens).compile()
     params = (
       ded.to_params(model)
@@ -386,11 +386,10 @@ class ScannedBatchNormTest(absltest.TestCase):
     # One reduce-scatter per layer (in the backward loop).
     self.assertEqual(kinds['reduce-scatter'][0], LAYERS)
 
+  # Z2 here; Z3 in a loop is the decoder's and the MLP's Z3 (the scan's
+  # body is one trace: the same reduced-gather code per iteration).
   def test_z2(self):
     self.check(False)
-
-  def test_z3(self):
-    self.check(True)
 
 
 # -- Flax's FSDP toy MLP --------------------------------------------------------
@@ -554,7 +553,8 @@ class OutsideTest(absltest.TestCase):
     model = HelperModel(nnx.Rngs(0))
     dflax.dedicate(model, support.make_mesh((2, 4)))
     kernel = model.layers[0].up.kernel
-    for read in (lambda: kernel[...], lambda: kernel.shape, kernel.get_value):
+    self.assertEqual(kernel.shape, (0,))  # metadata reads stay possible
+    for read in (lambda: kernel[...], lambda: kernel + 1, kernel.get_value):
       with self.assertRaisesRegex(
         ValueError,
         r"'layers/0/up/kernel' is a dedicated Muon weight.*'layers/0'.*"
@@ -595,6 +595,7 @@ class SharedBlockTest(absltest.TestCase):
       shared_step,
       False,
       dims,
+      steps=5,
     )
     got = run_model(
       support.make_mesh((2, 4)),
@@ -602,6 +603,7 @@ class SharedBlockTest(absltest.TestCase):
       shared_step,
       True,
       None,
+      steps=5,
     )
     rel = np.max(np.abs(got['losses'] - want['losses']) / want['losses'])
     self.assertLess(rel, 1e-5)
@@ -615,3 +617,84 @@ class SharedBlockTest(absltest.TestCase):
     floor = muon_floor(got['ded'], False)
     muon = kinds['all-gather'][1] + kinds['reduce-scatter'][1]
     self.assertLessEqual(muon, 1.05 * floor)
+
+
+# -- abstract init: dedicated inside the jitted init ---------------------------------
+
+
+class AbstractInitTest(absltest.TestCase):
+  """A trainer's init under ``nnx.jit`` (nothing made on the host), with
+  the model dedicated inside it; ``nnx.eval_shape`` of the same function
+  gives the shardings a trainer passes as ``out_shardings``."""
+
+  def test_dedicated_in_the_jitted_init_trains_as_the_reference(self):
+    mesh = support.make_mesh((2, 4))
+    made = []
+
+    def create():
+      model = Decoder(nnx.Rngs(0))
+      made.append(dflax.dedicate(model, mesh))
+      return model
+
+    with jax.set_mesh(mesh):
+      abstract = nnx.eval_shape(create)
+      model = nnx.jit(create)()
+      ded = made[-1]
+      shardings = nnx.get_named_sharding(nnx.state(abstract), mesh)
+      for path, buf in nnx.to_flat_state(nnx.state(model, dflax.OwnedBuffer)):
+        want = ded.dedication.layout.buffer_specs()[0]
+        self.assertEqual(buf.get_value().sharding.spec, want, path)
+        self.assertIsInstance(buf.get_value(), jax.Array)
+      flat = dict(nnx.to_flat_state(shardings))
+      self.assertEqual(flat[ded.buffer_paths[0]].get_value().spec, want)
+      optimizer = nnx.Optimizer(
+        model, dflax.dedicated_muon(ded, learning_rate=LR), wrt=nnx.Param
+      )
+      metrics, rngs = metrics_of(), nnx.Rngs(dropout=7)
+      tokens = jax.device_put(token_batch(), NamedSharding(mesh, P(AXES)))
+      step = nnx.jit(nnx_step)
+      losses = np.array(
+        [
+          float(step(model, optimizer, metrics, rngs, tokens, 1.0))
+          for _ in range(STEPS)
+        ]
+      )
+    want = decoder_reference()
+    rel = np.max(np.abs(losses - want['losses']) / want['losses'])
+    self.assertLess(rel, 1e-5)
+
+
+# -- logged gradients -------------------------------------------------------------
+
+
+def grads_of(mesh, model, tokens):
+  grad_fn = nnx.jit(
+    lambda m, x: nnx.value_and_grad(loss_fn)(m, x, nnx.Rngs(0))[1]
+  )
+  with jax.set_mesh(mesh):
+    return grad_fn(model, tokens)
+
+
+class LoggedGradientsTest(absltest.TestCase):
+  def test_to_params_of_the_gradients_is_the_plain_models_gradient(self):
+    # A trainer's gradient norm (nanodo logs grads/all/rms) over
+    # ded.to_params(grads): the plain model's, without the owner buffers'
+    # padding.
+    want = grads_of(single_mesh(), Decoder(nnx.Rngs(0)), token_batch())
+    want = jax.tree.map(np.asarray, nnx.to_pure_dict(want))
+    mesh = support.make_mesh((2, 4))
+    with jax.set_mesh(mesh):
+      model = Decoder(nnx.Rngs(0))
+      ded = dflax.dedicate(model, mesh)
+      tokens = jax.device_put(token_batch(), NamedSharding(mesh, P(AXES)))
+    grads = grads_of(mesh, model, tokens)
+    got = jax.tree.map(np.asarray, ded.to_params(grads))
+    self.assertEqual(jax.tree.structure(got), jax.tree.structure(want))
+    support.assert_trees_max_rel_close(got, want, 1e-5)
+
+    def rms(tree):
+      leaves = jax.tree.leaves(tree)
+      total = sum(float(np.sum(np.square(x))) for x in leaves)
+      return np.sqrt(total / sum(x.size for x in leaves))
+
+    self.assertAlmostEqual(rms(got), rms(want), delta=1e-6 * rms(want))

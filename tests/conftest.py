@@ -47,11 +47,41 @@ def pytest_configure(config):
 
 LONGEST = (
   'tests/examples_test.py',
+  'tests/flax_nnx_test.py',
   'tests/multihost_test.py',
   'tests/checkpoint_test.py::KillTest',
   'tests/gpu_and_linen_examples_test.py',
   'tests/scale_compile_test.py',
 )
+
+
+# Modules whose test classes read the same module-level ``functools.cache``
+# runs (a trained model, a compiled step): each runs on one xdist worker as
+# one unit, so a run is made once, not once on each worker that gets one of
+# its classes (measured in a full run: 64 s of the two workers' time went to
+# such repeats, under load). Every other module's classes are units of
+# their own, as --dist loadscope makes them.
+SHARED_CACHE_MODULES = (
+  'tests/flax_nnx_test.py',  # _dedicated, reference: 5 classes
+  'tests/nnx_trainer_test.py',  # trainer: NnxTrainerTest, NnxCheckpointTest
+  'tests/trainer_test.py',  # trainer: TrainerTest, TrainerCheckpointTest
+)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+  if config.getoption('dist') != 'loadscope':
+    return None
+  from xdist.scheduler import LoadScopeScheduling
+
+  class ModuleOrClassScheduling(LoadScopeScheduling):
+    def _split_scope(self, nodeid):
+      module = nodeid.split('::', 1)[0]
+      if module in SHARED_CACHE_MODULES:
+        return module
+      return super()._split_scope(nodeid)
+
+  return ModuleOrClassScheduling(config, log)
 
 
 def pytest_unconfigure(config):
@@ -76,7 +106,8 @@ def pytest_collection_modifyitems(config, items):
     name = item.nodeid.split('::', 1)[-1]
     if any(re.search(p, name) for p in patterns):
       item.add_marker(pytest.mark.slow)
-  # The longest test classes (child processes, minutes each) first: xdist
+  # The longest test classes (child processes, minutes each) and modules
+  # (flax_nnx_test: one unit, see SHARED_CACHE_MODULES) first: xdist
   # hands classes out in this order, so they do not end the run on one
   # worker while the other idles.
   items.sort(key=lambda item: not item.nodeid.startswith(LONGEST))

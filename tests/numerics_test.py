@@ -485,13 +485,20 @@ class PropertyTest(absltest.TestCase):
     state, ref_state = opt.init(params), ref.init(host)
     low_state = ref.init(cast(host))
     step = jax.jit(opt.update)
+    # The references jitted too: one compile per example and dtype instead
+    # of one per op and shape (171 compiles -> 76 for the 6 examples; 15.1
+    # -> 14.0 s: dmuon's own compiles dominate). Measured on these examples:
+    # the same errors as eager optax (float32 <= 1.2e-6 from dmuon both
+    # ways; bfloat16's own error equal to 1e-6), so the tolerances below
+    # are unchanged.
+    ref_update = jax.jit(ref.update)
     for t in range(2):
       g = support.grads_at(t, host)
       u, state = step(
         jax.device_put(cast(g), NamedSharding(mesh, P())), state, params
       )
-      ru, ref_state = ref.update(g, ref_state, host)
-      lu, low_state = ref.update(cast(g), low_state, cast(host))
+      ru, ref_state = ref_update(g, ref_state, host)
+      lu, low_state = ref_update(cast(g), low_state, cast(host))
       chex.assert_tree_all_finite((u, state))
       for k in host:
         self.assertEqual(u[k].dtype, jnp.dtype(dtype))

@@ -748,13 +748,20 @@ class NnxMistakeTest(absltest.TestCase):
 
 class DocsMistakeTableTest(absltest.TestCase):
   """Every row of ``docs/reference/dedicated_mistakes.md`` names tests that
-  exist in this file or ``flax_linen_test.py``."""
+  exist in this file, ``flax_linen_test.py`` or the plain-jit route's
+  ``flax_route_test.py``/``flax_linen_route_test.py``."""
 
   def test_every_row_names_tests_that_exist(self):
     root = pathlib.Path(__file__).resolve().parent
     table = (root.parent / 'docs/reference/dedicated_mistakes.md').read_text()
     sources = ''.join(
-      (root / f).read_text() for f in ('flax_nnx_test.py', 'flax_linen_test.py')
+      (root / f).read_text()
+      for f in (
+        'flax_nnx_test.py',
+        'flax_linen_test.py',
+        'flax_route_test.py',
+        'flax_linen_route_test.py',
+      )
     )
     rows = [r for r in table.splitlines() if r.startswith('| ') and '::' in r]
     self.assertGreaterEqual(len(rows), 8)

@@ -642,47 +642,48 @@ def _roll_slots(x: jax.Array, shift: jax.Array, n: int) -> jax.Array:
   return rows.reshape(-1)
 
 
-def reduced_gather(ded, g: int, local, iteration=None) -> dict[int, Any]:
-  """Group ``g``'s targets from its owner buffers (``(size,)`` each,
-  sharded over the owner axes), whole and typed ``reduced``; their
-  cotangents are reduce-scattered back (:func:`_scatter_to_owners`)."""
+def _owners_get_cotangents(ded, g: int, forward) -> Callable[..., Any]:
+  """``forward(local, iteration) -> {leaf: reduced target}`` whose
+  backward reduce-scatters the targets' cotangents onto ``local``."""
 
   @jax.custom_vjp
-  def gather(local, iteration):
-    return _as_reduced(ded, _whole(ded, g, local, iteration))
+  def f(local, iteration):
+    return forward(local, iteration)
 
   def fwd(local, iteration):
-    return gather(local, iteration), (local, iteration)
+    return f(local, iteration), (local, iteration)
 
   def bwd(saved, cts):
     local, iteration = saved
     return _scatter_to_owners(ded, g, local, iteration, cts), None
 
-  gather.defvjp(fwd, bwd)
+  f.defvjp(fwd, bwd)
+  return f
+
+
+def reduced_gather(ded, g: int, local, iteration=None) -> dict[int, Any]:
+  """Group ``g``'s targets from its owner buffers (``(size,)`` each,
+  sharded over the owner axes), whole and typed ``reduced``; their
+  cotangents are reduce-scattered back (:func:`_scatter_to_owners`)."""
+  gather = _owners_get_cotangents(
+    ded, g, lambda l, i: _as_reduced(ded, _whole(ded, g, l, i))
+  )
   return gather(list(local), iteration)
 
 
-def reduced_sink(ded, g: int, local, iteration=None) -> dict[int, Any]:
+def reduced_sink(ded, g: int, local, iteration=None) -> list[jax.Array]:
   """:func:`gather_sink` for the reduced gather: zeros shaped like group
   ``g``'s targets (a list, in :func:`unpack_gathered`'s order), typed
   ``reduced``, whose summed cotangent is reduce-scattered onto ``local``
   once per gather group."""
   shapes = jax.eval_shape(lambda l, i: _whole(ded, g, l, i), local, iteration)
-
-  @jax.custom_vjp
-  def sink(local, iteration):
-    del local, iteration
-    zeros = {i: jnp.zeros(s.shape, s.dtype) for i, s in shapes.items()}
-    return _as_reduced(ded, zeros)
-
-  def fwd(local, iteration):
-    return sink(local, iteration), (local, iteration)
-
-  def bwd(saved, cts):
-    local, iteration = saved
-    return _scatter_to_owners(ded, g, local, iteration, cts), None
-
-  sink.defvjp(fwd, bwd)
+  sink = _owners_get_cotangents(
+    ded,
+    g,
+    lambda l, i: _as_reduced(
+      ded, {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
+    ),
+  )
   return list(sink(list(local), iteration).values())
 
 

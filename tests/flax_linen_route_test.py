@@ -149,15 +149,6 @@ def train_step(state, tokens):
   return state.apply_gradients(grads=grads), loss
 
 
-def collectives(compiled) -> dict[str, tuple[int, float]]:
-  """kind -> (executions, bytes per device), from the compiled HLO."""
-  out: dict[str, tuple[int, float]] = {}
-  for c in dmuon_jax.diagnostics.hlo_collectives(compiled.as_text()):
-    k, b = out.get(c.kind, (0, 0.0))
-    out[c.kind] = (k + c.executions, b + c.bytes * c.executions)
-  return out
-
-
 def train(mesh, dedicated, z3=False):
   """The trainer: 20 steps; losses, final plain params, the compiled step's
   collectives and the dedication (None for the plain model)."""
@@ -200,7 +191,7 @@ def train(mesh, dedicated, z3=False):
   return {
     'losses': np.array(losses),
     'params': jax.tree.map(np.asarray, params),
-    'collectives': collectives(compiled),
+    'collectives': support.collectives_of(compiled),
     'ded': ded,
   }
 
@@ -215,24 +206,12 @@ def dedicated_run(z3):
   return train(support.make_mesh((2, 4)), dedicated=True, z3=z3)
 
 
-def muon_floor(ded, z3) -> float:
-  """The plan's Z2/Z3 floor for its (padded) gathers, bytes per device."""
-  _, gathered = ded.dedication.gather_bytes()
-  return (3 if z3 else 2) * (N - 1) / N * gathered
-
-
 class NanodoLikeLinenTest(absltest.TestCase):
   def check(self, z3):
     want = reference()
     got = dedicated_run(z3)
-    rel = np.max(np.abs(got['losses'] - want['losses']) / want['losses'])
-    self.assertLess(rel, 1e-5)
-    support.assert_trees_max_rel_close(got['params'], want['params'], 1e-5)
+    support.assert_route_run(self, got, want, z3)
     kinds = got['collectives']
-    floor = muon_floor(got['ded'], z3)
-    muon = kinds['all-gather'][1] + kinds['reduce-scatter'][1]
-    self.assertLessEqual(muon, 1.05 * floor)
-    self.assertGreaterEqual(muon, floor - 1)
     # No Muon gradient in an all-reduce: those are the tied embedding's
     # AdamW gradient (twice: its lookup's and attend's), the norms' and
     # scalars.
@@ -307,9 +286,9 @@ class BoundaryCallsTest(absltest.TestCase):
     got_g = jax.tree.map(np.asarray, ded.to_params(got_g))
     want_g = jax.tree.map(np.asarray, nn.unbox(want_g))
     support.assert_trees_max_rel_close(got_g, want_g, 1e-5)
-    kinds = collectives(compiled)
+    kinds = support.collectives_of(compiled)
     muon = kinds['all-gather'][1] + kinds['reduce-scatter'][1]
-    self.assertLessEqual(muon, 1.05 * muon_floor(ded, False))
+    self.assertLessEqual(muon, 1.05 * support.muon_floor(ded, False))
 
   def test_remat_around_each_boundary_warns(self):
     # nn.remat around the boundary module traces each block on its own:

@@ -742,3 +742,36 @@ def assert_trees_max_rel_close(actual, expected, rtol):
     actual,
     expected,
   )
+
+
+# -- dedicated models under plain jit (the reduced-gather route) ---------------
+
+
+def collectives_of(compiled) -> dict[str, tuple[int, float]]:
+  """kind -> (executions, bytes per device), from the compiled HLO."""
+  out: dict[str, tuple[int, float]] = {}
+  for c in dmuon_jax.diagnostics.hlo_collectives(compiled.as_text()):
+    k, b = out.get(c.kind, (0, 0.0))
+    out[c.kind] = (k + c.executions, b + c.bytes * c.executions)
+  return out
+
+
+def muon_floor(ded, z3, n=8) -> float:
+  """The plan's Z2/Z3 floor for its (padded) gathers, bytes per device
+  (``ded``: a ``dmuon_jax.flax.ModelDedication``)."""
+  _, gathered = ded.dedication.gather_bytes()
+  return (3 if z3 else 2) * (n - 1) / n * gathered
+
+
+def assert_route_run(test, got, want, z3, rtol=1e-5):
+  """A dedicated run (``losses``, ``params``, ``collectives``, ``ded``)
+  equal to its reference within ``rtol`` and its Muon traffic (all-gather
+  + reduce-scatter) at the plan's floor (within 5%)."""
+  rel = np.max(np.abs(got['losses'] - want['losses']) / want['losses'])
+  test.assertLess(rel, rtol)
+  assert_trees_max_rel_close(got['params'], want['params'], rtol)
+  kinds = got['collectives']
+  floor = muon_floor(got['ded'], z3)
+  muon = kinds['all-gather'][1] + kinds['reduce-scatter'][1]
+  test.assertLessEqual(muon, 1.05 * floor)
+  test.assertGreaterEqual(muon, floor - 1)

@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -718,7 +719,7 @@ def _replicate_rest(ded, params, mesh, kwargs):
   leaves = jax.tree.leaves(params)
   flat = jax.tree.flatten_with_path(params)[0]
   owner = set(ded.buffer_axes)
-  replicated, moved = [], {}
+  replicated, moved, extra = [], {}, 0
   for i, (spec, (keys, x)) in enumerate(zip(ded.rest_specs, flat)):
     axes = {a for e in _mesh.spec_entries(spec) for a in e} if spec else set()
     if not axes & owner:
@@ -731,7 +732,22 @@ def _replicate_rest(ded, params, mesh, kwargs):
     )
     moved[i] = leaves[i] = jax.device_put(x, NamedSharding(mesh, kept))
     replicated.append(_text(_path(keys)))
+    ways = lambda sp: math.prod(
+      mesh.shape[a] for e in _mesh.spec_entries(sp) for a in e
+    )
+    nbytes = np.size(x) * jnp.dtype(x.dtype).itemsize
+    extra += nbytes // ways(kept) - nbytes // ways(spec)
   if replicated:
+    warnings.warn(
+      f'dmuon: dedicate replicated the AdamW params {replicated} over the '
+      f'owner axes {tuple(ded.buffer_axes)}, over which they were sharded: '
+      f'+{extra:,} bytes per device (their AdamW moments likewise), since '
+      'dmuon_jax.flax.train_step runs the whole model on each device. To '
+      'keep them sharded, shard them over another mesh axis; '
+      'ded.summary() lists them.',
+      _report.DMuonWarning,
+      stacklevel=4,
+    )
     params = jax.tree.unflatten(jax.tree.structure(params), leaves)
     choice = ded.layers_per_gather_choice
     ded = _dedicated.dedicate(

@@ -238,7 +238,12 @@ class LinenBoxedTest(absltest.TestCase):
     boxed = Boxed().init(jax.random.key(0), x)['params']
     loss = lambda p, x: jnp.mean(Boxed().apply({'params': p}, x) ** 2)
 
-    ded, params = dflax.dedicate_linen(Boxed(), boxed, mesh)
+    # The LayerNorm scale, sharded over 'shard' (an owner axis), is
+    # replicated for train_step, with a warning.
+    with self.assertWarnsRegex(
+      dmuon_jax.DMuonWarning, r"replicated the AdamW params \['LayerNorm_0"
+    ):
+      ded, params = dflax.dedicate_linen(Boxed(), boxed, mesh)
     # AdamW leaves keep their boxes; each owned buffer is boxed with its
     # layout's spec, so nn.get_sharding reads the owners' sharding.
     self.assertIsInstance(params['LayerNorm_0']['scale'], nn.Partitioned)

@@ -224,14 +224,17 @@ def _dedicated(shape, scan, z3, auto, owner_groups, per_gather):
   table.set_value(
     jax.device_put(table.get_value(), NamedSharding(mesh, P('shard')))
   )
-  ded = dflax.dedicate(  # 1
-    model,
-    mesh,
-    muon_weight_dimension_numbers=muon_dims,
-    reshard_after_forward=z3,
-    owner_groups=owner_groups,
-    layers_per_gather=per_gather,
-  )
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always', dmuon_jax.DMuonWarning)
+    ded = dflax.dedicate(  # 1
+      model,
+      mesh,
+      muon_weight_dimension_numbers=muon_dims,
+      reshard_after_forward=z3,
+      owner_groups=owner_groups,
+      layers_per_gather=per_gather,
+    )
+  said = [str(w.message) for w in caught]
   embed_spec = model.embed.embedding.get_value().sharding.spec
   optimizer = nnx.Optimizer(  # 2
     model, dflax.dedicated_muon(ded, learning_rate=LR), wrt=nnx.Param
@@ -249,6 +252,7 @@ def _dedicated(shape, scan, z3, auto, owner_groups, per_gather):
   compiled = step.compile(model, optimizer, toks)
   return {
     'ded': ded,
+    'said': said,
     'embed_spec': embed_spec,
     'losses': losses,
     'params': jax.device_get(ded.to_params(model)),
@@ -577,6 +581,14 @@ class NnxBehaviourTest(absltest.TestCase):
       run['ded'].summary(),
     )
     self.assertEqual(run['embed_spec'], P(None))
+    # Not silently: a warning with the bytes it costs and what to do (the
+    # 64x32 float32 table: 8,192 B per device instead of 1,024 on 1x8).
+    (said,) = run['said']
+    self.assertRegex(
+      said,
+      r"replicated the AdamW params \['embed/embedding'\] over the owner "
+      r'axes .*\+7,168 bytes per device.*another mesh axis',
+    )
 
   def test_bare_jit_warns_once_and_moves_what_it_says(self):
     # One block: the bytes checked below scale with the Muon payload, the

@@ -118,17 +118,11 @@ def llama_like(seed=0, d=32, f=48, vocab=64, layers=3):
     ('col', (24, 1)),
     ('head', (d, vocab)),
   )
-  # One small program for the ten draws, eager's values bit for bit
-  # (checked by running): eager, each shape compiled two programs of its own
-  # (3.5 s of a set-up against 0.3 s). With jax_threefry_partitionable (the
-  # default) element i of a draw depends on the key and i only, so each is
-  # the start of one flat draw of the largest size; scaled in NumPy, as
-  # the scale fused into the draw moves some values by 1 ulp.
-  shapes = tuple(shape for _, shape in names_shapes)
-  draws = np.asarray(_normal_draws(seed, max(map(math.prod, shapes))))
+  # Drawn in one small program: eager's values, 3.5 s of a set-up's
+  # compiles fewer.
+  draws = normal_draws(16, tuple(shape for _, shape in names_shapes), seed)
   n = {
-    name: np.float32(0.1) * draw[: math.prod(shape)].reshape(shape)
-    for (name, shape), draw in zip(names_shapes, draws)
+    name: np.float32(0.1) * draw for (name, _), draw in zip(names_shapes, draws)
   }
   n['norm'] = np.float32(1) + n['norm']
   n = {name: jnp.asarray(x) for name, x in n.items()}
@@ -141,9 +135,28 @@ def llama_like(seed=0, d=32, f=48, vocab=64, layers=3):
   return params, _llama_like_dims()
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _normal_draws(seed, size):
-  keys = jax.random.split(jax.random.key(seed), 16)[:10]
+def normal_draws(n_keys, shapes, seed=0):
+  """``jax.random.normal(keys[i], shapes[i])`` for ``keys =
+  jax.random.split(jax.random.key(seed), n_keys)``, as NumPy arrays.
+
+  The eager draws' values bit for bit (checked by running), from one small
+  program: eager, each shape compiles two programs of its own (grouping
+  the shapes into vmaps compiles as slowly). Under partitionable threefry
+  (jax's default) element i of a draw depends on its key and i only, so
+  each is the start of one flat draw of the largest size. Scale them in
+  NumPy: a scale fused into the draw moves some values by 1 ulp.
+  """
+  sizes = [math.prod(shape) for shape in shapes]
+  if not jax.config.jax_threefry_partitionable:
+    keys = jax.random.split(jax.random.key(seed), n_keys)
+    return [np.asarray(jax.random.normal(k, s)) for k, s in zip(keys, shapes)]
+  flat = np.asarray(_flat_normal_draws(n_keys, len(shapes), max(sizes), seed))
+  return [x[:size].reshape(s) for x, size, s in zip(flat, sizes, shapes)]
+
+
+@functools.partial(jax.jit, static_argnums=range(4))
+def _flat_normal_draws(n_keys, n_draws, size, seed):
+  keys = jax.random.split(jax.random.key(seed), n_keys)[:n_draws]
   return jax.vmap(lambda key: jax.random.normal(key, (size,), jnp.float32))(
     keys
   )
@@ -184,10 +197,18 @@ def llama_shapes(layers=8, d=128, f=384, vocab=1024):
 def materialize(shapes, mesh, shardings=None):
   """Random arrays of ``shapes``, placed (default: replicated on mesh)."""
   leaves, treedef = jax.tree.flatten(shapes)
-  keys = jax.random.split(jax.random.key(0), len(leaves))
-  arrays = [
-    0.02 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)
-  ]
+  if {x.dtype for x in leaves} == {np.dtype(np.float32)}:
+    # The draws below in one program, placed from host memory (a transfer;
+    # from device 0 each shape compiled a reshard of its own): their values
+    # bit for bit, 3.3 s of compiles fewer for llama_shapes() on 1x8.
+    draws = normal_draws(len(leaves), [x.shape for x in leaves])
+    arrays = [np.float32(0.02) * x for x in draws]
+  else:
+    keys = jax.random.split(jax.random.key(0), len(leaves))
+    arrays = [
+      0.02 * jax.random.normal(k, x.shape, x.dtype)
+      for k, x in zip(keys, leaves)
+    ]
   tree = jax.tree.unflatten(treedef, arrays)
   if shardings is None:
     shardings = NamedSharding(mesh, P())

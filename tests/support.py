@@ -71,8 +71,13 @@ def place(params, mesh, layout):
 
 def make_params(seed=0):
   """A small tree with every kind of leaf dmuon has to route."""
-  k = iter(jax.random.split(jax.random.key(seed), 16))
-  n = lambda shape: 0.1 * jax.random.normal(next(k), shape, jnp.float32)
+  n = _scaled_draws(
+    0.1,
+    seed,
+    16,
+    [(32, 16), (16, 2, 8), (16, 16), (16, 40), (40,), (40, 16), (16,)]
+    + [(3, 16, 24), (7, 13), (16, 32)],
+  )
   return {
     'embed': {'embedding': n((32, 16))},
     'layers_0': {
@@ -146,6 +151,8 @@ def normal_draws(n_keys, shapes, seed=0):
   each is the start of one flat draw of the largest size. Scale them in
   NumPy: a scale fused into the draw moves some values by 1 ulp.
   """
+  if len(shapes) > n_keys:
+    raise ValueError(f'{len(shapes)} draws from {n_keys} keys')
   sizes = [math.prod(shape) for shape in shapes]
   if not jax.config.jax_threefry_partitionable:
     keys = jax.random.split(jax.random.key(seed), n_keys)
@@ -154,12 +161,26 @@ def normal_draws(n_keys, shapes, seed=0):
   return [x[:size].reshape(s) for x, size, s in zip(flat, sizes, shapes)]
 
 
-@functools.partial(jax.jit, static_argnums=range(4))
-def _flat_normal_draws(n_keys, n_draws, size, seed):
+@functools.partial(jax.jit, static_argnums=range(3))
+def _flat_normal_draws(n_keys, n_draws, size, seed):  # One compile per size.
   keys = jax.random.split(jax.random.key(seed), n_keys)[:n_draws]
   return jax.vmap(lambda key: jax.random.normal(key, (size,), jnp.float32))(
     keys
   )
+
+
+def _scaled_draws(scale, seed, n_keys, shapes):
+  """``n(shape)``: the next of ``scale * jax.random.normal(keys[i],
+  shapes[i])`` (float32, as :func:`normal_draws` gives them), each called
+  with its shape in turn, as eager draws from an iterator of keys are."""
+  draws = iter(normal_draws(n_keys, shapes, seed))
+
+  def n(shape):
+    draw = next(draws)
+    assert draw.shape == tuple(shape), (draw.shape, shape)
+    return jnp.asarray(np.float32(scale) * draw)
+
+  return n
 
 
 def _llama_like_dims():
@@ -480,14 +501,14 @@ DEDICATED_LR = 0.002
 
 
 def block_params(blocks=BLOCKS, mats=MATS, width=WIDTH):
-  k = iter(jax.random.split(jax.random.key(0), 64))
-  n = lambda *shape: 0.3 * jax.random.normal(next(k), shape, jnp.float32)
+  shapes = [(width, width)] * mats + [(width,)]
+  n = _scaled_draws(0.3, 0, 64, shapes * blocks + [(width, 8)])
   params = {
-    f'layers_{i}': {f'w{j}': n(width, width) for j in range(mats)}
-    | {'scale': 1 + n(width)}
+    f'layers_{i}': {f'w{j}': n((width, width)) for j in range(mats)}
+    | {'scale': 1 + n((width,))}
     for i in range(blocks)
   }
-  params['head'] = n(width, 8)
+  params['head'] = n((width, 8))
   return params
 
 

@@ -102,7 +102,12 @@ class MeshChangeTest(absltest.TestCase):
     params, cls.dims = support.llama_like()
     cls.mesh = jax.make_mesh((2, 4), AXES)
     cls.opt = make_opt(cls.mesh, cls.dims)
-    placed = jax.device_put(params, support.fsdp_shardings(params, cls.mesh))
+    # From host memory: a transfer (from device 0, each leaf compiled a
+    # reshard of its own).
+    placed = jax.device_put(
+      jax.tree.map(np.asarray, params),
+      support.fsdp_shardings(params, cls.mesh),
+    )
     state = cls.opt.init(placed)
     p10, s10 = train(cls.opt, placed, state, cls.mesh, 0, 10)
     cls.p10, cls.s10 = p10, s10

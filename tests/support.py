@@ -5,6 +5,7 @@ own tests and the references they share are computed once per process.
 """
 
 import functools
+import math
 import os
 import pathlib
 import subprocess
@@ -70,8 +71,13 @@ def place(params, mesh, layout):
 
 def make_params(seed=0):
   """A small tree with every kind of leaf dmuon has to route."""
-  k = iter(jax.random.split(jax.random.key(seed), 16))
-  n = lambda shape: 0.1 * jax.random.normal(next(k), shape, jnp.float32)
+  n = _scaled_draws(
+    0.1,
+    seed,
+    16,
+    [(32, 16), (16, 2, 8), (16, 16), (16, 40), (40,), (40, 16), (16,)]
+    + [(3, 16, 24), (7, 13), (16, 32)],
+  )
   return {
     'embed': {'embedding': n((32, 16))},
     'layers_0': {
@@ -105,22 +111,79 @@ def dim_numbers(params):
 
 def llama_like(seed=0, d=32, f=48, vocab=64, layers=3):
   """Stacked, attention, odd, 1×n and n×1 leaves; 9 Muon matrices."""
-  k = iter(jax.random.split(jax.random.key(seed), 16))
-  n = lambda shape: 0.1 * jax.random.normal(next(k), shape, jnp.float32)
-  params = {
-    'embed': n((vocab, d)),
-    'layers': {
-      'qkv': n((d, 4, 8)),  # (d, heads, head_dim)
-      'o': n((d, d)),
-      'up': n((layers, d, f)),  # scanned (L, m, n)
-      'down': n((f, d)),
-      'norm': 1 + n((d,)),
-    },
-    'odd': n((7, 13)),
-    'row': n((1, 24)),
-    'col': n((24, 1)),
-    'head': n((d, vocab)),
+  names_shapes = (  # In the order of the draws.
+    ('embed', (vocab, d)),
+    ('qkv', (d, 4, 8)),  # (d, heads, head_dim)
+    ('o', (d, d)),
+    ('up', (layers, d, f)),  # scanned (L, m, n)
+    ('down', (f, d)),
+    ('norm', (d,)),
+    ('odd', (7, 13)),
+    ('row', (1, 24)),
+    ('col', (24, 1)),
+    ('head', (d, vocab)),
+  )
+  # Drawn in one small program: eager's values, 3.5 s of a set-up's
+  # compiles fewer.
+  draws = normal_draws(16, tuple(shape for _, shape in names_shapes), seed)
+  n = {
+    name: np.float32(0.1) * draw for (name, _), draw in zip(names_shapes, draws)
   }
+  n['norm'] = np.float32(1) + n['norm']
+  n = {name: jnp.asarray(x) for name, x in n.items()}
+  layers = ('qkv', 'o', 'up', 'down', 'norm')
+  params = {
+    'embed': n['embed'],
+    'layers': {name: n[name] for name in layers},
+    **{name: n[name] for name in ('odd', 'row', 'col', 'head')},
+  }
+  return params, _llama_like_dims()
+
+
+def normal_draws(n_keys, shapes, seed=0):
+  """``jax.random.normal(keys[i], shapes[i])`` for ``keys =
+  jax.random.split(jax.random.key(seed), n_keys)``, as NumPy arrays.
+
+  The eager draws' values bit for bit (checked by running), from one small
+  program: eager, each shape compiles two programs of its own (grouping
+  the shapes into vmaps compiles as slowly). Under partitionable threefry
+  (jax's default) element i of a draw depends on its key and i only, so
+  each is the start of one flat draw of the largest size. Scale them in
+  NumPy: a scale fused into the draw moves some values by 1 ulp.
+  """
+  if len(shapes) > n_keys:
+    raise ValueError(f'{len(shapes)} draws from {n_keys} keys')
+  sizes = [math.prod(shape) for shape in shapes]
+  if not jax.config.jax_threefry_partitionable:
+    keys = jax.random.split(jax.random.key(seed), n_keys)
+    return [np.asarray(jax.random.normal(k, s)) for k, s in zip(keys, shapes)]
+  flat = np.asarray(_flat_normal_draws(n_keys, len(shapes), max(sizes), seed))
+  return [x[:size].reshape(s) for x, size, s in zip(flat, sizes, shapes)]
+
+
+@functools.partial(jax.jit, static_argnums=range(3))
+def _flat_normal_draws(n_keys, n_draws, size, seed):  # One compile per size.
+  keys = jax.random.split(jax.random.key(seed), n_keys)[:n_draws]
+  return jax.vmap(lambda key: jax.random.normal(key, (size,), jnp.float32))(
+    keys
+  )
+
+
+def _scaled_draws(scale, seed, n_keys, shapes):
+  """``n(shape)``: the next of ``scale * jax.random.normal(keys[i],
+  shapes[i])`` (float32, as :func:`normal_draws` gives them), each called
+  with its shape in turn, as eager draws from an iterator of keys are."""
+  draws = iter(normal_draws(n_keys, shapes, seed))
+
+  def n(shape):
+    draw = next(draws)
+    assert draw.shape == tuple(shape), (draw.shape, shape)
+    return jnp.asarray(np.float32(scale) * draw)
+
+  return n
+
+
+def _llama_like_dims():
   dims = {
     'embed': None,
     'layers': {
@@ -135,7 +198,7 @@ def llama_like(seed=0, d=32, f=48, vocab=64, layers=3):
     'col': MDN(),
     'head': None,
   }
-  return params, dims
+  return dims
 
 
 def llama_shapes(layers=8, d=128, f=384, vocab=1024):
@@ -155,10 +218,18 @@ def llama_shapes(layers=8, d=128, f=384, vocab=1024):
 def materialize(shapes, mesh, shardings=None):
   """Random arrays of ``shapes``, placed (default: replicated on mesh)."""
   leaves, treedef = jax.tree.flatten(shapes)
-  keys = jax.random.split(jax.random.key(0), len(leaves))
-  arrays = [
-    0.02 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)
-  ]
+  if {x.dtype for x in leaves} == {np.dtype(np.float32)}:
+    # The draws below in one program, placed from host memory (a transfer;
+    # from device 0 each shape compiled a reshard of its own): their values
+    # bit for bit, 3.3 s of compiles fewer for llama_shapes() on 1x8.
+    draws = normal_draws(len(leaves), [x.shape for x in leaves])
+    arrays = [np.float32(0.02) * x for x in draws]
+  else:
+    keys = jax.random.split(jax.random.key(0), len(leaves))
+    arrays = [
+      0.02 * jax.random.normal(k, x.shape, x.dtype)
+      for k, x in zip(keys, leaves)
+    ]
   tree = jax.tree.unflatten(treedef, arrays)
   if shardings is None:
     shardings = NamedSharding(mesh, P())
@@ -430,14 +501,14 @@ DEDICATED_LR = 0.002
 
 
 def block_params(blocks=BLOCKS, mats=MATS, width=WIDTH):
-  k = iter(jax.random.split(jax.random.key(0), 64))
-  n = lambda *shape: 0.3 * jax.random.normal(next(k), shape, jnp.float32)
+  shapes = [(width, width)] * mats + [(width,)]
+  n = _scaled_draws(0.3, 0, 64, shapes * blocks + [(width, 8)])
   params = {
-    f'layers_{i}': {f'w{j}': n(width, width) for j in range(mats)}
-    | {'scale': 1 + n(width)}
+    f'layers_{i}': {f'w{j}': n((width, width)) for j in range(mats)}
+    | {'scale': 1 + n((width,))}
     for i in range(blocks)
   }
-  params['head'] = n(width, 8)
+  params['head'] = n((width, 8))
   return params
 
 

@@ -219,11 +219,11 @@ class NanodoLikeLinenTest(absltest.TestCase):
     adamw = 2 * (N - 1) / N * (2 * table + norms)
     self.assertLessEqual(kinds['all-reduce'][1], adamw + 64)
 
+  # Z2 only: Z3's reduced gathers are the same code for NNX and Linen (the
+  # interceptor hands the call to dmuon_jax.flax._gathered either way),
+  # held by flax_route_test's Z3 runs.
   def test_z2(self):
     self.check(False)
-
-  def test_z3(self):
-    self.check(True)
 
 
 class MlpBlock(nn.Module):

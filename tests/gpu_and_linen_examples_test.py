@@ -77,6 +77,15 @@ class GpuBenchmarkTest(absltest.TestCase):
       self.assertEqual(row['in_conditional'], 0, case)
     self.assertGreater(groups['groups']['groups'], 0)
     self.assertIn('reduce-scatter', groups['groups']['bytes_by_kind'])
+    # The dedicated step under plain nnx.jit: Muon bytes at the floor, one
+    # reduce-scatter per gather group, none in a conditional.
+    route = read_rows(out_dir / 'gpu_route_cpu_smoke.json')
+    self.assertEqual([r['mode'] for r in route], ['Z2', 'Z3'])
+    for row in route:
+      self.assertEqual(row['status'], 'ok', row)
+      self.assertAlmostEqual(row['muon_over_floor'], 1.0, delta=0.05)
+      self.assertIn('reduce-scatter', row['kinds'])
+      self.assertEqual(row['in_conditional'], 0)
 
 
 class TrainLinenTest(absltest.TestCase):

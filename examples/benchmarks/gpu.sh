@@ -5,9 +5,10 @@
 #
 # Runs unattended in under 8 minutes (gpu_ns.py budgets itself to 360 s, a
 # `timeout 400` backs that up; then gpu_groups.py, owner groups and TP on
-# every local GPU, under 80 s) and writes gpu_ns.json (one JSON object per
-# line, appended as the run goes), gpu_ns.md, gpu_groups.json and
-# gpu_groups.md to out_dir (default:
+# every local GPU, under 80 s; then gpu_route.py, the dedicated step under
+# plain nnx.jit, under 120 s) and writes gpu_ns.json (one JSON object per
+# line, appended as the run goes), gpu_ns.md, gpu_groups.json,
+# gpu_groups.md, gpu_route.json and gpu_route.md to out_dir (default:
 # examples/benchmarks/results/gpu). Without a GPU, gpu_ns.py falls back to
 # its CPU smoke run (tiny shapes, gpu_ns_cpu_smoke.*, well under a minute).
 # Set PYTHON to choose the interpreter (default: python).
@@ -46,5 +47,14 @@ timeout 80 "${PYTHON:-python}" "$here/gpu_groups.py" ${smoke[@]+"${smoke[@]}"} \
 if [ "$rc2" -eq 124 ]; then
   echo "gpu_groups.py hit the 80 s timeout" >&2
 fi
+# The dedicated step under plain nnx.jit (the reduced-gather route): does
+# XLA:GPU keep the reduce-scatter? Every local GPU; else 8 CPU devices.
+rc3=0
+timeout 120 "${PYTHON:-python}" "$here/gpu_route.py" ${smoke[@]+"${smoke[@]}"} \
+  --out-dir "$out_dir" || rc3=$?
+if [ "$rc3" -eq 124 ]; then
+  echo "gpu_route.py hit the 120 s timeout" >&2
+fi
 [ "$rc" -ne 0 ] && exit "$rc"
-exit "$rc2"
+[ "$rc2" -ne 0 ] && exit "$rc2"
+exit "$rc3"

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
 import sys
@@ -73,11 +72,7 @@ def main(argv=None):
   )
   args = parser.parse_args(argv)
   if args.cpu_smoke:
-    os.environ['XLA_FLAGS'] = (
-      os.environ.get('XLA_FLAGS', '')
-      + ' --xla_force_host_platform_device_count=8'
-    )
-    os.environ['JAX_PLATFORMS'] = 'cpu'
+    _common.simulate_cpu_devices(8)
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel

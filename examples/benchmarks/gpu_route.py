@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
 import sys
@@ -139,17 +138,12 @@ def main(argv=None):
   )
   args = parser.parse_args(argv)
   if args.cpu_smoke:
-    os.environ['XLA_FLAGS'] = (
-      os.environ.get('XLA_FLAGS', '')
-      + ' --xla_force_host_platform_device_count=8'
-    )
-    os.environ['JAX_PLATFORMS'] = 'cpu'
+    _common.simulate_cpu_devices(8)
   import jax  # pylint: disable=g-import-not-at-top
 
+  start = time.perf_counter()
   name = 'gpu_route_cpu_smoke' if args.cpu_smoke else 'gpu_route'
   size = SMOKE_MODEL if args.cpu_smoke else GPU_MODEL
-  out = pathlib.Path(args.out_dir)
-  out.mkdir(parents=True, exist_ok=True)
   rows = []
   for z3 in (False, True):
     row = {'mode': 'Z3' if z3 else 'Z2', 'backend': jax.default_backend()}
@@ -159,7 +153,6 @@ def main(argv=None):
       row.update(run(size, z3, args.reps))
     rows.append(row)
     print(json.dumps(row), flush=True)
-  (out / f'{name}.json').write_text(''.join(json.dumps(r) + '\n' for r in rows))
   lines = [
     f'# {name}: the dedicated step under plain nnx.jit',
     '',
@@ -178,7 +171,10 @@ def main(argv=None):
       f'| {r["mode"]} | {r["devices"]} | {r["muon_over_floor"]:.3f} | '
       f'{kinds} | {r["in_conditional"]} | {r["median_ms"]:.2f} |'
     )
-  (out / f'{name}.md').write_text('\n'.join(lines) + '\n')
+  md = '\n'.join(lines)
+  _common.write_results(
+    args.out_dir, name, rows, md, time.perf_counter() - start
+  )
 
 
 if __name__ == '__main__':

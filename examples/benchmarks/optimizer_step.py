@@ -914,6 +914,16 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
   return lines
 
 
+def simulate_cpu_devices(count: int = 8) -> None:
+  """Runs the benchmark on ``count`` simulated CPU devices (the GPU
+  scripts' ``--cpu-smoke``); call it before jax is imported."""
+  os.environ['XLA_FLAGS'] = (
+    os.environ.get('XLA_FLAGS', '')
+    + f' --xla_force_host_platform_device_count={count}'
+  )
+  os.environ['JAX_PLATFORMS'] = 'cpu'
+
+
 def write_results(out_dir, name: str, lines: list, md: str, wall_s: float):
   """Prints the markdown table and writes ``name.json`` (one JSON object
   per line) and ``name.md`` into ``out_dir`` (made if missing)."""

@@ -1552,18 +1552,23 @@ _MANUAL_AXIS_ERRORS = (
   # reshard / out_sharding= (dot_general, ...) naming a manual axis:
   'of type Auto or Manual',
   'AxisType.Manual',
-  # jax's NotImplementedError for a Manual -> Auto/Explicit conversion.
-  'from Manual AxisType',
+  # An annotation's NamedSharding over the concrete (Auto) mesh.
+  '`manual_axis_type`',
 )
+# Errors that only a manual axis raises, whose text names no axis: jax's
+# NotImplementedError for a Manual -> Auto/Explicit conversion (nnx.Embed's
+# out_sharding= runs its lookup in jax.sharding.auto_axes).
+_MANUAL_ONLY_ERRORS = ('from `Manual` AxisType',)
 
 
 def _explain_annotation(err: Exception, axes: Sequence[str]) -> None:
   """Re-raises JAX's error for a sharding annotation naming a manual axis
   inside the step with what to do about it."""
   text = str(err)
-  if any(s in text for s in _MANUAL_AXIS_ERRORS) and any(
+  names_axis = any(s in text for s in _MANUAL_AXIS_ERRORS) and any(
     a in text for a in axes
-  ):
+  )
+  if names_axis or any(s in text for s in _MANUAL_ONLY_ERRORS):
     raise ValueError(
       f'dmuon: a sharding annotation inside the step names an owner axis '
       f'of {tuple(axes)}, which dmuon_jax.flax.train_step runs manually '
@@ -1571,7 +1576,9 @@ def _explain_annotation(err: Exception, axes: Sequence[str]) -> None:
       "those axes out of the model's activation annotations "
       '(with_sharding_constraint, out_sharding=, e.g. a sharding config '
       'without the data-parallel axis); annotations over the other mesh '
-      f'axes keep working. JAX said: {text.splitlines()[0]}'
+      'axes keep working. On a mesh whose owner axes are Explicit, a '
+      'plain nnx.jit/jax.jit step keeps every annotation (see the guide, '
+      f'"Your own jit step"). JAX said: {text.splitlines()[0]}'
     ) from err
 
 

@@ -641,21 +641,31 @@ class NnxMistakeTest(absltest.TestCase):
       dflax.dedicate(Tied(nnx.Rngs(0)), make_mesh((1, 8)))
 
   def test_annotation_naming_an_owner_axis(self):
-    class Annotated(Decoder):
-      def __call__(self, toks):
-        x = jax.lax.with_sharding_constraint(self.embed(toks), P(support.AXES))
-        for block in self.layers:
-          x = block(x)
-        return self.embed.attend(self.norm(x))
-
     mesh = make_mesh((1, 8), auto=True)
-    model = make_model(False, cls=Annotated)
-    ded = dflax.dedicate(model, mesh, muon_weight_dimension_numbers=muon_dims)
-    optimizer = nnx.Optimizer(
-      model, dflax.dedicated_muon(ded, learning_rate=LR), wrt=nnx.Param
-    )
-    with self.assertRaisesRegex(ValueError, r'names an owner axis.*Leave'):
-      dflax.train_step(ded)(train_step)(model, optimizer, tokens())
+    # A spec, and (as nanodo writes it) a NamedSharding over the concrete
+    # mesh, which raised JAX's "Axes mentioned in `manual_axis_type` ...".
+    for name, spec in {
+      'spec': P(support.AXES),
+      'named_sharding': NamedSharding(mesh, P(support.AXES)),
+    }.items():
+
+      class Annotated(Decoder):
+        def __call__(self, toks, spec=spec):
+          x = jax.lax.with_sharding_constraint(self.embed(toks), spec)
+          for block in self.layers:
+            x = block(x)
+          return self.embed.attend(self.norm(x))
+
+      model = make_model(False, depth=1, cls=Annotated)
+      ded = dflax.dedicate(model, mesh, muon_weight_dimension_numbers=muon_dims)
+      optimizer = nnx.Optimizer(
+        model, dflax.dedicated_muon(ded, learning_rate=LR), wrt=nnx.Param
+      )
+      with (
+        self.subTest(name),
+        self.assertRaisesRegex(ValueError, r'names an owner axis.*Leave'),
+      ):
+        dflax.train_step(ded)(train_step)(model, optimizer, tokens())
 
   def test_explicit_annotations_naming_an_owner_axis(self):
     # On Explicit axes: jax.sharding.reshard and out_sharding= (here of a
@@ -665,6 +675,11 @@ class NnxMistakeTest(absltest.TestCase):
       'out_sharding': lambda x: jnp.einsum(
         'bsd,de->bse', x, jnp.eye(D), out_sharding=P(support.AXES)
       ),
+      # What nnx.Embed(...)(tokens, out_sharding=...) runs: JAX raised
+      # "NotImplementedError: Going from `Manual` AxisType to `Auto` ...".
+      'auto_axes': lambda x: jax.sharding.auto_axes(
+        lambda y: y * 1, out_sharding=P(support.AXES)
+      )(x),
     }
     for name, fn in annotate.items():
 
@@ -685,7 +700,7 @@ class NnxMistakeTest(absltest.TestCase):
       with (
         self.subTest(name),
         self.assertRaisesRegex(
-          ValueError, r'names an owner axis.*Leave.*JAX said'
+          ValueError, r'names an owner axis.*Leave.*plain nnx.jit.*JAX said'
         ),
       ):
         dflax.train_step(ded)(train_step)(model, optimizer, tokens())

@@ -8,6 +8,8 @@ import math
 from collections.abc import Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 _SUMMED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
   'dmuon_gradients_summed_over', default=frozenset()
@@ -55,13 +57,22 @@ def to_varying(x: jax.Array, axes: Sequence[str]) -> jax.Array:
   return jax.lax.pcast(x, missing, to='varying') if missing else x
 
 
-def switch_by_slot(axes: Sequence[str], branches, *operands, shift=0):
+def switch_by_slot(
+  axes: Sequence[str], branches, *operands, shift=0, keys=None
+):
   """``lax.switch`` on this device's owner slot, one branch per slot.
 
   Branch outputs are marked as varying over ``axes`` so that all branches
   have the same type under ``shard_map``'s replication checking. With
   ``shift`` (an int or traced scalar) the branch is
   ``(slot - shift) mod len(branches)``.
+
+  With ``keys`` (one hashable per branch: equal keys promise equal branch
+  programs, e.g. a slot's shapes and offsets), slots whose keys are equal
+  share one branch body: the program holds one branch per distinct key, and
+  the slot picks its body through a constant table, so its size follows the
+  distinct keys rather than the number of slots. One distinct key: no
+  conditional at all.
   """
 
   def wrap(branch):
@@ -72,7 +83,17 @@ def switch_by_slot(axes: Sequence[str], branches, *operands, shift=0):
   index = slot_index(axes)
   if not isinstance(shift, int) or shift:
     index = (index - shift) % len(branches)
-  return jax.lax.switch(index, [wrap(b) for b in branches], *operands)
+  if keys is None:
+    return jax.lax.switch(index, [wrap(b) for b in branches], *operands)
+  if len(keys) != len(branches):
+    raise ValueError(f'{len(keys)} keys for {len(branches)} branches')
+  first: dict = {}
+  table = [first.setdefault(k, len(first)) for k in keys]
+  unique = [branches[keys.index(k)] for k in first]
+  if len(unique) == 1:
+    return wrap(unique[0])(*operands)
+  which = jnp.asarray(np.asarray(table, np.int32))[index]
+  return jax.lax.switch(which, [wrap(b) for b in unique], *operands)
 
 
 def slot_index(axes: Sequence[str]) -> jax.Array:

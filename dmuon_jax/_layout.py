@@ -331,6 +331,43 @@ class Layout:
       for (shape, split, dtype, grouped, ckey), units in by_key.items()
     ]
 
+  def slot_key(self, slot: int, unit_extra=None) -> tuple:
+    """What :meth:`map_slot` reads of ``slot``, as a hashable: slots with
+    equal keys run equal programs on their buffers (same buckets, offsets,
+    sizes, padding), so they can share one branch body.
+
+    Args:
+      slot: the slot.
+      unit_extra: optional ``unit_extra(u)``: the hashable facts that the
+        caller's ``fn`` reads about unit ``u`` beyond its bucket (e.g. the
+        whole matrix's shape, whether it decays).
+
+    Returns:
+      The key.
+    """
+    extra = unit_extra or (lambda u: None)
+    key = []
+    for g in range(len(self.local_sizes)):
+      buckets = tuple(
+        (
+          b.shape,
+          b.tp_split,
+          b.dtype,
+          b.grouped,
+          None
+          if b.crop is None
+          else (b.crop[0].tobytes(), b.crop[1].tobytes()),
+          tuple(
+            (int(self.unit_offset[u]), int(self.unit_size[u]), extra(u))
+            for u in b.units
+          ),
+        )
+        for b in self.buckets(g, slot)
+      )
+      order = tuple(int(self.unit_offset[u]) for u in self.slot_units[g][slot])
+      key.append((buckets, order, int(self.slot_used[g, slot])))
+    return tuple(key)
+
   def map_slot(
     self,
     operands: Sequence[Sequence[jax.Array]],

@@ -434,6 +434,18 @@ def slot_update(
   return lay.map_slot(operands, slot, fn)
 
 
+def slot_key(olayout, lay, slot, decay) -> tuple:
+  """What :func:`slot_update` reads of ``slot`` (its layout key, each
+  unit's whole-matrix shape and whether it decays): slots with equal keys
+  share one branch body."""
+
+  def extra(u):
+    leaf = lay.plan.leaves[lay.unit_leaf[u]].leaf_index
+    return olayout.full_shape(lay, u), bool(decay) and leaf in decay
+
+  return lay.slot_key(slot, extra)
+
+
 def owner_step(
   cfg: OwnerConfig,
   hp: Hyperparams,
@@ -501,19 +513,21 @@ def owner_step(
         res = jax.lax.map(lambda a, run=run: run(0, a[0], a[1]), (h, p))
       else:
         res = run(0, h, p)
-    elif olayout.iterations[g]:
-      # Iteration t holds base slot (slot - t) mod n of the layout.
-      def one(a, run=run):
-        t, hh, pp = a
-        return _collectives.switch_by_slot(
-          axes, [functools.partial(run, s) for s in range(n)], hh, pp, shift=t
-        )
-
-      res = jax.lax.map(one, (jnp.arange(olayout.iterations[g]), h, p))
     else:
-      res = _collectives.switch_by_slot(
-        axes, [functools.partial(run, s) for s in range(n)], h, p
-      )
+      # Slots with equal work share one branch body (see slot_key).
+      keys = [slot_key(olayout, lay, s, decay) for s in range(n)]
+      branches = [functools.partial(run, s) for s in range(n)]
+      if olayout.iterations[g]:
+        # Iteration t holds base slot (slot - t) mod n of the layout.
+        def one(a, branches=branches, keys=keys):
+          t, hh, pp = a
+          return _collectives.switch_by_slot(
+            axes, branches, hh, pp, shift=t, keys=keys
+          )
+
+        res = jax.lax.map(one, (jnp.arange(olayout.iterations[g]), h, p))
+      else:
+        res = _collectives.switch_by_slot(axes, branches, h, p, keys=keys)
     out.extend(res)
   new_mu = tuple(m.astype(old.dtype) for m, old in zip(new_mu, mus))
   return tuple(out), new_mu
@@ -556,6 +570,7 @@ def _staged_update(cfg, hp, olayout, lay, hat, params, decay, iterations):
     tuple(hat),
     None if params is None else tuple(params),
     iterations,
+    [slot_key(olayout, lay, s, decay) for s in range(stages.n)],
   )
 
 

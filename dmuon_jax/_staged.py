@@ -205,6 +205,7 @@ def run(
   hat: Sequence[jax.Array],
   params: Sequence[jax.Array] | None,
   iterations: int,
+  slot_keys: Sequence | None = None,
 ):
   """The staged update of one layout group.
 
@@ -223,6 +224,9 @@ def run(
     hat: this device's momentum buffers to orthogonalize.
     params: its param buffers (dedicated weight decay) or None.
     iterations: scan iterations of the group (0: none).
+    slot_keys: (optional) per slot, a hashable of what ``plain_update`` and
+      ``finish`` read of it: with the slot's items, slots of equal keys
+      share one branch body per stage.
 
   Returns:
     The results, one flat buffer per dtype group.
@@ -431,6 +435,7 @@ def run(
       return f
 
     branches = [branch(s) for s in range(st.n)]
+    keys = None if slot_keys is None else item_keys
     if st.n == 1:
       if iterations:
         return jax.lax.map(lambda a: branches[0](*a), (c, hat, params))
@@ -438,11 +443,36 @@ def run(
     if iterations:
       return jax.lax.map(
         lambda a: _collectives.switch_by_slot(
-          st.axes, branches, a[1], a[2], a[3], shift=a[0]
+          st.axes, branches, a[1], a[2], a[3], shift=a[0], keys=keys
         ),
         (jnp.arange(iterations), c, hat, params),
       )
-    return _collectives.switch_by_slot(st.axes, branches, c, hat, params)
+    return _collectives.switch_by_slot(
+      st.axes, branches, c, hat, params, keys=keys
+    )
+
+  def unit_facts(u):
+    return (
+      int(lay.unit_group[u]),
+      int(lay.unit_offset[u]),
+      int(lay.unit_size[u]),
+      lay.plan.units[u].shape,
+    )
+
+  item_keys = None
+  if slot_keys is not None:
+    item_keys = [
+      (
+        slot_keys[s],
+        tuple(
+          dataclasses.replace(
+            it, key=0, units=tuple(unit_facts(u) for u in it.units)
+          )
+          for it in st.items[s]
+        ),
+      )
+      for s in range(st.n)
+    ]
 
   c = carry0()
   if iterations:

@@ -70,6 +70,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -1155,6 +1156,52 @@ def _memory_fields(compiled: Any) -> dict[str, int | None]:
   return out
 
 
+def _text_with_large_constants(compiled) -> str | None:
+  """The compiled HLO with every constant printed (``as_text()`` elides
+  arrays of more than a few elements as ``{...}``, among them the slot ->
+  branch tables :func:`_branch_table` reads), or None where this jaxlib
+  has no such printer (its HLO module API is not public)."""
+  try:
+    from jaxlib import _hlo  # pylint: disable=import-outside-toplevel
+
+    options = _hlo.HloPrintOptions()
+    options.print_large_constants = True
+    modules = compiled.runtime_executable().hlo_modules()
+    return '\n'.join(m.to_string(options) for m in modules)
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
+_TABLE_RE = re.compile(r'^s32\[(\d+)\]')
+
+
+def _branch_table(ins, computation, n, k):
+  """The constant slot -> branch table a ``conditional`` picks its branch
+  through (``_collectives.switch_by_slot`` with keys: owners whose work is
+  alike share a branch body), or None: an ``s32[n]`` constant of values
+  in ``[0, k)`` among the operands of the instructions (up to two levels)
+  that compute the branch index."""
+  byname = {i.name: i for i in computation}
+  frontier = [ins.operands[0][1]] if ins.operands else []
+  for _ in range(3):
+    nxt = []
+    for nm in frontier:
+      src = byname.get(nm)
+      if src is None:
+        continue
+      if src.opcode == 'constant':
+        m = _TABLE_RE.match(src.shape)
+        vals = re.search(r'constant\(\{([\d,\s]*)\}\)', src.raw)
+        if m and int(m[1]) == n and vals:
+          table = [int(v) for v in vals[1].split(',') if v.strip()]
+          if len(table) == n and all(0 <= v < k for v in table):
+            return table
+        continue
+      nxt.extend(o for _, o in src.operands)
+    frontier = nxt
+  return None
+
+
 def dot_flops(
   compiled: Any,
   *,
@@ -1179,6 +1226,8 @@ def dot_flops(
       owner slot (as dmuon's updates do, stage after stage), so branch ``i``
       of each is device ``i``'s work: the result is the busiest device's
       total rather than the sum of each conditional's busiest branch.
+      Conditionals with fewer branches (owners whose work is alike share
+      one branch body) count their busiest branch: an upper bound.
 
   Returns:
     The FLOP count.
@@ -1197,10 +1246,16 @@ def dot_flops(
   """
   if isinstance(compiled, jax.stages.Lowered):
     compiled = compiled.compile()
-  text = compiled if isinstance(compiled, str) else compiled.as_text()
+  n = branches_per_device or 0
+  if isinstance(compiled, str):
+    text = compiled
+  else:
+    text = (_text_with_large_constants(compiled) if n else None) or (
+      compiled.as_text()
+    )
   comps, entry, _, _ = _parse_module(text)
   memo: dict[str, Any] = {}
-  n = branches_per_device or 0
+  warned: list[str] = []
 
   def cost(name):
     """A float, or with ``branches_per_device`` an array: per slot."""
@@ -1223,9 +1278,26 @@ def dot_flops(
         total += 2.0 * math.prod(out[0][1]) * contracted
       elif ins.opcode == 'conditional':
         callees = _callees(ins)
+        table = (
+          _branch_table(ins, comps.get(name, ()), n, len(callees))
+          if n and 1 < len(callees) < n
+          else None
+        )
         if n and len(callees) == n:
           total = total + np.array([np.max(cost(c)) for c in callees])
+        elif table is not None:
+          per = [np.max(cost(c)) for c in callees]
+          total = total + np.array([per[b] for b in table])
         else:
+          if n and 1 < len(callees) < n and not warned:
+            warned.append(ins.name)
+            warnings.warn(
+              f'dot_flops: conditional {ins.name} has {len(callees)} '
+              f'branches for {n} devices and no readable slot -> branch '
+              'table; it counts its busiest branch (an upper bound). Pass '
+              'the Compiled object rather than its text.',
+              stacklevel=2,
+            )
           total = total + max((np.max(cost(c)) for c in callees), default=0.0)
       elif ins.opcode == 'while':
         body = re.search(r'\bbody=%?([\w.\-]+)', ins.attrs)

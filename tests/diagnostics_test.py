@@ -1,6 +1,7 @@
 """Tests for dmuon_jax.diagnostics (collective bytes and FLOPs from HLO)."""
 
 import math
+import re
 import unittest
 
 import jax
@@ -567,6 +568,78 @@ dense<"0xPAIRS"> : tensor<4x2xi64>}> : (tensor<8xf32>) -> tensor<8xf32>
         ('all-reduce', (12,), 4, True, 2 * 3 / 4 * 12 * 4),
         ('collective-permute', (8,), 2, False, 8 * 4),
       ],
+    )
+
+
+class SharedBranchTest(absltest.TestCase):
+  """Owner slots with equal keys share one branch body
+  (``_collectives.switch_by_slot``); ``dot_flops`` still counts each
+  device's own branch, through the slot -> branch table."""
+
+  def setUp(self):
+    super().setUp()
+    self.mesh = _mesh((1, 8))
+
+  def compiled(self, keys_a, keys_b):
+    from dmuon_jax import _collectives  # pylint: disable=import-outside-toplevel
+
+    def matmuls(k):
+      def branch(y, w):
+        for _ in range(k):
+          y = jnp.tanh(y @ w)
+        return y
+
+      return branch
+
+    def body(x, w):
+      a = _collectives.switch_by_slot(
+        BOTH, [matmuls(k) for k in keys_a], x, w, keys=keys_a
+      )
+      return _collectives.switch_by_slot(
+        BOTH, [matmuls(k) for k in keys_b], a, w, keys=keys_b
+      )
+
+    f = jax.jit(_smap(body, self.mesh, (P(BOTH), P()), P(BOTH)))
+    x = jax.device_put(
+      jnp.asarray(np.random.default_rng(0).normal(size=(128, 16)), jnp.float32),
+      NamedSharding(self.mesh, P(BOTH)),
+    )
+    w = jnp.asarray(np.random.default_rng(1).normal(size=(16, 16)) / 4)
+    return f.lower(x, w).compile(), f(x, w), x, w
+
+  def test_equal_keys_share_a_body_and_devices_count_their_own(self):
+    keys_a = [i % 3 for i in range(8)]
+    keys_b = [2 - i % 3 for i in range(8)]  # every device: 2 matmuls in all
+    compiled, out, x, w = self.compiled(keys_a, keys_b)
+    text = compiled.as_text()
+    branches = [
+      len(m.split(','))
+      for m in re.findall(r'branch_computations=\{([^}]*)\}', text)
+    ]
+    self.assertEqual(sorted(branches), [3, 3])  # not 8 each
+    one = 2 * 16 * 16 * 16  # a (16, 16) block times w
+    self.assertEqual(
+      diagnostics.dot_flops(compiled, branches_per_device=8), 2 * one
+    )
+    # Without the device mapping: each conditional's busiest branch.
+    self.assertEqual(diagnostics.dot_flops(compiled), 4 * one)
+    # Each device ran its own branches.
+    xs, got = (
+      np.asarray(x).reshape(8, 16, 16),
+      np.asarray(out).reshape(8, 16, 16),
+    )
+    wn = np.asarray(w)
+    for i in range(8):
+      y = xs[i]
+      for _ in range(keys_a[i] + keys_b[i]):
+        y = np.tanh(y @ wn)
+      np.testing.assert_allclose(got[i], y, rtol=1e-5, atol=1e-6)
+
+  def test_one_key_has_no_conditional(self):
+    compiled, _, _, _ = self.compiled([1] * 8, [2] * 8)
+    self.assertNotIn(' conditional(', compiled.as_text())
+    self.assertEqual(
+      diagnostics.dot_flops(compiled, branches_per_device=8), 3 * 2 * 16**3
     )
 
 

@@ -44,6 +44,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -158,6 +159,15 @@ def gpu_bytes(traced, n):
   return out
 
 
+def conditional_branches(text: str) -> int:
+  """Branch bodies of all ``conditional``s in an HLO text: the program's
+  owner-slot branches (owners whose work is alike share one body)."""
+  return sum(
+    len([b for b in m.split(',') if b.strip()])
+    for m in re.findall(r'branch_computations=\{([^}]*)\}', text)
+  )
+
+
 def compile_timed(jitted, n, *args):
   """``(compiled, lower_s, compile_s, bytes by kind for CUDA)``."""
   t = time.perf_counter()
@@ -248,6 +258,7 @@ def drop_in_row(name, n, s):
     compiled, loop_trip_counts=True, branches_per_device=n
   )
   nesting = diagnostics.collective_nesting(compiled)
+  branches = conditional_branches(compiled.as_text())
   predicted = layout.collective_bytes()
   predicted['gram exchange'] = plan.group_exchange_bytes()
   return {
@@ -258,6 +269,7 @@ def drop_in_row(name, n, s):
     'lower_s': lower_s,
     'compile_s': compile_s,
     'ns_flops_per_device': flops,
+    'conditional_branches': branches,
     'plan_makespan': plan.makespan,
     'bytes_by_kind': cuda,
     'cpu_bytes_by_kind': report.bytes_by_kind,
@@ -332,6 +344,7 @@ def dedicated_row(name, n, s, layers_per_gather='auto'):
     compiled, loop_trip_counts=True, branches_per_device=n_slots
   )
   nesting = diagnostics.collective_nesting(compiled)
+  branches = conditional_branches(compiled.as_text())
   payload, gathered = ded.gather_bytes()
   r = n // s
   model = 3 * (s - 1) / s * gathered + 2 * (r - 1) / r * gathered / s
@@ -352,6 +365,7 @@ def dedicated_row(name, n, s, layers_per_gather='auto'):
     # The step's dots include the model's forward and backward: the NS
     # part is the plan's prediction (below); this is the program's total.
     'step_dot_flops_per_device': flops,
+    'conditional_branches': branches,
     'plan_makespan': ded.plan.makespan,
     'groups': len(ded.plan.groups),
     'bytes_by_kind': cuda,

@@ -1561,10 +1561,25 @@ _MANUAL_AXIS_ERRORS = (
 _MANUAL_ONLY_ERRORS = ('from `Manual` AxisType',)
 
 
-def _explain_annotation(err: Exception, axes: Sequence[str]) -> None:
+def _explain_annotation(
+  err: Exception, axes: Sequence[str], explicit: bool
+) -> None:
   """Re-raises JAX's error for a sharding annotation naming a manual axis
-  inside the step with what to do about it."""
+  inside the step with what to do about it (``explicit``: whether the
+  owner axes are Explicit on the dedication's mesh)."""
   text = str(err)
+  if explicit:
+    route = (
+      'On this mesh the owner axes are Explicit: a plain nnx.jit/jax.jit '
+      'step keeps every annotation (see the guide, "Your own jit step").'
+    )
+  else:
+    route = (
+      'To keep them, make the owner axes Explicit (jax.make_mesh(..., '
+      'axis_types=(jax.sharding.AxisType.Explicit,) * n)), dedicate on that '
+      'mesh and use a plain nnx.jit/jax.jit step (see the guide, "Your own '
+      'jit step").'
+    )
   names_axis = any(s in text for s in _MANUAL_AXIS_ERRORS) and any(
     a in text for a in axes
   )
@@ -1576,9 +1591,7 @@ def _explain_annotation(err: Exception, axes: Sequence[str]) -> None:
       "those axes out of the model's activation annotations "
       '(with_sharding_constraint, out_sharding=, e.g. a sharding config '
       'without the data-parallel axis); annotations over the other mesh '
-      'axes keep working. On a mesh whose owner axes are Explicit, a '
-      'plain nnx.jit/jax.jit step keeps every annotation (see the guide, '
-      f'"Your own jit step"). JAX said: {text.splitlines()[0]}'
+      f'axes keep working. {route} JAX said: {text.splitlines()[0]}'
     ) from err
 
 
@@ -1696,6 +1709,10 @@ def train_step(
   ded = md.dedication
   axes = tuple(ded.buffer_axes) if ded.layout.distributed else ()
   manual = frozenset(axes)
+  kinds = dict(zip(ded.mesh.axis_names, ded.mesh.axis_types)) if axes else {}
+  explicit = bool(axes) and all(
+    kinds[a] == jax.sharding.AxisType.Explicit for a in axes
+  )
   compiled: dict[Any, Callable[..., Any]] = {}
 
   def build(
@@ -1722,7 +1739,7 @@ def train_step(
           try:
             out = fn(*args)
           except (ValueError, TypeError, NotImplementedError) as err:
-            _explain_annotation(err, axes)
+            _explain_annotation(err, axes, explicit)
             raise
           for v, k in zip(keys, saved):
             v.set_value(k)

@@ -23,8 +23,6 @@ import asyncio
 import os
 import sys
 
-os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,6 +32,13 @@ from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
 from dmuon_jax import checkpoint
+
+# 8 simulated CPU devices (GPUs are what they are), unless XLA_FLAGS forces a
+# host device count of its own; other XLA_FLAGS keep working.
+if 'xla_force_host_platform_device_count' not in os.environ.get(
+  'XLA_FLAGS', ''
+):
+  jax.config.update('jax_num_cpu_devices', 8)
 
 AXES = ('replicate', 'shard')
 

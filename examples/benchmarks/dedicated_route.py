@@ -57,8 +57,6 @@ import pathlib
 import sys
 import time
 
-os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
-
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -71,6 +69,13 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import dmuon_jax  # noqa: E402
 import dmuon_jax.flax as dflax  # noqa: E402
+
+# 8 simulated CPU devices (GPUs are what they are), unless XLA_FLAGS forces a
+# host device count of its own; other XLA_FLAGS keep working.
+if 'xla_force_host_platform_device_count' not in os.environ.get(
+  'XLA_FLAGS', ''
+):
+  jax.config.update('jax_num_cpu_devices', 8)
 
 AXES = ('replicate', 'shard')
 LAYERS = 3

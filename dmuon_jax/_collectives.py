@@ -87,9 +87,13 @@ def switch_by_slot(
     return jax.lax.switch(index, [wrap(b) for b in branches], *operands)
   if len(keys) != len(branches):
     raise ValueError(f'{len(keys)} keys for {len(branches)} branches')
-  first: dict = {}
-  table = [first.setdefault(k, len(first)) for k in keys]
-  unique = [branches[keys.index(k)] for k in first]
+  ids: dict = {}
+  unique, table = [], []
+  for key, branch in zip(keys, branches):
+    if key not in ids:
+      ids[key] = len(unique)
+      unique.append(branch)
+    table.append(ids[key])
   if len(unique) == 1:
     return wrap(unique[0])(*operands)
   which = jnp.asarray(np.asarray(table, np.int32))[index]

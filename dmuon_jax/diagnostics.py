@@ -1278,18 +1278,17 @@ def dot_flops(
         total += 2.0 * math.prod(out[0][1]) * contracted
       elif ins.opcode == 'conditional':
         callees = _callees(ins)
-        table = (
-          _branch_table(ins, comps.get(name, ()), n, len(callees))
-          if n and 1 < len(callees) < n
-          else None
-        )
+        per = [np.max(cost(c)) for c in callees]
+        shared = n and 1 < len(callees) < n  # owners sharing branch bodies
+        table = None
         if n and len(callees) == n:
-          total = total + np.array([np.max(cost(c)) for c in callees])
-        elif table is not None:
-          per = [np.max(cost(c)) for c in callees]
+          table = range(n)
+        elif shared:
+          table = _branch_table(ins, comps.get(name, ()), n, len(callees))
+        if table is not None:
           total = total + np.array([per[b] for b in table])
         else:
-          if n and 1 < len(callees) < n and not warned:
+          if shared and not warned:
             warned.append(ins.name)
             warnings.warn(
               f'dot_flops: conditional {ins.name} has {len(callees)} '
@@ -1298,7 +1297,7 @@ def dot_flops(
               'the Compiled object rather than its text.',
               stacklevel=2,
             )
-          total = total + max((np.max(cost(c)) for c in callees), default=0.0)
+          total = total + max(per, default=0.0)
       elif ins.opcode == 'while':
         body = re.search(r'\bbody=%?([\w.\-]+)', ins.attrs)
         trip = _TRIP_COUNT_RE.search(ins.raw) if loop_trip_counts else None

@@ -32,11 +32,11 @@ from dmuon_jax._newton_schulz import (
 from dmuon_jax._newton_schulz import resolve_ns_coeffs as resolve_ns_coeffs
 from dmuon_jax._owner_layout import OwnerBuffers as OwnerBuffers
 from dmuon_jax._owner_layout import OwnerLayout as OwnerLayout
-from dmuon_jax._planner import OwnerGroup as OwnerGroup
-from dmuon_jax._planner import OwnershipPlan as OwnershipPlan
-from dmuon_jax._planner import default_muon_predicate as default_muon_predicate
+from dmuon_jax._plan import OwnerGroup as OwnerGroup
+from dmuon_jax._plan import OwnershipPlan as OwnershipPlan
 from dmuon_jax._planner import plan_ownership as plan_ownership
 from dmuon_jax._report import DMuonWarning as DMuonWarning
+from dmuon_jax._routing import default_muon_predicate as default_muon_predicate
 from dmuon_jax._tensor_parallel import (
   orthogonalize_via_gram_newton_schulz_tp as orthogonalize_via_gram_newton_schulz_tp,
 )

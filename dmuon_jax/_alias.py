@@ -9,12 +9,13 @@ import jax
 import optax
 
 from dmuon_jax import (
+  _checks,
   _explicit,
   _hyperparams,
   _mesh,
   _owner_update,
-  _planner,
   _report,
+  _routing,
   _transform,
 )
 
@@ -45,7 +46,7 @@ def muon_labels(
     >>> dmuon_jax.muon_labels(params, predicate='optax')  # optax's rule
     {'embed': 'muon', 'norm': 'adam', 'w': 'muon'}
   """
-  specs = _planner.muon_target_specs(
+  specs = _routing.muon_target_specs(
     params,
     predicate=predicate,
     weight_dimension_numbers=muon_weight_dimension_numbers,
@@ -87,7 +88,7 @@ def routing_summary(
     elements); optax.contrib.muon would orthogonalize 1 of the AdamW leaves:
     'embed' (64, 8) (predicate='optax' routes as optax)
   """
-  return _planner.route(
+  return _routing.route(
     params,
     predicate=predicate,
     weight_dimension_numbers=muon_weight_dimension_numbers,
@@ -108,7 +109,7 @@ def _reporting_routing(
   def init_fn(params):
     nonlocal reported
     if not reported:
-      routing = _planner.route(
+      routing = _routing.route(
         params,
         predicate=predicate,
         weight_dimension_numbers=dims,
@@ -131,7 +132,7 @@ def _check_tree_at_update(
     # The AdamW moments keep init's tree and shapes (Muon leaves as
     # MaskedNode; the Muon chain checks their shapes itself).
     adam_mu = optax.tree_utils.tree_get(state.inner_states['adam'], 'mu')
-    _planner.check_same_tree(
+    _checks.check_same_tree(
       updates,
       adam_mu,
       'update()',
@@ -362,7 +363,7 @@ def dmuon(
     <https://arxiv.org/abs/2502.16982>`_, 2025
   """
   _owner_update.check_nonfinite(nonfinite)
-  _planner.check_predicate(predicate)
+  _routing.check_predicate(predicate)
   _hyperparams.check_adam(
     learning_rate=learning_rate,
     adam_learning_rate=adam_learning_rate,

@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from dmuon_jax import _planner
+from dmuon_jax import _routing
 
 BoundaryPredicate = Callable[[str, Any], bool]
 
@@ -77,22 +77,22 @@ def _custom_boundary(params, keys, boundary_predicate) -> str | None:
   for end in range(len(keys) - 1, -1, -1):
     prefix = keys[:end]
     if boundary_predicate(
-      _planner.normalize_path(prefix), subtree(params, prefix)
+      _routing.normalize_path(prefix), subtree(params, prefix)
     ):
-      return _planner.normalize_path(prefix)
+      return _routing.normalize_path(prefix)
   return None
 
 
 def _default_boundary(path: str, stacked: bool) -> tuple[str | None, bool]:
   """A block prefix (``layers/3``, ``layers_3``), else a scanned stack."""
   segments = [s for s in path.split('/') if s]
-  end = _planner.block_boundary_end(segments)
+  end = _routing.block_boundary_end(segments)
   if end is not None:
     return '/'.join(segments[:end]), False
   if stacked:
     start = 0
     while (
-      start < len(segments) - 1 and segments[start] in _planner.COLLECTION_NAMES
+      start < len(segments) - 1 and segments[start] in _routing.COLLECTION_NAMES
     ):
       start += 1
     return '/'.join(segments[: start + 1]), True
@@ -158,7 +158,7 @@ def find_hook_boundaries(
     ...     vit, boundary_predicate=lambda path, sub: 'attn' in sub).names
     ('enc_a', 'enc_b')
   """
-  specs = _planner.muon_target_specs(
+  specs = _routing.muon_target_specs(
     params,
     predicate=predicate,
     weight_dimension_numbers=weight_dimension_numbers,

@@ -17,15 +17,19 @@ from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import (
   _boundaries,
+  _checks,
   _collectives,
+  _cost,
   _gather,
   _hyperparams,
   _layout,
   _mesh,
   _owner_layout,
   _owner_update,
+  _plan,
   _planner,
   _report,
+  _routing,
   _states,
 )
 
@@ -121,7 +125,7 @@ class Dedication:
     Dedicated ownership (Z3) on 1 slots, buffer axes (), 2 layer(s) per ...
   """
 
-  plan: _planner.OwnershipPlan
+  plan: _plan.OwnershipPlan
   boundaries: _boundaries.HookBoundaries
   groups: tuple[tuple[int, ...], ...]
   layout: _owner_layout.OwnerLayout
@@ -349,7 +353,7 @@ class Dedication:
         'DedicatedParams (already in owner layout); use it as it is, or '
         'to_params() to go back.'
       )
-    _planner.check_same_tree(
+    _checks.check_same_tree(
       params,
       jax.tree.unflatten(self.treedef, [0] * self.treedef.num_leaves),
       'to_dedicated()',
@@ -507,7 +511,7 @@ def _tp_local(params, info, predicate, weight_dimension_numbers):
     per split target's leaf index its matrix split axis (-1 or -2).
   """
   leaves, treedef = jax.tree.flatten(params)
-  specs = _planner.muon_target_specs(
+  specs = _routing.muon_target_specs(
     params,
     predicate=predicate,
     weight_dimension_numbers=weight_dimension_numbers,
@@ -543,7 +547,7 @@ def _tp_local(params, info, predicate, weight_dimension_numbers):
 
 
 def _buffer_axes(
-  plan: _planner.OwnershipPlan, replicate_axis: str | None
+  plan: _plan.OwnershipPlan, replicate_axis: str | None
 ) -> tuple[tuple[str, ...], str | None]:
   """Owner axes in buffer order (shard axes, then replicate) and the
   replicate axis if it has more than one device."""
@@ -556,9 +560,7 @@ def _buffer_axes(
   )
 
 
-def _group_axis(
-  plan: _planner.OwnershipPlan, rep_axis: str | None
-) -> str | None:
+def _group_axis(plan: _plan.OwnershipPlan, rep_axis: str | None) -> str | None:
   """The axis owner groups range over: the innermost owner axis that is not
   the HSDP replicate axis (a group's Grams then stay in a shard group)."""
   axes = [a for a in plan.axis_names if a != rep_axis] or list(plan.axis_names)
@@ -752,7 +754,7 @@ def dedicate(
   abstract = jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params
   )
-  routing = _planner.route(
+  routing = _routing.route(
     params,
     predicate=predicate,
     weight_dimension_numbers=dims_numbers,
@@ -825,7 +827,7 @@ def dedicate(
     sizes = dict(zip(plan.axis_names, plan.mesh_shape))
     leaves = jax.tree.leaves(params)
     flat = jax.tree.flatten_with_path(params)[0]
-    leaf_paths = tuple(_planner.normalize_path(keys) for keys, _ in flat)
+    leaf_paths = tuple(_routing.normalize_path(keys) for keys, _ in flat)
     path_boundary = dict(zip(bounds.paths, bounds.of_target))
     groups = _gather_groups(bounds, k)
     scanned_names = [n for n, sc in zip(bounds.names, bounds.scanned) if sc]
@@ -919,7 +921,7 @@ def dedicate(
   if layers_per_gather != 'auto':
     return build(layers_per_gather, 'given')
   shape_of = {
-    _planner.normalize_path(keys): np.shape(x)
+    _routing.normalize_path(keys): np.shape(x)
     for keys, x in jax.tree.flatten_with_path(params)[0]
   }
   stacks = sorted(
@@ -1009,13 +1011,13 @@ def _summary(ded: Dedication) -> str:
     times = f' x {iters} iterations' if iters else ''
     lines.append(
       f'  gather {g}: {names}{times}: {len(lay.plan.units)} '
-      f'matrices, {_planner.human_bytes(used)} gathered as '
-      f'{_planner.human_bytes(held)} '
+      f'matrices, {_cost.human_bytes(used)} gathered as '
+      f'{_cost.human_bytes(held)} '
       f'(padding {_padding_percent(used, held):.1f}%)'
     )
   lines.append(
-    f'  total: Muon params {_planner.human_bytes(payload)}, '
-    f'gathered {_planner.human_bytes(gathered)} '
+    f'  total: Muon params {_cost.human_bytes(payload)}, '
+    f'gathered {_cost.human_bytes(gathered)} '
     f'(padding {_padding_percent(payload, gathered):.1f}%)'
   )
   if not ded.plan.units:
@@ -1455,7 +1457,7 @@ def dedicated_muon(
 
   def update_fn(updates, state, params=None):
     dedication.check_dedicated(updates, 'dedicated_muon update()')
-    _planner.check_same_tree(
+    _checks.check_same_tree(
       updates.rest,
       optax.tree_utils.tree_get(state[1], 'mu'),
       'dedicated_muon update()',

@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dmuon_jax import _planner
+from dmuon_jax import _plan, _routing
 
 
-def to_matrices(x: jax.Array, spec: _planner.LeafSpec) -> jax.Array:
+def to_matrices(x: jax.Array, spec: _routing.LeafSpec) -> jax.Array:
   """Reshapes a leaf to ``(num_matrices, fan_in, fan_out)`` (for a sliced
   spec: its slices, from the leaf in its own shape)."""
   perm = spec.batch_axes + spec.reduction_axes + spec.output_axes
@@ -28,7 +28,7 @@ def to_matrices(x: jax.Array, spec: _planner.LeafSpec) -> jax.Array:
   )
 
 
-def from_matrices(x: jax.Array, spec: _planner.LeafSpec) -> jax.Array:
+def from_matrices(x: jax.Array, spec: _routing.LeafSpec) -> jax.Array:
   """Inverse of :func:`to_matrices`."""
   perm = spec.batch_axes + spec.reduction_axes + spec.output_axes
   x = x.reshape(tuple(spec.shape[a] for a in perm))
@@ -42,14 +42,14 @@ class Bucket(NamedTuple):
   tp_split: int | None  # -1 columns / -2 rows split over TP, or None
   dtype: str  # the params' dtype
   units: tuple[int, ...]  # unit indices, in buffer order
-  grouped: bool = False  # slices of owner groups (see _planner.OwnerGroup)
+  grouped: bool = False  # slices of owner groups (see _plan.OwnerGroup)
   # A zero-padded leaf's (see Layout.crops): the rows and columns of its
   # padded matrices that hold the param, or None.
   crop: tuple[np.ndarray, np.ndarray] | None = None
 
 
 def _crop(
-  spec: _planner.LeafSpec,
+  spec: _routing.LeafSpec,
   logical: tuple[int, ...] | None,
   tp_split: int | None,
 ) -> tuple[np.ndarray, np.ndarray] | None:
@@ -114,7 +114,7 @@ class Layout:
 
   def __init__(
     self,
-    plan: _planner.OwnershipPlan,
+    plan: _plan.OwnershipPlan,
     dtypes: Sequence,
     tp_splits: Sequence[int | None] | None = None,
     logical: Sequence[tuple[int, ...] | None] | None = None,

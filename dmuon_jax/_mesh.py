@@ -9,10 +9,11 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dmuon_jax import _planner
+from dmuon_jax._routing import normalize_path
 
 # Per dimension of an array, the mesh axes it is split over (major first).
 Entries = tuple[tuple[str, ...], ...]
@@ -30,6 +31,89 @@ def context_mesh() -> Any:
   if mesh is None or mesh.empty:
     return None
   return mesh
+
+
+def mesh_axes(
+  mesh: Any, axis_names: Any = None
+) -> tuple[tuple[str, ...], tuple[int, ...]]:
+  """Owner axes (in mesh order) and their sizes."""
+  if mesh is None:
+    sizes: dict[str, int] = {}
+    order: tuple[str, ...] = ()
+  elif isinstance(mesh, Mapping):
+    sizes = {str(k): v for k, v in mesh.items()}
+    order = tuple(sizes)
+  elif hasattr(mesh, 'axis_names') and hasattr(mesh, 'shape'):
+    sizes = dict(mesh.shape)
+    order = tuple(mesh.axis_names)
+  else:
+    raise TypeError(
+      f'dmuon: mesh must be None, a jax.sharding.Mesh or AbstractMesh, or a'
+      f' mapping {{axis_name: size}}; got {type(mesh).__name__}.'
+    )
+  for name, size in sizes.items():
+    if not isinstance(size, (int, np.integer)) or size < 1:
+      raise ValueError(
+        f'dmuon: mesh axis {name!r} has size {size!r}; expected a positive int.'
+      )
+  if axis_names is None:
+    chosen = order
+  else:
+    names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
+    missing = [n for n in names if n not in sizes]
+    if missing and mesh is None:
+      raise ValueError(
+        f'dmuon: axis_names {names} names mesh axes, but no mesh was given'
+        ' (one slot, no axes). Pass the mesh too, or leave axis_names None.'
+      )
+    if missing:
+      raise ValueError(
+        f'dmuon: axis_names {names} includes {missing}, which are not axes'
+        f' of the mesh; the mesh has axes {order}. Pass a subset of them,'
+        ' or None for all.'
+      )
+    if len(set(names)) != len(names):
+      raise ValueError(f'dmuon: axis_names {names} repeats an axis.')
+    chosen = tuple(n for n in order if n in names)
+  return chosen, tuple(int(sizes[n]) for n in chosen)
+
+
+def check_devices(params: Any, mesh: Any) -> None:
+  """Raises if a placed param lives on devices outside ``mesh``.
+
+  Only concrete, committed arrays are checked (tracers, shapes and
+  uncommitted arrays can go anywhere), and only against a concrete
+  ``jax.sharding.Mesh``.
+
+  Args:
+    params: the params tree.
+    mesh: the mesh the optimizer was given (or None).
+
+  Raises:
+    ValueError: naming the first such param, its devices and the mesh's.
+  """
+  if not isinstance(mesh, jax.sharding.Mesh):
+    return
+  mesh_ids = {d.id for d in mesh.devices.flat}
+  for keys, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if (
+      not isinstance(x, jax.Array)
+      or isinstance(x, jax.core.Tracer)
+      or not getattr(x, 'committed', True)
+    ):
+      continue
+    ids = sorted(d.id for d in x.sharding.device_set)
+    if not set(ids) <= mesh_ids or (
+      len(ids) == 1 < len(mesh_ids)
+      and not isinstance(x.sharding, jax.sharding.NamedSharding)
+    ):
+      raise ValueError(
+        f'dmuon: param {normalize_path(keys)!r} is placed on devices '
+        f'{ids}, but the mesh it was given has devices '
+        f'{sorted(mesh_ids)} (axes {dict(mesh.shape)}). Place the params '
+        'on that mesh (jax.device_put(params, NamedSharding(mesh, spec))) '
+        'or pass the mesh they live on as mesh=.'
+      )
 
 
 def is_variable(x: Any) -> bool:
@@ -471,8 +555,8 @@ def resolve(
   """
   if mesh is None:
     return None
-  names, sizes = _planner.mesh_axes(mesh, None)
-  _planner.mesh_axes(mesh, axis_names)  # Raises for unknown names.
+  names, sizes = mesh_axes(mesh, None)
+  mesh_axes(mesh, axis_names)  # Raises for unknown names.
   by_name = dict(zip(names, sizes))
   if tensor_parallel_axis == AUTO:
     tp = _auto_tp_axis(names, by_name, axis_names, sharded_axes)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dmuon_jax import _exchange, _mesh, _planner
+from dmuon_jax import _cost, _exchange, _mesh
 from dmuon_jax._layout import Layout
 
 
@@ -32,7 +32,7 @@ class TargetLeaf:
   Attributes:
     index: leaf index in the tree given to ``init``/``update`` (the Muon
       subtree for ``scale_by_dmuon``, the whole params for dedicated mode).
-    path: its normalized path (see ``_planner.normalize_path``).
+    path: its normalized path (see ``_routing.normalize_path``).
     shape: the whole param's shape (not one TP shard's slice).
     dtype: the param's dtype name.
     group: the layout group holding its matrices.
@@ -405,9 +405,7 @@ class OwnerLayout:
       predicted = self.collective_bytes()
       lines.append(
         '  predicted update bytes per device: '
-        + ', '.join(
-          f'{k} {_planner.human_bytes(v)}' for k, v in predicted.items()
-        )
+        + ', '.join(f'{k} {_cost.human_bytes(v)}' for k, v in predicted.items())
       )
     padded, extra = self.padding()
     if padded:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import warnings
 
-from dmuon_jax import _planner
+from dmuon_jax import _routing
 
 LOGGER = logging.getLogger('dmuon_jax')
 
@@ -43,7 +43,7 @@ class DMuonWarning(UserWarning):
   """
 
 
-def report_routing(routing: _planner.Routing) -> None:
+def report_routing(routing: _routing.Routing) -> None:
   """Logs the routing summary at INFO; warns if no leaf goes to Muon."""
   LOGGER.info('%s', routing.summary)
   if routing.num_muon == 0:

@@ -1,7 +1,7 @@
 """Distributed Gram Newton–Schulz with every collective outside branches.
 
 Owner-group matrices (slices on several owners, see
-``_planner.OwnerGroup``) and tensor-parallel ones (slices on the TP shards
+``_plan.OwnerGroup``) and tensor-parallel ones (slices on the TP shards
 of one owner) are orthogonalized together by their holders. Each device
 runs its own matrices in a ``lax.switch`` branch on its owner slot; a
 collective inside such a branch would be executed by only some of the

@@ -17,7 +17,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import (
+  _checks,
   _collectives,
+  _cost,
   _exchange,
   _layout,
   _mesh,
@@ -25,6 +27,7 @@ from dmuon_jax import (
   _owner_update,
   _planner,
   _report,
+  _routing,
   _states,
 )
 
@@ -176,7 +179,7 @@ def _mesh_argument(mesh: Any) -> Any:
       'inject_hyperparams, or leave mesh out: dmuon then uses the mesh of '
       'jax.set_mesh(...) or the mesh the params are placed on.'
     )
-  _planner.mesh_axes(mesh)  # Raises a TypeError naming what it got.
+  _mesh.mesh_axes(mesh)  # Raises a TypeError naming what it got.
   return mesh
 
 
@@ -195,10 +198,10 @@ def param_specs_by_path(param_specs: Any) -> dict[str, P] | None:
       x = P()
     elif x is not None and not isinstance(x, P):
       raise TypeError(
-        f'dmuon: param_specs has {x!r} at {_planner.normalize_path(keys)!r}'
+        f'dmuon: param_specs has {x!r} at {_routing.normalize_path(keys)!r}'
         '; expected a PartitionSpec, a NamedSharding or None.'
       )
-    out[_planner.normalize_path(keys)] = x
+    out[_routing.normalize_path(keys)] = x
   return out
 
 
@@ -218,7 +221,7 @@ def _flat_params(params: Any):
   ``nnx.Variable``\\ s and Linen boxes; ``spec`` None where unknown)."""
   with_path = jax.tree_util.tree_flatten_with_path(params)[0]
   return [
-    (_planner.normalize_path(k), x, _mesh.leaf_spec(h))
+    (_routing.normalize_path(k), x, _mesh.leaf_spec(h))
     for (k, x), h in zip(with_path, _holders(params))
   ]
 
@@ -256,8 +259,8 @@ def _find_mesh(setup: _Setup, flat) -> Any:
 def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
   flat = _flat_params(params)
   mesh = _find_mesh(setup, flat)
-  _planner.check_devices(params, mesh)
-  targets = _planner.muon_target_specs(
+  _mesh.check_devices(params, mesh)
+  targets = _routing.muon_target_specs(
     params,
     predicate=lambda path, leaf: True,
     weight_dimension_numbers=setup.weight_dimension_numbers,
@@ -426,8 +429,8 @@ def check_state_tree(
 ) -> list[jax.Array]:
   """The target leaves of ``updates``; raises unless they fit ``layout``."""
   with_path = jax.tree_util.tree_flatten_with_path(updates)[0]
-  _planner.check_same_leaves(
-    [(_planner.normalize_path(k), tuple(np.shape(x))) for k, x in with_path],
+  _checks.check_same_leaves(
+    [(_routing.normalize_path(k), tuple(np.shape(x))) for k, x in with_path],
     [(t.path, t.shape) for t in layout.leaves],
     what,
   )
@@ -638,7 +641,7 @@ def _warn_if_forced(layout, b: int, shape, got, sizes) -> None:
   nbytes = lambda s: math.prod(s) * jnp.dtype(dtype).itemsize
   held = nbytes(local)
   owned = nbytes(_mesh.local_shape(shape, want, sizes))
-  hb = _planner.human_bytes
+  hb = _cost.human_bytes
   devices = math.prod(sizes.values())
   warn_once(
     (layout.name, f'forced{b}'),
@@ -1172,7 +1175,7 @@ def scale_by_shape(
 
   def update_fn(updates, state, params=None):
     del params
-    specs = _planner.muon_target_specs(
+    specs = _routing.muon_target_specs(
       updates,
       predicate=lambda path, leaf: True,
       weight_dimension_numbers=weight_dimension_numbers,

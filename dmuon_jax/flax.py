@@ -51,8 +51,8 @@ from dmuon_jax import (
   _gather,
   _mesh,
   _owner_layout,
-  _planner,
   _report,
+  _routing,
 )
 
 __all__ = (
@@ -766,7 +766,7 @@ def _check_boundaries_hold_targets(params, ded, boundary_predicate) -> None:
   seen = set()
   for keys, _ in jax.tree.flatten_with_path(params)[0]:
     for depth in range(1, len(keys)):
-      prefix = _planner.normalize_path(keys[:depth])
+      prefix = _routing.normalize_path(keys[:depth])
       if prefix in seen:
         break
       seen.add(prefix)

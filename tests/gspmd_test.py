@@ -29,7 +29,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
-from dmuon_jax import _mesh, _planner
+from dmuon_jax import _cost, _mesh
 from tests import support
 
 # One configuration per recipe runs in the inner loop; the Explicit-mesh
@@ -357,8 +357,8 @@ class WarningTest(absltest.TestCase):
     step = jax.jit(linen_step(tx), out_shardings=replicated)
     pattern = (
       rf'momentum buffer 0 .* sharded as .*each device holds '
-      rf'{re.escape(_planner.human_bytes(buf.nbytes))} of it instead of '
-      rf'{re.escape(_planner.human_bytes(buf.nbytes // 8))}.*per device'
+      rf'{re.escape(_cost.human_bytes(buf.nbytes))} of it instead of '
+      rf'{re.escape(_cost.human_bytes(buf.nbytes // 8))}.*per device'
     )
     return step, state, grads, pattern
 

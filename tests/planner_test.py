@@ -1,4 +1,4 @@
-"""Tests for dmuon_jax._planner (shapes only, no devices)."""
+"""Tests for the planner, routing and cost model (shapes only, no devices)."""
 
 import collections
 
@@ -9,7 +9,7 @@ import optax
 from absl.testing import absltest, parameterized
 from optax.contrib import MuonDimensionNumbers as MDN
 
-from dmuon_jax import _planner
+from dmuon_jax import _cost, _planner, _routing
 
 S = jax.ShapeDtypeStruct
 F32 = jnp.float32
@@ -107,7 +107,7 @@ class NormalizePathTest(parameterized.TestCase):
   def test_key_kinds(self):
     tree = {'a': [S((2, 2), F32), (S((3,), F32),)]}
     paths = [
-      _planner.normalize_path(p)
+      _routing.normalize_path(p)
       for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
     ]
     self.assertEqual(paths, ['a/0', 'a/1/0'])
@@ -116,15 +116,15 @@ class NormalizePathTest(parameterized.TestCase):
     boxed = {'layers': {0: {'kernel': _Box(S((4, 4), F32))}}}
     ((path, _),) = jax.tree_util.tree_flatten_with_path(boxed)[0]
     self.assertIsInstance(path[-1], jax.tree_util.GetAttrKey)
-    self.assertEqual(_planner.normalize_path(path), 'layers/0/kernel')
+    self.assertEqual(_routing.normalize_path(path), 'layers/0/kernel')
 
   def test_inner_value_kept(self):
     path = (
       jax.tree_util.GetAttrKey('value'),
       jax.tree_util.DictKey('w'),
     )
-    self.assertEqual(_planner.normalize_path(path), 'value/w')
-    self.assertEqual(_planner.normalize_path(()), '')
+    self.assertEqual(_routing.normalize_path(path), 'value/w')
+    self.assertEqual(_routing.normalize_path(()), '')
 
 
 class DefaultPredicateTest(parameterized.TestCase):
@@ -149,7 +149,7 @@ class DefaultPredicateTest(parameterized.TestCase):
     ('bias', 'dense/bias'),
   )
   def test_excluded_paths(self, path):
-    self.assertFalse(_planner.default_muon_predicate(path, S((8, 8), F32)))
+    self.assertFalse(_routing.default_muon_predicate(path, S((8, 8), F32)))
 
   @parameterized.named_parameters(
     ('q_proj', 'attn/q_proj/kernel'),
@@ -164,7 +164,7 @@ class DefaultPredicateTest(parameterized.TestCase):
     ('bert_attention_output', 'encoder/layer/0/attention/output/dense'),
   )
   def test_included_paths(self, path):
-    self.assertTrue(_planner.default_muon_predicate(path, S((8, 8), F32)))
+    self.assertTrue(_routing.default_muon_predicate(path, S((8, 8), F32)))
 
   @parameterized.named_parameters(
     ('vector', (8,)),
@@ -175,11 +175,11 @@ class DefaultPredicateTest(parameterized.TestCase):
   )
   def test_non_matrices_excluded(self, shape):
     self.assertFalse(
-      _planner.default_muon_predicate('mlp/kernel', S(shape, F32))
+      _routing.default_muon_predicate('mlp/kernel', S(shape, F32))
     )
 
   def test_llama_targets(self):
-    specs = _planner.muon_target_specs(_llama(num_layers=2))
+    specs = _routing.muon_target_specs(_llama(num_layers=2))
     paths = [s.path for s in specs if s is not None]
     self.assertLen(paths, 14)
     self.assertTrue(all(p.startswith('layers/') for p in paths))
@@ -189,10 +189,10 @@ class ResolveDimensionNumbersTest(parameterized.TestCase):
   def test_none_and_single(self):
     tree = {'a': S((2, 3), F32), 'b': None, 'c': [S((4,), F32)]}
     self.assertEqual(
-      _planner.resolve_dimension_numbers(tree, None), [None, None]
+      _routing.resolve_dimension_numbers(tree, None), [None, None]
     )
     self.assertEqual(
-      _planner.resolve_dimension_numbers(tree, MDN(0, 1)),
+      _routing.resolve_dimension_numbers(tree, MDN(0, 1)),
       [MDN(0, 1), MDN(0, 1)],
     )
 
@@ -200,9 +200,9 @@ class ResolveDimensionNumbersTest(parameterized.TestCase):
     tree = {'a': {'x': S((2, 3), F32), 'y': S((2, 3), F32)}, 'b': S((3,), F32)}
     dims = {'a': MDN(1, 0), 'b': None}
     expected = [MDN(1, 0), MDN(1, 0), None]
-    self.assertEqual(_planner.resolve_dimension_numbers(tree, dims), expected)
+    self.assertEqual(_routing.resolve_dimension_numbers(tree, dims), expected)
     self.assertEqual(
-      _planner.resolve_dimension_numbers(tree, lambda t: dims), expected
+      _routing.resolve_dimension_numbers(tree, lambda t: dims), expected
     )
 
   def test_masked_nodes(self):
@@ -220,7 +220,7 @@ class ResolveDimensionNumbersTest(parameterized.TestCase):
       'd': {'deep': MDN()},
     }
     self.assertEqual(
-      _planner.resolve_dimension_numbers(tree, dims), [MDN(), MDN()]
+      _routing.resolve_dimension_numbers(tree, dims), [MDN(), MDN()]
     )
 
 
@@ -374,7 +374,7 @@ class PlanTest(parameterized.TestCase):
 
   def test_python_scalars_and_numpy_leaves(self):
     tree = {'step': 3, 'temp': 0.5, 'w': np.zeros((4, 6), np.float32)}
-    specs = _planner.muon_target_specs(tree)
+    specs = _routing.muon_target_specs(tree)
     self.assertEqual([s is not None for s in specs], [False, False, True])
     self.assertEqual(specs[2].dtype, 'float32')
     # A Python float is a 0-D leaf: selecting it names it and the fix.
@@ -384,7 +384,7 @@ class PlanTest(parameterized.TestCase):
       r'selected as a Muon target.*Route it to AdamW: make the predicate '
       r'return False for it',
     ):
-      _planner.muon_target_specs(tree, predicate=lambda p, x: p == 'temp')
+      _routing.muon_target_specs(tree, predicate=lambda p, x: p == 'temp')
 
   def test_zero_cost_units(self):
     tree = {'a': S((4, 4), F32), 'b': S((8, 8), F32)}
@@ -408,13 +408,13 @@ class CostModelTest(parameterized.TestCase):
     ('odd', 3, 7),
   )
   def test_ns_flops(self, m, n):
-    self.assertEqual(_planner.ns_flops(m, n), _flops(m, n))
-    self.assertEqual(_planner.ns_flops(m, n, 3), _flops(m, n, 3))
+    self.assertEqual(_cost.ns_flops(m, n), _flops(m, n))
+    self.assertEqual(_cost.ns_flops(m, n, 3), _flops(m, n, 3))
 
   def test_known_numbers(self):
-    self.assertEqual(_planner.ns_flops(512, 512), 30 * 512**3)
-    self.assertEqual(_planner.ns_flops(512, 1536), 70 * 512**3)
-    self.assertEqual(_planner.ns_flops(2, 3), 5 * (4 * 4 * 3 + 2 * 8))
+    self.assertEqual(_cost.ns_flops(512, 512), 30 * 512**3)
+    self.assertEqual(_cost.ns_flops(512, 1536), 70 * 512**3)
+    self.assertEqual(_cost.ns_flops(2, 3), 5 * (4 * 4 * 3 + 2 * 8))
 
   def test_plan_costs(self):
     tree = {'a': S((64, 256), F32), 'b': S((3, 32, 16), F32)}
@@ -528,7 +528,7 @@ class BalanceTest(parameterized.TestCase):
     ('experts_in_block', 'layers/1/moe/w', (5,), 'layers/1'),
   )
   def test_layer_key(self, path, batch_index, expected):
-    self.assertEqual(_planner.layer_key(path, batch_index), expected)
+    self.assertEqual(_routing.layer_key(path, batch_index), expected)
 
 
 class SummaryTest(parameterized.TestCase):

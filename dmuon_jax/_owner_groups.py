@@ -1,0 +1,324 @@
+"""Owner groups: a large matrix split into slices over several owners."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from dmuon_jax._cost import FLOPS_PER_BYTE, gram_parts
+from dmuon_jax._plan import MatrixUnit, OwnerGroup, group_exchange_bytes
+from dmuon_jax._routing import LeafSpec, layer_key
+
+# 'auto' splits a matrix only when its Newton-Schulz costs at least this
+# much: below it, the two extra collectives per restart window cost more
+# than the work they spread (a 1024 x 4096 Gram NS is 6.4e10 FLOPs).
+_MIN_GROUP_FLOPS = 1e10
+# 'auto' looks for groups when the plain plan's makespan exceeds the ideal
+# total / N by this factor, and keeps them when they lower the predicted
+# time (FLOPs plus FLOPS_PER_BYTE per byte) by at least _GROUP_GAIN.
+_GROUP_TRIGGER = 1.10
+_GROUP_GAIN = 0.05
+# 'auto' considers matrices costing more than this fraction of total / N:
+# coarser pieces than that pack badly (70B's 3.1e13-FLOP MLP matrices on
+# 256 devices, 3.9e13 each: the plain plan is 1.2x the ideal).
+_COARSE = 0.25
+# Slices per grouped matrix: each at most this fraction of the bound
+# max(total / N, largest iteration), so slices fill owners finely.
+_SLICE_FRACTION = 0.1
+# Slices keep at least this many rows/columns of the long side.
+_MIN_SLICE = 128
+
+
+def sliced_spec(
+  spec: LeafSpec,
+  slices: int,
+  strides: Sequence[int] | None = None,
+  min_slice: int = 1,
+) -> LeafSpec | None:
+  """A view of ``spec`` whose matrices are slices of the long side.
+
+  A long-side dimension ``d`` of size ``T * slices * w`` (``T`` the number
+  of shards of ``d``, from ``strides``) is viewed as ``(T, slices, w)``; the
+  middle one is a batch axis, so slice ``j`` of a matrix takes the ``j``-th
+  ``w`` rows/columns of every shard. A sharded leaf then holds a piece of
+  every slice, as of every whole matrix: the view is a free reshape of the
+  leaf and of each shard, and routes move exactly what they moved before.
+
+  Args:
+    spec: the leaf's spec.
+    slices: the number of slices per matrix.
+    strides: per leaf dimension, its number of shards (default all 1).
+    min_slice: the fewest rows/columns of the long side a slice keeps.
+
+  Returns:
+    The view's spec, or None when no long-side dimension divides (or the
+    slices would be narrower than ``min_slice``).
+  """
+  fi, fo = spec.matrix_shape
+  columns = fo >= fi
+  long_axes = spec.output_axes if columns else spec.reduction_axes
+  strides = tuple(strides) if strides is not None else (1,) * len(spec.shape)
+  d = next(
+    (a for a in long_axes if spec.shape[a] % (strides[a] * slices) == 0),
+    None,
+  )
+  if d is None or max(fi, fo) // slices < min_slice:
+    return None
+  stride = strides[d]
+  w = spec.shape[d] // (stride * slices)
+  shape = spec.shape[:d] + (stride, slices, w) + spec.shape[d + 1 :]
+
+  def remap(axes):
+    out = []
+    for a in axes:
+      out += [d, d + 2] if a == d else [a if a < d else a + 2]
+    return tuple(out)
+
+  return dataclasses.replace(
+    spec,
+    shape=shape,
+    batch_axes=tuple(sorted(remap(spec.batch_axes) + (d + 1,))),
+    reduction_axes=remap(spec.reduction_axes),
+    output_axes=remap(spec.output_axes),
+    original_shape=spec.shape,
+    slice_axis=d + 1,
+    split_axis=-1 if columns else -2,
+    whole_matrix=(fi, fo),
+  )
+
+
+def view_entries(spec: LeafSpec, entries: Sequence[Any]) -> tuple | None:
+  """A leaf's per-dimension sharding entries for the view of a sliced
+  spec (the entries themselves for an unsliced one); None when the leaf's
+  sharding of the split dimension is not the view's (another shard count
+  than the state was laid out for)."""
+  entries = tuple(tuple(e) for e in entries)
+  if not spec.sliced:
+    return entries
+  d = spec.slice_axis - 1
+  return entries[:d] + (entries[d], (), ()) + entries[d + 1 :]
+
+
+def whole_batch_index(spec: LeafSpec, batch_index: Sequence[int]) -> tuple:
+  """A unit's matrix index over the leaf's own batch axes (the slice index
+  dropped for a sliced spec)."""
+  batch_index = tuple(batch_index)
+  if not spec.sliced:
+    return batch_index
+  pos = spec.batch_axes.index(spec.slice_axis)
+  return batch_index[:pos] + batch_index[pos + 1 :]
+
+
+def slice_index(spec: LeafSpec, batch_index: Sequence[int]) -> int:
+  """A slice unit's index among its matrix's slices."""
+  return int(batch_index[spec.batch_axes.index(spec.slice_axis)])
+
+
+def _group_members(
+  pieces: list[tuple[float, int, str, int, int]],
+  row_size: int,
+) -> dict[tuple[str, int], int]:
+  """LPT of one row's pieces onto its members.
+
+  Pieces are ``(cost, order, kind, ref, group)``: ``kind`` is ``'unit'``
+  (a whole matrix or a slice, ``ref`` its unit index) or ``'iteration'``
+  (``ref`` the group); ``group`` is the slice's group for distinct groups,
+  else -1. Each piece goes to the least-loaded member (ties: lowest),
+  a distinct group's slices to members not yet holding one.
+  """
+  loads = np.zeros(row_size)
+  held: dict[int, set[int]] = collections.defaultdict(set)
+  out = {}
+  # A distinct group's iteration goes to one of its k slice owners, so it
+  # is placed after every slice.
+  ordered = sorted(
+    pieces, key=lambda p: (p[2] == 'iteration' and p[4] >= 0, -p[0], p[1])
+  )
+  for cost, _, kind, ref, group in ordered:
+    choice = int(np.argmin(loads))
+    if group >= 0 and kind == 'iteration':
+      choice = min(held[group], key=lambda m: (loads[m], m))
+    elif group >= 0:
+      free = [m for m in range(row_size) if m not in held[group]]
+      if free:
+        choice = min(free, key=lambda m: (loads[m], m))
+      held[group].add(int(choice))
+    loads[choice] += cost
+    out[(kind, ref)] = int(choice)
+  return out
+
+
+def plan_with_groups(
+  leaves: Sequence[LeafSpec],
+  units: Sequence[MatrixUnit],
+  sizes: Sequence[int],
+  owner_groups: Any,
+  ns_steps: int,
+  strides: Mapping[int, Sequence[int]],
+  ungroupable: frozenset[int],
+  plain_owners: Sequence[int],
+) -> tuple[tuple, tuple, tuple, tuple] | None:
+  """Leaves, units, owners and groups of a plan with owner groups, or None
+  when ``'auto'`` finds no gain (or nothing to group)."""
+  n = math.prod(sizes)
+  row_size = sizes[-1] if sizes else 1
+  forced = owner_groups != 'auto'
+  if forced and not 2 <= owner_groups <= row_size:
+    raise ValueError(
+      f'dmuon: owner_groups={owner_groups} needs 2 <= k <= the size of the '
+      f'innermost owner axis ({row_size}), along which a group of owners '
+      "shares a matrix. Pass a smaller k, or owner_groups='auto'."
+    )
+  if n == 1 or row_size == 1:
+    return None
+  costs = np.zeros(n)
+  for u, o in zip(units, plain_owners):
+    costs[o] += u.cost
+  total = float(costs.sum())
+  ideal = total / n
+  plain = float(costs.max(initial=0.0))
+  if not forced and plain <= _GROUP_TRIGGER * ideal:
+    return None
+  first_cost = {}
+  for u in units:
+    first_cost.setdefault(u.leaf_index, u.cost)
+  chosen = []
+  for spec in leaves:
+    s_, l_ = sorted(spec.matrix_shape)
+    if spec.leaf_index in ungroupable or s_ < 2:
+      continue
+    if not forced and (
+      first_cost[spec.leaf_index] < _MIN_GROUP_FLOPS
+      or first_cost[spec.leaf_index] <= _COARSE * ideal
+    ):
+      continue
+    chosen.append(spec)
+  if not chosen:
+    return None
+  parts = {
+    s.leaf_index: gram_parts(*sorted(s.matrix_shape), ns_steps) for s in chosen
+  }
+  bound = max([ideal] + [p[1] for p in parts.values()])
+  views = {}
+  for spec in chosen:
+    stride = strides.get(spec.leaf_index)
+    work = parts[spec.leaf_index][0]
+    if forced:
+      view = sliced_spec(spec, owner_groups, stride)
+      if view is None:
+        raise ValueError(
+          f'dmuon: owner_groups={owner_groups}: the long side of param '
+          f'{spec.path!r} (matrices {spec.matrix_shape[0]}x'
+          f'{spec.matrix_shape[1]}) does not split into {owner_groups} '
+          'slices on a dimension divisible by that times its shard count. '
+          "Pass a k that divides it, or owner_groups='auto'."
+        )
+    else:
+      least = max(2, math.ceil(work / (_SLICE_FRACTION * bound)))
+      view = None
+      # The fewest slices that are fine enough; else, if slices of
+      # _MIN_SLICE would be too narrow, the most that are not.
+      for k in list(range(least, 4 * least + 1)) + list(
+        range(least - 1, 1, -1)
+      ):
+        view = sliced_spec(spec, k, stride, _MIN_SLICE)
+        if view is not None:
+          break
+      if view is None:
+        continue
+    views[spec.leaf_index] = view
+  if not views:
+    return None
+  new_leaves = tuple(views.get(s.leaf_index, s) for s in leaves)
+  new_units: list[MatrixUnit] = []
+  groups_meta = []  # (leaf_index, whole batch index, shape, iteration cost)
+  items = []  # (cost, order, whole unit index | -(group + 1))
+  group_units: list[list[int]] = []
+  for spec in new_leaves:
+    if not spec.sliced:
+      for u in units:
+        if u.leaf_index == spec.leaf_index:
+          items.append((u.cost, len(items), len(new_units)))
+          new_units.append(u)
+      continue
+    fi, fo = spec.whole_matrix
+    work, iteration = parts[spec.leaf_index]
+    k = spec.shape[spec.slice_axis]
+    slice_shape = spec.matrix_shape
+    nbytes = slice_shape[0] * slice_shape[1] * jnp.dtype(spec.dtype).itemsize
+    index_of = {}
+    for batch_index in np.ndindex(*spec.batch_shape):
+      batch_index = tuple(int(i) for i in batch_index)
+      whole = whole_batch_index(spec, batch_index)
+      if whole not in index_of:
+        index_of[whole] = len(groups_meta)
+        groups_meta.append((spec.leaf_index, whole, (fi, fo), iteration))
+        group_units.append([])
+        items.append((work + iteration, len(items), -len(groups_meta)))
+      g = index_of[whole]
+      group_units[g].append(len(new_units))
+      new_units.append(
+        MatrixUnit(
+          leaf_index=spec.leaf_index,
+          path=spec.path,
+          batch_index=batch_index,
+          shape=slice_shape,
+          layer=layer_key(spec.path, whole),
+          cost=work / k,
+          nbytes=int(nbytes),
+          group=g,
+        )
+      )
+  rows = n // row_size
+  row_load = np.zeros(rows)
+  row_pieces: list[list] = [[] for _ in range(rows)]
+  for cost, order, ref in sorted(items, key=lambda x: (-x[0], x[1])):
+    r = int(np.argmin(row_load))
+    row_load[r] += cost
+    if ref >= 0:
+      row_pieces[r].append((cost, order, 'unit', ref, -1))
+      continue
+    g = -ref - 1
+    row_pieces[r].append(
+      (groups_meta[g][3], order, 'iteration', g, g if forced else -1)
+    )
+    for u in group_units[g]:
+      row_pieces[r].append(
+        (new_units[u].cost, order, 'unit', u, g if forced else -1)
+      )
+  owners = [0] * len(new_units)
+  iteration_owner = [0] * len(groups_meta)
+  for r, pieces in enumerate(row_pieces):
+    for (kind, ref), m in _group_members(pieces, row_size).items():
+      if kind == 'unit':
+        owners[ref] = r * row_size + m
+      else:
+        iteration_owner[ref] = r * row_size + m
+  groups = tuple(
+    OwnerGroup(
+      leaf_index=leaf,
+      batch_index=whole,
+      shape=shape,
+      units=tuple(group_units[g]),
+      iteration_owner=iteration_owner[g],
+      iteration_cost=iteration,
+      distinct=forced,
+    )
+    for g, (leaf, whole, shape, iteration) in enumerate(groups_meta)
+  )
+  if not forced:
+    loads = np.zeros(n)
+    for u, o in zip(new_units, owners):
+      loads[o] += u.cost
+    for group in groups:
+      loads[group.iteration_owner] += group.iteration_cost
+    exchange = group_exchange_bytes(groups, n, row_size)
+    if loads.max() + FLOPS_PER_BYTE * exchange > (1 - _GROUP_GAIN) * plain:
+      return None
+  return new_leaves, tuple(new_units), tuple(owners), groups

@@ -1,0 +1,485 @@
+"""The owner plan's data: matrices, owner groups and the plan itself."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from dmuon_jax import _newton_schulz
+from dmuon_jax._cost import human_bytes, human_flops, plural
+from dmuon_jax._routing import LeafSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixUnit:
+  """One matrix, the unit of ownership.
+
+  Attributes:
+    leaf_index: the leaf holding it (see :attr:`LeafSpec.leaf_index`).
+    path: the leaf's path.
+    batch_index: multi-index over the leaf's batch axes, ``()`` for 2-D.
+    shape: ``(fan_in, fan_out)``, the leaf's :attr:`LeafSpec.matrix_shape`.
+    layer: grouping key; matrices with the same key are spread over
+      different owners when that costs no makespan.
+    cost: predicted Newton–Schulz FLOPs.
+    nbytes: ``fan_in * fan_out * itemsize``.
+  """
+
+  leaf_index: int
+  path: str
+  batch_index: tuple[int, ...]
+  shape: tuple[int, int]
+  layer: str
+  cost: float
+  nbytes: int
+  group: int = -1  # index into OwnershipPlan.groups for a slice, else -1
+
+  @property
+  def name(self) -> str:
+    """The path, with the batch index appended for stacked leaves."""
+    if not self.batch_index:
+      return self.path
+    return f'{self.path}[{",".join(str(i) for i in self.batch_index)}]'
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnerGroup:
+  """One matrix orthogonalized by a group of owners.
+
+  Its long side is split into slices (units of the plan, on owners of one
+  row of the group axis: the same coordinates on every other owner axis).
+  Each slice owner forms its slices' Gram matrices; their sum reaches the
+  iteration owner (one reduce-scatter over the group axis), which runs the
+  small ``g x g`` iteration alone; the factor goes back to the slice owners
+  (one all-gather), which apply it to their slices.
+
+  Attributes:
+    leaf_index: the leaf holding the matrix.
+    batch_index: the matrix's index over the leaf's own batch axes.
+    shape: the whole matrix's ``(fan_in, fan_out)``.
+    units: the slices' unit indices.
+    iteration_owner: the slot that runs the ``g x g`` iteration.
+    iteration_cost: its predicted FLOPs.
+    distinct: whether every slice has its own owner (``owner_groups=k``).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax
+    >>> params = {'w': jax.ShapeDtypeStruct((256, 64), jnp.float32)}
+    >>> plan = dmuon_jax.plan_ownership(params, {'data': 2}, owner_groups=2)
+    >>> (group,) = plan.groups
+    >>> group.shape, group.gram_size, group.units
+    ((256, 64), 64, (0, 1))
+    >>> [plan.units[u].shape for u in group.units]  # the long side halved
+    [(128, 64), (128, 64)]
+    >>> [plan.owners[u] for u in group.units], group.iteration_owner
+    ([0, 1], 0)
+  """
+
+  leaf_index: int
+  batch_index: tuple[int, ...]
+  shape: tuple[int, int]
+  units: tuple[int, ...]
+  iteration_owner: int
+  iteration_cost: float
+  distinct: bool = False
+
+  @property
+  def gram_size(self) -> int:
+    """The short side ``g``, the size of the Gram matrix."""
+    return min(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnershipPlan:
+  """Static assignment of every Muon matrix to one owner slot.
+
+  A slot is a row-major flat index over ``mesh_shape``: on a
+  ``('replicate', 'shard')`` mesh of shape ``(R, S)``, slot ``r * S + s`` is
+  the device at ``replicate=r, shard=s``. The plan is built from shapes only,
+  is deterministic and hashable, so it can be a static argument.
+
+  Attributes:
+    axis_names: mesh axes the owners range over, in mesh order.
+    mesh_shape: the sizes of those axes.
+    num_leaves: number of leaves of the params tree (targets or not).
+    leaves: the Muon-target leaves, in leaf order.
+    units: all matrices, in leaf order, then batch index row-major; each
+      has a ``path``, ``batch_index``, ``shape`` ``(fan_in, fan_out)``,
+      predicted Newton–Schulz ``cost`` (FLOPs) and ``nbytes``.
+    owners: owner slot of each unit.
+    groups: the owner groups (:class:`OwnerGroup`): matrices whose slices
+      are units owned by several slots; empty when every unit is a whole
+      matrix.
+    group_axis_name: the owner axis the groups' slices range over; None
+      means the innermost owner axis.
+    routing: the one-line routing summary of the params tree the plan was
+      built from (Muon and AdamW leaves and elements, and the leaves
+      ``optax.contrib.muon`` routes otherwise), as :func:`dmuon_jax.dmuon`
+      logs it on its first ``init``; empty when unknown. Not compared.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax
+    >>> w = jax.ShapeDtypeStruct((32, 32), jnp.float32)
+    >>> params = {f'layers_{i}': {'w': w} for i in range(3)}
+    >>> plan = dmuon_jax.plan_ownership(params, {'replicate': 2, 'shard': 2})
+    >>> plan.num_slots, plan.slot_coords(3)  # slot 3 is replicate=1, shard=1
+    (4, (1, 1))
+    >>> plan.owners, plan.units_of(2)  # one matrix each, slot 3 idle
+    ((0, 1, 2), (2,))
+    >>> print(plan.summary().splitlines()[0])
+    OwnershipPlan: 3 matrices in 3 leaves on 4 slots, mesh replicate=2 shard=2
+  """
+
+  axis_names: tuple[str, ...]
+  mesh_shape: tuple[int, ...]
+  num_leaves: int
+  leaves: tuple[LeafSpec, ...]
+  units: tuple[MatrixUnit, ...]
+  owners: tuple[int, ...]
+  groups: tuple[OwnerGroup, ...] = ()
+  group_axis_name: str | None = None
+  routing: str = dataclasses.field(default='', compare=False, repr=False)
+
+  def __hash__(self) -> int:
+    # Plans are static arguments of jitted functions: hash the (large)
+    # tuples once. Equality still compares every field.
+    return self._hash
+
+  @functools.cached_property
+  def _hash(self) -> int:
+    return hash(
+      (
+        self.axis_names,
+        self.mesh_shape,
+        self.num_leaves,
+        self.leaves,
+        self.units,
+        self.owners,
+        self.groups,
+      )
+    )
+
+  @property
+  def num_slots(self) -> int:
+    """Number of owner slots (product of ``mesh_shape``, 1 for no axes)."""
+    return math.prod(self.mesh_shape)
+
+  def slot_coords(self, slot: int) -> tuple[int, ...]:
+    """Mesh coordinates of a slot, one per axis in ``axis_names``.
+
+    Args:
+      slot: a slot index in ``[0, num_slots)``.
+
+    Returns:
+      The coordinates, e.g. ``(r, s)``.
+    """
+    if not 0 <= slot < self.num_slots:
+      raise ValueError(
+        f'dmuon: slot {slot} is out of range; the plan has'
+        f' {self.num_slots} slots: pass 0 to {self.num_slots - 1}.'
+      )
+    coords = []
+    for size in reversed(self.mesh_shape):
+      coords.append(slot % size)
+      slot //= size
+    return tuple(reversed(coords))
+
+  def slot_costs(self) -> tuple[float, ...]:
+    """Predicted Newton–Schulz FLOPs per slot."""
+    costs = [0.0] * self.num_slots
+    for unit, owner in zip(self.units, self.owners):
+      costs[owner] += unit.cost
+    for group in self.groups:
+      costs[group.iteration_owner] += group.iteration_cost
+    return tuple(costs)
+
+  def group_axis(self) -> str | None:
+    """The owner axis a group's slice owners range over (default: the
+    innermost)."""
+    if self.group_axis_name is not None:
+      return self.group_axis_name
+    return self.axis_names[-1] if self.axis_names else None
+
+  def group_row(self, slot: int) -> int:
+    """The row of a slot: its index over the owner axes but the group axis."""
+    if not self.axis_names:
+      return 0
+    pos = self.axis_names.index(self.group_axis())
+    coords = list(self.slot_coords(slot))
+    del coords[pos]
+    shape = list(self.mesh_shape)
+    del shape[pos]
+    return int(np.ravel_multi_index(coords, shape)) if shape else 0
+
+  def group_member(self, slot: int) -> int:
+    """A slot's coordinate on the group axis."""
+    if not self.axis_names:
+      return 0
+    return self.slot_coords(slot)[self.axis_names.index(self.group_axis())]
+
+  def group_slots(self, g: int) -> tuple[int, ...]:
+    """The slots holding a slice of group ``g`` or running its iteration."""
+    group = self.groups[g]
+    slots = {self.owners[u] for u in group.units} | {group.iteration_owner}
+    return tuple(sorted(slots))
+
+  def slot_bytes(self) -> tuple[int, ...]:
+    """Bytes of the matrices owned by each slot."""
+    nbytes = [0] * self.num_slots
+    for unit, owner in zip(self.units, self.owners):
+      nbytes[owner] += unit.nbytes
+    return tuple(nbytes)
+
+  def units_of(self, slot: int) -> tuple[int, ...]:
+    """Indices (into ``units``) of the matrices owned by a slot, ascending.
+
+    Args:
+      slot: a slot index in ``[0, num_slots)``.
+
+    Returns:
+      A tuple of unit indices.
+    """
+    return self._slot_units[slot]
+
+  @functools.cached_property
+  def _slot_units(self) -> tuple[tuple[int, ...], ...]:
+    per_slot: list[list[int]] = [[] for _ in range(self.num_slots)]
+    for i, owner in enumerate(self.owners):
+      per_slot[owner].append(i)
+    return tuple(tuple(u) for u in per_slot)
+
+  @functools.cached_property
+  def _leaf_offsets(self) -> dict[int, tuple[int, LeafSpec]]:
+    offsets = {}
+    start = 0
+    for spec in self.leaves:
+      offsets[spec.leaf_index] = (start, spec)
+      start += spec.num_matrices
+    return offsets
+
+  def leaf_units(self, leaf_index: int) -> tuple[int, ...]:
+    """Indices (into ``units``) of a leaf's matrices, row-major.
+
+    Args:
+      leaf_index: index in ``jax.tree.leaves(params)``.
+
+    Returns:
+      A tuple of unit indices; empty if the leaf is not a Muon target.
+    """
+    if leaf_index not in self._leaf_offsets:
+      return ()
+    start, spec = self._leaf_offsets[leaf_index]
+    return tuple(range(start, start + spec.num_matrices))
+
+  def unit_index(self, leaf_index: int, batch_index: Sequence[int] = ()) -> int:
+    """Index (into ``units``) of one matrix.
+
+    Args:
+      leaf_index: index in ``jax.tree.leaves(params)`` of a Muon target.
+      batch_index: multi-index over the leaf's batch axes, ``()`` for 2-D.
+
+    Returns:
+      The unit index.
+    """
+    if leaf_index not in self._leaf_offsets:
+      raise ValueError(
+        f'dmuon: leaf {leaf_index} is not a Muon target of this plan.'
+      )
+    start, spec = self._leaf_offsets[leaf_index]
+    batch_index = tuple(int(i) for i in batch_index)
+    batch_shape = spec.batch_shape
+    if len(batch_index) != len(batch_shape) or not all(
+      0 <= i < n for i, n in zip(batch_index, batch_shape)
+    ):
+      raise ValueError(
+        f'dmuon: batch_index {batch_index} is out of range for'
+        f' {spec.path!r} with batch shape {batch_shape}.'
+      )
+    offset = 0
+    for i, n in zip(batch_index, batch_shape):
+      offset = offset * n + i
+    return start + offset
+
+  @property
+  def makespan(self) -> float:
+    """Largest predicted Newton–Schulz FLOPs of any slot."""
+    return max(self.slot_costs(), default=0.0)
+
+  @property
+  def imbalance(self) -> float:
+    """Max over mean of the per-slot costs; 1.0 when the total is 0."""
+    costs = self.slot_costs()
+    total = sum(costs)
+    if total <= 0:
+      return 1.0
+    return max(costs) / (total / len(costs))
+
+  def summary(self) -> str:
+    """A human-readable, multi-line description of the plan.
+
+    Returns:
+      A header (matrices, slots, mesh axes, total predicted Newton–Schulz
+      FLOPs, imbalance) followed by one section per slot listing its
+      coordinates, cost, bytes and matrices.
+    """
+    return '\n'.join(self._summary_lines())
+
+  def collective_bytes(self) -> dict[str, float]:
+    """Predicted per-device collective bytes of one dmuon step, by path.
+
+    Owner buffers are padded to the largest slot's bytes (``max``), so every
+    figure scales with ``max`` rather than with the mean; with N slots and
+    ``P`` the total bytes of all matrices (in the params' dtype):
+
+    * ``'explicit'``: reduce-scatter of per-device gradients to the owners
+      plus all-gather of the results: ``2 (N - 1) max`` (the all-reduce
+      floor ``2 (N - 1) / N P`` when slots are balanced).
+    * ``'drop-in, replicated params'``: one all-gather: ``(N - 1) max``.
+    * ``'drop-in, sharded params'``: params sharded along one matrix dim
+      over the innermost owner axis (FSDP, or HSDP's ``'shard'``) of size
+      S: one all-to-all over that axis to the owners, ``(S - 1) max / S``,
+      and one over all owner axes back, ``(N - 1) max / S``. (A state's
+      :meth:`dmuon_jax.OwnerLayout.collective_bytes` predicts the bytes for
+      the params' actual shardings.)
+    * ``'all-reduce floor'``: ``2 (N - 1) / N P``, what data parallelism pays
+      for these gradients anyway.
+
+    Returns:
+      A dict from path name to bytes.
+    """
+    n = self.num_slots
+    biggest = max(self.slot_bytes())
+    inner = self.mesh_shape[-1] if self.mesh_shape else 1
+    return {
+      'explicit': 2 * (n - 1) * biggest,
+      'drop-in, replicated params': (n - 1) * biggest,
+      'drop-in, sharded params': (inner - 1 + n - 1) * biggest / inner,
+      'all-reduce floor': 2 * (n - 1) / n * sum(self.slot_bytes()),
+    }
+
+  def _summary_lines(self) -> list[str]:
+    """The lines of :meth:`summary`; sections are appended in order."""
+    lines = self._summary_header_lines()
+    lines.append('  predicted collective bytes per device per step:')
+    lines.extend(
+      f'    {path}: {human_bytes(b)}'
+      for path, b in self.collective_bytes().items()
+    )
+    lines.extend(self._summary_slot_lines())
+    return lines
+
+  def group_exchange_bytes(self) -> float:
+    """Predicted per-device bytes of the owner groups' collectives per step
+    (see :func:`group_exchange_bytes`; 0 without groups)."""
+    if not self.groups:
+      return 0.0
+    row = dict(zip(self.axis_names, self.mesh_shape))[self.group_axis()]
+    return group_exchange_bytes(self.groups, self.num_slots, row)
+
+  def group_lines(self) -> list[str]:
+    """One line per shape of grouped matrices (empty without groups)."""
+    by_shape: dict[tuple, list[int]] = {}
+    for g, group in enumerate(self.groups):
+      key = (group.shape, len(group.units))
+      by_shape.setdefault(key, []).append(g)
+    lines = []
+    for (shape, slices), gs in by_shape.items():
+      sizes = sorted({len(self.group_slots(g)) for g in gs})
+      k = f'{sizes[0]}' if len(sizes) == 1 else f'{sizes[0]}-{sizes[-1]}'
+      lines.append(
+        f'  owner groups: {plural(len(gs), "matrix", "matrices")} '
+        f'{shape[0]}x{shape[1]}, {slices} slices each on k={k} devices '
+        f'along {self.group_axis()!r}; the {min(shape)}x{min(shape)} '
+        f'iteration ({human_flops(self.groups[gs[0]].iteration_cost)}) on '
+        'one of them'
+      )
+    if self.groups:
+      exchange = self.group_exchange_bytes()
+      lines.append(
+        f'  owner groups exchange per device per step: '
+        f'{human_bytes(exchange)} (float32 Grams and factors, '
+        f'reduce-scatter + all-gather over {self.group_axis()!r})'
+      )
+    return lines
+
+  def _summary_header_lines(self) -> list[str]:
+    costs = self.slot_costs()
+    nbytes = self.slot_bytes()
+    if self.axis_names:
+      mesh = ' '.join(
+        f'{n}={s}' for n, s in zip(self.axis_names, self.mesh_shape)
+      )
+    else:
+      mesh = '(single slot, no mesh axes)'
+    whole = sum(u.group < 0 for u in self.units) + len(self.groups)
+    what = plural(len(self.units), 'matrix', 'matrices')
+    if self.groups:
+      what = (
+        f'{plural(whole, "matrix", "matrices")} ({len(self.groups)} split '
+        f'into {len(self.units) - whole + len(self.groups)} slices)'
+      )
+    return (
+      [
+        f'OwnershipPlan: {what}'
+        f' in {plural(len(self.leaves), "leaf", "leaves")} on'
+        f' {plural(self.num_slots, "slot", "slots")}, mesh {mesh}',
+      ]
+      + [f'  {self.routing}'] * bool(self.routing)
+      + self.group_lines()
+      + [
+        f'  predicted NS FLOPs: total {human_flops(sum(costs))}, per slot'
+        f' max {human_flops(max(costs))}, mean'
+        f' {human_flops(sum(costs) / len(costs))}, imbalance (max/mean)'
+        f' {self.imbalance:.3f}',
+        f'  bytes: total {human_bytes(sum(nbytes))}, per slot max'
+        f' {human_bytes(max(nbytes))}',
+      ]
+    )
+
+  def _summary_slot_lines(self) -> list[str]:
+    costs = self.slot_costs()
+    nbytes = self.slot_bytes()
+    lines = []
+    for slot in range(self.num_slots):
+      coords = ' '.join(
+        f'{n}={c}' for n, c in zip(self.axis_names, self.slot_coords(slot))
+      )
+      unit_ids = self.units_of(slot)
+      lines.append(
+        f'slot {slot}'
+        + (f' ({coords})' if coords else '')
+        + f': {plural(len(unit_ids), "matrix", "matrices")},'
+        f' {human_flops(costs[slot])},'
+        f' {human_bytes(nbytes[slot])}'
+      )
+      for i in unit_ids:
+        unit = self.units[i]
+        what = '' if unit.group < 0 else f'  (slice of group {unit.group})'
+        lines.append(f'  {unit.name}  {unit.shape[0]}x{unit.shape[1]}{what}')
+      for g, group in enumerate(self.groups):
+        if group.iteration_owner == slot:
+          s = group.gram_size
+          lines.append(f'  iteration of group {g}  {s}x{s}')
+    return lines
+
+
+def group_exchange_bytes(
+  groups: Sequence[OwnerGroup], num_slots: int, row_size: int, ns_steps=5
+) -> float:
+  """Predicted per-device bytes of the groups' collectives in one update.
+
+  Per restart window one reduce-scatter of the Gram blocks over the group
+  axis and one all-gather of the factors: ``2 (S - 1) B`` float32 elements,
+  ``B`` the most Gram elements any slot iterates (ring model).
+  """
+  if not groups:
+    return 0.0
+  per_slot = np.zeros(num_slots)
+  for group in groups:
+    per_slot[group.iteration_owner] += group.gram_size**2
+  windows = len(_newton_schulz.check_restart_iterations(None, ns_steps)) + 1
+  return 2.0 * windows * (row_size - 1) * float(per_slot.max()) * 4

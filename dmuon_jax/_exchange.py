@@ -223,6 +223,66 @@ class Exchange:
           used.append(off)
         sizes.append(max(used) if used else 0)
 
+  # -- branch keys ---------------------------------------------------------
+  # Hashables of what each per-slot stage reads about a slot: slots with
+  # equal keys run equal programs and share one branch body
+  # (``_collectives.switch_by_slot``).
+
+  def _matrix_key(self, u: int) -> tuple:
+    lay = self.layout
+    return (
+      int(lay.unit_group[u]),
+      int(lay.unit_offset[u]),
+      int(lay.unit_size[u]),
+      tuple(lay.plan.units[u].shape),
+    )
+
+  def _route_key(self, u: int) -> tuple:
+    r = self.routed[self.layout.unit_leaf[u]]
+    return (
+      r.axes,
+      r.axis_sizes,
+      tuple(r.piece),
+      tuple(r.dim_axes),
+      tuple(r.full),
+    )
+
+  def pack_key(self, slot: int) -> tuple:
+    """What assembling ``slot``'s owner buffers from the received pieces
+    reads (units taken from whole leaves make the key unique)."""
+    lay = self.layout
+    key = []
+    for g in range(lay.num_groups):
+      units = []
+      for u in lay.slot_units[g][slot]:
+        if lay.unit_leaf[u] in self.routed:
+          units.append(
+            (
+              (self.routed[lay.unit_leaf[u]].axes, g),
+              self.fwd_off[u],
+              self._route_key(u),
+              tuple(lay.plan.units[u].shape),
+            )
+          )
+        else:
+          units.append(('whole', u))
+      key.append((tuple(units), int(lay.slot_used[g, slot])))
+    return tuple(key)
+
+  def back_key(self, g: int, slot: int) -> tuple:
+    """What :meth:`send_back` reads of ``slot`` in dtype group ``g``."""
+    return tuple(
+      (self._route_key(u), self._matrix_key(u))
+      for u in self.back_units[g][slot]
+    )
+
+  def rep_key(self, slot: int, groups: Sequence[int]) -> tuple:
+    """What :meth:`rep_pack` reads of ``slot`` in dtype groups ``groups``."""
+    return tuple(
+      tuple(self._matrix_key(u) for u in self.rep_units[g][slot])
+      for g in groups
+    )
+
   # -- static helpers ------------------------------------------------------
 
   def _slot(self, coords: dict[str, int]) -> int:

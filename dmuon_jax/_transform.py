@@ -825,8 +825,11 @@ def _drop_in_body(
       lambda u: assembled[u] if u in assembled else from_full(u), slot, dtypes
     )
 
+  # Slots whose work is alike share a branch body (see Exchange.pack_key).
   grads = _collectives.switch_by_slot(
-    axes, [functools.partial(pack, s) for s in range(n)]
+    axes,
+    [functools.partial(pack, s) for s in range(n)],
+    keys=[ex.pack_key(s) for s in range(n)],
   )
   ortho, new_mu = _owner_update.owner_step(
     cfg, hp, layout, grads, mus, count_inc
@@ -841,6 +844,7 @@ def _drop_in_body(
         for s in range(n)
       ],
       ortho,
+      keys=[ex.rep_key(s, rep_groups) for s in range(n)],
     )
     gathered = [None] * lay.num_groups
     for g, c in zip(rep_groups, compact):
@@ -854,6 +858,7 @@ def _drop_in_body(
         axes,
         [lambda b, s=s, g=g: ex.send_back(g, b, s) for s in range(n)],
         ortho,
+        keys=[ex.back_key(g, s) for s in range(n)],
       )
       back[g] = jax.lax.all_to_all(send, axes, 0, 0, tiled=True)
   for i in ex.routed:

@@ -6,6 +6,7 @@ issue "One owner core, and a state that knows its own layout").
 
 import functools
 import importlib
+import re
 import tempfile
 import warnings
 
@@ -482,6 +483,39 @@ class ShardingCoverageTest(parameterized.TestCase):
       got, state = compiled(got, state, grads)
     support.assert_trees_rel_close(
       self, jax.device_get(got), coverage_reference(), rtol=1e-5
+    )
+
+
+class SharedBodiesTest(absltest.TestCase):
+  """Owners whose work is alike share one branch body in every per-slot
+  stage of the drop-in update (packing, the owner update, results back):
+  the program's conditionals follow the plan's signatures, not the slots."""
+
+  def test_equal_owners_share_every_stage(self):
+    mesh = make_mesh((1, 8))
+    # 12 equal kernels on 8 owners: 4 owners hold two, 4 hold one, so
+    # every per-slot stage has two signatures (it had 8 branches, one per
+    # owner, before the stages took keys).
+    params = mlp_params(layers=12)
+    shardings = fsdp(params, mesh)
+    placed = jax.device_put(params, shardings)
+    opt = dmuon_jax.dmuon(0.02, mesh=mesh)
+    state = opt.init(placed)
+    update = jax.jit(opt.update)
+    text = update.lower(placed, state, placed).compile().as_text()
+    branches = [
+      len(m.split(','))
+      for m in re.findall(r'branch_computations=\{([^}]*)\}', text)
+    ]
+    self.assertNotEmpty(branches)
+    self.assertEqual(set(branches), {2}, branches)
+    # And each owner ran its own work: one step equals optax's.
+    updates, _ = update(placed, state, placed)
+    want, _ = optax.contrib.muon(0.02).update(
+      params, optax.contrib.muon(0.02).init(params), params
+    )
+    support.assert_trees_rel_close(
+      self, jax.device_get(updates), jax.device_get(want), rtol=1e-5
     )
 
 

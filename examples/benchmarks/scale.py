@@ -572,20 +572,28 @@ def write_markdown(rows, path):
       lines.append(
         f'- {r.get("model", "")} {r.get("mode")} N={r["devices"]}: {r["error"]}'
       )
+  # The layer sweep: models cut to fewer layers at one N, each with its plan
+  # row (a run of one cut model over several N, or without plans, has none).
+  plans = {
+    (r['model'], r['devices']): r
+    for r in rows
+    if r.get('mode') == 'plan' and '_L' in r.get('model', '')
+  }
   sweep = sorted(
     (
       r
       for r in rows
-      if r.get('mode') == 'drop-in' and '_L' in r['model'] and 'error' not in r
+      if r.get('mode') == 'drop-in'
+      and '_L' in r['model']
+      and 'error' not in r
+      and (r['model'], r['devices']) in plans
     ),
-    key=lambda r: r['model'],
+    key=lambda r: (r['devices'], r['model']),
   )
+  sweep = [r for r in sweep if r['devices'] == sweep[0]['devices']]
   if len(sweep) > 1:
-    plans = {
-      r['model']: r
-      for r in rows
-      if r.get('mode') == 'plan' and '_L' in r.get('model', '')
-    }
+    n = sweep[0]['devices']
+    plans = {model: p for (model, d), p in plans.items() if d == n}
     xs = [plans[r['model']]['units'] for r in sweep]
     e = exponent(xs, [r['compile_s'] for r in sweep])
     lines += [

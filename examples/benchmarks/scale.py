@@ -479,6 +479,22 @@ def run_all(args):
   for row in rows:
     latest[key(row)] = row
   rows = list(latest.values())
+  # A worker's failure is dropped once every model it ran has been measured
+  # at that N since (a compiled row without error; a plan alone does not
+  # count).
+  measured = {
+    (r.get('model'), r.get('devices'))
+    for r in rows
+    if 'error' not in r and r.get('mode') not in ('worker', 'all', 'plan')
+  }
+  rows = [
+    r
+    for r in rows
+    if r.get('mode') != 'worker'
+    or not all(
+      (m, r.get('devices')) in measured for m in str(r['model']).split(',')
+    )
+  ]
   with open(out_dir / 'scale.json', 'w') as f:
     for row in rows:
       f.write(json.dumps(row) + '\n')

@@ -342,11 +342,15 @@ class Exchange:
 
     if math.prod(other_sizes) == 1:
       return rows_for([0] * len(others))
-    branches = [lambda c=c: rows_for(c) for c in np.ndindex(*other_sizes)]
+    # Every coordinate off the class's axes sends to other owners. Each local
+    # piece goes to exactly one owner, so the rows of all coordinates
+    # together are this device's pieces once (a permutation, plus padding):
+    # built for all, and this device's taken by a dynamic index, not one
+    # switch branch per coordinate (which grew the program with N).
+    every = jnp.stack([rows_for(c) for c in np.ndindex(*other_sizes)])
     index = jax.lax.axis_index(others)
-    return jax.lax.switch(
-      index,
-      [lambda b=b: _collectives.to_varying(b(), self.axes) for b in branches],
+    return _collectives.to_varying(
+      jax.lax.dynamic_index_in_dim(every, index, 0, keepdims=False), self.axes
     )
 
   def assemble(self, key, recv: jax.Array, owner: int) -> dict[int, jax.Array]:

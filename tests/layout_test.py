@@ -518,6 +518,27 @@ class SharedBodiesTest(absltest.TestCase):
       self, jax.device_get(updates), jax.device_get(want), rtol=1e-5
     )
 
+  def test_hsdp_rows_are_indexed_not_switched(self):
+    # 8 equal kernels sharded over 'shard' on 2 x 4: each of the 8 owners
+    # holds one, and the forward all-to-all's rows (which differ by the
+    # 'replicate' coordinate) are taken by a dynamic index, so the update
+    # has no conditional at all (before: a 2-branch switch per coordinate).
+    mesh = make_mesh((2, 4))
+    params = mlp_params(layers=8)
+    placed = jax.device_put(params, fsdp(params, mesh))
+    opt = dmuon_jax.dmuon(0.02, mesh=mesh)
+    state = opt.init(placed)
+    update = jax.jit(opt.update)
+    text = update.lower(placed, state, placed).compile().as_text()
+    self.assertEqual(text.count(' conditional('), 0)
+    updates, _ = update(placed, state, placed)
+    want, _ = optax.contrib.muon(0.02).update(
+      params, optax.contrib.muon(0.02).init(params), params
+    )
+    support.assert_trees_rel_close(
+      self, jax.device_get(updates), jax.device_get(want), rtol=1e-5
+    )
+
 
 if __name__ == '__main__':
   absltest.main()

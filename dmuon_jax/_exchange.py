@@ -256,9 +256,9 @@ class Exchange:
       units = []
       for u in lay.slot_units[g][slot]:
         if lay.unit_leaf[u] in self.routed:
+          # The route key holds the class's axes (the class is (axes, g)).
           units.append(
             (
-              (self.routed[lay.unit_leaf[u]].axes, g),
               self.fwd_off[u],
               self._route_key(u),
               tuple(lay.plan.units[u].shape),

@@ -1,7 +1,6 @@
 """Tests for dmuon_jax.diagnostics (collective bytes and FLOPs from HLO)."""
 
 import math
-import re
 import unittest
 
 import jax
@@ -13,6 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import diagnostics
+from tests import support
 
 AXES = ('replicate', 'shard')
 BOTH = ('replicate', 'shard')
@@ -612,10 +612,7 @@ class SharedBranchTest(absltest.TestCase):
     keys_b = [2 - i % 3 for i in range(8)]  # every device: 2 matmuls in all
     compiled, out, x, w = self.compiled(keys_a, keys_b)
     text = compiled.as_text()
-    branches = [
-      len(m.split(','))
-      for m in re.findall(r'branch_computations=\{([^}]*)\}', text)
-    ]
+    branches = support.conditional_branches(text)
     self.assertEqual(sorted(branches), [3, 3])  # not 8 each
     one = 2 * 16 * 16 * 16  # a (16, 16) block times w
     self.assertEqual(

@@ -6,7 +6,6 @@ issue "One owner core, and a state that knows its own layout").
 
 import functools
 import importlib
-import re
 import tempfile
 import warnings
 
@@ -491,25 +490,16 @@ class SharedBodiesTest(absltest.TestCase):
   stage of the drop-in update (packing, the owner update, results back):
   the program's conditionals follow the plan's signatures, not the slots."""
 
-  def test_equal_owners_share_every_stage(self):
-    mesh = make_mesh((1, 8))
-    # 12 equal kernels on 8 owners: 4 owners hold two, 4 hold one, so
-    # every per-slot stage has two signatures (it had 8 branches, one per
-    # owner, before the stages took keys).
-    params = mlp_params(layers=12)
-    shardings = fsdp(params, mesh)
-    placed = jax.device_put(params, shardings)
+  def compiled_update(self, shape, layers):
+    """The compiled update's HLO text; its one step checked against
+    optax's (each owner ran its own work)."""
+    mesh = make_mesh(shape)
+    params = mlp_params(layers=layers)
+    placed = jax.device_put(params, fsdp(params, mesh))
     opt = dmuon_jax.dmuon(0.02, mesh=mesh)
     state = opt.init(placed)
     update = jax.jit(opt.update)
     text = update.lower(placed, state, placed).compile().as_text()
-    branches = [
-      len(m.split(','))
-      for m in re.findall(r'branch_computations=\{([^}]*)\}', text)
-    ]
-    self.assertNotEmpty(branches)
-    self.assertEqual(set(branches), {2}, branches)
-    # And each owner ran its own work: one step equals optax's.
     updates, _ = update(placed, state, placed)
     want, _ = optax.contrib.muon(0.02).update(
       params, optax.contrib.muon(0.02).init(params), params
@@ -517,27 +507,24 @@ class SharedBodiesTest(absltest.TestCase):
     support.assert_trees_rel_close(
       self, jax.device_get(updates), jax.device_get(want), rtol=1e-5
     )
+    return text
+
+  def test_equal_owners_share_every_stage(self):
+    # 12 equal kernels on 8 owners: 4 owners hold two, 4 hold one, so
+    # every per-slot stage has two signatures (it had 8 branches, one per
+    # owner, before the stages took keys).
+    text = self.compiled_update((1, 8), layers=12)
+    branches = support.conditional_branches(text)
+    self.assertNotEmpty(branches)
+    self.assertEqual(set(branches), {2}, branches)
 
   def test_hsdp_rows_are_indexed_not_switched(self):
     # 8 equal kernels sharded over 'shard' on 2 x 4: each of the 8 owners
     # holds one, and the forward all-to-all's rows (which differ by the
     # 'replicate' coordinate) are taken by a dynamic index, so the update
     # has no conditional at all (before: a 2-branch switch per coordinate).
-    mesh = make_mesh((2, 4))
-    params = mlp_params(layers=8)
-    placed = jax.device_put(params, fsdp(params, mesh))
-    opt = dmuon_jax.dmuon(0.02, mesh=mesh)
-    state = opt.init(placed)
-    update = jax.jit(opt.update)
-    text = update.lower(placed, state, placed).compile().as_text()
+    text = self.compiled_update((2, 4), layers=8)
     self.assertEqual(text.count(' conditional('), 0)
-    updates, _ = update(placed, state, placed)
-    want, _ = optax.contrib.muon(0.02).update(
-      params, optax.contrib.muon(0.02).init(params), params
-    )
-    support.assert_trees_rel_close(
-      self, jax.device_get(updates), jax.device_get(want), rtol=1e-5
-    )
 
 
 if __name__ == '__main__':

@@ -8,6 +8,7 @@ import functools
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -573,6 +574,14 @@ def dedicated_setup(shape, z3, owner_groups='auto', **kwargs):
 
 
 # -- compiled-program accounting ------------------------------------------------
+
+
+def conditional_branches(text: str) -> list[int]:
+  """Each conditional's number of branch bodies, from compiled HLO text."""
+  return [
+    len(m.split(','))
+    for m in re.findall(r'branch_computations=\{([^}]*)\}', text)
+  ]
 
 
 def assert_no_collective_in_a_conditional(test, compiled, scanned=False):

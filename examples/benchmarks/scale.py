@@ -608,9 +608,7 @@ def write_markdown(rows, path):
   )
   sweep = [r for r in sweep if r['devices'] == sweep[0]['devices']]
   if len(sweep) > 1:
-    n = sweep[0]['devices']
-    plans = {model: p for (model, d), p in plans.items() if d == n}
-    xs = [plans[r['model']]['units'] for r in sweep]
+    xs = [plans[r['model'], r['devices']]['units'] for r in sweep]
     e = exponent(xs, [r['compile_s'] for r in sweep])
     lines += [
       '',
@@ -623,7 +621,7 @@ def write_markdown(rows, path):
       '|---:|---:|---:|---:|---:|',
     ]
     for r, m in zip(sweep, xs):
-      p = plans[r['model']]
+      p = plans[r['model'], r['devices']]
       lines.append(
         f'| {r["model"].partition("_L")[2]} | {p["matrices"]} | {m} '
         f'({p["groups"]}) | {r["lower_s"]:.1f} s | {r["compile_s"]:.1f} s |'

@@ -185,6 +185,67 @@ def plan_with_groups(
   plain = float(costs.max(initial=0.0))
   if not forced and plain <= _GROUP_TRIGGER * ideal:
     return None
+  chosen = _candidates(leaves, units, ungroupable, forced, ideal)
+  if not chosen:
+    return None
+  parts = {
+    s.leaf_index: gram_parts(*sorted(s.matrix_shape), ns_steps) for s in chosen
+  }
+  bound = max([ideal] + [p[1] for p in parts.values()])
+  views = {}
+  for spec in chosen:
+    view = _view(
+      spec,
+      owner_groups if forced else None,
+      strides.get(spec.leaf_index),
+      parts[spec.leaf_index][0],
+      bound,
+    )
+    if view is not None:
+      views[spec.leaf_index] = view
+  if not views:
+    return None
+  new_leaves = tuple(views.get(s.leaf_index, s) for s in leaves)
+  new_units, groups_meta, items, group_units = _sliced_units(
+    new_leaves, units, parts
+  )
+  owners, iteration_owner = _place(
+    items, groups_meta, group_units, new_units, n, row_size, forced
+  )
+  groups = tuple(
+    OwnerGroup(
+      leaf_index=leaf,
+      batch_index=whole,
+      shape=shape,
+      units=tuple(group_units[g]),
+      iteration_owner=iteration_owner[g],
+      iteration_cost=iteration,
+      distinct=forced,
+    )
+    for g, (leaf, whole, shape, iteration) in enumerate(groups_meta)
+  )
+  if not forced:
+    loads = np.zeros(n)
+    for u, o in zip(new_units, owners):
+      loads[o] += u.cost
+    for group in groups:
+      loads[group.iteration_owner] += group.iteration_cost
+    exchange = group_exchange_bytes(groups, n, row_size)
+    if loads.max() + FLOPS_PER_BYTE * exchange > (1 - _GROUP_GAIN) * plain:
+      return None
+  return new_leaves, tuple(new_units), tuple(owners), groups
+
+
+def _candidates(
+  leaves: Sequence[LeafSpec],
+  units: Sequence[MatrixUnit],
+  ungroupable: frozenset[int],
+  forced: bool,
+  ideal: float,
+) -> list[LeafSpec]:
+  """The leaves whose matrices may be split: every groupable one when
+  ``forced``, else those costly enough (see ``_MIN_GROUP_FLOPS``,
+  ``_COARSE``)."""
   first_cost = {}
   for u in units:
     first_cost.setdefault(u.leaf_index, u.cost)
@@ -199,43 +260,58 @@ def plan_with_groups(
     ):
       continue
     chosen.append(spec)
-  if not chosen:
-    return None
-  parts = {
-    s.leaf_index: gram_parts(*sorted(s.matrix_shape), ns_steps) for s in chosen
-  }
-  bound = max([ideal] + [p[1] for p in parts.values()])
-  views = {}
-  for spec in chosen:
-    stride = strides.get(spec.leaf_index)
-    work = parts[spec.leaf_index][0]
-    if forced:
-      view = sliced_spec(spec, owner_groups, stride)
-      if view is None:
-        raise ValueError(
-          f'dmuon: owner_groups={owner_groups}: the long side of param '
-          f'{spec.path!r} (matrices {spec.matrix_shape[0]}x'
-          f'{spec.matrix_shape[1]}) does not split into {owner_groups} '
-          'slices on a dimension divisible by that times its shard count. '
-          "Pass a k that divides it, or owner_groups='auto'."
-        )
-    else:
-      least = max(2, math.ceil(work / (_SLICE_FRACTION * bound)))
-      view = None
-      # The fewest slices that are fine enough; else, if slices of
-      # _MIN_SLICE would be too narrow, the most that are not.
-      for k in list(range(least, 4 * least + 1)) + list(
-        range(least - 1, 1, -1)
-      ):
-        view = sliced_spec(spec, k, stride, _MIN_SLICE)
-        if view is not None:
-          break
-      if view is None:
-        continue
-    views[spec.leaf_index] = view
-  if not views:
-    return None
-  new_leaves = tuple(views.get(s.leaf_index, s) for s in leaves)
+  return chosen
+
+
+def _view(
+  spec: LeafSpec,
+  k: int | None,
+  stride: Sequence[int] | None,
+  work: float,
+  bound: float,
+) -> LeafSpec | None:
+  """The sliced view of a chosen leaf: into ``k`` slices (forced; raises
+  when they do not divide), else (``k`` None) into the fewest slices of
+  at most ``_SLICE_FRACTION * bound`` work each that divide and keep
+  ``_MIN_SLICE`` rows/columns, or the most coarser ones that do (None if
+  none does)."""
+  if k is not None:
+    view = sliced_spec(spec, k, stride)
+    if view is None:
+      raise ValueError(
+        f'dmuon: owner_groups={k}: the long side of param '
+        f'{spec.path!r} (matrices {spec.matrix_shape[0]}x'
+        f'{spec.matrix_shape[1]}) does not split into {k} '
+        'slices on a dimension divisible by that times its shard count. '
+        "Pass a k that divides it, or owner_groups='auto'."
+      )
+    return view
+  least = max(2, math.ceil(work / (_SLICE_FRACTION * bound)))
+  view = None
+  # The fewest slices that are fine enough; else, if slices of
+  # _MIN_SLICE would be too narrow, the most that are not.
+  for slices in list(range(least, 4 * least + 1)) + list(
+    range(least - 1, 1, -1)
+  ):
+    view = sliced_spec(spec, slices, stride, _MIN_SLICE)
+    if view is not None:
+      break
+  return view
+
+
+def _sliced_units(
+  new_leaves: Sequence[LeafSpec],
+  units: Sequence[MatrixUnit],
+  parts: Mapping[int, tuple[float, float]],
+) -> tuple[list[MatrixUnit], list, list, list[list[int]]]:
+  """The units of the leaves' views: the whole ones as they were, a
+  sliced leaf's matrices as slice units of one group each.
+
+  Returns:
+    ``(units, groups_meta, items, group_units)``: per group ``(leaf_index,
+    whole batch index, shape, iteration cost)``; the pieces to place,
+    ``(cost, order, whole unit index | -(group + 1))``; per group its units.
+  """
   new_units: list[MatrixUnit] = []
   groups_meta = []  # (leaf_index, whole batch index, shape, iteration cost)
   items = []  # (cost, order, whole unit index | -(group + 1))
@@ -275,6 +351,21 @@ def plan_with_groups(
           group=g,
         )
       )
+  return new_units, groups_meta, items, group_units
+
+
+def _place(
+  items: Sequence[tuple[float, int, int]],
+  groups_meta: Sequence[tuple],
+  group_units: Sequence[Sequence[int]],
+  new_units: Sequence[MatrixUnit],
+  n: int,
+  row_size: int,
+  forced: bool,
+) -> tuple[list[int], list[int]]:
+  """Owners of the units and of the groups' iterations: LPT of the pieces
+  (a whole matrix, or a group with its slices) onto rows, then each row's
+  pieces onto its members (see :func:`_group_members`)."""
   rows = n // row_size
   row_load = np.zeros(rows)
   row_pieces: list[list] = [[] for _ in range(rows)]
@@ -300,25 +391,4 @@ def plan_with_groups(
         owners[ref] = r * row_size + m
       else:
         iteration_owner[ref] = r * row_size + m
-  groups = tuple(
-    OwnerGroup(
-      leaf_index=leaf,
-      batch_index=whole,
-      shape=shape,
-      units=tuple(group_units[g]),
-      iteration_owner=iteration_owner[g],
-      iteration_cost=iteration,
-      distinct=forced,
-    )
-    for g, (leaf, whole, shape, iteration) in enumerate(groups_meta)
-  )
-  if not forced:
-    loads = np.zeros(n)
-    for u, o in zip(new_units, owners):
-      loads[o] += u.cost
-    for group in groups:
-      loads[group.iteration_owner] += group.iteration_cost
-    exchange = group_exchange_bytes(groups, n, row_size)
-    if loads.max() + FLOPS_PER_BYTE * exchange > (1 - _GROUP_GAIN) * plain:
-      return None
-  return new_leaves, tuple(new_units), tuple(owners), groups
+  return owners, iteration_owner

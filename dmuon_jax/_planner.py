@@ -6,7 +6,7 @@ import collections
 import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +14,7 @@ import numpy as np
 from dmuon_jax._cost import NS_ALGORITHMS, ns_cost
 from dmuon_jax._mesh import check_devices, mesh_axes
 from dmuon_jax._owner_groups import plan_with_groups
-from dmuon_jax._plan import MatrixUnit, OwnershipPlan
+from dmuon_jax._plan import MatrixUnit, OwnerGroup, OwnershipPlan
 from dmuon_jax._routing import (
   LeafSpec,
   Predicate,
@@ -355,7 +355,10 @@ def check_owner_groups(owner_groups: Any) -> None:
 
 
 def _balance_work(
-  planned, n: int, row_of: Mapping[int, int], max_rounds: int = 10_000
+  planned: Sequence[_GatherGroup],
+  n: int,
+  row_of: Mapping[int, int],
+  max_rounds: int = 10_000,
 ) -> None:
   """Evens out Newton–Schulz work by swapping owners inside loop groups.
 
@@ -366,16 +369,16 @@ def _balance_work(
   their rotation. Updates the base owners in ``planned`` in place.
   """
   per_group = []
-  for _, iters, base, base_owner, _, ggroups, it_owner, _ in planned:
+  for entry in planned:
     w = np.zeros(n)
-    for u, slot in zip(base, base_owner):
-      for t in range(max(iters, 1)):
+    for u, slot in zip(entry.base, entry.base_owner):
+      for t in range(max(entry.iters, 1)):
         w[(slot + t) % n] += u.cost
-    for g, grp in ggroups:
-      w[it_owner[g]] += grp.iteration_cost
+    for g, grp in entry.ggroups:
+      w[entry.iteration_owner[g]] += grp.iteration_cost
     per_group.append(w)
   total = sum(per_group, np.zeros(n))
-  movable = [g for g, entry in enumerate(planned) if not entry[1]]
+  movable = [g for g, entry in enumerate(planned) if not entry.iters]
   for _ in range(max_rounds):
     a = int(np.argmax(total))
     best, best_max = None, total[a] * (1 - 1e-9)
@@ -383,8 +386,8 @@ def _balance_work(
       w = per_group[g]
       # A group with owner groups swaps within a row only (its slices and
       # iterations must share the row's collectives).
-      rows = planned[g][7]
-      candidates = rows[row_of[a]] if planned[g][5] else range(n)
+      rows = planned[g].rows
+      candidates = rows[row_of[a]] if planned[g].ggroups else range(n)
       for b in candidates:
         if b != a and w[a] != w[b]:
           new_max = max(total[a] - w[a] + w[b], total[b] - w[b] + w[a])
@@ -398,9 +401,9 @@ def _balance_work(
     total[a] -= delta
     total[b] += delta
     w[a], w[b] = w[b], w[a]
-    owners = planned[g][3]
+    owners = planned[g].base_owner
     owners[:] = [b if s == a else a if s == b else s for s in owners]
-    it_owner = planned[g][6]
+    it_owner = planned[g].iteration_owner
     for j, s in it_owner.items():
       it_owner[j] = b if s == a else a if s == b else s
 
@@ -462,126 +465,41 @@ def plan_gather_groups(
   sizes = dict(zip(plan.axis_names, plan.mesh_shape))
   buffer_axes = tuple(buffer_axes)
   n = plan.num_slots
-  shape = tuple(sizes[a] for a in buffer_axes)
-  probe = dataclasses.replace(
-    plan,
-    axis_names=buffer_axes,
-    mesh_shape=shape,
-    group_axis_name=group_axis,
-    groups=(),
-  )
-  by_row: dict[int, list[int]] = {}
-  for slot in range(n):
-    by_row.setdefault(probe.group_row(slot), []).append(slot)
-  rows = [by_row[r] for r in sorted(by_row)]
+  rows = _group_rows(plan, buffer_axes, sizes, group_axis)
   row_of = {slot: r for r, slots in enumerate(rows) for slot in slots}
   unit_ids = {
     (u.leaf_index, u.batch_index): i for i, u in enumerate(plan.units)
   }
   work = np.zeros(n)
-  planned = []  # per group: (specs, iterations, base units, base owners)
-  for name, scanned, specs in groups:
-    specs = list(specs)
-    iters = 0
-    if scanned:
-      length = specs[0].shape[0]
-      bad = [
-        s.path for s in specs if 0 not in s.batch_axes or s.shape[0] != length
-      ]
-      if bad:
-        raise ValueError(
-          f'dmuon: scanned stack {name!r} needs every Muon target to have '
-          f'the same leading layer axis (a batch axis of its dimension '
-          f'numbers) of size {length}; these do not: {bad}.'
-        )
-      if length % k:
-        fits = [d for d in range(1, length + 1) if length % d == 0]
-        raise ValueError(
-          f'dmuon: layers_per_gather={k} does not divide the {length} '
-          f'layers of scanned stack {name!r}. Pass one of {fits}.'
-        )
-      iters = length // k
-      specs = [dataclasses.replace(s, shape=(k,) + s.shape[1:]) for s in specs]
-    in_group = {s.leaf_index for s in specs}
-    base_ids = [
-      i
-      for i, u in enumerate(plan.units)
-      if u.leaf_index in in_group and (not iters or u.batch_index[0] < k)
-    ]
-    base = [plan.units[i] for i in base_ids]
-    held = np.zeros(n)
-    base_owner = [0] * len(base)
-    # Owner groups of this gather group: slices in one row, the iteration
-    # on a member of that row (see OwnerGroup).
-    local = {u: i for i, u in enumerate(base_ids)}
-    ggroups = [
-      (g, grp)
-      for g, grp in enumerate(plan.groups)
-      if grp.units and grp.units[0] in local
-    ]
-    if ggroups and iters:
-      raise ValueError(
-        f'dmuon: scanned stack {name!r} holds owner-group matrices; pass '
-        'owner_groups=None (scanned stacks rotate whole matrices).'
-      )
-    iteration_owner = {}
-    for g, grp in sorted(
-      ggroups,
-      key=lambda x: (-sum(plan.units[u].nbytes for u in x[1].units), x[0]),
-    ):
-      r = min(
-        range(len(rows)),
-        key=lambda r: (held[rows[r]].sum(), work[rows[r]].sum(), r),
-      )
-      members = rows[r]
-      taken: list[int] = []
-      for u in grp.units:
-        free = [m for m in members if not grp.distinct or m not in taken]
-        slot = min(free or members, key=lambda s: (held[s], work[s], s))
-        taken.append(slot)
-        held[slot] += plan.units[u].nbytes
-        work[slot] += plan.units[u].cost
-        base_owner[local[u]] = slot
-      pool = taken if grp.distinct else list(members)
-      slot = min(pool, key=lambda s: (work[s], s))
-      work[slot] += grp.iteration_cost
-      iteration_owner[g] = slot
-    grouped_units = {u for _, grp in ggroups for u in grp.units}
-    for i in sorted(
-      range(len(base)), key=lambda i: (-base[i].nbytes, -base[i].cost, i)
-    ):
-      if base_ids[i] in grouped_units:
-        continue
-      slot = min(range(n), key=lambda s: (held[s], work[s], s))
-      held[slot] += base[i].nbytes
-      base_owner[i] = slot
-      for t in range(max(iters, 1)):
-        work[(slot + t) % n] += base[i].cost
-    planned.append(
-      (specs, iters, base, base_owner, base_ids, ggroups, iteration_owner, rows)
-    )
+  planned = [
+    _place_gather_group(plan, name, scanned, specs, k, rows, work)
+    for name, scanned, specs in groups
+  ]
   _balance_work(planned, n, row_of)
   owners = [0] * len(plan.units)
   group_plans, iterations = [], []
   full_iteration = {}
-  for specs, iters, base, base_owner, base_ids, ggroups, it_owner, _ in planned:
-    local = {u: i for i, u in enumerate(base_ids)}
+  for entry in planned:
+    local = {u: i for i, u in enumerate(entry.base_ids)}
     sub_groups = []
-    for g, grp in ggroups:
-      full_iteration[g] = _plan_slot(plan, buffer_axes, it_owner[g])
+    for g, grp in entry.ggroups:
+      full_iteration[g] = _plan_slot(
+        plan, buffer_axes, entry.iteration_owner[g]
+      )
       sub_groups.append(
         dataclasses.replace(
           grp,
           units=tuple(local[u] for u in grp.units),
-          iteration_owner=it_owner[g],
+          iteration_owner=entry.iteration_owner[g],
         )
       )
-    remap = {g: j for j, (g, _) in enumerate(ggroups)}
+    remap = {g: j for j, (g, _) in enumerate(entry.ggroups)}
     base = [
       dataclasses.replace(u, group=remap[u.group]) if u.group >= 0 else u
-      for u in base
+      for u in entry.base
     ]
-    for u, slot in zip(base, base_owner):
+    iters = entry.iters
+    for u, slot in zip(base, entry.base_owner):
       for t in range(max(iters, 1)):
         index = u.batch_index
         if iters:
@@ -594,9 +512,9 @@ def plan_gather_groups(
         plan,
         axis_names=buffer_axes,
         mesh_shape=tuple(sizes[a] for a in buffer_axes),
-        leaves=tuple(specs),
+        leaves=tuple(entry.specs),
         units=tuple(base),
-        owners=tuple(base_owner),
+        owners=tuple(entry.base_owner),
         groups=tuple(sub_groups),
         group_axis_name=group_axis,
       )
@@ -610,4 +528,138 @@ def plan_gather_groups(
     dataclasses.replace(plan, owners=tuple(owners), groups=groups),
     tuple(group_plans),
     tuple(iterations),
+  )
+
+
+class _GatherGroup(NamedTuple):
+  """One gather group as :func:`plan_gather_groups` places it (slots in
+  ``buffer_axes`` order)."""
+
+  specs: list[LeafSpec]  # its leaves (a scanned stack's: one iteration)
+  iters: int  # scan iterations (0: a loop group)
+  base: list[MatrixUnit]  # its units (a scanned stack's: one iteration)
+  base_owner: list[int]  # per base unit, its slot (balancing swaps them)
+  base_ids: list[int]  # per base unit, its index in the plan
+  ggroups: list[tuple[int, OwnerGroup]]  # its owner groups (plan index)
+  iteration_owner: dict[int, int]  # per owner group, its iteration's slot
+  rows: list[list[int]]  # the slots of each group row
+
+
+def _group_rows(
+  plan: OwnershipPlan,
+  buffer_axes: tuple[str, ...],
+  sizes: Mapping[str, int],
+  group_axis: str | None,
+) -> list[list[int]]:
+  """The slots (in ``buffer_axes`` order) of each row of owner groups."""
+  probe = dataclasses.replace(
+    plan,
+    axis_names=buffer_axes,
+    mesh_shape=tuple(sizes[a] for a in buffer_axes),
+    group_axis_name=group_axis,
+    groups=(),
+  )
+  by_row: dict[int, list[int]] = {}
+  for slot in range(plan.num_slots):
+    by_row.setdefault(probe.group_row(slot), []).append(slot)
+  return [by_row[r] for r in sorted(by_row)]
+
+
+def _scanned_specs(
+  name: str, specs: list[LeafSpec], k: int
+) -> tuple[list[LeafSpec], int]:
+  """A scanned stack's specs for one iteration of ``k`` layers, and its
+  number of iterations; raises unless its leaves share a leading layer
+  axis that ``k`` divides."""
+  length = specs[0].shape[0]
+  bad = [s.path for s in specs if 0 not in s.batch_axes or s.shape[0] != length]
+  if bad:
+    raise ValueError(
+      f'dmuon: scanned stack {name!r} needs every Muon target to have '
+      f'the same leading layer axis (a batch axis of its dimension '
+      f'numbers) of size {length}; these do not: {bad}.'
+    )
+  if length % k:
+    fits = [d for d in range(1, length + 1) if length % d == 0]
+    raise ValueError(
+      f'dmuon: layers_per_gather={k} does not divide the {length} '
+      f'layers of scanned stack {name!r}. Pass one of {fits}.'
+    )
+  specs = [dataclasses.replace(s, shape=(k,) + s.shape[1:]) for s in specs]
+  return specs, length // k
+
+
+def _place_gather_group(
+  plan: OwnershipPlan,
+  name: str,
+  scanned: bool,
+  specs: Sequence[LeafSpec],
+  k: int,
+  rows: list[list[int]],
+  work: np.ndarray,
+) -> _GatherGroup:
+  """Places one gather group's matrices (see :func:`plan_gather_groups`),
+  adding their Newton–Schulz work to ``work`` (per slot, in place)."""
+  n = plan.num_slots
+  specs = list(specs)
+  iters = 0
+  if scanned:
+    specs, iters = _scanned_specs(name, specs, k)
+  in_group = {s.leaf_index for s in specs}
+  base_ids = [
+    i
+    for i, u in enumerate(plan.units)
+    if u.leaf_index in in_group and (not iters or u.batch_index[0] < k)
+  ]
+  base = [plan.units[i] for i in base_ids]
+  held = np.zeros(n)
+  base_owner = [0] * len(base)
+  # Owner groups of this gather group: slices in one row, the iteration
+  # on a member of that row (see OwnerGroup).
+  local = {u: i for i, u in enumerate(base_ids)}
+  ggroups = [
+    (g, grp)
+    for g, grp in enumerate(plan.groups)
+    if grp.units and grp.units[0] in local
+  ]
+  if ggroups and iters:
+    raise ValueError(
+      f'dmuon: scanned stack {name!r} holds owner-group matrices; pass '
+      'owner_groups=None (scanned stacks rotate whole matrices).'
+    )
+  iteration_owner = {}
+  for g, grp in sorted(
+    ggroups,
+    key=lambda x: (-sum(plan.units[u].nbytes for u in x[1].units), x[0]),
+  ):
+    r = min(
+      range(len(rows)),
+      key=lambda r: (held[rows[r]].sum(), work[rows[r]].sum(), r),
+    )
+    members = rows[r]
+    taken: list[int] = []
+    for u in grp.units:
+      free = [m for m in members if not grp.distinct or m not in taken]
+      slot = min(free or members, key=lambda s: (held[s], work[s], s))
+      taken.append(slot)
+      held[slot] += plan.units[u].nbytes
+      work[slot] += plan.units[u].cost
+      base_owner[local[u]] = slot
+    pool = taken if grp.distinct else list(members)
+    slot = min(pool, key=lambda s: (work[s], s))
+    work[slot] += grp.iteration_cost
+    iteration_owner[g] = slot
+  grouped_units = {u for _, grp in ggroups for u in grp.units}
+  for i in sorted(
+    range(len(base)), key=lambda i: (-base[i].nbytes, -base[i].cost, i)
+  ):
+    if base_ids[i] in grouped_units:
+      continue
+    slot = min(range(n), key=lambda s: (held[s], work[s], s))
+    held[slot] += base[i].nbytes
+    base_owner[i] = slot
+    for t in range(max(iters, 1)):
+      work[(slot + t) % n] += base[i].cost
+  return _GatherGroup(
+    specs, iters, base, base_owner, base_ids, ggroups, iteration_owner, rows
   )

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -194,6 +195,283 @@ def _orient(x, split):
   return x if split == -1 else jnp.swapaxes(x, -1, -2)
 
 
+class Carry(NamedTuple):
+  """What the stages of :func:`run` pass on: flat vectors per device.
+
+  The fields keep the order of the string-keyed dict this replaced (its
+  sorted keys, noted after each field): the pytree flattens in this order,
+  and the operands of every stage's ``switch`` follow it.
+  """
+
+  group_amax: jax.Array  # amax_g: max |X| per group, at its row position
+  tp_amax: jax.Array  # amax_t: max |X| per TP matrix of the slot
+  group_dots: jax.Array  # dot_g: <hat, NS(hat)> per group (adaptive)
+  tp_dots: jax.Array  # dot_t: <hat, NS(hat)> per TP matrix (adaptive)
+  group_grams: jax.Array  # gram: local Grams, by iteration owner's block
+  owned_grams: jax.Array  # gram_in: the summed Grams this slot iterates
+  out: tuple[jax.Array, ...]  # out: the results, per dtype group
+  owned_factors: jax.Array  # q: the factors of those Grams
+  group_factors: jax.Array  # q_all: every member's factors (all-gathered)
+  tp_factors: jax.Array  # qt: the TP matrices' factors
+  tp_grams: jax.Array  # tg: the TP matrices' Grams (then summed over TP)
+  x: tuple[jax.Array, ...]  # x: the iterated slices, per dtype group
+
+
+def _zeros(size, dtype):
+  return jnp.zeros((max(size, 1),), dtype)
+
+
+def _initial_carry(st: Stages, hat: Sequence[jax.Array], norm) -> Carry:
+  """Zeros of the carry's sizes (created in the dict's creation order)."""
+  lay = st.lay
+  return Carry(
+    out=tuple(_zeros(size, b.dtype) for size, b in zip(lay.local_sizes, hat)),
+    x=tuple(_zeros(size, norm) for size in lay.local_sizes),
+    group_amax=_zeros(st.vec_groups, norm),
+    tp_amax=_zeros(st.vec_tp, norm),
+    group_grams=_zeros(st.row_size * st.block, norm),
+    owned_grams=_zeros(st.block, norm),
+    group_factors=_zeros(st.row_size * st.block, norm),
+    tp_grams=_zeros(st.tp_block, norm),
+    owned_factors=_zeros(st.block, norm),
+    tp_factors=_zeros(st.tp_block, norm),
+    group_dots=_zeros(st.vec_groups, norm),
+    tp_dots=_zeros(st.vec_tp, norm),
+  )
+
+
+def _put(lay, bufs, u, value):
+  """``bufs`` with unit ``u``'s region set to ``value``."""
+  gi = lay.unit_group[u]
+  b = bufs[gi]
+  new = jax.lax.dynamic_update_slice_in_dim(
+    b, value.reshape(-1).astype(b.dtype), lay.unit_offset[u], 0
+  )
+  return bufs[:gi] + (new,) + bufs[gi + 1 :]
+
+
+def _set_vec(v, i, value):
+  return v.at[i].set(value.astype(v.dtype))
+
+
+def _set_block(v, start, value):
+  return jax.lax.dynamic_update_slice_in_dim(
+    v, value.reshape(-1).astype(v.dtype), start, 0
+  )
+
+
+def _get_block(v, start, g):
+  return jax.lax.slice_in_dim(v, start, start + g * g).reshape(g, g)
+
+
+def _send_gram(st: Stages, it: _Item, grams, tp_grams, g):
+  """Puts an item's local Gram where its reduction takes it: the
+  iteration owner's block of the group payload, or the TP payload."""
+  if it.kind == 'group':
+    return _set_block(grams, it.member * st.block + it.off, g), tp_grams
+  return grams, _set_block(tp_grams, it.off, g)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Bodies:
+  """The stages as per-slot branch bodies, ``(slot, carry, hat, params) ->
+  carry``; ``iterate`` and ``apply`` take the restart window first. The
+  fields are :func:`run`'s arguments (``norm``: the dtype of the norms,
+  Grams and iterated slices)."""
+
+  st: Stages
+  finish: Callable
+  plain_update: Callable
+  coeff_rows: np.ndarray
+  compute_dtype: Any  # a jnp.dtype, or None
+  eps: Any
+  adaptive: bool
+  norm: Any
+
+  def cd(self, x):
+    return x.astype(self.compute_dtype or x.dtype)
+
+  def amax(self, s, c: Carry, hat, p) -> Carry:
+    c = c._replace(out=self.plain_update(s, hat, p))
+    for it in self.st.items[s]:
+      if not it.holds:
+        continue
+      amax = functools.reduce(
+        jnp.maximum,
+        [
+          jnp.max(jnp.abs(self.st.lay.slot_matrix(hat, u)), initial=0)
+          for u in it.units
+        ],
+      )
+      if it.kind == 'group':
+        c = c._replace(group_amax=_set_vec(c.group_amax, it.pos, amax))
+      else:
+        c = c._replace(tp_amax=_set_vec(c.tp_amax, it.pos, amax))
+    return c
+
+  def gram(self, s, c: Carry, hat, p) -> Carry:
+    lay, norm = self.st.lay, self.norm
+    grams, tp_grams, x = c.group_grams, c.tp_grams, c.x
+    for it in self.st.items[s]:
+      if not it.holds:
+        continue
+      amax = (c.group_amax if it.kind == 'group' else c.tp_amax)[it.pos]
+      f = rescale_factor(amax, lay.slot_matrix(hat, it.units[0]).dtype)
+      for u in it.units:
+        raw = lay.slot_matrix(hat, u)
+        x = _put(lay, x, u, (raw * f.astype(raw.dtype)).astype(norm))
+      g = sum(
+        (lambda m: m @ jnp.swapaxes(m, -1, -2))(
+          _orient(lay.slot_matrix(x, u), it.split)
+        )
+        for u in it.units
+      )
+      grams, tp_grams = _send_gram(self.st, it, grams, tp_grams, g)
+    return c._replace(group_grams=grams, tp_grams=tp_grams, x=x)
+
+  def iterate(self, w, s, c: Carry, hat, p) -> Carry:
+    lay, norm, cd = self.st.lay, self.norm, self.cd
+    q, qt, x = c.owned_factors, c.tp_factors, c.x
+    for it in self.st.items[s]:
+      if w >= len(it.segments):
+        continue
+      start, end = it.segments[w]
+      if it.kind == 'group':
+        if not it.iterates:
+          continue
+        g = _get_block(c.owned_grams, it.off, it.gram)
+      else:
+        g = _get_block(c.tp_grams, it.off, it.gram)
+      sc = jnp.ones((), norm)
+      if w == 0:
+        norm_sq = jnp.trace(g.astype(norm))
+        nrm = jnp.sqrt(jnp.maximum(norm_sq, 0)) + self.eps
+        sc = (1 / jnp.where(nrm > 0, nrm, 1)).astype(norm)
+        r = cd((g.astype(norm) * sc**2))
+      else:
+        r = cd(g)
+      fac = _newton_schulz.gram_factor(r, self.coeff_rows[start:end])
+      if it.kind == 'group':
+        q = _set_block(q, it.off, fac.astype(norm) * sc if w == 0 else fac)
+      else:
+        if w == 0:
+          for u in it.units:
+            x = _put(lay, x, u, cd((lay.slot_matrix(x, u) * sc).astype(norm)))
+        qt = _set_block(qt, it.off, fac)
+    return c._replace(owned_factors=q, tp_factors=qt, x=x)
+
+  def apply(self, w, s, c: Carry, hat, p) -> Carry:
+    st, lay, norm, cd = self.st, self.st.lay, self.norm, self.cd
+    grams = jnp.zeros_like(c.group_grams)
+    tp_grams = jnp.zeros_like(c.tp_grams)
+    x = c.x
+    dot_g, dot_t = c.group_dots, c.tp_dots
+    for it in st.items[s]:
+      if w >= len(it.segments) or not it.holds:
+        continue
+      if it.kind == 'group':
+        start = it.member * st.block + it.off
+        fac = _get_block(c.group_factors, start, it.gram)
+      else:
+        fac = _get_block(c.tp_factors, it.off, it.gram)
+      fac = cd(fac)
+      last = w + 1 == len(it.segments)
+      new = []
+      for u in it.units:
+        m = fac @ cd(_orient(lay.slot_matrix(x, u), it.split))
+        x = _put(lay, x, u, _orient(m, it.split).astype(norm))
+        new.append(m)
+      if not last:
+        g = sum(m @ jnp.swapaxes(m, -1, -2) for m in new)
+        grams, tp_grams = _send_gram(st, it, grams, tp_grams, g)
+      elif self.adaptive:
+        d = sum(
+          jnp.sum(lay.slot_matrix(hat, u).astype(norm) * lay.slot_matrix(x, u))
+          for u in it.units
+        )
+        if it.kind == 'group':
+          dot_g = _set_vec(dot_g, it.pos, d)
+        else:
+          dot_t = _set_vec(dot_t, it.pos, d)
+    return c._replace(
+      group_grams=grams, tp_grams=tp_grams, x=x, group_dots=dot_g, tp_dots=dot_t
+    )
+
+  def finish_all(self, s, c: Carry, hat, p) -> Carry:
+    lay = self.st.lay
+    out = c.out
+    for it in self.st.items[s]:
+      if not it.holds:
+        continue
+      dot = None
+      if self.adaptive:
+        dot = (c.group_dots if it.kind == 'group' else c.tp_dots)[it.pos]
+      for u in it.units:
+        res = self.finish(
+          u,
+          lay.slot_matrix(c.x, u),
+          dot,
+          None if p is None else lay.slot_matrix(p, u),
+        )
+        out = _put(lay, out, u, res)
+    return c._replace(out=out)
+
+
+def _item_keys(st: Stages, slot_keys: Sequence) -> list:
+  """Per slot, its key and its items with units as the facts a branch
+  body reads of them: slots of equal keys share one body."""
+  lay = st.lay
+
+  def unit_facts(u):
+    return (
+      int(lay.unit_group[u]),
+      int(lay.unit_offset[u]),
+      int(lay.unit_size[u]),
+      lay.plan.units[u].shape,
+    )
+
+  return [
+    (
+      slot_keys[s],
+      tuple(
+        dataclasses.replace(
+          it, key=0, units=tuple(unit_facts(u) for u in it.units)
+        )
+        for it in st.items[s]
+      ),
+    )
+    for s in range(st.n)
+  ]
+
+
+def _stage(st: Stages, body, c: Carry, hat, params, iterations, vary, keys):
+  """One stage: ``body`` of this device's slot (a ``switch`` over slots,
+  mapped over the scan iterations when there are any)."""
+
+  def branch(s):
+    def f(c, hat, p):
+      out = body(s, c, hat, p)
+      return jax.tree.map(lambda y: _vary(y, vary), out)
+
+    return f
+
+  branches = [branch(s) for s in range(st.n)]
+  if st.n == 1:
+    if iterations:
+      return jax.lax.map(lambda a: branches[0](*a), (c, hat, params))
+    return branches[0](c, hat, params)
+  if iterations:
+    return jax.lax.map(
+      lambda a: _collectives.switch_by_slot(
+        st.axes, branches, a[1], a[2], a[3], shift=a[0], keys=keys
+      ),
+      (jnp.arange(iterations), c, hat, params),
+    )
+  return _collectives.switch_by_slot(
+    st.axes, branches, c, hat, params, keys=keys
+  )
+
+
 def run(
   st: Stages,
   finish,
@@ -231,282 +509,66 @@ def run(
   Returns:
     The results, one flat buffer per dtype group.
   """
-  lay = st.lay
   vary = tuple(st.axes) + ((st.tp_axis,) if st.tp_axis else ())
   norm = (
     jnp.float64
     if any(jnp.dtype(b.dtype) == jnp.float64 for b in hat)
     else jnp.float32
   )
-
-  def region(bufs, u):
-    return lay.slot_matrix(bufs, u)
-
-  def put(bufs, u, value):
-    gi = lay.unit_group[u]
-    b = bufs[gi]
-    new = jax.lax.dynamic_update_slice_in_dim(
-      b, value.reshape(-1).astype(b.dtype), lay.unit_offset[u], 0
-    )
-    return bufs[:gi] + (new,) + bufs[gi + 1 :]
-
-  def zeros(size, dtype=norm):
-    return jnp.zeros((max(size, 1),), dtype)
-
-  def carry0():
-    c = {
-      'out': tuple(
-        zeros(size, b.dtype) for size, b in zip(lay.local_sizes, hat)
-      ),
-      'x': tuple(zeros(size) for size in lay.local_sizes),
-      'amax_g': zeros(st.vec_groups),
-      'amax_t': zeros(st.vec_tp),
-      'gram': zeros(st.row_size * st.block),
-      'gram_in': zeros(st.block),
-      'q_all': zeros(st.row_size * st.block),
-      'tg': zeros(st.tp_block),
-      'q': zeros(st.block),
-      'qt': zeros(st.tp_block),
-      'dot_g': zeros(st.vec_groups),
-      'dot_t': zeros(st.vec_tp),
-    }
-    return c
-
-  cdt = jnp.dtype(compute_dtype) if compute_dtype else None
-
-  def cd(x):
-    return x.astype(cdt or x.dtype)
-
-  def set_vec(v, i, value):
-    return v.at[i].set(value.astype(v.dtype))
-
-  def set_block(v, start, value):
-    return jax.lax.dynamic_update_slice_in_dim(
-      v, value.reshape(-1).astype(v.dtype), start, 0
-    )
-
-  def send_gram(it, gram, tg, g):
-    """Puts an item's local Gram where its reduction takes it: the
-    iteration owner's block of the group payload, or the TP payload."""
-    if it.kind == 'group':
-      return set_block(gram, it.member * st.block + it.off, g), tg
-    return gram, set_block(tg, it.off, g)
-
-  def get_block(v, start, g):
-    return jax.lax.slice_in_dim(v, start, start + g * g).reshape(g, g)
-
-  # -- the stages, as per-slot branch bodies ----------------------------
-
-  def stage_amax(s, c, hat, p):
-    c = dict(c)
-    c['out'] = plain_update(s, hat, p)
-    for it in st.items[s]:
-      if not it.holds:
-        continue
-      amax = functools.reduce(
-        jnp.maximum,
-        [jnp.max(jnp.abs(region(hat, u)), initial=0) for u in it.units],
-      )
-      name = 'amax_g' if it.kind == 'group' else 'amax_t'
-      c[name] = set_vec(c[name], it.pos, amax)
-    return c
-
-  def stage_gram(s, c, hat, p):
-    c = dict(c)
-    gram = c['gram']
-    tg = c['tg']
-    x = c['x']
-    for it in st.items[s]:
-      if not it.holds:
-        continue
-      amax = c['amax_g' if it.kind == 'group' else 'amax_t'][it.pos]
-      f = rescale_factor(amax, region(hat, it.units[0]).dtype)
-      for u in it.units:
-        raw = region(hat, u)
-        x = put(x, u, (raw * f.astype(raw.dtype)).astype(norm))
-      g = sum(
-        (lambda m: m @ jnp.swapaxes(m, -1, -2))(_orient(region(x, u), it.split))
-        for u in it.units
-      )
-      gram, tg = send_gram(it, gram, tg, g)
-    c.update(gram=gram, tg=tg, x=x)
-    return c
-
-  def stage_iterate(w):
-    def body(s, c, hat, p):
-      c = dict(c)
-      q = c['q']
-      qt = c['qt']
-      x = c['x']
-      for it in st.items[s]:
-        if w >= len(it.segments):
-          continue
-        start, end = it.segments[w]
-        if it.kind == 'group':
-          if not it.iterates:
-            continue
-          g = get_block(c['gram_in'], it.off, it.gram)
-        else:
-          g = get_block(c['tg'], it.off, it.gram)
-        sc = jnp.ones((), norm)
-        if w == 0:
-          norm_sq = jnp.trace(g.astype(norm))
-          nrm = jnp.sqrt(jnp.maximum(norm_sq, 0)) + eps
-          sc = (1 / jnp.where(nrm > 0, nrm, 1)).astype(norm)
-          r = cd((g.astype(norm) * sc**2))
-        else:
-          r = cd(g)
-        fac = _newton_schulz.gram_factor(r, coeff_rows[start:end])
-        if it.kind == 'group':
-          q = set_block(q, it.off, fac.astype(norm) * sc if w == 0 else fac)
-        else:
-          if w == 0:
-            for u in it.units:
-              x = put(x, u, cd((region(x, u) * sc).astype(norm)))
-          qt = set_block(qt, it.off, fac)
-      c.update(q=q, qt=qt, x=x)
-      return c
-
-    return body
-
-  def stage_apply(w):
-    def body(s, c, hat, p):
-      c = dict(c)
-      gram = jnp.zeros_like(c['gram'])
-      tg = jnp.zeros_like(c['tg'])
-      x = c['x']
-      dot_g, dot_t = c['dot_g'], c['dot_t']
-      for it in st.items[s]:
-        if w >= len(it.segments) or not it.holds:
-          continue
-        if it.kind == 'group':
-          fac = get_block(c['q_all'], it.member * st.block + it.off, it.gram)
-        else:
-          fac = get_block(c['qt'], it.off, it.gram)
-        fac = cd(fac)
-        last = w + 1 == len(it.segments)
-        new = []
-        for u in it.units:
-          m = fac @ cd(_orient(region(x, u), it.split))
-          x = put(x, u, _orient(m, it.split).astype(norm))
-          new.append(m)
-        if not last:
-          g = sum(m @ jnp.swapaxes(m, -1, -2) for m in new)
-          gram, tg = send_gram(it, gram, tg, g)
-        elif adaptive:
-          d = sum(
-            jnp.sum(region(hat, u).astype(norm) * region(x, u))
-            for u in it.units
-          )
-          if it.kind == 'group':
-            dot_g = set_vec(dot_g, it.pos, d)
-          else:
-            dot_t = set_vec(dot_t, it.pos, d)
-      c.update(gram=gram, tg=tg, x=x, dot_g=dot_g, dot_t=dot_t)
-      return c
-
-    return body
-
-  def stage_finish(s, c, hat, p):
-    c = dict(c)
-    out = c['out']
-    for it in st.items[s]:
-      if not it.holds:
-        continue
-      dot = None
-      if adaptive:
-        dot = (c['dot_g'] if it.kind == 'group' else c['dot_t'])[it.pos]
-      for u in it.units:
-        res = finish(
-          u, region(c['x'], u), dot, None if p is None else region(p, u)
-        )
-        out = put(out, u, res)
-    c['out'] = out
-    return c
-
-  # -- running them: switch per stage, collectives between ---------------
+  bodies = _Bodies(
+    st,
+    finish,
+    plain_update,
+    coeff_rows,
+    jnp.dtype(compute_dtype) if compute_dtype else None,
+    eps,
+    adaptive,
+    norm,
+  )
+  keys = None if slot_keys is None else _item_keys(st, slot_keys)
 
   def stage(body, c):
-    def branch(s):
-      def f(c, hat, p):
-        out = body(s, c, hat, p)
-        return jax.tree.map(lambda y: _vary(y, vary), out)
+    return _stage(st, body, c, hat, params, iterations, vary, keys)
 
-      return f
-
-    branches = [branch(s) for s in range(st.n)]
-    keys = None if slot_keys is None else item_keys
-    if st.n == 1:
-      if iterations:
-        return jax.lax.map(lambda a: branches[0](*a), (c, hat, params))
-      return branches[0](c, hat, params)
-    if iterations:
-      return jax.lax.map(
-        lambda a: _collectives.switch_by_slot(
-          st.axes, branches, a[1], a[2], a[3], shift=a[0], keys=keys
-        ),
-        (jnp.arange(iterations), c, hat, params),
-      )
-    return _collectives.switch_by_slot(
-      st.axes, branches, c, hat, params, keys=keys
-    )
-
-  def unit_facts(u):
-    return (
-      int(lay.unit_group[u]),
-      int(lay.unit_offset[u]),
-      int(lay.unit_size[u]),
-      lay.plan.units[u].shape,
-    )
-
-  item_keys = None
-  if slot_keys is not None:
-    item_keys = [
-      (
-        slot_keys[s],
-        tuple(
-          dataclasses.replace(
-            it, key=0, units=tuple(unit_facts(u) for u in it.units)
-          )
-          for it in st.items[s]
-        ),
-      )
-      for s in range(st.n)
-    ]
-
-  c = carry0()
+  c = _initial_carry(st, hat, norm)
   if iterations:
     c = jax.tree.map(lambda y: jnp.broadcast_to(y, (iterations,) + y.shape), c)
   c = jax.tree.map(lambda y: _vary(y, vary), c)
-  c = stage(stage_amax, c)
+  # Collectives run between the stages, on every device.
+  c = stage(bodies.amax, c)
   if st.has_groups:
-    c['amax_g'] = jax.lax.pmax(c['amax_g'], st.group_axis)
+    c = c._replace(group_amax=jax.lax.pmax(c.group_amax, st.group_axis))
   if st.has_tp:
-    c['amax_t'] = jax.lax.pmax(c['amax_t'], st.tp_axis)
-  c = stage(stage_gram, c)
+    c = c._replace(tp_amax=jax.lax.pmax(c.tp_amax, st.tp_axis))
+  c = stage(bodies.gram, c)
   for w in range(st.windows):
     if st.has_groups:
-      c['gram_in'] = jax.lax.psum_scatter(
-        c['gram'],
+      owned = jax.lax.psum_scatter(
+        c.group_grams,
         st.group_axis,
-        scatter_dimension=c['gram'].ndim - 1,
+        scatter_dimension=c.group_grams.ndim - 1,
         tiled=True,
       )
+      c = c._replace(owned_grams=owned)
     if st.has_tp:
-      c['tg'] = jax.lax.psum(c['tg'], st.tp_axis)
-    c = stage(stage_iterate(w), c)
+      c = c._replace(tp_grams=jax.lax.psum(c.tp_grams, st.tp_axis))
+    c = stage(functools.partial(bodies.iterate, w), c)
     if st.has_groups:
-      c['q_all'] = jax.lax.all_gather(
-        c['q'], st.group_axis, axis=c['q'].ndim - 1, tiled=True
+      factors = jax.lax.all_gather(
+        c.owned_factors,
+        st.group_axis,
+        axis=c.owned_factors.ndim - 1,
+        tiled=True,
       )
-    c = stage(stage_apply(w), c)
+      c = c._replace(group_factors=factors)
+    c = stage(functools.partial(bodies.apply, w), c)
   if adaptive:
     if st.has_groups:
-      c['dot_g'] = jax.lax.psum(c['dot_g'], st.group_axis)
+      c = c._replace(group_dots=jax.lax.psum(c.group_dots, st.group_axis))
     if st.has_tp:
-      c['dot_t'] = jax.lax.psum(c['dot_t'], st.tp_axis)
-  c = stage(stage_finish, c)
-  return c['out']
+      c = c._replace(tp_dots=jax.lax.psum(c.tp_dots, st.tp_axis))
+  c = stage(bodies.finish_all, c)
+  return c.out
 
 
 def _vary(y, axes):

@@ -43,21 +43,24 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import pathlib
-import re
 import warnings
 from typing import Any, Literal, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from dmuon_jax import _dedicated, _mesh, _owner_layout, _states
+from dmuon_jax import (
+  _checkpoint_checks,
+  _checkpoint_steps,
+  _dedicated,
+  _portable,
+  _states,
+)
+from dmuon_jax._checkpoint_steps import complete_steps as complete_steps
+from dmuon_jax._checkpoint_steps import latest_step as latest_step
 
 _NO_DEVICES_MSG = (
   'dmuon_jax checkpoint: the abstract optimizer state of layout {name} '
@@ -71,7 +74,7 @@ _NO_DEVICES_MSG = (
   ' with traced = jax.jit(opt.init).trace(params_like).'
 )
 
-COMMIT_MARKER = 'commit_success.txt'
+COMMIT_MARKER = _checkpoint_steps.COMMIT_MARKER
 """The file orbax writes into a step directory when its save is committed.
 
 :func:`complete_steps` counts a step only if its directory holds it.
@@ -155,65 +158,18 @@ def _is_state(x) -> bool:
   return _states.is_dmuon_state(x) or isinstance(x, PortableDMuonState)
 
 
-def _is_abstract(st) -> bool:
-  """Whether a dmuon state's buffers are shapes only (``jax.eval_shape``)."""
-  return any(
-    isinstance(b, jax.ShapeDtypeStruct) for b in jax.tree.leaves(st.mu)
-  )
-
-
-def _nest(by_path: dict[str, Any]) -> dict:
-  out: dict = {}
-  for path, x in by_path.items():
-    node = out
-    parts = path.split('/') if path else ['<root>']
-    for p in parts[:-1]:
-      node = node.setdefault(p, {})
-    node[parts[-1]] = x
-  return out
-
-
-def _flat(nested: Any) -> dict[str, Any]:
-  out = {}
-  for keys, x in jax.tree_util.tree_flatten_with_path(nested)[0]:
-    path = '/'.join(str(getattr(k, 'key', getattr(k, 'name', k))) for k in keys)
-    out['' if path == '<root>' else path] = x
-  return out
-
-
-def _concrete_mesh(xs) -> Any:
-  for x in xs:
-    sharding = getattr(x, 'sharding', None)
-    if isinstance(sharding, NamedSharding) and isinstance(
-      sharding.mesh, jax.sharding.Mesh
-    ):
-      return sharding.mesh
-  return None
-
-
-def _param_shardings(layout: _owner_layout.OwnerLayout, mesh: Any) -> list:
-  """Per target leaf, the sharding of its portable momentum."""
-  if mesh is None:
-    return [None] * len(layout.leaves)
-  out = []
-  for e in layout.param_entries:
-    spec = _mesh.entries_spec(e) if e is not None else P()
-    out.append(NamedSharding(mesh, spec))
-  return out
-
-
 def _to_portable(st) -> PortableDMuonState:
-  if _is_abstract(st):
+  if _portable.is_abstract(st):
     return _abstract_portable(st)
   layout = st.mu.layout
-  mesh = _concrete_mesh(st.mu.buffers)
+  mesh = _portable.concrete_mesh(st.mu.buffers)
   values = _dedicated.unpack_owned(st.mu)
-  shardings = _param_shardings(layout, mesh)
+  shardings = _portable.param_shardings(layout, mesh)
   mu = {}
   for t, s in zip(layout.leaves, shardings):
     x = values[t.index]
     mu[t.path] = x if s is None else jax.device_put(x, s)
-  return PortableDMuonState(count=st.count, mu=_nest(mu))
+  return PortableDMuonState(count=st.count, mu=_portable.nest(mu))
 
 
 def state_to_portable(opt_state: Any) -> Any:
@@ -258,20 +214,9 @@ def state_to_portable(opt_state: Any) -> Any:
   return jax.tree.unflatten(treedef, out)
 
 
-def _like(x, target):
-  """``x`` with ``target``'s dtype and placement (uncommitted if it is)."""
-  sharding = getattr(target, 'sharding', None)
-  if isinstance(target, jax.ShapeDtypeStruct):
-    x = jnp.asarray(x, target.dtype)
-    return x if sharding is None else jax.device_put(x, sharding)
-  if not getattr(target, 'committed', True):
-    return jnp.asarray(np.asarray(x), target.dtype)
-  return jax.device_put(jnp.asarray(x, target.dtype), target.sharding)
-
-
 def _from_portable(portable: PortableDMuonState, target) -> Any:
   layout = target.mu.layout
-  by_path = _flat(portable.mu)
+  by_path = _portable.flat(portable.mu)
   want = {t.path: t for t in layout.leaves}
   missing = sorted(set(want) - set(by_path))
   extra = sorted(set(by_path) - set(want))
@@ -297,18 +242,21 @@ def _from_portable(portable: PortableDMuonState, target) -> Any:
     values[t.index] = x
   dtypes = [b.dtype for b in target.mu.buffers]
   shardings = [getattr(b, 'sharding', None) for b in target.mu.buffers]
-  mesh = _concrete_mesh(target.mu.buffers)
+  mesh = _portable.concrete_mesh(target.mu.buffers)
   mu = _dedicated.pack_owned(
     layout, values, mesh, dtypes=dtypes, shardings=shardings
   )
   # Boxed targets (Flax metadata on the buffers) get their boxes back.
   mu = target.mu.rebox(mu.buffers)
-  fields = {'count': _like(portable.count, target.count), 'mu': mu}
+  fields = {
+    'count': _portable.cast_like(portable.count, target.count),
+    'mu': mu,
+  }
   if isinstance(getattr(target, 'stamp', None), _states.LayoutStamp):
     marker, value = _states.stamp_value(layout)
     fields['stamp'] = _states.LayoutStamp(
-      _like(marker, target.stamp.marker),
-      _like(value, target.stamp.value),
+      _portable.cast_like(marker, target.stamp.marker),
+      _portable.cast_like(value, target.stamp.value),
       layout.name,
     )
   return target._replace(**fields)
@@ -373,27 +321,18 @@ def state_from_portable(portable: Any, target_state: Any) -> Any:
         f'dmuon_jax checkpoint: state leaf of shape {np.shape(x)} where '
         f'the optimizer expects {np.shape(t)}.'
       )
-    out.append(_like(x, t))
+    out.append(_portable.cast_like(x, t))
   return jax.tree.unflatten(treedef, out)
-
-
-def _abstract_leaf(x) -> jax.ShapeDtypeStruct:
-  dtype = getattr(x, 'dtype', None)
-  return jax.ShapeDtypeStruct(
-    np.shape(x),
-    jnp.result_type(x) if dtype is None else dtype,
-    sharding=getattr(x, 'sharding', None),
-  )
 
 
 def _abstract_portable(x, placed: bool = True) -> PortableDMuonState:
   """The portable form of a dmuon state, as ``jax.ShapeDtypeStruct``\\ s
   (``placed``: raise unless the buffers say which devices they are on)."""
   layout = x.mu.layout
-  mesh = _concrete_mesh(x.mu.buffers)
+  mesh = _portable.concrete_mesh(x.mu.buffers)
   if mesh is None and layout.distributed and placed:
     raise ValueError(_NO_DEVICES_MSG.format(name=layout.name))
-  shardings = _param_shardings(layout, mesh)
+  shardings = _portable.param_shardings(layout, mesh)
   dtype_of = {
     t.index: x.mu.buffers[layout.leaf_buffer(t.index)].dtype
     for t in layout.leaves
@@ -402,7 +341,9 @@ def _abstract_portable(x, placed: bool = True) -> PortableDMuonState:
     t.path: jax.ShapeDtypeStruct(t.shape, dtype_of[t.index], sharding=s)
     for t, s in zip(layout.leaves, shardings)
   }
-  return PortableDMuonState(count=_abstract_leaf(x.count), mu=_nest(mu))
+  return PortableDMuonState(
+    count=_portable.abstract_leaf(x.count), mu=_portable.nest(mu)
+  )
 
 
 def _portable_abstract(target_state: Any, placed: bool = True) -> Any:
@@ -411,7 +352,7 @@ def _portable_abstract(target_state: Any, placed: bool = True) -> Any:
     lambda x: (
       _abstract_portable(x, placed)
       if _states.is_dmuon_state(x)
-      else _abstract_leaf(x)
+      else _portable.abstract_leaf(x)
     ),
     target_state,
     is_leaf=_states.is_dmuon_state,
@@ -419,124 +360,6 @@ def _portable_abstract(target_state: Any, placed: bool = True) -> Any:
 
 
 # ----------------------------------------------------------------- orbax
-
-
-def _ocp():
-  try:
-    import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-  except ImportError as e:  # pragma: no cover
-    raise ImportError(
-      'dmuon_jax checkpoints need orbax-checkpoint: '
-      'pip install orbax-checkpoint'
-    ) from e
-  return ocp
-
-
-def complete_steps(directory) -> list[int]:
-  """Steps under ``directory`` whose save completed (sorted).
-
-  A step counts only if its directory name is an integer and holds orbax's
-  commit marker (``commit_success.txt``, written just before the atomic
-  rename of the temporary directory, or as the last file on file systems
-  without atomic rename). Temporary (``*.orbax-checkpoint-tmp-*``) or
-  unfinished step directories are ignored.
-
-  Args:
-    directory: the checkpoint root directory (a ``str`` or ``os.PathLike``).
-
-  Returns:
-    The complete steps, ascending; ``[]`` if there are none or
-    ``directory`` does not exist.
-
-  Examples:
-    >>> import pathlib, tempfile
-    >>> from dmuon_jax import checkpoint
-    >>> with tempfile.TemporaryDirectory() as directory:
-    ...   root = pathlib.Path(directory)
-    ...   for step in (10, 2, 7):
-    ...     (root / str(step)).mkdir()
-    ...   for step in (10, 2):  # step 7's save never committed
-    ...     _ = (root / str(step) / checkpoint.COMMIT_MARKER).write_text('')
-    ...   checkpoint.complete_steps(directory)
-    [2, 10]
-  """
-  path = pathlib.Path(directory)
-  if not path.is_dir():
-    return []
-  steps = []
-  for child in path.iterdir():
-    if (
-      child.is_dir()
-      and child.name.isdigit()
-      and (child / COMMIT_MARKER).is_file()
-    ):
-      steps.append(int(child.name))
-  return sorted(steps)
-
-
-def latest_step(directory) -> int | None:
-  """The latest complete step under ``directory``, or None.
-
-  Args:
-    directory: the checkpoint root directory (a ``str`` or ``os.PathLike``).
-
-  Returns:
-    The largest of :func:`complete_steps`, or None if there is none.
-
-  Examples:
-    >>> import tempfile, jax.numpy as jnp, dmuon_jax
-    >>> from dmuon_jax import checkpoint
-    >>> params = {'layers_0': {'w': jnp.ones((4, 8)), 'b': jnp.zeros(8)}}
-    >>> state = dmuon_jax.dmuon(0.02).init(params)
-    >>> with tempfile.TemporaryDirectory() as directory:
-    ...   print(checkpoint.latest_step(directory))
-    ...   _ = checkpoint.save(directory, 5, params, state)
-    ...   print(checkpoint.latest_step(directory))
-    None
-    5
-  """
-  steps = complete_steps(directory)
-  return steps[-1] if steps else None
-
-
-def _plain_params(params):
-  if isinstance(params, _dedicated.DedicatedParams):
-    return _dedicated.to_params(params)
-  return params
-
-
-def _as_step(step, where: str) -> int:
-  """``step`` as a Python int, or a TypeError/ValueError saying why not."""
-  dtype = getattr(step, 'dtype', None)
-  if isinstance(step, int) and not isinstance(step, bool):
-    value = step
-  elif (
-    dtype is not None
-    and np.shape(step) == ()
-    and jnp.issubdtype(dtype, jnp.integer)
-  ):
-    value = int(step)
-  else:
-    what = (
-      type(step).__name__
-      if dtype is None
-      else f'{jnp.dtype(dtype).name} array of shape {np.shape(step)}'
-    )
-    raise TypeError(
-      f'dmuon_jax checkpoint.{where}: step={step!r} ({what}) is not an '
-      'integer. Pass the training step as a '
-      'non-negative int (or a 0-d integer array such as '
-      'optimizer.step[...]): steps are directories named by the number, '
-      'and restore only finds those named by non-negative integers.'
-    )
-  if value < 0:
-    raise ValueError(
-      f'dmuon_jax checkpoint.{where}: step={value} is negative. Pass the '
-      'non-negative training step (e.g. the number of updates applied so '
-      'far): restore only finds step directories named by non-negative '
-      'integers, so this checkpoint would be lost.'
-    )
-  return value
 
 
 def _check_state_of(opt, params, portable) -> None:
@@ -557,9 +380,11 @@ def _check_state_of(opt, params, portable) -> None:
       'opt. Pass the params opt was initialised with (the DedicatedParams '
       'in dedicated mode) and the optimizer that made opt_state.'
     ) from e
-  parts = _diff_parts(
-    _sigs_by_path({'opt_state': portable}),
-    _sigs_by_path({'opt_state': _portable_abstract(abstract, placed=False)}),
+  parts = _checkpoint_checks.diff_parts(
+    _checkpoint_checks.sigs_by_path({'opt_state': portable}),
+    _checkpoint_checks.sigs_by_path(
+      {'opt_state': _portable_abstract(abstract, placed=False)}
+    ),
     what='shapes/dtypes',
     have_name='opt_state',
     want_name='opt.init(params)',
@@ -631,14 +456,14 @@ def save(
     ...   print(path.name, checkpoint.complete_steps(directory))
     3 [3]
   """
-  step = _as_step(step, 'save')
-  ocp = _ocp()
+  step = _checkpoint_steps.as_step(step, 'save')
+  ocp = _checkpoint_checks.orbax_checkpoint()
   directory = pathlib.Path(os.path.abspath(directory))
   portable = state_to_portable(opt_state)
   if opt is not None:
     _check_state_of(opt, params, portable)
   tree = {
-    'params': _plain_params(params),
+    'params': _portable.plain_params(params),
     'opt_state': portable,
   }
   if extra is not None:
@@ -654,88 +479,7 @@ def save(
   return directory / str(step)
 
 
-def _place_like(like):
-  sharding = getattr(like, 'sharding', None)
-  if sharding is None:
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  return jax.ShapeDtypeStruct(np.shape(like), like.dtype, sharding=sharding)
-
-
-def _dedicated_like(dp_like: _dedicated.DedicatedParams):
-  """The plain params target of a DedicatedParams target."""
-  layout = dp_like.owned.layout
-  leaves, treedef = jax.tree_util.tree_flatten(
-    dp_like.rest, is_leaf=lambda x: x is None
-  )
-  mesh = _concrete_mesh(dp_like.owned.buffers)
-  sharding = (
-    NamedSharding(mesh, P())
-    if mesh is not None
-    else jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  )
-  for t in layout.leaves:
-    leaves[t.index] = jax.ShapeDtypeStruct(
-      t.shape, jnp.dtype(t.dtype), sharding=sharding
-    )
-  return jax.tree.unflatten(treedef, leaves)
-
-
-def _to_dedicated_like(params, dp_like: _dedicated.DedicatedParams):
-  layout = dp_like.owned.layout
-  leaves, treedef = jax.tree_util.tree_flatten(params)
-  like_rest, _ = jax.tree_util.tree_flatten(
-    dp_like.rest, is_leaf=lambda x: x is None
-  )
-  values = {t.index: leaves[t.index] for t in layout.leaves}
-  owned = _dedicated.pack_owned(
-    layout,
-    values,
-    _concrete_mesh(dp_like.owned.buffers),
-    dtypes=[b.dtype for b in dp_like.owned.buffers],
-    shardings=[getattr(b, 'sharding', None) for b in dp_like.owned.buffers],
-  )
-  rest = [
-    None if like is None else _like(x, like)
-    for x, like in zip(leaves, like_rest)
-  ]
-  return _dedicated.DedicatedParams(
-    owned=owned, rest=jax.tree.unflatten(treedef, rest)
-  )
-
-
 _IF_DAMAGED = ('raise', 'older')
-
-
-def _check_directory(directory, where: str) -> pathlib.Path:
-  """The absolute root, or FileNotFoundError if it is not a directory."""
-  root = pathlib.Path(os.path.abspath(directory))
-  if not root.exists():
-    raise FileNotFoundError(
-      f'dmuon_jax checkpoint.{where}: {str(directory)!r} does not exist, so '
-      'there is no checkpoint to restore. Pass the directory given to save '
-      '(check the path for a typo). If starting fresh is intended, create '
-      'the directory first (os.makedirs(directory, exist_ok=True): an empty '
-      'directory restores as None) or check os.path.isdir(directory) before '
-      'restoring.'
-    )
-  if not root.is_dir():
-    raise FileNotFoundError(
-      f'dmuon_jax checkpoint.{where}: {str(directory)!r} is a file, not a '
-      'checkpoint directory. Pass the directory given to save (it holds one '
-      'directory per step), not a file in it.'
-    )
-  return root
-
-
-def _check_not_a_step(root: pathlib.Path, where: str) -> None:
-  """Raises if ``root`` (with no complete step) is itself a step directory."""
-  if root.name.isdigit() and (root / COMMIT_MARKER).is_file():
-    raise ValueError(
-      f'dmuon_jax checkpoint.{where}: {str(root)!r} is the directory of '
-      f'step {root.name}, not a checkpoint root. Pass its parent '
-      f'{str(root.parent)!r} (the directory given to save), with '
-      f'step={root.name} to restore this step.'
-    )
 
 
 def restore(
@@ -841,11 +585,11 @@ def _restore(
       f'dmuon_jax checkpoint.{where}: {if_damaged=}; expected one of '
       f'{_IF_DAMAGED}.'
     )
-  root = _check_directory(directory, where)
+  root = _checkpoint_steps.check_directory(directory, where)
   steps = complete_steps(root)
   kwargs = dict(extra_like=extra_like, dedication=dedication)
   if step is not None:
-    step = _as_step(step, where)
+    step = _checkpoint_steps.as_step(step, where)
     if step not in steps:
       raise FileNotFoundError(
         f'dmuon_jax checkpoint.{where}: no complete step {step} under '
@@ -853,7 +597,7 @@ def _restore(
       )
     return _restore_step(root, step, steps, params_like, opt, **kwargs)
   if not steps:
-    _check_not_a_step(root, where)
+    _checkpoint_steps.check_not_a_step(root, where)
     return None
   damaged = []
   for candidate in reversed(steps):
@@ -881,46 +625,6 @@ def _restore(
   ) from damaged[-1]
 
 
-def _is_optimizer(opt) -> bool:
-  """An optimizer (anything with ``init``: ``GradientTransformation``,
-  ``GradientTransformationExtraArgs``, ``optax.MultiSteps``), not a state."""
-  return callable(getattr(opt, 'init', None))
-
-
-def _params_mesh(params):
-  """The concrete mesh ``params`` are placed on, or ``None``."""
-  for leaf in jax.tree.leaves(params):
-    sharding = getattr(leaf, 'sharding', None)
-    mesh = getattr(sharding, 'mesh', None)
-    if isinstance(mesh, jax.sharding.Mesh):
-      return mesh
-  return None
-
-
-def _target_state(opt, params):
-  """The state to restore into: ``opt`` itself if it is a state, else
-  ``opt.init(params)``'s shapes, dtypes and shardings, abstractly.
-
-  Nothing is allocated (a fresh state would double the optimizer's memory
-  while the checkpoint is read). ``jax.eval_shape`` alone gives no devices
-  (no shardings on Auto meshes, ``AbstractMesh`` ones on Explicit meshes),
-  so the shardings come from compiling ``opt.init`` (not running it).
-  """
-  if not _is_optimizer(opt):
-    return opt
-  mesh = _params_mesh(params)
-  # Explicit-mesh params type-check only inside their mesh's context.
-  ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
-  with ctx:
-    traced = jax.jit(opt.init).trace(params)
-    shardings = traced.lower().compile().output_shardings
-  return jax.tree.map(
-    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-    traced.out_info,
-    shardings,
-  )
-
-
 def _restore_step(
   root, step, steps, params_like, opt, *, extra_like=None, dedication=None
 ):
@@ -929,29 +633,33 @@ def _restore_step(
   dp_like = None
   if isinstance(params_like, _dedicated.DedicatedParams):
     dp_like = params_like
-    params_like = _dedicated_like(dp_like)
+    params_like = _portable.dedicated_like(dp_like)
   with read():
-    saved = _saved_tree(path)
-  params_abs = jax.tree.map(_place_like, params_like)
-  _check_saved(saved, {'params': params_abs}, step)
+    saved = _checkpoint_checks.saved_tree(path)
+  params_abs = jax.tree.map(_portable.place_like, params_like)
+  _checkpoint_checks.check_saved(saved, {'params': params_abs}, step)
   with read():
-    params = _partial_restore(path, {'params': params_abs})['params']
+    params = _checkpoint_checks.partial_restore(path, {'params': params_abs})[
+      'params'
+    ]
   if dp_like is not None:
-    params = _to_dedicated_like(params, dp_like)
+    params = _portable.to_dedicated_like(params, dp_like)
   elif dedication is not None:
     params = dedication.to_dedicated(params)
   opt_state = None
   if opt is not None:
-    target = _target_state(opt, params)
+    target = _portable.target_state(opt, params)
     abstract = _portable_abstract(target)
-    _check_saved(saved, {'opt_state': abstract}, step)
+    _checkpoint_checks.check_saved(saved, {'opt_state': abstract}, step)
     with read():
-      portable = _partial_restore(path, {'opt_state': abstract})['opt_state']
+      portable = _checkpoint_checks.partial_restore(
+        path, {'opt_state': abstract}
+      )['opt_state']
     opt_state = state_from_portable(portable, target)
   if extra_like is not None:
     with read():
-      extra = _partial_restore(
-        path, {'extra': jax.tree.map(_place_like, extra_like)}
+      extra = _checkpoint_checks.partial_restore(
+        path, {'extra': jax.tree.map(_portable.place_like, extra_like)}
       )['extra']
     return step, params, opt_state, extra
   return step, params, opt_state
@@ -1010,7 +718,7 @@ def save_nnx(
     ...   print(path.name, checkpoint.latest_step(directory))
     1 1
   """
-  step = _as_step(step, 'save_nnx')
+  step = _checkpoint_steps.as_step(step, 'save_nnx')
   nnx = _nnx()
   params = nnx.to_pure_dict(nnx.state(model, optimizer.wrt))
   more = {'optimizer_step': nnx.as_pure(optimizer.step)}
@@ -1107,204 +815,7 @@ def restore_nnx(
   return step
 
 
-# ------------------------------------------------------ saved-tree checks
-
-
-def _saved_tree(path):
-  """The saved tree's array metadata (orbax), as nested containers.
-
-  Asks the handler, not a checkpointer: ``Checkpointer.metadata`` logs and
-  returns None for unreadable metadata, which would read as an empty tree.
-  """
-  ocp = _ocp()
-  from etils import epath  # pylint: disable=import-outside-toplevel
-
-  handler = ocp.PyTreeCheckpointHandler()
-  try:
-    meta = handler.metadata(epath.Path(path))
-  finally:
-    handler.close()
-  return getattr(meta, 'tree', meta)
-
-
-def _path_str(path) -> str:
-  """A key path as ``a/b/0``, the same for a NamedTuple and its dict."""
-  names = []
-  for k in path:
-    for attr in ('key', 'name', 'idx'):
-      if hasattr(k, attr):
-        names.append(str(getattr(k, attr)))
-        break
-    else:
-      names.append(str(k))
-  return '/'.join(names)
-
-
-def _shapes_by_path(tree) -> dict[str, tuple]:
-  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {_path_str(p): tuple(getattr(x, 'shape', ())) for p, x in leaves}
-
-
-def _is_empty_node(x) -> bool:
-  """None, or a NamedTuple without fields (``EmptyState``, ``MaskedNode``)."""
-  return x is None or (isinstance(x, tuple) and getattr(x, '_fields', 1) == ())
-
-
-def _sigs_by_path(tree) -> dict[str, str]:
-  """Per leaf path: ``'(8, 16) float32'``, or the empty node's type.
-
-  Empty nodes count as leaves, so ``adam`` and ``adamw`` (one more
-  ``EmptyState``) or a leaf masked differently (``MaskedNode``) differ.
-  Containers do not (an ``nnx.State`` and its pure dict agree).
-  """
-  leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_empty_node)
-  out = {}
-  for p, x in leaves[0]:
-    if _is_empty_node(x):
-      out[_path_str(p)] = 'None' if x is None else f'{type(x).__name__}()'
-    else:
-      dtype = getattr(x, 'dtype', None)
-      dtype = '' if dtype is None else f' {jnp.dtype(dtype).name}'
-      out[_path_str(p)] = f'{tuple(np.shape(x))}{dtype}'
-  return out
-
-
-def _diff_parts(
-  have, want, *, what, have_name, want_name, only_want, only_have
-) -> list[str]:
-  """The differences of two ``path -> signature`` dicts (up to 8 each)."""
-  missing = sorted(set(want) - set(have))
-  extra = sorted(set(have) - set(want))
-  differ = sorted(
-    f'{p}: {have_name} {have[p]}, {want_name} {want[p]}'
-    for p in set(want) & set(have)
-    if have[p] != want[p]
-  )
-
-  def first(items, sep):
-    more = f' (and {len(items) - 8} more)' if len(items) > 8 else ''
-    return sep.join(items[:8]) + more
-
-  parts = []
-  if differ:
-    parts.append(f'different {what}: ' + first(differ, '; '))
-  if missing:
-    parts.append(f'{only_want}: ' + first(missing, ', '))
-  if extra:
-    parts.append(f'{only_have}: ' + first(extra, ', '))
-  return parts
-
-
-def _check_saved(saved, wanted, step) -> None:
-  """Raises unless every array of ``wanted`` was saved with its shape."""
-  top = next(iter(wanted))
-  have = _shapes_by_path(
-    {top: saved.get(top)} if isinstance(saved, dict) else saved
-  )
-  have = {p: s for p, s in have.items() if p.split('/')[0] == top}
-  parts = _diff_parts(
-    have,
-    _shapes_by_path(wanted),
-    what='shapes',
-    have_name='saved',
-    want_name='target',
-    only_want='not in the checkpoint',
-    only_have='in the checkpoint but not in the target',
-  )
-  if not parts:
-    return
-  what = (
-    'params'
-    if top == 'params'
-    else 'optimizer state (in its mesh-independent form)'
-  )
-  fix = (
-    'Build params_like from the model config the checkpoint was saved '
-    'with (same tree, same shapes).'
-    if top == 'params'
-    else 'Make the optimizer as when saving (same Muon routing and '
-    'transformations), or pass opt=None to restore the params only.'
-  )
-  raise ValueError(
-    f'dmuon_jax checkpoint: step {step} does not fit the {what} it is '
-    f'restored onto: {" | ".join(parts)}. {fix}'
-  )
-
-
-def _partial_restore(path, abstract):
-  """Restores the top-level items of ``abstract`` from a saved tree."""
-  ocp = _ocp()
-  with ocp.PyTreeCheckpointer() as ckptr:
-    return ckptr.restore(
-      path,
-      args=ocp.args.PyTreeRestore(
-        item=abstract,
-        restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
-        partial_restore=True,
-      ),
-    )
-
-
 # ------------------------------------------------------ damaged checkpoints
-
-# TensorStore's status codes for files that are missing, short or garbled.
-_TS_DAMAGE = re.compile(
-  r'\b(DATA_LOSS|OUT_OF_RANGE|NOT_FOUND|FAILED_PRECONDITION)\b'
-)
-_TS_FILE = re.compile(r'local file "([^"]+)"')
-# The JSON files orbax reads back, relative to a step's item directory.
-_JSON_FILES = ('_METADATA', '_sharding')
-
-
-def _messages(e: BaseException) -> list[str]:
-  out = []
-  while e is not None and len(out) < 8:
-    out.append(str(e))
-    e = e.__cause__ or e.__context__
-  return out
-
-
-def _damaged_file(step_dir: pathlib.Path, e: BaseException):
-  """The file of ``step_dir`` that ``e`` shows is damaged, or None.
-
-  None when nothing says the files are at fault (then ``e`` is not
-  translated): a file under ``step_dir`` named in TensorStore's message, a
-  required file missing, a JSON file that does not parse, or (naming the
-  directory) a JSON error or a TensorStore data-loss status.
-  """
-  item = step_dir / 'default'
-  texts = _messages(e)
-  for text in texts:
-    for name in reversed(_TS_FILE.findall(text)):
-      p = pathlib.Path(name)
-      if not name.endswith('/') and p.is_relative_to(step_dir):
-        return p
-  required = [item / '_METADATA']
-  if (item / 'd').is_dir():
-    required.append(item / 'manifest.ocdbt')
-  for p in required:
-    if not p.is_file():
-      return p
-  jsons = [item / n for n in _JSON_FILES]
-  jsons += sorted((item / 'array_metadatas').glob('*'))
-  for p in jsons:
-    if p.is_file():
-      try:
-        json.loads(p.read_bytes())
-      except ValueError:  # JSONDecodeError and UnicodeDecodeError
-        return p
-  if isinstance(e, json.JSONDecodeError) or any(
-    _TS_DAMAGE.search(t) for t in texts
-  ):
-    return item
-  return None
-
-
-def _reason(e: BaseException) -> str:
-  text = str(e).split(' [tensorstore_spec=')[0].splitlines()
-  text = text[0] if text else ''
-  text = text if len(text) <= 300 else text[:297] + '...'
-  return f'{type(e).__name__}: {text}'
 
 
 @contextlib.contextmanager
@@ -1316,7 +827,7 @@ def _reading(root: pathlib.Path, step: int, steps: list[int]):
     raise
   except Exception as e:  # orbax, TensorStore, json: whatever they raise
     step_dir = root / str(step)
-    file = _damaged_file(step_dir, e)
+    file = _checkpoint_checks.damaged_file(step_dir, e)
     if file is None:
       raise
     others = [s for s in steps if s != step]
@@ -1335,10 +846,10 @@ def _reading(root: pathlib.Path, step: int, steps: list[int]):
     )
     raise CheckpointDamagedError(
       f'dmuon_jax checkpoint: step {step} under {root} is damaged: {file} '
-      f'cannot be read ({_reason(e)}). The step was committed, so its files '
-      'changed after the save; this is not about the targets it is '
-      f'restored onto. {fix}; delete or move {step_dir} so that later '
-      'restores skip it.',
+      f'cannot be read ({_checkpoint_checks.reason(e)}). The step was '
+      'committed, so its files changed after the save; this is not about '
+      f'the targets it is restored onto. {fix}; delete or move {step_dir} '
+      'so that later restores skip it.',
       step=step,
       file=file,
       directory=root,

@@ -70,12 +70,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import jax
-import numpy as np
+
+from dmuon_jax import _hlo_cost, _hlo_text, _stablehlo_text
+from dmuon_jax._hlo_cost import dot_flops as dot_flops
+from dmuon_jax._hlo_text import parse_replica_groups as parse_replica_groups
 
 KINDS = (
   'all-gather',
@@ -332,8 +334,10 @@ def analyze_compiled(compiled: Any) -> HloReport:
       f' jax.jit(f).lower(*args).compile()); got {type(compiled).__name__}.'
     )
   collectives = hlo_collectives(compiled.as_text())
-  memory = _memory_fields(compiled)
-  return HloReport(collectives=collectives, flops=_flops(compiled), **memory)
+  memory = _hlo_cost.memory_fields(compiled)
+  return HloReport(
+    collectives=collectives, flops=_hlo_cost.flops(compiled), **memory
+  )
 
 
 def analyze(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> HloReport:
@@ -374,89 +378,7 @@ def analyze(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> HloReport:
 
 
 # ---------------------------------------------------------------------------
-# Replica groups and sizes.
-
-
-_IOTA_RE = re.compile(
-  r'^\[(?P<shape>\d+(?:,\d+)*)\]<=\[(?P<dims>\d+(?:,\d+)*)\]'
-  r'(?:T\((?P<perm>\d+(?:,\d+)*)\))?$'
-)
-
-
-def parse_replica_groups(
-  text: str, num_devices: int | None = None
-) -> tuple[tuple[int, ...], ...]:
-  """Parses an HLO ``replica_groups`` value into explicit groups.
-
-  Args:
-    text: the value, in one of three forms: explicit ``{{0,1,2,3},{4,5,6,7}}``,
-      iota ``[2,4]<=[8]`` (2 groups of 4 from ``arange(8)``) or transposed
-      iota ``[4,2]<=[2,4]T(1,0)`` (``arange(8).reshape(2, 4).T`` cut into 4
-      groups of 2). Empty ``{}`` means one group of all devices.
-    num_devices: (optional, default None) the number of devices that ``{}``
-      stands for; if None, ``{}`` gives no groups.
-
-  Returns:
-    A tuple of groups, each a tuple of device ids.
-
-  Examples:
-    >>> from dmuon_jax import diagnostics
-    >>> diagnostics.parse_replica_groups('[2,4]<=[8]')
-    ((0, 1, 2, 3), (4, 5, 6, 7))
-    >>> diagnostics.parse_replica_groups('[4,2]<=[2,4]T(1,0)')
-    ((0, 4), (1, 5), (2, 6), (3, 7))
-    >>> diagnostics.parse_replica_groups('{}', num_devices=4)
-    ((0, 1, 2, 3),)
-  """
-  compact = re.sub(r'\s+', '', text)
-  m = _IOTA_RE.match(compact)
-  if m:
-    shape = [int(v) for v in m['shape'].split(',')]
-    dims = [int(v) for v in m['dims'].split(',')]
-    perm = (
-      [int(v) for v in m['perm'].split(',')]
-      if m['perm']
-      else list(range(len(dims)))
-    )
-    if math.prod(shape) != math.prod(dims) or sorted(perm) != list(
-      range(len(dims))
-    ):
-      raise ValueError(f'Inconsistent iota replica_groups {text!r}.')
-    ids = np.arange(math.prod(dims)).reshape(dims).transpose(perm)
-    ids = ids.reshape(shape[0], -1)
-    return tuple(tuple(int(v) for v in row) for row in ids)
-  if compact.startswith('{') and compact.endswith('}'):
-    inner = compact[1:-1]
-    if not inner:
-      return (tuple(range(num_devices)),) if num_devices else ()
-    groups = re.findall(r'\{([^{}]*)\}', inner)
-    if re.sub(r'\{[^{}]*\}', '', inner).strip(','):
-      raise ValueError(f'Cannot parse replica_groups {text!r}.')
-    return tuple(tuple(int(v) for v in g.split(',') if v) for g in groups)
-  raise ValueError(
-    f'Cannot parse replica_groups {text!r}; expected {{{{0,1}},{{2,3}}}},'
-    ' [2,4]<=[8] or [4,2]<=[2,4]T(1,0).'
-  )
-
-
-def _largest_component(pairs: Iterable[tuple[int, int]]) -> int:
-  """Size of the largest connected set of devices joined by ``pairs``."""
-  parent: dict[int, int] = {}
-
-  def find(a: int) -> int:
-    parent.setdefault(a, a)
-    while parent[a] != a:
-      parent[a] = parent[parent[a]]
-      a = parent[a]
-    return a
-
-  for s, t in pairs:
-    parent[find(s)] = find(t)
-  sizes: dict[int, int] = {}
-  for a in list(parent):
-    root = find(a)
-    sizes[root] = sizes.get(root, 0) + 1
-  return max(sizes.values(), default=1)
+# Sizes and bytes.
 
 
 def _collective_bytes(kind: str, group_size: int, full_bytes: float) -> float:
@@ -481,13 +403,10 @@ def _itemsize(dtype: str) -> float:
   return int(m[1]) / 8
 
 
-_Element = tuple[str, tuple[int, ...]]
-
-
 def _record(
   kind: str,
   name: str,
-  elements: list[_Element],
+  elements: list[_hlo_text.Element],
   group_size: int,
   executions: int,
   in_loop: bool,
@@ -536,219 +455,9 @@ def _human_bytes(n: float | None) -> str:
 # Compiled HLO text.
 
 
-@dataclasses.dataclass(frozen=True)
-class _Instruction:
-  name: str
-  shape: str
-  opcode: str
-  operands: tuple[tuple[str | None, str], ...]  # (inline shape, name)
-  attrs: str  # attributes with quoted strings blanked
-  raw: str
-
-
-_COMPUTATION_RE = re.compile(
-  r'^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\{\s*$'
-)
-_INSTRUCTION_RE = re.compile(
-  r'^\s+(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$'
-)
-_STRING_RE = re.compile(r'"(?:[^"\\]|\\.)*"')
-_COMMENT_RE = re.compile(r'/\*.*?\*/')
-_ELEMENT_RE = re.compile(r'\b([a-z][a-z0-9]*)\[([^\]]*)\]')
-_CALLEE_RE = re.compile(
-  r'\b(?:calls|to_apply|branch_computations|true_computation|'
-  r'false_computation|called_computations)=(\{[^}]*\}|%?[\w.\-]+)'
-)
-_LOOP_RE = re.compile(r'\b(?P<key>body|condition)=%?(?P<name>[\w.\-]+)')
-_TRIP_COUNT_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_GROUPS_RE = re.compile(
-  r'replica_groups=(\{\}|\{(?:\{[\d,\s]*\},?\s*)*\}|\[[\d,]+\]<=\[[\d,]+\]'
-  r'(?:T\([\d,]+\))?)'
-)
-_PAIRS_RE = re.compile(r'source_target_pairs=\{((?:\{[\d,\s]*\},?\s*)*)\}')
-
-
-def _closing(text: str, start: int) -> int:
-  """Index of the parenthesis closing the one at ``text[start]``."""
-  depth = 0
-  for i in range(start, len(text)):
-    if text[i] == '(':
-      depth += 1
-    elif text[i] == ')':
-      depth -= 1
-      if depth == 0:
-        return i
-  return len(text)
-
-
-def _elements(shape: str) -> list[_Element]:
-  """Array elements of an HLO shape (a tuple shape gives several)."""
-  out = []
-  for dtype, dims in _ELEMENT_RE.findall(shape):
-    if dtype in ('token', 'opaque'):
-      continue
-    sizes = tuple(
-      int(d.replace('<=', '')) for d in dims.split(',') if d.strip()
-    )
-    out.append((dtype, sizes))
-  return out
-
-
-def _parse_instruction(line: str) -> _Instruction | None:
-  line = _COMMENT_RE.sub('', line)  # Long lists carry /*index=5*/ marks.
-  m = _INSTRUCTION_RE.match(line)
-  if not m:
-    return None
-  rest = m['rest']
-  if rest.startswith('('):
-    end = _closing(rest, 0) + 1
-  else:
-    end = len(rest.split(' ', 1)[0])
-  shape, rest = rest[:end], rest[end:].lstrip()
-  op = re.match(r'([\w\-]+)\(', rest)
-  if not op:
-    return None
-  close = _closing(rest, op.end() - 1)
-  operands = []
-  for token in _split_top_level(rest[op.end() : close]):
-    token = token.strip()
-    name = re.search(r'%?([\w.\-]+)$', token)
-    if not name:
-      continue
-    inline = token[: name.start()].strip() or None
-    operands.append((inline, name[1]))
-  return _Instruction(
-    name=m['name'],
-    shape=shape,
-    opcode=op[1],
-    operands=tuple(operands),
-    attrs=_STRING_RE.sub('""', rest[close + 1 :]),
-    raw=line,
-  )
-
-
-def _split_top_level(text: str) -> list[str]:
-  """Splits on commas outside brackets of any kind."""
-  parts, depth, start = [], 0, 0
-  for i, ch in enumerate(text):
-    if ch in '([{':
-      depth += 1
-    elif ch in ')]}':
-      depth -= 1
-    elif ch == ',' and depth == 0:
-      parts.append(text[start:i])
-      start = i + 1
-  parts.append(text[start:])
-  return [p for p in parts if p.strip()]
-
-
-def _parse_module(
-  text: str,
-) -> tuple[dict[str, list[_Instruction]], str | None, int, int]:
-  """Computations by name, the entry's name, partitions and replicas."""
-  computations: dict[str, list[_Instruction]] = {}
-  entry, current = None, None
-  num_partitions, replica_count = 1, 1
-  for line in text.splitlines():
-    if line.startswith('HloModule'):
-      header = _STRING_RE.sub('""', line)
-      if m := re.search(r'\bnum_partitions=(\d+)', header):
-        num_partitions = int(m[1])
-      if m := re.search(r'\breplica_count=(\d+)', header):
-        replica_count = int(m[1])
-      continue
-    if current is None:
-      m = _COMPUTATION_RE.match(line)
-      if m:
-        current = m['name']
-        computations[current] = []
-        if m['entry']:
-          entry = current
-      continue
-    if line.strip() == '}':
-      current = None
-      continue
-    instruction = _parse_instruction(line)
-    if instruction is not None:
-      computations[current].append(instruction)
-  return computations, entry, num_partitions, replica_count
-
-
-def _callees(ins: _Instruction) -> list[str]:
-  """Computations an instruction calls, other than a while's."""
-  out = []
-  for m in _CALLEE_RE.finditer(ins.attrs):
-    out.extend(re.findall(r'%?([\w.\-]+)', m[1]))
-  return out
-
-
 def _hlo_kind(opcode: str) -> str | None:
   base = opcode.removesuffix('-start')
   return base if base in KINDS else None
-
-
-def _group_size(
-  ins: _Instruction, kind: str, num_partitions: int, replica_count: int
-) -> int:
-  if kind == 'collective-permute':
-    m = _PAIRS_RE.search(ins.attrs)
-    pairs = re.findall(r'\{\s*(\d+)\s*,\s*(\d+)\s*\}', m[1]) if m else []
-    return _largest_component((int(s), int(t)) for s, t in pairs)
-  m = _GROUPS_RE.search(ins.attrs)
-  groups = parse_replica_groups(m[1]) if m else ()
-  if groups:
-    return max(len(g) for g in groups)
-  if 'channel_id=' in ins.attrs:
-    return num_partitions * replica_count
-  return replica_count
-
-
-def _gather_dimension(ins: _Instruction) -> int:
-  m = re.search(r'\bdimensions=\{(\d+)\}', ins.attrs)
-  return int(m[1]) if m else 0
-
-
-def _scaled(
-  elements: list[_Element], dim: int, factor: float
-) -> list[_Element]:
-  out = []
-  for dtype, shape in elements:
-    shape = list(shape)
-    if shape:
-      shape[dim] = int(shape[dim] * factor)
-    out.append((dtype, tuple(shape)))
-  return out
-
-
-def _full_elements(
-  ins: _Instruction, kind: str, n: int, shapes: dict[str, str]
-) -> list[_Element]:
-  """Elements of the full array that the byte formula for ``kind`` uses."""
-  operands: list[_Element] | None = []
-  for inline, name in ins.operands:
-    text = inline or shapes.get(name)
-    if text is None:  # Not in this computation: fall back to the result.
-      operands = None
-      break
-    operands.extend(_elements(text))
-  result = _elements(ins.shape)
-  dim = _gather_dimension(ins)
-  if ins.opcode.endswith('-start'):
-    # The shape of an async start bundles operands, results and u32[]
-    # contexts; the operands are the reliable part.
-    if operands is None:
-      arrays = [e for e in result if e[1]]
-      operands = arrays[: max(1, len(arrays) // 2)]
-    if kind == 'all-gather':
-      return _scaled(operands, dim, n)
-    return operands
-  if kind == 'all-gather':
-    return result
-  if operands is not None:
-    return operands
-  if kind == 'reduce-scatter':
-    return _scaled(result, dim, n)
-  return result
 
 
 def hlo_collectives(
@@ -801,7 +510,9 @@ def hlo_collectives(
     >>> c.kind, c.shape, c.group_size, c.bytes  # half of the 16 gathered f32s
     ('all-gather', (16,), 2, 32.0)
   """
-  computations, entry, num_partitions, replica_count = _parse_module(text)
+  computations, entry, num_partitions, replica_count = _hlo_text.parse_module(
+    text
+  )
   if num_devices is not None:
     num_partitions, replica_count = num_devices, 1
   out: list[Collective] = []
@@ -817,20 +528,20 @@ def hlo_collectives(
     for ins in instructions:
       kind = _hlo_kind(ins.opcode)
       if kind is not None:
-        n = _group_size(ins, kind, num_partitions, replica_count)
-        elements = _full_elements(ins, kind, n, shapes)
+        n = _hlo_text.group_size(ins, kind, num_partitions, replica_count)
+        elements = _hlo_text.full_elements(ins, kind, n, shapes)
         out.append(_record(kind, ins.name, elements, n, executions, in_loop))
       if ins.opcode == 'while':
-        trip = _TRIP_COUNT_RE.search(ins.raw)
+        trip = _hlo_text.TRIP_COUNT_RE.search(ins.raw)
         trips = int(trip[1]) if trip else 1
-        for m in _LOOP_RE.finditer(ins.attrs):
+        for m in _hlo_text.LOOP_RE.finditer(ins.attrs):
           # The condition runs once more than the body.
           extra = 1 if trip and m['key'] == 'condition' else 0
           visit(m['name'], executions * (trips + extra), True, stack)
         continue
       if ins.opcode in ('async-done', 'async-update'):
         continue  # Counted at the async-start, which calls the same op.
-      for callee in _callees(ins):
+      for callee in _hlo_text.callees(ins):
         visit(callee, executions, in_loop, stack)
 
   if entry is not None:
@@ -840,8 +551,8 @@ def hlo_collectives(
       callee
       for instructions in computations.values()
       for ins in instructions
-      for callee in _callees(ins)
-      + [m['name'] for m in _LOOP_RE.finditer(ins.attrs)]
+      for callee in _hlo_text.callees(ins)
+      + [m['name'] for m in _hlo_text.LOOP_RE.finditer(ins.attrs)]
     }
     roots = [c for c in computations if c not in called]
   for root in roots:
@@ -851,61 +562,6 @@ def hlo_collectives(
 
 # ---------------------------------------------------------------------------
 # StableHLO (MLIR) text.
-
-
-_MLIR_OP_RE = re.compile(
-  r'(?P<result>%[\w#:]+)\s*=\s*"stablehlo\.(?P<op>all_gather|reduce_scatter|'
-  r'all_reduce|all_to_all|collective_permute|collective_broadcast)"\('
-)
-_MLIR_FUNC_RE = re.compile(r'\bfunc\.func\s+(?:\w+\s+)*@(?P<name>[\w.$\-]+)')
-_MLIR_CALL_RE = re.compile(r'\bcall\s+@(?P<name>[\w.$\-]+)')
-_MLIR_TENSOR_RE = re.compile(
-  r'tensor<(?P<dims>(?:(?:\d+|\?)x)*)(?P<dtype>complex<\w+>|\w+)[^<>]*>'
-)
-_MLIR_SIGNATURE_RE = re.compile(r':\s*\((?P<ins>[^()]*)\)\s*->\s*(?P<outs>.*)$')
-
-
-def _mlir_dtype(dtype: str) -> str:
-  """MLIR element type to the HLO spelling: ``i32`` -> ``s32``."""
-  if dtype == 'i1':
-    return 'pred'
-  if m := re.fullmatch(r'(ui|si|i)(\d+)', dtype):
-    return ('u' if m[1] == 'ui' else 's') + m[2]
-  if m := re.fullmatch(r'complex<f(\d+)>', dtype):
-    return f'c{2 * int(m[1])}'
-  return dtype.lower()
-
-
-def _mlir_elements(types: str) -> list[_Element]:
-  out = []
-  for m in _MLIR_TENSOR_RE.finditer(types):
-    dims = tuple(0 if d == '?' else int(d) for d in m['dims'].split('x') if d)
-    out.append((_mlir_dtype(m['dtype']), dims))
-  return out
-
-
-def _mlir_matrix(attrs: str, name: str) -> list[tuple[int, ...]] | None:
-  """Rows of a ``name = dense<...> : tensor<RxCxi64>`` attribute."""
-  m = re.search(
-    name + r'\s*=\s*dense<(?P<value>.*?)>\s*:\s*tensor<(?P<r>\d+)x(?P<c>\d+)'
-    r'xi64>',
-    attrs,
-  )
-  if not m:
-    return None
-  rows, cols = int(m['r']), int(m['c'])
-  value = m['value'].strip()
-  if value.startswith('"0x'):
-    flat = np.frombuffer(bytes.fromhex(value[3:-1]), dtype='<i8')
-    if flat.size == 1:
-      flat = np.full(rows * cols, flat[0])
-  elif '[' in value:
-    flat = np.array([int(v) for v in re.findall(r'-?\d+', value)])
-  else:
-    flat = np.full(rows * cols, int(value) if value else 0)
-  if flat.size != rows * cols:
-    return [()] * rows if cols == 0 else None
-  return [tuple(int(v) for v in row) for row in flat.reshape(rows, cols)]
 
 
 def stablehlo_collectives(
@@ -969,10 +625,10 @@ def stablehlo_collectives(
   open_op: tuple[int, tuple[str | None, bool, str, str]] | None = None
   open_lines: list[str] = []
   for line in text.splitlines():
-    stripped = _STRING_RE.sub('""', line)
+    stripped = _hlo_text.STRING_RE.sub('""', line)
     before = depth
     depth += stripped.count('{') - stripped.count('}')
-    if m := _MLIR_FUNC_RE.search(stripped):
+    if m := _stablehlo_text.MLIR_FUNC_RE.search(stripped):
       function = m['name']
     in_while = bool(loops)
     if open_op is not None:
@@ -980,13 +636,13 @@ def stablehlo_collectives(
       if depth <= open_op[0]:
         found.append(open_op[1] + ('\n'.join(open_lines),))
         open_op = None
-    elif m := _MLIR_OP_RE.search(line):
+    elif m := _stablehlo_text.MLIR_OP_RE.search(line):
       op = (function, in_while, _STABLEHLO_KINDS[m['op']], m['result'])
       if depth <= before:
         found.append(op + (line,))
       else:
         open_op, open_lines = (before, op), [line]
-    for m in _MLIR_CALL_RE.finditer(stripped):
+    for m in _stablehlo_text.MLIR_CALL_RE.finditer(stripped):
       calls.append((function, m['name'], in_while))
     if 'stablehlo.while' in stripped:
       loops.append(before)
@@ -1003,14 +659,14 @@ def stablehlo_collectives(
   out = []
   for fn, in_while, kind, result, op_text in found:
     last = re.sub(r'\s*loc\(.*\)\s*$', '', op_text.splitlines()[-1])
-    signature = _MLIR_SIGNATURE_RE.search(last)
-    ins = _mlir_elements(signature['ins']) if signature else []
-    outs = _mlir_elements(signature['outs']) if signature else []
+    signature = _stablehlo_text.MLIR_SIGNATURE_RE.search(last)
+    ins = _stablehlo_text.mlir_elements(signature['ins']) if signature else []
+    outs = _stablehlo_text.mlir_elements(signature['outs']) if signature else []
     if kind == 'collective-permute':
-      pairs = _mlir_matrix(op_text, 'source_target_pairs') or []
-      n = _largest_component(p for p in pairs if len(p) == 2)
+      pairs = _stablehlo_text.mlir_matrix(op_text, 'source_target_pairs') or []
+      n = _hlo_text.largest_component(p for p in pairs if len(p) == 2)
     else:
-      groups = _mlir_matrix(op_text, 'replica_groups')
+      groups = _stablehlo_text.mlir_matrix(op_text, 'replica_groups')
       n = max((len(g) for g in groups), default=0) if groups else 0
       n = n or num_devices
     elements = outs if kind == 'all-gather' else ins
@@ -1090,7 +746,7 @@ def collective_nesting(compiled: Any) -> tuple[NestedCollective, ...]:
   if isinstance(compiled, jax.stages.Lowered):
     compiled = compiled.compile()
   text = compiled if isinstance(compiled, str) else compiled.as_text()
-  comps, entry, _, _ = _parse_module(text)
+  comps, entry, _, _ = _hlo_text.parse_module(text)
   out: list[NestedCollective] = []
   seen: set[tuple[str, tuple[str, ...]]] = set()
 
@@ -1101,214 +757,24 @@ def collective_nesting(compiled: Any) -> tuple[NestedCollective, ...]:
     for ins in comps.get(name, ()):
       kind = _hlo_kind(ins.opcode)
       if kind is not None and not ins.opcode.endswith('-done'):
-        elements = _elements(ins.shape)
+        elements = _hlo_text.elements(ins.shape)
         if ins.opcode.endswith('-start') and len(elements) > 1:
           elements = elements[len(elements) // 2 :]  # (operands, results)
         size = sum(math.prod(dims) for _, dims in elements)
         out.append(NestedCollective(kind, context, int(size)))
       if ins.opcode == 'while':
-        for m in _LOOP_RE.finditer(ins.attrs):
+        for m in _hlo_text.LOOP_RE.finditer(ins.attrs):
           visit(m['name'], context + ('while',))
       elif ins.opcode == 'conditional':
-        for c in _callees(ins):
+        for c in _hlo_text.callees(ins):
           visit(c, context + ('conditional',))
       else:
-        for c in _callees(ins):
+        for c in _hlo_text.callees(ins):
           visit(c, context)
 
   if entry:
     visit(entry, ())
   return tuple(out)
-
-
-# ---------------------------------------------------------------------------
-# Cost and memory analysis.
-
-
-def _flops(compiled: Any) -> float:
-  try:
-    cost = compiled.cost_analysis()
-  except Exception:  # pylint: disable=broad-except  # Not every backend has it.
-    return 0.0
-  if isinstance(cost, (list, tuple)):  # Older jax: one dict per program.
-    cost = cost[0] if cost else None
-  if not cost:
-    return 0.0
-  return float(cost.get('flops', 0.0))
-
-
-def _memory_fields(compiled: Any) -> dict[str, int | None]:
-  fields = {
-    'argument_bytes': 'argument_size_in_bytes',
-    'output_bytes': 'output_size_in_bytes',
-    'temp_bytes': 'temp_size_in_bytes',
-    'alias_bytes': 'alias_size_in_bytes',
-    'generated_code_bytes': 'generated_code_size_in_bytes',
-  }
-  try:
-    stats = compiled.memory_analysis()
-  except Exception:  # pylint: disable=broad-except  # Not every backend has it.
-    stats = None
-  out = {}
-  for field, attr in fields.items():
-    value = getattr(stats, attr, None) if stats is not None else None
-    out[field] = None if value is None else int(value)
-  return out
-
-
-def _text_with_large_constants(compiled) -> str | None:
-  """The compiled HLO with every constant printed (``as_text()`` elides
-  arrays of more than a few elements as ``{...}``, among them the slot ->
-  branch tables :func:`_branch_table` reads), or None where this jaxlib
-  has no such printer (its HLO module API is not public)."""
-  try:
-    from jaxlib import _hlo  # pylint: disable=import-outside-toplevel
-
-    options = _hlo.HloPrintOptions()
-    options.print_large_constants = True
-    modules = compiled.runtime_executable().hlo_modules()
-    return '\n'.join(m.to_string(options) for m in modules)
-  except Exception:  # pylint: disable=broad-except
-    return None
-
-
-_TABLE_RE = re.compile(r'^s32\[(\d+)\]')
-
-
-def _branch_table(ins, computation, n, k):
-  """The constant slot -> branch table a ``conditional`` picks its branch
-  through (``_collectives.switch_by_slot`` with keys: owners whose work is
-  alike share a branch body), or None: an ``s32[n]`` constant of values
-  in ``[0, k)`` among the operands of the instructions (up to two levels)
-  that compute the branch index."""
-  byname = {i.name: i for i in computation}
-  frontier = [ins.operands[0][1]] if ins.operands else []
-  for _ in range(3):
-    nxt = []
-    for nm in frontier:
-      src = byname.get(nm)
-      if src is None:
-        continue
-      if src.opcode == 'constant':
-        m = _TABLE_RE.match(src.shape)
-        vals = re.search(r'constant\(\{([\d,\s]*)\}\)', src.raw)
-        if m and int(m[1]) == n and vals:
-          table = [int(v) for v in vals[1].split(',') if v.strip()]
-          if len(table) == n and all(0 <= v < k for v in table):
-            return table
-        continue
-      nxt.extend(o for _, o in src.operands)
-    frontier = nxt
-  return None
-
-
-def dot_flops(
-  compiled: Any,
-  *,
-  loop_trip_counts: bool = True,
-  branches_per_device: int | None = None,
-) -> float:
-  """Matmul FLOPs of one device's program: ``2 * out * contracted`` per dot.
-
-  Counts only ``dot`` instructions, so it compares with a Newton–Schulz cost
-  model exactly (XLA's ``cost_analysis`` also counts elementwise work). A
-  ``conditional`` counts its most expensive branch (on an owner-per-branch
-  program: the busiest owner).
-
-  Args:
-    compiled: a ``jax.stages.Compiled`` (or ``Lowered``), or HLO text.
-    loop_trip_counts: (default True) multiply the body of each ``while``
-      loop by its known trip count: dmuon's Newton–Schulz iterations and
-      scanned layers are loops. False counts each body once, as XLA's
-      ``cost_analysis`` (and so :attr:`HloReport.flops`) does.
-    branches_per_device: (optional) the number of owner slots: every
-      ``conditional`` with that many branches is taken to branch on the
-      owner slot (as dmuon's updates do, stage after stage), so branch ``i``
-      of each is device ``i``'s work: the result is the busiest device's
-      total rather than the sum of each conditional's busiest branch.
-      Conditionals with fewer branches (owners whose work is alike share
-      one branch body) count their busiest branch: an upper bound.
-
-  Returns:
-    The FLOP count.
-
-  Examples:
-    >>> import jax, jax.numpy as jnp
-    >>> from dmuon_jax import diagnostics
-    >>> def three_matmuls(a, b):
-    ...   return jax.lax.fori_loop(0, 3, lambda i, a: jnp.tanh(a @ b), a)
-    >>> a, b = jnp.ones((8, 16)), jnp.ones((16, 16))
-    >>> compiled = jax.jit(three_matmuls).lower(a, b).compile()
-    >>> diagnostics.dot_flops(compiled)  # 3 iterations of 2 * 8 * 16 * 16
-    12288.0
-    >>> diagnostics.dot_flops(compiled, loop_trip_counts=False)  # body once
-    4096.0
-  """
-  if isinstance(compiled, jax.stages.Lowered):
-    compiled = compiled.compile()
-  n = branches_per_device or 0
-  if isinstance(compiled, str):
-    text = compiled
-  else:
-    text = (_text_with_large_constants(compiled) if n else None) or (
-      compiled.as_text()
-    )
-  comps, entry, _, _ = _parse_module(text)
-  memo: dict[str, Any] = {}
-  warned: list[str] = []
-
-  def cost(name):
-    """A float, or with ``branches_per_device`` an array: per slot."""
-    if name in memo:
-      return memo[name]
-    memo[name] = np.zeros(n) if n else 0.0  # Guards against cycles.
-    shapes = {ins.name: _elements(ins.shape) for ins in comps.get(name, ())}
-    total = np.zeros(n) if n else 0.0
-    for ins in comps.get(name, ()):
-      if ins.opcode == 'dot':
-        inline, lhs_name = ins.operands[0]
-        lhs = _elements(inline) if inline else shapes.get(lhs_name)
-        out = _elements(ins.shape)
-        dims = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', ins.attrs)
-        if not lhs or not out or dims is None:
-          continue
-        contracted = math.prod(
-          lhs[0][1][int(d)] for d in dims[1].split(',') if d
-        )
-        total += 2.0 * math.prod(out[0][1]) * contracted
-      elif ins.opcode == 'conditional':
-        callees = _callees(ins)
-        per = [np.max(cost(c)) for c in callees]
-        shared = n and 1 < len(callees) < n  # owners sharing branch bodies
-        table = None
-        if n and len(callees) == n:
-          table = range(n)
-        elif shared:
-          table = _branch_table(ins, comps.get(name, ()), n, len(callees))
-        if table is not None:
-          total = total + np.array([per[b] for b in table])
-        else:
-          if shared and not warned:
-            warned.append(ins.name)
-            warnings.warn(
-              f'dot_flops: conditional {ins.name} has {len(callees)} '
-              f'branches for {n} devices and no readable slot -> branch '
-              'table; it counts its busiest branch (an upper bound). Pass '
-              'the Compiled object rather than its text.',
-              stacklevel=2,
-            )
-          total = total + max(per, default=0.0)
-      elif ins.opcode == 'while':
-        body = re.search(r'\bbody=%?([\w.\-]+)', ins.attrs)
-        trip = _TRIP_COUNT_RE.search(ins.raw) if loop_trip_counts else None
-        trips = int(trip[1]) if trip else 1
-        total += cost(body[1]) * trips if body else 0.0
-      else:
-        total += sum(cost(c) for c in _callees(ins))
-    memo[name] = total
-    return total
-
-  return float(np.max(cost(entry))) if entry else 0.0
 
 
 __all__ = (

@@ -1,0 +1,555 @@
+"""The dedicated layout: :class:`Dedication` and its owner buffers."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dmuon_jax import (
+  _boundaries,
+  _checks,
+  _cost,
+  _gather,
+  _layout,
+  _owner_layout,
+  _plan,
+)
+
+
+class DedicatedParams(NamedTuple):
+  """Params with the Muon targets stored in owner layout.
+
+  Attributes:
+    owned: the Muon targets as :class:`dmuon_jax.OwnerBuffers`: per gather
+      group (see :class:`Dedication`) one flat buffer per dtype. A loop
+      group's buffer is ``(num_slots * local,)``; a scanned stack's is
+      ``(num_iterations, num_slots * local)``. They are sharded over the
+      owner axes so that a device's block holds exactly the matrices it
+      owns; their layout is the dedication's.
+    rest: the params tree with every Muon target replaced by None.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax
+    >>> params = {'layers_0': {'w': jnp.ones((4, 8)), 'b': jnp.zeros(8)}}
+    >>> ded = dmuon_jax.dedicate(params, None)  # None: one device
+    >>> dp = ded.to_dedicated(params)
+    >>> dp.owned  # doctest: +ELLIPSIS
+    OwnerBuffers(dmuon_...: float32[32])
+    >>> dp.rest['layers_0']['w'] is None, dp.rest['layers_0']['b'].shape
+    (True, (8,))
+    >>> back = ded.to_params(dp)
+    >>> bool((back['layers_0']['w'] == params['layers_0']['w']).all())
+    True
+  """
+
+  owned: _owner_layout.OwnerBuffers
+  rest: Any
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Dedication:
+  """Static description of a dedicated layout (build with :func:`dedicate`).
+
+  Matrices are gathered per *gather group*: ``layers_per_gather``
+  consecutive loop boundaries, or ``layers_per_gather`` layers of a scanned
+  stack per scan iteration. Owner slots are numbered in buffer order:
+  row-major over :attr:`buffer_axes` (the shard axes, then the replicate
+  axis), so that a device's block of a gathered buffer is at its slot.
+
+  Attributes:
+    plan: the global owner plan (slots in mesh order, as
+      :func:`dmuon_jax.plan_ownership`), for inspection.
+    boundaries: the hook boundaries.
+    groups: the boundary indices of each gather group.
+    layout: the :class:`dmuon_jax.OwnerLayout` of the owned buffers (and of
+      the momentum of :func:`dedicated_muon`).
+    layers_per_gather: boundaries (or scanned layers) per gather.
+    layers_per_gather_choice: how it was chosen: ``'given'`` (an int
+      passed to :func:`dedicate`), ``'auto'`` (the smallest with padding at
+      most 5%), ``'auto, least padding'`` (none reached 5%) or, from
+      :func:`dmuon_jax.flax.dedicate`, ``'one layer per nnx.scan
+      iteration'``.
+    treedef: the params tree structure.
+    mesh: the mesh.
+    reshard_after_forward: Z3 (True) or Z2 (False), see :meth:`block`.
+    buffer_axes: owner axes, major to minor in buffer order.
+    replicate_axis: the HSDP replicate axis (gathered first, outside the
+      Z3 re-gather), or None.
+    remat_policy: the ``jax.checkpoint`` policy of a Z3 block.
+    rest_specs: per leaf, the PartitionSpec of a non-target param (None for
+      Muon targets).
+    leaf_paths: per leaf, its normalized path.
+    boundary_keys: per boundary, the key path of its subtree.
+    abstract_params: the params tree as ``jax.ShapeDtypeStruct`` (whole
+      shapes), e.g. for a ``weight_decay_mask`` callable.
+    tensor_parallel_axis: the mesh axis that splits Muon matrices (None
+      without tensor parallelism). With it, the layout holds one TP shard's
+      slice of each split matrix; owned buffers are sharded over
+      ``buffer_axes`` and then this axis.
+    ns_algorithm: the Newton–Schulz form the plan's costs assume and
+      :func:`dedicated_muon` runs for matrices not split by TP (``'auto'``:
+      the cheaper per shape).
+
+  Examples:
+    >>> import jax.numpy as jnp, dmuon_jax
+    >>> params = {f'layers_{i}': {'w': jnp.ones((8, 8)), 'b': jnp.zeros(8)}
+    ...           for i in range(2)}
+    >>> ded = dmuon_jax.dedicate(params, None, layers_per_gather=2)
+    >>> ded.boundaries.names, ded.groups  # both blocks in one gather group
+    (('layers_0', 'layers_1'), ((0, 1),))
+    >>> ded.num_slots, ded.layers_per_gather_choice, ded.reshard_after_forward
+    (1, 'given', True)
+    >>> ded.gather_bytes()  # (payload, gathered): no padding on one slot
+    (512, 512)
+    >>> print(ded.summary().splitlines()[0])  # doctest: +ELLIPSIS
+    Dedicated ownership (Z3) on 1 slots, buffer axes (), 2 layer(s) per ...
+  """
+
+  plan: _plan.OwnershipPlan
+  boundaries: _boundaries.HookBoundaries
+  groups: tuple[tuple[int, ...], ...]
+  layout: _owner_layout.OwnerLayout
+  layers_per_gather: int
+  treedef: Any
+  mesh: Any
+  reshard_after_forward: bool
+  buffer_axes: tuple[str, ...]
+  replicate_axis: str | None
+  remat_policy: Callable[..., Any]
+  rest_specs: tuple[P | None, ...]
+  leaf_paths: tuple[str, ...]
+  boundary_keys: tuple[Any, ...]
+  abstract_params: Any
+  tensor_parallel_axis: str | None = None
+  ns_algorithm: str = 'auto'
+  layers_per_gather_choice: str = 'given'
+
+  @property
+  def num_slots(self) -> int:
+    """The number of owner slots (devices of the owner axes)."""
+    return self.plan.num_slots
+
+  @property
+  def layouts(self) -> tuple[_layout.Layout, ...]:
+    """The owner layout of each gather group (one scan iteration's for a
+    scanned stack)."""
+    return self.layout.groups
+
+  @property
+  def num_iterations(self) -> tuple[int, ...]:
+    """Per gather group, its scan iterations (0 for loop boundaries)."""
+    return self.layout.iterations
+
+  @property
+  def shard_axes(self) -> tuple[str, ...]:
+    """The owner axes but the replicate axis (where Z3 gathers again)."""
+    return tuple(a for a in self.buffer_axes if a != self.replicate_axis)
+
+  def specs(self) -> DedicatedParams:
+    """PartitionSpecs of a :class:`DedicatedParams` (for ``shard_map``).
+
+    Owned buffers are sharded over the owner axes; every other param keeps
+    the sharding it had when :func:`dedicate` saw it (replicated if none).
+    """
+    return DedicatedParams(
+      owned=_owner_layout.OwnerBuffers(self.layout.buffer_specs(), self.layout),
+      rest=jax.tree.unflatten(self.treedef, list(self.rest_specs)),
+    )
+
+  @staticmethod
+  def specs_of(tree: Any) -> Any:
+    """PartitionSpecs of a tree of global arrays, e.g. the optimizer state.
+
+    Leaves with a ``NamedSharding`` give its spec; any other leaf (a scalar
+    step count, a single-device array) is replicated: ``P()``.
+    """
+    return jax.tree.map(
+      lambda x: (
+        x.sharding.spec
+        if isinstance(getattr(x, 'sharding', None), NamedSharding)
+        else P()
+      ),
+      tree,
+    )
+
+  # -- inside shard_map ------------------------------------------------------
+
+  def gather_rest(self, dedicated: DedicatedParams) -> Any:
+    """The non-target params inside ``shard_map``, sharded dims gathered.
+
+    Call it in the loss for the params used outside the blocks (embedding,
+    final norm, head); under ``jax.grad`` the gathers transpose to
+    reduce-scatters, so their gradients arrive sharded like the params.
+
+    Args:
+      dedicated: the local view of :class:`DedicatedParams`.
+
+    Returns:
+      ``dedicated.rest`` with every leaf whole (Muon targets stay None).
+    """
+    return _gather.gather_rest(self, dedicated)
+
+  def params(self, dedicated: DedicatedParams) -> Any:
+    """The full params tree inside ``shard_map``: every boundary gathered.
+
+    Handy for evaluation; in a train step use :meth:`block`,
+    :meth:`sequential` or :meth:`scan`, which gather one group at a time and
+    control Z2/Z3. The values are the same on every device (typed as
+    device-varying, like any all-gather result in a loss).
+
+    Args:
+      dedicated: the local view of :class:`DedicatedParams`.
+
+    Returns:
+      The params tree, every leaf whole.
+    """
+    return _gather.all_params(self, dedicated)
+
+  def block(self, fn: Callable[..., Any], boundary: str) -> Callable[..., Any]:
+    """Wraps one block so that its weights are gathered inside it.
+
+    The owners' matrices of ``boundary`` are all-gathered just before ``fn``
+    runs (on HSDP: over ``replicate``, then over the shard axes); under
+    ``jax.grad`` the transpose reduce-scatters the gradients back to the
+    owners. With ``reshard_after_forward=True`` (Z3) the gathered weights
+    are freed after the forward and gathered again (over the shard axes) in
+    the backward pass: 3 (N-1)/N bytes per element. With False (Z2) they are
+    kept: 2 (N-1)/N, the all-reduce floor.
+
+    Args:
+      fn: ``(block_params, *args) -> out``; ``block_params`` is the params
+        subtree at the boundary's path (e.g. ``params['layers_3']``), with
+        its Muon targets materialized.
+      boundary: the boundary's name (see ``boundaries.names``).
+
+    Returns:
+      ``(dedicated, *args) -> out``, to call inside ``shard_map``.
+
+    Raises:
+      ValueError: for an unknown or scanned boundary, or one gathered
+        together with others (``layers_per_gather > 1``: use
+        :meth:`sequential`).
+    """
+    return _gather.block(self, fn, boundary)
+
+  def sequential(
+    self, fn: Callable[[Any, Any], Any], boundaries: Sequence[str]
+  ) -> Callable[[DedicatedParams, Any], Any]:
+    """Runs blocks one after another: ``x = fn(block_params, x)`` each.
+
+    Like :meth:`block` for each boundary, but one gather per group of
+    ``layers_per_gather`` boundaries (fewer, larger gathers pad the packed
+    owner buffers less; Z3 keeps one group's weights at a time).
+
+    Args:
+      fn: ``(block_params, x) -> x``, as for :meth:`block`.
+      boundaries: loop boundary names, in order; whole gather groups.
+
+    Returns:
+      ``(dedicated, x) -> x``, to call inside ``shard_map``.
+
+    Raises:
+      ValueError: for unknown or scanned boundaries or a split group.
+    """
+    return _gather.sequential(self, fn, boundaries)
+
+  def scan(
+    self, fn: Callable[[Any, Any], Any], boundary: str
+  ) -> Callable[[DedicatedParams, Any], Any]:
+    """Runs a scanned stack of blocks, gathering per scan iteration.
+
+    The stacked params of ``boundary`` (leading layer axis) are sliced in a
+    ``jax.lax.scan``; each iteration all-gathers ``layers_per_gather``
+    layers' matrices from their owners (owners rotate by one slot per
+    iteration) and applies ``fn`` to each layer. Z2/Z3 as for
+    :meth:`block`.
+
+    Args:
+      fn: ``(layer_params, carry) -> carry``; ``layer_params`` is the
+        boundary's params subtree sliced at one layer.
+      boundary: the name of a scanned boundary.
+
+    Returns:
+      ``(dedicated, carry) -> carry``, to call inside ``shard_map``.
+
+    Raises:
+      ValueError: for an unknown boundary or one that is not scanned.
+    """
+    return _gather.scan(self, fn, boundary)
+
+  # -- conversion (outside shard_map, on global arrays) --------------------
+
+  def to_dedicated(self, params: Any) -> DedicatedParams:
+    """Moves a plain params tree into owner layout.
+
+    Args:
+      params: a params tree of global arrays (any sharding; the Muon
+        targets are gathered for packing).
+
+    Returns:
+      The :class:`DedicatedParams`.
+
+    Raises:
+      ValueError: if ``params`` differs from the tree given to ``dedicate``
+        in structure or in a Muon target's shape.
+    """
+    self._check_params(params)
+    leaves = jax.tree.leaves(params)
+    values = {t.index: leaves[t.index] for t in self.layout.leaves}
+    owned = pack_owned(self.layout, values, self.mesh)
+    rest = [
+      None if spec is None else x for x, spec in zip(leaves, self.rest_specs)
+    ]
+    if self.mesh is not None:
+      rest = [
+        None if x is None else jax.device_put(x, NamedSharding(self.mesh, spec))
+        for x, spec in zip(rest, self.rest_specs)
+      ]
+    return DedicatedParams(
+      owned=owned, rest=jax.tree.unflatten(self.treedef, rest)
+    )
+
+  def to_params(self, dedicated: DedicatedParams) -> Any:
+    """The plain params tree (e.g. for export, evaluation, checkpoints).
+
+    Args:
+      dedicated: a :class:`DedicatedParams` of global arrays.
+
+    Returns:
+      The params tree; Muon targets are replicated full arrays.
+
+    Raises:
+      TypeError: if ``dedicated`` is not a :class:`DedicatedParams`.
+      ValueError: if its owner buffers do not fit this dedication.
+    """
+    self.check_dedicated(dedicated, 'to_params()')
+    return to_params(dedicated)
+
+  def _check_params(self, params: Any) -> None:
+    """Raises unless ``params`` is the tree ``dedicate`` planned."""
+    if isinstance(params, DedicatedParams):
+      raise TypeError(
+        'dmuon: to_dedicated() takes a plain params tree and got '
+        'DedicatedParams (already in owner layout); use it as it is, or '
+        'to_params() to go back.'
+      )
+    _checks.check_same_tree(
+      params,
+      jax.tree.unflatten(self.treedef, [0] * self.treedef.num_leaves),
+      'to_dedicated()',
+      made_by='dmuon_jax.dedicate()',
+    )
+    leaves = jax.tree.leaves(params)
+    for t in self.layout.leaves:
+      got = tuple(np.shape(leaves[t.index]))
+      if got != t.shape:
+        raise ValueError(
+          f'dmuon: param {t.path!r} has shape {got}, but dedicate() '
+          f'planned it with shape {t.shape}. Call dmuon_jax.dedicate '
+          'again on the new params (and make a new optimizer state).'
+        )
+
+  def check_dedicated(self, dedicated: Any, what: str) -> None:
+    """Raises unless ``dedicated`` fits this dedication's owner layout.
+
+    Args:
+      dedicated: a :class:`DedicatedParams` (or a gradient/update tree of
+        that form) of global arrays, or local blocks inside ``shard_map``.
+      what: the operation, for the message (e.g. ``'update()'``).
+
+    Raises:
+      TypeError: if it is not a :class:`DedicatedParams`.
+      ValueError: naming both layouts, or the gather group whose buffers
+        differ.
+    """
+    if not isinstance(dedicated, DedicatedParams):
+      raise TypeError(
+        f'dmuon: {what} takes the DedicatedParams made by '
+        f'Dedication.to_dedicated(params); got {type(dedicated).__name__}.'
+        ' Convert the params with ded.to_dedicated(params) first.'
+      )
+    check_owned(self.layout, dedicated.owned, what)
+
+  # -- inspection ------------------------------------------------------------
+
+  def gather_bytes(self) -> tuple[int, int]:
+    """``(payload, gathered)`` bytes of one full materialization.
+
+    ``payload`` is the Muon targets' bytes; ``gathered`` what the packed
+    owner buffers hold (each gather pads every owner's share to the largest
+    one in it).
+
+    Returns:
+      The two byte counts.
+    """
+    return _gather_bytes(self)
+
+  def summary(self) -> str:
+    """The gather groups, their padding, and the owner plan's summary."""
+    return _summary(self)
+
+
+def check_owned(
+  layout: _owner_layout.OwnerLayout, owned: Any, what: str
+) -> None:
+  """Raises unless ``owned`` are buffers of ``layout`` (global or local)."""
+  if not isinstance(owned, _owner_layout.OwnerBuffers):
+    raise TypeError(
+      f'dmuon: {what} takes owner buffers (DedicatedParams.owned); got '
+      f'{type(owned).__name__}.'
+    )
+  if owned.layout != layout:
+    raise ValueError(
+      f'dmuon: {what} got owner buffers laid out as {owned.layout.name}, '
+      f'but this dedication lays them out as {layout.name}: they were '
+      'made by another dmuon_jax.dedicate call (another mesh, model or '
+      'plan). Use the Dedication that made them, or convert with '
+      'to_params() and to_dedicated().'
+    )
+  shapes = [tuple(np.shape(b)) for b in owned.buffers]
+  glob = [s.shape for s in layout.buffer_shapes()]
+  if shapes not in (glob, list(layout.local_shapes())):
+    raise ValueError(
+      f'dmuon: {what} got owner buffers of shapes {shapes}, but layout '
+      f'{layout.name} has {glob} (global): the buffers were changed '
+      'outside dmuon. Call dedicate and to_dedicated again.'
+    )
+
+
+def _replicated(mesh, xs):
+  """``xs`` on every device (conversions index across the owner axes)."""
+  if mesh is None:
+    return list(xs)
+  return [jax.device_put(x, NamedSharding(mesh, P())) for x in xs]
+
+
+@functools.lru_cache(maxsize=64)
+def _packer(layout: _owner_layout.OwnerLayout, dtypes: tuple | None):
+  return jax.jit(lambda values: layout.pack(values, dtypes))
+
+
+@functools.lru_cache(maxsize=64)
+def _unpacker(layout: _owner_layout.OwnerLayout):
+  return jax.jit(layout.unpack)
+
+
+def pack_owned(
+  layout: _owner_layout.OwnerLayout,
+  values: dict[int, Any],
+  mesh: Any,
+  dtypes=None,
+  shardings=None,
+) -> _owner_layout.OwnerBuffers:
+  """Owner buffers (placed) from whole arrays, leaf index -> array."""
+  keys = sorted(values)
+  mesh_of = mesh if isinstance(mesh, jax.sharding.Mesh) else None
+  full = dict(zip(keys, _replicated(mesh_of, [values[k] for k in keys])))
+  dtypes = None if dtypes is None else tuple(jnp.dtype(d) for d in dtypes)
+  bufs = _packer(layout, dtypes)(full)
+  if shardings is None and mesh_of is not None:
+    shardings = layout.shardings(mesh_of)
+  if shardings is not None:
+    bufs = [
+      b if s is None else jax.device_put(b, s) for b, s in zip(bufs, shardings)
+    ]
+  return _owner_layout.OwnerBuffers(bufs, layout)
+
+
+def unpack_owned(owned: _owner_layout.OwnerBuffers) -> dict[int, jax.Array]:
+  """Whole (replicated) arrays from owner buffers: leaf index -> array."""
+  bufs = list(owned.buffers)
+  mesh = next(
+    (
+      b.sharding.mesh
+      for b in bufs
+      if isinstance(getattr(b, 'sharding', None), NamedSharding)
+    ),
+    None,
+  )
+  return _unpacker(owned.layout)(_replicated(mesh, bufs))
+
+
+def _leaves_with_none(tree: Any) -> tuple[list[Any], Any]:
+  return jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is None)
+
+
+def to_params(dedicated: DedicatedParams) -> Any:
+  """The plain params tree of :class:`DedicatedParams` (from its layout)."""
+  leaves, treedef = _leaves_with_none(dedicated.rest)
+  for i, x in unpack_owned(dedicated.owned).items():
+    leaves[i] = x
+  return jax.tree.unflatten(treedef, leaves)
+
+
+AUTO_PADDING_PERCENT = 5.0
+
+
+def _gather_bytes(ded: Dedication) -> tuple[int, int]:
+  payload = gathered = 0
+  for g, lay in enumerate(ded.layout.groups):
+    used, held = _group_bytes(lay)
+    payload += max(ded.layout.iterations[g], 1) * used
+    gathered += max(ded.layout.iterations[g], 1) * held
+  return payload, gathered
+
+
+def padding_percent(used: int, held: int) -> float:
+  """Gathered bytes beyond the payload, in percent (0 with no payload)."""
+  return 100 * (held / used - 1) if used else 0.0
+
+
+def _group_bytes(lay: _layout.Layout) -> tuple[int, int]:
+  used = held = 0
+  for g, d in enumerate(lay.dtypes):
+    item = np.dtype(d).itemsize
+    used += int(lay.slot_used[g].sum()) * item
+    held += lay.num_slots * lay.local_sizes[g] * item
+  return used, held
+
+
+def _summary(ded: Dedication) -> str:
+  payload, gathered = _gather_bytes(ded)
+  mode = 'Z3' if ded.reshard_after_forward else 'Z2'
+  lines = [
+    f'Dedicated ownership ({mode}) on {ded.num_slots} slots, '
+    f'buffer axes {ded.buffer_axes}'
+    + (f', replicate axis {ded.replicate_axis!r}' if ded.replicate_axis else '')
+    + f', {ded.layers_per_gather} layer(s) per gather'
+    + (
+      f' ({ded.layers_per_gather_choice}: padding <= {AUTO_PADDING_PERCENT:g}%)'
+      if ded.layers_per_gather_choice == 'auto'
+      else f' ({ded.layers_per_gather_choice})'
+    )
+    + f', layout {ded.layout.name}'
+  ]
+  for g, lay in enumerate(ded.layout.groups):
+    used, held = _group_bytes(lay)
+    names = ', '.join(
+      ded.boundaries.names[b] or '<root>' for b in ded.groups[g]
+    )
+    iters = ded.layout.iterations[g]
+    times = f' x {iters} iterations' if iters else ''
+    lines.append(
+      f'  gather {g}: {names}{times}: {len(lay.plan.units)} '
+      f'matrices, {_cost.human_bytes(used)} gathered as '
+      f'{_cost.human_bytes(held)} '
+      f'(padding {padding_percent(used, held):.1f}%)'
+    )
+  lines.append(
+    f'  total: Muon params {_cost.human_bytes(payload)}, '
+    f'gathered {_cost.human_bytes(gathered)} '
+    f'(padding {padding_percent(payload, gathered):.1f}%)'
+  )
+  if not ded.plan.units:
+    lines.append(
+      '  no Muon targets: every param is an AdamW param (kept in rest)'
+    )
+  return '\n'.join(lines + [ded.plan.summary()])

@@ -1,0 +1,254 @@
+"""A hook boundary's call on its gather group's matrices (NNX and Linen)."""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import jax
+import jax.extend
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from dmuon_jax import _collectives, _gather, _mesh, _report
+
+if TYPE_CHECKING:
+  from dmuon_jax.flax import ModelDedication
+
+
+@dataclasses.dataclass(eq=False)
+class StepContext:
+  md: ModelDedication
+  groups: dict[int, tuple] = dataclasses.field(default_factory=dict)
+
+
+ACTIVE: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar(
+  'dmuon_jax_flax_step', default=None
+)
+
+
+def split_args(args, kwargs):
+  """``(arrays, nodes, rebuild)``: the call's array leaves, the NNX graph
+  nodes among its arguments (an ``nnx.Rngs`` or a module passed in: they
+  flow through the gathered call as state, so what the call does to them
+  is kept), and ``rebuild(arrays, nodes) -> (args, kwargs)``."""
+  leaves, treedef = jax.tree.flatten(
+    (args, kwargs), is_leaf=lambda x: isinstance(x, nnx.Pytree)
+  )
+  kind = [
+    'array'
+    if isinstance(x, (jax.Array, np.ndarray))
+    else 'node'
+    if isinstance(x, nnx.Pytree)
+    else None
+    for x in leaves
+  ]
+  arrays = [x for x, k in zip(leaves, kind) if k == 'array']
+  nodes = tuple(x for x, k in zip(leaves, kind) if k == 'node')
+  static = [None if k else x for x, k in zip(leaves, kind)]
+
+  def rebuild(arrs, new_nodes=()):
+    it = {'array': iter(arrs), 'node': iter(new_nodes)}
+    full = [next(it[k]) if k else s for s, k in zip(static, kind)]
+    return jax.tree.unflatten(treedef, full)
+
+  return arrays, nodes, rebuild
+
+
+def gathered(md: ModelDedication, b: int, local, iteration, run, state, arrays):
+  """``run(mats, state, arrays)`` with boundary ``b``'s group gathered.
+
+  Inside :func:`train_step` (manual owner axes): Z2 gathers the group at
+  its first call and reuses it; Z3 re-gathers in the backward pass once per
+  group (token-tied) and reduce-scatters once (through a sink). Elsewhere
+  on a mesh: a sharding constraint gathers (GSPMD; warned once).
+  """
+  ded = md.dedication
+  g = _gather.group_of(ded, b)
+  name = ded.boundaries.names[b]
+  scanned = ded.boundaries.scanned[b]
+  layout = ded.layout
+  manual = layout.distributed and set(ded.buffer_axes) <= (
+    _collectives.manual_axes()
+  )
+  ctx = ACTIVE.get()
+  cache = ctx.groups if ctx is not None and ctx.md is md else {}
+  ids = tuple(id(x) for x in local)
+  z3 = ded.reshard_after_forward
+  hit = cache.get(g)
+  hit = hit[1:] if hit is not None and hit[0] == ids else None
+  if manual and hit is None:  # the group's first block
+    local = _gather.after_inputs(local, arrays)
+  if scanned:  # one layer per iteration: drop the group's layer axis
+    run_layer = run
+    run = lambda mats, *a: run_layer({i: m[0] for i, m in mats.items()}, *a)
+  if not layout.distributed:
+    mats = _gather.unpack_gathered(ded, g, local, iteration)
+    return run(mats, state, arrays)
+  if manual and not z3:
+    if hit is not None:
+      (mats,) = hit
+    else:
+      mats = _gather.materialize(
+        ded, g, _gather.gather_replicate(ded, local), iteration
+      )
+      cache[g] = (ids, mats)
+    return run(mats, state, arrays)
+  if manual:
+    if hit is not None:
+      rep, sink, token = hit
+    else:
+      rep = _gather.gather_replicate(ded, local)
+      sink = _gather.gather_sink(ded, local)
+      token = _gather.new_token()
+
+    def run_z3(rep_local, sink, iteration, state, arrays):
+      mats = _gather.materialize(ded, g, rep_local, iteration, sink=sink)
+      return run(mats, state, arrays)
+
+    call = _gather.regather_group_in_backward(
+      run_z3,
+      ded.remat_policy,
+      last=b == ded.groups[g][-1] or scanned,
+      blocks=[name],
+      routed=True,
+    )
+    out, token = call(rep, token, sink, iteration, state, arrays)
+    cache[g] = (ids, rep, sink, token)
+    return out
+  if _gather.reduced_route(ded) and any(
+    isinstance(x, jax.core.Tracer) for x in local
+  ):
+    if _sharded_over(arrays, ded.buffer_axes):
+      return _reduced_call(md, b, local, iteration, run, state, arrays)
+    _warn_unsharded(md, name, arrays)
+  else:
+    _warn_bare(md, local)
+
+  def run_global(local, iteration, state, arrays):
+    full = [_mesh.place(x, ded.mesh, P()) for x in local]
+    return run(_gather.unpack_gathered(ded, g, full, iteration), state, arrays)
+
+  # The boundaries of a group constrain the same buffers: XLA gathers them
+  # once and keeps them (Z2 memory: a re-gather per boundary would move the
+  # group again for each of its blocks).
+  return run_global(local, iteration, state, arrays)
+
+
+def _sharded_over(arrays, axes: Sequence[str]) -> bool:
+  """Whether the boundary's array inputs are split over every owner axis
+  (the reduced gather's cotangent is a per-device partial sum: jax types a
+  weight ``reduced`` only where its contraction runs over those axes)."""
+
+  def named(x):
+    spec = getattr(jax.typeof(x).sharding, 'spec', None)
+    return {a for e in _mesh.spec_entries(spec) for a in e}
+
+  leaves = jax.tree.leaves(arrays)
+  return any(set(axes) <= named(x) for x in leaves if np.ndim(x) >= 1)
+
+
+def _warn_unsharded(md: ModelDedication, name: str, arrays) -> None:
+  if md.warned[0]:
+    return
+  md.warned[0] = True
+  xs = [x for x in jax.tree.leaves(arrays) if np.ndim(x) >= 1]
+  typed = str(jax.typeof(xs[0])) if xs else 'no array'
+  warnings.warn(
+    f'dmuon: the dedicated boundary {name!r} ran under jax.jit/nnx.jit on '
+    f'an input typed {typed}, not split over the owner axes '
+    f'{md.axes}: its matrices were gathered with GSPMD, and a gradient '
+    'through them is all-reduced (3(N-1)/N x the Muon bytes instead of '
+    'the reduce-scatter floor). Shard the batch over the owner axes, '
+    'e.g. jax.device_put(batch, NamedSharding(mesh, P(ded.axes))), or '
+    'use dmuon_jax.flax.train_step(ded), which does (evaluation on a '
+    'replicated batch is otherwise fine).',
+    _report.DMuonWarning,
+    stacklevel=5,
+  )
+
+
+def _trace_cache(md: ModelDedication, g: int, local, iteration):
+  """``(entry, store)``: group ``g``'s cached gather in the running trace
+  (``None`` if its buffers were not gathered in it yet), and a function
+  that records a new one."""
+  trace = jax.extend.core.get_opaque_trace_state(convention='nnx')
+  cache = md.gathered
+  if cache.get('trace') != trace:
+    cache.clear()
+    cache['trace'] = trace
+  keys = (*local, iteration)
+  hit = cache.get(g)
+  entry = None
+  if hit is not None and all(a is b for a, b in zip(hit[0], keys)):
+    entry = hit[1]
+
+  def store(value):
+    cache[g] = (keys, value)
+
+  return entry, store
+
+
+def _reduced_call(md: ModelDedication, b: int, local, iteration, run, *args):
+  """:func:`gathered` under plain ``jit`` on Explicit owner axes: the
+  group's buffers gathered typed ``reduced`` (see
+  ``_gather.reduced_gather``), once per trace; Z3 re-gathers once per group
+  in the backward pass."""
+  ded = md.dedication
+  g = _gather.group_of(ded, b)
+  entry, store = _trace_cache(md, g, local, iteration)
+  if not ded.reshard_after_forward:
+    if entry is None:
+      entry = _gather.materialize_reduced(ded, g, local, iteration)
+      store(entry)
+    return run(entry, *args)
+  sink, token = entry or (
+    _gather.reduced_sink(ded, g, local, iteration),
+    _gather.new_token(),
+  )
+  scanned = ded.boundaries.scanned[b]
+
+  def run_z3(local, sink, iteration, *args):
+    mats = _gather.materialize_reduced(ded, g, local, iteration, sink=sink)
+    return run(mats, *args)
+
+  call = _gather.regather_group_in_backward(
+    run_z3,
+    ded.remat_policy,
+    last=b == ded.groups[g][-1] or scanned,
+    blocks=[ded.boundaries.names[b]],
+    routed=True,
+  )
+  out, token = call(local, token, sink, iteration, *args)
+  store((sink, token))
+  return out
+
+
+def _warn_bare(md: ModelDedication, local) -> None:
+  if md.warned[0] or not any(isinstance(x, jax.core.Tracer) for x in local):
+    return
+  md.warned[0] = True
+  n = md.dedication.num_slots
+  z3 = md.dedication.reshard_after_forward
+  warnings.warn(
+    'dmuon: a dedicated model ran under plain jax.jit/nnx.jit (outside '
+    'dmuon_jax.flax.train_step). It computes the same numbers, but XLA '
+    "reduces the Muon gradients with an all-reduce rather than the owners'"
+    f' reduce-scatter: an all-gather forward and an all-reduce backward, '
+    f'3({n}-1)/{n} x the Muon bytes per step'
+    + (
+      " (the Z3 floor's bytes), but the gathered weights are kept for the "
+      'backward (Z2 memory) and every device holds all Muon gradients'
+      if z3
+      else f' instead of the Z2 floor 2({n}-1)/{n}'
+    )
+    + '. Decorate the train step with @dmuon_jax.flax.train_step(dedication)'
+    ' instead of jax.jit/nnx.jit to get the floor (evaluation outside it '
+    'is fine).',
+    _report.DMuonWarning,
+    stacklevel=4,
+  )

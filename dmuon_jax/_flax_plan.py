@@ -1,0 +1,171 @@
+"""Paths of a Flax model's params, and their dedication (dmuon_jax.flax)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dmuon_jax import _boundaries, _dedicated, _mesh, _report, _routing
+
+
+def _key(entry: Any) -> Any:
+  for name in ('key', 'name', 'idx'):
+    if hasattr(entry, name):
+      return getattr(entry, name)
+  return entry
+
+
+def path(keys: Sequence[Any]) -> tuple[Any, ...]:
+  return tuple(_key(k) for k in keys)
+
+
+def text(path: Sequence[Any]) -> str:
+  return '/'.join(str(k) for k in path)
+
+
+def node_at(root: Any, path: Sequence[Any]) -> Any:
+  node = root
+  for k in path:
+    node = node[k] if isinstance(k, int) else getattr(node, k)
+  return node
+
+
+def set_at(root: Any, path: Sequence[Any], value: Any) -> None:
+  parent = node_at(root, path[:-1])
+  if isinstance(path[-1], int):
+    parent[path[-1]] = value
+  else:
+    setattr(parent, path[-1], value)
+
+
+def plan(who, params, mesh, layers_per_gather, choice, kwargs):
+  """The dedication of a Flax model's params, and the params placed for it.
+
+  Plans with :func:`dmuon_jax.dedicate`, checks what ``dmuon_jax.flax``
+  cannot run, replicates AdamW params sharded over an owner axis (see
+  :func:`_replicate_rest`) and puts unplaced params on the mesh.
+
+  Returns:
+    ``(dedication, placed params, DedicatedParams, replicated paths, {leaf
+    index: moved param})``.
+  """
+  ded = _dedicated.dedicate(
+    params, mesh, layers_per_gather=layers_per_gather, **kwargs
+  )
+  if choice is not None:
+    ded = dataclasses.replace(ded, layers_per_gather_choice=choice)
+  _check_boundaries_hold_targets(params, ded, kwargs['boundary_predicate'])
+  if ded.tensor_parallel_axis is not None:
+    raise ValueError(
+      f'dmuon: {who} does not split matrices over the tensor-parallel axis '
+      f'{ded.tensor_parallel_axis!r}; use the explicit API '
+      '(dmuon_jax.dedicate, Dedication.block/sequential/scan) for tensor '
+      'parallelism, or pass tensor-parallel params replicated.'
+    )
+  params, ded, replicated, moved = _replicate_rest(ded, params, mesh, kwargs)
+  placed = params
+  if mesh is not None:
+    placed = jax.tree.map(
+      lambda x: (
+        x
+        if isinstance(getattr(x, 'sharding', None), NamedSharding)
+        else jax.device_put(x, NamedSharding(mesh, P()))
+      ),
+      params,
+    )
+  return ded, placed, ded.to_dedicated(placed), replicated, moved
+
+
+def boundary_of(ded, target) -> int:
+  return ded.boundaries.of_target[ded.boundaries.paths.index(target.path)]
+
+
+def targets(ded, paths, boundary_paths) -> tuple:
+  """Per boundary, ``(leaf index, path inside the boundary module)`` of its
+  Muon targets."""
+  targets: list[list[tuple[int, tuple]]] = [[] for _ in boundary_paths]
+  for t in ded.layout.leaves:
+    b = boundary_of(ded, t)
+    targets[b].append((t.index, paths[t.index][len(boundary_paths[b]) :]))
+  return tuple(tuple(t) for t in targets)
+
+
+def _replicate_rest(ded, params, mesh, kwargs):
+  """AdamW params sharded over an owner axis, replicated over the owner
+  axes (inside train_step every device runs the whole model on its own
+  batch); the dedication planned again if any moved."""
+  leaves = jax.tree.leaves(params)
+  flat = jax.tree.flatten_with_path(params)[0]
+  owner = set(ded.buffer_axes)
+  replicated, moved, extra = [], {}, 0
+  for i, (spec, (keys, x)) in enumerate(zip(ded.rest_specs, flat)):
+    axes = {a for e in _mesh.spec_entries(spec) for a in e} if spec else set()
+    if not axes & owner:
+      continue
+    kept = P(
+      *(
+        tuple(a for a in e if a not in owner) or None
+        for e in _mesh.spec_entries(spec)
+      )
+    )
+    moved[i] = leaves[i] = jax.device_put(x, NamedSharding(mesh, kept))
+    replicated.append(text(path(keys)))
+    ways = lambda sp: math.prod(
+      mesh.shape[a] for e in _mesh.spec_entries(sp) for a in e
+    )
+    nbytes = np.size(x) * jnp.dtype(x.dtype).itemsize
+    extra += nbytes // ways(kept) - nbytes // ways(spec)
+  if replicated:
+    warnings.warn(
+      f'dmuon: dedicate replicated the AdamW params {replicated} over the '
+      f'owner axes {tuple(ded.buffer_axes)}, over which they were sharded: '
+      f'+{extra:,} bytes per device (their AdamW moments likewise), since '
+      'dmuon_jax.flax.train_step runs the whole model on each device. To '
+      'keep them sharded, shard them over another mesh axis; '
+      'ded.summary() lists them.',
+      _report.DMuonWarning,
+      stacklevel=4,
+    )
+    params = jax.tree.unflatten(jax.tree.structure(params), leaves)
+    choice = ded.layers_per_gather_choice
+    ded = _dedicated.dedicate(
+      params, mesh, layers_per_gather=ded.layers_per_gather, **kwargs
+    )
+    ded = dataclasses.replace(ded, layers_per_gather_choice=choice)
+  return params, ded, replicated, moved
+
+
+def _check_boundaries_hold_targets(params, ded, boundary_predicate) -> None:
+  """Raises for a module the boundary predicate names (outermost matches)
+  that holds no Muon target: its call would gather nothing."""
+  if boundary_predicate is None:
+    return
+  targets = [t.path for t in ded.layout.leaves]
+  seen = set()
+  for keys, _ in jax.tree.flatten_with_path(params)[0]:
+    for depth in range(1, len(keys)):
+      prefix = _routing.normalize_path(keys[:depth])
+      if prefix in seen:
+        break
+      seen.add(prefix)
+      if not boundary_predicate(
+        prefix, _boundaries.subtree(params, keys[:depth])
+      ):
+        continue
+      if not any(t == prefix or t.startswith(prefix + '/') for t in targets):
+        raise ValueError(
+          f'dmuon: boundary_predicate names module {prefix!r}, which holds '
+          'no Muon target (its params are AdamW params): its call would '
+          'gather nothing. Leave it out of the predicate (the boundaries '
+          f'with targets are {list(ded.boundaries.names)}).'
+        )
+      break

@@ -1,0 +1,575 @@
+"""The optimizer and the compiled train step of dmuon_jax.flax."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dmuon_jax import (
+  _collectives,
+  _dedicated,
+  _flax_boundary,
+  _flax_plan,
+  _mesh,
+  _owner_layout,
+)
+
+if TYPE_CHECKING:
+  from dmuon_jax.flax import ModelDedication
+
+
+def dedicated_muon(
+  dedication: ModelDedication,
+  learning_rate: optax.ScalarOrSchedule,
+  **kwargs: Any,
+) -> optax.GradientTransformation:
+  """:func:`dmuon_jax.dedicated_muon` for a model dedicated by
+  :func:`dedicate`, on its ``nnx.Param`` state.
+
+  Use as ``nnx.Optimizer(model, dedicated_muon(ded, ...), wrt=nnx.Param)``:
+  the :class:`OwnedBuffer` variables get the owners' Muon update (no
+  communication), every other ``nnx.Param`` AdamW.
+
+  Args:
+    dedication: the :class:`ModelDedication`.
+    learning_rate: as for :func:`dmuon_jax.dmuon`.
+    **kwargs: every other argument of :func:`dmuon_jax.dedicated_muon`.
+
+  Returns:
+    A ``optax.GradientTransformation`` over the model's param state.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax.flax as dflax
+    >>> from flax import nnx
+    >>> model = nnx.Sequential(nnx.Linear(8, 8, rngs=nnx.Rngs(0)), jnp.tanh,
+    ...                        nnx.Linear(8, 8, rngs=nnx.Rngs(1)))
+    >>> ded = dflax.dedicate(model, None)  # None: one device
+    >>> optimizer = nnx.Optimizer(
+    ...     model, dflax.dedicated_muon(ded, learning_rate=0.02), wrt=nnx.Param)
+    >>> import dmuon_jax
+    >>> [layout.kind for layout in dmuon_jax.owner_layouts(optimizer.opt_state)]
+    ['dedicated']
+  """
+  md = dedication
+  ded = md.dedication
+  core = _dedicated.dedicated_muon(ded, learning_rate, **kwargs)
+  buffer_of = {p: k for k, p in enumerate(md.buffer_paths)}
+  leaf_of = {p: i for i, p in enumerate(md.rest_paths) if p is not None}
+  holes = set(md.placeholder_paths)
+
+  value = _mesh.unbox  # of an nnx.Variable or a Linen box
+
+  def to_core(tree, what):
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_mesh.is_boxed)[0]
+    owned = [None] * len(md.buffer_paths)
+    rest = [None] * len(md.rest_paths)
+    for keys, x in flat:
+      p = _flax_plan.path(keys)
+      if p in buffer_of:
+        owned[buffer_of[p]] = value(x)
+      elif p in leaf_of:
+        rest[leaf_of[p]] = value(x)
+      elif p in holes:
+        continue
+      else:
+        raise ValueError(
+          f'dmuon: {what} got param {_flax_plan.text(p)!r}, which the dedicated model'
+          ' did not have at dmuon_jax.flax.dedicate(); make the optimizer '
+          'for this model with wrt=nnx.Param.'
+        )
+    missing = [
+      _flax_plan.text(p) for p, k in buffer_of.items() if owned[k] is None
+    ] + [_flax_plan.text(p) for p, i in leaf_of.items() if rest[i] is None]
+    if missing:
+      raise ValueError(
+        f'dmuon: {what} is missing params {missing[:5]} of the dedicated '
+        'model; pass nnx.state(model, nnx.Param) (nnx.Optimizer with '
+        'wrt=nnx.Param does).'
+      )
+    return _dedicated.DedicatedParams(
+      owned=_owner_layout.OwnerBuffers(owned, ded.layout),
+      rest=jax.tree.unflatten(ded.treedef, rest),
+    )
+
+  def from_core(dp, like):
+    rest = ded.treedef.flatten_up_to(dp.rest)
+
+    def pick(keys, x):
+      p = _flax_plan.path(keys)
+      if p in holes:
+        return jnp.zeros_like(value(x))
+      new = (
+        dp.owned.buffers[buffer_of[p]] if p in buffer_of else rest[leaf_of[p]]
+      )
+      return _mesh.rebox(x, new) if _mesh.is_box(x) else new
+
+    return jax.tree_util.tree_map_with_path(pick, like, is_leaf=_mesh.is_box)
+
+  def init_fn(params):
+    return core.init(to_core(params, 'init()'))
+
+  def update_fn(updates, state, params=None):
+    u, state = core.update(
+      to_core(updates, 'update()'),
+      state,
+      None if params is None else to_core(params, 'update()'),
+    )
+    return from_core(u, updates), state
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _manual_spec(x: Any, axes: frozenset[str]) -> P:
+  """``x``'s PartitionSpec restricted to the manual ``axes``."""
+  sharding = getattr(x, 'sharding', None)
+  if not isinstance(sharding, NamedSharding):
+    return P()
+  entries = []
+  for e in _mesh.spec_entries(sharding.spec):
+    kept = tuple(a for a in e if a in axes)
+    entries.append(kept if len(kept) > 1 else (kept[0] if kept else None))
+  while entries and entries[-1] is None:
+    entries.pop()
+  return P(*entries)
+
+
+def _spec_axes(spec: P) -> set[str]:
+  return {a for e in _mesh.spec_entries(spec) for a in e}
+
+
+def _default_batch(args, positions) -> set[int]:
+  """The default batch argument: the last one holding an array of rank 1
+  or more (trailing scalars, e.g. a step number or a typed RNG key, are
+  state), graph nodes aside."""
+  for k in range(len(args) - 1, -1, -1):
+    if k in positions:
+      continue
+    leaves = jax.tree.leaves(args[k])
+    if any(
+      np.ndim(x) >= 1
+      and not jax.dtypes.issubdtype(
+        getattr(x, 'dtype', None), jax.dtypes.prng_key
+      )
+      for x in leaves
+    ):
+      return {k}
+  return set()
+
+
+def _check_no_nested_nodes(args, positions) -> None:
+  """Raises for NNX graph nodes inside a container argument (a list or
+  dict of metrics): train_step updates graph nodes passed as arguments
+  themselves, and those would be copied in and their updates lost."""
+  for k, a in enumerate(args):
+    if k in positions:
+      continue
+    nested = [
+      x
+      for x in jax.tree.leaves(a, is_leaf=lambda x: isinstance(x, nnx.Pytree))
+      if isinstance(x, nnx.Pytree)
+    ]
+    if nested:
+      raise TypeError(
+        f'dmuon: argument {k} of the train step holds NNX graph nodes '
+        f'({", ".join(sorted({type(x).__name__ for x in nested}))}) inside '
+        f'a {type(a).__name__}; train_step updates graph nodes passed as '
+        'arguments themselves (as nnx.jit does for its arguments), so their '
+        'state would be lost here. Pass each one as an argument of its own.'
+      )
+
+
+def _settle(x, spec: P, axes: Sequence[str], what: str):
+  """``x`` varying only where ``spec`` shards it: averaged over the other
+  manual axes (e.g. batch statistics computed on each device's batch)."""
+  extra = tuple(
+    a
+    for a in axes
+    if a in _collectives.varying_axes(x) and a not in _spec_axes(spec)
+  )
+  if not extra:
+    return x
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    return jax.lax.pmean(x, extra)
+  raise ValueError(
+    f'dmuon: {what} differs between the devices of {extra} after the step '
+    f'(an integer {x.dtype} value); train_step can only average floats. '
+    'Compute it from values that are the same on every device.'
+  )
+
+
+def _fold_in(key: jax.Array, data: jax.Array) -> jax.Array:
+  """``jax.random.fold_in`` of every key in an array of keys (the stacked
+  RNG streams of an ``nnx.vmap`` stack too)."""
+  if key.ndim == 0:
+    return jax.random.fold_in(key, data)
+  flat = key.reshape(-1)
+  folded = jax.vmap(lambda k: jax.random.fold_in(k, data))(flat)
+  return folded.reshape(key.shape)
+
+
+_MANUAL_AXIS_ERRORS = (
+  'can only refer to Auto axes',
+  'Manual axes',
+  'manual axes',
+  # reshard / out_sharding= (dot_general, ...) naming a manual axis:
+  'of type Auto or Manual',
+  'AxisType.Manual',
+  # An annotation's NamedSharding over the concrete (Auto) mesh.
+  '`manual_axis_type`',
+)
+# Errors that only a manual axis raises, whose text names no axis: jax's
+# NotImplementedError for a Manual -> Auto/Explicit conversion (nnx.Embed's
+# out_sharding= runs its lookup in jax.sharding.auto_axes).
+_MANUAL_ONLY_ERRORS = ('from `Manual` AxisType',)
+
+
+def _explain_annotation(
+  err: Exception, axes: Sequence[str], explicit: bool
+) -> None:
+  """Re-raises JAX's error for a sharding annotation naming a manual axis
+  inside the step with what to do about it (``explicit``: whether the
+  owner axes are Explicit on the dedication's mesh)."""
+  text = str(err)
+  if explicit:
+    route = (
+      'On this mesh the owner axes are Explicit: a plain nnx.jit/jax.jit '
+      'step keeps every annotation (see the guide, "Your own jit step").'
+    )
+  else:
+    route = (
+      'To keep them, make the owner axes Explicit (jax.make_mesh(..., '
+      'axis_types=(jax.sharding.AxisType.Explicit,) * n)), dedicate on that '
+      'mesh and use a plain nnx.jit/jax.jit step (see the guide, "Your own '
+      'jit step").'
+    )
+  names_axis = any(s in text for s in _MANUAL_AXIS_ERRORS) and any(
+    a in text for a in axes
+  )
+  if names_axis or any(s in text for s in _MANUAL_ONLY_ERRORS):
+    raise ValueError(
+      f'dmuon: a sharding annotation inside the step names an owner axis '
+      f'of {tuple(axes)}, which dmuon_jax.flax.train_step runs manually '
+      '(each device runs the model on its own share of the batch). Leave '
+      "those axes out of the model's activation annotations "
+      '(with_sharding_constraint, out_sharding=, e.g. a sharding config '
+      'without the data-parallel axis); annotations over the other mesh '
+      f'axes keep working. {route} JAX said: {text.splitlines()[0]}'
+    ) from err
+
+
+def _output_specs(
+  out: Any,
+  other_def: Any,
+  other_specs: Sequence[P],
+  other_state: Sequence[bool],
+) -> list[P]:
+  """Per output leaf: the specs of the state argument it has the structure
+  of (a returned ``TrainState``), else ``P()``."""
+  args = jax.tree.unflatten(other_def, list(range(other_def.num_leaves)))
+  by_structure = {}
+  for arg in args:
+    leaves = jax.tree.leaves(arg)
+    if not leaves or not other_state[leaves[0]]:
+      continue
+    by_structure.setdefault(
+      jax.tree.structure(arg), [other_specs[k] for k in leaves]
+    )
+  parts = out if isinstance(out, (tuple, list)) else (out,)
+  specs: list[P] = []
+  for part in parts:
+    known = by_structure.get(jax.tree.structure(part))
+    specs.extend(
+      known if known is not None else [P()] * len(jax.tree.leaves(part))
+    )
+  if len(specs) != len(jax.tree.leaves(out)):
+    return [P()] * len(jax.tree.leaves(out))
+  return specs
+
+
+def _other_leaves(args, rest, positions, batch, mesh, axes):
+  """``(leaves, treedef, specs, is_state)`` of the arguments that are not
+  graph nodes (``rest``): unplaced state replicated on ``mesh``, and per
+  leaf its spec over the manual ``axes`` and whether it is state (not
+  ``batch``)."""
+  manual = frozenset(axes)
+  other, other_def = jax.tree.flatten(rest)
+  is_batch = []
+  for k, a in enumerate(args):
+    if k not in positions:
+      is_batch += [k in batch] * len(jax.tree.leaves(a))
+  # Arrays placed on the mesh keep their specs; unplaced batch arrays are
+  # split over the owner axes along their first axis, unplaced state (a
+  # TrainState's batch statistics) is replicated.
+  other = [
+    x
+    if b or isinstance(getattr(x, 'sharding', None), NamedSharding) or not axes
+    else jax.device_put(x, NamedSharding(mesh, P()))
+    for x, b in zip(other, is_batch)
+  ]
+  other_specs = tuple(
+    _manual_spec(x, manual)
+    if isinstance(getattr(x, 'sharding', None), NamedSharding)
+    else (P(axes) if axes and b and np.ndim(x) >= 1 else P())
+    for x, b in zip(other, is_batch)
+  )
+  other_state = tuple(not b for b in is_batch)
+  return other, other_def, other_specs, other_state
+
+
+def _build_step(md, fn, merge_args, axes, explicit, key, paths):
+  """The step for one structure of its arguments (``key``, from
+  :func:`train_step`'s ``prepare``): ``fn`` run inside a ``shard_map``
+  whose manual axes are ``axes``, compiled with ``jax.jit``."""
+  ded = md.dedication
+  manual = frozenset(axes)
+  graphdef, treedef, specs, other_def, other_specs, other_state, _ = key
+
+  def body(flat, other):
+    ctx = _flax_boundary.ACTIVE.set(_flax_boundary.StepContext(md))
+    try:
+      with _collectives.gradients_summed_over(axes):
+        nodes = nnx.merge(graphdef, jax.tree.unflatten(treedef, flat))
+        rest = jax.tree.unflatten(other_def, other)
+        args = merge_args(nodes, rest)
+        # Each device draws its own random numbers (dropout masks of its
+        # batch): the RNG keys folded with the device's index while the
+        # step runs; the state keeps the keys as they were.
+        keys = [
+          v for _, v in nnx.iter_graph(nodes) if isinstance(v, nnx.RngKey)
+        ]
+        saved = [v.get_value() for v in keys]
+        if axes:
+          index = jax.lax.axis_index(axes)
+          for v, k in zip(keys, saved):
+            v.set_value(_fold_in(k, index))
+        try:
+          out = fn(*args)
+        except (ValueError, TypeError, NotImplementedError) as err:
+          _explain_annotation(err, axes, explicit)
+          raise
+        for v, k in zip(keys, saved):
+          v.set_value(k)
+        new_flat = treedef.flatten_up_to(nnx.split(nodes)[1])
+    finally:
+      _flax_boundary.ACTIVE.reset(ctx)
+    new_flat = [
+      _settle(x, s, axes, f'state {p!r}')
+      for x, s, p in zip(new_flat, specs, paths)
+    ]
+    leaves, out_def = jax.tree.flatten(out)
+    out_specs = cell.get('out') or [P()] * len(leaves)
+    leaves = [
+      _settle(x, sp, axes, 'an output of the step')
+      for x, sp in zip(leaves, out_specs)
+    ]
+    return new_flat, jax.tree.unflatten(out_def, leaves)
+
+  cell: dict[str, Any] = {}
+  if not axes:
+    return jax.jit(body)
+
+  def mapped(flat, other):
+    # Outputs like an argument (a returned TrainState) keep its specs;
+    # the rest is averaged. The output's structure comes from a trace.
+    # Shapes only (eval_shape computes nothing): replication typing off
+    # so that P() fits every output before its specs are known.
+    probe = jax.shard_map(
+      body,
+      mesh=ded.mesh,
+      in_specs=(list(specs), list(other_specs)),
+      out_specs=(list(specs), P()),
+      axis_names=manual,
+      check_vma=False,
+    )
+    out = jax.eval_shape(probe, flat, other)[1]
+    cell['out'] = _output_specs(out, other_def, other_specs, other_state)
+    return jax.shard_map(
+      body,
+      mesh=ded.mesh,
+      in_specs=(list(specs), list(other_specs)),
+      out_specs=(
+        list(specs),
+        jax.tree.unflatten(jax.tree.structure(out), cell['out']),
+      ),
+      axis_names=manual,
+    )(flat, other)
+
+  def place(x, spec):
+    if (
+      isinstance(getattr(x, 'sharding', None), NamedSharding)
+      and _manual_spec(x, manual) == spec
+    ):
+      return x
+    return _mesh.place(x, ded.mesh, spec)
+
+  def placed(flat, other):
+    # The batch (and any unplaced state) onto the specs shard_map expects.
+    flat = [place(x, s) for x, s in zip(flat, specs)]
+    other = [place(x, s) for x, s in zip(other, other_specs)]
+    return mapped(flat, other)
+
+  return jax.jit(placed)
+
+
+def train_step(
+  dedication: ModelDedication,
+  fn: Callable[..., Any] | None = None,
+  *,
+  batch_argnums: Sequence[int] | None = None,
+) -> Any:
+  """Compiles a train step so that Muon runs at the byte floors.
+
+  Use it instead of ``@nnx.jit`` on the step, unchanged::
+
+    @dmuon_jax.flax.train_step(ded)
+    def train_step(model, optimizer, batch):
+      loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+      optimizer.update(model, grads)
+      return loss
+
+  The step runs inside ``jax.shard_map`` whose manual axes are the owner
+  axes (``ded.axes``; the other mesh axes stay automatic): each device runs
+  the model on its share of the batch, a boundary's matrices are
+  all-gathered from their owners when it is called, and the gradients come
+  back to the owners by reduce-scatter (Z2: 2(N-1)/N of the Muon bytes per
+  step, Z3: 3(N-1)/N). What differs from ``nnx.jit``:
+
+  - The batch arguments (``batch_argnums``, default: the last argument
+    holding an array of rank 1 or more, so that trailing scalars such as a
+    step number are not taken for the batch) are split
+    over the owner axes along their first axis unless placed on the mesh
+    already; other arguments are state: arrays placed on the mesh keep
+    their sharding, unplaced ones are replicated, and an output with the
+    structure of a state argument (a returned ``TrainState``) keeps its
+    shardings.
+  - Gradients are sums over devices of per-device mean-loss gradients; the
+    optimizer of :func:`dedicated_muon` divides them (write the loss as a
+    mean over the batch, as usual).
+  - Every NNX graph node among the arguments (model, optimizer, metrics,
+    ``nnx.Rngs``) is updated in place, as with ``nnx.jit``; graph nodes
+    inside a container argument raise ``TypeError``.
+  - Outputs, and float state that ends up differing between devices (e.g.
+    batch statistics, a metric's total), are averaged over the owner axes
+    (a metric summing over examples keeps one device's share in its
+    ``total`` and ``count``; its ``compute()`` is the global one). ``nnx.BatchNorm``
+    with ``axis_name=None`` normalizes with the device's batch: set
+    ``axis_name=ded.axes`` for the global batch statistics.
+  - Inside the step, sharding annotations (``with_sharding_constraint``,
+    ``out_sharding=``) may name only the other mesh axes; an annotation
+    naming an owner axis fails with an error that says so.
+
+  Args:
+    dedication: the model's :class:`ModelDedication`.
+    fn: the step, e.g. ``(model, optimizer, batch) -> loss`` (NNX: graph
+      nodes among the arguments are updated in place, as with ``nnx.jit``)
+      or ``(state, batch) -> (state, metrics)`` (Linen ``TrainState``).
+    batch_argnums: the positions of the batch arguments (default: the
+      last argument holding an array of rank 1 or more).
+
+  Returns:
+    The compiled step (or a decorator, without ``fn``).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax.flax as dflax
+    >>> from flax import nnx
+    >>> model = nnx.Sequential(nnx.Linear(8, 8, rngs=nnx.Rngs(0)), jnp.tanh,
+    ...                        nnx.Linear(8, 8, rngs=nnx.Rngs(1)))
+    >>> ded = dflax.dedicate(model, None)  # None: one device
+    >>> optimizer = nnx.Optimizer(
+    ...     model, dflax.dedicated_muon(ded, learning_rate=0.02), wrt=nnx.Param)
+    >>> @dflax.train_step(ded)
+    ... def step(model, optimizer, x):
+    ...   loss_fn = lambda model: jnp.mean(model(x) ** 2)
+    ...   loss, grads = nnx.value_and_grad(loss_fn)(model)
+    ...   optimizer.update(model, grads)
+    ...   return loss
+    >>> x = jnp.ones((4, 8))
+    >>> losses = [float(step(model, optimizer, x)) for _ in range(3)]
+    >>> losses[2] < losses[1] < losses[0]
+    True
+  """
+  if fn is None:
+    return functools.partial(
+      train_step, dedication, batch_argnums=batch_argnums
+    )
+  md = dedication
+  ded = md.dedication
+  axes = tuple(ded.buffer_axes) if ded.layout.distributed else ()
+  manual = frozenset(axes)
+  kinds = dict(zip(ded.mesh.axis_names, ded.mesh.axis_types)) if axes else {}
+  explicit = bool(axes) and all(
+    kinds[a] == jax.sharding.AxisType.Explicit for a in axes
+  )
+  compiled: dict[Any, Callable[..., Any]] = {}
+  positions: list[int] = []
+
+  def _merge_args(nodes, rest):
+    args, it_nodes, it_rest = [], iter(nodes), iter(rest)
+    for k in range(len(positions) + len(rest)):
+      args.append(next(it_nodes) if k in positions else next(it_rest))
+    return args
+
+  def prepare(args):
+    # Every NNX graph node among the arguments (model, optimizer, metrics,
+    # nnx.Rngs, ...) is updated in place afterwards, as nnx.jit does.
+    positions[:] = [k for k, a in enumerate(args) if isinstance(a, nnx.Pytree)]
+    _check_no_nested_nodes(args, positions)
+    nodes = tuple(args[k] for k in positions)
+    rest = [a for k, a in enumerate(args) if k not in positions]
+    graphdef, state = nnx.split(nodes)
+    flat_paths = jax.tree_util.tree_flatten_with_path(state)[0]
+    # Uncommitted state (step counts, RNG keys) onto the mesh, as the step
+    # returns it: the second call then runs the first call's executable.
+    flat = _mesh.replicate_uncommitted(
+      [x for _, x in flat_paths], ded.mesh if axes else None
+    )
+    treedef = jax.tree.structure(state)
+    specs = tuple(_manual_spec(x, manual) for x in flat)
+    batch = (
+      _default_batch(args, positions)
+      if batch_argnums is None
+      else set(batch_argnums)
+    )
+    other, other_def, other_specs, other_state = _other_leaves(
+      args, rest, positions, batch, ded.mesh, axes
+    )
+    key = (
+      graphdef,
+      treedef,
+      specs,
+      other_def,
+      other_specs,
+      other_state,
+      tuple(positions),
+    )
+    if key not in compiled:
+      paths = tuple(_flax_plan.text(_flax_plan.path(k)) for k, _ in flat_paths)
+      compiled[key] = _build_step(
+        md, fn, _merge_args, axes, explicit, key, paths
+      )
+    return compiled[key], flat, other, nodes, treedef
+
+  @functools.wraps(fn)
+  def call(*args):
+    jitted, flat, other, nodes, treedef = prepare(args)
+    new_flat, out = jitted(flat, other)
+    nnx.update(nodes, jax.tree.unflatten(treedef, new_flat))
+    return out
+
+  def compile(*args):  # noqa: A001
+    """The step compiled for these arguments (e.g. for
+    :func:`dmuon_jax.analyze_compiled`; a compilation of its own)."""
+    jitted, flat, other, _, _ = prepare(args)
+    return jitted.lower(flat, other).compile()
+
+  call.compile = compile
+  return call

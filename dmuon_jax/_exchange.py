@@ -390,16 +390,32 @@ class Exchange:
     """This device's shard of routed leaf ``i`` from the results received."""
     layout = self.layout
     r = self.routed[i]
-    mats = []
-    for u in layout.leaf_units[i]:
-      g = layout.unit_group[u]
-      off = self.back_off[u]
-      mats.append(
-        recv[g][layout.plan.owners[u], off : off + r.piece_size].reshape(
-          r.piece
-        )
+    units = layout.leaf_units[i]
+    groups = {layout.unit_group[u] for u in units}
+    if len(units) > 1 and len(groups) == 1:
+      # One gather of the leaf's pieces (each at its owner's row and offset:
+      # a table of the leaf's unit count), not a slice per unit (owner
+      # groups cut a matrix into many units: Llama-3-8B at N = 1024 has
+      # 1,664; compile 54.0 s -> 20.1 s).
+      (g,) = groups
+      where = np.array(
+        [[layout.plan.owners[u], self.back_off[u]] for u in units], np.int32
       )
-    x = jnp.stack(mats).reshape(r.batch_shape + tuple(r.piece))
+      buf = recv[g]
+      mats = jax.vmap(
+        lambda at: jax.lax.dynamic_slice(buf, at, (1, r.piece_size))[0]
+      )(where)
+    else:
+      mats = jnp.stack(
+        [
+          recv[layout.unit_group[u]][
+            layout.plan.owners[u],
+            self.back_off[u] : self.back_off[u] + r.piece_size,
+          ]
+          for u in units
+        ]
+      )
+    x = mats.reshape(r.batch_shape + tuple(r.piece))
     return jnp.transpose(x, tuple(np.argsort(r.perm))).reshape(r.leaf_local)
 
   # -- replicated (and gathered) leaves -----------------------------------

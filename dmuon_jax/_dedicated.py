@@ -23,17 +23,11 @@ from dmuon_jax import (
   _report,
   _routing,
 )
-from dmuon_jax._dedicated_muon import DedicatedMuonState as DedicatedMuonState
-from dmuon_jax._dedicated_muon import dedicated_muon as dedicated_muon
-from dmuon_jax._dedicated_muon import (
-  scale_by_dedicated_muon as scale_by_dedicated_muon,
+from dmuon_jax._dedication import (
+  AUTO_PADDING_PERCENT,
+  Dedication,
+  padding_percent,
 )
-from dmuon_jax._dedication import AUTO_PADDING_PERCENT, padding_percent
-from dmuon_jax._dedication import DedicatedParams as DedicatedParams
-from dmuon_jax._dedication import Dedication as Dedication
-from dmuon_jax._dedication import pack_owned as pack_owned
-from dmuon_jax._dedication import to_params as to_params
-from dmuon_jax._dedication import unpack_owned as unpack_owned
 
 _UNSET = object()
 

@@ -16,7 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import (
   _collectives,
-  _dedicated,
+  _dedicated_muon,
+  _dedication,
   _flax_boundary,
   _flax_plan,
   _mesh,
@@ -61,7 +62,7 @@ def dedicated_muon(
   """
   md = dedication
   ded = md.dedication
-  core = _dedicated.dedicated_muon(ded, learning_rate, **kwargs)
+  core = _dedicated_muon.dedicated_muon(ded, learning_rate, **kwargs)
   buffer_of = {p: k for k, p in enumerate(md.buffer_paths)}
   leaf_of = {p: i for i, p in enumerate(md.rest_paths) if p is not None}
   holes = set(md.placeholder_paths)
@@ -95,7 +96,7 @@ def dedicated_muon(
         'model; pass nnx.state(model, nnx.Param) (nnx.Optimizer with '
         'wrt=nnx.Param does).'
       )
-    return _dedicated.DedicatedParams(
+    return _dedication.DedicatedParams(
       owned=_owner_layout.OwnerBuffers(owned, ded.layout),
       rest=jax.tree.unflatten(ded.treedef, rest),
     )

@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dmuon_jax import _dedicated, _mesh, _owner_layout
+from dmuon_jax import _dedication, _mesh, _owner_layout
 
 
 def is_abstract(st) -> bool:
@@ -82,8 +82,8 @@ def abstract_leaf(x) -> jax.ShapeDtypeStruct:
 
 
 def plain_params(params):
-  if isinstance(params, _dedicated.DedicatedParams):
-    return _dedicated.to_params(params)
+  if isinstance(params, _dedication.DedicatedParams):
+    return _dedication.to_params(params)
   return params
 
 
@@ -94,7 +94,7 @@ def place_like(like):
   return jax.ShapeDtypeStruct(np.shape(like), like.dtype, sharding=sharding)
 
 
-def dedicated_like(dp_like: _dedicated.DedicatedParams):
+def dedicated_like(dp_like: _dedication.DedicatedParams):
   """The plain params target of a DedicatedParams target."""
   layout = dp_like.owned.layout
   leaves, treedef = jax.tree_util.tree_flatten(
@@ -113,14 +113,14 @@ def dedicated_like(dp_like: _dedicated.DedicatedParams):
   return jax.tree.unflatten(treedef, leaves)
 
 
-def to_dedicated_like(params, dp_like: _dedicated.DedicatedParams):
+def to_dedicated_like(params, dp_like: _dedication.DedicatedParams):
   layout = dp_like.owned.layout
   leaves, treedef = jax.tree_util.tree_flatten(params)
   like_rest, _ = jax.tree_util.tree_flatten(
     dp_like.rest, is_leaf=lambda x: x is None
   )
   values = {t.index: leaves[t.index] for t in layout.leaves}
-  owned = _dedicated.pack_owned(
+  owned = _dedication.pack_owned(
     layout,
     values,
     concrete_mesh(dp_like.owned.buffers),
@@ -131,7 +131,7 @@ def to_dedicated_like(params, dp_like: _dedicated.DedicatedParams):
     None if like is None else cast_like(x, like)
     for x, like in zip(leaves, like_rest)
   ]
-  return _dedicated.DedicatedParams(
+  return _dedication.DedicatedParams(
     owned=owned, rest=jax.tree.unflatten(treedef, rest)
   )
 

@@ -55,7 +55,7 @@ import optax
 from dmuon_jax import (
   _checkpoint_checks,
   _checkpoint_steps,
-  _dedicated,
+  _dedication,
   _portable,
   _states,
 )
@@ -163,7 +163,7 @@ def _to_portable(st) -> PortableDMuonState:
     return _abstract_portable(st)
   layout = st.mu.layout
   mesh = _portable.concrete_mesh(st.mu.buffers)
-  values = _dedicated.unpack_owned(st.mu)
+  values = _dedication.unpack_owned(st.mu)
   shardings = _portable.param_shardings(layout, mesh)
   mu = {}
   for t, s in zip(layout.leaves, shardings):
@@ -243,7 +243,7 @@ def _from_portable(portable: PortableDMuonState, target) -> Any:
   dtypes = [b.dtype for b in target.mu.buffers]
   shardings = [getattr(b, 'sharding', None) for b in target.mu.buffers]
   mesh = _portable.concrete_mesh(target.mu.buffers)
-  mu = _dedicated.pack_owned(
+  mu = _dedication.pack_owned(
     layout, values, mesh, dtypes=dtypes, shardings=shardings
   )
   # Boxed targets (Flax metadata on the buffers) get their boxes back.
@@ -631,7 +631,7 @@ def _restore_step(
   path = root / str(step) / 'default'
   read = functools.partial(_reading, root, step, steps)
   dp_like = None
-  if isinstance(params_like, _dedicated.DedicatedParams):
+  if isinstance(params_like, _dedication.DedicatedParams):
     dp_like = params_like
     params_like = _portable.dedicated_like(dp_like)
   with read():

@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import (
   _boundaries,
-  _dedicated,
+  _dedication,
   _flax_boundary,
   _flax_linen,
   _flax_plan,
@@ -235,7 +235,7 @@ class ModelDedication:
     {'bias': (8,), 'kernel': (8, 8)}
   """
 
-  dedication: _dedicated.Dedication
+  dedication: _dedication.Dedication
   key: str
   buffer_paths: tuple[tuple[Any, ...], ...]
   rest_paths: tuple[tuple[Any, ...] | None, ...]
@@ -329,7 +329,7 @@ class ModelDedication:
     rest = [None if p is None else by_path[p] for p in self.rest_paths]
     ded = self.dedication
     return ded.to_params(
-      _dedicated.DedicatedParams(
+      _dedication.DedicatedParams(
         owned=_owner_layout.OwnerBuffers(owned, ded.layout),
         rest=jax.tree.unflatten(ded.treedef, rest),
       )

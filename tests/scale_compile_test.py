@@ -1,5 +1,7 @@
-"""Compile-only at 64 simulated devices: eval_shape init, all-to-all update."""
+"""Compile-only at 64 simulated devices: eval_shape init, all-to-all update;
+the scale study's lone all-to-all rows on 8."""
 
+import importlib.util
 import json
 import pathlib
 import subprocess
@@ -64,6 +66,23 @@ class EvalShapeAtScaleTest(absltest.TestCase):
     self.assertEqual(
       explicit['eval_shape_buffer_specs'], explicit['layout_buffer_specs']
     )
+
+
+class LoneAllToAllTest(absltest.TestCase):
+  def test_two_stages_equal_the_direct_all_to_all(self):
+    # examples/benchmarks/scale.py's a2a rows (docs/benchmarks/scale.md):
+    # on a 2 x 4 mesh the two-stage exchange (over 'shard', then over
+    # 'replicate') gives the direct all-to-all's result, as two
+    # all-to-alls; XLA:CPU compiles the direct one to a kernel per peer.
+    path = ROOT / 'examples/benchmarks/scale.py'
+    spec = importlib.util.spec_from_file_location('scale_study', path)
+    scale = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scale)
+    row = scale.a2a_row(None, 8, 4)
+    self.assertTrue(row['two_stage_equal'], row)
+    self.assertEqual(row['direct_all_to_alls'], 1, row)
+    self.assertEqual(row['two_stage_all_to_alls'], 2, row)
+    self.assertGreaterEqual(row['direct_kernels'], 8, row)
 
 
 if __name__ == '__main__':

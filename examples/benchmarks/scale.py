@@ -281,6 +281,67 @@ def drop_in_row(name, n, s):
   }
 
 
+# Per-peer block of the lone all-to-all rows (elements; compile time on
+# XLA:CPU depends on the number of peers, not on the block size).
+A2A_BLOCK = 4096
+
+
+def a2a_row(name, n, s):
+  """One all-to-all over all N devices alone, compiled: the collective the
+  drop-in update's way back ends with (every owner sends every device its
+  block), bfloat16 as there. XLA:CPU's all-to-all decomposer turns an
+  array all-to-all into one operand per peer (a slice kernel each, plus a
+  float32 conversion for bfloat16), so its compile time grows with N
+  whatever the program around it. For comparison, the same exchange in two
+  stages (over ``'shard'``, then over ``'replicate'``): the same result,
+  S + N / S peers instead of N, the same bytes over ``'replicate'`` and
+  (S - 1) / S of the data more over ``'shard'``."""
+  del name
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from jax.sharding import NamedSharding  # pylint: disable=import-outside-toplevel
+  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
+
+  r = n // s
+  mesh = jax.make_mesh((r, s), ('replicate', 'shard'))
+  axes = ('replicate', 'shard')
+
+  def direct(x):  # row j: this device's block for (and then from) device j
+    return jax.lax.all_to_all(x, axes, 0, 0, tiled=True)
+
+  def two_stage(x):
+    m = x.shape[-1]
+    y = jax.lax.all_to_all(x.reshape(r, s, m), 'shard', 1, 1, tiled=True)
+    return jax.lax.all_to_all(y, 'replicate', 0, 0, tiled=True).reshape(n, m)
+
+  spec = P(axes)
+  row = {'model': 'all_to_all', 'devices': n, 'mode': 'a2a'}
+  for label, body in (('direct', direct), ('two_stage', two_stage)):
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+    x = jax.ShapeDtypeStruct(
+      (n * n, A2A_BLOCK), jnp.bfloat16, sharding=NamedSharding(mesh, spec)
+    )
+    t = time.perf_counter()
+    compiled = f.lower(x).compile()
+    row[f'{label}_compile_s'] = time.perf_counter() - t
+    text = compiled.as_text()
+    row[f'{label}_kernels'] = text.count(' fusion(')
+    row[f'{label}_all_to_alls'] = text.count(' all-to-all(')
+  if n <= 64:  # Same result (run on small blocks).
+    small = jax.device_put(
+      jnp.arange(n * n * 4, dtype=jnp.float32).reshape(n * n, 4),
+      NamedSharding(mesh, spec),
+    )
+    run = lambda b: jax.jit(
+      jax.shard_map(b, mesh=mesh, in_specs=spec, out_specs=spec)
+    )(small)
+    row['two_stage_equal'] = bool(
+      np.array_equal(np.asarray(run(direct)), np.asarray(run(two_stage)))
+    )
+  return row
+
+
 def dedicated_row(name, n, s, layers_per_gather='auto'):
 
   import jax  # pylint: disable=import-outside-toplevel
@@ -391,6 +452,8 @@ def worker(args):
     for mode in args.modes.split(','):
       if mode.startswith('dedicated') and name.partition('_L')[0] not in LLAMA:
         continue
+      if mode == 'a2a' and name != args.models.split(',')[0]:
+        continue  # not per model
       fn = {
         'plan': plan_row,
         'drop_in': drop_in_row,
@@ -398,6 +461,7 @@ def worker(args):
         # Z3 memory with one layer per gather (more padding, one layer's
         # weights gathered at a time):
         'dedicated1': functools.partial(dedicated_row, layers_per_gather=1),
+        'a2a': a2a_row,
       }[mode]
       t = time.perf_counter()
       try:
@@ -581,6 +645,40 @@ def write_markdown(rows, path):
       f'{_fmt_bytes(measured)} vs {_fmt_bytes(model)} | '
       f'{_fmt_bytes(r["peak_bytes"])} | {r["in_conditional"]} |'
     )
+  lone = sorted(
+    (r for r in rows if r.get('mode') == 'a2a' and 'error' not in r),
+    key=lambda r: r['devices'],
+  )
+  if lone:
+    updates = {
+      r['devices']: r
+      for r in rows
+      if r.get('mode') == 'drop-in'
+      and r.get('model') == 'llama3_8b'
+      and 'error' not in r
+    }
+    lines += [
+      '',
+      '## One all-to-all over all N devices, compiled alone',
+      '',
+      f'bfloat16, {A2A_BLOCK} elements per peer; two stages: over `shard`, '
+      'then over `replicate` (the same result; at N = 64 checked by running '
+      'both). Kernels: fusions in the compiled HLO. Last column: the '
+      'Llama-3-8B drop-in update of the table above, whose way back is such '
+      'an all-to-all.',
+      '',
+      '| N | direct: compile | kernels | two stages: compile | kernels | '
+      '8B drop-in update: compile |',
+      '|---:|---:|---:|---:|---:|---:|',
+    ]
+    for r in lone:
+      u = updates.get(r['devices'])
+      lines.append(
+        f'| {r["devices"]} | {r["direct_compile_s"]:.1f} s | '
+        f'{r["direct_kernels"]} | {r["two_stage_compile_s"]:.1f} s | '
+        f'{r["two_stage_kernels"]} | '
+        + (f'{u["compile_s"]:.1f} s |' if u else '- |')
+      )
   errors = [r for r in rows if 'error' in r]
   if errors:
     lines += ['', '## Not reached', '']
@@ -732,7 +830,9 @@ def main():
   parser.add_argument(
     '--modes',
     default='plan,drop_in,dedicated',
-    help='plan, drop_in, dedicated (Z3), dedicated1 (Z3, one layer per gather)',
+    help='plan, drop_in, dedicated (Z3), dedicated1 (Z3, one layer per '
+    'gather), a2a (one all-to-all over all N devices alone, direct and in '
+    'two stages)',
   )
   parser.add_argument(
     '--budget', type=float, default=5400.0, help='seconds for the whole run'

@@ -17,6 +17,7 @@ from dmuon_jax import (
   _boundaries,
   _layout,
   _mesh,
+  _owner_groups,
   _owner_layout,
   _plan,
   _planner,
@@ -310,15 +311,18 @@ def dedicate(
     params, tp_dims, tp_splits_by_leaf = _tp_local(
       params, info, predicate, dims_numbers
     )
-  scanned_leaves = [
-    t.leaf_index
-    for t, path in zip(
-      (t for t in routing.specs if t is not None),
-      (t.path for t in routing.specs if t is not None),
-    )
-    if bounds.scanned[dict(zip(bounds.paths, bounds.of_target))[path]]
+  of_target = dict(zip(bounds.paths, bounds.of_target))
+  scanned = [
+    t
+    for t in routing.specs
+    if t is not None and bounds.scanned[of_target[t.path]]
   ]
-  _check_owner_groups(owner_groups, info, tp_n, scanned_leaves)
+  owner_groups = _owner_groups.check_option(
+    owner_groups,
+    ns_algorithm=ns_algorithm,
+    tp_axis=info.tp_axis if tp_n > 1 else None,
+    scanned=[t.path for t in scanned],
+  )
   base_plan = _planner.plan_ownership(
     params,
     mesh,
@@ -326,8 +330,8 @@ def dedicate(
     predicate=predicate,
     weight_dimension_numbers=dims_numbers,
     ns_algorithm=ns_algorithm,
-    owner_groups=None if tp_n > 1 else owner_groups,
-    ungroupable=scanned_leaves,
+    owner_groups=owner_groups,
+    ungroupable=[t.leaf_index for t in scanned],
   )
   build = functools.partial(
     _build,
@@ -362,24 +366,6 @@ def _check_layers_per_gather(layers_per_gather: Any) -> None:
       ' int (the number of consecutive hook boundaries gathered together:'
       " 1, 2, ...; dedicate(...).summary() shows the padding) or 'auto'."
     )
-
-
-def _check_owner_groups(owner_groups, info, tp_n: int, scanned_leaves) -> None:
-  """Raises for a forced ``owner_groups`` with TP or scanned stacks."""
-  _planner.check_owner_groups(owner_groups)
-  if owner_groups not in (None, 'auto'):
-    if tp_n > 1:
-      raise ValueError(
-        f'dmuon: owner_groups={owner_groups} with the tensor-parallel axis '
-        f'{info.tp_axis!r}: TP matrices are split over it already. Pass '
-        'owner_groups=None (or the default).'
-      )
-    if scanned_leaves:
-      raise ValueError(
-        f'dmuon: owner_groups={owner_groups} with scanned stacks: their '
-        'owners rotate per scan iteration, which groups do not follow. Pass '
-        "owner_groups='auto' (scanned stacks stay whole) or None."
-      )
 
 
 def _stack_lengths(

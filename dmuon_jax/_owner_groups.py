@@ -35,6 +35,82 @@ _SLICE_FRACTION = 0.1
 _MIN_SLICE = 128
 
 
+def check_option(
+  owner_groups: Any,
+  *,
+  preconditioning: str = 'frobenius',
+  ns_algorithm: str = 'auto',
+  tp_axis: str | None = None,
+  scanned: Sequence[str] = (),
+) -> Any:
+  """The one check of ``owner_groups`` against the options it meets.
+
+  Every entry point (``dmuon``'s factory, its ``init`` once the mesh is
+  known, ``plan_ownership``, ``dedicate``) calls this with what it knows.
+
+  Args:
+    owner_groups: ``'auto'``, None or an int ``k >= 2``.
+    preconditioning: the Newton–Schulz preconditioning.
+    ns_algorithm: ``'auto'``, ``'gram'`` or ``'standard'``.
+    tp_axis: the tensor-parallel axis, when one of size > 1 is in use.
+    scanned: paths of the scanned stacks (dedicated mode).
+
+  Returns:
+    What the planner takes: ``owner_groups``, or None where ``'auto'``
+    cannot form groups (groups run Gram Newton–Schulz with the Frobenius
+    preconditioning; TP matrices are split over their axis already).
+
+  Raises:
+    ValueError: for any other value, and for a forced ``k`` with an option
+      that groups cannot run with (naming both and what to pass).
+  """
+  if owner_groups is None:
+    return None
+  if owner_groups != 'auto' and (
+    not isinstance(owner_groups, (int, np.integer))
+    or isinstance(owner_groups, bool)
+    or owner_groups < 2
+  ):
+    raise ValueError(
+      f"dmuon: owner_groups={owner_groups!r} is not 'auto', None or an int "
+      '>= 2 (the number of devices that share each matrix).'
+    )
+  forced = owner_groups != 'auto'
+  given, wanted = [], []
+  if preconditioning != 'frobenius':
+    given.append(f'preconditioning={preconditioning!r}')
+    wanted.append("preconditioning='frobenius'")
+  if ns_algorithm == 'standard':
+    given.append(f'ns_algorithm={ns_algorithm!r}')
+    wanted.append("ns_algorithm='auto' or 'gram'")
+  if given:
+    if forced:
+      raise ValueError(
+        f'dmuon: owner_groups={owner_groups} runs Gram Newton-Schulz with '
+        "preconditioning='frobenius' on the groups' matrices, but got "
+        f'{" and ".join(given)}. Pass {" and ".join(wanted)}, or '
+        'owner_groups=None.'
+      )
+    return None
+  if tp_axis is not None:
+    if forced:
+      raise ValueError(
+        f'dmuon: owner_groups={owner_groups} with the tensor-parallel axis '
+        f'{tp_axis!r}: TP matrices are split over that axis already. Pass '
+        'owner_groups=None (or the default).'
+      )
+    return None
+  if forced and scanned:
+    raise ValueError(
+      f'dmuon: owner_groups={owner_groups} with scanned stacks (param '
+      f'{scanned[0]!r}'
+      + (f' and {len(scanned) - 1} more' if len(scanned) > 1 else '')
+      + '): their owners rotate per scan iteration, which groups do not '
+      "follow. Pass owner_groups='auto' (scanned stacks stay whole) or None."
+    )
+  return owner_groups
+
+
 def sliced_spec(
   spec: LeafSpec,
   slices: int,

@@ -13,7 +13,7 @@ import numpy as np
 
 from dmuon_jax._cost import NS_ALGORITHMS, ns_cost
 from dmuon_jax._mesh import check_devices, mesh_axes
-from dmuon_jax._owner_groups import plan_with_groups
+from dmuon_jax._owner_groups import check_option, plan_with_groups
 from dmuon_jax._plan import MatrixUnit, OwnerGroup, OwnershipPlan
 from dmuon_jax._routing import (
   LeafSpec,
@@ -302,18 +302,10 @@ def plan_ownership(
       )
   owners = _assign(units, math.prod(sizes))
   groups = ()
-  check_owner_groups(owner_groups)
+  owner_groups = check_option(owner_groups, ns_algorithm=ns_algorithm)
   if owner_groups is not None:
-    if owner_groups != 'auto' and ns_algorithm == 'standard':
-      raise ValueError(
-        f'dmuon: owner_groups={owner_groups} runs Gram Newton-Schulz on '
-        "the groups' matrices, but ns_algorithm='standard'. Pass "
-        "ns_algorithm='auto' or 'gram', or owner_groups=None."
-      )
     grouped = None
-    if owner_groups != 'auto' or (
-      ns_algorithm != 'standard' and cost_fn is None
-    ):
+    if owner_groups != 'auto' or cost_fn is None:
       grouped = plan_with_groups(
         leaves,
         units,
@@ -335,22 +327,6 @@ def plan_ownership(
     owners=tuple(owners),
     groups=groups,
     routing=routing.summary,
-  )
-
-
-def check_owner_groups(owner_groups: Any) -> None:
-  """Raises unless ``owner_groups`` is ``'auto'``, None or an int >= 2."""
-  if owner_groups is None or owner_groups == 'auto':
-    return
-  if (
-    isinstance(owner_groups, (int, np.integer))
-    and not isinstance(owner_groups, bool)
-    and owner_groups >= 2
-  ):
-    return
-  raise ValueError(
-    f"dmuon: owner_groups={owner_groups!r} is not 'auto', None or an int "
-    '>= 2 (the number of devices that share each matrix).'
   )
 
 

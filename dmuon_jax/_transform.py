@@ -19,6 +19,7 @@ from dmuon_jax import (
   _collectives,
   _layout,
   _mesh,
+  _owner_groups,
   _owner_layout,
   _owner_update,
   _planner,
@@ -284,15 +285,9 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
     [jax.ShapeDtypeStruct(shape, x.dtype) for x, shape in zip(leaves, local)],
   )
   owner_mesh = None if info is None else {a: sizes[a] for a in info.owner_axes}
-  groups = setup.owner_groups
-  if tp_size > 1 and groups is not None:
-    if groups != 'auto':
-      raise ValueError(
-        f'dmuon: owner_groups={groups} with the tensor-parallel axis '
-        f'{tp_axis!r}: TP matrices are split over that axis already. Pass '
-        'owner_groups=None (or the default).'
-      )
-    groups = None
+  groups = _owner_groups.check_option(
+    setup.owner_groups, tp_axis=tp_axis if tp_size > 1 else None
+  )
   plan = _planner.plan_ownership(
     planned,
     owner_mesh,
@@ -360,17 +355,9 @@ def check_owner_groups(owner_groups, preconditioning, ns_algorithm):
   injects int arguments) is read as its int."""
   if owner_groups is not None and not isinstance(owner_groups, str):
     owner_groups = _owner_update.static_int(owner_groups, 'owner_groups')
-  _planner.check_owner_groups(owner_groups)
-  if preconditioning != 'frobenius' or ns_algorithm == 'standard':
-    if owner_groups not in (None, 'auto'):
-      raise ValueError(
-        f'dmuon: owner_groups={owner_groups} runs Gram Newton-Schulz with '
-        "preconditioning='frobenius', but preconditioning="
-        f'{preconditioning!r}, ns_algorithm={ns_algorithm!r}. Pass those, '
-        'or owner_groups=None.'
-      )
-    return None
-  return owner_groups
+  return _owner_groups.check_option(
+    owner_groups, preconditioning=preconditioning, ns_algorithm=ns_algorithm
+  )
 
 
 def check_tp_preconditioning(info: Any, preconditioning: str) -> None:

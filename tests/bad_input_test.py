@@ -155,6 +155,32 @@ def tensor_parallel_axis_among_owner_axes():
   )
 
 
+def owner_groups_with_tp_init():
+  dmuon_jax.dmuon(
+    0.1, mesh=tp_mesh(), tensor_parallel_axis='model', owner_groups=2
+  ).init(place(tree(), tp_mesh()))
+
+
+def dedicate_owner_groups_with_tp():
+  w = place(jnp.zeros((16, 64)), tp_mesh(), P(None, 'model'))
+  dmuon_jax.dedicate(
+    {'layers_0': {'w': w}},
+    tp_mesh(),
+    tensor_parallel_axis='model',
+    owner_groups=2,
+  )
+
+
+def dedicate_owner_groups_with_scanned_stack():
+  dmuon_jax.dedicate(
+    {'layers': {'w': jnp.ones((8, 16, 64))}},
+    support.make_mesh((1, 8)),
+    predicate=scanned_w,
+    muon_weight_dimension_numbers=stacks,
+    owner_groups=2,
+  )
+
+
 def params_outside_the_mesh():
   mesh, other = half_meshes()
   dmuon_jax.dmuon(0.1, mesh=mesh).init(place(tree(), other))
@@ -653,6 +679,80 @@ CASES = (
     functools.partial(plan, mesh={'shard': 0}),
     ValueError,
     r"mesh axis 'shard' has size 0; expected a positive int",
+  ),
+  # owner_groups against the options it meets: one check
+  # (_owner_groups.check_option) behind every entry point.
+  (
+    'owner_groups_one',
+    functools.partial(dmuon_with, owner_groups=1),
+    ValueError,
+    r"owner_groups=1 is not 'auto', None or an int >= 2",
+  ),
+  (
+    'plan_owner_groups_a_bool',
+    functools.partial(plan, mesh={'shard': 8}, owner_groups=True),
+    ValueError,
+    r"owner_groups=True is not 'auto', None or an int >= 2",
+  ),
+  (
+    'owner_groups_with_aol',
+    functools.partial(dmuon_with, owner_groups=2, preconditioning='aol'),
+    ValueError,
+    (
+      r'owner_groups=2 runs Gram Newton-Schulz with preconditioning='
+      r"'frobenius' on the groups' matrices, but got preconditioning='aol'\. "
+      r"Pass preconditioning='frobenius', or owner_groups=None"
+    ),
+  ),
+  (
+    'owner_groups_with_aol_and_standard',
+    functools.partial(
+      dmuon_with,
+      owner_groups=2,
+      preconditioning='aol',
+      ns_algorithm='standard',
+    ),
+    ValueError,
+    (
+      r"but got preconditioning='aol' and ns_algorithm='standard'\. Pass "
+      r"preconditioning='frobenius' and ns_algorithm='auto' or 'gram', or "
+      r'owner_groups=None'
+    ),
+  ),
+  (
+    'plan_owner_groups_with_standard',
+    functools.partial(
+      plan, mesh={'shard': 8}, owner_groups=2, ns_algorithm='standard'
+    ),
+    ValueError,
+    (
+      r"owner_groups=2 .* but got ns_algorithm='standard'\. Pass "
+      r"ns_algorithm='auto' or 'gram', or owner_groups=None"
+    ),
+  ),
+  (
+    'owner_groups_with_tp_init',
+    owner_groups_with_tp_init,
+    ValueError,
+    (
+      r"owner_groups=2 with the tensor-parallel axis 'model': TP matrices "
+      r'are split over that axis already\. Pass owner_groups=None'
+    ),
+  ),
+  (
+    'dedicate_owner_groups_with_tp',
+    dedicate_owner_groups_with_tp,
+    ValueError,
+    r"owner_groups=2 with the tensor-parallel axis 'model'.*owner_groups=None",
+  ),
+  (
+    'dedicate_owner_groups_with_scanned_stack',
+    dedicate_owner_groups_with_scanned_stack,
+    ValueError,
+    (
+      r"owner_groups=2 with scanned stacks \(param 'layers/w'\).*Pass "
+      r"owner_groups='auto' \(scanned stacks stay whole\) or None"
+    ),
   ),
   (
     'plan_ns_steps_zero',

@@ -110,7 +110,8 @@ _COMPUTE_DTYPES = tuple(
 )
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+  """Whether ``value`` is a Python or numpy int (not a bool)."""
   return isinstance(value, (int, np.integer)) and not isinstance(
     value, (bool, np.bool_)
   )
@@ -158,7 +159,7 @@ def resolve_ns_coeffs(
     >>> dmuon_jax.resolve_ns_coeffs((2.0, -1.5, 0.5)).shape  # 5 by default
     (5, 3)
   """
-  if ns_steps is not None and (not _is_int(ns_steps) or ns_steps < 1):
+  if ns_steps is not None and (not is_int(ns_steps) or ns_steps < 1):
     raise ValueError(
       f'dmuon: ns_steps must be a positive int or None, got {ns_steps!r}. Pass'
       ' None (5 steps for a single row, all rows otherwise) or an int >= 1.'
@@ -465,7 +466,7 @@ def check_restart_iterations(
       'restart_iterations must be a sequence of ints, got'
       f' {restart_iterations!r}.'
     ) from e
-  valid = all(_is_int(i) and 1 <= i < num_iterations for i in restarts)
+  valid = all(is_int(i) and 1 <= i < num_iterations for i in restarts)
   increasing = all(
     restarts[i] < restarts[i + 1] for i in range(len(restarts) - 1)
   )

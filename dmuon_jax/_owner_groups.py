@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dmuon_jax._cost import FLOPS_PER_BYTE, gram_parts
+from dmuon_jax._newton_schulz import is_int
 from dmuon_jax._plan import MatrixUnit, OwnerGroup, group_exchange_bytes
 from dmuon_jax._routing import LeafSpec, layer_key
 
@@ -66,11 +67,7 @@ def check_option(
   """
   if owner_groups is None:
     return None
-  if owner_groups != 'auto' and (
-    not isinstance(owner_groups, (int, np.integer))
-    or isinstance(owner_groups, bool)
-    or owner_groups < 2
-  ):
+  if owner_groups != 'auto' and (not is_int(owner_groups) or owner_groups < 2):
     raise ValueError(
       f"dmuon: owner_groups={owner_groups!r} is not 'auto', None or an int "
       '>= 2 (the number of devices that share each matrix).'

@@ -13,6 +13,7 @@ import numpy as np
 
 from dmuon_jax._cost import NS_ALGORITHMS, ns_cost
 from dmuon_jax._mesh import check_devices, mesh_axes
+from dmuon_jax._newton_schulz import is_int
 from dmuon_jax._owner_groups import check_option, plan_with_groups
 from dmuon_jax._plan import MatrixUnit, OwnerGroup, OwnershipPlan
 from dmuon_jax._routing import (
@@ -252,11 +253,7 @@ def plan_ownership(
     >>> plan.makespan == max(plan.slot_costs()) == plan.units[2].cost
     True
   """
-  if (
-    not isinstance(ns_steps, (int, np.integer))
-    or isinstance(ns_steps, bool)
-    or ns_steps < 1
-  ):
+  if not is_int(ns_steps) or ns_steps < 1:
     raise ValueError(
       f'dmuon: {ns_steps=} must be a positive int (the Newton-Schulz'
       ' iterations the cost model counts); pass e.g. 5, as the optimizer.'

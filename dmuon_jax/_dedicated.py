@@ -219,7 +219,9 @@ def dedicate(
       default ``jax.checkpoint_policies.dots_saveable`` keeps matmul outputs
       and recomputes the gathered weights and elementwise ops in the
       backward pass; ``nothing_saveable`` recomputes the whole block
-      (activation checkpointing). It must not save the gathered weights.
+      (activation checkpointing). It must not save the gathered weights
+      (a block whose backward reads no weights at all, such as a lookup
+      table's, keeps none under any policy).
     tensor_parallel_axis: the mesh axis that splits matrices, if the mesh
       has it. ``'auto'`` (default): the axis named ``'model'``, ``'tensor'``
       or ``'tp'`` that the (placed) Muon params are sharded over, if any,

@@ -423,7 +423,7 @@ def regather_group_in_backward(
     trace['kinds'] = [
       _collectives.varying_axes(x) for x in jax.tree.leaves((local, args))
     ]
-    if not tied:
+    if not tied and _backward_reads_weights(run, local, args):
       raise ValueError(
         f'dmuon: with this remat_policy the Z3 block {list(blocks)} saves'
         ' its gathered weights for the backward pass (Z2 memory and bytes).'
@@ -474,6 +474,24 @@ def regather_group_in_backward(
 
   regather.defvjp(fwd, bwd)
   return regather
+
+
+def _backward_reads_weights(run, local, args) -> bool:
+  """Whether the backward pass of ``run`` reads its (gathered) weights at
+  all: whether ``local`` is among the residuals of a full
+  rematerialization. A block whose weights' gradient needs only other
+  inputs (a lookup table's: the indices) keeps no weights under any
+  policy, so not finding ``local`` among its residuals does not mean that
+  the policy saved the gathered copies. Traced on its own (``make_jaxpr``),
+  so nothing of it enters the step's program."""
+  remat = jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable)
+
+  def residuals(local, *args):
+    return jax.tree.leaves(jax.vjp(remat, local, *args)[1])
+
+  jaxpr = jax.make_jaxpr(residuals)(local, *args).jaxpr
+  weights = jaxpr.invars[: len(jax.tree.leaves(local))]
+  return any(any(o is w for w in weights) for o in jaxpr.outvars)
 
 
 def _avals(xs) -> tuple:

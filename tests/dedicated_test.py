@@ -189,6 +189,57 @@ class DedicatedMemoryTest(absltest.TestCase):
     self.assertLess(four, 6 * layer)
 
 
+class LookupBlockTest(absltest.TestCase):
+  def test_z3_block_whose_backward_reads_no_weights_trains_as_optax(self):
+    # A Z3 block that only looks rows up in its matrix (an embedding): the
+    # table's gradient needs the indices, not the table, so its backward
+    # keeps no weights under any policy. The default policy then used to
+    # be refused as one that "saves its gathered weights" (issue 26). Three
+    # steps equal single-device optax.contrib.muon (+ AdamW).
+    mesh = support.make_mesh((1, 8))
+    vocab, d = 64, 16
+    rng = np.random.RandomState(0)
+    draw = lambda *shape: jnp.asarray(0.3 * rng.randn(*shape), jnp.float32)
+    params = {
+      'layers_0': {'table': draw(vocab, d)},
+      'layers_1': {'w': draw(d, d)},
+      'head': draw(d, 8),
+    }
+    ids = jnp.asarray(rng.randint(0, vocab, (64,)))
+
+    def lookup(layer, i):
+      return layer['table'][i]
+
+    def dense(layer, x):
+      return jnp.tanh(x @ layer['w'])
+
+    ded = dmuon_jax.dedicate(
+      params, mesh, reshard_after_forward=True, layers_per_gather=1
+    )
+
+    def loss(dp, i):
+      x = ded.block(lookup, 'layers_0')(dp, i)
+      x = ded.block(dense, 'layers_1')(dp, x)
+      return jnp.mean((x @ dp.rest['head']) ** 2)
+
+    opt = dmuon_jax.dedicated_muon(ded, support.DEDICATED_LR)
+    dp = ded.to_dedicated(jax.device_put(params, NamedSharding(mesh, P())))
+    state = opt.init(dp)
+    step = support.explicit_step_fn(opt, mesh, state, loss, ded.specs())
+    batch = jax.device_put(ids, NamedSharding(mesh, P(AXES)))
+    for _ in range(3):
+      dp, state, _ = step(dp, state, batch)
+
+    def plain(p):
+      x = dense(p['layers_1'], lookup(p['layers_0'], ids))
+      return jnp.mean((x @ p['head']) ** 2)
+
+    want, _ = support.train_single_device(
+      support.optax_muon(support.DEDICATED_LR, params), params, plain, 3
+    )
+    chex.assert_trees_all_close(ded.to_params(dp), want, atol=1e-5)
+
+
 class DedicatedPlanTest(absltest.TestCase):
   def test_gathers_pack_by_bytes_and_work_is_balanced(self):
     # Llama-like blocks: q, k, v, o (d x d) and gate, up, down (d x 4d).

@@ -47,12 +47,13 @@ def set_at(root: Any, path: Sequence[Any], value: Any) -> None:
     setattr(parent, path[-1], value)
 
 
-def plan(who, params, mesh, layers_per_gather, choice, kwargs):
+def plan(who, params, mesh, layers_per_gather, choice, kwargs, specs):
   """The dedication of a Flax model's params, and the params placed for it.
 
   Plans with :func:`dmuon_jax.dedicate`, checks what ``dmuon_jax.flax``
   cannot run, replicates AdamW params sharded over an owner axis (see
-  :func:`_replicate_rest`) and puts unplaced params on the mesh.
+  :func:`_replicate_rest`; ``specs``: per leaf, the spec its Flax metadata
+  gives, or None) and puts unplaced params on the mesh.
 
   Returns:
     ``(dedication, placed params, DedicatedParams, replicated paths, {leaf
@@ -71,7 +72,9 @@ def plan(who, params, mesh, layers_per_gather, choice, kwargs):
       '(dmuon_jax.dedicate, Dedication.block/sequential/scan) for tensor '
       'parallelism, or pass tensor-parallel params replicated.'
     )
-  params, ded, replicated, moved = _replicate_rest(ded, params, mesh, kwargs)
+  params, ded, replicated, moved = _replicate_rest(
+    ded, params, mesh, kwargs, specs
+  )
   placed = params
   if mesh is not None:
     placed = jax.tree.map(
@@ -99,16 +102,25 @@ def targets(ded, paths, boundary_paths) -> tuple:
   return tuple(tuple(t) for t in targets)
 
 
-def _replicate_rest(ded, params, mesh, kwargs):
+def _replicate_rest(ded, params, mesh, kwargs, specs):
   """AdamW params sharded over an owner axis, replicated over the owner
   axes (inside train_step every device runs the whole model on its own
-  batch); the dedication planned again if any moved."""
+  batch); the dedication planned again if any moved.
+
+  A leaf's sharding is the one its Flax metadata gives (``specs``), where
+  it has some: under an abstract or jitted init on Auto axes the traced
+  values carry none, yet ``jit(init, out_shardings=...)`` would place them
+  as their metadata says.
+  """
   leaves = jax.tree.leaves(params)
   flat = jax.tree.flatten_with_path(params)[0]
   owner = set(ded.buffer_axes)
   replicated, moved, extra = [], {}, 0
-  for i, (spec, (keys, x)) in enumerate(zip(ded.rest_specs, flat)):
-    axes = {a for e in _mesh.spec_entries(spec) for a in e} if spec else set()
+  for i, (rest_spec, (keys, x)) in enumerate(zip(ded.rest_specs, flat)):
+    if rest_spec is None:  # a Muon target
+      continue
+    spec = specs[i] if specs[i] is not None else rest_spec
+    axes = {a for e in _mesh.spec_entries(spec) for a in e}
     if not axes & owner:
       continue
     kept = P(

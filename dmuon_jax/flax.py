@@ -528,13 +528,25 @@ def dedicate(
       )
     layers_per_gather = 1
   choice = 'one layer per nnx.scan iteration' if any(bounds.scanned) else None
+  paths = [
+    _flax_plan.path(keys) for keys, _ in jax.tree.flatten_with_path(params)[0]
+  ]
+  # What Flax's sharding tools say of each param (its out_sharding
+  # metadata), also where a traced value on Auto axes says nothing.
+  specs = [_mesh.leaf_spec(_flax_plan.node_at(model, p)) for p in paths]
   ded, placed, dp, replicated, moved = _flax_plan.plan(
-    'dmuon_jax.flax.dedicate', params, mesh, layers_per_gather, choice, kwargs
+    'dmuon_jax.flax.dedicate',
+    params,
+    mesh,
+    layers_per_gather,
+    choice,
+    kwargs,
+    specs,
   )
-  flat = jax.tree.flatten_with_path(placed)[0]
-  paths = [_flax_plan.path(keys) for keys, _ in flat]
   for i, x in moved.items():
-    _flax_plan.node_at(model, paths[i]).set_value(x)
+    variable = _flax_plan.node_at(model, paths[i])
+    variable.set_value(x)
+    _mesh.without_axes(variable, ded.buffer_axes)
 
   targets_by_leaf = {t.index: t for t in ded.layout.leaves}
   _check_untied(model, paths, targets_by_leaf)
@@ -799,8 +811,9 @@ def dedicate_linen(
     ns_algorithm=ns_algorithm,
     owner_groups=owner_groups,
   )
-  ded, placed, dp, replicated, _ = _flax_plan.plan(
-    'dedicate_linen', params, mesh, layers_per_gather, None, kwargs
+  specs = [None if box is None else _mesh.leaf_spec(box) for box in boxes]
+  ded, placed, dp, replicated, moved = _flax_plan.plan(
+    'dedicate_linen', params, mesh, layers_per_gather, None, kwargs, specs
   )
   scanned = [
     n for n, sc in zip(ded.boundaries.names, ded.boundaries.scanned) if sc
@@ -832,9 +845,12 @@ def dedicate_linen(
       if template is not None:  # boxed params: boxed buffers (their spec)
         buf = _mesh.box_like(template, buf, ded.layout.buffer_specs()[bi])
       _flax_linen.set_item(out, buffer_paths[bi], buf)
-  # Boxed params keep their boxes (Flax's sharding tools read them).
+  # Boxed params keep their boxes (Flax's sharding tools read them); those
+  # replicated over the owner axes say so.
   for i, box in enumerate(boxes):
     if box is not None and i not in targets_by_leaf:
+      if i in moved:
+        box = _mesh.without_axes(box, ded.buffer_axes)
       _flax_linen.set_item(
         out, paths[i], _mesh.rebox(box, _flax_linen.node_at_dict(out, paths[i]))
       )

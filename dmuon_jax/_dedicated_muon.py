@@ -186,10 +186,21 @@ def scale_by_dedicated_muon(
 def _muon_init(cfg, ded, owned):
   check_owned(ded.layout, owned, 'dedicated_muon init()')
   dtype = cfg.mu_dtype
+  layout = owned.layout
   mu = [jnp.zeros_like(b, dtype=dtype) for b in owned.buffers]
+  mesh = ded.mesh if ded.mesh is not None else layout.mesh
+  if (
+    layout.distributed
+    and mesh is not None
+    and not set(layout.buffer_axes) & _collectives.manual_axes()
+  ):
+    # Under jax.jit on Auto axes zeros_like keeps no sharding: the momentum
+    # placed as its layout says, as eagerly.
+    mu = [_mesh.place(m, mesh, s) for m, s in zip(mu, layout.buffer_specs())]
   return DedicatedMuonState(
     count=jnp.zeros([], jnp.int32),
-    mu=_owner_layout.OwnerBuffers(mu, owned.layout),
+    # Boxed as the owned buffers are (Flax's sharding tools read the boxes).
+    mu=owned.rebox(mu),
     stamp=_states.make_stamp(owned.layout),
   )
 
@@ -254,11 +265,9 @@ def _muon_update(cfg, hp, decay, ded, grads, state, params=None):
     for o, m, g in zip(ortho, state.mu.buffers, grads.buffers)
   ]
   return (
-    _owner_layout.OwnerBuffers(out, layout),
+    grads.rebox(out),
     DedicatedMuonState(
-      count=count_inc,
-      mu=_owner_layout.OwnerBuffers(mu, layout),
-      stamp=state.stamp,
+      count=count_inc, mu=state.mu.rebox(mu), stamp=state.stamp
     ),
   )
 

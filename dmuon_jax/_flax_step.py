@@ -69,16 +69,21 @@ def dedicated_muon(
 
   value = _mesh.unbox  # of an nnx.Variable or a Linen box
 
-  def to_core(tree, what):
+  def to_core(tree, what, boxes=False):
+    # boxes: Linen boxes kept (init: optax's moments keep them, the owner
+    # momentum takes the owned buffers'), so that Flax's sharding tools read
+    # the state's shardings as they read the params'. nnx.Optimizer copies
+    # its params' Variable metadata into its state itself.
+    keep = lambda x: x if boxes and _mesh.is_box(x) else value(x)
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_mesh.is_boxed)[0]
     owned = [None] * len(md.buffer_paths)
     rest = [None] * len(md.rest_paths)
     for keys, x in flat:
       p = _flax_plan.path(keys)
       if p in buffer_of:
-        owned[buffer_of[p]] = value(x)
+        owned[buffer_of[p]] = keep(x)
       elif p in leaf_of:
-        rest[leaf_of[p]] = value(x)
+        rest[leaf_of[p]] = keep(x)
       elif p in holes:
         continue
       else:
@@ -116,15 +121,19 @@ def dedicated_muon(
     return jax.tree_util.tree_map_with_path(pick, like, is_leaf=_mesh.is_box)
 
   def init_fn(params):
-    return core.init(to_core(params, 'init()'))
+    return core.init(to_core(params, 'init()', boxes=True))
 
   def update_fn(updates, state, params=None):
-    u, state = core.update(
+    u, new_state = core.update(
       to_core(updates, 'update()'),
-      state,
+      jax.tree.map(value, state, is_leaf=_mesh.is_box),
       None if params is None else to_core(params, 'update()'),
     )
-    return from_core(u, updates), state
+    # The state's boxes (from init) kept.
+    new_state = jax.tree.map(
+      _mesh.rebox, state, new_state, is_leaf=_mesh.is_box
+    )
+    return from_core(u, updates), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -134,8 +143,13 @@ def _manual_spec(x: Any, axes: frozenset[str]) -> P:
   sharding = getattr(x, 'sharding', None)
   if not isinstance(sharding, NamedSharding):
     return P()
+  return _manual_spec_of(sharding.spec, axes)
+
+
+def _manual_spec_of(spec: P, axes: frozenset[str]) -> P:
+  """``spec`` restricted to the manual ``axes``."""
   entries = []
-  for e in _mesh.spec_entries(sharding.spec):
+  for e in _mesh.spec_entries(spec):
     kept = tuple(a for a in e if a in axes)
     entries.append(kept if len(kept) > 1 else (kept[0] if kept else None))
   while entries and entries[-1] is None:
@@ -205,6 +219,33 @@ def _settle(x, spec: P, axes: Sequence[str], what: str):
     f'(an integer {x.dtype} value); train_step can only average floats. '
     'Compute it from values that are the same on every device.'
   )
+
+
+def _check_owner_sharded(md, manual, state_leaves) -> None:
+  """Raises for a state leaf sharded over an owner axis that is not in
+  owner layout (an owner buffer or its momentum): inside the step each
+  device runs the whole model, which would see one device's shard."""
+  layout = md.dedication.layout
+  owner_layout = {
+    (tuple(shape.shape), _manual_spec_of(spec, manual))
+    for shape, spec in zip(layout.buffer_shapes(), layout.buffer_specs())
+  }
+  for x, spec, path in state_leaves:
+    if not _spec_axes(spec) & manual:
+      continue
+    if (tuple(np.shape(x)), spec) in owner_layout:
+      continue
+    raise ValueError(
+      f'dmuon: train_step got {path!r} sharded {spec} over the owner axes '
+      f'{tuple(sorted(manual))}; inside the step each device runs the whole '
+      "model on its share of the batch, so everything but the owners' "
+      'buffers and their momentum must be replicated over those axes (the '
+      'model would see one shard). Place it as dmuon_jax.flax.dedicate '
+      'returned it: its Flax metadata says so (nn.get_sharding / '
+      'nnx.get_named_sharding of the dedicated model or state), and '
+      'dedicate replicated the AdamW params that were sharded over them '
+      '(ded.replicated).'
+    )
 
 
 def _fold_in(key: jax.Array, data: jax.Array) -> jax.Array:
@@ -543,6 +584,21 @@ def train_step(
     other, other_def, other_specs, other_state = _other_leaves(
       args, rest, positions, batch, ded.mesh, axes
     )
+    if axes:
+      text = lambda keys: _flax_plan.text(_flax_plan.path(keys))
+      state_leaves = [
+        (x, sp, text(k)) for x, sp, (k, _) in zip(flat, specs, flat_paths)
+      ] + [
+        (x, sp, f'argument {text(k)}')
+        for x, sp, is_state, (k, _) in zip(
+          other,
+          other_specs,
+          other_state,
+          jax.tree_util.tree_flatten_with_path(rest)[0],
+        )
+        if is_state
+      ]
+      _check_owner_sharded(md, manual, state_leaves)
     key = (
       graphdef,
       treedef,

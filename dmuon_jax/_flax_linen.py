@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.extend
 from jax.sharding import NamedSharding
@@ -61,9 +62,41 @@ def node_at_dict(tree: Any, path: Sequence[Any]) -> Any:
   return tree
 
 
+def _dense_general_call(next_fun, args, kwargs, context):
+  """``next_fun`` of an ``nn.DenseGeneral`` whose kernel exists, with its
+  kernel initializer's Flax box taken off for the call.
+
+  DenseGeneral boxes its initializer's flat 2-D kernel and unboxes it with
+  the kernel's N-D partition names before reshaping, and Flax runs that
+  initializer again at every call to check the existing param's shape
+  (flax issue #3676). Under a mesh context (``train_step``'s shard_map is
+  one; so is ``jax.set_mesh``) the unboxing is a sharding constraint that
+  fails: too many names for the flat kernel, or a manual owner axis. The
+  param exists, so the initializer only serves that shape check: it runs
+  unboxed (same shape) while the layer runs.
+  """
+  module = context.module
+  init = module.kernel_init
+  if not module.has_variable('params', 'kernel'):
+    return next_fun(*args, **kwargs)
+
+  def unboxed(*a, **k):
+    return _mesh.unbox(init(*a, **k))
+
+  # A Linen module is a frozen dataclass: its field is swapped for this
+  # call only (the bound copy of this apply, not the user's module).
+  object.__setattr__(module, 'kernel_init', unboxed)
+  try:
+    return next_fun(*args, **kwargs)
+  finally:
+    object.__setattr__(module, 'kernel_init', init)
+
+
 def linen_interceptor(next_fun, args, kwargs, context):
   """Runs a boundary module's method (``__call__`` or any other: a
   ``decode``, an ``attend``) on its group's gathered matrices."""
+  if isinstance(context.module, nn.DenseGeneral):
+    return _dense_general_call(next_fun, args, kwargs, context)
   active = LINEN.get()
   if active is None or context.method_name == 'setup':
     return next_fun(*args, **kwargs)

@@ -59,13 +59,37 @@ def split_args(args, kwargs):
   return arrays, nodes, rebuild
 
 
-def gathered(md: ModelDedication, b: int, local, iteration, run, state, arrays):
+def gathered(
+  md: ModelDedication,
+  b: int,
+  local,
+  iteration,
+  run,
+  state,
+  arrays,
+  *,
+  traced: bool | None = None,
+  remat: bool = False,
+):
   """``run(mats, state, arrays)`` with boundary ``b``'s group gathered.
 
   Inside :func:`train_step` (manual owner axes): Z2 gathers the group at
   its first call and reuses it; Z3 re-gathers in the backward pass once per
-  group (token-tied) and reduce-scatters once (through a sink). Elsewhere
-  on a mesh: a sharding constraint gathers (GSPMD; warned once).
+  group (token-tied) and reduce-scatters once (through a sink). Under plain
+  ``jit`` on Explicit owner axes: the reduced gather (see
+  :func:`_reduced_call`). Elsewhere on a mesh: a sharding constraint
+  gathers (GSPMD; warned once).
+
+  Args:
+    traced: whether the model runs under a transformation of the step
+      (``jit``); None: whether ``local`` are tracers (an eager call's scan
+      body traces them too, so a Linen stack says).
+    remat: whether the call runs inside a rematerialization of the model's
+      own (a Flax ``nn.remat`` around the block or its stack), which
+      recomputes the gather in the backward pass: the plain gather is then
+      Z3's traffic (one all-gather forward, one in the backward pass, one
+      reduce-scatter), and Z3's own re-gather would only add a third
+      all-gather; Z2 warns that it is moving Z3's bytes.
   """
   ded = md.dedication
   g = _gather.group_of(ded, b)
@@ -75,12 +99,22 @@ def gathered(md: ModelDedication, b: int, local, iteration, run, state, arrays):
   manual = layout.distributed and set(ded.buffer_axes) <= (
     _collectives.manual_axes()
   )
+  if traced is None:
+    traced = any(isinstance(x, jax.core.Tracer) for x in local)
   ctx = ACTIVE.get()
   cache = ctx.groups if ctx is not None and ctx.md is md else {}
-  ids = tuple(id(x) for x in local)
+  # Keyed by the trace and the buffers themselves (kept alive by the
+  # entry): a tracer id of a finished trace (a scan body traced twice) may
+  # come again, and a block under a lifted transform of its own (nn.remat)
+  # runs in a trace of its own, where another block's gather is unknown.
+  keys = (jax.extend.core.get_opaque_trace_state(convention='nnx'), *local)
   z3 = ded.reshard_after_forward
+  if remat and layout.distributed and not z3 and traced:
+    _warn_remat_z2(md, name)
   hit = cache.get(g)
-  hit = hit[1:] if hit is not None and hit[0] == ids else None
+  same = hit is not None and len(hit[0]) == len(keys) and hit[0][0] == keys[0]
+  same = same and all(a is b for a, b in zip(hit[0][1:], keys[1:]))
+  hit = hit[1:] if same else None
   if manual and hit is None:  # the group's first block
     local = _gather.after_inputs(local, arrays)
   if scanned:  # one layer per iteration: drop the group's layer axis
@@ -89,14 +123,14 @@ def gathered(md: ModelDedication, b: int, local, iteration, run, state, arrays):
   if not layout.distributed:
     mats = _gather.unpack_gathered(ded, g, local, iteration)
     return run(mats, state, arrays)
-  if manual and not z3:
+  if manual and (not z3 or remat):
     if hit is not None:
       (mats,) = hit
     else:
       mats = _gather.materialize(
         ded, g, _gather.gather_replicate(ded, local), iteration
       )
-      cache[g] = (ids, mats)
+      cache[g] = (keys, mats)
     return run(mats, state, arrays)
   if manual:
     if hit is not None:
@@ -118,16 +152,16 @@ def gathered(md: ModelDedication, b: int, local, iteration, run, state, arrays):
       routed=True,
     )
     out, token = call(rep, token, sink, iteration, state, arrays)
-    cache[g] = (ids, rep, sink, token)
+    cache[g] = (keys, rep, sink, token)
     return out
-  if _gather.reduced_route(ded) and any(
-    isinstance(x, jax.core.Tracer) for x in local
-  ):
+  if _gather.reduced_route(ded) and traced:
     if _sharded_over(arrays, ded.buffer_axes):
-      return _reduced_call(md, b, local, iteration, run, state, arrays)
+      return _reduced_call(
+        md, b, local, iteration, run, state, arrays, remat=remat
+      )
     _warn_unsharded(md, name, arrays)
   else:
-    _warn_bare(md, local)
+    _warn_bare(md, traced)
 
   def run_global(local, iteration, state, arrays):
     full = [_mesh.place(x, ded.mesh, P()) for x in local]
@@ -193,15 +227,18 @@ def _trace_cache(md: ModelDedication, g: int, local, iteration):
   return entry, store
 
 
-def _reduced_call(md: ModelDedication, b: int, local, iteration, run, *args):
+def _reduced_call(
+  md: ModelDedication, b: int, local, iteration, run, *args, remat=False
+):
   """:func:`gathered` under plain ``jit`` on Explicit owner axes: the
   group's buffers gathered typed ``reduced`` (see
   ``_gather.reduced_gather``), once per trace; Z3 re-gathers once per group
-  in the backward pass."""
+  in the backward pass (inside a rematerialization of the model's own,
+  ``remat``, that one recomputes the gather)."""
   ded = md.dedication
   g = _gather.group_of(ded, b)
   entry, store = _trace_cache(md, g, local, iteration)
-  if not ded.reshard_after_forward:
+  if not ded.reshard_after_forward or remat:
     if entry is None:
       entry = _gather.materialize_reduced(ded, g, local, iteration)
       store(entry)
@@ -228,8 +265,24 @@ def _reduced_call(md: ModelDedication, b: int, local, iteration, run, *args):
   return out
 
 
-def _warn_bare(md: ModelDedication, local) -> None:
-  if md.warned[0] or not any(isinstance(x, jax.core.Tracer) for x in local):
+def _warn_remat_z2(md: ModelDedication, name: str) -> None:
+  n = md.dedication.num_slots
+  warnings.warn(
+    f'dmuon: the dedicated boundary {name!r} runs inside a Flax nn.remat '
+    '(around the block or its nn.scan stack), which recomputes its '
+    'gathered matrices in the backward pass: with '
+    "reshard_after_forward=False (Z2) it moves Z3's bytes, "
+    f'3({n}-1)/{n} x the Muon bytes per step instead of 2({n}-1)/{n}, '
+    "and holds Z3's memory. Pass reshard_after_forward=True (what nn.remat "
+    'gives: no third gather), or keep Z2 and take nn.remat off the block '
+    '(remat inside it, e.g. nn.remat around its attention).',
+    _report.DMuonWarning,
+    stacklevel=5,
+  )
+
+
+def _warn_bare(md: ModelDedication, traced: bool) -> None:
+  if md.warned[0] or not traced:
     return
   md.warned[0] = True
   n = md.dedication.num_slots

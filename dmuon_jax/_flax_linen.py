@@ -10,6 +10,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.extend
+import numpy as np
 from jax.sharding import NamedSharding
 
 from dmuon_jax import _flax_boundary, _flax_plan, _gather, _mesh, _report
@@ -17,6 +18,9 @@ from dmuon_jax import _flax_boundary, _flax_plan, _gather, _mesh, _report
 LINEN: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
   'dmuon_jax_flax_linen', default=None
 )
+# A scanned stack's layer indices, beside its owned buffers in the params
+# (added by ModelDedication.apply; nn.scan slices them with the layers).
+ITERATION = 'dmuon_iteration'
 
 
 def unbox_linen(params: Any, mesh: Any) -> tuple[Any, list[Any]]:
@@ -108,17 +112,19 @@ def linen_interceptor(next_fun, args, kwargs, context):
   b = md.boundary_paths.index(path)
   ded = md.dedication
   g = _gather.group_of(ded, b)
-  local = [
-    _mesh.unbox(node_at_dict(root, md.buffer_paths[k]))
-    for k, (h, _) in enumerate(ded.layout.buffer_index)
-    if h == g
-  ]
-  _check_one_trace_per_group(md, g, path, local, traces)
   cols = {c: plain_dicts(module.variables[c]) for c in module.variables}
+  own = cols.pop('params', {})
+  bufs = [k for k, (h, _) in enumerate(ded.layout.buffer_index) if h == g]
+  if ded.boundaries.scanned[b]:
+    local, iteration = _one_layer(md, b, module, len(bufs))
+  else:
+    local = [_mesh.unbox(node_at_dict(root, md.buffer_paths[k])) for k in bufs]
+    iteration = None
+    _check_one_trace_per_group(md, g, path, local, traces)
   sub = {
     k: v
-    for k, v in cols.pop('params', {}).items()
-    if not str(k).startswith('dmuon_owned_')
+    for k, v in own.items()
+    if not (str(k).startswith('dmuon_owned_') or k == ITERATION)
   }
   mutable = [c for c in cols if module.is_mutable_collection(c)]
   rngs = {name: module.make_rng(name) for name in module.scope.rngs}
@@ -146,13 +152,84 @@ def linen_interceptor(next_fun, args, kwargs, context):
       LINEN.reset(reset)
     return result if mutable else (result, {})
 
+  # The stack's whole buffers say whether the model runs under jit: an
+  # eager call's nn.scan traces its body (and so the slices) too.
+  whole = [_mesh.unbox(node_at_dict(root, md.buffer_paths[k])) for k in bufs]
   out, updates = _flax_boundary.gathered(
-    md, b, local, None, run, (sub, cols, rngs), arrays
+    md,
+    b,
+    local,
+    iteration,
+    run,
+    (sub, cols, rngs),
+    arrays,
+    traced=any(isinstance(x, jax.core.Tracer) for x in whole),
+    remat=_in_remat(module),
   )
   for c, tree in updates.items():
     for name, value in tree.items():
       module.put_variable(c, name, value)
   return out
+
+
+def _lifted(module, transform: str) -> bool:
+  """Whether ``module`` runs inside the Flax lifted ``transform``
+  (``'remat'``, ``'scan'``; around it or a parent): Flax's lifted
+  transforms name themselves in their scopes' ``debug_path``
+  (``('remat(scan(layers))',)`` for ``nn.scan(nn.remat(Block))``)."""
+  path = getattr(module.scope, 'debug_path', ())
+  return any(f'{transform}(' in str(s) for s in path)
+
+
+def _in_remat(module) -> bool:
+  return _lifted(module, 'remat')
+
+
+def _one_layer(md, b: int, module, count: int) -> tuple[list, Any]:
+  """A scanned stack's owned buffers and layer index as ``nn.scan`` sliced
+  them for this iteration (one layer each); raises where they were not
+  sliced (the module ran outside ``nn.scan``, or ``nn.scan`` broadcast its
+  params instead of slicing them) or another transform sliced them."""
+  name = md.dedication.boundaries.names[b]
+  own = module.variables.get('params', {})
+  local = [own.get(f'dmuon_owned_{j}') for j in range(count)]
+  iteration = own.get(ITERATION)
+  if any(x is None for x in local) or iteration is None:
+    raise ValueError(
+      f'dmuon: the scanned stack {name!r} ran without its owned buffers '
+      f'(module {_flax_plan.text(md.boundary_paths[b])!r}): call the model'
+      ' through ded.apply with the dedicated params of dedicate_linen.'
+    )
+  if np.ndim(iteration) != 0 or any(np.ndim(x) != 1 for x in local):
+    raise ValueError(
+      SCAN_SLICE_MSG.format(
+        name=name,
+        module=_flax_plan.text(md.boundary_paths[b]),
+        shape=tuple(np.shape(local[0])),
+      )
+    )
+  if not _lifted(module, 'scan'):
+    raise ValueError(
+      f'dmuon: the scanned stack {name!r} runs one layer at a time under '
+      f'{"/".join(module.scope.debug_path)!r}, not nn.scan: dedicate_linen '
+      'runs stacked layers made by nn.scan (one gather per iteration). '
+      'Leave these matrices to AdamW (muon_weight_dimension_numbers None '
+      'for them), or use the drop-in dmuon_jax.dmuon.'
+    )
+  return list(local), iteration
+
+
+SCAN_SLICE_MSG = (
+  'dmuon: the scanned stack {name!r} gathers in module {module!r} (the '
+  'deepest one holding all its Muon matrices), which ran on all its '
+  'layers at once (its owned buffer has shape {shape}, with the layer '
+  'axis). dedicate_linen runs a stack one layer per iteration of the '
+  "nn.scan that made it (variable_axes={{'params': 0}} slices its params):"
+  ' call {module!r} through that nn.scan, as when its params were '
+  'initialized. Two nn.scan stacks under one top-level module meet there:'
+  ' give each a top-level module of its own, or leave one of them to '
+  'AdamW (muon_weight_dimension_numbers None for its kernels).'
+)
 
 
 LIFTED_BOUNDARY_MSG = (

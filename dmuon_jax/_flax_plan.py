@@ -181,3 +181,38 @@ def _check_boundaries_hold_targets(params, ded, boundary_predicate) -> None:
           f'with targets are {list(ded.boundaries.names)}).'
         )
       break
+
+
+def scan_layers_per_gather(bounds, layers_per_gather, scan: str):
+  """``(layers_per_gather, choice)`` for a model with scanned stacks (one
+  layer per ``scan`` iteration, so 1); unchanged without any."""
+  if not any(bounds.scanned):
+    return layers_per_gather, None
+  if layers_per_gather not in ('auto', 1):
+    raise ValueError(
+      f'dmuon: layers_per_gather={layers_per_gather!r}, but the scanned '
+      f'stack(s) {[n for n, s in zip(bounds.names, bounds.scanned) if s]}'
+      f' run one layer per {scan} iteration, so each gather holds one '
+      'layer. Pass layers_per_gather=1 (or the default).'
+    )
+  return 1, f'one layer per {scan} iteration'
+
+
+def gather_points(ded, paths) -> tuple[tuple[Any, ...], ...]:
+  """Per boundary, the module path whose call gathers (Linen): the
+  boundary's own, and for a scanned stack the deepest module that holds
+  all its Muon targets (the module ``nn.scan`` runs once per layer, or one
+  inside it: its params are sliced to one layer there)."""
+  points = [path(k) for k in ded.boundary_keys]
+  for b, scanned in enumerate(ded.boundaries.scanned):
+    if not scanned:
+      continue
+    mine = [
+      paths[t.index][:-1] for t in ded.layout.leaves if boundary_of(ded, t) == b
+    ]
+    common = mine[0]
+    for p in mine[1:]:
+      n = next((i for i, (x, y) in enumerate(zip(common, p)) if x != y), None)
+      common = common[: min(len(common), len(p)) if n is None else n]
+    points[b] = common
+  return tuple(points)

@@ -217,8 +217,11 @@ class ModelDedication:
     linen_model: the Linen module (from :func:`dedicate_linen`), or None
       for an NNX model.
     placeholder_paths: per Muon target, the path of its placeholder
-      (:class:`DedicatedWeight` in NNX, a zero-size array in Linen params).
-    boundary_paths: per boundary, its module path.
+      (:class:`DedicatedWeight` in NNX, a zero-size array in Linen params:
+      ``(num_layers, 0)`` in a scanned stack).
+    boundary_paths: per boundary, the path of the Linen module whose call
+      gathers: the boundary's own, or for an ``nn.scan`` stack the deepest
+      module holding all its Muon targets (run once per layer).
 
   Examples:
     >>> import jax, jax.numpy as jnp, dmuon_jax.flax as dflax
@@ -275,13 +278,34 @@ class ModelDedication:
     params = jax.tree.map(
       _mesh.unbox, variables['params'], is_leaf=_mesh.is_box
     )
-    variables = {**variables, 'params': params}
+    variables = {**variables, 'params': self._with_iterations(params)}
     reset = _flax_linen.LINEN.set((self, params, {}))
     try:
       with nn.intercept_methods(_flax_linen.linen_interceptor):
         return self.linen_model.apply(variables, *args, **kwargs)
     finally:
       _flax_linen.LINEN.reset(reset)
+
+  def _with_iterations(self, params: Any) -> Any:
+    """Linen ``params`` with each scanned stack's layer indices,
+    ``dmuon_iteration = arange(num_layers)``, beside its owned buffers:
+    ``nn.scan`` slices them with the layers (``variable_axes={'params':
+    0}``), so each iteration knows which owners hold its matrices (they
+    rotate by one slot per layer). Made here, in the step, they are no
+    param of the ``TrainState``: nothing differentiates or updates them."""
+    ded = self.dedication
+    scanned = [b for b, s in enumerate(ded.boundaries.scanned) if s]
+    if not scanned:
+      return params
+    params = _flax_linen.plain_dicts(params)
+    for b in scanned:
+      n = ded.layout.iterations[_gather.group_of(ded, b)]
+      _flax_linen.set_item(
+        params,
+        self.boundary_paths[b] + (_flax_linen.ITERATION,),
+        jnp.arange(n, dtype=jnp.int32),
+      )
+    return params
 
   @property
   def axes(self) -> tuple[str, ...]:
@@ -518,16 +542,9 @@ def dedicate(
     boundary_predicate=boundary_predicate,
     strict=strict,
   )
-  if any(bounds.scanned):
-    if layers_per_gather not in ('auto', 1):
-      raise ValueError(
-        f'dmuon: layers_per_gather={layers_per_gather!r}, but the scanned '
-        f'stack(s) {[n for n, s in zip(bounds.names, bounds.scanned) if s]}'
-        ' run one layer per nnx.scan iteration, so each gather holds one '
-        'layer. Pass layers_per_gather=1 (or the default).'
-      )
-    layers_per_gather = 1
-  choice = 'one layer per nnx.scan iteration' if any(bounds.scanned) else None
+  layers_per_gather, choice = _flax_plan.scan_layers_per_gather(
+    bounds, layers_per_gather, 'nnx.scan'
+  )
   paths = [
     _flax_plan.path(keys) for keys, _ in jax.tree.flatten_with_path(params)[0]
   ]
@@ -740,6 +757,16 @@ def dedicate_linen(
   group's matrices when it is called; other collections (``batch_stats``)
   pass through as without dedication.
 
+  An ``nn.scan`` stack (``variable_axes={'params': 0}``; its Muon kernels
+  ``(L, m, n)`` given dimension numbers, e.g. ``MuonDimensionNumbers(1,
+  2)``) gathers one layer per iteration, inside the loop: its owner buffer
+  ``(L, num_slots * local)`` is stored with the stack's params, so
+  ``nn.scan`` slices it like them, and ``ded.apply`` adds the layer indices
+  beside it (``dmuon_iteration``, sliced too), since the owners rotate by
+  one slot per layer. Inside ``nn.remat`` (``nn.scan(nn.remat(Block))``)
+  the gather is recomputed in the backward pass: that is Z3, and Z2 warns
+  that it moves Z3's bytes.
+
   Args:
     model: the Linen module.
     params: its ``'params'`` collection (``variables['params']``), boxed
@@ -760,15 +787,21 @@ def dedicate_linen(
 
   Returns:
     ``(dedication, dedicated_params)``: the Muon targets replaced by
-    zero-size placeholders, each gather group's owner buffers stored as
-    ``dmuon_owned_<j>`` under the group's first boundary. Boxed params
+    zero-size placeholders (``(L, 0)`` in a scanned stack), each gather
+    group's owner buffers stored as ``dmuon_owned_<j>`` under the group's
+    first boundary (a scanned stack's: in the deepest module holding all
+    its Muon targets). Boxed params
     keep their boxes, and the owner buffers are boxed with their layout's
     spec (``nn.get_sharding`` of the params gives the owners' sharding).
 
   Raises:
     ValueError: for a variables dict instead of its ``'params'``, a
-      scanned stack (``nn.scan``: use the explicit API), a tensor-parallel
-      axis, or what :func:`dmuon_jax.dedicate` rejects.
+      tensor-parallel axis, ``layers_per_gather`` other than 1 or
+      ``'auto'`` with a scanned stack, or what :func:`dmuon_jax.dedicate`
+      rejects; and from ``ded.apply``, for a scanned stack that does not
+      run one layer per ``nn.scan`` iteration (called whole, two stacks
+      under one top-level module, or layers stacked by ``nn.vmap``) or runs
+      without its owner buffers (plain params).
 
   Examples:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, dmuon_jax.flax as dflax
@@ -811,29 +844,33 @@ def dedicate_linen(
     ns_algorithm=ns_algorithm,
     owner_groups=owner_groups,
   )
+  bounds = _boundaries.find_hook_boundaries(
+    params,
+    predicate=predicate if predicate != 'optax' else None,
+    weight_dimension_numbers=muon_weight_dimension_numbers,
+    boundary_predicate=boundary_predicate,
+    strict=strict,
+  )
+  layers_per_gather, choice = _flax_plan.scan_layers_per_gather(
+    bounds, layers_per_gather, 'nn.scan'
+  )
   specs = [None if box is None else _mesh.leaf_spec(box) for box in boxes]
   ded, placed, dp, replicated, moved = _flax_plan.plan(
-    'dedicate_linen', params, mesh, layers_per_gather, None, kwargs, specs
+    'dedicate_linen', params, mesh, layers_per_gather, choice, kwargs, specs
   )
-  scanned = [
-    n for n, sc in zip(ded.boundaries.names, ded.boundaries.scanned) if sc
-  ]
-  if scanned:
-    raise ValueError(
-      'dmuon: dedicate_linen does not run scanned stacks (nn.scan) yet: '
-      f'{scanned}. Use the explicit API (dmuon_jax.dedicate, '
-      'Dedication.scan).'
-    )
   flat = jax.tree.flatten_with_path(placed)[0]
   paths = [_flax_plan.path(k) for k, _ in flat]
   targets_by_leaf = {t.index: t for t in ded.layout.leaves}
   out = _flax_linen.plain_dicts(placed)
   for i, t in targets_by_leaf.items():
-    hole = jnp.zeros((0,), t.dtype)
+    scanned = ded.boundaries.scanned[_flax_plan.boundary_of(ded, t)]
+    hole = _placeholder(t.shape, t.dtype, scanned)  # nn.scan slices it
     if mesh is not None:
       hole = jax.device_put(hole, NamedSharding(mesh, P()))
     _flax_linen.set_item(out, paths[i], hole)
-  boundary_paths = tuple(_flax_plan.path(k) for k in ded.boundary_keys)
+  # A scanned stack gathers where its params hold one layer: in the module
+  # nn.scan runs per layer, and its owned buffers are stored there too.
+  boundary_paths = _flax_plan.gather_points(ded, paths)
   buffer_paths: list[tuple] = [()] * len(dp.owned.buffers)
   for g, group in enumerate(ded.groups):
     first = boundary_paths[group[0]]

@@ -781,8 +781,9 @@ class NnxMistakeTest(absltest.TestCase):
 
 class DocsMistakeTableTest(absltest.TestCase):
   """Every row of ``docs/reference/dedicated_mistakes.md`` names tests that
-  exist in this file, ``flax_linen_test.py`` or the plain-jit route's
-  ``flax_route_test.py``/``flax_linen_route_test.py``."""
+  exist in this file, ``flax_linen_test.py``, ``flax_linen_scan_test.py``
+  or the plain-jit route's ``flax_route_test.py``/
+  ``flax_linen_route_test.py``."""
 
   def test_every_row_names_tests_that_exist(self):
     root = pathlib.Path(__file__).resolve().parent
@@ -792,6 +793,7 @@ class DocsMistakeTableTest(absltest.TestCase):
       for f in (
         'flax_nnx_test.py',
         'flax_linen_test.py',
+        'flax_linen_scan_test.py',
         'flax_route_test.py',
         'flax_linen_route_test.py',
       )

@@ -266,9 +266,11 @@ def _muon_update(cfg, hp, decay, ded, grads, state, params=None):
 def _mean_rest(dedication: Dedication) -> optax.GradientTransformation:
   """Averages the non-target gradients over all devices (inside shard_map).
 
-  A sharded param's gradient arrives summed over its sharding axes (the
-  transpose of :meth:`Dedication.gather_rest`'s all-gather); it is divided
-  by their size and averaged over the other axes it varies on.
+  A sharded param's gradient arrives summed over the manual axes of its
+  sharding but the tensor-parallel one (the transpose of
+  :meth:`Dedication.gather_rest`'s all-gather); it is divided by their size
+  and averaged over the other axes it varies on (not over the TP axis of a
+  TP-sharded param: each TP shard holds its own slice).
   """
   mesh = dedication.mesh
 
@@ -278,13 +280,19 @@ def _mean_rest(dedication: Dedication) -> optax.GradientTransformation:
       return updates, state
     sizes = dict(mesh.shape)
     tp_axis = dedication.tensor_parallel_axis
+    manual = _collectives.manual_axes()
     out = []
     for x, spec, path in zip(
       _gather.full_leaves(updates, dedication.treedef),
       dedication.rest_specs,
       dedication.leaf_paths,
     ):
-      if x is not None and tp_axis in _collectives.varying_axes(x):
+      spec_axes = [a for e in _mesh.spec_entries(spec) for a in e]
+      if (
+        x is not None
+        and tp_axis in _collectives.varying_axes(x)
+        and tp_axis not in spec_axes
+      ):
         raise ValueError(
           f'dmuon: the gradient of {path!r} differs between the shards of '
           f'the tensor-parallel axis {tp_axis!r} (it is a partial sum '
@@ -293,7 +301,11 @@ def _mean_rest(dedication: Dedication) -> optax.GradientTransformation:
           'sums TP-replicated params over the TP axis.'
         )
       if x is not None:
-        summed = [a for e in _mesh.spec_entries(spec) for a in e]
+        # Summed over the manual axes its sharding names (the transpose of
+        # gather_rest's all-gather), not over the TP axis (a TP-sharded
+        # param stays each TP shard's slice) nor over automatic axes
+        # (dmuon_jax.flax.train_step's TP axis: the partitioner's).
+        summed = [a for a in spec_axes if a in manual and a != tp_axis]
         # Invariant over an axis of a step run whole inside shard_map
         # (dmuon_jax.flax.train_step): autodiff summed it there.
         summed += [
@@ -306,7 +318,9 @@ def _mean_rest(dedication: Dedication) -> optax.GradientTransformation:
         others = tuple(
           a
           for a in mesh.axis_names
-          if a not in summed and a in _collectives.varying_axes(x)
+          if a not in summed
+          and a not in spec_axes
+          and a in _collectives.varying_axes(x)
         )
         if others:
           x = jax.lax.pmean(x, others)

@@ -208,15 +208,35 @@ def _muon_update(cfg, hp, decay, ded, grads, state, params=None):
   if set(layout.buffer_axes) & manual or not layout.distributed:
     n = layout.num_slots if manual else 1
     g = tuple(x / n for x in grads.buffers) if n > 1 else grads.buffers
-    ortho, mu = _owner_update.owner_step(
-      cfg,
-      hp,
-      layout,
-      g,
-      state.mu.buffers,
+    # With the TP axis automatic (dmuon_jax.flax.train_step), each TP
+    # shard's slices in a shard_map over it: the Gram all-reduces need it.
+    specs = _gather.buffer_tp_specs(ded, g)
+    dyn = _owner_update.dynamic(hp)
+
+    def local_step(g, mus, ps, count_inc, dyn):
+      out, mu = _owner_update.owner_step(
+        cfg,
+        _owner_update.with_dynamic(hp, dyn),
+        layout,
+        g,
+        mus,
+        count_inc,
+        params=ps,
+        decay=decay,
+      )
+      return list(out), list(mu)
+
+    ortho, mu = _gather.on_tp_shards(
+      ded,
+      local_step,
+      (specs, specs, specs if decay else None, P(), P()),
+      (specs, specs),
+    )(
+      list(g),
+      list(state.mu.buffers),
+      list(param_bufs) if decay else None,
       count_inc,
-      params=param_bufs if decay else None,
-      decay=decay,
+      dyn,
     )
   else:
     specs = list(layout.buffer_specs())

@@ -439,6 +439,24 @@ class OutsideTheStepTest(absltest.TestCase):
     plain = ded.to_params(model)
     self.assertEqual(plain['layers'][0]['down']['kernel'].shape, (F, D))
 
+  def test_plain_jit_on_an_auto_mesh_warns_and_computes_the_same(self):
+    # GSPMD gathers (every TP shard's slices joined), all-reduced
+    # gradients: train_step is the floor on Auto meshes.
+    mesh = make_mesh('1x4x2', AxisType.Auto)
+    with jax.set_mesh(mesh):
+      model = Model(nnx.Rngs(0))
+      ded = dflax.dedicate(model, mesh)
+      optimizer = nnx.Optimizer(
+        model, dflax.dedicated_muon(ded, learning_rate=LR), wrt=nnx.Param
+      )
+      tokens = jax.device_put(token_batch(), NamedSharding(mesh, P(DP)))
+      with self.assertWarnsRegex(
+        dmuon_jax.DMuonWarning, r'plain jax.jit/nnx.jit.*train_step'
+      ):
+        loss = float(nnx.jit(train_step)(model, optimizer, tokens))
+    want = reference()[0][0]
+    self.assertLess(abs(loss - want) / want, 1e-6)
+
   def test_auto_tp_axis_under_plain_jit_names_what_to_do(self):
     # Owner axes Explicit, 'model' Auto: jax types unreduced cotangents
     # only on all-Explicit meshes (0.10: an AssertionError in getu).

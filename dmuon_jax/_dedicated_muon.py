@@ -204,70 +204,45 @@ def _muon_update(cfg, hp, decay, ded, grads, state, params=None):
     )
   count_inc = optax.safe_increment(state.count)
   manual = _collectives.manual_axes()
-  param_bufs = None if params is None else params.buffers
+  param_bufs = None if params is None or not decay else list(params.buffers)
+  dyn = _owner_update.dynamic(hp)
+
+  def body(g, mus, ps, count_inc, dyn):
+    out, mu = _owner_update.owner_step(
+      cfg,
+      _owner_update.with_dynamic(hp, dyn),
+      layout,
+      g,
+      mus,
+      count_inc,
+      params=ps,
+      decay=decay,
+    )
+    return list(out), list(mu)
+
   if set(layout.buffer_axes) & manual or not layout.distributed:
+    # The local blocks (inside shard_map, or one device).
     n = layout.num_slots if manual else 1
-    g = tuple(x / n for x in grads.buffers) if n > 1 else grads.buffers
+    g = [x / n for x in grads.buffers] if n > 1 else list(grads.buffers)
+    specs = _gather.buffer_tp_specs(ded, g)
     # With the TP axis automatic (dmuon_jax.flax.train_step), each TP
     # shard's slices in a shard_map over it: the Gram all-reduces need it.
-    specs = _gather.buffer_tp_specs(ded, g)
-    dyn = _owner_update.dynamic(hp)
-
-    def local_step(g, mus, ps, count_inc, dyn):
-      out, mu = _owner_update.owner_step(
-        cfg,
-        _owner_update.with_dynamic(hp, dyn),
-        layout,
-        g,
-        mus,
-        count_inc,
-        params=ps,
-        decay=decay,
-      )
-      return list(out), list(mu)
-
-    ortho, mu = _gather.on_tp_shards(
+    run = _gather.on_tp_shards(
       ded,
-      local_step,
+      body,
       (specs, specs, specs if decay else None, P(), P()),
       (specs, specs),
-    )(
-      list(g),
-      list(state.mu.buffers),
-      list(param_bufs) if decay else None,
-      count_inc,
-      dyn,
     )
-  else:
+  else:  # global arrays (plain jit): a shard_map over the whole mesh
+    g = list(grads.buffers)
     specs = list(layout.buffer_specs())
-    mesh = ded.mesh if ded.mesh is not None else layout.mesh
-    dyn = _owner_update.dynamic(hp)
-
-    def body(g, mus, ps, count_inc, dyn):
-      out, mu = _owner_update.owner_step(
-        cfg,
-        _owner_update.with_dynamic(hp, dyn),
-        layout,
-        g,
-        mus,
-        count_inc,
-        params=ps,
-        decay=decay,
-      )
-      return list(out), list(mu)
-
-    ortho, mu = jax.shard_map(
+    run = jax.shard_map(
       body,
-      mesh=mesh,
+      mesh=ded.mesh if ded.mesh is not None else layout.mesh,
       in_specs=(specs, specs, specs if decay else None, P(), P()),
       out_specs=(specs, specs),
-    )(
-      list(grads.buffers),
-      list(state.mu.buffers),
-      list(param_bufs) if decay else None,
-      count_inc,
-      dyn,
     )
+  ortho, mu = run(g, list(state.mu.buffers), param_bufs, count_inc, dyn)
   # optax.contrib.muon's dtype: the momentum's promoted with the gradient's.
   out = [
     o.astype(jnp.result_type(m.dtype, g.dtype))

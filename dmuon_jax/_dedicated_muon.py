@@ -215,50 +215,45 @@ def _muon_update(cfg, hp, decay, ded, grads, state, params=None):
     )
   count_inc = optax.safe_increment(state.count)
   manual = _collectives.manual_axes()
-  param_bufs = None if params is None else params.buffers
-  if set(layout.buffer_axes) & manual or not layout.distributed:
-    n = layout.num_slots if manual else 1
-    g = tuple(x / n for x in grads.buffers) if n > 1 else grads.buffers
-    ortho, mu = _owner_update.owner_step(
+  param_bufs = None if params is None or not decay else list(params.buffers)
+  dyn = _owner_update.dynamic(hp)
+
+  def body(g, mus, ps, count_inc, dyn):
+    out, mu = _owner_update.owner_step(
       cfg,
-      hp,
+      _owner_update.with_dynamic(hp, dyn),
       layout,
       g,
-      state.mu.buffers,
+      mus,
       count_inc,
-      params=param_bufs if decay else None,
+      params=ps,
       decay=decay,
     )
-  else:
-    specs = list(layout.buffer_specs())
-    mesh = ded.mesh if ded.mesh is not None else layout.mesh
-    dyn = _owner_update.dynamic(hp)
+    return list(out), list(mu)
 
-    def body(g, mus, ps, count_inc, dyn):
-      out, mu = _owner_update.owner_step(
-        cfg,
-        _owner_update.with_dynamic(hp, dyn),
-        layout,
-        g,
-        mus,
-        count_inc,
-        params=ps,
-        decay=decay,
-      )
-      return list(out), list(mu)
-
-    ortho, mu = jax.shard_map(
+  if set(layout.buffer_axes) & manual or not layout.distributed:
+    # The local blocks (inside shard_map, or one device).
+    n = layout.num_slots if manual else 1
+    g = [x / n for x in grads.buffers] if n > 1 else list(grads.buffers)
+    specs = _gather.buffer_tp_specs(ded, g)
+    # With the TP axis automatic (dmuon_jax.flax.train_step), each TP
+    # shard's slices in a shard_map over it: the Gram all-reduces need it.
+    run = _gather.on_tp_shards(
+      ded,
       body,
-      mesh=mesh,
+      (specs, specs, specs if decay else None, P(), P()),
+      (specs, specs),
+    )
+  else:  # global arrays (plain jit): a shard_map over the whole mesh
+    g = list(grads.buffers)
+    specs = list(layout.buffer_specs())
+    run = jax.shard_map(
+      body,
+      mesh=ded.mesh if ded.mesh is not None else layout.mesh,
       in_specs=(specs, specs, specs if decay else None, P(), P()),
       out_specs=(specs, specs),
-    )(
-      list(grads.buffers),
-      list(state.mu.buffers),
-      list(param_bufs) if decay else None,
-      count_inc,
-      dyn,
     )
+  ortho, mu = run(g, list(state.mu.buffers), param_bufs, count_inc, dyn)
   # optax.contrib.muon's dtype: the momentum's promoted with the gradient's.
   out = [
     o.astype(jnp.result_type(m.dtype, g.dtype))
@@ -275,9 +270,11 @@ def _muon_update(cfg, hp, decay, ded, grads, state, params=None):
 def _mean_rest(dedication: Dedication) -> optax.GradientTransformation:
   """Averages the non-target gradients over all devices (inside shard_map).
 
-  A sharded param's gradient arrives summed over its sharding axes (the
-  transpose of :meth:`Dedication.gather_rest`'s all-gather); it is divided
-  by their size and averaged over the other axes it varies on.
+  A sharded param's gradient arrives summed over the manual axes of its
+  sharding but the tensor-parallel one (the transpose of
+  :meth:`Dedication.gather_rest`'s all-gather); it is divided by their size
+  and averaged over the other axes it varies on (not over the TP axis of a
+  TP-sharded param: each TP shard holds its own slice).
   """
   mesh = dedication.mesh
 
@@ -287,13 +284,19 @@ def _mean_rest(dedication: Dedication) -> optax.GradientTransformation:
       return updates, state
     sizes = dict(mesh.shape)
     tp_axis = dedication.tensor_parallel_axis
+    manual = _collectives.manual_axes()
     out = []
     for x, spec, path in zip(
       _gather.full_leaves(updates, dedication.treedef),
       dedication.rest_specs,
       dedication.leaf_paths,
     ):
-      if x is not None and tp_axis in _collectives.varying_axes(x):
+      spec_axes = [a for e in _mesh.spec_entries(spec) for a in e]
+      if (
+        x is not None
+        and tp_axis in _collectives.varying_axes(x)
+        and tp_axis not in spec_axes
+      ):
         raise ValueError(
           f'dmuon: the gradient of {path!r} differs between the shards of '
           f'the tensor-parallel axis {tp_axis!r} (it is a partial sum '
@@ -302,7 +305,11 @@ def _mean_rest(dedication: Dedication) -> optax.GradientTransformation:
           'sums TP-replicated params over the TP axis.'
         )
       if x is not None:
-        summed = [a for e in _mesh.spec_entries(spec) for a in e]
+        # Summed over the manual axes its sharding names (the transpose of
+        # gather_rest's all-gather), not over the TP axis (a TP-sharded
+        # param stays each TP shard's slice) nor over automatic axes
+        # (dmuon_jax.flax.train_step's TP axis: the partitioner's).
+        summed = [a for a in spec_axes if a in manual and a != tp_axis]
         # Invariant over an axis of a step run whole inside shard_map
         # (dmuon_jax.flax.train_step): autodiff summed it there.
         summed += [
@@ -315,7 +322,9 @@ def _mean_rest(dedication: Dedication) -> optax.GradientTransformation:
         others = tuple(
           a
           for a in mesh.axis_names
-          if a not in summed and a in _collectives.varying_axes(x)
+          if a not in summed
+          and a not in spec_axes
+          and a in _collectives.varying_axes(x)
         )
         if others:
           x = jax.lax.pmean(x, others)

@@ -416,7 +416,11 @@ def check_owned(
     )
   shapes = [tuple(np.shape(b)) for b in owned.buffers]
   glob = [s.shape for s in layout.buffer_shapes()]
-  if shapes not in (glob, list(layout.local_shapes())):
+  local = list(layout.local_shapes())
+  # One owner's block with the TP axis left automatic (every TP shard's
+  # slices: dmuon_jax.flax.train_step's manual owner axes).
+  owner = [s[:-1] + (s[-1] * layout.tp_size,) for s in local]
+  if shapes not in (glob, local, owner):
     raise ValueError(
       f'dmuon: {what} got owner buffers of shapes {shapes}, but layout '
       f'{layout.name} has {glob} (global): the buffers were changed '

@@ -123,12 +123,15 @@ def gathered(
   if not layout.distributed:
     mats = _gather.unpack_gathered(ded, g, local, iteration)
     return run(mats, state, arrays)
+  # Inside train_step the TP axis (if any) stays automatic: the gathers
+  # run per TP shard (``_gather.on_tp_shards``), each target sharded over
+  # it as the param was.
   if manual and (not z3 or remat):
     if hit is not None:
       (mats,) = hit
     else:
-      mats = _gather.materialize(
-        ded, g, _gather.gather_replicate(ded, local), iteration
+      mats = _gather.materialize_tp(
+        ded, g, _gather.gather_replicate_tp(ded, local), iteration
       )
       cache[g] = (keys, mats)
     return run(mats, state, arrays)
@@ -136,12 +139,12 @@ def gathered(
     if hit is not None:
       rep, sink, token = hit
     else:
-      rep = _gather.gather_replicate(ded, local)
-      sink = _gather.gather_sink(ded, local)
+      rep = _gather.gather_replicate_tp(ded, local)
+      sink = _gather.gather_sink_tp(ded, local)
       token = _gather.new_token()
 
     def run_z3(rep_local, sink, iteration, state, arrays):
-      mats = _gather.materialize(ded, g, rep_local, iteration, sink=sink)
+      mats = _gather.materialize_tp(ded, g, rep_local, iteration, sink=sink)
       return run(mats, state, arrays)
 
     call = _gather.regather_group_in_backward(
@@ -154,6 +157,8 @@ def gathered(
     out, token = call(rep, token, sink, iteration, state, arrays)
     cache[g] = (keys, rep, sink, token)
     return out
+  if traced:
+    _gather.check_tp_axis_type(ded, f'the dedicated boundary {name!r}')
   if _gather.reduced_route(ded) and traced:
     if _sharded_over(arrays, ded.buffer_axes):
       return _reduced_call(
@@ -165,7 +170,7 @@ def gathered(
 
   def run_global(local, iteration, state, arrays):
     full = [_mesh.place(x, ded.mesh, P()) for x in local]
-    return run(_gather.unpack_gathered(ded, g, full, iteration), state, arrays)
+    return run(_gather.unpack_whole(ded, g, full, iteration), state, arrays)
 
   # The boundaries of a group constrain the same buffers: XLA gathers them
   # once and keeps them (Z2 memory: a re-gather per boundary would move the

@@ -47,7 +47,7 @@ def set_at(root: Any, path: Sequence[Any], value: Any) -> None:
     setattr(parent, path[-1], value)
 
 
-def plan(who, params, mesh, layers_per_gather, choice, kwargs, specs):
+def plan(params, mesh, layers_per_gather, choice, kwargs, specs):
   """The dedication of a Flax model's params, and the params placed for it.
 
   Plans with :func:`dmuon_jax.dedicate`, checks what ``dmuon_jax.flax``
@@ -65,13 +65,6 @@ def plan(who, params, mesh, layers_per_gather, choice, kwargs, specs):
   if choice is not None:
     ded = dataclasses.replace(ded, layers_per_gather_choice=choice)
   _check_boundaries_hold_targets(params, ded, kwargs['boundary_predicate'])
-  if ded.tensor_parallel_axis is not None:
-    raise ValueError(
-      f'dmuon: {who} does not split matrices over the tensor-parallel axis '
-      f'{ded.tensor_parallel_axis!r}; use the explicit API '
-      '(dmuon_jax.dedicate, Dedication.block/sequential/scan) for tensor '
-      'parallelism, or pass tensor-parallel params replicated.'
-    )
   params, ded, replicated, moved = _replicate_rest(
     ded, params, mesh, kwargs, specs
   )

@@ -367,13 +367,32 @@ def _other_leaves(args, rest, positions, batch, mesh, axes):
   return other, other_def, other_specs, other_state
 
 
+def _respell(new: Any, old: Any) -> Any:
+  """``new`` with ``old``'s sharding where the two are the same sharding
+  spelled differently (no copy). XLA decides the sharding of a step's
+  outputs over the automatic axes and spells it without size-1 axes
+  (``P(('shard', 'model'))`` for an owner buffer placed as
+  ``P(('shard', 'replicate', 'model'))`` on a mesh with one replica): the
+  next call's specs, read from the state, would then differ from this
+  call's, and the step would compile again."""
+  s, t = getattr(new, 'sharding', None), getattr(old, 'sharding', None)
+  if (
+    isinstance(s, NamedSharding)
+    and isinstance(t, NamedSharding)
+    and s != t
+    and s.is_equivalent_to(t, np.ndim(new))
+  ):
+    return jax.device_put(new, t)
+  return new
+
+
 def _build_step(md, fn, merge_args, axes, explicit, key, paths):
   """The step for one structure of its arguments (``key``, from
   :func:`train_step`'s ``prepare``): ``fn`` run inside a ``shard_map``
   whose manual axes are ``axes``, compiled with ``jax.jit``."""
   ded = md.dedication
   manual = frozenset(axes)
-  graphdef, treedef, specs, other_def, other_specs, other_state, _ = key
+  graphdef, treedef, specs, other_def, other_specs, other_state, _, done = key
 
   def body(flat, other):
     ctx = _flax_boundary.ACTIVE.set(_flax_boundary.StepContext(md))
@@ -445,18 +464,17 @@ def _build_step(md, fn, merge_args, axes, explicit, key, paths):
       axis_names=manual,
     )(flat, other)
 
-  def place(x, spec):
-    if (
-      isinstance(getattr(x, 'sharding', None), NamedSharding)
-      and _manual_spec(x, manual) == spec
-    ):
-      return x
-    return _mesh.place(x, ded.mesh, spec)
+  def place(x, spec, ok):
+    # Arrays placed on the mesh already (``done``, known before tracing:
+    # traced values carry no sharding) keep their sharding: their specs
+    # were read from it, and a constraint to the manual axes alone would
+    # gather them over the others (an owner buffer's TP axis).
+    return x if ok else _mesh.place(x, ded.mesh, spec)
 
   def placed(flat, other):
     # The batch (and any unplaced state) onto the specs shard_map expects.
-    flat = [place(x, s) for x, s in zip(flat, specs)]
-    other = [place(x, s) for x, s in zip(other, other_specs)]
+    flat = [place(x, s, ok) for x, s, ok in zip(flat, specs, done[0])]
+    other = [place(x, s, ok) for x, s, ok in zip(other, other_specs, done[1])]
     return mapped(flat, other)
 
   return jax.jit(placed)
@@ -599,6 +617,9 @@ def train_step(
         if is_state
       ]
       _check_owner_sharded(md, manual, state_leaves)
+    on_mesh = lambda xs: tuple(
+      isinstance(getattr(x, 'sharding', None), NamedSharding) for x in xs
+    )
     key = (
       graphdef,
       treedef,
@@ -607,6 +628,7 @@ def train_step(
       other_specs,
       other_state,
       tuple(positions),
+      (on_mesh(flat), on_mesh(other)),
     )
     if key not in compiled:
       paths = tuple(_flax_plan.text(_flax_plan.path(k)) for k, _ in flat_paths)
@@ -619,6 +641,7 @@ def train_step(
   def call(*args):
     jitted, flat, other, nodes, treedef = prepare(args)
     new_flat, out = jitted(flat, other)
+    new_flat = [_respell(n, o) for n, o in zip(new_flat, flat)]
     nnx.update(nodes, jax.tree.unflatten(treedef, new_flat))
     return out
 

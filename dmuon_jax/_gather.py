@@ -103,6 +103,112 @@ def materialize(
   return unpack_gathered(ded, g, full, iteration)
 
 
+def target_spec(ded, index: int) -> P:
+  """The PartitionSpec of a gathered Muon target (leaf ``index``): the
+  tensor-parallel axis on the dimension it splits, as the param was
+  sharded; ``P()`` (whole on every device) without TP."""
+  t = ded.layout.leaf(index)
+  if ded.tensor_parallel_axis is None or t.tp_dim is None:
+    return P()
+  entries: list[str | None] = [None] * len(t.shape)
+  entries[t.tp_dim] = ded.tensor_parallel_axis
+  return P(*entries)
+
+
+def target_specs(ded, g: int) -> dict[int, P]:
+  """:func:`target_spec` of each target of group ``g``."""
+  return {
+    s.leaf_index: target_spec(ded, s.leaf_index)
+    for s in ded.layout.groups[g].plan.leaves
+  }
+
+
+def on_tp_shards(ded, fn: Callable[..., Any], in_specs, out_specs):
+  """``fn`` run on each tensor-parallel shard's slices.
+
+  Inside a ``shard_map`` whose manual axes are the owner axes only
+  (:func:`dmuon_jax.flax.train_step`), the TP axis is left to the
+  partitioner: a local owner buffer holds every TP shard's slices. ``fn``
+  (a gather written for TP-local blocks, as the explicit API runs it) then
+  runs in a ``shard_map`` over the TP axis; its specs name the TP axis
+  (``None`` entries: replicated). Where the TP axis is manual already, or
+  there is none, ``fn`` itself.
+  """
+  tp = ded.tensor_parallel_axis
+  if tp is None or tp in _collectives.manual_axes():
+    return fn
+
+  def call(*args):
+    # Replication types as the enclosing shard_map has them: none inside
+    # one with check_vma=False (train_step's shape probe), where no value
+    # varies over the manual axes (owner buffers otherwise do).
+    typed = any(_collectives.varying_axes(x) for x in jax.tree.leaves(args))
+    return jax.shard_map(
+      fn,
+      in_specs=in_specs,
+      out_specs=out_specs,
+      axis_names={tp},
+      check_vma=typed,
+    )(*args)
+
+  return call
+
+
+def buffer_tp_specs(ded, local: Sequence[jax.Array]) -> list[P]:
+  """Specs of local owner buffers over the TP axis (its last dimension:
+  TP shard ``t`` of a slot at block ``t``, see the layout's buffer
+  spec)."""
+  tp = ded.tensor_parallel_axis
+  return [P(*([None] * (jnp.ndim(x) - 1)), tp) for x in local]
+
+
+def gather_replicate_tp(ded, local: Sequence[jax.Array]) -> list[jax.Array]:
+  """:func:`gather_replicate`, per TP shard (see :func:`on_tp_shards`)."""
+  specs = buffer_tp_specs(ded, local)
+  return on_tp_shards(
+    ded, lambda xs: gather_replicate(ded, xs), (specs,), specs
+  )(list(local))
+
+
+def gather_sink_tp(ded, local: Sequence[jax.Array]) -> list[jax.Array]:
+  """:func:`gather_sink`, per TP shard (see :func:`on_tp_shards`)."""
+  specs = buffer_tp_specs(ded, local)
+  return on_tp_shards(ded, lambda xs: gather_sink(ded, xs), (specs,), specs)(
+    list(local)
+  )
+
+
+def materialize_tp(
+  ded, g: int, rep_local, iteration=None, sink=None
+) -> dict[int, Any]:
+  """:func:`materialize`, per TP shard (see :func:`on_tp_shards`): each
+  target comes out sharded over the TP axis as the param was."""
+  specs = buffer_tp_specs(ded, rep_local)
+  sink_specs = None if sink is None else buffer_tp_specs(ded, sink)
+  return on_tp_shards(
+    ded,
+    lambda r, it, s: materialize(ded, g, r, it, sink=s),
+    (specs, P(), sink_specs),
+    target_specs(ded, g),
+  )(list(rep_local), iteration, None if sink is None else list(sink))
+
+
+def unpack_whole(ded, g: int, full, iteration=None) -> dict[int, Any]:
+  """:func:`unpack_gathered` of whole buffers (global arrays holding every
+  TP shard's slices): each target's slices joined along its TP dim."""
+  layout = ded.layout
+  if layout.tp_size == 1:
+    return unpack_gathered(ded, g, full, iteration)
+  parts = [
+    unpack_gathered(ded, g, [layout.tp_part(x, t) for x in full], iteration)
+    for t in range(layout.tp_size)
+  ]
+  return {
+    i: jnp.concatenate([p[i] for p in parts], axis=layout.leaf(i).tp_dim)
+    for i in parts[0]
+  }
+
+
 def unpack_gathered(ded, g: int, full, iteration=None) -> dict[int, Any]:
   """Leaf index -> whole target, from group ``g``'s whole buffers (slot
   order; a scan iteration's rotated back by ``iteration``)."""
@@ -582,38 +688,84 @@ route.defvjp(_route_fwd, _route_bwd)
 
 def reduced_route(ded) -> bool:
   """Whether the model's gathers can be reduced gathers under plain jit:
-  a distributed layout without tensor parallelism whose owner axes are all
-  ``Explicit`` in its mesh (jax refuses ``reduced`` over other axes)."""
+  a distributed layout whose owner axes (and tensor-parallel axis, if
+  any) are all ``Explicit`` in its mesh (jax refuses ``reduced`` over other
+  axes, and types ``unreduced`` cotangents only on meshes whose axes are
+  all Explicit)."""
   layout = ded.layout
-  if not layout.distributed or layout.tp_size > 1 or ded.mesh is None:
+  if not layout.distributed or ded.mesh is None:
     return False
-  types = dict(zip(ded.mesh.axis_names, ded.mesh.axis_types))
-  return all(
-    types.get(a) == jax.sharding.AxisType.Explicit for a in ded.buffer_axes
+  return _explicit(ded, ded.buffer_axes) and (
+    layout.tp_size == 1 or _explicit(ded, [ded.tensor_parallel_axis])
   )
+
+
+def _explicit(ded, axes: Sequence[str]) -> bool:
+  types = dict(zip(ded.mesh.axis_names, ded.mesh.axis_types))
+  return all(types.get(a) == jax.sharding.AxisType.Explicit for a in axes)
+
+
+def check_tp_axis_type(ded, who: str) -> None:
+  """Raises where the owner axes are Explicit but the tensor-parallel axis
+  is not: under plain jit such a model would need cotangents typed
+  ``unreduced`` over the owner axes on a mesh with an Auto axis, which
+  jax does not type (jax 0.10: an assertion in ``getu``)."""
+  if (
+    ded.layout.tp_size > 1
+    and ded.mesh is not None
+    and ded.layout.distributed
+    and _explicit(ded, ded.buffer_axes)
+    and not _explicit(ded, [ded.tensor_parallel_axis])
+  ):
+    tp = ded.tensor_parallel_axis
+    raise ValueError(
+      f'dmuon: {who} ran under plain jax.jit/nnx.jit on a mesh whose owner '
+      f'axes {tuple(ded.buffer_axes)} are Explicit and whose '
+      f'tensor-parallel axis {tp!r} is not. Its tensor-parallel matrices '
+      'are gathered typed reduced over the owner axes, and jax types the '
+      'unreduced gradients only on meshes whose axes are all Explicit. '
+      f'Make {tp!r} Explicit too (jax.make_mesh(..., axis_types='
+      '(jax.sharding.AxisType.Explicit,) * 3); a row-parallel layer then '
+      "names its output's sharding, e.g. out_sharding=P(ded.axes, None, "
+      'None)), or keep it Auto and decorate the step with '
+      '@dmuon_jax.flax.train_step(ded).'
+    )
 
 
 def _sharding(ded, spec) -> jax.sharding.NamedSharding:
   return jax.sharding.NamedSharding(ded.mesh, spec)
 
 
+def _buffer_spec(ded) -> P:
+  """The spec of a loop group's owner buffer (a scan iteration's): its
+  layout's spec of the slot dimension (the owner axes, then the TP axis)."""
+  return P(ded.layout.buffer_spec(0)[-1])
+
+
 def _whole(ded, g: int, local, iteration) -> dict[int, Any]:
-  """Group ``g``'s targets, all-gathered (replicated, plain types)."""
+  """Group ``g``'s targets, all-gathered over the owner axes (plain types:
+  whole, or sharded over the TP axis as the params were)."""
   axes = tuple(ded.buffer_axes)
-  full = jax.shard_map(
-    lambda xs: [
-      jax.lax.all_gather(x, axes, tiled=True, to='invarying') for x in xs
-    ],
+
+  def gather(xs, it):
+    # xs: this (owner, TP shard)'s blocks; full: the TP shard's slots.
+    full = [jax.lax.all_gather(x, axes, tiled=True, to='invarying') for x in xs]
+    return unpack_gathered(ded, g, full, it)
+
+  return jax.shard_map(
+    gather,
     mesh=ded.mesh,
-    in_specs=P(axes),
-    out_specs=P(),
-  )(list(local))
-  return unpack_gathered(ded, g, full, iteration)
+    in_specs=(_buffer_spec(ded), P()),
+    out_specs=target_specs(ded, g),
+  )(list(local), iteration)
 
 
 def _as_reduced(ded, mats: dict[int, Any]) -> dict[int, Any]:
-  reduced = _sharding(ded, P(reduced=set(ded.buffer_axes)))
-  return {i: jax.reshard(m, reduced) for i, m in mats.items()}
+  owner = set(ded.buffer_axes)
+  return {
+    i: jax.reshard(m, _sharding(ded, P(*target_spec(ded, i), reduced=owner)))
+    for i, m in mats.items()
+  }
 
 
 def _scatter_to_owners(ded, g: int, local, iteration, cts) -> list:
@@ -623,26 +775,31 @@ def _scatter_to_owners(ded, g: int, local, iteration, cts) -> list:
   :func:`unpack_gathered`, on plain local arrays) and one reduce-scatter
   per buffer adds them up on the owners."""
   axes = tuple(ded.buffer_axes)
-  shapes = [(x.shape, x.dtype) for x in local]  # global: the whole buffers
+  tp = ded.tensor_parallel_axis
+  tp_size = ded.layout.tp_size
+  # One TP shard's whole buffers (every slot's blocks of that TP shard).
+  shapes = [((x.shape[0] // tp_size,) + x.shape[1:], x.dtype) for x in local]
 
   def pack(cts, it):
-    # The transpose of unpacking reduced values takes unreduced ones.
+    # cts: this TP shard's slices, partial sums ({U: owner axes}). The
+    # transpose of unpacking reduced values takes unreduced ones.
     zeros = [
       jax.lax.pcast(jnp.zeros(s, d), axes, to='reduced') for s, d in shapes
     ]
+    if tp is not None:  # like the cotangents: one TP shard's slices
+      zeros = [jax.lax.pcast(z, tp, to='varying') for z in zeros]
     _, vjp = jax.vjp(lambda f: unpack_gathered(ded, g, f), zeros)
     (full,) = vjp(cts)
     if it is not None:  # unpack_gathered's rotation, undone
       full = [_roll_slots(x, it, ded.num_slots) for x in full]
     return [jax.lax.psum_scatter(f, axes, tiled=True) for f in full]
 
-  unreduced = P(unreduced=set(axes))
-  specs = (jax.tree.map(lambda _: unreduced, cts), P())
+  unreduced = {i: P(*target_spec(ded, i), unreduced=set(axes)) for i in cts}
   return jax.shard_map(
     pack if iteration is not None else lambda c, _: pack(c, None),
     mesh=ded.mesh,
-    in_specs=specs,
-    out_specs=[P(axes)] * len(local),
+    in_specs=(unreduced, P()),
+    out_specs=[_buffer_spec(ded)] * len(local),
   )(cts, jnp.zeros([], jnp.int32) if iteration is None else iteration)
 
 

@@ -275,6 +275,11 @@ class OwnerLayout:
     size = x.shape[t.tp_dim] // self.tp_size
     return jax.lax.slice_in_dim(x, k * size, (k + 1) * size, axis=t.tp_dim)
 
+  def tp_part(self, x: jax.Array, t: int) -> jax.Array:
+    """TP shard ``t``'s slots of a whole flat buffer ``(..., num_slots *
+    tp_size * local)``: ``(..., num_slots * local)``, slot order."""
+    return _tp_part(self.num_slots, self.tp_size, x, t)
+
   def _roll(self, flat: jax.Array, shift) -> jax.Array:
     n = self.num_slots
     return jnp.roll(flat.reshape(n, -1), shift, axis=0).reshape(-1)
@@ -324,7 +329,7 @@ class OwnerLayout:
       iters = self.iterations[g]
       per_tp = []
       for k in range(self.tp_size):
-        mine = [_tp_part(self.num_slots, self.tp_size, x, k) for x in bufs]
+        mine = [self.tp_part(x, k) for x in bufs]
         if iters:
           full = jax.vmap(
             lambda t, bs, lay=lay: lay.unpack_full(

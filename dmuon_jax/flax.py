@@ -455,6 +455,7 @@ def dedicate(
   remat_policy: Callable[..., Any] | None = None,
   ns_algorithm: str = 'auto',
   owner_groups: int | str | None = 'auto',
+  tensor_parallel_axis: str | None = 'auto',
 ) -> ModelDedication:
   """Stores an NNX model's Muon targets on their owners, in place.
 
@@ -466,6 +467,19 @@ def dedicate(
   gradients to the owners (Z3 gathers again in the backward pass, Z2 keeps
   the gathered weights). Every other variable (AdamW params, batch
   statistics, RNG state, sown values) stays as it was.
+
+  Tensor parallelism: on a mesh with a tensor-parallel axis (e.g.
+  ``('replicate', 'shard', 'model')``), Muon targets sharded over it along a
+  matrix dimension (by their sharding metadata, ``nnx.with_partitioning``,
+  or placed so) are stored split: each TP shard of an owner holds its
+  slice, and a boundary module sees each target sharded over the TP axis as
+  the param was, so a model written for the partitioner (no ``psum`` of its
+  own) runs unchanged. The gathers move the slices over the owner axes
+  only, and :func:`dedicated_muon` orthogonalizes them by Gram
+  Newton-Schulz over the TP axis. Under a plain ``jax.jit``/``nnx.jit``
+  step every mesh axis must be Explicit (row-parallel layers then name
+  their output's sharding, e.g. ``out_sharding=P(ded.axes, None, None)``);
+  :func:`train_step` also takes an Auto TP axis.
 
   Args:
     model: the NNX model (its params placed on ``mesh`` or not).
@@ -483,8 +497,12 @@ def dedicate(
     axis_names: as for :func:`dmuon_jax.dedicate`.
     replicate_axis: as for :func:`dmuon_jax.dedicate`.
     remat_policy: as for :func:`dmuon_jax.dedicate`.
-    ns_algorithm: as for :func:`dmuon_jax.dedicate`.
+    ns_algorithm: as for :func:`dmuon_jax.dedicate` (TP-split matrices
+      always run Gram Newton-Schulz).
     owner_groups: as for :func:`dmuon_jax.dedicate`.
+    tensor_parallel_axis: as for :func:`dmuon_jax.dedicate` (default
+      ``'auto'``: the axis named ``'model'``, ``'tensor'`` or ``'tp'`` that
+      the Muon params are sharded over, if any).
 
   Returns:
     A :class:`ModelDedication`, for :func:`dedicated_muon` and
@@ -492,8 +510,13 @@ def dedicate(
 
   Raises:
     ValueError: for a model dedicated already, a Muon target held by two
-      modules (tied weights), a boundary that is not a module, a mesh with
-      a tensor-parallel axis, or what :func:`dmuon_jax.dedicate` rejects.
+      modules (tied weights), a boundary that is not a module, or what
+      :func:`dmuon_jax.dedicate` rejects (on a mesh with a tensor-parallel
+      axis: a Muon target not split over it, or split together with
+      another axis on one dimension); when the model runs under a plain
+      ``jax.jit``/``nnx.jit`` on a mesh whose owner axes are Explicit and
+      whose tensor-parallel axis is not (make it Explicit too, or use
+      :func:`train_step`).
 
   Examples:
     >>> import jax.numpy as jnp, dmuon_jax.flax as dflax
@@ -534,6 +557,7 @@ def dedicate(
     remat_policy=remat_policy,
     ns_algorithm=ns_algorithm,
     owner_groups=owner_groups,
+    tensor_parallel_axis=tensor_parallel_axis,
   )
   bounds = _boundaries.find_hook_boundaries(
     params,
@@ -552,7 +576,6 @@ def dedicate(
   # metadata), also where a traced value on Auto axes says nothing.
   specs = [_mesh.leaf_spec(_flax_plan.node_at(model, p)) for p in paths]
   ded, placed, dp, replicated, moved = _flax_plan.plan(
-    'dmuon_jax.flax.dedicate',
     params,
     mesh,
     layers_per_gather,
@@ -748,6 +771,7 @@ def dedicate_linen(
   remat_policy: Callable[..., Any] | None = None,
   ns_algorithm: str = 'auto',
   owner_groups: int | str | None = 'auto',
+  tensor_parallel_axis: str | None = 'auto',
 ) -> tuple[ModelDedication, Any]:
   """:func:`dedicate` for a Linen model: returns the dedicated params.
 
@@ -784,6 +808,12 @@ def dedicate_linen(
     remat_policy: as for :func:`dedicate`.
     ns_algorithm: as for :func:`dedicate`.
     owner_groups: as for :func:`dedicate`.
+    tensor_parallel_axis: as for :func:`dedicate`: Muon kernels boxed
+      over it (``nn.with_partitioning(init, (None, 'model'))``) are stored
+      split and reach each layer sharded over it. Linen's ``nn.Dense``
+      takes no ``out_sharding``, which a row-parallel layer needs on an
+      all-Explicit mesh: run such models with :func:`train_step` on an
+      Auto TP axis.
 
   Returns:
     ``(dedication, dedicated_params)``: the Muon targets replaced by
@@ -796,7 +826,7 @@ def dedicate_linen(
 
   Raises:
     ValueError: for a variables dict instead of its ``'params'``, a
-      tensor-parallel axis, ``layers_per_gather`` other than 1 or
+      ``layers_per_gather`` other than 1 or
       ``'auto'`` with a scanned stack, or what :func:`dmuon_jax.dedicate`
       rejects; and from ``ded.apply``, for a scanned stack that does not
       run one layer per ``nn.scan`` iteration (called whole, two stacks
@@ -843,6 +873,7 @@ def dedicate_linen(
     remat_policy=remat_policy,
     ns_algorithm=ns_algorithm,
     owner_groups=owner_groups,
+    tensor_parallel_axis=tensor_parallel_axis,
   )
   bounds = _boundaries.find_hook_boundaries(
     params,
@@ -856,7 +887,7 @@ def dedicate_linen(
   )
   specs = [None if box is None else _mesh.leaf_spec(box) for box in boxes]
   ded, placed, dp, replicated, moved = _flax_plan.plan(
-    'dedicate_linen', params, mesh, layers_per_gather, choice, kwargs, specs
+    params, mesh, layers_per_gather, choice, kwargs, specs
   )
   flat = jax.tree.flatten_with_path(placed)[0]
   paths = [_flax_plan.path(k) for k, _ in flat]

@@ -226,14 +226,20 @@ def _check_owner_sharded(md, manual, state_leaves) -> None:
   owner layout (an owner buffer or its momentum): inside the step each
   device runs the whole model, which would see one device's shard."""
   layout = md.dedication.layout
+  sizes = dict(md.dedication.mesh.shape)
+
+  def key(shape, spec):  # size-1 axes dropped: XLA's spelling omits them
+    shape = tuple(shape)
+    return shape, _mesh.normalize_entries(spec, len(shape), sizes)
+
   owner_layout = {
-    (tuple(shape.shape), _manual_spec_of(spec, manual))
+    key(shape.shape, _manual_spec_of(spec, manual))
     for shape, spec in zip(layout.buffer_shapes(), layout.buffer_specs())
   }
   for x, spec, path in state_leaves:
     if not _spec_axes(spec) & manual:
       continue
-    if (tuple(np.shape(x)), spec) in owner_layout:
+    if key(np.shape(x), spec) in owner_layout:
       continue
     raise ValueError(
       f'dmuon: train_step got {path!r} sharded {spec} over the owner axes '

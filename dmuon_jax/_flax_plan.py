@@ -65,6 +65,17 @@ def plan(params, mesh, layers_per_gather, choice, kwargs, specs):
   if choice is not None:
     ded = dataclasses.replace(ded, layers_per_gather_choice=choice)
   _check_boundaries_hold_targets(params, ded, kwargs['boundary_predicate'])
+  scanned = [
+    n for n, s in zip(ded.boundaries.names, ded.boundaries.scanned) if s
+  ]
+  if ded.tensor_parallel_axis is not None and scanned:
+    raise ValueError(
+      'dmuon: dmuon_jax.flax does not run tensor-parallel matrices inside '
+      f'scanned stacks yet ({scanned}, over {ded.tensor_parallel_axis!r}). '
+      'Use the explicit API (dmuon_jax.dedicate, Dedication.scan), run the '
+      'layers as a Python loop, or pass tensor_parallel_axis=None with the '
+      'stack replicated over it.'
+    )
   params, ded, replicated, moved = _replicate_rest(
     ded, params, mesh, kwargs, specs
   )

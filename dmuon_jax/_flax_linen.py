@@ -96,11 +96,32 @@ def _dense_general_call(next_fun, args, kwargs, context):
     object.__setattr__(module, 'kernel_init', init)
 
 
+def _batch_norm_call(next_fun, args, kwargs, context, axes):
+  """``next_fun`` of an ``nn.BatchNorm`` without an ``axis_name`` inside
+  ``train_step`` (manual owner ``axes``), with the owner axes as its
+  ``axis_name`` for the call: its statistics are the global batch's (a
+  pmean of the devices' equal shares), as under ``jax.jit``."""
+  module = context.module
+  object.__setattr__(module, 'axis_name', tuple(axes))
+  try:
+    return next_fun(*args, **kwargs)
+  finally:
+    object.__setattr__(module, 'axis_name', None)
+
+
 def linen_interceptor(next_fun, args, kwargs, context):
   """Runs a boundary module's method (``__call__`` or any other: a
   ``decode``, an ``attend``) on its group's gathered matrices."""
   if isinstance(context.module, nn.DenseGeneral):
     return _dense_general_call(next_fun, args, kwargs, context)
+  step = _flax_boundary.ACTIVE.get()  # set by train_step
+  if (
+    step is not None
+    and step.md.axes
+    and isinstance(context.module, nn.BatchNorm)
+    and context.module.axis_name is None
+  ):
+    return _batch_norm_call(next_fun, args, kwargs, context, step.md.axes)
   active = LINEN.get()
   if active is None or context.method_name == 'setup':
     return next_fun(*args, **kwargs)

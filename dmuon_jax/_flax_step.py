@@ -254,6 +254,18 @@ def _check_owner_sharded(md, manual, state_leaves) -> None:
     )
 
 
+def _global_batch_norms(nodes: Any, axes: Sequence[str]) -> None:
+  """Gives each ``nnx.BatchNorm`` among ``nodes`` without an ``axis_name``
+  the owner ``axes``: its statistics are then the global batch's (a pmean
+  of the devices' equal shares), as under ``nnx.jit``. ``nodes`` are the
+  step's own merged copies; the user's modules keep their attributes."""
+  if not axes:
+    return
+  for _, node in nnx.iter_graph(nodes):
+    if isinstance(node, nnx.BatchNorm) and node.axis_name is None:
+      node.axis_name = tuple(axes)
+
+
 def _fold_in(key: jax.Array, data: jax.Array) -> jax.Array:
   """``jax.random.fold_in`` of every key in an array of keys (the stacked
   RNG streams of an ``nnx.vmap`` stack too)."""
@@ -363,12 +375,22 @@ def _other_leaves(args, rest, positions, batch, mesh, axes):
     else jax.device_put(x, NamedSharding(mesh, P()))
     for x, b in zip(other, is_batch)
   ]
-  other_specs = tuple(
-    _manual_spec(x, manual)
-    if isinstance(getattr(x, 'sharding', None), NamedSharding)
-    else (P(axes) if axes and b and np.ndim(x) >= 1 else P())
-    for x, b in zip(other, is_batch)
-  )
+
+  def spec(x, b):
+    placed = (
+      _manual_spec(x, manual)
+      if isinstance(getattr(x, 'sharding', None), NamedSharding)
+      else P()
+    )
+    # The batch is split over the owner axes along its first axis unless
+    # its sharding splits it over them already: a batch placed replicated
+    # (jnp arrays made under jax.set_mesh are) would have every device run
+    # the whole batch.
+    if axes and b and np.ndim(x) >= 1 and not _spec_axes(placed) & manual:
+      return P(axes)
+    return placed
+
+  other_specs = tuple(spec(x, b) for x, b in zip(other, is_batch))
   other_state = tuple(not b for b in is_batch)
   return other, other_def, other_specs, other_state
 
@@ -405,6 +427,7 @@ def _build_step(md, fn, merge_args, axes, explicit, key, paths):
     try:
       with _collectives.gradients_summed_over(axes):
         nodes = nnx.merge(graphdef, jax.tree.unflatten(treedef, flat))
+        _global_batch_norms(nodes, axes)
         rest = jax.tree.unflatten(other_def, other)
         args = merge_args(nodes, rest)
         # Each device draws its own random numbers (dropout masks of its
@@ -512,8 +535,9 @@ def train_step(
   - The batch arguments (``batch_argnums``, default: the last argument
     holding an array of rank 1 or more, so that trailing scalars such as a
     step number are not taken for the batch) are split
-    over the owner axes along their first axis unless placed on the mesh
-    already; other arguments are state: arrays placed on the mesh keep
+    over the owner axes along their first axis unless their sharding splits
+    them over those axes already (a batch placed replicated is split);
+    other arguments are state: arrays placed on the mesh keep
     their sharding, unplaced ones are replicated, and an output with the
     structure of a state argument (a returned ``TrainState``) keeps its
     shardings.
@@ -526,9 +550,10 @@ def train_step(
   - Outputs, and float state that ends up differing between devices (e.g.
     batch statistics, a metric's total), are averaged over the owner axes
     (a metric summing over examples keeps one device's share in its
-    ``total`` and ``count``; its ``compute()`` is the global one). ``nnx.BatchNorm``
-    with ``axis_name=None`` normalizes with the device's batch: set
-    ``axis_name=ded.axes`` for the global batch statistics.
+    ``total`` and ``count``; its ``compute()`` is the global one). A
+    BatchNorm (``nnx.BatchNorm``, ``nn.BatchNorm``) without an
+    ``axis_name`` gets the owner axes for the step, so its statistics are
+    the global batch's, as under ``jit``.
   - Inside the step, sharding annotations (``with_sharding_constraint``,
     ``out_sharding=``) may name only the other mesh axes; an annotation
     naming an owner axis fails with an error that says so.

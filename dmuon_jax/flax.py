@@ -50,7 +50,7 @@ from dmuon_jax import (
   _mesh,
   _owner_layout,
 )
-from dmuon_jax._flax_linen import LIFTED_BOUNDARY_MSG as LIFTED_BOUNDARY_MSG
+from dmuon_jax._flax_boundary import LIFTED_BOUNDARY_MSG as LIFTED_BOUNDARY_MSG
 from dmuon_jax._flax_step import dedicated_muon as dedicated_muon
 from dmuon_jax._flax_step import train_step as train_step
 

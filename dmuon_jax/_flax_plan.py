@@ -187,9 +187,17 @@ def _check_boundaries_hold_targets(params, ded, boundary_predicate) -> None:
       break
 
 
-def scan_layers_per_gather(bounds, layers_per_gather, scan: str):
+def scan_layers_per_gather(params, kwargs, layers_per_gather, scan: str):
   """``(layers_per_gather, choice)`` for a model with scanned stacks (one
-  layer per ``scan`` iteration, so 1); unchanged without any."""
+  layer per ``scan`` iteration, so 1); unchanged without any. ``kwargs``:
+  the dedication's keyword arguments (routing and boundary options)."""
+  bounds = _boundaries.find_hook_boundaries(
+    params,
+    predicate=kwargs['predicate'] if kwargs['predicate'] != 'optax' else None,
+    weight_dimension_numbers=kwargs['muon_weight_dimension_numbers'],
+    boundary_predicate=kwargs['boundary_predicate'],
+    strict=kwargs['strict'],
+  )
   if not any(bounds.scanned):
     return layers_per_gather, None
   if layers_per_gather not in ('auto', 1):

@@ -559,15 +559,8 @@ def dedicate(
     owner_groups=owner_groups,
     tensor_parallel_axis=tensor_parallel_axis,
   )
-  bounds = _boundaries.find_hook_boundaries(
-    params,
-    predicate=predicate if predicate != 'optax' else None,
-    weight_dimension_numbers=muon_weight_dimension_numbers,
-    boundary_predicate=boundary_predicate,
-    strict=strict,
-  )
   layers_per_gather, choice = _flax_plan.scan_layers_per_gather(
-    bounds, layers_per_gather, 'nnx.scan'
+    params, kwargs, layers_per_gather, 'nnx.scan'
   )
   paths = [
     _flax_plan.path(keys) for keys, _ in jax.tree.flatten_with_path(params)[0]
@@ -875,15 +868,8 @@ def dedicate_linen(
     owner_groups=owner_groups,
     tensor_parallel_axis=tensor_parallel_axis,
   )
-  bounds = _boundaries.find_hook_boundaries(
-    params,
-    predicate=predicate if predicate != 'optax' else None,
-    weight_dimension_numbers=muon_weight_dimension_numbers,
-    boundary_predicate=boundary_predicate,
-    strict=strict,
-  )
   layers_per_gather, choice = _flax_plan.scan_layers_per_gather(
-    bounds, layers_per_gather, 'nn.scan'
+    params, kwargs, layers_per_gather, 'nn.scan'
   )
   specs = [None if box is None else _mesh.leaf_spec(box) for box in boxes]
   ded, placed, dp, replicated, moved = _flax_plan.plan(

@@ -326,6 +326,31 @@ def _explain_annotation(
     ) from err
 
 
+def _output_sources(
+  out: Any, other_def: Any, other_state: Sequence[bool]
+) -> list[int | None]:
+  """Per output leaf: the index (among the non-node argument leaves) of
+  the leaf of the state argument it has the structure of (a returned
+  ``TrainState``), else None."""
+  args = jax.tree.unflatten(other_def, list(range(other_def.num_leaves)))
+  by_structure = {}
+  for arg in args:
+    leaves = jax.tree.leaves(arg)
+    if not leaves or not other_state[leaves[0]]:
+      continue
+    by_structure.setdefault(jax.tree.structure(arg), leaves)
+  parts = out if isinstance(out, (tuple, list)) else (out,)
+  sources: list[int | None] = []
+  for part in parts:
+    known = by_structure.get(jax.tree.structure(part))
+    sources.extend(
+      known if known is not None else [None] * len(jax.tree.leaves(part))
+    )
+  if len(sources) != len(jax.tree.leaves(out)):
+    return [None] * len(jax.tree.leaves(out))
+  return sources
+
+
 def _output_specs(
   out: Any,
   other_def: Any,
@@ -334,25 +359,10 @@ def _output_specs(
 ) -> list[P]:
   """Per output leaf: the specs of the state argument it has the structure
   of (a returned ``TrainState``), else ``P()``."""
-  args = jax.tree.unflatten(other_def, list(range(other_def.num_leaves)))
-  by_structure = {}
-  for arg in args:
-    leaves = jax.tree.leaves(arg)
-    if not leaves or not other_state[leaves[0]]:
-      continue
-    by_structure.setdefault(
-      jax.tree.structure(arg), [other_specs[k] for k in leaves]
-    )
-  parts = out if isinstance(out, (tuple, list)) else (out,)
-  specs: list[P] = []
-  for part in parts:
-    known = by_structure.get(jax.tree.structure(part))
-    specs.extend(
-      known if known is not None else [P()] * len(jax.tree.leaves(part))
-    )
-  if len(specs) != len(jax.tree.leaves(out)):
-    return [P()] * len(jax.tree.leaves(out))
-  return specs
+  return [
+    P() if k is None else other_specs[k]
+    for k in _output_sources(out, other_def, other_state)
+  ]
 
 
 def _other_leaves(args, rest, positions, batch, mesh, axes):
@@ -469,9 +479,20 @@ def _build_step(md, fn, merge_args, axes, explicit, key, paths):
 
   def mapped(flat, other):
     # Outputs like an argument (a returned TrainState) keep its specs;
-    # the rest is averaged. The output's structure comes from a trace.
-    # Shapes only (eval_shape computes nothing): replication typing off
-    # so that P() fits every output before its specs are known.
+    # the rest is averaged. With no state among the arguments that are not
+    # graph nodes (an NNX step: model, optimizer, batch) every output is
+    # averaged: P() for all of them, and the step is traced once.
+    if not any(other_state):
+      return jax.shard_map(
+        body,
+        mesh=ded.mesh,
+        in_specs=(list(specs), list(other_specs)),
+        out_specs=(list(specs), P()),
+        axis_names=manual,
+      )(flat, other)
+    # Else the output's structure comes from a trace first. Shapes only
+    # (eval_shape computes nothing): replication typing off so that P()
+    # fits every output before its specs are known.
     probe = jax.shard_map(
       body,
       mesh=ded.mesh,
@@ -666,20 +687,29 @@ def train_step(
       compiled[key] = _build_step(
         md, fn, _merge_args, axes, explicit, key, paths
       )
-    return compiled[key], flat, other, nodes, treedef
+    return compiled[key], flat, other, nodes, treedef, other_def, other_state
 
   @functools.wraps(fn)
   def call(*args):
-    jitted, flat, other, nodes, treedef = prepare(args)
+    jitted, flat, other, nodes, treedef, other_def, other_state = prepare(args)
     new_flat, out = jitted(flat, other)
     new_flat = [_respell(n, o) for n, o in zip(new_flat, flat)]
     nnx.update(nodes, jax.tree.unflatten(treedef, new_flat))
-    return out
+    # A returned state argument (a TrainState) too, as it came in.
+    leaves, out_def = jax.tree.flatten(out)
+    sources = _output_sources(out, other_def, other_state)
+    return jax.tree.unflatten(
+      out_def,
+      [
+        x if k is None else _respell(x, other[k])
+        for x, k in zip(leaves, sources)
+      ],
+    )
 
   def compile(*args):  # noqa: A001
     """The step compiled for these arguments (e.g. for
     :func:`dmuon_jax.analyze_compiled`; a compilation of its own)."""
-    jitted, flat, other, _, _ = prepare(args)
+    jitted, flat, other, *_ = prepare(args)
     return jitted.lower(flat, other).compile()
 
   call.compile = compile

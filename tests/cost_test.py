@@ -117,11 +117,7 @@ class CommunicationTest(parameterized.TestCase):
   @parameterized.named_parameters(('mesh_1x8', (1, 8)), ('mesh_2x4', (2, 4)))
   def test_explicit_ddp_train_step_moves_one_all_reduce(self, shape):
     mesh = make_mesh(shape)
-    # Two of llama()'s eight layers (14 Muon matrices): the bytes checked
-    # below are per matrix, exact at any depth; the train step's program
-    # (forward and backward unrolled) compiles in about half the time.
-    layers = 2
-    shapes = llama(layers=layers)
+    shapes = llama()
     params = materialize(shapes, mesh)
     opt = dmuon_jax.dmuon(0.02, mesh=mesh)
     state = opt.init(params)
@@ -129,7 +125,7 @@ class CommunicationTest(parameterized.TestCase):
     batch = jax.device_put(jnp.ones((n * 2, 128)), NamedSharding(mesh, P(AXES)))
 
     def loss_fn(params, x):
-      for i in range(layers):
+      for i in range(8):
         layer = params[f'layers_{i}']
         h = x @ layer['attn']['q'] @ layer['attn']['k'].T
         h = h @ layer['attn']['v'] @ layer['attn']['o']

@@ -689,10 +689,13 @@ def assert_only_the_finite_flag(test, report):
 
 def subprocess_env():
   """The environment of a test's child process: the repo on the path, its
-  own device count, and the run's shared compilation cache (children that
-  compile the same programs, e.g. the kill-9 restarts, compile once)."""
+  own device count, the test processes' XLA flags and the run's shared
+  compilation cache (children that compile the same programs, e.g. the
+  kill-9 restarts, compile once)."""
   env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHON=sys.executable)
-  env.pop('XLA_FLAGS', None)
+  # No forced device count (a child sets its own); the compile-speed flags
+  # of the test processes (tests/conftest.py) are kept.
+  env['XLA_FLAGS'] = os.environ.get('DMUON_TEST_XLA_FLAGS', '')
   cache = os.environ.get('DMUON_TEST_COMPILATION_CACHE')
   if cache:
     env['JAX_COMPILATION_CACHE_DIR'] = cache

@@ -17,7 +17,6 @@ from tests import support
 SLOW_CASES = (
   r'replicated_is_one_all_gather',
   r'ns_flops_per_device_mesh_(2x4_embed_head|1x8_fsdp)',
-  r'moves_one_all_reduce_mesh_1x8',
   r'muon_state_per_device_is_an_eighth',
   r'moves_one_all_reduce_mesh_2x4',
   r'ns_flops_per_device_mesh_1x8$',
@@ -114,7 +113,9 @@ class CompiledUpdateTest(parameterized.TestCase):
 
 
 class CommunicationTest(parameterized.TestCase):
-  @parameterized.named_parameters(('mesh_1x8', (1, 8)), ('mesh_2x4', (2, 4)))
+  # On HSDP (2x4): the owner axes are both axes (a 1x8 case, the same
+  # program over one axis, was dropped: 9 s of the suite's time).
+  @parameterized.named_parameters(('mesh_2x4', (2, 4)))
   def test_explicit_ddp_train_step_moves_one_all_reduce(self, shape):
     mesh = make_mesh(shape)
     shapes = llama()

@@ -411,7 +411,7 @@ def _ns_fn(m, n, ns_algorithm, compute_dtype):
 
 
 class PropertyTest(absltest.TestCase):
-  @settings(max_examples=15, deadline=None)
+  @settings(max_examples=10, deadline=None)
   @given(
     m=st.integers(1, 48),
     n=st.integers(1, 48),
@@ -428,7 +428,7 @@ class PropertyTest(absltest.TestCase):
     if log_scale > -4:  # the norm is far above eps: a real update
       self.assertGreater(np.linalg.norm(out, 2), 0.5)
 
-  @settings(max_examples=5, deadline=None)
+  @settings(max_examples=3, deadline=None)
   @given(
     shapes=st.lists(
       st.tuples(st.integers(1, 24), st.integers(1, 24)), min_size=1, max_size=3
@@ -456,7 +456,7 @@ class PropertyTest(absltest.TestCase):
     for k in params:
       np.testing.assert_allclose(a[k], b[k], atol=1e-5, rtol=1e-5)
 
-  @settings(max_examples=6, deadline=None, derandomize=True)
+  @settings(max_examples=4, deadline=None, derandomize=True)
   @given(
     mesh_shape=st.sampled_from(
       [(1, 8), (2, 4), (4, 2), (8, 1), (1, 2), (2, 1), (1, 3), (3, 2)]

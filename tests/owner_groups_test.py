@@ -24,7 +24,7 @@ from tests import support
 
 # The rest of the grid, for CI and the README's command (see conftest.py).
 # (k=4 in the inner loop: DropInGroupsTest's k4_2x4.)
-SLOW_CASES = (r'DedicatedGroupsTest::.*k4',)
+SLOW_CASES = (r'DedicatedGroupsTest',)
 
 STEPS = 10
 LR = 0.02
@@ -195,9 +195,11 @@ class ExplicitGroupsTest(absltest.TestCase):
 
 
 class DedicatedGroupsTest(parameterized.TestCase):
-  @parameterized.named_parameters(
-    ('k2_z3_2x4', 2, (2, 4), True), ('k4_z2_1x8', 4, (1, 8), False)
-  )
+  # One configuration (k = 2, Z3, HSDP): the owner groups' staged update is
+  # DropInGroupsTest's (k = 2 and 4), and Z2 differs from Z3 only by the
+  # backward regather, which holds no owner-group code (a k4_z2_1x8 case
+  # was dropped: 18 s of the suite's time).
+  @parameterized.named_parameters(('k2_z3_2x4', 2, (2, 4), True))
   def test_ten_steps_equal_single_device_optax_muon(self, k, shape, z3):
     run = support.dedicated_run(shape, z3, owner_groups=k, steps=STEPS)
     self.assertIn(f'k={k} devices', run['ded'].summary())

@@ -128,14 +128,6 @@ class Decoder(nn.Module):
     return embed.attend(norm('out_norm')(x))
 
 
-def dims(params):
-  """optax's dimension numbers for dmuon's Muon leaves (same routing)."""
-  return jax.tree.map(
-    lambda x: dmuon_jax.MuonDimensionNumbers() if x == 'muon' else None,
-    dmuon_jax.muon_labels(params),
-  )
-
-
 def train_step(state, tokens):
   """The trainer's step, as written for the plain model."""
 
@@ -164,7 +156,9 @@ def train(mesh, dedicated, z3=False):
     )
     params = jax.jit(init, out_shardings=shardings)(tokens[:, :-1])['params']
     ded, apply_fn = None, model.apply
-    inner = optax.contrib.muon(LR, muon_weight_dimension_numbers=dims)
+    inner = optax.contrib.muon(
+      LR, muon_weight_dimension_numbers=support.same_routing_dims
+    )
     if dedicated:  # the three changed lines
       ded, params = dflax.dedicate_linen(
         model, params, mesh, reshard_after_forward=z3

@@ -105,14 +105,6 @@ class Decoder(nn.Module):
     return self.embed.attend(self.out_ln(x))
 
 
-def dims(params):
-  """optax's dimension numbers for dmuon's Muon leaves (same routing)."""
-  return jax.tree.map(
-    lambda x: dmuon_jax.MuonDimensionNumbers() if x == 'muon' else None,
-    dmuon_jax.muon_labels(params),
-  )
-
-
 def loss_step(state, tokens):
   """The trainer's step, as written for the plain model."""
 
@@ -140,7 +132,9 @@ def make_state(mesh, dedicated):
   def init(rng, inputs):
     params = model.init(rng, inputs)['params']
     apply_fn = model.apply
-    tx = optax.contrib.muon(LR, muon_weight_dimension_numbers=dims)
+    tx = optax.contrib.muon(
+      LR, muon_weight_dimension_numbers=support.same_routing_dims
+    )
     if dedicated:  # the changed lines
       ded, params = dflax.dedicate_linen(model, params, mesh)
       made.append(ded)
@@ -364,7 +358,9 @@ def norm_run(mesh, dedicated, steps=5):
       tx, step = dflax.dedicated_muon(ded, learning_rate=LR), dflax.train_step
       step = step(ded)(norm_step)
     else:
-      tx = optax.contrib.muon(LR, muon_weight_dimension_numbers=dims)
+      tx = optax.contrib.muon(
+        LR, muon_weight_dimension_numbers=support.same_routing_dims
+      )
       step = nnx.jit(norm_step)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     batch = support.token_batch(BATCH, LENGTH + 1, V)

@@ -102,14 +102,6 @@ def functional_step(graphdef, state, tokens):
   return loss, nnx.state((model, optimizer, metrics, rngs))
 
 
-def dims(params):
-  """optax's dimension numbers for dmuon's Muon leaves (same routing)."""
-  return jax.tree.map(
-    lambda x: dmuon_jax.MuonDimensionNumbers() if x == 'muon' else None,
-    dmuon_jax.muon_labels(params),
-  )
-
-
 def token_batch():
   return support.token_batch(BATCH, LENGTH, V)
 
@@ -135,7 +127,9 @@ def run_decoder(
       ded = dflax.dedicate(model, mesh, reshard_after_forward=z3)
       tx = dflax.dedicated_muon(ded, learning_rate=LR)
     else:
-      tx = optax.contrib.muon(LR, muon_weight_dimension_numbers=dims)
+      tx = optax.contrib.muon(
+        LR, muon_weight_dimension_numbers=support.same_routing_dims
+      )
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     metrics, rngs = metrics_of(), nnx.Rngs(dropout=7)
     tokens = jax.device_put(token_batch(), NamedSharding(mesh, P(AXES)))
@@ -446,7 +440,7 @@ def mlp_run(dedicated, z3=False):
     make,
     mlp_step,
     dedicated,
-    None if dedicated else dims,
+    None if dedicated else support.same_routing_dims,
     z3,
     batch=mlp_batch(),
     **({'boundary_predicate': lambda p, _: p == ''} if dedicated else {}),

@@ -123,14 +123,6 @@ def train_step(model, optimizer, tokens):  # the user's step, unchanged
   return loss
 
 
-def dims(params):
-  """optax's dimension numbers for dmuon's Muon leaves (same routing)."""
-  return jax.tree.map(
-    lambda x: dmuon_jax.MuonDimensionNumbers() if x == 'muon' else None,
-    dmuon_jax.muon_labels(params),
-  )
-
-
 def token_batch():
   return support.token_batch(BATCH, LENGTH, V)
 
@@ -143,7 +135,9 @@ def make_mesh(name, kind):
 def reference():
   """One device, no mesh: ``optax.contrib.muon`` under ``nnx.jit``."""
   model = Model(nnx.Rngs(0), tp=False)
-  tx = optax.contrib.muon(LR, muon_weight_dimension_numbers=dims)
+  tx = optax.contrib.muon(
+    LR, muon_weight_dimension_numbers=support.same_routing_dims
+  )
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   step = nnx.jit(train_step)
   losses = [float(step(model, optimizer, token_batch())) for _ in range(STEPS)]

@@ -110,6 +110,14 @@ def dim_numbers(params):
   return dims
 
 
+def same_routing_dims(params):
+  """optax's dimension numbers for the leaves dmuon routes to Muon (a
+  callable for ``optax.contrib.muon``: the same routing)."""
+  return jax.tree.map(
+    lambda x: MDN() if x == 'muon' else None, dmuon_jax.muon_labels(params)
+  )
+
+
 def llama_like(seed=0, d=32, f=48, vocab=64, layers=3):
   """Stacked, attention, odd, 1×n and n×1 leaves; 9 Muon matrices."""
   names_shapes = (  # In the order of the draws.

@@ -63,8 +63,8 @@ def wide_reference():
 
 
 class DropInGroupsTest(parameterized.TestCase):
-  # k=4 on 1x8 is DedicatedGroupsTest's k4_z2_1x8 (the same planner and
-  # owner update; k2_1x8 here is the drop-in path on 1x8).
+  # k = 2 on 1x8 and k = 4 on HSDP (2x4); DedicatedGroupsTest runs the same
+  # planner and owner update in dedicated mode (k = 2, Z3, 2x4).
   @parameterized.named_parameters(('k2_1x8', 2, (1, 8)), ('k4_2x4', 4, (2, 4)))
   def test_ten_steps_equal_single_device_optax_muon(self, k, shape):
     mesh = support.make_mesh(shape)

@@ -80,14 +80,6 @@ class _Routed:
     self.perm = spec.batch_axes + canon
     self.batch_shape = tuple(spec.shape[a] for a in spec.batch_axes)
 
-  def member(self, coords: dict[str, int]) -> int:
-    """Index of a device (by its coordinates) in its axis group."""
-    if not self.axes:
-      return 0
-    return int(
-      np.ravel_multi_index([coords[a] for a in self.axes], self.axis_sizes)
-    )
-
   def assemble(self, pieces: jax.Array) -> jax.Array:
     """``(blocks, *piece)`` pieces (member order) -> the whole matrix
     in canonical (reduction, output) dims."""
@@ -123,7 +115,11 @@ class Exchange:
     routed: plan leaf index -> its route, for routed leaves.
     gathered: plan leaf indices gathered whole before Newton–Schulz (a
       sharded stack axis).
-    classes: ``(axes, dtype group)`` of each forward all-to-all.
+    classes: ``(axes, dtype group)`` of each route class: its forward
+      all-to-all and its way back (the same rows, reversed, then gathered
+      over the other owner axes).
+    tables: the slot-indexed tables of what each device packs and sends
+      back (see :meth:`by_slot`).
   """
 
   def __init__(self, layout: _layout.Layout, entries: Sequence[_mesh.Entries]):
@@ -141,12 +137,6 @@ class Exchange:
     self.sizes = dict(zip(plan.axis_names, plan.mesh_shape))
     n = plan.num_slots
     self.num_slots = n
-    self.coords = [
-      dict(zip(self.axes, np.unravel_index(s, plan.mesh_shape)))
-      if self.axes
-      else {}
-      for s in range(n)
-    ]
     self.entries = list(entries)
     self.routed: dict[int, _Routed] = {}
     self.gathered: set[int] = set()

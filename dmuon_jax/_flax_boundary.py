@@ -211,23 +211,80 @@ def _warn_unsharded(md: ModelDedication, name: str, arrays) -> None:
   )
 
 
-def _trace_cache(md: ModelDedication, g: int, local, iteration):
+LIFTED_BOUNDARY_MSG = (
+  'dmuon: the dedicated boundary {name!r} runs inside a transform of its '
+  'own ({transforms} around the boundary module or its call: a trace of '
+  'its own per block), so each of its gather group {group} blocks gathers '
+  'the group again: the numbers are right, but the step moves one '
+  'reduce-scatter (Z3: and all-gather) per block instead of one per group '
+  "({blocks} blocks, up to {blocks}x the Muon gradient bytes of the plan's"
+  ' floor). Apply the transform inside the block, to its submodules (e.g. '
+  '{inside} in the block), rather than to the boundary module, or dedicate '
+  'with layers_per_gather=1; for the memory of the gathered matrices, '
+  'reshard_after_forward=True frees them after the forward and re-gathers '
+  'each group once in the backward pass.'
+)
+
+
+def warn_lifted(md: ModelDedication, name: str, g: int, linen: bool) -> None:
+  """The :data:`LIFTED_BOUNDARY_MSG` warning for group ``g``'s block
+  ``name`` (Linen's or NNX's transforms named)."""
+  warnings.warn(
+    LIFTED_BOUNDARY_MSG.format(
+      name=name,
+      group=g,
+      blocks=len(md.dedication.groups[g]),
+      transforms=(
+        'a Flax lifted transform: nn.remat, nn.jit, nn.vmap ...'
+        if linen
+        else 'nnx.remat, nnx.jit, nnx.vmap ...'
+      ),
+      inside='nn.remat(nn.Dense)' if linen else 'nnx.remat around its MLP',
+    ),
+    _report.DMuonWarning,
+    stacklevel=5,
+  )
+
+
+def _trace_cache(md: ModelDedication, g: int, b: int, local, iteration):
   """``(entry, store)``: group ``g``'s cached gather in the running trace
   (``None`` if its buffers were not gathered in it yet), and a function
-  that records a new one."""
+  that records a new one (for block ``b``).
+
+  Warns (once per model) where block ``b`` of a group of several blocks
+  misses the group in its trace while another block of the group gathered
+  it in the trace just before: a transform of its own around each block
+  (``nnx.remat(lambda block, x: block(x))``), so the group is gathered and
+  reduce-scattered per block.
+  """
   trace = jax.extend.core.get_opaque_trace_state(convention='nnx')
   cache = md.gathered
   if cache.get('trace') != trace:
+    previous = cache.get('blocks', {})
     cache.clear()
-    cache['trace'] = trace
+    cache.update(trace=trace, blocks={}, previous=previous)
   keys = (*local, iteration)
   hit = cache.get(g)
   entry = None
   if hit is not None and all(a is b for a, b in zip(hit[0], keys)):
     entry = hit[1]
+  ded = md.dedication
+  before = cache['previous'].get(g)
+  if (
+    entry is None
+    and before is not None
+    and before != b
+    and len(ded.groups[g]) > 1
+    and not md.warned[0]
+  ):
+    md.warned[0] = True
+    warn_lifted(
+      md, ded.boundaries.names[b], g, linen=md.linen_model is not None
+    )
 
   def store(value):
     cache[g] = (keys, value)
+    cache['blocks'][g] = b
 
   return entry, store
 
@@ -242,7 +299,7 @@ def _reduced_call(
   ``remat``, that one recomputes the gather)."""
   ded = md.dedication
   g = _gather.group_of(ded, b)
-  entry, store = _trace_cache(md, g, local, iteration)
+  entry, store = _trace_cache(md, g, b, local, iteration)
   if not ded.reshard_after_forward or remat:
     if entry is None:
       entry = _gather.materialize_reduced(ded, g, local, iteration)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextvars
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,7 +12,7 @@ import jax.extend
 import numpy as np
 from jax.sharding import NamedSharding
 
-from dmuon_jax import _flax_boundary, _flax_plan, _gather, _mesh, _report
+from dmuon_jax import _flax_boundary, _flax_plan, _gather, _mesh
 
 LINEN: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
   'dmuon_jax_flax_linen', default=None
@@ -96,11 +95,32 @@ def _dense_general_call(next_fun, args, kwargs, context):
     object.__setattr__(module, 'kernel_init', init)
 
 
+def _batch_norm_call(next_fun, args, kwargs, context, axes):
+  """``next_fun`` of an ``nn.BatchNorm`` without an ``axis_name`` inside
+  ``train_step`` (manual owner ``axes``), with the owner axes as its
+  ``axis_name`` for the call: its statistics are the global batch's (a
+  pmean of the devices' equal shares), as under ``jax.jit``."""
+  module = context.module
+  object.__setattr__(module, 'axis_name', tuple(axes))
+  try:
+    return next_fun(*args, **kwargs)
+  finally:
+    object.__setattr__(module, 'axis_name', None)
+
+
 def linen_interceptor(next_fun, args, kwargs, context):
   """Runs a boundary module's method (``__call__`` or any other: a
   ``decode``, an ``attend``) on its group's gathered matrices."""
   if isinstance(context.module, nn.DenseGeneral):
     return _dense_general_call(next_fun, args, kwargs, context)
+  step = _flax_boundary.ACTIVE.get()  # set by train_step
+  if (
+    step is not None
+    and step.md.axes
+    and isinstance(context.module, nn.BatchNorm)
+    and context.module.axis_name is None
+  ):
+    return _batch_norm_call(next_fun, args, kwargs, context, step.md.axes)
   active = LINEN.get()
   if active is None or context.method_name == 'setup':
     return next_fun(*args, **kwargs)
@@ -232,21 +252,6 @@ SCAN_SLICE_MSG = (
 )
 
 
-LIFTED_BOUNDARY_MSG = (
-  'dmuon: the dedicated boundary {name!r} runs inside a Flax lifted '
-  'transform of its own (nn.remat, nn.jit, nn.vmap ... around the boundary '
-  'module: a trace of its own per block), so each of its gather group '
-  '{group} blocks gathers the group again: the numbers are right, but '
-  'the step moves one reduce-scatter (Z3: and all-gather) per block '
-  'instead of one per group ({blocks} blocks, up to {blocks}x the Muon '
-  "gradient bytes of the plan's floor). Apply the transform inside the "
-  'block, to its submodules (e.g. nn.remat(nn.Dense) in the block), '
-  'rather than to the boundary module; for the memory of the gathered '
-  'matrices, dedicate_linen(reshard_after_forward=True) frees them after '
-  'the forward and re-gathers each group once in the backward pass.'
-)
-
-
 def _check_one_trace_per_group(md, g: int, path, local, traces) -> None:
   """Warns (once per model) where group ``g``'s blocks run under different
   traces in one ``ded.apply`` on the reduced route: a lifted transform
@@ -261,10 +266,4 @@ def _check_one_trace_per_group(md, g: int, path, local, traces) -> None:
   if first == trace or md.warned[0]:
     return
   md.warned[0] = True
-  warnings.warn(
-    LIFTED_BOUNDARY_MSG.format(
-      name=_flax_plan.text(path), group=g, blocks=len(ded.groups[g])
-    ),
-    _report.DMuonWarning,
-    stacklevel=4,
-  )
+  _flax_boundary.warn_lifted(md, _flax_plan.text(path), g, linen=True)

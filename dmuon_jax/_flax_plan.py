@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import warnings
 from collections.abc import Sequence
@@ -11,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -187,9 +189,17 @@ def _check_boundaries_hold_targets(params, ded, boundary_predicate) -> None:
       break
 
 
-def scan_layers_per_gather(bounds, layers_per_gather, scan: str):
+def scan_layers_per_gather(params, kwargs, layers_per_gather, scan: str):
   """``(layers_per_gather, choice)`` for a model with scanned stacks (one
-  layer per ``scan`` iteration, so 1); unchanged without any."""
+  layer per ``scan`` iteration, so 1); unchanged without any. ``kwargs``:
+  the dedication's keyword arguments (routing and boundary options)."""
+  bounds = _boundaries.find_hook_boundaries(
+    params,
+    predicate=kwargs['predicate'] if kwargs['predicate'] != 'optax' else None,
+    weight_dimension_numbers=kwargs['muon_weight_dimension_numbers'],
+    boundary_predicate=kwargs['boundary_predicate'],
+    strict=kwargs['strict'],
+  )
   if not any(bounds.scanned):
     return layers_per_gather, None
   if layers_per_gather not in ('auto', 1):
@@ -220,3 +230,72 @@ def gather_points(ded, paths) -> tuple[tuple[Any, ...], ...]:
       common = common[: min(len(common), len(p)) if n is None else n]
     points[b] = common
   return tuple(points)
+
+
+def references(model: nnx.Module) -> dict[int, list[tuple]]:
+  """id(node) -> every path that holds it (modules and variables, shared
+  ones under each of their parents)."""
+  refs: dict[int, list[tuple]] = {}
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.Variable):
+      continue
+    if isinstance(node, (list, tuple, nnx.List)):
+      items = list(enumerate(node))
+    elif hasattr(node, '__dict__'):
+      items = list(vars(node).items())
+    else:
+      continue
+    for name, value in items:
+      if isinstance(value, (nnx.Variable, nnx.Module, nnx.List)):
+        held = refs.setdefault(id(value), [])
+        if tuple(path) + (name,) not in held:
+          held.append(tuple(path) + (name,))
+  return refs
+
+
+def public_methods(cls: type) -> list[str]:
+  """``__call__`` and the public methods ``cls`` adds to ``nnx.Module``
+  (``Embed.attend``, a block's helper): each may read the Muon targets."""
+  names = []
+  for klass in cls.__mro__:
+    if klass is nnx.Module or not issubclass(klass, nnx.Module):
+      break
+    for name, fn in vars(klass).items():
+      public = name == '__call__' or not (
+        name.startswith('_') or hasattr(nnx.Module, name)
+      )
+      if public and inspect.isfunction(fn) and name not in names:
+        names.append(name)
+  return names
+
+
+def check_untied(model, paths, targets_by_leaf) -> None:
+  """Raises for a Muon target held by two modules (tied weights)."""
+  refs = references(model)
+  for i in targets_by_leaf:
+    # The target, or a module on its path, held by two parents: tied.
+    holders = max(
+      (
+        refs.get(id(node_at(model, paths[i][:d])), [])
+        for d in range(1, len(paths[i]) + 1)
+      ),
+      key=len,
+    )
+    if len(holders) > 1:
+      raise ValueError(
+        f'dmuon: Muon target {text(paths[i])!r} is held by '
+        f'{[text(h) for h in holders]} (tied weights): one owner cannot '
+        'serve two boundaries. Route it to AdamW (predicate) or untie it.'
+      )
+
+
+def check_boundary_modules(model, ded, boundary_paths) -> None:
+  """Raises for a hook boundary that is not an ``nnx.Module``."""
+  for b, bpath in enumerate(boundary_paths):
+    module = node_at(model, bpath) if bpath else model
+    if not isinstance(module, nnx.Module):
+      raise ValueError(
+        f'dmuon: hook boundary {ded.boundaries.names[b]!r} is a '
+        f'{type(module).__name__}, not an nnx.Module: its call cannot '
+        'gather. Pass a boundary_predicate that names modules.'
+      )

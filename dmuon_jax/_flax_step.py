@@ -254,6 +254,18 @@ def _check_owner_sharded(md, manual, state_leaves) -> None:
     )
 
 
+def _global_batch_norms(nodes: Any, axes: Sequence[str]) -> None:
+  """Gives each ``nnx.BatchNorm`` among ``nodes`` without an ``axis_name``
+  the owner ``axes``: its statistics are then the global batch's (a pmean
+  of the devices' equal shares), as under ``nnx.jit``. ``nodes`` are the
+  step's own merged copies; the user's modules keep their attributes."""
+  if not axes:
+    return
+  for _, node in nnx.iter_graph(nodes):
+    if isinstance(node, nnx.BatchNorm) and node.axis_name is None:
+      node.axis_name = tuple(axes)
+
+
 def _fold_in(key: jax.Array, data: jax.Array) -> jax.Array:
   """``jax.random.fold_in`` of every key in an array of keys (the stacked
   RNG streams of an ``nnx.vmap`` stack too)."""
@@ -314,6 +326,31 @@ def _explain_annotation(
     ) from err
 
 
+def _output_sources(
+  out: Any, other_def: Any, other_state: Sequence[bool]
+) -> list[int | None]:
+  """Per output leaf: the index (among the non-node argument leaves) of
+  the leaf of the state argument it has the structure of (a returned
+  ``TrainState``), else None."""
+  args = jax.tree.unflatten(other_def, list(range(other_def.num_leaves)))
+  by_structure = {}
+  for arg in args:
+    leaves = jax.tree.leaves(arg)
+    if not leaves or not other_state[leaves[0]]:
+      continue
+    by_structure.setdefault(jax.tree.structure(arg), leaves)
+  parts = out if isinstance(out, (tuple, list)) else (out,)
+  sources: list[int | None] = []
+  for part in parts:
+    known = by_structure.get(jax.tree.structure(part))
+    sources.extend(
+      known if known is not None else [None] * len(jax.tree.leaves(part))
+    )
+  if len(sources) != len(jax.tree.leaves(out)):
+    return [None] * len(jax.tree.leaves(out))
+  return sources
+
+
 def _output_specs(
   out: Any,
   other_def: Any,
@@ -322,25 +359,10 @@ def _output_specs(
 ) -> list[P]:
   """Per output leaf: the specs of the state argument it has the structure
   of (a returned ``TrainState``), else ``P()``."""
-  args = jax.tree.unflatten(other_def, list(range(other_def.num_leaves)))
-  by_structure = {}
-  for arg in args:
-    leaves = jax.tree.leaves(arg)
-    if not leaves or not other_state[leaves[0]]:
-      continue
-    by_structure.setdefault(
-      jax.tree.structure(arg), [other_specs[k] for k in leaves]
-    )
-  parts = out if isinstance(out, (tuple, list)) else (out,)
-  specs: list[P] = []
-  for part in parts:
-    known = by_structure.get(jax.tree.structure(part))
-    specs.extend(
-      known if known is not None else [P()] * len(jax.tree.leaves(part))
-    )
-  if len(specs) != len(jax.tree.leaves(out)):
-    return [P()] * len(jax.tree.leaves(out))
-  return specs
+  return [
+    P() if k is None else other_specs[k]
+    for k in _output_sources(out, other_def, other_state)
+  ]
 
 
 def _other_leaves(args, rest, positions, batch, mesh, axes):
@@ -363,12 +385,22 @@ def _other_leaves(args, rest, positions, batch, mesh, axes):
     else jax.device_put(x, NamedSharding(mesh, P()))
     for x, b in zip(other, is_batch)
   ]
-  other_specs = tuple(
-    _manual_spec(x, manual)
-    if isinstance(getattr(x, 'sharding', None), NamedSharding)
-    else (P(axes) if axes and b and np.ndim(x) >= 1 else P())
-    for x, b in zip(other, is_batch)
-  )
+
+  def spec(x, b):
+    placed = (
+      _manual_spec(x, manual)
+      if isinstance(getattr(x, 'sharding', None), NamedSharding)
+      else P()
+    )
+    # The batch is split over the owner axes along its first axis unless
+    # its sharding splits it over them already: a batch placed replicated
+    # (jnp arrays made under jax.set_mesh are) would have every device run
+    # the whole batch.
+    if axes and b and np.ndim(x) >= 1 and not _spec_axes(placed) & manual:
+      return P(axes)
+    return placed
+
+  other_specs = tuple(spec(x, b) for x, b in zip(other, is_batch))
   other_state = tuple(not b for b in is_batch)
   return other, other_def, other_specs, other_state
 
@@ -405,6 +437,7 @@ def _build_step(md, fn, merge_args, axes, explicit, key, paths):
     try:
       with _collectives.gradients_summed_over(axes):
         nodes = nnx.merge(graphdef, jax.tree.unflatten(treedef, flat))
+        _global_batch_norms(nodes, axes)
         rest = jax.tree.unflatten(other_def, other)
         args = merge_args(nodes, rest)
         # Each device draws its own random numbers (dropout masks of its
@@ -446,9 +479,20 @@ def _build_step(md, fn, merge_args, axes, explicit, key, paths):
 
   def mapped(flat, other):
     # Outputs like an argument (a returned TrainState) keep its specs;
-    # the rest is averaged. The output's structure comes from a trace.
-    # Shapes only (eval_shape computes nothing): replication typing off
-    # so that P() fits every output before its specs are known.
+    # the rest is averaged. With no state among the arguments that are not
+    # graph nodes (an NNX step: model, optimizer, batch) every output is
+    # averaged: P() for all of them, and the step is traced once.
+    if not any(other_state):
+      return jax.shard_map(
+        body,
+        mesh=ded.mesh,
+        in_specs=(list(specs), list(other_specs)),
+        out_specs=(list(specs), P()),
+        axis_names=manual,
+      )(flat, other)
+    # Else the output's structure comes from a trace first. Shapes only
+    # (eval_shape computes nothing): replication typing off so that P()
+    # fits every output before its specs are known.
     probe = jax.shard_map(
       body,
       mesh=ded.mesh,
@@ -512,8 +556,9 @@ def train_step(
   - The batch arguments (``batch_argnums``, default: the last argument
     holding an array of rank 1 or more, so that trailing scalars such as a
     step number are not taken for the batch) are split
-    over the owner axes along their first axis unless placed on the mesh
-    already; other arguments are state: arrays placed on the mesh keep
+    over the owner axes along their first axis unless their sharding splits
+    them over those axes already (a batch placed replicated is split);
+    other arguments are state: arrays placed on the mesh keep
     their sharding, unplaced ones are replicated, and an output with the
     structure of a state argument (a returned ``TrainState``) keeps its
     shardings.
@@ -526,9 +571,10 @@ def train_step(
   - Outputs, and float state that ends up differing between devices (e.g.
     batch statistics, a metric's total), are averaged over the owner axes
     (a metric summing over examples keeps one device's share in its
-    ``total`` and ``count``; its ``compute()`` is the global one). ``nnx.BatchNorm``
-    with ``axis_name=None`` normalizes with the device's batch: set
-    ``axis_name=ded.axes`` for the global batch statistics.
+    ``total`` and ``count``; its ``compute()`` is the global one). A
+    BatchNorm (``nnx.BatchNorm``, ``nn.BatchNorm``) without an
+    ``axis_name`` gets the owner axes for the step, so its statistics are
+    the global batch's, as under ``jit``.
   - Inside the step, sharding annotations (``with_sharding_constraint``,
     ``out_sharding=``) may name only the other mesh axes; an annotation
     naming an owner axis fails with an error that says so.
@@ -641,20 +687,29 @@ def train_step(
       compiled[key] = _build_step(
         md, fn, _merge_args, axes, explicit, key, paths
       )
-    return compiled[key], flat, other, nodes, treedef
+    return compiled[key], flat, other, nodes, treedef, other_def, other_state
 
   @functools.wraps(fn)
   def call(*args):
-    jitted, flat, other, nodes, treedef = prepare(args)
+    jitted, flat, other, nodes, treedef, other_def, other_state = prepare(args)
     new_flat, out = jitted(flat, other)
     new_flat = [_respell(n, o) for n, o in zip(new_flat, flat)]
     nnx.update(nodes, jax.tree.unflatten(treedef, new_flat))
-    return out
+    # A returned state argument (a TrainState) too, as it came in.
+    leaves, out_def = jax.tree.flatten(out)
+    sources = _output_sources(out, other_def, other_state)
+    return jax.tree.unflatten(
+      out_def,
+      [
+        x if k is None else _respell(x, other[k])
+        for x, k in zip(leaves, sources)
+      ],
+    )
 
   def compile(*args):  # noqa: A001
     """The step compiled for these arguments (e.g. for
     :func:`dmuon_jax.analyze_compiled`; a compilation of its own)."""
-    jitted, flat, other, _, _ = prepare(args)
+    jitted, flat, other, *_ = prepare(args)
     return jitted.lower(flat, other).compile()
 
   call.compile = compile

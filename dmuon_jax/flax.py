@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import functools
-import inspect
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,7 +49,7 @@ from dmuon_jax import (
   _mesh,
   _owner_layout,
 )
-from dmuon_jax._flax_linen import LIFTED_BOUNDARY_MSG as LIFTED_BOUNDARY_MSG
+from dmuon_jax._flax_boundary import LIFTED_BOUNDARY_MSG as LIFTED_BOUNDARY_MSG
 from dmuon_jax._flax_step import dedicated_muon as dedicated_muon
 from dmuon_jax._flax_step import train_step as train_step
 
@@ -360,43 +359,6 @@ class ModelDedication:
     )
 
 
-def _references(model: nnx.Module) -> dict[int, list[tuple]]:
-  """id(node) -> every path that holds it (modules and variables, shared
-  ones under each of their parents)."""
-  refs: dict[int, list[tuple]] = {}
-  for path, node in nnx.iter_graph(model):
-    if isinstance(node, nnx.Variable):
-      continue
-    if isinstance(node, (list, tuple, nnx.List)):
-      items = list(enumerate(node))
-    elif hasattr(node, '__dict__'):
-      items = list(vars(node).items())
-    else:
-      continue
-    for name, value in items:
-      if isinstance(value, (nnx.Variable, nnx.Module, nnx.List)):
-        held = refs.setdefault(id(value), [])
-        if tuple(path) + (name,) not in held:
-          held.append(tuple(path) + (name,))
-  return refs
-
-
-def _methods(cls: type) -> list[str]:
-  """``__call__`` and the public methods ``cls`` adds to ``nnx.Module``
-  (``Embed.attend``, a block's helper): each may read the Muon targets."""
-  names = []
-  for klass in cls.__mro__:
-    if klass is nnx.Module or not issubclass(klass, nnx.Module):
-      break
-    for name, fn in vars(klass).items():
-      public = name == '__call__' or not (
-        name.startswith('_') or hasattr(nnx.Module, name)
-      )
-      if public and inspect.isfunction(fn) and name not in names:
-        names.append(name)
-  return names
-
-
 def _hooked(cls: type) -> type:
   """``cls`` whose ``__call__`` and public methods gather the boundary's
   matrices first (a method called inside another runs as written)."""
@@ -421,7 +383,9 @@ def _hooked(cls: type) -> type:
 
     return method
 
-  attrs = {name: hook(getattr(cls, name)) for name in _methods(cls)}
+  attrs = {
+    name: hook(getattr(cls, name)) for name in _flax_plan.public_methods(cls)
+  }
   sub = type(
     cls.__name__,
     (cls,),
@@ -559,15 +523,8 @@ def dedicate(
     owner_groups=owner_groups,
     tensor_parallel_axis=tensor_parallel_axis,
   )
-  bounds = _boundaries.find_hook_boundaries(
-    params,
-    predicate=predicate if predicate != 'optax' else None,
-    weight_dimension_numbers=muon_weight_dimension_numbers,
-    boundary_predicate=boundary_predicate,
-    strict=strict,
-  )
   layers_per_gather, choice = _flax_plan.scan_layers_per_gather(
-    bounds, layers_per_gather, 'nnx.scan'
+    params, kwargs, layers_per_gather, 'nnx.scan'
   )
   paths = [
     _flax_plan.path(keys) for keys, _ in jax.tree.flatten_with_path(params)[0]
@@ -589,9 +546,9 @@ def dedicate(
     _mesh.without_axes(variable, ded.buffer_axes)
 
   targets_by_leaf = {t.index: t for t in ded.layout.leaves}
-  _check_untied(model, paths, targets_by_leaf)
+  _flax_plan.check_untied(model, paths, targets_by_leaf)
   boundary_paths = [_flax_plan.path(k) for k in ded.boundary_keys]
-  _check_boundary_modules(model, ded, boundary_paths)
+  _flax_plan.check_boundary_modules(model, ded, boundary_paths)
 
   key = f'dmuon{next(_COUNTER)}'
   owned_vars = _owned_variables(ded, dp)
@@ -612,38 +569,6 @@ def dedicate(
   )
   _REGISTRY[key] = md
   return md
-
-
-def _check_untied(model, paths, targets_by_leaf) -> None:
-  """Raises for a Muon target held by two modules (tied weights)."""
-  refs = _references(model)
-  for i in targets_by_leaf:
-    # The target, or a module on its path, held by two parents: tied.
-    holders = max(
-      (
-        refs.get(id(_flax_plan.node_at(model, paths[i][:d])), [])
-        for d in range(1, len(paths[i]) + 1)
-      ),
-      key=len,
-    )
-    if len(holders) > 1:
-      raise ValueError(
-        f'dmuon: Muon target {_flax_plan.text(paths[i])!r} is held by '
-        f'{[_flax_plan.text(h) for h in holders]} (tied weights): one owner cannot '
-        'serve two boundaries. Route it to AdamW (predicate) or untie it.'
-      )
-
-
-def _check_boundary_modules(model, ded, boundary_paths) -> None:
-  """Raises for a hook boundary that is not an ``nnx.Module``."""
-  for b, bpath in enumerate(boundary_paths):
-    module = _flax_plan.node_at(model, bpath) if bpath else model
-    if not isinstance(module, nnx.Module):
-      raise ValueError(
-        f'dmuon: hook boundary {ded.boundaries.names[b]!r} is a '
-        f'{type(module).__name__}, not an nnx.Module: its call cannot '
-        'gather. Pass a boundary_predicate that names modules.'
-      )
 
 
 def _owned_variables(ded, dp) -> list[OwnedBuffer]:
@@ -875,15 +800,8 @@ def dedicate_linen(
     owner_groups=owner_groups,
     tensor_parallel_axis=tensor_parallel_axis,
   )
-  bounds = _boundaries.find_hook_boundaries(
-    params,
-    predicate=predicate if predicate != 'optax' else None,
-    weight_dimension_numbers=muon_weight_dimension_numbers,
-    boundary_predicate=boundary_predicate,
-    strict=strict,
-  )
   layers_per_gather, choice = _flax_plan.scan_layers_per_gather(
-    bounds, layers_per_gather, 'nn.scan'
+    params, kwargs, layers_per_gather, 'nn.scan'
   )
   specs = [None if box is None else _mesh.leaf_spec(box) for box in boxes]
   ded, placed, dp, replicated, moved = _flax_plan.plan(

@@ -27,7 +27,7 @@ from tests import support
 # The rest of the grid, for CI and the README's command (see conftest.py);
 # -m 'not slow' keeps one configuration per behaviour.
 SLOW_CASES = (
-  r'resume_on_(1x4|4x1)',
+  r'resume_on_4x1',
   r'params_restore_without_the_dedication',
   r'params_only_restore',
   r'resume_on_one_device',
@@ -167,11 +167,13 @@ class MeshChangeTest(absltest.TestCase):
     params, _ = train(opt, params, state, mesh, 10, 20)
     assert_resumed_close(self, params, self.expected, f'resume on {shape}')
 
+  # Saved on HSDP (2x4), resumed on pure FSDP (1x8), on DDP over 4 of the 8
+  # devices (4x1: another device count) and on one device. (A 1x4 resume,
+  # pure FSDP on 4 devices, ran the restore of 1x8 on 4x1's devices; it was
+  # dropped, here and in DedicatedCheckpointTest: 7 s and 4 s of a compile
+  # and 10 steps each. OrbaxManagerTest restores onto 1x4.)
   def test_resume_on_1x8(self):
     self._resume((1, 8))
-
-  def test_resume_on_1x4(self):
-    self._resume((1, 4), n_devices=4)
 
   def test_resume_on_4x1(self):
     self._resume((4, 1), n_devices=4)
@@ -314,11 +316,9 @@ class DedicatedCheckpointTest(absltest.TestCase):
       self, ded.to_params(dp), self.expected, f'dedicated resume on {shape}'
     )
 
+  # The meshes of MeshChangeTest's resumes (1x4: see there).
   def test_resume_on_1x8(self):
     self._resume((1, 8))
-
-  def test_resume_on_1x4(self):
-    self._resume((1, 4))
 
   def test_resume_on_4x1(self):
     self._resume((4, 1))

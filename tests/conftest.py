@@ -1,19 +1,25 @@
 """Test set-up: 8 simulated CPU devices, float32 everywhere.
 
-XLA:CPU runs at its default optimization level, as users run it: level 0
-(``--xla_backend_optimization_level=0``) compiles ~20% faster but is not
-numerically neutral (measured: float16 Newton-Schulz of a 1e30-scaled
-gradient 4.6e-3 from the scale-1 update instead of < 1e-3), so it is not
-used to speed the suite up. LLVM's expensive passes are off in the test
-processes (``--xla_llvm_disable_expensive_passes``): XLA's HLO passes, which
-decide the collectives, fusions and buffers the tests read, are unchanged;
-only machine-code optimization is lighter. Measured on this 2-core machine: a
-dedicated NNX parity case plus the one-owner-update class 53.2 s -> 46.0 s,
-the whole suite 18 min 1 s -> 14 min 53 s, all passing at unchanged
-tolerances. Child processes (examples, benchmarks, multi-host workers) run
-without it, as users run them.
+The test processes compile with XLA:CPU's backend at optimization level 0
+(``--xla_backend_optimization_level=0``) and LLVM's expensive passes off
+(``--xla_llvm_disable_expensive_passes``). XLA's HLO passes, which decide
+the collectives, fusions and buffers the tests read, and the programs that
+the tests compare (the library's and optax's, both compiled here) are
+unchanged; machine code is less optimized, and float16 arithmetic is
+rounded per operation (measured: float16 Newton-Schulz of a 1e30-scaled
+gradient 1.8e-3 to 2.5e-3 from the scale-1 update, against < 1e-3 at the
+default level; numerics_test states its float16 tolerance against that).
+Compilation is most of the suite's time (measured: XLA's backend compile
+131 s of 164 s for three modules): level 0 compiled a Gemma-like dedicated
+class in 8.9 s instead of 13.0 s, and the whole suite (1020 tests, -n 2)
+from 18 min 8 s to 12 min 16 s; the LLVM flag took it from 18 min 1 s to
+14 min 53 s before that. Child processes (examples,
+benchmarks, guides run as projects, multi-host workers) get both flags too
+(measured: the train-step benchmark's quick run 26.4 s -> 18.2 s); the
+figures the docs quote come from runs outside the suite, at XLA's defaults.
 """
 
+import gc
 import os
 import re
 import shutil
@@ -24,14 +30,30 @@ import jax
 import pytest
 
 # Must run before any JAX computation: chex raises if JAX already started
-# (child processes get an environment without this XLA flag; see
-# support.subprocess_env). The config says the same, so that code under test
-# that sets it as a user's script does (the docs' guides) finds it set.
-_LLVM_FLAG = '--xla_llvm_disable_expensive_passes=true'
+# (child processes get the flags below but not the device count; see
+# support.subprocess_env). The config says the device count too, so that
+# code under test that sets it as a user's script does (the docs' guides)
+# finds it set.
+_TEST_FLAGS = (
+  '--xla_llvm_disable_expensive_passes=true',
+  '--xla_backend_optimization_level=0',
+)
 _flags = os.environ.get('XLA_FLAGS', '').split()
-if _LLVM_FLAG not in _flags:  # xdist workers inherit the controller's env
-  os.environ['XLA_FLAGS'] = ' '.join([*_flags, _LLVM_FLAG])
+# xdist workers inherit the controller's env
+_missing = [f for f in _TEST_FLAGS if f not in _flags]
+if _missing:
+  os.environ['XLA_FLAGS'] = ' '.join([*_flags, *_missing])
+# For the child processes (support.subprocess_env).
+os.environ['DMUON_TEST_XLA_FLAGS'] = ' '.join(_TEST_FLAGS)
 chex.set_n_cpu_devices(8)
+# Python's cyclic garbage collector walked the large, long-lived object
+# graphs of traced programs and JAX's caches ~5% of a test process's time
+# (perf samples of flax_linen_scan_test's Z3 runs): the objects alive once
+# everything is imported are left out of its walks, and it runs after
+# 50,000 new objects instead of 700 (measured: 1.9% left).
+gc.collect()
+gc.freeze()
+gc.set_threshold(50_000, 20, 20)
 jax.config.update('jax_num_cpu_devices', 8)
 jax.config.update('jax_platforms', 'cpu')
 
@@ -56,43 +78,26 @@ def pytest_configure(config):
   jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
 
 
+# The longest modules, longest first (measured CPU seconds of each alone,
+# after the changes of 2026-12-05): xdist (--dist loadfile, see
+# pyproject.toml) hands modules out in this order, so that none of them
+# ends the run on one worker while the other idles.
 LONGEST = (
-  'tests/examples_test.py',
   'tests/flax_nnx_test.py',
-  'tests/multihost_test.py',
-  'tests/checkpoint_test.py::KillTest',
+  'tests/examples_test.py',
+  'tests/docs_test.py',
+  'tests/flax_dedicated_test.py',
+  'tests/numerics_test.py',
+  'tests/flax_tp_test.py',
+  'tests/checkpoint_test.py',
+  'tests/dedicated_test.py',
+  'tests/distributed_test.py',
+  'tests/flax_linen_scan_test.py',
+  'tests/layout_test.py',
+  'tests/alias_test.py',
   'tests/gpu_and_linen_examples_test.py',
-  'tests/scale_compile_test.py',
+  'tests/multihost_test.py',
 )
-
-
-# Modules whose test classes read the same module-level ``functools.cache``
-# runs (a trained model, a compiled step): each runs on one xdist worker as
-# one unit, so a run is made once, not once on each worker that gets one of
-# its classes (measured in a full run: 64 s of the two workers' time went to
-# such repeats, under load). Every other module's classes are units of
-# their own, as --dist loadscope makes them.
-SHARED_CACHE_MODULES = (
-  'tests/flax_nnx_test.py',  # _dedicated, reference: 5 classes
-  'tests/nnx_trainer_test.py',  # trainer: NnxTrainerTest, NnxCheckpointTest
-  'tests/trainer_test.py',  # trainer: TrainerTest, TrainerCheckpointTest
-)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-  if config.getoption('dist') != 'loadscope':
-    return None
-  from xdist.scheduler import LoadScopeScheduling
-
-  class ModuleOrClassScheduling(LoadScopeScheduling):
-    def _split_scope(self, nodeid):
-      module = nodeid.split('::', 1)[0]
-      if module in SHARED_CACHE_MODULES:
-        return module
-      return super()._split_scope(nodeid)
-
-  return ModuleOrClassScheduling(config, log)
 
 
 def pytest_unconfigure(config):
@@ -117,8 +122,5 @@ def pytest_collection_modifyitems(config, items):
     name = item.nodeid.split('::', 1)[-1]
     if any(re.search(p, name) for p in patterns):
       item.add_marker(pytest.mark.slow)
-  # The longest test classes (child processes, minutes each) and modules
-  # (flax_nnx_test: one unit, see SHARED_CACHE_MODULES) first: xdist
-  # hands classes out in this order, so they do not end the run on one
-  # worker while the other idles.
-  items.sort(key=lambda item: not item.nodeid.startswith(LONGEST))
+  rank = {module: k for k, module in enumerate(LONGEST)}
+  items.sort(key=lambda item: rank.get(item.nodeid.split('::')[0], len(rank)))

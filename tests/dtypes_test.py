@@ -53,8 +53,10 @@ ADAM_MESH_ATOL = 2e-3
 # optax's numbers.
 MOMENTUM_DTYPE_ATOL = 1e-3
 
+MESH_SKIPS = ('f32', 'f16')
+
 SLOW_CASES = (
-  r'DtypeTableTest::test_mesh_2x4_(bf16|f16|f32|bf16_params_f32_grads)$',
+  r'DtypeTableTest::test_mesh_2x4_(bf16|bf16_params_f32_grads)$',
   r'UnevenShardingTest::test_flax_fsdp_toy_owner_axes',
 )
 
@@ -156,8 +158,12 @@ class DtypeTableTest(parameterized.TestCase):
   def test_one_device(self, pd, gd, md):
     self._check('1dev', pd, gd, md)
 
+  # On the mesh, the mixes with bfloat16 (MESH_SKIPS: dmuon's casts do not
+  # branch on the dtype: float16 takes bfloat16's code, and its numbers are
+  # test_one_device_f16's; float32 on meshes is distributed_test's, 1e-6
+  # of optax on four meshes).
   @parameterized.named_parameters(
-    *[(f'2x4_{n}', p, g, m) for n, p, g, m in MIXES]
+    *[(f'2x4_{n}', p, g, m) for n, p, g, m in MIXES if n not in MESH_SKIPS]
   )
   def test_mesh(self, pd, gd, md):
     self._check('2x4', pd, gd, md)

@@ -103,8 +103,12 @@ def name(shape, scan, z3, per_gather, fsdp_rest=False):
 
 # (shape, scan, z3, layers per gather, non-Muon params FSDP-sharded): loop
 # and scanned stacks, Z3 and (scanned) Z2 (FSDP, 1x8; the loop's Z2 on 1x8:
-# flax_nnx_test's loop_z2_1x8 through the same Dedication.sequential, and
-# dedicated_test's z2_2x4 on this API), Z3 on HSDP (2x4) and DDP (8x1;
+# flax_nnx_test's loop_z2_1x8_k1 through the same Dedication.sequential, and
+# dedicated_test's z2_2x4 on this API), Z3 on HSDP (2x4, the loop:
+# Dedication.scan runs the same replicate-stage gather, _gather's
+# gather_replicate, on each iteration's buffers, and flax_nnx_test's
+# scan_z2_2x4 runs HSDP gathers inside a scan's loop; a scan_z3_mesh_2x4
+# config was dropped: 13 s of a compile and 20 steps) and DDP (8x1;
 # Z2 differs from Z3 only by the backward regather), two
 # layers per gather (no padding) and one (100% padding; on DDP: the owners
 # and their padding are the same 8 slots on any mesh shape), replicated and
@@ -116,7 +120,6 @@ GRID = [
   ((1, 8), True, False, 2),
   ((1, 8), True, True, 2),
   ((2, 4), False, True, 2),
-  ((2, 4), True, True, 2),
   ((8, 1), False, True, 1),
   ((1, 8), False, True, 2, True),
 ]
@@ -198,11 +201,10 @@ class FlaxDedicatedTest(parameterized.TestCase):
     )(dp)
     chex.assert_trees_all_equal(gathered, ded.to_params(dp))
 
-  @parameterized.named_parameters(('loop', False), ('scan', True))
-  def test_hsdp_equals_shard_only(self, scan):
+  def test_hsdp_equals_shard_only_loop(self):
     # Measured: losses <= 1.9e-7, params <= 4.1e-7 apart.
-    hsdp = run((2, 4), scan, True, 2)
-    fsdp = run((1, 8), scan, True, 2)
+    hsdp = run((2, 4), False, True, 2)
+    fsdp = run((1, 8), False, True, 2)
     hsdp, hsdp_losses, fsdp, fsdp_losses = (
       hsdp['params'],
       hsdp['losses'],

@@ -532,6 +532,42 @@ class OutsideTest(absltest.TestCase):
         read()
 
 
+class RematHelperModel(nnx.Module):
+  """Each block under an ``nnx.remat`` of its own (a trace per block)."""
+
+  def __init__(self, rngs):
+    self.layers = nnx.List([Helper(rngs) for _ in range(4)])
+
+  def __call__(self, x):
+    for block in self.layers:
+      x = nnx.remat(lambda block, x: block(x))(block, x)
+    return x
+
+
+class RematAroundBlocksTest(absltest.TestCase):
+  def test_a_transform_around_each_block_of_a_group_warns(self):
+    # Measured on this model (Z2, 2 groups of 2 blocks, 2x4): 4
+    # reduce-scatters instead of 2, with the right numbers: the blocks'
+    # own traces miss the group's gather. Said once, naming the fix.
+    mesh = support.make_mesh((2, 4))
+    with jax.set_mesh(mesh):
+      model = RematHelperModel(nnx.Rngs(0))
+      ded = dflax.dedicate(
+        model, mesh, reshard_after_forward=False, layers_per_gather=2
+      )
+      self.assertLen(ded.dedication.groups, 2)
+      x = jax.device_put(
+        jnp.ones((BATCH, D), jnp.float32), NamedSharding(mesh, P(AXES))
+      )
+      loss = nnx.jit(lambda m, x: jnp.mean(m(x) ** 2))
+      with self.assertWarnsRegex(
+        dmuon_jax.DMuonWarning,
+        r"'layers/1' runs inside a transform of its own \(nnx.remat.*"
+        r'layers_per_gather=1',
+      ):
+        nnx.grad(lambda m: loss(m, x))(model)
+
+
 # -- abstract init: dedicated inside the jitted init ---------------------------------
 
 

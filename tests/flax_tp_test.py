@@ -18,6 +18,7 @@ rounding of it).
 import functools
 import re
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -401,7 +402,13 @@ def linen_run(z3):
     params=params,
     tx=dflax.dedicated_muon(ded, learning_rate=LR),
   )
-  step = dflax.train_step(ded)(linen_step)
+  # Two traces (train_step's output probe, then its shard_map), once: the
+  # returned TrainState's owner buffers come back as they went in (XLA
+  # spells them without the size-1 'replicate': P(('shard', 'model'))), so
+  # every call after the first runs the first call's executable (before:
+  # the second call compiled the step again).
+  chex.clear_trace_counter()
+  step = dflax.train_step(ded)(chex.assert_max_traces(linen_step, n=2))
   tokens = jax.device_put(token_batch(), NamedSharding(mesh, P(DP)))
   losses = []
   for _ in range(STEPS):

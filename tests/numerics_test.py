@@ -133,9 +133,13 @@ class ExtremeGradientsTest(parameterized.TestCase):
         self.assertGreater(float(jnp.abs(u['w']).max()), 1e-3, name)
       if name in ('huge', 'large'):
         # Newton-Schulz is scale invariant: the first step's update of a
-        # huge gradient is that of the same gradient at scale 1.
+        # huge gradient is that of the same gradient at scale 1, up to the
+        # compute dtype's rounding: float16 (eps 9.8e-4) rounded per
+        # operation measured 1.8e-3 (standard, gram) and 2.5e-3 (auto);
+        # float32 and bfloat16 measured < 1e-3.
+        tol = 5e-3 if compute_dtype == 'float16' else 1e-3
         for k in SHAPES:
-          self.assertLess(rel_err(u[k], reference[k]), 1e-3, (name, k))
+          self.assertLess(rel_err(u[k], reference[k]), tol, (name, k))
 
   @parameterized.named_parameters(('standard', 'standard'), ('gram', 'gram'))
   def test_near_float32_max(self, ns_algorithm):

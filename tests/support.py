@@ -261,8 +261,9 @@ def run(opt, params, steps=STEPS, grad_shardings=None):
   sharded train step would produce them.
   """
   state = opt.init(params)
+  params, state, pinned = pin_placement(params, state)
 
-  @jax.jit
+  @functools.partial(jax.jit, **pinned)
   def step(params, state, grads):
     if grad_shardings is not None:
       grads = jax.tree.map(jax.reshard, grads, grad_shardings)
@@ -274,6 +275,37 @@ def run(opt, params, steps=STEPS, grad_shardings=None):
     params, state = step(params, state, grads_at(i, params))
     history.append(jax.tree.map(np.asarray, params))
   return history
+
+
+def pin_placement(params, state, replicated_outputs=0):
+  """``(params, state, jit_kwargs)``: on a mesh with Auto axes, the state's
+  uncommitted leaves (counts) placed on it and ``out_shardings`` that
+  return params and state as they came in (then ``replicated_outputs``
+  replicated ones, e.g. the loss). XLA otherwise picks the shardings of
+  what an Auto-axes step returns (it sharded the replicated AdamW moments
+  over 'shard'), and the step's second call compiled it again, as a
+  trainer that pins its state's shardings would not."""
+  meshes = {
+    x.sharding.mesh
+    for x in jax.tree.leaves(params)
+    if isinstance(getattr(x, 'sharding', None), NamedSharding)
+  }
+  if len(meshes) != 1:
+    return params, state, {}
+  (mesh,) = meshes
+  if AxisType.Auto not in mesh.axis_types:
+    return params, state, {}
+  placed = lambda x: (
+    x.sharding
+    if isinstance(getattr(x, 'sharding', None), NamedSharding)
+    else NamedSharding(mesh, P())
+  )
+  state = jax.tree.map(lambda x: jax.device_put(x, placed(x)), state)
+  shardings = (
+    *jax.tree.map(placed, (params, state)),
+    *[NamedSharding(mesh, P())] * replicated_outputs,
+  )
+  return params, state, {'out_shardings': shardings}
 
 
 def rel_err(actual, expected) -> float:
@@ -657,10 +689,13 @@ def assert_only_the_finite_flag(test, report):
 
 def subprocess_env():
   """The environment of a test's child process: the repo on the path, its
-  own device count, and the run's shared compilation cache (children that
-  compile the same programs, e.g. the kill-9 restarts, compile once)."""
+  own device count, the test processes' XLA flags and the run's shared
+  compilation cache (children that compile the same programs, e.g. the
+  kill-9 restarts, compile once)."""
   env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHON=sys.executable)
-  env.pop('XLA_FLAGS', None)
+  # No forced device count (a child sets its own); the compile-speed flags
+  # of the test processes (tests/conftest.py) are kept.
+  env['XLA_FLAGS'] = os.environ.get('DMUON_TEST_XLA_FLAGS', '')
   cache = os.environ.get('DMUON_TEST_COMPILATION_CACHE')
   if cache:
     env['JAX_COMPILATION_CACHE_DIR'] = cache

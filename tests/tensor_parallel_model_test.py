@@ -212,8 +212,10 @@ def drop_in_run(mesh_name):
   data = jax.device_put(tokens(), NamedSharding(mesh, P(AXES[:2])))
   opt = dmuon_jax.dmuon(LR, mesh=mesh, predicate=predicate)
   state = opt.init(params)
+  # Returned as they came in (support.pin_placement): one compile.
+  params, state, pinned = support.pin_placement(params, state, 1)
 
-  @jax.jit
+  @functools.partial(jax.jit, **pinned)
   def step(params, state):
     loss, grads = jax.value_and_grad(loss_fn)(params, data)
     updates, state = opt.update(grads, state, params)

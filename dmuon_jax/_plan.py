@@ -342,7 +342,8 @@ class OwnershipPlan:
     * ``'drop-in, sharded params'``: params sharded along one matrix dim
       over the innermost owner axis (FSDP, or HSDP's ``'shard'``) of size
       S: one all-to-all over that axis to the owners, ``(S - 1) max / S``,
-      and one over all owner axes back, ``(N - 1) max / S``. (A state's
+      and back the same all-to-all reversed plus an all-gather over the
+      other owner axes, ``(N - 1) max / S`` together. (A state's
       :meth:`dmuon_jax.OwnerLayout.collective_bytes` predicts the bytes for
       the params' actual shardings.)
     * ``'all-reduce floor'``: ``2 (N - 1) / N P``, what data parallelism pays

@@ -100,6 +100,87 @@ def switch_by_slot(
   return jax.lax.switch(which, [wrap(b) for b in unique], *operands)
 
 
+# Offsets in owner buffers are read from slot-indexed tables as int32 (jax's
+# index dtype without x64). Buffers at least this long keep static offsets.
+INDEX_LIMIT = 2**31 - 1
+
+
+def switch_with_tables(
+  axes: Sequence[str],
+  branches,
+  tables: Sequence[np.ndarray],
+  *operands,
+  keys: Sequence,
+  dynamic: bool = True,
+  shift=0,
+):
+  """:func:`switch_by_slot` whose branches read per-slot data from tables.
+
+  ``branches[s](rows, *operands)`` builds slot ``s``'s program, where
+  ``rows`` holds, per table (``(num_slots, ...)`` int arrays), this slot's
+  row. With ``dynamic`` the rows are read at run time (a dynamic index from
+  ``axis_index``), so slots whose ``keys`` (what the branch reads besides
+  the tables: shapes, not offsets) are equal share one body; else each
+  row is a constant of the branch and part of its key (buffers too long for
+  int32 offsets, see :data:`INDEX_LIMIT`).
+  """
+  n = len(branches)
+  if dynamic:
+    index = slot_index(axes)
+    if not isinstance(shift, int) or shift:
+      index = (index - shift) % n
+    rows = [jnp.asarray(np.asarray(t, np.int32))[index] for t in tables]
+    wrapped = [lambda *ops, s=s: branches[s](rows, *ops) for s in range(n)]
+    return switch_by_slot(axes, wrapped, *operands, shift=shift, keys=keys)
+  wrapped = [
+    lambda *ops, s=s: branches[s]([np.asarray(t)[s] for t in tables], *ops)
+    for s in range(n)
+  ]
+  keys = [
+    (k, tuple(np.asarray(t)[s].tobytes() for t in tables))
+    for s, k in enumerate(keys)
+  ]
+  return switch_by_slot(axes, wrapped, *operands, shift=shift, keys=keys)
+
+
+def for_each(count, columns, body, carry):
+  """``carry = body(carry, *(c[i] for c in columns))`` for ``i <
+  count``: a loop with a run-time trip count where ``count`` is traced
+  (one body for every slot), unrolled where it is a Python int."""
+  if isinstance(count, (int, np.integer)):
+    for i in range(int(count)):
+      carry = body(carry, *(int(c[i]) for c in columns))  # constants
+    return carry
+  return jax.lax.fori_loop(
+    0, count, lambda i, c: body(c, *(col[i] for col in columns)), carry
+  )
+
+
+def ppermute_slots(
+  x: jax.Array, axes: Sequence[str], pairs: Sequence[tuple[int, int]]
+) -> jax.Array:
+  """``lax.ppermute`` of ``x`` from slot to slot (``(source, destination)``
+  pairs of :func:`slot_index` values over ``axes``, row-major in that
+  order). ``ppermute`` numbers devices row-major in the mesh's axis order
+  whatever the order of ``axes`` (``axis_index`` follows ``axes``), so the
+  pairs are renumbered."""
+  mesh = jax.sharding.get_abstract_mesh()
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  ordered = tuple(a for a in mesh.axis_names if a in axes)
+  shape = [sizes[a] for a in axes]
+
+  def renumber(slot):
+    coords = dict(zip(axes, np.unravel_index(slot, shape)))
+    return int(
+      np.ravel_multi_index(
+        [coords[a] for a in ordered], [sizes[a] for a in ordered]
+      )
+    )
+
+  perm = [(renumber(a), renumber(b)) for a, b in pairs]
+  return jax.lax.ppermute(x, ordered, perm=perm)
+
+
 def slot_index(axes: Sequence[str]) -> jax.Array:
   """Row-major index of this device over ``axes`` (the owner slot)."""
   return jax.lax.axis_index(tuple(axes))

@@ -9,11 +9,21 @@ columns, several axes on one dimension, both dimensions) is *routed*:
   piece of the owner's matrices: one ``all_to_all`` over ``A`` per
   (axis set, dtype). The owner receives each piece exactly once (each device
   of the group holds a different block) and assembles whole matrices.
-* back: each owner sends every device its block of the results: one
-  ``all_to_all`` over all owner axes per dtype.
+* back: each owner sends the devices of its axis group their blocks of
+  the results (one ``all_to_all`` over ``A``, the forward one reversed),
+  then every device gathers the blocks of the owners off its axis group
+  (one ``all_gather`` over the other owner axes: HSDP's ``'replicate'``,
+  whose devices hold equal shards). Per device that is the bytes of one
+  ``all_to_all`` over all N devices (``(N - 1)`` blocks), in two
+  collectives over ``|A|`` and ``N / |A|`` devices: XLA:CPU compiles an
+  ``all_to_all`` into one kernel per peer, and the owner builds ``|A|``
+  blocks, not N.
 
 Both directions move what a device must receive and nothing more (plus the
-padding of rows to the largest owner's share). Leaves that are replicated
+padding of rows to the largest owner's share). Which units a device packs
+and sends, and at which offsets, is read from slot-indexed tables inside
+loops with run-time trip counts: one program for every device, whatever
+its share. Leaves that are replicated
 need no communication to reach their owners; their results come back by one
 ``all_gather`` of compact per-owner buffers. Leaves sharded along a stack
 (batch) axis are gathered whole first (see :attr:`Exchange.gathered`).
@@ -70,14 +80,6 @@ class _Routed:
     self.perm = spec.batch_axes + canon
     self.batch_shape = tuple(spec.shape[a] for a in spec.batch_axes)
 
-  def member(self, coords: dict[str, int]) -> int:
-    """Index of a device (by its coordinates) in its axis group."""
-    if not self.axes:
-      return 0
-    return int(
-      np.ravel_multi_index([coords[a] for a in self.axes], self.axis_sizes)
-    )
-
   def assemble(self, pieces: jax.Array) -> jax.Array:
     """``(blocks, *piece)`` pieces (member order) -> the whole matrix
     in canonical (reduction, output) dims."""
@@ -113,7 +115,11 @@ class Exchange:
     routed: plan leaf index -> its route, for routed leaves.
     gathered: plan leaf indices gathered whole before Newton–Schulz (a
       sharded stack axis).
-    classes: ``(axes, dtype group)`` of each forward all-to-all.
+    classes: ``(axes, dtype group)`` of each route class: its forward
+      all-to-all and its way back (the same rows, reversed, then gathered
+      over the other owner axes).
+    tables: the slot-indexed tables of what each device packs and sends
+      back (see :meth:`by_slot`).
   """
 
   def __init__(self, layout: _layout.Layout, entries: Sequence[_mesh.Entries]):
@@ -131,12 +137,6 @@ class Exchange:
     self.sizes = dict(zip(plan.axis_names, plan.mesh_shape))
     n = plan.num_slots
     self.num_slots = n
-    self.coords = [
-      dict(zip(self.axes, np.unravel_index(s, plan.mesh_shape)))
-      if self.axes
-      else {}
-      for s in range(n)
-    ]
     self.entries = list(entries)
     self.routed: dict[int, _Routed] = {}
     self.gathered: set[int] = set()
@@ -178,20 +178,8 @@ class Exchange:
           off += self.routed[layout.unit_leaf[u]].piece_size
         used.append(off)
       self.fwd_size[key] = max(used)
-    # Back: per dtype group, per owner its routed units (all classes).
-    self.back_units = [
-      [
-        [
-          u
-          for u in layout.slot_units[g][s]
-          if layout.unit_leaf[u] in self.routed
-        ]
-        for s in range(n)
-      ]
-      for g in groups
-    ]
-    self.back_off = {}
-    self.back_size = []
+    # Replicated (and gathered) leaves: per dtype group, per owner its
+    # units, packed compactly for one all_gather.
     self.rep_units = [
       [
         [
@@ -206,39 +194,22 @@ class Exchange:
     self.rep_off = {}
     self.rep_size = []
     for g in groups:
-      for units, offs, sizes, piece in (
-        (self.back_units[g], self.back_off, self.back_size, True),
-        (self.rep_units[g], self.rep_off, self.rep_size, False),
-      ):
-        used = []
-        for per_slot in units:
-          off = 0
-          for u in per_slot:
-            offs[u] = off
-            off += (
-              self.routed[layout.unit_leaf[u]].piece_size
-              if piece
-              else layout.unit_size[u]
-            )
-          used.append(off)
-        sizes.append(max(used) if used else 0)
+      used = []
+      for per_slot in self.rep_units[g]:
+        off = 0
+        for u in per_slot:
+          self.rep_off[u] = off
+          off += layout.unit_size[u]
+        used.append(off)
+      self.rep_size.append(max(used) if used else 0)
+    self._build_tables()
 
-  # -- branch keys ---------------------------------------------------------
-  # Hashables of what each per-slot stage reads about a slot: slots with
-  # equal keys run equal programs and share one branch body
-  # (``_collectives.switch_by_slot``).
+  # -- slot tables ----------------------------------------------------------
+  # What each device packs, sends back and gathers, read from tables by its
+  # slot: loops with run-time trip counts, one program for all devices.
 
-  def _matrix_key(self, u: int) -> tuple:
-    lay = self.layout
-    return (
-      int(lay.unit_group[u]),
-      int(lay.unit_offset[u]),
-      int(lay.unit_size[u]),
-      tuple(lay.plan.units[u].shape),
-    )
-
-  def _route_key(self, u: int) -> tuple:
-    r = self.routed[self.layout.unit_leaf[u]]
+  def _route_key(self, i: int) -> tuple:
+    r = self.routed[i]
     return (
       r.axes,
       r.axis_sizes,
@@ -247,40 +218,90 @@ class Exchange:
       tuple(r.full),
     )
 
-  def pack_key(self, slot: int) -> tuple:
-    """What assembling ``slot``'s owner buffers from the received pieces
-    reads (units taken from whole leaves make the key unique)."""
+  def _build_tables(self) -> None:
     lay = self.layout
-    key = []
-    for g in range(lay.num_groups):
-      units = []
-      for u in lay.slot_units[g][slot]:
-        if lay.unit_leaf[u] in self.routed:
-          # The route key holds the class's axes (the class is (axes, g)).
-          units.append(
-            (
-              self.fwd_off[u],
-              self._route_key(u),
-              tuple(lay.plan.units[u].shape),
-            )
+    n = self.num_slots
+    # Per class: its routes (a route and a unit shape), each with a table
+    # of every slot's units: (offset in the class's rows, in the buffer).
+    self.routes: dict[tuple, list[tuple[int, tuple[int, int]]]] = {}
+    tables = []
+    for key in self.classes:
+      by_route: dict[tuple, list[list[int]]] = {}
+      first: dict[tuple, tuple[int, tuple[int, int]]] = {}
+      for s in range(n):
+        for u in self.fwd_units[key][s]:
+          i = lay.unit_leaf[u]
+          rk = (self._route_key(i), lay.plan.units[u].shape)
+          if rk not in by_route:
+            by_route[rk] = [[] for _ in range(n)]
+            first[rk] = (i, lay.plan.units[u].shape)
+          by_route[rk][s].append(u)
+      self.routes[key] = list(first.values())
+      for per_slot in by_route.values():
+        tables.append(
+          _layout.unit_table(
+            [
+              ([self.fwd_off[u] for u in us], [lay.unit_offset[u] for u in us])
+              for us in per_slot
+            ]
           )
-        else:
-          units.append(('whole', u))
-      key.append((tuple(units), int(lay.slot_used[g, slot])))
-    return tuple(key)
+        )
+    self.whole = [
+      i for i in range(len(lay.plan.leaves)) if i not in self.routed
+    ]
+    tables += lay.whole_tables(self.whole)
+    # Per dtype group, per unit shape: the replicated leaves' units
+    # (offset in the buffer, in the compact one).
+    self.rep_shapes: list[list[tuple[int, int]]] = []
+    for g in range(lay.num_groups):
+      shapes = sorted(
+        {lay.plan.units[u].shape for us in self.rep_units[g] for u in us}
+      )
+      self.rep_shapes.append(shapes)
+      for shape in shapes:
+        tables.append(
+          _layout.unit_table(
+            [
+              (
+                [
+                  lay.unit_offset[u]
+                  for u in us
+                  if lay.plan.units[u].shape == shape
+                ],
+                [
+                  self.rep_off[u]
+                  for u in us
+                  if lay.plan.units[u].shape == shape
+                ],
+              )
+              for us in self.rep_units[g]
+            ]
+          )
+        )
+    self.tables = tables
 
-  def back_key(self, g: int, slot: int) -> tuple:
-    """What :meth:`send_back` reads of ``slot`` in dtype group ``g``."""
-    return tuple(
-      (self._route_key(u), self._matrix_key(u))
-      for u in self.back_units[g][slot]
-    )
+  def _split_rows(self, rows):
+    """The rows of :attr:`tables`: per class its routes', the whole
+    leaves', per dtype group its replicated shapes'."""
+    it = iter(rows)
+    routes = {key: [next(it) for _ in self.routes[key]] for key in self.classes}
+    whole = [next(it) for _ in self.whole]
+    rep = [[next(it) for _ in shapes] for shapes in self.rep_shapes]
+    return routes, whole, rep
 
-  def rep_key(self, slot: int, groups: Sequence[int]) -> tuple:
-    """What :meth:`rep_pack` reads of ``slot`` in dtype groups ``groups``."""
-    return tuple(
-      tuple(self._matrix_key(u) for u in self.rep_units[g][slot])
-      for g in groups
+  def by_slot(self, fn, *operands):
+    """``fn(rows, *operands)`` with this device's rows of :attr:`tables`
+    (run-time; per-slot constants in a ``switch`` for buffers past int32)."""
+    n = self.num_slots
+    if n == 1:
+      return fn([t[0] for t in self.tables], *operands)
+    return _collectives.switch_with_tables(
+      self.axes,
+      [fn] * n,
+      self.tables,
+      *operands,
+      keys=[None] * n,
+      dynamic=self.layout.dynamic,
     )
 
   # -- static helpers ------------------------------------------------------
@@ -353,82 +374,117 @@ class Exchange:
       jax.lax.dynamic_index_in_dim(every, index, 0, keepdims=False), self.axes
     )
 
-  def assemble(self, key, recv: jax.Array, owner: int) -> dict[int, jax.Array]:
-    """The owner's whole matrices of class ``key`` from the pieces."""
-    layout = self.layout
-    out = {}
-    for u in self.fwd_units[key][owner]:
-      r = self.routed[layout.unit_leaf[u]]
-      off = self.fwd_off[u]
-      pieces = recv[:, off : off + r.piece_size]
-      out[u] = r.assemble(pieces).reshape(layout.plan.units[u].shape)
-    return out
+  def pack(
+    self,
+    rows,
+    recv: dict,
+    leaf_matrices: dict[int, jax.Array],
+    dtypes: Sequence,
+  ) -> tuple[jax.Array, ...]:
+    """This device's owner buffers: each unit assembled from the pieces
+    received (``recv``: per class, ``(group size, row)``) or taken from a
+    whole leaf (``leaf_matrices``: ``to_matrices`` of each whole leaf),
+    written at its offset (``rows``: the device's rows of
+    :attr:`tables`)."""
+    lay = self.layout
+    bufs = [jnp.zeros((size,), dt) for size, dt in zip(lay.local_sizes, dtypes)]
+    routes, whole, _ = self._split_rows(rows)
+    for key in self.classes:
+      _, g = key
+      for (i, shape), row in zip(self.routes[key], routes[key]):
+        r = self.routed[i]
+        count, cols = _layout.table_columns(row, 2)
+
+        def put(b, src, dst, r=r, shape=shape, key=key):
+          pieces = jax.lax.dynamic_slice_in_dim(
+            recv[key], src, r.piece_size, axis=1
+          )
+          m = r.assemble(pieces).reshape(-1).astype(b.dtype)
+          return jax.lax.dynamic_update_slice_in_dim(b, m, dst, 0)
+
+        bufs[g] = _collectives.for_each(count, cols, put, bufs[g])
+    bufs = lay.pack_whole_at(bufs, leaf_matrices, self.whole, whole)
+    return tuple(bufs)
 
   # -- back: results to every device --------------------------------------
 
-  def send_back(
-    self, g: int, buffers: Sequence[jax.Array], owner: int
-  ) -> jax.Array:
-    """The owner's ``(num_slots, row)`` result pieces for every device."""
-    layout = self.layout
-    dtype = buffers[g].dtype
-    cols = []
-    for u in self.back_units[g][owner]:
-      r = self.routed[layout.unit_leaf[u]]
-      full = layout.slot_matrix(buffers, u).reshape(r.full)
-      blocks = r.split(full)
-      idx = np.array([r.member(self.coords[d]) for d in range(self.num_slots)])
-      if not np.array_equal(idx, np.arange(len(idx))):
-        blocks = blocks.at[idx].get(mode='promise_in_bounds')
-      cols.append(blocks)
-    used = sum(c.shape[1] for c in cols)
-    if used < self.back_size[g] or not cols:
-      cols.append(jnp.zeros((self.num_slots, self.back_size[g] - used), dtype))
-    return jnp.concatenate(cols, axis=1) if len(cols) > 1 else cols[0]
+  def send_back(self, key, rows, buffers: Sequence[jax.Array]) -> jax.Array:
+    """This owner's ``(group size, row)`` result pieces of class ``key``
+    for the devices of its axis group (member order)."""
+    axes, g = key
+    size = math.prod(self.sizes[a] for a in axes)
+    out = jnp.zeros((size, max(self.fwd_size[key], 1)), buffers[g].dtype)
+    routes, _, _ = self._split_rows(rows)
+    for (i, shape), row in zip(self.routes[key], routes[key]):
+      r = self.routed[i]
+      count, (dst, src) = _layout.table_columns(row, 2)
 
-  def local_leaf(self, i: int, recv: Sequence[jax.Array]) -> jax.Array:
-    """This device's shard of routed leaf ``i`` from the results received."""
+      def put(o, d, s_, r=r, shape=shape):
+        full = self.layout.matrix_at(buffers[g], s_, shape).reshape(r.full)
+        return jax.lax.dynamic_update_slice_in_dim(o, r.split(full), d, 1)
+
+      out = _collectives.for_each(count, (dst, src), put, out)
+    return out
+
+  def back(self, key, send: jax.Array) -> jax.Array:
+    """Every owner's result rows of class ``key``, ``(num_slots, row)`` in
+    slot order: an all-to-all over the class's axes, then an all-gather
+    over the other owner axes."""
+    axes, _ = key
+    x = send
+    if x.shape[0] > 1:
+      x = jax.lax.all_to_all(x, axes, 0, 0, tiled=True)
+    others = tuple(a for a in self.axes if a not in axes)
+    if others and math.prod(self.sizes[a] for a in others) > 1:
+      x = jax.lax.all_gather(x, others, axis=0, tiled=False)
+    # x: (others..., axes...) -> slot order (mesh order of self.axes).
+    order = others + tuple(axes)
+    x = x.reshape(tuple(self.sizes[a] for a in order) + x.shape[-1:])
+    perm = [order.index(a) for a in self.axes] + [len(order)]
+    return jnp.transpose(x, perm).reshape(self.num_slots, -1)
+
+  def local_leaf(self, i: int, recv: dict) -> jax.Array:
+    """This device's shard of routed leaf ``i`` from the results received
+    (``recv``: per class, every owner's rows)."""
     layout = self.layout
     r = self.routed[i]
     units = layout.leaf_units[i]
-    groups = {layout.unit_group[u] for u in units}
-    if len(units) > 1 and len(groups) == 1:
+    g = layout.unit_group[units[0]]
+    buf = recv[(r.axes, g)]
+    if len(units) > 1:
       # One gather of the leaf's pieces (each at its owner's row and offset:
       # a table of the leaf's unit count), not a slice per unit (owner
       # groups cut a matrix into many units: Llama-3-8B at N = 1024 has
       # 1,664; compile 54.0 s -> 20.1 s).
-      (g,) = groups
       where = np.array(
-        [[layout.plan.owners[u], self.back_off[u]] for u in units], np.int32
+        [[layout.plan.owners[u], self.fwd_off[u]] for u in units], np.int32
       )
-      buf = recv[g]
       mats = jax.vmap(
         lambda at: jax.lax.dynamic_slice(buf, at, (1, r.piece_size))[0]
       )(where)
     else:
-      mats = jnp.stack(
-        [
-          recv[layout.unit_group[u]][
-            layout.plan.owners[u],
-            self.back_off[u] : self.back_off[u] + r.piece_size,
-          ]
-          for u in units
-        ]
-      )
+      (u,) = units
+      off = self.fwd_off[u]
+      mats = buf[layout.plan.owners[u], off : off + r.piece_size][None]
     x = mats.reshape(r.batch_shape + tuple(r.piece))
     return jnp.transpose(x, tuple(np.argsort(r.perm))).reshape(r.leaf_local)
 
   # -- replicated (and gathered) leaves -----------------------------------
 
-  def rep_pack(
-    self, buffers: Sequence[jax.Array], slot: int, g: int
-  ) -> jax.Array:
-    """The slot's results of non-routed leaves, compactly, ``(rep,)``."""
-    pieces = [
-      self.layout.slot_matrix(buffers, u).reshape(-1)
-      for u in self.rep_units[g][slot]
-    ]
-    return self._row(pieces, self.rep_size[g], buffers[g].dtype)
+  def rep_pack(self, rows, buffers: Sequence[jax.Array], g: int) -> jax.Array:
+    """This owner's results of non-routed leaves, compactly, ``(rep,)``."""
+    lay = self.layout
+    out = jnp.zeros((max(self.rep_size[g], 1),), buffers[g].dtype)
+    _, _, rep = self._split_rows(rows)
+    for shape, row in zip(self.rep_shapes[g], rep[g]):
+      count, cols = _layout.table_columns(row, 2)
+
+      def put(o, src, dst, shape=shape):
+        m = lay.matrix_at(buffers[g], src, shape).reshape(-1)
+        return jax.lax.dynamic_update_slice_in_dim(o, m, dst, 0)
+
+      out = _collectives.for_each(count, cols, put, out)
+    return out[: self.rep_size[g]] if self.rep_size[g] else out
 
   def rep_unpack(self, gathered: Sequence[jax.Array]) -> dict[int, jax.Array]:
     """Whole non-routed leaves from the all-gathered compact buffers."""
@@ -453,6 +509,12 @@ class Exchange:
   def predicted_bytes(self, itemsizes: Sequence[int]) -> dict[str, float]:
     """Per-device bytes of one update by collective kind (ring model).
 
+    Per class (axes ``A``, ``|A|`` devices) of rows of ``b`` elements: the
+    forward all-to-all and the one back, ``(|A| - 1) b`` each, and the
+    all-gather over the other owner axes, ``(N / |A| - 1) |A| b``: with
+    the all-to-all back, ``(N - 1) b``, what one all-to-all over all N
+    devices moves.
+
     Args:
       itemsizes: bytes per element of each dtype group's buffers.
 
@@ -462,14 +524,14 @@ class Exchange:
     """
     n = self.num_slots
     a2a = 0.0
+    gather = 0.0
     for key in self.classes:
       axes, g = key
       size = math.prod(self.sizes[a] for a in axes)
-      a2a += (size - 1) * self.fwd_size[key] * itemsizes[g]
-    for g, size in enumerate(self.back_size):
-      if size:
-        a2a += (n - 1) * size * itemsizes[g]
-    gather = sum(
+      row = self.fwd_size[key] * itemsizes[g]
+      a2a += 2 * (size - 1) * row
+      gather += (n // size - 1) * size * row
+    gather += sum(
       (n - 1) * size * itemsizes[g]
       for g, size in enumerate(self.rep_size)
       if size

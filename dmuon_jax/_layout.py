@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dmuon_jax import _plan, _routing
+from dmuon_jax import _collectives, _plan, _routing
 
 
 def to_matrices(x: jax.Array, spec: _routing.LeafSpec) -> jax.Array:
@@ -33,6 +33,58 @@ def from_matrices(x: jax.Array, spec: _routing.LeafSpec) -> jax.Array:
   perm = spec.batch_axes + spec.reduction_axes + spec.output_axes
   x = x.reshape(tuple(spec.shape[a] for a in perm))
   return jnp.transpose(x, tuple(np.argsort(perm))).reshape(spec.leaf_shape)
+
+
+def unit_table(per_slot: Sequence[Sequence[Sequence[int]]]) -> np.ndarray:
+  """``(num_slots, 1 + columns * width)`` int table: per slot its count,
+  then each column's values (zero-padded to the most any slot has).
+
+  Args:
+    per_slot: per slot, per column, the values (one per item).
+  """
+  n = len(per_slot)
+  cols = max((len(c) for c in per_slot), default=0)
+  width = max((len(v) for c in per_slot for v in c), default=0)
+  out = np.zeros((n, 1 + cols * max(width, 1)), np.int64)
+  for s, columns in enumerate(per_slot):
+    out[s, 0] = len(columns[0]) if columns else 0
+    for j, values in enumerate(columns):
+      out[s, 1 + j * width : 1 + j * width + len(values)] = values
+  return out
+
+
+def index(value):
+  """An offset read from a table: a Python int from a numpy row (a
+  constant of the program), else the traced value."""
+  if isinstance(value, (int, np.integer)):
+    return int(value)
+  return value
+
+
+def table_columns(row, columns: int):
+  """``(count, [column values])`` of one slot's row of a :func:`unit_table`
+  (numpy or traced)."""
+  width = max((row.shape[0] - 1) // max(columns, 1), 1)
+  return row[0], [
+    row[1 + j * width : 1 + (j + 1) * width] for j in range(columns)
+  ]
+
+
+class SlotWork(NamedTuple):
+  """A slot's matrices in a canonical order (see :meth:`Layout.slot_work`).
+
+  Attributes:
+    keys: per slot, a hashable of its buckets' shapes and the facts its
+      caller reads of each unit (no offsets): slots with equal keys run one
+      program, their offsets read from ``offsets``.
+    buckets: per slot, per dtype group, its buckets in canonical order.
+    offsets: per dtype group, ``(num_slots, width)`` offsets of each slot's
+      units in canonical order (zero-padded).
+  """
+
+  keys: list
+  buckets: list
+  offsets: list
 
 
 class Bucket(NamedTuple):
@@ -258,15 +310,6 @@ class Layout:
       self._flat_slot(get, g, slot, dtypes[g]) for g in range(self.num_groups)
     )
 
-  def slot_matrix(self, buffers: Sequence[jax.Array], u: int) -> jax.Array:
-    """Unit ``u``'s ``(m, n)`` matrix from its owner's local buffers."""
-    flat = jax.lax.slice_in_dim(
-      buffers[self.unit_group[u]],
-      self.unit_offset[u],
-      self.unit_offset[u] + self.unit_size[u],
-    )
-    return flat.reshape(self.plan.units[u].shape)
-
   def promoted(self, leaves, g):
     """The promoted dtype of dtype group ``g``'s leaves."""
     dts = [
@@ -331,87 +374,147 @@ class Layout:
       for (shape, split, dtype, grouped, ckey), units in by_key.items()
     ]
 
-  def slot_key(self, slot: int, unit_extra=None) -> tuple:
-    """What :meth:`map_slot` reads of ``slot``, as a hashable: slots with
-    equal keys run equal programs on their buffers (same buckets, offsets,
-    sizes, padding), so they can share one branch body.
+  @property
+  def dynamic(self) -> bool:
+    """Whether offsets into this layout's buffers fit in int32 (read from
+    tables at run time; else they are constants of per-slot branches)."""
+    return max(self.local_sizes, default=0) < _collectives.INDEX_LIMIT
+
+  def slot_work(self, unit_extra=None, units=None) -> SlotWork:
+    """Every slot's matrices in a canonical order: buckets sorted by their
+    keys, units in a bucket by ``unit_extra`` (the facts the caller reads of
+    a unit beyond its bucket, e.g. the whole matrix's shape). Slots holding
+    the same shapes get equal keys whatever their offsets.
 
     Args:
-      slot: the slot.
-      unit_extra: optional ``unit_extra(u)``: the hashable facts that the
-        caller's ``fn`` reads about unit ``u`` beyond its bucket (e.g. the
-        whole matrix's shape, whether it decays).
-
-    Returns:
-      The key.
+      unit_extra: optional ``unit_extra(u)``, hashable and orderable.
+      units: optional ``units(g, slot, bucket)``: the bucket's units to keep
+        (default all).
     """
     extra = unit_extra or (lambda u: None)
-    key = []
-    for g in range(len(self.local_sizes)):
-      buckets = tuple(
-        (
-          b.shape,
-          b.tp_split,
-          b.dtype,
-          b.grouped,
-          None
-          if b.crop is None
-          else (b.crop[0].tobytes(), b.crop[1].tobytes()),
-          tuple(
-            (int(self.unit_offset[u]), int(self.unit_size[u]), extra(u))
-            for u in b.units
-          ),
-        )
-        for b in self.buckets(g, slot)
-      )
-      order = tuple(int(self.unit_offset[u]) for u in self.slot_units[g][slot])
-      key.append((buckets, order, int(self.slot_used[g, slot])))
-    return tuple(key)
+    keys, buckets = [], []
+    orders: list[list[list[int]]] = [[] for _ in self.dtypes]
+    for s in range(self.num_slots):
+      key, per_group = [], []
+      for g in range(self.num_groups):
+        entries = []
+        for b in self.buckets(g, s):
+          kept = b.units if units is None else tuple(units(g, s, b))
+          if not kept:
+            continue
+          ordered = tuple(sorted(kept, key=lambda u: (repr(extra(u)), u)))
+          bkey = (
+            b.shape,
+            b.tp_split,
+            b.dtype,
+            b.grouped,
+            None
+            if b.crop is None
+            else (b.crop[0].tobytes(), b.crop[1].tobytes()),
+            tuple(extra(u) for u in ordered),
+          )
+          entries.append((repr(bkey), bkey, b._replace(units=ordered)))
+        entries.sort(key=lambda e: e[0])
+        key.append(tuple(e[1] for e in entries))
+        per_group.append([e[2] for e in entries])
+        orders[g].append([u for e in entries for u in e[2].units])
+      keys.append(tuple(key))
+      buckets.append(per_group)
+    offsets = []
+    for g in range(self.num_groups):
+      width = max((len(o) for o in orders[g]), default=0)
+      table = np.zeros((self.num_slots, max(width, 1)), np.int64)
+      for s, order in enumerate(orders[g]):
+        table[s, : len(order)] = [self.unit_offset[u] for u in order]
+      offsets.append(table)
+    return SlotWork(keys, buckets, offsets)
 
-  def map_slot(
+  def matrix_at(self, buffer: jax.Array, offset, shape) -> jax.Array:
+    """The ``shape`` matrix at ``offset`` (int or traced) of a flat buffer."""
+    flat = jax.lax.dynamic_slice_in_dim(buffer, offset, shape[0] * shape[1])
+    return flat.reshape(shape)
+
+  def map_slot_at(
     self,
     operands: Sequence[Sequence[jax.Array]],
-    slot: int,
+    buckets: Sequence[Sequence[Bucket]],
+    offsets: Sequence,
     fn: Callable[..., jax.Array],
   ) -> tuple[jax.Array, ...]:
-    """Applies ``fn`` to a slot's matrices, batched by shape.
+    """Applies ``fn`` to one slot's matrices, batched by bucket.
 
     Args:
       operands: one or more tuples of the slot's flat buffers (``(local,)``
         each, one per dtype group), all laid out by this layout; the first
         gives the result dtype.
-      slot: the (static) slot whose layout to use.
+      buckets: the slot's buckets of :meth:`slot_work` (per dtype group).
+      offsets: per dtype group, the slot's row of
+        :attr:`SlotWork.offsets` (ints, or read at run time).
       fn: ``fn(stacks, bucket)``: ``stacks`` holds one ``(count, m, n)``
-        stack per operand, for the matrices of ``bucket`` (a
-        :class:`Bucket`); returns a stack of the same shape.
+        stack per operand, for the matrices of ``bucket``; returns a stack
+        of the same shape.
 
     Returns:
-      The slot's flat buffers with every matrix replaced by ``fn``'s result
-      and zero padding.
+      The slot's flat buffers with every matrix of ``buckets`` replaced by
+      ``fn``'s result, zeros elsewhere.
     """
     out = []
     for g, buf in enumerate(operands[0]):
-      results = {}
-      for bucket in self.buckets(g, slot):
+      result = jnp.zeros((self.local_sizes[g],), buf.dtype)
+      i = 0
+      for bucket in buckets[g]:
+        offs = [index(offsets[g][i + j]) for j in range(len(bucket.units))]
+        i += len(bucket.units)
         stacks = tuple(
-          jnp.stack(
-            [
-              jax.lax.slice_in_dim(
-                ops[g],
-                self.unit_offset[u],
-                self.unit_offset[u] + self.unit_size[u],
-              ).reshape(bucket.shape)
-              for u in bucket.units
-            ]
-          )
+          jnp.stack([self.matrix_at(ops[g], o, bucket.shape) for o in offs])
           for ops in operands
         )
-        for u, r in zip(bucket.units, fn(stacks, bucket)):
-          results[u] = r.reshape(-1)
-      units = self.slot_units[g][slot]
-      pieces = [results[u].astype(buf.dtype) for u in units]
-      pad = self.local_sizes[g] - int(self.slot_used[g, slot])
-      if pad or not pieces:
-        pieces.append(jnp.zeros((pad,), buf.dtype))
-      out.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
+        for o, r in zip(offs, fn(stacks, bucket)):
+          result = jax.lax.dynamic_update_slice_in_dim(
+            result, r.reshape(-1).astype(buf.dtype), o, 0
+          )
+      out.append(result)
     return tuple(out)
+
+  def whole_tables(self, leaves: Sequence[int]) -> list[np.ndarray]:
+    """Per leaf of ``leaves`` (plan leaf indices), a :func:`unit_table` of
+    each slot's units of it: (batch index, offset in its buffer)."""
+    return [
+      unit_table(
+        [
+          (
+            [self.unit_batch[u] for u in units],
+            [self.unit_offset[u] for u in units],
+          )
+          for units in (
+            [u for u in self.leaf_units[i] if self.plan.owners[u] == s]
+            for s in range(self.num_slots)
+          )
+        ]
+      )
+      for i in leaves
+    ]
+
+  def pack_whole_at(
+    self,
+    bufs: list[jax.Array],
+    leaf_matrices: dict[int, jax.Array],
+    leaves: Sequence[int],
+    rows: Sequence,
+  ) -> list[jax.Array]:
+    """``bufs`` with a slot's units of whole ``leaves`` written in:
+    ``leaf_matrices[i]`` holds leaf ``i``'s matrices (``to_matrices``),
+    ``rows`` the slot's rows of :meth:`whole_tables`."""
+    for i, row in zip(leaves, rows):
+      count, (batch, offset) = table_columns(row, 2)
+      g = self.unit_group[self.leaf_units[i][0]]
+      mats = leaf_matrices[i]
+
+      def put(b, k, o, mats=mats):
+        m = jax.lax.dynamic_index_in_dim(mats, k, 0, keepdims=False)
+        return jax.lax.dynamic_update_slice_in_dim(
+          b, m.reshape(-1).astype(b.dtype), o, 0
+        )
+
+      bufs[g] = _collectives.for_each(count, (batch, offset), put, bufs[g])
+    return bufs

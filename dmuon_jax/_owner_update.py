@@ -381,29 +381,28 @@ def slot_update(
   hp: Hyperparams,
   olayout: _owner_layout.OwnerLayout,
   lay: _layout.Layout,
-  slot: int,
+  buckets: Sequence[Sequence[_layout.Bucket]],
+  offsets: Sequence,
   hat: Sequence[jax.Array],
   params: Sequence[jax.Array] | None = None,
   decay: frozenset[int] | None = None,
-  skip_distributed: bool = False,
 ) -> tuple[jax.Array, ...]:
-  """One owner slot's results from its (local) buffers of group ``lay``
-  (with ``skip_distributed``: zeros for owner-group and TP matrices, which
-  ``_staged`` orthogonalizes).
+  """One owner slot's results from its (local) buffers of group ``lay``.
 
-  Results have the dtype of the momentum step's output ``hat`` (the
-  promoted dtype of momentum and gradients), as ``optax.contrib.muon``'s
-  updates do: float32 momentum of bfloat16 params gives float32 updates.
-  With ``params`` and ``decay`` (the leaf indices whose matrices decay),
-  adds ``weight_decay * param`` to those matrices' results, as
-  ``optax.add_decayed_weights`` does.
+  ``buckets`` are the slot's buckets (:func:`slot_work`: with
+  ``skip_distributed``, owner-group and TP matrices left out, their places
+  zero for ``_staged`` to fill), ``offsets`` its rows of the offset tables
+  (ints, or read at run time). Results have the dtype of the momentum
+  step's output ``hat`` (the promoted dtype of momentum and gradients), as
+  ``optax.contrib.muon``'s updates do: float32 momentum of bfloat16 params
+  gives float32 updates. With ``params`` and ``decay`` (the leaf indices
+  whose matrices decay), adds ``weight_decay * param`` to those matrices'
+  results, as ``optax.add_decayed_weights`` does.
   """
   tp_axis = olayout.tp_axis if olayout.tp_size > 1 else None
 
   def fn(stacks, bucket):
     dtype = stacks[0].dtype
-    if skip_distributed and (bucket.grouped or bucket.tp_split is not None):
-      return jnp.zeros_like(stacks[0])
     x = stacks[0]
     if bucket.crop is not None:  # a padded leaf: its own rows and columns
       x = _layout.crop_stack(x, bucket.crop)
@@ -431,19 +430,26 @@ def slot_update(
     return out
 
   operands = (tuple(hat),) if params is None else (tuple(hat), tuple(params))
-  return lay.map_slot(operands, slot, fn)
+  return lay.map_slot_at(operands, buckets, offsets, fn)
 
 
-def slot_key(olayout, lay, slot, decay) -> tuple:
-  """What :func:`slot_update` reads of ``slot`` (its layout key, each
-  unit's whole-matrix shape and whether it decays): slots with equal keys
-  share one branch body."""
+def slot_work(olayout, lay, decay, skip_distributed=False) -> _layout.SlotWork:
+  """Every slot's matrices as :func:`slot_update` reads them (each unit's
+  whole-matrix shape and whether it decays, beyond its bucket): slots with
+  equal keys share one branch body, their offsets read from tables.
+  ``skip_distributed`` leaves out owner-group and TP matrices."""
 
   def extra(u):
     leaf = lay.plan.leaves[lay.unit_leaf[u]].leaf_index
     return olayout.full_shape(lay, u), bool(decay) and leaf in decay
 
-  return lay.slot_key(slot, extra)
+  def keep(g, s, b):
+    del g, s
+    if skip_distributed and (b.grouped or b.tp_split is not None):
+      return ()
+    return b.units
+
+  return lay.slot_work(extra, keep)
 
 
 def owner_step(
@@ -500,7 +506,6 @@ def owner_step(
     )
     new_mu.extend(mu_g)
     p = param_groups[g]
-    run = functools.partial(slot_update, cfg, hp, olayout, lay, decay=decay)
     if _staged.needs_stages(olayout, lay):
       out.extend(
         _staged_update(
@@ -508,26 +513,49 @@ def owner_step(
         )
       )
       continue
+    work = slot_work(olayout, lay, decay)
+
+    def run(rows, hh, pp, s, lay=lay, work=work):
+      return slot_update(
+        cfg, hp, olayout, lay, work.buckets[s], rows, hh, pp, decay=decay
+      )
+
     if n == 1:
+      rows = [t[0] for t in work.offsets]
       if olayout.iterations[g]:
-        res = jax.lax.map(lambda a, run=run: run(0, a[0], a[1]), (h, p))
+        res = jax.lax.map(
+          lambda a, run=run, rows=rows: run(rows, *a, 0), (h, p)
+        )
       else:
-        res = run(0, h, p)
+        res = run(rows, h, p, 0)
     else:
-      # Slots with equal work share one branch body (see slot_key).
-      keys = [slot_key(olayout, lay, s, decay) for s in range(n)]
-      branches = [functools.partial(run, s) for s in range(n)]
+      # Slots with equal shapes share one branch body (see slot_work); each
+      # reads its offsets from the tables.
+      branches = [
+        lambda rows, hh, pp, s=s, run=run: run(rows, hh, pp, s)
+        for s in range(n)
+      ]
+
+      def one(hh, pp, shift=0, branches=branches, work=work, lay=lay):
+        return _collectives.switch_with_tables(
+          axes,
+          branches,
+          work.offsets,
+          hh,
+          pp,
+          keys=work.keys,
+          dynamic=lay.dynamic,
+          shift=shift,
+        )
+
       if olayout.iterations[g]:
         # Iteration t holds base slot (slot - t) mod n of the layout.
-        def one(a, branches=branches, keys=keys):
-          t, hh, pp = a
-          return _collectives.switch_by_slot(
-            axes, branches, hh, pp, shift=t, keys=keys
-          )
-
-        res = jax.lax.map(one, (jnp.arange(olayout.iterations[g]), h, p))
+        res = jax.lax.map(
+          lambda a, one=one: one(a[1], a[2], shift=a[0]),
+          (jnp.arange(olayout.iterations[g]), h, p),
+        )
       else:
-        res = _collectives.switch_by_slot(axes, branches, h, p, keys=keys)
+        res = one(h, p)
     out.extend(res)
   new_mu = tuple(m.astype(old.dtype) for m, old in zip(new_mu, mus))
   return tuple(out), new_mu
@@ -545,10 +573,11 @@ def _staged_update(cfg, hp, olayout, lay, hat, params, decay, iterations):
     )
   stages = _stages(olayout, lay, len(cfg.coeffs))
   rows = np.asarray(cfg.coeffs)
+  work = slot_work(olayout, lay, decay, skip_distributed=True)
 
-  def plain(slot, h, p):
+  def plain(slot, offsets, h, p):
     return slot_update(
-      cfg, hp, olayout, lay, slot, h, p, decay=decay, skip_distributed=True
+      cfg, hp, olayout, lay, work.buckets[slot], offsets, h, p, decay=decay
     )
 
   def finish(u, ns_out, dot, param):
@@ -559,10 +588,18 @@ def _staged_update(cfg, hp, olayout, lay, hat, params, decay, iterations):
       out = _decayed(hp, out, param, dtype)
     return out
 
+  def finish_key(u):
+    leaf = lay.plan.leaves[lay.unit_leaf[u]].leaf_index
+    decays = param_given and bool(decay) and leaf in decay
+    return olayout.full_shape(lay, u), decays, lay.unit_group[u]
+
+  param_given = params is not None
   return _staged.run(
     stages,
     finish,
+    finish_key,
     plain,
+    work,
     rows,
     cfg.compute_dtype,
     hp.eps,
@@ -570,7 +607,6 @@ def _staged_update(cfg, hp, olayout, lay, hat, params, decay, iterations):
     tuple(hat),
     None if params is None else tuple(params),
     iterations,
-    [slot_key(olayout, lay, s, decay) for s in range(stages.n)],
   )
 
 

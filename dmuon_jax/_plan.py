@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dmuon_jax import _newton_schulz
+from dmuon_jax import _gram_exchange, _newton_schulz
 from dmuon_jax._cost import human_bytes, human_flops, plural
 from dmuon_jax._routing import LeafSpec
 
@@ -342,7 +342,8 @@ class OwnershipPlan:
     * ``'drop-in, sharded params'``: params sharded along one matrix dim
       over the innermost owner axis (FSDP, or HSDP's ``'shard'``) of size
       S: one all-to-all over that axis to the owners, ``(S - 1) max / S``,
-      and one over all owner axes back, ``(N - 1) max / S``. (A state's
+      and back the same all-to-all reversed plus an all-gather over the
+      other owner axes, ``(N - 1) max / S`` together. (A state's
       :meth:`dmuon_jax.OwnerLayout.collective_bytes` predicts the bytes for
       the params' actual shardings.)
     * ``'all-reduce floor'``: ``2 (N - 1) / N P``, what data parallelism pays
@@ -375,10 +376,7 @@ class OwnershipPlan:
   def group_exchange_bytes(self) -> float:
     """Predicted per-device bytes of the owner groups' collectives per step
     (see :func:`group_exchange_bytes`; 0 without groups)."""
-    if not self.groups:
-      return 0.0
-    row = dict(zip(self.axis_names, self.mesh_shape))[self.group_axis()]
-    return group_exchange_bytes(self.groups, self.num_slots, row)
+    return group_exchange_bytes(self.groups, self.owners)
 
   def group_lines(self) -> list[str]:
     """One line per shape of grouped matrices (empty without groups)."""
@@ -401,8 +399,8 @@ class OwnershipPlan:
       exchange = self.group_exchange_bytes()
       lines.append(
         f'  owner groups exchange per device per step: '
-        f'{human_bytes(exchange)} (float32 Grams and factors, '
-        f'reduce-scatter + all-gather over {self.group_axis()!r})'
+        f'{human_bytes(exchange)} (float32 packed Grams and factors, '
+        "point to point between each group's devices)"
       )
     return lines
 
@@ -468,18 +466,11 @@ class OwnershipPlan:
 
 
 def group_exchange_bytes(
-  groups: Sequence[OwnerGroup], num_slots: int, row_size: int, ns_steps=5
+  groups: Sequence[OwnerGroup], owners: Sequence[int], ns_steps: int = 5
 ) -> float:
-  """Predicted per-device bytes of the groups' collectives in one update.
-
-  Per restart window one reduce-scatter of the Gram blocks over the group
-  axis and one all-gather of the factors: ``2 (S - 1) B`` float32 elements,
-  ``B`` the most Gram elements any slot iterates (ring model).
-  """
-  if not groups:
-    return 0.0
-  per_slot = np.zeros(num_slots)
-  for group in groups:
-    per_slot[group.iteration_owner] += group.gram_size**2
+  """Predicted bytes the busiest device sends in the groups' exchange of
+  one update (see :mod:`dmuon_jax._gram_exchange`): per restart window,
+  each member's Gram to its group's iteration owner and the factor back,
+  point to point in rounds, float32 packed triangles."""
   windows = len(_newton_schulz.check_restart_iterations(None, ns_steps)) + 1
-  return 2.0 * windows * (row_size - 1) * float(per_slot.max()) * 4
+  return _gram_exchange.exchange_bytes(groups, owners, windows)

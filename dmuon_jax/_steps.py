@@ -18,6 +18,7 @@ from dmuon_jax import (
   _collectives,
   _cost,
   _exchange,
+  _layout,
   _mesh,
   _owner_layout,
   _owner_update,
@@ -135,12 +136,25 @@ def explicit_step(cfg, hp, layout, targets, mus, count_inc):
   else:
     # Already reduced (the same on every device): each owner reads its own.
     dtypes = [lay.promoted(targets, g) for g in range(lay.num_groups)]
-    grads = _collectives.switch_by_slot(
+    leaves = range(len(lay.plan.leaves))
+    mats = {
+      i: _layout.to_matrices(targets[i], lay.plan.leaves[i]) for i in leaves
+    }
+
+    def pack(rows):
+      bufs = [
+        _collectives.to_varying(jnp.zeros((size,), dt), axes)
+        for size, dt in zip(lay.local_sizes, dtypes)
+      ]
+      return tuple(lay.pack_whole_at(bufs, mats, leaves, rows))
+
+    # One program for every device: its units read from tables by its slot.
+    grads = _collectives.switch_with_tables(
       axes,
-      [
-        lambda s=s: lay.pack_slot_from(lay.unit_getter(targets), s, dtypes)
-        for s in range(n)
-      ],
+      [pack] * n,
+      lay.whole_tables(leaves),
+      keys=[None] * n,
+      dynamic=lay.dynamic,
     )
   ortho, mu = _owner_update.owner_step(cfg, hp, layout, grads, mus, count_inc)
   new = lay.unpack_full(
@@ -383,7 +397,7 @@ def _drop_in_body(
 ):
   """The per-device program: pieces to owners, owner update, results back."""
   lay = layout.groups[0]
-  axes, n = lay.plan.axis_names, lay.num_slots
+  axes = lay.plan.axis_names
   dtypes = [lay.promoted(targets, g) for g in range(lay.num_groups)]
   recv = {
     key: jax.lax.all_to_all(
@@ -391,56 +405,38 @@ def _drop_in_body(
     )
     for key in ex.classes
   }
-  full = [
-    x if i in ex.routed else _exchange.gather_to_full(x, owner_entries[i])
-    for i, x in enumerate(targets)
-  ]
-
-  def pack(slot):
-    from_full = lay.unit_getter(full)
-    assembled = {}
-    for key, r in recv.items():
-      assembled.update(ex.assemble(key, r, slot))
-    return lay.pack_slot_from(
-      lambda u: assembled[u] if u in assembled else from_full(u), slot, dtypes
+  full = {
+    i: _layout.to_matrices(
+      _exchange.gather_to_full(targets[i], owner_entries[i]),
+      lay.plan.leaves[i],
     )
-
-  # Slots whose work is alike share a branch body (see Exchange.pack_key).
-  grads = _collectives.switch_by_slot(
-    axes,
-    [functools.partial(pack, s) for s in range(n)],
-    keys=[ex.pack_key(s) for s in range(n)],
-  )
+    for i in ex.whole
+  }
+  # Every device runs one program: its units and offsets are read from
+  # tables by its slot (see Exchange.by_slot).
+  grads = ex.by_slot(lambda rows: ex.pack(rows, recv, full, dtypes))
   ortho, new_mu = _owner_update.owner_step(
     cfg, hp, layout, grads, mus, count_inc
   )
   out = [None] * len(targets)
   rep_groups = [g for g in range(lay.num_groups) if ex.rep_size[g]]
   if rep_groups:
-    compact = _collectives.switch_by_slot(
-      axes,
-      [
-        lambda b, s=s: tuple(ex.rep_pack(b, s, g) for g in rep_groups)
-        for s in range(n)
-      ],
+    compact = ex.by_slot(
+      lambda rows, b: tuple(ex.rep_pack(rows, b, g) for g in rep_groups),
       ortho,
-      keys=[ex.rep_key(s, rep_groups) for s in range(n)],
     )
     gathered = [None] * lay.num_groups
     for g, c in zip(rep_groups, compact):
       gathered[g] = _collectives.gather_from_owners(c, axes)
     for i, x in ex.rep_unpack(gathered).items():
       out[i] = _exchange.local_shard(x, owner_entries[i], sizes)
-  back = {}
-  for g in range(lay.num_groups):
-    if ex.back_size[g]:
-      send = _collectives.switch_by_slot(
-        axes,
-        [lambda b, s=s, g=g: ex.send_back(g, b, s) for s in range(n)],
-        ortho,
-        keys=[ex.back_key(g, s) for s in range(n)],
-      )
-      back[g] = jax.lax.all_to_all(send, axes, 0, 0, tiled=True)
+  back = {
+    key: ex.back(
+      key,
+      ex.by_slot(lambda rows, b, key=key: ex.send_back(key, rows, b), ortho),
+    )
+    for key in ex.classes
+  }
   for i in ex.routed:
     out[i] = ex.local_leaf(i, back)
   return out, new_mu

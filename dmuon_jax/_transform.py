@@ -516,7 +516,9 @@ def scale_by_dmuon(
     owners and come back by one ``all_gather``. Leaves sharded along matrix
     dimensions (rows, columns or both, over any owner axes; size-1 axes are
     ignored) reach their owners by one ``all_to_all`` over their sharding
-    axes and come back by one over all owner axes. Leaves sharded along a
+    axes and come back by the same all-to-all reversed, followed by one
+    ``all_gather`` over the other owner axes (HSDP's ``'replicate'``; the
+    bytes of one all-to-all over all owner axes). Leaves sharded along a
     stack axis are gathered whole (warned once).
   * per-device gradients (explicit path, inside the caller's ``shard_map``,
     see :func:`dmuon_jax.local_value_and_grad`): one ``psum_scatter`` per

@@ -19,7 +19,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
-from dmuon_jax import _owner_groups
+from dmuon_jax import (
+  _exchange,
+  _gram_exchange,
+  _layout,
+  _owner_groups,
+  _staged,
+)
 from tests import support
 
 # The rest of the grid, for CI and the README's command (see conftest.py).
@@ -252,6 +258,60 @@ class PlannerGroupsTest(parameterized.TestCase):
         sum(u.shape[0] * u.shape[1] for u in slices),
         group.shape[0] * group.shape[1],
       )
+
+  @parameterized.named_parameters(
+    ('llama3_8b_n256', (32, 4096, 14336, 1024), 256, 3),
+    ('llama3_70b_n256', (80, 8192, 28672, 1024), 256, 3),
+    ('llama3_70b_n1024', (80, 8192, 28672, 1024), 1024, 2),
+  )
+  def test_gram_exchange_stays_within_the_groups(self, dims, n, rounds):
+    # Each member's Gram goes to its group's iteration owner and the
+    # factor back, point to point: 'auto' fills a group's slices onto few
+    # members (the iteration owner first), so a device sends and receives
+    # few of them (before: a reduce-scatter and an all-gather over all 8
+    # devices of 'shard', +46% (8B) and +58% (70B) over the routes at
+    # N = 256).
+    params = llama(*dims)
+    mesh = {'replicate': n // 8, 'shard': 8}
+    # As init plans them for kernels row-sharded over 'shard' (the slices'
+    # view takes every shard's rows).
+    shards = {i: (8, 1) for i in range(len(jax.tree.leaves(params)))}
+    plan = dmuon_jax.plan_ownership(params, mesh, shard_counts=shards)
+    sched = _gram_exchange.schedule(plan.groups, plan.owners)
+    held = _gram_exchange.members(plan.groups, plan.owners)
+    want = sorted(
+      (h, g.iteration_owner, j)
+      for j, (g, hs) in enumerate(zip(plan.groups, held))
+      for h in hs
+      if h != g.iteration_owner
+    )
+    self.assertEqual(sorted(m for r in sched.reduce for m in r), want)
+    for direction in sched:
+      self.assertLen(direction, rounds)
+      for messages in direction:  # one ppermute: a partial permutation
+        self.assertEqual(len({m[0] for m in messages}), len(messages))
+        self.assertEqual(len({m[1] for m in messages}), len(messages))
+    # Against the routes (all-to-all and all-gather) of the update with
+    # params FSDP-sharded over 'shard' (bfloat16), as the scale study has
+    # them: within 15%.
+    lay = _layout.Layout(plan, ['bfloat16'] * len(plan.leaves))
+    entries = [
+      tuple(
+        ('shard',) if d == len(s.leaf_shape) - 2 else ()
+        for d in range(len(s.leaf_shape))
+      )
+      for s in plan.leaves
+    ]
+    routes = sum(_exchange.Exchange(lay, entries).predicted_bytes([2]).values())
+    self.assertLessEqual(plan.group_exchange_bytes(), 0.15 * routes)
+
+  def test_symmetric_matrices_travel_packed(self):
+    for g in (1, 4, 7, 64):
+      a = jax.random.normal(jax.random.key(g), (g, g))
+      a = a + a.T
+      packed = _staged.pack_symmetric(a)
+      self.assertEqual(packed.shape, (_gram_exchange.triangle_size(g),))
+      chex.assert_trees_all_equal(_staged.unpack_symmetric(packed, g), a)
 
   def test_small_models_keep_single_owners(self):
     # 'auto' leaves matrices below 1e10 FLOPs whole (the block model, the

@@ -13,7 +13,10 @@ random gradients:
 Reported per case: the largest relative error against optax, the median
 step time, and from the compiled program the collectives nested in a
 conditional (dmuon runs none there: NCCL needs every device of a replica
-group to reach each collective) and the bytes by kind.
+group to reach each collective) and the bytes by kind, beside the layout's
+predictions: the routes' all-to-alls (and all-gathers) and the owner groups'
+Gram exchange (collective-permutes: each member's Gram to its group's
+iteration owner and the factor back).
 
 On GPU it needs at least 2 (``tp``: 4) devices, else the case is recorded
 as skipped. ``--cpu-smoke`` runs it on 8 simulated CPU devices with tiny
@@ -190,6 +193,10 @@ def main(argv=None):
         'status': 'ok',
         'mesh': dict(mesh.shape),
         'groups': len(layout.plans[0].groups),
+        # The owner groups' Gram exchange, point to point (ppermute rounds
+        # of packed float32 triangles): the bytes the plan predicts.
+        'predicted_group_exchange': layout.plans[0].group_exchange_bytes(),
+        'predicted_routes': layout.collective_bytes(),
         'max_rel_error': max(errors),
         'median_ms': 1e3 * statistics.median(times),
         'collectives': len(nesting),

@@ -159,13 +159,18 @@ def gpu_bytes(traced, n):
   return out
 
 
-def conditional_branches(text: str) -> int:
-  """Branch bodies of all ``conditional``s in an HLO text: the program's
-  owner-slot branches (owners whose work is alike share one body)."""
-  return sum(
+def branches_per_conditional(text: str) -> list[int]:
+  """Branch bodies of each ``conditional`` in an HLO text, in text order:
+  the owner stages (owners whose work is alike share one body)."""
+  return [
     len([b for b in m.split(',') if b.strip()])
     for m in re.findall(r'branch_computations=\{([^}]*)\}', text)
-  )
+  ]
+
+
+def conditional_branches(text: str) -> int:
+  """Branch bodies of all ``conditional``s in an HLO text."""
+  return sum(branches_per_conditional(text))
 
 
 def compile_timed(jitted, n, *args):
@@ -258,9 +263,11 @@ def drop_in_row(name, n, s):
     compiled, loop_trip_counts=True, branches_per_device=n
   )
   nesting = diagnostics.collective_nesting(compiled)
-  branches = conditional_branches(compiled.as_text())
+  text = compiled.as_text()
+  branches = conditional_branches(text)
   predicted = layout.collective_bytes()
   predicted['gram exchange'] = plan.group_exchange_bytes()
+  routes = cuda.get('all-to-all', 0.0) + cuda.get('all-gather', 0.0)
   return {
     'model': name,
     'devices': n,
@@ -270,7 +277,11 @@ def drop_in_row(name, n, s):
     'compile_s': compile_s,
     'ns_flops_per_device': flops,
     'conditional_branches': branches,
+    'branches_per_conditional': branches_per_conditional(text),
     'plan_makespan': plan.makespan,
+    # The whole update's bytes over its routes' (all-to-all and
+    # all-gather: what the update moves without owner groups).
+    'bytes_over_routes': sum(cuda.values()) / routes if routes else None,
     'bytes_by_kind': cuda,
     'cpu_bytes_by_kind': report.bytes_by_kind,
     'bytes_by_axis': by_axis(report, n, s),
@@ -287,15 +298,19 @@ A2A_BLOCK = 4096
 
 
 def a2a_row(name, n, s):
-  """One all-to-all over all N devices alone, compiled: the collective the
-  drop-in update's way back ends with (every owner sends every device its
-  block), bfloat16 as there. XLA:CPU's all-to-all decomposer turns an
-  array all-to-all into one operand per peer (a slice kernel each, plus a
-  float32 conversion for bfloat16), so its compile time grows with N
-  whatever the program around it. For comparison, the same exchange in two
-  stages (over ``'shard'``, then over ``'replicate'``): the same result,
-  S + N / S peers instead of N, the same bytes over ``'replicate'`` and
-  (S - 1) / S of the data more over ``'shard'``."""
+  """The way back's exchange alone, compiled: every owner sends every
+  device its block of the results (bfloat16). ``direct``: one all-to-all
+  over all N devices (the update's way back before 2026-12-05); XLA:CPU's
+  all-to-all decomposer turns an array all-to-all into one operand per
+  peer (a slice kernel each, plus a float32 conversion for bfloat16), so
+  its compile time grows with N whatever the program around it.
+  ``two_stage``: all-to-all over ``'shard'``, then over ``'replicate'``
+  (the same result, S + N / S peers, (S - 1) / S of the data more over
+  ``'shard'``). ``gather`` (the update's way back now): HSDP devices of
+  one ``'shard'`` coordinate hold equal shards, so an owner sends its S
+  distinct blocks by an all-to-all over ``'shard'`` and every device
+  all-gathers the row's blocks over ``'replicate'``: the direct one's
+  result and bytes, ``(N - 1)`` blocks per device."""
   del name
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -315,9 +330,15 @@ def a2a_row(name, n, s):
     y = jax.lax.all_to_all(x.reshape(r, s, m), 'shard', 1, 1, tiled=True)
     return jax.lax.all_to_all(y, 'replicate', 0, 0, tiled=True).reshape(n, m)
 
+  def gather(x):  # the blocks for one 'shard' coordinate are equal: send S
+    m = x.shape[-1]
+    y = jax.lax.all_to_all(x[:s], 'shard', 0, 0, tiled=True)
+    return jax.lax.all_gather(y, 'replicate', axis=0, tiled=True).reshape(n, m)
+
   spec = P(axes)
   row = {'model': 'all_to_all', 'devices': n, 'mode': 'a2a'}
-  for label, body in (('direct', direct), ('two_stage', two_stage)):
+  variants = (('direct', direct), ('two_stage', two_stage), ('gather', gather))
+  for label, body in variants:
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
     x = jax.ShapeDtypeStruct(
       (n * n, A2A_BLOCK), jnp.bfloat16, sharding=NamedSharding(mesh, spec)
@@ -329,16 +350,20 @@ def a2a_row(name, n, s):
     row[f'{label}_kernels'] = text.count(' fusion(')
     row[f'{label}_all_to_alls'] = text.count(' all-to-all(')
   if n <= 64:  # Same result (run on small blocks).
+    # Device d's block for device j depends on d and on j's 'shard'
+    # coordinate only (HSDP: equal shards over 'replicate').
+    d, j = np.meshgrid(np.arange(n), np.arange(n), indexing='ij')
+    blocks = (d * s + j % s)[..., None] * 4 + np.arange(4)
     small = jax.device_put(
-      jnp.arange(n * n * 4, dtype=jnp.float32).reshape(n * n, 4),
+      jnp.asarray(blocks.reshape(n * n, 4), jnp.float32),
       NamedSharding(mesh, spec),
     )
-    run = lambda b: jax.jit(
-      jax.shard_map(b, mesh=mesh, in_specs=spec, out_specs=spec)
-    )(small)
-    row['two_stage_equal'] = bool(
-      np.array_equal(np.asarray(run(direct)), np.asarray(run(two_stage)))
+    run = lambda b: np.asarray(
+      jax.jit(jax.shard_map(b, mesh=mesh, in_specs=spec, out_specs=spec))(small)
     )
+    want = run(direct)
+    row['two_stage_equal'] = bool(np.array_equal(want, run(two_stage)))
+    row['gather_equal'] = bool(np.array_equal(want, run(gather)))
   return row
 
 
@@ -645,6 +670,39 @@ def write_markdown(rows, path):
       f'{_fmt_bytes(measured)} vs {_fmt_bytes(model)} | '
       f'{_fmt_bytes(r["peak_bytes"])} | {r["in_conditional"]} |'
     )
+  sized = [
+    r
+    for r in rows
+    if r.get('mode') == 'drop-in'
+    and 'error' not in r
+    and 'branches_per_conditional' in r
+  ]
+  if sized:
+    lines += [
+      '',
+      "## Drop-in update: program size and the groups' exchange",
+      '',
+      'Branch bodies of each conditional in the compiled HLO (text order), '
+      "and the update's bytes (CUDA program) over those of its routes "
+      "(all-to-all and all-gather): the owner groups' Gram exchange and "
+      'scalar reductions on top.',
+      '',
+      '| model | N | branch bodies | per conditional | compile | '
+      "bytes / routes' bytes | by kind |",
+      '|---|---:|---:|---|---:|---:|---|',
+    ]
+    for r in sorted(sized, key=lambda r: (r['model'], r['devices'])):
+      per = r['branches_per_conditional']
+      ratio = r.get('bytes_over_routes')
+      kinds = ', '.join(
+        f'{k} {_fmt_bytes(v)}' for k, v in sorted(r['bytes_by_kind'].items())
+      )
+      lines.append(
+        f'| {r["model"]} | {r["devices"]} | {sum(per)} | {per} | '
+        f'{r["compile_s"]:.1f} s | '
+        + (f'{ratio:.3f}' if ratio else '-')
+        + f' | {kinds} |'
+      )
   lone = sorted(
     (r for r in rows if r.get('mode') == 'a2a' and 'error' not in r),
     key=lambda r: r['devices'],
@@ -659,24 +717,32 @@ def write_markdown(rows, path):
     }
     lines += [
       '',
-      '## One all-to-all over all N devices, compiled alone',
+      "## The way back's exchange, compiled alone",
       '',
-      f'bfloat16, {A2A_BLOCK} elements per peer; two stages: over `shard`, '
-      'then over `replicate` (the same result; at N = 64 checked by running '
-      'both). Kernels: fusions in the compiled HLO. Last column: the '
-      'Llama-3-8B drop-in update of the table above, whose way back is such '
-      'an all-to-all.',
+      f'bfloat16, {A2A_BLOCK} elements per peer. Direct: one all-to-all '
+      'over all N devices. Two stages: over `shard`, then over `replicate`. '
+      'Gather (the update now): an all-to-all over `shard` of the S '
+      'distinct blocks, then an all-gather over `replicate` (HSDP devices '
+      'of one `shard` coordinate hold equal shards): the direct result and '
+      'bytes. All three give the same result (at N = 64 checked by running '
+      'them). Kernels: fusions in the compiled HLO. Last column: the '
+      'Llama-3-8B drop-in update of the table above.',
       '',
       '| N | direct: compile | kernels | two stages: compile | kernels | '
-      '8B drop-in update: compile |',
-      '|---:|---:|---:|---:|---:|---:|',
+      'gather: compile | kernels | 8B drop-in update: compile |',
+      '|---:|---:|---:|---:|---:|---:|---:|---:|',
     ]
     for r in lone:
       u = updates.get(r['devices'])
+      g = (
+        f'{r["gather_compile_s"]:.1f} s | {r["gather_kernels"]}'
+        if 'gather_compile_s' in r
+        else '- | -'
+      )
       lines.append(
         f'| {r["devices"]} | {r["direct_compile_s"]:.1f} s | '
         f'{r["direct_kernels"]} | {r["two_stage_compile_s"]:.1f} s | '
-        f'{r["two_stage_kernels"]} | '
+        f'{r["two_stage_kernels"]} | {g} | '
         + (f'{u["compile_s"]:.1f} s |' if u else '- |')
       )
   errors = [r for r in rows if 'error' in r]

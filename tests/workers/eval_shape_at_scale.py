@@ -3,7 +3,7 @@
 Run by ``tests/scale_compile_test.py`` in a fresh process (its own device
 count). The state comes from ``jax.eval_shape(opt.init, abstract_params)``
 (nothing allocated), the update is compiled from abstract values, and the
-compiled HLO is compared with the layout's predicted owner all-to-alls.
+compiled HLO is compared with the layout's predicted owner routes.
 Prints one JSON line per mesh kind.
 
     python tests/workers/eval_shape_at_scale.py --devices 64

@@ -593,10 +593,12 @@ def _stage(st, body, tables, keys, c: Carry, hat, params, vary, dynamic):
   )
 
 
-def _exchange(st: Stages, rounds, send, recv, blocks, into, vary):
-  """One direction of the groups' exchange: per round, each sender's
-  ``blocks[send]`` to its peer, added to the receiver's ``into[recv]``."""
-  slot = _collectives.slot_index(st.axes)
+def _exchange(st: Stages, slot, own, rounds, send, recv, blocks, like, vary):
+  """One direction of the groups' exchange, into zeros like ``like``: a
+  slot's own ``blocks`` (``own``, see :func:`_own`), then per round each
+  sender's ``blocks[send]`` to its peer, added to the receiver's
+  ``[recv]``."""
+  into = _own(own, slot, blocks, jnp.zeros_like(like))
   send_row = jnp.asarray(send)[slot]
   recv_row = jnp.asarray(recv)[slot]
   for r, messages in enumerate(rounds):
@@ -708,16 +710,15 @@ def run(
   c = stage('gram', bodies.gram, c)
   for w in range(st.windows):
     if st.has_groups:
-      owned = _own(
-        st.own_gram, slot, c.held_grams, jnp.zeros_like(c.owned_grams)
-      )
       owned = _exchange(
         st,
+        slot,
+        st.own_gram,
         st.schedule.reduce,
         st.reduce_send,
         st.reduce_recv,
         c.held_grams,
-        owned,
+        c.owned_grams,
         vary,
       )
       c = c._replace(owned_grams=owned)
@@ -725,16 +726,15 @@ def run(
       c = c._replace(tp_grams=jax.lax.psum(c.tp_grams, st.tp_axis))
     c = stage('iterate', functools.partial(bodies.iterate, w), c)
     if st.has_groups:
-      factors = _own(
-        st.own_factor, slot, c.owned_factors, jnp.zeros_like(c.held_factors)
-      )
       factors = _exchange(
         st,
+        slot,
+        st.own_factor,
         st.schedule.broadcast,
         st.bcast_send,
         st.bcast_recv,
         c.owned_factors,
-        factors,
+        c.held_factors,
         vary,
       )
       c = c._replace(held_factors=factors)

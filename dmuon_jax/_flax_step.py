@@ -695,6 +695,8 @@ def train_step(
     new_flat, out = jitted(flat, other)
     new_flat = [_respell(n, o) for n, o in zip(new_flat, flat)]
     nnx.update(nodes, jax.tree.unflatten(treedef, new_flat))
+    if not any(other_state):  # an NNX step: nothing returned is state
+      return out
     # A returned state argument (a TrainState) too, as it came in.
     leaves, out_def = jax.tree.flatten(out)
     sources = _output_sources(out, other_def, other_state)

@@ -8,6 +8,7 @@ from absl.testing import absltest, parameterized
 import dmuon_jax
 from tests import support
 from tests.support import (
+  OPTAX_F32_RTOL,
   STEPS,
   assert_trees_rel_close,
   dim_numbers,
@@ -63,7 +64,7 @@ class OptaxParityTest(parameterized.TestCase):
     ours = run(dmuon_jax.dmuon(**kwargs), params)
     ref = run(optax.contrib.muon(**kwargs), params)
     for i in (0, STEPS // 2, STEPS - 1):
-      assert_trees_rel_close(self, ours[i], ref[i], rtol=1e-6)
+      assert_trees_rel_close(self, ours[i], ref[i], rtol=OPTAX_F32_RTOL)
     # The update moved every leaf: the comparison is not vacuous.
     for a, b in zip(jax.tree.leaves(ours[-1]), jax.tree.leaves(params)):
       self.assertGreater(np.abs(a - np.asarray(b)).max(), 1e-3)
@@ -86,7 +87,7 @@ class OptaxParityTest(parameterized.TestCase):
       params,
       steps=5,
     )
-    assert_trees_rel_close(self, ours[-1], ref[-1], rtol=1e-6)
+    assert_trees_rel_close(self, ours[-1], ref[-1], rtol=OPTAX_F32_RTOL)
 
   @parameterized.named_parameters(
     ('you_vs_dion', 'you', 'dion'), ('jordan_vs_standard', 'jordan', 'standard')
@@ -108,7 +109,7 @@ class OptaxParityTest(parameterized.TestCase):
       params,
       5,
     )
-    assert_trees_rel_close(self, ours[-1], ref[-1], rtol=1e-6)
+    assert_trees_rel_close(self, ours[-1], ref[-1], rtol=OPTAX_F32_RTOL)
 
   def test_adaptive_matches_optax_on_unstacked_leaves(self):
     # optax sums the dual norm over a whole leaf; dmuon per matrix. They agree
@@ -121,7 +122,7 @@ class OptaxParityTest(parameterized.TestCase):
     )
     ours = run(dmuon_jax.dmuon(**kwargs), params, 5)
     ref = run(optax.contrib.muon(**kwargs), params, 5)
-    assert_trees_rel_close(self, ours[-1], ref[-1], rtol=1e-6)
+    assert_trees_rel_close(self, ours[-1], ref[-1], rtol=OPTAX_F32_RTOL)
 
   def test_gram_algorithm_close_to_direct(self):
     params = make_params()
@@ -159,7 +160,7 @@ class SgdMomentumTest(parameterized.TestCase):
       params, dims, lr=0.02, beta=0.9, nesterov=nesterov, wd=0.1, steps=STEPS
     )
     for i in (0, STEPS - 1):
-      assert_trees_rel_close(self, ours[i], ref[i], rtol=1e-6)
+      assert_trees_rel_close(self, ours[i], ref[i], rtol=OPTAX_F32_RTOL)
 
 
 if __name__ == '__main__':

@@ -1,22 +1,38 @@
 """Test set-up: 8 simulated CPU devices, float32 everywhere.
 
-The test processes compile with XLA:CPU's backend at optimization level 0
-(``--xla_backend_optimization_level=0``) and LLVM's expensive passes off
-(``--xla_llvm_disable_expensive_passes``). XLA's HLO passes, which decide
-the collectives, fusions and buffers the tests read, and the programs that
-the tests compare (the library's and optax's, both compiled here) are
-unchanged; machine code is less optimized, and float16 arithmetic is
-rounded per operation (measured: float16 Newton-Schulz of a 1e30-scaled
-gradient 1.8e-3 to 2.5e-3 from the scale-1 update, against < 1e-3 at the
-default level; numerics_test states its float16 tolerance against that).
-Compilation is most of the suite's time (measured: XLA's backend compile
-131 s of 164 s for three modules): level 0 compiled a Gemma-like dedicated
-class in 8.9 s instead of 13.0 s, and the whole suite (1020 tests, -n 2)
-from 18 min 8 s to 12 min 16 s; the LLVM flag took it from 18 min 1 s to
-14 min 53 s before that. Child processes (examples,
-benchmarks, guides run as projects, multi-host workers) get both flags too
-(measured: the train-step benchmark's quick run 26.4 s -> 18.2 s); the
-figures the docs quote come from runs outside the suite, at XLA's defaults.
+The test processes (and their child processes: examples, benchmarks,
+guides run as projects, multi-host workers) compile with three XLA:CPU
+settings that make compiling cheaper; the figures the docs quote come from
+runs outside the suite, at XLA's defaults:
+
+- ``--xla_llvm_disable_expensive_passes=true`` (the suite 18 min 1 s ->
+  14 min 53 s);
+- ``--xla_backend_optimization_level=0`` (a Gemma-like dedicated class
+  compiled in 8.9 s instead of 13.0 s; the suite 18 min 8 s -> 12 min 16 s;
+  the train-step benchmark's quick run 26.4 s -> 18.2 s);
+- ``--xla_cpu_use_fusion_emitters=false``: XLA:CPU's loop emitters instead
+  of its MLIR fusion emitters (perf put 18% of a tensor-parallel test's CPU
+  time in the fusion emitters' MLIR pipelines, much of it building an MLIR
+  context per fusion; the suite 11 min 53 s / 1348 CPU s -> 6 min 20 s /
+  690 CPU s within the same hour, the machine's speed varying ~25% by the
+  hour).
+
+Compilation was most of the suite's time (XLA's backend compile 573 of 816
+CPU seconds in the test processes, jax.monitoring). The HLO the tests read
+(collectives, nesting, memory analysis) and the programs they compare (the
+library's and optax's, both compiled here) compile under the same
+settings. Two numerical effects, each stated where a tolerance meets it:
+
+- float16 arithmetic is rounded per operation at level 0 (float16
+  Newton-Schulz of a 1e30-scaled gradient 1.8e-3 to 2.5e-3 from the
+  scale-1 update, < 1e-3 at the default level; numerics_test).
+- Two float32 programs that compute the same update no longer round alike:
+  the loop emitters sum in other orders, each op's own error unchanged
+  (matmul, norm, sqrt, rsqrt and the Newton-Schulz polynomial 1.8e-7 to
+  3.6e-7 from float64 under either emitter), and Newton-Schulz amplifies a
+  small singular value's rounding up to a^5 ~ 490 times (a = 3.4445).
+  dmuon against optax in float32 moved from ~1e-8 to ~1e-6
+  (support.OPTAX_F32_RTOL).
 """
 
 import gc
@@ -37,6 +53,7 @@ import pytest
 _TEST_FLAGS = (
   '--xla_llvm_disable_expensive_passes=true',
   '--xla_backend_optimization_level=0',
+  '--xla_cpu_use_fusion_emitters=false',
 )
 _flags = os.environ.get('XLA_FLAGS', '').split()
 # xdist workers inherit the controller's env

@@ -119,7 +119,9 @@ class ContractTest(chex.TestCase):
     )
     ours = support.run(opt, params, steps=3)
     ref = support.run(plain, params, steps=3)
-    support.assert_trees_rel_close(self, ours[-1], ref[-1], rtol=1e-6)
+    support.assert_trees_rel_close(
+      self, ours[-1], ref[-1], rtol=support.OPTAX_F32_RTOL
+    )
     # Changing the injected learning rate changes the step.
     state = opt.init(params)
     state.hyperparams['learning_rate'] = jnp.asarray(0.0)
@@ -156,7 +158,9 @@ class ContractTest(chex.TestCase):
       params,
       steps=5,
     )
-    support.assert_trees_rel_close(self, ours[-1], ref[-1], rtol=1e-6)
+    support.assert_trees_rel_close(
+      self, ours[-1], ref[-1], rtol=support.OPTAX_F32_RTOL
+    )
     # The schedule reached zero: the last step changed nothing.
     chex.assert_trees_all_equal(ours[-1], ours[-2])
 
@@ -179,7 +183,9 @@ class ContractTest(chex.TestCase):
       params,
       4,
     )
-    support.assert_trees_rel_close(self, ours[-1], ref[-1], rtol=1e-6)
+    support.assert_trees_rel_close(
+      self, ours[-1], ref[-1], rtol=support.OPTAX_F32_RTOL
+    )
 
   def test_update_with_a_different_tree_raises(self):
     params, opt, state, _ = small_setup()

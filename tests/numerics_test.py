@@ -471,7 +471,11 @@ class PropertyTest(absltest.TestCase):
     # Random meshes (including device counts that divide nothing), shapes
     # and param dtypes: dmuon's first two updates equal single-device
     # optax.contrib.muon's on float32 copies of the same params: float32
-    # within 1e-5. bfloat16 params (bfloat16 momentum and Newton-Schulz):
+    # within 5e-5 (measured 1.9e-5 on a (2, 3) leaf under the suite's
+    # settings (tests/conftest.py), where optax's own float32 update is
+    # 1.9e-5 from float64 and dmuon's 8.2e-7; 5e-8 at XLA's default
+    # codegen: Newton-Schulz amplifies a small singular value's rounding up
+    # to ~490 times). bfloat16 params (bfloat16 momentum and Newton-Schulz):
     # within 0.1 or twice optax's own bfloat16 error, whichever is larger
     # (bfloat16 rounding through 5 iterations: optax's own bfloat16 updates
     # were measured up to 0.14 from float32 on 2x2 matrices).
@@ -507,7 +511,7 @@ class PropertyTest(absltest.TestCase):
       for k in host:
         self.assertEqual(u[k].dtype, jnp.dtype(dtype))
         tol = (
-          1e-5 if dtype == 'float32' else max(0.1, 2 * rel_err(lu[k], ru[k]))
+          5e-5 if dtype == 'float32' else max(0.1, 2 * rel_err(lu[k], ru[k]))
         )
         self.assertLess(
           rel_err(u[k], ru[k]), tol, (mesh_shape, shapes, dtype, t, k)

@@ -44,9 +44,8 @@ BATCH, STEPS, LR = 16, 20, 0.005
 # fp32 summation-order noise: plain data-parallel jax.jit on 8 devices is
 # then 1.6e-5 (relative, losses) from the one-device run at step 18; at
 # 0.005 it stays within 4.7e-7 and the dedicated run within 2.6e-6
-# (measured at XLA's default codegen; 1.01e-5 under the suite's settings,
-# tests/conftest.py), so the tolerance is the dedication's error and float32
-# noise, not memorization's amplified noise.
+# (measured at XLA's default codegen; see reference() for the suite's
+# settings), so 1e-5 is the dedication's error, not amplified noise.
 N = 8
 KERNEL = nn.initializers.xavier_uniform()
 
@@ -180,7 +179,12 @@ def train(mesh, dedicated):
 
 @functools.cache
 def reference():
-  return train(data_mesh(1), dedicated=False)
+  # The trainer as written, plain jax.jit on the same 8 devices (no dmuon):
+  # what the dedicated run is held to. Under the suite's settings
+  # (tests/conftest.py) it is itself 5.9e-6 (params, 20 steps) from a
+  # one-device run, and the dedicated run 1.01e-5: float32 summation-order
+  # noise (support.OPTAX_F32_RTOL); 4.9e-6 from each other.
+  return train(data_mesh(N), dedicated=False)
 
 
 @functools.cache
@@ -189,12 +193,9 @@ def dedicated_run():
 
 
 class NanodoLikeTrainerTest(absltest.TestCase):
-  def test_z3_matches_single_device_at_the_floor(self):
+  def test_z3_matches_plain_jit_at_the_floor(self):
     got = dedicated_run()
-    # Params 1.01e-5 from the one-device run after 20 steps under the
-    # suite's settings (tests/conftest.py; 2.6e-6 at XLA's default codegen,
-    # see LR): float32 noise (support.OPTAX_F32_RTOL), hence 3e-5.
-    support.assert_route_run(self, got, reference(), z3=True, rtol=3e-5)
+    support.assert_route_run(self, got, reference(), z3=True)
 
   def test_recipe_shardings_follow_the_dedication(self):
     got = dedicated_run()

@@ -189,7 +189,9 @@ def dedicate(
   ``layers_per_gather='auto'`` (default) weighs the bytes a step moves
   (padding and the owner groups' exchange included) against the gathered
   weights Z3 holds (two groups; a byte held counts as two moved), so that
-  neither whole-model gather groups nor tiny split ones are chosen;
+  neither whole-model gather groups nor tiny split ones are chosen (a
+  model of four blocks gathers one at a time, even where two would pad
+  less: two groups of two are the whole model held at Z3's peak);
   ``summary()`` reports the choice, the padding and the exchange.
 
   On an HSDP mesh, owners are global ``(replicate, shard)`` slots: a group
@@ -580,17 +582,18 @@ def _auto_layers_per_gather(
   loops = sum(1 for sc in bounds.scanned if not sc)
   top = max([loops] + list(stacks) + [1])
   ks = [k for k in range(1, top + 1) if all(n % k == 0 for n in stacks)]
-  best = None
+  tried = []
   for k in ks:
     got = predict(k)
-    cost = auto_cost(got, sizes, rep_axis, z3)
-    if best is None or cost < best[0] * (1 - 1e-9):
-      best = (cost, k, got)
-  _, k, got = best
-  payload = sum(b.payload for b in got)
-  gathered = sum(b.gathered for b in got)
-  pad = padding_percent(payload, gathered)
-  return k, 'auto' if pad <= AUTO_PADDING_PERCENT else 'auto, least padding'
+    payload = sum(b.payload for b in got)
+    pad = padding_percent(payload, sum(b.gathered for b in got))
+    tried.append((auto_cost(got, sizes, rep_axis, z3), k, pad))
+  best = None
+  for t in tried:
+    if best is None or t[0] < best[0] * (1 - 1e-9):
+      best = t
+  _, k, pad = best
+  return k, 'auto' if pad <= AUTO_PADDING_PERCENT else 'auto, padding above 5%'
 
 
 def auto_cost(

@@ -74,8 +74,8 @@ class Dedication:
     layers_per_gather: boundaries (or scanned layers) per gather.
     layers_per_gather_choice: how it was chosen: ``'given'`` (an int
       passed to :func:`dedicate`), ``'auto'`` (the least bytes moved and
-      held, padding at most 5%), ``'auto, least padding'`` (the least bytes
-      moved and held, padding above 5%) or, from
+      held, padding at most 5%), ``'auto, padding above 5%'`` (the least
+      bytes moved and held, padding above 5%) or, from
       :func:`dmuon_jax.flax.dedicate`, ``'one layer per nnx.scan
       iteration'``.
     treedef: the params tree structure.

@@ -367,60 +367,7 @@ def a2a_row(name, n, s):
   return row
 
 
-def dedicated_plan_row(name, n, s):
-  """The dedicated plan alone (no compile): gather groups, padding, owner
-  groups' exchange and per-device Newton-Schulz work against the bound."""
-  import jax  # pylint: disable=import-outside-toplevel
-
-  import dmuon_jax  # pylint: disable=import-outside-toplevel
-
-  mesh = jax.sharding.AbstractMesh((n // s, s), ('replicate', 'shard'))
-  params, _ = model_params(name)
-  t = time.perf_counter()
-  ded = dmuon_jax.dedicate(params, mesh, reshard_after_forward=True)
-  plan_s = time.perf_counter() - t
-  return {
-    'model': name,
-    'devices': n,
-    'mode': 'dedicated plan',
-    'plan_s': plan_s,
-    **_dedication_fields(ded),
-  }
-
-
-def _dedication_fields(ded):
-  """What a dedicated row records of its plan."""
-  payload, gathered = ded.gather_bytes()
-  per_pass = [
-    lay.num_slots
-    * sum(
-      size * int(jnp_itemsize(d))
-      for size, d in zip(lay.local_sizes, lay.dtypes)
-    )
-    for lay in ded.layouts
-  ]
-  return {
-    'layers_per_gather': ded.layers_per_gather,
-    'layers_per_gather_choice': ded.layers_per_gather_choice,
-    'gather_groups': len(ded.groups),
-    'plan_makespan': ded.plan.makespan,
-    'groups': len(ded.plan.groups),
-    'units': len(ded.plan.units),
-    'gathered_bytes': gathered,
-    'payload_bytes': payload,
-    'padding_percent': 100 * (gathered / payload - 1) if payload else 0.0,
-    'exchange_bytes': ded.exchange_bytes(),
-    'largest_group_bytes': max(per_pass, default=0),
-  }
-
-
-def jnp_itemsize(dtype):
-  import numpy as np  # pylint: disable=import-outside-toplevel
-
-  return np.dtype(dtype).itemsize
-
-
-def dedicated_row(name, n, s, layers_per_gather='auto', dtype='bfloat16'):
+def dedicated_row(name, n, s, layers_per_gather='auto'):
 
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -433,9 +380,6 @@ def dedicated_row(name, n, s, layers_per_gather='auto', dtype='bfloat16'):
 
   mesh = jax.make_mesh((n // s, s), ('replicate', 'shard'))
   params, dims = model_params(name)
-  params = jax.tree.map(
-    lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype)), params
-  )
   t = time.perf_counter()
   ded = dmuon_jax.dedicate(
     params,
@@ -477,7 +421,7 @@ def dedicated_row(name, n, s, layers_per_gather='auto', dtype='bfloat16'):
 
   d = LLAMA[name.partition('_L')[0]][1]
   x = jax.ShapeDtypeStruct(
-    (tokens, d), jnp.dtype(dtype), sharding=NamedSharding(mesh, P(axes))
+    (tokens, d), jnp.bfloat16, sharding=NamedSharding(mesh, P(axes))
   )
   compiled, lower_s, compile_s, cuda = compile_timed(step, n, dp, state, x)
   report = dmuon_jax.analyze_compiled(compiled)
@@ -487,15 +431,9 @@ def dedicated_row(name, n, s, layers_per_gather='auto', dtype='bfloat16'):
   )
   nesting = diagnostics.collective_nesting(compiled)
   branches = conditional_branches(compiled.as_text())
-  _, gathered = ded.gather_bytes()
+  payload, gathered = ded.gather_bytes()
   r = n // s
-  # The seeds' HSDP model of the gathers and reduce-scatters, and the owner
-  # groups' Gram exchange (matrices split over owners).
-  model = (
-    3 * (s - 1) / s * gathered
-    + 2 * (r - 1) / r * gathered / s
-    + ded.exchange_bytes()
-  )
+  model = 3 * (s - 1) / s * gathered + 2 * (r - 1) / r * gathered / s
   muon = cuda.get('all-gather', 0) + cuda.get('reduce-scatter', 0)
   return {
     'model': name,
@@ -505,22 +443,24 @@ def dedicated_row(name, n, s, layers_per_gather='auto', dtype='bfloat16'):
       ''
       if layers_per_gather == 'auto'
       else f', {layers_per_gather} layer/gather'
-    )
-    + ('' if dtype == 'bfloat16' else f', {dtype} params'),
+    ),
+    'layers_per_gather': ded.layers_per_gather,
     'plan_s': plan_s,
     'lower_s': lower_s,
     'compile_s': compile_s,
     # The step's dots include the model's forward and backward: the NS
-    # part is the plan's prediction (plan_makespan); this is the program's
-    # total.
+    # part is the plan's prediction (below); this is the program's total.
     'step_dot_flops_per_device': flops,
     'conditional_branches': branches,
+    'plan_makespan': ded.plan.makespan,
+    'groups': len(ded.plan.groups),
     'bytes_by_kind': cuda,
     'cpu_bytes_by_kind': report.bytes_by_kind,
     'bytes_by_axis': by_axis(report, n, s),
     'muon_bytes': muon,
     'seeds_model_bytes': model,
-    **_dedication_fields(ded),
+    'gathered_bytes': gathered,
+    'payload_bytes': payload,
     'in_conditional': sum('conditional' in c.context for c in nesting),
     'in_loop': sum('while' in c.context for c in nesting),
     **memory(compiled),
@@ -546,12 +486,6 @@ def worker(args):
         # Z3 memory with one layer per gather (more padding, one layer's
         # weights gathered at a time):
         'dedicated1': functools.partial(dedicated_row, layers_per_gather=1),
-        # The same step with float32 params: every buffer in the params'
-        # dtype (XLA:CPU computes bfloat16 dots in float32 and holds float32
-        # copies of bfloat16 weights), for the memory of bfloat16 weights
-        # without those copies: half its peak.
-        'dedicated_f32': functools.partial(dedicated_row, dtype='float32'),
-        'dedicated_plan': dedicated_plan_row,
         'a2a': a2a_row,
       }[mode]
       t = time.perf_counter()
@@ -769,43 +703,6 @@ def write_markdown(rows, path):
         + (f'{ratio:.3f}' if ratio else '-')
         + f' | {kinds} |'
       )
-  ded_rows = [
-    r
-    for r in rows
-    if r.get('mode', '').startswith('dedicated')
-    and 'error' not in r
-    and 'padding_percent' in r
-  ]
-  if ded_rows:
-    lines += [
-      '',
-      '## Dedicated plans',
-      '',
-      "Z3, `layers_per_gather='auto'` unless the mode says otherwise. "
-      "Padding: the gathers' bytes beyond the Muon params; split: matrices "
-      'cut into slices over owners (owner groups), for the Newton-Schulz '
-      "work or for the gathers' bytes; exchange: their Gram exchange per "
-      'device per step; largest group: one pass of the largest gather '
-      'group (what Z3 holds about twice); peak: the compiled memory '
-      'analysis per device (XLA:CPU; with float32 params, half of it is '
-      'the step with every buffer in bfloat16).',
-      '',
-      '| model | mode | N | layers / gather (groups) | padding | split '
-      '| exchange / device | NS / bound (plan) | largest group | peak '
-      'memory / device |',
-      '|---|---|---:|---|---:|---:|---:|---:|---:|---:|',
-    ]
-    for r in ded_rows:
-      bound = bounds.get((r['model'], r['devices']))
-      ratio = f'{r["plan_makespan"] / bound:.3f}' if bound else '-'
-      peak = _fmt_bytes(r['peak_bytes']) if 'peak_bytes' in r else '-'
-      lines.append(
-        f'| {r["model"]} | {r["mode"]} | {r["devices"]} | '
-        f'{r["layers_per_gather"]} ({r["gather_groups"]}) | '
-        f'{r["padding_percent"]:.1f}% | {r["groups"]} | '
-        f'{_fmt_bytes(r["exchange_bytes"])} | {ratio} | '
-        f'{_fmt_bytes(r["largest_group_bytes"])} | {peak} |'
-      )
   lone = sorted(
     (r for r in rows if r.get('mode') == 'a2a' and 'error' not in r),
     key=lambda r: r['devices'],
@@ -999,9 +896,7 @@ def main():
   parser.add_argument(
     '--modes',
     default='plan,drop_in,dedicated',
-    help='plan, drop_in, dedicated (Z3), dedicated_f32 (Z3, float32 '
-    'params, for memory), dedicated_plan (the dedicated plan, not '
-    'compiled), dedicated1 (Z3, one layer per '
+    help='plan, drop_in, dedicated (Z3), dedicated1 (Z3, one layer per '
     'gather), a2a (one all-to-all over all N devices alone, direct and in '
     'two stages)',
   )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -93,9 +94,14 @@ def _buffer_axes(
 
 
 def _group_axis(plan: _plan.OwnershipPlan, rep_axis: str | None) -> str | None:
-  """The axis owner groups range over: the innermost owner axis that is not
-  the HSDP replicate axis (a group's Grams then stay in a shard group)."""
-  axes = [a for a in plan.axis_names if a != rep_axis] or list(plan.axis_names)
+  """The axis owner groups range over: the innermost owner axis of more
+  than one device that is not the HSDP replicate axis (a group's Grams then
+  stay in a shard group), else the replicate axis (a DDP mesh, whose shard
+  axis has one device)."""
+  sizes = dict(zip(plan.axis_names, plan.mesh_shape))
+  axes = [a for a in plan.axis_names if a != rep_axis and sizes[a] > 1]
+  if not axes:
+    axes = [a for a in plan.axis_names if sizes[a] > 1] or list(plan.axis_names)
   return axes[-1] if axes else None
 
 
@@ -171,13 +177,22 @@ def dedicate(
   planner's gather-group pass). A scanned stack is planned for one
   iteration; iteration ``t`` rotates those owners by ``t`` slots.
 
-  A gather moves ``num_slots * (largest owner share)`` bytes: a block with
-  fewer, unequal matrices than devices pads (e.g. a transformer block of 4
-  ``d x d`` and 2 ``d x 2d`` matrices on 8 devices: 100%). Larger groups pad
-  less (2 such blocks per gather: 0%) at the cost of Z3 memory (one group's
-  weights). ``layers_per_gather='auto'`` (default) takes the smallest group
-  size whose padding is at most 5% (or, if none is, the least padding);
-  ``summary()`` reports the choice and the padding.
+  A gather moves ``num_slots * (largest owner share)`` bytes: with whole
+  matrices, a block with fewer, unequal matrices than devices pads (e.g. a
+  transformer block of 4 ``d x d`` and 2 ``d x 2d`` matrices on 8 devices:
+  100%). Where a loop group's whole matrices would pad more than 5%, some
+  are split into slices of their long side over owners of one row of the
+  owner-group axis (owner groups, as ``owner_groups`` splits large
+  matrices for the Newton–Schulz work; their Gram exchange is
+  :meth:`Dedication.exchange_bytes`): the coarsest slicing that pads at
+  most 5%, slices keeping at least ``min(128, short side)`` rows/columns.
+  ``layers_per_gather='auto'`` (default) weighs the bytes a step moves
+  (padding and the owner groups' exchange included) against the gathered
+  weights Z3 holds (two groups; a byte held counts as two moved), so that
+  neither whole-model gather groups nor tiny split ones are chosen (a
+  model of four blocks gathers one at a time, even where two would pad
+  less: two groups of two are the whole model held at Z3's peak);
+  ``summary()`` reports the choice, the padding and the exchange.
 
   On an HSDP mesh, owners are global ``(replicate, shard)`` slots: a group
   is gathered over ``replicate`` and then over the shard axes, so that Z3's
@@ -209,9 +224,8 @@ def dedicate(
       False for Z2 (keep the gathered weights).
     layers_per_gather: boundaries (or scanned layers) per gather; must
       divide the length of every scanned stack. ``'auto'`` (default): the
-      smallest such number whose gathers pad at most
-      ``AUTO_PADDING_PERCENT`` (5%) over the Muon params' bytes, else the
-      one padding least.
+      number that minimizes the Muon bytes a step moves plus twice the
+      gathered bytes Z3 holds at its peak.
     axis_names: the owner axes (default: all mesh axes but
       ``tensor_parallel_axis``).
     replicate_axis: the HSDP replicate axis name, if the mesh has it.
@@ -235,8 +249,11 @@ def dedicate(
     owner_groups: ``'auto'`` (default), an int ``k`` or None: matrices
       split over a group of owners, as for :func:`dmuon_jax.dmuon` (their
       slices are stored on the group's devices and gathered like whole
-      matrices). Not for scanned stacks and TP matrices ('auto' leaves them
-      whole; ``k`` raises).
+      matrices); ``'auto'`` also splits matrices of a loop gather group
+      whose whole matrices would pad more than 5% (see above); None keeps
+      every matrix whole. Not for scanned stacks and TP matrices ('auto'
+      leaves them whole; ``k`` raises). Split matrices run Gram
+      Newton–Schulz with the Frobenius preconditioning.
 
   Returns:
     A :class:`Dedication`; move params with ``to_dedicated``.
@@ -335,8 +352,12 @@ def dedicate(
     owner_groups=owner_groups,
     ungroupable=[t.leaf_index for t in scanned],
   )
+  split = owner_groups == 'auto'
+  memo: dict = {}
   build = functools.partial(
     _build,
+    split=split,
+    memo=memo,
     params=params,
     abstract=abstract,
     mesh=mesh,
@@ -353,7 +374,24 @@ def dedicate(
   )
   if layers_per_gather != 'auto':
     return build(layers_per_gather, 'given')
-  return _auto_layers_per_gather(bounds, _stack_lengths(params, bounds), build)
+  buffer_axes, rep_axis = _buffer_axes(base_plan, replicate_axis)
+  k, choice = _auto_layers_per_gather(
+    bounds,
+    _stack_lengths(params, bounds),
+    lambda k: _planner.gather_group_bytes(
+      base_plan,
+      _group_specs(bounds, base_plan, k),
+      k,
+      buffer_axes,
+      _group_axis(base_plan, rep_axis),
+      split=split,
+      memo=memo,
+    ),
+    dict(zip(base_plan.axis_names, base_plan.mesh_shape)),
+    rep_axis,
+    reshard_after_forward,
+  )
+  return build(k, choice)
 
 
 def _check_layers_per_gather(layers_per_gather: Any) -> None:
@@ -404,6 +442,8 @@ def _build(
   reshard_after_forward: bool,
   remat_policy: Callable[..., Any] | None,
   ns_algorithm: str,
+  split: bool,
+  memo: dict,
 ) -> Dedication:
   """The dedication of ``k`` layers per gather (``choice``: how ``k`` was
   chosen); the keyword arguments are what :func:`dedicate` fixed first."""
@@ -413,19 +453,16 @@ def _build(
   leaves = jax.tree.leaves(params)
   flat = jax.tree.flatten_with_path(params)[0]
   leaf_paths = tuple(_routing.normalize_path(keys) for keys, _ in flat)
-  path_boundary = dict(zip(bounds.paths, bounds.of_target))
   groups = _gather_groups(bounds, k)
   scanned_names = [n for n, sc in zip(bounds.names, bounds.scanned) if sc]
-  group_specs = [
-    (
-      bounds.names[group[0]],
-      bounds.scanned[group[0]],
-      [s for s in plan.leaves if path_boundary[s.path] in group],
-    )
-    for group in groups
-  ]
   plan, group_plans, iterations = _planner.plan_gather_groups(
-    plan, group_specs, k, buffer_axes, _group_axis(plan, rep_axis)
+    plan,
+    _group_specs(bounds, plan, k),
+    k,
+    buffer_axes,
+    _group_axis(plan, rep_axis),
+    split=split,
+    memo=memo,
   )
   layouts = tuple(
     _layout.Layout(
@@ -495,6 +532,22 @@ def _build(
   )
 
 
+def _group_specs(
+  bounds: _boundaries.HookBoundaries, plan: _plan.OwnershipPlan, k: int
+) -> list[tuple[str, bool, list[_routing.LeafSpec]]]:
+  """Per gather group of ``k`` boundaries: its name, whether it is a
+  scanned stack, and its Muon leaves."""
+  path_boundary = dict(zip(bounds.paths, bounds.of_target))
+  return [
+    (
+      bounds.names[group[0]],
+      bounds.scanned[group[0]],
+      [s for s in plan.leaves if path_boundary[s.path] in group],
+    )
+    for group in _gather_groups(bounds, k)
+  ]
+
+
 def _boundary_keys(bounds, flat, leaf_paths) -> list[tuple[Any, ...]]:
   """Per boundary, the key path of its subtree."""
   boundary_keys = []
@@ -513,25 +566,68 @@ def _boundary_keys(bounds, flat, leaf_paths) -> list[tuple[Any, ...]]:
 def _auto_layers_per_gather(
   bounds: _boundaries.HookBoundaries,
   stacks: Sequence[int],
-  build: Callable[[int, str], Dedication],
-) -> Dedication:
-  """The dedication of ``layers_per_gather='auto'``.
+  predict: Callable[[int], list[_planner.GatherBytes]],
+  sizes: dict[str, int],
+  rep_axis: str | None,
+  z3: bool,
+) -> tuple[int, str]:
+  """``(k, choice)`` of ``layers_per_gather='auto'``.
 
-  Tries 1, 2, ... consecutive boundaries per gather (those dividing every
-  scanned stack) and keeps the first whose gathers pad at most
-  ``AUTO_PADDING_PERCENT`` over the payload; if none does, the one padding
-  least (the smallest of equals).
+  Of the group sizes that divide every scanned stack, the one whose plan
+  (``predict(k)``: per gather group its bytes, see
+  :func:`_planner.gather_group_bytes`) minimizes the bytes a step moves
+  plus the bytes Z3 holds gathered at its peak (:func:`auto_cost`); ties
+  go to the smaller size.
   """
   loops = sum(1 for sc in bounds.scanned if not sc)
-  top = max([loops] + stacks + [1])
+  top = max([loops] + list(stacks) + [1])
   ks = [k for k in range(1, top + 1) if all(n % k == 0 for n in stacks)]
-  best = None
+  tried = []
   for k in ks:
-    ded = build(k, 'auto')
-    pad = padding_percent(*ded.gather_bytes())
-    if pad <= AUTO_PADDING_PERCENT:
-      return ded
-    if best is None or pad < best[0] - 1e-9:
-      best = (pad, k)
-  assert best is not None
-  return build(best[1], 'auto, least padding')
+    got = predict(k)
+    payload = sum(b.payload for b in got)
+    pad = padding_percent(payload, sum(b.gathered for b in got))
+    tried.append((auto_cost(got, sizes, rep_axis, z3), k, pad))
+  best = None
+  for t in tried:
+    if best is None or t[0] < best[0] * (1 - 1e-9):
+      best = t
+  _, k, pad = best
+  return k, 'auto' if pad <= AUTO_PADDING_PERCENT else 'auto, padding above 5%'
+
+
+def auto_cost(
+  got: Sequence[_planner.GatherBytes],
+  sizes: dict[str, int],
+  rep_axis: str | None,
+  z3: bool,
+) -> float:
+  """What ``layers_per_gather='auto'`` minimizes, in bytes per device: the
+  Muon bytes a step moves (the seeds' HSDP model of the gathers and
+  reduce-scatters, ``(2 or 3) (S - 1) / S`` of the gathered bytes plus
+  ``2 (R - 1) / R`` of a shard's share, and the owner groups' Gram
+  exchange) plus twice the gathered bytes held at the peak: Z3 holds
+  about two groups (measured: a group's regathered weights and their
+  gradient in its backward pass), Z2 every group's weights. A byte held
+  counts as two bytes moved (so a 70B model on 64 devices gathers 8
+  layers at a time, not 17; ``HELD_WEIGHT``)."""
+  r = sizes.get(rep_axis, 1) if rep_axis else 1
+  s = math.prod(sizes.values()) // r
+  passes = 3 if z3 else 2
+  moved = sum(
+    passes * (s - 1) / s * b.gathered
+    + 2 * (r - 1) / r * b.gathered / s
+    + b.exchange
+    for b in got
+  )
+  if z3:
+    per_pass = sorted(b.gathered / max(b.iterations, 1) for b in got)
+    held = sum(per_pass[-2:])
+  else:
+    held = sum(b.gathered for b in got)
+  return moved + HELD_WEIGHT * held
+
+
+# What a byte of gathered weights held at Z3's peak counts for against a
+# byte a step moves, in layers_per_gather='auto' (see auto_cost).
+HELD_WEIGHT = 2.0

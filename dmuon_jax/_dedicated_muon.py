@@ -162,6 +162,16 @@ def scale_by_dedicated_muon(
       'TP Gram Newton-Schulz normalizes by the Frobenius norm. Use '
       "preconditioning='frobenius'."
     )
+  if dedication.plan.groups and preconditioning != 'frobenius':
+    raise ValueError(
+      f'dmuon: preconditioning={preconditioning!r} is not available for '
+      f'this dedication: it splits {len(dedication.plan.groups)} matrices '
+      "over owners (owner groups; dedicate's owner_groups='auto' splits "
+      'matrices where whole ones would pad a gather by more than 5%), and '
+      'their Gram Newton-Schulz normalizes by the Frobenius norm. Use '
+      "preconditioning='frobenius', or dedicate(..., owner_groups=None) to "
+      'keep every matrix whole.'
+    )
   cfg = _owner_update.make_config(
     ns_coeffs=ns_coeffs,
     ns_steps=ns_steps,

@@ -73,8 +73,9 @@ class Dedication:
       the momentum of :func:`dedicated_muon`).
     layers_per_gather: boundaries (or scanned layers) per gather.
     layers_per_gather_choice: how it was chosen: ``'given'`` (an int
-      passed to :func:`dedicate`), ``'auto'`` (the smallest with padding at
-      most 5%), ``'auto, least padding'`` (none reached 5%) or, from
+      passed to :func:`dedicate`), ``'auto'`` (the least bytes moved and
+      held, padding at most 5%), ``'auto, padding above 5%'`` (the least
+      bytes moved and held, padding above 5%) or, from
       :func:`dmuon_jax.flax.dedicate`, ``'one layer per nnx.scan
       iteration'``.
     treedef: the params tree structure.
@@ -392,6 +393,20 @@ class Dedication:
     """
     return _gather_bytes(self)
 
+  def exchange_bytes(self) -> float:
+    """Predicted bytes per device per step of the owner groups' Gram
+    exchange (0 without owner groups).
+
+    Each gather group's split matrices (see :func:`dmuon_jax.dedicate`'s
+    ``owner_groups``) are orthogonalized by one staged update: per restart
+    window a reduce-scatter of float32 Grams and an all-gather of the
+    factors over the group axis (``group_exchange_bytes`` of the plan).
+
+    Returns:
+      The byte count.
+    """
+    return _exchange_bytes(self)
+
   def summary(self) -> str:
     """The gather groups, their padding, and the owner plan's summary."""
     return _summary(self)
@@ -505,6 +520,15 @@ def _gather_bytes(ded: Dedication) -> tuple[int, int]:
   return payload, gathered
 
 
+def _exchange_bytes(ded: Dedication) -> float:
+  return float(
+    sum(
+      max(it, 1) * lay.plan.group_exchange_bytes()
+      for lay, it in zip(ded.layout.groups, ded.layout.iterations)
+    )
+  )
+
+
 def padding_percent(used: int, held: int) -> float:
   """Gathered bytes beyond the payload, in percent (0 with no payload)."""
   return 100 * (held / used - 1) if used else 0.0
@@ -541,10 +565,14 @@ def _summary(ded: Dedication) -> str:
     )
     iters = ded.layout.iterations[g]
     times = f' x {iters} iterations' if iters else ''
+    split = len(lay.plan.groups)
+    slices = sum(len(x.units) for x in lay.plan.groups)
+    what = f'{len(lay.plan.units) - slices + split} matrices' + (
+      f' ({split} split into {slices} slices)' if split else ''
+    )
     lines.append(
-      f'  gather {g}: {names}{times}: {len(lay.plan.units)} '
-      f'matrices, {_cost.human_bytes(used)} gathered as '
-      f'{_cost.human_bytes(held)} '
+      f'  gather {g}: {names}{times}: {what}, {_cost.human_bytes(used)} '
+      f'gathered as {_cost.human_bytes(held)} '
       f'(padding {padding_percent(used, held):.1f}%)'
     )
   lines.append(
@@ -552,8 +580,23 @@ def _summary(ded: Dedication) -> str:
     f'gathered {_cost.human_bytes(gathered)} '
     f'(padding {padding_percent(payload, gathered):.1f}%)'
   )
+  exchange = _exchange_bytes(ded)
+  if exchange:
+    lines.append(
+      f'  owner groups exchange per device per step: '
+      f'{_cost.human_bytes(exchange)} (float32 Grams and factors, one '
+      'reduce-scatter and one all-gather per restart window in each gather '
+      "group's update)"
+    )
   if not ded.plan.units:
     lines.append(
       '  no Muon targets: every param is an AdamW param (kept in rest)'
     )
-  return '\n'.join(lines + [ded.plan.summary()])
+  # The plan's own exchange line counts every group in one update; the
+  # dedicated update runs one per gather group (the line above).
+  plan_lines = [
+    line
+    for line in ded.plan.summary().splitlines()
+    if not line.startswith('  owner groups exchange per device per step')
+  ]
+  return '\n'.join(lines + plan_lines)

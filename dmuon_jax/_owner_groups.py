@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -13,7 +13,12 @@ import numpy as np
 
 from dmuon_jax._cost import FLOPS_PER_BYTE, gram_parts
 from dmuon_jax._newton_schulz import is_int
-from dmuon_jax._plan import MatrixUnit, OwnerGroup, group_exchange_bytes
+from dmuon_jax._plan import (
+  MatrixUnit,
+  OwnerGroup,
+  OwnershipPlan,
+  group_exchange_bytes,
+)
 from dmuon_jax._routing import LeafSpec, layer_key
 
 # 'auto' splits a matrix only when its Newton-Schulz costs at least this
@@ -510,12 +515,14 @@ def _sliced_units(
   groups_meta = []  # (leaf_index, whole batch index, shape, iteration cost)
   items = []  # (cost, order, whole unit index | -(group + 1))
   group_units: list[list[int]] = []
+  by_leaf: dict[int, list[MatrixUnit]] = collections.defaultdict(list)
+  for u in units:
+    by_leaf[u.leaf_index].append(u)
   for spec in new_leaves:
     if not spec.sliced:
-      for u in units:
-        if u.leaf_index == spec.leaf_index:
-          items.append((u.cost, len(items), len(new_units)))
-          new_units.append(u)
+      for u in by_leaf[spec.leaf_index]:
+        items.append((u.cost, len(items), len(new_units)))
+        new_units.append(u)
       continue
     fi, fo = spec.whole_matrix
     work, iteration = parts[spec.leaf_index]
@@ -546,6 +553,125 @@ def _sliced_units(
         )
       )
   return new_units, groups_meta, items, group_units
+
+
+def resliced(
+  plan: OwnershipPlan,
+  views: Mapping[int, LeafSpec],
+  ns_steps: int,
+  only: Collection[int] | None = None,
+) -> OwnershipPlan:
+  """``plan`` with more of its leaves viewed as slices (owner groups).
+
+  Its leaves (only those in ``only``, if given) with ``views`` (leaf index
+  -> :func:`sliced_spec` view) applied; their units built as
+  :func:`plan_with_groups` builds them (whole matrices kept, a sliced
+  leaf's matrices as slice units of one group each, costs from the Gram
+  form). Owners are left to the caller (all 0, iterations on slot 0);
+  existing groups keep their ``distinct``.
+  """
+  keep = [s for s in plan.leaves if only is None or s.leaf_index in only]
+  leaves = tuple(views.get(s.leaf_index, s) for s in keep)
+  held = {s.leaf_index for s in keep}
+  whole = [u for u in plan.units if u.group < 0 and u.leaf_index in held]
+  parts = {
+    s.leaf_index: gram_parts(*sorted(s.whole_matrix), ns_steps)
+    for s in leaves
+    if s.sliced
+  }
+  units, groups_meta, _, group_units = _sliced_units(leaves, whole, parts)
+  distinct = {(g.leaf_index, g.batch_index): g.distinct for g in plan.groups}
+  groups = tuple(
+    OwnerGroup(
+      leaf_index=leaf,
+      batch_index=index,
+      shape=shape,
+      units=tuple(group_units[g]),
+      iteration_owner=0,
+      iteration_cost=iteration,
+      distinct=distinct.get((leaf, index), False),
+    )
+    for g, (leaf, index, shape, iteration) in enumerate(groups_meta)
+  )
+  return dataclasses.replace(
+    plan,
+    leaves=leaves,
+    units=tuple(units),
+    owners=(0,) * len(units),
+    groups=groups,
+  )
+
+
+def min_byte_slice(spec: LeafSpec) -> int:
+  """The fewest rows/columns of the long side a slice cut to even out a
+  gather's bytes keeps: ``_MIN_SLICE``, or the short side if smaller (a
+  slice then holds at least as many elements as the Gram its group
+  exchanges)."""
+  return min(_MIN_SLICE, min(spec.matrix_shape))
+
+
+def _slice_counts(spec: LeafSpec) -> list[int]:
+  """The slice counts (> 1, ascending) that :func:`sliced_spec` accepts
+  for ``spec`` with :func:`min_byte_slice`."""
+  fi, fo = spec.matrix_shape
+  long_axes = spec.output_axes if fo >= fi else spec.reduction_axes
+  divisors = {
+    k
+    for a in long_axes
+    for k in range(2, spec.shape[a] + 1)
+    if spec.shape[a] % k == 0
+  }
+  least = min_byte_slice(spec)
+  return [
+    k for k in sorted(divisors) if sliced_spec(spec, k, None, least) is not None
+  ]
+
+
+def byte_views(
+  specs: Sequence[LeafSpec], per_slot: float
+) -> Iterator[dict[int, LeafSpec]]:
+  """Ever finer slicings of one gather group's matrices, coarsest first.
+
+  For a threshold ``q`` going down from ``per_slot`` (the group's bytes
+  over its owners), every leaf not sliced yet whose matrices hold more than
+  ``q`` bytes is viewed as the fewest slices of at most ``q`` bytes that
+  :func:`sliced_spec` allows with :func:`min_byte_slice` (or the finest it
+  allows). Each distinct set of views (leaf index -> view) is yielded once,
+  until every leaf is at its finest.
+
+  Args:
+    specs: the gather group's leaves (sliced ones are left as they are).
+    per_slot: the group's bytes divided by its number of owners.
+
+  Yields:
+    Dicts from leaf index to its sliced view.
+  """
+  counts, sizes = {}, {}
+  for s in specs:
+    if s.sliced or min(s.matrix_shape) < 2:
+      continue
+    ks = _slice_counts(s)
+    if ks:
+      counts[s.leaf_index] = ks
+      fi, fo = s.matrix_shape
+      sizes[s.leaf_index] = fi * fo * jnp.dtype(s.dtype).itemsize
+  by_index = {s.leaf_index: s for s in specs}
+  # The thresholds at which some leaf's slice count changes.
+  steps = {per_slot} | {
+    sizes[i] / k for i, ks in counts.items() for k in [1] + ks
+  }
+  seen = set()
+  for q in sorted((t for t in steps if t <= per_slot), reverse=True):
+    views = {}
+    for i, ks in counts.items():
+      if sizes[i] <= q:
+        continue
+      k = next((k for k in ks if sizes[i] / k <= q), ks[-1])
+      views[i] = sliced_spec(by_index[i], k, None, min_byte_slice(by_index[i]))
+    key = tuple(sorted((i, v.shape) for i, v in views.items()))
+    if key not in seen:
+      seen.add(key)
+      yield views
 
 
 def _place(

@@ -507,6 +507,17 @@ def owner_step(
     new_mu.extend(mu_g)
     p = param_groups[g]
     if _staged.needs_stages(olayout, lay):
+      if out:
+        # One staged group at a time: its Gram exchange buffers (the group
+        # axis' size times the largest Gram block, per device) are live
+        # only while it runs; XLA otherwise runs every group's stages side
+        # by side (an optimization_barrier does not survive XLA:CPU's
+        # pipeline). The tie is 0 whatever the results hold.
+        tie = (
+          sum(jnp.isfinite(r.reshape(-1)[:1]).astype(jnp.float32) for r in out)
+          * 0
+        )
+        h = tuple(x + tie.astype(x.dtype) for x in h)
       out.extend(
         _staged_update(
           cfg, hp, olayout, lay, h, p, decay, olayout.iterations[g]

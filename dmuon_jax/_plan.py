@@ -474,3 +474,13 @@ def group_exchange_bytes(
   point to point in rounds, float32 packed triangles."""
   windows = len(_newton_schulz.check_restart_iterations(None, ns_steps)) + 1
   return _gram_exchange.exchange_bytes(groups, owners, windows)
+
+
+def exchange_bytes_per_element(row_size: int, ns_steps: int = 5) -> float:
+  """Bytes the busiest device sends in one update per element of the Grams
+  one slot iterates (the planner's marginal price of a Gram, see
+  :func:`group_exchange_bytes`): per restart window each of the other
+  ``row_size - 1`` members sends its packed triangle (half the Gram) to the
+  iteration owner and gets the factor back, float32."""
+  windows = len(_newton_schulz.check_restart_iterations(None, ns_steps)) + 1
+  return float(windows * (row_size - 1) * 4)

@@ -110,8 +110,9 @@ def name(shape, scan, z3, per_gather, fsdp_rest=False):
 # scan_z2_2x4 runs HSDP gathers inside a scan's loop; a scan_z3_mesh_2x4
 # config was dropped: 13 s of a compile and 20 steps) and DDP (8x1;
 # Z2 differs from Z3 only by the backward regather), two
-# layers per gather (no padding) and one (100% padding; on DDP: the owners
-# and their padding are the same 8 slots on any mesh shape), replicated and
+# layers per gather (no padding) and one (whole matrices would pad 100%:
+# two of them are split over owners; on DDP: the owners and their padding
+# are the same 8 slots on any mesh shape), replicated and
 # FSDP-sharded embedding, norms and head (once: how the rest is stored does
 # not depend on the stack's form or the Z mode). Each runs 20 steps against
 # optax.contrib.muon and is checked for bytes and memory.
@@ -223,7 +224,14 @@ class FlaxDedicatedTest(parameterized.TestCase):
     dp = got['first'][0]
     payload, gathered = ded.gather_bytes()
     factor = 3 if z3 else 2
+    # The gathers and reduce-scatters; matrices split over owners add their
+    # owner groups' Gram exchange, point to point (collective-permutes).
     predicted = predicted_muon_bytes(ded, shape, factor)
+    self.assertAlmostEqual(
+      report.bytes_by_kind.get('collective-permute', 0),
+      ded.exchange_bytes(),
+      delta=1,
+    )
     self.assertBetween(muon_bytes(report), 0.98 * predicted, 1.02 * predicted)
     n = 8
     floor = factor * (n - 1) / n * payload
@@ -233,10 +241,14 @@ class FlaxDedicatedTest(parameterized.TestCase):
       if shape[0] == 1:
         self.assertLessEqual(muon_bytes(report), 1.10 * floor)
     else:
-      # One block (4 of 32x32, 2 of 32x64) on 8 owners pads to 2x; the
-      # summary says so.
-      self.assertEqual(gathered, 2 * payload)
-      self.assertIn('(padding 100.0%)', ded.summary())
+      # One block (4 of 32x32, 2 of 32x64) on 8 owners: whole matrices
+      # would pad to 2x; the two 32x64 ones are halved over two owners each
+      # (owner groups over 'replicate', the DDP mesh's owner axis): no
+      # padding, and the summary says so.
+      self.assertEqual(gathered, payload)
+      self.assertIn('(padding 0.0%)', ded.summary())
+      self.assertIn('6 matrices (2 split into 4 slices)', ded.summary())
+      self.assertGreater(ded.exchange_bytes(), 0)
     # Every collective runs on every device: none inside a conditional;
     # inside loops only a scanned stack's per-layer gathers (forward,
     # backward re-gather) and reduce-scatters.
@@ -247,8 +259,9 @@ class FlaxDedicatedTest(parameterized.TestCase):
       self.assertEqual(looped, {'all-gather', 'reduce-scatter'})
     else:
       self.assertEmpty(looped)
-    # No all-reduce of Muon gradients: only the AdamW leaves and the loss.
-    rest = per_device_bytes(dp.rest)
+    # No all-reduce of Muon gradients: only the AdamW leaves and the loss
+    # (and, for matrices split over owners, each group's max-abs entry).
+    rest = per_device_bytes(dp.rest) + 4 * len(ded.plan.groups)
     self.assertLessEqual(
       report.bytes_by_kind.get('all-reduce', 0), 2 * (n - 1) / n * rest + 64
     )

@@ -197,6 +197,8 @@ class LinenTest(parameterized.TestCase):
     r, s = shape
     n = r * s
     payload, gathered = ded.gather_bytes()
+    # (Matrices split over owners exchange their Grams point to point:
+    # collective-permutes, not counted here.)
     got = kinds.get('all-gather', 0) + kinds.get('reduce-scatter', 0)
     model = (3 if z3 else 2) * (s - 1) / s * gathered + 2 * (
       r - 1

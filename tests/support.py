@@ -897,13 +897,19 @@ def muon_floor(ded, z3, n=8) -> float:
 
 def assert_route_run(test, got, want, z3, rtol=1e-5):
   """A dedicated run (``losses``, ``params``, ``collectives``, ``ded``)
-  equal to its reference within ``rtol`` and its Muon traffic (all-gather
-  + reduce-scatter) at the plan's floor (within 5%)."""
+  equal to its reference within ``rtol``, its Muon traffic (all-gather
+  + reduce-scatter) at the plan's floor (within 5%) and the owner groups'
+  Gram exchange of matrices split over owners (collective-permutes) as
+  predicted."""
   rel = np.max(np.abs(got['losses'] - want['losses']) / want['losses'])
   test.assertLess(rel, rtol)
   assert_trees_max_rel_close(got['params'], want['params'], rtol)
   kinds = got['collectives']
   floor = muon_floor(got['ded'], z3)
   muon = kinds['all-gather'][1] + kinds['reduce-scatter'][1]
+  exchange = got['ded'].dedication.exchange_bytes()
+  test.assertAlmostEqual(
+    kinds.get('collective-permute', (0, 0))[1], exchange, delta=1
+  )
   test.assertLessEqual(muon, 1.05 * floor)
   test.assertGreaterEqual(muon, floor - 1)

@@ -452,6 +452,13 @@ def slot_work(olayout, lay, decay, skip_distributed=False) -> _layout.SlotWork:
   return lay.slot_work(extra, keep)
 
 
+def _tie(result: jax.Array) -> jax.Array:
+  """A float32 0 that XLA computes from ``result`` (one entry of it), so
+  that what it is added to waits for ``result``; 0 whatever ``result``
+  holds, NaN and infinity included."""
+  return jnp.isfinite(result.reshape(-1)[:1]).astype(jnp.float32)[0] * 0
+
+
 def owner_step(
   cfg: OwnerConfig,
   hp: Hyperparams,
@@ -492,12 +499,21 @@ def owner_step(
   )
   axes = olayout.buffer_axes
   n = olayout.num_slots
-  out, new_mu = [], []
+  out, new_mu, start = [], [], 0
   for g, lay in enumerate(olayout.groups):
-    # Group by group, so that one group's momentum temporaries are live at
-    # a time.
+    # The previous group's results.
+    grads_g, previous, start = grad_groups[g], out[start:], len(out)
+    if previous:
+      # One group at a time: its momentum and Newton-Schulz temporaries (and
+      # a staged group's Gram exchange buffers) are live only while it runs;
+      # XLA otherwise runs every group side by side, so that the update's
+      # temporaries grow with the model (an optimization_barrier does not
+      # survive XLA:CPU's pipeline). Each group's inputs wait for the
+      # previous group's results through a tie that is 0 whatever they hold.
+      tie = sum(_tie(r) for r in previous)
+      grads_g = [x + tie.astype(x.dtype) for x in grads_g]
     mu_g, h = momentum_update(
-      grad_groups[g],
+      grads_g,
       mu_groups[g],
       count_inc,
       beta=hp.beta,
@@ -507,17 +523,6 @@ def owner_step(
     new_mu.extend(mu_g)
     p = param_groups[g]
     if _staged.needs_stages(olayout, lay):
-      if out:
-        # One staged group at a time: its Gram exchange buffers (the group
-        # axis' size times the largest Gram block, per device) are live
-        # only while it runs; XLA otherwise runs every group's stages side
-        # by side (an optimization_barrier does not survive XLA:CPU's
-        # pipeline). The tie is 0 whatever the results hold.
-        tie = (
-          sum(jnp.isfinite(r.reshape(-1)[:1]).astype(jnp.float32) for r in out)
-          * 0
-        )
-        h = tuple(x + tie.astype(x.dtype) for x in h)
       out.extend(
         _staged_update(
           cfg, hp, olayout, lay, h, p, decay, olayout.iterations[g]

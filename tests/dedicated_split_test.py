@@ -349,20 +349,7 @@ class AutoTest(parameterized.TestCase):
     # gathers only in groups of 40 layers (half the model's weights
     # gathered at once: the old 'auto'); with matrices split, 'auto'
     # gathers a few layers at a time within 5%.
-    s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-    d, f, kv = 8192, 28672, 1024
-    params = {
-      f'layers_{i}': {
-        'q': s(d, d),
-        'k': s(d, kv),
-        'v': s(d, kv),
-        'o': s(d, d),
-        'gate': s(d, f),
-        'up': s(d, f),
-        'down': s(f, d),
-      }
-      for i in range(80)
-    }
+    params = support.llama3_matrices(80, 8192, 28672, 1024)
     mesh = {'replicate': 8, 'shard': 8}
     # Whole matrices: 16 layers per gather (weighing memory) pad 9.8%;
     # 40 (two groups) would pad 2%.

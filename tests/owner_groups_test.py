@@ -215,22 +215,6 @@ class DedicatedGroupsTest(parameterized.TestCase):
     support.assert_trees_rel_close(self, run['params'], want, rtol=1e-5)
 
 
-def llama(layers, d, f, kv):
-  s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-  return {
-    f'layers_{i}': {
-      'q': s(d, d),
-      'k': s(d, kv),
-      'v': s(d, kv),
-      'o': s(d, d),
-      'gate': s(d, f),
-      'up': s(d, f),
-      'down': s(f, d),
-    }
-    for i in range(layers)
-  }
-
-
 class PlannerGroupsTest(parameterized.TestCase):
   @parameterized.named_parameters(
     ('llama3_8b_n256', (32, 4096, 14336, 1024), 256),
@@ -238,7 +222,7 @@ class PlannerGroupsTest(parameterized.TestCase):
     ('llama3_70b_n1024', (80, 8192, 28672, 1024), 1024),
   )
   def test_busiest_device_within_15_percent_of_the_bound(self, dims, n):
-    params = llama(*dims)
+    params = support.llama3_matrices(*dims)
     mesh = {'replicate': n // 8, 'shard': 8}
     plain = dmuon_jax.plan_ownership(params, mesh, owner_groups=None)
     plan = dmuon_jax.plan_ownership(params, mesh)
@@ -271,7 +255,7 @@ class PlannerGroupsTest(parameterized.TestCase):
     # few of them (before: a reduce-scatter and an all-gather over all 8
     # devices of 'shard', +46% (8B) and +58% (70B) over the routes at
     # N = 256).
-    params = llama(*dims)
+    params = support.llama3_matrices(*dims)
     mesh = {'replicate': n // 8, 'shard': 8}
     # As init plans them for kernels row-sharded over 'shard' (the slices'
     # view takes every shard's rows).
@@ -316,7 +300,7 @@ class PlannerGroupsTest(parameterized.TestCase):
   def test_small_models_keep_single_owners(self):
     # 'auto' leaves matrices below 1e10 FLOPs whole (the block model, the
     # 8B at 64 devices where single owners are within 1% of total / N).
-    params = llama(32, 4096, 14336, 1024)
+    params = support.llama3_matrices(32, 4096, 14336, 1024)
     plan = dmuon_jax.plan_ownership(params, {'replicate': 8, 'shard': 8})
     self.assertEmpty(plan.groups)
     ded = dmuon_jax.dedicate(support.block_params(), support.make_mesh((1, 8)))

@@ -913,3 +913,21 @@ def assert_route_run(test, got, want, z3, rtol=1e-5):
   )
   test.assertLessEqual(muon, 1.05 * floor)
   test.assertGreaterEqual(muon, floor - 1)
+
+
+def llama3_matrices(layers, d, f, kv):
+  """A Llama-3-like stack's Muon matrices (q, k, v, o, gate, up, down
+  per layer) as bfloat16 ``jax.ShapeDtypeStruct`` s."""
+  s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  return {
+    f'layers_{i}': {
+      'q': s(d, d),
+      'k': s(d, kv),
+      'v': s(d, kv),
+      'o': s(d, d),
+      'gate': s(d, f),
+      'up': s(d, f),
+      'down': s(f, d),
+    }
+    for i in range(layers)
+  }

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import (
   _boundaries,
+  _gather_plan,
   _layout,
   _mesh,
   _owner_groups,
@@ -378,7 +379,7 @@ def dedicate(
   k, choice = _auto_layers_per_gather(
     bounds,
     _stack_lengths(params, bounds),
-    lambda k: _planner.gather_group_bytes(
+    lambda k: _gather_plan.gather_group_bytes(
       base_plan,
       _group_specs(bounds, base_plan, k),
       k,
@@ -455,7 +456,7 @@ def _build(
   leaf_paths = tuple(_routing.normalize_path(keys) for keys, _ in flat)
   groups = _gather_groups(bounds, k)
   scanned_names = [n for n, sc in zip(bounds.names, bounds.scanned) if sc]
-  plan, group_plans, iterations = _planner.plan_gather_groups(
+  plan, group_plans, iterations = _gather_plan.plan_gather_groups(
     plan,
     _group_specs(bounds, plan, k),
     k,
@@ -566,7 +567,7 @@ def _boundary_keys(bounds, flat, leaf_paths) -> list[tuple[Any, ...]]:
 def _auto_layers_per_gather(
   bounds: _boundaries.HookBoundaries,
   stacks: Sequence[int],
-  predict: Callable[[int], list[_planner.GatherBytes]],
+  predict: Callable[[int], list[_gather_plan.GatherBytes]],
   sizes: dict[str, int],
   rep_axis: str | None,
   z3: bool,
@@ -575,7 +576,7 @@ def _auto_layers_per_gather(
 
   Of the group sizes that divide every scanned stack, the one whose plan
   (``predict(k)``: per gather group its bytes, see
-  :func:`_planner.gather_group_bytes`) minimizes the bytes a step moves
+  :func:`_gather_plan.gather_group_bytes`) minimizes the bytes a step moves
   plus the bytes Z3 holds gathered at its peak (:func:`auto_cost`); ties
   go to the smaller size.
   """
@@ -597,7 +598,7 @@ def _auto_layers_per_gather(
 
 
 def auto_cost(
-  got: Sequence[_planner.GatherBytes],
+  got: Sequence[_gather_plan.GatherBytes],
   sizes: dict[str, int],
   rep_axis: str | None,
   z3: bool,

@@ -455,8 +455,10 @@ def slot_work(olayout, lay, decay, skip_distributed=False) -> _layout.SlotWork:
 def _tie(result: jax.Array) -> jax.Array:
   """A float32 0 that XLA computes from ``result`` (one entry of it), so
   that what it is added to waits for ``result``; 0 whatever ``result``
-  holds, NaN and infinity included."""
-  return jnp.isfinite(result.reshape(-1)[:1]).astype(jnp.float32)[0] * 0
+  holds, NaN and infinity included (and for an empty ``result``)."""
+  if not result.size:
+    return jnp.zeros((), jnp.float32)
+  return jnp.isfinite(result.reshape(-1)[0]).astype(jnp.float32) * 0
 
 
 def owner_step(

@@ -411,17 +411,8 @@ def plan_with_groups(
   owners, iteration_owner = _place(
     items, groups_meta, group_units, new_units, n, row_size, forced
   )
-  groups = tuple(
-    OwnerGroup(
-      leaf_index=leaf,
-      batch_index=whole,
-      shape=shape,
-      units=tuple(group_units[g]),
-      iteration_owner=iteration_owner[g],
-      iteration_cost=iteration,
-      distinct=forced,
-    )
-    for g, (leaf, whole, shape, iteration) in enumerate(groups_meta)
+  groups = _owner_groups_of(
+    groups_meta, group_units, iteration_owner, lambda leaf, index: forced
   )
   if not forced:
     loads = np.zeros(n)
@@ -555,6 +546,26 @@ def _sliced_units(
   return new_units, groups_meta, items, group_units
 
 
+def _owner_groups_of(
+  groups_meta, group_units, iteration_owner, distinct
+) -> tuple[OwnerGroup, ...]:
+  """The ``OwnerGroup`` s of :func:`_sliced_units`' groups: group ``g``'s
+  iteration on slot ``iteration_owner[g]``, its ``distinct`` flag
+  ``distinct(leaf_index, batch_index)``."""
+  return tuple(
+    OwnerGroup(
+      leaf_index=leaf,
+      batch_index=index,
+      shape=shape,
+      units=tuple(group_units[g]),
+      iteration_owner=iteration_owner[g],
+      iteration_cost=iteration,
+      distinct=distinct(leaf, index),
+    )
+    for g, (leaf, index, shape, iteration) in enumerate(groups_meta)
+  )
+
+
 def resliced(
   plan: OwnershipPlan,
   views: Mapping[int, LeafSpec],
@@ -581,17 +592,11 @@ def resliced(
   }
   units, groups_meta, _, group_units = _sliced_units(leaves, whole, parts)
   distinct = {(g.leaf_index, g.batch_index): g.distinct for g in plan.groups}
-  groups = tuple(
-    OwnerGroup(
-      leaf_index=leaf,
-      batch_index=index,
-      shape=shape,
-      units=tuple(group_units[g]),
-      iteration_owner=0,
-      iteration_cost=iteration,
-      distinct=distinct.get((leaf, index), False),
-    )
-    for g, (leaf, index, shape, iteration) in enumerate(groups_meta)
+  groups = _owner_groups_of(
+    groups_meta,
+    group_units,
+    [0] * len(groups_meta),
+    lambda leaf, index: distinct.get((leaf, index), False),
   )
   return dataclasses.replace(
     plan,

@@ -112,14 +112,7 @@ def four_run(shape, z3):
   step = support.explicit_step_fn(opt, mesh, state, loss, ded.specs())
   x = jax.device_put(four_batch(), NamedSharding(mesh, P(AXES)))
   compiled = step.lower(dp, state, x).compile()
-  dp, state, losses = support.run_dedicated_steps(compiled, dp, state, x, STEPS)
-  return {
-    'ded': ded,
-    'compiled': compiled,
-    'report': dmuon_jax.analyze_compiled(compiled),
-    'losses': losses,
-    'params': jax.device_get(ded.to_params(dp)),
-  }
+  return support.compiled_dedicated_run(ded, compiled, dp, state, x, STEPS)
 
 
 class FourMatrixTest(parameterized.TestCase):

@@ -841,7 +841,13 @@ def dedicated_run(shape, z3, owner_groups='auto', steps=STEPS):
   """
   ded, dp, opt, state, x = dedicated_setup(shape, z3, owner_groups)
   compiled = dedicated_step(ded, opt, state).lower(dp, state, x).compile()
-  dp, state, losses = run_dedicated_steps(compiled, dp, state, x, steps)
+  return compiled_dedicated_run(ded, compiled, dp, state, x, steps)
+
+
+def compiled_dedicated_run(ded, compiled, dp, state, batch, steps):
+  """Runs ``compiled`` (a dedicated step of ``ded``) ``steps`` times: the
+  dict of :func:`dedicated_run`."""
+  dp, state, losses = run_dedicated_steps(compiled, dp, state, batch, steps)
   return {
     'ded': ded,
     'compiled': compiled,

@@ -57,6 +57,21 @@ def to_varying(x: jax.Array, axes: Sequence[str]) -> jax.Array:
   return jax.lax.pcast(x, missing, to='varying') if missing else x
 
 
+def zero_after(*arrays: jax.Array) -> jax.Array:
+  """A float32 0 that XLA computes from ``arrays`` (one entry of each), so
+  that what it is added to waits for them: a buffer of zeros made as
+  ``zeros + zero_after(x)`` is allocated when ``x`` is ready, not at the
+  start of the program (XLA schedules a constant's copy, the start of an
+  in-place buffer, as early as it likes, and the copy then stays live
+  through the whole step). 0 whatever the arrays hold, NaN and infinity
+  included (and for empty arrays)."""
+  tie = jnp.zeros((), jnp.float32)
+  for x in arrays:
+    if x.size:
+      tie = tie + jnp.isfinite(x.reshape(-1)[0]).astype(jnp.float32) * 0
+  return tie
+
+
 def switch_by_slot(
   axes: Sequence[str], branches, *operands, shift=0, keys=None
 ):

@@ -452,15 +452,6 @@ def slot_work(olayout, lay, decay, skip_distributed=False) -> _layout.SlotWork:
   return lay.slot_work(extra, keep)
 
 
-def _tie(result: jax.Array) -> jax.Array:
-  """A float32 0 that XLA computes from ``result`` (one entry of it), so
-  that what it is added to waits for ``result``; 0 whatever ``result``
-  holds, NaN and infinity included (and for an empty ``result``)."""
-  if not result.size:
-    return jnp.zeros((), jnp.float32)
-  return jnp.isfinite(result.reshape(-1)[0]).astype(jnp.float32) * 0
-
-
 def owner_step(
   cfg: OwnerConfig,
   hp: Hyperparams,
@@ -512,7 +503,7 @@ def owner_step(
       # temporaries grow with the model (an optimization_barrier does not
       # survive XLA:CPU's pipeline). Each group's inputs wait for the
       # previous group's results through a tie that is 0 whatever they hold.
-      tie = sum(_tie(r) for r in previous)
+      tie = _collectives.zero_after(*previous)
       grads_g = [x + tie.astype(x.dtype) for x in grads_g]
     mu_g, h = momentum_update(
       grads_g,

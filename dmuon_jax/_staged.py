@@ -338,10 +338,13 @@ def _zeros(size, dtype):
   return jnp.zeros((max(size, 1),), dtype)
 
 
-def _initial_carry(st: Stages, hat: Sequence[jax.Array], norm) -> Carry:
+def _initial_carry(
+  st: Stages, hat: Sequence[jax.Array], norm, tie: jax.Array
+) -> Carry:
+  """Zeros, made when ``tie`` (see ``_collectives.zero_after``) is."""
   lay = st.lay
   blocks = lambda m: jnp.zeros((max(m, 1), max(st.block, 1)), norm)
-  return Carry(
+  carry = Carry(
     group_amax=_zeros(st.vec_groups, norm),
     tp_amax=_zeros(st.vec_tp, norm),
     group_dots=_zeros(st.vec_groups, norm),
@@ -355,6 +358,7 @@ def _initial_carry(st: Stages, hat: Sequence[jax.Array], norm) -> Carry:
     x=tuple(_zeros(size, norm) for size in lay.local_sizes),
     out=tuple(_zeros(size, b.dtype) for size, b in zip(lay.local_sizes, hat)),
   )
+  return jax.tree.map(lambda z: z + tie.astype(z.dtype), carry)
 
 
 def _put(bufs, gi, off, value):
@@ -593,12 +597,14 @@ def _stage(st, body, tables, keys, c: Carry, hat, params, vary, dynamic):
   )
 
 
-def _exchange(st: Stages, slot, own, rounds, send, recv, blocks, like, vary):
-  """One direction of the groups' exchange, into zeros like ``like``: a
-  slot's own ``blocks`` (``own``, see :func:`_own`), then per round each
-  sender's ``blocks[send]`` to its peer, added to the receiver's
-  ``[recv]``."""
-  into = _own(own, slot, blocks, jnp.zeros_like(like))
+def _exchange(
+  st: Stages, slot, own, rounds, send, recv, blocks, like, vary, tie
+):
+  """One direction of the groups' exchange, into zeros like ``like`` (made
+  when ``tie`` is): a slot's own ``blocks`` (``own``, see :func:`_own`),
+  then per round each sender's ``blocks[send]`` to its peer, added to the
+  receiver's ``[recv]``."""
+  into = _own(own, slot, blocks, jnp.zeros_like(like) + tie.astype(like.dtype))
   send_row = jnp.asarray(send)[slot]
   recv_row = jnp.asarray(recv)[slot]
   for r, messages in enumerate(rounds):
@@ -698,7 +704,10 @@ def run(
   def stage(name, body, c):
     return _stage(st, body, tables, keys[name], c, hat, params, vary, dynamic)
 
-  c = _initial_carry(st, hat, norm)
+  # Buffers made from zeros wait for this group's inputs (else XLA may make
+  # them at the start of the step and hold them through it).
+  tie = _collectives.zero_after(*hat)
+  c = _initial_carry(st, hat, norm, tie)
   c = jax.tree.map(lambda y: _vary(y, vary), c)
   slot = _collectives.slot_index(st.axes) if n > 1 else 0
   # Collectives run between the stages, on every device.
@@ -720,6 +729,7 @@ def run(
         c.held_grams,
         c.owned_grams,
         vary,
+        tie,
       )
       c = c._replace(owned_grams=owned)
     if st.has_tp:
@@ -736,6 +746,7 @@ def run(
         c.owned_factors,
         c.held_factors,
         vary,
+        tie,
       )
       c = c._replace(held_factors=factors)
     c = stage('apply', functools.partial(bodies.apply, w), c)

@@ -236,6 +236,73 @@ class DedicatedMemoryTest(absltest.TestCase):
     one, four = temp_bytes(1), temp_bytes(4)
     self.assertLessEqual(one, 0.85 * four, (one, four))
 
+  def test_z3_step_peak_holds_two_gather_groups(self):
+    # A 16-layer model's whole Z3 train step (qkv, out, up, down; d = 256,
+    # float32, 1x8, one layer per gather, params and optimizer state
+    # donated as a training loop passes them): its peak holds the state
+    # (params and momentum shards, and the step's gradient and update
+    # shards, which every optax step holds) plus at most 2.2 gather groups
+    # (a group's gathered weights and its regathered twin or gradient).
+    # Measured: 1.30 groups (29.3 MB peak, state 25.2 MB, a group 3.1 MB).
+    # Before the staged update's zero buffers waited for their group's
+    # inputs (_collectives.zero_after), XLA made all of them at the start
+    # of the step and held them through it: 4.12 groups (38.1 MB).
+    mesh = support.make_mesh((1, 8))
+    d, n = 256, 8
+    s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    params = {
+      f'layers_{i}': {
+        'qkv': s(d, 3 * d),
+        'out': s(d, d),
+        'up': s(d, 4 * d),
+        'down': s(4 * d, d),
+      }
+      for i in range(16)
+    }
+    ded = dmuon_jax.dedicate(
+      params, mesh, reshard_after_forward=True, layers_per_gather=1
+    )
+    opt = dmuon_jax.dedicated_muon(ded, LR)
+    dp = jax.eval_shape(ded.to_dedicated, params)
+    state = jax.eval_shape(opt.init, dp)
+
+    def block(p, x):
+      x = x + jnp.tanh(x @ p['qkv'])[:, :d] @ p['out']
+      return x + jnp.tanh(x @ p['up']) @ p['down']
+
+    def loss(dp, x):
+      return jnp.mean(ded.sequential(block, ded.boundaries.names)(dp, x) ** 2)
+
+    specs, state_specs = ded.specs(), ded.specs_of(state)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    @functools.partial(
+      jax.shard_map,
+      mesh=mesh,
+      in_specs=(specs, state_specs, P(AXES)),
+      out_specs=(specs, state_specs, P()),
+    )
+    def step(dp, state, x):
+      value, grads = dmuon_jax.local_value_and_grad(loss)(dp, x)
+      updates, state = opt.update(grads, state, dp)
+      return optax.apply_updates(dp, updates), state, jax.lax.pmean(value, AXES)
+
+    x = jax.ShapeDtypeStruct(
+      (2 * n, d), jnp.float32, sharding=NamedSharding(mesh, P(AXES))
+    )
+    report = dmuon_jax.analyze_compiled(
+      step.trace(dp, state, x).lower().compile()
+    )
+    payload, _ = ded.gather_bytes()
+    group = max(lay.num_slots * sum(lay.local_sizes) * 4 for lay in ded.layouts)
+    state_bytes = report.argument_bytes + 2 * payload / n
+    self.assertEqual(group, payload / 16)  # one layer, no padding
+    self.assertLessEqual(
+      report.peak_bytes,
+      state_bytes + 2.2 * group,
+      (report.peak_bytes, state_bytes, group),
+    )
+
 
 class LookupBlockTest(absltest.TestCase):
   def test_z3_block_whose_backward_reads_no_weights_trains_as_optax(self):

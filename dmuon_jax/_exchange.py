@@ -315,13 +315,6 @@ class Exchange:
       )
     )
 
-  @staticmethod
-  def _row(pieces, size, dtype):
-    used = sum(int(p.shape[0]) for p in pieces)
-    if used < size or not pieces:
-      pieces = list(pieces) + [jnp.zeros((size - used,), dtype)]
-    return jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0]
-
   def _local_units(self, x: jax.Array, i: int) -> jax.Array:
     r = self.routed[i]
     x = x.reshape(r.view_local)
@@ -336,39 +329,56 @@ class Exchange:
   ) -> jax.Array:
     """This device's ``(group size, row)`` pieces for the owners of its
     axis group (class ``key``); rows in member order."""
-    axes, g = key
+    axes, _ = key
     layout = self.layout
-    routes = {
-      layout.unit_leaf[u]: None for per in self.fwd_units[key] for u in per
-    }
-    units = {i: self._local_units(local_leaves[i], i) for i in routes}
     others = tuple(a for a in self.axes if a not in axes)
     other_sizes = [self.sizes[a] for a in others]
-    group_sizes = [self.sizes[a] for a in axes]
-
-    def rows_for(other_coords):
-      rows = []
-      for r in range(math.prod(group_sizes)):
-        coords = dict(zip(others, other_coords))
-        coords.update(zip(axes, np.unravel_index(r, group_sizes)))
-        owner = self._slot({a: int(c) for a, c in coords.items()})
-        pieces = [
-          units[layout.unit_leaf[u]][layout.unit_batch[u]]
-          .reshape(-1)
-          .astype(dtype)
-          for u in self.fwd_units[key][owner]
-        ]
-        rows.append(self._row(pieces, self.fwd_size[key], dtype))
-      return jnp.stack(rows)
-
+    group_size = math.prod(self.sizes[a] for a in axes)
+    leaves = {
+      layout.unit_leaf[u]: None for per in self.fwd_units[key] for u in per
+    }
+    # Every owner's row, for every coordinate off the class's axes (the
+    # owner at (those coordinates, member)). Each local piece goes to
+    # exactly one owner, so together these rows are this device's pieces
+    # once (a permutation, plus padding): built for all, and this device's
+    # taken by a dynamic index below, not one switch branch per coordinate
+    # (which grew the program with N). One scatter per leaf places its
+    # pieces, not a slice per unit (the DeepSeek-V3-like stack has 44,834).
+    rows = math.prod(other_sizes) * group_size
+    every = jnp.zeros((rows, self.fwd_size[key]), dtype)
+    every = every + _collectives.zero_after(*local_leaves).astype(dtype)
+    for i in leaves:
+      pieces = self._local_units(local_leaves[i], i).astype(dtype)
+      pieces = pieces.reshape(pieces.shape[0], self.routed[i].piece_size)
+      if not pieces.size:
+        continue
+      at = np.zeros((pieces.shape[0], 2), np.int32)
+      for u in layout.leaf_units[i]:
+        coords = np.unravel_index(
+          layout.plan.owners[u], [self.sizes[a] for a in self.axes]
+        )
+        coords = dict(zip(self.axes, coords))
+        row = np.ravel_multi_index(
+          [coords[a] for a in others + tuple(axes)],
+          other_sizes + [self.sizes[a] for a in axes],
+        )
+        at[layout.unit_batch[u]] = (row, self.fwd_off[u])
+      every = jax.lax.scatter(
+        every,
+        jnp.asarray(at),
+        pieces,
+        jax.lax.ScatterDimensionNumbers(
+          update_window_dims=(1,),
+          inserted_window_dims=(0,),
+          scatter_dims_to_operand_dims=(0, 1),
+        ),
+        indices_are_sorted=False,
+        unique_indices=True,
+        mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+      )
+    every = every.reshape((math.prod(other_sizes), group_size, every.shape[-1]))
     if math.prod(other_sizes) == 1:
-      return rows_for([0] * len(others))
-    # Every coordinate off the class's axes sends to other owners. Each local
-    # piece goes to exactly one owner, so the rows of all coordinates
-    # together are this device's pieces once (a permutation, plus padding):
-    # built for all, and this device's taken by a dynamic index, not one
-    # switch branch per coordinate (which grew the program with N).
-    every = jnp.stack([rows_for(c) for c in np.ndindex(*other_sizes)])
+      return every[0]
     index = jax.lax.axis_index(others)
     return _collectives.to_varying(
       jax.lax.dynamic_index_in_dim(every, index, 0, keepdims=False), self.axes

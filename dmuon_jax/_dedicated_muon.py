@@ -17,6 +17,7 @@ from dmuon_jax import (
   _gather,
   _hyperparams,
   _mesh,
+  _owner_groups,
   _owner_layout,
   _owner_update,
   _states,
@@ -153,25 +154,16 @@ def scale_by_dedicated_muon(
     consistent_rms=consistent_rms,
     weight_decay=weight_decay,
   )
-  if dedication.tensor_parallel_axis is not None and (
-    preconditioning != 'frobenius'
-  ):
-    raise ValueError(
-      f'dmuon: preconditioning={preconditioning!r} is not available with '
-      f'the tensor-parallel axis {dedication.tensor_parallel_axis!r}: the '
-      'TP Gram Newton-Schulz normalizes by the Frobenius norm. Use '
-      "preconditioning='frobenius'."
-    )
-  if dedication.plan.groups and preconditioning != 'frobenius':
-    raise ValueError(
-      f'dmuon: preconditioning={preconditioning!r} is not available for '
-      f'this dedication: it splits {len(dedication.plan.groups)} matrices '
-      "over owners (owner groups; dedicate's owner_groups='auto' splits "
-      'matrices where whole ones would pad a gather by more than 5%), and '
-      'their Gram Newton-Schulz normalizes by the Frobenius norm. Use '
-      "preconditioning='frobenius', or dedicate(..., owner_groups=None) to "
-      'keep every matrix whole.'
-    )
+  _owner_groups.check_preconditioning(
+    preconditioning,
+    tp_axis=dedication.tensor_parallel_axis,
+    groups=len(dedication.plan.groups),
+    otherwise=(
+      'dedicate(..., owner_groups=None) to keep every matrix whole'
+      if dedication.plan.groups and dedication.tensor_parallel_axis is None
+      else ''
+    ),
+  )
   cfg = _owner_update.make_config(
     ns_coeffs=ns_coeffs,
     ns_steps=ns_steps,

@@ -113,6 +113,37 @@ def check_option(
   return owner_groups
 
 
+def check_preconditioning(
+  preconditioning: str,
+  *,
+  tp_axis: str | None = None,
+  groups: int = 0,
+  otherwise: str = '',
+) -> None:
+  """Raises unless ``preconditioning`` is ``'frobenius'`` where matrices
+  are split over devices: over a tensor-parallel axis ``tp_axis``, or
+  ``groups`` matrices over owner groups. Their Gram Newton–Schulz
+  normalizes by the Frobenius norm. ``otherwise``: what else the caller
+  may pass instead (e.g. ``'owner_groups=None'``)."""
+  if preconditioning == 'frobenius' or (tp_axis is None and not groups):
+    return
+  split = []
+  if tp_axis is not None:
+    split.append(f'the tensor-parallel axis {tp_axis!r} splits matrices')
+  if groups:
+    split.append(
+      f'{groups} matrices are split over owners (owner groups; '
+      "owner_groups='auto' splits a dedication's matrices where whole ones "
+      'would pad a gather by more than 5%)'
+    )
+  raise ValueError(
+    f'dmuon: preconditioning={preconditioning!r} is not available here: '
+    f'{" and ".join(split)}, and their Gram Newton-Schulz normalizes by '
+    "the Frobenius norm. Pass preconditioning='frobenius'"
+    + (f', or {otherwise}.' if otherwise else '.')
+  )
+
+
 def sliced_spec(
   spec: LeafSpec,
   slices: int,

@@ -30,6 +30,7 @@ from dmuon_jax import (
   _hyperparams,
   _layout,
   _newton_schulz,
+  _owner_groups,
   _owner_layout,
   _staged,
   _tensor_parallel,
@@ -573,13 +574,12 @@ def owner_step(
 def _staged_update(cfg, hp, olayout, lay, hat, params, decay, iterations):
   """Owner-group and TP matrices by :mod:`_staged` (collectives between
   branches), the slot's whole matrices in its first stage."""
-  if cfg.preconditioning != 'frobenius':
-    raise ValueError(
-      'dmuon: owner groups and tensor-parallel matrices run Gram '
-      "Newton-Schulz with preconditioning='frobenius'; got "
-      f"{cfg.preconditioning!r}. Pass preconditioning='frobenius' or "
-      'owner_groups=None.'
-    )
+  _owner_groups.check_preconditioning(
+    cfg.preconditioning,
+    tp_axis=olayout.tp_axis if olayout.tp_size > 1 else None,
+    groups=len(lay.plan.groups),
+    otherwise='owner_groups=None',
+  )
   stages = _stages(olayout, lay, len(cfg.coeffs))
   rows = np.asarray(cfg.coeffs)
   work = slot_work(olayout, lay, decay, skip_distributed=True)

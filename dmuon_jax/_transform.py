@@ -362,13 +362,11 @@ def check_owner_groups(owner_groups, preconditioning, ns_algorithm):
 
 def check_tp_preconditioning(info: Any, preconditioning: str) -> None:
   """Raises if a TP axis meets a preconditioning other than Frobenius."""
-  if info is not None and info.tp_size > 1 and preconditioning != 'frobenius':
-    raise ValueError(
-      f'dmuon: preconditioning={preconditioning!r} is not available with '
-      f'the tensor-parallel axis {info.tp_axis!r} (size '
-      f'{info.tp_size}): the TP Gram Newton-Schulz normalizes by the '
-      "Frobenius norm. Use preconditioning='frobenius' or "
-      'tensor_parallel_axis=None.'
+  if info is not None and info.tp_size > 1:
+    _owner_groups.check_preconditioning(
+      preconditioning,
+      tp_axis=info.tp_axis,
+      otherwise='tensor_parallel_axis=None',
     )
 
 

@@ -171,6 +171,15 @@ def dedicate_owner_groups_with_tp():
   )
 
 
+def dedicated_muon_aol_with_split_matrices():
+  # 4 matrices of 1 MiB on 8 devices: 'auto' splits them (whole ones pad a
+  # gather by 100%), and split matrices run Gram Newton-Schulz.
+  params = {f'layers_{i}': {'up': S((128, 512), jnp.float32)} for i in range(4)}
+  ded = dmuon_jax.dedicate(params, {'replicate': 1, 'shard': 8})
+  assert ded.plan.groups
+  dmuon_jax.dedicated_muon(ded, 0.1, preconditioning='aol')
+
+
 def dedicate_owner_groups_with_scanned_stack():
   dmuon_jax.dedicate(
     {'layers': {'w': jnp.ones((8, 16, 64))}},
@@ -744,6 +753,33 @@ CASES = (
     dedicate_owner_groups_with_tp,
     ValueError,
     r"owner_groups=2 with the tensor-parallel axis 'model'.*owner_groups=None",
+  ),
+  # Matrices split over devices (TP, owner groups) against the
+  # preconditioning: one check (_owner_groups.check_preconditioning).
+  (
+    'tp_with_aol',
+    functools.partial(
+      dmuon_with,
+      mesh=tp_mesh(),
+      tensor_parallel_axis='model',
+      preconditioning='aol',
+    ),
+    ValueError,
+    (
+      r"preconditioning='aol' is not available here: the tensor-parallel "
+      r"axis 'model' splits matrices.*Pass preconditioning='frobenius', or "
+      r'tensor_parallel_axis=None\.'
+    ),
+  ),
+  (
+    'dedicated_muon_aol_with_split_matrices',
+    dedicated_muon_aol_with_split_matrices,
+    ValueError,
+    (
+      r"preconditioning='aol' is not available here: 4 matrices are split "
+      r"over owners.*Pass preconditioning='frobenius', or dedicate\(\.\.\., "
+      r'owner_groups=None\) to keep every matrix whole\.'
+    ),
   ),
   (
     'dedicate_owner_groups_with_scanned_stack',

@@ -25,6 +25,41 @@ def human_flops(n: float) -> str:
   raise AssertionError('unreachable')
 
 
+def ring_bytes(kind: str, group_size: int, full_bytes: float) -> float:
+  """Per-device bytes of one collective on the ring model, the one model
+  behind every prediction and measurement of this package: over
+  ``group_size`` devices, with ``full_bytes`` the size of the whole array
+  (an all-gather's result, a reduce-scatter's or all-to-all's operand),
+  ``(g - 1) / g`` of it, twice that for an all-reduce; a point-to-point
+  send moves its array. 0 over one device."""
+  if group_size <= 1:
+    return 0.0
+  frac = (group_size - 1) / group_size
+  if kind == 'all-reduce':
+    return 2 * frac * full_bytes
+  if kind in ('collective-permute', 'collective-broadcast'):
+    return float(full_bytes)
+  return frac * full_bytes
+
+
+def route_bytes(
+  num_slots: int, group_size: int, row_bytes: float
+) -> dict[str, float]:
+  """Per-device bytes of the drop-in update's routes for one class of
+  rows: ``row_bytes`` per owner of an axis group of ``group_size``
+  devices, all-to-all to the owners over that group and back, then an
+  all-gather over the other ``num_slots / group_size`` coordinates:
+  ``2 (g - 1) b`` and ``(N - g) b`` (with the all-to-all back, the
+  ``(N - 1) b`` of one all-to-all over all N devices)."""
+  return {
+    'all-to-all': 2
+    * ring_bytes('all-to-all', group_size, group_size * row_bytes),
+    'all-gather': ring_bytes(
+      'all-gather', num_slots // group_size, num_slots * row_bytes
+    ),
+  }
+
+
 def ns_flops(m: int, n: int, ns_steps: int = 5) -> float:
   """Predicted FLOPs of Newton–Schulz on an ``m x n`` matrix.
 

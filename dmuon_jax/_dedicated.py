@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import (
   _boundaries,
+  _cost,
   _gather_plan,
   _layout,
   _mesh,
@@ -616,8 +617,8 @@ def auto_cost(
   s = math.prod(sizes.values()) // r
   passes = 3 if z3 else 2
   moved = sum(
-    passes * (s - 1) / s * b.gathered
-    + 2 * (r - 1) / r * b.gathered / s
+    passes * _cost.ring_bytes('all-gather', s, b.gathered)
+    + 2 * _cost.ring_bytes('all-gather', r, b.gathered / s)
     + b.exchange
     for b in got
   )

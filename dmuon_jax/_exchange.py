@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dmuon_jax import _collectives, _layout, _mesh, _owner_groups
+from dmuon_jax import _collectives, _cost, _layout, _mesh, _owner_groups
 
 
 class _Routed:
@@ -538,20 +538,21 @@ class Exchange:
     for key in self.classes:
       axes, g = key
       size = math.prod(self.sizes[a] for a in axes)
-      row = self.fwd_size[key] * itemsizes[g]
-      a2a += 2 * (size - 1) * row
-      gather += (n // size - 1) * size * row
+      got = _cost.route_bytes(n, size, self.fwd_size[key] * itemsizes[g])
+      a2a += got['all-to-all']
+      gather += got['all-gather']
     gather += sum(
-      (n - 1) * size * itemsizes[g]
+      _cost.ring_bytes('all-gather', n, n * size * itemsizes[g])
       for g, size in enumerate(self.rep_size)
-      if size
     )
     layout = self.layout
     for i in self.gathered:
       spec = layout.plan.leaves[i]
       k = math.prod(self.sizes[a] for e in self.entries[i] for a in e)
       g = layout.unit_group[layout.leaf_units[i][0]]
-      gather += (k - 1) / k * math.prod(spec.shape) * itemsizes[g]
+      gather += _cost.ring_bytes(
+        'all-gather', k, math.prod(spec.shape) * itemsizes[g]
+      )
     return {'all-to-all': a2a, 'all-gather': gather}
 
 

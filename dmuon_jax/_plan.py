@@ -10,7 +10,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from dmuon_jax import _gram_exchange, _newton_schulz
-from dmuon_jax._cost import human_bytes, human_flops, plural
+from dmuon_jax._cost import (
+  human_bytes,
+  human_flops,
+  plural,
+  ring_bytes,
+  route_bytes,
+)
 from dmuon_jax._routing import LeafSpec
 
 
@@ -355,11 +361,13 @@ class OwnershipPlan:
     n = self.num_slots
     biggest = max(self.slot_bytes())
     inner = self.mesh_shape[-1] if self.mesh_shape else 1
+    routes = lambda group: sum(route_bytes(n, group, biggest / group).values())
     return {
-      'explicit': 2 * (n - 1) * biggest,
-      'drop-in, replicated params': (n - 1) * biggest,
-      'drop-in, sharded params': (inner - 1 + n - 1) * biggest / inner,
-      'all-reduce floor': 2 * (n - 1) / n * sum(self.slot_bytes()),
+      'explicit': ring_bytes('reduce-scatter', n, n * biggest)
+      + ring_bytes('all-gather', n, n * biggest),
+      'drop-in, replicated params': routes(1),
+      'drop-in, sharded params': routes(inner),
+      'all-reduce floor': ring_bytes('all-reduce', n, sum(self.slot_bytes())),
     }
 
   def _summary_lines(self) -> list[str]:

@@ -75,7 +75,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from dmuon_jax import _hlo_cost, _hlo_text, _stablehlo_text
+from dmuon_jax import _cost, _hlo_cost, _hlo_text, _stablehlo_text
 from dmuon_jax._hlo_cost import dot_flops as dot_flops
 from dmuon_jax._hlo_text import parse_replica_groups as parse_replica_groups
 
@@ -381,18 +381,6 @@ def analyze(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> HloReport:
 # Sizes and bytes.
 
 
-def _collective_bytes(kind: str, group_size: int, full_bytes: float) -> float:
-  """Per-device bytes of one execution; see the module docstring."""
-  if group_size <= 1:
-    return 0.0
-  frac = (group_size - 1) / group_size
-  if kind == 'all-reduce':
-    return 2 * frac * full_bytes
-  if kind in ('collective-permute', 'collective-broadcast'):
-    return float(full_bytes)
-  return frac * full_bytes
-
-
 def _itemsize(dtype: str) -> float:
   """Bytes per element of an HLO element type (``f32`` -> 4, ``s4`` -> .5)."""
   if dtype == 'pred':
@@ -426,7 +414,7 @@ def _record(
     group_size=group_size,
     executions=executions,
     in_loop=in_loop,
-    bytes=_collective_bytes(kind, group_size, full_bytes),
+    bytes=_cost.ring_bytes(kind, group_size, full_bytes),
   )
 
 

@@ -337,16 +337,19 @@ class Exchange:
     leaves = {
       layout.unit_leaf[u]: None for per in self.fwd_units[key] for u in per
     }
-    # Every owner's row, for every coordinate off the class's axes (the
-    # owner at (those coordinates, member)). Each local piece goes to
-    # exactly one owner, so together these rows are this device's pieces
-    # once (a permutation, plus padding): built for all, and this device's
-    # taken by a dynamic index below, not one switch branch per coordinate
-    # (which grew the program with N). One scatter per leaf places its
-    # pieces, not a slice per unit (the DeepSeek-V3-like stack has 44,834).
-    rows = math.prod(other_sizes) * group_size
-    every = jnp.zeros((rows, self.fwd_size[key]), dtype)
-    every = every + _collectives.zero_after(*local_leaves).astype(dtype)
+    # Each local piece goes to exactly one owner; this device sends those of
+    # the owners at its own coordinates off the class's axes. One scatter
+    # per leaf places its pieces (not a slice per unit: the DeepSeek-V3-like
+    # stack has 44,834), at rows numbered over every coordinate and shifted
+    # by this device's: other coordinates' rows fall outside and are
+    # dropped (one program for all devices, no buffer for other rows).
+    out = jnp.zeros((group_size, self.fwd_size[key]), dtype)
+    out = out + _collectives.zero_after(*local_leaves).astype(dtype)
+    shift = np.zeros(2, np.int32)
+    if math.prod(other_sizes) > 1:
+      shift = jnp.stack(
+        [jax.lax.axis_index(others) * group_size, jnp.zeros((), jnp.int32)]
+      )
     for i in leaves:
       pieces = self._local_units(local_leaves[i], i).astype(dtype)
       pieces = pieces.reshape(pieces.shape[0], self.routed[i].piece_size)
@@ -363,9 +366,9 @@ class Exchange:
           other_sizes + [self.sizes[a] for a in axes],
         )
         at[layout.unit_batch[u]] = (row, self.fwd_off[u])
-      every = jax.lax.scatter(
-        every,
-        jnp.asarray(at),
+      out = jax.lax.scatter(
+        out,
+        jnp.asarray(at) - shift,
         pieces,
         jax.lax.ScatterDimensionNumbers(
           update_window_dims=(1,),
@@ -374,15 +377,11 @@ class Exchange:
         ),
         indices_are_sorted=False,
         unique_indices=True,
-        mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+        mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
       )
-    every = every.reshape((math.prod(other_sizes), group_size, every.shape[-1]))
     if math.prod(other_sizes) == 1:
-      return every[0]
-    index = jax.lax.axis_index(others)
-    return _collectives.to_varying(
-      jax.lax.dynamic_index_in_dim(every, index, 0, keepdims=False), self.axes
-    )
+      return out
+    return _collectives.to_varying(out, self.axes)
 
   def pack(
     self,

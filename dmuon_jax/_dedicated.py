@@ -18,7 +18,6 @@ from dmuon_jax import (
   _boundaries,
   _cost,
   _gather_plan,
-  _layout,
   _mesh,
   _owner_groups,
   _owner_layout,
@@ -466,28 +465,13 @@ def _build(
     split=split,
     memo=memo,
   )
-  layouts = tuple(
-    _layout.Layout(
-      gp,
-      [leaves[s.leaf_index].dtype for s in gp.leaves],
-      [tp_splits_by_leaf.get(s.leaf_index) for s in gp.leaves],
-    )
-    for gp in group_plans
-  )
   full_shapes = jax.tree.leaves(abstract)
   group_of_leaf = {
     s.leaf_index: g for g, gp in enumerate(group_plans) for s in gp.leaves
   }
-  distributed = plan.num_slots * tp_n > 1
-  layout = _owner_layout.OwnerLayout(
-    groups=layouts,
-    iterations=iterations,
-    buffer_axes=buffer_axes,
-    buffer_sizes=tuple(sizes[a] for a in buffer_axes),
-    tp_axis=info.tp_axis if tp_n > 1 else None,
-    tp_size=tp_n,
-    mesh=info.abstract if distributed else None,
-    leaves=tuple(
+  layout = _owner_layout.OwnerLayout.build(
+    group_plans,
+    [
       _owner_layout.TargetLeaf(
         index=s.leaf_index,
         path=s.path,
@@ -497,8 +481,15 @@ def _build(
         tp_dim=tp_dims[s.leaf_index],
       )
       for s in plan.leaves
-    ),
-    param_entries=(None,) * len(plan.leaves),
+    ],
+    dtype_of={s.leaf_index: leaves[s.leaf_index].dtype for s in plan.leaves},
+    split_of=tp_splits_by_leaf,
+    buffer_axes=buffer_axes,
+    buffer_sizes=tuple(sizes[a] for a in buffer_axes),
+    tp_axis=None if info is None else info.tp_axis,
+    tp_size=tp_n,
+    mesh=None if info is None else info.abstract,
+    iterations=iterations,
     layers_per_iteration=tuple(k if it else 1 for it in iterations),
     kind='dedicated',
   )

@@ -123,6 +123,75 @@ class OwnerLayout:
   layers_per_iteration: tuple[int, ...] = ()
   kind: str = 'dmuon'
 
+  @classmethod
+  def build(
+    cls,
+    plans: Sequence[Any],
+    leaves: Sequence[TargetLeaf],
+    *,
+    dtype_of: Any,
+    split_of: Any,
+    buffer_axes: Sequence[str],
+    buffer_sizes: Sequence[int],
+    tp_axis: str | None,
+    tp_size: int,
+    mesh: Any,
+    iterations: Sequence[int] | None = None,
+    logical_of: Any = None,
+    param_entries: Sequence[Any] | None = None,
+    layers_per_iteration: Sequence[int] = (),
+    kind: str = 'dmuon',
+  ) -> OwnerLayout:
+    """The one builder of a layout, for ``dmuon`` (one plan) and dedicated
+    mode (one plan per gather group).
+
+    Args:
+      plans: per group of buffers, its owner plan over ``buffer_axes``.
+      leaves: the Muon targets' records.
+      dtype_of: ``{leaf index: buffer dtype}``.
+      split_of: ``{leaf index: TP-split matrix axis or None}``.
+      buffer_axes: the owner axes, major to minor.
+      buffer_sizes: their sizes.
+      tp_axis: the tensor-parallel axis (None without TP).
+      tp_size: its size.
+      mesh: the ``AbstractMesh`` of the buffers (kept only when more than
+        one device holds them).
+      iterations: per group, 0 or its scan iterations (default: all 0).
+      logical_of: ``{leaf index: logical shape}`` of zero-padded leaves.
+      param_entries: per target leaf, its sharding (default: unknown).
+      layers_per_iteration: per group, the layers per scan iteration.
+      kind: ``'dmuon'`` or ``'dedicated'``.
+
+    Returns:
+      The layout.
+    """
+    logical_of = logical_of or {}
+    groups = tuple(
+      Layout(
+        gp,
+        [dtype_of[s.leaf_index] for s in gp.leaves],
+        [split_of.get(s.leaf_index) for s in gp.leaves],
+        [logical_of.get(s.leaf_index) for s in gp.leaves],
+      )
+      for gp in plans
+    )
+    distributed = math.prod(buffer_sizes) * tp_size > 1
+    return cls(
+      groups=groups,
+      iterations=tuple(iterations or (0,) * len(groups)),
+      buffer_axes=tuple(buffer_axes),
+      buffer_sizes=tuple(buffer_sizes),
+      tp_axis=tp_axis if tp_size > 1 else None,
+      tp_size=tp_size,
+      mesh=mesh if distributed else None,
+      leaves=tuple(leaves),
+      param_entries=tuple(
+        (None,) * len(leaves) if param_entries is None else param_entries
+      ),
+      layers_per_iteration=tuple(layers_per_iteration),
+      kind=kind,
+    )
+
   @property
   def num_slots(self) -> int:
     """The number of owner slots (the product of ``buffer_sizes``, or 1)."""

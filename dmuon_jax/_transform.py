@@ -17,7 +17,6 @@ from jax.sharding import PartitionSpec as P
 from dmuon_jax import (
   _checks,
   _collectives,
-  _layout,
   _mesh,
   _owner_groups,
   _owner_layout,
@@ -306,21 +305,10 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
     ungroupable=[i for i, p in enumerate(padded) if p is not None],
   )
   cfg = setup.cfg
-  dtypes = [cfg.mu_dtype or leaves[s.leaf_index].dtype for s in plan.leaves]
   distributed = plan.num_slots * tp_size > 1
-  logical = [
-    None if padded[s.leaf_index] is None else tuple(leaves[s.leaf_index].shape)
-    for s in plan.leaves
-  ]
-  layout = _owner_layout.OwnerLayout(
-    groups=(_layout.Layout(plan, dtypes, splits, logical),),
-    iterations=(0,),
-    buffer_axes=plan.axis_names,
-    buffer_sizes=plan.mesh_shape,
-    tp_axis=tp_axis if tp_size > 1 else None,
-    tp_size=tp_size,
-    mesh=info.abstract if distributed else None,
-    leaves=tuple(
+  layout = _owner_layout.OwnerLayout.build(
+    [plan],
+    [
       _owner_layout.TargetLeaf(
         index=i,
         path=flat[i][0],
@@ -331,8 +319,21 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
         padded=padded[i],
       )
       for i in range(len(leaves))
-    ),
-    param_entries=tuple(entries),
+    ],
+    dtype_of={
+      s.leaf_index: cfg.mu_dtype or leaves[s.leaf_index].dtype
+      for s in plan.leaves
+    },
+    split_of=dict(enumerate(splits)),
+    logical_of={
+      i: tuple(leaves[i].shape) for i, p in enumerate(padded) if p is not None
+    },
+    buffer_axes=plan.axis_names,
+    buffer_sizes=plan.mesh_shape,
+    tp_axis=tp_axis,
+    tp_size=tp_size,
+    mesh=None if info is None else info.abstract,
+    param_entries=entries,
   )
   _warn_if_padded(layout)
   buffers = _zero_buffers(params, layout, mesh, distributed)

@@ -193,22 +193,12 @@ class DedicatedMemoryTest(absltest.TestCase):
     # gather group per layer holds the temporaries of one group at a time,
     # well below those of one group per four layers. Each group's momentum
     # and Newton-Schulz wait for the previous group's results (XLA
-    # otherwise ran the groups side by side). Measured: 9,870,488 bytes for
-    # k = 1 (0.76 of k = 4's 12,985,376); before the tie 12,623,448 (0.97).
-    # At 16 layers: 16.2 MB (22.1 before); the whole Z3 step's peak there
-    # 38.1 MB for k = 1 (43.7 before) and 37.3 MB for k = 2 (42.8).
+    # otherwise ran the groups side by side). Measured: 10,241,128 bytes for
+    # k = 1 (0.70 of k = 4's 14,558,248; 9,870,488 and 12,985,376 before
+    # the zero buffers waited for their group's inputs, see the next test);
+    # before the tie 12,623,448 (0.97).
     mesh = support.make_mesh((1, 8))
-    d = 256
-    s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-    params = {
-      f'layers_{i}': {
-        'qkv': s(d, 3 * d),
-        'out': s(d, d),
-        'up': s(d, 4 * d),
-        'down': s(4 * d, d),
-      }
-      for i in range(8)
-    }
+    params = _qkv_model(8, 256)
 
     def temp_bytes(per_gather):
       ded = dmuon_jax.dedicate(
@@ -249,16 +239,7 @@ class DedicatedMemoryTest(absltest.TestCase):
     # of the step and held them through it: 4.12 groups (38.1 MB).
     mesh = support.make_mesh((1, 8))
     d, n = 256, 8
-    s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-    params = {
-      f'layers_{i}': {
-        'qkv': s(d, 3 * d),
-        'out': s(d, d),
-        'up': s(d, 4 * d),
-        'down': s(4 * d, d),
-      }
-      for i in range(16)
-    }
+    params = _qkv_model(16, d)
     ded = dmuon_jax.dedicate(
       params, mesh, reshard_after_forward=True, layers_per_gather=1
     )
@@ -273,20 +254,9 @@ class DedicatedMemoryTest(absltest.TestCase):
     def loss(dp, x):
       return jnp.mean(ded.sequential(block, ded.boundaries.names)(dp, x) ** 2)
 
-    specs, state_specs = ded.specs(), ded.specs_of(state)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    @functools.partial(
-      jax.shard_map,
-      mesh=mesh,
-      in_specs=(specs, state_specs, P(AXES)),
-      out_specs=(specs, state_specs, P()),
+    step = support.explicit_step_fn(
+      opt, mesh, state, loss, param_specs=ded.specs(), donate=True
     )
-    def step(dp, state, x):
-      value, grads = dmuon_jax.local_value_and_grad(loss)(dp, x)
-      updates, state = opt.update(grads, state, dp)
-      return optax.apply_updates(dp, updates), state, jax.lax.pmean(value, AXES)
-
     x = jax.ShapeDtypeStruct(
       (2 * n, d), jnp.float32, sharding=NamedSharding(mesh, P(AXES))
     )
@@ -302,6 +272,21 @@ class DedicatedMemoryTest(absltest.TestCase):
       state_bytes + 2.2 * group,
       (report.peak_bytes, state_bytes, group),
     )
+
+
+def _qkv_model(layers, d):
+  """Abstract float32 params of ``layers`` blocks of a fused qkv, out, up
+  and down projection of width ``d``."""
+  s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  return {
+    f'layers_{i}': {
+      'qkv': s(d, 3 * d),
+      'out': s(d, d),
+      'up': s(d, 4 * d),
+      'down': s(4 * d, d),
+    }
+    for i in range(layers)
+  }
 
 
 class LookupBlockTest(absltest.TestCase):

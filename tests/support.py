@@ -508,12 +508,16 @@ def mean_loss(params, batch):
   return jnp.mean(jax.vmap(per_example)(batch))
 
 
-def explicit_step_fn(opt, mesh, state, loss_fn=mean_loss, param_specs=None):
-  """A train step on the explicit path (default: params replicated, DDP)."""
+def explicit_step_fn(
+  opt, mesh, state, loss_fn=mean_loss, param_specs=None, donate=False
+):
+  """A train step on the explicit path (default: params replicated, DDP);
+  with ``donate``, params and state donated as a training loop passes
+  them."""
   specs = dmuon_jax.Dedication.specs_of(state)
   param_specs = P() if param_specs is None else param_specs
 
-  @jax.jit
+  @functools.partial(jax.jit, donate_argnums=(0, 1) if donate else ())
   @functools.partial(
     jax.shard_map,
     mesh=mesh,

@@ -8,7 +8,9 @@ gathers' padding, the matrices split, the owner groups' Gram exchange per
 device per step, the gathered bytes of the two largest groups (what Z3
 holds at its peak) and the planned busiest device's Newton-Schulz work
 against ``max(total / N, largest g x g iteration)`` (the drop-in plan's
-bound, as the scale study computes it). Shapes only: nothing is compiled.
+bound, as the scale study computes it), split into its owner groups'
+iterations and its matrices and slices, beside every device's mean of the
+latter. Shapes only: nothing is compiled.
 
     python examples/benchmarks/dedicated_padding.py
     python examples/benchmarks/dedicated_padding.py --models four,gpt
@@ -103,6 +105,21 @@ def bound(params, sizes):
   return max(total / plain.num_slots, iteration)
 
 
+def busiest(plan, b):
+  """The busiest slot's Newton-Schulz work over ``b``, as ``iterations +
+  units`` (its owner groups' ``g x g`` iterations, its matrices and
+  slices), and every slot's mean unit work over ``b``."""
+  units = [0.0] * plan.num_slots
+  iters = [0.0] * plan.num_slots
+  for u, slot in zip(plan.units, plan.owners):
+    units[slot] += u.cost
+  for g in plan.groups:
+    iters[g.iteration_owner] += g.iteration_cost
+  s = max(range(plan.num_slots), key=lambda i: (units[i] + iters[i], -i))
+  mean = sum(units) / plan.num_slots
+  return f'{iters[s] / b:.3f} + {units[s] / b:.3f} | {mean / b:.3f}'
+
+
 def human(b):
   for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
     if b < 1024 or unit == 'TiB':
@@ -121,13 +138,14 @@ def row(name):
   whole = dmuon_jax.dedicate(
     params, sizes, layers_per_gather=ded.layers_per_gather, owner_groups=None
   )
+  b = bound(params, sizes)
   pad = lambda d: 100 * (d.gather_bytes()[1] / d.gather_bytes()[0] - 1)
   return (
     f'| {name} | {shape[0]}x{shape[1]} | {ded.layers_per_gather} '
     f'({ded.layers_per_gather_choice}) | {pad(whole):.1f}% | '
     f'{pad(ded):.1f}% | {len(ded.plan.groups)} | '
     f'{human(ded.exchange_bytes())} | {human(held(ded))} | '
-    f'{ded.plan.makespan / bound(params, sizes):.3f} | {plan_s:.1f} s |'
+    f'{ded.plan.makespan / b:.3f} | {busiest(ded.plan, b)} | {plan_s:.1f} s |'
   )
 
 
@@ -145,9 +163,9 @@ def main():
   print(
     '| model | mesh | layers / gather | padding, whole | padding, split | '
     'split matrices | exchange / device | two largest groups | NS / bound '
-    '(plan) | plan time |'
+    '(plan) | busiest: iterations + units | units, mean | plan time |'
   )
-  print('|---|---|---|---:|---:|---:|---:|---:|---:|---:|')
+  print('|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|')
   for name in args.models.split(','):
     print(row(name), flush=True)
 

@@ -161,25 +161,12 @@ class DedicatedMemoryTest(absltest.TestCase):
         f'layers_{i}': {'q': s(d, d), 'up': s(d, 4 * d), 'down': s(4 * d, d)}
         for i in range(layers)
       }
-      ded = dmuon_jax.dedicate(
-        params, mesh, reshard_after_forward=True, layers_per_gather=1
-      )
-      opt = dmuon_jax.dedicated_muon(ded, LR)
-      dp = jax.eval_shape(ded.to_dedicated, params)
-      state = jax.eval_shape(opt.init, dp)
 
       def block(p, x):
         x = x + jnp.tanh(x @ p['q'])
         return x + jnp.tanh(x @ p['up']) @ p['down']
 
-      def loss(dp, x):
-        return jnp.mean(ded.sequential(block, ded.boundaries.names)(dp, x) ** 2)
-
-      step = support.explicit_step_fn(opt, mesh, state, loss, ded.specs())
-      x = jax.ShapeDtypeStruct(
-        (64, d), jnp.float32, sharding=NamedSharding(mesh, P(AXES))
-      )
-      compiled = step.trace(dp, state, x).lower().compile()
+      _, compiled = _compiled_z3_step(params, mesh, block, (64, d))
       return compiled.memory_analysis().temp_size_in_bytes
 
     layer = (d * d + 8 * d * d) * 4
@@ -201,12 +188,7 @@ class DedicatedMemoryTest(absltest.TestCase):
     params = _qkv_model(8, 256)
 
     def temp_bytes(per_gather):
-      ded = dmuon_jax.dedicate(
-        params, mesh, reshard_after_forward=True, layers_per_gather=per_gather
-      )
-      opt = dmuon_jax.dedicated_muon(ded, LR)
-      dp = jax.eval_shape(ded.to_dedicated, params)
-      state = jax.eval_shape(opt.init, dp)
+      ded, opt, dp, state = _abstract_z3(params, mesh, per_gather)
       specs, state_specs = ded.specs(), ded.specs_of(state)
 
       @functools.partial(jax.jit, donate_argnums=(1, 2))
@@ -240,29 +222,15 @@ class DedicatedMemoryTest(absltest.TestCase):
     mesh = support.make_mesh((1, 8))
     d, n = 256, 8
     params = _qkv_model(16, d)
-    ded = dmuon_jax.dedicate(
-      params, mesh, reshard_after_forward=True, layers_per_gather=1
-    )
-    opt = dmuon_jax.dedicated_muon(ded, LR)
-    dp = jax.eval_shape(ded.to_dedicated, params)
-    state = jax.eval_shape(opt.init, dp)
 
     def block(p, x):
       x = x + jnp.tanh(x @ p['qkv'])[:, :d] @ p['out']
       return x + jnp.tanh(x @ p['up']) @ p['down']
 
-    def loss(dp, x):
-      return jnp.mean(ded.sequential(block, ded.boundaries.names)(dp, x) ** 2)
-
-    step = support.explicit_step_fn(
-      opt, mesh, state, loss, param_specs=ded.specs(), donate=True
+    ded, compiled = _compiled_z3_step(
+      params, mesh, block, (2 * n, d), donate=True
     )
-    x = jax.ShapeDtypeStruct(
-      (2 * n, d), jnp.float32, sharding=NamedSharding(mesh, P(AXES))
-    )
-    report = dmuon_jax.analyze_compiled(
-      step.trace(dp, state, x).lower().compile()
-    )
+    report = dmuon_jax.analyze_compiled(compiled)
     payload, _ = ded.gather_bytes()
     group = max(lay.num_slots * sum(lay.local_sizes) * 4 for lay in ded.layouts)
     state_bytes = report.argument_bytes + 2 * payload / n
@@ -272,6 +240,35 @@ class DedicatedMemoryTest(absltest.TestCase):
       state_bytes + 2.2 * group,
       (report.peak_bytes, state_bytes, group),
     )
+
+
+def _abstract_z3(params, mesh, per_gather=1):
+  """``(dedication, optimizer, dedicated params, state)`` of Z3 with
+  ``per_gather`` layers per gather, all abstract."""
+  ded = dmuon_jax.dedicate(
+    params, mesh, reshard_after_forward=True, layers_per_gather=per_gather
+  )
+  opt = dmuon_jax.dedicated_muon(ded, LR)
+  dp = jax.eval_shape(ded.to_dedicated, params)
+  return ded, opt, dp, jax.eval_shape(opt.init, dp)
+
+
+def _compiled_z3_step(params, mesh, block, x_shape, donate=False):
+  """``(dedication, compiled step)``: a Z3 train step (one layer per
+  gather) of ``block`` over the layers, on float32 inputs of
+  ``x_shape``."""
+  ded, opt, dp, state = _abstract_z3(params, mesh)
+
+  def loss(dp, x):
+    return jnp.mean(ded.sequential(block, ded.boundaries.names)(dp, x) ** 2)
+
+  step = support.explicit_step_fn(
+    opt, mesh, state, loss, param_specs=ded.specs(), donate=donate
+  )
+  x = jax.ShapeDtypeStruct(
+    x_shape, jnp.float32, sharding=NamedSharding(mesh, P(AXES))
+  )
+  return ded, step.trace(dp, state, x).lower().compile()
 
 
 def _qkv_model(layers, d):

@@ -278,21 +278,9 @@ def dedicate(
     >>> bool((ded.to_params(dp)['layers_1']['w'] == 1).all())
     True
   """
-  if weight_dimension_numbers is not _UNSET:
-    warnings.warn(
-      'As of dmuon_jax 0.2, dedicate(weight_dimension_numbers=...) is '
-      'called muon_weight_dimension_numbers, as in dmuon_jax.dmuon; the '
-      'old name will be removed.',
-      DeprecationWarning,
-      stacklevel=2,
-    )
-    if muon_weight_dimension_numbers is not None:
-      raise TypeError(
-        'dmuon: dedicate got both muon_weight_dimension_numbers and its '
-        'deprecated name weight_dimension_numbers; pass only the first.'
-      )
-    muon_weight_dimension_numbers = weight_dimension_numbers
-  dims_numbers = muon_weight_dimension_numbers
+  dims_numbers = _dims_numbers(
+    muon_weight_dimension_numbers, weight_dimension_numbers
+  )
   _check_layers_per_gather(layers_per_gather)
   abstract = jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params
@@ -375,8 +363,47 @@ def dedicate(
   )
   if layers_per_gather != 'auto':
     return build(layers_per_gather, 'given')
+  return build(
+    *_auto_choice(
+      params,
+      bounds,
+      base_plan,
+      replicate_axis,
+      reshard_after_forward,
+      split=split,
+      memo=memo,
+    )
+  )
+
+
+def _dims_numbers(muon_weight_dimension_numbers, weight_dimension_numbers):
+  """The dimension numbers given, under their name or the deprecated one
+  (which warns)."""
+  if weight_dimension_numbers is _UNSET:
+    return muon_weight_dimension_numbers
+  warnings.warn(
+    'As of dmuon_jax 0.2, dedicate(weight_dimension_numbers=...) is '
+    'called muon_weight_dimension_numbers, as in dmuon_jax.dmuon; the '
+    'old name will be removed.',
+    DeprecationWarning,
+    stacklevel=3,
+  )
+  if muon_weight_dimension_numbers is not None:
+    raise TypeError(
+      'dmuon: dedicate got both muon_weight_dimension_numbers and its '
+      'deprecated name weight_dimension_numbers; pass only the first.'
+    )
+  return weight_dimension_numbers
+
+
+def _auto_choice(
+  params, bounds, base_plan, replicate_axis, reshard_after_forward, **options
+) -> tuple[int, str]:
+  """``layers_per_gather='auto'``'s ``(k, how it was chosen)``;
+  ``options``: :func:`_gather_plan.gather_group_bytes`'s ``split`` and
+  ``memo``."""
   buffer_axes, rep_axis = _buffer_axes(base_plan, replicate_axis)
-  k, choice = _auto_layers_per_gather(
+  return _auto_layers_per_gather(
     bounds,
     _stack_lengths(params, bounds),
     lambda k: _gather_plan.gather_group_bytes(
@@ -385,14 +412,12 @@ def dedicate(
       k,
       buffer_axes,
       _group_axis(base_plan, rep_axis),
-      split=split,
-      memo=memo,
+      **options,
     ),
     dict(zip(base_plan.axis_names, base_plan.mesh_shape)),
     rep_axis,
     reshard_after_forward,
   )
-  return build(k, choice)
 
 
 def _check_layers_per_gather(layers_per_gather: Any) -> None:

@@ -344,28 +344,39 @@ class Exchange:
     # by this device's: other coordinates' rows fall outside and are
     # dropped (one program for all devices, no buffer for other rows).
     out = jnp.zeros((group_size, self.fwd_size[key]), dtype)
-    out = out + _collectives.zero_after(*local_leaves).astype(dtype)
+    out = out + _collectives.zero_after(
+      *(local_leaves[i] for i in leaves)
+    ).astype(dtype)
     shift = np.zeros(2, np.int32)
     if math.prod(other_sizes) > 1:
       shift = jnp.stack(
         [jax.lax.axis_index(others) * group_size, jnp.zeros((), jnp.int32)]
       )
+    order = others + tuple(axes)
     for i in leaves:
       pieces = self._local_units(local_leaves[i], i).astype(dtype)
       pieces = pieces.reshape(pieces.shape[0], self.routed[i].piece_size)
       if not pieces.size:
         continue
-      at = np.zeros((pieces.shape[0], 2), np.int32)
-      for u in layout.leaf_units[i]:
-        coords = np.unravel_index(
-          layout.plan.owners[u], [self.sizes[a] for a in self.axes]
+      # Per piece (at its unit's flat batch index), its owner's row over
+      # (others, axes) and its offset in that row.
+      units = layout.leaf_units[i]
+      coords = dict(
+        zip(
+          self.axes,
+          np.unravel_index(
+            [layout.plan.owners[u] for u in units],
+            [self.sizes[a] for a in self.axes],
+          ),
         )
-        coords = dict(zip(self.axes, coords))
-        row = np.ravel_multi_index(
-          [coords[a] for a in others + tuple(axes)],
-          other_sizes + [self.sizes[a] for a in axes],
-        )
-        at[layout.unit_batch[u]] = (row, self.fwd_off[u])
+      )
+      rows = np.ravel_multi_index(
+        [coords[a] for a in order], [self.sizes[a] for a in order]
+      )
+      at = np.zeros((len(units), 2), np.int32)
+      at[[layout.unit_batch[u] for u in units]] = np.stack(
+        [rows, [self.fwd_off[u] for u in units]], 1
+      )
       out = jax.lax.scatter(
         out,
         jnp.asarray(at) - shift,

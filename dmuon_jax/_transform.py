@@ -237,7 +237,7 @@ def _leaf_entries(flat, targets, given, info):
   return entries, splits, dims, local, padded
 
 
-def _zero_buffers(params, layout, mesh, distributed: bool) -> list[Any]:
+def _zero_buffers(params, layout, mesh) -> list[Any]:
   """The layout's zero buffers, placed on ``mesh`` and boxed as the params."""
   # Boxed params (Linen boxes, nnx Variables) give boxed buffers: Flax's
   # sharding tools (nn.get_sharding, nnx.get_partition_spec, ...) then read
@@ -246,7 +246,7 @@ def _zero_buffers(params, layout, mesh, distributed: bool) -> list[Any]:
   buffers = []
   for shape, spec in zip(layout.buffer_shapes(), layout.buffer_specs()):
     zeros = jnp.zeros(shape.shape, shape.dtype)
-    buf = _mesh.place(zeros, mesh, spec) if distributed else zeros
+    buf = _mesh.place(zeros, mesh, spec) if layout.distributed else zeros
     if template is not None:
       buf = _mesh.box_like(template, buf, spec)
     buffers.append(buf)
@@ -305,7 +305,6 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
     ungroupable=[i for i, p in enumerate(padded) if p is not None],
   )
   cfg = setup.cfg
-  distributed = plan.num_slots * tp_size > 1
   layout = _owner_layout.OwnerLayout.build(
     [plan],
     [
@@ -336,10 +335,10 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
     param_entries=entries,
   )
   _warn_if_padded(layout)
-  buffers = _zero_buffers(params, layout, mesh, distributed)
+  buffers = _zero_buffers(params, layout, mesh)
   count = jnp.zeros([], jnp.int32)
   replicate = None
-  if distributed:  # replicated on the mesh, eagerly as under jit
+  if layout.distributed:  # replicated on the mesh, eagerly as under jit
     replicate = functools.partial(_mesh.place, mesh=mesh, spec=P())
     count = replicate(count)
   return ScaleByDMuonState(

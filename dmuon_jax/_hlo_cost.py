@@ -47,7 +47,8 @@ def memory_fields(compiled: Any) -> dict[str, int | None]:
 def _text_with_large_constants(compiled) -> str | None:
   """The compiled HLO with every constant printed (``as_text()`` elides
   arrays of more than a few elements as ``{...}``, among them the slot ->
-  branch tables :func:`_branch_table` reads), or None where this jaxlib
+  branch tables :func:`_branch_table` reads and the tables loop bounds are
+  looked up in, :class:`_Lookup`), or None where this jaxlib
   has no such printer (its HLO module API is not public)."""
   try:
     from jaxlib import _hlo  # pylint: disable=import-outside-toplevel
@@ -90,6 +91,354 @@ def _branch_table(ins, computation, n, k):
   return None
 
 
+def _state_index(byname, name) -> int | None:
+  """``k`` where ``name`` is element ``k`` of the computation's parameter."""
+  src = byname.get(name)
+  if src is None or src.opcode != 'get-tuple-element' or not src.operands:
+    return None
+  param = byname.get(src.operands[0][1])
+  index = re.search(r'\bindex=(\d+)', src.attrs)
+  if param is None or param.opcode != 'parameter' or index is None:
+    return None
+  return int(index[1])
+
+
+def _root(computation):
+  return next((i for i in computation if i.raw.lstrip()[:5] == 'ROOT '), None)
+
+
+def _passes_on(body, k) -> bool:
+  """Whether a ``while`` body returns element ``k`` of its state unchanged."""
+  root = _root(body)
+  if root is None or root.opcode != 'tuple' or k >= len(root.operands):
+    return False
+  return _state_index({i.name: i for i in body}, root.operands[k][1]) == k
+
+
+_INTEGERS = ('pred', 's8', 's16', 's32', 's64', 'u8', 'u16', 'u32', 'u64')
+_ELEMENTWISE = {  # Index arithmetic (on indices >= 0).
+  'add': np.add,
+  'subtract': np.subtract,
+  'multiply': np.multiply,
+  'divide': np.floor_divide,
+  'remainder': np.remainder,
+  'and': np.bitwise_and,
+  'maximum': np.maximum,
+  'minimum': np.minimum,
+  'shift-right-logical': np.right_shift,
+  'negate': np.negative,
+  'select': np.where,
+  'clamp': lambda lo, x, hi: np.clip(x, lo, hi),
+}
+_COMPARE = {
+  'EQ': np.equal,
+  'NE': np.not_equal,
+  'LT': np.less,
+  'LE': np.less_equal,
+  'GT': np.greater,
+  'GE': np.greater_equal,
+}
+_EVALUATED = _ELEMENTWISE.keys() | {
+  *('constant', 'parameter', 'get-tuple-element', 'partition-id', 'replica-id'),
+  'iota',
+  *('bitcast', 'reshape', 'copy', 'convert', 'slice', 'dynamic-slice'),
+  *('fusion', 'compare'),
+}
+
+
+def _constant(ins, devices) -> np.ndarray | None:
+  """An integer constant, one copy per device (None if elided)."""
+  (dtype, dims), *more = _hlo_text.elements(ins.shape) or [('', ())]
+  text = re.search(r'constant\(([^()]*)\)', ins.raw)
+  if more or dtype not in _INTEGERS or text is None:
+    return None
+  words = re.findall(r'true|false|-?\d+|\.\.\.', text[1])
+  values = [int(w) if w[-1].isdigit() else int(w == 'true') for w in words]
+  if '...' in words or len(values) != math.prod(dims):
+    return None
+  return np.broadcast_to(np.reshape(values, dims), (devices, *dims))
+
+
+class _Lookup:
+  """Values, on every device (a leading axis), of instructions that are
+  functions of integer constants and the device id only, as a slot's
+  lookup in a constant table is (``jnp.asarray(table)[axis_index]``),
+  followed out through loops that pass them on unchanged; else None."""
+
+  def __init__(self, comps, loops, partitions, replicas):
+    self.comps, self.loops, self.partitions = comps, loops, partitions
+    self.devices = partitions * replicas
+    self.names = {c: {i.name: i for i in body} for c, body in comps.items()}
+    self.constants = {}  # Parsed once: a table serves many loops.
+    self.fixed = {}  # (body, k) -> an enclosing loop's counter, held fixed
+
+  def state(self, caller, loop, k):
+    """Element ``k`` of the state ``loop`` (in ``caller``) starts from."""
+    state = self.names[caller].get(loop.operands[0][1])
+    if state is None or state.opcode != 'tuple' or k >= len(state.operands):
+      return None
+    return self.value(caller, state.operands[k][1], (), {})
+
+  def value(self, comp, name, params, memo):
+    if name not in memo:
+      memo[name] = None  # Guards against cycles.
+      ins = self.names.get(comp, {}).get(name)
+      if ins is not None and ins.opcode in _EVALUATED:
+        memo[name] = self._value(comp, ins, params, memo)
+    return memo[name]
+
+  def _value(self, comp, ins, params, memo):
+    d, op = self.devices, ins.opcode
+    if op == 'constant':
+      if (comp, ins.name) not in self.constants:
+        self.constants[comp, ins.name] = _constant(ins, d)
+      return self.constants[comp, ins.name]
+    if op == 'iota':
+      return _iota(ins, d)
+    if op in ('partition-id', 'replica-id'):
+      ids = np.arange(d)
+      return ids % self.partitions if op[0] == 'p' else ids // self.partitions
+    if op == 'parameter':
+      index = int(re.search(r'parameter\((\d+)\)', ins.raw)[1])
+      return params[index] if index < len(params) else None
+    if op == 'get-tuple-element':  # A loop's state, passed on unchanged?
+      k = _state_index(self.names[comp], ins.name)
+      if (comp, k) in self.fixed:
+        return self.fixed[comp, k]
+      if k is None or comp not in self.loops:
+        return None
+      if not _passes_on(self.comps[comp], k):
+        return None
+      return self.state(*self.loops[comp], k)
+    args = []
+    for _, o in ins.operands:
+      args.append(self.value(comp, o, params, memo))
+      if args[-1] is None:
+        return None
+    if op == 'fusion':
+      callee = next(iter(_hlo_text.callees(ins)), None)
+      root = _root(self.comps.get(callee, ()))
+      return self.value(callee, root.name, args, {}) if root else None
+    return _apply(ins, args, d)
+
+
+def _iota(ins, devices) -> np.ndarray | None:
+  """An integer ``iota``, one copy per device."""
+  (dtype, dims), *more = _hlo_text.elements(ins.shape) or [('', ())]
+  axis = re.search(r'iota_dimension=(\d+)', ins.attrs)
+  if more or dtype not in _INTEGERS or axis is None or not dims:
+    return None
+  shape = [1] * len(dims)
+  shape[int(axis[1])] = dims[int(axis[1])]
+  values = np.arange(dims[int(axis[1])]).reshape(shape)
+  return np.broadcast_to(values, (devices, *dims))
+
+
+def _apply(ins, args, devices) -> np.ndarray | None:
+  """An index computation's instruction on every device's ``args``."""
+  op, (x, *rest) = ins.opcode, args
+  if op in _ELEMENTWISE:
+    return _ELEMENTWISE[op](*args)
+  if op == 'compare':
+    direction = re.search(r'direction=(\w+)', ins.attrs)
+    compare = _COMPARE.get(direction[1] if direction else '')
+    return compare(*args) if compare else None
+  (dtype, dims), *more = _hlo_text.elements(ins.shape) or [('', ())]
+  if more or dtype not in _INTEGERS:
+    return None
+  if op == 'slice':
+    ranges = re.findall(r'\[(\d+):(\d+)(?::(\d+))?\]', ins.attrs)
+    cut = [slice(int(a), int(b), int(c or 1)) for a, b, c in ranges]
+    return x[(slice(None), *cut)]
+  if op == 'dynamic-slice':  # Starts clamped into range, as XLA does.
+    if any(r.shape != (devices,) for r in rest):
+      return None
+    out = []
+    for i, row in enumerate(x):
+      starts = [
+        min(max(int(r[i]), 0), n - z) for r, n, z in zip(rest, row.shape, dims)
+      ]
+      out.append(row[tuple(slice(a, a + z) for a, z in zip(starts, dims))])
+    return np.stack(out)
+  x = x.reshape((devices, *dims))  # bitcast, reshape, copy, convert
+  return x != 0 if dtype == 'pred' else x.astype(np.int64, copy=False)
+
+
+def _loop_state(comps, loop):
+  """``(bounds, counters)``: the state elements a ``while``'s condition
+  compares that its body passes on unchanged, and the others."""
+  names = {m['key']: m['name'] for m in _hlo_text.LOOP_RE.finditer(loop.attrs)}
+  cond = comps.get(names.get('condition'), ())
+  body = comps.get(names.get('body'), ())
+  root, byname = _root(cond), {i.name: i for i in cond}
+  compared = [_state_index(byname, o) for _, o in root.operands] if root else []
+  compared = [k for k in compared if k is not None]
+  bounds = [k for k in compared if _passes_on(body, k)]
+  return bounds, [k for k in compared if k not in bounds]
+
+
+# The most iterations of an enclosing loop a bound is evaluated for.
+_MAX_OUTER = 4096
+
+
+def _table_trips(comps, lookup, caller, loop) -> np.ndarray | None:
+  """Each device's trip count of a ``while`` whose bound is data, or None.
+
+  ``fori_loop(0, table[slot], ...)`` compiles to a condition comparing the
+  counter with a state element the body passes on unchanged (the bound),
+  here a function of constant tables and the device id (:class:`_Lookup`);
+  the counter starts from such a value too (else it is taken as 0). A
+  bound that also reads the counter of the loop around it (of known trip
+  count: ``lax.map`` over a table's rows) is the mean over that loop's
+  iterations, so that the two loops' product is each device's total.
+  """
+  bounds, counters = _loop_state(comps, loop)
+  if len(bounds) != 1 or len(counters) > 1:
+    return None
+
+  def trips():
+    bound = lookup.state(caller, loop, bounds[0])
+    if bound is None or bound.shape != (lookup.devices,):
+      return None
+    start = lookup.state(caller, loop, counters[0]) if counters else None
+    if start is None or start.shape != bound.shape:
+      start = 0
+    return np.maximum(bound - start, 0)
+
+  found = trips()
+  if found is not None or caller not in lookup.loops:
+    return found
+  outer_caller, outer = lookup.loops[caller]
+  known = _hlo_text.TRIP_COUNT_RE.search(outer.raw)
+  _, outer_counters = _loop_state(comps, outer)
+  if not known or len(outer_counters) != 1 or int(known[1]) > _MAX_OUTER:
+    return None
+  k = outer_counters[0]
+  start = lookup.state(outer_caller, outer, k)
+  start = 0 if start is None or start.shape != (lookup.devices,) else start
+  per = []
+  try:
+    for t in range(int(known[1])):
+      lookup.fixed = {(caller, k): start + t + np.zeros(lookup.devices, int)}
+      per.append(trips())
+      if per[-1] is None:
+        return None
+  finally:
+    lookup.fixed = {}
+  return np.mean(per, axis=0)
+
+
+def _dot(ins, shapes) -> float:
+  """``2 * out * contracted`` FLOPs of a ``dot`` instruction."""
+  inline, lhs_name = ins.operands[0]
+  lhs = _hlo_text.elements(inline) if inline else shapes.get(lhs_name)
+  out = _hlo_text.elements(ins.shape)
+  dims = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', ins.attrs)
+  if not lhs or not out or dims is None:
+    return 0.0
+  contracted = math.prod(lhs[0][1][int(d)] for d in dims[1].split(',') if d)
+  return 2.0 * math.prod(out[0][1]) * contracted
+
+
+def _module(compiled, n, loop_trip_counts):
+  """The parsed HLO (:func:`_hlo_text.parse_module`), with every constant
+  printed where slot tables (of branches, of trip counts) are read."""
+  if isinstance(compiled, str):
+    return _hlo_text.parse_module(compiled)
+  text = compiled.as_text()
+  dynamic = text.count(' while(') > text.count('"known_trip_count"')
+  if n or (loop_trip_counts and dynamic):
+    text = _text_with_large_constants(compiled) or text
+  return _hlo_text.parse_module(text)
+
+
+class _Costs:
+  """Matmul FLOPs of a computation: a float, or with ``n`` slots an array
+  (per slot). Warnings, one per kind, collect in ``warnings``."""
+
+  def __init__(self, module, n, loop_trip_counts):
+    self.comps, self.entry, partitions, replicas = module
+    self.n, self.loop_trip_counts = n, loop_trip_counts
+    loops = {  # while body -> (calling computation, while)
+      m['name']: (caller, ins)
+      for caller, instructions in self.comps.items()
+      for ins in instructions
+      if ins.opcode == 'while'
+      for m in _hlo_text.LOOP_RE.finditer(ins.attrs)
+      if m['key'] == 'body'
+    }
+    self.lookup = _Lookup(self.comps, loops, partitions, replicas)
+    # Costs are per device (per slot with n): a loop's trip count may be.
+    devices = self.lookup.devices
+    self.width = n or (devices if devices > 1 else 0)
+    self.memo: dict[str, Any] = {}
+    self.warnings: dict[str, str] = {}
+
+  def __call__(self, name):
+    if name in self.memo:
+      return self.memo[name]
+    total = np.zeros(self.width) if self.width else 0.0
+    self.memo[name] = total  # Guards against cycles.
+    computation = self.comps.get(name, ())
+    shapes = {i.name: _hlo_text.elements(i.shape) for i in computation}
+    for ins in computation:
+      if ins.opcode == 'dot':
+        total = total + _dot(ins, shapes)
+      elif ins.opcode == 'conditional':
+        total = total + self._conditional(ins, computation)
+      elif ins.opcode == 'while':
+        total = total + self._while(ins, name)
+      else:
+        total = total + sum(self(c) for c in _hlo_text.callees(ins))
+    self.memo[name] = total
+    return total
+
+  def _conditional(self, ins, computation):
+    n, callees = self.n, _hlo_text.callees(ins)
+    per = [np.max(self(c)) for c in callees]
+    shared = n and 1 < len(callees) < n  # owners sharing branch bodies
+    table = None
+    if n and len(callees) == n:
+      table = range(n)
+    elif shared:
+      table = _branch_table(ins, computation, n, len(callees))
+    if table is not None:
+      return np.array([per[b] for b in table])
+    if shared:
+      self.warnings.setdefault(
+        'conditional',
+        f'dot_flops: conditional {ins.name} has {len(callees)} branches for '
+        f'{n} devices and no readable slot -> branch table; it counts its '
+        'busiest branch (an upper bound). Pass the Compiled object rather '
+        'than its text.',
+      )
+    return max(per, default=0.0)
+
+  def _while(self, ins, caller):
+    body = re.search(r'\bbody=%?([\w.\-]+)', ins.attrs)
+    once = self(body[1]) if body else 0.0
+    if not self.loop_trip_counts:
+      return once
+    if trip := _hlo_text.TRIP_COUNT_RE.search(ins.raw):
+      return once * int(trip[1])
+    try:
+      trips = _table_trips(self.comps, self.lookup, caller, ins)
+    except (ArithmeticError, IndexError, TypeError, ValueError):
+      trips = None  # An index computation this reading gets wrong.
+    if trips is None:
+      self.warnings.setdefault(
+        'while',
+        f'dot_flops: while {ins.name} has no known trip count, and its bound '
+        'is not computed from constant tables and the device id alone; it '
+        'counts its body once (a lower bound). Pass the Compiled object '
+        'rather than its text (which elides large constants).',
+      )
+      return once
+    if self.width and trips.shape == (self.width,):
+      return once * trips  # Device i runs trips[i] iterations.
+    return once * float(trips.max())
+
+
 def dot_flops(
   compiled: Any,
   *,
@@ -106,9 +455,16 @@ def dot_flops(
   Args:
     compiled: a ``jax.stages.Compiled`` (or ``Lowered``), or HLO text.
     loop_trip_counts: (default True) multiply the body of each ``while``
-      loop by its known trip count: dmuon's Newton–Schulz iterations and
-      scanned layers are loops. False counts each body once, as XLA's
-      ``cost_analysis`` (and so :attr:`HloReport.flops`) does.
+      loop by its trip count: dmuon's Newton–Schulz iterations and scanned
+      layers are loops of a trip count XLA knows. Where XLA knows none, a
+      bound computed from constant integer tables and the device's id
+      alone (``fori_loop(0, table[axis_index], ...)`` in ``shard_map``) is
+      evaluated for every device, and the body counts each device's own
+      value times (the largest where ``branches_per_device`` differs from
+      the device count: an upper bound). Any other bound counts the body
+      once (a lower bound) and warns.
+      False counts each body once, as XLA's ``cost_analysis`` (and so
+      :attr:`HloReport.flops`) does.
     branches_per_device: (optional) the number of owner slots: every
       ``conditional`` with that many branches is taken to branch on the
       owner slot (as dmuon's updates do, stage after stage), so branch ``i``
@@ -135,69 +491,8 @@ def dot_flops(
   if isinstance(compiled, jax.stages.Lowered):
     compiled = compiled.compile()
   n = branches_per_device or 0
-  if isinstance(compiled, str):
-    text = compiled
-  else:
-    text = (_text_with_large_constants(compiled) if n else None) or (
-      compiled.as_text()
-    )
-  comps, entry, _, _ = _hlo_text.parse_module(text)
-  memo: dict[str, Any] = {}
-  warned: list[str] = []
-
-  def cost(name):
-    """A float, or with ``branches_per_device`` an array: per slot."""
-    if name in memo:
-      return memo[name]
-    memo[name] = np.zeros(n) if n else 0.0  # Guards against cycles.
-    shapes = {
-      ins.name: _hlo_text.elements(ins.shape) for ins in comps.get(name, ())
-    }
-    total = np.zeros(n) if n else 0.0
-    for ins in comps.get(name, ()):
-      if ins.opcode == 'dot':
-        inline, lhs_name = ins.operands[0]
-        lhs = _hlo_text.elements(inline) if inline else shapes.get(lhs_name)
-        out = _hlo_text.elements(ins.shape)
-        dims = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', ins.attrs)
-        if not lhs or not out or dims is None:
-          continue
-        contracted = math.prod(
-          lhs[0][1][int(d)] for d in dims[1].split(',') if d
-        )
-        total += 2.0 * math.prod(out[0][1]) * contracted
-      elif ins.opcode == 'conditional':
-        callees = _hlo_text.callees(ins)
-        per = [np.max(cost(c)) for c in callees]
-        shared = n and 1 < len(callees) < n  # owners sharing branch bodies
-        table = None
-        if n and len(callees) == n:
-          table = range(n)
-        elif shared:
-          table = _branch_table(ins, comps.get(name, ()), n, len(callees))
-        if table is not None:
-          total = total + np.array([per[b] for b in table])
-        else:
-          if shared and not warned:
-            warned.append(ins.name)
-            warnings.warn(
-              f'dot_flops: conditional {ins.name} has {len(callees)} '
-              f'branches for {n} devices and no readable slot -> branch '
-              'table; it counts its busiest branch (an upper bound). Pass '
-              'the Compiled object rather than its text.',
-              stacklevel=2,
-            )
-          total = total + max(per, default=0.0)
-      elif ins.opcode == 'while':
-        body = re.search(r'\bbody=%?([\w.\-]+)', ins.attrs)
-        trip = (
-          _hlo_text.TRIP_COUNT_RE.search(ins.raw) if loop_trip_counts else None
-        )
-        trips = int(trip[1]) if trip else 1
-        total += cost(body[1]) * trips if body else 0.0
-      else:
-        total += sum(cost(c) for c in _hlo_text.callees(ins))
-    memo[name] = total
-    return total
-
-  return float(np.max(cost(entry))) if entry else 0.0
+  costs = _Costs(_module(compiled, n, loop_trip_counts), n, loop_trip_counts)
+  total = float(np.max(costs(costs.entry))) if costs.entry else 0.0
+  for message in costs.warnings.values():
+    warnings.warn(message, stacklevel=2)
+  return total

@@ -1,5 +1,6 @@
 """Tests for dmuon_jax.diagnostics (collective bytes and FLOPs from HLO)."""
 
+import functools
 import math
 import unittest
 
@@ -638,6 +639,127 @@ class SharedBranchTest(absltest.TestCase):
     self.assertEqual(
       diagnostics.dot_flops(compiled, branches_per_device=8), 3 * 2 * 16**3
     )
+
+
+@functools.cache
+def _table_loops(tables, mapped=False, rows=False, shifted=False):
+  """A compiled program with one ``fori_loop(0, table[slot], ...)`` per
+  table, each iteration two (16, 16) @ (16, 16) matmuls; ``mapped`` runs
+  the loops on each of 3 blocks (``lax.map``), else on one; ``rows`` reads
+  the count from a row per slot, other columns after it (as dmuon's
+  ``_layout.table_columns`` does); ``shifted``: block ``t`` reads the row
+  of slot ``(slot - t) mod 8`` (as dmuon's scanned stacks do)."""
+  from dmuon_jax import _collectives  # pylint: disable=import-outside-toplevel
+
+  mesh = _mesh((1, 8))
+
+  def run(y, w, slot, t=0):
+    if shifted:
+      slot = (slot - t) % 8
+    for table in tables:
+      table = np.array(table, np.int32)
+      if rows:
+        table = np.stack([table, np.arange(8), 7 - np.arange(8)], axis=1)
+      count = jnp.asarray(table)[slot]
+      count = count[0] if rows else count
+      y = lax.fori_loop(0, count, lambda _, y: jnp.tanh(y @ w) @ w, y)
+    return y
+
+  def f(x, w):
+    # x: f32[k, 16, 16]{V:replicate,shard}
+    slot = _collectives.slot_index(BOTH)
+    if mapped:
+      return lax.map(lambda a: run(a[1], w, slot, a[0]), (jnp.arange(3), x))
+    return run(x[0], w, slot)[None]
+
+  k = 3 if mapped else 1
+  return (
+    jax.jit(_smap(f, mesh, (P(BOTH), P()), P(BOTH)))
+    .lower(_arg(mesh, (8 * k, 16, 16), P(BOTH)), _arg(mesh, (16, 16), P()))
+    .compile()
+  )
+
+
+class TableTripCountTest(absltest.TestCase):
+  """``fori_loop(0, table[slot], ...)``: XLA knows no trip count, and
+  ``dot_flops`` reads each slot's count from the constant table."""
+
+  BODY = 2 * 2 * 16**3  # FLOPs of one iteration: two 16x16x16 matmuls
+
+  def test_busiest_slot_runs_its_count(self):
+    compiled = _table_loops(((1, 2, 3, 0, 1, 2, 3, 4),))
+    self.assertNotIn('known_trip_count', compiled.as_text())
+    self.assertEqual(
+      diagnostics.dot_flops(compiled, branches_per_device=8), 4 * self.BODY
+    )
+    self.assertEqual(
+      diagnostics.dot_flops(compiled, loop_trip_counts=False), self.BODY
+    )
+    other = _table_loops(((0, 6, 1, 1, 1, 1, 1, 1),))  # busiest: slot 1
+    self.assertEqual(
+      diagnostics.dot_flops(other, branches_per_device=8), 6 * self.BODY
+    )
+
+  def test_without_slots_counts_each_device(self):
+    compiled = _table_loops(((1, 2, 3, 0, 1, 2, 3, 4),))
+    self.assertEqual(diagnostics.dot_flops(compiled), 4 * self.BODY)
+    # Slots other than the devices: the longest run.
+    self.assertEqual(
+      diagnostics.dot_flops(compiled, branches_per_device=4), 4 * self.BODY
+    )
+
+  def test_loops_add_up_per_device(self):
+    a, b = (4, 0, 0, 0, 0, 0, 0, 2), (0, 1, 0, 0, 0, 0, 0, 3)
+    compiled = _table_loops((a, b))
+    per_slot = max(i + j for i, j in zip(a, b))  # 5, on slot 7
+    self.assertEqual(diagnostics.dot_flops(compiled), per_slot * self.BODY)
+    self.assertEqual(
+      diagnostics.dot_flops(compiled, branches_per_device=8),
+      per_slot * self.BODY,
+    )
+    # Slots other than the devices: each loop's longest run, an upper bound.
+    self.assertEqual(
+      diagnostics.dot_flops(compiled, branches_per_device=4),
+      (max(a) + max(b)) * self.BODY,
+    )
+
+  def test_rows_shifted_by_the_outer_loop(self):
+    table = (5, 0, 0, 1, 0, 0, 0, 2)
+    compiled = _table_loops((table,), mapped=True, shifted=True)
+    # Device s runs table[(s - t) mod 8] for t < 3: its sum, the busiest.
+    want = max(sum(table[(s - t) % 8] for t in range(3)) for s in range(8))
+    self.assertEqual(want, 7)  # slot 1: 5 + 2 + 0; not 3 * max = 15
+    self.assertEqual(diagnostics.dot_flops(compiled), want * self.BODY)
+
+  def test_loop_in_a_known_loop_multiplies(self):
+    compiled = _table_loops(((1, 2, 3, 0, 1, 2, 3, 4),), mapped=True)
+    self.assertEqual(
+      diagnostics.dot_flops(compiled, branches_per_device=8),
+      3 * 4 * self.BODY,
+    )
+
+  def test_count_first_in_a_row_per_slot(self):
+    compiled = _table_loops(((2, 0, 5, 1, 1, 0, 3, 3),), rows=True)
+    self.assertEqual(
+      diagnostics.dot_flops(compiled, branches_per_device=8), 5 * self.BODY
+    )
+    self.assertEqual(diagnostics.dot_flops(compiled), 5 * self.BODY)
+
+  def test_bound_from_data_warns_and_counts_the_body_once(self):
+    mesh = _mesh((1, 8))
+
+    def f(x, w):
+      count = (x[0, 0] > 0).astype(jnp.int32) * 3
+      return lax.fori_loop(0, count, lambda _, y: jnp.tanh(y @ w) @ w, x)
+
+    compiled = (
+      jax.jit(_smap(f, mesh, (P(BOTH), P()), P(BOTH)))
+      .lower(_arg(mesh, (128, 16), P(BOTH)), _arg(mesh, (16, 16), P()))
+      .compile()
+    )
+    with self.assertWarnsRegex(UserWarning, 'lower bound'):
+      got = diagnostics.dot_flops(compiled, branches_per_device=8)
+    self.assertEqual(got, self.BODY)
 
 
 if __name__ == '__main__':

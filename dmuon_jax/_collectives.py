@@ -72,6 +72,16 @@ def zero_after(*arrays: jax.Array) -> jax.Array:
   return tie
 
 
+def in_loop(x: jax.Array, carry) -> jax.Array:
+  """``x`` (read inside a loop from arrays the loop does not change) made
+  to depend on the loop's ``carry`` (a pytree), adding
+  :func:`zero_after` of it: XLA hoists work on loop-invariant values out of
+  the loop, where it runs whatever the trip count (0 included: a device's
+  loop over matrices it does not own), e.g. a read of a whole buffer at an
+  offset that cannot but be 0."""
+  return x + zero_after(*jax.tree.leaves(carry)).astype(x.dtype)
+
+
 def switch_by_slot(
   axes: Sequence[str], branches, *operands, shift=0, keys=None
 ):
@@ -158,17 +168,31 @@ def switch_with_tables(
   return switch_by_slot(axes, wrapped, *operands, shift=shift, keys=keys)
 
 
-def for_each(count, columns, body, carry):
+def for_each(count, columns, body, carry, like=()):
   """``carry = body(carry, *(c[i] for c in columns))`` for ``i <
   count``: a loop with a run-time trip count where ``count`` is traced
-  (one body for every slot), unrolled where it is a Python int."""
+  (one body for every slot), unrolled where it is a Python int (the
+  columns' entries then constants where they are numpy, else traced).
+
+  ``like``: arrays (any pytree) the body reads besides the carry; under
+  ``shard_map`` the carry is first marked as varying over every manual
+  axis they and the columns vary over (a loop's carry keeps its type)."""
   if isinstance(count, (int, np.integer)):
     for i in range(int(count)):
-      carry = body(carry, *(int(c[i]) for c in columns))  # constants
+      carry = body(carry, *(_entry(c, i) for c in columns))
     return carry
+  axes = set()
+  for x in jax.tree.leaves((like, columns, count, carry)):
+    axes |= varying_axes(x)
+  carry = jax.tree.map(lambda x: to_varying(x, sorted(axes)), carry)
   return jax.lax.fori_loop(
     0, count, lambda i, c: body(c, *(col[i] for col in columns)), carry
   )
+
+
+def _entry(column, i):
+  value = column[i]
+  return int(value) if isinstance(value, (int, np.integer)) else value
 
 
 def ppermute_slots(

@@ -37,7 +37,11 @@ def from_matrices(x: jax.Array, spec: _routing.LeafSpec) -> jax.Array:
 
 def unit_table(per_slot: Sequence[Sequence[Sequence[int]]]) -> np.ndarray:
   """``(num_slots, 1 + columns * width)`` int table: per slot its count,
-  then each column's values (zero-padded to the most any slot has).
+  then each column's values, padded to the most any slot has, and to at
+  least two, with a value no slot reads in that column: a loop that reads
+  the same value at every index (a one-entry column, or one whose entries
+  are all equal) is invariant to XLA, which then hoists its work out of the
+  loop, to run on every device whatever its trip count, 0 included.
 
   Args:
     per_slot: per slot, per column, the values (one per item).
@@ -45,7 +49,11 @@ def unit_table(per_slot: Sequence[Sequence[Sequence[int]]]) -> np.ndarray:
   n = len(per_slot)
   cols = max((len(c) for c in per_slot), default=0)
   width = max((len(v) for c in per_slot for v in c), default=0)
-  out = np.zeros((n, 1 + cols * max(width, 1)), np.int64)
+  width = max(width, 2)
+  out = np.zeros((n, 1 + cols * width), np.int64)
+  for j in range(cols):  # Padding, never read, unlike every entry read.
+    pad = max((max(c[j], default=-1) for c in per_slot if c), default=-1)
+    out[:, 1 + j * width : 1 + (j + 1) * width] = pad + 1
   for s, columns in enumerate(per_slot):
     out[s, 0] = len(columns[0]) if columns else 0
     for j, values in enumerate(columns):
@@ -71,20 +79,23 @@ def table_columns(row, columns: int):
 
 
 class SlotWork(NamedTuple):
-  """A slot's matrices in a canonical order (see :meth:`Layout.slot_work`).
+  """Every slot's matrices by type (see :meth:`Layout.slot_work`).
 
   Attributes:
-    keys: per slot, a hashable of its buckets' shapes and the facts its
-      caller reads of each unit (no offsets): slots with equal keys run one
-      program, their offsets read from ``offsets``.
-    buckets: per slot, per dtype group, its buckets in canonical order.
-    offsets: per dtype group, ``(num_slots, width)`` offsets of each slot's
-      units in canonical order (zero-padded).
+    keys: per slot, a hashable: equal for every slot (one program), the
+      offsets read from ``offsets``.
+    buckets: per dtype group, one bucket per type, its ``units`` a
+      representative unit repeated once per matrix of a chunk.
+    offsets: per type (buckets in order), a :func:`unit_table` per slot:
+      its count of chunks, then per matrix of a chunk the offsets.
+    trips: per type, its chunks per slot where every slot holds equally
+      many (a constant of the program), else None (read from the table).
   """
 
   keys: list
   buckets: list
   offsets: list
+  trips: list
 
 
 class Bucket(NamedTuple):
@@ -381,10 +392,15 @@ class Layout:
     return max(self.local_sizes, default=0) < _collectives.INDEX_LIMIT
 
   def slot_work(self, unit_extra=None, units=None) -> SlotWork:
-    """Every slot's matrices in a canonical order: buckets sorted by their
-    keys, units in a bucket by ``unit_extra`` (the facts the caller reads of
-    a unit beyond its bucket, e.g. the whole matrix's shape). Slots holding
-    the same shapes get equal keys whatever their offsets.
+    """The slots' matrices by type: one program for every slot, each
+    slot's matrices of a type and their offsets read from a table.
+
+    A type is what a bucket holds (shape, TP split, dtype, padding) plus
+    ``unit_extra(u)`` (the facts the caller reads of a unit beyond its
+    bucket, e.g. the whole matrix's shape): it follows the model, not the
+    number of slots. Each slot runs a type's matrices in chunks of the
+    gcd of the slots' counts (a batch of equal-shape matrices: one chunk
+    where the slots hold equally many), as many chunks as it holds.
 
     Args:
       unit_extra: optional ``unit_extra(u)``, hashable and orderable.
@@ -392,42 +408,39 @@ class Layout:
         (default all).
     """
     extra = unit_extra or (lambda u: None)
-    keys, buckets = [], []
-    orders: list[list[list[int]]] = [[] for _ in self.dtypes]
+    found: dict[tuple, tuple] = {}
     for s in range(self.num_slots):
-      key, per_group = [], []
       for g in range(self.num_groups):
-        entries = []
         for b in self.buckets(g, s):
           kept = b.units if units is None else tuple(units(g, s, b))
-          if not kept:
-            continue
-          ordered = tuple(sorted(kept, key=lambda u: (repr(extra(u)), u)))
-          bkey = (
-            b.shape,
-            b.tp_split,
-            b.dtype,
-            b.grouped,
-            None
-            if b.crop is None
-            else (b.crop[0].tobytes(), b.crop[1].tobytes()),
-            tuple(extra(u) for u in ordered),
-          )
-          entries.append((repr(bkey), bkey, b._replace(units=ordered)))
-        entries.sort(key=lambda e: e[0])
-        key.append(tuple(e[1] for e in entries))
-        per_group.append([e[2] for e in entries])
-        orders[g].append([u for e in entries for u in e[2].units])
-      keys.append(tuple(key))
-      buckets.append(per_group)
-    offsets = []
-    for g in range(self.num_groups):
-      width = max((len(o) for o in orders[g]), default=0)
-      table = np.zeros((self.num_slots, max(width, 1)), np.int64)
-      for s, order in enumerate(orders[g]):
-        table[s, : len(order)] = [self.unit_offset[u] for u in order]
-      offsets.append(table)
-    return SlotWork(keys, buckets, offsets)
+          for u in kept:
+            key = (
+              b.shape,
+              b.tp_split,
+              b.dtype,
+              b.grouped,
+              None
+              if b.crop is None
+              else (b.crop[0].tobytes(), b.crop[1].tobytes()),
+              extra(u),
+            )
+            _, _, per = found.setdefault((g, repr(key)), (key, b, {}))
+            per.setdefault(s, []).append(u)
+    buckets: list[list[Bucket]] = [[] for _ in range(self.num_groups)]
+    tables, trips = [], []
+    for g, rkey in sorted(found):
+      _, b, per = found[g, rkey]
+      counts = [len(per.get(s, ())) for s in range(self.num_slots)]
+      width = math.gcd(*counts)
+      rep = min(u for us in per.values() for u in us)
+      buckets[g].append(b._replace(units=(rep,) * width))
+      rows = []
+      for s in range(self.num_slots):
+        offs = sorted(self.unit_offset[u] for u in per.get(s, ()))
+        rows.append([offs[j::width] for j in range(width)])
+      tables.append(unit_table(rows))
+      trips.append(counts[0] // width if len(set(counts)) == 1 else None)
+    return SlotWork([0] * self.num_slots, buckets, tables, trips)
 
   def matrix_at(self, buffer: jax.Array, offset, shape) -> jax.Array:
     """The ``shape`` matrix at ``offset`` (int or traced) of a flat buffer."""
@@ -437,43 +450,60 @@ class Layout:
   def map_slot_at(
     self,
     operands: Sequence[Sequence[jax.Array]],
-    buckets: Sequence[Sequence[Bucket]],
-    offsets: Sequence,
+    work: SlotWork,
+    rows: Sequence,
     fn: Callable[..., jax.Array],
   ) -> tuple[jax.Array, ...]:
-    """Applies ``fn`` to one slot's matrices, batched by bucket.
+    """Applies ``fn`` to one slot's matrices, a chunk of a type at a time.
 
     Args:
       operands: one or more tuples of the slot's flat buffers (``(local,)``
         each, one per dtype group), all laid out by this layout; the first
         gives the result dtype.
-      buckets: the slot's buckets of :meth:`slot_work` (per dtype group).
-      offsets: per dtype group, the slot's row of
-        :attr:`SlotWork.offsets` (ints, or read at run time).
+      work: the :meth:`slot_work`.
+      rows: the slot's rows of ``work.offsets`` (numpy, or read at run
+        time).
       fn: ``fn(stacks, bucket)``: ``stacks`` holds one ``(count, m, n)``
-        stack per operand, for the matrices of ``bucket``; returns a stack
-        of the same shape.
+        stack per operand, for a chunk of ``bucket``'s type; returns a
+        stack of the same shape.
 
     Returns:
-      The slot's flat buffers with every matrix of ``buckets`` replaced by
+      The slot's flat buffers with every matrix of ``work`` replaced by
       ``fn``'s result, zeros elsewhere.
     """
-    out = []
-    for g, buf in enumerate(operands[0]):
-      result = jnp.zeros((self.local_sizes[g],), buf.dtype)
-      i = 0
-      for bucket in buckets[g]:
-        offs = [index(offsets[g][i + j]) for j in range(len(bucket.units))]
-        i += len(bucket.units)
-        stacks = tuple(
-          jnp.stack([self.matrix_at(ops[g], o, bucket.shape) for o in offs])
-          for ops in operands
-        )
-        for o, r in zip(offs, fn(stacks, bucket)):
-          result = jax.lax.dynamic_update_slice_in_dim(
-            result, r.reshape(-1).astype(buf.dtype), o, 0
+    # Made when the operands are (see _collectives.zero_after), not at the
+    # start of the step.
+    tie = _collectives.zero_after(*operands[0])
+    out = [
+      jnp.zeros((self.local_sizes[g],), buf.dtype) + tie.astype(buf.dtype)
+      for g, buf in enumerate(operands[0])
+    ]
+    i = 0
+    for g, group_buckets in enumerate(work.buckets):
+      for bucket in group_buckets:
+        count, cols = table_columns(rows[i], len(bucket.units))
+        trips = count if work.trips[i] is None else work.trips[i]
+        i += 1
+
+        def chunk(result, *offs, g=g, bucket=bucket):
+          stacks = tuple(
+            _collectives.in_loop(
+              jnp.stack(
+                [self.matrix_at(ops[g], index(o), bucket.shape) for o in offs]
+              ),
+              result,
+            )
+            for ops in operands
           )
-      out.append(result)
+          for o, r in zip(offs, fn(stacks, bucket)):
+            result = jax.lax.dynamic_update_slice_in_dim(
+              result, r.reshape(-1).astype(result.dtype), index(o), 0
+            )
+          return result
+
+        out[g] = _collectives.for_each(
+          trips, cols, chunk, out[g], like=operands
+        )
     return tuple(out)
 
   def whole_tables(self, leaves: Sequence[int]) -> list[np.ndarray]:

@@ -382,18 +382,17 @@ def slot_update(
   hp: Hyperparams,
   olayout: _owner_layout.OwnerLayout,
   lay: _layout.Layout,
-  buckets: Sequence[Sequence[_layout.Bucket]],
-  offsets: Sequence,
+  work: _layout.SlotWork,
+  rows: Sequence,
   hat: Sequence[jax.Array],
   params: Sequence[jax.Array] | None = None,
   decay: frozenset[int] | None = None,
 ) -> tuple[jax.Array, ...]:
   """One owner slot's results from its (local) buffers of group ``lay``.
 
-  ``buckets`` are the slot's buckets (:func:`slot_work`: with
-  ``skip_distributed``, owner-group and TP matrices left out, their places
-  zero for ``_staged`` to fill), ``offsets`` its rows of the offset tables
-  (ints, or read at run time). Results have the dtype of the momentum
+  ``work`` is :func:`slot_work`'s (with ``skip_distributed``, owner-group
+  and TP matrices left out, their places zero for ``_staged`` to fill),
+  ``rows`` the slot's rows of its tables (numpy, or read at run time). Results have the dtype of the momentum
   step's output ``hat`` (the promoted dtype of momentum and gradients), as
   ``optax.contrib.muon``'s updates do: float32 momentum of bfloat16 params
   gives float32 updates. With ``params`` and ``decay`` (the leaf indices
@@ -431,13 +430,13 @@ def slot_update(
     return out
 
   operands = (tuple(hat),) if params is None else (tuple(hat), tuple(params))
-  return lay.map_slot_at(operands, buckets, offsets, fn)
+  return lay.map_slot_at(operands, work, rows, fn)
 
 
 def slot_work(olayout, lay, decay, skip_distributed=False) -> _layout.SlotWork:
   """Every slot's matrices as :func:`slot_update` reads them (each unit's
-  whole-matrix shape and whether it decays, beyond its bucket): slots with
-  equal keys share one branch body, their offsets read from tables.
+  whole-matrix shape and whether it decays, beyond its bucket): one
+  program for every slot, its matrices and their offsets read from tables.
   ``skip_distributed`` leaves out owner-group and TP matrices."""
 
   def extra(u):
@@ -465,9 +464,10 @@ def owner_step(
 ):
   """The update of this device's own matrices (local blocks, no routing).
 
-  Runs inside ``shard_map`` over the owner axes (one ``lax.switch`` branch
-  per owner slot, so no device computes another owner's matrices), or on
-  one device for a single-slot layout.
+  Runs inside ``shard_map`` over the owner axes (one program: each device
+  reads which matrices it owns from tables indexed by its owner slot, so
+  no device computes another owner's matrices), or on one device for a
+  single-slot layout.
 
   Args:
     cfg: the static options.
@@ -525,31 +525,22 @@ def owner_step(
       continue
     work = slot_work(olayout, lay, decay)
 
-    def run(rows, hh, pp, s, lay=lay, work=work):
-      return slot_update(
-        cfg, hp, olayout, lay, work.buckets[s], rows, hh, pp, decay=decay
-      )
+    def run(rows, hh, pp, lay=lay, work=work):
+      return slot_update(cfg, hp, olayout, lay, work, rows, hh, pp, decay=decay)
 
     if n == 1:
       rows = [t[0] for t in work.offsets]
       if olayout.iterations[g]:
-        res = jax.lax.map(
-          lambda a, run=run, rows=rows: run(rows, *a, 0), (h, p)
-        )
+        res = jax.lax.map(lambda a, run=run, rows=rows: run(rows, *a), (h, p))
       else:
-        res = run(rows, h, p, 0)
+        res = run(rows, h, p)
     else:
-      # Slots with equal shapes share one branch body (see slot_work); each
-      # reads its offsets from the tables.
-      branches = [
-        lambda rows, hh, pp, s=s, run=run: run(rows, hh, pp, s)
-        for s in range(n)
-      ]
-
-      def one(hh, pp, shift=0, branches=branches, work=work, lay=lay):
+      # Every slot runs one program (see slot_work), its matrices and their
+      # offsets read from the tables.
+      def one(hh, pp, shift=0, run=run, work=work, lay=lay):
         return _collectives.switch_with_tables(
           axes,
-          branches,
+          [run] * n,
           work.offsets,
           hh,
           pp,
@@ -573,21 +564,26 @@ def owner_step(
 
 def _staged_update(cfg, hp, olayout, lay, hat, params, decay, iterations):
   """Owner-group and TP matrices by :mod:`_staged` (collectives between
-  branches), the slot's whole matrices in its first stage."""
+  stages), the slot's whole matrices in its first stage."""
   _owner_groups.check_preconditioning(
     cfg.preconditioning,
     tp_axis=olayout.tp_axis if olayout.tp_size > 1 else None,
     groups=len(lay.plan.groups),
     otherwise='owner_groups=None',
   )
-  stages = _stages(olayout, lay, len(cfg.coeffs))
+
+  def finish_key(u):  # what finish reads of a unit
+    leaf = lay.plan.leaves[lay.unit_leaf[u]].leaf_index
+    decays = params is not None and bool(decay) and leaf in decay
+    return olayout.full_shape(lay, u), decays, lay.unit_group[u]
+
+  unit_keys = tuple(finish_key(u) for u in range(len(lay.plan.units)))
+  stages = _stages(olayout, lay, len(cfg.coeffs), unit_keys)
   rows = np.asarray(cfg.coeffs)
   work = slot_work(olayout, lay, decay, skip_distributed=True)
 
-  def plain(slot, offsets, h, p):
-    return slot_update(
-      cfg, hp, olayout, lay, work.buckets[slot], offsets, h, p, decay=decay
-    )
+  def plain(offsets, h, p):
+    return slot_update(cfg, hp, olayout, lay, work, offsets, h, p, decay=decay)
 
   def finish(u, ns_out, dot, param):
     spec = lay.plan.leaves[lay.unit_leaf[u]]
@@ -597,16 +593,9 @@ def _staged_update(cfg, hp, olayout, lay, hat, params, decay, iterations):
       out = _decayed(hp, out, param, dtype)
     return out
 
-  def finish_key(u):
-    leaf = lay.plan.leaves[lay.unit_leaf[u]].leaf_index
-    decays = param_given and bool(decay) and leaf in decay
-    return olayout.full_shape(lay, u), decays, lay.unit_group[u]
-
-  param_given = params is not None
   return _staged.run(
     stages,
     finish,
-    finish_key,
     plain,
     work,
     rows,
@@ -620,8 +609,8 @@ def _staged_update(cfg, hp, olayout, lay, hat, params, decay, iterations):
 
 
 @functools.lru_cache(maxsize=64)
-def _stages(olayout, lay, ns_steps):
-  return _staged.Stages(olayout, lay, ns_steps)
+def _stages(olayout, lay, ns_steps, unit_keys):
+  return _staged.Stages(olayout, lay, ns_steps, unit_keys)
 
 
 # ---------------------------------------------------------------------------

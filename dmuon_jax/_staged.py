@@ -1,14 +1,14 @@
-"""Distributed Gram Newton–Schulz with every collective outside branches.
+"""Distributed Gram Newton–Schulz with every collective between stages.
 
 Owner-group matrices (slices on several owners, see
 ``_plan.OwnerGroup``) and tensor-parallel ones (slices on the TP shards
 of one owner) are orthogonalized together by their holders. Each device
-runs its own matrices in a ``lax.switch`` branch; a collective inside such
-a branch would be executed by only some of the devices its replica groups
-list (NCCL matches collectives by order on each communicator: a hazard on
-GPU). So the update runs in *stages*: every stage is one ``switch`` whose
-branches compute fixed-shape local results (local Grams, factors, slices),
-and between stages the collectives run on every device:
+runs its own matrices in loops of its own trip counts; a collective inside
+such a loop (or a conditional) would be executed by only some of the
+devices its replica groups list (NCCL matches collectives by order on each
+communicator: a hazard on GPU). So the update runs in *stages*: every stage
+computes fixed-shape local results (local Grams, factors, slices), and
+between stages the collectives run on every device:
 
 * ``pmax`` of per-matrix max-abs entries (the power-of-two rescaling of
   huge matrices, as ``_owner_update.rescale_large``);
@@ -20,13 +20,13 @@ and between stages the collectives run on every device:
   members), as packed triangles (:func:`pack_symmetric`);
 * with ``adaptive``, the dual norms summed the same way.
 
-Branch bodies are keyed by what they compute (the shapes of a slot's
-slices, the sizes of the Grams it iterates), never by where things sit:
-offsets in the buffers, a slice's group among the slot's, its Gram's place
-in the exchange are read from slot-indexed tables (``axis_index``), so the
-program's size follows the model's shapes and the plan's few signatures,
-not the number of devices. Plain (whole) matrices are finished in the
-first stage.
+Every slot runs one program: per type of slice, TP matrix or Gram (what
+the loop body computes: shapes, sizes, what the finish reads) a loop over
+the slot's items of that type; their offsets, a slice's group among the
+slot's, its group's row position and its place in the exchange are read
+from slot-indexed tables (``axis_index``), so the program's size follows
+the model's shapes, not the number of devices. Plain (whole) matrices are
+finished in the first stage.
 """
 
 from __future__ import annotations
@@ -110,9 +110,9 @@ def unpack_symmetric(v: jax.Array, g: int) -> jax.Array:
 
 
 class _Slice(NamedTuple):
-  """A slot's slice of an owner group, as its branch body reads it."""
+  """A type of owner-group slices, as a stage's loop body reads it."""
 
-  unit: int  # this slot's unit (a representative for slots of equal keys)
+  unit: int  # a representative unit (the finish reads only its key)
   shape: tuple[int, int]
   split: int  # -1: columns split (Gram over rows), -2: rows split
   gram: int  # g, the Gram's size
@@ -120,7 +120,7 @@ class _Slice(NamedTuple):
 
 
 class _TP(NamedTuple):
-  """A slot's TP-split matrix (every TP shard iterates it)."""
+  """A type of TP-split matrices (every TP shard iterates them)."""
 
   unit: int
   shape: tuple[int, int]
@@ -128,32 +128,69 @@ class _TP(NamedTuple):
   gram: int
   group: int
   segments: tuple[tuple[int, int], ...]
-  off: int  # its Gram's offset in the TP block (canonical order)
+
+
+def _typed(per_slot, n):
+  """Types and their tables from ``per_slot[s]``: ``(type, rank, row)``
+  items (``rank`` orders a slot's items of a type; ``row`` the values its
+  loop body reads): the types in order, per type a
+  :func:`_layout.unit_table` over slots, and its trip count where every
+  slot holds equally many (else None: read from the table)."""
+  found: dict = {}
+  for s, items in enumerate(per_slot):
+    for typ, rank, row in items:
+      found.setdefault(typ[1:], (typ, {}))[1].setdefault(s, []).append(
+        (rank, row)
+      )
+  types, tables, trips = [], [], []
+  for key in sorted(found, key=repr):
+    typ, per = found[key]
+    types.append(typ)
+    rows = []
+    for s in range(n):
+      items = [row for _, row in sorted(per.get(s, []), key=lambda e: e[0])]
+      rows.append([list(col) for col in zip(*items)] if items else [])
+    width = max((len(r) for r in rows), default=0)
+    rows = [r or [[] for _ in range(width)] for r in rows]
+    tables.append(_layout.unit_table(rows))
+    counts = {len(per.get(s, [])) for s in range(n)}
+    trips.append(counts.pop() if len(counts) == 1 else None)
+  return types, tables, trips
 
 
 class Stages:
   """The static plan of a staged update of one layout group.
 
+  Every slot runs one program: per *type* (of slices, TP matrices, Grams
+  it iterates: their shapes, what the finish reads of them) a loop over
+  the slot's items of that type, their offsets and places read from
+  slot-indexed tables (``axis_index``). The types follow the model and
+  the plan's few signatures, not the number of devices.
+
+  ``unit_keys`` (optional, per unit of the plan): what the finish reads of
+  a unit (its whole matrix's shape, whether it decays): part of its type.
+
   Attributes:
     n: the number of owner slots.
-    axes: the owner axes (the ``ppermute`` and ``switch`` run over them).
+    axes: the owner axes (the ``ppermute`` and tables run over them).
     group_axis: the axis a group's members share (its ``pmax``/``psum`` of
       per-matrix scalars).
-    slices: per slot, its slices of owner groups in canonical order (by
-      shape; that order indexes :attr:`slice_table`).
-    slice_table: per slot: (count, buffer offsets, the slice's group among
-      the slot's held ones, its group's position in the row's vectors).
-    iterated: per slot, the Gram sizes of the groups it iterates.
+    slice_types, slice_tables, slice_trips: the slices' types (a
+      representative unit each), per type a table (offset in the buffer,
+      the slice's group among the slot's held ones, its group's row
+      position) and its static trip count (or None).
+    tp_types, tp_tables, tp_trips: the TP matrices' (offset, offset of
+      the Gram in the TP block, position in the slot's TP vectors).
+    iter_types, iter_tables, iter_trips: the Gram sizes a slot iterates
+      (its position among the slot's iterated groups).
     held: per slot, the groups (plan indices) it holds slices of.
-    tps: per slot, its TP matrices (canonical order; offsets in
-      :attr:`tp_table`).
     schedule: the exchange's rounds (:mod:`dmuon_jax._gram_exchange`).
     windows: restart windows of the longest iteration.
     tp_block: elements of a slot's TP Grams; vec_tp, vec_groups: lengths
       of the per-matrix vectors.
   """
 
-  def __init__(self, olayout, lay, ns_steps: int):
+  def __init__(self, olayout, lay, ns_steps: int, unit_keys=None):
     plan = lay.plan
     self.lay = lay
     self.n = lay.num_slots
@@ -162,6 +199,7 @@ class Stages:
     self.tp_axis = olayout.tp_axis if olayout.tp_size > 1 else None
     self.tp_size = olayout.tp_size
     k = ns_steps
+    key_of = (lambda u: None) if unit_keys is None else unit_keys.__getitem__
     self.group_segments = _newton_schulz.gram_segments(
       k, _newton_schulz.check_restart_iterations(None, k)
     )
@@ -176,33 +214,21 @@ class Stages:
       [j for j, g in enumerate(groups) if g.iteration_owner == s]
       for s in range(self.n)
     ]
-    self.iterated = [
-      tuple(groups[j].gram_size for j in js) for js in self.iterated_groups
-    ]
     self.held: list[list[int]] = []
-    self.slices: list[list[_Slice]] = []
-    self.tps: list[list[_TP]] = []
-    slice_rows, tp_rows = [], []
+    slices, tps, iters = [], [], []
+    tp_sizes, tp_counts = [], []
     for s in range(self.n):
-      found, tps = [], []
+      found, mine = [], []
       for gi in range(lay.num_groups):
         for bucket in lay.buckets(gi, s):
           for u in bucket.units:
             if bucket.grouped:
               j = plan.units[u].group
               spec = plan.leaves[lay.unit_leaf[u]]
-              found.append(
-                (
-                  j,
-                  _Slice(
-                    u,
-                    plan.units[u].shape,
-                    spec.split_axis,
-                    groups[j].gram_size,
-                    gi,
-                  ),
-                )
+              typ = _Slice(
+                u, plan.units[u].shape, spec.split_axis, groups[j].gram_size, gi
               )
+              found.append((j, typ + (key_of(u),)))
             elif bucket.tp_split is not None:
               m, nn = plan.units[u].shape
               split = bucket.tp_split
@@ -213,64 +239,59 @@ class Stages:
               restarts = _newton_schulz.check_restart_iterations(
                 (1, 3) if long_gram else None, k
               )
-              tps.append(
-                _TP(
-                  u,
-                  (m, nn),
-                  split,
-                  g_size,
-                  gi,
-                  _newton_schulz.gram_segments(k, restarts),
-                  0,
-                )
+              segments = _newton_schulz.gram_segments(k, restarts)
+              mine.append(
+                _TP(u, (m, nn), split, g_size, gi, segments) + (key_of(u),)
               )
       held = sorted({j for j, _ in found})
       local = {j: i for i, j in enumerate(held)}
-      found.sort(
-        key=lambda e: (
-          e[1].shape,
-          e[1].split,
-          e[1].gram,
-          e[1].group,
-          local[e[0]],
-          e[1].unit,
-        )
-      )
       self.held.append(held)
-      self.slices.append([sl for _, sl in found])
-      slice_rows.append(
-        (
-          [lay.unit_offset[sl.unit] for _, sl in found],
-          [local[j] for j, _ in found],
-          [pos[j] for j, _ in found],
-        )
+      slices.append(
+        [
+          (t, (local[j], t[0]), (lay.unit_offset[t[0]], local[j], pos[j]))
+          for j, t in found
+        ]
       )
-      tps.sort(key=lambda t: (t.shape, t.split, t.group, t.unit))
+      # A slot's TP Grams in canonical order, one block after another.
+      mine.sort(key=lambda t: (repr(t[1:]), t[0]))
       placed, used = [], 0
-      for t in tps:
-        placed.append(t._replace(off=used))
-        used += t.gram**2
-      self.tps.append(placed)
-      tp_rows.append(([lay.unit_offset[t.unit] for t in placed],))
-    self.slice_table = _layout.unit_table(slice_rows)
-    self.tp_table = _layout.unit_table(tp_rows)
+      for i, t in enumerate(mine):
+        placed.append((t, i, (lay.unit_offset[t[0]], used, i)))
+        used += t[3] ** 2
+      tps.append(placed)
+      tp_sizes.append(used)
+      tp_counts.append(len(mine))
+      iters.append(
+        [
+          ((0, groups[j].gram_size), i, (i,))
+          for i, j in enumerate(self.iterated_groups[s])
+        ]
+      )
+    types, self.slice_tables, self.slice_trips = _typed(slices, self.n)
+    self.slice_types = [(_Slice(*t[:5]), t[5]) for t in types]
+    types, self.tp_tables, self.tp_trips = _typed(tps, self.n)
+    self.tp_types = [(_TP(*t[:6]), t[6]) for t in types]
+    types, self.iter_tables, self.iter_trips = _typed(iters, self.n)
+    self.iter_types = [t[1] for t in types]
     self.has_groups = bool(groups)
-    self.tp_block = max(
-      (sum(t.gram**2 for t in tps) for tps in self.tps), default=0
-    )
-    self.vec_tp = max((len(tps) for tps in self.tps), default=0)
+    self.tp_block = max(tp_sizes, default=0)
+    self.vec_tp = max(tp_counts, default=0)
     self.has_tp = self.tp_block > 0
     self.m_held = max((len(h) for h in self.held), default=0)
-    self.m_iterated = max((len(i) for i in self.iterated), default=0)
+    self.m_iterated = max((len(i) for i in self.iterated_groups), default=0)
     self.block = max(
       (_gram_exchange.triangle_size(g.gram_size) for g in groups), default=0
     )
     self.windows = max(
       [len(self.group_segments) if groups else 0]
-      + [len(t.segments) for tps in self.tps for t in tps]
+      + [len(t.segments) for t, _ in self.tp_types]
     )
     self.schedule = _gram_exchange.schedule(groups, plan.owners)
     self._exchange_tables()
+
+  def tables(self) -> list[np.ndarray]:
+    """The stages' tables, in the order :func:`_rows` reads them."""
+    return self.slice_tables + self.tp_tables + self.iter_tables
 
   def _exchange_tables(self) -> None:
     """Per round, what each slot sends and where it adds what it receives
@@ -298,12 +319,6 @@ class Stages:
         if j in held[s]:
           self.own_gram[s, i] = held[s][j]
           self.own_factor[s, held[s][j]] = i
-
-  def slice_key(self, s: int) -> tuple:
-    return tuple(sl[1:] for sl in self.slices[s])
-
-  def tp_key(self, s: int) -> tuple:
-    return tuple(t[1:] for t in self.tps[s])
 
 
 def needs_stages(olayout, lay) -> bool:
@@ -361,6 +376,11 @@ def _initial_carry(
   return jax.tree.map(lambda z: z + tie.astype(z.dtype), carry)
 
 
+def _zeros_like(x, tie):
+  """Zeros like ``x``, made when ``tie`` (``_collectives.zero_after``) is."""
+  return jnp.zeros_like(x) + tie.astype(x.dtype)
+
+
 def _put(bufs, gi, off, value):
   """``bufs`` with dtype group ``gi``'s region at ``off`` set to ``value``."""
   b = bufs[gi]
@@ -395,7 +415,7 @@ def _set_block(v, start, value):
 
 
 def _get_block(v, start, g):
-  return jax.lax.slice_in_dim(v, start, start + g * g).reshape(g, g)
+  return jax.lax.dynamic_slice_in_dim(v, start, g * g).reshape(g, g)
 
 
 def _packed(m, block):
@@ -405,32 +425,47 @@ def _packed(m, block):
 
 
 class _Rows(NamedTuple):
-  """One slot's rows of the tables (ints, or read at run time)."""
+  """One slot's rows of the tables (numpy, or read at run time): per type,
+  ``(trips, columns)``, the trip count a Python int where it is static."""
 
-  plain: Sequence  # the plain update's offsets, per dtype group
-  offset: Any  # per slice: its buffer offset
-  held: Any  # per slice: its group among the slot's held ones
-  pos: Any  # per slice: its group's row position
-  tp: Any  # per TP matrix: its buffer offset
+  plain: Sequence  # the plain update's rows
+  slices: Sequence  # columns: offset, held group, row position
+  tps: Sequence  # columns: offset, Gram block offset, vector position
+  iters: Sequence  # columns: position among the slot's iterated groups
 
 
 def _rows(st: Stages, plain_tables: Sequence[np.ndarray], rows) -> _Rows:
-  plain = rows[: len(plain_tables)]
-  _, (offset, held, pos) = _layout.table_columns(rows[-2], 3)
-  _, (tp,) = _layout.table_columns(rows[-1], 1)
-  ix = _layout.index
-  return _Rows(
-    plain,
-    [ix(offset[i]) for i in range(offset.shape[0])],
-    [ix(held[i]) for i in range(held.shape[0])],
-    [ix(pos[i]) for i in range(pos.shape[0])],
-    [ix(tp[i]) for i in range(tp.shape[0])],
-  )
+  rows = list(rows)
+  plain, rows = rows[: len(plain_tables)], rows[len(plain_tables) :]
+  out = []
+  for tables, trips, cols in (
+    (st.slice_tables, st.slice_trips, 3),
+    (st.tp_tables, st.tp_trips, 3),
+    (st.iter_tables, st.iter_trips, 1),
+  ):
+    mine, rows = rows[: len(tables)], rows[len(tables) :]
+    typed = []
+    for row, trip in zip(mine, trips):
+      count, columns = _layout.table_columns(row, cols)
+      typed.append((count if trip is None else trip, columns))
+    out.append(typed)
+  return _Rows(plain, *out)
+
+
+def _each(like, types, rows, fn, carry):
+  """``carry = fn(carry, typ, *values)`` for each of the slot's items of
+  each type (``rows``: its :class:`_Rows` entries for ``types``; ``like``:
+  what ``fn`` reads besides, see ``_collectives.for_each``)."""
+  for typ, (trips, columns) in zip(types, rows):
+    carry = _collectives.for_each(
+      trips, columns, lambda c, *v, typ=typ: fn(c, typ, *v), carry, like
+    )
+  return carry
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Bodies:
-  """The stages as per-slot branch bodies, ``(slot, rows, carry, hat,
+  """The stages as one program for every slot, ``(rows, carry, hat,
   params) -> carry`` (``rows``: :class:`_Rows`); ``iterate`` and ``apply``
   take the restart window first. The fields are :func:`run`'s arguments
   (``norm``: the dtype of the norms, Grams and iterated slices)."""
@@ -447,36 +482,64 @@ class _Bodies:
   def cd(self, x):
     return x.astype(self.compute_dtype or x.dtype)
 
-  def amax(self, s, r: _Rows, c: Carry, hat, p) -> Carry:
-    c = c._replace(out=self.plain_update(s, r.plain, hat, p))
-    lay = self.st.lay
-    amax = c.group_amax
-    for i, sl in enumerate(self.st.slices[s]):
-      x = lay.matrix_at(hat[sl.group], r.offset[i], sl.shape)
-      amax = _max_at(amax, r.pos[i], jnp.max(jnp.abs(x), initial=0))
-    tp_amax = c.tp_amax
-    for i, t in enumerate(self.st.tps[s]):
-      x = lay.matrix_at(hat[t.group], r.tp[i], t.shape)
-      tp_amax = _max_at(tp_amax, i, jnp.max(jnp.abs(x), initial=0))
+  def amax(self, r: _Rows, c: Carry, hat, p) -> Carry:
+    c = c._replace(out=self.plain_update(r.plain, hat, p))
+    lay, st = self.st.lay, self.st
+
+    def one(v, typ, off, i):
+      t = typ[0]
+      x = lay.matrix_at(hat[t.group], off, t.shape)
+      return _max_at(v, i, jnp.max(jnp.abs(x), initial=0))
+
+    amax = _each(
+      (hat, p, c),
+      st.slice_types,
+      r.slices,
+      lambda v, typ, off, held, pos: one(v, typ, off, pos),
+      c.group_amax,
+    )
+    tp_amax = _each(
+      (hat, p, c),
+      st.tp_types,
+      r.tps,
+      lambda v, typ, off, block, i: one(v, typ, off, i),
+      c.tp_amax,
+    )
     return c._replace(group_amax=amax, tp_amax=tp_amax)
 
-  def gram(self, s, r: _Rows, c: Carry, hat, p) -> Carry:
-    lay, norm, block = self.st.lay, self.norm, self.st.block
-    grams, tp_grams, x = c.held_grams, c.tp_grams, c.x
-    for i, sl in enumerate(self.st.slices[s]):
-      raw = lay.matrix_at(hat[sl.group], r.offset[i], sl.shape)
-      f = rescale_factor(_row(c.group_amax, r.pos[i]), raw.dtype)
-      xi = (raw * f.astype(raw.dtype)).astype(norm)
-      x = _put(x, sl.group, r.offset[i], xi)
-      m = _orient(xi, sl.split)
-      grams = _add_row(grams, r.held[i], _packed(m @ m.T, block))
-    for i, t in enumerate(self.st.tps[s]):
-      raw = lay.matrix_at(hat[t.group], r.tp[i], t.shape)
-      f = rescale_factor(c.tp_amax[i], raw.dtype)
-      xi = (raw * f.astype(raw.dtype)).astype(norm)
-      x = _put(x, t.group, r.tp[i], xi)
+  def _scaled(self, hat, amax, t, off, i, carry):
+    """The slot's matrix of type ``t`` at ``off``, rescaled (``amax[i]``:
+    its max-abs entry), in the norm dtype (read in the loop of ``carry``,
+    see ``_collectives.in_loop``)."""
+    raw = self.st.lay.matrix_at(hat[t.group], off, t.shape)
+    raw = _collectives.in_loop(raw, carry)
+    f = rescale_factor(_row(amax, i), raw.dtype)
+    return (raw * f.astype(raw.dtype)).astype(self.norm)
+
+  def gram(self, r: _Rows, c: Carry, hat, p) -> Carry:
+    st = self.st
+
+    def one_slice(carry, typ, off, held, pos):
+      grams, x = carry
+      t = typ[0]
+      xi = self._scaled(hat, c.group_amax, t, off, pos, carry)
       m = _orient(xi, t.split)
-      tp_grams = _set_block(tp_grams, t.off, m @ m.T)
+      grams = _add_row(grams, held, _packed(m @ m.T, st.block))
+      return grams, _put(x, t.group, off, xi)
+
+    def one_tp(carry, typ, off, block, i):
+      grams, x = carry
+      t = typ[0]
+      xi = self._scaled(hat, c.tp_amax, t, off, i, carry)
+      m = _orient(xi, t.split)
+      return _set_block(grams, block, m @ m.T), _put(x, t.group, off, xi)
+
+    grams, x = _each(
+      (hat, p, c), st.slice_types, r.slices, one_slice, (c.held_grams, c.x)
+    )
+    tp_grams, x = _each(
+      (hat, p, c), st.tp_types, r.tps, one_tp, (c.tp_grams, x)
+    )
     return c._replace(held_grams=grams, tp_grams=tp_grams, x=x)
 
   def _factor(self, w, segments, g):
@@ -494,105 +557,161 @@ class _Bodies:
       r = cd(g)
     return _newton_schulz.gram_factor(r, self.coeff_rows[start:end]), sc
 
-  def iterate(self, w, s, r: _Rows, c: Carry, hat, p) -> Carry:
+  def iterate(self, w, r: _Rows, c: Carry, hat, p) -> Carry:
     st, lay, norm, cd = self.st, self.st.lay, self.norm, self.cd
-    q, qt, x = c.owned_factors, c.tp_factors, c.x
-    if w < len(st.group_segments):
-      for i, g in enumerate(st.iterated[s]):
-        gram = unpack_symmetric(c.owned_grams[i], g)
-        fac, sc = self._factor(w, st.group_segments, gram)
-        fac = fac.astype(norm) * sc if w == 0 else fac
-        q = q.at[i].set(_packed(fac.astype(norm), st.block))
-    for i, t in enumerate(st.tps[s]):
-      if w >= len(t.segments):
-        continue
-      fac, sc = self._factor(
-        w, t.segments, _get_block(c.tp_grams, t.off, t.gram)
+
+    def one_group(q, g, i):
+      gram = unpack_symmetric(
+        _collectives.in_loop(_row(c.owned_grams, i), q), g
       )
+      fac, sc = self._factor(w, st.group_segments, gram)
+      fac = fac.astype(norm) * sc if w == 0 else fac
+      packed = _packed(fac.astype(norm), st.block)
+      return jax.lax.dynamic_update_index_in_dim(q, packed, i, 0)
+
+    def one_tp(carry, typ, off, block, i):
+      qt, x = carry
+      t = typ[0]
+      if w >= len(t.segments):
+        return carry
+      gram = _get_block(c.tp_grams, block, t.gram)
+      fac, sc = self._factor(w, t.segments, _collectives.in_loop(gram, qt))
       if w == 0:
-        xi = lay.matrix_at(x[t.group], r.tp[i], t.shape)
-        x = _put(x, t.group, r.tp[i], cd((xi * sc).astype(norm)))
-      qt = _set_block(qt, t.off, fac)
+        xi = lay.matrix_at(x[t.group], off, t.shape)
+        x = _put(x, t.group, off, cd((xi * sc).astype(norm)))
+      return _set_block(qt, block, fac), x
+
+    q = c.owned_factors
+    if w < len(st.group_segments):
+      q = _each((hat, p, c), st.iter_types, r.iters, one_group, q)
+    qt, x = _each((hat, p, c), st.tp_types, r.tps, one_tp, (c.tp_factors, c.x))
     return c._replace(owned_factors=q, tp_factors=qt, x=x)
 
-  def apply(self, w, s, r: _Rows, c: Carry, hat, p) -> Carry:
-    st, lay, norm, cd = self.st, self.st.lay, self.norm, self.cd
-    grams = jnp.zeros_like(c.held_grams)
-    tp_grams = jnp.zeros_like(c.tp_grams)
-    x = c.x
-    dot_g, dot_t = c.group_dots, c.tp_dots
-    if w < len(st.group_segments):
-      last = w + 1 == len(st.group_segments)
-      for i, sl in enumerate(st.slices[s]):
-        fac = cd(unpack_symmetric(_row(c.held_factors, r.held[i]), sl.gram))
-        xi = lay.matrix_at(x[sl.group], r.offset[i], sl.shape)
-        m = fac @ cd(_orient(xi, sl.split))
-        new = _orient(m, sl.split).astype(norm)
-        x = _put(x, sl.group, r.offset[i], new)
-        if not last:
-          grams = _add_row(grams, r.held[i], _packed(m @ m.T, st.block))
-        elif self.adaptive:
-          h = lay.matrix_at(hat[sl.group], r.offset[i], sl.shape)
-          dot_g = _add_at(dot_g, r.pos[i], jnp.sum(h.astype(norm) * new))
-    for i, t in enumerate(st.tps[s]):
+  def _step(self, t, xs, off, factor, last, hat, grams, put_gram, dot, put_dot):
+    """One window of a slice or TP matrix of type ``t`` at ``off``: ``x``
+    left-multiplied by the window's ``factor``; the next window's Gram put
+    by ``put_gram``, or (last window, adaptive) the dual norm's term by
+    ``put_dot``."""
+    lay, norm, cd = self.st.lay, self.norm, self.cd
+    xi = lay.matrix_at(xs[t.group], off, t.shape)
+    m = cd(factor) @ cd(_orient(xi, t.split))
+    new = _orient(m, t.split).astype(norm)
+    xs = _put(xs, t.group, off, new)
+    if not last:
+      grams = put_gram(grams, m @ m.T)
+    elif self.adaptive:
+      h = lay.matrix_at(hat[t.group], off, t.shape)
+      dot = put_dot(dot, jnp.sum(h.astype(norm) * new))
+    return xs, grams, dot
+
+  def apply(self, w, r: _Rows, c: Carry, hat, p) -> Carry:
+    st = self.st
+    last = w + 1 == len(st.group_segments)
+
+    def one_slice(carry, typ, off, held, pos):
+      t = typ[0]
+      factor = unpack_symmetric(_row(c.held_factors, held), t.gram)
+      xs, grams, dot = carry
+      return self._step(
+        t,
+        xs,
+        off,
+        factor,
+        last,
+        hat,
+        grams,
+        lambda v, gram: _add_row(v, held, _packed(gram, st.block)),
+        dot,
+        lambda v, d: _add_at(v, pos, d),
+      )
+
+    def one_tp(carry, typ, off, block, i):
+      t = typ[0]
       if w >= len(t.segments):
-        continue
-      last = w + 1 == len(t.segments)
-      fac = cd(_get_block(c.tp_factors, t.off, t.gram))
-      xi = lay.matrix_at(x[t.group], r.tp[i], t.shape)
-      m = fac @ cd(_orient(xi, t.split))
-      new = _orient(m, t.split).astype(norm)
-      x = _put(x, t.group, r.tp[i], new)
-      if not last:
-        tp_grams = _set_block(tp_grams, t.off, m @ m.T)
-      elif self.adaptive:
-        h = lay.matrix_at(hat[t.group], r.tp[i], t.shape)
-        dot_t = dot_t.at[i].set(jnp.sum(h.astype(norm) * new).astype(norm))
+        return carry
+      factor = _get_block(c.tp_factors, block, t.gram)
+      xs, grams, dot = carry
+      return self._step(
+        t,
+        xs,
+        off,
+        factor,
+        w + 1 == len(t.segments),
+        hat,
+        grams,
+        lambda v, gram: _set_block(v, block, gram),
+        dot,
+        lambda v, d: v.at[i].set(d.astype(v.dtype)),
+      )
+
+    # The next window's Grams, made when this window's factors are (see
+    # _collectives.zero_after), not at the start of the step.
+    tie = _collectives.zero_after(c.held_factors, c.tp_factors)
+    x, grams, dot_g = c.x, _zeros_like(c.held_grams, tie), c.group_dots
+    if w < len(st.group_segments):
+      x, grams, dot_g = _each(
+        (hat, p, c), st.slice_types, r.slices, one_slice, (x, grams, dot_g)
+      )
+    x, tp_grams, dot_t = _each(
+      (hat, p, c),
+      st.tp_types,
+      r.tps,
+      one_tp,
+      (x, _zeros_like(c.tp_grams, tie), c.tp_dots),
+    )
     return c._replace(
       held_grams=grams, tp_grams=tp_grams, x=x, group_dots=dot_g, tp_dots=dot_t
     )
 
-  def finish_all(self, s, r: _Rows, c: Carry, hat, p) -> Carry:
+  def finish_all(self, r: _Rows, c: Carry, hat, p) -> Carry:
     lay = self.st.lay
-    out = c.out
-    items = [
-      (sl, r.offset[i], r.pos[i], c.group_dots)
-      for i, sl in enumerate(self.st.slices[s])
-    ]
-    items += [(t, r.tp[i], i, c.tp_dots) for i, t in enumerate(self.st.tps[s])]
-    for it, off, pos, dots in items:
-      dot = _row(dots, pos) if self.adaptive else None
+
+    def one(out, typ, off, dots, i):
+      t = typ[0]
       res = self.finish(
-        it.unit,
-        lay.matrix_at(c.x[it.group], off, it.shape),
-        dot,
-        None if p is None else lay.matrix_at(p[it.group], off, it.shape),
+        t.unit,
+        lay.matrix_at(c.x[t.group], off, t.shape),
+        _row(dots, i) if self.adaptive else None,
+        None if p is None else lay.matrix_at(p[t.group], off, t.shape),
       )
-      out = _put(out, it.group, off, res)
+      return _put(out, t.group, off, res)
+
+    out = _each(
+      (hat, p, c),
+      self.st.slice_types,
+      r.slices,
+      lambda o, typ, off, held, pos: one(o, typ, off, c.group_dots, pos),
+      c.out,
+    )
+    out = _each(
+      (hat, p, c),
+      self.st.tp_types,
+      r.tps,
+      lambda o, typ, off, block, i: one(o, typ, off, c.tp_dots, i),
+      out,
+    )
     return c._replace(out=out)
 
 
-def _stage(st, body, tables, keys, c: Carry, hat, params, vary, dynamic):
-  """One stage: ``body`` of this device's slot (a ``switch`` over bodies
-  keyed by ``keys``, the slot's rows of ``tables`` read inside)."""
+def _stage(st, body, tables, c: Carry, hat, params, vary, dynamic):
+  """One stage: ``body`` with this device's rows of ``tables`` (one program
+  for every slot where they are read at run time)."""
 
-  def branch(s):
-    def f(rows, c, hat, p):
-      out = body(s, _rows(st, tables[:-2], rows), c, hat, p)
-      return jax.tree.map(lambda y: _vary(y, vary), out)
-
-    return f
+  def f(rows, c, hat, p):
+    plain = tables[: len(tables) - len(st.tables())]
+    out = body(_rows(st, plain, rows), c, hat, p)
+    return jax.tree.map(lambda y: _vary(y, vary), out)
 
   if st.n == 1:
-    return branch(0)([np.asarray(t)[0] for t in tables], c, hat, params)
+    return f([np.asarray(t)[0] for t in tables], c, hat, params)
   return _collectives.switch_with_tables(
     st.axes,
-    [branch(s) for s in range(st.n)],
+    [f] * st.n,
     tables,
     c,
     hat,
     params,
-    keys=keys,
+    keys=[0] * st.n,
     dynamic=dynamic,
   )
 
@@ -604,7 +723,7 @@ def _exchange(
   when ``tie`` is): a slot's own ``blocks`` (``own``, see :func:`_own`),
   then per round each sender's ``blocks[send]`` to its peer, added to the
   receiver's ``[recv]``."""
-  into = _own(own, slot, blocks, jnp.zeros_like(like) + tie.astype(like.dtype))
+  into = _own(own, slot, blocks, _zeros_like(like, tie))
   send_row = jnp.asarray(send)[slot]
   recv_row = jnp.asarray(recv)[slot]
   for r, messages in enumerate(rounds):
@@ -627,7 +746,6 @@ def _own(table, slot, blocks, into):
 def run(
   st: Stages,
   finish,
-  finish_key,
   plain_update,
   plain_work,
   coeff_rows: np.ndarray,
@@ -644,11 +762,9 @@ def run(
     st: its :class:`Stages`.
     finish: ``finish(unit, ns_out, dot, param) -> result`` for one
       distributed matrix slice (adaptive scaling, cast, shape factor,
-      decay); it may read only what ``finish_key(unit)`` holds of
-      ``unit`` (slots of equal keys share the body built for one of them).
-    finish_key: ``finish_key(unit)``, hashable: what ``finish`` reads of
-      it (its whole matrix's shape, whether it decays, its dtype group).
-    plain_update: ``plain_update(slot, offsets, hat, params) -> results``
+      decay); it may read only what ``st``'s unit key holds of ``unit``
+      (a type's items share the body built for one of them).
+    plain_update: ``plain_update(offsets, hat, params) -> results``
       of the slot's whole matrices (one flat buffer per dtype group, zeros
       at the distributed matrices' places), ``offsets`` its rows of
       ``plain_work.offsets``.
@@ -685,38 +801,25 @@ def run(
     adaptive,
     norm,
   )
-  tables = list(plain_work.offsets) + [st.slice_table, st.tp_table]
+  tables = list(plain_work.offsets) + st.tables()
   dynamic = st.lay.dynamic
-  n = st.n
-  held = [(st.slice_key(s), st.tp_key(s)) for s in range(n)]
-  finish_keys = [
-    (held[s], tuple(finish_key(it.unit) for it in st.slices[s] + st.tps[s]))
-    for s in range(n)
-  ]
-  keys = {
-    'amax': [(plain_work.keys[s], held[s]) for s in range(n)],
-    'gram': held,
-    'iterate': [(st.iterated[s], st.tp_key(s)) for s in range(n)],
-    'apply': held,
-    'finish': finish_keys,
-  }
 
-  def stage(name, body, c):
-    return _stage(st, body, tables, keys[name], c, hat, params, vary, dynamic)
+  def stage(body, c):
+    return _stage(st, body, tables, c, hat, params, vary, dynamic)
 
   # Buffers made from zeros wait for this group's inputs (else XLA may make
   # them at the start of the step and hold them through it).
   tie = _collectives.zero_after(*hat)
   c = _initial_carry(st, hat, norm, tie)
   c = jax.tree.map(lambda y: _vary(y, vary), c)
-  slot = _collectives.slot_index(st.axes) if n > 1 else 0
+  slot = _collectives.slot_index(st.axes) if st.n > 1 else 0
   # Collectives run between the stages, on every device.
-  c = stage('amax', bodies.amax, c)
+  c = stage(bodies.amax, c)
   if st.has_groups:
     c = c._replace(group_amax=jax.lax.pmax(c.group_amax, st.group_axis))
   if st.has_tp:
     c = c._replace(tp_amax=jax.lax.pmax(c.tp_amax, st.tp_axis))
-  c = stage('gram', bodies.gram, c)
+  c = stage(bodies.gram, c)
   for w in range(st.windows):
     if st.has_groups:
       owned = _exchange(
@@ -734,7 +837,7 @@ def run(
       c = c._replace(owned_grams=owned)
     if st.has_tp:
       c = c._replace(tp_grams=jax.lax.psum(c.tp_grams, st.tp_axis))
-    c = stage('iterate', functools.partial(bodies.iterate, w), c)
+    c = stage(functools.partial(bodies.iterate, w), c)
     if st.has_groups:
       factors = _exchange(
         st,
@@ -749,13 +852,13 @@ def run(
         tie,
       )
       c = c._replace(held_factors=factors)
-    c = stage('apply', functools.partial(bodies.apply, w), c)
+    c = stage(functools.partial(bodies.apply, w), c)
   if adaptive:
     if st.has_groups:
       c = c._replace(group_dots=jax.lax.psum(c.group_dots, st.group_axis))
     if st.has_tp:
       c = c._replace(tp_dots=jax.lax.psum(c.tp_dots, st.tp_axis))
-  c = stage('finish', bodies.finish_all, c)
+  c = stage(bodies.finish_all, c)
   return c.out
 
 

@@ -524,9 +524,10 @@ def scale_by_dmuon(
     ``all_gather`` back.
 
   Newton–Schulz runs on each device for its own matrices only (one
-  ``lax.switch`` branch per owner), with no collective inside a branch:
-  owner-group and tensor-parallel matrices run in stages, their collectives
-  between the stages on every device.
+  program: per matrix type a loop over the device's own matrices, read
+  from tables by its slot), with no collective inside a conditional or such
+  a loop: owner-group and tensor-parallel matrices run in stages, their
+  collectives between the stages on every device.
 
   Owner groups: once devices outnumber the large matrices, a matrix alone
   sets the busiest device's work. Such matrices are split into slices of

@@ -686,14 +686,18 @@ def without_finite_flags(test, report):
   return kinds, report.total_bytes() - sum(c.total_bytes for c in flags)
 
 
-def branch_ns_flops(ded):
-  """Matmul FLOPs of a dedicated update's program, as dot_flops counts
-  them: per gather group (one lax.switch over owners, run once, or once per
-  scan iteration) its busiest owner's Newton-Schulz cost."""
-  return sum(
-    max(iters, 1) * max(lay.plan.slot_costs())
-    for lay, iters in zip(ded.layouts, ded.num_iterations)
-  )
+def device_ns_flops(ded):
+  """Newton-Schulz matmul FLOPs of a dedicated update's busiest device,
+  from its plan: per gather group its slot's cost, and where the group is a
+  scanned stack (lax.map over its iterations) iteration t's slot of the
+  base layout is (slot - t) mod n, so the device's sum over iterations."""
+  total = 0
+  for lay, iters in zip(ded.layouts, ded.num_iterations):
+    costs = np.asarray(lay.plan.slot_costs(), float)
+    if iters:  # np.roll(costs, t)[s] == costs[(s - t) % n]
+      costs = sum(np.roll(costs, t) for t in range(iters))
+    total = total + costs
+  return float(np.max(total))
 
 
 def assert_only_the_finite_flag(test, report):

@@ -398,9 +398,10 @@ class Layout:
     A type is what a bucket holds (shape, TP split, dtype, padding) plus
     ``unit_extra(u)`` (the facts the caller reads of a unit beyond its
     bucket, e.g. the whole matrix's shape): it follows the model, not the
-    number of slots. Each slot runs a type's matrices in chunks of the
-    gcd of the slots' counts (a batch of equal-shape matrices: one chunk
-    where the slots hold equally many), as many chunks as it holds.
+    number of slots. Each slot runs a type's matrices in chunks (batches
+    of equal-shape matrices) as large as the fewest any slot holds, as
+    many as fit, then the rest one at a time: one chunk where the slots
+    hold equally many.
 
     Args:
       unit_extra: optional ``unit_extra(u)``, hashable and orderable.
@@ -430,16 +431,24 @@ class Layout:
     tables, trips = [], []
     for g, rkey in sorted(found):
       _, b, per = found[g, rkey]
-      counts = [len(per.get(s, ())) for s in range(self.num_slots)]
-      width = math.gcd(*counts)
+      offsets = [
+        sorted(self.unit_offset[u] for u in per.get(s, ()))
+        for s in range(self.num_slots)
+      ]
       rep = min(u for us in per.values() for u in us)
-      buckets[g].append(b._replace(units=(rep,) * width))
-      rows = []
-      for s in range(self.num_slots):
-        offs = sorted(self.unit_offset[u] for u in per.get(s, ()))
-        rows.append([offs[j::width] for j in range(width)])
-      tables.append(unit_table(rows))
-      trips.append(counts[0] // width if len(set(counts)) == 1 else None)
+      # Chunks of the fewest any slot holds, then the rest one at a time.
+      width = min(len(o) for o in offsets if o)
+      cut = [len(o) - len(o) % width for o in offsets]
+      split = [(width, [o[:c] for o, c in zip(offsets, cut)])]
+      if any(len(o) > c for o, c in zip(offsets, cut)):
+        split.append((1, [o[c:] for o, c in zip(offsets, cut)]))
+      for size, parts in split:
+        counts = [len(o) // size for o in parts]
+        buckets[g].append(b._replace(units=(rep,) * size))
+        tables.append(
+          unit_table([[o[j::size] for j in range(size)] for o in parts])
+        )
+        trips.append(counts[0] if len(set(counts)) == 1 else None)
     return SlotWork([0] * self.num_slots, buckets, tables, trips)
 
   def matrix_at(self, buffer: jax.Array, offset, shape) -> jax.Array:

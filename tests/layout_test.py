@@ -21,6 +21,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
+from dmuon_jax import _owner_update
 from tests import support
 
 # The rest of the grid, for CI and the README's command (see conftest.py);
@@ -525,6 +526,35 @@ class SharedBodiesTest(absltest.TestCase):
     text = self.compiled_update((1, 8), layers=12)
     self.assertEqual(support.conditional_branches(text), [])
     self.assertIn(' while(', text)  # the owner's loop over its matrices
+
+  def test_a_batch_then_the_rest_one_at_a_time(self):
+    # 19 equal kernels on 8 owners: 3 hold three, 5 hold two. Each runs
+    # one batch of two, then the owners of three one more alone: the
+    # busiest device's matmuls are three kernels' Newton-Schulz, no more
+    # (padding the batch to three would cost four on the owners of two).
+    mesh = make_mesh((1, 8))
+    params = mlp_params(layers=19)
+    opt = dmuon_jax.dmuon(0.02, mesh=mesh)
+    state = opt.init(params)
+    (layout,) = dmuon_jax.owner_layouts(state)
+    plan = layout.groups[0].plan
+    self.assertEqual(sorted(np.bincount(plan.owners)), [2] * 5 + [3] * 3)
+    work = _owner_update.slot_work(layout, layout.groups[0], None)
+    self.assertEqual([len(b.units) for b in work.buckets[0]], [2, 1])
+    self.assertEqual(work.trips, [1, None])  # one batch each; 1 or 0 more
+    compiled = jax.jit(opt.update).lower(params, state, params).compile()
+    self.assertEqual(support.conditional_branches(compiled.as_text()), [])
+    np.testing.assert_allclose(
+      dmuon_jax.diagnostics.dot_flops(compiled), plan.makespan, rtol=1e-6
+    )
+    self.assertAlmostEqual(plan.makespan, 3 * plan.units[0].cost, delta=1)
+    updates, _ = jax.jit(opt.update)(params, state, params)
+    want, _ = optax.contrib.muon(0.02).update(
+      params, optax.contrib.muon(0.02).init(params), params
+    )
+    support.assert_trees_rel_close(
+      self, jax.device_get(updates), jax.device_get(want), rtol=1e-5
+    )
 
   def test_hsdp_rows_are_indexed_not_switched(self):
     # 8 equal kernels sharded over 'shard' on 2 x 4: each of the 8 owners

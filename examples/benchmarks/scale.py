@@ -13,7 +13,8 @@ FSDP-sharded over ``'shard'``), with abstract params
   models, the dedicated Z3 train step (``dmuon_jax.dedicate``, one
   ``shard_map`` step: gathers, local gradients, owner update): lowering and
   compile time; per-device Newton–Schulz FLOPs from the compiled HLO
-  (``diagnostics.dot_flops`` with loop trip counts, each owner-slot
+  (``diagnostics.dot_flops`` with loop trip counts, those read from the
+  program's tables evaluated for each device, and each owner-slot
   conditional's branch ``i`` counted for device ``i``) against the bound
   ``max(total / N, largest g x g iteration)`` (``total``: the single-owner
   plan's work); collective bytes per device by kind and by mesh axis (group

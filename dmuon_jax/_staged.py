@@ -482,29 +482,33 @@ class _Bodies:
   def cd(self, x):
     return x.astype(self.compute_dtype or x.dtype)
 
+  def _both(self, r: _Rows, c: Carry, hat, p, fn, slices, tps):
+    """``fn(carry, type, offset, position)`` for each slice (position: its
+    group's row position; carry starting at ``slices``) and each TP matrix
+    (its place in the slot's TP vectors; from ``tps``)."""
+    return tuple(
+      _each(
+        (hat, p, c),
+        types,
+        rows,
+        lambda v, typ, off, _, i: fn(v, typ[0], off, i),
+        start,
+      )
+      for types, rows, start in (
+        (self.st.slice_types, r.slices, slices),
+        (self.st.tp_types, r.tps, tps),
+      )
+    )
+
   def amax(self, r: _Rows, c: Carry, hat, p) -> Carry:
     c = c._replace(out=self.plain_update(r.plain, hat, p))
-    lay, st = self.st.lay, self.st
+    lay = self.st.lay
 
-    def one(v, typ, off, i):
-      t = typ[0]
+    def one(v, t, off, i):
       x = lay.matrix_at(hat[t.group], off, t.shape)
       return _max_at(v, i, jnp.max(jnp.abs(x), initial=0))
 
-    amax = _each(
-      (hat, p, c),
-      st.slice_types,
-      r.slices,
-      lambda v, typ, off, held, pos: one(v, typ, off, pos),
-      c.group_amax,
-    )
-    tp_amax = _each(
-      (hat, p, c),
-      st.tp_types,
-      r.tps,
-      lambda v, typ, off, block, i: one(v, typ, off, i),
-      c.tp_amax,
-    )
+    amax, tp_amax = self._both(r, c, hat, p, one, c.group_amax, c.tp_amax)
     return c._replace(group_amax=amax, tp_amax=tp_amax)
 
   def _scaled(self, hat, amax, t, off, i, carry):

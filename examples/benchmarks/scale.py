@@ -31,6 +31,7 @@ that fails or passes the time budget is recorded with its error.
 
     python examples/benchmarks/scale.py                 # all; see --budget
     python examples/benchmarks/scale.py --devices 8,64 --models llama3_8b
+    python examples/benchmarks/scale.py --devices '' --append  # re-render
 
 Writes ``results/scale.json`` (one JSON object per line), ``scale.md`` and
 ``scale.png`` (log-log: per-device NS FLOPs and compile time against N,
@@ -512,7 +513,7 @@ def run_all(args):
       json.loads(l) for l in (out_dir / 'scale.json').read_text().splitlines()
     ]
   start = time.perf_counter()
-  for n in [int(x) for x in args.devices.split(',')]:
+  for n in [int(x) for x in args.devices.split(',') if x]:
     left = min(args.budget - (time.perf_counter() - start), args.worker_timeout)
     if left < 30:
       rows.append(

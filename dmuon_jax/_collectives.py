@@ -130,42 +130,44 @@ def switch_by_slot(
 INDEX_LIMIT = 2**31 - 1
 
 
-def switch_with_tables(
+def with_slot_rows(
   axes: Sequence[str],
-  branches,
+  num_slots: int,
+  body,
   tables: Sequence[np.ndarray],
   *operands,
-  keys: Sequence,
   dynamic: bool = True,
   shift=0,
 ):
-  """:func:`switch_by_slot` whose branches read per-slot data from tables.
+  """``body(rows, *operands)`` with this device's rows of ``tables``
+  (``(num_slots, ...)`` int arrays), its owner slot's over ``axes``.
 
-  ``branches[s](rows, *operands)`` builds slot ``s``'s program, where
-  ``rows`` holds, per table (``(num_slots, ...)`` int arrays), this slot's
-  row. With ``dynamic`` the rows are read at run time (a dynamic index from
-  ``axis_index``), so slots whose ``keys`` (what the branch reads besides
-  the tables: shapes, not offsets) are equal share one body; else each
-  row is a constant of the branch and part of its key (buffers too long for
-  int32 offsets, see :data:`INDEX_LIMIT`).
+  With ``dynamic`` the rows are read at run time (a dynamic index from
+  ``axis_index``): one program for every slot, its outputs marked as
+  varying over ``axes``. Else (buffers too long for int32 offsets, see
+  :data:`INDEX_LIMIT`) each slot's rows are constants of its own branch
+  of a :func:`switch_by_slot`, slots of equal rows sharing one. With
+  ``shift`` (an int or traced scalar) the slot is ``(slot - shift) mod
+  num_slots``. A single slot reads its rows as constants, outside any
+  ``shard_map`` axis.
   """
-  n = len(branches)
-  if dynamic:
-    index = slot_index(axes)
-    if not isinstance(shift, int) or shift:
-      index = (index - shift) % n
-    rows = [jnp.asarray(np.asarray(t, np.int32))[index] for t in tables]
-    wrapped = [lambda *ops, s=s: branches[s](rows, *ops) for s in range(n)]
-    return switch_by_slot(axes, wrapped, *operands, shift=shift, keys=keys)
-  wrapped = [
-    lambda *ops, s=s: branches[s]([np.asarray(t)[s] for t in tables], *ops)
-    for s in range(n)
-  ]
-  keys = [
-    (k, tuple(np.asarray(t)[s].tobytes() for t in tables))
-    for s, k in enumerate(keys)
-  ]
-  return switch_by_slot(axes, wrapped, *operands, shift=shift, keys=keys)
+  if num_slots == 1:
+    return body([np.asarray(t)[0] for t in tables], *operands)
+  if not dynamic:
+    branches = [
+      lambda *ops, s=s: body([np.asarray(t)[s] for t in tables], *ops)
+      for s in range(num_slots)
+    ]
+    keys = [
+      tuple(np.asarray(t)[s].tobytes() for t in tables)
+      for s in range(num_slots)
+    ]
+    return switch_by_slot(axes, branches, *operands, shift=shift, keys=keys)
+  index = slot_index(axes)
+  if not isinstance(shift, int) or shift:
+    index = (index - shift) % num_slots
+  rows = [jnp.asarray(np.asarray(t, np.int32))[index] for t in tables]
+  return jax.tree.map(lambda y: to_varying(y, axes), body(rows, *operands))
 
 
 def for_each(count, columns, body, carry, like=()):

@@ -292,15 +292,12 @@ class Exchange:
   def by_slot(self, fn, *operands):
     """``fn(rows, *operands)`` with this device's rows of :attr:`tables`
     (run-time; per-slot constants in a ``switch`` for buffers past int32)."""
-    n = self.num_slots
-    if n == 1:
-      return fn([t[0] for t in self.tables], *operands)
-    return _collectives.switch_with_tables(
+    return _collectives.with_slot_rows(
       self.axes,
-      [fn] * n,
+      self.num_slots,
+      fn,
       self.tables,
       *operands,
-      keys=[None] * n,
       dynamic=self.layout.dynamic,
     )
 

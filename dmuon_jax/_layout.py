@@ -61,6 +61,15 @@ def unit_table(per_slot: Sequence[Sequence[Sequence[int]]]) -> np.ndarray:
   return out
 
 
+def typed_table(per_slot: Sequence[Sequence[Sequence[int]]]):
+  """``(table, trips)`` of one type of a slot's items: its
+  :func:`unit_table`, and the items per slot where every slot holds
+  equally many (a constant of the program; else None: a loop reads the
+  count from the table)."""
+  counts = {len(columns[0]) if columns else 0 for columns in per_slot}
+  return unit_table(per_slot), (counts.pop() if len(counts) == 1 else None)
+
+
 def index(value):
   """An offset read from a table: a Python int from a numpy row (a
   constant of the program), else the traced value."""
@@ -82,8 +91,6 @@ class SlotWork(NamedTuple):
   """Every slot's matrices by type (see :meth:`Layout.slot_work`).
 
   Attributes:
-    keys: per slot, a hashable: equal for every slot (one program), the
-      offsets read from ``offsets``.
     buckets: per dtype group, one bucket per type, its ``units`` a
       representative unit repeated once per matrix of a chunk.
     offsets: per type (buckets in order), a :func:`unit_table` per slot:
@@ -92,7 +99,6 @@ class SlotWork(NamedTuple):
       many (a constant of the program), else None (read from the table).
   """
 
-  keys: list
   buckets: list
   offsets: list
   trips: list
@@ -443,13 +449,13 @@ class Layout:
       if any(len(o) > c for o, c in zip(offsets, cut)):
         split.append((1, [o[c:] for o, c in zip(offsets, cut)]))
       for size, parts in split:
-        counts = [len(o) // size for o in parts]
         buckets[g].append(b._replace(units=(rep,) * size))
-        tables.append(
-          unit_table([[o[j::size] for j in range(size)] for o in parts])
+        table, trip = typed_table(
+          [[o[j::size] for j in range(size)] for o in parts]
         )
-        trips.append(counts[0] if len(set(counts)) == 1 else None)
-    return SlotWork([0] * self.num_slots, buckets, tables, trips)
+        tables.append(table)
+        trips.append(trip)
+    return SlotWork(buckets, tables, trips)
 
   def matrix_at(self, buffer: jax.Array, offset, shape) -> jax.Array:
     """The ``shape`` matrix at ``offset`` (int or traced) of a flat buffer."""

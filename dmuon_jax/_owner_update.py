@@ -392,12 +392,13 @@ def slot_update(
 
   ``work`` is :func:`slot_work`'s (with ``skip_distributed``, owner-group
   and TP matrices left out, their places zero for ``_staged`` to fill),
-  ``rows`` the slot's rows of its tables (numpy, or read at run time). Results have the dtype of the momentum
-  step's output ``hat`` (the promoted dtype of momentum and gradients), as
-  ``optax.contrib.muon``'s updates do: float32 momentum of bfloat16 params
-  gives float32 updates. With ``params`` and ``decay`` (the leaf indices
-  whose matrices decay), adds ``weight_decay * param`` to those matrices'
-  results, as ``optax.add_decayed_weights`` does.
+  ``rows`` the slot's rows of its tables (numpy, or read at run time).
+  Results have the dtype of the momentum step's output ``hat`` (the
+  promoted dtype of momentum and gradients), as ``optax.contrib.muon``'s
+  updates do: float32 momentum of bfloat16 params gives float32 updates.
+  With ``params`` and ``decay`` (the leaf indices whose matrices decay),
+  adds ``weight_decay * param`` to those matrices' results, as
+  ``optax.add_decayed_weights`` does.
   """
   tp_axis = olayout.tp_axis if olayout.tp_size > 1 else None
 
@@ -528,35 +529,21 @@ def owner_step(
     def run(rows, hh, pp, lay=lay, work=work):
       return slot_update(cfg, hp, olayout, lay, work, rows, hh, pp, decay=decay)
 
-    if n == 1:
-      rows = [t[0] for t in work.offsets]
-      if olayout.iterations[g]:
-        res = jax.lax.map(lambda a, run=run, rows=rows: run(rows, *a), (h, p))
-      else:
-        res = run(rows, h, p)
-    else:
-      # Every slot runs one program (see slot_work), its matrices and their
-      # offsets read from the tables.
-      def one(hh, pp, shift=0, run=run, work=work, lay=lay):
-        return _collectives.switch_with_tables(
-          axes,
-          [run] * n,
-          work.offsets,
-          hh,
-          pp,
-          keys=work.keys,
-          dynamic=lay.dynamic,
-          shift=shift,
-        )
+    # Every slot runs one program (see slot_work), its matrices and their
+    # offsets read from the tables.
+    def one(hh, pp, shift=0, run=run, work=work, lay=lay):
+      return _collectives.with_slot_rows(
+        axes, n, run, work.offsets, hh, pp, dynamic=lay.dynamic, shift=shift
+      )
 
-      if olayout.iterations[g]:
-        # Iteration t holds base slot (slot - t) mod n of the layout.
-        res = jax.lax.map(
-          lambda a, one=one: one(a[1], a[2], shift=a[0]),
-          (jnp.arange(olayout.iterations[g]), h, p),
-        )
-      else:
-        res = one(h, p)
+    if olayout.iterations[g]:
+      # Iteration t holds base slot (slot - t) mod n of the layout.
+      res = jax.lax.map(
+        lambda a, one=one: one(a[1], a[2], shift=a[0]),
+        (jnp.arange(olayout.iterations[g]), h, p),
+      )
+    else:
+      res = one(h, p)
     out.extend(res)
   new_mu = tuple(m.astype(old.dtype) for m, old in zip(new_mu, mus))
   return tuple(out), new_mu

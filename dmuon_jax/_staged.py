@@ -133,9 +133,8 @@ class _TP(NamedTuple):
 def _typed(per_slot, n):
   """Types and their tables from ``per_slot[s]``: ``(type, rank, row)``
   items (``rank`` orders a slot's items of a type; ``row`` the values its
-  loop body reads): the types in order, per type a
-  :func:`_layout.unit_table` over slots, and its trip count where every
-  slot holds equally many (else None: read from the table)."""
+  loop body reads): the types in order, per type its
+  :func:`_layout.typed_table` over slots (table and trip count)."""
   found: dict = {}
   for s, items in enumerate(per_slot):
     for typ, rank, row in items:
@@ -151,10 +150,11 @@ def _typed(per_slot, n):
       items = [row for _, row in sorted(per.get(s, []), key=lambda e: e[0])]
       rows.append([list(col) for col in zip(*items)] if items else [])
     width = max((len(r) for r in rows), default=0)
-    rows = [r or [[] for _ in range(width)] for r in rows]
-    tables.append(_layout.unit_table(rows))
-    counts = {len(per.get(s, [])) for s in range(n)}
-    trips.append(counts.pop() if len(counts) == 1 else None)
+    table, trip = _layout.typed_table(
+      [r or [[] for _ in range(width)] for r in rows]
+    )
+    tables.append(table)
+    trips.append(trip)
   return types, tables, trips
 
 
@@ -434,9 +434,10 @@ class _Rows(NamedTuple):
   iters: Sequence  # columns: position among the slot's iterated groups
 
 
-def _rows(st: Stages, plain_tables: Sequence[np.ndarray], rows) -> _Rows:
+def _rows(st: Stages, num_plain: int, rows) -> _Rows:
+  """The rows of ``num_plain`` plain tables, then of ``st.tables()``."""
   rows = list(rows)
-  plain, rows = rows[: len(plain_tables)], rows[len(plain_tables) :]
+  plain, rows = rows[:num_plain], rows[num_plain:]
   out = []
   for tables, trips, cols in (
     (st.slice_tables, st.slice_trips, 3),
@@ -702,21 +703,11 @@ def _stage(st, body, tables, c: Carry, hat, params, vary, dynamic):
   for every slot where they are read at run time)."""
 
   def f(rows, c, hat, p):
-    plain = tables[: len(tables) - len(st.tables())]
-    out = body(_rows(st, plain, rows), c, hat, p)
+    out = body(_rows(st, len(tables) - len(st.tables()), rows), c, hat, p)
     return jax.tree.map(lambda y: _vary(y, vary), out)
 
-  if st.n == 1:
-    return f([np.asarray(t)[0] for t in tables], c, hat, params)
-  return _collectives.switch_with_tables(
-    st.axes,
-    [f] * st.n,
-    tables,
-    c,
-    hat,
-    params,
-    keys=[0] * st.n,
-    dynamic=dynamic,
+  return _collectives.with_slot_rows(
+    st.axes, st.n, f, tables, c, hat, params, dynamic=dynamic
   )
 
 

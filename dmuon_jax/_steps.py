@@ -149,12 +149,8 @@ def explicit_step(cfg, hp, layout, targets, mus, count_inc):
       return tuple(lay.pack_whole_at(bufs, mats, leaves, rows))
 
     # One program for every device: its units read from tables by its slot.
-    grads = _collectives.switch_with_tables(
-      axes,
-      [pack] * n,
-      lay.whole_tables(leaves),
-      keys=[None] * n,
-      dynamic=lay.dynamic,
+    grads = _collectives.with_slot_rows(
+      axes, n, pack, lay.whole_tables(leaves), dynamic=lay.dynamic
     )
   ortho, mu = _owner_update.owner_step(cfg, hp, layout, grads, mus, count_inc)
   new = lay.unpack_full(

@@ -8,6 +8,7 @@ dedicated mode, or all Muon targets of ``dmuon``) in per-slot flat buffers;
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -235,6 +236,17 @@ class Layout:
     self.local_sizes = tuple(
       max(1, int(used[g].max())) for g in range(len(self.dtypes))
     )
+    if self.num_slots > 1 and not self.dynamic:
+      warnings.warn(
+        f'dmuon: a device owns {max(self.local_sizes):,} elements of one '
+        'dtype, past int32 offsets (2**31 - 1): the update reads each '
+        "device's offsets as constants of its own lax.switch branch, so "
+        'the compiled program grows with the number of devices (a branch '
+        'body per device with distinct offsets). Spread the Muon matrices '
+        'over more owner devices, so that each owns fewer than 2**31 '
+        'elements per dtype, for one program on every device.',
+        stacklevel=2,
+      )
     # leaf_units[i]: unit indices of plan.leaves[i] by flat batch index.
     self.leaf_units = [[] for _ in plan.leaves]
     for u in range(n):

@@ -564,6 +564,26 @@ class SharedBodiesTest(absltest.TestCase):
     text = self.compiled_update((2, 4), layers=8)
     self.assertEqual(text.count(' conditional('), 0)
 
+  def test_buffers_past_int32_offsets_warn(self):
+    # A device owning 2**31 elements of one dtype cannot read its offsets
+    # from int32 tables: the update keeps per-device branches, and says
+    # so once, at the factory; one element fewer per matrix keeps one
+    # program and no warning. Shapes only (eval_shape).
+    mesh = support.make_mesh((1, 8))
+    for cols, warns in ((32768, True), (32767, False)):
+      params = {
+        f'layers_{i}': {'w': jax.ShapeDtypeStruct((65536, cols), jnp.float32)}
+        for i in range(8)
+      }
+      with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter('always')
+        jax.eval_shape(dmuon_jax.dmuon(0.01, mesh=mesh).init, params)
+      said = [str(w.message) for w in got if 'int32 offsets' in str(w.message)]
+      self.assertLen(said, int(warns), said)
+      if warns:
+        self.assertIn('2,147,483,648 elements', said[0])
+        self.assertIn('more owner devices', said[0])
+
 
 if __name__ == '__main__':
   absltest.main()

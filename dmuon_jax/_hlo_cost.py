@@ -46,9 +46,9 @@ def memory_fields(compiled: Any) -> dict[str, int | None]:
 
 def _text_with_large_constants(compiled) -> str | None:
   """The compiled HLO with every constant printed (``as_text()`` elides
-  arrays of more than a few elements as ``{...}``, among them the slot ->
-  branch tables :func:`_branch_table` reads and the tables loop bounds are
-  looked up in, :class:`_Lookup`), or None where this jaxlib
+  arrays of more than a few elements as ``{...}``, among them the tables
+  that branch indices and loop bounds are looked up in, :class:`_Lookup`),
+  or None where this jaxlib
   has no such printer (its HLO module API is not public)."""
   try:
     from jaxlib import _hlo  # pylint: disable=import-outside-toplevel
@@ -59,36 +59,6 @@ def _text_with_large_constants(compiled) -> str | None:
     return '\n'.join(m.to_string(options) for m in modules)
   except Exception:  # pylint: disable=broad-except
     return None
-
-
-_TABLE_RE = re.compile(r'^s32\[(\d+)\]')
-
-
-def _branch_table(ins, computation, n, k):
-  """The constant slot -> branch table a ``conditional`` picks its branch
-  through (``_collectives.switch_by_slot`` with keys: owners whose work is
-  alike share a branch body), or None: an ``s32[n]`` constant of values
-  in ``[0, k)`` among the operands of the instructions (up to two levels)
-  that compute the branch index."""
-  byname = {i.name: i for i in computation}
-  frontier = [ins.operands[0][1]] if ins.operands else []
-  for _ in range(3):
-    nxt = []
-    for nm in frontier:
-      src = byname.get(nm)
-      if src is None:
-        continue
-      if src.opcode == 'constant':
-        m = _TABLE_RE.match(src.shape)
-        vals = re.search(r'constant\(\{([\d,\s]*)\}\)', src.raw)
-        if m and int(m[1]) == n and vals:
-          table = [int(v) for v in vals[1].split(',') if v.strip()]
-          if len(table) == n and all(0 <= v < k for v in table):
-            return table
-        continue
-      nxt.extend(o for _, o in src.operands)
-    frontier = nxt
-  return None
 
 
 def _state_index(byname, name) -> int | None:
@@ -385,7 +355,7 @@ class _Costs:
       if ins.opcode == 'dot':
         total = total + _dot(ins, shapes)
       elif ins.opcode == 'conditional':
-        total = total + self._conditional(ins, computation)
+        total = total + self._conditional(ins, name)
       elif ins.opcode == 'while':
         total = total + self._while(ins, name)
       else:
@@ -393,26 +363,43 @@ class _Costs:
     self.memo[name] = total
     return total
 
-  def _conditional(self, ins, computation):
+  def _conditional(self, ins, caller):
     n, callees = self.n, _hlo_text.callees(ins)
     per = [np.max(self(c)) for c in callees]
-    shared = n and 1 < len(callees) < n  # owners sharing branch bodies
-    table = None
-    if n and len(callees) == n:
-      table = range(n)
-    elif shared:
-      table = _branch_table(ins, computation, n, len(callees))
-    if table is not None:
-      return np.array([per[b] for b in table])
-    if shared:
-      self.warnings.setdefault(
-        'conditional',
-        f'dot_flops: conditional {ins.name} has {len(callees)} branches for '
-        f'{n} devices and no readable slot -> branch table; it counts its '
-        'busiest branch (an upper bound). Pass the Compiled object rather '
-        'than its text.',
-      )
+    if not n or len(callees) < 2:
+      return max(per, default=0.0)
+    index = self._branch_index(ins, caller)
+    if index is not None:  # each device's own branch, from the program
+      return np.array([per[b] for b in index])
+    if len(callees) == n:  # one branch per owner slot
+      return np.array(per)
+    self.warnings.setdefault(
+      'conditional',
+      f'dot_flops: conditional {ins.name} has {len(callees)} branches for '
+      f'{n} devices and no branch index computed from constant tables and '
+      'the device id alone; it counts its busiest branch (an upper bound). '
+      'Pass the Compiled object rather than its text.',
+    )
     return max(per, default=0.0)
+
+  def _branch_index(self, ins, caller) -> np.ndarray | None:
+    """Per device, the branch a ``conditional`` runs where its index is a
+    function of constant tables and the device id (an owner's lookup in a
+    slot -> branch table), else None. An index out of range runs the last
+    branch, as in XLA; a predicate's true branch is the first."""
+    if not ins.operands or self.lookup.devices != self.n:
+      return None
+    try:
+      index = self.lookup.value(caller, ins.operands[0][1], (), {})
+    except (ArithmeticError, IndexError, TypeError, ValueError):
+      return None
+    if index is None or np.shape(index) != (self.n,):
+      return None
+    k = len(_hlo_text.callees(ins))
+    if index.dtype == bool:
+      return np.where(index, 0, 1)
+    index = index.astype(np.int64)
+    return np.where((index < 0) | (index >= k), k - 1, index)
 
   def _while(self, ins, caller):
     body = re.search(r'\bbody=%?([\w.\-]+)', ins.attrs)

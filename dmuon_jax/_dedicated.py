@@ -171,11 +171,11 @@ def dedicate(
 
   Matrices are gathered per group of ``layers_per_gather`` hook boundaries
   (see :func:`dmuon_jax.find_hook_boundaries`) or scanned layers. Within a
-  group they are assigned to owners largest first, each to the owner
-  holding the fewest bytes of that group (ties: the least Newton–Schulz
-  work so far), so the packed gather pads little while NS work stays
-  balanced over the whole model (:func:`dmuon_jax.plan_ownership` and the
-  planner's gather-group pass). A scanned stack is planned for one
+  group they are assigned to owners by the planner of
+  :func:`dmuon_jax.plan_ownership` (largest Newton–Schulz work first, to
+  the least-loaded owner, counting the groups placed before) within a
+  budget of bytes per owner (the group's mean share and 2%), so the packed
+  gather pads little while NS work stays balanced over the whole model. A scanned stack is planned for one
   iteration; iteration ``t`` rotates those owners by ``t`` slots.
 
   A gather moves ``num_slots * (largest owner share)`` bytes: with whole

@@ -11,39 +11,29 @@ each group's bytes without placing the whole model (``layers_per_gather=
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
-from dmuon_jax import _owner_groups
-from dmuon_jax._cost import FLOPS_PER_BYTE
+from dmuon_jax import _assign, _owner_groups
 from dmuon_jax._plan import (
   MatrixUnit,
   OwnerGroup,
   OwnershipPlan,
-  exchange_bytes_per_element,
   group_exchange_bytes,
 )
 from dmuon_jax._routing import LeafSpec
 
 
 def _balance_work(
-  planned: Sequence[_GatherGroup],
-  n: int,
-  row_of: Mapping[int, int],
-  max_rounds: int = 10_000,
+  planned: Sequence[_GatherGroup], n: int, rows: Sequence[Sequence[int]]
 ) -> None:
-  """Evens out Newton–Schulz work by swapping owners inside loop groups.
-
-  Swapping everything two slots own in one gather group keeps that group's
-  bytes per slot (hence its padding) as they are, so only the work moves:
-  repeatedly take the busiest slot and the swap, in any loop group, that
-  lowers the larger of the two slots' work the most. Scanned stacks keep
-  their rotation. Updates the base owners in ``planned`` in place.
-  """
+  """Evens out the work over the model by swapping owners inside loop
+  gather groups (see :func:`dmuon_jax._assign.balance`; a scanned stack
+  keeps its rotation, a group with owner groups swaps within a row).
+  Updates the owners in ``planned`` in place."""
   per_group = []
   for entry in planned:
     w = np.zeros(n)
@@ -53,35 +43,17 @@ def _balance_work(
     for g, grp in entry.ggroups:
       w[entry.iteration_owner[g]] += grp.iteration_cost
     per_group.append(w)
-  total = sum(per_group, np.zeros(n))
-  movable = [g for g, entry in enumerate(planned) if not entry.iters]
-  for _ in range(max_rounds):
-    a = int(np.argmax(total))
-    best, best_max = None, total[a] * (1 - 1e-9)
-    for g in movable:
-      w = per_group[g]
-      # A group with owner groups swaps within a row only (its slices and
-      # iterations must share the row's collectives).
-      rows = planned[g].rows
-      candidates = rows[row_of[a]] if planned[g].ggroups else range(n)
-      for b in candidates:
-        if b != a and w[a] != w[b]:
-          new_max = max(total[a] - w[a] + w[b], total[b] - w[b] + w[a])
-          if new_max < best_max:
-            best, best_max = (g, b), new_max
-    if best is None:
-      return
-    g, b = best
-    w = per_group[g]
-    delta = w[a] - w[b]
-    total[a] -= delta
-    total[b] += delta
-    w[a], w[b] = w[b], w[a]
-    owners = planned[g].base_owner
-    owners[:] = [b if s == a else a if s == b else s for s in owners]
-    it_owner = planned[g].iteration_owner
-    for j, s in it_owner.items():
-      it_owner[j] = b if s == a else a if s == b else s
+  moves = _assign.balance(
+    per_group,
+    [not entry.iters for entry in planned],
+    [bool(entry.ggroups) for entry in planned],
+    rows,
+  )
+  for g, move in moves:
+    entry = planned[g]
+    entry.base_owner[:] = [move.get(s, s) for s in entry.base_owner]
+    for j, s in entry.iteration_owner.items():
+      entry.iteration_owner[j] = move.get(s, s)
 
 
 def _plan_slot(
@@ -114,11 +86,12 @@ def plan_gather_groups(
 ) -> tuple[OwnershipPlan, tuple[OwnershipPlan, ...], tuple[int, ...]]:
   """Owners for dedicated mode: matrices gathered per group of boundaries.
 
-  Within a group, matrices (and slices) go to owners largest first, each to
-  the owner holding the fewest bytes of that group (ties: the least
-  Newton–Schulz work so far, then the slot index), so that a gather pads
-  little; then owners are swapped between slots inside loop groups (bytes
-  unchanged) to even out the work over the whole model. With ``split``, a
+  Each group is placed by the assignment algorithm of every plan
+  (:mod:`dmuon_jax._assign`: LPT on the Newton–Schulz work, starting from
+  the work of the groups placed before) within a budget of bytes per slot
+  (the group's mean share and 2%, per dtype), so that a gather pads
+  little; then owners are permuted inside loop groups (bytes unchanged)
+  to even out the work over the whole model. With ``split``, a
   loop group whose whole matrices would pad more than
   ``SPLIT_PADDING_PERCENT`` has matrices split into slices over owners of
   one row (owner groups, see :func:`_split_views`). A scanned stack is
@@ -154,7 +127,6 @@ def plan_gather_groups(
   buffer_axes = tuple(buffer_axes)
   n = plan.num_slots
   rows = _group_rows(plan, buffer_axes, sizes, group_axis)
-  row_of = {slot: r for r, slots in enumerate(rows) for slot in slots}
   if split:
     memo = {} if memo is None else memo
     views = {}
@@ -176,7 +148,7 @@ def plan_gather_groups(
     _place_gather_group(plan, name, scanned, specs, k, rows, work)
     for name, scanned, specs in groups
   ]
-  _balance_work(planned, n, row_of)
+  _balance_work(planned, n, rows)
   owners = [0] * len(plan.units)
   group_plans, iterations = [], []
   full_iteration = {}
@@ -409,7 +381,6 @@ class _GatherGroup(NamedTuple):
   base_ids: list[int]  # per base unit, its index in the plan
   ggroups: list[tuple[int, OwnerGroup]]  # its owner groups (plan index)
   iteration_owner: dict[int, int]  # per owner group, its iteration's slot
-  rows: list[list[int]]  # the slots of each group row
 
 
 def _group_rows(
@@ -468,14 +439,14 @@ def _place_gather_group(
   """Places one gather group's matrices (see :func:`plan_gather_groups`),
   adding their Newton–Schulz work to ``work`` (per slot, in place).
 
-  Every unit (a whole matrix or a slice), largest first (then those of
-  the largest matrices), goes to the slot
-  holding the fewest bytes of its dtype in this group (ties: the least
-  work, then the lowest slot); a slice to a slot of its owner group's row,
-  chosen when the group's first slice is placed (the row holding the
-  fewest bytes, then the least work). Then each group's ``g x g``
-  iteration goes to the least-worked slot of its row (of its slice owners
-  when ``distinct``).
+  The assignment algorithm of every plan (:mod:`dmuon_jax._assign`), with
+  ``work`` (the groups placed before) as its loads and a budget of bytes
+  per slot: per dtype (an owner buffer), the group's mean share and
+  ``_BYTE_SLACK``. Whole matrices by :func:`~dmuon_jax._assign.assign`;
+  with owner groups, pieces onto rows and then members by
+  :func:`~dmuon_jax._assign.place`. A scanned stack's one iteration is
+  placed alone (iteration ``t`` rotates its owners by ``t`` slots) and its
+  work added for every rotation.
   """
   n = plan.num_slots
   specs = list(specs)
@@ -502,103 +473,44 @@ def _place_gather_group(
       f'dmuon: scanned stack {name!r} holds owner-group matrices; pass '
       'owner_groups=None (scanned stacks rotate whole matrices).'
     )
-  group_of = dict(ggroups)
-  dtype_of = {s.leaf_index: s.dtype for s in specs}
-  held: dict[str, np.ndarray] = {}
-  # A loop group's slots may hold up to this many bytes per dtype before
-  # work stops choosing among them (see _BYTE_SLACK).
-  cap: dict[str, float] = collections.defaultdict(float)
-  for u in base:
-    cap[dtype_of[u.leaf_index]] += u.nbytes * (1 + _BYTE_SLACK) / n
-  slots = np.arange(n)
-  row_slots = [np.asarray(r) for r in rows]
-  group_row: dict[int, int] = {}
-  taken: dict[int, list[int]] = collections.defaultdict(list)
+  dtypes = sorted({str(s.dtype) for s in specs})
+  dtype_of = {s.leaf_index: dtypes.index(str(s.dtype)) for s in specs}
+  key = [dtype_of[u.leaf_index] for u in base]
+  cap = np.zeros(len(dtypes))
+  for u, b in zip(base, key):
+    cap[b] += u.nbytes * (1 + _BYTE_SLACK) / n
+  budget = _assign.Budget(key, cap)
   iteration_owner: dict[int, int] = {}
-  # Grams iterated per slot: the group exchange moves the largest of them
-  # (group_exchange_bytes); a slot raising it pays FLOPS_PER_BYTE per byte.
-  grams = np.zeros(n)
-  rate = FLOPS_PER_BYTE * exchange_bytes_per_element(len(rows[0]))
-
-  def place_iteration(g, pool):
-    grp = group_of[g]
-    top, gram = grams.max(), grp.gram_size**2
-    slot = min(
-      pool,
-      key=lambda s: (work[s] + rate * max(0.0, grams[s] + gram - top), s),
+  if ggroups:
+    items, group_units, iteration_costs, sliced = [], [], [], set()
+    for j, (_, grp) in enumerate(ggroups):
+      members = [local[u] for u in grp.units]
+      group_units.append(members)
+      iteration_costs.append(grp.iteration_cost)
+      cost = sum(base[m].cost for m in members) + grp.iteration_cost
+      items.append((cost, len(items), -(j + 1)))
+      sliced.update(members)
+    for i, u in enumerate(base):
+      if i not in sliced:
+        items.append((u.cost, len(items), i))
+    base_owner, owner_of = _assign.place(
+      items,
+      iteration_costs,
+      group_units,
+      base,
+      rows,
+      any(grp.distinct for _, grp in ggroups),
+      loads=work,
+      budget=budget,
     )
-    work[slot] += grp.iteration_cost
-    grams[slot] += gram
-    iteration_owner[g] = int(slot)
-
-  base_owner = [0] * len(base)
-  # Pieces of equal size: those of larger matrices first (a group's row is
-  # chosen at its first slice: rows then take groups largest first).
-  whole = {
-    g: sum(plan.units[u].nbytes for u in grp.units) for g, grp in ggroups
-  }
-  size = [whole[u.group] if u.group >= 0 else u.nbytes for u in base]
-  for i in sorted(
-    range(len(base)),
-    key=lambda i: (-base[i].nbytes, -size[i], -base[i].cost, i),
-  ):
-    unit = base[i]
-    dtype = dtype_of[unit.leaf_index]
-    h = held.setdefault(dtype, np.zeros(n))
-    pool = slots
-    if unit.group >= 0:
-      g = unit.group
-      if g not in group_row:
-        # The least-worked row that stays within the byte cap (a row's
-        # share), if any, else the least-filled one.
-        filled = [h[r].sum() for r in rows]
-        fits = [
-          r
-          for r in range(len(rows))
-          if filled[r] + whole[g] <= cap[dtype] * len(rows[r])
-        ]
-        group_row[g] = min(
-          fits or range(len(rows)),
-          key=lambda r: (
-            (work[rows[r]].sum(), filled[r], r)
-            if fits and not iters
-            else (filled[r], work[rows[r]].sum(), r)
-          ),
-        )
-        if not group_of[g].distinct:
-          # Its iteration first (no bytes): the slices then go round it.
-          place_iteration(g, rows[group_row[g]])
-      pool = row_slots[group_row[g]]
-      if group_of[g].distinct:
-        free = pool[~np.isin(pool, taken[g])]
-        pool = free if len(free) else pool
-    slot = _least(h, work, pool)
-    if not iters:
-      # Bytes and work together: the least-worked slot that stays within
-      # the byte cap, if any (else the least-filled, as LPT).
-      fits = pool[h[pool] + unit.nbytes <= cap[dtype]]
-      if len(fits):
-        slot = _least(work, h, fits)
-    if unit.group >= 0:
-      taken[unit.group].append(slot)
-    h[slot] += unit.nbytes
-    base_owner[i] = slot
-    for t in range(max(iters, 1)):
-      work[(slot + t) % n] += unit.cost
-  for g, grp in sorted(ggroups, key=lambda x: (-x[1].iteration_cost, x[0])):
-    if grp.distinct:  # on one of its slice owners
-      place_iteration(g, taken[g])
+    iteration_owner = {g: owner_of[j] for j, (g, _) in enumerate(ggroups)}
+  elif iters:
+    base_owner = _assign.assign(base, n, budget=budget)
+    for u, slot in zip(base, base_owner):
+      for t in range(iters):
+        work[(slot + t) % n] += u.cost
+  else:
+    base_owner = _assign.assign(base, n, loads=work, budget=budget)
   return _GatherGroup(
-    specs, iters, base, base_owner, base_ids, ggroups, iteration_owner, rows
+    specs, iters, base, base_owner, base_ids, ggroups, iteration_owner
   )
-
-
-def _least(held: np.ndarray, work: np.ndarray, pool: np.ndarray) -> int:
-  """The slot of ``pool`` (ascending) holding the fewest bytes (ties: the
-  least work, then the lowest slot)."""
-  h = held[pool]
-  pool = pool[h == h.min()]
-  if len(pool) > 1:
-    w = work[pool]
-    pool = pool[w == w.min()]
-  return int(pool[0])

@@ -11,6 +11,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from dmuon_jax._assign import place
 from dmuon_jax._cost import FLOPS_PER_BYTE, gram_parts
 from dmuon_jax._newton_schulz import is_int
 from dmuon_jax._plan import (
@@ -229,161 +230,6 @@ def slice_index(spec: LeafSpec, batch_index: Sequence[int]) -> int:
   return int(batch_index[spec.batch_axes.index(spec.slice_axis)])
 
 
-def _group_members(
-  pieces: list[tuple[float, int, str, int, int]],
-  row_size: int,
-  distinct: bool,
-  nbytes: Sequence[int] = (),
-) -> dict[tuple[str, int], int]:
-  """One row's pieces onto its members.
-
-  Pieces are ``(cost, order, kind, ref, group)``: ``kind`` is ``'unit'``
-  (a whole matrix or a slice, ``ref`` its unit index) or ``'iteration'``
-  (``ref`` the group); ``group`` is a slice's or an iteration's group, else
-  -1. ``distinct`` (``owner_groups=k``): LPT, each piece to the
-  least-loaded member (ties: lowest), a group's slices to members not yet
-  holding one, its iteration on one of them. Else see :func:`_fill`
-  (``nbytes``: each unit's bytes).
-  """
-  if not distinct:
-    return _fill(pieces, row_size, nbytes)
-  loads = np.zeros(row_size)
-  held: dict[int, set[int]] = collections.defaultdict(set)
-  out = {}
-  # A distinct group's iteration goes to one of its k slice owners, so it
-  # is placed after every slice.
-  ordered = sorted(
-    pieces, key=lambda p: (p[2] == 'iteration' and p[4] >= 0, -p[0], p[1])
-  )
-  for cost, _, kind, ref, group in ordered:
-    choice = int(np.argmin(loads))
-    if group >= 0 and kind == 'iteration':
-      choice = min(held[group], key=lambda m: (loads[m], m))
-    elif group >= 0:
-      free = [m for m in range(row_size) if m not in held[group]]
-      if free:
-        choice = min(free, key=lambda m: (loads[m], m))
-      held[group].add(int(choice))
-    loads[choice] += cost
-    out[(kind, ref)] = int(choice)
-  return out
-
-
-def _fill(
-  pieces: list[tuple[float, int, str, int, int]],
-  row_size: int,
-  nbytes: Sequence[int],
-) -> dict[tuple[str, int], int]:
-  """``'auto'``'s placement in a row.
-
-  The groups' iterations and the whole matrices at least as costly as a
-  slice go first by LPT; then each group's slices (largest group first)
-  fill few members: its iteration owner first, then the member that takes
-  the most of them; then the smaller whole matrices by LPT. All within two
-  targets per member: Newton–Schulz work ``max(busiest member after the
-  first step, row total / members)`` and bytes (the update's routes pad
-  every owner's rows to the largest owner's bytes): the least bytes target
-  for which every piece fits its bytes and the busiest member's work stays
-  that of the placement without one (bisection; a slice whose work fits
-  nowhere goes to the least-loaded member with room for its bytes). A
-  group's slices then sit on few members and a member holds slices of few
-  groups, which keeps the Gram exchange's rounds (messages per device, see
-  :mod:`dmuon_jax._gram_exchange`) few: plain LPT spreads every group over
-  the whole row (Llama-3-8B at 256 devices: 7 rounds each way instead of
-  2, the same busiest device).
-
-  Args:
-    pieces: see :func:`_group_members`.
-    row_size: the members of the row.
-    nbytes: bytes of each unit (by unit index).
-  """
-  whole, slices = [], collections.defaultdict(list)
-  for cost, order, kind, ref, group in pieces:
-    if kind == 'unit' and group >= 0:
-      slices[group].append((cost, order, ref))
-    else:
-      whole.append((cost, order, kind, ref))
-  whole.sort(key=lambda p: (-p[0], p[1]))
-  smallest = min((c for ss in slices.values() for c, _, _ in ss), default=0)
-  large = [p for p in whole if p[0] >= smallest]
-  small = [p for p in whole if p[0] < smallest]
-  size = lambda kind, ref: nbytes[ref] if kind == 'unit' else 0
-  loads = np.zeros(row_size)
-  for cost, _, _, _ in large:
-    loads[int(np.argmin(loads))] += cost
-  total = sum(p[0] for p in pieces)
-  target = max(loads.max(initial=0.0), total / row_size) * (1 + 1e-9)
-  order = sorted(
-    slices,
-    key=lambda g: (
-      -sum(c for c, _, _ in slices[g]),
-      min(o for _, o, _ in slices[g]),
-    ),
-  )
-
-  def fill(byte_target):
-    """The placement within ``byte_target`` bytes per member, whether
-    every piece fit its bytes, and the busiest member's work."""
-    out, loads, held = {}, np.zeros(row_size), np.zeros(row_size)
-    fit = True
-
-    def put(m, cost, kind, ref):
-      loads[m] += cost
-      held[m] += size(kind, ref)
-      out[(kind, ref)] = m
-
-    def least_loaded(b):
-      nonlocal fit
-      spare = [m for m in range(row_size) if held[m] + b <= byte_target]
-      fit = fit and bool(spare)
-      return min(spare or range(row_size), key=lambda m: (loads[m], m))
-
-    def room(m, c, b):
-      """How many pieces of cost ``c`` and ``b`` bytes fit on ``m``."""
-      by_work = (target - loads[m]) // c if c > 0 else np.inf
-      by_bytes = (byte_target - held[m]) // b if b > 0 else np.inf
-      return max(min(by_work, by_bytes), 0)
-
-    for cost, _, kind, ref in large:
-      put(least_loaded(size(kind, ref)), cost, kind, ref)
-    for g in order:
-      todo = sorted(slices[g], key=lambda p: (-p[0], p[1], p[2]))
-      home = out.get(('iteration', g))
-      while todo:
-        c, _, ref = todo[0]
-        b = nbytes[ref]
-        if home is not None and room(home, c, b) >= 1:
-          m = home
-        else:
-          counts = [room(m, c, b) for m in range(row_size)]
-          m = int(np.argmax(counts))  # ties: the lowest
-          if counts[m] < 1:  # no room for its work
-            m = least_loaded(b)
-        home = None
-        first = True
-        while todo and (first or room(m, todo[0][0], nbytes[todo[0][2]])):
-          c, _, ref = todo.pop(0)
-          put(m, c, 'unit', ref)
-          first = False
-    for cost, _, kind, ref in small:
-      put(least_loaded(size(kind, ref)), cost, kind, ref)
-    return out, fit, loads.max(initial=0.0)
-
-  everything = sum(size(p[2], p[3]) for p in pieces)
-  lo, hi = everything / row_size, everything
-  best, _, busiest = fill(hi)
-  for _ in range(20):  # bisection on the bytes target
-    if hi - lo <= 0.01 * lo:
-      break
-    mid = (lo + hi) / 2
-    out, fit, work = fill(mid)
-    if fit and work <= busiest * (1 + 1e-6):  # the same busiest member
-      best, hi = out, mid
-    else:
-      lo = mid
-  return best
-
-
 def plan_with_groups(
   leaves: Sequence[LeafSpec],
   units: Sequence[MatrixUnit],
@@ -439,8 +285,9 @@ def plan_with_groups(
   new_units, groups_meta, items, group_units = _sliced_units(
     new_leaves, units, parts
   )
-  owners, iteration_owner = _place(
-    items, groups_meta, group_units, new_units, n, row_size, forced
+  rows = [list(range(r, r + row_size)) for r in range(0, n, row_size)]
+  owners, iteration_owner = place(
+    items, [m[3] for m in groups_meta], group_units, new_units, rows, forced
   )
   groups = _owner_groups_of(
     groups_meta, group_units, iteration_owner, lambda leaf, index: forced
@@ -708,42 +555,3 @@ def byte_views(
     if key not in seen:
       seen.add(key)
       yield views
-
-
-def _place(
-  items: Sequence[tuple[float, int, int]],
-  groups_meta: Sequence[tuple],
-  group_units: Sequence[Sequence[int]],
-  new_units: Sequence[MatrixUnit],
-  n: int,
-  row_size: int,
-  forced: bool,
-) -> tuple[list[int], list[int]]:
-  """Owners of the units and of the groups' iterations: LPT of the pieces
-  (a whole matrix, or a group with its slices) onto rows, then each row's
-  pieces onto its members (see :func:`_group_members`)."""
-  rows = n // row_size
-  row_load = np.zeros(rows)
-  row_pieces: list[list] = [[] for _ in range(rows)]
-  for cost, order, ref in sorted(items, key=lambda x: (-x[0], x[1])):
-    r = int(np.argmin(row_load))
-    row_load[r] += cost
-    if ref >= 0:
-      row_pieces[r].append((cost, order, 'unit', ref, -1))
-      continue
-    g = -ref - 1
-    row_pieces[r].append((groups_meta[g][3], order, 'iteration', g, g))
-    for u in group_units[g]:
-      row_pieces[r].append((new_units[u].cost, order, 'unit', u, g))
-  owners = [0] * len(new_units)
-  iteration_owner = [0] * len(groups_meta)
-  for r, pieces in enumerate(row_pieces):
-    nbytes = [u.nbytes for u in new_units]
-    for (kind, ref), m in _group_members(
-      pieces, row_size, forced, nbytes
-    ).items():
-      if kind == 'unit':
-        owners[ref] = r * row_size + m
-      else:
-        iteration_owner[ref] = r * row_size + m
-  return owners, iteration_owner

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from dmuon_jax._assign import assign
 from dmuon_jax._cost import NS_ALGORITHMS, ns_cost
 from dmuon_jax._mesh import check_devices, mesh_axes
 from dmuon_jax._newton_schulz import is_int
@@ -26,148 +26,6 @@ from dmuon_jax._routing import (
 )
 
 CostFn = Callable[[int, int], float]
-
-# Upper bound on partner checks in the layer-spreading repair pass, so that
-# pathological trees (many thousands of matrices) still plan quickly.
-_REPAIR_BUDGET = 500_000
-
-
-def _assign(units: Sequence[MatrixUnit], num_slots: int) -> list[int]:
-  """LPT on cost, spreading the matrices of each layer over owners.
-
-  A layer with ``n`` matrices may put ``cap = ceil(n / num_slots)`` of them on
-  one slot (1 when the layer fits, i.e. distinct owners). Units go in order
-  of decreasing cost (ties: lower unit index first). Plain LPT puts each on
-  the least-loaded slot ``g`` (ties: lowest index). We instead take the
-  least-loaded slot ``a`` still below the layer's cap, if adding the unit
-  there leaves the makespan no larger than plain LPT's choice would:
-  ``loads[a] + c <= max(makespan, loads[g] + c)``. A repair pass then
-  removes remaining excess by moves and swaps that keep the makespan.
-
-  Graham's bound still holds. Let ``W_k`` be the total cost placed before
-  unit ``k``; ``loads[g] <= W_k / P``. After placing unit ``k`` the makespan
-  is at most ``max(M_{k-1}, loads[g] + c_k)``, so by induction the final
-  makespan is at most ``max_k (W_k / P + c_k) <= total / P + max cost``; the
-  repair pass never raises the makespan.
-
-  Args:
-    units: the matrices.
-    num_slots: the number of owner slots.
-
-  Returns:
-    The owner slot of each unit.
-  """
-  sizes = collections.Counter(u.layer for u in units)
-  cap = {layer: -(-n // num_slots) for layer, n in sizes.items()}
-  counts = {layer: np.zeros(num_slots, dtype=np.int64) for layer in sizes}
-  loads = np.zeros(num_slots, dtype=np.float64)
-  owners = [0] * len(units)
-  makespan = 0.0
-  order = sorted(range(len(units)), key=lambda i: (-units[i].cost, i))
-  for i in order:
-    unit = units[i]
-    cost = unit.cost
-    count, limit = counts[unit.layer], cap[unit.layer]
-    g = int(np.argmin(loads))  # argmin returns the lowest index on ties.
-    choice = g
-    if count[g] >= limit:
-      a = int(np.argmin(np.where(count < limit, loads, np.inf)))
-      if count[a] < limit and loads[a] + cost <= max(makespan, loads[g] + cost):
-        choice = a
-    loads[choice] += cost
-    count[choice] += 1
-    makespan = max(makespan, float(loads[choice]))
-    owners[i] = choice
-  _spread_layers(units, owners, loads, counts, cap)
-  return owners
-
-
-def _spread_layers(
-  units: Sequence[MatrixUnit],
-  owners: list[int],
-  loads: np.ndarray,
-  counts: dict[str, np.ndarray],
-  cap: dict[str, int],
-) -> None:
-  """Moves or swaps units, in place, to bring layers under their caps.
-
-  A unit on a slot holding more than ``cap`` units of its layer moves to a
-  slot below the cap, or swaps with a unit there whose layer has room on the
-  first slot, when neither slot then exceeds the current makespan. Every
-  change lowers the total excess by at least one, so this terminates; the
-  search is deterministic (units and slots in index order) and bounded by
-  ``_REPAIR_BUDGET`` partner checks.
-
-  Args:
-    units: the matrices.
-    owners: owner slot per unit, updated in place.
-    loads: cost per slot, updated in place.
-    counts: per layer, the number of its units on each slot (in place).
-    cap: per layer, the most units it should have on one slot.
-  """
-  num_slots = len(loads)
-  makespan = float(loads.max(initial=0.0))
-  on_slot: list[list[int]] = [[] for _ in range(num_slots)]
-  for i, owner in enumerate(owners):
-    on_slot[owner].append(i)
-  budget = _REPAIR_BUDGET
-  changed = True
-  while changed and budget > 0:
-    changed = False
-    for i, unit in enumerate(units):
-      s, layer = owners[i], unit.layer
-      count, limit = counts[layer], cap[layer]
-      if count[s] <= limit:
-        continue
-      for t in range(num_slots):
-        if count[t] >= limit:
-          continue
-        partner = None
-        if loads[t] + unit.cost <= makespan:
-          partner = -1  # a plain move
-        else:
-          for j in on_slot[t]:
-            budget -= 1
-            other = units[j]
-            if other.layer == layer or (
-              counts[other.layer][s] >= cap[other.layer]
-            ):
-              continue
-            delta = other.cost - unit.cost
-            if delta == 0 or (
-              loads[s] + delta <= makespan and loads[t] - delta <= makespan
-            ):
-              partner = j
-              break
-        if partner is None:
-          if budget <= 0:
-            return
-          continue
-        _move(i, s, t, units, owners, loads, counts, on_slot)
-        if partner >= 0:
-          _move(partner, t, s, units, owners, loads, counts, on_slot)
-        changed = True
-        break
-
-
-def _move(
-  i: int,
-  src: int,
-  dst: int,
-  units: Sequence[MatrixUnit],
-  owners: list[int],
-  loads: np.ndarray,
-  counts: dict[str, np.ndarray],
-  on_slot: list[list[int]],
-) -> None:
-  unit = units[i]
-  owners[i] = dst
-  loads[src] -= unit.cost
-  loads[dst] += unit.cost
-  counts[unit.layer][src] -= 1
-  counts[unit.layer][dst] += 1
-  on_slot[src].remove(i)
-  on_slot[dst].append(i)
 
 
 def plan_ownership(
@@ -298,7 +156,7 @@ def plan_ownership(
           nbytes=int(nbytes),
         )
       )
-  owners = _assign(units, math.prod(sizes))
+  owners = assign(units, math.prod(sizes))
   groups = ()
   owner_groups = check_option(owner_groups, ns_algorithm=ns_algorithm)
   if owner_groups is not None:

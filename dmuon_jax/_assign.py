@@ -14,9 +14,12 @@ dedicated mode's gather groups supply:
 
 The drop-in plan is one call with neither (owner groups' members still get
 a bytes target: the update's routes pad every owner's rows to the largest).
-When every gather group is placed, :func:`balance` swaps owners inside
-gather groups, which keeps each group's bytes, to even out the work over
-the model.
+Under a budget, each restart window of a split matrix's iteration is a
+piece of its own (every owner holds its share of the bytes, so none should
+also hold a whole iteration); without one, a matrix's windows stay on one
+owner. When every gather group is placed, :func:`balance` permutes owners
+inside gather groups, which keeps each group's bytes, to even out the work
+over the model: rows first, then owners.
 """
 
 from __future__ import annotations
@@ -234,13 +237,14 @@ def _move(i, src, dst, units, owners, loads, counts, on_slot, budget, held):
 
 # A piece of a row: (cost, order, kind, ref, group). ``kind`` is 'unit' (a
 # whole matrix or a slice, ``ref`` its unit index) or 'iteration' (``ref``
-# the group); ``group`` is a slice's or an iteration's group, else -1.
+# ``(group, restart window)``); ``group`` is a slice's or an iteration's
+# group, else -1.
 Piece = tuple[float, int, str, int, int]
 
 
 def place(
   items: Sequence[tuple[float, int, int]],
-  iteration_costs: Sequence[float],
+  iteration_costs: Sequence[Sequence[float]],
   group_units: Sequence[Sequence[int]],
   units: Sequence[MatrixUnit],
   rows: Sequence[Sequence[int]],
@@ -258,7 +262,8 @@ def place(
 
   Args:
     items: the pieces, ``(cost, order, whole unit index | -(group + 1))``.
-    iteration_costs: per group, its iteration's cost.
+    iteration_costs: per group, its iteration's cost in each restart
+      window (each window's iteration is a piece of its own).
     group_units: per group, its slices' unit indices.
     units: the units (whole matrices and slices).
     rows: the slots of each row.
@@ -269,7 +274,8 @@ def place(
     budget: (optional) the bytes a slot may hold of these units.
 
   Returns:
-    ``(owners, iteration_owner)``: a slot per unit and per group.
+    ``(owners, iteration_owners)``: a slot per unit, per group a slot per
+    window.
   """
   n = sum(len(r) for r in rows)
   if loads is None:
@@ -300,11 +306,21 @@ def place(
       row_pieces[r].append((cost, order, 'unit', ref, -1))
       continue
     g = -ref - 1
-    row_pieces[r].append((iteration_costs[g], order, 'iteration', g, g))
+    # Without a budget the members' slices follow their work, so an
+    # iteration owner holds few slices; with one (a gather's bytes spread
+    # evenly) it holds its share, and the windows' iterations are pieces
+    # of their own, so that no device holds a whole iteration and a share.
+    windows = (
+      enumerate(iteration_costs[g])
+      if budget is not None
+      else [(-1, sum(iteration_costs[g]))]
+    )
+    for w, c in windows:
+      row_pieces[r].append((c, order, 'iteration', (g, w), g))
     for u in group_units[g]:
       row_pieces[r].append((units[u].cost, order, 'unit', u, g))
   owners = [0] * len(units)
-  iteration_owner = [0] * len(group_units)
+  iteration_owners = [[0] * len(c) for c in iteration_costs]
   nbytes = [u.nbytes for u in units]
   for row, pieces in zip(rows, row_pieces):
     byte_cap = None
@@ -320,9 +336,11 @@ def place(
         owners[ref] = slot
         loads[slot] += units[ref].cost
       else:
-        iteration_owner[ref] = slot
-        loads[slot] += iteration_costs[ref]
-  return owners, iteration_owner
+        g, w = ref
+        for v in range(len(iteration_owners[g])) if w < 0 else [w]:
+          iteration_owners[g][v] = slot
+          loads[slot] += iteration_costs[g][v]
+  return owners, [tuple(o) for o in iteration_owners]
 
 
 def _members(
@@ -337,8 +355,8 @@ def _members(
 
   ``distinct`` (``owner_groups=k``): LPT, each piece to the least-loaded
   member (ties: lowest; with a ``byte_cap``, among those with room for its
-  bytes), a group's slices to members not yet holding one, its iteration
-  on one of them. Else see :func:`_fill` (``nbytes``: each unit's bytes).
+  bytes), a group's slices to members not yet holding one, its window
+  iterations on them. Else see :func:`_fill` (``nbytes``: each unit's bytes).
   """
   if not distinct:
     return _fill(pieces, row_size, nbytes, loads, byte_cap)
@@ -382,9 +400,10 @@ def _fill(
 ) -> dict[tuple[str, int], int]:
   """``'auto'``'s placement in a row.
 
-  The groups' iterations and the whole matrices at least as costly as a
-  slice go first by LPT; then each group's slices (largest group first)
-  fill few members: its iteration owner first, then the member that takes
+  The groups' window iterations and the whole matrices at least as costly
+  as a slice go first by LPT; then each group's slices (largest group
+  first) fill few members: an iteration owner of the group (its largest
+  window's) first, then the member that takes
   the most of them; then the smaller whole matrices by LPT. All within two
   targets per member: Newton–Schulz work ``max(busiest member after the
   first step, row total / members)`` and bytes (the update's routes pad
@@ -408,11 +427,22 @@ def _fill(
   """
   base = np.zeros(row_size) if loads0 is None else np.array(loads0, float)
   whole, slices = [], collections.defaultdict(list)
+  # A group's windows but its largest go after its slices, each to the
+  # least-loaded member holding some (which then sends no Gram in that
+  # window: no message more than with one iteration owner).
+  windows = collections.defaultdict(list)
   for cost, order, kind, ref, group in pieces:
     if kind == 'unit' and group >= 0:
       slices[group].append((cost, order, ref))
+    elif kind == 'iteration':
+      windows[group].append((cost, order, kind, ref))
     else:
       whole.append((cost, order, kind, ref))
+  later = {}
+  for g, ws in windows.items():
+    ws.sort(key=lambda p: (-p[0], p[3]))
+    whole.append(ws[0])
+    later[g] = ws[1:]
   whole.sort(key=lambda p: (-p[0], p[1]))
   smallest = min((c for ss in slices.values() for c, _, _ in ss), default=0)
   large = [p for p in whole if p[0] >= smallest]
@@ -423,9 +453,12 @@ def _fill(
     loads[int(np.argmin(loads))] += cost
   total = sum(p[0] for p in pieces) + base.sum()
   target = max(loads.max(initial=0.0), total / row_size) * (1 + 1e-9)
+  # Groups with more work first; under a budget, those of larger slices
+  # first (first fit decreasing: small slices fill what large ones leave).
   order = sorted(
     slices,
     key=lambda g: (
+      -max(nbytes[r] for _, _, r in slices[g]) if byte_cap is not None else 0,
       -sum(c for c, _, _ in slices[g]),
       min(o for _, o, _ in slices[g]),
     ),
@@ -458,9 +491,10 @@ def _fill(
 
     for cost, _, kind, ref in large:
       put(least_loaded(size(kind, ref)), cost, kind, ref)
+    homes = {ref[0]: m for (kind, ref), m in out.items() if kind == 'iteration'}
     for g in order:
       todo = sorted(slices[g], key=lambda p: (-p[0], p[1], p[2]))
-      home = out.get(('iteration', g))
+      home = homes.get(g)
       while todo:
         c, _, ref = todo[0]
         b = nbytes[ref]
@@ -477,6 +511,11 @@ def _fill(
           c, _, ref = todo.pop(0)
           put(m, c, 'unit', ref)
           first = False
+      holders = {out['unit', ref] for _, _, ref in slices[g]}
+      for cost, _, kind, ref in later.get(g, ()):
+        taken = {m for (k, r), m in out.items() if k == kind and r[0] == g}
+        pool = (holders - taken) or holders
+        put(min(pool, key=lambda m: (loads[m], m)), cost, kind, ref)
     for cost, _, kind, ref in small:
       put(least_loaded(size(kind, ref)), cost, kind, ref)
     return out, fit, loads.max(initial=0.0)
@@ -510,7 +549,10 @@ def balance(
   Permuting what slots own in one gather group keeps that group's bytes
   per slot (hence its padding) as they are, so only the work moves:
   repeatedly take the busiest slot ``a`` and the move, in any movable
-  group, that lowers the busiest slot it touches the most: a swap of
+  group, that leaves the busiest slot it touches lowest (then the sum of
+  squares of their work), among those that raise no slot above ``a`` and
+  lower that sum (so that moves which only even out work next to ``a``
+  count: a row at the busiest slot's level takes several): a swap of
   everything ``a`` and another slot own in the group, or (a group whose
   owner groups share a row's collectives, which moves within a row only)
   an exchange of ``a``'s row with another row, each row's members taking
@@ -537,37 +579,87 @@ def balance(
   for r, slots in enumerate(rows):
     row_of[slots] = r
   total = sum(per_group, np.zeros(n))
-  moves = []
+  moves = _balance_rows(per_group, groups, within_row, grid, total, max_rounds)
   for _ in range(max_rounds):
     a = int(np.argmax(total))
-    ra = grid[row_of[a]]
-    best, best_max = None, total[a] * (1 - 1e-9)
+    top, ra = total[a], row_of[a]
+    eps = 1e-12 * top * top
+    # A move may not raise the busiest slot and must lower the sum of
+    # squares (a strict order: this ends); the lowest busiest slot it
+    # touches first, then the lowest sum of squares.
+    best, best_key = None, (top * (1 + 1e-12), 0.0)
     for g in groups:
       w = per_group[g]
-      pool = ra if within_row[g] else np.arange(n)
-      new = np.maximum(total[a] - w[a] + w[pool], total[pool] - w[pool] + w[a])
-      new[(pool == a) | (w[pool] == w[a])] = np.inf
-      j = int(np.argmin(new))
-      if new[j] < best_max:
-        best, best_max = (g, {a: int(pool[j]), int(pool[j]): a}), new[j]
+      pool = grid[ra] if within_row[g] else np.arange(n)
+      ya = total[a] - w[a] + w[pool]
+      yb = total[pool] - w[pool] + w[a]
+      new = np.maximum(ya, yb)
+      dsq = ya * ya + yb * yb - total[a] ** 2 - total[pool] ** 2
+      ok = (pool != a) & (w[pool] != w[a]) & (dsq < -eps)
+      if ok.any():
+        i = np.flatnonzero(ok)
+        j = int(i[np.lexsort((dsq[i], new[i]))[0]])
+        if (new[j], dsq[j]) < best_key:
+          best_key = (new[j], dsq[j])
+          best = (g, {a: int(pool[j]), int(pool[j]): a})
       if not within_row[g] or len(grid) < 2:
         continue
       # Row exchanges: the rest of each member's work, least first, takes
       # the other row's pieces, largest first.
       rest = np.sort(total[grid] - w[grid], axis=1)
       pieces = -np.sort(-w[grid], axis=1)
-      mine = (rest[row_of[a]] + pieces).max(axis=1)
-      theirs = (rest + pieces[row_of[a]]).max(axis=1)
-      new = np.maximum(mine, theirs)
-      new[row_of[a]] = np.inf
-      r = int(np.argmin(new))
-      if new[r] < best_max:
-        best_max = new[r]
-        best = (g, _exchange(grid[row_of[a]], grid[r], total, w))
+      mine = rest[ra] + pieces  # row a's members with each row's pieces
+      theirs = rest + pieces[ra]  # each row's members with row a's
+      new = np.maximum(mine.max(axis=1), theirs.max(axis=1))
+      held = (total[grid] ** 2).sum(axis=1)
+      dsq = (mine**2).sum(axis=1) + (theirs**2).sum(axis=1) - held - held[ra]
+      ok = dsq < -eps
+      ok[ra] = False
+      if ok.any():
+        i = np.flatnonzero(ok)
+        r = int(i[np.lexsort((dsq[i], new[i]))[0]])
+        if (new[r], dsq[r]) < best_key:
+          best_key = (new[r], dsq[r])
+          best = (g, _exchange(grid[ra], grid[r], total, w))
     if best is None:
       break
     g, move = best
     w = per_group[g]
+    old = {s: w[s] for s in move}
+    for s, t in move.items():
+      total[t] += old[s] - old[t]
+    for s, t in move.items():
+      w[t] = old[s]
+    moves.append((g, move))
+  return moves
+
+
+def _balance_rows(per_group, groups, within_row, grid, total, max_rounds):
+  """The row exchanges of :func:`balance` that even out the rows' work
+  (in place): repeatedly the busiest row and the exchange, in a group
+  that moves within rows, that lowers the larger of the two rows' work
+  the most. A row's content in a group is fixed by its bytes (a row holds
+  a split matrix whole), so rows are evened out before their members."""
+  moves = []
+  rowed = [g for g in groups if within_row[g]]
+  if len(grid) < 2 or not rowed:
+    return moves
+  for _ in range(max_rounds):
+    rt = total[grid].sum(axis=1)
+    a = int(np.argmax(rt))
+    best, best_max = None, rt[a] * (1 - 1e-9)
+    for g in rowed:
+      rw = per_group[g][grid].sum(axis=1)
+      new = np.maximum(rt[a] - rw[a] + rw, rt - rw + rw[a])
+      new[(np.arange(len(grid)) == a) | (rw == rw[a])] = np.inf
+      b = int(np.argmin(new))
+      if new[b] < best_max:
+        best, best_max = (g, b), new[b]
+    if best is None:
+      break
+    g, b = best
+    w = per_group[g]
+    move = _exchange(grid[a], grid[b], total, w)
     old = {s: w[s] for s in move}
     for s, t in move.items():
       total[t] += old[s] - old[t]

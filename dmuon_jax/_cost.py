@@ -117,16 +117,22 @@ def ns_cost(
 FLOPS_PER_BYTE = 100.0
 
 
-def gram_parts(s: int, l: int, ns_steps: int) -> tuple[float, float]:
-  """``(long-side work, g x g iteration)`` FLOPs of Gram Newton–Schulz on an
-  ``s x l`` matrix (``s <= l``) with the default restarts.
+def gram_parts(
+  s: int, l: int, ns_steps: int
+) -> tuple[float, tuple[float, ...]]:
+  """``(long-side work, g x g iteration per restart window)`` FLOPs of Gram
+  Newton–Schulz on an ``s x l`` matrix (``s <= l``) with the default
+  restarts.
 
-  The long-side work (forming each segment's Gram ``X X^T`` and applying
-  its factor ``Q X``: ``4 p s^2 l`` for ``p`` segments) splits over slices
-  of the long side; the iteration on the ``s x s`` Gram
-  (``(8 k - 6 p) s^3``) does not. Together they are
+  The long-side work (forming each window's Gram ``X X^T`` and applying
+  its factor ``Q X``: ``4 p s^2 l`` for ``p`` windows) splits over slices
+  of the long side; the iteration on the ``s x s`` Gram (``(8 k_j - 6)
+  s^3`` in a window of ``k_j`` iterations, ``(8 k - 6 p) s^3`` in all)
+  does not, but each window's starts from a Gram formed anew from the
+  slices, so windows may run on different devices. Together they are
   :func:`dmuon_jax.matmul_flops` of the Gram form.
   """
-  p = len(_newton_schulz.check_restart_iterations(None, ns_steps)) + 1
-  work = 4.0 * p * s * s * l
-  return work, float(_newton_schulz.matmul_flops(s, l, ns_steps, 'gram') - work)
+  restarts = _newton_schulz.check_restart_iterations(None, ns_steps)
+  windows = _newton_schulz.gram_segments(ns_steps, restarts)
+  work = 4.0 * len(windows) * s * s * l
+  return work, tuple(float((8 * (b - a) - 6) * s**3) for a, b in windows)

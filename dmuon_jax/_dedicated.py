@@ -175,7 +175,9 @@ def dedicate(
   :func:`dmuon_jax.plan_ownership` (largest Newton–Schulz work first, to
   the least-loaded owner, counting the groups placed before) within a
   budget of bytes per owner (the group's mean share and 2%), so the packed
-  gather pads little while NS work stays balanced over the whole model. A scanned stack is planned for one
+  gather pads little while NS work stays balanced over the whole model: a
+  split matrix's iteration runs one restart window per owner where that
+  evens the work, and rows, then owners, trade what they own in a group. A scanned stack is planned for one
   iteration; iteration ``t`` rotates those owners by ``t`` slots.
 
   A gather moves ``num_slots * (largest owner share)`` bytes: with whole

@@ -41,7 +41,8 @@ def _balance_work(
       for t in range(max(entry.iters, 1)):
         w[(slot + t) % n] += u.cost
     for g, grp in entry.ggroups:
-      w[entry.iteration_owner[g]] += grp.iteration_cost
+      for slot, cost in zip(entry.iteration_owner[g], grp.iteration_costs):
+        w[slot] += cost
     per_group.append(w)
   moves = _assign.balance(
     per_group,
@@ -52,8 +53,8 @@ def _balance_work(
   for g, move in moves:
     entry = planned[g]
     entry.base_owner[:] = [move.get(s, s) for s in entry.base_owner]
-    for j, s in entry.iteration_owner.items():
-      entry.iteration_owner[j] = move.get(s, s)
+    for j, slots in entry.iteration_owner.items():
+      entry.iteration_owner[j] = tuple(move.get(s, s) for s in slots)
 
 
 def _plan_slot(
@@ -88,10 +89,11 @@ def plan_gather_groups(
 
   Each group is placed by the assignment algorithm of every plan
   (:mod:`dmuon_jax._assign`: LPT on the Newton–Schulz work, starting from
-  the work of the groups placed before) within a budget of bytes per slot
-  (the group's mean share and 2%, per dtype), so that a gather pads
-  little; then owners are permuted inside loop groups (bytes unchanged)
-  to even out the work over the whole model. With ``split``, a
+  the work of the groups placed before, each restart window's iteration a
+  piece of its own) within a budget of bytes per slot (the group's mean
+  share and 2%, per dtype), so that a gather pads little; then owners are
+  permuted inside loop groups (bytes unchanged) to even out the work over
+  the whole model: rows first, then slots. With ``split``, a
   loop group whose whole matrices would pad more than
   ``SPLIT_PADDING_PERCENT`` has matrices split into slices over owners of
   one row (owner groups, see :func:`_split_views`). A scanned stack is
@@ -156,14 +158,14 @@ def plan_gather_groups(
     local = {u: i for i, u in enumerate(entry.base_ids)}
     sub_groups = []
     for g, grp in entry.ggroups:
-      full_iteration[g] = _plan_slot(
-        plan, buffer_axes, entry.iteration_owner[g]
+      full_iteration[g] = tuple(
+        _plan_slot(plan, buffer_axes, slot) for slot in entry.iteration_owner[g]
       )
       sub_groups.append(
         dataclasses.replace(
           grp,
           units=tuple(local[u] for u in grp.units),
-          iteration_owner=entry.iteration_owner[g],
+          iteration_owners=entry.iteration_owner[g],
         )
       )
     remap = {g: j for j, (g, _) in enumerate(entry.ggroups)}
@@ -194,7 +196,10 @@ def plan_gather_groups(
     )
     iterations.append(iters)
   groups = tuple(
-    dataclasses.replace(grp, iteration_owner=full_iteration.get(g, 0))
+    dataclasses.replace(
+      grp,
+      iteration_owners=full_iteration.get(g, (0,) * len(grp.iteration_costs)),
+    )
     for g, grp in enumerate(plan.groups)
   )
   return (
@@ -301,7 +306,7 @@ def _trial(
     gathered=times * _gathered(entry, sub.num_slots),
     exchange=group_exchange_bytes(
       [
-        dataclasses.replace(grp, iteration_owner=entry.iteration_owner[g])
+        dataclasses.replace(grp, iteration_owners=entry.iteration_owner[g])
         for g, grp in entry.ggroups
       ],
       owners,
@@ -380,7 +385,8 @@ class _GatherGroup(NamedTuple):
   base_owner: list[int]  # per base unit, its slot (balancing swaps them)
   base_ids: list[int]  # per base unit, its index in the plan
   ggroups: list[tuple[int, OwnerGroup]]  # its owner groups (plan index)
-  iteration_owner: dict[int, int]  # per owner group, its iteration's slot
+  # Per owner group, the slot of its iteration in each restart window.
+  iteration_owner: dict[int, tuple[int, ...]]
 
 
 def _group_rows(
@@ -480,13 +486,13 @@ def _place_gather_group(
   for u, b in zip(base, key):
     cap[b] += u.nbytes * (1 + _BYTE_SLACK) / n
   budget = _assign.Budget(key, cap)
-  iteration_owner: dict[int, int] = {}
+  iteration_owner: dict[int, tuple[int, ...]] = {}
   if ggroups:
     items, group_units, iteration_costs, sliced = [], [], [], set()
     for j, (_, grp) in enumerate(ggroups):
       members = [local[u] for u in grp.units]
       group_units.append(members)
-      iteration_costs.append(grp.iteration_cost)
+      iteration_costs.append(grp.iteration_costs)
       cost = sum(base[m].cost for m in members) + grp.iteration_cost
       items.append((cost, len(items), -(j + 1)))
       sliced.update(members)

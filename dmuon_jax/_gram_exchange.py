@@ -35,7 +35,7 @@ def triangle_size(g: int) -> int:
 
 
 class Schedule(NamedTuple):
-  """The rounds of one restart window (the same in every window).
+  """The rounds of one restart window.
 
   Attributes:
     reduce: per round, the members' Grams to iteration owners.
@@ -51,31 +51,39 @@ def members(groups, owners: Sequence[int]) -> list[tuple[int, ...]]:
   return [tuple(sorted({owners[u] for u in g.units})) for g in groups]
 
 
-def schedule(groups, owners: Sequence[int]) -> Schedule:
-  """The rounds of the groups' exchange.
+def schedule(groups, owners: Sequence[int], window: int) -> Schedule:
+  """The rounds of the groups' exchange in one restart window.
 
   Args:
     groups: the plan's ``OwnerGroup`` s.
     owners: the owner slot of each unit of the plan.
+    window: the restart window (its iteration owners).
   """
   reduce = []
   for j, (g, held) in enumerate(zip(groups, members(groups, owners))):
-    reduce += [
-      (h, g.iteration_owner, j) for h in held if h != g.iteration_owner
-    ]
+    owner = g.iteration_owners[window]
+    reduce += [(h, owner, j) for h in held if h != owner]
   back = [(o, h, j) for h, o, j in reduce]
   return Schedule(_rounds(reduce), _rounds(back))
 
 
-def exchange_bytes(groups, owners: Sequence[int], windows: int) -> float:
+def windows(groups) -> int:
+  """The groups' restart windows (the same for every group)."""
+  return max((len(g.iteration_owners) for g in groups), default=0)
+
+
+def exchange_bytes(groups, owners: Sequence[int]) -> float:
   """Bytes one device sends (the busiest, ring model: one ``ppermute`` of
-  a block per round) in one update: ``windows`` times the rounds, each a
-  float32 packed triangle of the largest Gram."""
+  a block per round) in one update: every window's rounds, each a float32
+  packed triangle of the largest Gram."""
   if not groups:
     return 0.0
-  sched = schedule(groups, owners)
+  rounds = 0
+  for w in range(windows(groups)):
+    sched = schedule(groups, owners, w)
+    rounds += len(sched.reduce) + len(sched.broadcast)
   block = max(triangle_size(g.gram_size) for g in groups)
-  return float(windows * (len(sched.reduce) + len(sched.broadcast)) * block * 4)
+  return float(rounds * block * 4)
 
 
 def _rounds(edges: Sequence[Message]) -> tuple[tuple[Message, ...], ...]:

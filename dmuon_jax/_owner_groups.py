@@ -267,7 +267,7 @@ def plan_with_groups(
   parts = {
     s.leaf_index: gram_parts(*sorted(s.matrix_shape), ns_steps) for s in chosen
   }
-  bound = max([ideal] + [p[1] for p in parts.values()])
+  bound = max([ideal] + [sum(p[1]) for p in parts.values()])
   views = {}
   for spec in chosen:
     view = _view(
@@ -286,19 +286,20 @@ def plan_with_groups(
     new_leaves, units, parts
   )
   rows = [list(range(r, r + row_size)) for r in range(0, n, row_size)]
-  owners, iteration_owner = place(
+  owners, iteration_owners = place(
     items, [m[3] for m in groups_meta], group_units, new_units, rows, forced
   )
   groups = _owner_groups_of(
-    groups_meta, group_units, iteration_owner, lambda leaf, index: forced
+    groups_meta, group_units, iteration_owners, lambda leaf, index: forced
   )
   if not forced:
     loads = np.zeros(n)
     for u, o in zip(new_units, owners):
       loads[o] += u.cost
     for group in groups:
-      loads[group.iteration_owner] += group.iteration_cost
-    exchange = group_exchange_bytes(groups, owners, ns_steps)
+      for slot, cost in zip(group.iteration_owners, group.iteration_costs):
+        loads[slot] += cost
+    exchange = group_exchange_bytes(groups, owners)
     if loads.max() + FLOPS_PER_BYTE * exchange > (1 - _GROUP_GAIN) * plain:
       return None
   return new_leaves, tuple(new_units), tuple(owners), groups
@@ -377,11 +378,12 @@ def _sliced_units(
 
   Returns:
     ``(units, groups_meta, items, group_units)``: per group ``(leaf_index,
-    whole batch index, shape, iteration cost)``; the pieces to place,
+    whole batch index, shape, iteration cost per window)``; the pieces to
+    place,
     ``(cost, order, whole unit index | -(group + 1))``; per group its units.
   """
   new_units: list[MatrixUnit] = []
-  groups_meta = []  # (leaf_index, whole batch index, shape, iteration cost)
+  groups_meta = []  # (leaf_index, whole batch index, shape, window costs)
   items = []  # (cost, order, whole unit index | -(group + 1))
   group_units: list[list[int]] = []
   by_leaf: dict[int, list[MatrixUnit]] = collections.defaultdict(list)
@@ -406,7 +408,7 @@ def _sliced_units(
         index_of[whole] = len(groups_meta)
         groups_meta.append((spec.leaf_index, whole, (fi, fo), iteration))
         group_units.append([])
-        items.append((work + iteration, len(items), -len(groups_meta)))
+        items.append((work + sum(iteration), len(items), -len(groups_meta)))
       g = index_of[whole]
       group_units[g].append(len(new_units))
       new_units.append(
@@ -425,19 +427,19 @@ def _sliced_units(
 
 
 def _owner_groups_of(
-  groups_meta, group_units, iteration_owner, distinct
+  groups_meta, group_units, iteration_owners, distinct
 ) -> tuple[OwnerGroup, ...]:
   """The ``OwnerGroup`` s of :func:`_sliced_units`' groups: group ``g``'s
-  iteration on slot ``iteration_owner[g]``, its ``distinct`` flag
-  ``distinct(leaf_index, batch_index)``."""
+  window iterations on slots ``iteration_owners[g]``, its ``distinct``
+  flag ``distinct(leaf_index, batch_index)``."""
   return tuple(
     OwnerGroup(
       leaf_index=leaf,
       batch_index=index,
       shape=shape,
       units=tuple(group_units[g]),
-      iteration_owner=iteration_owner[g],
-      iteration_cost=iteration,
+      iteration_owners=tuple(iteration_owners[g]),
+      iteration_costs=tuple(iteration),
       distinct=distinct(leaf, index),
     )
     for g, (leaf, index, shape, iteration) in enumerate(groups_meta)
@@ -473,7 +475,7 @@ def resliced(
   groups = _owner_groups_of(
     groups_meta,
     group_units,
-    [0] * len(groups_meta),
+    [(0,) * len(meta[3]) for meta in groups_meta],
     lambda leaf, index: distinct.get((leaf, index), False),
   )
   return dataclasses.replace(

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dmuon_jax import _gram_exchange, _newton_schulz
+from dmuon_jax import _gram_exchange
 from dmuon_jax._cost import (
   human_bytes,
   human_flops,
@@ -58,18 +58,22 @@ class OwnerGroup:
 
   Its long side is split into slices (units of the plan, on owners of one
   row of the group axis: the same coordinates on every other owner axis).
-  Each slice owner forms its slices' Gram matrices; their sum reaches the
-  iteration owner (one reduce-scatter over the group axis), which runs the
-  small ``g x g`` iteration alone; the factor goes back to the slice owners
-  (one all-gather), which apply it to their slices.
+  In each restart window, each slice owner forms its slices' Gram
+  matrices; their sum reaches the window's iteration owner (point to
+  point within the row), which runs the window's small ``g x g``
+  iteration alone; the factor goes back to the slice owners, which apply
+  it to their slices. A window's Gram is formed anew from the slices, so
+  each window may have its own iteration owner.
 
   Attributes:
     leaf_index: the leaf holding the matrix.
     batch_index: the matrix's index over the leaf's own batch axes.
     shape: the whole matrix's ``(fan_in, fan_out)``.
     units: the slices' unit indices.
-    iteration_owner: the slot that runs the ``g x g`` iteration.
-    iteration_cost: its predicted FLOPs.
+    iteration_owners: per restart window, the slot that runs its ``g x g``
+      iteration.
+    iteration_costs: per restart window, that iteration's predicted FLOPs
+      (:attr:`iteration_cost` is their sum).
     distinct: whether every slice has its own owner (``owner_groups=k``).
 
   Examples:
@@ -81,17 +85,22 @@ class OwnerGroup:
     ((256, 64), 64, (0, 1))
     >>> [plan.units[u].shape for u in group.units]  # the long side halved
     [(128, 64), (128, 64)]
-    >>> [plan.owners[u] for u in group.units], group.iteration_owner
-    ([0, 1], 0)
+    >>> [plan.owners[u] for u in group.units], group.iteration_owners
+    ([0, 1], (0, 0))
   """
 
   leaf_index: int
   batch_index: tuple[int, ...]
   shape: tuple[int, int]
   units: tuple[int, ...]
-  iteration_owner: int
-  iteration_cost: float
+  iteration_owners: tuple[int, ...]
+  iteration_costs: tuple[float, ...]
   distinct: bool = False
+
+  @property
+  def iteration_cost(self) -> float:
+    """The ``g x g`` iterations' predicted FLOPs, every window's."""
+    return float(sum(self.iteration_costs))
 
   @property
   def gram_size(self) -> int:
@@ -200,7 +209,8 @@ class OwnershipPlan:
     for unit, owner in zip(self.units, self.owners):
       costs[owner] += unit.cost
     for group in self.groups:
-      costs[group.iteration_owner] += group.iteration_cost
+      for slot, cost in zip(group.iteration_owners, group.iteration_costs):
+        costs[slot] += cost
     return tuple(costs)
 
   def group_axis(self) -> str | None:
@@ -228,9 +238,9 @@ class OwnershipPlan:
     return self.slot_coords(slot)[self.axis_names.index(self.group_axis())]
 
   def group_slots(self, g: int) -> tuple[int, ...]:
-    """The slots holding a slice of group ``g`` or running its iteration."""
+    """The slots holding a slice of group ``g`` or running an iteration."""
     group = self.groups[g]
-    slots = {self.owners[u] for u in group.units} | {group.iteration_owner}
+    slots = {self.owners[u] for u in group.units} | set(group.iteration_owners)
     return tuple(sorted(slots))
 
   def slot_bytes(self) -> tuple[int, ...]:
@@ -400,8 +410,9 @@ class OwnershipPlan:
         f'  owner groups: {plural(len(gs), "matrix", "matrices")} '
         f'{shape[0]}x{shape[1]}, {slices} slices each on k={k} devices '
         f'along {self.group_axis()!r}; the {min(shape)}x{min(shape)} '
-        f'iteration ({human_flops(self.groups[gs[0]].iteration_cost)}) on '
-        'one of them'
+        f'iterations ({human_flops(self.groups[gs[0]].iteration_cost)} in '
+        f'{len(self.groups[gs[0]].iteration_costs)} restart windows) on '
+        'one or more of them'
       )
     if self.groups:
       exchange = self.group_exchange_bytes()
@@ -467,28 +478,18 @@ class OwnershipPlan:
         what = '' if unit.group < 0 else f'  (slice of group {unit.group})'
         lines.append(f'  {unit.name}  {unit.shape[0]}x{unit.shape[1]}{what}')
       for g, group in enumerate(self.groups):
-        if group.iteration_owner == slot:
-          s = group.gram_size
-          lines.append(f'  iteration of group {g}  {s}x{s}')
+        for w, owner in enumerate(group.iteration_owners):
+          if owner == slot:
+            s = group.gram_size
+            lines.append(f'  iteration of group {g}, window {w}  {s}x{s}')
     return lines
 
 
 def group_exchange_bytes(
-  groups: Sequence[OwnerGroup], owners: Sequence[int], ns_steps: int = 5
+  groups: Sequence[OwnerGroup], owners: Sequence[int]
 ) -> float:
   """Predicted bytes the busiest device sends in the groups' exchange of
   one update (see :mod:`dmuon_jax._gram_exchange`): per restart window,
-  each member's Gram to its group's iteration owner and the factor back,
-  point to point in rounds, float32 packed triangles."""
-  windows = len(_newton_schulz.check_restart_iterations(None, ns_steps)) + 1
-  return _gram_exchange.exchange_bytes(groups, owners, windows)
-
-
-def exchange_bytes_per_element(row_size: int, ns_steps: int = 5) -> float:
-  """Bytes the busiest device sends in one update per element of the Grams
-  one slot iterates (the planner's marginal price of a Gram, see
-  :func:`group_exchange_bytes`): per restart window each of the other
-  ``row_size - 1`` members sends its packed triangle (half the Gram) to the
-  iteration owner and gets the factor back, float32."""
-  windows = len(_newton_schulz.check_restart_iterations(None, ns_steps)) + 1
-  return float(windows * (row_size - 1) * 4)
+  each member's Gram to its group's iteration owner of the window and the
+  factor back, point to point in rounds, float32 packed triangles."""
+  return _gram_exchange.exchange_bytes(groups, owners)

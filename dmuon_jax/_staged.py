@@ -181,10 +181,15 @@ class Stages:
       position) and its static trip count (or None).
     tp_types, tp_tables, tp_trips: the TP matrices' (offset, offset of
       the Gram in the TP block, position in the slot's TP vectors).
-    iter_types, iter_tables, iter_trips: the Gram sizes a slot iterates
-      (its position among the slot's iterated groups).
+    iter_types, iter_tables, iter_trips: per restart window of the
+      groups, the Gram sizes a slot iterates (its position among the
+      slot's iterated groups of the window).
     held: per slot, the groups (plan indices) it holds slices of.
-    schedule: the exchange's rounds (:mod:`dmuon_jax._gram_exchange`).
+    iterated: per window, per slot, the groups it iterates.
+    schedules: per window, the exchange's rounds
+      (:mod:`dmuon_jax._gram_exchange`); reduce, broadcast: per window,
+      their ``(send, receive)`` tables; own_gram, own_factor: per window,
+      a slot's own slices' Grams and factors.
     windows: restart windows of the longest iteration.
     tp_block: elements of a slot's TP Grams; vec_tp, vec_groups: lengths
       of the per-matrix vectors.
@@ -207,15 +212,18 @@ class Stages:
     # Row positions of the groups (for the per-matrix vectors).
     rows: dict[int, list[int]] = {}
     for j, g in enumerate(groups):
-      rows.setdefault(plan.group_row(g.iteration_owner), []).append(j)
+      rows.setdefault(plan.group_row(g.iteration_owners[0]), []).append(j)
     pos = {j: i for js in rows.values() for i, j in enumerate(js)}
     self.vec_groups = max((len(js) for js in rows.values()), default=0)
-    self.iterated_groups = [
-      [j for j, g in enumerate(groups) if g.iteration_owner == s]
-      for s in range(self.n)
+    self.iterated = [
+      [
+        [j for j, g in enumerate(groups) if g.iteration_owners[w] == s]
+        for s in range(self.n)
+      ]
+      for w in range(_gram_exchange.windows(groups))
     ]
     self.held: list[list[int]] = []
-    slices, tps, iters = [], [], []
+    slices, tps = [], []
     tp_sizes, tp_counts = [], []
     for s in range(self.n):
       found, mine = [], []
@@ -261,24 +269,28 @@ class Stages:
       tps.append(placed)
       tp_sizes.append(used)
       tp_counts.append(len(mine))
-      iters.append(
-        [
-          ((0, groups[j].gram_size), i, (i,))
-          for i, j in enumerate(self.iterated_groups[s])
-        ]
-      )
     types, self.slice_tables, self.slice_trips = _typed(slices, self.n)
     self.slice_types = [(_Slice(*t[:5]), t[5]) for t in types]
     types, self.tp_tables, self.tp_trips = _typed(tps, self.n)
     self.tp_types = [(_TP(*t[:6]), t[6]) for t in types]
-    types, self.iter_tables, self.iter_trips = _typed(iters, self.n)
-    self.iter_types = [t[1] for t in types]
+    self.iter_types, self.iter_tables, self.iter_trips = [], [], []
+    for per_slot in self.iterated:
+      iters = [
+        [((0, groups[j].gram_size), i, (i,)) for i, j in enumerate(js)]
+        for js in per_slot
+      ]
+      types, tables, trips = _typed(iters, self.n)
+      self.iter_types.append([t[1] for t in types])
+      self.iter_tables.append(tables)
+      self.iter_trips.append(trips)
     self.has_groups = bool(groups)
     self.tp_block = max(tp_sizes, default=0)
     self.vec_tp = max(tp_counts, default=0)
     self.has_tp = self.tp_block > 0
     self.m_held = max((len(h) for h in self.held), default=0)
-    self.m_iterated = max((len(i) for i in self.iterated_groups), default=0)
+    self.m_iterated = max(
+      (len(js) for per_slot in self.iterated for js in per_slot), default=0
+    )
     self.block = max(
       (_gram_exchange.triangle_size(g.gram_size) for g in groups), default=0
     )
@@ -286,19 +298,26 @@ class Stages:
       [len(self.group_segments) if groups else 0]
       + [len(t.segments) for t, _ in self.tp_types]
     )
-    self.schedule = _gram_exchange.schedule(groups, plan.owners)
+    self.schedules = [
+      _gram_exchange.schedule(groups, plan.owners, w)
+      for w in range(len(self.iterated))
+    ]
     self._exchange_tables()
 
   def tables(self) -> list[np.ndarray]:
     """The stages' tables, in the order :func:`_rows` reads them."""
-    return self.slice_tables + self.tp_tables + self.iter_tables
+    return (
+      self.slice_tables
+      + self.tp_tables
+      + [t for tables in self.iter_tables for t in tables]
+    )
 
   def _exchange_tables(self) -> None:
-    """Per round, what each slot sends and where it adds what it receives
-    (indices into its held / iterated groups); per slot, its own slices'
-    Grams and factors (a member that iterates its group)."""
+    """Per window and round, what each slot sends and where it adds what
+    it receives (indices into its held / iterated groups); per window and
+    slot, its own slices' Grams and factors (a member that iterates its
+    group in the window)."""
     held = [{j: i for i, j in enumerate(h)} for h in self.held]
-    it = [{j: i for i, j in enumerate(js)} for js in self.iterated_groups]
 
     def tables(rounds, src_of, dst_of):
       send = np.zeros((self.n, max(len(rounds), 1)), np.int32)
@@ -309,16 +328,22 @@ class Stages:
           recv[dst, r] = dst_of[dst][j]
       return send, recv
 
-    self.reduce_send, self.reduce_recv = tables(self.schedule.reduce, held, it)
-    self.bcast_send, self.bcast_recv = tables(self.schedule.broadcast, it, held)
-    # An iteration owner holding slices of its group: its own Gram (-1: none).
-    self.own_gram = np.full((self.n, max(self.m_iterated, 1)), -1, np.int32)
-    self.own_factor = np.full((self.n, max(self.m_held, 1)), -1, np.int32)
-    for s in range(self.n):
-      for j, i in it[s].items():
-        if j in held[s]:
-          self.own_gram[s, i] = held[s][j]
-          self.own_factor[s, held[s][j]] = i
+    self.reduce, self.broadcast, self.own_gram, self.own_factor = [], [], [], []
+    for per_slot, sched in zip(self.iterated, self.schedules):
+      it = [{j: i for i, j in enumerate(js)} for js in per_slot]
+      self.reduce.append(tables(sched.reduce, held, it))
+      self.broadcast.append(tables(sched.broadcast, it, held))
+      # An iteration owner holding slices of its group: its own Gram (-1:
+      # none).
+      own_gram = np.full((self.n, max(self.m_iterated, 1)), -1, np.int32)
+      own_factor = np.full((self.n, max(self.m_held, 1)), -1, np.int32)
+      for s in range(self.n):
+        for j, i in it[s].items():
+          if j in held[s]:
+            own_gram[s, i] = held[s][j]
+            own_factor[s, held[s][j]] = i
+      self.own_gram.append(own_gram)
+      self.own_factor.append(own_factor)
 
 
 def needs_stages(olayout, lay) -> bool:
@@ -431,26 +456,26 @@ class _Rows(NamedTuple):
   plain: Sequence  # the plain update's rows
   slices: Sequence  # columns: offset, held group, row position
   tps: Sequence  # columns: offset, Gram block offset, vector position
-  iters: Sequence  # columns: position among the slot's iterated groups
+  iters: Sequence  # per window; columns: position among its iterated groups
 
 
 def _rows(st: Stages, num_plain: int, rows) -> _Rows:
   """The rows of ``num_plain`` plain tables, then of ``st.tables()``."""
   rows = list(rows)
   plain, rows = rows[:num_plain], rows[num_plain:]
-  out = []
-  for tables, trips, cols in (
+  parts = [
     (st.slice_tables, st.slice_trips, 3),
     (st.tp_tables, st.tp_trips, 3),
-    (st.iter_tables, st.iter_trips, 1),
-  ):
+  ] + [(t, trips, 1) for t, trips in zip(st.iter_tables, st.iter_trips)]
+  out = []
+  for tables, trips, cols in parts:
     mine, rows = rows[: len(tables)], rows[len(tables) :]
     typed = []
     for row, trip in zip(mine, trips):
       count, columns = _layout.table_columns(row, cols)
       typed.append((count if trip is None else trip, columns))
     out.append(typed)
-  return _Rows(plain, *out)
+  return _Rows(plain, out[0], out[1], out[2:])
 
 
 def _each(like, types, rows, fn, carry):
@@ -587,8 +612,8 @@ class _Bodies:
       return _set_block(qt, block, fac), x
 
     q = c.owned_factors
-    if w < len(st.group_segments):
-      q = _each((hat, p, c), st.iter_types, r.iters, one_group, q)
+    if w < len(st.iter_types):  # a window of the groups
+      q = _each((hat, p, c), st.iter_types[w], r.iters[w], one_group, q)
     qt, x = _each((hat, p, c), st.tp_types, r.tps, one_tp, (c.tp_factors, c.x))
     return c._replace(owned_factors=q, tp_factors=qt, x=x)
 
@@ -816,14 +841,15 @@ def run(
     c = c._replace(tp_amax=jax.lax.pmax(c.tp_amax, st.tp_axis))
   c = stage(bodies.gram, c)
   for w in range(st.windows):
-    if st.has_groups:
+    # The groups' windows (TP matrices may restart more often).
+    grouped = st.has_groups and w < len(st.schedules)
+    if grouped:
       owned = _exchange(
         st,
         slot,
-        st.own_gram,
-        st.schedule.reduce,
-        st.reduce_send,
-        st.reduce_recv,
+        st.own_gram[w],
+        st.schedules[w].reduce,
+        *st.reduce[w],
         c.held_grams,
         c.owned_grams,
         vary,
@@ -833,14 +859,13 @@ def run(
     if st.has_tp:
       c = c._replace(tp_grams=jax.lax.psum(c.tp_grams, st.tp_axis))
     c = stage(functools.partial(bodies.iterate, w), c)
-    if st.has_groups:
+    if grouped:
       factors = _exchange(
         st,
         slot,
-        st.own_factor,
-        st.schedule.broadcast,
-        st.bcast_send,
-        st.bcast_recv,
+        st.own_factor[w],
+        st.schedules[w].broadcast,
+        *st.broadcast[w],
         c.owned_factors,
         c.held_factors,
         vary,

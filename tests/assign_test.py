@@ -84,6 +84,24 @@ class AssignTest(parameterized.TestCase):
     self.assertLess(held.max(), free.max())
 
 
+class WindowsTest(absltest.TestCase):
+  def test_windows_split_only_under_a_budget(self):
+    # One group: two slices and its iteration in two restart windows (3
+    # and 5). Without a budget (drop-in) a member's slices follow its
+    # work, so the windows stay on one member; with one (a gather's bytes
+    # even: a slice each) each window goes to its own member.
+    units = [
+      MatrixUnit(0, 'w', (i,), (4, 8), 'w', 1.0, 10, group=0) for i in range(2)
+    ]
+    args = ([(10.0, 0, -1)], [(3.0, 5.0)], [[0, 1]], units, [[0, 1]], False)
+    owners, (windows,) = _assign.place(*args)
+    self.assertEqual(len(set(windows)), 1)
+    budget = _assign.Budget([0, 0], [10.2])
+    owners, (windows,) = _assign.place(*args, budget=budget)
+    self.assertEqual(sorted(owners), [0, 1])  # a slice each
+    self.assertEqual(sorted(windows), [0, 1])
+
+
 def apply(per_group, moves):
   """``per_group`` after ``balance``'s moves (what ``slot`` held goes to
   ``move[slot]``)."""

@@ -114,7 +114,8 @@ def busiest(plan, b):
   for u, slot in zip(plan.units, plan.owners):
     units[slot] += u.cost
   for g in plan.groups:
-    iters[g.iteration_owner] += g.iteration_cost
+    for slot, cost in zip(g.iteration_owners, g.iteration_costs):
+      iters[slot] += cost
   s = max(range(plan.num_slots), key=lambda i: (units[i] + iters[i], -i))
   mean = sum(units) / plan.num_slots
   return f'{iters[s] / b:.3f} + {units[s] / b:.3f} | {mean / b:.3f}'

@@ -623,15 +623,20 @@ def balance(
           best = (g, _exchange(grid[ra], grid[r], total, w))
     if best is None:
       break
-    g, move = best
-    w = per_group[g]
-    old = {s: w[s] for s in move}
-    for s, t in move.items():
-      total[t] += old[s] - old[t]
-    for s, t in move.items():
-      w[t] = old[s]
-    moves.append((g, move))
+    _apply(per_group, total, moves, *best)
   return moves
+
+
+def _apply(per_group, total, moves, g, move) -> None:
+  """Moves what slots own in group ``g`` (``move``: slot -> new slot),
+  updating its work and the total (in place), and records the move."""
+  w = per_group[g]
+  old = {s: w[s] for s in move}
+  for s, t in move.items():
+    total[t] += old[s] - old[t]
+  for s, t in move.items():
+    w[t] = old[s]
+  moves.append((g, move))
 
 
 def _balance_rows(per_group, groups, within_row, grid, total, max_rounds):
@@ -658,14 +663,8 @@ def _balance_rows(per_group, groups, within_row, grid, total, max_rounds):
     if best is None:
       break
     g, b = best
-    w = per_group[g]
-    move = _exchange(grid[a], grid[b], total, w)
-    old = {s: w[s] for s in move}
-    for s, t in move.items():
-      total[t] += old[s] - old[t]
-    for s, t in move.items():
-      w[t] = old[s]
-    moves.append((g, move))
+    move = _exchange(grid[a], grid[b], total, per_group[g])
+    _apply(per_group, total, moves, g, move)
   return moves
 
 

@@ -239,7 +239,7 @@ def _move(i, src, dst, units, owners, loads, counts, on_slot, budget, held):
 # whole matrix or a slice, ``ref`` its unit index) or 'iteration' (``ref``
 # ``(group, restart window)``); ``group`` is a slice's or an iteration's
 # group, else -1.
-Piece = tuple[float, int, str, int, int]
+Piece = tuple[float, int, str, int | tuple[int, int], int]
 
 
 def place(
@@ -252,7 +252,7 @@ def place(
   *,
   loads: np.ndarray | None = None,
   budget: Budget | None = None,
-) -> tuple[list[int], list[int]]:
+) -> tuple[list[int], list[tuple[int, ...]]]:
   """Owners of the units and of the groups' iterations.
 
   LPT of the pieces (a whole matrix, or a group with its slices) onto
@@ -263,7 +263,8 @@ def place(
   Args:
     items: the pieces, ``(cost, order, whole unit index | -(group + 1))``.
     iteration_costs: per group, its iteration's cost in each restart
-      window (each window's iteration is a piece of its own).
+      window (with a ``budget`` each window is a piece of its own; without
+      one a group's windows go to one slot).
     group_units: per group, its slices' unit indices.
     units: the units (whole matrices and slices).
     rows: the slots of each row.

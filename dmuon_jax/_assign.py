@@ -53,11 +53,15 @@ class Budget(NamedTuple):
     return np.zeros((len(self.cap), n))
 
   def room(self, held: np.ndarray, unit: int, nbytes: int) -> np.ndarray:
-    """Per slot, whether ``unit`` fits its bucket's cap; where it fits
-    nowhere, the slots holding the fewest bytes of its bucket."""
-    h = held[self.key[unit]]
-    ok = h + nbytes <= self.cap[self.key[unit]]
-    return ok if ok.any() else h == h.min()
+    """Where ``unit`` may go (see :func:`_room`), by its bucket."""
+    return _room(held[self.key[unit]], nbytes, self.cap[self.key[unit]])
+
+
+def _room(held: np.ndarray, nbytes: float, cap: float) -> np.ndarray:
+  """Per place (slot, row or member), whether ``nbytes`` more stay within
+  ``cap``; where they fit nowhere, the places holding the fewest bytes."""
+  ok = held + nbytes <= cap
+  return ok if ok.any() else held == held.min()
 
 
 def assign(
@@ -294,13 +298,8 @@ def place(
       else:
         key = budget.key[group_units[-ref - 1][0]]
         nbytes = sum(units[u].nbytes for u in group_units[-ref - 1])
-      h = row_held[key]
-      ok = h + nbytes <= row_cap[key]
-      r = int(
-        np.argmin(np.where(ok, row_load, np.inf))
-        if ok.any()
-        else np.lexsort((row_load, h))[0]
-      )
+      ok = _room(row_held[key], nbytes, row_cap[key])
+      r = int(np.argmin(np.where(ok, row_load, np.inf)))
       row_held[key, r] += nbytes
     row_load[r] += cost
     if ref >= 0:
@@ -374,8 +373,7 @@ def _members(
     b = nbytes[ref] if kind == 'unit' else 0
     fits = np.arange(row_size)
     if byte_cap is not None:
-      ok = held + b <= byte_cap
-      fits = fits[ok] if ok.any() else fits[held == held.min()]
+      fits = fits[_room(held, b, byte_cap)]
     choice = int(fits[np.argmin(loads[fits])])
     if group >= 0 and kind == 'iteration':
       choice = min(heldby[group], key=lambda m: (loads[m], m))

@@ -190,6 +190,7 @@ class Stages:
       (:mod:`dmuon_jax._gram_exchange`); reduce, broadcast: per window,
       their ``(send, receive)`` tables; own_gram, own_factor: per window,
       a slot's own slices' Grams and factors.
+    group_windows: the groups' restart windows (0 without groups).
     windows: restart windows of the longest iteration.
     tp_block: elements of a slot's TP Grams; vec_tp, vec_groups: lengths
       of the per-matrix vectors.
@@ -294,13 +295,21 @@ class Stages:
     self.block = max(
       (_gram_exchange.triangle_size(g.gram_size) for g in groups), default=0
     )
+    # The groups' restart windows: the optimizer's, each with the plan's
+    # iteration owners of that window.
+    self.group_windows = len(self.group_segments) if groups else 0
+    if len(self.iterated) < self.group_windows:
+      raise ValueError(
+        f'dmuon: the owner plan places {len(self.iterated)} restart '
+        f'window(s) per owner group, but {k} Newton-Schulz iterations run '
+        f"{self.group_windows}; plan with the optimizer's ns_steps."
+      )
     self.windows = max(
-      [len(self.group_segments) if groups else 0]
-      + [len(t.segments) for t, _ in self.tp_types]
+      [self.group_windows] + [len(t.segments) for t, _ in self.tp_types]
     )
     self.schedules = [
       _gram_exchange.schedule(groups, plan.owners, w)
-      for w in range(len(self.iterated))
+      for w in range(self.group_windows)
     ]
     self._exchange_tables()
 
@@ -612,7 +621,7 @@ class _Bodies:
       return _set_block(qt, block, fac), x
 
     q = c.owned_factors
-    if w < len(st.iter_types):  # a window of the groups
+    if w < st.group_windows:
       q = _each((hat, p, c), st.iter_types[w], r.iters[w], one_group, q)
     qt, x = _each((hat, p, c), st.tp_types, r.tps, one_tp, (c.tp_factors, c.x))
     return c._replace(owned_factors=q, tp_factors=qt, x=x)
@@ -678,7 +687,7 @@ class _Bodies:
     # _collectives.zero_after), not at the start of the step.
     tie = _collectives.zero_after(c.held_factors, c.tp_factors)
     x, grams, dot_g = c.x, _zeros_like(c.held_grams, tie), c.group_dots
-    if w < len(st.group_segments):
+    if w < st.group_windows:
       x, grams, dot_g = _each(
         (hat, p, c), st.slice_types, r.slices, one_slice, (x, grams, dot_g)
       )
@@ -842,7 +851,7 @@ def run(
   c = stage(bodies.gram, c)
   for w in range(st.windows):
     # The groups' windows (TP matrices may restart more often).
-    grouped = st.has_groups and w < len(st.schedules)
+    grouped = w < st.group_windows
     if grouped:
       owned = _exchange(
         st,

@@ -368,7 +368,7 @@ class _Costs:
     per = [np.max(self(c)) for c in callees]
     if not n or len(callees) < 2:
       return max(per, default=0.0)
-    index = self._branch_index(ins, caller)
+    index = self._branch_index(ins, caller, len(callees))
     if index is not None:  # each device's own branch, from the program
       return np.array([per[b] for b in index])
     if len(callees) == n:  # one branch per owner slot
@@ -382,10 +382,10 @@ class _Costs:
     )
     return max(per, default=0.0)
 
-  def _branch_index(self, ins, caller) -> np.ndarray | None:
-    """Per device, the branch a ``conditional`` runs where its index is a
-    function of constant tables and the device id (an owner's lookup in a
-    slot -> branch table), else None. An index out of range runs the last
+  def _branch_index(self, ins, caller, k) -> np.ndarray | None:
+    """Per device, the branch a ``conditional`` of ``k`` branches runs
+    where its index is a function of constant tables and the device id (an
+    owner's lookup in a slot -> branch table), else None. An index out of range runs the last
     branch, as in XLA; a predicate's true branch is the first."""
     if not ins.operands or self.lookup.devices != self.n:
       return None
@@ -395,7 +395,6 @@ class _Costs:
       return None
     if index is None or np.shape(index) != (self.n,):
       return None
-    k = len(_hlo_text.callees(ins))
     if index.dtype == bool:
       return np.where(index, 0, 1)
     index = index.astype(np.int64)

@@ -126,9 +126,12 @@ def _check_tree_at_update(
   inner: optax.GradientTransformation,
 ) -> optax.GradientTransformation:
   """Names the leaves added or removed since ``init`` (else optax fails on
-  a bare pytree mismatch)."""
+  a bare pytree mismatch), and a ``params`` leaf that is not an array (an
+  unfiltered Equinox model: optax.partition fails on its structure)."""
 
   def update_fn(updates, state, params=None):
+    if params is not None:
+      _routing.check_array_leaves(params)
     # The AdamW moments keep init's tree and shapes (Muon leaves as
     # MaskedNode; the Muon chain checks their shapes itself).
     adam_mu = optax.tree_utils.tree_get(state.inner_states['adam'], 'mu')

@@ -31,6 +31,55 @@ _HINT_DIMS_TREE = (
   ' structure of params (or a prefix of it) holding MuonDimensionNumbers or'
   ' None at its leaves, or a callable params -> such a tree.'
 )
+NOT_AN_ARRAY_MSG = (
+  'dmuon: param {path!r} is {what}, not an array. The optimizer takes a tree'
+  ' of arrays (or jax.ShapeDtypeStruct): with Equinox, pass the model'
+  "'s arrays, opt.init(eqx.filter(model, eqx.is_array)) and"
+  ' opt.update(grads, state, eqx.filter(model, eqx.is_array)); with other'
+  ' pytree libraries, leave such leaves out of the tree (None, or a static'
+  ' field).'
+)
+
+
+def _is_array_like(x: Any) -> bool:
+  """An array, ``jax.ShapeDtypeStruct``, tracer or Python/NumPy number:
+  what optax's transformations take as a leaf."""
+  return (hasattr(x, 'shape') and hasattr(x, 'dtype')) or isinstance(
+    x, (int, float, complex, np.generic)
+  )
+
+
+def _describe(x: Any) -> str:
+  if callable(x):
+    name = getattr(x, '__qualname__', None) or getattr(x, '__name__', None)
+    return f'a function {name!r}' if name else f'a {type(x).__name__}'
+  shown = repr(x)
+  shown = shown if len(shown) <= 40 else shown[:37] + '...'
+  return f'a {type(x).__name__} ({shown})'
+
+
+def check_array_leaves(tree_or_flat: Any) -> None:
+  """Raises unless every leaf is an array (see :func:`_is_array_like`).
+
+  Args:
+    tree_or_flat: a pytree, or its ``jax.tree_util.tree_flatten_with_path``
+      list of ``(key path, leaf)``.
+
+  Raises:
+    TypeError: naming the first leaf that is not an array (an Equinox
+      model's activation function, a string) and the filter to apply.
+  """
+  flat = tree_or_flat
+  if not isinstance(flat, list):
+    flat = jax.tree_util.tree_flatten_with_path(flat)[0]
+  for key_path, leaf in flat:
+    if not _is_array_like(leaf):
+      raise TypeError(
+        NOT_AN_ARRAY_MSG.format(
+          path=normalize_path(key_path) or '<root>', what=_describe(leaf)
+        )
+      )
+
 
 # Segments whose name contains one of these (lower-cased) are never Muon
 # targets under the default predicate.
@@ -245,6 +294,24 @@ def _align_dims(
     _align_dims(d, t, path + (key,), out, arg)
 
 
+def _same_node(dims: Any, tree: Any) -> bool:
+  """Whether ``dims`` is a pytree node of the type of ``tree``'s root.
+
+  Such a ``dims`` is a tree even if it is callable: ``jax.tree.map`` over
+  :func:`dmuon_jax.muon_labels` of an Equinox model's arrays gives an
+  ``eqx.Module`` that has the model's ``__call__`` (calling it would run
+  the model on the params). A mismatch below the root is then reported as
+  one, naming the path.
+  """
+  node = jax.tree_util.tree_structure(dims, is_leaf=lambda y: y is not dims)
+  root = jax.tree_util.tree_structure(tree, is_leaf=lambda y: y is not tree)
+  return (
+    node.node_data() is not None
+    and root.node_data() is not None
+    and node.node_data()[0] is root.node_data()[0]
+  )
+
+
 def resolve_dimension_numbers(
   tree: Any,
   weight_dimension_numbers: WeightDimNums,
@@ -259,7 +326,9 @@ def resolve_dimension_numbers(
       ``optax.contrib.MuonDimensionNumbers`` (used for every leaf), a tree that
       is a prefix of ``tree`` with ``MuonDimensionNumbers`` or None at its
       leaves (None: not a Muon leaf; an entry covers the whole subtree of
-      ``tree`` below it), or a callable ``tree -> such a value``.
+      ``tree`` below it), or a callable ``tree -> such a value``. A
+      callable pytree node of the type of ``tree``'s root (an ``eqx.Module``
+      made from the params) is taken as a tree, not called.
     arg: the argument's name in the caller's API, for messages
       (``'muon_weight_dimension_numbers'`` for :func:`dmuon_jax.dmuon`).
 
@@ -270,7 +339,7 @@ def resolve_dimension_numbers(
     ValueError: if the dimension-numbers tree does not match ``tree``.
   """
   dims = weight_dimension_numbers
-  if callable(dims) and not _is_dims_leaf(dims):
+  if callable(dims) and not _is_dims_leaf(dims) and not _same_node(dims, tree):
     dims = dims(tree)
   out: list[Any] = []
   _align_dims(dims, tree, (), out, arg)
@@ -375,21 +444,66 @@ def _normalize_axes(
   return axes
 
 
+# Names of a projection's leaf or module (lower-cased), for the hint of
+# _no_dims_message: q/k/v kernels (d_model, heads, head_dim) and output
+# kernels (heads, head_dim, d_model), as Flax's attention and Llama/Gemma
+# ports name them.
+_INPUT_PROJECTION_NAMES = frozenset(
+  {'wq', 'wk', 'wv', 'wqkv', 'q', 'k', 'v', 'qkv', 'query', 'key', 'value'}
+  | {'q_proj', 'k_proj', 'v_proj', 'qkv_proj', 'in_proj', 'q_einsum'}
+  | {'kv_einsum', 'qkv_einsum'}
+)
+_OUTPUT_PROJECTION_NAMES = frozenset(
+  {'wo', 'o', 'o_proj', 'out', 'out_proj', 'output_proj', 'proj_out'}
+  | {'attn_out', 'attn_vec_einsum'}
+)
+# Leaf names that say nothing about the role ('layers/0/attn/out/kernel').
+_GENERIC_LEAF_NAMES = frozenset({'kernel', 'weight', 'w', 'value'})
+
+
+def _projection_name(shown: str) -> str | None:
+  """The last path segment that is not a generic leaf name."""
+  for seg in reversed(_segments(shown)):
+    if seg.lower() not in _GENERIC_LEAF_NAMES:
+      return seg
+  return None
+
+
 def _no_dims_message(shown: str, shape: tuple[int, ...], arg: str) -> str:
-  """The error for a >2-D Muon target without dimension numbers."""
+  """The error for a >2-D Muon target without dimension numbers: the three
+  readings of its axes as matrices, and which one its name suggests."""
   ndim = len(shape)
   stack = MuonDimensionNumbers(reduction_axis=ndim - 2, output_axis=ndim - 1)
   flat = MuonDimensionNumbers(
     reduction_axis=0, output_axis=tuple(range(1, ndim))
   )
+  out = MuonDimensionNumbers(
+    reduction_axis=tuple(range(ndim - 1)), output_axis=ndim - 1
+  )
   count = math.prod(shape[:-2])
+  name = _projection_name(shown)
+  hint = ''
+  if name is not None and name.lower() in _OUTPUT_PROJECTION_NAMES:
+    hint = (
+      f' The name {name!r} suggests an attention output projection: {out}'
+      ' (if it is one).'
+    )
+  elif name is not None and name.lower() in _INPUT_PROJECTION_NAMES:
+    hint = (
+      f' The name {name!r} suggests an input projection (query, key or'
+      f' value): {flat} (if it is one).'
+    )
   return (
     f'dmuon: param {shown!r} has shape {shape} (ndim={ndim}) and was'
     ' selected as a Muon target without dimension numbers, which say how'
     f' to read it as matrices. Either as a stack of {count} matrices'
     f' {shape[-2]}x{shape[-1]} (scanned layers, experts): {stack}; or as'
-    f' one {shape[0]}x{math.prod(shape[1:])} matrix (e.g. an attention'
-    f' kernel (d_model, heads, head_dim)): {flat}. Give the one you mean for'
+    f' one {shape[0]}x{math.prod(shape[1:])} matrix reducing over axis 0'
+    ' (an input projection, e.g. an attention query/key/value kernel'
+    f' (d_model, heads, head_dim)): {flat}; or as one'
+    f' {math.prod(shape[:-1])}x{shape[-1]} matrix reducing over all axes'
+    ' but the last (an output projection, e.g. an attention output kernel'
+    f' (heads, head_dim, d_model)): {out}.{hint} Give the one you mean for'
     f' this leaf in {arg} (a tree like the params, None for AdamW leaves),'
     ' or route the leaf to AdamW.'
   )
@@ -520,6 +634,8 @@ def muon_target_specs(
     ValueError: if a target is not a floating-point matrix of rank >= 2, has
       rank > 2 and no dimension numbers, or its dimension numbers are
       invalid for its shape.
+    TypeError: if a leaf is not an array (e.g. an unfiltered Equinox
+      model's activation function).
   """
   return route(
     params,
@@ -561,6 +677,7 @@ def route(
   """
   check_predicate(predicate)
   with_path, _ = jax.tree_util.tree_flatten_with_path(params)
+  check_array_leaves(with_path)
   have_dims = weight_dimension_numbers is not None
   if have_dims:
     all_dims = resolve_dimension_numbers(

@@ -159,8 +159,13 @@ def _holders(params: Any) -> list[Any]:
 
 def _flat_params(params: Any):
   """``[(path, value, spec)]`` of the array leaves (values unwrapped from
-  ``nnx.Variable``\\ s and Linen boxes; ``spec`` None where unknown)."""
+  ``nnx.Variable``\\ s and Linen boxes; ``spec`` None where unknown).
+
+  Raises a ``TypeError`` naming a leaf that is not an array (an unfiltered
+  Equinox model's function) before anything reads shapes or devices.
+  """
   with_path = jax.tree_util.tree_flatten_with_path(params)[0]
+  _routing.check_array_leaves(with_path)
   return [
     (_routing.normalize_path(k), x, _mesh.leaf_spec(h))
     for (k, x), h in zip(with_path, _holders(params))

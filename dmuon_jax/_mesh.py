@@ -261,6 +261,50 @@ def _box_spec(x: Any) -> P | None:
   return spmd.logical_to_mesh_axes(names, rules)
 
 
+def sharding_names(x: Any) -> bool:
+  """Whether a Flax holder names a sharding (mesh or logical axes) for any
+  dimension of its value."""
+  names = _names_spec(x)
+  return names is not None and any(e for e in spec_entries(names))
+
+
+def _names_spec(x: Any) -> P | None:
+  """The sharding names a Flax holder carries as they are written (Linen
+  box ``names``, ``nnx.Variable`` ``out_sharding``), before any logical
+  axis rules map them; None for anything else."""
+  if is_variable(x):
+    names = x.get_metadata().get('out_sharding')
+    return P(*names) if names else None
+  if is_box(x) and hasattr(x, 'rules') and x.rules is None:
+    names = getattr(x, 'names', None)
+    return None if names is None else P(*names)
+  return None
+
+
+def context_free_spec(x: Any, mesh_axes: Sequence[str]) -> P | None:
+  """The spec of a param as :func:`leaf_spec` reads it where that does not
+  depend on the logical axis rules in effect; else None (unknown).
+
+  ``nn.LogicallyPartitioned`` boxes without rules of their own and
+  ``nnx.Variable``\\ s whose ``out_sharding`` names logical axes are mapped
+  by the rules of the context they are read in: the same params read by
+  ``jax.eval_shape`` outside ``nn.logical_axis_rules`` and by ``jax.jit``
+  inside them (MaxText's and Flax lm1b's ``setup_initial_state``) give two
+  answers. A state's static structure is built from this spec only, so
+  that both traces give the same structure; :func:`leaf_spec` (the rules'
+  answer) is kept beside it as a routing hint.
+  """
+  spec = leaf_spec(x)
+  names = _names_spec(x)
+  if names is None:
+    return spec
+  axes = set(mesh_axes)
+  written = [a for d in spec_entries(names) for a in d]
+  if spec == names and all(a in axes for a in written):
+    return spec  # mesh axis names, which no rules changed
+  return None
+
+
 def leaf_spec(x: Any) -> P | None:
   """The PartitionSpec of a param, where it can be known; else None.
 

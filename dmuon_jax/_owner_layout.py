@@ -90,11 +90,19 @@ class OwnerLayout:
       ``group`` and ``tp_dim`` (the dimension the TP axis splits, or None).
     param_entries: per target leaf, its sharding on the whole mesh as
       per-dimension axis tuples (size-1 axes dropped), or None where it was
-      not known when the layout was built.
+      not known when the layout was built. The update's routes read it;
+      layouts that differ only here compare equal (an ``init`` traced
+      inside and outside ``nn.logical_axis_rules`` gives one tree).
     layers_per_iteration: per group, the layers of a scanned stack gathered
       per scan iteration (1 for loop groups).
     kind: ``'dmuon'`` (momentum of ``scale_by_dmuon``) or ``'dedicated'``
       (owner-stored params and their momentum).
+    momentum: where a ``'dmuon'`` layout keeps the momentum: ``'owners'``
+      (the flat owner buffers: each device holds its own matrices'), or
+      ``'params'`` (one buffer per Muon leaf, sharded as the leaf, as
+      ``optax.contrib.muon`` keeps it: each owner receives its matrices'
+      momentum, not their gradients, by the same collectives), chosen at
+      ``init`` where it holds fewer bytes per device (FSDP params).
 
   Examples:
     >>> import jax, jax.numpy as jnp, dmuon_jax
@@ -119,9 +127,16 @@ class OwnerLayout:
   tp_size: int
   mesh: Any
   leaves: tuple[TargetLeaf, ...]
-  param_entries: tuple[_mesh.Entries | None, ...]
+  # A routing hint, not part of the layout's identity (==, hash): the same
+  # init traced where logical axis rules are in effect and where they are
+  # not gives the same layout and buffers; only the routes of the update
+  # differ (see _transform._routing_hints).
+  param_entries: tuple[_mesh.Entries | None, ...] = dataclasses.field(
+    compare=False
+  )
   layers_per_iteration: tuple[int, ...] = ()
   kind: str = 'dmuon'
+  momentum: str = 'owners'
 
   @classmethod
   def build(
@@ -202,9 +217,18 @@ class OwnerLayout:
     """Whether more than one device holds buffers."""
     return self.num_slots * self.tp_size > 1
 
+  @property
+  def per_leaf(self) -> bool:
+    """Whether the buffers are one per Muon leaf, in the leaves' own
+    shapes and shardings (``momentum='params'``)."""
+    return self.momentum == 'params'
+
   @functools.cached_property
   def buffer_index(self) -> tuple[tuple[int, int], ...]:
-    """``(group, dtype group)`` of each flat buffer, in buffer order."""
+    """``(group, dtype group)`` of each flat buffer, in buffer order
+    (``(group, position in leaves)`` of each per-leaf buffer)."""
+    if self.per_leaf:
+      return tuple((t.group, k) for k, t in enumerate(self.leaves))
     return tuple(
       (g, j) for g, lay in enumerate(self.groups) for j in range(lay.num_groups)
     )
@@ -213,9 +237,16 @@ class OwnerLayout:
     """The buffers of group ``g`` (one per dtype group)."""
     return tuple(b for b, (h, _) in zip(buffers, self.buffer_index) if h == g)
 
-  def split_groups(self, buffers: Sequence[Any]) -> list[tuple]:
-    """The buffers of each group, in group order."""
-    return [self.group_buffers(buffers, g) for g in range(len(self.groups))]
+  def split_groups(self, blocks: Sequence[Any]) -> list[tuple]:
+    """Flat owner blocks (one per group and dtype group, whatever
+    ``momentum`` says), split by group, in group order."""
+    index = [
+      g for g, lay in enumerate(self.groups) for _ in range(lay.num_groups)
+    ]
+    return [
+      tuple(b for b, h in zip(blocks, index) if h == g)
+      for g in range(len(self.groups))
+    ]
 
   @functools.cached_property
   def fingerprint(self) -> str:
@@ -237,7 +268,7 @@ class OwnerLayout:
       self.tp_axis,
       self.tp_size,
       self.leaves,
-    )
+    ) + ((self.momentum,) if self.per_leaf else ())
     return hashlib.sha1(repr(key).encode()).hexdigest()[:8]
 
   @functools.cached_property
@@ -255,14 +286,29 @@ class OwnerLayout:
 
   @functools.cached_property
   def buffer_keys(self) -> tuple[jax.tree_util.DictKey, ...]:
-    """The pytree key of each buffer: ``name``, group and dtype."""
+    """The pytree key of each buffer: ``name``, group and dtype (``name``
+    and the leaf's path for per-leaf buffers)."""
+    if self.per_leaf:
+      return tuple(
+        jax.tree_util.DictKey(f'{self.name}/{t.path}') for t in self.leaves
+      )
     return tuple(
       jax.tree_util.DictKey(f'{self.name}_g{g}_{self.groups[g].dtypes[j]}')
       for g, j in self.buffer_index
     )
 
   def buffer_spec(self, b: int) -> Any:
-    """The PartitionSpec of flat buffer ``b`` on the mesh."""
+    """The PartitionSpec of flat buffer ``b`` on the mesh (None for a
+    per-leaf buffer of a param whose sharding is unknown: it is held as
+    the param is, e.g. as its logical names say)."""
+    if self.per_leaf:
+      e = self.param_entries[b]
+      if e is None:
+        return None
+      e = list(e)
+      while e and not e[-1]:  # as JAX prints a placed array's spec
+        e.pop()
+      return _mesh.entries_spec(e)
     g, _ = self.buffer_index[b]
     axes = self.buffer_axes + ((self.tp_axis,) if self.tp_size > 1 else ())
     axes = axes or None
@@ -277,6 +323,14 @@ class OwnerLayout:
     self, dtypes: Sequence | None = None
   ) -> tuple[jax.ShapeDtypeStruct, ...]:
     """Global buffer shapes (``dtypes`` overrides the dtype of each)."""
+    if self.per_leaf:
+      return tuple(
+        jax.ShapeDtypeStruct(
+          t.shape,
+          jnp.dtype(self.mu_dtype(t.index) if dtypes is None else dtypes[b]),
+        )
+        for b, t in enumerate(self.leaves)
+      )
     out = []
     for b, (g, j) in enumerate(self.buffer_index):
       lay = self.groups[g]
@@ -288,6 +342,12 @@ class OwnerLayout:
 
   def local_shapes(self) -> tuple[tuple[int, ...], ...]:
     """Per buffer, the shape of one device's block."""
+    if self.per_leaf:
+      sizes = dict(self.mesh.shape) if self.mesh is not None else {}
+      return tuple(
+        _mesh.local_shape(t.shape, self.buffer_spec(b), sizes)
+        for b, t in enumerate(self.leaves)
+      )
     out = []
     for g, j in self.buffer_index:
       size = self.groups[g].local_sizes[j]
@@ -300,7 +360,8 @@ class OwnerLayout:
     if mesh is None:
       return (None,) * len(self.buffer_index)
     return tuple(
-      jax.sharding.NamedSharding(mesh, s) for s in self.buffer_specs()
+      None if s is None else jax.sharding.NamedSharding(mesh, s)
+      for s in self.buffer_specs()
     )
 
   def leaf(self, index: int) -> TargetLeaf:
@@ -311,9 +372,18 @@ class OwnerLayout:
   def _by_index(self) -> dict[int, TargetLeaf]:
     return {t.index: t for t in self.leaves}
 
+  def mu_dtype(self, index: int) -> str:
+    """The buffer dtype of leaf ``index``'s matrices."""
+    t = self.leaf(index)
+    lay = self.groups[t.group]
+    i = [s.leaf_index for s in lay.plan.leaves].index(index)
+    return lay.leaf_dtypes[i]
+
   def leaf_buffer(self, index: int) -> int:
     """The flat buffer (position in buffer order) holding a leaf's
     matrices."""
+    if self.per_leaf:
+      return [t.index for t in self.leaves].index(index)
     t = self.leaf(index)
     lay = self.groups[t.group]
     i = [s.leaf_index for s in lay.plan.leaves].index(index)
@@ -365,6 +435,11 @@ class OwnerLayout:
     Returns:
       The flat buffers, in buffer order (global arrays, not yet placed).
     """
+    if self.per_leaf:
+      return tuple(
+        values[t.index] if dtypes is None else values[t.index].astype(d)
+        for t, d in zip(self.leaves, dtypes or [None] * len(self.leaves))
+      )
     values = {i: pad_to(x, self.leaf(i).held_shape) for i, x in values.items()}
     out = []
     for g, lay in enumerate(self.groups):
@@ -392,6 +467,8 @@ class OwnerLayout:
 
   def unpack(self, buffers: Sequence[jax.Array]) -> dict[int, jax.Array]:
     """Inverse of :meth:`pack`: leaf index -> whole array."""
+    if self.per_leaf:
+      return {t.index: b for t, b in zip(self.leaves, buffers)}
     out = {}
     for g, bufs in enumerate(self.split_groups(buffers)):
       lay = self.groups[g]

@@ -474,8 +474,9 @@ def owner_step(
     cfg: the static options.
     hp: the numeric hyperparameters.
     olayout: the layout of the buffers.
-    grads: this device's gradient blocks, one per buffer.
-    mus: its momentum blocks.
+    grads: this device's gradient blocks, one per buffer (with ``mus``
+      None: the momentum to orthogonalize, its step taken already).
+    mus: its momentum blocks, or None (``momentum='params'`` layouts).
     count_inc: the incremented step count.
     params: (dedicated mode) its param blocks, for weight decay.
     decay: leaf indices whose matrices decay (None: no decay here).
@@ -486,7 +487,7 @@ def owner_step(
     the momentum in its own dtype.
   """
   grad_groups = olayout.split_groups(grads)
-  mu_groups = olayout.split_groups(mus)
+  mu_groups = olayout.split_groups(mus) if mus is not None else None
   param_groups = (
     olayout.split_groups(params)
     if params is not None
@@ -507,15 +508,18 @@ def owner_step(
       # previous group's results through a tie that is 0 whatever they hold.
       tie = _collectives.zero_after(*previous)
       grads_g = [x + tie.astype(x.dtype) for x in grads_g]
-    mu_g, h = momentum_update(
-      grads_g,
-      mu_groups[g],
-      count_inc,
-      beta=hp.beta,
-      nesterov=cfg.nesterov,
-      rule=cfg.momentum,
-    )
-    new_mu.extend(mu_g)
+    if mu_groups is None:
+      h = grads_g
+    else:
+      mu_g, h = momentum_update(
+        grads_g,
+        mu_groups[g],
+        count_inc,
+        beta=hp.beta,
+        nesterov=cfg.nesterov,
+        rule=cfg.momentum,
+      )
+      new_mu.extend(mu_g)
     p = param_groups[g]
     if _staged.needs_stages(olayout, lay):
       out.extend(
@@ -545,7 +549,7 @@ def owner_step(
     else:
       res = one(h, p)
     out.extend(res)
-  new_mu = tuple(m.astype(old.dtype) for m, old in zip(new_mu, mus))
+  new_mu = tuple(m.astype(old.dtype) for m, old in zip(new_mu, mus or ()))
   return tuple(out), new_mu
 
 

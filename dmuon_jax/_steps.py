@@ -113,6 +113,14 @@ def explicit_step(cfg, hp, layout, targets, mus, count_inc):
       'it under jit on the sharded gradients (drop-in), or use '
       'dmuon_jax.dedicate.'
     )
+  if layout.per_leaf:
+    raise ValueError(
+      'dmuon: update() inside shard_map (the explicit path) takes '
+      'replicated params, but the optimizer state keeps the momentum of '
+      f"{layout.name} in the params' own sharding (init saw them sharded). "
+      'Call init() on the params as the explicit step holds them '
+      '(replicated).'
+    )
   check_buffers(layout, mus, local=True)
   padded = [t.path for t in layout.leaves if t.padded is not None]
   if padded:
@@ -159,7 +167,7 @@ def explicit_step(cfg, hp, layout, targets, mus, count_inc):
   return new, mu
 
 
-def _update_entries(layout, targets, sizes, allowed):
+def _update_entries(layout, targets, sizes, allowed, update_specs=None):
   """Each target's sharding on the whole mesh: from its type (Explicit
   meshes), else from the layout; unknown ones are treated as replicated
   (warned once).
@@ -185,8 +193,16 @@ def _update_entries(layout, targets, sizes, allowed):
           'the state again with init() on params sharded as in training.'
         )
     else:
+      now = fitting(
+        t,
+        update_specs[len(entries)] if update_specs else None,
+        sizes,
+        layout.buffer_axes,
+      )
       if recorded is not None:
         e = recorded
+      elif now is not None:
+        e = now
       else:
         e = ((),) * len(t.shape)
         unknown.append(t.path)
@@ -202,6 +218,19 @@ def _update_entries(layout, targets, sizes, allowed):
       ),
     )
   return entries, specs
+
+
+def fitting(t, spec, sizes, owner_axes):
+  """``spec``'s entries for target ``t`` where the layout can route from
+  them (owner axes only, even, no padding or TP split); else None."""
+  if spec is None or t.padded is not None or t.tp_dim is not None:
+    return None
+  e = _mesh.normalize_entries(spec, len(t.shape), sizes)
+  if any(a not in owner_axes for d in e for a in d):
+    return None
+  if _mesh.padded_shape(t.shape, e, sizes) != tuple(t.shape):
+    return None
+  return e
 
 
 def _warn_if_forced(layout, b: int, shape, got, sizes) -> None:
@@ -303,9 +332,14 @@ def _owner_entries(layout, entries):
   return owner_entries
 
 
-def drop_in_step(setup, hp, layout, targets, mus, count_inc):
-  """Gradients already reduced, in the params' sharding (plain jit)."""
-  check_buffers(layout, mus, local=False)
+def drop_in_step(setup, hp, layout, targets, mus, count_inc, specs=None):
+  """Gradients already reduced, in the params' sharding (plain jit); with
+  ``mus`` None (``momentum='params'``) the momentum to orthogonalize.
+  ``specs``: per target, a spec read at update (boxed gradients) for
+  those the layout records none of."""
+  mus = [] if mus is None else mus
+  if not layout.per_leaf:
+    check_buffers(layout, mus, local=False)
   mesh = setup.mesh if setup.mesh is not None else layout.mesh
   sizes = dict(mesh.shape)
   if tuple(sizes[a] for a in layout.buffer_axes) != layout.buffer_sizes:
@@ -317,7 +351,8 @@ def drop_in_step(setup, hp, layout, targets, mus, count_inc):
       'dmuon_jax.checkpoint.state_from_portable(state_to_portable(state), '
       'opt.init(params)).'
     )
-  _check_buffer_shardings(layout, mus, mesh)
+  if not layout.per_leaf:
+    _check_buffer_shardings(layout, mus, mesh)
   given = None
   if _mesh.is_explicit(mesh):
     # A state forced into another sharding (warned above) enters the
@@ -332,7 +367,7 @@ def drop_in_step(setup, hp, layout, targets, mus, count_inc):
   allowed = {a: sizes[a] for a in layout.buffer_axes}
   if layout.tp_axis is not None:
     allowed[layout.tp_axis] = layout.tp_size
-  entries, in_specs = _update_entries(layout, targets, sizes, allowed)
+  entries, in_specs = _update_entries(layout, targets, sizes, allowed, specs)
   lay = layout.groups[0]
   owner_entries = _owner_entries(layout, entries)
   ex = _exchange.Exchange(lay, owner_entries)
@@ -343,7 +378,7 @@ def drop_in_step(setup, hp, layout, targets, mus, count_inc):
         paths=[lay.plan.leaves[i].path for i in sorted(ex.gathered)]
       ),
     )
-  buffer_specs = list(layout.buffer_specs())
+  buffer_specs = [] if layout.per_leaf else list(layout.buffer_specs())
   dyn = _owner_update.dynamic(hp)
   # Unevenly sharded leaves: zero-padded here, in the global (GSPMD)
   # domain, to the shape the layout holds them at (a multiple of their
@@ -412,7 +447,7 @@ def _drop_in_body(
   # tables by its slot (see Exchange.by_slot).
   grads = ex.by_slot(lambda rows: ex.pack(rows, recv, full, dtypes))
   ortho, new_mu = _owner_update.owner_step(
-    cfg, hp, layout, grads, mus, count_inc
+    cfg, hp, layout, grads, mus if mus else None, count_inc
   )
   out = [None] * len(targets)
   rep_groups = [g for g in range(lay.num_groups) if ex.rep_size[g]]

@@ -242,8 +242,60 @@ def _leaf_entries(flat, targets, given, info):
   return entries, splits, dims, local, padded
 
 
+def _momentum_placement(layout, structural, params) -> str:
+  """Where the state keeps the momentum (``OwnerLayout.momentum``):
+  ``'params'`` where that holds fewer bytes per device than the owner
+  buffers, else ``'owners'``.
+
+  Read from the context-free specs only (the state's structure must not
+  depend on the logical axis rules in effect): a param whose sharding
+  names only logical rules can map counts as sharded over every owner
+  device, since its momentum is boxed with those names and sharded by
+  the same rules as the param; an unknown one as replicated.
+  """
+  if (
+    layout.kind != 'dmuon'
+    or not layout.distributed
+    or layout.tp_size > 1
+    or any(t.padded is not None for t in layout.leaves)
+  ):
+    return 'owners'
+  sizes = dict(zip(layout.buffer_axes, layout.buffer_sizes))
+  holders = _holders(params)
+  itemsize = lambda i: jnp.dtype(layout.mu_dtype(i)).itemsize
+  owners = sum(
+    math.prod(local) * jnp.dtype(shape.dtype).itemsize
+    for local, shape in zip(layout.local_shapes(), layout.buffer_shapes())
+  )
+  held = 0.0
+  for t in layout.leaves:
+    spec = structural[t.index][2]
+    if spec is not None:
+      devices = math.prod(
+        sizes.get(a, 1) for d in _mesh.spec_entries(spec) for a in d
+      )
+    elif _mesh.sharding_names(holders[t.index]):
+      devices = layout.num_slots
+    else:
+      devices = 1
+    held += math.prod(t.shape) * itemsize(t.index) / devices
+  return 'params' if held < owners else 'owners'
+
+
 def _zero_buffers(params, layout, mesh) -> list[Any]:
   """The layout's zero buffers, placed on ``mesh`` and boxed as the params."""
+  if layout.per_leaf:
+    # Each Muon leaf's momentum, sharded and boxed as the leaf (Flax's
+    # sharding tools map its logical names by the same rules).
+    holders = _holders(params)
+    out = []
+    for b, (t, shape) in enumerate(zip(layout.leaves, layout.buffer_shapes())):
+      buf = jnp.zeros(shape.shape, shape.dtype)
+      spec = layout.buffer_spec(b)
+      if spec is not None:
+        buf = _mesh.place(buf, mesh, spec)
+      out.append(_mesh.rebox(holders[t.index], buf))
+    return out
   # Boxed params (Linen boxes, nnx Variables) give boxed buffers: Flax's
   # sharding tools (nn.get_sharding, nnx.get_partition_spec, ...) then read
   # the buffers' layout from the state as they read the params'.
@@ -258,6 +310,17 @@ def _zero_buffers(params, layout, mesh) -> list[Any]:
   return buffers
 
 
+def _context_free(flat, params, mesh):
+  """``flat`` with each spec replaced by the one its holder gives whatever
+  logical axis rules are in effect (None where the rules decide it; see
+  ``_mesh.context_free_spec``)."""
+  axes = tuple(mesh.axis_names) if mesh is not None else ()
+  return [
+    (path, x, _mesh.context_free_spec(h, axes))
+    for (path, x, _), h in zip(flat, _holders(params))
+  ]
+
+
 def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
   flat = _flat_params(params)
   mesh = _find_mesh(setup, flat)
@@ -268,12 +331,17 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
     weight_dimension_numbers=setup.weight_dimension_numbers,
   )
   given = setup.param_specs or {}
+  # The state's structure (plan, padding, TP splits) is read from the
+  # specs that do not depend on the logical axis rules in effect, so that
+  # jax.eval_shape(init) outside the rules and jax.jit(init) inside them
+  # give equal trees; the rules' answer only steers the update's routes.
+  structural = _context_free(flat, params, mesh)
   info = _mesh.resolve(
     mesh,
     setup.axis_names,
     setup.tensor_parallel_axis,
     sharded_axes=_mesh.sharded_axes(
-      [given.get(path, spec) for path, _, spec in flat]
+      [given.get(path, spec) for path, _, spec in structural]
     ),
   )
   check_tp_preconditioning(info, setup.cfg.preconditioning)
@@ -281,7 +349,7 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
   tp_axis = info.tp_axis if info is not None else None
   tp_size = info.tp_size if info is not None else 1
   entries, splits, dims, local, padded = _leaf_entries(
-    flat, targets, given, info
+    structural, targets, given, info
   )
   leaves, treedef = jax.tree.flatten(params)
   planned = jax.tree.unflatten(
@@ -310,20 +378,29 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
     ungroupable=[i for i, p in enumerate(padded) if p is not None],
   )
   cfg = setup.cfg
+  records = [
+    _owner_layout.TargetLeaf(
+      index=i,
+      path=flat[i][0],
+      shape=tuple(leaves[i].shape),
+      dtype=jnp.dtype(leaves[i].dtype).name,
+      group=0,
+      tp_dim=dims[i],
+      padded=padded[i],
+    )
+    for i in range(len(leaves))
+  ]
+  # The update routes each leaf from its context-free sharding where
+  # known, else from the one the logical axis rules in effect here give.
+  hints = [
+    e
+    if e is not None or info is None or flat[i][0] in given
+    else _steps.fitting(records[i], flat[i][2], sizes, info.owner_axes)
+    for i, e in enumerate(entries)
+  ]
   layout = _owner_layout.OwnerLayout.build(
     [plan],
-    [
-      _owner_layout.TargetLeaf(
-        index=i,
-        path=flat[i][0],
-        shape=tuple(leaves[i].shape),
-        dtype=jnp.dtype(leaves[i].dtype).name,
-        group=0,
-        tp_dim=dims[i],
-        padded=padded[i],
-      )
-      for i in range(len(leaves))
-    ],
+    records,
     dtype_of={
       s.leaf_index: cfg.mu_dtype or leaves[s.leaf_index].dtype
       for s in plan.leaves
@@ -337,7 +414,10 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
     tp_axis=tp_axis,
     tp_size=tp_size,
     mesh=None if info is None else info.abstract,
-    param_entries=entries,
+    param_entries=hints,
+  )
+  layout = dataclasses.replace(
+    layout, momentum=_momentum_placement(layout, structural, params)
   )
   _warn_if_padded(layout)
   buffers = _zero_buffers(params, layout, mesh)
@@ -388,6 +468,19 @@ def check_state_tree(
   return [x for _, x in with_path]
 
 
+def _update_specs(layout, updates) -> list:
+  """Per target leaf, the spec its update's Flax holder gives now (boxed
+  gradients under the logical axis rules in effect), where the layout
+  records none; else None."""
+  if all(e is not None for e in layout.param_entries):
+    return [None] * len(layout.leaves)
+  holders = _holders(updates)
+  return [
+    _mesh.leaf_spec(holders[t.index]) if e is None else None
+    for t, e in zip(layout.leaves, layout.param_entries)
+  ]
+
+
 def _update(
   setup: _Setup, hp: _owner_update.Hyperparams, updates, state, params=None
 ):
@@ -403,6 +496,21 @@ def _update(
   count_inc = optax.safe_increment(state.count)
   cfg = setup.cfg
   manual = _collectives.manual_axes()
+  mus, routed = state.mu.buffers, targets
+  if layout.per_leaf:
+    # The momentum lives where the params do: its step runs there, and the
+    # owners receive the momentum to orthogonalize by the routes the
+    # gradients would take.
+    _steps.check_buffers(layout, mus, local=False)
+    new_mu, routed = _owner_update.momentum_update(
+      targets,
+      mus,
+      count_inc,
+      beta=hp.beta,
+      nesterov=cfg.nesterov,
+      rule=cfg.momentum,
+    )
+    mus = None
   if not layout.distributed:
     _steps.check_buffers(layout, state.mu, local=False)
     lay = layout.groups[0]
@@ -412,13 +520,19 @@ def _update(
     )
     new = lay.unpack_full(ortho)
   elif set(layout.buffer_axes) & manual:
-    new, mu = _steps.explicit_step(
-      cfg, hp, layout, targets, state.mu.buffers, count_inc
-    )
+    new, mu = _steps.explicit_step(cfg, hp, layout, routed, mus, count_inc)
   else:
     new, mu = _steps.drop_in_step(
-      setup, hp, layout, targets, state.mu.buffers, count_inc
+      setup,
+      hp,
+      layout,
+      routed,
+      mus,
+      count_inc,
+      specs=_update_specs(layout, updates),
     )
+  if layout.per_leaf:
+    mu = [m.astype(b.dtype) for m, b in zip(new_mu, state.mu.buffers)]
   # optax.contrib.muon's dtype: its momentum (mu_dtype, else the params'
   # dtype) promoted with the gradient's, e.g. float32 updates for float32
   # params and bfloat16 gradients.

@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dmuon_jax import _dedication, _mesh, _owner_layout
+from dmuon_jax import _dedication, _mesh, _owner_layout, _states
 
 
 def is_abstract(st) -> bool:
@@ -152,14 +152,45 @@ def _params_mesh(params):
   return None
 
 
+def _abstract_init(init, *args):
+  """``init(*args)``'s shapes, dtypes and compiled shardings, jitted (a
+  trace and a compile: nothing runs, nothing is allocated)."""
+  traced = jax.jit(init).trace(*args)
+  shardings = traced.lower().compile().output_shardings
+  return jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+    traced.out_info,
+    shardings,
+  )
+
+
+def _unknown_specs(state) -> bool:
+  """Whether a dmuon state in ``state`` records params of unknown sharding."""
+  states = jax.tree.leaves(state, is_leaf=_states.is_dmuon_state)
+  return any(
+    None in x.mu.layout.param_entries
+    for x in states
+    if _states.is_dmuon_state(x)
+  )
+
+
 def target_state(opt, params):
   """The state to restore into: ``opt`` itself if it is a state, else
-  ``opt.init(params)``'s shapes, dtypes and shardings, abstractly.
+  ``opt.init(params)``'s layouts, shapes, dtypes and shardings, abstractly.
 
   Nothing is allocated (a fresh state would double the optimizer's memory
   while the checkpoint is read). ``jax.eval_shape`` alone gives no devices
   (no shardings on Auto meshes, ``AbstractMesh`` ones on Explicit meshes),
   so the shardings come from compiling ``opt.init`` (not running it).
+
+  The params are jit arguments there, so the state's other leaves (AdamW
+  moments) are typed and placed from them, as a jitted init places them.
+  But on Auto meshes such tracers carry no sharding, and the dmuon layouts
+  would record the params as replicated (an all-gather where a fresh
+  ``opt.init(params)`` routes an all-to-all). Then each dmuon state comes
+  from a second trace with the params closed over instead: init reads the
+  placed arrays' shardings, as eagerly (closed-over arrays are hoisted as
+  arguments of the compiled program: nothing is copied or embedded).
   """
   if not _is_optimizer(opt):
     return opt
@@ -167,10 +198,15 @@ def target_state(opt, params):
   # Explicit-mesh params type-check only inside their mesh's context.
   ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
   with ctx:
-    traced = jax.jit(opt.init).trace(params)
-    shardings = traced.lower().compile().output_shardings
-  return jax.tree.map(
-    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-    traced.out_info,
-    shardings,
+    target = _abstract_init(opt.init, params)
+    if not _unknown_specs(target):
+      return target
+    placed = _abstract_init(lambda: opt.init(params))
+  leaves, treedef = jax.tree.flatten(target, is_leaf=_states.is_dmuon_state)
+  found, found_def = jax.tree.flatten(placed, is_leaf=_states.is_dmuon_state)
+  if found_def != treedef:  # an init that builds its tree from the values
+    return target
+  return jax.tree.unflatten(
+    treedef,
+    [y if _states.is_dmuon_state(y) else x for x, y in zip(leaves, found)],
   )

@@ -504,8 +504,10 @@ def restore(
       (their layout and placement).
     opt: what to restore the optimizer state into: an optimizer (anything
       with ``init``: an ``optax.GradientTransformation`` or any optax
-      wrapper of one, ``optax.MultiSteps`` included; its state is made by
-      ``opt.init`` on the restored params), a state laid out as wanted
+      wrapper of one, ``optax.MultiSteps`` included; its state is laid out
+      as ``opt.init`` lays it out on the restored params, abstractly: its
+      dmuon layouts record ``params_like``'s shardings, on Auto meshes
+      too), a state laid out as wanted
       (``opt.init(params)`` or ``jax.eval_shape`` of it), or None to
       restore the params only.
     step: the step to restore (default: the latest complete one). An

@@ -538,6 +538,22 @@ class OwnerLayout:
     itemsizes = [jnp.dtype(d).itemsize for d in lay.dtypes]
     return self.exchange(param_entries).predicted_bytes(itemsizes)
 
+  def momentum_share(self) -> tuple[float, float]:
+    """``(bytes, even)``: the momentum one device holds (the busiest, for
+    owner buffers), and the even share, all Muon momentum over the owner
+    devices (what ``optax.contrib.muon`` holds on params sharded over all
+    of them)."""
+    shapes = self.buffer_shapes()
+    held = sum(
+      math.prod(local) * jnp.dtype(s.dtype).itemsize
+      for local, s in zip(self.local_shapes(), shapes)
+    )
+    total = sum(
+      math.prod(t.shape) * jnp.dtype(self.mu_dtype(t.index)).itemsize
+      for t in self.leaves
+    )
+    return float(held), total / (self.num_slots * self.tp_size)
+
   def padding(self) -> tuple[list[TargetLeaf], int]:
     """The unevenly sharded leaves held zero-padded, and how many elements
     the padding adds."""
@@ -557,6 +573,26 @@ class OwnerLayout:
       lines.append(
         '  predicted update bytes per device: '
         + ', '.join(f'{k} {_cost.human_bytes(v)}' for k, v in predicted.items())
+      )
+      known = [e for e in self.param_entries if e is not None]
+      sharded = sum(1 for e in known if any(e))
+      lines.append(
+        f'  param shardings read: {sharded} sharded, '
+        f'{len(known) - sharded} replicated, '
+        f'{len(self.param_entries) - len(known)} unknown'
+      )
+    if self.kind == 'dmuon' and self.distributed:
+      held, even = self.momentum_share()
+      where = (
+        "as the params (one buffer per leaf, optax's layout)"
+        if self.per_leaf
+        else 'in owner buffers'
+      )
+      lines.append(
+        f'  momentum {where}: {_cost.human_bytes(held)} per device'
+        + (' (the busiest)' if not self.per_leaf else '')
+        + f', {held / max(even, 1):.2f}x the even share '
+        f'{_cost.human_bytes(even)}'
       )
     padded, extra = self.padding()
     if padded:
@@ -585,7 +621,7 @@ class OwnerLayout:
           )
         )
     if len(self.groups) == 1:
-      lines.append(self.groups[0].plan.summary())
+      lines.append(self.groups[0].plan.summary(paths=self.kind != 'dmuon'))
     return '\n'.join(lines)
 
 

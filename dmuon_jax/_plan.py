@@ -334,15 +334,20 @@ class OwnershipPlan:
       return 1.0
     return max(costs) / (total / len(costs))
 
-  def summary(self) -> str:
+  def summary(self, paths: bool = True) -> str:
     """A human-readable, multi-line description of the plan.
+
+    Args:
+      paths: (optional, default True) whether to list the predicted bytes
+        of each path (:meth:`collective_bytes`): a plan does not know the
+        params' shardings; a state's layout, which does, leaves them out.
 
     Returns:
       A header (matrices, slots, mesh axes, total predicted Newton–Schulz
       FLOPs, imbalance) followed by one section per slot listing its
       coordinates, cost, bytes and matrices.
     """
-    return '\n'.join(self._summary_lines())
+    return '\n'.join(self._summary_lines(paths))
 
   def collective_bytes(self) -> dict[str, float]:
     """Predicted per-device collective bytes of one dmuon step, by path.
@@ -380,14 +385,15 @@ class OwnershipPlan:
       'all-reduce floor': ring_bytes('all-reduce', n, sum(self.slot_bytes())),
     }
 
-  def _summary_lines(self) -> list[str]:
+  def _summary_lines(self, paths: bool = True) -> list[str]:
     """The lines of :meth:`summary`; sections are appended in order."""
     lines = self._summary_header_lines()
-    lines.append('  predicted collective bytes per device per step:')
-    lines.extend(
-      f'    {path}: {human_bytes(b)}'
-      for path, b in self.collective_bytes().items()
-    )
+    if paths:
+      lines.append('  predicted collective bytes per device per step:')
+      lines.extend(
+        f'    {path}: {human_bytes(b)}'
+        for path, b in self.collective_bytes().items()
+      )
     lines.extend(self._summary_slot_lines())
     return lines
 

@@ -41,7 +41,15 @@ UNKNOWN_SPECS_MSG = (
   '(mapped by nn.logical_to_mesh(..., rules) for logical names), or '
   'jax.tree.map(lambda x: x.sharding, params) taken outside the jitted '
   'function (x.sharding raises on tracers). Or use a mesh with Explicit '
-  'axes.'
+  'axes.{momentum}'
+)
+
+UNKNOWN_MOMENTUM_MSG = (
+  ' Not knowing the shardings, init also kept the momentum in owner '
+  'buffers: {held} on the busiest device, {ratio:.2f}x the even share '
+  "({even}) that optax.contrib.muon's momentum holds on params sharded "
+  'over all {devices} devices; with their shardings known, init keeps it '
+  'as the params are sharded where that is smaller.'
 )
 
 FORCED_MSG = (
@@ -214,7 +222,10 @@ def _update_entries(layout, targets, sizes, allowed, update_specs=None):
     warn_once(
       (layout.name, 'unknown'),
       UNKNOWN_SPECS_MSG.format(
-        name=layout.name, count=len(unknown), paths=', '.join(shown)
+        name=layout.name,
+        count=len(unknown),
+        paths=', '.join(shown),
+        momentum=_unknown_momentum(layout),
       ),
     )
   return entries, specs
@@ -231,6 +242,20 @@ def fitting(t, spec, sizes, owner_axes):
   if _mesh.padded_shape(t.shape, e, sizes) != tuple(t.shape):
     return None
   return e
+
+
+def _unknown_momentum(layout) -> str:
+  """The state-size sentence of the unknown-shardings warning (empty
+  where the owner buffers hold at most 1.10x the even share)."""
+  held, even = layout.momentum_share()
+  if layout.per_leaf or held <= 1.10 * even:
+    return ''
+  return UNKNOWN_MOMENTUM_MSG.format(
+    held=_cost.human_bytes(held),
+    ratio=held / even,
+    even=_cost.human_bytes(even),
+    devices=layout.num_slots * layout.tp_size,
+  )
 
 
 def _warn_if_forced(layout, b: int, shape, got, sizes) -> None:

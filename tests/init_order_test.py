@@ -190,6 +190,7 @@ class Lm1bOrderTest(absltest.TestCase):
     )
     (layout,) = dmuon_jax.owner_layouts(state.opt_state)
     self.assertEqual(layout.momentum, 'params')
+    self.assertIn('1.00x the even share', layout.summary())
     # The rules' shardings steer the routes: all-to-all, no all-gather.
     bytes_ = layout.collective_bytes()
     self.assertGreater(bytes_['all-to-all'], 0)
@@ -306,6 +307,39 @@ class NnxOrderTest(absltest.TestCase):
     for _ in range(STEPS):
       step(model, opt, x)
     return nnx.state(model, nnx.Param), opt
+
+
+class BoxesOutsideAnyContextTest(absltest.TestCase):
+  def test_partitioned_boxes_read_as_the_boxes_say(self):
+    """nanodo's order with ``dmuon(mesh=mesh)`` and no ``jax.set_mesh``:
+    ``nn.Partitioned`` names (mesh axes) read as sharded, and the summary
+    reports what was read (not a replicated-params figure)."""
+    mesh = support.make_mesh((2, 4), kind=AxisType.Auto)
+    model = LinenLm()
+    boxed = model.init(jax.random.key(0), _tokens()[:, :-1])['params']
+    # The same model with mesh axes as names: 'embed' -> 'shard'.
+    boxed = jax.tree.map(
+      lambda b: nn.Partitioned(
+        b.value, tuple('shard' if n == 'embed' else None for n in b.names)
+      ),
+      boxed,
+      is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned),
+    )
+    opt = dmuon_jax.dmuon(LR, mesh=mesh)
+    abstract = jax.eval_shape(opt.init, boxed)
+    state = jax.jit(opt.init, out_shardings=nn.get_sharding(abstract, mesh))(
+      boxed
+    )
+    (layout,) = dmuon_jax.owner_layouts(state)
+    self.assertNotIn(None, layout.param_entries)
+    summary = layout.summary()
+    self.assertIn('4 sharded, 0 replicated, 0 unknown', summary)
+    self.assertNotIn('replicated params', summary)
+    # Sharded over 'shard' only (4 of 8 devices): optax's momentum would
+    # be 2x the even share; the owner buffers hold no more.
+    held, even = layout.momentum_share()
+    self.assertEqual(layout.momentum, 'owners')
+    self.assertLessEqual(held, 2 * even)
 
 
 # A plain-JAX FSDP transformer: dict params, 3-D attention kernels.

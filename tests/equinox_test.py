@@ -4,12 +4,15 @@ An ``eqx.Module`` holds arrays and other leaves (here an activation
 function). ``optax`` takes the arrays only (``eqx.filter(model,
 eqx.is_array)``); given the whole model, dmuon names the leaf that is not an
 array and the filter. A dimension-numbers tree made from the params is an
-``eqx.Module`` too, callable when the model is: it is read as a tree.
+``eqx.Module`` too, callable when the model is: it is read as a tree. An
+FSDP trainer's checkpoint saved on 8 devices goes on on 4.
 """
 
 import functools
 import math
 import re
+import tempfile
+import warnings
 from collections.abc import Callable
 
 import equinox as eqx
@@ -22,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers as MDN
 
 import dmuon_jax
+from dmuon_jax import checkpoint
 from tests import support
 
 D, HEADS, HEAD_DIM, HIDDEN, VOCAB = 16, 2, 8, 32, 32
@@ -127,12 +131,8 @@ def setup():
   return model, params, muon_dims(params), tokens
 
 
-def train(opt, model, tokens, steps=STEPS):
-  """An Equinox training loop: ``eqx.filter_jit``, ``filter_value_and_grad``.
-
-  Returns the final model's arrays (on the host) and the losses.
-  """
-  state = opt.init(eqx.filter(model, eqx.is_array))
+def make_step(opt):
+  """An Equinox train step: ``eqx.filter_jit``, ``filter_value_and_grad``."""
 
   @eqx.filter_jit
   def step(model, state, tokens):
@@ -141,21 +141,49 @@ def train(opt, model, tokens, steps=STEPS):
     updates, state = opt.update(grads, state, params)
     return eqx.apply_updates(model, updates), state, loss
 
+  return step
+
+
+def run_steps(step, model, state, tokens, steps):
+  """``steps`` calls of ``step``: the model, the state and the losses."""
   losses = []
   for _ in range(steps):
     model, state, loss = step(model, state, tokens)
     losses.append(float(loss))
+  return model, state, losses
+
+
+def train(opt, model, tokens, steps=STEPS):
+  """An Equinox training loop (:func:`make_step`) from ``opt.init``.
+
+  Returns the final model's arrays (on the host) and the losses.
+  """
+  state = opt.init(eqx.filter(model, eqx.is_array))
+  model, _, losses = run_steps(make_step(opt), model, state, tokens, steps)
   return jax.device_get(eqx.filter(model, eqx.is_array)), losses
 
 
 @functools.cache
-def optax_reference():
-  """``optax.contrib.muon`` on one device, with the same routing. optax
-  calls a callable ``muon_weight_dimension_numbers`` (so it would call the
-  ``Model`` of dimension numbers): a function returns it."""
+def optax_reference_history():
+  """``optax.contrib.muon`` on one device, with the same routing, for
+  ``2 * STEPS`` steps: the arrays after each step (on the host) and the
+  losses. optax calls a callable ``muon_weight_dimension_numbers`` (so it
+  would call the ``Model`` of dimension numbers): a function returns it."""
   model, _, dims, tokens = setup()
   opt = optax.contrib.muon(LR, muon_weight_dimension_numbers=lambda _: dims)
-  return train(opt, model, tokens)
+  step, state = make_step(opt), opt.init(eqx.filter(model, eqx.is_array))
+  history, losses = [], []
+  for _ in range(2 * STEPS):
+    model, state, loss = step(model, state, tokens)
+    history.append(jax.device_get(eqx.filter(model, eqx.is_array)))
+    losses.append(float(loss))
+  return history, losses
+
+
+def optax_reference(steps=STEPS):
+  """``(arrays, losses)`` after ``steps`` (<= 2 * STEPS) of the reference."""
+  history, losses = optax_reference_history()
+  return history[steps - 1], losses[:steps]
 
 
 class NotArraysTest(absltest.TestCase):
@@ -251,6 +279,65 @@ class TrainTest(parameterized.TestCase):
     self.assertLess(losses[-1], losses[0])
     self.assertLess(max(abs(a - b) for a, b in zip(losses, want_losses)), 1e-5)
     support.assert_trees_rel_close(self, got, want, rtol=1e-5)
+
+
+class RestoreOnFourDevicesTest(absltest.TestCase):
+  """An FSDP trainer saved on 8 devices goes on from its checkpoint on 4."""
+
+  def test_restore_onto_4_devices_matches_optax_muon(self):
+    model, params, dims, tokens = setup()
+    # 3 steps on 8 devices, FSDP over 'shard' as in TrainTest.
+    mesh8 = support.make_mesh((2, 4), kind=AxisType.Auto)
+    opt8 = dmuon_jax.dmuon(LR, mesh=mesh8, muon_weight_dimension_numbers=dims)
+    model8 = eqx.filter_shard(model, support.fsdp_shardings(params, mesh8))
+    params8 = eqx.filter(model8, eqx.is_array)
+    tokens8 = jax.device_put(tokens, NamedSharding(mesh8, P(support.AXES)))
+    model8, state8, losses = run_steps(
+      make_step(opt8), model8, opt8.init(params8), tokens8, STEPS
+    )
+    # The restarted run: 4 devices, params_like ShapeDtypeStructs sharded
+    # over 'batch', the optimizer on that mesh.
+    mesh4 = support.make_mesh((4,), ('batch',), kind=AxisType.Auto)
+    opt4 = dmuon_jax.dmuon(LR, mesh=mesh4, muon_weight_dimension_numbers=dims)
+    shardings4 = support.fsdp_shardings(params, mesh4, ('batch',))
+    params_like = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      params,
+      shardings4,
+    )
+    with warnings.catch_warnings():
+      # A layout that lost params_like's shardings warns at the update.
+      warnings.simplefilter('error', dmuon_jax.DMuonWarning)
+      with tempfile.TemporaryDirectory() as directory:
+        checkpoint.save(
+          directory, STEPS, eqx.filter(model8, eqx.is_array), state8, opt=opt8
+        )
+        step, params4, state4 = checkpoint.restore(directory, params_like, opt4)
+      self.assertEqual(step, STEPS)
+      self.assertEqual(jax.tree.map(lambda x: x.sharding, params4), shardings4)
+      (restored,) = dmuon_jax.owner_layouts(state4)
+      (fresh,) = dmuon_jax.owner_layouts(opt4.init(params4))
+      # param_entries is compared on its own too: it may leave ==.
+      self.assertEqual(restored.param_entries, fresh.param_entries)
+      self.assertEqual(restored, fresh)
+      self.assertEqual(restored.collective_bytes(), fresh.collective_bytes())
+      # 3 more steps there.
+      model4 = eqx.combine(params4, model)
+      tokens4 = jax.device_put(tokens, NamedSharding(mesh4, P('batch')))
+      model4, _, more = run_steps(
+        make_step(opt4), model4, state4, tokens4, STEPS
+      )
+    want, want_losses = optax_reference(2 * STEPS)
+    got_losses = losses + more
+    self.assertLess(
+      max(abs(a - b) for a, b in zip(got_losses, want_losses)), 1e-5
+    )
+    support.assert_trees_rel_close(
+      self,
+      jax.device_get(eqx.filter(model4, eqx.is_array)),
+      want,
+      support.OPTAX_F32_RTOL,
+    )
 
 
 if __name__ == '__main__':

@@ -63,6 +63,10 @@ class Dedication:
   stack per scan iteration. Owner slots are numbered in buffer order:
   row-major over :attr:`buffer_axes` (the shard axes, then the replicate
   axis), so that a device's block of a gathered buffer is at its slot.
+  Dedications compare equal (and hash) by value: two dedications of the
+  same params on the same mesh with the same options are one static value
+  (e.g. in a ``TrainState`` traced by ``jax.eval_shape`` and by
+  ``jax.jit``).
 
   Attributes:
     plan: the global owner plan (slots in mesh order, as
@@ -132,6 +136,35 @@ class Dedication:
   tensor_parallel_axis: str | None = None
   ns_algorithm: str = 'auto'
   layers_per_gather_choice: str = 'given'
+
+  # Equal by value: a trainer's init traced twice (``jax.eval_shape``, then
+  # ``jax.jit`` in another context: Flax lm1b's and MaxText's
+  # ``setup_initial_state``) dedicates twice, and the two results must be
+  # one static value where they end up in a pytree's metadata (a
+  # ``TrainState``'s ``apply_fn`` and ``tx`` hold them).
+  @functools.cached_property
+  def _key(self) -> tuple[Any, ...]:
+    leaves, treedef = jax.tree.flatten(self.abstract_params)
+    fields = tuple(
+      getattr(self, f.name)
+      for f in dataclasses.fields(self)
+      if f.name != 'abstract_params'
+    )
+    return (*fields, treedef, tuple(leaves))
+
+  @functools.cached_property
+  def _hash(self) -> int:
+    return hash(self._key)
+
+  def __eq__(self, other: object) -> bool:
+    if self is other:
+      return True
+    if not isinstance(other, Dedication):
+      return NotImplemented
+    return self._hash == other._hash and self._key == other._key
+
+  def __hash__(self) -> int:
+    return self._hash
 
   @property
   def num_slots(self) -> int:

@@ -102,7 +102,7 @@ def gathered(
   if traced is None:
     traced = any(isinstance(x, jax.core.Tracer) for x in local)
   ctx = ACTIVE.get()
-  cache = ctx.groups if ctx is not None and ctx.md is md else {}
+  cache = ctx.groups if ctx is not None and ctx.md == md else {}
   # Keyed by the trace and the buffers themselves (kept alive by the
   # entry): a tracer id of a finished trace (a scan body traced twice) may
   # come again, and a block under a lifted transform of its own (nn.remat)

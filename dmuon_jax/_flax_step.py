@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -46,7 +47,10 @@ def dedicated_muon(
     **kwargs: every other argument of :func:`dmuon_jax.dedicated_muon`.
 
   Returns:
-    A ``optax.GradientTransformation`` over the model's param state.
+    A ``optax.GradientTransformation`` over the model's param state; two
+    made with equal arguments (equal dedications) compare equal, as a
+    ``TrainState``'s ``tx`` made in ``jax.eval_shape`` and again in
+    ``jax.jit`` must.
 
   Examples:
     >>> import jax, jax.numpy as jnp, dmuon_jax.flax as dflax
@@ -60,20 +64,97 @@ def dedicated_muon(
     >>> [layout.kind for layout in dmuon_jax.owner_layouts(optimizer.opt_state)]
     ['dedicated']
   """
-  md = dedication
-  ded = md.dedication
-  core = _dedicated_muon.dedicated_muon(ded, learning_rate, **kwargs)
-  buffer_of = {p: k for k, p in enumerate(md.buffer_paths)}
-  leaf_of = {p: i for i, p in enumerate(md.rest_paths) if p is not None}
-  holes = set(md.placeholder_paths)
+  muon = _ModelMuon(
+    dedication,
+    learning_rate,
+    tuple(sorted(kwargs.items())),
+    _dedicated_muon.dedicated_muon(
+      dedication.dedication, learning_rate, **kwargs
+    ),
+  )
+  return optax.GradientTransformation(_Init(muon), _Update(muon))
 
-  value = _mesh.unbox  # of an nnx.Variable or a Linen box
 
-  def to_core(tree, what, boxes=False):
+def _same(a: Any, b: Any) -> bool:
+  """Whether two factory arguments are the same value: equal leaves
+  (concrete arrays by their contents; tracers, and anything ``==`` cannot
+  tell, only where identical)."""
+  if a is b:
+    return True
+  leaves_a, tree_a = jax.tree.flatten(a)
+  leaves_b, tree_b = jax.tree.flatten(b)
+  if tree_a != tree_b:
+    return False
+  for x, y in zip(leaves_a, leaves_b):
+    if x is y:
+      continue
+    if isinstance(x, jax.core.Tracer) or isinstance(y, jax.core.Tracer):
+      return False
+    if hasattr(x, 'shape') or hasattr(y, 'shape'):
+      if not (
+        np.shape(x) == np.shape(y)
+        and np.result_type(x) == np.result_type(y)
+        and np.array_equal(x, y)
+      ):
+        return False
+      continue
+    try:
+      if not bool(x == y):
+        return False
+    except Exception:  # no verdict: not the same value
+      return False
+  return True
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _ModelMuon:
+  """:func:`dedicated_muon`'s optimizer over a dedicated model's params.
+
+  Equal for equal arguments (the dedication by value): a trainer's init
+  that builds it, traced twice (``jax.eval_shape``, then ``jax.jit``),
+  gives one ``TrainState.tx``, which JAX compares as pytree metadata.
+  """
+
+  md: ModelDedication
+  learning_rate: Any
+  kwargs: tuple[tuple[str, Any], ...]
+  core: optax.GradientTransformation
+
+  def __eq__(self, other: object) -> bool:
+    if self is other:
+      return True
+    if not isinstance(other, _ModelMuon):
+      return NotImplemented
+    return (
+      self.md == other.md
+      and _same(self.learning_rate, other.learning_rate)
+      and [k for k, _ in self.kwargs] == [k for k, _ in other.kwargs]
+      and all(
+        _same(a, b)
+        for (_, a), (_, b) in zip(self.kwargs, other.kwargs, strict=True)
+      )
+    )
+
+  def __hash__(self) -> int:
+    return hash(self.md)
+
+  @functools.cached_property
+  def _paths(self) -> tuple[dict, dict, frozenset]:
+    md = self.md
+    return (
+      {p: k for k, p in enumerate(md.buffer_paths)},
+      {p: i for i, p in enumerate(md.rest_paths) if p is not None},
+      frozenset(md.placeholder_paths),
+    )
+
+  def to_core(self, tree, what, boxes=False):
     # boxes: Linen boxes kept (init: optax's moments keep them, the owner
     # momentum takes the owned buffers'), so that Flax's sharding tools read
     # the state's shardings as they read the params'. nnx.Optimizer copies
     # its params' Variable metadata into its state itself.
+    md, ded = self.md, self.md.dedication
+    buffer_of, leaf_of, holes = self._paths
+    value = _mesh.unbox  # of an nnx.Variable or a Linen box
     keep = lambda x: x if boxes and _mesh.is_box(x) else value(x)
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_mesh.is_boxed)[0]
     owned = [None] * len(md.buffer_paths)
@@ -106,13 +187,14 @@ def dedicated_muon(
       rest=jax.tree.unflatten(ded.treedef, rest),
     )
 
-  def from_core(dp, like):
-    rest = ded.treedef.flatten_up_to(dp.rest)
+  def from_core(self, dp, like):
+    buffer_of, leaf_of, holes = self._paths
+    rest = self.md.dedication.treedef.flatten_up_to(dp.rest)
 
     def pick(keys, x):
       p = _flax_plan.path(keys)
       if p in holes:
-        return jnp.zeros_like(value(x))
+        return jnp.zeros_like(_mesh.unbox(x))
       new = (
         dp.owned.buffers[buffer_of[p]] if p in buffer_of else rest[leaf_of[p]]
       )
@@ -120,22 +202,36 @@ def dedicated_muon(
 
     return jax.tree_util.tree_map_with_path(pick, like, is_leaf=_mesh.is_box)
 
-  def init_fn(params):
-    return core.init(to_core(params, 'init()', boxes=True))
 
-  def update_fn(updates, state, params=None):
-    u, new_state = core.update(
-      to_core(updates, 'update()'),
-      jax.tree.map(value, state, is_leaf=_mesh.is_box),
-      None if params is None else to_core(params, 'update()'),
+@dataclasses.dataclass(frozen=True, repr=False)
+class _Init:
+  """``init`` of :func:`dedicated_muon` (equal for equal optimizers)."""
+
+  muon: _ModelMuon
+
+  def __call__(self, params: Any) -> Any:
+    muon = self.muon
+    return muon.core.init(muon.to_core(params, 'init()', boxes=True))
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _Update:
+  """``update`` of :func:`dedicated_muon` (equal for equal optimizers)."""
+
+  muon: _ModelMuon
+
+  def __call__(self, updates: Any, state: Any, params: Any = None) -> Any:
+    muon = self.muon
+    u, new_state = muon.core.update(
+      muon.to_core(updates, 'update()'),
+      jax.tree.map(_mesh.unbox, state, is_leaf=_mesh.is_box),
+      None if params is None else muon.to_core(params, 'update()'),
     )
     # The state's boxes (from init) kept.
     new_state = jax.tree.map(
       _mesh.rebox, state, new_state, is_leaf=_mesh.is_box
     )
-    return from_core(u, updates), new_state
-
-  return optax.GradientTransformation(init_fn, update_fn)
+    return muon.from_core(u, updates), new_state
 
 
 def _manual_spec(x: Any, axes: frozenset[str]) -> P:

@@ -194,6 +194,13 @@ _RUNNING: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
 class ModelDedication:
   """What :func:`dedicate` did to an NNX model.
 
+  Linen dedications (:func:`dedicate_linen`) compare equal by value, and so
+  do their ``apply`` and the optimizers :func:`dedicated_muon` makes of
+  them with equal arguments: a trainer's init that dedicates, traced by
+  ``jax.eval_shape`` and again by ``jax.jit``, gives one ``TrainState``
+  structure. An NNX dedication equals only itself (its boundary modules
+  find it by its ``key``).
+
   Attributes:
     dedication: the :class:`dmuon_jax.Dedication` of the model's params
       (plan, boundaries, gather groups, layout).
@@ -249,23 +256,53 @@ class ModelDedication:
   placeholder_paths: tuple[tuple[Any, ...], ...] = ()
   boundary_paths: tuple[tuple[Any, ...], ...] = ()
 
-  def apply(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
+  # Equal by value (Linen): a trainer's init that dedicates, traced twice
+  # (jax.eval_shape, then jax.jit in another context: Flax lm1b's and
+  # MaxText's setup_initial_state), makes two dedications, and the
+  # TrainState's apply_fn and tx, which hold them, are pytree metadata
+  # that JAX compares with ==. The key and the replicated list are left
+  # out: one names the dedication, the other depends on the logical axis
+  # rules in effect (a trace outside them cannot know it). An NNX
+  # dedication's key ties it to its model's boundary modules: kept.
+  @functools.cached_property
+  def _key(self) -> tuple[Any, ...]:
+    return (
+      self.dedication,
+      self.buffer_paths,
+      self.rest_paths,
+      self.targets,
+      self.linen_model,
+      self.placeholder_paths,
+      self.boundary_paths,
+      self.key if self.linen_model is None else None,
+    )
+
+  def __eq__(self, other: object) -> bool:
+    if self is other:
+      return True
+    if not isinstance(other, ModelDedication):
+      return NotImplemented
+    return hash(self) == hash(other) and self._key == other._key
+
+  def __hash__(self) -> int:
+    # The Linen module is compared, not hashed (its fields may not be).
+    return hash((self.dedication, self.key if self.linen_model is None else 0))
+
+  @property
+  def apply(self) -> _LinenApply:
     """``linen_model.apply`` with the boundaries gathering (Linen only).
 
     Use it as the ``apply_fn`` of a ``TrainState`` (and for evaluation):
-    each boundary module's call gathers its group's matrices from the
-    owned buffers in ``variables['params']``.
-
-    Args:
-      variables: as for ``flax.linen.Module.apply``, with the dedicated
-        params of :func:`dedicate_linen`.
-      *args: as for ``flax.linen.Module.apply``.
-      **kwargs: as for ``flax.linen.Module.apply`` (``mutable``, ``rngs``,
-        ``method`` ...).
-
-    Returns:
-      What ``linen_model.apply`` returns.
+    ``ded.apply(variables, *args, **kwargs)`` takes what
+    ``flax.linen.Module.apply`` takes, with the dedicated params of
+    :func:`dedicate_linen` in ``variables['params']``, and returns what it
+    returns; each boundary module's call gathers its group's matrices from
+    the owned buffers. It compares equal for equal dedications (a
+    ``TrainState`` made in ``jax.eval_shape`` and again in ``jax.jit``).
     """
+    return _LinenApply(self)
+
+  def _linen_apply(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
     if self.linen_model is None:
       raise TypeError(
         'dmuon: ModelDedication.apply is for Linen models (from '
@@ -357,6 +394,23 @@ class ModelDedication:
         rest=jax.tree.unflatten(ded.treedef, rest),
       )
     )
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _LinenApply:
+  """``ded.apply`` of a Linen :class:`ModelDedication`: a callable that
+  compares (and hashes) as its dedication does, where a bound method would
+  compare its dedication by identity."""
+
+  dedication: ModelDedication
+
+  def __call__(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
+    return self.dedication._linen_apply(variables, *args, **kwargs)
+
+  def __repr__(self) -> str:
+    model = type(self.dedication.linen_model).__name__
+    n = len(self.dedication.dedication.boundaries.names)
+    return f'<ded.apply of a dedicated {model}, {n} boundaries>'
 
 
 def _hooked(cls: type) -> type:
@@ -832,10 +886,19 @@ def dedicate_linen(
         buf = _mesh.box_like(template, buf, ded.layout.buffer_specs()[bi])
       _flax_linen.set_item(out, buffer_paths[bi], buf)
   # Boxed params keep their boxes (Flax's sharding tools read them); those
-  # replicated over the owner axes say so.
+  # replicated over the owner axes say so. Where every mesh axis (of more
+  # than one device) is an owner axis, every AdamW param ends replicated:
+  # a box whose logical names the rules in effect map says so whatever
+  # the rules are (a jax.eval_shape of the init outside them, as Flax lm1b
+  # runs it, gives the jax.jit inside them the same boxes).
+  owned_mesh = mesh is not None and all(
+    a in ded.buffer_axes or mesh.shape[a] == 1 for a in mesh.axis_names
+  )
   for i, box in enumerate(boxes):
     if box is not None and i not in targets_by_leaf:
-      if i in moved:
+      if owned_mesh and _flax_linen.rules_decide(box):
+        box = _flax_linen.replicated_box(box)
+      elif i in moved:
         box = _mesh.without_axes(box, ded.buffer_axes)
       _flax_linen.set_item(
         out, paths[i], _mesh.rebox(box, _flax_linen.node_at_dict(out, paths[i]))
@@ -854,5 +917,6 @@ def dedicate_linen(
     placeholder_paths=tuple(paths[i] for i in targets_by_leaf),
     boundary_paths=boundary_paths,
   )
-  _REGISTRY[key] = md
+  # No registry entry: ded.apply hands its dedication to the boundary
+  # modules itself (the registry serves NNX modules' hooks).
   return md, out

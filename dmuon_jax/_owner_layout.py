@@ -303,12 +303,7 @@ class OwnerLayout:
     the param is, e.g. as its logical names say)."""
     if self.per_leaf:
       e = self.param_entries[b]
-      if e is None:
-        return None
-      e = list(e)
-      while e and not e[-1]:  # as JAX prints a placed array's spec
-        e.pop()
-      return _mesh.entries_spec(e)
+      return None if e is None else _mesh.entries_spec(e)
     g, _ = self.buffer_index[b]
     axes = self.buffer_axes + ((self.tp_axis,) if self.tp_size > 1 else ())
     axes = axes or None

@@ -270,7 +270,7 @@ def _warn_if_forced(layout, b: int, shape, got, sizes) -> None:
   else:
     local = _mesh.local_shape(shape, spec, sizes)
   want = layout.buffer_spec(b)
-  if local == _mesh.local_shape(shape, want, sizes):
+  if want is None or local == _mesh.local_shape(shape, want, sizes):
     return
   dtype = layout.buffer_shapes()[b].dtype
   nbytes = lambda s: math.prod(s) * jnp.dtype(dtype).itemsize
@@ -358,13 +358,15 @@ def _owner_entries(layout, entries):
 
 
 def drop_in_step(setup, hp, layout, targets, mus, count_inc, specs=None):
-  """Gradients already reduced, in the params' sharding (plain jit); with
-  ``mus`` None (``momentum='params'``) the momentum to orthogonalize.
-  ``specs``: per target, a spec read at update (boxed gradients) for
-  those the layout records none of."""
-  mus = [] if mus is None else mus
-  if not layout.per_leaf:
-    check_buffers(layout, mus, local=False)
+  """Gradients already reduced, in the params' sharding (plain jit).
+
+  ``mus``: the owner buffers, or (``momentum='params'``) one momentum per
+  target, sharded as it: its step runs in the same per-device program as
+  the routes, on each device's block (as a one-device program computes
+  it). ``specs``: per target, a spec read at update (boxed gradients) for
+  those the layout records none of.
+  """
+  check_buffers(layout, mus, local=False)
   mesh = setup.mesh if setup.mesh is not None else layout.mesh
   sizes = dict(mesh.shape)
   if tuple(sizes[a] for a in layout.buffer_axes) != layout.buffer_sizes:
@@ -376,8 +378,13 @@ def drop_in_step(setup, hp, layout, targets, mus, count_inc, specs=None):
       'dmuon_jax.checkpoint.state_from_portable(state_to_portable(state), '
       'opt.init(params)).'
     )
-  if not layout.per_leaf:
-    _check_buffer_shardings(layout, mus, mesh)
+  _check_buffer_shardings(layout, mus, mesh)
+  allowed = {a: sizes[a] for a in layout.buffer_axes}
+  if layout.tp_axis is not None:
+    allowed[layout.tp_axis] = layout.tp_size
+  entries, in_specs = _update_entries(layout, targets, sizes, allowed, specs)
+  # Per-leaf momentum enters as its gradient does.
+  buffer_specs = list(in_specs if layout.per_leaf else layout.buffer_specs())
   given = None
   if _mesh.is_explicit(mesh):
     # A state forced into another sharding (warned above) enters the
@@ -387,12 +394,8 @@ def drop_in_step(setup, hp, layout, targets, mus, count_inc, specs=None):
     given = [_mesh.type_spec(x) for x in mus]
     mus = [
       x if g == spec else jax.sharding.reshard(x, NamedSharding(mesh, spec))
-      for x, g, spec in zip(mus, given, layout.buffer_specs())
+      for x, g, spec in zip(mus, given, buffer_specs)
     ]
-  allowed = {a: sizes[a] for a in layout.buffer_axes}
-  if layout.tp_axis is not None:
-    allowed[layout.tp_axis] = layout.tp_size
-  entries, in_specs = _update_entries(layout, targets, sizes, allowed, specs)
   lay = layout.groups[0]
   owner_entries = _owner_entries(layout, entries)
   ex = _exchange.Exchange(lay, owner_entries)
@@ -403,7 +406,6 @@ def drop_in_step(setup, hp, layout, targets, mus, count_inc, specs=None):
         paths=[lay.plan.leaves[i].path for i in sorted(ex.gathered)]
       ),
     )
-  buffer_specs = [] if layout.per_leaf else list(layout.buffer_specs())
   dyn = _owner_update.dynamic(hp)
   # Unevenly sharded leaves: zero-padded here, in the global (GSPMD)
   # domain, to the shape the layout holds them at (a multiple of their
@@ -442,7 +444,7 @@ def drop_in_step(setup, hp, layout, targets, mus, count_inc, specs=None):
   if given is not None:
     mu = [
       x if g == spec else jax.sharding.reshard(x, NamedSharding(mesh, g))
-      for x, g, spec in zip(mu, given, layout.buffer_specs())
+      for x, g, spec in zip(mu, given, buffer_specs)
     ]
   new = [_owner_layout.unpad(x, t.shape) for x, t in zip(new, layout.leaves)]
   return new, mu
@@ -454,6 +456,18 @@ def _drop_in_body(
   """The per-device program: pieces to owners, owner update, results back."""
   lay = layout.groups[0]
   axes = lay.plan.axis_names
+  per_leaf_mu = None
+  if layout.per_leaf:
+    per_leaf_mu, targets = _owner_update.momentum_update(
+      targets,
+      mus,
+      count_inc,
+      beta=hp.beta,
+      nesterov=cfg.nesterov,
+      rule=cfg.momentum,
+    )
+    per_leaf_mu = [m.astype(b.dtype) for m, b in zip(per_leaf_mu, mus)]
+    mus = None
   dtypes = [lay.promoted(targets, g) for g in range(lay.num_groups)]
   recv = {
     key: jax.lax.all_to_all(
@@ -472,8 +486,10 @@ def _drop_in_body(
   # tables by its slot (see Exchange.by_slot).
   grads = ex.by_slot(lambda rows: ex.pack(rows, recv, full, dtypes))
   ortho, new_mu = _owner_update.owner_step(
-    cfg, hp, layout, grads, mus if mus else None, count_inc
+    cfg, hp, layout, grads, mus, count_inc
   )
+  if per_leaf_mu is not None:
+    new_mu = per_leaf_mu
   out = [None] * len(targets)
   rep_groups = [g for g in range(lay.num_groups) if ex.rep_size[g]]
   if rep_groups:

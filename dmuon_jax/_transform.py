@@ -242,6 +242,11 @@ def _leaf_entries(flat, targets, given, info):
   return entries, splits, dims, local, padded
 
 
+# Owner buffers within this factor of the even share are kept for params
+# whose sharding only logical axis rules decide (see _momentum_placement).
+OWNERS_SLACK = 1.10
+
+
 def _momentum_placement(layout, structural, params) -> str:
   """Where the state keeps the momentum (``OwnerLayout.momentum``):
   ``'params'`` where that holds fewer bytes per device than the owner
@@ -251,7 +256,9 @@ def _momentum_placement(layout, structural, params) -> str:
   depend on the logical axis rules in effect): a param whose sharding
   names only logical rules can map counts as sharded over every owner
   device, since its momentum is boxed with those names and sharded by
-  the same rules as the param; an unknown one as replicated.
+  the same rules as the param (where owner buffers hold at most
+  ``OWNERS_SLACK`` x the even share, they are kept: those rules may shard
+  over fewer devices); an unknown one as replicated.
   """
   if (
     layout.kind != 'dmuon'
@@ -267,7 +274,7 @@ def _momentum_placement(layout, structural, params) -> str:
     math.prod(local) * jnp.dtype(shape.dtype).itemsize
     for local, shape in zip(layout.local_shapes(), layout.buffer_shapes())
   )
-  held = 0.0
+  held, named = 0.0, False
   for t in layout.leaves:
     spec = structural[t.index][2]
     if spec is not None:
@@ -276,9 +283,15 @@ def _momentum_placement(layout, structural, params) -> str:
       )
     elif _mesh.sharding_names(holders[t.index]):
       devices = layout.num_slots
+      named = True
     else:
       devices = 1
     held += math.prod(t.shape) * itemsize(t.index) / devices
+  _, even = layout.momentum_share()
+  if named and owners <= OWNERS_SLACK * even:
+    # Params sharded as only the rules say (HSDP's 'shard' alone, say):
+    # owner buffers near the even share keep fewer bytes than they may.
+    return 'owners'
   return 'params' if held < owners else 'owners'
 
 
@@ -496,21 +509,7 @@ def _update(
   count_inc = optax.safe_increment(state.count)
   cfg = setup.cfg
   manual = _collectives.manual_axes()
-  mus, routed = state.mu.buffers, targets
-  if layout.per_leaf:
-    # The momentum lives where the params do: its step runs there, and the
-    # owners receive the momentum to orthogonalize by the routes the
-    # gradients would take.
-    _steps.check_buffers(layout, mus, local=False)
-    new_mu, routed = _owner_update.momentum_update(
-      targets,
-      mus,
-      count_inc,
-      beta=hp.beta,
-      nesterov=cfg.nesterov,
-      rule=cfg.momentum,
-    )
-    mus = None
+  mus = state.mu.buffers
   if not layout.distributed:
     _steps.check_buffers(layout, state.mu, local=False)
     lay = layout.groups[0]
@@ -520,19 +519,17 @@ def _update(
     )
     new = lay.unpack_full(ortho)
   elif set(layout.buffer_axes) & manual:
-    new, mu = _steps.explicit_step(cfg, hp, layout, routed, mus, count_inc)
+    new, mu = _steps.explicit_step(cfg, hp, layout, targets, mus, count_inc)
   else:
     new, mu = _steps.drop_in_step(
       setup,
       hp,
       layout,
-      routed,
+      targets,
       mus,
       count_inc,
       specs=_update_specs(layout, updates),
     )
-  if layout.per_leaf:
-    mu = [m.astype(b.dtype) for m, b in zip(new_mu, state.mu.buffers)]
   # optax.contrib.muon's dtype: its momentum (mu_dtype, else the params'
   # dtype) promoted with the gradient's, e.g. float32 updates for float32
   # params and bfloat16 gradients.

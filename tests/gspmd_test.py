@@ -15,6 +15,7 @@ params' shardings).
 """
 
 import functools
+import math
 import re
 import warnings
 
@@ -140,15 +141,22 @@ def reference(start):
 
 
 def owner_buffers(test, opt_state, n=8):
-  """Checks that each buffer is sharded as the layout says, 1/n per
-  device; returns the layout."""
+  """Checks that each buffer is sharded as the layout says: owner buffers
+  1/n per device, per-leaf momentum as its param (the Mlp's two kernels
+  on 8 devices: 1/4 of each over 'shard' is less than a whole kernel on
+  its owner, so init keeps the momentum as the params); returns the
+  layout."""
   (layout,) = dmuon_jax.owner_layouts(opt_state)
   (st,) = support.dmuon_states(opt_state)
-  for buf, spec in zip(st.mu.buffers, layout.buffer_specs()):
-    test.assertEqual(buf.sharding.spec, spec)
-    test.assertEqual(
-      {s.data.shape for s in buf.addressable_shards}, {(buf.shape[0] // n,)}
-    )
+  test.assertEqual(layout.momentum, 'params')
+  for buf, spec, t in zip(st.mu.buffers, layout.buffer_specs(), layout.leaves):
+    want = NamedSharding(buf.sharding.mesh, spec)
+    test.assertTrue(buf.sharding.is_equivalent_to(want, buf.ndim), spec)
+    entries = tuple(spec) + (None,) * (len(t.shape) - len(spec))
+    local = tuple(d // 4 if e else d for d, e in zip(t.shape, entries))
+    test.assertEqual({s.data.shape for s in buf.addressable_shards}, {local})
+  held, even = layout.momentum_share()
+  test.assertEqual(held, 2 * even)  # over 'shard' (4) of the 8 devices
   return layout
 
 
@@ -337,8 +345,10 @@ class RecipeTest(parameterized.TestCase):
     opt, start, (compiled, first, final, history) = flax_nnx(kind)
     layout = owner_buffers(self, nnx.as_pure(opt.opt_state))
     # What nnx.get_partition_spec / get_named_sharding read: the layout's.
-    (st,) = support.dmuon_states(nnx.get_partition_spec(opt.opt_state))
-    self.assertEqual(st.mu.buffers, layout.buffer_specs())
+    m = mesh(kind=kind)
+    (st,) = support.dmuon_states(nnx.get_named_sharding(opt.opt_state, m))
+    for got, spec in zip(st.mu.buffers, layout.buffer_specs()):
+      self.assertTrue(got.is_equivalent_to(NamedSharding(m, spec), 2))
     check_step(self, compiled, layout)
     check_numbers(self, history, start)
     same_types(self, final, first)
@@ -360,7 +370,9 @@ class WarningTest(absltest.TestCase):
     replicated = jax.tree.map(lambda _: NamedSharding(m, P()), abstract)
     state = jax.jit(init, out_shardings=replicated)(KEY)
     (st,) = support.dmuon_states(state['opt_state'])
-    (buf,) = st.mu.buffers
+    buf = st.mu.buffers[0]  # owner buffer, or the down kernel's momentum
+    (layout,) = dmuon_jax.owner_layouts(state['opt_state'])
+    owned = math.prod(layout.local_shapes()[0]) * buf.dtype.itemsize
     # Every device holds all of it.
     self.assertEqual(
       {s.data.shape for s in buf.addressable_shards}, {buf.shape}
@@ -370,7 +382,7 @@ class WarningTest(absltest.TestCase):
     pattern = (
       rf'momentum buffer 0 .* sharded as .*each device holds '
       rf'{re.escape(_cost.human_bytes(buf.nbytes))} of it instead of '
-      rf'{re.escape(_cost.human_bytes(buf.nbytes // 8))}.*per device'
+      rf'{re.escape(_cost.human_bytes(owned))}.*per device'
     )
     return step, state, grads, pattern
 

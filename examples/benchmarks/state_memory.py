@@ -82,9 +82,16 @@ def row(name, n):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__)
-  parser.add_argument('--devices', default='8,64,256')
-  parser.add_argument('--models', default=','.join(MODELS))
+  parser = argparse.ArgumentParser(
+    description=__doc__,
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  parser.add_argument(
+    '--devices', default='8,64,256', help='device counts, one process each'
+  )
+  parser.add_argument(
+    '--models', default=','.join(MODELS), help='comma-separated models'
+  )
   parser.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.worker:

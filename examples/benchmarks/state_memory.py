@@ -7,7 +7,9 @@ holds under ``dmuon`` (the busiest device) as a multiple of the even share
 over all N devices), for the momentum kept in owner buffers (``'owners'``,
 the only layout before the state followed the params) and for the layout
 ``init`` chooses; and the plan's busiest-device Newton-Schulz FLOPs over
-their bound, max(total / N, the largest matrix or owner-group iteration).
+their bound, max(total / N, the plan's largest unit (a matrix, or a slice
+where owner groups split it), its largest owner-group iteration), total
+being the whole matrices' (as ``scale.py`` counts it).
 
   python examples/benchmarks/state_memory.py            # N = 8, 64, 256
   python examples/benchmarks/state_memory.py --devices 8 --models toy12
@@ -67,9 +69,17 @@ def row(name, n):
   held, even = layout.momentum_share()
   owners, _ = dataclasses.replace(layout, momentum='owners').momentum_share()
   (plan,) = layout.plans
-  total = sum(u.cost for u in plan.units)
+  # The bound of scale.py: the whole matrices' NS over N, or the largest
+  # owner-group iteration (sliced units cost more in all than whole ones).
+  plain = dmuon_jax.plan_ownership(
+    params,
+    dict(zip(layout.buffer_axes, layout.buffer_sizes)),
+    weight_dimension_numbers=dims,
+    owner_groups=None,
+  )
+  total = sum(u.cost for u in plain.units)
   iteration = max((g.iteration_cost for g in plan.groups), default=0.0)
-  largest = max(u.cost for u in plan.units)
+  largest = max(u.cost for u in plan.units)  # a slice, where split
   return {
     'model': name,
     'devices': n,

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.core import spmd as core_spmd
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -230,6 +231,72 @@ def gather_points(ded, paths) -> tuple[tuple[Any, ...], ...]:
       common = common[: min(len(common), len(p)) if n is None else n]
     points[b] = common
   return tuple(points)
+
+
+def rules_free_names(model, paths, specs, ded, mesh, targets) -> None:
+  """Makes what an NNX model's param metadata says of its sharding the
+  same whatever logical axis rules are in effect where it is dedicated.
+
+  A trainer's init that dedicates may be traced twice: by
+  ``jax.eval_shape`` outside ``nn.logical_axis_rules`` (Flax lm1b's and
+  MaxText's order), then by ``jax.jit(init, out_shardings=...)`` inside
+  them; ``jax.jit`` takes the two states for one tree only where their
+  ``out_sharding`` metadata agree, and places the params as the abstract
+  one says. On a mesh whose axes of more than one device are all owner
+  axes, every AdamW param ends replicated whatever the rules are: its
+  logical names (those that are no mesh axis: what the rules map) are
+  renamed None in place. On any other mesh, a param naming logical axes
+  where no rules are in effect could be sharded over an owner axis or not:
+  an error naming it and the fix.
+  """
+  if mesh is None:
+    return
+  axes = set(mesh.axis_names)
+  logical = lambda e: isinstance(e, str) and e not in axes
+  owned_mesh = all(
+    a in ded.buffer_axes or mesh.shape[a] == 1 for a in mesh.axis_names
+  )
+  for i, p in enumerate(paths):
+    variable = node_at(model, p)
+    names = variable.get_metadata().get('out_sharding')
+    if not isinstance(names, (tuple, list, P)):
+      continue
+    if not any(logical(e) for e in names):
+      continue
+    if owned_mesh:
+      if i not in targets:  # Muon targets: placeholders
+        variable.set_metadata(
+          out_sharding=tuple(None if logical(e) else e for e in names)
+        )
+      continue
+    ruled = core_spmd.get_logical_axis_rules() or variable.get_metadata().get(
+      'sharding_rules'
+    )
+    unmapped = [
+      a for e in _mesh.spec_entries(specs[i]) for a in e if a not in axes
+    ]
+    if unmapped and not ruled:  # (rules that leave a name out: as before)
+      others = [
+        a
+        for a in mesh.axis_names
+        if a not in ded.buffer_axes and mesh.shape[a] > 1
+      ]
+      decides = (
+        'whether its owners store it split over a tensor-parallel axis'
+        if i in targets
+        else 'whether dedication replicates it over the owner axes '
+        f'{ded.buffer_axes}'
+      )
+      raise ValueError(
+        f'dmuon: dedicate cannot tell how param {text(p)!r} is sharded: its '
+        f'out_sharding {tuple(names)} names logical axes {unmapped}, no '
+        'logical axis rules are in effect to map them, and on this mesh (the '
+        f'axes {others} are no owner axes) they decide {decides}. An init '
+        'traced by jax.eval_shape outside nn.logical_axis_rules and by jax.jit '
+        'inside them would dedicate it two ways, which jax.jit refuses: run '
+        'the eval_shape inside the rules too (with '
+        'nn.logical_axis_rules(rules): abstract = jax.eval_shape(init)).'
+      )
 
 
 def references(model: nnx.Module) -> dict[int, list[tuple]]:

@@ -148,14 +148,16 @@ class _ModelMuon:
     )
 
   def to_core(self, tree, what, boxes=False):
-    # boxes: Linen boxes kept (init: optax's moments keep them, the owner
-    # momentum takes the owned buffers'), so that Flax's sharding tools read
-    # the state's shardings as they read the params'. nnx.Optimizer copies
-    # its params' Variable metadata into its state itself.
+    # boxes: Linen boxes and nnx Variables kept (init: optax's moments keep
+    # them, the owner momentum takes the owned buffers'), so that Flax's
+    # sharding tools read the state's shardings as they read the params'
+    # (nnx.Optimizer turns the Variables into OptVariables with their
+    # metadata). Unboxed, an NNX trainer's out_shardings read from an
+    # abstract optimizer (jax.eval_shape) replicated the momentum.
     md, ded = self.md, self.md.dedication
     buffer_of, leaf_of, holes = self._paths
     value = _mesh.unbox  # of an nnx.Variable or a Linen box
-    keep = lambda x: x if boxes and _mesh.is_box(x) else value(x)
+    keep = lambda x: x if boxes and _mesh.is_boxed(x) else value(x)
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_mesh.is_boxed)[0]
     owned = [None] * len(md.buffer_paths)
     rest = [None] * len(md.rest_paths)

@@ -600,6 +600,7 @@ def dedicate(
     _mesh.without_axes(variable, ded.buffer_axes)
 
   targets_by_leaf = {t.index: t for t in ded.layout.leaves}
+  _flax_plan.rules_free_names(model, paths, specs, ded, mesh, targets_by_leaf)
   _flax_plan.check_untied(model, paths, targets_by_leaf)
   boundary_paths = [_flax_plan.path(k) for k in ded.boundary_keys]
   _flax_plan.check_boundary_modules(model, ded, boundary_paths)

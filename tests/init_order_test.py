@@ -253,6 +253,18 @@ def _nnx_loss(model, x):
   return jnp.mean((model(x) - jnp.roll(x, 1, axis=-1)) ** 2)
 
 
+def _nnx_train(model, opt, x):
+  """``STEPS`` ``nnx.jit`` steps; the params and the optimizer."""
+
+  @nnx.jit
+  def step(model, opt, x):
+    opt.update(model, nnx.grad(_nnx_loss)(model, x))
+
+  for _ in range(STEPS):
+    step(model, opt, x)
+  return nnx.state(model, nnx.Param), opt
+
+
 class NnxOrderTest(absltest.TestCase):
   def run_nnx(self, tx, mesh):
     x = jax.random.normal(jax.random.key(1), (BATCH, D))
@@ -270,15 +282,7 @@ class NnxOrderTest(absltest.TestCase):
       shardings = nnx.get_named_sharding(abstract, mesh)
       graphdef, state = jax.jit(split, out_shardings=(None, shardings))()
     model, opt = nnx.merge(graphdef, state)
-
-    @nnx.jit
-    def step(model, opt, x):
-      grads = nnx.grad(_nnx_loss)(model, x)
-      opt.update(model, grads)
-
-    for _ in range(STEPS):
-      step(model, opt, x)
-    return nnx.state(model, nnx.Param), opt
+    return _nnx_train(model, opt, x)
 
   def test_nnx_eval_shape_outside_the_rules(self):
     mesh = _mesh()
@@ -297,16 +301,9 @@ class NnxOrderTest(absltest.TestCase):
     model = NnxLm(nnx.Rngs(0))
     tx = optax.contrib.muon(LR)  # every param is a Muon matrix
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    x = jax.random.normal(jax.random.key(1), (BATCH, D))
-
-    @nnx.jit
-    def step(model, opt, x):
-      grads = nnx.grad(_nnx_loss)(model, x)
-      opt.update(model, grads)
-
-    for _ in range(STEPS):
-      step(model, opt, x)
-    return nnx.state(model, nnx.Param), opt
+    return _nnx_train(
+      model, opt, jax.random.normal(jax.random.key(1), (BATCH, D))
+    )
 
 
 class BoxesOutsideAnyContextTest(absltest.TestCase):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -284,3 +285,67 @@ def _check_one_trace_per_group(md, g: int, path, local, traces) -> None:
     return
   md.warned[0] = True
   _flax_boundary.warn_lifted(md, _flax_plan.text(path), g, linen=True)
+
+
+def with_iterations(ded, boundary_paths, params: Any) -> Any:
+  """Linen ``params`` with each scanned stack's layer indices,
+  ``dmuon_iteration = arange(num_layers)``, beside its owned buffers:
+  ``nn.scan`` slices them with the layers (``variable_axes={'params':
+  0}``), so each iteration knows which owners hold its matrices (they
+  rotate by one slot per layer). Made in the step, they are no param of
+  the ``TrainState``: nothing differentiates or updates them.
+
+  Args:
+    ded: the model's ``Dedication``.
+    boundary_paths: each boundary's module path in the params.
+    params: the (unboxed) Linen params.
+
+  Returns:
+    ``params``, with the indices where a stack is scanned.
+  """
+  scanned = [b for b, s in enumerate(ded.boundaries.scanned) if s]
+  if not scanned:
+    return params
+  params = plain_dicts(params)
+  for b in scanned:
+    n = ded.layout.iterations[_gather.group_of(ded, b)]
+    set_item(
+      params,
+      boundary_paths[b] + (ITERATION,),
+      jax.numpy.arange(n, dtype=jax.numpy.int32),
+    )
+  return params
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class LinenApply:
+  """``ded.apply`` of a Linen ``ModelDedication``: ``linen_model.apply``
+  with the boundaries gathering; a callable that compares (and hashes) as
+  its dedication does, where a bound method would compare its dedication
+  by identity."""
+
+  md: Any  # the Linen ModelDedication
+
+  def __call__(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
+    md = self.md
+    # Flax boxes come off here: unboxing inside the model would constrain
+    # each value to its names, which train_step's manual owner axes refuse
+    # (the arrays are placed already).
+    params = jax.tree.map(
+      _mesh.unbox, variables['params'], is_leaf=_mesh.is_box
+    )
+    variables = {
+      **variables,
+      'params': with_iterations(md.dedication, md.boundary_paths, params),
+    }
+    reset = LINEN.set((md, params, {}))
+    try:
+      with nn.intercept_methods(linen_interceptor):
+        return md.linen_model.apply(variables, *args, **kwargs)
+    finally:
+      LINEN.reset(reset)
+
+  def __repr__(self) -> str:
+    model = type(self.md.linen_model).__name__
+    n = len(self.md.dedication.boundaries.names)
+    return f'<ded.apply of a dedicated {model}, {n} boundaries>'

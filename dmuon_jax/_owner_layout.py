@@ -69,6 +69,11 @@ def unpad(x: jax.Array, shape: Sequence[int]) -> jax.Array:
   return x[tuple(slice(0, n) for n in shape)]
 
 
+# Owner buffers within this factor of the even share are kept for params
+# whose sharding only logical axis rules decide (see OwnerLayout.placement).
+OWNERS_SLACK = 1.10
+
+
 @dataclasses.dataclass(frozen=True)
 class OwnerLayout:
   """How an optimizer state's Muon buffers are laid out (static, hashable).
@@ -532,6 +537,49 @@ class OwnerLayout:
     lay = self.groups[0]
     itemsizes = [jnp.dtype(d).itemsize for d in lay.dtypes]
     return self.exchange(param_entries).predicted_bytes(itemsizes)
+
+  def placement(self, specs: Sequence[Any], named: Sequence[bool]) -> str:
+    """Where a ``'dmuon'`` state keeps the momentum (:attr:`momentum`):
+    ``'params'`` where that holds fewer bytes per device than the owner
+    buffers, else ``'owners'``.
+
+    Args:
+      specs: per target leaf, its spec where known whatever logical axis
+        rules are in effect (the state's structure must not depend on
+        them), else None.
+      named: per target leaf, whether its box names a sharding (logical
+        axes): such a leaf of unknown spec counts as sharded over every
+        owner device, since its momentum is boxed with those names and
+        sharded by the same rules as the param, unless owner buffers hold
+        at most ``OWNERS_SLACK`` x the even share (those rules may shard it
+        over fewer devices); an unknown unnamed one counts as replicated.
+
+    Returns:
+      ``'params'`` or ``'owners'``.
+    """
+    if (
+      self.kind != 'dmuon'
+      or not self.distributed
+      or self.tp_size > 1
+      or any(t.padded is not None for t in self.leaves)
+    ):
+      return 'owners'
+    sizes = dict(zip(self.buffer_axes, self.buffer_sizes))
+    flat = dataclasses.replace(self, momentum='owners')
+    owners, even = flat.momentum_share()
+    held, any_named = 0.0, False
+    for t, spec, name in zip(self.leaves, specs, named):
+      devices = 1
+      if spec is not None:
+        entries = _mesh.spec_entries(spec)
+        devices = math.prod(sizes.get(a, 1) for d in entries for a in d)
+      elif name:
+        devices, any_named = self.num_slots, True
+      itemsize = jnp.dtype(self.mu_dtype(t.index)).itemsize
+      held += math.prod(t.shape) * itemsize / devices
+    if any_named and owners <= OWNERS_SLACK * even:
+      return 'owners'
+    return 'params' if held < owners else 'owners'
 
   def momentum_share(self) -> tuple[float, float]:
     """``(bytes, even)``: the momentum one device holds (the busiest, for

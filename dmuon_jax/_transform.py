@@ -242,59 +242,6 @@ def _leaf_entries(flat, targets, given, info):
   return entries, splits, dims, local, padded
 
 
-# Owner buffers within this factor of the even share are kept for params
-# whose sharding only logical axis rules decide (see _momentum_placement).
-OWNERS_SLACK = 1.10
-
-
-def _momentum_placement(layout, structural, params) -> str:
-  """Where the state keeps the momentum (``OwnerLayout.momentum``):
-  ``'params'`` where that holds fewer bytes per device than the owner
-  buffers, else ``'owners'``.
-
-  Read from the context-free specs only (the state's structure must not
-  depend on the logical axis rules in effect): a param whose sharding
-  names only logical rules can map counts as sharded over every owner
-  device, since its momentum is boxed with those names and sharded by
-  the same rules as the param (where owner buffers hold at most
-  ``OWNERS_SLACK`` x the even share, they are kept: those rules may shard
-  over fewer devices); an unknown one as replicated.
-  """
-  if (
-    layout.kind != 'dmuon'
-    or not layout.distributed
-    or layout.tp_size > 1
-    or any(t.padded is not None for t in layout.leaves)
-  ):
-    return 'owners'
-  sizes = dict(zip(layout.buffer_axes, layout.buffer_sizes))
-  holders = _holders(params)
-  itemsize = lambda i: jnp.dtype(layout.mu_dtype(i)).itemsize
-  owners = sum(
-    math.prod(local) * jnp.dtype(shape.dtype).itemsize
-    for local, shape in zip(layout.local_shapes(), layout.buffer_shapes())
-  )
-  held, named = 0.0, False
-  for t in layout.leaves:
-    spec = structural[t.index][2]
-    if spec is not None:
-      devices = math.prod(
-        sizes.get(a, 1) for d in _mesh.spec_entries(spec) for a in d
-      )
-    elif _mesh.sharding_names(holders[t.index]):
-      devices = layout.num_slots
-      named = True
-    else:
-      devices = 1
-    held += math.prod(t.shape) * itemsize(t.index) / devices
-  _, even = layout.momentum_share()
-  if named and owners <= OWNERS_SLACK * even:
-    # Params sharded as only the rules say (HSDP's 'shard' alone, say):
-    # owner buffers near the even share keep fewer bytes than they may.
-    return 'owners'
-  return 'params' if held < owners else 'owners'
-
-
 def _zero_buffers(params, layout, mesh) -> list[Any]:
   """The layout's zero buffers, placed on ``mesh`` and boxed as the params."""
   if layout.per_leaf:
@@ -429,8 +376,13 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
     mesh=None if info is None else info.abstract,
     param_entries=hints,
   )
+  holders = _holders(params)
   layout = dataclasses.replace(
-    layout, momentum=_momentum_placement(layout, structural, params)
+    layout,
+    momentum=layout.placement(
+      [structural[t.index][2] for t in layout.leaves],
+      [_mesh.sharding_names(holders[t.index]) for t in layout.leaves],
+    ),
   )
   _warn_if_padded(layout)
   buffers = _zero_buffers(params, layout, mesh)

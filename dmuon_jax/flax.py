@@ -289,7 +289,7 @@ class ModelDedication:
     return hash((self.dedication, self.key if self.linen_model is None else 0))
 
   @property
-  def apply(self) -> _LinenApply:
+  def apply(self) -> _flax_linen.LinenApply:
     """``linen_model.apply`` with the boundaries gathering (Linen only).
 
     Use it as the ``apply_fn`` of a ``TrainState`` (and for evaluation):
@@ -300,48 +300,12 @@ class ModelDedication:
     the owned buffers. It compares equal for equal dedications (a
     ``TrainState`` made in ``jax.eval_shape`` and again in ``jax.jit``).
     """
-    return _LinenApply(self)
-
-  def _linen_apply(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
     if self.linen_model is None:
       raise TypeError(
         'dmuon: ModelDedication.apply is for Linen models (from '
         'dmuon_jax.flax.dedicate_linen); an NNX model is called directly.'
       )
-    # Flax boxes come off here: unboxing inside the model would constrain
-    # each value to its names, which train_step's manual owner axes refuse
-    # (the arrays are placed already).
-    params = jax.tree.map(
-      _mesh.unbox, variables['params'], is_leaf=_mesh.is_box
-    )
-    variables = {**variables, 'params': self._with_iterations(params)}
-    reset = _flax_linen.LINEN.set((self, params, {}))
-    try:
-      with nn.intercept_methods(_flax_linen.linen_interceptor):
-        return self.linen_model.apply(variables, *args, **kwargs)
-    finally:
-      _flax_linen.LINEN.reset(reset)
-
-  def _with_iterations(self, params: Any) -> Any:
-    """Linen ``params`` with each scanned stack's layer indices,
-    ``dmuon_iteration = arange(num_layers)``, beside its owned buffers:
-    ``nn.scan`` slices them with the layers (``variable_axes={'params':
-    0}``), so each iteration knows which owners hold its matrices (they
-    rotate by one slot per layer). Made here, in the step, they are no
-    param of the ``TrainState``: nothing differentiates or updates them."""
-    ded = self.dedication
-    scanned = [b for b, s in enumerate(ded.boundaries.scanned) if s]
-    if not scanned:
-      return params
-    params = _flax_linen.plain_dicts(params)
-    for b in scanned:
-      n = ded.layout.iterations[_gather.group_of(ded, b)]
-      _flax_linen.set_item(
-        params,
-        self.boundary_paths[b] + (_flax_linen.ITERATION,),
-        jnp.arange(n, dtype=jnp.int32),
-      )
-    return params
+    return _flax_linen.LinenApply(self)
 
   @property
   def axes(self) -> tuple[str, ...]:
@@ -394,23 +358,6 @@ class ModelDedication:
         rest=jax.tree.unflatten(ded.treedef, rest),
       )
     )
-
-
-@dataclasses.dataclass(frozen=True, repr=False)
-class _LinenApply:
-  """``ded.apply`` of a Linen :class:`ModelDedication`: a callable that
-  compares (and hashes) as its dedication does, where a bound method would
-  compare its dedication by identity."""
-
-  dedication: ModelDedication
-
-  def __call__(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
-    return self.dedication._linen_apply(variables, *args, **kwargs)
-
-  def __repr__(self) -> str:
-    model = type(self.dedication.linen_model).__name__
-    n = len(self.dedication.dedication.boundaries.names)
-    return f'<ded.apply of a dedicated {model}, {n} boundaries>'
 
 
 def _hooked(cls: type) -> type:

@@ -475,6 +475,21 @@ def multi_steps_tx(kind, mesh=None, *, learning_rate, every_k):
   return optax.MultiSteps(inner, every_k_schedule=every_k)
 
 
+def next_token_step(state, tokens):
+  """A Flax ``TrainState`` step as language-model trainers write it: the
+  next-token cross-entropy of ``state.apply_fn`` on ``tokens``; returns
+  ``(state, loss)``."""
+
+  def loss_fn(params):
+    logits = state.apply_fn({'params': params}, tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, tokens[:, 1:]
+    ).mean()
+
+  loss, grads = jax.value_and_grad(loss_fn)(state.params)
+  return state.apply_gradients(grads=grads), loss
+
+
 def train_single_device(opt, params, loss_fn, steps):
   """The reference: ``steps`` of ``opt`` on ``loss_fn(params)``, one device.
 

@@ -33,7 +33,6 @@ from dmuon_jax import (
   _owner_groups,
   _owner_layout,
   _staged,
-  _tensor_parallel,
 )
 
 MOMENTUM_RULES = ('optax', 'sgd')
@@ -318,45 +317,31 @@ def orthogonalize(
   stack: jax.Array,
   full_shape: Sequence[int],
   out_dtype: Any,
-  tp_split: int | None = None,
-  tp_axis: str | None = None,
 ) -> jax.Array:
-  """Newton–Schulz of a ``(count, m, n)`` stack, then adaptive scaling, the
-  cast to the updates' dtype ``out_dtype`` and the shape factor
-  (``full_shape``: the whole matrix's, for a TP shard's slice)."""
-  x = rescale_large(stack, tp_axis if tp_split is not None else None)
-  compute = cfg.compute_dtype
-  if tp_split is not None:
-    out = _tensor_parallel.orthogonalize_via_gram_newton_schulz_tp(
-      x,
-      cfg.coeffs,
-      axis_name=tp_axis,
-      split_axis=tp_split,
-      eps=hp.eps,
-      compute_dtype=compute,
-    )
-  else:
-    algo = cfg.ns_algorithm
-    if algo == 'auto':
-      algo = _newton_schulz.cheaper_ns_algorithm(*x.shape[-2:], len(cfg.coeffs))
-    form = (
-      _newton_schulz.orthogonalize_via_gram_newton_schulz
-      if algo == 'gram'
-      else _newton_schulz.orthogonalize_via_newton_schulz
-    )
-    out = form(
-      x,
-      cfg.coeffs,
-      preconditioning=cfg.preconditioning,
-      eps=hp.eps,
-      compute_dtype=compute,
-    )
+  """Newton–Schulz of a ``(count, m, n)`` stack of whole matrices, then
+  adaptive scaling, the cast to the updates' dtype ``out_dtype`` and the
+  shape factor of ``full_shape``. (Matrices split over devices, by owner
+  groups or a tensor-parallel axis, run in ``_staged``.)"""
+  x = rescale_large(stack)
+  algo = cfg.ns_algorithm
+  if algo == 'auto':
+    algo = _newton_schulz.cheaper_ns_algorithm(*x.shape[-2:], len(cfg.coeffs))
+  form = (
+    _newton_schulz.orthogonalize_via_gram_newton_schulz
+    if algo == 'gram'
+    else _newton_schulz.orthogonalize_via_newton_schulz
+  )
+  out = form(
+    x,
+    cfg.coeffs,
+    preconditioning=cfg.preconditioning,
+    eps=hp.eps,
+    compute_dtype=cfg.compute_dtype,
+  )
   dot = None
   if cfg.adaptive:
     # The dual norm <M, NS(M)> of the unscaled momentum, per matrix.
     dot = jnp.sum(stack * out, axis=(-2, -1), keepdims=True)
-    if tp_split is not None:
-      dot = jax.lax.psum(dot, tp_axis)
   return finish_ns(cfg, hp, out, dot, full_shape, out_dtype)
 
 
@@ -400,7 +385,6 @@ def slot_update(
   adds ``weight_decay * param`` to those matrices' results, as
   ``optax.add_decayed_weights`` does.
   """
-  tp_axis = olayout.tp_axis if olayout.tp_size > 1 else None
 
   def fn(stacks, bucket):
     dtype = stacks[0].dtype
@@ -408,13 +392,7 @@ def slot_update(
     if bucket.crop is not None:  # a padded leaf: its own rows and columns
       x = _layout.crop_stack(x, bucket.crop)
     out = orthogonalize(
-      cfg,
-      hp,
-      x,
-      olayout.full_shape(lay, bucket.units[0]),
-      dtype,
-      bucket.tp_split,
-      tp_axis,
+      cfg, hp, x, olayout.full_shape(lay, bucket.units[0]), dtype
     )
     if bucket.crop is not None:
       out = _layout.uncrop_stack(out, bucket.crop, stacks[0].shape)

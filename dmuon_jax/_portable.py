@@ -41,6 +41,8 @@ def flat(nested: Any) -> dict[str, Any]:
 
 
 def concrete_mesh(xs) -> Any:
+  """The concrete ``Mesh`` the first of ``xs`` placed by a ``NamedSharding``
+  lives on, or None."""
   for x in xs:
     sharding = getattr(x, 'sharding', None)
     if isinstance(sharding, NamedSharding) and isinstance(
@@ -142,16 +144,6 @@ def _is_optimizer(opt) -> bool:
   return callable(getattr(opt, 'init', None))
 
 
-def _params_mesh(params):
-  """The concrete mesh ``params`` are placed on, or ``None``."""
-  for leaf in jax.tree.leaves(params):
-    sharding = getattr(leaf, 'sharding', None)
-    mesh = getattr(sharding, 'mesh', None)
-    if isinstance(mesh, jax.sharding.Mesh):
-      return mesh
-  return None
-
-
 def _abstract_init(init, *args):
   """``init(*args)``'s shapes, dtypes and compiled shardings, jitted (a
   trace and a compile: nothing runs, nothing is allocated)."""
@@ -194,7 +186,7 @@ def target_state(opt, params):
   """
   if not _is_optimizer(opt):
     return opt
-  mesh = _params_mesh(params)
+  mesh = concrete_mesh(jax.tree.leaves(params))
   # Explicit-mesh params type-check only inside their mesh's context.
   ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
   with ctx:

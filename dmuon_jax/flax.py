@@ -405,6 +405,24 @@ def _placeholder(shape: tuple[int, ...], dtype: Any, scanned: bool):
   return jnp.zeros((shape[0], 0) if scanned else (0,), dtype)
 
 
+# The options dedicate and dedicate_linen hand to the planner as they are.
+_PLANNED = frozenset(
+  {
+    'predicate',
+    'muon_weight_dimension_numbers',
+    'boundary_predicate',
+    'strict',
+    'reshard_after_forward',
+    'axis_names',
+    'replicate_axis',
+    'remat_policy',
+    'ns_algorithm',
+    'owner_groups',
+    'tensor_parallel_axis',
+  }
+)
+
+
 def dedicate(
   model: nnx.Module,
   mesh: jax.sharding.Mesh | None,
@@ -511,19 +529,7 @@ def dedicate(
     )
   state = nnx.state(model, nnx.Param)
   params = nnx.to_pure_dict(state)
-  kwargs = dict(
-    predicate=predicate,
-    muon_weight_dimension_numbers=muon_weight_dimension_numbers,
-    boundary_predicate=boundary_predicate,
-    strict=strict,
-    reshard_after_forward=reshard_after_forward,
-    axis_names=axis_names,
-    replicate_axis=replicate_axis,
-    remat_policy=remat_policy,
-    ns_algorithm=ns_algorithm,
-    owner_groups=owner_groups,
-    tensor_parallel_axis=tensor_parallel_axis,
-  )
+  kwargs = {k: v for k, v in locals().items() if k in _PLANNED}
   layers_per_gather, choice = _flax_plan.scan_layers_per_gather(
     params, kwargs, layers_per_gather, 'nnx.scan'
   )
@@ -789,19 +795,7 @@ def dedicate_linen(
       "variables dict (it has a 'params' key): pass variables['params']."
     )
   params, boxes = _flax_linen.unbox_linen(params, mesh)
-  kwargs = dict(
-    predicate=predicate,
-    muon_weight_dimension_numbers=muon_weight_dimension_numbers,
-    boundary_predicate=boundary_predicate,
-    strict=strict,
-    reshard_after_forward=reshard_after_forward,
-    axis_names=axis_names,
-    replicate_axis=replicate_axis,
-    remat_policy=remat_policy,
-    ns_algorithm=ns_algorithm,
-    owner_groups=owner_groups,
-    tensor_parallel_axis=tensor_parallel_axis,
-  )
+  kwargs = {k: v for k, v in locals().items() if k in _PLANNED}
   layers_per_gather, choice = _flax_plan.scan_layers_per_gather(
     params, kwargs, layers_per_gather, 'nn.scan'
   )

@@ -47,18 +47,6 @@ def unbox_linen(params: Any, mesh: Any) -> tuple[Any, list[Any]]:
   return jax.tree.unflatten(treedef, values), boxes
 
 
-def rules_decide(box: Any) -> bool:
-  """Whether the mesh sharding of Linen ``box`` is what the logical axis
-  rules in effect where it is read make of it: an
-  ``nn.LogicallyPartitioned`` without rules of its own that names an axis
-  (its names are logical axes, mapped by ``nn.logical_axis_rules``)."""
-  return (
-    isinstance(box, nn.LogicallyPartitioned)
-    and box.rules is None
-    and any(isinstance(n, str) for n in box.names)
-  )
-
-
 def replicated_box(box: Any) -> Any:
   """``box`` naming no axis: its value replicated."""
   return box.replace(names=tuple(None for _ in box.names))

@@ -281,6 +281,19 @@ def _names_spec(x: Any) -> P | None:
   return None
 
 
+def rules_decide(x: Any) -> bool:
+  """Whether the logical axis rules in effect where a Linen box is read
+  decide its mesh sharding: an ``nn.LogicallyPartitioned`` without rules
+  of its own that has a string name (a logical axis, mesh axis names
+  included: Flax maps each through the rules; tuples pass unchanged)."""
+  return (
+    is_box(x)
+    and hasattr(x, 'rules')
+    and x.rules is None
+    and any(isinstance(n, str) for n in (getattr(x, 'names', None) or ()))
+  )
+
+
 def context_free_spec(x: Any, mesh_axes: Sequence[str]) -> P | None:
   """The spec of a param as :func:`leaf_spec` reads it where that does not
   depend on the logical axis rules in effect; else None (unknown).
@@ -294,8 +307,10 @@ def context_free_spec(x: Any, mesh_axes: Sequence[str]) -> P | None:
   that both traces give the same structure; :func:`leaf_spec` (the rules'
   answer) is kept beside it as a routing hint.
   """
+  if rules_decide(x):
+    return None
   spec = leaf_spec(x)
-  names = _names_spec(x)
+  names = _names_spec(x) if is_variable(x) else None
   if names is None:
     return spec
   axes = set(mesh_axes)

@@ -838,7 +838,7 @@ def dedicate_linen(
   )
   for i, box in enumerate(boxes):
     if box is not None and i not in targets_by_leaf:
-      if owned_mesh and _flax_linen.rules_decide(box):
+      if owned_mesh and _mesh.rules_decide(box):
         box = _flax_linen.replicated_box(box)
       elif i in moved:
         box = _mesh.without_axes(box, ded.buffer_axes)

@@ -215,6 +215,34 @@ class Lm1bOrderTest(absltest.TestCase):
     self.assertIn(None, lo.param_entries)
     self.assertNotIn(None, li.param_entries)
 
+  def test_logical_names_that_are_mesh_axes_give_one_tree(self):
+    """Logical names spelled as mesh axes ('shard', mapped to itself by the
+    rules) are still the rules' to map: outside them an abstract init
+    cannot read them, so the structure may not read them inside either
+    (5 matrices on 8 devices: owner buffers hold 1.6x the even share, the
+    params' 'shard' 1/4 of each: each reading chose another momentum
+    layout)."""
+    mesh = support.make_mesh((2, 4), kind=AxisType.Auto)
+    tx = dmuon_jax.dmuon(LR, mesh=mesh, predicate='optax')
+
+    def init(rng):
+      keys = jax.random.split(rng, 5)
+      params = {
+        f'w{i}': nn.LogicallyPartitioned(
+          jax.random.normal(k, (32, 32)), ('shard', None)
+        )
+        for i, k in enumerate(keys)
+      }
+      return tx.init(params)
+
+    rules = (('shard', 'shard'),)
+    outside = jax.eval_shape(init, jax.random.key(0))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+      inside = jax.eval_shape(init, jax.random.key(0))
+    self.assertEqual(jax.tree.structure(outside), jax.tree.structure(inside))
+    (layout,) = dmuon_jax.owner_layouts(inside)
+    self.assertEqual(layout.momentum, 'params')
+
 
 class NnxLm(nnx.Module):
   def __init__(self, rngs):

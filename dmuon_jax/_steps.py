@@ -201,17 +201,10 @@ def _update_entries(layout, targets, sizes, allowed, update_specs=None):
           'the state again with init() on params sharded as in training.'
         )
     else:
-      now = fitting(
-        t,
-        update_specs[len(entries)] if update_specs else None,
-        sizes,
-        layout.buffer_axes,
-      )
-      if recorded is not None:
-        e = recorded
-      elif now is not None:
-        e = now
-      else:
+      e = recorded
+      if e is None and update_specs:
+        e = fitting(t, update_specs[len(entries)], sizes, layout.buffer_axes)
+      if e is None:
         e = ((),) * len(t.shape)
         unknown.append(t.path)
       spec = _mesh.entries_spec(e)

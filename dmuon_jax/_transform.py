@@ -270,14 +270,14 @@ def _zero_buffers(params, layout, mesh) -> list[Any]:
   return buffers
 
 
-def _context_free(flat, params, mesh):
+def _context_free(flat, holders, mesh):
   """``flat`` with each spec replaced by the one its holder gives whatever
   logical axis rules are in effect (None where the rules decide it; see
   ``_mesh.context_free_spec``)."""
   axes = tuple(mesh.axis_names) if mesh is not None else ()
   return [
     (path, x, _mesh.context_free_spec(h, axes))
-    for (path, x, _), h in zip(flat, _holders(params))
+    for (path, x, _), h in zip(flat, holders)
   ]
 
 
@@ -295,7 +295,8 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
   # specs that do not depend on the logical axis rules in effect, so that
   # jax.eval_shape(init) outside the rules and jax.jit(init) inside them
   # give equal trees; the rules' answer only steers the update's routes.
-  structural = _context_free(flat, params, mesh)
+  holders = _holders(params)
+  structural = _context_free(flat, holders, mesh)
   info = _mesh.resolve(
     mesh,
     setup.axis_names,
@@ -376,7 +377,6 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
     mesh=None if info is None else info.abstract,
     param_entries=hints,
   )
-  holders = _holders(params)
   layout = dataclasses.replace(
     layout,
     momentum=layout.placement(

@@ -35,67 +35,9 @@ def orbax_checkpoint():
 # ----------------------------------------------------------------- steps
 
 
-def complete_steps(directory) -> list[int]:
-  """Steps under ``directory`` whose save completed (sorted).
-
-  A step counts only if its directory name is an integer and holds orbax's
-  commit marker (``commit_success.txt``, written just before the atomic
-  rename of the temporary directory, or as the last file on file systems
-  without atomic rename). Temporary (``*.orbax-checkpoint-tmp-*``) or
-  unfinished step directories are ignored.
-
-  Args:
-    directory: the checkpoint root directory (a ``str`` or ``os.PathLike``).
-
-  Returns:
-    The complete steps, ascending; ``[]`` if there are none or
-    ``directory`` does not exist.
-
-  Examples:
-    >>> import pathlib, tempfile
-    >>> from dmuon_jax import checkpoint
-    >>> with tempfile.TemporaryDirectory() as directory:
-    ...   root = pathlib.Path(directory)
-    ...   for step in (10, 2, 7):
-    ...     (root / str(step)).mkdir()
-    ...   for step in (10, 2):  # step 7's save never committed
-    ...     _ = (root / str(step) / checkpoint.COMMIT_MARKER).write_text('')
-    ...   checkpoint.complete_steps(directory)
-    [2, 10]
-  """
-  path = pathlib.Path(directory)
-  if not path.is_dir():
-    return []
-  return sorted(int(child.name) for child in path.iterdir() if _is_step(child))
-
-
-def _is_step(path: pathlib.Path) -> bool:
+def is_step(path: pathlib.Path) -> bool:
   """A committed step directory: named by an integer, with the marker."""
   return path.name.isdigit() and (path / COMMIT_MARKER).is_file()
-
-
-def latest_step(directory) -> int | None:
-  """The latest complete step under ``directory``, or None.
-
-  Args:
-    directory: the checkpoint root directory (a ``str`` or ``os.PathLike``).
-
-  Returns:
-    The largest of :func:`complete_steps`, or None if there is none.
-
-  Examples:
-    >>> import tempfile, jax.numpy as jnp, dmuon_jax
-    >>> from dmuon_jax import checkpoint
-    >>> params = {'layers_0': {'w': jnp.ones((4, 8)), 'b': jnp.zeros(8)}}
-    >>> state = dmuon_jax.dmuon(0.02).init(params)
-    >>> with tempfile.TemporaryDirectory() as directory:
-    ...   print(checkpoint.latest_step(directory))
-    ...   _ = checkpoint.save(directory, 5, params, state)
-    ...   print(checkpoint.latest_step(directory))
-    None
-    5
-  """
-  return max(complete_steps(directory), default=None)
 
 
 def as_step(step, where: str) -> int:
@@ -155,7 +97,7 @@ def check_directory(directory, where: str) -> pathlib.Path:
 
 def check_not_a_step(root: pathlib.Path, where: str) -> None:
   """Raises if ``root`` (with no complete step) is itself a step directory."""
-  if _is_step(root):
+  if is_step(root):
     raise ValueError(
       f'dmuon_jax checkpoint.{where}: {str(root)!r} is the directory of '
       f'step {root.name}, not a checkpoint root. Pass its parent '

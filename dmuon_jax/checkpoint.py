@@ -53,8 +53,6 @@ import numpy as np
 import optax
 
 from dmuon_jax import _checkpoint, _dedication, _states
-from dmuon_jax._checkpoint import complete_steps as complete_steps
-from dmuon_jax._checkpoint import latest_step as latest_step
 
 _NO_DEVICES_MSG = (
   'dmuon_jax checkpoint: the abstract optimizer state of layout {name} '
@@ -73,6 +71,66 @@ COMMIT_MARKER = _checkpoint.COMMIT_MARKER
 
 :func:`complete_steps` counts a step only if its directory holds it.
 """
+
+
+def complete_steps(directory) -> list[int]:
+  """Steps under ``directory`` whose save completed (sorted).
+
+  A step counts only if its directory name is an integer and holds orbax's
+  commit marker (``commit_success.txt``, written just before the atomic
+  rename of the temporary directory, or as the last file on file systems
+  without atomic rename). Temporary (``*.orbax-checkpoint-tmp-*``) or
+  unfinished step directories are ignored.
+
+  Args:
+    directory: the checkpoint root directory (a ``str`` or ``os.PathLike``).
+
+  Returns:
+    The complete steps, ascending; ``[]`` if there are none or
+    ``directory`` does not exist.
+
+  Examples:
+    >>> import pathlib, tempfile
+    >>> from dmuon_jax import checkpoint
+    >>> with tempfile.TemporaryDirectory() as directory:
+    ...   root = pathlib.Path(directory)
+    ...   for step in (10, 2, 7):
+    ...     (root / str(step)).mkdir()
+    ...   for step in (10, 2):  # step 7's save never committed
+    ...     _ = (root / str(step) / checkpoint.COMMIT_MARKER).write_text('')
+    ...   checkpoint.complete_steps(directory)
+    [2, 10]
+  """
+  path = pathlib.Path(directory)
+  if not path.is_dir():
+    return []
+  return sorted(
+    int(child.name) for child in path.iterdir() if _checkpoint.is_step(child)
+  )
+
+
+def latest_step(directory) -> int | None:
+  """The latest complete step under ``directory``, or None.
+
+  Args:
+    directory: the checkpoint root directory (a ``str`` or ``os.PathLike``).
+
+  Returns:
+    The largest of :func:`complete_steps`, or None if there is none.
+
+  Examples:
+    >>> import tempfile, jax.numpy as jnp, dmuon_jax
+    >>> from dmuon_jax import checkpoint
+    >>> params = {'layers_0': {'w': jnp.ones((4, 8)), 'b': jnp.zeros(8)}}
+    >>> state = dmuon_jax.dmuon(0.02).init(params)
+    >>> with tempfile.TemporaryDirectory() as directory:
+    ...   print(checkpoint.latest_step(directory))
+    ...   _ = checkpoint.save(directory, 5, params, state)
+    ...   print(checkpoint.latest_step(directory))
+    None
+    5
+  """
+  return max(complete_steps(directory), default=None)
 
 
 class CheckpointDamagedError(ValueError):

@@ -304,15 +304,23 @@ def dedicated_like(dp_like: _dedication.DedicatedParams):
   return jax.tree.unflatten(treedef, leaves)
 
 
+def pack_like(like: _owner_layout.OwnerBuffers, values: dict[int, Any]):
+  """Owner buffers of ``like``'s layout, dtypes and placement, from whole
+  arrays by leaf index."""
+  return _dedication.pack_owned(
+    like.layout,
+    values,
+    concrete_mesh(like.buffers),
+    dtypes=[b.dtype for b in like.buffers],
+    shardings=[getattr(b, 'sharding', None) for b in like.buffers],
+  )
+
+
 def to_dedicated_like(params, dp_like: _dedication.DedicatedParams):
   leaves, treedef = jax.tree_util.tree_flatten(params)
-  buffers = dp_like.owned.buffers
-  owned = _dedication.pack_owned(
-    dp_like.owned.layout,
+  owned = pack_like(
+    dp_like.owned,
     {t.index: leaves[t.index] for t in dp_like.owned.layout.leaves},
-    concrete_mesh(buffers),
-    dtypes=[b.dtype for b in buffers],
-    shardings=[getattr(b, 'sharding', None) for b in buffers],
   )
   rest = [
     None if like is None else cast_like(x, like)

@@ -299,14 +299,8 @@ def _from_portable(portable: PortableDMuonState, target) -> Any:
         f'{layout.name} expects {t.shape}.'
       )
     values[t.index] = x
-  dtypes = [b.dtype for b in target.mu.buffers]
-  shardings = [getattr(b, 'sharding', None) for b in target.mu.buffers]
-  mesh = _checkpoint.concrete_mesh(target.mu.buffers)
-  mu = _dedication.pack_owned(
-    layout, values, mesh, dtypes=dtypes, shardings=shardings
-  )
   # Boxed targets (Flax metadata on the buffers) get their boxes back.
-  mu = target.mu.rebox(mu.buffers)
+  mu = target.mu.rebox(_checkpoint.pack_like(target.mu, values).buffers)
   fields = {
     'count': _checkpoint.cast_like(portable.count, target.count),
     'mu': mu,
@@ -683,12 +677,6 @@ def _restore_step(root, step, steps, params_like, opt, extra_like, dedication):
 # ------------------------------------------------------------------ nnx
 
 
-def _nnx():
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-
-  return nnx
-
-
 def save_nnx(
   directory,
   step: int,
@@ -734,7 +722,8 @@ def save_nnx(
     1 1
   """
   step = _checkpoint.as_step(step, 'save_nnx')
-  nnx = _nnx()
+  from flax import nnx  # flax is optional: lazily
+
   params = nnx.to_pure_dict(nnx.state(model, optimizer.wrt))
   more = {'optimizer_step': nnx.as_pure(optimizer.step)}
   if extra is not None:
@@ -802,7 +791,8 @@ def restore_nnx(
     >>> step, bool((model.kernel[...] == saved).all())
     (1, True)
   """
-  nnx = _nnx()
+  from flax import nnx  # flax is optional: lazily
+
   state = nnx.state(model, optimizer.wrt)
   params_like = nnx.to_pure_dict(state)
   more_like = {'optimizer_step': nnx.as_pure(optimizer.step)}

@@ -52,15 +52,7 @@ import jax
 import numpy as np
 import optax
 
-from dmuon_jax import (
-  _checkpoint_checks,
-  _checkpoint_steps,
-  _dedication,
-  _portable,
-  _states,
-)
-from dmuon_jax._checkpoint_steps import complete_steps as complete_steps
-from dmuon_jax._checkpoint_steps import latest_step as latest_step
+from dmuon_jax import _checkpoint, _dedication, _states
 
 _NO_DEVICES_MSG = (
   'dmuon_jax checkpoint: the abstract optimizer state of layout {name} '
@@ -74,11 +66,71 @@ _NO_DEVICES_MSG = (
   ' with traced = jax.jit(opt.init).trace(params_like).'
 )
 
-COMMIT_MARKER = _checkpoint_steps.COMMIT_MARKER
+COMMIT_MARKER = _checkpoint.COMMIT_MARKER
 """The file orbax writes into a step directory when its save is committed.
 
 :func:`complete_steps` counts a step only if its directory holds it.
 """
+
+
+def complete_steps(directory) -> list[int]:
+  """Steps under ``directory`` whose save completed (sorted).
+
+  A step counts only if its directory name is an integer and holds orbax's
+  commit marker (``commit_success.txt``, written just before the atomic
+  rename of the temporary directory, or as the last file on file systems
+  without atomic rename). Temporary (``*.orbax-checkpoint-tmp-*``) or
+  unfinished step directories are ignored.
+
+  Args:
+    directory: the checkpoint root directory (a ``str`` or ``os.PathLike``).
+
+  Returns:
+    The complete steps, ascending; ``[]`` if there are none or
+    ``directory`` does not exist.
+
+  Examples:
+    >>> import pathlib, tempfile
+    >>> from dmuon_jax import checkpoint
+    >>> with tempfile.TemporaryDirectory() as directory:
+    ...   root = pathlib.Path(directory)
+    ...   for step in (10, 2, 7):
+    ...     (root / str(step)).mkdir()
+    ...   for step in (10, 2):  # step 7's save never committed
+    ...     _ = (root / str(step) / checkpoint.COMMIT_MARKER).write_text('')
+    ...   checkpoint.complete_steps(directory)
+    [2, 10]
+  """
+  path = pathlib.Path(directory)
+  if not path.is_dir():
+    return []
+  return sorted(
+    int(child.name) for child in path.iterdir() if _checkpoint.is_step(child)
+  )
+
+
+def latest_step(directory) -> int | None:
+  """The latest complete step under ``directory``, or None.
+
+  Args:
+    directory: the checkpoint root directory (a ``str`` or ``os.PathLike``).
+
+  Returns:
+    The largest of :func:`complete_steps`, or None if there is none.
+
+  Examples:
+    >>> import tempfile, jax.numpy as jnp, dmuon_jax
+    >>> from dmuon_jax import checkpoint
+    >>> params = {'layers_0': {'w': jnp.ones((4, 8)), 'b': jnp.zeros(8)}}
+    >>> state = dmuon_jax.dmuon(0.02).init(params)
+    >>> with tempfile.TemporaryDirectory() as directory:
+    ...   print(checkpoint.latest_step(directory))
+    ...   _ = checkpoint.save(directory, 5, params, state)
+    ...   print(checkpoint.latest_step(directory))
+    None
+    5
+  """
+  return max(complete_steps(directory), default=None)
 
 
 class CheckpointDamagedError(ValueError):
@@ -158,18 +210,28 @@ def _is_state(x) -> bool:
   return _states.is_dmuon_state(x) or isinstance(x, PortableDMuonState)
 
 
-def _to_portable(st) -> PortableDMuonState:
-  if _portable.is_abstract(st):
-    return _abstract_portable(st)
-  layout = st.mu.layout
-  mesh = _portable.concrete_mesh(st.mu.buffers)
-  values = _dedication.unpack_owned(st.mu)
-  shardings = _portable.param_shardings(layout, mesh)
+def _to_portable(x, abstract=False, placed=True) -> PortableDMuonState:
+  """The portable form of a dmuon state; as ``jax.ShapeDtypeStruct``\\ s
+  if ``abstract`` or the state is (``placed``: then raise unless the
+  buffers say which devices they are on)."""
+  layout = x.mu.layout
+  mesh = _checkpoint.concrete_mesh(x.mu.buffers)
+  abstract = abstract or any(  # buffers from jax.eval_shape
+    isinstance(b, jax.ShapeDtypeStruct) for b in jax.tree.leaves(x.mu)
+  )
+  if abstract and mesh is None and layout.distributed and placed:
+    raise ValueError(_NO_DEVICES_MSG.format(name=layout.name))
+  values = None if abstract else _dedication.unpack_owned(x.mu)
   mu = {}
-  for t, s in zip(layout.leaves, shardings):
-    x = values[t.index]
-    mu[t.path] = x if s is None else jax.device_put(x, s)
-  return PortableDMuonState(count=st.count, mu=_portable.nest(mu))
+  for t, s in zip(layout.leaves, _checkpoint.param_shardings(layout, mesh)):
+    if abstract:
+      dtype = x.mu.buffers[layout.leaf_buffer(t.index)].dtype
+      mu[t.path] = jax.ShapeDtypeStruct(t.shape, dtype, sharding=s)
+    else:
+      v = values[t.index]
+      mu[t.path] = v if s is None else jax.device_put(v, s)
+  count = _checkpoint.abstract_leaf(x.count) if abstract else x.count
+  return PortableDMuonState(count=count, mu=_checkpoint.nest(mu))
 
 
 def state_to_portable(opt_state: Any) -> Any:
@@ -204,19 +266,16 @@ def state_to_portable(opt_state: Any) -> Any:
     >>> jax.tree.map(jnp.shape, muon.mu)  # the Muon momentum, param-shaped
     {'layers_0': {'w': (4, 8)}}
   """
-  leaves, treedef = jax.tree.flatten(opt_state, is_leaf=_is_state)
-  out = [
-    _to_portable(x)
-    if _is_state(x) and not isinstance(x, PortableDMuonState)
-    else x
-    for x in leaves
-  ]
-  return jax.tree.unflatten(treedef, out)
+  return jax.tree.map(
+    lambda x: _to_portable(x) if _states.is_dmuon_state(x) else x,
+    opt_state,
+    is_leaf=_is_state,
+  )
 
 
 def _from_portable(portable: PortableDMuonState, target) -> Any:
   layout = target.mu.layout
-  by_path = _portable.flat(portable.mu)
+  by_path = _checkpoint.flat(portable.mu)
   want = {t.path: t for t in layout.leaves}
   missing = sorted(set(want) - set(by_path))
   extra = sorted(set(by_path) - set(want))
@@ -240,23 +299,17 @@ def _from_portable(portable: PortableDMuonState, target) -> Any:
         f'{layout.name} expects {t.shape}.'
       )
     values[t.index] = x
-  dtypes = [b.dtype for b in target.mu.buffers]
-  shardings = [getattr(b, 'sharding', None) for b in target.mu.buffers]
-  mesh = _portable.concrete_mesh(target.mu.buffers)
-  mu = _dedication.pack_owned(
-    layout, values, mesh, dtypes=dtypes, shardings=shardings
-  )
   # Boxed targets (Flax metadata on the buffers) get their boxes back.
-  mu = target.mu.rebox(mu.buffers)
+  mu = target.mu.rebox(_checkpoint.pack_like(target.mu, values).buffers)
   fields = {
-    'count': _portable.cast_like(portable.count, target.count),
+    'count': _checkpoint.cast_like(portable.count, target.count),
     'mu': mu,
   }
   if isinstance(getattr(target, 'stamp', None), _states.LayoutStamp):
     marker, value = _states.stamp_value(layout)
     fields['stamp'] = _states.LayoutStamp(
-      _portable.cast_like(marker, target.stamp.marker),
-      _portable.cast_like(value, target.stamp.value),
+      _checkpoint.cast_like(marker, target.stamp.marker),
+      _checkpoint.cast_like(value, target.stamp.value),
       layout.name,
     )
   return target._replace(**fields)
@@ -321,38 +374,17 @@ def state_from_portable(portable: Any, target_state: Any) -> Any:
         f'dmuon_jax checkpoint: state leaf of shape {np.shape(x)} where '
         f'the optimizer expects {np.shape(t)}.'
       )
-    out.append(_portable.cast_like(x, t))
+    out.append(_checkpoint.cast_like(x, t))
   return jax.tree.unflatten(treedef, out)
-
-
-def _abstract_portable(x, placed: bool = True) -> PortableDMuonState:
-  """The portable form of a dmuon state, as ``jax.ShapeDtypeStruct``\\ s
-  (``placed``: raise unless the buffers say which devices they are on)."""
-  layout = x.mu.layout
-  mesh = _portable.concrete_mesh(x.mu.buffers)
-  if mesh is None and layout.distributed and placed:
-    raise ValueError(_NO_DEVICES_MSG.format(name=layout.name))
-  shardings = _portable.param_shardings(layout, mesh)
-  dtype_of = {
-    t.index: x.mu.buffers[layout.leaf_buffer(t.index)].dtype
-    for t in layout.leaves
-  }
-  mu = {
-    t.path: jax.ShapeDtypeStruct(t.shape, dtype_of[t.index], sharding=s)
-    for t, s in zip(layout.leaves, shardings)
-  }
-  return PortableDMuonState(
-    count=_portable.abstract_leaf(x.count), mu=_portable.nest(mu)
-  )
 
 
 def _portable_abstract(target_state: Any, placed: bool = True) -> Any:
   """``jax.ShapeDtypeStruct`` tree of the portable form of a state."""
   return jax.tree.map(
     lambda x: (
-      _abstract_portable(x, placed)
+      _to_portable(x, abstract=True, placed=placed)
       if _states.is_dmuon_state(x)
-      else _portable.abstract_leaf(x)
+      else _checkpoint.abstract_leaf(x)
     ),
     target_state,
     is_leaf=_states.is_dmuon_state,
@@ -364,7 +396,7 @@ def _portable_abstract(target_state: Any, placed: bool = True) -> Any:
 
 def _check_state_of(opt, params, portable) -> None:
   """Raises unless ``portable`` is the portable form of a state of ``opt``."""
-  if not callable(getattr(opt, 'init', None)):
+  if not _checkpoint.is_optimizer(opt):
     raise TypeError(
       'dmuon_jax checkpoint.save: opt= takes the optimizer (an '
       f'optax.GradientTransformation) whose state is saved; got '
@@ -380,9 +412,9 @@ def _check_state_of(opt, params, portable) -> None:
       'opt. Pass the params opt was initialised with (the DedicatedParams '
       'in dedicated mode) and the optimizer that made opt_state.'
     ) from e
-  parts = _checkpoint_checks.diff_parts(
-    _checkpoint_checks.sigs_by_path({'opt_state': portable}),
-    _checkpoint_checks.sigs_by_path(
+  parts = _checkpoint.diff_parts(
+    _checkpoint.sigs_by_path({'opt_state': portable}),
+    _checkpoint.sigs_by_path(
       {'opt_state': _portable_abstract(abstract, placed=False)}
     ),
     what='shapes/dtypes',
@@ -456,16 +488,15 @@ def save(
     ...   print(path.name, checkpoint.complete_steps(directory))
     3 [3]
   """
-  step = _checkpoint_steps.as_step(step, 'save')
-  ocp = _checkpoint_checks.orbax_checkpoint()
+  step = _checkpoint.as_step(step, 'save')
+  ocp = _checkpoint.orbax_checkpoint()
   directory = pathlib.Path(os.path.abspath(directory))
   portable = state_to_portable(opt_state)
   if opt is not None:
     _check_state_of(opt, params, portable)
-  tree = {
-    'params': _portable.plain_params(params),
-    'opt_state': portable,
-  }
+  if isinstance(params, _dedication.DedicatedParams):
+    params = _dedication.to_params(params)
+  tree = {'params': params, 'opt_state': portable}
   if extra is not None:
     tree['extra'] = extra
   with ocp.CheckpointManager(
@@ -559,52 +590,35 @@ def restore(
     >>> [layout.name[:12] for layout in dmuon_jax.owner_layouts(new_state)]
     ['dmuon_data1_']
   """
-  return _restore(
-    directory,
-    params_like,
-    opt,
-    step,
-    extra_like=extra_like,
-    dedication=dedication,
-    if_damaged=if_damaged,
-    where='restore',
-  )
+  targets = (params_like, opt, extra_like, dedication)
+  return _restore('restore', directory, step, if_damaged, targets)
 
 
-def _restore(
-  directory,
-  params_like,
-  opt,
-  step,
-  *,
-  extra_like,
-  dedication,
-  if_damaged,
-  where,
-):
+def _restore(where, directory, step, if_damaged, targets):
+  """``restore`` (``where`` names the caller); ``targets`` are
+  ``(params_like, opt, extra_like, dedication)``."""
   if if_damaged not in _IF_DAMAGED:
     raise ValueError(
       f'dmuon_jax checkpoint.{where}: {if_damaged=}; expected one of '
       f'{_IF_DAMAGED}.'
     )
-  root = _checkpoint_steps.check_directory(directory, where)
+  root = _checkpoint.check_directory(directory, where)
   steps = complete_steps(root)
-  kwargs = dict(extra_like=extra_like, dedication=dedication)
   if step is not None:
-    step = _checkpoint_steps.as_step(step, where)
+    step = _checkpoint.as_step(step, where)
     if step not in steps:
       raise FileNotFoundError(
         f'dmuon_jax checkpoint.{where}: no complete step {step} under '
         f'{directory} (complete steps: {steps}).'
       )
-    return _restore_step(root, step, steps, params_like, opt, **kwargs)
+    return _restore_step(root, step, steps, *targets)
   if not steps:
-    _checkpoint_steps.check_not_a_step(root, where)
+    _checkpoint.check_not_a_step(root, where)
     return None
   damaged = []
   for candidate in reversed(steps):
     try:
-      return _restore_step(root, candidate, steps, params_like, opt, **kwargs)
+      return _restore_step(root, candidate, steps, *targets)
     except CheckpointDamagedError as e:
       if if_damaged == 'raise':
         raise
@@ -627,53 +641,40 @@ def _restore(
   ) from damaged[-1]
 
 
-def _restore_step(
-  root, step, steps, params_like, opt, *, extra_like=None, dedication=None
-):
+def _restore_step(root, step, steps, params_like, opt, extra_like, dedication):
   path = root / str(step) / 'default'
   read = functools.partial(_reading, root, step, steps)
+
+  def load(name, abstract):
+    with read():
+      return _checkpoint.partial_restore(path, {name: abstract})[name]
+
   dp_like = None
   if isinstance(params_like, _dedication.DedicatedParams):
     dp_like = params_like
-    params_like = _portable.dedicated_like(dp_like)
+    params_like = _checkpoint.dedicated_like(dp_like)
   with read():
-    saved = _checkpoint_checks.saved_tree(path)
-  params_abs = jax.tree.map(_portable.place_like, params_like)
-  _checkpoint_checks.check_saved(saved, {'params': params_abs}, step)
-  with read():
-    params = _checkpoint_checks.partial_restore(path, {'params': params_abs})[
-      'params'
-    ]
+    saved = _checkpoint.saved_tree(path)
+  params_abs = jax.tree.map(_checkpoint.place_like, params_like)
+  _checkpoint.check_saved(saved, {'params': params_abs}, step)
+  params = load('params', params_abs)
   if dp_like is not None:
-    params = _portable.to_dedicated_like(params, dp_like)
+    params = _checkpoint.to_dedicated_like(params, dp_like)
   elif dedication is not None:
     params = dedication.to_dedicated(params)
   opt_state = None
   if opt is not None:
-    target = _portable.target_state(opt, params)
+    target = _checkpoint.target_state(opt, params)
     abstract = _portable_abstract(target)
-    _checkpoint_checks.check_saved(saved, {'opt_state': abstract}, step)
-    with read():
-      portable = _checkpoint_checks.partial_restore(
-        path, {'opt_state': abstract}
-      )['opt_state']
-    opt_state = state_from_portable(portable, target)
-  if extra_like is not None:
-    with read():
-      extra = _checkpoint_checks.partial_restore(
-        path, {'extra': jax.tree.map(_portable.place_like, extra_like)}
-      )['extra']
-    return step, params, opt_state, extra
-  return step, params, opt_state
+    _checkpoint.check_saved(saved, {'opt_state': abstract}, step)
+    opt_state = state_from_portable(load('opt_state', abstract), target)
+  if extra_like is None:
+    return step, params, opt_state
+  extra = load('extra', jax.tree.map(_checkpoint.place_like, extra_like))
+  return step, params, opt_state, extra
 
 
 # ------------------------------------------------------------------ nnx
-
-
-def _nnx():
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-
-  return nnx
 
 
 def save_nnx(
@@ -720,8 +721,9 @@ def save_nnx(
     ...   print(path.name, checkpoint.latest_step(directory))
     1 1
   """
-  step = _checkpoint_steps.as_step(step, 'save_nnx')
-  nnx = _nnx()
+  step = _checkpoint.as_step(step, 'save_nnx')
+  from flax import nnx  # flax is optional: lazily
+
   params = nnx.to_pure_dict(nnx.state(model, optimizer.wrt))
   more = {'optimizer_step': nnx.as_pure(optimizer.step)}
   if extra is not None:
@@ -789,22 +791,15 @@ def restore_nnx(
     >>> step, bool((model.kernel[...] == saved).all())
     (1, True)
   """
-  nnx = _nnx()
+  from flax import nnx  # flax is optional: lazily
+
   state = nnx.state(model, optimizer.wrt)
   params_like = nnx.to_pure_dict(state)
   more_like = {'optimizer_step': nnx.as_pure(optimizer.step)}
   if extra_like is not None:
     more_like['user'] = extra_like
-  got = _restore(
-    directory,
-    params_like,
-    nnx.as_pure(optimizer.opt_state),
-    step,
-    extra_like=more_like,
-    dedication=None,
-    if_damaged=if_damaged,
-    where='restore_nnx',
-  )
+  targets = (params_like, nnx.as_pure(optimizer.opt_state), more_like, None)
+  got = _restore('restore_nnx', directory, step, if_damaged, targets)
   if got is None:
     return None
   step, params, opt_state, more = got
@@ -829,7 +824,7 @@ def _reading(root: pathlib.Path, step: int, steps: list[int]):
     raise
   except Exception as e:  # orbax, TensorStore, json: whatever they raise
     step_dir = root / str(step)
-    file = _checkpoint_checks.damaged_file(step_dir, e)
+    file = _checkpoint.damaged_file(step_dir, e)
     if file is None:
       raise
     others = [s for s in steps if s != step]
@@ -848,7 +843,7 @@ def _reading(root: pathlib.Path, step: int, steps: list[int]):
     )
     raise CheckpointDamagedError(
       f'dmuon_jax checkpoint: step {step} under {root} is damaged: {file} '
-      f'cannot be read ({_checkpoint_checks.reason(e)}). The step was '
+      f'cannot be read ({_checkpoint.reason(e)}). The step was '
       'committed, so its files changed after the save; this is not about '
       f'the targets it is restored onto. {fix}; delete or move {step_dir} '
       'so that later restores skip it.',

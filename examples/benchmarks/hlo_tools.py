@@ -36,16 +36,16 @@ from dmuon_jax import _hlo_text, diagnostics
 # StableHLO op names (``stablehlo.all_gather``) to HLO kinds.
 _STABLEHLO_KINDS = {k.replace('-', '_'): k for k in diagnostics.KINDS}
 
-MLIR_OP_RE = re.compile(
+_MLIR_OP_RE = re.compile(
   r'(?P<result>%[\w#:]+)\s*=\s*"stablehlo\.(?P<op>all_gather|reduce_scatter|'
   r'all_reduce|all_to_all|collective_permute|collective_broadcast)"\('
 )
-MLIR_FUNC_RE = re.compile(r'\bfunc\.func\s+(?:\w+\s+)*@(?P<name>[\w.$\-]+)')
-MLIR_CALL_RE = re.compile(r'\bcall\s+@(?P<name>[\w.$\-]+)')
+_MLIR_FUNC_RE = re.compile(r'\bfunc\.func\s+(?:\w+\s+)*@(?P<name>[\w.$\-]+)')
+_MLIR_CALL_RE = re.compile(r'\bcall\s+@(?P<name>[\w.$\-]+)')
 _MLIR_TENSOR_RE = re.compile(
   r'tensor<(?P<dims>(?:(?:\d+|\?)x)*)(?P<dtype>complex<\w+>|\w+)[^<>]*>'
 )
-MLIR_SIGNATURE_RE = re.compile(r':\s*\((?P<ins>[^()]*)\)\s*->\s*(?P<outs>.*)$')
+_MLIR_SIGNATURE_RE = re.compile(r':\s*\((?P<ins>[^()]*)\)\s*->\s*(?P<outs>.*)$')
 
 
 def _mlir_dtype(dtype: str) -> str:
@@ -59,7 +59,7 @@ def _mlir_dtype(dtype: str) -> str:
   return dtype.lower()
 
 
-def mlir_elements(types: str) -> list[_hlo_text.Element]:
+def _mlir_elements(types: str) -> list[_hlo_text.Element]:
   out = []
   for m in _MLIR_TENSOR_RE.finditer(types):
     dims = tuple(0 if d == '?' else int(d) for d in m['dims'].split('x') if d)
@@ -67,7 +67,7 @@ def mlir_elements(types: str) -> list[_hlo_text.Element]:
   return out
 
 
-def mlir_matrix(attrs: str, name: str) -> list[tuple[int, ...]] | None:
+def _mlir_matrix(attrs: str, name: str) -> list[tuple[int, ...]] | None:
   """Rows of a ``name = dense<...> : tensor<RxCxi64>`` attribute."""
   m = re.search(
     name + r'\s*=\s*dense<(?P<value>.*?)>\s*:\s*tensor<(?P<r>\d+)x(?P<c>\d+)'
@@ -154,7 +154,7 @@ def stablehlo_collectives(
     stripped = _hlo_text.STRING_RE.sub('""', line)
     before = depth
     depth += stripped.count('{') - stripped.count('}')
-    if m := MLIR_FUNC_RE.search(stripped):
+    if m := _MLIR_FUNC_RE.search(stripped):
       function = m['name']
     in_while = bool(loops)
     if open_op is not None:
@@ -162,13 +162,13 @@ def stablehlo_collectives(
       if depth <= open_op[0]:
         found.append(open_op[1] + ('\n'.join(open_lines),))
         open_op = None
-    elif m := MLIR_OP_RE.search(line):
+    elif m := _MLIR_OP_RE.search(line):
       op = (function, in_while, _STABLEHLO_KINDS[m['op']], m['result'])
       if depth <= before:
         found.append(op + (line,))
       else:
         open_op, open_lines = (before, op), [line]
-    for m in MLIR_CALL_RE.finditer(stripped):
+    for m in _MLIR_CALL_RE.finditer(stripped):
       calls.append((function, m['name'], in_while))
     if 'stablehlo.while' in stripped:
       loops.append(before)
@@ -185,14 +185,14 @@ def stablehlo_collectives(
   out = []
   for fn, in_while, kind, result, op_text in found:
     last = re.sub(r'\s*loc\(.*\)\s*$', '', op_text.splitlines()[-1])
-    signature = MLIR_SIGNATURE_RE.search(last)
-    ins = mlir_elements(signature['ins']) if signature else []
-    outs = mlir_elements(signature['outs']) if signature else []
+    signature = _MLIR_SIGNATURE_RE.search(last)
+    ins = _mlir_elements(signature['ins']) if signature else []
+    outs = _mlir_elements(signature['outs']) if signature else []
     if kind == 'collective-permute':
-      pairs = mlir_matrix(op_text, 'source_target_pairs') or []
+      pairs = _mlir_matrix(op_text, 'source_target_pairs') or []
       n = _hlo_text.largest_component(p for p in pairs if len(p) == 2)
     else:
-      groups = mlir_matrix(op_text, 'replica_groups')
+      groups = _mlir_matrix(op_text, 'replica_groups')
       n = max((len(g) for g in groups), default=0) if groups else 0
       n = n or num_devices
     elements = outs if kind == 'all-gather' else ins

@@ -55,28 +55,32 @@ How collectives are counted in compiled HLO:
 
 XLA:CPU (jax 0.10.2) converts bf16 collectives to f32 (a ``convert`` on each
 side of an f32 all-gather or all-reduce), so a CPU program reports twice the
-bytes a GPU program moves for bf16 data; :func:`stablehlo_collectives` on the
-program lowered for CUDA shows the bf16 ops.
+bytes a GPU program moves for bf16 data; ``stablehlo_collectives`` of the
+repository's ``examples/benchmarks/hlo_tools.py`` on the program lowered for
+CUDA shows the bf16 ops.
 
 FLOPs come from ``compiled.cost_analysis()['flops']`` and are per device.
 XLA:CPU (jax 0.10.2) counts a ``while`` body **once**, not once per
 iteration (a ``lax.scan`` of 5 matmuls reports the FLOPs of one), and counts
 the most expensive branch of a ``conditional``. Multiply by hand where a loop
-matters.
+matters (``dot_flops`` of ``examples/benchmarks/hlo_tools.py`` counts each
+loop's trips, device by device).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
+import pathlib
 import re
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import jax
 
-from dmuon_jax import _cost, _hlo_cost, _hlo_text, _stablehlo_text
-from dmuon_jax._hlo_cost import dot_flops as dot_flops
+from dmuon_jax import _cost, _hlo_text
 from dmuon_jax._hlo_text import parse_replica_groups as parse_replica_groups
 
 KINDS = (
@@ -88,9 +92,6 @@ KINDS = (
   'collective-broadcast',
 )
 """The collective kinds reported, in HLO spelling (``Collective.kind``)."""
-
-# StableHLO op names (``stablehlo.all_gather``) to HLO kinds.
-_STABLEHLO_KINDS = {k.replace('-', '_'): k for k in KINDS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,10 +334,25 @@ def analyze_compiled(compiled: Any) -> HloReport:
       'analyze_compiled expects a jax.stages.Compiled (from'
       f' jax.jit(f).lower(*args).compile()); got {type(compiled).__name__}.'
     )
-  collectives = hlo_collectives(compiled.as_text())
-  memory = _hlo_cost.memory_fields(compiled)
+  # Not every backend has cost_analysis or memory_analysis.
+  try:
+    cost = compiled.cost_analysis()
+  except Exception:  # pylint: disable=broad-except
+    cost = None
+  if isinstance(cost, (list, tuple)):  # Older jax: one dict per program.
+    cost = cost[0] if cost else None
+  try:
+    stats = compiled.memory_analysis()
+  except Exception:  # pylint: disable=broad-except
+    stats = None
+  memory = {}
+  for part in ('argument', 'output', 'temp', 'alias', 'generated_code'):
+    value = getattr(stats, f'{part}_size_in_bytes', None)
+    memory[f'{part}_bytes'] = None if value is None else int(value)
   return HloReport(
-    collectives=collectives, flops=_hlo_cost.flops(compiled), **memory
+    collectives=hlo_collectives(compiled.as_text()),
+    flops=float(cost.get('flops', 0.0)) if cost else 0.0,
+    **memory,
   )
 
 
@@ -548,120 +564,6 @@ def hlo_collectives(
   return tuple(out)
 
 
-# ---------------------------------------------------------------------------
-# StableHLO (MLIR) text.
-
-
-def stablehlo_collectives(
-  text: str, num_devices: int | None = None
-) -> tuple[Collective, ...]:
-  """Lists the collectives of a StableHLO (MLIR) module's text.
-
-  Useful for a platform this machine cannot compile for, e.g. the CUDA
-  program on a CPU-only host:
-  ``jax.jit(f).trace(*args).lower(lowering_platforms=('cuda',)).as_text()``.
-  XLA has not yet optimized this program: collectives are not yet combined,
-  scheduled or made async, and loops carry no known trip count.
-
-  Args:
-    text: StableHLO text in MLIR's generic op form
-      (``"stablehlo.all_gather"(%x) <{...}> : (...) -> ...``).
-    num_devices: (optional, default None) the number of devices an empty
-      replica group spans; if None, ``mhlo.num_partitions *
-      mhlo.num_replicas`` from the module attributes.
-
-  Returns:
-    The collectives in text order, each with ``executions=1``. ``in_loop`` is
-    True inside a ``stablehlo.while`` region or in a function called
-    (transitively) from one.
-
-  Examples:
-    >>> import functools, jax, jax.numpy as jnp
-    >>> from jax.sharding import NamedSharding, PartitionSpec as P
-    >>> from dmuon_jax import diagnostics
-    >>> devices = jax.devices()[:2]
-    >>> n = len(devices)  # 2, or 1 on a single device
-    >>> mesh = jax.make_mesh((n,), ('data',), devices=devices)
-    >>> def body(i, y):
-    ...   return y + jax.lax.psum(y, 'data')
-    >>> @jax.jit
-    ... @functools.partial(jax.shard_map, mesh=mesh,
-    ...                    in_specs=P('data'), out_specs=P('data'))
-    ... def step(x):  # x: this device's f32[8, 16] block
-    ...   x = x + jax.lax.psum(x, 'data')  # one all-reduce
-    ...   return jax.lax.fori_loop(0, 3, body, x)  # and one per iteration
-    >>> data = NamedSharding(mesh, P('data'))
-    >>> x = jax.device_put(jnp.ones((8 * n, 16)), data)
-    >>> lowered = step.trace(x).lower(lowering_platforms=('cuda',))
-    >>> [(c.kind, c.in_loop, c.executions, c.group_size == n)
-    ...  for c in diagnostics.stablehlo_collectives(lowered.as_text())]
-    [('all-reduce', False, 1, True), ('all-reduce', True, 1, True)]
-  """
-  if num_devices is None:
-    partitions = re.search(r'mhlo\.num_partitions\s*=\s*(\d+)', text)
-    replicas = re.search(r'mhlo\.num_replicas\s*=\s*(\d+)', text)
-    num_devices = (int(partitions[1]) if partitions else 1) * (
-      int(replicas[1]) if replicas else 1
-    )
-  # (function, in a while region, kind, result name, op text) per op.
-  found: list[tuple[str | None, bool, str, str, str]] = []
-  calls: list[tuple[str | None, str, bool]] = []  # (caller, callee, in while)
-  function = None
-  depth = 0
-  loops: list[int] = []  # The brace depth of each open stablehlo.while.
-  # An op with a region spans lines until the depth falls back.
-  open_op: tuple[int, tuple[str | None, bool, str, str]] | None = None
-  open_lines: list[str] = []
-  for line in text.splitlines():
-    stripped = _hlo_text.STRING_RE.sub('""', line)
-    before = depth
-    depth += stripped.count('{') - stripped.count('}')
-    if m := _stablehlo_text.MLIR_FUNC_RE.search(stripped):
-      function = m['name']
-    in_while = bool(loops)
-    if open_op is not None:
-      open_lines.append(line)
-      if depth <= open_op[0]:
-        found.append(open_op[1] + ('\n'.join(open_lines),))
-        open_op = None
-    elif m := _stablehlo_text.MLIR_OP_RE.search(line):
-      op = (function, in_while, _STABLEHLO_KINDS[m['op']], m['result'])
-      if depth <= before:
-        found.append(op + (line,))
-      else:
-        open_op, open_lines = (before, op), [line]
-    for m in _stablehlo_text.MLIR_CALL_RE.finditer(stripped):
-      calls.append((function, m['name'], in_while))
-    if 'stablehlo.while' in stripped:
-      loops.append(before)
-    while loops and before > loops[-1] and depth <= loops[-1]:
-      loops.pop()
-  looped = {callee for _, callee, in_while in calls if in_while}
-  changed = True
-  while changed:
-    changed = False
-    for caller, callee, _ in calls:
-      if caller in looped and callee not in looped:
-        looped.add(callee)
-        changed = True
-  out = []
-  for fn, in_while, kind, result, op_text in found:
-    last = re.sub(r'\s*loc\(.*\)\s*$', '', op_text.splitlines()[-1])
-    signature = _stablehlo_text.MLIR_SIGNATURE_RE.search(last)
-    ins = _stablehlo_text.mlir_elements(signature['ins']) if signature else []
-    outs = _stablehlo_text.mlir_elements(signature['outs']) if signature else []
-    if kind == 'collective-permute':
-      pairs = _stablehlo_text.mlir_matrix(op_text, 'source_target_pairs') or []
-      n = _hlo_text.largest_component(p for p in pairs if len(p) == 2)
-    else:
-      groups = _stablehlo_text.mlir_matrix(op_text, 'replica_groups')
-      n = max((len(g) for g in groups), default=0) if groups else 0
-      n = n or num_devices
-    elements = outs if kind == 'all-gather' else ins
-    out.append(_record(kind, result, elements, n, 1, in_while or fn in looped))
-  return tuple(out)
-
-
 class NestedCollective(NamedTuple):
   """A collective and the control flow around it.
 
@@ -765,6 +667,31 @@ def collective_nesting(compiled: Any) -> tuple[NestedCollective, ...]:
   return tuple(out)
 
 
+# Moved to the repository's examples/benchmarks/hlo_tools.py (tooling for the
+# tests and benchmarks); importable from here for one more release.
+_MOVED = ('dot_flops', 'stablehlo_collectives')
+
+
+def __getattr__(name: str) -> Any:
+  """A moved name, with a ``DeprecationWarning`` naming its new home."""
+  if name not in _MOVED:
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+  path = pathlib.Path(__file__).parents[1] / 'examples/benchmarks/hlo_tools.py'
+  warnings.warn(
+    f'dmuon_jax.diagnostics.{name} moved to examples/benchmarks/hlo_tools.py'
+    f' of the dmuon_jax repository ({path}); this alias goes in the next'
+    ' release.',
+    DeprecationWarning,
+    stacklevel=2,
+  )
+  if not path.is_file():  # Not a source checkout (pip install -e .).
+    raise AttributeError(f'{name} moved to {path}, which is not here.')
+  spec = importlib.util.spec_from_file_location('hlo_tools', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return getattr(module, name)
+
+
 __all__ = (
   'KINDS',
   'Collective',
@@ -773,8 +700,6 @@ __all__ = (
   'analyze',
   'analyze_compiled',
   'collective_nesting',
-  'dot_flops',
   'hlo_collectives',
   'parse_replica_groups',
-  'stablehlo_collectives',
 )

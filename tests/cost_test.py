@@ -71,7 +71,7 @@ class CompiledUpdateTest(parameterized.TestCase):
     # The matmuls of the most expensive owner branch (this device's work,
     # Newton-Schulz loops times their trip counts) are exactly the busiest
     # owner's Newton-Schulz...
-    flops = dmuon_jax.diagnostics.dot_flops(compiled)
+    flops = support.hlo_tools.dot_flops(compiled)
     np.testing.assert_allclose(flops, plan.makespan, rtol=1e-6)
     # ... within 15% of the floor; redundant NS (every device every matrix)
     # would be ~N times more.

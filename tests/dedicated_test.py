@@ -141,7 +141,7 @@ class DedicatedTest(parameterized.TestCase):
     )
     # The device's Newton-Schulz matmuls are its owner's matrices only: the
     # plan's busiest slot (one program; each device's loops run its own).
-    flops = dmuon_jax.diagnostics.dot_flops(compiled)
+    flops = support.hlo_tools.dot_flops(compiled)
     chex.assert_trees_all_close(flops, support.device_ns_flops(ded), rtol=1e-6)
     # One 16x16 matrix per owner per block: that is the busiest slot's work.
     chex.assert_trees_all_close(flops, ded.plan.makespan, rtol=1e-6)

@@ -1,5 +1,7 @@
-"""Tests for dmuon_jax.diagnostics (collective bytes and FLOPs from HLO)."""
+"""Tests for dmuon_jax.diagnostics (collective bytes and FLOPs from HLO) and
+for the suite's HLO tooling, examples/benchmarks/hlo_tools.py."""
 
+import doctest
 import functools
 import math
 import unittest
@@ -14,6 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import diagnostics
 from tests import support
+
+hlo_tools = support.hlo_tools
 
 AXES = ('replicate', 'shard')
 BOTH = ('replicate', 'shard')
@@ -518,7 +522,7 @@ class StableHloTest(absltest.TestCase):
     text = fn.trace(*args).lower(lowering_platforms=('cuda',)).as_text()
     got = [
       (c.kind, c.dtype, c.shape, c.group_size, c.in_loop, c.bytes)
-      for c in diagnostics.stablehlo_collectives(text)
+      for c in hlo_tools.stablehlo_collectives(text)
     ]
     self.assertCountEqual(
       got,
@@ -562,7 +566,7 @@ dense<"0xPAIRS"> : tensor<4x2xi64>}> : (tensor<8xf32>) -> tensor<8xf32>
   }
 }
 """.replace('PAIRS', _hex_i64([[0, 1], [1, 0], [2, 3], [3, 2]]))
-    got = diagnostics.stablehlo_collectives(text)
+    got = hlo_tools.stablehlo_collectives(text)
     self.assertEqual(
       [(c.kind, c.shape, c.group_size, c.in_loop, c.bytes) for c in got],
       [
@@ -617,10 +621,10 @@ class SharedBranchTest(absltest.TestCase):
     self.assertEqual(sorted(branches), [3, 3])  # not 8 each
     one = 2 * 16 * 16 * 16  # a (16, 16) block times w
     self.assertEqual(
-      diagnostics.dot_flops(compiled, branches_per_device=8), 2 * one
+      hlo_tools.dot_flops(compiled, branches_per_device=8), 2 * one
     )
     # Without the device mapping: each conditional's busiest branch.
-    self.assertEqual(diagnostics.dot_flops(compiled), 4 * one)
+    self.assertEqual(hlo_tools.dot_flops(compiled), 4 * one)
     # Each device ran its own branches.
     xs, got = (
       np.asarray(x).reshape(8, 16, 16),
@@ -637,7 +641,7 @@ class SharedBranchTest(absltest.TestCase):
     compiled, _, _, _ = self.compiled([1] * 8, [2] * 8)
     self.assertNotIn(' conditional(', compiled.as_text())
     self.assertEqual(
-      diagnostics.dot_flops(compiled, branches_per_device=8), 3 * 2 * 16**3
+      hlo_tools.dot_flops(compiled, branches_per_device=8), 3 * 2 * 16**3
     )
 
 
@@ -690,36 +694,36 @@ class TableTripCountTest(absltest.TestCase):
     compiled = _table_loops(((1, 2, 3, 0, 1, 2, 3, 4),))
     self.assertNotIn('known_trip_count', compiled.as_text())
     self.assertEqual(
-      diagnostics.dot_flops(compiled, branches_per_device=8), 4 * self.BODY
+      hlo_tools.dot_flops(compiled, branches_per_device=8), 4 * self.BODY
     )
     self.assertEqual(
-      diagnostics.dot_flops(compiled, loop_trip_counts=False), self.BODY
+      hlo_tools.dot_flops(compiled, loop_trip_counts=False), self.BODY
     )
     other = _table_loops(((0, 6, 1, 1, 1, 1, 1, 1),))  # busiest: slot 1
     self.assertEqual(
-      diagnostics.dot_flops(other, branches_per_device=8), 6 * self.BODY
+      hlo_tools.dot_flops(other, branches_per_device=8), 6 * self.BODY
     )
 
   def test_without_slots_counts_each_device(self):
     compiled = _table_loops(((1, 2, 3, 0, 1, 2, 3, 4),))
-    self.assertEqual(diagnostics.dot_flops(compiled), 4 * self.BODY)
+    self.assertEqual(hlo_tools.dot_flops(compiled), 4 * self.BODY)
     # Slots other than the devices: the longest run.
     self.assertEqual(
-      diagnostics.dot_flops(compiled, branches_per_device=4), 4 * self.BODY
+      hlo_tools.dot_flops(compiled, branches_per_device=4), 4 * self.BODY
     )
 
   def test_loops_add_up_per_device(self):
     a, b = (4, 0, 0, 0, 0, 0, 0, 2), (0, 1, 0, 0, 0, 0, 0, 3)
     compiled = _table_loops((a, b))
     per_slot = max(i + j for i, j in zip(a, b))  # 5, on slot 7
-    self.assertEqual(diagnostics.dot_flops(compiled), per_slot * self.BODY)
+    self.assertEqual(hlo_tools.dot_flops(compiled), per_slot * self.BODY)
     self.assertEqual(
-      diagnostics.dot_flops(compiled, branches_per_device=8),
+      hlo_tools.dot_flops(compiled, branches_per_device=8),
       per_slot * self.BODY,
     )
     # Slots other than the devices: each loop's longest run, an upper bound.
     self.assertEqual(
-      diagnostics.dot_flops(compiled, branches_per_device=4),
+      hlo_tools.dot_flops(compiled, branches_per_device=4),
       (max(a) + max(b)) * self.BODY,
     )
 
@@ -729,21 +733,21 @@ class TableTripCountTest(absltest.TestCase):
     # Device s runs table[(s - t) mod 8] for t < 3: its sum, the busiest.
     want = max(sum(table[(s - t) % 8] for t in range(3)) for s in range(8))
     self.assertEqual(want, 7)  # slot 1: 5 + 2 + 0; not 3 * max = 15
-    self.assertEqual(diagnostics.dot_flops(compiled), want * self.BODY)
+    self.assertEqual(hlo_tools.dot_flops(compiled), want * self.BODY)
 
   def test_loop_in_a_known_loop_multiplies(self):
     compiled = _table_loops(((1, 2, 3, 0, 1, 2, 3, 4),), mapped=True)
     self.assertEqual(
-      diagnostics.dot_flops(compiled, branches_per_device=8),
+      hlo_tools.dot_flops(compiled, branches_per_device=8),
       3 * 4 * self.BODY,
     )
 
   def test_count_first_in_a_row_per_slot(self):
     compiled = _table_loops(((2, 0, 5, 1, 1, 0, 3, 3),), rows=True)
     self.assertEqual(
-      diagnostics.dot_flops(compiled, branches_per_device=8), 5 * self.BODY
+      hlo_tools.dot_flops(compiled, branches_per_device=8), 5 * self.BODY
     )
-    self.assertEqual(diagnostics.dot_flops(compiled), 5 * self.BODY)
+    self.assertEqual(hlo_tools.dot_flops(compiled), 5 * self.BODY)
 
   def test_bound_from_data_warns_and_counts_the_body_once(self):
     mesh = _mesh((1, 8))
@@ -758,8 +762,39 @@ class TableTripCountTest(absltest.TestCase):
       .compile()
     )
     with self.assertWarnsRegex(UserWarning, 'lower bound'):
-      got = diagnostics.dot_flops(compiled, branches_per_device=8)
+      got = hlo_tools.dot_flops(compiled, branches_per_device=8)
     self.assertEqual(got, self.BODY)
+
+
+class HloToolsTest(absltest.TestCase):
+  """examples/benchmarks/hlo_tools.py: its examples run, and the names it
+  took from dmuon_jax.diagnostics still work there for one release."""
+
+  def test_examples_pass(self):
+    result = doctest.testmod(hlo_tools, optionflags=doctest.ELLIPSIS)
+    self.assertEqual(result.failed, 0, result)
+    self.assertGreater(result.attempted, 0)
+
+  def test_moved_names_warn_and_work(self):
+    a, b = jnp.ones((8, 16)), jnp.ones((16, 16))
+    compiled = jax.jit(lambda a, b: (a @ b) @ b).lower(a, b).compile()
+    with self.assertWarnsRegex(
+      DeprecationWarning, 'examples/benchmarks/hlo_tools.py'
+    ):
+      dot_flops = diagnostics.dot_flops
+    self.assertEqual(dot_flops(compiled), hlo_tools.dot_flops(compiled))
+    self.assertEqual(dot_flops(compiled), 2 * 2 * 8 * 16 * 16)
+    mesh = _mesh((1, 8))
+    psum = jax.jit(_smap(lambda x: lax.psum(x, 'shard'), mesh, P(), P()))
+    text = psum.trace(_arg(mesh, (8, 16), P())).lower().as_text()
+    with self.assertWarnsRegex(DeprecationWarning, 'stablehlo_collectives'):
+      from dmuon_jax.diagnostics import stablehlo_collectives  # noqa: PLC0415
+    got = stablehlo_collectives(text)
+    self.assertEqual(got, hlo_tools.stablehlo_collectives(text))
+    self.assertEqual([(c.kind, c.group_size) for c in got], [('all-reduce', 8)])
+    with self.assertRaises(AttributeError):
+      diagnostics.no_such_name  # noqa: B018
+    self.assertNotIn('dot_flops', diagnostics.__all__)
 
 
 if __name__ == '__main__':

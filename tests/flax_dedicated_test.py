@@ -296,7 +296,7 @@ class FlaxDedicatedTest(parameterized.TestCase):
       .as_text()
     )
     cuda = {}
-    for c in dmuon_jax.diagnostics.stablehlo_collectives(text):
+    for c in support.hlo_tools.stablehlo_collectives(text):
       cuda[c.kind] = cuda.get(c.kind, 0) + c.bytes
     self.assertEqual(set(cuda), set(report.bytes_by_kind))
     for kind, nbytes in report.bytes_by_kind.items():
@@ -349,7 +349,7 @@ class FlaxDedicatedTest(parameterized.TestCase):
     # Newton-Schulz of the device's own matrices only: per scan iteration
     # (lax.map: a while loop) the matrices of one base slot, none of the
     # others' (the plan's figure, device by device).
-    flops = dmuon_jax.diagnostics.dot_flops(compiled, loop_trip_counts=True)
+    flops = support.hlo_tools.dot_flops(compiled, loop_trip_counts=True)
     chex.assert_trees_all_close(flops, support.device_ns_flops(ded), rtol=1e-6)
     self.assertLess(flops, 0.5 * sum(u.cost for u in ded.plan.units))
 

@@ -545,7 +545,7 @@ class SharedBodiesTest(absltest.TestCase):
     compiled = jax.jit(opt.update).lower(params, state, params).compile()
     self.assertEqual(support.conditional_branches(compiled.as_text()), [])
     np.testing.assert_allclose(
-      dmuon_jax.diagnostics.dot_flops(compiled), plan.makespan, rtol=1e-6
+      support.hlo_tools.dot_flops(compiled), plan.makespan, rtol=1e-6
     )
     self.assertAlmostEqual(plan.makespan, 3 * plan.units[0].cost, delta=1)
     updates, _ = jax.jit(opt.update)(params, state, params)

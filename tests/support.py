@@ -27,6 +27,11 @@ from optax.contrib import _muon as optax_muon_module
 import dmuon_jax
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# The suite's HLO tooling (per-device matmul FLOPs, StableHLO collectives)
+# lives with the benchmarks that use it too: examples/benchmarks/hlo_tools.py.
+sys.path.append(str(ROOT / 'examples' / 'benchmarks'))
+import hlo_tools as hlo_tools  # noqa: E402
+
 AXES = ('replicate', 'shard')
 STEPS = 20
 MESHES = (('1x8', (1, 8)), ('2x4', (2, 4)), ('4x2', (4, 2)), ('8x1', (8, 1)))

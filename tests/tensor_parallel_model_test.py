@@ -21,7 +21,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
-from dmuon_jax import diagnostics
 from tests import support
 
 # The rest of the grid, for CI and the README's command (see conftest.py);
@@ -305,7 +304,7 @@ class DropInTensorParallelTest(parameterized.TestCase):
     )
     tp = [
       c
-      for c in diagnostics.stablehlo_collectives(text)
+      for c in support.hlo_tools.stablehlo_collectives(text)
       if c.group_size == mesh.shape['model']
     ]
     self.assertEqual({c.kind for c in tp}, {'all-reduce'})

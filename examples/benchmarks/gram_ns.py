@@ -6,7 +6,7 @@ direct Newton-Schulz (``dmuon_jax.orthogonalize_via_newton_schulz``) and by
 Gram Newton-Schulz (``dmuon_jax.orthogonalize_via_gram_newton_schulz``,
 default restart before iteration 2), ``'jordan'`` coefficients, 5 steps.
 Per ratio: the predicted matmul FLOPs of both (``matmul_flops``) and those of
-the compiled calls (``diagnostics.dot_flops``: the ``dot`` instructions, each
+the compiled calls (``hlo_tools.dot_flops``: the ``dot`` instructions, each
 ``while`` loop body times its trip count), the median
 times (jitted, measured side by side: every round runs both, alternating
 which goes first), the achieved GFLOP/s, the measured and predicted speedup
@@ -26,7 +26,7 @@ Part B (``T`` simulated devices, one mesh axis ``'model'``, ``T`` in
    whole matrix on every shard, each shard keeps its own slice.
 
 Per variant: median time, collective bytes per device and counts by kind
-(compiled HLO, ring model), per-device matmul FLOPs (``diagnostics.dot_flops``
+(compiled HLO, ring model), per-device matmul FLOPs (``hlo_tools.dot_flops``
 of the compiled program, loops times their trip counts; XLA's
 ``cost_analysis``, which counts a loop body once, is only an extra JSON field)
 and the relative difference of the two results.
@@ -619,7 +619,7 @@ def render_markdown(
     'multiply-add, normalization not counted); GFLOP/s = predicted FLOPs '
     '/ median time. "vs f64": max over the batch of ‖Y − Y₆₄‖_F / '
     '‖Y₆₄‖_F, Y₆₄ the same direct iteration in float64 NumPy. The '
-    "compiled call's matmul FLOPs (`dmuon_jax.diagnostics.dot_flops`, "
+    "compiled call's matmul FLOPs (`hlo_tools.dot_flops`, "
     'each `while` loop body times its trip count) are in the JSON as '
     "`flops`; XLA's `cost_analysis()` as `xla_cost_analysis_flops`, for "
     'reference only: it counts a loop body once (the direct iteration is '
@@ -702,7 +702,7 @@ def render_markdown(
     '- Collective MB / device: compiled HLO, ring model (AG all-gather, '
     'AR all-reduce); collectives: executions per call. Matmul GFLOP / '
     'device (HLO): the `dot` instructions of the compiled per-device '
-    'program (`dmuon_jax.diagnostics.dot_flops`), each `while` loop body '
+    'program (`hlo_tools.dot_flops`), each `while` loop body '
     "times its trip count; XLA's `cost_analysis()` FLOPs, which count a "
     'loop body once, are in the JSON as `xla_cost_analysis_flops`. "TP vs '
     'gather": '

@@ -24,7 +24,7 @@ LM head to Muon too (every 2-D leaf) for dmuon vs optax on replicated params.
 The machine's matmul rate (a batched ``512 x 1536`` Gram product, sharded over
 all devices) gives the machine floor: total Newton-Schulz FLOPs of the plan
 divided by that rate. Per configuration: compile time, median step time,
-matmul FLOPs per device (``diagnostics.dot_flops`` of the compiled step:
+matmul FLOPs per device (``hlo_tools.dot_flops`` of the compiled step:
 ``while`` loops times their trip counts, the busiest ``lax.switch`` branch;
 XLA's ``cost_analysis`` counts a loop body once, so it is only an extra JSON
 field), collective bytes per device by kind and peak memory.
@@ -368,7 +368,7 @@ def flop_counts(compiled, report) -> dict:
   ``dmuon_jax.analyze_compiled`` report.
 
   ``flops_per_device``: the matmul FLOPs of one device's program
-  (``diagnostics.dot_flops``: ``2 * out * contracted`` per ``dot``, each
+  (``hlo_tools.dot_flops``: ``2 * out * contracted`` per ``dot``, each
   ``while`` body times its trip count, the busiest branch of each
   ``lax.switch``, i.e. the busiest owner's Newton-Schulz). Both dmuon and
   optax.contrib.muon run their Newton-Schulz iterations in a loop, so this
@@ -377,10 +377,10 @@ def flop_counts(compiled, report) -> dict:
   it adds elementwise work but counts a loop body once, so it under-counts
   the iterations.
   """
-  from dmuon_jax import diagnostics  # pylint: disable=g-import-not-at-top
+  import hlo_tools  # pylint: disable=g-import-not-at-top
 
   return {
-    'flops_per_device': diagnostics.dot_flops(compiled),
+    'flops_per_device': hlo_tools.dot_flops(compiled),
     'xla_cost_analysis_flops': float(report.flops),
   }
 
@@ -1159,7 +1159,7 @@ def render_markdown(
   out.append('')
   out.append(
     '- matmul GFLOP / device: the `dot` instructions of the compiled '
-    "step's per-device program (`dmuon_jax.diagnostics.dot_flops`: "
+    "step's per-device program (`hlo_tools.dot_flops`: "
     '2 × output elements × contracted size each), every `while` loop '
     'body times its trip count (both libraries run the 5 NS steps in a '
     'loop) and the most expensive branch of each `lax.switch` (dmuon runs '

@@ -13,7 +13,7 @@ FSDP-sharded over ``'shard'``), with abstract params
   models, the dedicated Z3 train step (``dmuon_jax.dedicate``, one
   ``shard_map`` step: gathers, local gradients, owner update): lowering and
   compile time; per-device Newton–Schulz FLOPs from the compiled HLO
-  (``diagnostics.dot_flops`` with loop trip counts, those read from the
+  (``hlo_tools.dot_flops`` with loop trip counts, those read from the
   program's tables evaluated for each device, and each owner-slot
   conditional's branch ``i`` counted for device ``i``) against the bound
   ``max(total / N, largest g x g iteration)`` (``total``: the single-owner
@@ -152,11 +152,11 @@ def gpu_bytes(traced, n):
   """Per-device bytes by kind of the program lowered for CUDA (StableHLO):
   what a GPU moves. XLA:CPU runs bfloat16 all-to-alls in float32, so the
   CPU program's own figures are 2x there."""
-  from dmuon_jax import diagnostics  # pylint: disable=import-outside-toplevel
+  import hlo_tools  # pylint: disable=import-outside-toplevel
 
   text = traced.lower(lowering_platforms=('cuda',)).as_text()
   out = {}
-  for c in diagnostics.stablehlo_collectives(text, n):
+  for c in hlo_tools.stablehlo_collectives(text, n):
     out[c.kind] = out.get(c.kind, 0.0) + c.bytes
   return out
 
@@ -239,6 +239,7 @@ def plan_row(name, n, s):
 
 
 def drop_in_row(name, n, s):
+  import hlo_tools  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
 
   import dmuon_jax  # pylint: disable=import-outside-toplevel
@@ -261,7 +262,7 @@ def drop_in_row(name, n, s):
   (layout,) = dmuon_jax.owner_layouts(state)
   plan = layout.plans[0]
   report = dmuon_jax.analyze_compiled(compiled)
-  flops = diagnostics.dot_flops(
+  flops = hlo_tools.dot_flops(
     compiled, loop_trip_counts=True, branches_per_device=n
   )
   nesting = diagnostics.collective_nesting(compiled)
@@ -371,6 +372,7 @@ def a2a_row(name, n, s):
 
 def dedicated_row(name, n, s, layers_per_gather='auto'):
 
+  import hlo_tools  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import optax  # pylint: disable=import-outside-toplevel
@@ -428,7 +430,7 @@ def dedicated_row(name, n, s, layers_per_gather='auto'):
   compiled, lower_s, compile_s, cuda = compile_timed(step, n, dp, state, x)
   report = dmuon_jax.analyze_compiled(compiled)
   n_slots = ded.num_slots
-  flops = diagnostics.dot_flops(
+  flops = hlo_tools.dot_flops(
     compiled, loop_trip_counts=True, branches_per_device=n_slots
   )
   nesting = diagnostics.collective_nesting(compiled)

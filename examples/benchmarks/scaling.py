@@ -9,7 +9,7 @@ replicated params, fixed random gradients, default ``ns_algorithm='auto'``)
 is compiled and timed, and compared with the owner plan's prediction:
 
 - per-device FLOPs: the matmul FLOPs of the compiled step's per-device
-  program (``dmuon_jax.diagnostics.dot_flops``: each ``while`` loop body,
+  program (``hlo_tools.dot_flops``: each ``while`` loop body,
   such as the Newton-Schulz iterations, times its trip count; the busiest
   ``lax.switch`` branch, i.e. the busiest owner's Newton-Schulz) against
   the plan's makespan (``plan_ownership(params, mesh).makespan``) and the
@@ -625,7 +625,7 @@ def render_markdown(
   out.append(
     '- NS matmul GFLOP / device: the `dot` instructions of the compiled '
     "step's (update + apply_updates) per-device program "
-    '(`dmuon_jax.diagnostics.dot_flops`, `2 * output elements * '
+    '(`hlo_tools.dot_flops`, `2 * output elements * '
     'contracted size` each), every `while` loop body times its trip count '
     '(the 5 Newton-Schulz steps run in a loop) and the most expensive '
     "branch of each `lax.switch` (dmuon runs each owner's Newton-Schulz "

@@ -39,7 +39,7 @@ after every step; the timed steps run round-robin over the configurations,
 so that other processes on shared cores slow them alike), collective bytes
 per device by kind (compiled HLO, ring model), peak memory per device (XLA's
 memory analysis) and the loss. The JSON also has the matmul FLOPs per device
-(``flops_per_device``: ``diagnostics.dot_flops`` of the compiled step, forward,
+(``flops_per_device``: ``hlo_tools.dot_flops`` of the compiled step, forward,
 backward and Newton-Schulz, each ``while`` loop body times its trip count, the
 busiest ``lax.switch`` branch) and XLA's ``cost_analysis`` figure
 (``xla_cost_analysis_flops``: elementwise work too, but a loop body counted
@@ -1122,7 +1122,7 @@ def render_markdown(
   out.append(
     '- The JSON has the matmul FLOPs per device too (`flops_per_device`: '
     "the `dot` instructions of the step's per-device program, "
-    '`dmuon_jax.diagnostics.dot_flops`, every `while` loop body times its '
+    '`hlo_tools.dot_flops`, every `while` loop body times its '
     "trip count and the busiest `lax.switch` branch); XLA's "
     '`cost_analysis()` FLOPs (`xla_cost_analysis_flops`) count a loop '
     'body once, so they under-count the Newton-Schulz iterations.'

@@ -1,4 +1,22 @@
-"""FLOPs and memory of a compiled program: XLA's and the HLO's matmuls."""
+"""HLO tooling for the suite and the benchmarks: per-device matmul FLOPs and
+the collectives of a StableHLO program.
+
+Not part of ``dmuon_jax``: the tests and the scripts here import it (with
+this folder on ``sys.path``). ``dmuon_jax.diagnostics`` keeps what a user
+runs on their own step (:func:`dmuon_jax.diagnostics.analyze`: collectives
+and bytes by kind, XLA's FLOPs and memory).
+
+* :func:`dot_flops`: the matmul FLOPs of the busiest device, each loop
+  times its trip count, read where XLA knows none from the constant tables
+  a slot's lookup reads (``fori_loop(0, table[axis_index], ...)``), and
+  each owner's own branch of a ``conditional``.
+* :func:`stablehlo_collectives`: the collectives of a program lowered for a
+  platform this machine cannot compile for (the CUDA program on a CPU host).
+
+Both were ``dmuon_jax.diagnostics.dot_flops`` and
+``dmuon_jax.diagnostics.stablehlo_collectives`` (deprecated aliases there
+for one release).
+"""
 
 from __future__ import annotations
 
@@ -10,38 +28,184 @@ from typing import Any
 import jax
 import numpy as np
 
-from dmuon_jax import _hlo_text
+from dmuon_jax import _hlo_text, diagnostics
+
+# ---------------------------------------------------------------------------
+# StableHLO (MLIR) text.
+
+# StableHLO op names (``stablehlo.all_gather``) to HLO kinds.
+_STABLEHLO_KINDS = {k.replace('-', '_'): k for k in diagnostics.KINDS}
+
+_MLIR_OP_RE = re.compile(
+  r'(?P<result>%[\w#:]+)\s*=\s*"stablehlo\.(?P<op>all_gather|reduce_scatter|'
+  r'all_reduce|all_to_all|collective_permute|collective_broadcast)"\('
+)
+_MLIR_FUNC_RE = re.compile(r'\bfunc\.func\s+(?:\w+\s+)*@(?P<name>[\w.$\-]+)')
+_MLIR_CALL_RE = re.compile(r'\bcall\s+@(?P<name>[\w.$\-]+)')
+_MLIR_TENSOR_RE = re.compile(
+  r'tensor<(?P<dims>(?:(?:\d+|\?)x)*)(?P<dtype>complex<\w+>|\w+)[^<>]*>'
+)
+_MLIR_SIGNATURE_RE = re.compile(r':\s*\((?P<ins>[^()]*)\)\s*->\s*(?P<outs>.*)$')
 
 
-def flops(compiled: Any) -> float:
-  try:
-    cost = compiled.cost_analysis()
-  except Exception:  # pylint: disable=broad-except  # Not every backend has it.
-    return 0.0
-  if isinstance(cost, (list, tuple)):  # Older jax: one dict per program.
-    cost = cost[0] if cost else None
-  if not cost:
-    return 0.0
-  return float(cost.get('flops', 0.0))
+def _mlir_dtype(dtype: str) -> str:
+  """MLIR element type to the HLO spelling: ``i32`` -> ``s32``."""
+  if dtype == 'i1':
+    return 'pred'
+  if m := re.fullmatch(r'(ui|si|i)(\d+)', dtype):
+    return ('u' if m[1] == 'ui' else 's') + m[2]
+  if m := re.fullmatch(r'complex<f(\d+)>', dtype):
+    return f'c{2 * int(m[1])}'
+  return dtype.lower()
 
 
-def memory_fields(compiled: Any) -> dict[str, int | None]:
-  fields = {
-    'argument_bytes': 'argument_size_in_bytes',
-    'output_bytes': 'output_size_in_bytes',
-    'temp_bytes': 'temp_size_in_bytes',
-    'alias_bytes': 'alias_size_in_bytes',
-    'generated_code_bytes': 'generated_code_size_in_bytes',
-  }
-  try:
-    stats = compiled.memory_analysis()
-  except Exception:  # pylint: disable=broad-except  # Not every backend has it.
-    stats = None
-  out = {}
-  for field, attr in fields.items():
-    value = getattr(stats, attr, None) if stats is not None else None
-    out[field] = None if value is None else int(value)
+def _mlir_elements(types: str) -> list[_hlo_text.Element]:
+  out = []
+  for m in _MLIR_TENSOR_RE.finditer(types):
+    dims = tuple(0 if d == '?' else int(d) for d in m['dims'].split('x') if d)
+    out.append((_mlir_dtype(m['dtype']), dims))
   return out
+
+
+def _mlir_matrix(attrs: str, name: str) -> list[tuple[int, ...]] | None:
+  """Rows of a ``name = dense<...> : tensor<RxCxi64>`` attribute."""
+  m = re.search(
+    name + r'\s*=\s*dense<(?P<value>.*?)>\s*:\s*tensor<(?P<r>\d+)x(?P<c>\d+)'
+    r'xi64>',
+    attrs,
+  )
+  if not m:
+    return None
+  rows, cols = int(m['r']), int(m['c'])
+  value = m['value'].strip()
+  if value.startswith('"0x'):
+    flat = np.frombuffer(bytes.fromhex(value[3:-1]), dtype='<i8')
+    if flat.size == 1:
+      flat = np.full(rows * cols, flat[0])
+  elif '[' in value:
+    flat = np.array([int(v) for v in re.findall(r'-?\d+', value)])
+  else:
+    flat = np.full(rows * cols, int(value) if value else 0)
+  if flat.size != rows * cols:
+    return [()] * rows if cols == 0 else None
+  return [tuple(int(v) for v in row) for row in flat.reshape(rows, cols)]
+
+
+def stablehlo_collectives(
+  text: str, num_devices: int | None = None
+) -> tuple[diagnostics.Collective, ...]:
+  """Lists the collectives of a StableHLO (MLIR) module's text.
+
+  Useful for a platform this machine cannot compile for, e.g. the CUDA
+  program on a CPU-only host:
+  ``jax.jit(f).trace(*args).lower(lowering_platforms=('cuda',)).as_text()``.
+  XLA has not yet optimized this program: collectives are not yet combined,
+  scheduled or made async, and loops carry no known trip count.
+
+  Args:
+    text: StableHLO text in MLIR's generic op form
+      (``"stablehlo.all_gather"(%x) <{...}> : (...) -> ...``).
+    num_devices: (optional, default None) the number of devices an empty
+      replica group spans; if None, ``mhlo.num_partitions *
+      mhlo.num_replicas`` from the module attributes.
+
+  Returns:
+    The collectives in text order, each with ``executions=1``. ``in_loop`` is
+    True inside a ``stablehlo.while`` region or in a function called
+    (transitively) from one.
+
+  Examples:
+    >>> import functools, jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> devices = jax.devices()[:2]
+    >>> n = len(devices)  # 2, or 1 on a single device
+    >>> mesh = jax.make_mesh((n,), ('data',), devices=devices)
+    >>> def body(i, y):
+    ...   return y + jax.lax.psum(y, 'data')
+    >>> @jax.jit
+    ... @functools.partial(jax.shard_map, mesh=mesh,
+    ...                    in_specs=P('data'), out_specs=P('data'))
+    ... def step(x):  # x: this device's f32[8, 16] block
+    ...   x = x + jax.lax.psum(x, 'data')  # one all-reduce
+    ...   return jax.lax.fori_loop(0, 3, body, x)  # and one per iteration
+    >>> data = NamedSharding(mesh, P('data'))
+    >>> x = jax.device_put(jnp.ones((8 * n, 16)), data)
+    >>> lowered = step.trace(x).lower(lowering_platforms=('cuda',))
+    >>> [(c.kind, c.in_loop, c.executions, c.group_size == n)
+    ...  for c in stablehlo_collectives(lowered.as_text())]
+    [('all-reduce', False, 1, True), ('all-reduce', True, 1, True)]
+  """
+  if num_devices is None:
+    partitions = re.search(r'mhlo\.num_partitions\s*=\s*(\d+)', text)
+    replicas = re.search(r'mhlo\.num_replicas\s*=\s*(\d+)', text)
+    num_devices = (int(partitions[1]) if partitions else 1) * (
+      int(replicas[1]) if replicas else 1
+    )
+  # (function, in a while region, kind, result name, op text) per op.
+  found: list[tuple[str | None, bool, str, str, str]] = []
+  calls: list[tuple[str | None, str, bool]] = []  # (caller, callee, in while)
+  function = None
+  depth = 0
+  loops: list[int] = []  # The brace depth of each open stablehlo.while.
+  # An op with a region spans lines until the depth falls back.
+  open_op: tuple[int, tuple[str | None, bool, str, str]] | None = None
+  open_lines: list[str] = []
+  for line in text.splitlines():
+    stripped = _hlo_text.STRING_RE.sub('""', line)
+    before = depth
+    depth += stripped.count('{') - stripped.count('}')
+    if m := _MLIR_FUNC_RE.search(stripped):
+      function = m['name']
+    in_while = bool(loops)
+    if open_op is not None:
+      open_lines.append(line)
+      if depth <= open_op[0]:
+        found.append(open_op[1] + ('\n'.join(open_lines),))
+        open_op = None
+    elif m := _MLIR_OP_RE.search(line):
+      op = (function, in_while, _STABLEHLO_KINDS[m['op']], m['result'])
+      if depth <= before:
+        found.append(op + (line,))
+      else:
+        open_op, open_lines = (before, op), [line]
+    for m in _MLIR_CALL_RE.finditer(stripped):
+      calls.append((function, m['name'], in_while))
+    if 'stablehlo.while' in stripped:
+      loops.append(before)
+    while loops and before > loops[-1] and depth <= loops[-1]:
+      loops.pop()
+  looped = {callee for _, callee, in_while in calls if in_while}
+  changed = True
+  while changed:
+    changed = False
+    for caller, callee, _ in calls:
+      if caller in looped and callee not in looped:
+        looped.add(callee)
+        changed = True
+  out = []
+  for fn, in_while, kind, result, op_text in found:
+    last = re.sub(r'\s*loc\(.*\)\s*$', '', op_text.splitlines()[-1])
+    signature = _MLIR_SIGNATURE_RE.search(last)
+    ins = _mlir_elements(signature['ins']) if signature else []
+    outs = _mlir_elements(signature['outs']) if signature else []
+    if kind == 'collective-permute':
+      pairs = _mlir_matrix(op_text, 'source_target_pairs') or []
+      n = _hlo_text.largest_component(p for p in pairs if len(p) == 2)
+    else:
+      groups = _mlir_matrix(op_text, 'replica_groups')
+      n = max((len(g) for g in groups), default=0) if groups else 0
+      n = n or num_devices
+    elements = outs if kind == 'all-gather' else ins
+    out.append(
+      diagnostics._record(
+        kind, result, elements, n, 1, in_while or fn in looped
+      )
+    )
+  return tuple(out)
+
+
+# ---------------------------------------------------------------------------
+# Matmul FLOPs per device.
 
 
 def _text_with_large_constants(compiled) -> str | None:
@@ -464,14 +628,13 @@ def dot_flops(
 
   Examples:
     >>> import jax, jax.numpy as jnp
-    >>> from dmuon_jax import diagnostics
     >>> def three_matmuls(a, b):
     ...   return jax.lax.fori_loop(0, 3, lambda i, a: jnp.tanh(a @ b), a)
     >>> a, b = jnp.ones((8, 16)), jnp.ones((16, 16))
     >>> compiled = jax.jit(three_matmuls).lower(a, b).compile()
-    >>> diagnostics.dot_flops(compiled)  # 3 iterations of 2 * 8 * 16 * 16
+    >>> dot_flops(compiled)  # 3 iterations of 2 * 8 * 16 * 16
     12288.0
-    >>> diagnostics.dot_flops(compiled, loop_trip_counts=False)  # body once
+    >>> dot_flops(compiled, loop_trip_counts=False)  # body once
     4096.0
   """
   if isinstance(compiled, jax.stages.Lowered):

@@ -413,7 +413,7 @@ def _fill(
   least-loaded member with room for its bytes). A group's slices then sit
   on few members and a member holds slices of few groups, which keeps the
   Gram exchange's rounds (messages per device, see
-  :mod:`dmuon_jax._gram_exchange`) few: plain LPT spreads every group over
+  :mod:`dmuon_jax._plan`) few: plain LPT spreads every group over
   the whole row (Llama-3-8B at 256 devices: 7 rounds each way instead of
   2, the same busiest device).
 

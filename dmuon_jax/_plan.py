@@ -25,7 +25,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -36,7 +36,12 @@ from dmuon_jax._cost import (
   ring_bytes,
   route_bytes,
 )
+from dmuon_jax._newton_schulz import is_int
 from dmuon_jax._routing import LeafSpec
+
+# Slices of a split matrix keep at least this many rows/columns of the
+# long side.
+MIN_SLICE = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -619,3 +624,191 @@ def _rounds(edges: Sequence[Message]) -> tuple[tuple[Message, ...], ...]:
     tuple(edges[e] for e in range(len(edges)) if colour[e] == c)
     for c in range(colours)
   )
+
+
+def check_option(
+  owner_groups: Any,
+  *,
+  preconditioning: str = 'frobenius',
+  ns_algorithm: str = 'auto',
+  tp_axis: str | None = None,
+  scanned: Sequence[str] = (),
+) -> Any:
+  """The one check of ``owner_groups`` against the options it meets.
+
+  Every entry point (``dmuon``'s factory, its ``init`` once the mesh is
+  known, ``plan_ownership``, ``dedicate``) calls this with what it knows.
+
+  Args:
+    owner_groups: ``'auto'``, None or an int ``k >= 2``.
+    preconditioning: the Newton–Schulz preconditioning.
+    ns_algorithm: ``'auto'``, ``'gram'`` or ``'standard'``.
+    tp_axis: the tensor-parallel axis, when one of size > 1 is in use.
+    scanned: paths of the scanned stacks (dedicated mode).
+
+  Returns:
+    What the planner takes: ``owner_groups``, or None where ``'auto'``
+    cannot form groups (groups run Gram Newton–Schulz with the Frobenius
+    preconditioning; TP matrices are split over their axis already).
+
+  Raises:
+    ValueError: for any other value, and for a forced ``k`` with an option
+      that groups cannot run with (naming both and what to pass).
+  """
+  if owner_groups is None:
+    return None
+  if owner_groups != 'auto' and (not is_int(owner_groups) or owner_groups < 2):
+    raise ValueError(
+      f"dmuon: owner_groups={owner_groups!r} is not 'auto', None or an int "
+      '>= 2 (the number of devices that share each matrix).'
+    )
+  forced = owner_groups != 'auto'
+  given, wanted = [], []
+  if preconditioning != 'frobenius':
+    given.append(f'preconditioning={preconditioning!r}')
+    wanted.append("preconditioning='frobenius'")
+  if ns_algorithm == 'standard':
+    given.append(f'ns_algorithm={ns_algorithm!r}')
+    wanted.append("ns_algorithm='auto' or 'gram'")
+  if given:
+    if forced:
+      raise ValueError(
+        f'dmuon: owner_groups={owner_groups} runs Gram Newton-Schulz with '
+        "preconditioning='frobenius' on the groups' matrices, but got "
+        f'{" and ".join(given)}. Pass {" and ".join(wanted)}, or '
+        'owner_groups=None.'
+      )
+    return None
+  if tp_axis is not None:
+    if forced:
+      raise ValueError(
+        f'dmuon: owner_groups={owner_groups} with the tensor-parallel axis '
+        f'{tp_axis!r}: TP matrices are split over that axis already. Pass '
+        'owner_groups=None (or the default).'
+      )
+    return None
+  if forced and scanned:
+    raise ValueError(
+      f'dmuon: owner_groups={owner_groups} with scanned stacks (param '
+      f'{scanned[0]!r}'
+      + (f' and {len(scanned) - 1} more' if len(scanned) > 1 else '')
+      + '): their owners rotate per scan iteration, which groups do not '
+      "follow. Pass owner_groups='auto' (scanned stacks stay whole) or None."
+    )
+  return owner_groups
+
+
+def check_preconditioning(
+  preconditioning: str,
+  *,
+  tp_axis: str | None = None,
+  groups: int = 0,
+  otherwise: str = '',
+) -> None:
+  """Raises unless ``preconditioning`` is ``'frobenius'`` where matrices
+  are split over devices: over a tensor-parallel axis ``tp_axis``, or
+  ``groups`` matrices over owner groups. Their Gram Newton–Schulz
+  normalizes by the Frobenius norm. ``otherwise``: what else the caller
+  may pass instead (e.g. ``'owner_groups=None'``)."""
+  if preconditioning == 'frobenius' or (tp_axis is None and not groups):
+    return
+  split = []
+  if tp_axis is not None:
+    split.append(f'the tensor-parallel axis {tp_axis!r} splits matrices')
+  if groups:
+    split.append(
+      f'{groups} matrices are split over owners (owner groups; '
+      "owner_groups='auto' splits a dedication's matrices where whole ones "
+      'would pad a gather by more than 5%)'
+    )
+  raise ValueError(
+    f'dmuon: preconditioning={preconditioning!r} is not available here: '
+    f'{" and ".join(split)}, and their Gram Newton-Schulz normalizes by '
+    "the Frobenius norm. Pass preconditioning='frobenius'"
+    + (f', or {otherwise}.' if otherwise else '.')
+  )
+
+
+def sliced_spec(
+  spec: LeafSpec,
+  slices: int,
+  strides: Sequence[int] | None = None,
+  min_slice: int = 1,
+) -> LeafSpec | None:
+  """A view of ``spec`` whose matrices are slices of the long side.
+
+  A long-side dimension ``d`` of size ``T * slices * w`` (``T`` the number
+  of shards of ``d``, from ``strides``) is viewed as ``(T, slices, w)``; the
+  middle one is a batch axis, so slice ``j`` of a matrix takes the ``j``-th
+  ``w`` rows/columns of every shard. A sharded leaf then holds a piece of
+  every slice, as of every whole matrix: the view is a free reshape of the
+  leaf and of each shard, and routes move exactly what they moved before.
+
+  Args:
+    spec: the leaf's spec.
+    slices: the number of slices per matrix.
+    strides: per leaf dimension, its number of shards (default all 1).
+    min_slice: the fewest rows/columns of the long side a slice keeps.
+
+  Returns:
+    The view's spec, or None when no long-side dimension divides (or the
+    slices would be narrower than ``min_slice``).
+  """
+  fi, fo = spec.matrix_shape
+  columns = fo >= fi
+  long_axes = spec.output_axes if columns else spec.reduction_axes
+  strides = tuple(strides) if strides is not None else (1,) * len(spec.shape)
+  d = next(
+    (a for a in long_axes if spec.shape[a] % (strides[a] * slices) == 0),
+    None,
+  )
+  if d is None or max(fi, fo) // slices < min_slice:
+    return None
+  stride = strides[d]
+  w = spec.shape[d] // (stride * slices)
+  shape = spec.shape[:d] + (stride, slices, w) + spec.shape[d + 1 :]
+
+  def remap(axes):
+    out = []
+    for a in axes:
+      out += [d, d + 2] if a == d else [a if a < d else a + 2]
+    return tuple(out)
+
+  return dataclasses.replace(
+    spec,
+    shape=shape,
+    batch_axes=tuple(sorted(remap(spec.batch_axes) + (d + 1,))),
+    reduction_axes=remap(spec.reduction_axes),
+    output_axes=remap(spec.output_axes),
+    original_shape=spec.shape,
+    slice_axis=d + 1,
+    split_axis=-1 if columns else -2,
+    whole_matrix=(fi, fo),
+  )
+
+
+def view_entries(spec: LeafSpec, entries: Sequence[Any]) -> tuple | None:
+  """A leaf's per-dimension sharding entries for the view of a sliced
+  spec (the entries themselves for an unsliced one); None when the leaf's
+  sharding of the split dimension is not the view's (another shard count
+  than the state was laid out for)."""
+  entries = tuple(tuple(e) for e in entries)
+  if not spec.sliced:
+    return entries
+  d = spec.slice_axis - 1
+  return entries[:d] + (entries[d], (), ()) + entries[d + 1 :]
+
+
+def whole_batch_index(spec: LeafSpec, batch_index: Sequence[int]) -> tuple:
+  """A unit's matrix index over the leaf's own batch axes (the slice index
+  dropped for a sliced spec)."""
+  batch_index = tuple(batch_index)
+  if not spec.sliced:
+    return batch_index
+  pos = spec.batch_axes.index(spec.slice_axis)
+  return batch_index[:pos] + batch_index[pos + 1 :]
+
+
+def slice_index(spec: LeafSpec, batch_index: Sequence[int]) -> int:
+  """A slice unit's index among its matrix's slices."""
+  return int(batch_index[spec.batch_axes.index(spec.slice_axis)])

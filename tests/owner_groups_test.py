@@ -20,9 +20,9 @@ from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
 from dmuon_jax import (
+  _assign,
   _exchange,
   _layout,
-  _owner_groups,
   _plan,
   _staged,
 )
@@ -154,7 +154,7 @@ class AutoGroupsTest(absltest.TestCase):
     # all of them (512 rows: 5.9e-6 instead of 1.5e-6).
     x = wide_batch()[:512]
     mesh = support.make_mesh((1, 8))
-    with mock.patch.object(_owner_groups, '_MIN_GROUP_FLOPS', 0.0):
+    with mock.patch.object(_assign, '_MIN_GROUP_FLOPS', 0.0):
       opt = dmuon_jax.dmuon(LR, mesh=mesh)
       placed = jax.device_put(params, NamedSharding(mesh, P()))
       with jax.set_mesh(mesh):

@@ -27,11 +27,11 @@ owner.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-import jax.numpy as jnp
 import numpy as np
 
 from dmuon_jax._cost import FLOPS_PER_BYTE, NS_ALGORITHMS, gram_parts, ns_cost
@@ -40,18 +40,16 @@ from dmuon_jax._newton_schulz import is_int
 from dmuon_jax._plan import (
   MIN_SLICE,
   MatrixUnit,
-  OwnerGroup,
   OwnershipPlan,
   check_option,
-  group_exchange_bytes,
+  matrix_units,
+  resliced,
   sliced_spec,
-  whole_batch_index,
 )
 from dmuon_jax._routing import (
   LeafSpec,
   Predicate,
   WeightDimNums,
-  layer_key,
   route,
 )
 
@@ -576,18 +574,16 @@ def _fill(
 
 
 def plan_with_groups(
-  leaves: Sequence[LeafSpec],
-  units: Sequence[MatrixUnit],
-  sizes: Sequence[int],
+  plan: OwnershipPlan,
   owner_groups: Any,
   ns_steps: int,
   strides: Mapping[int, Sequence[int]],
   ungroupable: frozenset[int],
-  plain_owners: Sequence[int],
-) -> tuple[tuple, tuple, tuple, tuple] | None:
-  """Leaves, units, owners and groups of a plan with owner groups, or None
-  when ``'auto'`` finds no gain (or nothing to group)."""
-  n = math.prod(sizes)
+) -> OwnershipPlan | None:
+  """``plan`` (whole matrices) with owner groups, or None when ``'auto'``
+  finds no gain (or nothing to group)."""
+  sizes = plan.mesh_shape
+  n = plan.num_slots
   row_size = sizes[-1] if sizes else 1
   forced = owner_groups != 'auto'
   if forced and not 2 <= owner_groups <= row_size:
@@ -598,15 +594,12 @@ def plan_with_groups(
     )
   if n == 1 or row_size == 1:
     return None
-  costs = np.zeros(n)
-  for u, o in zip(units, plain_owners):
-    costs[o] += u.cost
-  total = float(costs.sum())
-  ideal = total / n
+  costs = np.array(plan.slot_costs())
+  ideal = float(costs.sum()) / n
   plain = float(costs.max(initial=0.0))
   if not forced and plain <= _GROUP_TRIGGER * ideal:
     return None
-  chosen = _candidates(leaves, units, ungroupable, forced, ideal)
+  chosen = _candidates(plan.leaves, plan.units, ungroupable, forced, ideal)
   if not chosen:
     return None
   parts = {
@@ -626,28 +619,28 @@ def plan_with_groups(
       views[spec.leaf_index] = view
   if not views:
     return None
-  new_leaves = tuple(views.get(s.leaf_index, s) for s in leaves)
-  new_units, groups_meta, items, group_units = sliced_units(
-    new_leaves, units, parts
-  )
+  sliced, pieces = resliced(plan, views, ns_steps, distinct=forced)
   rows = [list(range(r, r + row_size)) for r in range(0, n, row_size)]
   owners, iteration_owners = place(
-    items, [m[3] for m in groups_meta], group_units, new_units, rows, forced
+    pieces,
+    [g.iteration_costs for g in sliced.groups],
+    [g.units for g in sliced.groups],
+    sliced.units,
+    rows,
+    forced,
   )
-  groups = owner_groups_of(
-    groups_meta, group_units, iteration_owners, lambda leaf, index: forced
+  grouped = dataclasses.replace(
+    sliced,
+    owners=tuple(owners),
+    groups=tuple(
+      dataclasses.replace(g, iteration_owners=tuple(o))
+      for g, o in zip(sliced.groups, iteration_owners)
+    ),
   )
-  if not forced:
-    loads = np.zeros(n)
-    for u, o in zip(new_units, owners):
-      loads[o] += u.cost
-    for group in groups:
-      for slot, cost in zip(group.iteration_owners, group.iteration_costs):
-        loads[slot] += cost
-    exchange = group_exchange_bytes(groups, owners)
-    if loads.max() + FLOPS_PER_BYTE * exchange > (1 - _GROUP_GAIN) * plain:
-      return None
-  return new_leaves, tuple(new_units), tuple(owners), groups
+  predicted = grouped.makespan + FLOPS_PER_BYTE * grouped.group_exchange_bytes()
+  if not forced and predicted > (1 - _GROUP_GAIN) * plain:
+    return None
+  return grouped
 
 
 def _candidates(
@@ -711,84 +704,6 @@ def _view(
     if view is not None:
       break
   return view
-
-
-def sliced_units(
-  new_leaves: Sequence[LeafSpec],
-  units: Sequence[MatrixUnit],
-  parts: Mapping[int, tuple[float, float]],
-) -> tuple[list[MatrixUnit], list, list, list[list[int]]]:
-  """The units of the leaves' views: the whole ones as they were, a
-  sliced leaf's matrices as slice units of one group each.
-
-  Returns:
-    ``(units, groups_meta, items, group_units)``: per group ``(leaf_index,
-    whole batch index, shape, iteration cost per window)``; the pieces to
-    place,
-    ``(cost, order, whole unit index | -(group + 1))``; per group its units.
-  """
-  new_units: list[MatrixUnit] = []
-  groups_meta = []  # (leaf_index, whole batch index, shape, window costs)
-  items = []  # (cost, order, whole unit index | -(group + 1))
-  group_units: list[list[int]] = []
-  by_leaf: dict[int, list[MatrixUnit]] = collections.defaultdict(list)
-  for u in units:
-    by_leaf[u.leaf_index].append(u)
-  for spec in new_leaves:
-    if not spec.sliced:
-      for u in by_leaf[spec.leaf_index]:
-        items.append((u.cost, len(items), len(new_units)))
-        new_units.append(u)
-      continue
-    fi, fo = spec.whole_matrix
-    work, iteration = parts[spec.leaf_index]
-    k = spec.shape[spec.slice_axis]
-    slice_shape = spec.matrix_shape
-    nbytes = slice_shape[0] * slice_shape[1] * jnp.dtype(spec.dtype).itemsize
-    index_of = {}
-    for batch_index in np.ndindex(*spec.batch_shape):
-      batch_index = tuple(int(i) for i in batch_index)
-      whole = whole_batch_index(spec, batch_index)
-      if whole not in index_of:
-        index_of[whole] = len(groups_meta)
-        groups_meta.append((spec.leaf_index, whole, (fi, fo), iteration))
-        group_units.append([])
-        items.append((work + sum(iteration), len(items), -len(groups_meta)))
-      g = index_of[whole]
-      group_units[g].append(len(new_units))
-      new_units.append(
-        MatrixUnit(
-          leaf_index=spec.leaf_index,
-          path=spec.path,
-          batch_index=batch_index,
-          shape=slice_shape,
-          layer=layer_key(spec.path, whole),
-          cost=work / k,
-          nbytes=int(nbytes),
-          group=g,
-        )
-      )
-  return new_units, groups_meta, items, group_units
-
-
-def owner_groups_of(
-  groups_meta, group_units, iteration_owners, distinct
-) -> tuple[OwnerGroup, ...]:
-  """The ``OwnerGroup`` s of :func:`sliced_units`' groups: group ``g``'s
-  window iterations on slots ``iteration_owners[g]``, its ``distinct``
-  flag ``distinct(leaf_index, batch_index)``."""
-  return tuple(
-    OwnerGroup(
-      leaf_index=leaf,
-      batch_index=index,
-      shape=shape,
-      units=tuple(group_units[g]),
-      iteration_owners=tuple(iteration_owners[g]),
-      iteration_costs=tuple(iteration),
-      distinct=distinct(leaf, index),
-    )
-    for g, (leaf, index, shape, iteration) in enumerate(groups_meta)
-  )
 
 
 CostFn = Callable[[int, int], float]
@@ -894,8 +809,7 @@ def plan_ownership(
     predicate=predicate,
     weight_dimension_numbers=weight_dimension_numbers,
   )
-  all_specs = routing.specs
-  leaves = tuple(s for s in all_specs if s is not None)
+  leaves = tuple(s for s in routing.specs if s is not None)
   units = []
   for spec in leaves:
     fan_in, fan_out = spec.matrix_shape
@@ -908,45 +822,24 @@ def plan_ownership(
           f'dmuon: cost_fn({fan_in}, {fan_out}) returned {cost} for param'
           f' {spec.path!r}; expected a finite, non-negative float.'
         )
-    nbytes = fan_in * fan_out * jnp.dtype(spec.dtype).itemsize
-    for batch_index in np.ndindex(*spec.batch_shape):
-      batch_index = tuple(int(i) for i in batch_index)
-      units.append(
-        MatrixUnit(
-          leaf_index=spec.leaf_index,
-          path=spec.path,
-          batch_index=batch_index,
-          shape=(fan_in, fan_out),
-          layer=layer_key(spec.path, batch_index),
-          cost=cost,
-          nbytes=int(nbytes),
-        )
-      )
-  owners = assign(units, math.prod(sizes))
-  groups = ()
-  owner_groups = check_option(owner_groups, ns_algorithm=ns_algorithm)
-  if owner_groups is not None:
-    grouped = None
-    if owner_groups != 'auto' or cost_fn is None:
-      grouped = plan_with_groups(
-        leaves,
-        units,
-        sizes,
-        owner_groups,
-        int(ns_steps),
-        dict(shard_counts or {}),
-        frozenset(ungroupable),
-        owners,
-      )
-    if grouped is not None:
-      leaves, units, owners, groups = grouped
-  return OwnershipPlan(
+    units += matrix_units(spec, cost)
+  plan = OwnershipPlan(
     axis_names=names,
     mesh_shape=sizes,
-    num_leaves=len(all_specs),
+    num_leaves=len(routing.specs),
     leaves=leaves,
     units=tuple(units),
-    owners=tuple(owners),
-    groups=groups,
+    owners=tuple(assign(units, math.prod(sizes))),
     routing=routing.summary,
   )
+  owner_groups = check_option(owner_groups, ns_algorithm=ns_algorithm)
+  if owner_groups is None or (owner_groups == 'auto' and cost_fn is not None):
+    return plan
+  grouped = plan_with_groups(
+    plan,
+    owner_groups,
+    int(ns_steps),
+    dict(shard_counts or {}),
+    frozenset(ungroupable),
+  )
+  return plan if grouped is None else grouped

@@ -12,20 +12,20 @@ each group's bytes without placing the whole model (``layers_per_gather=
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
 
 from dmuon_jax import _assign
-from dmuon_jax._cost import gram_parts
 from dmuon_jax._plan import (
   MIN_SLICE,
   MatrixUnit,
   OwnerGroup,
   OwnershipPlan,
   group_exchange_bytes,
+  resliced,
   sliced_spec,
 )
 from dmuon_jax._routing import LeafSpec
@@ -140,7 +140,7 @@ def plan_gather_groups(
       if not scanned:
         views.update(_split_views(plan, specs, rows, ns_steps, memo)[0])
     if views:
-      plan = resliced(plan, views, ns_steps)
+      plan = resliced(plan, views, ns_steps)[0]
       spec_of = {s.leaf_index: s for s in plan.leaves}
       groups = [
         (name, scanned, [spec_of[s.leaf_index] for s in specs])
@@ -247,7 +247,7 @@ def gather_group_bytes(
     if scanned:
       key = ('scanned', _signature(specs), layers_per_gather)
       if key not in memo:
-        sub = resliced(plan, {}, ns_steps, {s.leaf_index for s in specs})
+        sub = resliced(plan, {}, ns_steps, {s.leaf_index for s in specs})[0]
         memo[key] = _trial(sub, name, True, layers_per_gather, rows)
       out.append(memo[key])
     elif split:
@@ -255,7 +255,7 @@ def gather_group_bytes(
     else:
       key = ('whole', _signature(specs))
       if key not in memo:
-        sub = resliced(plan, {}, ns_steps, {s.leaf_index for s in specs})
+        sub = resliced(plan, {}, ns_steps, {s.leaf_index for s in specs})[0]
         memo[key] = _trial(sub, name, False, 1, rows)
       out.append(memo[key])
   return out
@@ -343,13 +343,13 @@ def _split_views(
   """
   key = ('split', _signature(specs), tuple(map(tuple, rows)))
   if key not in memo:
-    sub = resliced(plan, {}, ns_steps, {s.leaf_index for s in specs})
+    sub = resliced(plan, {}, ns_steps, {s.leaf_index for s in specs})[0]
     best = _trial(sub, '', False, 1, rows)
     counts = {}
     if _padding(best) > SPLIT_PADDING_PERCENT:
       per_slot = best.payload / plan.num_slots
       for views in byte_views(sub.leaves, per_slot):
-        got = _trial(resliced(sub, views, ns_steps), '', False, 1, rows)
+        got = _trial(resliced(sub, views, ns_steps)[0], '', False, 1, rows)
         if _padding(got) < _padding(best) - 1e-9:
           best = got
           pos = {s.leaf_index: i for i, s in enumerate(sub.leaves)}
@@ -515,49 +515,6 @@ def _place_gather_group(
     base_owner = _assign.assign(base, n, loads=work, budget=budget)
   return _GatherGroup(
     specs, iters, base, base_owner, base_ids, ggroups, iteration_owner
-  )
-
-
-def resliced(
-  plan: OwnershipPlan,
-  views: Mapping[int, LeafSpec],
-  ns_steps: int,
-  only: Collection[int] | None = None,
-) -> OwnershipPlan:
-  """``plan`` with more of its leaves viewed as slices (owner groups).
-
-  Its leaves (only those in ``only``, if given) with ``views`` (leaf index
-  -> :func:`sliced_spec` view) applied; their units built as
-  :func:`plan_with_groups` builds them (whole matrices kept, a sliced
-  leaf's matrices as slice units of one group each, costs from the Gram
-  form). Owners are left to the caller (all 0, iterations on slot 0);
-  existing groups keep their ``distinct``.
-  """
-  keep = [s for s in plan.leaves if only is None or s.leaf_index in only]
-  leaves = tuple(views.get(s.leaf_index, s) for s in keep)
-  held = {s.leaf_index for s in keep}
-  whole = [u for u in plan.units if u.group < 0 and u.leaf_index in held]
-  parts = {
-    s.leaf_index: gram_parts(*sorted(s.whole_matrix), ns_steps)
-    for s in leaves
-    if s.sliced
-  }
-  units, groups_meta, _, group_units = _assign.sliced_units(
-    leaves, whole, parts
-  )
-  distinct = {(g.leaf_index, g.batch_index): g.distinct for g in plan.groups}
-  groups = _assign.owner_groups_of(
-    groups_meta,
-    group_units,
-    [(0,) * len(meta[3]) for meta in groups_meta],
-    lambda leaf, index: distinct.get((leaf, index), False),
-  )
-  return dataclasses.replace(
-    plan,
-    leaves=leaves,
-    units=tuple(units),
-    owners=(0,) * len(units),
-    groups=groups,
   )
 
 

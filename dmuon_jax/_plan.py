@@ -1,21 +1,16 @@
-"""The owner plan's data: matrices, owner groups, the plan itself and its
-byte prediction, with the owner groups' Gram exchange rounds.
+"""The owner plan's data: matrices, owner groups, the plan itself, its
+slicing and its byte prediction, with the owner groups' Gram exchange.
 
-An owner group's slice owners (its *members*) each form the Gram of their
-slices; the sums reach the group's iteration owner, and the factor it
-computes goes back to the members. Those messages run point to point
-(``ppermute`` over the owner axes), so a group's traffic stays between its
-members (a collective over the whole group axis pays every member's block
-on every device, groups of 2 of its 8 devices included). A round is one
-``ppermute``: every slot sends at most one Gram and receives at most one.
-The messages of all groups are packed into rounds by a bipartite edge
-colouring (senders on one side, receivers on the other): as many rounds
-as the busiest slot has messages to send or to receive (König), which a
-placement that keeps a group's slices on few members keeps small.
-
-Grams and factors are symmetric: each travels as its packed triangle
-(:func:`triangle_size` elements, about half the square). Pure NumPy: the
-planner predicts the bytes from the same schedule the update runs.
+The exchange (see :class:`OwnerGroup`) runs point to point (``ppermute``
+over the owner axes), so a group's traffic stays between its members (a
+collective over the whole group axis pays every member's block on every
+device). A round is one ``ppermute``: every slot sends at most one Gram
+and receives at most one. The messages of all groups are packed into
+rounds by a bipartite edge colouring: as many rounds as the busiest slot
+has messages to send or to receive (König), which a placement that keeps
+a group's slices on few members keeps small. Grams and factors travel as
+packed triangles (:func:`triangle_size`). Pure NumPy: the planner
+predicts the bytes from the same schedule the update runs.
 """
 
 from __future__ import annotations
@@ -24,12 +19,14 @@ import collections
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import jax.numpy as jnp
 import numpy as np
 
 from dmuon_jax._cost import (
+  gram_parts,
   human_bytes,
   human_flops,
   plural,
@@ -37,7 +34,7 @@ from dmuon_jax._cost import (
   route_bytes,
 )
 from dmuon_jax._newton_schulz import is_int
-from dmuon_jax._routing import LeafSpec
+from dmuon_jax._routing import LeafSpec, layer_key
 
 # Slices of a split matrix keep at least this many rows/columns of the
 # long side.
@@ -799,16 +796,104 @@ def view_entries(spec: LeafSpec, entries: Sequence[Any]) -> tuple | None:
   return entries[:d] + (entries[d], (), ()) + entries[d + 1 :]
 
 
-def whole_batch_index(spec: LeafSpec, batch_index: Sequence[int]) -> tuple:
-  """A unit's matrix index over the leaf's own batch axes (the slice index
-  dropped for a sliced spec)."""
-  batch_index = tuple(batch_index)
-  if not spec.sliced:
-    return batch_index
-  pos = spec.batch_axes.index(spec.slice_axis)
-  return batch_index[:pos] + batch_index[pos + 1 :]
+def matrix_units(
+  spec: LeafSpec, cost: float, group: Callable[[tuple], int] = lambda _: -1
+) -> list[MatrixUnit]:
+  """The units of a leaf's matrices (of their slices, for a sliced view),
+  row-major over its batch axes, each predicted to cost ``cost``;
+  ``group``: a unit's group from its matrix's whole batch index."""
+  fi, fo = spec.matrix_shape
+  nbytes = int(fi * fo * jnp.dtype(spec.dtype).itemsize)
+  units = []
+  for index in np.ndindex(*spec.batch_shape):
+    index = tuple(int(i) for i in index)
+    whole = index  # the matrix's index over the leaf's own batch axes
+    if spec.sliced:
+      pos = spec.batch_axes.index(spec.slice_axis)
+      whole = index[:pos] + index[pos + 1 :]
+    units.append(
+      MatrixUnit(
+        leaf_index=spec.leaf_index,
+        path=spec.path,
+        batch_index=index,
+        shape=(fi, fo),
+        layer=layer_key(spec.path, whole),
+        cost=cost,
+        nbytes=nbytes,
+        group=group(whole),
+      )
+    )
+  return units
 
 
-def slice_index(spec: LeafSpec, batch_index: Sequence[int]) -> int:
-  """A slice unit's index among its matrix's slices."""
-  return int(batch_index[spec.batch_axes.index(spec.slice_axis)])
+def resliced(
+  plan: OwnershipPlan,
+  views: Mapping[int, LeafSpec],
+  ns_steps: int,
+  only: Collection[int] | None = None,
+  distinct: bool = False,
+) -> tuple[OwnershipPlan, list[tuple[float, int, int]]]:
+  """``plan`` with more of its leaves viewed as slices (owner groups).
+
+  Its leaves (only those in ``only``, if given) with ``views`` (leaf index
+  -> :func:`sliced_spec` view) applied: whole matrices kept, a sliced
+  leaf's matrices as slice units of one group each (costs from the Gram
+  form). Owners are left to the caller (all 0, iterations on slot 0); a
+  group keeps the ``distinct`` it had in ``plan``, a new one takes
+  ``distinct``.
+
+  Returns:
+    ``(plan, pieces)``: the pieces to place in leaf order, ``(cost,
+    order, whole unit index | -(group + 1))``.
+  """
+  had = {(g.leaf_index, g.batch_index): g.distinct for g in plan.groups}
+  whole: dict[int, list[MatrixUnit]] = collections.defaultdict(list)
+  for u in plan.units:
+    if u.group < 0:
+      whole[u.leaf_index].append(u)
+  leaves, units, pieces, meta, members = [], [], [], [], []
+  for spec in plan.leaves:
+    if only is not None and spec.leaf_index not in only:
+      continue
+    spec = views.get(spec.leaf_index, spec)
+    leaves.append(spec)
+    if not spec.sliced:
+      for u in whole[spec.leaf_index]:
+        pieces.append((u.cost, len(pieces), len(units)))
+        units.append(u)
+      continue
+    work, iteration = gram_parts(*sorted(spec.whole_matrix), ns_steps)
+    index_of = {}
+
+    def group(index, spec=spec, work=work, iteration=iteration, at=index_of):
+      if index not in at:
+        at[index] = len(meta)
+        meta.append((spec.leaf_index, index, spec.whole_matrix, iteration))
+        members.append([])
+        pieces.append((work + sum(iteration), len(pieces), -len(meta)))
+      return at[index]
+
+    k = spec.shape[spec.slice_axis]
+    for u in matrix_units(spec, work / k, group):
+      members[u.group].append(len(units))
+      units.append(u)
+  groups = tuple(
+    OwnerGroup(
+      leaf_index=leaf,
+      batch_index=index,
+      shape=shape,
+      units=tuple(members[g]),
+      iteration_owners=(0,) * len(iteration),
+      iteration_costs=tuple(iteration),
+      distinct=had.get((leaf, index), distinct),
+    )
+    for g, (leaf, index, shape, iteration) in enumerate(meta)
+  )
+  replaced = dataclasses.replace(
+    plan,
+    leaves=tuple(leaves),
+    units=tuple(units),
+    owners=(0,) * len(units),
+    groups=groups,
+  )
+  return replaced, pieces

@@ -2,10 +2,9 @@
 
 :func:`plan_ownership` makes the drop-in plan; dedicated mode's gather
 groups (:mod:`dmuon_jax._gather_plan`) are placed by the same functions.
-A piece is a whole matrix, or an owner group: its slices (a matrix's long
-side cut by :func:`dmuon_jax._plan.sliced_spec`, units of
-:func:`sliced_units`), which share the collectives of one row of owners,
-and its ``g x g`` iteration. Every plan is made here, by
+A piece is a whole matrix, or an owner group: its slices (units of
+:func:`dmuon_jax._plan.resliced`), which share the collectives of one row
+of owners, and its ``g x g`` iteration. Every plan is made here, by
 longest-processing-time first on the predicted Newton–Schulz work
 (:func:`assign` for whole matrices, :func:`place` for pieces onto rows and
 then members), with two optional inputs that dedicated mode's gather

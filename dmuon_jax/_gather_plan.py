@@ -35,7 +35,7 @@ def _balance_work(
   planned: Sequence[_GatherGroup], n: int, rows: Sequence[Sequence[int]]
 ) -> None:
   """Evens out the work over the model by swapping owners inside loop
-  gather groups (see :func:`dmuon_jax._assign.balance`; a scanned stack
+  gather groups (see :func:`balance`; a scanned stack
   keeps its rotation, a group with owner groups swaps within a row).
   Updates the owners in ``planned`` in place."""
   per_group = []
@@ -244,20 +244,15 @@ def gather_group_bytes(
   memo = {} if memo is None else memo
   out = []
   for name, scanned, specs in groups:
-    if scanned:
-      key = ('scanned', _signature(specs), layers_per_gather)
-      if key not in memo:
-        sub = resliced(plan, {}, ns_steps, {s.leaf_index for s in specs})[0]
-        memo[key] = _trial(sub, name, True, layers_per_gather, rows)
-      out.append(memo[key])
-    elif split:
+    if split and not scanned:
       out.append(_split_views(plan, specs, rows, ns_steps, memo)[1])
-    else:
-      key = ('whole', _signature(specs))
-      if key not in memo:
-        sub = resliced(plan, {}, ns_steps, {s.leaf_index for s in specs})[0]
-        memo[key] = _trial(sub, name, False, 1, rows)
-      out.append(memo[key])
+      continue
+    k = layers_per_gather if scanned else 1
+    key = (scanned, _signature(specs), k)
+    if key not in memo:
+      sub = resliced(plan, {}, ns_steps, {s.leaf_index for s in specs})[0]
+      memo[key] = _trial(sub, name, scanned, k, rows)
+    out.append(memo[key])
   return out
 
 

@@ -7,6 +7,7 @@ from dmuon_jax import diagnostics as diagnostics
 from dmuon_jax._alias import dmuon as dmuon
 from dmuon_jax._alias import muon_labels as muon_labels
 from dmuon_jax._alias import routing_summary as routing_summary
+from dmuon_jax._assign import plan_ownership as plan_ownership
 from dmuon_jax._boundaries import HookBoundaries as HookBoundaries
 from dmuon_jax._boundaries import find_hook_boundaries as find_hook_boundaries
 from dmuon_jax._dedicated import dedicate as dedicate
@@ -34,7 +35,6 @@ from dmuon_jax._owner_layout import OwnerBuffers as OwnerBuffers
 from dmuon_jax._owner_layout import OwnerLayout as OwnerLayout
 from dmuon_jax._plan import OwnerGroup as OwnerGroup
 from dmuon_jax._plan import OwnershipPlan as OwnershipPlan
-from dmuon_jax._planner import plan_ownership as plan_ownership
 from dmuon_jax._report import DMuonWarning as DMuonWarning
 from dmuon_jax._routing import default_muon_predicate as default_muon_predicate
 from dmuon_jax._tensor_parallel import (

@@ -1,11 +1,14 @@
-"""The assignment algorithm: which slot orthogonalizes which piece.
+"""The placement: which slot orthogonalizes which piece, for every plan.
 
-A piece is a whole matrix, or an owner group: its slices, which share the
-collectives of one row of owners, and its ``g x g`` iteration. Every plan
-is made here, by longest-processing-time first on the predicted
-Newton–Schulz work (:func:`assign` for whole matrices, :func:`place` for
-pieces onto rows and then members), with two optional inputs that
-dedicated mode's gather groups supply:
+:func:`plan_ownership` makes the drop-in plan; dedicated mode's gather
+groups (:mod:`dmuon_jax._gather_plan`) are placed by the same functions.
+A piece is a whole matrix, or an owner group: its slices (units of
+:func:`dmuon_jax._plan.resliced`), which share the collectives of one row
+of owners, and its ``g x g`` iteration. Every plan is made here, by
+longest-processing-time first on the predicted Newton–Schulz work
+(:func:`assign` for whole matrices, :func:`place` for pieces onto rows and
+then members), with two optional inputs that dedicated mode's gather
+groups supply:
 
 - ``loads``: the work slots already carry. Dedicated mode places its
   gather groups one after another, each seeing the work of those before.
@@ -17,21 +20,54 @@ a bytes target: the update's routes pad every owner's rows to the largest).
 Under a budget, each restart window of a split matrix's iteration is a
 piece of its own (every owner holds its share of the bytes, so none should
 also hold a whole iteration); without one, a matrix's windows stay on one
-owner. When every gather group is placed, :func:`balance` permutes owners
-inside gather groups, which keeps each group's bytes, to even out the work
-over the model: rows first, then owners.
+owner.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
-from typing import NamedTuple
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from dmuon_jax._plan import MatrixUnit
+from dmuon_jax._cost import FLOPS_PER_BYTE, NS_ALGORITHMS, gram_parts, ns_cost
+from dmuon_jax._mesh import check_devices, mesh_axes
+from dmuon_jax._newton_schulz import is_int
+from dmuon_jax._plan import (
+  MIN_SLICE,
+  MatrixUnit,
+  OwnershipPlan,
+  check_option,
+  matrix_units,
+  resliced,
+  sliced_spec,
+)
+from dmuon_jax._routing import (
+  LeafSpec,
+  Predicate,
+  WeightDimNums,
+  route,
+)
 
+# 'auto' splits a matrix only when its Newton-Schulz costs at least this
+# much: below it, the two extra collectives per restart window cost more
+# than the work they spread (a 1024 x 4096 Gram NS is 6.4e10 FLOPs).
+_MIN_GROUP_FLOPS = 1e10
+# 'auto' looks for groups when the plain plan's makespan exceeds the ideal
+# total / N by this factor, and keeps them when they lower the predicted
+# time (FLOPs plus FLOPS_PER_BYTE per byte) by at least _GROUP_GAIN.
+_GROUP_TRIGGER = 1.10
+_GROUP_GAIN = 0.05
+# 'auto' considers matrices costing more than this fraction of total / N:
+# coarser pieces than that pack badly (70B's 3.1e13-FLOP MLP matrices on
+# 256 devices, 3.9e13 each: the plain plan is 1.2x the ideal).
+_COARSE = 0.25
+# Slices per grouped matrix: each at most this fraction of the bound
+# max(total / N, largest iteration), so slices fill owners finely.
+_SLICE_FRACTION = 0.1
 # Upper bound on partner checks in the layer-spreading repair pass, so that
 # pathological trees (many thousands of matrices) still plan quickly.
 _REPAIR_BUDGET = 500_000
@@ -413,7 +449,7 @@ def _fill(
   least-loaded member with room for its bytes). A group's slices then sit
   on few members and a member holds slices of few groups, which keeps the
   Gram exchange's rounds (messages per device, see
-  :mod:`dmuon_jax._gram_exchange`) few: plain LPT spreads every group over
+  :mod:`dmuon_jax._plan`) few: plain LPT spreads every group over
   the whole row (Llama-3-8B at 256 devices: 7 rounds each way instead of
   2, the same busiest device).
 
@@ -536,145 +572,273 @@ def _fill(
   return best
 
 
-def balance(
-  per_group: list[np.ndarray],
-  movable: Sequence[bool],
-  within_row: Sequence[bool],
-  rows: Sequence[Sequence[int]],
-  max_rounds: int = 10_000,
-) -> list[tuple[int, dict[int, int]]]:
-  """Moves that even out the work over gather groups.
+def plan_with_groups(
+  plan: OwnershipPlan,
+  owner_groups: Any,
+  ns_steps: int,
+  strides: Mapping[int, Sequence[int]],
+  ungroupable: frozenset[int],
+) -> OwnershipPlan | None:
+  """``plan`` (whole matrices) with owner groups, or None when ``'auto'``
+  finds no gain (or nothing to group)."""
+  sizes = plan.mesh_shape
+  n = plan.num_slots
+  row_size = sizes[-1] if sizes else 1
+  forced = owner_groups != 'auto'
+  if forced and not 2 <= owner_groups <= row_size:
+    raise ValueError(
+      f'dmuon: owner_groups={owner_groups} needs 2 <= k <= the size of the '
+      f'innermost owner axis ({row_size}), along which a group of owners '
+      "shares a matrix. Pass a smaller k, or owner_groups='auto'."
+    )
+  if n == 1 or row_size == 1:
+    return None
+  costs = np.array(plan.slot_costs())
+  ideal = float(costs.sum()) / n
+  plain = float(costs.max(initial=0.0))
+  if not forced and plain <= _GROUP_TRIGGER * ideal:
+    return None
+  chosen = _candidates(plan.leaves, plan.units, ungroupable, forced, ideal)
+  if not chosen:
+    return None
+  parts = {
+    s.leaf_index: gram_parts(*sorted(s.matrix_shape), ns_steps) for s in chosen
+  }
+  bound = max([ideal] + [sum(p[1]) for p in parts.values()])
+  views = {}
+  for spec in chosen:
+    view = _view(
+      spec,
+      owner_groups if forced else None,
+      strides.get(spec.leaf_index),
+      parts[spec.leaf_index][0],
+      bound,
+    )
+    if view is not None:
+      views[spec.leaf_index] = view
+  if not views:
+    return None
+  sliced, pieces = resliced(plan, views, ns_steps, distinct=forced)
+  rows = [list(range(r, r + row_size)) for r in range(0, n, row_size)]
+  owners, iteration_owners = place(
+    pieces,
+    [g.iteration_costs for g in sliced.groups],
+    [g.units for g in sliced.groups],
+    sliced.units,
+    rows,
+    forced,
+  )
+  grouped = dataclasses.replace(
+    sliced,
+    owners=tuple(owners),
+    groups=tuple(
+      dataclasses.replace(g, iteration_owners=tuple(o))
+      for g, o in zip(sliced.groups, iteration_owners)
+    ),
+  )
+  predicted = grouped.makespan + FLOPS_PER_BYTE * grouped.group_exchange_bytes()
+  if not forced and predicted > (1 - _GROUP_GAIN) * plain:
+    return None
+  return grouped
 
-  Permuting what slots own in one gather group keeps that group's bytes
-  per slot (hence its padding) as they are, so only the work moves:
-  repeatedly take the busiest slot ``a`` and the move, in any movable
-  group, that leaves the busiest slot it touches lowest (then the sum of
-  squares of their work), among those that raise no slot above ``a`` and
-  lower that sum (so that moves which only even out work next to ``a``
-  count: a row at the busiest slot's level takes several): a swap of
-  everything ``a`` and another slot own in the group, or (a group whose
-  owner groups share a row's collectives, which moves within a row only)
-  an exchange of ``a``'s row with another row, each row's members taking
-  the other's pieces busiest piece to least busy member.
+
+def _candidates(
+  leaves: Sequence[LeafSpec],
+  units: Sequence[MatrixUnit],
+  ungroupable: frozenset[int],
+  forced: bool,
+  ideal: float,
+) -> list[LeafSpec]:
+  """The leaves whose matrices may be split: every groupable one when
+  ``forced``, else those costly enough (see ``_MIN_GROUP_FLOPS``,
+  ``_COARSE``)."""
+  first_cost = {}
+  for u in units:
+    first_cost.setdefault(u.leaf_index, u.cost)
+  chosen = []
+  for spec in leaves:
+    s_, l_ = sorted(spec.matrix_shape)
+    if spec.leaf_index in ungroupable or s_ < 2:
+      continue
+    if not forced and (
+      first_cost[spec.leaf_index] < _MIN_GROUP_FLOPS
+      or first_cost[spec.leaf_index] <= _COARSE * ideal
+    ):
+      continue
+    chosen.append(spec)
+  return chosen
+
+
+def _view(
+  spec: LeafSpec,
+  k: int | None,
+  stride: Sequence[int] | None,
+  work: float,
+  bound: float,
+) -> LeafSpec | None:
+  """The sliced view of a chosen leaf: into ``k`` slices (forced; raises
+  when they do not divide), else (``k`` None) into the fewest slices of
+  at most ``_SLICE_FRACTION * bound`` work each that divide and keep
+  ``MIN_SLICE`` rows/columns, or the most coarser ones that do (None if
+  none does)."""
+  if k is not None:
+    view = sliced_spec(spec, k, stride)
+    if view is None:
+      raise ValueError(
+        f'dmuon: owner_groups={k}: the long side of param '
+        f'{spec.path!r} (matrices {spec.matrix_shape[0]}x'
+        f'{spec.matrix_shape[1]}) does not split into {k} '
+        'slices on a dimension divisible by that times its shard count. '
+        "Pass a k that divides it, or owner_groups='auto'."
+      )
+    return view
+  least = max(2, math.ceil(work / (_SLICE_FRACTION * bound)))
+  view = None
+  # The fewest slices that are fine enough; else, if slices of
+  # MIN_SLICE would be too narrow, the most that are not.
+  for slices in list(range(least, 4 * least + 1)) + list(
+    range(least - 1, 1, -1)
+  ):
+    view = sliced_spec(spec, slices, stride, MIN_SLICE)
+    if view is not None:
+      break
+  return view
+
+
+CostFn = Callable[[int, int], float]
+
+
+def plan_ownership(
+  params: Any,
+  mesh: Any = None,
+  *,
+  axis_names: str | Sequence[str] | None = None,
+  predicate: Predicate | str | None = None,
+  weight_dimension_numbers: WeightDimNums = None,
+  ns_steps: int = 5,
+  cost_fn: CostFn | None = None,
+  ns_algorithm: str = 'auto',
+  owner_groups: int | str | None = 'auto',
+  shard_counts: Mapping[int, Sequence[int]] | None = None,
+  ungroupable: Sequence[int] = (),
+) -> OwnershipPlan:
+  """Assigns every Muon matrix of ``params`` to exactly one owner slot.
+
+  Leaves are routed to Muon as :func:`dmuon_jax.dmuon` routes them
+  (``predicate``, ``weight_dimension_numbers``); each matrix inside a
+  stacked leaf (``(L, m, n)``, ``(L, E, m, n)``, ...) is its own unit. Units
+  are balanced by longest-processing-time-first on the predicted
+  Newton–Schulz cost, spreading matrices of one layer (the path up to its
+  block boundary, such as ``layers/3``, or the scanned layer of a stack)
+  over different owners whenever that does not increase the makespan. The
+  makespan is at most ``total / num_slots + max cost`` (Graham's bound). No
+  divisibility of shapes or counts by the mesh is needed.
 
   Args:
-    per_group: per gather group, its work per slot (moved in place).
-    movable: per group, whether its owners may move (a scanned stack's
-      rotate instead).
-    within_row: per group, whether its slots trade within a row only.
-    rows: the slots of each row (all of one length).
-    max_rounds: the most moves.
+    params: a pytree whose leaves have ``shape`` and ``dtype`` (arrays or
+      ``jax.ShapeDtypeStruct``); may hold None or ``optax.MaskedNode()``
+      placeholders. Only shapes and dtypes are read.
+    mesh: (optional, default None) a ``jax.sharding.Mesh``,
+      ``jax.sharding.AbstractMesh`` or mapping ``{axis_name: size}``; None
+      gives a single slot.
+    axis_names: (optional, default None) the mesh axes that owners range
+      over; None for all. They are kept in mesh order.
+    predicate: (optional) ``(path, leaf) -> bool`` selecting Muon targets,
+      or ``'optax'``, as for :func:`dmuon_jax.dmuon`.
+    weight_dimension_numbers: (optional) ``MuonDimensionNumbers`` for
+      every leaf, a tree (prefix) of them or a callable returning one, as
+      ``muon_weight_dimension_numbers`` of :func:`dmuon_jax.dmuon`.
+    ns_steps: Newton–Schulz iterations, for the default cost model.
+    cost_fn: (optional) ``(fan_in, fan_out) -> float`` replacing the default
+      cost model (the matmul FLOPs of the Newton–Schulz form that runs).
+    ns_algorithm: (optional, default ``'auto'``) the Newton–Schulz form the
+      optimizer runs, for the default cost model: ``'auto'`` (the cheaper
+      form per shape, as :func:`dmuon_jax.dmuon`'s default), ``'standard'``
+      or ``'gram'``.
+    owner_groups: (optional, default ``'auto'``) owner groups (see
+      :class:`OwnerGroup`): ``'auto'`` splits matrices that alone would set
+      the makespan (each costs more than ``total / N`` and at least 1e10
+      FLOPs) when that lowers the predicted time (FLOPs plus
+      ``FLOPS_PER_BYTE`` per byte of the groups' collectives) by 5%; an int
+      ``k`` splits every Muon matrix into ``k`` slices on ``k`` devices of
+      the innermost owner axis; None never splits.
+    shard_counts: (optional) leaf index -> per dimension its number of
+      shards, so that slices take an equal part of every shard.
+    ungroupable: (optional) leaf indices never split.
 
   Returns:
-    The moves in order, ``(group, {slot: new slot})``: what ``slot`` owned
-    in the group goes to ``new slot`` (slots not named keep theirs).
+    An :class:`OwnershipPlan`.
+
+  Raises:
+    ValueError: for invalid targets (not a floating-point matrix of rank
+      >= 2, of rank > 2 without dimension numbers, or with dimension numbers
+      invalid for its shape), unknown
+      ``axis_names`` or a negative or non-finite cost.
+
+  Examples:
+    Shapes only; a mapping stands in for the mesh:
+
+    >>> import jax, jax.numpy as jnp, dmuon_jax
+    >>> params = {
+    ...     'up': jax.ShapeDtypeStruct((64, 256), jnp.float32),
+    ...     'down': jax.ShapeDtypeStruct((256, 64), jnp.float32),
+    ...     'wide': jax.ShapeDtypeStruct((512, 512), jnp.float32),
+    ...     'bias': jax.ShapeDtypeStruct((64,), jnp.float32)}
+    >>> plan = dmuon_jax.plan_ownership(params, {'data': 2})
+    >>> [unit.path for unit in plan.units]  # the bias goes to AdamW
+    ['down', 'up', 'wide']
+    >>> plan.owners  # LPT: the big matrix alone, the two small ones together
+    (1, 1, 0)
+    >>> plan.makespan == max(plan.slot_costs()) == plan.units[2].cost
+    True
   """
-  groups = [g for g, m in enumerate(movable) if m]
-  if not groups:
-    return []
-  n = len(per_group[0])
-  grid = np.asarray(rows)
-  row_of = np.zeros(n, dtype=np.int64)
-  for r, slots in enumerate(rows):
-    row_of[slots] = r
-  total = sum(per_group, np.zeros(n))
-  moves = _balance_rows(per_group, groups, within_row, grid, total, max_rounds)
-  for _ in range(max_rounds):
-    a = int(np.argmax(total))
-    top, ra = total[a], row_of[a]
-    eps = 1e-12 * top * top
-    # A move may not raise the busiest slot and must lower the sum of
-    # squares (a strict order: this ends); the lowest busiest slot it
-    # touches first, then the lowest sum of squares.
-    best, best_key = None, (top * (1 + 1e-12), 0.0)
-    for g in groups:
-      w = per_group[g]
-      pool = grid[ra] if within_row[g] else np.arange(n)
-      ya = total[a] - w[a] + w[pool]
-      yb = total[pool] - w[pool] + w[a]
-      new = np.maximum(ya, yb)
-      dsq = ya * ya + yb * yb - total[a] ** 2 - total[pool] ** 2
-      ok = (pool != a) & (w[pool] != w[a]) & (dsq < -eps)
-      if ok.any():
-        i = np.flatnonzero(ok)
-        j = int(i[np.lexsort((dsq[i], new[i]))[0]])
-        if (new[j], dsq[j]) < best_key:
-          best_key = (new[j], dsq[j])
-          best = (g, {a: int(pool[j]), int(pool[j]): a})
-      if not within_row[g] or len(grid) < 2:
-        continue
-      # Row exchanges: the rest of each member's work, least first, takes
-      # the other row's pieces, largest first.
-      rest = np.sort(total[grid] - w[grid], axis=1)
-      pieces = -np.sort(-w[grid], axis=1)
-      mine = rest[ra] + pieces  # row a's members with each row's pieces
-      theirs = rest + pieces[ra]  # each row's members with row a's
-      new = np.maximum(mine.max(axis=1), theirs.max(axis=1))
-      held = (total[grid] ** 2).sum(axis=1)
-      dsq = (mine**2).sum(axis=1) + (theirs**2).sum(axis=1) - held - held[ra]
-      ok = dsq < -eps
-      ok[ra] = False
-      if ok.any():
-        i = np.flatnonzero(ok)
-        r = int(i[np.lexsort((dsq[i], new[i]))[0]])
-        if (new[r], dsq[r]) < best_key:
-          best_key = (new[r], dsq[r])
-          best = (g, _exchange(grid[ra], grid[r], total, w))
-    if best is None:
-      break
-    _apply(per_group, total, moves, *best)
-  return moves
-
-
-def _apply(per_group, total, moves, g, move) -> None:
-  """Moves what slots own in group ``g`` (``move``: slot -> new slot),
-  updating its work and the total (in place), and records the move."""
-  w = per_group[g]
-  old = {s: w[s] for s in move}
-  for s, t in move.items():
-    total[t] += old[s] - old[t]
-  for s, t in move.items():
-    w[t] = old[s]
-  moves.append((g, move))
-
-
-def _balance_rows(per_group, groups, within_row, grid, total, max_rounds):
-  """The row exchanges of :func:`balance` that even out the rows' work
-  (in place): repeatedly the busiest row and the exchange, in a group
-  that moves within rows, that lowers the larger of the two rows' work
-  the most. A row's content in a group is fixed by its bytes (a row holds
-  a split matrix whole), so rows are evened out before their members."""
-  moves = []
-  rowed = [g for g in groups if within_row[g]]
-  if len(grid) < 2 or not rowed:
-    return moves
-  for _ in range(max_rounds):
-    rt = total[grid].sum(axis=1)
-    a = int(np.argmax(rt))
-    best, best_max = None, rt[a] * (1 - 1e-9)
-    for g in rowed:
-      rw = per_group[g][grid].sum(axis=1)
-      new = np.maximum(rt[a] - rw[a] + rw, rt - rw + rw[a])
-      new[(np.arange(len(grid)) == a) | (rw == rw[a])] = np.inf
-      b = int(np.argmin(new))
-      if new[b] < best_max:
-        best, best_max = (g, b), new[b]
-    if best is None:
-      break
-    g, b = best
-    move = _exchange(grid[a], grid[b], total, per_group[g])
-    _apply(per_group, total, moves, g, move)
-  return moves
-
-
-def _exchange(ra, rb, total, w) -> dict[int, int]:
-  """Rows ``ra`` and ``rb`` trade what they own in one group: each row's
-  members, least busy with the rest first, take the other row's pieces,
-  largest first."""
-  move = {}
-  for mine, theirs in ((ra, rb), (rb, ra)):
-    takers = mine[np.argsort(total[mine] - w[mine], kind='stable')]
-    given = theirs[np.argsort(-w[theirs], kind='stable')]
-    for src, dst in zip(given, takers):
-      move[int(src)] = int(dst)
-  return move
+  if not is_int(ns_steps) or ns_steps < 1:
+    raise ValueError(
+      f'dmuon: {ns_steps=} must be a positive int (the Newton-Schulz'
+      ' iterations the cost model counts); pass e.g. 5, as the optimizer.'
+    )
+  if ns_algorithm not in NS_ALGORITHMS:
+    raise ValueError(
+      f'dmuon: ns_algorithm={ns_algorithm!r} is not one of {NS_ALGORITHMS}.'
+    )
+  names, sizes = mesh_axes(mesh, axis_names)
+  check_devices(params, mesh)
+  routing = route(
+    params,
+    predicate=predicate,
+    weight_dimension_numbers=weight_dimension_numbers,
+  )
+  leaves = tuple(s for s in routing.specs if s is not None)
+  units = []
+  for spec in leaves:
+    fan_in, fan_out = spec.matrix_shape
+    if cost_fn is None:
+      cost = ns_cost(fan_in, fan_out, int(ns_steps), ns_algorithm)
+    else:
+      cost = float(cost_fn(fan_in, fan_out))
+      if not math.isfinite(cost) or cost < 0:
+        raise ValueError(
+          f'dmuon: cost_fn({fan_in}, {fan_out}) returned {cost} for param'
+          f' {spec.path!r}; expected a finite, non-negative float.'
+        )
+    units += matrix_units(spec, cost)
+  plan = OwnershipPlan(
+    axis_names=names,
+    mesh_shape=sizes,
+    num_leaves=len(routing.specs),
+    leaves=leaves,
+    units=tuple(units),
+    owners=tuple(assign(units, math.prod(sizes))),
+    routing=routing.summary,
+  )
+  owner_groups = check_option(owner_groups, ns_algorithm=ns_algorithm)
+  if owner_groups is None or (owner_groups == 'auto' and cost_fn is not None):
+    return plan
+  grouped = plan_with_groups(
+    plan,
+    owner_groups,
+    int(ns_steps),
+    dict(shard_counts or {}),
+    frozenset(ungroupable),
+  )
+  return plan if grouped is None else grouped

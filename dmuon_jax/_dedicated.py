@@ -15,14 +15,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import (
+  _assign,
   _boundaries,
   _cost,
   _gather_plan,
   _mesh,
-  _owner_groups,
   _owner_layout,
   _plan,
-  _planner,
   _report,
   _routing,
 )
@@ -327,13 +326,13 @@ def dedicate(
     for t in routing.specs
     if t is not None and bounds.scanned[of_target[t.path]]
   ]
-  owner_groups = _owner_groups.check_option(
+  owner_groups = _plan.check_option(
     owner_groups,
     ns_algorithm=ns_algorithm,
     tp_axis=info.tp_axis if tp_n > 1 else None,
     scanned=[t.path for t in scanned],
   )
-  base_plan = _planner.plan_ownership(
+  base_plan = _assign.plan_ownership(
     params,
     mesh,
     axis_names=None if info is None else info.owner_axes,

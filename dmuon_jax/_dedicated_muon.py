@@ -17,9 +17,9 @@ from dmuon_jax import (
   _gather,
   _hyperparams,
   _mesh,
-  _owner_groups,
   _owner_layout,
   _owner_update,
+  _plan,
   _states,
 )
 from dmuon_jax._dedication import DedicatedParams, Dedication, check_owned
@@ -154,7 +154,7 @@ def scale_by_dedicated_muon(
     consistent_rms=consistent_rms,
     weight_decay=weight_decay,
   )
-  _owner_groups.check_preconditioning(
+  _plan.check_preconditioning(
     preconditioning,
     tp_axis=dedication.tensor_parallel_axis,
     groups=len(dedication.plan.groups),

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dmuon_jax import _collectives, _cost, _layout, _mesh, _owner_groups
+from dmuon_jax import _collectives, _cost, _layout, _mesh, _plan
 
 
 class _Routed:
@@ -46,12 +46,12 @@ class _Routed:
 
   def __init__(self, spec, entries, sizes):
     # The leaf's own local shard shape, and that of the view (a sliced
-    # spec's view splits one dimension; see _owner_groups.sliced_spec).
+    # spec's view splits one dimension; see _plan.sliced_spec).
     self.leaf_local = tuple(
       n // math.prod(sizes[a] for a in e)
       for n, e in zip(spec.leaf_shape, entries)
     )
-    entries = _owner_groups.view_entries(spec, entries)
+    entries = _plan.view_entries(spec, entries)
     if spec.sliced:
       d = spec.slice_axis - 1
       shards = math.prod(sizes[a] for a in entries[d])
@@ -142,9 +142,7 @@ class Exchange:
     self.gathered: set[int] = set()
     for i, spec in enumerate(plan.leaves):
       sharded = [
-        d
-        for d, axes in enumerate(_owner_groups.view_entries(spec, entries[i]))
-        if axes
+        d for d, axes in enumerate(_plan.view_entries(spec, entries[i])) if axes
       ]
       if not sharded:
         continue

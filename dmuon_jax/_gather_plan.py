@@ -6,23 +6,27 @@ are even over the owners; owners are then swapped between slots to even out
 the Newton–Schulz work over the model. :func:`gather_group_bytes` predicts
 each group's bytes without placing the whole model (``layers_per_gather=
 'auto'`` weighs them). The plan of all Muon targets comes from
-:func:`dmuon_jax._planner.plan_ownership`.
+:func:`dmuon_jax._assign.plan_ownership`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import NamedTuple
 
+import jax.numpy as jnp
 import numpy as np
 
-from dmuon_jax import _assign, _owner_groups
+from dmuon_jax import _assign
 from dmuon_jax._plan import (
+  MIN_SLICE,
   MatrixUnit,
   OwnerGroup,
   OwnershipPlan,
   group_exchange_bytes,
+  resliced,
+  sliced_spec,
 )
 from dmuon_jax._routing import LeafSpec
 
@@ -31,7 +35,7 @@ def _balance_work(
   planned: Sequence[_GatherGroup], n: int, rows: Sequence[Sequence[int]]
 ) -> None:
   """Evens out the work over the model by swapping owners inside loop
-  gather groups (see :func:`dmuon_jax._assign.balance`; a scanned stack
+  gather groups (see :func:`balance`; a scanned stack
   keeps its rotation, a group with owner groups swaps within a row).
   Updates the owners in ``planned`` in place."""
   per_group = []
@@ -44,7 +48,7 @@ def _balance_work(
       for slot, cost in zip(entry.iteration_owner[g], grp.iteration_costs):
         w[slot] += cost
     per_group.append(w)
-  moves = _assign.balance(
+  moves = balance(
     per_group,
     [not entry.iters for entry in planned],
     [bool(entry.ggroups) for entry in planned],
@@ -136,7 +140,7 @@ def plan_gather_groups(
       if not scanned:
         views.update(_split_views(plan, specs, rows, ns_steps, memo)[0])
     if views:
-      plan = _owner_groups.resliced(plan, views, ns_steps)
+      plan = resliced(plan, views, ns_steps)[0]
       spec_of = {s.leaf_index: s for s in plan.leaves}
       groups = [
         (name, scanned, [spec_of[s.leaf_index] for s in specs])
@@ -240,24 +244,15 @@ def gather_group_bytes(
   memo = {} if memo is None else memo
   out = []
   for name, scanned, specs in groups:
-    if scanned:
-      key = ('scanned', _signature(specs), layers_per_gather)
-      if key not in memo:
-        sub = _owner_groups.resliced(
-          plan, {}, ns_steps, {s.leaf_index for s in specs}
-        )
-        memo[key] = _trial(sub, name, True, layers_per_gather, rows)
-      out.append(memo[key])
-    elif split:
+    if split and not scanned:
       out.append(_split_views(plan, specs, rows, ns_steps, memo)[1])
-    else:
-      key = ('whole', _signature(specs))
-      if key not in memo:
-        sub = _owner_groups.resliced(
-          plan, {}, ns_steps, {s.leaf_index for s in specs}
-        )
-        memo[key] = _trial(sub, name, False, 1, rows)
-      out.append(memo[key])
+      continue
+    k = layers_per_gather if scanned else 1
+    key = (scanned, _signature(specs), k)
+    if key not in memo:
+      sub = resliced(plan, {}, ns_steps, {s.leaf_index for s in specs})[0]
+      memo[key] = _trial(sub, name, scanned, k, rows)
+    out.append(memo[key])
   return out
 
 
@@ -337,23 +332,19 @@ def _split_views(
   """The slicing of one loop gather group's matrices, and its bytes.
 
   Whole matrices if they pad at most ``SPLIT_PADDING_PERCENT``; else the
-  coarsest slicing of :func:`_owner_groups.byte_views` that does, placed
+  coarsest slicing of :func:`byte_views` that does, placed
   as :func:`plan_gather_groups` places it (else the one padding least).
   Groups of equal shapes share one decision through ``memo``.
   """
   key = ('split', _signature(specs), tuple(map(tuple, rows)))
   if key not in memo:
-    sub = _owner_groups.resliced(
-      plan, {}, ns_steps, {s.leaf_index for s in specs}
-    )
+    sub = resliced(plan, {}, ns_steps, {s.leaf_index for s in specs})[0]
     best = _trial(sub, '', False, 1, rows)
     counts = {}
     if _padding(best) > SPLIT_PADDING_PERCENT:
       per_slot = best.payload / plan.num_slots
-      for views in _owner_groups.byte_views(sub.leaves, per_slot):
-        got = _trial(
-          _owner_groups.resliced(sub, views, ns_steps), '', False, 1, rows
-        )
+      for views in byte_views(sub.leaves, per_slot):
+        got = _trial(resliced(sub, views, ns_steps)[0], '', False, 1, rows)
         if _padding(got) < _padding(best) - 1e-9:
           best = got
           pos = {s.leaf_index: i for i, s in enumerate(sub.leaves)}
@@ -365,8 +356,8 @@ def _split_views(
   views = {}
   for i, slices in counts.items():
     spec = specs[i]
-    views[spec.leaf_index] = _owner_groups.sliced_spec(
-      spec, slices, None, _owner_groups.min_byte_slice(spec)
+    views[spec.leaf_index] = sliced_spec(
+      spec, slices, None, min_byte_slice(spec)
     )
   return views, best
 
@@ -520,3 +511,219 @@ def _place_gather_group(
   return _GatherGroup(
     specs, iters, base, base_owner, base_ids, ggroups, iteration_owner
   )
+
+
+def min_byte_slice(spec: LeafSpec) -> int:
+  """The fewest rows/columns of the long side a slice cut to even out a
+  gather's bytes keeps: ``MIN_SLICE``, or the short side if smaller (a
+  slice then holds at least as many elements as the Gram its group
+  exchanges)."""
+  return min(MIN_SLICE, min(spec.matrix_shape))
+
+
+def _slice_counts(spec: LeafSpec) -> list[int]:
+  """The slice counts (> 1, ascending) that :func:`sliced_spec` accepts
+  for ``spec`` with :func:`min_byte_slice`."""
+  fi, fo = spec.matrix_shape
+  long_axes = spec.output_axes if fo >= fi else spec.reduction_axes
+  divisors = {
+    k
+    for a in long_axes
+    for k in range(2, spec.shape[a] + 1)
+    if spec.shape[a] % k == 0
+  }
+  least = min_byte_slice(spec)
+  return [
+    k for k in sorted(divisors) if sliced_spec(spec, k, None, least) is not None
+  ]
+
+
+def byte_views(
+  specs: Sequence[LeafSpec], per_slot: float
+) -> Iterator[dict[int, LeafSpec]]:
+  """Ever finer slicings of one gather group's matrices, coarsest first.
+
+  For a threshold ``q`` going down from ``per_slot`` (the group's bytes
+  over its owners), every leaf not sliced yet whose matrices hold more than
+  ``q`` bytes is viewed as the fewest slices of at most ``q`` bytes that
+  :func:`sliced_spec` allows with :func:`min_byte_slice` (or the finest it
+  allows). Each distinct set of views (leaf index -> view) is yielded once,
+  until every leaf is at its finest.
+
+  Args:
+    specs: the gather group's leaves (sliced ones are left as they are).
+    per_slot: the group's bytes divided by its number of owners.
+
+  Yields:
+    Dicts from leaf index to its sliced view.
+  """
+  counts, sizes = {}, {}
+  for s in specs:
+    if s.sliced or min(s.matrix_shape) < 2:
+      continue
+    ks = _slice_counts(s)
+    if ks:
+      counts[s.leaf_index] = ks
+      fi, fo = s.matrix_shape
+      sizes[s.leaf_index] = fi * fo * jnp.dtype(s.dtype).itemsize
+  by_index = {s.leaf_index: s for s in specs}
+  # The thresholds at which some leaf's slice count changes.
+  steps = {per_slot} | {
+    sizes[i] / k for i, ks in counts.items() for k in [1] + ks
+  }
+  seen = set()
+  for q in sorted((t for t in steps if t <= per_slot), reverse=True):
+    views = {}
+    for i, ks in counts.items():
+      if sizes[i] <= q:
+        continue
+      k = next((k for k in ks if sizes[i] / k <= q), ks[-1])
+      views[i] = sliced_spec(by_index[i], k, None, min_byte_slice(by_index[i]))
+    key = tuple(sorted((i, v.shape) for i, v in views.items()))
+    if key not in seen:
+      seen.add(key)
+      yield views
+
+
+def balance(
+  per_group: list[np.ndarray],
+  movable: Sequence[bool],
+  within_row: Sequence[bool],
+  rows: Sequence[Sequence[int]],
+  max_rounds: int = 10_000,
+) -> list[tuple[int, dict[int, int]]]:
+  """Moves that even out the work over gather groups.
+
+  Permuting what slots own in one gather group keeps that group's bytes
+  per slot (hence its padding) as they are, so only the work moves:
+  repeatedly take the busiest slot ``a`` and the move, in any movable
+  group, that leaves the busiest slot it touches lowest (then the sum of
+  squares of their work), among those that raise no slot above ``a`` and
+  lower that sum (so that moves which only even out work next to ``a``
+  count: a row at the busiest slot's level takes several): a swap of
+  everything ``a`` and another slot own in the group, or (a group whose
+  owner groups share a row's collectives, which moves within a row only)
+  an exchange of ``a``'s row with another row, each row's members taking
+  the other's pieces busiest piece to least busy member.
+
+  Args:
+    per_group: per gather group, its work per slot (moved in place).
+    movable: per group, whether its owners may move (a scanned stack's
+      rotate instead).
+    within_row: per group, whether its slots trade within a row only.
+    rows: the slots of each row (all of one length).
+    max_rounds: the most moves.
+
+  Returns:
+    The moves in order, ``(group, {slot: new slot})``: what ``slot`` owned
+    in the group goes to ``new slot`` (slots not named keep theirs).
+  """
+  groups = [g for g, m in enumerate(movable) if m]
+  if not groups:
+    return []
+  n = len(per_group[0])
+  grid = np.asarray(rows)
+  row_of = np.zeros(n, dtype=np.int64)
+  for r, slots in enumerate(rows):
+    row_of[slots] = r
+  total = sum(per_group, np.zeros(n))
+  moves = _balance_rows(per_group, groups, within_row, grid, total, max_rounds)
+  for _ in range(max_rounds):
+    a = int(np.argmax(total))
+    top, ra = total[a], row_of[a]
+    eps = 1e-12 * top * top
+    # A move may not raise the busiest slot and must lower the sum of
+    # squares (a strict order: this ends); the lowest busiest slot it
+    # touches first, then the lowest sum of squares.
+    best, best_key = None, (top * (1 + 1e-12), 0.0)
+    for g in groups:
+      w = per_group[g]
+      pool = grid[ra] if within_row[g] else np.arange(n)
+      ya = total[a] - w[a] + w[pool]
+      yb = total[pool] - w[pool] + w[a]
+      new = np.maximum(ya, yb)
+      dsq = ya * ya + yb * yb - total[a] ** 2 - total[pool] ** 2
+      ok = (pool != a) & (w[pool] != w[a]) & (dsq < -eps)
+      if ok.any():
+        i = np.flatnonzero(ok)
+        j = int(i[np.lexsort((dsq[i], new[i]))[0]])
+        if (new[j], dsq[j]) < best_key:
+          best_key = (new[j], dsq[j])
+          best = (g, {a: int(pool[j]), int(pool[j]): a})
+      if not within_row[g] or len(grid) < 2:
+        continue
+      # Row exchanges: the rest of each member's work, least first, takes
+      # the other row's pieces, largest first.
+      rest = np.sort(total[grid] - w[grid], axis=1)
+      pieces = -np.sort(-w[grid], axis=1)
+      mine = rest[ra] + pieces  # row a's members with each row's pieces
+      theirs = rest + pieces[ra]  # each row's members with row a's
+      new = np.maximum(mine.max(axis=1), theirs.max(axis=1))
+      held = (total[grid] ** 2).sum(axis=1)
+      dsq = (mine**2).sum(axis=1) + (theirs**2).sum(axis=1) - held - held[ra]
+      ok = dsq < -eps
+      ok[ra] = False
+      if ok.any():
+        i = np.flatnonzero(ok)
+        r = int(i[np.lexsort((dsq[i], new[i]))[0]])
+        if (new[r], dsq[r]) < best_key:
+          best_key = (new[r], dsq[r])
+          best = (g, _exchange(grid[ra], grid[r], total, w))
+    if best is None:
+      break
+    _apply(per_group, total, moves, *best)
+  return moves
+
+
+def _apply(per_group, total, moves, g, move) -> None:
+  """Moves what slots own in group ``g`` (``move``: slot -> new slot),
+  updating its work and the total (in place), and records the move."""
+  w = per_group[g]
+  old = {s: w[s] for s in move}
+  for s, t in move.items():
+    total[t] += old[s] - old[t]
+  for s, t in move.items():
+    w[t] = old[s]
+  moves.append((g, move))
+
+
+def _balance_rows(per_group, groups, within_row, grid, total, max_rounds):
+  """The row exchanges of :func:`balance` that even out the rows' work
+  (in place): repeatedly the busiest row and the exchange, in a group
+  that moves within rows, that lowers the larger of the two rows' work
+  the most. A row's content in a group is fixed by its bytes (a row holds
+  a split matrix whole), so rows are evened out before their members."""
+  moves = []
+  rowed = [g for g in groups if within_row[g]]
+  if len(grid) < 2 or not rowed:
+    return moves
+  for _ in range(max_rounds):
+    rt = total[grid].sum(axis=1)
+    a = int(np.argmax(rt))
+    best, best_max = None, rt[a] * (1 - 1e-9)
+    for g in rowed:
+      rw = per_group[g][grid].sum(axis=1)
+      new = np.maximum(rt[a] - rw[a] + rw, rt - rw + rw[a])
+      new[(np.arange(len(grid)) == a) | (rw == rw[a])] = np.inf
+      b = int(np.argmin(new))
+      if new[b] < best_max:
+        best, best_max = (g, b), new[b]
+    if best is None:
+      break
+    g, b = best
+    move = _exchange(grid[a], grid[b], total, per_group[g])
+    _apply(per_group, total, moves, g, move)
+  return moves
+
+
+def _exchange(ra, rb, total, w) -> dict[int, int]:
+  """Rows ``ra`` and ``rb`` trade what they own in one group: each row's
+  members, least busy with the rest first, take the other row's pieces,
+  largest first."""
+  move = {}
+  for mine, theirs in ((ra, rb), (rb, ra)):
+    takers = mine[np.argsort(total[mine] - w[mine], kind='stable')]
+    given = theirs[np.argsort(-w[theirs], kind='stable')]
+    for src, dst in zip(given, takers):
+      move[int(src)] = int(dst)
+  return move

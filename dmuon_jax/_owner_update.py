@@ -30,8 +30,8 @@ from dmuon_jax import (
   _hyperparams,
   _layout,
   _newton_schulz,
-  _owner_groups,
   _owner_layout,
+  _plan,
   _staged,
 )
 
@@ -534,7 +534,7 @@ def owner_step(
 def _staged_update(cfg, hp, olayout, lay, hat, params, decay, iterations):
   """Owner-group and TP matrices by :mod:`_staged` (collectives between
   stages), the slot's whole matrices in its first stage."""
-  _owner_groups.check_preconditioning(
+  _plan.check_preconditioning(
     cfg.preconditioning,
     tp_axis=olayout.tp_axis if olayout.tp_size > 1 else None,
     groups=len(lay.plan.groups),

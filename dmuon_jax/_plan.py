@@ -1,23 +1,44 @@
-"""The owner plan's data: matrices, owner groups and the plan itself."""
+"""The owner plan's data: matrices, owner groups, the plan itself, its
+slicing and its byte prediction, with the owner groups' Gram exchange.
+
+The exchange (see :class:`OwnerGroup`) runs point to point (``ppermute``
+over the owner axes), so a group's traffic stays between its members (a
+collective over the whole group axis pays every member's block on every
+device). A round is one ``ppermute``: every slot sends at most one Gram
+and receives at most one. The messages of all groups are packed into
+rounds by a bipartite edge colouring: as many rounds as the busiest slot
+has messages to send or to receive (König), which a placement that keeps
+a group's slices on few members keeps small. Grams and factors travel as
+packed triangles (:func:`triangle_size`). Pure NumPy: the planner
+predicts the bytes from the same schedule the update runs.
+"""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, NamedTuple
 
+import jax.numpy as jnp
 import numpy as np
 
-from dmuon_jax import _gram_exchange
 from dmuon_jax._cost import (
+  gram_parts,
   human_bytes,
   human_flops,
   plural,
   ring_bytes,
   route_bytes,
 )
-from dmuon_jax._routing import LeafSpec
+from dmuon_jax._newton_schulz import is_int
+from dmuon_jax._routing import LeafSpec, layer_key
+
+# Slices of a split matrix keep at least this many rows/columns of the
+# long side.
+MIN_SLICE = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -491,11 +512,388 @@ class OwnershipPlan:
     return lines
 
 
-def group_exchange_bytes(
-  groups: Sequence[OwnerGroup], owners: Sequence[int]
-) -> float:
+# A message of the Gram exchange: (source slot, destination slot, group index).
+Message = tuple[int, int, int]
+
+
+def triangle_size(g: int) -> int:
+  """Elements of a packed ``g x g`` symmetric matrix (see
+  ``_staged.pack_symmetric``: odd sizes are padded by one)."""
+  even = g + g % 2
+  return even * (even + 1) // 2
+
+
+class Schedule(NamedTuple):
+  """The rounds of one restart window.
+
+  Attributes:
+    reduce: per round, the members' Grams to iteration owners.
+    broadcast: per round, the factors back to the members.
+  """
+
+  reduce: tuple[tuple[Message, ...], ...]
+  broadcast: tuple[tuple[Message, ...], ...]
+
+
+def members(groups, owners: Sequence[int]) -> list[tuple[int, ...]]:
+  """Per group, the slots holding its slices (sorted)."""
+  return [tuple(sorted({owners[u] for u in g.units})) for g in groups]
+
+
+def schedule(groups, owners: Sequence[int], window: int) -> Schedule:
+  """The rounds of the groups' exchange in one restart window.
+
+  Args:
+    groups: the plan's ``OwnerGroup`` s.
+    owners: the owner slot of each unit of the plan.
+    window: the restart window (its iteration owners).
+  """
+  reduce = []
+  for j, (g, held) in enumerate(zip(groups, members(groups, owners))):
+    owner = g.iteration_owners[window]
+    reduce += [(h, owner, j) for h in held if h != owner]
+  back = [(o, h, j) for h, o, j in reduce]
+  return Schedule(_rounds(reduce), _rounds(back))
+
+
+def windows(groups) -> int:
+  """The groups' restart windows (the same for every group)."""
+  return max((len(g.iteration_owners) for g in groups), default=0)
+
+
+def group_exchange_bytes(groups, owners: Sequence[int]) -> float:
   """Predicted bytes the busiest device sends in the groups' exchange of
-  one update (see :mod:`dmuon_jax._gram_exchange`): per restart window,
-  each member's Gram to its group's iteration owner of the window and the
-  factor back, point to point in rounds, float32 packed triangles."""
-  return _gram_exchange.exchange_bytes(groups, owners)
+  one update (ring model: one ``ppermute`` of a block per round): every
+  restart window's rounds, each member's Gram to its group's iteration
+  owner of the window and the factor back, float32 packed triangles of
+  the largest Gram."""
+  if not groups:
+    return 0.0
+  rounds = 0
+  for w in range(windows(groups)):
+    sched = schedule(groups, owners, w)
+    rounds += len(sched.reduce) + len(sched.broadcast)
+  block = max(triangle_size(g.gram_size) for g in groups)
+  return float(rounds * block * 4)
+
+
+def _rounds(edges: Sequence[Message]) -> tuple[tuple[Message, ...], ...]:
+  """``edges`` coloured so that no slot sends or receives twice in one
+  colour, in as many colours as the largest number of messages one slot
+  sends or receives (alternating-path colouring of a bipartite multigraph);
+  each colour's messages in input order."""
+  if not edges:
+    return ()
+  sends = collections.Counter(u for u, _, _ in edges)
+  gets = collections.Counter(v for _, v, _ in edges)
+  colours = max(max(sends.values()), max(gets.values()))
+  at_src: dict[int, dict[int, int]] = collections.defaultdict(dict)
+  at_dst: dict[int, dict[int, int]] = collections.defaultdict(dict)
+  colour = [0] * len(edges)
+
+  def put(e, c):
+    colour[e] = c
+    at_src[edges[e][0]][c] = e
+    at_dst[edges[e][1]][c] = e
+
+  for e, (u, v, _) in enumerate(edges):
+    a = next(c for c in range(colours) if c not in at_src[u])
+    b = next(c for c in range(colours) if c not in at_dst[v])
+    if a in at_dst[v]:
+      # Swap a and b on the path from v that alternates a, b, a, ...: it
+      # cannot reach u (a is free there), and frees a at v.
+      path, node, on_dst, c = [], v, True, a
+      while True:
+        table = at_dst if on_dst else at_src
+        if c not in table[node]:
+          break
+        f = table[node][c]
+        path.append(f)
+        node = edges[f][0] if on_dst else edges[f][1]
+        on_dst, c = not on_dst, b if c == a else a
+      for f in path:
+        del at_src[edges[f][0]][colour[f]]
+        del at_dst[edges[f][1]][colour[f]]
+      for f in path:
+        put(f, b if colour[f] == a else a)
+    put(e, a)
+  return tuple(
+    tuple(edges[e] for e in range(len(edges)) if colour[e] == c)
+    for c in range(colours)
+  )
+
+
+def check_option(
+  owner_groups: Any,
+  *,
+  preconditioning: str = 'frobenius',
+  ns_algorithm: str = 'auto',
+  tp_axis: str | None = None,
+  scanned: Sequence[str] = (),
+) -> Any:
+  """The one check of ``owner_groups`` against the options it meets.
+
+  Every entry point (``dmuon``'s factory, its ``init`` once the mesh is
+  known, ``plan_ownership``, ``dedicate``) calls this with what it knows.
+
+  Args:
+    owner_groups: ``'auto'``, None or an int ``k >= 2``.
+    preconditioning: the Newton–Schulz preconditioning.
+    ns_algorithm: ``'auto'``, ``'gram'`` or ``'standard'``.
+    tp_axis: the tensor-parallel axis, when one of size > 1 is in use.
+    scanned: paths of the scanned stacks (dedicated mode).
+
+  Returns:
+    What the planner takes: ``owner_groups``, or None where ``'auto'``
+    cannot form groups (groups run Gram Newton–Schulz with the Frobenius
+    preconditioning; TP matrices are split over their axis already).
+
+  Raises:
+    ValueError: for any other value, and for a forced ``k`` with an option
+      that groups cannot run with (naming both and what to pass).
+  """
+  if owner_groups is None:
+    return None
+  if owner_groups != 'auto' and (not is_int(owner_groups) or owner_groups < 2):
+    raise ValueError(
+      f"dmuon: owner_groups={owner_groups!r} is not 'auto', None or an int "
+      '>= 2 (the number of devices that share each matrix).'
+    )
+  forced = owner_groups != 'auto'
+  given, wanted = [], []
+  if preconditioning != 'frobenius':
+    given.append(f'preconditioning={preconditioning!r}')
+    wanted.append("preconditioning='frobenius'")
+  if ns_algorithm == 'standard':
+    given.append(f'ns_algorithm={ns_algorithm!r}')
+    wanted.append("ns_algorithm='auto' or 'gram'")
+  if given:
+    if forced:
+      raise ValueError(
+        f'dmuon: owner_groups={owner_groups} runs Gram Newton-Schulz with '
+        "preconditioning='frobenius' on the groups' matrices, but got "
+        f'{" and ".join(given)}. Pass {" and ".join(wanted)}, or '
+        'owner_groups=None.'
+      )
+    return None
+  if tp_axis is not None:
+    if forced:
+      raise ValueError(
+        f'dmuon: owner_groups={owner_groups} with the tensor-parallel axis '
+        f'{tp_axis!r}: TP matrices are split over that axis already. Pass '
+        'owner_groups=None (or the default).'
+      )
+    return None
+  if forced and scanned:
+    raise ValueError(
+      f'dmuon: owner_groups={owner_groups} with scanned stacks (param '
+      f'{scanned[0]!r}'
+      + (f' and {len(scanned) - 1} more' if len(scanned) > 1 else '')
+      + '): their owners rotate per scan iteration, which groups do not '
+      "follow. Pass owner_groups='auto' (scanned stacks stay whole) or None."
+    )
+  return owner_groups
+
+
+def check_preconditioning(
+  preconditioning: str,
+  *,
+  tp_axis: str | None = None,
+  groups: int = 0,
+  otherwise: str = '',
+) -> None:
+  """Raises unless ``preconditioning`` is ``'frobenius'`` where matrices
+  are split over devices: over a tensor-parallel axis ``tp_axis``, or
+  ``groups`` matrices over owner groups. Their Gram Newton–Schulz
+  normalizes by the Frobenius norm. ``otherwise``: what else the caller
+  may pass instead (e.g. ``'owner_groups=None'``)."""
+  if preconditioning == 'frobenius' or (tp_axis is None and not groups):
+    return
+  split = []
+  if tp_axis is not None:
+    split.append(f'the tensor-parallel axis {tp_axis!r} splits matrices')
+  if groups:
+    split.append(
+      f'{groups} matrices are split over owners (owner groups; '
+      "owner_groups='auto' splits a dedication's matrices where whole ones "
+      'would pad a gather by more than 5%)'
+    )
+  raise ValueError(
+    f'dmuon: preconditioning={preconditioning!r} is not available here: '
+    f'{" and ".join(split)}, and their Gram Newton-Schulz normalizes by '
+    "the Frobenius norm. Pass preconditioning='frobenius'"
+    + (f', or {otherwise}.' if otherwise else '.')
+  )
+
+
+def sliced_spec(
+  spec: LeafSpec,
+  slices: int,
+  strides: Sequence[int] | None = None,
+  min_slice: int = 1,
+) -> LeafSpec | None:
+  """A view of ``spec`` whose matrices are slices of the long side.
+
+  A long-side dimension ``d`` of size ``T * slices * w`` (``T`` the number
+  of shards of ``d``, from ``strides``) is viewed as ``(T, slices, w)``; the
+  middle one is a batch axis, so slice ``j`` of a matrix takes the ``j``-th
+  ``w`` rows/columns of every shard. A sharded leaf then holds a piece of
+  every slice, as of every whole matrix: the view is a free reshape of the
+  leaf and of each shard, and routes move exactly what they moved before.
+
+  Args:
+    spec: the leaf's spec.
+    slices: the number of slices per matrix.
+    strides: per leaf dimension, its number of shards (default all 1).
+    min_slice: the fewest rows/columns of the long side a slice keeps.
+
+  Returns:
+    The view's spec, or None when no long-side dimension divides (or the
+    slices would be narrower than ``min_slice``).
+  """
+  fi, fo = spec.matrix_shape
+  columns = fo >= fi
+  long_axes = spec.output_axes if columns else spec.reduction_axes
+  strides = tuple(strides) if strides is not None else (1,) * len(spec.shape)
+  d = next(
+    (a for a in long_axes if spec.shape[a] % (strides[a] * slices) == 0),
+    None,
+  )
+  if d is None or max(fi, fo) // slices < min_slice:
+    return None
+  stride = strides[d]
+  w = spec.shape[d] // (stride * slices)
+  shape = spec.shape[:d] + (stride, slices, w) + spec.shape[d + 1 :]
+
+  def remap(axes):
+    out = []
+    for a in axes:
+      out += [d, d + 2] if a == d else [a if a < d else a + 2]
+    return tuple(out)
+
+  return dataclasses.replace(
+    spec,
+    shape=shape,
+    batch_axes=tuple(sorted(remap(spec.batch_axes) + (d + 1,))),
+    reduction_axes=remap(spec.reduction_axes),
+    output_axes=remap(spec.output_axes),
+    original_shape=spec.shape,
+    slice_axis=d + 1,
+    split_axis=-1 if columns else -2,
+    whole_matrix=(fi, fo),
+  )
+
+
+def view_entries(spec: LeafSpec, entries: Sequence[Any]) -> tuple | None:
+  """A leaf's per-dimension sharding entries for the view of a sliced
+  spec (the entries themselves for an unsliced one); None when the leaf's
+  sharding of the split dimension is not the view's (another shard count
+  than the state was laid out for)."""
+  entries = tuple(tuple(e) for e in entries)
+  if not spec.sliced:
+    return entries
+  d = spec.slice_axis - 1
+  return entries[:d] + (entries[d], (), ()) + entries[d + 1 :]
+
+
+def matrix_units(
+  spec: LeafSpec, cost: float, group: Callable[[tuple], int] = lambda _: -1
+) -> list[MatrixUnit]:
+  """The units of a leaf's matrices (of their slices, for a sliced view),
+  row-major over its batch axes, each predicted to cost ``cost``;
+  ``group``: a unit's group from its matrix's whole batch index."""
+  fi, fo = spec.matrix_shape
+  nbytes = int(fi * fo * jnp.dtype(spec.dtype).itemsize)
+  units = []
+  for index in np.ndindex(*spec.batch_shape):
+    index = tuple(int(i) for i in index)
+    whole = index  # the matrix's index over the leaf's own batch axes
+    if spec.sliced:
+      pos = spec.batch_axes.index(spec.slice_axis)
+      whole = index[:pos] + index[pos + 1 :]
+    units.append(
+      MatrixUnit(
+        leaf_index=spec.leaf_index,
+        path=spec.path,
+        batch_index=index,
+        shape=(fi, fo),
+        layer=layer_key(spec.path, whole),
+        cost=cost,
+        nbytes=nbytes,
+        group=group(whole),
+      )
+    )
+  return units
+
+
+def resliced(
+  plan: OwnershipPlan,
+  views: Mapping[int, LeafSpec],
+  ns_steps: int,
+  only: Collection[int] | None = None,
+  distinct: bool = False,
+) -> tuple[OwnershipPlan, list[tuple[float, int, int]]]:
+  """``plan`` with more of its leaves viewed as slices (owner groups).
+
+  Its leaves (only those in ``only``, if given) with ``views`` (leaf index
+  -> :func:`sliced_spec` view) applied: whole matrices kept, a sliced
+  leaf's matrices as slice units of one group each (costs from the Gram
+  form). Owners are left to the caller (all 0, iterations on slot 0); a
+  group keeps the ``distinct`` it had in ``plan``, a new one takes
+  ``distinct``.
+
+  Returns:
+    ``(plan, pieces)``: the pieces to place in leaf order, ``(cost,
+    order, whole unit index | -(group + 1))``.
+  """
+  had = {(g.leaf_index, g.batch_index): g.distinct for g in plan.groups}
+  whole: dict[int, list[MatrixUnit]] = collections.defaultdict(list)
+  for u in plan.units:
+    if u.group < 0:
+      whole[u.leaf_index].append(u)
+  leaves, units, pieces, meta, members = [], [], [], [], []
+  for spec in plan.leaves:
+    if only is not None and spec.leaf_index not in only:
+      continue
+    spec = views.get(spec.leaf_index, spec)
+    leaves.append(spec)
+    if not spec.sliced:
+      for u in whole[spec.leaf_index]:
+        pieces.append((u.cost, len(pieces), len(units)))
+        units.append(u)
+      continue
+    work, iteration = gram_parts(*sorted(spec.whole_matrix), ns_steps)
+    index_of = {}
+
+    def group(index, spec=spec, work=work, iteration=iteration, at=index_of):
+      if index not in at:
+        at[index] = len(meta)
+        meta.append((spec.leaf_index, index, spec.whole_matrix, iteration))
+        members.append([])
+        pieces.append((work + sum(iteration), len(pieces), -len(meta)))
+      return at[index]
+
+    k = spec.shape[spec.slice_axis]
+    for u in matrix_units(spec, work / k, group):
+      members[u.group].append(len(units))
+      units.append(u)
+  groups = tuple(
+    OwnerGroup(
+      leaf_index=leaf,
+      batch_index=index,
+      shape=shape,
+      units=tuple(members[g]),
+      iteration_owners=(0,) * len(iteration),
+      iteration_costs=tuple(iteration),
+      distinct=had.get((leaf, index), distinct),
+    )
+    for g, (leaf, index, shape, iteration) in enumerate(meta)
+  )
+  replaced = dataclasses.replace(
+    plan,
+    leaves=tuple(leaves),
+    units=tuple(units),
+    owners=(0,) * len(units),
+    groups=groups,
+  )
+  return replaced, pieces

@@ -368,7 +368,7 @@ class LeafSpec:
   batch_axes: tuple[int, ...]
   reduction_axes: tuple[int, ...]
   output_axes: tuple[int, ...]
-  # Owner groups (see _owner_groups.sliced_spec): the leaf's own shape when
+  # Owner groups (see _plan.sliced_spec): the leaf's own shape when
   # ``shape`` is a view that splits each matrix's long side into slices, and
   # the view's slice axis, the split side of each slice (-1 columns, -2 rows)
   # and the whole matrix's (fan_in, fan_out).

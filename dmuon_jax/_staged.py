@@ -16,7 +16,7 @@ between stages the collectives run on every device:
   (every TP shard then iterates its matrix, as before); for owner groups
   each member's Gram goes to its group's iteration owner and the factor
   comes back, point to point (``ppermute`` rounds of
-  :mod:`dmuon_jax._gram_exchange`: a group's traffic stays between its
+  :mod:`dmuon_jax._plan`: a group's traffic stays between its
   members), as packed triangles (:func:`pack_symmetric`);
 * with ``adaptive``, the dual norms summed the same way.
 
@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dmuon_jax import _collectives, _gram_exchange, _layout, _newton_schulz
+from dmuon_jax import _collectives, _layout, _newton_schulz, _plan
 
 # Matrices whose largest entry exceeds this are divided by a power of two
 # before Newton-Schulz (see _owner_update.rescale_large).
@@ -187,7 +187,7 @@ class Stages:
     held: per slot, the groups (plan indices) it holds slices of.
     iterated: per window, per slot, the groups it iterates.
     schedules: per window, the exchange's rounds
-      (:mod:`dmuon_jax._gram_exchange`); reduce, broadcast: per window,
+      (:mod:`dmuon_jax._plan`); reduce, broadcast: per window,
       their ``(send, receive)`` tables; own_gram, own_factor: per window,
       a slot's own slices' Grams and factors.
     group_windows: the groups' restart windows (0 without groups).
@@ -221,7 +221,7 @@ class Stages:
         [j for j, g in enumerate(groups) if g.iteration_owners[w] == s]
         for s in range(self.n)
       ]
-      for w in range(_gram_exchange.windows(groups))
+      for w in range(_plan.windows(groups))
     ]
     self.held: list[list[int]] = []
     slices, tps = [], []
@@ -293,7 +293,7 @@ class Stages:
       (len(js) for per_slot in self.iterated for js in per_slot), default=0
     )
     self.block = max(
-      (_gram_exchange.triangle_size(g.gram_size) for g in groups), default=0
+      (_plan.triangle_size(g.gram_size) for g in groups), default=0
     )
     # The groups' restart windows: the optimizer's, each with the plan's
     # iteration owners of that window.
@@ -308,8 +308,7 @@ class Stages:
       [self.group_windows] + [len(t.segments) for t, _ in self.tp_types]
     )
     self.schedules = [
-      _gram_exchange.schedule(groups, plan.owners, w)
-      for w in range(self.group_windows)
+      _plan.schedule(groups, plan.owners, w) for w in range(self.group_windows)
     ]
     self._exchange_tables()
 

@@ -15,13 +15,13 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import (
+  _assign,
   _checks,
   _collectives,
   _mesh,
-  _owner_groups,
   _owner_layout,
   _owner_update,
-  _planner,
+  _plan,
   _routing,
   _states,
   _steps,
@@ -318,10 +318,10 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
     [jax.ShapeDtypeStruct(shape, x.dtype) for x, shape in zip(leaves, local)],
   )
   owner_mesh = None if info is None else {a: sizes[a] for a in info.owner_axes}
-  groups = _owner_groups.check_option(
+  groups = _plan.check_option(
     setup.owner_groups, tp_axis=tp_axis if tp_size > 1 else None
   )
-  plan = _planner.plan_ownership(
+  plan = _assign.plan_ownership(
     planned,
     owner_mesh,
     predicate=lambda path, leaf: True,
@@ -405,7 +405,7 @@ def check_owner_groups(owner_groups, preconditioning, ns_algorithm):
   injects int arguments) is read as its int."""
   if owner_groups is not None and not isinstance(owner_groups, str):
     owner_groups = _owner_update.static_int(owner_groups, 'owner_groups')
-  return _owner_groups.check_option(
+  return _plan.check_option(
     owner_groups, preconditioning=preconditioning, ns_algorithm=ns_algorithm
   )
 
@@ -413,7 +413,7 @@ def check_owner_groups(owner_groups, preconditioning, ns_algorithm):
 def check_tp_preconditioning(info: Any, preconditioning: str) -> None:
   """Raises if a TP axis meets a preconditioning other than Frobenius."""
   if info is not None and info.tp_size > 1:
-    _owner_groups.check_preconditioning(
+    _plan.check_preconditioning(
       preconditioning,
       tp_axis=info.tp_axis,
       otherwise='tensor_parallel_axis=None',

@@ -9,7 +9,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import dmuon_jax
-from dmuon_jax import _assign
+from dmuon_jax import _assign, _gather_plan
 from dmuon_jax._plan import MatrixUnit
 from tests import support
 
@@ -120,7 +120,7 @@ class BalanceTest(parameterized.TestCase):
     # owner group's row; exchanging the rows of one group evens it out.
     rows = [[0, 1], [2, 3]]
     per_group = [np.array([1.0, 1.0, 0.0, 0.0]) for _ in range(2)]
-    moves = _assign.balance(
+    moves = _gather_plan.balance(
       [w.copy() for w in per_group], [True, True], [True, True], rows
     )
     self.assertNotEmpty(moves)
@@ -137,7 +137,7 @@ class BalanceTest(parameterized.TestCase):
     per_group = [rng.uniform(0, 10, 16) for _ in range(4)]
     movable = [True, True, True, False]
     within_row = [False, True, True, False]
-    moves = _assign.balance(
+    moves = _gather_plan.balance(
       [w.copy() for w in per_group], movable, within_row, rows
     )
     after = apply(per_group, moves)

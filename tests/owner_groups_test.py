@@ -20,10 +20,10 @@ from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
 from dmuon_jax import (
+  _assign,
   _exchange,
-  _gram_exchange,
   _layout,
-  _owner_groups,
+  _plan,
   _staged,
 )
 from tests import support
@@ -154,7 +154,7 @@ class AutoGroupsTest(absltest.TestCase):
     # all of them (512 rows: 5.9e-6 instead of 1.5e-6).
     x = wide_batch()[:512]
     mesh = support.make_mesh((1, 8))
-    with mock.patch.object(_owner_groups, '_MIN_GROUP_FLOPS', 0.0):
+    with mock.patch.object(_assign, '_MIN_GROUP_FLOPS', 0.0):
       opt = dmuon_jax.dmuon(LR, mesh=mesh)
       placed = jax.device_put(params, NamedSharding(mesh, P()))
       with jax.set_mesh(mesh):
@@ -262,9 +262,9 @@ class PlannerGroupsTest(parameterized.TestCase):
     # view takes every shard's rows).
     shards = {i: (8, 1) for i in range(len(jax.tree.leaves(params)))}
     plan = dmuon_jax.plan_ownership(params, mesh, shard_counts=shards)
-    held = _gram_exchange.members(plan.groups, plan.owners)
-    for w in range(_gram_exchange.windows(plan.groups)):
-      sched = _gram_exchange.schedule(plan.groups, plan.owners, w)
+    held = _plan.members(plan.groups, plan.owners)
+    for w in range(_plan.windows(plan.groups)):
+      sched = _plan.schedule(plan.groups, plan.owners, w)
       want = sorted(
         (h, g.iteration_owners[w], j)
         for j, (g, hs) in enumerate(zip(plan.groups, held))
@@ -296,7 +296,7 @@ class PlannerGroupsTest(parameterized.TestCase):
       a = jax.random.normal(jax.random.key(g), (g, g))
       a = a + a.T
       packed = _staged.pack_symmetric(a)
-      self.assertEqual(packed.shape, (_gram_exchange.triangle_size(g),))
+      self.assertEqual(packed.shape, (_plan.triangle_size(g),))
       chex.assert_trees_all_equal(_staged.unpack_symmetric(packed, g), a)
 
   def test_small_models_keep_single_owners(self):

@@ -9,7 +9,7 @@ import optax
 from absl.testing import absltest, parameterized
 from optax.contrib import MuonDimensionNumbers as MDN
 
-from dmuon_jax import _cost, _planner, _routing
+from dmuon_jax import _assign, _cost, _routing
 
 S = jax.ShapeDtypeStruct
 F32 = jnp.float32
@@ -236,7 +236,7 @@ class PlanTest(parameterized.TestCase):
     ('mesh_3x5', {'replicate': 3, 'shard': 5}, 15),
   )
   def test_one_owner_per_matrix(self, mesh, num_slots):
-    plan = _planner.plan_ownership(_llama(num_layers=3), mesh)
+    plan = _assign.plan_ownership(_llama(num_layers=3), mesh)
     self.assertEqual(plan.num_slots, num_slots)
     self.assertLen(plan.units, 21)
     self.assertLen(plan.owners, len(plan.units))
@@ -247,7 +247,7 @@ class PlanTest(parameterized.TestCase):
 
   def test_stacked_leaf_splits(self):
     tree = {'w': S((6, 32, 64), F32), 'b': S((64,), F32)}
-    plan = _planner.plan_ownership(
+    plan = _assign.plan_ownership(
       tree,
       MESH_2X4,
       predicate=lambda p, x: len(x.shape) == 3,
@@ -265,7 +265,7 @@ class PlanTest(parameterized.TestCase):
 
   def test_experts_split(self):
     tree = {'experts': S((3, 4, 16, 8), F32)}
-    plan = _planner.plan_ownership(
+    plan = _assign.plan_ownership(
       tree, MESH_2X4, weight_dimension_numbers={'experts': MDN(2, 3)}
     )
     self.assertLen(plan.units, 12)
@@ -277,9 +277,7 @@ class PlanTest(parameterized.TestCase):
   def test_attention_kernel(self):
     tree = {'attn': {'qkv': S((64, 4, 16), F32), 'bias': S((4, 16), F32)}}
     dims = {'attn': {'qkv': MDN(0, (1, 2)), 'bias': None}}
-    plan = _planner.plan_ownership(
-      tree, MESH_2X4, weight_dimension_numbers=dims
-    )
+    plan = _assign.plan_ownership(tree, MESH_2X4, weight_dimension_numbers=dims)
     (unit,) = plan.units
     self.assertEqual(unit.shape, (64, 64))
     self.assertEqual(unit.batch_index, ())
@@ -288,9 +286,7 @@ class PlanTest(parameterized.TestCase):
 
   def test_negative_axes(self):
     tree = {'w': S((5, 8, 16), jnp.bfloat16)}
-    plan = _planner.plan_ownership(
-      tree, weight_dimension_numbers=MDN(-1, (-2,))
-    )
+    plan = _assign.plan_ownership(tree, weight_dimension_numbers=MDN(-1, (-2,)))
     spec = plan.leaves[0]
     self.assertEqual((spec.reduction_axes, spec.output_axes), ((2,), (1,)))
     self.assertEqual(spec.matrix_shape, (16, 8))
@@ -299,7 +295,7 @@ class PlanTest(parameterized.TestCase):
 
   def test_deterministic_and_hashable(self):
     tree = _llama()
-    plans = [_planner.plan_ownership(tree, MESH_2X4) for _ in range(3)]
+    plans = [_assign.plan_ownership(tree, MESH_2X4) for _ in range(3)]
     self.assertEqual(plans[0], plans[1])
     self.assertEqual(plans[0], plans[2])
     self.assertEqual(hash(plans[0]), hash(plans[1]))
@@ -311,8 +307,8 @@ class PlanTest(parameterized.TestCase):
     boxed = jax.tree.map(_Box, tree)
     self.assertNotEqual(jax.tree.structure(tree), jax.tree.structure(boxed))
     self.assertEqual(
-      _planner.plan_ownership(tree, MESH_2X4),
-      _planner.plan_ownership(boxed, MESH_2X4),
+      _assign.plan_ownership(tree, MESH_2X4),
+      _assign.plan_ownership(boxed, MESH_2X4),
     )
 
   def test_nnx_state_and_pure_state(self):
@@ -333,8 +329,8 @@ class PlanTest(parameterized.TestCase):
     model = nnx.eval_shape(lambda: Model(nnx.Rngs(0)))
     state = nnx.state(model, nnx.Param)
     pure = nnx.as_pure(state)
-    plan = _planner.plan_ownership(state, MESH_2X4)
-    self.assertEqual(plan, _planner.plan_ownership(pure, MESH_2X4))
+    plan = _assign.plan_ownership(state, MESH_2X4)
+    self.assertEqual(plan, _assign.plan_ownership(pure, MESH_2X4))
     self.assertEqual(
       [u.path for u in plan.units],
       [
@@ -348,19 +344,19 @@ class PlanTest(parameterized.TestCase):
     mesh = jax.sharding.AbstractMesh((2, 4), ('replicate', 'shard'))
     tree = _llama(num_layers=2)
     self.assertEqual(
-      _planner.plan_ownership(tree, mesh),
-      _planner.plan_ownership(tree, MESH_2X4),
+      _assign.plan_ownership(tree, mesh),
+      _assign.plan_ownership(tree, MESH_2X4),
     )
 
   def test_axis_subset(self):
     mesh = {'replicate': 2, 'shard': 4, 'model': 2}
-    plan = _planner.plan_ownership(
+    plan = _assign.plan_ownership(
       _llama(2), mesh, axis_names=('shard', 'replicate')
     )
     self.assertEqual(plan.axis_names, ('replicate', 'shard'))
     self.assertEqual(plan.mesh_shape, (2, 4))
     self.assertEqual(plan.slot_coords(6), (1, 2))
-    plan = _planner.plan_ownership(_llama(2), mesh, axis_names='model')
+    plan = _assign.plan_ownership(_llama(2), mesh, axis_names='model')
     self.assertEqual((plan.axis_names, plan.num_slots), (('model',), 2))
 
   def test_masked_params(self):
@@ -370,7 +366,7 @@ class PlanTest(parameterized.TestCase):
       lambda m, x: x if m else optax.MaskedNode(), mask, tree
     )
     dims = jax.tree.map(lambda m: MDN() if m else None, mask)
-    plan = _planner.plan_ownership(
+    plan = _assign.plan_ownership(
       masked, MESH_2X4, weight_dimension_numbers=dims
     )
     self.assertEqual(plan.num_leaves, len(jax.tree.leaves(masked)))
@@ -392,13 +388,13 @@ class PlanTest(parameterized.TestCase):
 
   def test_zero_cost_units(self):
     tree = {'a': S((4, 4), F32), 'b': S((8, 8), F32)}
-    plan = _planner.plan_ownership(tree, MESH_2X4, cost_fn=lambda m, n: 0.0)
+    plan = _assign.plan_ownership(tree, MESH_2X4, cost_fn=lambda m, n: 0.0)
     self.assertEqual(plan.imbalance, 1.0)
     self.assertEqual(plan.makespan, 0.0)
     self.assertLen(plan.units, 2)
 
   def test_no_targets(self):
-    plan = _planner.plan_ownership({'b': S((4,), F32)}, MESH_2X4)
+    plan = _assign.plan_ownership({'b': S((4,), F32)}, MESH_2X4)
     self.assertEqual((plan.units, plan.owners), ((), ()))
     self.assertEqual(plan.imbalance, 1.0)
     self.assertIn('slot 7', plan.summary())
@@ -422,7 +418,7 @@ class CostModelTest(parameterized.TestCase):
 
   def test_plan_costs(self):
     tree = {'a': S((64, 256), F32), 'b': S((3, 32, 16), F32)}
-    plan = _planner.plan_ownership(
+    plan = _assign.plan_ownership(
       tree,
       MESH_2X4,
       predicate=lambda p, x: True,
@@ -451,12 +447,12 @@ class CostModelTest(parameterized.TestCase):
     # (8k - 6p) s³; the default plan charges whichever of the two is less.
     s, l = min(m, n), max(m, n)
     gram = 4 * 2 * s * s * l + (8 * 5 - 6 * 2) * s**3
-    plan = _planner.plan_ownership(
+    plan = _assign.plan_ownership(
       {'a': S((m, n), F32)}, MESH_2X4, predicate=lambda p, x: True
     )
     self.assertEqual(plan.units[0].cost, min(gram, _flops(m, n)))
     for algo, want in (('standard', _flops(m, n)), ('gram', gram)):
-      plan = _planner.plan_ownership(
+      plan = _assign.plan_ownership(
         {'a': S((m, n), F32)},
         MESH_2X4,
         predicate=lambda p, x: True,
@@ -466,14 +462,14 @@ class CostModelTest(parameterized.TestCase):
 
   def test_custom_cost(self):
     tree = {'a': S((64, 256), F32)}
-    plan = _planner.plan_ownership(tree, cost_fn=lambda m, n: m + n)
+    plan = _assign.plan_ownership(tree, cost_fn=lambda m, n: m + n)
     self.assertEqual(plan.units[0].cost, 320.0)
 
 
 class BalanceTest(parameterized.TestCase):
   @parameterized.named_parameters(*[(f'slots_{p}', p) for p in range(1, 17)])
   def test_graham_bound_llama(self, num_slots):
-    plan = _planner.plan_ownership(
+    plan = _assign.plan_ownership(
       _llama(), {'shard': num_slots}, predicate=_all_matrices
     )
     self.assertLen(plan.units, 8 * 7 + 2)
@@ -492,7 +488,7 @@ class BalanceTest(parameterized.TestCase):
       tree['stack'] = S((int(rng.integers(1, 9)), 128, 384), F32)
     for num_slots in (1, 2, 3, 5, 8, 13, 16, 64):
       mesh = {'replicate': 1, 'shard': num_slots}
-      plan = _planner.plan_ownership(
+      plan = _assign.plan_ownership(
         tree,
         mesh,
         predicate=lambda p, x: True,
@@ -503,7 +499,7 @@ class BalanceTest(parameterized.TestCase):
       # 'auto' splits the costliest matrices into owner groups where that
       # lowers the busiest slot (trials 1, 3 and 4 from 5, 13 and 13 slots).
       if plan.groups:
-        plain = _planner.plan_ownership(
+        plain = _assign.plan_ownership(
           tree,
           mesh,
           predicate=lambda p, x: True,
@@ -516,11 +512,11 @@ class BalanceTest(parameterized.TestCase):
   def test_layer_spread(self, stacked):
     if stacked:
       tree = _stacked_llama()
-      plan = _planner.plan_ownership(
+      plan = _assign.plan_ownership(
         tree, MESH_2X4, weight_dimension_numbers=_stacked_dims(tree)
       )
     else:
-      plan = _planner.plan_ownership(_llama(), MESH_2X4)
+      plan = _assign.plan_ownership(_llama(), MESH_2X4)
     self.assertLen(plan.units, 8 * 7)
     by_layer = collections.defaultdict(list)
     for unit, owner in zip(plan.units, plan.owners):
@@ -548,7 +544,7 @@ class BalanceTest(parameterized.TestCase):
 
 class SummaryTest(parameterized.TestCase):
   def test_summary(self):
-    plan = _planner.plan_ownership(_llama(num_layers=2), MESH_2X4)
+    plan = _assign.plan_ownership(_llama(num_layers=2), MESH_2X4)
     text = plan.summary()
     self.assertIn(f'{plan.imbalance:.3f}', text)
     self.assertIn('replicate=2 shard=4', text)
@@ -559,7 +555,7 @@ class SummaryTest(parameterized.TestCase):
     self.assertGreaterEqual(plan.imbalance, 1.0)
 
   def test_summary_single_slot(self):
-    plan = _planner.plan_ownership(
+    plan = _assign.plan_ownership(
       {'w': S((3, 8, 8), F32)}, weight_dimension_numbers=_stacks
     )
     text = plan.summary()
@@ -567,7 +563,7 @@ class SummaryTest(parameterized.TestCase):
     self.assertIn('1 slot,', text)
 
   def test_slot_coords(self):
-    plan = _planner.plan_ownership({}, {'a': 2, 'b': 3, 'c': 4})
+    plan = _assign.plan_ownership({}, {'a': 2, 'b': 3, 'c': 4})
     self.assertEqual(plan.num_slots, 24)
     coords = [plan.slot_coords(s) for s in range(24)]
     self.assertEqual(coords, list(np.ndindex(2, 3, 4)))

@@ -11,6 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# The one ambient value, and why: dmuon_jax.flax.train_step runs the user's
+# step function inside its shard_map, and that function (not dmuon) calls the
+# optimizer's update, so no argument can carry "these gradients are sums over
+# these axes" from the step to the update; JAX tracing offers no other
+# channel (a tracer carries no such fact). Set only for that step's trace.
 _SUMMED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
   'dmuon_gradients_summed_over', default=frozenset()
 )

@@ -254,6 +254,14 @@ class OwnerLayout:
     ]
 
   @functools.cached_property
+  def probed(self) -> set[int]:
+    """Buffers whose shardings a compile has reported (the update's
+    Auto-mesh probe, see ``_steps._check_buffer_shardings``): later traces
+    of this layout need no probe. A record of this object's use, not part
+    of the layout (not compared or hashed)."""
+    return set()
+
+  @functools.cached_property
   def fingerprint(self) -> str:
     """8 hex digits naming what the buffers contain (stable across runs)."""
     key = (

@@ -76,17 +76,13 @@ GATHERED_MSG = (
   'instead (rows or columns) to send them to their owners by all-to-all.'
 )
 
-# Layout names (and messages) already warned about in this process.
-_WARNED: set[tuple[str, str]] = set()
-# Layout names whose buffers' shardings an Auto-mesh compile has reported
-# (see _check_buffer_shardings): later traces need no probe.
-_PROBED: set[str] = set()
-
-
-def warn_once(key: tuple[str, str], message: str) -> None:
-  if key not in _WARNED:
-    _WARNED.add(key)
-    warnings.warn(message, _report.DMuonWarning, stacklevel=4)
+def warn_once(message: str) -> None:
+  """Warns with ``message`` as a :class:`dmuon_jax.DMuonWarning`, once per
+  message under Python's default warning filters (the ``'default'`` action
+  shows a warning once per text and location, and the location here is
+  always this line); ``warnings.simplefilter('always')`` shows it every
+  time."""
+  warnings.warn(message, _report.DMuonWarning)
 
 
 def check_buffers(
@@ -213,7 +209,6 @@ def _update_entries(layout, targets, sizes, allowed, update_specs=None):
   if unknown:
     shown = unknown[:3] + (['...'] if len(unknown) > 3 else [])
     warn_once(
-      (layout.name, 'unknown'),
       UNKNOWN_SPECS_MSG.format(
         name=layout.name,
         count=len(unknown),
@@ -272,7 +267,6 @@ def _warn_if_forced(layout, b: int, shape, got, sizes) -> None:
   hb = _cost.human_bytes
   devices = math.prod(sizes.values())
   warn_once(
-    (layout.name, f'forced{b}'),
     FORCED_MSG.format(
       buffer=b,
       name=layout.name,
@@ -308,7 +302,7 @@ def _check_buffer_shardings(layout, mus, mesh) -> None:
         _warn_if_forced(layout, b, shape, sharding, sizes)
     elif _mesh.is_explicit(mesh):
       _warn_if_forced(layout, b, shape, _mesh.type_spec(x), sizes)
-    elif layout.name not in _PROBED:
+    elif not layout.probed:
       jax.debug.inspect_array_sharding(
         x,
         callback=functools.partial(_reported, layout, b, shape, sizes),
@@ -317,7 +311,7 @@ def _check_buffer_shardings(layout, mus, mesh) -> None:
 
 def _reported(layout, b: int, shape, sizes, sharding) -> None:
   """The Auto-mesh probe's callback (at compile time)."""
-  _PROBED.add(layout.name)
+  layout.probed.add(b)
   _warn_if_forced(layout, b, shape, sharding, sizes)
 
 
@@ -394,7 +388,6 @@ def drop_in_step(setup, hp, layout, targets, mus, count_inc, specs=None):
   ex = _exchange.Exchange(lay, owner_entries)
   if ex.gathered:
     warn_once(
-      (layout.name, 'gathered'),
       GATHERED_MSG.format(
         paths=[lay.plan.leaves[i].path for i in sorted(ex.gathered)]
       ),

@@ -514,7 +514,6 @@ def _warn_if_padded(layout) -> None:
     return
   total = sum(math.prod(t.shape) for t in layout.leaves)
   _steps.warn_once(
-    (layout.name, 'padded'),
     PADDED_MSG.format(
       leaves=', '.join(f'{t.path} {t.shape}->{t.padded}' for t in padded),
       extra=extra,

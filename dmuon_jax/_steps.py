@@ -76,13 +76,14 @@ GATHERED_MSG = (
   'instead (rows or columns) to send them to their owners by all-to-all.'
 )
 
+
 def warn_once(message: str) -> None:
   """Warns with ``message`` as a :class:`dmuon_jax.DMuonWarning`, once per
-  message under Python's default warning filters (the ``'default'`` action
-  shows a warning once per text and location, and the location here is
-  always this line); ``warnings.simplefilter('always')`` shows it every
-  time."""
-  warnings.warn(message, _report.DMuonWarning)
+  message under Python's default warning filters: the ``'default'`` action
+  shows a warning once per text and location, and the location is the
+  dmuon_jax line calling this; ``warnings.simplefilter('always')`` shows it
+  every time."""
+  warnings.warn(message, _report.DMuonWarning, stacklevel=2)
 
 
 def check_buffers(

@@ -505,21 +505,11 @@ class Exchange:
 
   def rep_unpack(self, gathered: Sequence[jax.Array]) -> dict[int, jax.Array]:
     """Whole non-routed leaves from the all-gathered compact buffers."""
-    layout = self.layout
-    out = {}
-    for i, spec in enumerate(layout.plan.leaves):
-      if i in self.routed:
-        continue
-      mats = []
-      for u in layout.leaf_units[i]:
-        g = layout.unit_group[u]
-        start = layout.plan.owners[u] * self.rep_size[g] + self.rep_off[u]
-        flat = jax.lax.slice_in_dim(
-          gathered[g], start, start + layout.unit_size[u]
-        )
-        mats.append(flat.reshape(layout.plan.units[u].shape))
-      out[i] = _layout.from_matrices(jnp.stack(mats), spec)
-    return out
+    lay = self.layout
+    idx = [i for i in range(len(lay.plan.leaves)) if i not in self.routed]
+    return dict(
+      zip(idx, lay.unpack_full(gathered, idx, self.rep_size, self.rep_off))
+    )
 
   # -- the cost model ------------------------------------------------------
 

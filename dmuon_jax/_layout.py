@@ -369,14 +369,27 @@ class Layout:
     ]
     return jnp.result_type(*dts) if dts else jnp.dtype(self.dtypes[g])
 
-  def unpack_full(self, buffers: Sequence[jax.Array]) -> list[jax.Array]:
-    """Full leaves (``plan.leaves`` order) from all slots' buffers."""
+  def unpack_full(
+    self, buffers: Sequence[jax.Array], leaves=None, sizes=None, offsets=None
+  ) -> list[jax.Array]:
+    """Full leaves from all slots' buffers (slot-major).
+
+    Args:
+      buffers: one per dtype group, every slot's block.
+      leaves: the plan leaves to read (default all), in that order.
+      sizes: per dtype group, a slot's block size (default
+        ``local_sizes``).
+      offsets: per unit, its offset in its slot's block (default
+        ``unit_offset``).
+    """
+    sizes = self.local_sizes if sizes is None else sizes
+    offsets = self.unit_offset if offsets is None else offsets
     out = []
-    for i, spec in enumerate(self.plan.leaves):
-      mats = []
+    for i in range(len(self.plan.leaves)) if leaves is None else leaves:
+      spec, mats = self.plan.leaves[i], []
       for u in self.leaf_units[i]:
         g = self.unit_group[u]
-        start = self.plan.owners[u] * self.local_sizes[g] + self.unit_offset[u]
+        start = self.plan.owners[u] * sizes[g] + offsets[u]
         flat = jax.lax.slice_in_dim(
           buffers[g], start, start + self.unit_size[u]
         )

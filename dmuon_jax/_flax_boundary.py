@@ -293,7 +293,7 @@ def _reduced_call(
 ):
   """:func:`gathered` under plain ``jit`` on Explicit owner axes: the
   group's buffers gathered typed ``reduced`` (see
-  ``_gather.reduced_gather``), once per trace; Z3 re-gathers once per group
+  ``_gather.materialize_reduced``), once per trace; Z3 re-gathers once per group
   in the backward pass (inside a rematerialization of the model's own,
   ``remat``, that one recomputes the gather)."""
   ded = md.dedication

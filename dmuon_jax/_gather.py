@@ -718,7 +718,7 @@ def _whole(ded, g: int, local, iteration) -> dict[int, Any]:
 
   def gather(xs, it):
     # xs: this (owner, TP shard)'s blocks; full: the TP shard's slots.
-    full = [jax.lax.all_gather(x, axes, tiled=True, to='invarying') for x in xs]
+    full = [_collectives.gather_from_owners(x, axes) for x in xs]
     return ded.layout.unpack_group(g, full, it, whole=False)
 
   return jax.shard_map(
@@ -772,9 +772,10 @@ def _scatter_to_owners(ded, g: int, local, iteration, cts) -> list:
   )(cts, jnp.zeros([], jnp.int32) if iteration is None else iteration)
 
 
-def _owners_get_cotangents(ded, g: int, forward) -> Callable[..., Any]:
-  """``forward(local, iteration) -> {leaf: reduced target}`` whose
-  backward reduce-scatters the targets' cotangents onto ``local``."""
+def _owners_get_cotangents(ded, g: int, forward, local, iteration) -> Any:
+  """``forward(local, iteration)`` (``{leaf: reduced target}``), its
+  backward reduce-scattering the targets' cotangents onto ``local``
+  (:func:`_scatter_to_owners`)."""
 
   @jax.custom_vjp
   def f(local, iteration):
@@ -784,21 +785,10 @@ def _owners_get_cotangents(ded, g: int, forward) -> Callable[..., Any]:
     return f(local, iteration), (local, iteration)
 
   def bwd(saved, cts):
-    local, iteration = saved
-    return _scatter_to_owners(ded, g, local, iteration, cts), None
+    return _scatter_to_owners(ded, g, *saved, cts), None
 
   f.defvjp(fwd, bwd)
-  return f
-
-
-def reduced_gather(ded, g: int, local, iteration=None) -> dict[int, Any]:
-  """Group ``g``'s targets from its owner buffers (``(size,)`` each,
-  sharded over the owner axes), whole and typed ``reduced``; their
-  cotangents are reduce-scattered back (:func:`_scatter_to_owners`)."""
-  gather = _owners_get_cotangents(
-    ded, g, lambda l, i: _as_reduced(ded, _whole(ded, g, l, i))
-  )
-  return gather(list(local), iteration)
+  return f(list(local), iteration)
 
 
 def reduced_sink(ded, g: int, local, iteration=None) -> list[jax.Array]:
@@ -807,24 +797,21 @@ def reduced_sink(ded, g: int, local, iteration=None) -> list[jax.Array]:
   ``reduced``, whose summed cotangent is reduce-scattered onto ``local``
   once per gather group."""
   shapes = jax.eval_shape(lambda l, i: _whole(ded, g, l, i), local, iteration)
-  sink = _owners_get_cotangents(
-    ded,
-    g,
-    lambda l, i: _as_reduced(
-      ded, {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
-    ),
+  sink = lambda l, i: _as_reduced(
+    ded, {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
   )
-  return list(sink(list(local), iteration).values())
+  return list(_owners_get_cotangents(ded, g, sink, local, iteration).values())
 
 
 def materialize_reduced(
   ded, g: int, local, iteration=None, sink=None
 ) -> dict[int, Any]:
-  """:func:`materialize` for the reduced gather (``local``: the owner
-  buffers; with ``sink``, from :func:`reduced_sink`, cotangents go to
-  it)."""
+  """:func:`materialize` for the reduced gather: group ``g``'s targets from
+  its owner buffers (``local``: ``(size,)`` each, sharded over the owner
+  axes), whole and typed ``reduced``, their cotangents reduce-scattered
+  back onto ``local`` (with ``sink``, from :func:`reduced_sink`: to it)."""
+  whole = lambda l, i: _as_reduced(ded, _whole(ded, g, l, i))
   if sink is None:
-    return reduced_gather(ded, g, local, iteration)
-  local = [jax.lax.stop_gradient(x) for x in local]
-  mats = _as_reduced(ded, _whole(ded, g, local, iteration))
+    return _owners_get_cotangents(ded, g, whole, local, iteration)
+  mats = whole([jax.lax.stop_gradient(x) for x in local], iteration)
   return {i: route(s, m) for s, (i, m) in zip(sink, mats.items())}

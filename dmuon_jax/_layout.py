@@ -322,7 +322,8 @@ class Layout:
   def pack_full(
     self, leaves: Sequence[jax.Array], dtype=None
   ) -> tuple[jax.Array, ...]:
-    """All slots' buffers, concatenated: one ``(num_slots * local,)`` each.
+    """All slots' buffers, concatenated: one ``(num_slots * local,)`` each
+    (one slot's: its ``(local,)`` buffers).
 
     Args:
       leaves: the full (unsharded) target leaves, in ``plan.leaves`` order.
@@ -341,24 +342,6 @@ class Layout:
         )
       )
     return tuple(out)
-
-  def pack_slot(
-    self, leaves: Sequence[jax.Array], slot: int, dtype=None
-  ) -> tuple[jax.Array, ...]:
-    """One slot's buffers, ``(local,)`` each, from full leaves."""
-    return self.pack_slot_from(
-      self.unit_getter(leaves),
-      slot,
-      [dtype or self.promoted(leaves, g) for g in range(self.num_groups)],
-    )
-
-  def pack_slot_from(
-    self, get: Callable[[int], jax.Array], slot: int, dtypes: Sequence
-  ) -> tuple[jax.Array, ...]:
-    """One slot's buffers from ``get(unit) -> (m, n)`` matrices."""
-    return tuple(
-      self._flat_slot(get, g, slot, dtypes[g]) for g in range(self.num_groups)
-    )
 
   def promoted(self, leaves, g):
     """The promoted dtype of dtype group ``g``'s leaves."""

@@ -465,7 +465,7 @@ def _update(
   if not layout.distributed:
     _steps.check_buffers(layout, state.mu, local=False)
     lay = layout.groups[0]
-    grads = lay.pack_slot(targets, 0)
+    grads = lay.pack_full(targets)
     ortho, mu = _owner_update.owner_step(
       cfg, hp, layout, grads, state.mu.buffers, count_inc
     )

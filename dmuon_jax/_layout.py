@@ -92,14 +92,6 @@ def typed_table(per_slot: Sequence[Sequence[Sequence[int]]]):
   return unit_table(per_slot), (counts.pop() if len(counts) == 1 else None)
 
 
-def index(value):
-  """An offset read from a table: a Python int from a numpy row (a
-  constant of the program), else the traced value."""
-  if isinstance(value, (int, np.integer)):
-    return int(value)
-  return value
-
-
 def table_columns(row, columns: int):
   """``(count, [column values])`` of one slot's row of a :func:`unit_table`
   (numpy or traced)."""
@@ -533,7 +525,7 @@ class Layout:
           stacks = tuple(
             _collectives.in_loop(
               jnp.stack(
-                [self.matrix_at(ops[g], index(o), bucket.shape) for o in offs]
+                [self.matrix_at(ops[g], o, bucket.shape) for o in offs]
               ),
               result,
             )
@@ -541,7 +533,7 @@ class Layout:
           )
           for o, r in zip(offs, fn(stacks, bucket)):
             result = jax.lax.dynamic_update_slice_in_dim(
-              result, r.reshape(-1).astype(result.dtype), index(o), 0
+              result, r.reshape(-1).astype(result.dtype), o, 0
             )
           return result
 

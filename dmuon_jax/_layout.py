@@ -101,6 +101,19 @@ def table_columns(row, columns: int):
   ]
 
 
+def write_at(buf: jax.Array, row, get: Callable) -> jax.Array:
+  """``buf`` with ``get(a)`` (flattened, in ``buf``'s dtype) written at
+  offset ``o`` for each ``(a, o)`` of a two-column :func:`unit_table` row
+  (numpy or traced)."""
+  count, cols = table_columns(row, 2)
+
+  def put(b, a, o):
+    m = get(a).reshape(-1).astype(b.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(b, m, o, 0)
+
+  return _collectives.for_each(count, cols, put, buf)
+
+
 class SlotWork(NamedTuple):
   """Every slot's matrices by type (see :meth:`Layout.slot_work`).
 
@@ -572,15 +585,12 @@ class Layout:
     ``leaf_matrices[i]`` holds leaf ``i``'s matrices (``to_matrices``),
     ``rows`` the slot's rows of :meth:`whole_tables`."""
     for i, row in zip(leaves, rows):
-      count, (batch, offset) = table_columns(row, 2)
       g = self.unit_group[self.leaf_units[i][0]]
-      mats = leaf_matrices[i]
-
-      def put(b, k, o, mats=mats):
-        m = jax.lax.dynamic_index_in_dim(mats, k, 0, keepdims=False)
-        return jax.lax.dynamic_update_slice_in_dim(
-          b, m.reshape(-1).astype(b.dtype), o, 0
-        )
-
-      bufs[g] = _collectives.for_each(count, (batch, offset), put, bufs[g])
+      bufs[g] = write_at(
+        bufs[g],
+        row,
+        lambda k, mats=leaf_matrices[i]: jax.lax.dynamic_index_in_dim(
+          mats, k, 0, keepdims=False
+        ),
+      )
     return bufs

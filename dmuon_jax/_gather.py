@@ -586,7 +586,7 @@ def gather_sink(
   however many calls route gradients to it (see :func:`route`). ``tp``:
   per TP shard (see :func:`on_tp_shards`)."""
   if tp:
-    return _per_tp_shard(ded, gather_sink, local)
+    return _per_tp_shard(ded, lambda xs: gather_sink(ded, xs), local)
   shard_axes = ded.shard_axes
   rep_axis = ded.replicate_axis
   n = ded.num_slots

@@ -18,8 +18,6 @@ from dmuon_jax._dedicated_muon import (
 )
 from dmuon_jax._dedication import DedicatedParams as DedicatedParams
 from dmuon_jax._dedication import Dedication as Dedication
-from dmuon_jax._explicit import local_value_and_grad as local_value_and_grad
-from dmuon_jax._explicit import mean_over_devices as mean_over_devices
 from dmuon_jax._newton_schulz import NS_COEFF_PRESETS as NS_COEFF_PRESETS
 from dmuon_jax._newton_schulz import (
   orthogonality_error as orthogonality_error,
@@ -37,6 +35,8 @@ from dmuon_jax._plan import OwnerGroup as OwnerGroup
 from dmuon_jax._plan import OwnershipPlan as OwnershipPlan
 from dmuon_jax._report import DMuonWarning as DMuonWarning
 from dmuon_jax._routing import default_muon_predicate as default_muon_predicate
+from dmuon_jax._steps import local_value_and_grad as local_value_and_grad
+from dmuon_jax._steps import mean_over_devices as mean_over_devices
 from dmuon_jax._tensor_parallel import (
   orthogonalize_via_gram_newton_schulz_tp as orthogonalize_via_gram_newton_schulz_tp,
 )

@@ -10,12 +10,12 @@ import optax
 
 from dmuon_jax import (
   _checks,
-  _explicit,
   _hyperparams,
   _mesh,
   _owner_update,
   _report,
   _routing,
+  _steps,
   _transform,
 )
 
@@ -416,7 +416,7 @@ def dmuon(
   )
   adam = optax.chain(
     # Explicit path: per-device gradients are averaged (pmean) first.
-    _explicit.mean_over_devices(),
+    _steps.mean_over_devices(),
     optax.adamw(
       learning_rate=adam_learning_rate,
       b1=adam_b1,

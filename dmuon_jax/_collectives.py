@@ -11,6 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# The one ambient value, and why: dmuon_jax.flax.train_step runs the user's
+# step function inside its shard_map, and that function (not dmuon) calls the
+# optimizer's update, so no argument can carry "these gradients are sums over
+# these axes" from the step to the update; JAX tracing offers no other
+# channel (a tracer carries no such fact). Set only for that step's trace.
 _SUMMED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
   'dmuon_gradients_summed_over', default=frozenset()
 )
@@ -105,9 +110,7 @@ def switch_by_slot(
       lambda y: to_varying(y, axes), branch(*ops)
     )
 
-  index = slot_index(axes)
-  if not isinstance(shift, int) or shift:
-    index = (index - shift) % len(branches)
+  index = slot_index(axes, len(branches), shift)
   if keys is None:
     return jax.lax.switch(index, [wrap(b) for b in branches], *operands)
   if len(keys) != len(branches):
@@ -163,9 +166,7 @@ def with_slot_rows(
       for s in range(num_slots)
     ]
     return switch_by_slot(axes, branches, *operands, shift=shift, keys=keys)
-  index = slot_index(axes)
-  if not isinstance(shift, int) or shift:
-    index = (index - shift) % num_slots
+  index = slot_index(axes, num_slots, shift)
   rows = [jnp.asarray(np.asarray(t, np.int32))[index] for t in tables]
   return jax.tree.map(lambda y: to_varying(y, axes), body(rows, *operands))
 
@@ -222,9 +223,14 @@ def ppermute_slots(
   return jax.lax.ppermute(x, ordered, perm=perm)
 
 
-def slot_index(axes: Sequence[str]) -> jax.Array:
-  """Row-major index of this device over ``axes`` (the owner slot)."""
-  return jax.lax.axis_index(tuple(axes))
+def slot_index(axes: Sequence[str], n: int = 1, shift=0) -> jax.Array:
+  """Row-major index of this device over ``axes`` (the owner slot); with
+  ``shift`` (an int or traced scalar), ``(slot - shift) mod n``: scan
+  iteration ``t`` of a stacked group runs base slot ``slot - t``'s work."""
+  index = jax.lax.axis_index(tuple(axes))
+  if not isinstance(shift, int) or shift:
+    index = (index - shift) % n
+  return index
 
 
 def reduce_scatter_to_owners(

@@ -406,18 +406,15 @@ class Exchange:
     routes, whole, _ = self._split_rows(rows)
     for key in self.classes:
       _, g = key
-      for (i, shape), row in zip(self.routes[key], routes[key]):
+      for (i, _), row in zip(self.routes[key], routes[key]):
         r = self.routed[i]
-        count, cols = _layout.table_columns(row, 2)
-
-        def put(b, src, dst, r=r, shape=shape, key=key):
-          pieces = jax.lax.dynamic_slice_in_dim(
-            recv[key], src, r.piece_size, axis=1
-          )
-          m = r.assemble(pieces).reshape(-1).astype(b.dtype)
-          return jax.lax.dynamic_update_slice_in_dim(b, m, dst, 0)
-
-        bufs[g] = _collectives.for_each(count, cols, put, bufs[g])
+        bufs[g] = _layout.write_at(
+          bufs[g],
+          row,
+          lambda src, r=r, key=key: r.assemble(
+            jax.lax.dynamic_slice_in_dim(recv[key], src, r.piece_size, axis=1)
+          ),
+        )
     bufs = lay.pack_whole_at(bufs, leaf_matrices, self.whole, whole)
     return tuple(bufs)
 
@@ -492,32 +489,18 @@ class Exchange:
     out = jnp.zeros((max(self.rep_size[g], 1),), buffers[g].dtype)
     _, _, rep = self._split_rows(rows)
     for shape, row in zip(self.rep_shapes[g], rep[g]):
-      count, cols = _layout.table_columns(row, 2)
-
-      def put(o, src, dst, shape=shape):
-        m = lay.matrix_at(buffers[g], src, shape).reshape(-1)
-        return jax.lax.dynamic_update_slice_in_dim(o, m, dst, 0)
-
-      out = _collectives.for_each(count, cols, put, out)
+      out = _layout.write_at(
+        out, row, lambda src, shape=shape: lay.matrix_at(buffers[g], src, shape)
+      )
     return out[: self.rep_size[g]] if self.rep_size[g] else out
 
   def rep_unpack(self, gathered: Sequence[jax.Array]) -> dict[int, jax.Array]:
     """Whole non-routed leaves from the all-gathered compact buffers."""
-    layout = self.layout
-    out = {}
-    for i, spec in enumerate(layout.plan.leaves):
-      if i in self.routed:
-        continue
-      mats = []
-      for u in layout.leaf_units[i]:
-        g = layout.unit_group[u]
-        start = layout.plan.owners[u] * self.rep_size[g] + self.rep_off[u]
-        flat = jax.lax.slice_in_dim(
-          gathered[g], start, start + layout.unit_size[u]
-        )
-        mats.append(flat.reshape(layout.plan.units[u].shape))
-      out[i] = _layout.from_matrices(jnp.stack(mats), spec)
-    return out
+    lay = self.layout
+    idx = [i for i in range(len(lay.plan.leaves)) if i not in self.routed]
+    return dict(
+      zip(idx, lay.unpack_full(gathered, idx, self.rep_size, self.rep_off))
+    )
 
   # -- the cost model ------------------------------------------------------
 

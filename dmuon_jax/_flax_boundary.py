@@ -121,7 +121,7 @@ def gathered(
     run_layer = run
     run = lambda mats, *a: run_layer({i: m[0] for i, m in mats.items()}, *a)
   if not layout.distributed:
-    mats = _gather.unpack_gathered(ded, g, local, iteration)
+    mats = layout.unpack_group(g, local, iteration)
     return run(mats, state, arrays)
   # Inside train_step the TP axis (if any) stays automatic: the gathers
   # run per TP shard (``_gather.on_tp_shards``), each target sharded over
@@ -130,21 +130,20 @@ def gathered(
     if hit is not None:
       (mats,) = hit
     else:
-      mats = _gather.materialize_tp(
-        ded, g, _gather.gather_replicate_tp(ded, local), iteration
-      )
+      rep = _gather.gather_replicate(ded, local, tp=True)
+      mats = _gather.materialize(ded, g, rep, iteration, tp=True)
       cache[g] = (keys, mats)
     return run(mats, state, arrays)
   if manual:
     if hit is not None:
       rep, sink, token = hit
     else:
-      rep = _gather.gather_replicate_tp(ded, local)
-      sink = _gather.gather_sink_tp(ded, local)
+      rep = _gather.gather_replicate(ded, local, tp=True)
+      sink = _gather.gather_sink(ded, local, tp=True)
       token = _gather.new_token()
 
     def run_z3(rep_local, sink, iteration, state, arrays):
-      mats = _gather.materialize_tp(ded, g, rep_local, iteration, sink=sink)
+      mats = _gather.materialize(ded, g, rep_local, iteration, sink, tp=True)
       return run(mats, state, arrays)
 
     call = _gather.regather_group_in_backward(
@@ -170,7 +169,7 @@ def gathered(
 
   def run_global(local, iteration, state, arrays):
     full = [_mesh.place(x, ded.mesh, P()) for x in local]
-    return run(_gather.unpack_whole(ded, g, full, iteration), state, arrays)
+    return run(layout.unpack_group(g, full, iteration), state, arrays)
 
   # The boundaries of a group constrain the same buffers: XLA gathers them
   # once and keeps them (Z2 memory: a re-gather per boundary would move the
@@ -294,7 +293,7 @@ def _reduced_call(
 ):
   """:func:`gathered` under plain ``jit`` on Explicit owner axes: the
   group's buffers gathered typed ``reduced`` (see
-  ``_gather.reduced_gather``), once per trace; Z3 re-gathers once per group
+  ``_gather.materialize_reduced``), once per trace; Z3 re-gathers once per group
   in the backward pass (inside a rematerialization of the model's own,
   ``remat``, that one recomputes the gather)."""
   ded = md.dedication

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dmuon_jax import _boundaries, _collectives, _mesh
+from dmuon_jax import _boundaries, _collectives, _layout, _mesh
 
 P = jax.sharding.PartitionSpec
 
@@ -78,29 +78,47 @@ def after_inputs(local: Sequence[jax.Array], arrays: Sequence[Any]) -> list:
   return out
 
 
-def gather_replicate(ded, local: Sequence[jax.Array]) -> list[jax.Array]:
-  if ded.replicate_axis is None:
-    return list(local)
-  return [jax.lax.all_gather(x, ded.replicate_axis, tiled=True) for x in local]
+def gather_replicate(
+  ded, local: Sequence[jax.Array], tp: bool = False
+) -> list[jax.Array]:
+  """Local owner buffers all-gathered over the replicate axis (HSDP's
+  first stage; themselves without one). ``tp``: per TP shard (see
+  :func:`on_tp_shards`)."""
+
+  def gather(xs):
+    if ded.replicate_axis is None:
+      return list(xs)
+    return [jax.lax.all_gather(x, ded.replicate_axis, tiled=True) for x in xs]
+
+  return _per_tp_shard(ded, gather, local) if tp else gather(local)
 
 
 def materialize(
-  ded, g: int, rep_local, iteration=None, sink=None
+  ded, g: int, rep_local, iteration=None, sink=None, tp: bool = False
 ) -> dict[int, Any]:
   """Leaf index -> whole target, from replicate-gathered local buffers.
 
   With ``sink`` (from :func:`gather_sink`), the targets' cotangents go to
-  it rather than through this gather's own transpose.
+  it rather than through this gather's own transpose. ``tp``: per TP
+  shard (see :func:`on_tp_shards`): each target comes out sharded over the
+  TP axis as the param was.
   """
-  full = list(rep_local)
-  shard_axes = ded.shard_axes
-  if sink is not None:
-    full = [jax.lax.stop_gradient(x) for x in full]
-  if shard_axes:
-    full = [jax.lax.all_gather(x, shard_axes, tiled=True) for x in full]
-  if sink is not None:
-    full = [route(s, x) for s, x in zip(sink, full)]
-  return unpack_gathered(ded, g, full, iteration)
+
+  def gather(full, iteration, sink):
+    if sink is not None:
+      full = [jax.lax.stop_gradient(x) for x in full]
+    if ded.shard_axes:
+      full = [jax.lax.all_gather(x, ded.shard_axes, tiled=True) for x in full]
+    if sink is not None:
+      full = [route(s, x) for s, x in zip(sink, full)]
+    return ded.layout.unpack_group(g, full, iteration, whole=False)
+
+  args = (list(rep_local), iteration, None if sink is None else list(sink))
+  if not tp:
+    return gather(*args)
+  specs = (buffer_tp_specs(ded, rep_local), P())
+  specs += (None if sink is None else buffer_tp_specs(ded, sink),)
+  return on_tp_shards(ded, gather, specs, target_specs(ded, g))(*args)
 
 
 def target_spec(ded, index: int) -> P:
@@ -162,65 +180,11 @@ def buffer_tp_specs(ded, local: Sequence[jax.Array]) -> list[P]:
   return [P(*([None] * (jnp.ndim(x) - 1)), tp) for x in local]
 
 
-def gather_replicate_tp(ded, local: Sequence[jax.Array]) -> list[jax.Array]:
-  """:func:`gather_replicate`, per TP shard (see :func:`on_tp_shards`)."""
+def _per_tp_shard(ded, fn, local: Sequence[jax.Array]) -> list[jax.Array]:
+  """``fn(list of local buffers)``, per TP shard (see :func:`on_tp_shards`),
+  its outputs shaped and sharded as its inputs."""
   specs = buffer_tp_specs(ded, local)
-  return on_tp_shards(
-    ded, lambda xs: gather_replicate(ded, xs), (specs,), specs
-  )(list(local))
-
-
-def gather_sink_tp(ded, local: Sequence[jax.Array]) -> list[jax.Array]:
-  """:func:`gather_sink`, per TP shard (see :func:`on_tp_shards`)."""
-  specs = buffer_tp_specs(ded, local)
-  return on_tp_shards(ded, lambda xs: gather_sink(ded, xs), (specs,), specs)(
-    list(local)
-  )
-
-
-def materialize_tp(
-  ded, g: int, rep_local, iteration=None, sink=None
-) -> dict[int, Any]:
-  """:func:`materialize`, per TP shard (see :func:`on_tp_shards`): each
-  target comes out sharded over the TP axis as the param was."""
-  specs = buffer_tp_specs(ded, rep_local)
-  sink_specs = None if sink is None else buffer_tp_specs(ded, sink)
-  return on_tp_shards(
-    ded,
-    lambda r, it, s: materialize(ded, g, r, it, sink=s),
-    (specs, P(), sink_specs),
-    target_specs(ded, g),
-  )(list(rep_local), iteration, None if sink is None else list(sink))
-
-
-def unpack_whole(ded, g: int, full, iteration=None) -> dict[int, Any]:
-  """:func:`unpack_gathered` of whole buffers (global arrays holding every
-  TP shard's slices): each target's slices joined along its TP dim."""
-  layout = ded.layout
-  if layout.tp_size == 1:
-    return unpack_gathered(ded, g, full, iteration)
-  parts = [
-    unpack_gathered(ded, g, [layout.tp_part(x, t) for x in full], iteration)
-    for t in range(layout.tp_size)
-  ]
-  return {
-    i: jnp.concatenate([p[i] for p in parts], axis=layout.leaf(i).tp_dim)
-    for i in parts[0]
-  }
-
-
-def unpack_gathered(ded, g: int, full, iteration=None) -> dict[int, Any]:
-  """Leaf index -> whole target, from group ``g``'s whole buffers (slot
-  order; a scan iteration's rotated back by ``iteration``)."""
-  if iteration is not None:
-    n = ded.num_slots
-    full = [
-      jnp.roll(x.reshape(n, -1), -iteration, axis=0).reshape(-1) for x in full
-    ]
-  lay = ded.layout.groups[g]
-  return dict(
-    zip([s.leaf_index for s in lay.plan.leaves], lay.unpack_full(full))
-  )
+  return on_tp_shards(ded, fn, (specs,), specs)(list(local))
 
 
 def fill(ded, b: int, sub: list[int], sub_rest, mats) -> Any:
@@ -612,12 +576,17 @@ def _sum_to(ct, kind: frozenset[str]):
   return jax.lax.psum(ct, extra) if extra else ct
 
 
-def gather_sink(ded, local: Sequence[jax.Array]) -> list[jax.Array]:
+def gather_sink(
+  ded, local: Sequence[jax.Array], tp: bool = False
+) -> list[jax.Array]:
   """Zeros shaped like ``local`` gathered over all owner axes, whose
   cotangent is reduce-scattered onto ``local`` (over the shard axes, then
   the replicate axis: the transpose of :func:`gather_replicate` and
   :func:`materialize`'s gather). One reduce-scatter per gather group,
-  however many calls route gradients to it (see :func:`route`)."""
+  however many calls route gradients to it (see :func:`route`). ``tp``:
+  per TP shard (see :func:`on_tp_shards`)."""
+  if tp:
+    return _per_tp_shard(ded, lambda xs: gather_sink(ded, xs), local)
   shard_axes = ded.shard_axes
   rep_axis = ded.replicate_axis
   n = ded.num_slots
@@ -749,8 +718,8 @@ def _whole(ded, g: int, local, iteration) -> dict[int, Any]:
 
   def gather(xs, it):
     # xs: this (owner, TP shard)'s blocks; full: the TP shard's slots.
-    full = [jax.lax.all_gather(x, axes, tiled=True, to='invarying') for x in xs]
-    return unpack_gathered(ded, g, full, it)
+    full = [_collectives.gather_from_owners(x, axes) for x in xs]
+    return ded.layout.unpack_group(g, full, it, whole=False)
 
   return jax.shard_map(
     gather,
@@ -772,7 +741,7 @@ def _scatter_to_owners(ded, g: int, local, iteration, cts) -> list:
   """The targets' ``unreduced`` cotangents packed into group ``g``'s
   buffers and summed onto their owners: inside a shard_map over the owner
   axes each device packs its partial sums (the transpose of
-  :func:`unpack_gathered`, on plain local arrays) and one reduce-scatter
+  ``OwnerLayout.unpack_group``, on plain local arrays) and one reduce-scatter
   per buffer adds them up on the owners."""
   axes = tuple(ded.buffer_axes)
   tp = ded.tensor_parallel_axis
@@ -788,10 +757,10 @@ def _scatter_to_owners(ded, g: int, local, iteration, cts) -> list:
     ]
     if tp is not None:  # like the cotangents: one TP shard's slices
       zeros = [jax.lax.pcast(z, tp, to='varying') for z in zeros]
-    _, vjp = jax.vjp(lambda f: unpack_gathered(ded, g, f), zeros)
-    (full,) = vjp(cts)
-    if it is not None:  # unpack_gathered's rotation, undone
-      full = [_roll_slots(x, it, ded.num_slots) for x in full]
+    unpack = lambda f: ded.layout.unpack_group(g, f, whole=False)
+    (full,) = jax.vjp(unpack, zeros)[1](cts)
+    if it is not None:  # unpack_group's rotation, undone
+      full = [_layout.roll_slots(x, it, ded.num_slots, True) for x in full]
     return [jax.lax.psum_scatter(f, axes, tiled=True) for f in full]
 
   unreduced = {i: P(*target_spec(ded, i), unreduced=set(axes)) for i in cts}
@@ -803,23 +772,10 @@ def _scatter_to_owners(ded, g: int, local, iteration, cts) -> list:
   )(cts, jnp.zeros([], jnp.int32) if iteration is None else iteration)
 
 
-def _roll_slots(x: jax.Array, shift: jax.Array, n: int) -> jax.Array:
-  """``jnp.roll(x.reshape(n, -1), shift, axis=0).reshape(-1)`` for an
-  ``unreduced`` ``x`` (jax has no unreduced rule for dynamic_slice): the
-  roll by each bit of ``shift`` a static one, selected."""
-  rows = x.reshape(n, -1)
-  shift = shift % n
-  bit = 1
-  while bit < n:
-    rolled = jnp.concatenate([rows[n - bit :], rows[: n - bit]])
-    rows = jnp.where((shift & bit) > 0, rolled, rows)
-    bit *= 2
-  return rows.reshape(-1)
-
-
-def _owners_get_cotangents(ded, g: int, forward) -> Callable[..., Any]:
-  """``forward(local, iteration) -> {leaf: reduced target}`` whose
-  backward reduce-scatters the targets' cotangents onto ``local``."""
+def _owners_get_cotangents(ded, g: int, forward, local, iteration) -> Any:
+  """``forward(local, iteration)`` (``{leaf: reduced target}``), its
+  backward reduce-scattering the targets' cotangents onto ``local``
+  (:func:`_scatter_to_owners`)."""
 
   @jax.custom_vjp
   def f(local, iteration):
@@ -829,47 +785,33 @@ def _owners_get_cotangents(ded, g: int, forward) -> Callable[..., Any]:
     return f(local, iteration), (local, iteration)
 
   def bwd(saved, cts):
-    local, iteration = saved
-    return _scatter_to_owners(ded, g, local, iteration, cts), None
+    return _scatter_to_owners(ded, g, *saved, cts), None
 
   f.defvjp(fwd, bwd)
-  return f
-
-
-def reduced_gather(ded, g: int, local, iteration=None) -> dict[int, Any]:
-  """Group ``g``'s targets from its owner buffers (``(size,)`` each,
-  sharded over the owner axes), whole and typed ``reduced``; their
-  cotangents are reduce-scattered back (:func:`_scatter_to_owners`)."""
-  gather = _owners_get_cotangents(
-    ded, g, lambda l, i: _as_reduced(ded, _whole(ded, g, l, i))
-  )
-  return gather(list(local), iteration)
+  return f(list(local), iteration)
 
 
 def reduced_sink(ded, g: int, local, iteration=None) -> list[jax.Array]:
   """:func:`gather_sink` for the reduced gather: zeros shaped like group
-  ``g``'s targets (a list, in :func:`unpack_gathered`'s order), typed
+  ``g``'s targets (a list, in ``OwnerLayout.unpack_group``'s order), typed
   ``reduced``, whose summed cotangent is reduce-scattered onto ``local``
   once per gather group."""
   shapes = jax.eval_shape(lambda l, i: _whole(ded, g, l, i), local, iteration)
-  sink = _owners_get_cotangents(
-    ded,
-    g,
-    lambda l, i: _as_reduced(
-      ded, {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
-    ),
+  sink = lambda l, i: _as_reduced(
+    ded, {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
   )
-  return list(sink(list(local), iteration).values())
+  return list(_owners_get_cotangents(ded, g, sink, local, iteration).values())
 
 
 def materialize_reduced(
   ded, g: int, local, iteration=None, sink=None
 ) -> dict[int, Any]:
-  """:func:`materialize` for the reduced gather (``local``: the owner
-  buffers; with ``sink``, from :func:`reduced_sink`, cotangents go to
-  it)."""
+  """:func:`materialize` for the reduced gather: group ``g``'s targets from
+  its owner buffers (``local``: ``(size,)`` each, sharded over the owner
+  axes), whole and typed ``reduced``, their cotangents reduce-scattered
+  back onto ``local`` (with ``sink``, from :func:`reduced_sink`: to it)."""
+  whole = lambda l, i: _as_reduced(ded, _whole(ded, g, l, i))
   if sink is None:
-    return reduced_gather(ded, g, local, iteration)
-  local = [jax.lax.stop_gradient(x) for x in local]
-  mats = _as_reduced(ded, _whole(ded, g, local, iteration))
+    return _owners_get_cotangents(ded, g, whole, local, iteration)
+  mats = whole([jax.lax.stop_gradient(x) for x in local], iteration)
   return {i: route(s, m) for s, (i, m) in zip(sink, mats.items())}

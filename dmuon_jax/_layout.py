@@ -36,6 +36,27 @@ def from_matrices(x: jax.Array, spec: _routing.LeafSpec) -> jax.Array:
   return jnp.transpose(x, tuple(np.argsort(perm))).reshape(spec.leaf_shape)
 
 
+def roll_slots(flat: jax.Array, shift, n: int, unreduced: bool = False):
+  """A flat buffer's ``n`` slot blocks rolled by ``shift`` (an int or
+  traced; block ``s`` goes to ``s + shift mod n``): scan iteration ``t``
+  of a stacked group holds its layout rotated by ``t`` slots.
+
+  ``unreduced``: for a value typed ``unreduced`` (jax has no unreduced
+  rule for ``dynamic_slice``), rolled by one static roll per bit of
+  ``shift``, each selected.
+  """
+  rows = flat.reshape(n, -1)
+  if not unreduced:
+    return jnp.roll(rows, shift, axis=0).reshape(-1)
+  shift = shift % n
+  bit = 1
+  while bit < n:
+    rolled = jnp.concatenate([rows[n - bit :], rows[: n - bit]])
+    rows = jnp.where((shift & bit) > 0, rolled, rows)
+    bit *= 2
+  return rows.reshape(-1)
+
+
 def unit_table(per_slot: Sequence[Sequence[Sequence[int]]]) -> np.ndarray:
   """``(num_slots, 1 + columns * width)`` int table: per slot its count,
   then each column's values, padded to the most any slot has, and to at
@@ -71,14 +92,6 @@ def typed_table(per_slot: Sequence[Sequence[Sequence[int]]]):
   return unit_table(per_slot), (counts.pop() if len(counts) == 1 else None)
 
 
-def index(value):
-  """An offset read from a table: a Python int from a numpy row (a
-  constant of the program), else the traced value."""
-  if isinstance(value, (int, np.integer)):
-    return int(value)
-  return value
-
-
 def table_columns(row, columns: int):
   """``(count, [column values])`` of one slot's row of a :func:`unit_table`
   (numpy or traced)."""
@@ -86,6 +99,19 @@ def table_columns(row, columns: int):
   return row[0], [
     row[1 + j * width : 1 + (j + 1) * width] for j in range(columns)
   ]
+
+
+def write_at(buf: jax.Array, row, get: Callable) -> jax.Array:
+  """``buf`` with ``get(a)`` (flattened, in ``buf``'s dtype) written at
+  offset ``o`` for each ``(a, o)`` of a two-column :func:`unit_table` row
+  (numpy or traced)."""
+  count, cols = table_columns(row, 2)
+
+  def put(b, a, o):
+    m = get(a).reshape(-1).astype(b.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(b, m, o, 0)
+
+  return _collectives.for_each(count, cols, put, buf)
 
 
 class SlotWork(NamedTuple):
@@ -301,7 +327,8 @@ class Layout:
   def pack_full(
     self, leaves: Sequence[jax.Array], dtype=None
   ) -> tuple[jax.Array, ...]:
-    """All slots' buffers, concatenated: one ``(num_slots * local,)`` each.
+    """All slots' buffers, concatenated: one ``(num_slots * local,)`` each
+    (one slot's: its ``(local,)`` buffers).
 
     Args:
       leaves: the full (unsharded) target leaves, in ``plan.leaves`` order.
@@ -321,24 +348,6 @@ class Layout:
       )
     return tuple(out)
 
-  def pack_slot(
-    self, leaves: Sequence[jax.Array], slot: int, dtype=None
-  ) -> tuple[jax.Array, ...]:
-    """One slot's buffers, ``(local,)`` each, from full leaves."""
-    return self.pack_slot_from(
-      self.unit_getter(leaves),
-      slot,
-      [dtype or self.promoted(leaves, g) for g in range(self.num_groups)],
-    )
-
-  def pack_slot_from(
-    self, get: Callable[[int], jax.Array], slot: int, dtypes: Sequence
-  ) -> tuple[jax.Array, ...]:
-    """One slot's buffers from ``get(unit) -> (m, n)`` matrices."""
-    return tuple(
-      self._flat_slot(get, g, slot, dtypes[g]) for g in range(self.num_groups)
-    )
-
   def promoted(self, leaves, g):
     """The promoted dtype of dtype group ``g``'s leaves."""
     dts = [
@@ -348,14 +357,27 @@ class Layout:
     ]
     return jnp.result_type(*dts) if dts else jnp.dtype(self.dtypes[g])
 
-  def unpack_full(self, buffers: Sequence[jax.Array]) -> list[jax.Array]:
-    """Full leaves (``plan.leaves`` order) from all slots' buffers."""
+  def unpack_full(
+    self, buffers: Sequence[jax.Array], leaves=None, sizes=None, offsets=None
+  ) -> list[jax.Array]:
+    """Full leaves from all slots' buffers (slot-major).
+
+    Args:
+      buffers: one per dtype group, every slot's block.
+      leaves: the plan leaves to read (default all), in that order.
+      sizes: per dtype group, a slot's block size (default
+        ``local_sizes``).
+      offsets: per unit, its offset in its slot's block (default
+        ``unit_offset``).
+    """
+    sizes = self.local_sizes if sizes is None else sizes
+    offsets = self.unit_offset if offsets is None else offsets
     out = []
-    for i, spec in enumerate(self.plan.leaves):
-      mats = []
+    for i in range(len(self.plan.leaves)) if leaves is None else leaves:
+      spec, mats = self.plan.leaves[i], []
       for u in self.leaf_units[i]:
         g = self.unit_group[u]
-        start = self.plan.owners[u] * self.local_sizes[g] + self.unit_offset[u]
+        start = self.plan.owners[u] * sizes[g] + offsets[u]
         flat = jax.lax.slice_in_dim(
           buffers[g], start, start + self.unit_size[u]
         )
@@ -516,7 +538,7 @@ class Layout:
           stacks = tuple(
             _collectives.in_loop(
               jnp.stack(
-                [self.matrix_at(ops[g], index(o), bucket.shape) for o in offs]
+                [self.matrix_at(ops[g], o, bucket.shape) for o in offs]
               ),
               result,
             )
@@ -524,7 +546,7 @@ class Layout:
           )
           for o, r in zip(offs, fn(stacks, bucket)):
             result = jax.lax.dynamic_update_slice_in_dim(
-              result, r.reshape(-1).astype(result.dtype), index(o), 0
+              result, r.reshape(-1).astype(result.dtype), o, 0
             )
           return result
 
@@ -563,15 +585,12 @@ class Layout:
     ``leaf_matrices[i]`` holds leaf ``i``'s matrices (``to_matrices``),
     ``rows`` the slot's rows of :meth:`whole_tables`."""
     for i, row in zip(leaves, rows):
-      count, (batch, offset) = table_columns(row, 2)
       g = self.unit_group[self.leaf_units[i][0]]
-      mats = leaf_matrices[i]
-
-      def put(b, k, o, mats=mats):
-        m = jax.lax.dynamic_index_in_dim(mats, k, 0, keepdims=False)
-        return jax.lax.dynamic_update_slice_in_dim(
-          b, m.reshape(-1).astype(b.dtype), o, 0
-        )
-
-      bufs[g] = _collectives.for_each(count, (batch, offset), put, bufs[g])
+      bufs[g] = write_at(
+        bufs[g],
+        row,
+        lambda k, mats=leaf_matrices[i]: jax.lax.dynamic_index_in_dim(
+          mats, k, 0, keepdims=False
+        ),
+      )
     return bufs

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dmuon_jax import _cost, _exchange, _mesh
-from dmuon_jax._layout import Layout
+from dmuon_jax._layout import Layout, roll_slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +254,14 @@ class OwnerLayout:
     ]
 
   @functools.cached_property
+  def probed(self) -> set[int]:
+    """Buffers whose shardings a compile has reported (the update's
+    Auto-mesh probe, see ``_steps._check_buffer_shardings``): later traces
+    of this layout need no probe. A record of this object's use, not part
+    of the layout (not compared or hashed)."""
+    return set()
+
+  @functools.cached_property
   def fingerprint(self) -> str:
     """8 hex digits naming what the buffers contain (stable across runs)."""
     key = (
@@ -419,10 +427,6 @@ class OwnerLayout:
     tp_size * local)``: ``(..., num_slots * local)``, slot order."""
     return _tp_part(self.num_slots, self.tp_size, x, t)
 
-  def _roll(self, flat: jax.Array, shift) -> jax.Array:
-    n = self.num_slots
-    return jnp.roll(flat.reshape(n, -1), shift, axis=0).reshape(-1)
-
   def pack(
     self, values: dict[int, jax.Array], dtypes: Sequence | None = None
   ) -> tuple[jax.Array, ...]:
@@ -453,7 +457,7 @@ class OwnerLayout:
           per_tp.append(
             jax.vmap(
               lambda t, xs, lay=lay: tuple(
-                self._roll(b, t) for b in lay.pack_full(xs)
+                roll_slots(b, t, self.num_slots) for b in lay.pack_full(xs)
               )
             )(jnp.arange(iters), sliced)
           )
@@ -471,29 +475,43 @@ class OwnerLayout:
       return {t.index: b for t, b in zip(self.leaves, buffers)}
     out = {}
     for g, bufs in enumerate(self.split_groups(buffers)):
-      lay = self.groups[g]
-      iters = self.iterations[g]
-      per_tp = []
-      for k in range(self.tp_size):
-        mine = [self.tp_part(x, k) for x in bufs]
-        if iters:
-          full = jax.vmap(
-            lambda t, bs, lay=lay: lay.unpack_full(
-              [self._roll(b, -t) for b in bs]
-            )
-          )(jnp.arange(iters), mine)
-          per_tp.append(
-            [x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:]) for x in full]
-          )
-        else:
-          per_tp.append(lay.unpack_full(mine))
-      for j, spec in enumerate(lay.plan.leaves):
-        t = self.leaf(spec.leaf_index)
-        parts = [full[j] for full in per_tp]
-        out[t.index] = unpad(
-          parts[0] if t.tp_dim is None else jnp.concatenate(parts, t.tp_dim),
-          t.shape,
+      if self.iterations[g]:
+        got = jax.vmap(lambda t, bs, g=g: self.unpack_group(g, bs, t))(
+          jnp.arange(self.iterations[g]), list(bufs)
         )
+        got = {i: x.reshape((-1,) + x.shape[2:]) for i, x in got.items()}
+      else:
+        got = self.unpack_group(g, bufs)
+      out.update({i: unpad(x, self.leaf(i).shape) for i, x in got.items()})
+    return out
+
+  def unpack_group(
+    self, g: int, bufs: Sequence[jax.Array], iteration=None, whole=True
+  ) -> dict[int, jax.Array]:
+    """Leaf index -> target (at its held shape) of group ``g``, from its
+    gathered flat buffers (every slot's blocks, slot order).
+
+    Args:
+      g: the group.
+      bufs: its buffers, one per dtype group.
+      iteration: a scan iteration's buffers are rotated back by it (see
+        :func:`~dmuon_jax._layout.roll_slots`); None for a loop group.
+      whole: ``bufs`` hold every TP shard's slices (global arrays): each
+        target's slices are joined along its TP dim; else they hold one TP
+        shard's (or there is no TP), and so do the targets.
+    """
+    lay = self.groups[g]
+    parts = []
+    for k in range(self.tp_size if whole else 1):
+      mine = [self.tp_part(x, k) if whole else x for x in bufs]
+      if iteration is not None:
+        mine = [roll_slots(x, -iteration, self.num_slots) for x in mine]
+      parts.append(lay.unpack_full(mine))
+    out = {}
+    for j, spec in enumerate(lay.plan.leaves):
+      t, xs = self.leaf(spec.leaf_index), [p[j] for p in parts]
+      joined = len(xs) > 1 and t.tp_dim is not None
+      out[t.index] = jnp.concatenate(xs, t.tp_dim) if joined else xs[0]
     return out
 
   # -- inspection ----------------------------------------------------------

@@ -465,7 +465,7 @@ def _update(
   if not layout.distributed:
     _steps.check_buffers(layout, state.mu, local=False)
     lay = layout.groups[0]
-    grads = lay.pack_slot(targets, 0)
+    grads = lay.pack_full(targets)
     ortho, mu = _owner_update.owner_step(
       cfg, hp, layout, grads, state.mu.buffers, count_inc
     )
@@ -514,7 +514,6 @@ def _warn_if_padded(layout) -> None:
     return
   total = sum(math.prod(t.shape) for t in layout.leaves)
   _steps.warn_once(
-    (layout.name, 'padded'),
     PADDED_MSG.format(
       leaves=', '.join(f'{t.path} {t.shape}->{t.padded}' for t in padded),
       extra=extra,

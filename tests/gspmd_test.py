@@ -393,15 +393,20 @@ class WarningTest(absltest.TestCase):
       step.lower(state, grads).compile()
 
   def test_forced_replication_warns_once_explicit(self):
-    # Explicit mesh: the buffer's type, read at trace time; once.
+    # Explicit mesh: the buffer's type, read at trace time; once under
+    # Python's default filter, every time under 'always'.
     step, state, grads, pattern = self.forced(mesh((8, 1), EXPLICIT))
-    with warnings.catch_warnings(record=True) as caught:
-      warnings.simplefilter('always')
-      step.trace(state, grads)
-      step.trace(state, grads)
-    got = [w for w in caught if issubclass(w.category, dmuon_jax.DMuonWarning)]
-    self.assertLen(got, 1)
-    self.assertRegex(str(got[0].message), pattern)
+    for action, times in (('default', 1), ('always', 2)):
+      with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter(action)
+        for _ in range(2):
+          jax.clear_caches()  # traced again, not read from jit's cache
+          step.trace(state, grads)
+      got = [
+        w for w in caught if issubclass(w.category, dmuon_jax.DMuonWarning)
+      ]
+      self.assertLen(got, times, action)
+      self.assertRegex(str(got[0].message), pattern)
 
   def test_unknown_specs_fix_works_under_jit(self):
     m = mesh()

@@ -11,7 +11,7 @@ computes fixed-shape local results (local Grams, factors, slices), and
 between stages the collectives run on every device:
 
 * ``pmax`` of per-matrix max-abs entries (the power-of-two rescaling of
-  huge matrices, as ``_owner_update.rescale_large``);
+  huge matrices, ``_newton_schulz.rescale_large``);
 * per restart window, the local Grams summed: over the TP axis by ``psum``
   (every TP shard then iterates its matrix, as before); for owner groups
   each member's Gram goes to its group's iteration owner and the factor
@@ -41,35 +41,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from dmuon_jax import _collectives, _gram_exchange, _layout, _newton_schulz
-
-# Matrices whose largest entry exceeds this are divided by a power of two
-# before Newton-Schulz (see _owner_update.rescale_large).
-LARGE = 2.0**10
-
-
-def rescale_factor(amax: jax.Array, dtype) -> jax.Array:
-  """The power of two that brings a matrix whose max-abs entry is ``amax``
-  (above ``LARGE``) to a max-abs entry in ``[0.5, 1)``; 1 otherwise, and for
-  dtypes whose range stays below ``LARGE`` (see
-  ``_owner_update.rescale_large``)."""
-  if not jnp.issubdtype(dtype, jnp.floating) or (jnp.finfo(dtype).max <= LARGE):
-    return jnp.ones(jnp.shape(amax), dtype)
-  # The factor is built from the IEEE 754 exponent field (as frexp reads
-  # it): a few integer ops, where jnp.frexp + jnp.ldexp expand to ~60 ops
-  # per call (a third of a small model's compiled update). Exact: float32
-  # holds every bfloat16/float16 value.
-  wide = jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
-  info = jnp.finfo(wide)
-  ints = jnp.int64 if wide == jnp.float64 else jnp.int32
-  bias = info.maxexp - 1  # 127 for float32
-  a = amax.astype(wide)
-  field = (jax.lax.bitcast_convert_type(a, ints) >> info.nmant) & (2 * bias + 1)
-  # a = f * 2**e, f in [0.5, 1), e = field - bias + 1; 2**-e has the field
-  # bias - e. At most 2**(1 - bias), the smallest normal (a >= 2**(bias -
-  # 1), near float32's max: the result's max-abs entry is then in [1, 4)).
-  scale_field = jnp.maximum(2 * bias - 1 - field, 1).astype(ints)
-  factor = jax.lax.bitcast_convert_type(scale_field << info.nmant, wide)
-  return jnp.where((a > LARGE) & (a < jnp.inf), factor, 1).astype(dtype)
 
 
 def pack_symmetric(a: jax.Array) -> jax.Array:
@@ -242,11 +213,8 @@ class Stages:
               m, nn = plan.units[u].shape
               split = bucket.tp_split
               g_size, w = (m, nn) if split == -1 else (nn, m)
-              # As _tensor_parallel: a Gram over the long side restarts
-              # twice.
-              long_gram = k >= 4 and g_size > w * self.tp_size
-              restarts = _newton_schulz.check_restart_iterations(
-                (1, 3) if long_gram else None, k
+              restarts = _newton_schulz.tp_restarts(
+                None, k, g_size, w * self.tp_size
               )
               segments = _newton_schulz.gram_segments(k, restarts)
               mine.append(
@@ -360,10 +328,6 @@ def needs_stages(olayout, lay) -> bool:
   if lay.plan.groups:
     return True
   return olayout.tp_size > 1 and any(s is not None for s in lay.tp_splits)
-
-
-def _orient(x, split):
-  return x if split == -1 else jnp.swapaxes(x, -1, -2)
 
 
 class Carry(NamedTuple):
@@ -552,8 +516,7 @@ class _Bodies:
     see ``_collectives.in_loop``)."""
     raw = self.st.lay.matrix_at(hat[t.group], off, t.shape)
     raw = _collectives.in_loop(raw, carry)
-    f = rescale_factor(_row(amax, i), raw.dtype)
-    return (raw * f.astype(raw.dtype)).astype(self.norm)
+    return _newton_schulz.rescale_large(raw, _row(amax, i)).astype(self.norm)
 
   def gram(self, r: _Rows, c: Carry, hat, p) -> Carry:
     st = self.st
@@ -562,7 +525,7 @@ class _Bodies:
       grams, x = carry
       t = typ[0]
       xi = self._scaled(hat, c.group_amax, t, off, pos, carry)
-      m = _orient(xi, t.split)
+      m = _newton_schulz.split_last(xi, t.split)
       grams = _add_row(grams, held, _packed(m @ m.T, st.block))
       return grams, _put(x, t.group, off, xi)
 
@@ -570,7 +533,7 @@ class _Bodies:
       grams, x = carry
       t = typ[0]
       xi = self._scaled(hat, c.tp_amax, t, off, i, carry)
-      m = _orient(xi, t.split)
+      m = _newton_schulz.split_last(xi, t.split)
       return _set_block(grams, block, m @ m.T), _put(x, t.group, off, xi)
 
     grams, x = _each(
@@ -588,9 +551,7 @@ class _Bodies:
     start, end = segments[w]
     sc = jnp.ones((), norm)
     if w == 0:
-      norm_sq = jnp.trace(g.astype(norm))
-      nrm = jnp.sqrt(jnp.maximum(norm_sq, 0)) + self.eps
-      sc = (1 / jnp.where(nrm > 0, nrm, 1)).astype(norm)
+      sc = _newton_schulz.frobenius_scale(g.astype(norm), self.eps).astype(norm)
       r = cd(g.astype(norm) * sc**2)
     else:
       r = cd(g)
@@ -633,8 +594,8 @@ class _Bodies:
     ``put_dot``."""
     lay, norm, cd = self.st.lay, self.norm, self.cd
     xi = lay.matrix_at(xs[t.group], off, t.shape)
-    m = cd(factor) @ cd(_orient(xi, t.split))
-    new = _orient(m, t.split).astype(norm)
+    m = cd(factor) @ cd(_newton_schulz.split_last(xi, t.split))
+    new = _newton_schulz.split_last(m, t.split).astype(norm)
     xs = _put(xs, t.group, off, new)
     if not last:
       grams = put_gram(grams, m @ m.T)

@@ -1,13 +1,7 @@
-"""Newton-Schulz orthogonalization (direct, Gram and tensor-parallel Gram
-forms), presets, the large-matrix rescale and the FLOP model.
-
-The Gram iteration (:func:`gram_factor` per restart window,
-:func:`gram_iterate` over the windows) takes the reduction of the local
-Grams as an argument: none for whole matrices, a ``psum`` over the TP axis
-for :func:`orthogonalize_via_gram_newton_schulz_tp`; ``_staged`` runs the
-same windows with its reductions (TP ``psum``, owner-group rounds) between
-stages.
-"""
+"""Newton-Schulz (direct, Gram, TP Gram), presets, the large-matrix rescale,
+the FLOP model. One Gram iteration (:func:`gram_factor` per restart window,
+:func:`gram_iterate` over them) for whole and TP matrices, the Grams'
+reduction an argument; ``_staged`` reduces between its stages instead."""
 
 import math
 from collections.abc import Callable, Sequence
@@ -348,9 +342,7 @@ def _coeffs(row: np.ndarray, dtype: jnp.dtype) -> tuple[jax.Array, ...]:
   return tuple(jnp.asarray(v, dtype=dtype) for v in row)
 
 
-# Matrices whose largest entry exceeds this are divided by a power of two
-# before Newton-Schulz (see rescale_large).
-LARGE = 2.0**10
+LARGE = 2.0**10  # See rescale_large.
 
 
 def rescale_large(x: jax.Array, amax: jax.Array | None = None) -> jax.Array:
@@ -364,17 +356,9 @@ def rescale_large(x: jax.Array, amax: jax.Array | None = None) -> jax.Array:
   such matrices are brought to a max-abs entry in ``[0.5, 1)`` first. The
   factor is a power of two, so the scaling itself rounds nothing, and
   matrices at most ``LARGE`` (and dtypes whose range stays below it) are
-  left bitwise as they are.
-
-  Args:
-    x: ``(..., m, n)`` matrices.
-    amax: (optional, default None) their max-abs entries, broadcastable
-      against ``x``; None takes them from ``x``. A matrix split over devices
-      passes the maximum over its pieces (``_staged``: a ``pmax``).
-
-  Returns:
-    ``x``, each matrix scaled by an exact power of two (or by 1).
-  """
+  left bitwise as they are. ``amax``: the max-abs entries of the ``(..., m,
+  n)`` matrices ``x`` (broadcastable), None to read them from ``x``; a
+  matrix split over devices passes its pieces' maximum (``_staged``)."""
   if not jnp.issubdtype(x.dtype, jnp.floating) or (
     jnp.finfo(x.dtype).max <= LARGE
   ):
@@ -626,8 +610,6 @@ def orthogonalize_via_gram_newton_schulz(
     'orthogonalize_via_gram_newton_schulz', x, preconditioning, compute_dtype
   )
   x0, r, transposed = _prepare(x, preconditioning, eps, compute_dtype)
-  if r is None:
-    r = x0 @ _transpose(x0)
   return _finish(gram_iterate(x0, r, rows, restarts), transposed, x)
 
 
@@ -659,19 +641,17 @@ def gram_factor(r: jax.Array, rows: np.ndarray) -> jax.Array:
 
 def gram_iterate(
   x0: jax.Array,
-  r: jax.Array,
+  r: jax.Array | None,
   rows: np.ndarray,
   restarts: Sequence[int],
   reduce: Callable[[jax.Array], jax.Array] | None = None,
 ) -> jax.Array:
-  """The Gram iteration from ``X_0`` and ``R = X_0 X_0^T``; returns ``Q X_0``.
-
-  At restarts ``R`` is formed again as ``reduce(X X^T)``: ``reduce`` sums
-  the local Grams of a sharded ``X`` (a ``psum`` over its tensor-parallel
-  axis); None for a whole ``X``.
-  """
+  """The Gram iteration from ``X_0`` and ``R = X_0 X_0^T`` (None: formed
+  here); returns ``Q X_0``. ``R`` is formed as ``reduce(X X^T)``: a sum of
+  the local Grams of a sharded ``X`` (a ``psum`` over its TP axis); None
+  for a whole ``X``."""
   for w, (start, end) in enumerate(gram_segments(len(rows), restarts)):
-    if w:
+    if w or r is None:
       r = x0 @ _transpose(x0)
       r = r if reduce is None else reduce(r)
     x0 = gram_factor(r, rows[start:end]) @ x0
@@ -679,16 +659,14 @@ def gram_iterate(
 
 
 def frobenius_scale(gram: jax.Array, eps: jax.typing.ArrayLike) -> jax.Array:
-  """``1 / (||X||_F + eps)`` (1 where that is zero) from the Gram ``X X^T``
-  of each matrix (its trace is ``||X||_F^2``): the normalization of a
-  matrix whose Gram is summed over its pieces."""
+  """``1 / (||X||_F + eps)`` (1 where that is zero) from ``X X^T``: the
+  Frobenius normalization of a matrix from its pieces' summed Grams."""
   norm = jnp.sqrt(jnp.maximum(jnp.trace(gram, axis1=-2, axis2=-1), 0)) + eps
   return 1 / jnp.where(norm > 0, norm, 1)
 
 
 def split_last(x: jax.Array, split_axis: int) -> jax.Array:
-  """``x`` arranged with its split dimension last (``split_axis`` -1: as
-  it is; -2: transposed), so that ``x x^T`` is the Gram of the unsplit one."""
+  """``x`` with its split dimension (``split_axis``: -1 or -2) last."""
   return x if split_axis == -1 else _transpose(x)
 
 
@@ -698,14 +676,12 @@ def tp_restarts(
   gram_size: int,
   other_size: int,
 ) -> tuple[int, ...]:
-  """The restarts of a Gram iteration of a TP-split matrix, whose Gram is
-  ``gram_size`` square and whose whole other side is ``other_size``.
-
-  None: ``(1, 3)`` for a Gram over the long side with at least 4
-  iterations (its large null space's rounding is amplified by the
-  iteration; seen: 1.6e-5 against direct NS with one restart on 32 x 128,
-  3.7e-6 with two), else the default of :func:`check_restart_iterations`.
-  """
+  """The restarts of a TP-split matrix's Gram iteration (Gram
+  ``gram_size`` square, the whole other side ``other_size``). None:
+  ``(1, 3)`` for a Gram over the long side and >= 4 iterations (the
+  iteration amplifies the rounding in its large null space; seen: 1.6e-5
+  against direct NS with one restart on 32 x 128, 3.7e-6 with two), else
+  :func:`check_restart_iterations`'s default."""
   long_gram = num_iterations >= 4 and gram_size > other_size
   if restart_iterations is None and long_gram:
     restart_iterations = (1, 3)
@@ -730,11 +706,9 @@ def orthogonalize_via_gram_newton_schulz_tp(
   :func:`dmuon_jax.orthogonalize_via_newton_schulz` with Frobenius
   normalization).
 
-  Formulation: with ``X`` arranged so that the split dimension is the last
-  one, ``X = [X_1 | ... | X_T]``, the Gram of the unsplit dimension is
-  ``R = X X^T = sum_t X_t X_t^T``: one ``psum`` of a ``g x g`` matrix (``g``
-  the unsplit size) per restart window, and ``||X||_F^2 = trace(R)`` comes
-  with it. Each shard then iterates ``Z = a I + b R + c R^2, Q <- Z Q,
+  With the split dimension last, ``X = [X_1 | ... | X_T]``, the Gram of
+  the unsplit dimension is ``R = X X^T = sum_t X_t X_t^T``: one ``psum`` of
+  a ``g x g`` matrix per restart window, ``||X||_F^2 = trace(R)`` with it. Each shard then iterates ``Z = a I + b R + c R^2, Q <- Z Q,
   R <- Z R Z`` on ``g x g`` matrices and returns ``Q X_t``. When TP splits
   the long side (Megatron column-parallel ``(d, f)`` split along ``f``,
   row-parallel ``(f, d)`` split along ``f``), ``g`` is the short side:

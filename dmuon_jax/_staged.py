@@ -398,14 +398,6 @@ def _add_row(v, i, value):
   return jax.lax.dynamic_update_index_in_dim(v, new, i, 0)
 
 
-def _max_at(v, i, value):
-  return v.at[i].max(value.astype(v.dtype))
-
-
-def _add_at(v, i, value):
-  return v.at[i].add(value.astype(v.dtype))
-
-
 def _set_block(v, start, value):
   return jax.lax.dynamic_update_slice_in_dim(
     v, value.reshape(-1).astype(v.dtype), start, 0
@@ -481,33 +473,39 @@ class _Bodies:
   def cd(self, x):
     return x.astype(self.compute_dtype or x.dtype)
 
-  def _both(self, r: _Rows, c: Carry, hat, p, fn, slices, tps):
-    """``fn(carry, type, offset, position)`` for each slice (position: its
-    group's row position; carry starting at ``slices``) and each TP matrix
-    (its place in the slot's TP vectors; from ``tps``)."""
-    return tuple(
-      _each(
-        (hat, p, c),
-        types,
-        rows,
-        lambda v, typ, off, _, i: fn(v, typ[0], off, i),
-        start,
-      )
-      for types, rows, start in (
-        (self.st.slice_types, r.slices, slices),
-        (self.st.tp_types, r.tps, tps),
-      )
+  def _over(self, kind, r: _Rows, c: Carry, hat, p, fn, carry):
+    """``carry = fn(carry, kind, type, offset, at, position)`` for each of
+    the slot's owner-group slices (``kind`` 0; ``at``: its held group) or
+    TP matrices (1; ``at``: its Gram's offset in the TP block); position:
+    its place in the per-matrix vectors (amax, dots)."""
+    types, rows = ((self.st.slice_types, r.slices), (self.st.tp_types, r.tps))[
+      kind
+    ]
+    return _each(
+      (hat, p, c),
+      types,
+      rows,
+      lambda v, typ, off, at, i: fn(v, kind, typ[0], off, at, i),
+      carry,
     )
+
+  def _put_gram(self, kind, v, at, gram):
+    """A slice's Gram packed and added to its held group's row; a TP
+    matrix's set at its block."""
+    if kind == 0:
+      return _add_row(v, at, _packed(gram, self.st.block))
+    return _set_block(v, at, gram)
 
   def amax(self, r: _Rows, c: Carry, hat, p) -> Carry:
     c = c._replace(out=self.plain_update(r.plain, hat, p))
     lay = self.st.lay
 
-    def one(v, t, off, i):
+    def one(v, kind, t, off, at, i):
       x = lay.matrix_at(hat[t.group], off, t.shape)
-      return _max_at(v, i, jnp.max(jnp.abs(x), initial=0))
+      return v.at[i].max(jnp.max(jnp.abs(x), initial=0).astype(v.dtype))
 
-    amax, tp_amax = self._both(r, c, hat, p, one, c.group_amax, c.tp_amax)
+    amax = self._over(0, r, c, hat, p, one, c.group_amax)
+    tp_amax = self._over(1, r, c, hat, p, one, c.tp_amax)
     return c._replace(group_amax=amax, tp_amax=tp_amax)
 
   def _scaled(self, hat, amax, t, off, i, carry):
@@ -519,29 +517,16 @@ class _Bodies:
     return _newton_schulz.rescale_large(raw, _row(amax, i)).astype(self.norm)
 
   def gram(self, r: _Rows, c: Carry, hat, p) -> Carry:
-    st = self.st
-
-    def one_slice(carry, typ, off, held, pos):
+    def one(carry, kind, t, off, at, i):
       grams, x = carry
-      t = typ[0]
-      xi = self._scaled(hat, c.group_amax, t, off, pos, carry)
+      amax = (c.group_amax, c.tp_amax)[kind]
+      xi = self._scaled(hat, amax, t, off, i, carry)
       m = _newton_schulz.split_last(xi, t.split)
-      grams = _add_row(grams, held, _packed(m @ m.T, st.block))
+      grams = self._put_gram(kind, grams, at, m @ m.T)
       return grams, _put(x, t.group, off, xi)
 
-    def one_tp(carry, typ, off, block, i):
-      grams, x = carry
-      t = typ[0]
-      xi = self._scaled(hat, c.tp_amax, t, off, i, carry)
-      m = _newton_schulz.split_last(xi, t.split)
-      return _set_block(grams, block, m @ m.T), _put(x, t.group, off, xi)
-
-    grams, x = _each(
-      (hat, p, c), st.slice_types, r.slices, one_slice, (c.held_grams, c.x)
-    )
-    tp_grams, x = _each(
-      (hat, p, c), st.tp_types, r.tps, one_tp, (c.tp_grams, x)
-    )
+    grams, x = self._over(0, r, c, hat, p, one, (c.held_grams, c.x))
+    tp_grams, x = self._over(1, r, c, hat, p, one, (c.tp_grams, x))
     return c._replace(held_grams=grams, tp_grams=tp_grams, x=x)
 
   def _factor(self, w, segments, g):
@@ -569,9 +554,8 @@ class _Bodies:
       packed = _packed(fac.astype(norm), st.block)
       return jax.lax.dynamic_update_index_in_dim(q, packed, i, 0)
 
-    def one_tp(carry, typ, off, block, i):
+    def one_tp(carry, kind, t, off, block, i):
       qt, x = carry
-      t = typ[0]
       if w >= len(t.segments):
         return carry
       gram = _get_block(c.tp_grams, block, t.gram)
@@ -584,80 +568,45 @@ class _Bodies:
     q = c.owned_factors
     if w < st.group_windows:
       q = _each((hat, p, c), st.iter_types[w], r.iters[w], one_group, q)
-    qt, x = _each((hat, p, c), st.tp_types, r.tps, one_tp, (c.tp_factors, c.x))
+    qt, x = self._over(1, r, c, hat, p, one_tp, (c.tp_factors, c.x))
     return c._replace(owned_factors=q, tp_factors=qt, x=x)
 
-  def _step(self, t, xs, off, factor, last, hat, grams, put_gram, dot, put_dot):
-    """One window of a slice or TP matrix of type ``t`` at ``off``: ``x``
-    left-multiplied by the window's ``factor``; the next window's Gram put
-    by ``put_gram``, or (last window, adaptive) the dual norm's term by
-    ``put_dot``."""
-    lay, norm, cd = self.st.lay, self.norm, self.cd
-    xi = lay.matrix_at(xs[t.group], off, t.shape)
-    m = cd(factor) @ cd(_newton_schulz.split_last(xi, t.split))
-    new = _newton_schulz.split_last(m, t.split).astype(norm)
-    xs = _put(xs, t.group, off, new)
-    if not last:
-      grams = put_gram(grams, m @ m.T)
-    elif self.adaptive:
-      h = lay.matrix_at(hat[t.group], off, t.shape)
-      dot = put_dot(dot, jnp.sum(h.astype(norm) * new))
-    return xs, grams, dot
-
   def apply(self, w, r: _Rows, c: Carry, hat, p) -> Carry:
-    st = self.st
-    last = w + 1 == len(st.group_segments)
+    """One window of each slice and TP matrix: ``x`` left-multiplied by the
+    window's factor; then the next window's Gram, or (last window,
+    adaptive) the dual norm's term."""
+    st, lay, norm, cd = self.st, self.st.lay, self.norm, self.cd
 
-    def one_slice(carry, typ, off, held, pos):
-      t = typ[0]
-      factor = unpack_symmetric(_row(c.held_factors, held), t.gram)
-      xs, grams, dot = carry
-      return self._step(
-        t,
-        xs,
-        off,
-        factor,
-        last,
-        hat,
-        grams,
-        lambda v, gram: _add_row(v, held, _packed(gram, st.block)),
-        dot,
-        lambda v, d: _add_at(v, pos, d),
-      )
-
-    def one_tp(carry, typ, off, block, i):
-      t = typ[0]
-      if w >= len(t.segments):
+    def one(carry, kind, t, off, at, i):
+      segments = t.segments if kind else st.group_segments
+      if w >= len(segments):
         return carry
-      factor = _get_block(c.tp_factors, block, t.gram)
+      if kind == 0:
+        factor = unpack_symmetric(_row(c.held_factors, at), t.gram)
+      else:
+        factor = _get_block(c.tp_factors, at, t.gram)
       xs, grams, dot = carry
-      return self._step(
-        t,
-        xs,
-        off,
-        factor,
-        w + 1 == len(t.segments),
-        hat,
-        grams,
-        lambda v, gram: _set_block(v, block, gram),
-        dot,
-        lambda v, d: v.at[i].set(d.astype(v.dtype)),
-      )
+      xi = lay.matrix_at(xs[t.group], off, t.shape)
+      m = cd(factor) @ cd(_newton_schulz.split_last(xi, t.split))
+      new = _newton_schulz.split_last(m, t.split).astype(norm)
+      xs = _put(xs, t.group, off, new)
+      if w + 1 < len(segments):
+        grams = self._put_gram(kind, grams, at, m @ m.T)
+      elif self.adaptive:
+        h = lay.matrix_at(hat[t.group], off, t.shape)
+        d = jnp.sum(h.astype(norm) * new).astype(dot.dtype)
+        dot = dot.at[i].set(d) if kind else dot.at[i].add(d)
+      return xs, grams, dot
 
     # The next window's Grams, made when this window's factors are (see
     # _collectives.zero_after), not at the start of the step.
     tie = _collectives.zero_after(c.held_factors, c.tp_factors)
     x, grams, dot_g = c.x, _zeros_like(c.held_grams, tie), c.group_dots
     if w < st.group_windows:
-      x, grams, dot_g = _each(
-        (hat, p, c), st.slice_types, r.slices, one_slice, (x, grams, dot_g)
-      )
-    x, tp_grams, dot_t = _each(
-      (hat, p, c),
-      st.tp_types,
-      r.tps,
-      one_tp,
-      (x, _zeros_like(c.tp_grams, tie), c.tp_dots),
+      x, grams, dot_g = self._over(0, r, c, hat, p, one, (x, grams, dot_g))
+    tp_grams = _zeros_like(c.tp_grams, tie)
+    x, tp_grams, dot_t = self._over(
+      1, r, c, hat, p, one, (x, tp_grams, c.tp_dots)
     )
     return c._replace(
       held_grams=grams, tp_grams=tp_grams, x=x, group_dots=dot_g, tp_dots=dot_t
@@ -666,8 +615,8 @@ class _Bodies:
   def finish_all(self, r: _Rows, c: Carry, hat, p) -> Carry:
     lay = self.st.lay
 
-    def one(out, typ, off, dots, i):
-      t = typ[0]
+    def one(out, kind, t, off, at, i):
+      dots = (c.group_dots, c.tp_dots)[kind]
       res = self.finish(
         t.unit,
         lay.matrix_at(c.x[t.group], off, t.shape),
@@ -676,21 +625,8 @@ class _Bodies:
       )
       return _put(out, t.group, off, res)
 
-    out = _each(
-      (hat, p, c),
-      self.st.slice_types,
-      r.slices,
-      lambda o, typ, off, held, pos: one(o, typ, off, c.group_dots, pos),
-      c.out,
-    )
-    out = _each(
-      (hat, p, c),
-      self.st.tp_types,
-      r.tps,
-      lambda o, typ, off, block, i: one(o, typ, off, c.tp_dots, i),
-      out,
-    )
-    return c._replace(out=out)
+    out = self._over(0, r, c, hat, p, one, c.out)
+    return c._replace(out=self._over(1, r, c, hat, p, one, out))
 
 
 def _stage(st, body, tables, c: Carry, hat, params, vary, dynamic):

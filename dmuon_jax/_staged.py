@@ -80,25 +80,16 @@ def unpack_symmetric(v: jax.Array, g: int) -> jax.Array:
   return a[:g, :g]
 
 
-class _Slice(NamedTuple):
-  """A type of owner-group slices, as a stage's loop body reads it."""
+class _Type(NamedTuple):
+  """A type of owner-group slices or of TP-split matrices (every TP shard
+  iterates those), as a stage's loop body reads it."""
 
   unit: int  # a representative unit (the finish reads only its key)
   shape: tuple[int, int]
   split: int  # -1: columns split (Gram over rows), -2: rows split
   gram: int  # g, the Gram's size
   group: int  # dtype group of its buffer
-
-
-class _TP(NamedTuple):
-  """A type of TP-split matrices (every TP shard iterates them)."""
-
-  unit: int
-  shape: tuple[int, int]
-  split: int
-  gram: int
-  group: int
-  segments: tuple[tuple[int, int], ...]
+  segments: tuple[tuple[int, int], ...]  # its restart windows
 
 
 def _typed(per_slot, n):
@@ -205,8 +196,13 @@ class Stages:
             if bucket.grouped:
               j = plan.units[u].group
               spec = plan.leaves[lay.unit_leaf[u]]
-              typ = _Slice(
-                u, plan.units[u].shape, spec.split_axis, groups[j].gram_size, gi
+              typ = _Type(
+                u,
+                plan.units[u].shape,
+                spec.split_axis,
+                groups[j].gram_size,
+                gi,
+                self.group_segments,
               )
               found.append((j, typ + (key_of(u),)))
             elif bucket.tp_split is not None:
@@ -218,7 +214,7 @@ class Stages:
               )
               segments = _newton_schulz.gram_segments(k, restarts)
               mine.append(
-                _TP(u, (m, nn), split, g_size, gi, segments) + (key_of(u),)
+                _Type(u, (m, nn), split, g_size, gi, segments) + (key_of(u),)
               )
       held = sorted({j for j, _ in found})
       local = {j: i for i, j in enumerate(held)}
@@ -239,9 +235,9 @@ class Stages:
       tp_sizes.append(used)
       tp_counts.append(len(mine))
     types, self.slice_tables, self.slice_trips = _typed(slices, self.n)
-    self.slice_types = [(_Slice(*t[:5]), t[5]) for t in types]
+    self.slice_types = [(_Type(*t[:6]), t[6]) for t in types]
     types, self.tp_tables, self.tp_trips = _typed(tps, self.n)
-    self.tp_types = [(_TP(*t[:6]), t[6]) for t in types]
+    self.tp_types = [(_Type(*t[:6]), t[6]) for t in types]
     self.iter_types, self.iter_tables, self.iter_trips = [], [], []
     for per_slot in self.iterated:
       iters = [
@@ -578,8 +574,7 @@ class _Bodies:
     st, lay, norm, cd = self.st, self.st.lay, self.norm, self.cd
 
     def one(carry, kind, t, off, at, i):
-      segments = t.segments if kind else st.group_segments
-      if w >= len(segments):
+      if w >= len(t.segments):
         return carry
       if kind == 0:
         factor = unpack_symmetric(_row(c.held_factors, at), t.gram)
@@ -590,7 +585,7 @@ class _Bodies:
       m = cd(factor) @ cd(_newton_schulz.split_last(xi, t.split))
       new = _newton_schulz.split_last(m, t.split).astype(norm)
       xs = _put(xs, t.group, off, new)
-      if w + 1 < len(segments):
+      if w + 1 < len(t.segments):
         grams = self._put_gram(kind, grams, at, m @ m.T)
       elif self.adaptive:
         h = lay.matrix_at(hat[t.group], off, t.shape)
@@ -629,26 +624,15 @@ class _Bodies:
     return c._replace(out=self._over(1, r, c, hat, p, one, out))
 
 
-def _stage(st, body, tables, c: Carry, hat, params, vary, dynamic):
-  """One stage: ``body`` with this device's rows of ``tables`` (one program
-  for every slot where they are read at run time)."""
-
-  def f(rows, c, hat, p):
-    out = body(_rows(st, len(tables) - len(st.tables()), rows), c, hat, p)
-    return jax.tree.map(lambda y: _vary(y, vary), out)
-
-  return _collectives.with_slot_rows(
-    st.axes, st.n, f, tables, c, hat, params, dynamic=dynamic
-  )
-
-
-def _exchange(
-  st: Stages, slot, own, rounds, send, recv, blocks, like, vary, tie
-):
-  """One direction of the groups' exchange, into zeros like ``like`` (made
-  when ``tie`` is): a slot's own ``blocks`` (``own``, see :func:`_own`),
-  then per round each sender's ``blocks[send]`` to its peer, added to the
-  receiver's ``[recv]``."""
+def _exchange(st: Stages, w, direction, slot, blocks, like, vary, tie):
+  """Window ``w``'s exchange (``direction``: ``'reduce'``, the Grams to
+  their iteration owners, or ``'broadcast'``, the factors back), into
+  zeros like ``like`` (made when ``tie`` is): a slot's own ``blocks`` (see
+  :func:`_own`), then per round each sender's ``blocks[send]`` to its
+  peer, added to the receiver's ``[recv]``."""
+  own = (st.own_gram if direction == 'reduce' else st.own_factor)[w]
+  rounds = getattr(st.schedules[w], direction)
+  send, recv = getattr(st, direction)[w]
   into = _own(own, slot, blocks, _zeros_like(like, tie))
   send_row = jnp.asarray(send)[slot]
   recv_row = jnp.asarray(recv)[slot]
@@ -728,10 +712,30 @@ def run(
     norm,
   )
   tables = list(plain_work.offsets) + st.tables()
-  dynamic = st.lay.dynamic
 
   def stage(body, c):
-    return _stage(st, body, tables, c, hat, params, vary, dynamic)
+    """One stage: ``body`` with this device's rows of ``tables`` (one
+    program for every slot where they are read at run time)."""
+
+    def f(rows, c, hat, p):
+      out = body(_rows(st, len(plain_work.offsets), rows), c, hat, p)
+      return jax.tree.map(lambda y: _vary(y, vary), out)
+
+    return _collectives.with_slot_rows(
+      st.axes, st.n, f, tables, c, hat, params, dynamic=st.lay.dynamic
+    )
+
+  def reduced(c, op, name):
+    """The per-matrix vectors ``name`` reduced over each matrix's devices:
+    a group's members, a TP matrix's shards."""
+    for kind, has, axis in (
+      ('group', st.has_groups, st.group_axis),
+      ('tp', st.has_tp, st.tp_axis),
+    ):
+      if has:
+        field = f'{kind}_{name}'
+        c = c._replace(**{field: op(getattr(c, field), axis)})
+    return c
 
   # Buffers made from zeros wait for this group's inputs (else XLA may make
   # them at the start of the step and hold them through it).
@@ -740,26 +744,14 @@ def run(
   c = jax.tree.map(lambda y: _vary(y, vary), c)
   slot = _collectives.slot_index(st.axes) if st.n > 1 else 0
   # Collectives run between the stages, on every device.
-  c = stage(bodies.amax, c)
-  if st.has_groups:
-    c = c._replace(group_amax=jax.lax.pmax(c.group_amax, st.group_axis))
-  if st.has_tp:
-    c = c._replace(tp_amax=jax.lax.pmax(c.tp_amax, st.tp_axis))
+  c = reduced(stage(bodies.amax, c), jax.lax.pmax, 'amax')
   c = stage(bodies.gram, c)
   for w in range(st.windows):
     # The groups' windows (TP matrices may restart more often).
     grouped = w < st.group_windows
     if grouped:
       owned = _exchange(
-        st,
-        slot,
-        st.own_gram[w],
-        st.schedules[w].reduce,
-        *st.reduce[w],
-        c.held_grams,
-        c.owned_grams,
-        vary,
-        tie,
+        st, w, 'reduce', slot, c.held_grams, c.owned_grams, vary, tie
       )
       c = c._replace(owned_grams=owned)
     if st.has_tp:
@@ -767,23 +759,12 @@ def run(
     c = stage(functools.partial(bodies.iterate, w), c)
     if grouped:
       factors = _exchange(
-        st,
-        slot,
-        st.own_factor[w],
-        st.schedules[w].broadcast,
-        *st.broadcast[w],
-        c.owned_factors,
-        c.held_factors,
-        vary,
-        tie,
+        st, w, 'broadcast', slot, c.owned_factors, c.held_factors, vary, tie
       )
       c = c._replace(held_factors=factors)
     c = stage(functools.partial(bodies.apply, w), c)
   if adaptive:
-    if st.has_groups:
-      c = c._replace(group_dots=jax.lax.psum(c.group_dots, st.group_axis))
-    if st.has_tp:
-      c = c._replace(tp_dots=jax.lax.psum(c.tp_dots, st.tp_axis))
+    c = reduced(c, jax.lax.psum, 'dots')
   c = stage(bodies.finish_all, c)
   return c.out
 

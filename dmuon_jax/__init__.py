@@ -26,6 +26,9 @@ from dmuon_jax._newton_schulz import (
   orthogonalize_via_gram_newton_schulz as orthogonalize_via_gram_newton_schulz,
 )
 from dmuon_jax._newton_schulz import (
+  orthogonalize_via_gram_newton_schulz_tp as orthogonalize_via_gram_newton_schulz_tp,
+)
+from dmuon_jax._newton_schulz import (
   orthogonalize_via_newton_schulz as orthogonalize_via_newton_schulz,
 )
 from dmuon_jax._newton_schulz import resolve_ns_coeffs as resolve_ns_coeffs
@@ -37,9 +40,6 @@ from dmuon_jax._report import DMuonWarning as DMuonWarning
 from dmuon_jax._routing import default_muon_predicate as default_muon_predicate
 from dmuon_jax._steps import local_value_and_grad as local_value_and_grad
 from dmuon_jax._steps import mean_over_devices as mean_over_devices
-from dmuon_jax._tensor_parallel import (
-  orthogonalize_via_gram_newton_schulz_tp as orthogonalize_via_gram_newton_schulz_tp,
-)
 from dmuon_jax._transform import ScaleByDMuonState as ScaleByDMuonState
 from dmuon_jax._transform import owner_layouts as owner_layouts
 from dmuon_jax._transform import scale_by_dmuon as scale_by_dmuon

@@ -222,7 +222,7 @@ class Layout:
       dtypes: the buffer dtype of each of ``plan.leaves``.
       tp_splits: per ``plan.leaves`` entry, None, or the matrix axis (-1
         columns, -2 rows) that a tensor-parallel mesh axis splits; the plan
-        then holds each TP shard's slice (see ``_tensor_parallel``).
+        then holds each TP shard's slice (see ``_staged``).
       logical: per ``plan.leaves`` entry, None, or the param's own (whole)
         shape when the plan holds it zero-padded (an unevenly sharded leaf,
         padded to a multiple of its devices per sharded dimension).

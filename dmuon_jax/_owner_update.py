@@ -41,10 +41,6 @@ PRECONDITIONINGS = ('frobenius', 'spectral', 'aol', 'schatten')
 COMPUTE_DTYPES = ('float32', 'bfloat16', 'float16', 'float64')
 NONFINITE = ('skip', 'propagate')
 
-# Matrices whose largest entry exceeds this are divided by a power of two
-# before Newton-Schulz (see rescale_large).
-_LARGE = _staged.LARGE
-
 
 def static_dtype(value: Any, name: str) -> np.dtype | None:
   """A dtype argument (None, a dtype or its name) as a numpy dtype.
@@ -268,38 +264,6 @@ def momentum_update(grads, mus, count_inc, *, beta, nesterov, rule):
   return new, hat
 
 
-def rescale_large(stack: jax.Array, tp_axis: str | None = None) -> jax.Array:
-  """Divides each matrix whose max-abs entry exceeds ``_LARGE`` by 2^k.
-
-  Newton-Schulz normalizes in float32 through sums of squares (the Frobenius
-  norm, the Gram matrix ``X X^T`` and, for ``'schatten'``, its squares),
-  which overflow for entries above about 1e19 (1e9 for ``'schatten'``):
-  the result is then zero (``'frobenius'``) or NaN (``'aol'``,
-  ``'schatten'``). Newton-Schulz is scale invariant (up to ``eps``), so
-  such matrices are brought to a max-abs entry in ``[0.5, 1)`` first. The
-  factor is a power of two, so the scaling itself rounds nothing, and
-  matrices at most ``_LARGE`` are left bitwise as they are.
-
-  Args:
-    stack: ``(..., m, n)`` matrices.
-    tp_axis: the tensor-parallel axis over which the matrices are split
-      (inside ``shard_map``): the factor is then taken over the whole matrix.
-
-  Returns:
-    The stack, each matrix scaled by an exact power of two (or by 1).
-  """
-  if not jnp.issubdtype(stack.dtype, jnp.floating) or (
-    jnp.finfo(stack.dtype).max <= _LARGE
-  ):
-    return stack
-  # initial=0: the max-abs of an empty (e.g. (0, n)) matrix is 0, which a
-  # reduction without an identity would refuse.
-  amax = jnp.max(jnp.abs(stack), axis=(-2, -1), keepdims=True, initial=0)
-  if tp_axis is not None:
-    amax = jax.lax.pmax(amax, tp_axis)
-  return stack * _staged.rescale_factor(amax, stack.dtype).astype(stack.dtype)
-
-
 def shape_scale(fan_in: int, fan_out: int, consistent_rms=None):
   """Muon's shape factor for a ``(fan_in, fan_out)`` matrix (as optax).
 
@@ -322,7 +286,7 @@ def orthogonalize(
   adaptive scaling, the cast to the updates' dtype ``out_dtype`` and the
   shape factor of ``full_shape``. (Matrices split over devices, by owner
   groups or a tensor-parallel axis, run in ``_staged``.)"""
-  x = rescale_large(stack)
+  x = _newton_schulz.rescale_large(stack)
   algo = cfg.ns_algorithm
   if algo == 'auto':
     algo = _newton_schulz.cheaper_ns_algorithm(*x.shape[-2:], len(cfg.coeffs))

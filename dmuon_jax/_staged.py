@@ -11,7 +11,7 @@ computes fixed-shape local results (local Grams, factors, slices), and
 between stages the collectives run on every device:
 
 * ``pmax`` of per-matrix max-abs entries (the power-of-two rescaling of
-  huge matrices, as ``_owner_update.rescale_large``);
+  huge matrices, ``_newton_schulz.rescale_large``);
 * per restart window, the local Grams summed: over the TP axis by ``psum``
   (every TP shard then iterates its matrix, as before); for owner groups
   each member's Gram goes to its group's iteration owner and the factor
@@ -41,35 +41,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from dmuon_jax import _collectives, _layout, _newton_schulz, _plan
-
-# Matrices whose largest entry exceeds this are divided by a power of two
-# before Newton-Schulz (see _owner_update.rescale_large).
-LARGE = 2.0**10
-
-
-def rescale_factor(amax: jax.Array, dtype) -> jax.Array:
-  """The power of two that brings a matrix whose max-abs entry is ``amax``
-  (above ``LARGE``) to a max-abs entry in ``[0.5, 1)``; 1 otherwise, and for
-  dtypes whose range stays below ``LARGE`` (see
-  ``_owner_update.rescale_large``)."""
-  if not jnp.issubdtype(dtype, jnp.floating) or (jnp.finfo(dtype).max <= LARGE):
-    return jnp.ones(jnp.shape(amax), dtype)
-  # The factor is built from the IEEE 754 exponent field (as frexp reads
-  # it): a few integer ops, where jnp.frexp + jnp.ldexp expand to ~60 ops
-  # per call (a third of a small model's compiled update). Exact: float32
-  # holds every bfloat16/float16 value.
-  wide = jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
-  info = jnp.finfo(wide)
-  ints = jnp.int64 if wide == jnp.float64 else jnp.int32
-  bias = info.maxexp - 1  # 127 for float32
-  a = amax.astype(wide)
-  field = (jax.lax.bitcast_convert_type(a, ints) >> info.nmant) & (2 * bias + 1)
-  # a = f * 2**e, f in [0.5, 1), e = field - bias + 1; 2**-e has the field
-  # bias - e. At most 2**(1 - bias), the smallest normal (a >= 2**(bias -
-  # 1), near float32's max: the result's max-abs entry is then in [1, 4)).
-  scale_field = jnp.maximum(2 * bias - 1 - field, 1).astype(ints)
-  factor = jax.lax.bitcast_convert_type(scale_field << info.nmant, wide)
-  return jnp.where((a > LARGE) & (a < jnp.inf), factor, 1).astype(dtype)
 
 
 def pack_symmetric(a: jax.Array) -> jax.Array:
@@ -109,25 +80,16 @@ def unpack_symmetric(v: jax.Array, g: int) -> jax.Array:
   return a[:g, :g]
 
 
-class _Slice(NamedTuple):
-  """A type of owner-group slices, as a stage's loop body reads it."""
+class _Type(NamedTuple):
+  """A type of owner-group slices or of TP-split matrices (every TP shard
+  iterates those), as a stage's loop body reads it."""
 
   unit: int  # a representative unit (the finish reads only its key)
   shape: tuple[int, int]
   split: int  # -1: columns split (Gram over rows), -2: rows split
   gram: int  # g, the Gram's size
   group: int  # dtype group of its buffer
-
-
-class _TP(NamedTuple):
-  """A type of TP-split matrices (every TP shard iterates them)."""
-
-  unit: int
-  shape: tuple[int, int]
-  split: int
-  gram: int
-  group: int
-  segments: tuple[tuple[int, int], ...]
+  segments: tuple[tuple[int, int], ...]  # its restart windows
 
 
 def _typed(per_slot, n):
@@ -234,23 +196,25 @@ class Stages:
             if bucket.grouped:
               j = plan.units[u].group
               spec = plan.leaves[lay.unit_leaf[u]]
-              typ = _Slice(
-                u, plan.units[u].shape, spec.split_axis, groups[j].gram_size, gi
+              typ = _Type(
+                u,
+                plan.units[u].shape,
+                spec.split_axis,
+                groups[j].gram_size,
+                gi,
+                self.group_segments,
               )
               found.append((j, typ + (key_of(u),)))
             elif bucket.tp_split is not None:
               m, nn = plan.units[u].shape
               split = bucket.tp_split
               g_size, w = (m, nn) if split == -1 else (nn, m)
-              # As _tensor_parallel: a Gram over the long side restarts
-              # twice.
-              long_gram = k >= 4 and g_size > w * self.tp_size
-              restarts = _newton_schulz.check_restart_iterations(
-                (1, 3) if long_gram else None, k
+              restarts = _newton_schulz.tp_restarts(
+                None, k, g_size, w * self.tp_size
               )
               segments = _newton_schulz.gram_segments(k, restarts)
               mine.append(
-                _TP(u, (m, nn), split, g_size, gi, segments) + (key_of(u),)
+                _Type(u, (m, nn), split, g_size, gi, segments) + (key_of(u),)
               )
       held = sorted({j for j, _ in found})
       local = {j: i for i, j in enumerate(held)}
@@ -271,9 +235,9 @@ class Stages:
       tp_sizes.append(used)
       tp_counts.append(len(mine))
     types, self.slice_tables, self.slice_trips = _typed(slices, self.n)
-    self.slice_types = [(_Slice(*t[:5]), t[5]) for t in types]
+    self.slice_types = [(_Type(*t[:6]), t[6]) for t in types]
     types, self.tp_tables, self.tp_trips = _typed(tps, self.n)
-    self.tp_types = [(_TP(*t[:6]), t[6]) for t in types]
+    self.tp_types = [(_Type(*t[:6]), t[6]) for t in types]
     self.iter_types, self.iter_tables, self.iter_trips = [], [], []
     for per_slot in self.iterated:
       iters = [
@@ -361,10 +325,6 @@ def needs_stages(olayout, lay) -> bool:
   return olayout.tp_size > 1 and any(s is not None for s in lay.tp_splits)
 
 
-def _orient(x, split):
-  return x if split == -1 else jnp.swapaxes(x, -1, -2)
-
-
 class Carry(NamedTuple):
   """What the stages of :func:`run` pass on, per device."""
 
@@ -431,14 +391,6 @@ def _add_row(v, i, value):
   """``v[i] += value`` (``i`` traced or an int)."""
   new = _row(v, i) + value.astype(v.dtype)
   return jax.lax.dynamic_update_index_in_dim(v, new, i, 0)
-
-
-def _max_at(v, i, value):
-  return v.at[i].max(value.astype(v.dtype))
-
-
-def _add_at(v, i, value):
-  return v.at[i].add(value.astype(v.dtype))
 
 
 def _set_block(v, start, value):
@@ -516,33 +468,39 @@ class _Bodies:
   def cd(self, x):
     return x.astype(self.compute_dtype or x.dtype)
 
-  def _both(self, r: _Rows, c: Carry, hat, p, fn, slices, tps):
-    """``fn(carry, type, offset, position)`` for each slice (position: its
-    group's row position; carry starting at ``slices``) and each TP matrix
-    (its place in the slot's TP vectors; from ``tps``)."""
-    return tuple(
-      _each(
-        (hat, p, c),
-        types,
-        rows,
-        lambda v, typ, off, _, i: fn(v, typ[0], off, i),
-        start,
-      )
-      for types, rows, start in (
-        (self.st.slice_types, r.slices, slices),
-        (self.st.tp_types, r.tps, tps),
-      )
+  def _over(self, kind, r: _Rows, c: Carry, hat, p, fn, carry):
+    """``carry = fn(carry, kind, type, offset, at, position)`` for each of
+    the slot's owner-group slices (``kind`` 0; ``at``: its held group) or
+    TP matrices (1; ``at``: its Gram's offset in the TP block); position:
+    its place in the per-matrix vectors (amax, dots)."""
+    types, rows = ((self.st.slice_types, r.slices), (self.st.tp_types, r.tps))[
+      kind
+    ]
+    return _each(
+      (hat, p, c),
+      types,
+      rows,
+      lambda v, typ, off, at, i: fn(v, kind, typ[0], off, at, i),
+      carry,
     )
+
+  def _put_gram(self, kind, v, at, gram):
+    """A slice's Gram packed and added to its held group's row; a TP
+    matrix's set at its block."""
+    if kind == 0:
+      return _add_row(v, at, _packed(gram, self.st.block))
+    return _set_block(v, at, gram)
 
   def amax(self, r: _Rows, c: Carry, hat, p) -> Carry:
     c = c._replace(out=self.plain_update(r.plain, hat, p))
     lay = self.st.lay
 
-    def one(v, t, off, i):
+    def one(v, kind, t, off, at, i):
       x = lay.matrix_at(hat[t.group], off, t.shape)
-      return _max_at(v, i, jnp.max(jnp.abs(x), initial=0))
+      return v.at[i].max(jnp.max(jnp.abs(x), initial=0).astype(v.dtype))
 
-    amax, tp_amax = self._both(r, c, hat, p, one, c.group_amax, c.tp_amax)
+    amax = self._over(0, r, c, hat, p, one, c.group_amax)
+    tp_amax = self._over(1, r, c, hat, p, one, c.tp_amax)
     return c._replace(group_amax=amax, tp_amax=tp_amax)
 
   def _scaled(self, hat, amax, t, off, i, carry):
@@ -551,33 +509,19 @@ class _Bodies:
     see ``_collectives.in_loop``)."""
     raw = self.st.lay.matrix_at(hat[t.group], off, t.shape)
     raw = _collectives.in_loop(raw, carry)
-    f = rescale_factor(_row(amax, i), raw.dtype)
-    return (raw * f.astype(raw.dtype)).astype(self.norm)
+    return _newton_schulz.rescale_large(raw, _row(amax, i)).astype(self.norm)
 
   def gram(self, r: _Rows, c: Carry, hat, p) -> Carry:
-    st = self.st
-
-    def one_slice(carry, typ, off, held, pos):
+    def one(carry, kind, t, off, at, i):
       grams, x = carry
-      t = typ[0]
-      xi = self._scaled(hat, c.group_amax, t, off, pos, carry)
-      m = _orient(xi, t.split)
-      grams = _add_row(grams, held, _packed(m @ m.T, st.block))
+      amax = (c.group_amax, c.tp_amax)[kind]
+      xi = self._scaled(hat, amax, t, off, i, carry)
+      m = _newton_schulz.split_last(xi, t.split)
+      grams = self._put_gram(kind, grams, at, m @ m.T)
       return grams, _put(x, t.group, off, xi)
 
-    def one_tp(carry, typ, off, block, i):
-      grams, x = carry
-      t = typ[0]
-      xi = self._scaled(hat, c.tp_amax, t, off, i, carry)
-      m = _orient(xi, t.split)
-      return _set_block(grams, block, m @ m.T), _put(x, t.group, off, xi)
-
-    grams, x = _each(
-      (hat, p, c), st.slice_types, r.slices, one_slice, (c.held_grams, c.x)
-    )
-    tp_grams, x = _each(
-      (hat, p, c), st.tp_types, r.tps, one_tp, (c.tp_grams, x)
-    )
+    grams, x = self._over(0, r, c, hat, p, one, (c.held_grams, c.x))
+    tp_grams, x = self._over(1, r, c, hat, p, one, (c.tp_grams, x))
     return c._replace(held_grams=grams, tp_grams=tp_grams, x=x)
 
   def _factor(self, w, segments, g):
@@ -587,9 +531,7 @@ class _Bodies:
     start, end = segments[w]
     sc = jnp.ones((), norm)
     if w == 0:
-      norm_sq = jnp.trace(g.astype(norm))
-      nrm = jnp.sqrt(jnp.maximum(norm_sq, 0)) + self.eps
-      sc = (1 / jnp.where(nrm > 0, nrm, 1)).astype(norm)
+      sc = _newton_schulz.frobenius_scale(g.astype(norm), self.eps).astype(norm)
       r = cd(g.astype(norm) * sc**2)
     else:
       r = cd(g)
@@ -607,9 +549,8 @@ class _Bodies:
       packed = _packed(fac.astype(norm), st.block)
       return jax.lax.dynamic_update_index_in_dim(q, packed, i, 0)
 
-    def one_tp(carry, typ, off, block, i):
+    def one_tp(carry, kind, t, off, block, i):
       qt, x = carry
-      t = typ[0]
       if w >= len(t.segments):
         return carry
       gram = _get_block(c.tp_grams, block, t.gram)
@@ -622,80 +563,44 @@ class _Bodies:
     q = c.owned_factors
     if w < st.group_windows:
       q = _each((hat, p, c), st.iter_types[w], r.iters[w], one_group, q)
-    qt, x = _each((hat, p, c), st.tp_types, r.tps, one_tp, (c.tp_factors, c.x))
+    qt, x = self._over(1, r, c, hat, p, one_tp, (c.tp_factors, c.x))
     return c._replace(owned_factors=q, tp_factors=qt, x=x)
 
-  def _step(self, t, xs, off, factor, last, hat, grams, put_gram, dot, put_dot):
-    """One window of a slice or TP matrix of type ``t`` at ``off``: ``x``
-    left-multiplied by the window's ``factor``; the next window's Gram put
-    by ``put_gram``, or (last window, adaptive) the dual norm's term by
-    ``put_dot``."""
-    lay, norm, cd = self.st.lay, self.norm, self.cd
-    xi = lay.matrix_at(xs[t.group], off, t.shape)
-    m = cd(factor) @ cd(_orient(xi, t.split))
-    new = _orient(m, t.split).astype(norm)
-    xs = _put(xs, t.group, off, new)
-    if not last:
-      grams = put_gram(grams, m @ m.T)
-    elif self.adaptive:
-      h = lay.matrix_at(hat[t.group], off, t.shape)
-      dot = put_dot(dot, jnp.sum(h.astype(norm) * new))
-    return xs, grams, dot
-
   def apply(self, w, r: _Rows, c: Carry, hat, p) -> Carry:
-    st = self.st
-    last = w + 1 == len(st.group_segments)
+    """One window of each slice and TP matrix: ``x`` left-multiplied by the
+    window's factor; then the next window's Gram, or (last window,
+    adaptive) the dual norm's term."""
+    st, lay, norm, cd = self.st, self.st.lay, self.norm, self.cd
 
-    def one_slice(carry, typ, off, held, pos):
-      t = typ[0]
-      factor = unpack_symmetric(_row(c.held_factors, held), t.gram)
-      xs, grams, dot = carry
-      return self._step(
-        t,
-        xs,
-        off,
-        factor,
-        last,
-        hat,
-        grams,
-        lambda v, gram: _add_row(v, held, _packed(gram, st.block)),
-        dot,
-        lambda v, d: _add_at(v, pos, d),
-      )
-
-    def one_tp(carry, typ, off, block, i):
-      t = typ[0]
+    def one(carry, kind, t, off, at, i):
       if w >= len(t.segments):
         return carry
-      factor = _get_block(c.tp_factors, block, t.gram)
+      if kind == 0:
+        factor = unpack_symmetric(_row(c.held_factors, at), t.gram)
+      else:
+        factor = _get_block(c.tp_factors, at, t.gram)
       xs, grams, dot = carry
-      return self._step(
-        t,
-        xs,
-        off,
-        factor,
-        w + 1 == len(t.segments),
-        hat,
-        grams,
-        lambda v, gram: _set_block(v, block, gram),
-        dot,
-        lambda v, d: v.at[i].set(d.astype(v.dtype)),
-      )
+      xi = lay.matrix_at(xs[t.group], off, t.shape)
+      m = cd(factor) @ cd(_newton_schulz.split_last(xi, t.split))
+      new = _newton_schulz.split_last(m, t.split).astype(norm)
+      xs = _put(xs, t.group, off, new)
+      if w + 1 < len(t.segments):
+        grams = self._put_gram(kind, grams, at, m @ m.T)
+      elif self.adaptive:
+        h = lay.matrix_at(hat[t.group], off, t.shape)
+        d = jnp.sum(h.astype(norm) * new).astype(dot.dtype)
+        dot = dot.at[i].set(d) if kind else dot.at[i].add(d)
+      return xs, grams, dot
 
     # The next window's Grams, made when this window's factors are (see
     # _collectives.zero_after), not at the start of the step.
     tie = _collectives.zero_after(c.held_factors, c.tp_factors)
     x, grams, dot_g = c.x, _zeros_like(c.held_grams, tie), c.group_dots
     if w < st.group_windows:
-      x, grams, dot_g = _each(
-        (hat, p, c), st.slice_types, r.slices, one_slice, (x, grams, dot_g)
-      )
-    x, tp_grams, dot_t = _each(
-      (hat, p, c),
-      st.tp_types,
-      r.tps,
-      one_tp,
-      (x, _zeros_like(c.tp_grams, tie), c.tp_dots),
+      x, grams, dot_g = self._over(0, r, c, hat, p, one, (x, grams, dot_g))
+    tp_grams = _zeros_like(c.tp_grams, tie)
+    x, tp_grams, dot_t = self._over(
+      1, r, c, hat, p, one, (x, tp_grams, c.tp_dots)
     )
     return c._replace(
       held_grams=grams, tp_grams=tp_grams, x=x, group_dots=dot_g, tp_dots=dot_t
@@ -704,8 +609,8 @@ class _Bodies:
   def finish_all(self, r: _Rows, c: Carry, hat, p) -> Carry:
     lay = self.st.lay
 
-    def one(out, typ, off, dots, i):
-      t = typ[0]
+    def one(out, kind, t, off, at, i):
+      dots = (c.group_dots, c.tp_dots)[kind]
       res = self.finish(
         t.unit,
         lay.matrix_at(c.x[t.group], off, t.shape),
@@ -714,43 +619,19 @@ class _Bodies:
       )
       return _put(out, t.group, off, res)
 
-    out = _each(
-      (hat, p, c),
-      self.st.slice_types,
-      r.slices,
-      lambda o, typ, off, held, pos: one(o, typ, off, c.group_dots, pos),
-      c.out,
-    )
-    out = _each(
-      (hat, p, c),
-      self.st.tp_types,
-      r.tps,
-      lambda o, typ, off, block, i: one(o, typ, off, c.tp_dots, i),
-      out,
-    )
-    return c._replace(out=out)
+    out = self._over(0, r, c, hat, p, one, c.out)
+    return c._replace(out=self._over(1, r, c, hat, p, one, out))
 
 
-def _stage(st, body, tables, c: Carry, hat, params, vary, dynamic):
-  """One stage: ``body`` with this device's rows of ``tables`` (one program
-  for every slot where they are read at run time)."""
-
-  def f(rows, c, hat, p):
-    out = body(_rows(st, len(tables) - len(st.tables()), rows), c, hat, p)
-    return jax.tree.map(lambda y: _vary(y, vary), out)
-
-  return _collectives.with_slot_rows(
-    st.axes, st.n, f, tables, c, hat, params, dynamic=dynamic
-  )
-
-
-def _exchange(
-  st: Stages, slot, own, rounds, send, recv, blocks, like, vary, tie
-):
-  """One direction of the groups' exchange, into zeros like ``like`` (made
-  when ``tie`` is): a slot's own ``blocks`` (``own``, see :func:`_own`),
-  then per round each sender's ``blocks[send]`` to its peer, added to the
-  receiver's ``[recv]``."""
+def _exchange(st: Stages, w, direction, slot, blocks, like, vary, tie):
+  """Window ``w``'s exchange (``direction``: ``'reduce'``, the Grams to
+  their iteration owners, or ``'broadcast'``, the factors back), into
+  zeros like ``like`` (made when ``tie`` is): a slot's own ``blocks`` (see
+  :func:`_own`), then per round each sender's ``blocks[send]`` to its
+  peer, added to the receiver's ``[recv]``."""
+  own = (st.own_gram if direction == 'reduce' else st.own_factor)[w]
+  rounds = getattr(st.schedules[w], direction)
+  send, recv = getattr(st, direction)[w]
   into = _own(own, slot, blocks, _zeros_like(like, tie))
   send_row = jnp.asarray(send)[slot]
   recv_row = jnp.asarray(recv)[slot]
@@ -830,10 +711,30 @@ def run(
     norm,
   )
   tables = list(plain_work.offsets) + st.tables()
-  dynamic = st.lay.dynamic
 
   def stage(body, c):
-    return _stage(st, body, tables, c, hat, params, vary, dynamic)
+    """One stage: ``body`` with this device's rows of ``tables`` (one
+    program for every slot where they are read at run time)."""
+
+    def f(rows, c, hat, p):
+      out = body(_rows(st, len(plain_work.offsets), rows), c, hat, p)
+      return jax.tree.map(lambda y: _vary(y, vary), out)
+
+    return _collectives.with_slot_rows(
+      st.axes, st.n, f, tables, c, hat, params, dynamic=st.lay.dynamic
+    )
+
+  def reduced(c, op, name):
+    """The per-matrix vectors ``name`` reduced over each matrix's devices:
+    a group's members, a TP matrix's shards."""
+    for kind, has, axis in (
+      ('group', st.has_groups, st.group_axis),
+      ('tp', st.has_tp, st.tp_axis),
+    ):
+      if has:
+        field = f'{kind}_{name}'
+        c = c._replace(**{field: op(getattr(c, field), axis)})
+    return c
 
   # Buffers made from zeros wait for this group's inputs (else XLA may make
   # them at the start of the step and hold them through it).
@@ -842,26 +743,14 @@ def run(
   c = jax.tree.map(lambda y: _vary(y, vary), c)
   slot = _collectives.slot_index(st.axes) if st.n > 1 else 0
   # Collectives run between the stages, on every device.
-  c = stage(bodies.amax, c)
-  if st.has_groups:
-    c = c._replace(group_amax=jax.lax.pmax(c.group_amax, st.group_axis))
-  if st.has_tp:
-    c = c._replace(tp_amax=jax.lax.pmax(c.tp_amax, st.tp_axis))
+  c = reduced(stage(bodies.amax, c), jax.lax.pmax, 'amax')
   c = stage(bodies.gram, c)
   for w in range(st.windows):
     # The groups' windows (TP matrices may restart more often).
     grouped = w < st.group_windows
     if grouped:
       owned = _exchange(
-        st,
-        slot,
-        st.own_gram[w],
-        st.schedules[w].reduce,
-        *st.reduce[w],
-        c.held_grams,
-        c.owned_grams,
-        vary,
-        tie,
+        st, w, 'reduce', slot, c.held_grams, c.owned_grams, vary, tie
       )
       c = c._replace(owned_grams=owned)
     if st.has_tp:
@@ -869,23 +758,12 @@ def run(
     c = stage(functools.partial(bodies.iterate, w), c)
     if grouped:
       factors = _exchange(
-        st,
-        slot,
-        st.own_factor[w],
-        st.schedules[w].broadcast,
-        *st.broadcast[w],
-        c.owned_factors,
-        c.held_factors,
-        vary,
-        tie,
+        st, w, 'broadcast', slot, c.owned_factors, c.held_factors, vary, tie
       )
       c = c._replace(held_factors=factors)
     c = stage(functools.partial(bodies.apply, w), c)
   if adaptive:
-    if st.has_groups:
-      c = c._replace(group_dots=jax.lax.psum(c.group_dots, st.group_axis))
-    if st.has_tp:
-      c = c._replace(tp_dots=jax.lax.psum(c.tp_dots, st.tp_axis))
+    c = reduced(c, jax.lax.psum, 'dots')
   c = stage(bodies.finish_all, c)
   return c.out
 

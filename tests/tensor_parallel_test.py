@@ -9,7 +9,7 @@ from absl.testing import absltest, parameterized
 from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
-from dmuon_jax import _tensor_parallel
+from dmuon_jax import _newton_schulz
 from tests import support
 
 
@@ -20,7 +20,7 @@ def tp_ns(x, tp, split_axis, **kwargs):
   fn = jax.jit(
     jax.shard_map(
       functools.partial(
-        _tensor_parallel.orthogonalize_via_gram_newton_schulz_tp,
+        _newton_schulz.orthogonalize_via_gram_newton_schulz_tp,
         axis_name='model',
         split_axis=split_axis,
         **kwargs,
@@ -106,13 +106,13 @@ class TensorParallelGramTest(parameterized.TestCase):
 
   def test_outside_shard_map_names_the_axis(self):
     with self.assertRaisesRegex(ValueError, "axis_name='model' is not bound"):
-      _tensor_parallel.orthogonalize_via_gram_newton_schulz_tp(
+      _newton_schulz.orthogonalize_via_gram_newton_schulz_tp(
         np.ones((4, 8), np.float32), axis_name='model'
       )
 
   def test_bad_split_axis(self):
     with self.assertRaisesRegex(ValueError, 'split_axis=0'):
-      _tensor_parallel.orthogonalize_via_gram_newton_schulz_tp(
+      _newton_schulz.orthogonalize_via_gram_newton_schulz_tp(
         np.ones((4, 4), np.float32), axis_name='model', split_axis=0
       )
 

@@ -14,8 +14,6 @@ import numpy as np
 import optax
 from optax.contrib import MuonDimensionNumbers
 
-from dmuon_jax._cost import plural
-
 Predicate = Callable[[str, Any], bool]
 # predicate='optax': optax.contrib.muon's routing.
 OPTAX_ROUTING = 'optax'
@@ -643,6 +641,10 @@ def muon_target_specs(
     weight_dimension_numbers=weight_dimension_numbers,
     dims_arg=dims_arg,
   ).specs
+
+
+def plural(n: int, one: str, many: str) -> str:
+  return f'{n} {one if n == 1 else many}'
 
 
 def _human_count(n: int) -> str:

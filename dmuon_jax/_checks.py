@@ -158,12 +158,10 @@ _SCHEDULE_HINT = (
 def _concrete(value: Any) -> np.ndarray | None:
   """``value`` as a numpy array, or None when it is only known at run time
   (a tracer, or an array not fully on this process)."""
-  if isinstance(value, jax.core.Tracer):
+  if isinstance(value, jax.core.Tracer) or (
+    isinstance(value, jax.Array) and not value.is_fully_addressable
+  ):
     return None
-  if isinstance(value, jax.Array):
-    if not value.is_fully_addressable:
-      return None
-    return np.asarray(value)
   return np.asarray(value)
 
 
@@ -223,23 +221,17 @@ def decay_rate(name: str, value: Any, what: str) -> None:
     )
 
 
-def positive(name: str, value: Any, example: str, why: str) -> None:
-  """A finite number > 0."""
-  x = _number(name, value, f'Pass a number > 0, e.g. {example}.')
-  if x is not None and not (math.isfinite(x) and x > 0):
+def at_least_zero(
+  name: str, value: Any, example: str, op: str = '>=', why: str = ''
+) -> None:
+  """A finite number ``op`` 0 (``op`` is ``'>'`` or ``'>='``)."""
+  x = _number(name, value, f'Pass a number {op} 0, e.g. {example}.')
+  if x is not None and not (
+    math.isfinite(x) and (x > 0 or (op == '>=' and x == 0))
+  ):
     raise ValueError(
-      f'dmuon: {name}={value!r} must be a finite number > 0 ({why}).'
-      f' Use e.g. {example}.'
-    )
-
-
-def nonnegative(name: str, value: Any, example: str) -> None:
-  """A finite number >= 0."""
-  x = _number(name, value, f'Pass a number >= 0, e.g. {example}.')
-  if x is not None and not (math.isfinite(x) and x >= 0):
-    raise ValueError(
-      f'dmuon: {name}={value!r} must be a finite number >= 0. Use e.g.'
-      f' {example}.'
+      f'dmuon: {name}={value!r} must be a finite number {op} 0'
+      f'{f" ({why})" if why else ""}. Use e.g. {example}.'
     )
 
 
@@ -257,15 +249,16 @@ def check_muon(
 ) -> None:
   """The Muon hyperparameters every factory shares."""
   decay_rate('beta', beta, '0.95')
-  positive(
+  at_least_zero(
     'eps',
     eps,
     '1e-8',
+    '>',
     'it keeps the normalization of a zero gradient, and AdamW of a zero'
     ' second moment, from dividing by zero',
   )
   if consistent_rms is not None:
-    nonnegative('consistent_rms', consistent_rms, '0.2')
+    at_least_zero('consistent_rms', consistent_rms, '0.2')
   if weight_decay is not None:
     real('weight_decay', weight_decay, '0.1')
 
@@ -285,7 +278,7 @@ def check_adam(
     check_learning_rate('adam_learning_rate', adam_learning_rate)
   decay_rate('adam_b1', adam_b1, '0.9')
   decay_rate('adam_b2', adam_b2, '0.999')
-  nonnegative('adam_eps_root', adam_eps_root, '0.0')
+  at_least_zero('adam_eps_root', adam_eps_root, '0.0')
   real('adam_weight_decay', adam_weight_decay, '0.1')
 
 
@@ -588,13 +581,11 @@ class HookBoundaries:
 
 def subtree(tree: Any, keys) -> Any:
   for key in keys:
-    if isinstance(key, jax.tree_util.DictKey):
-      tree = tree[key.key]
-    elif isinstance(key, jax.tree_util.GetAttrKey):
+    if isinstance(key, jax.tree_util.GetAttrKey):
       tree = getattr(tree, key.name)
     elif isinstance(key, jax.tree_util.SequenceKey):
       tree = tree[key.idx]
-    else:
+    else:  # DictKey, FlattenedIndexKey
       tree = tree[key.key]
   return tree
 

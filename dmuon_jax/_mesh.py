@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -116,22 +115,24 @@ def check_devices(params: Any, mesh: Any) -> None:
       )
 
 
+def _flax_type(x: Any, module: str, name: str) -> bool:
+  """Whether ``x``'s type is or derives from Flax's class ``module.name``,
+  read from its MRO: flax is optional and never imported here."""
+  return any(
+    c.__name__ == name and c.__module__ == module for c in type(x).__mro__
+  )
+
+
 def is_variable(x: Any) -> bool:
   """Whether ``x`` is a flax ``nnx.Variable``, of any subclass (e.g.
-  ``dmuon_jax.flax.OwnedBuffer``). Flax is optional: without its variables
-  module imported there are none."""
-  lib = sys.modules.get('flax.nnx.variablelib')
-  return lib is not None and isinstance(x, lib.Variable)
+  ``dmuon_jax.flax.OwnedBuffer``)."""
+  return _flax_type(x, 'flax.nnx.variablelib', 'Variable')
 
 
 def is_box(x: Any) -> bool:
   """Whether ``x`` is a flax Linen metadata box (``nn.Partitioned``,
-  ``nn.LogicallyPartitioned``, any ``flax.core.meta.AxisMetadata``).
-
-  Flax is optional: without ``flax.core.meta`` imported there are no boxes.
-  """
-  meta = sys.modules.get('flax.core.meta')
-  return meta is not None and isinstance(x, meta.AxisMetadata)
+  ``nn.LogicallyPartitioned``, any ``flax.core.meta.AxisMetadata``)."""
+  return _flax_type(x, 'flax.core.meta', 'AxisMetadata')
 
 
 def is_boxed(x: Any) -> bool:
@@ -147,8 +148,8 @@ def unbox(x: Any) -> Any:
     if is_variable(x):
       x = x.get_value()
     elif is_box(x):
-      meta = sys.modules['flax.core.meta']
-      x = x.value if isinstance(x, meta.Partitioned) else x.unbox()
+      partitioned = _flax_type(x, 'flax.core.meta', 'Partitioned')
+      x = x.value if partitioned else x.unbox()
     else:
       return x
 
@@ -175,7 +176,8 @@ def box_like(template: Any, value: Any, spec: P) -> Any:
   names = tuple(spec)
   if is_variable(template):
     return template.replace(value, out_sharding=names, eager_sharding=False)
-  meta = sys.modules['flax.core.meta']
+  from flax.core import meta  # loaded: template is a Linen box
+
   return meta.Partitioned(value, names, mesh=getattr(template, 'mesh', None))
 
 
@@ -212,14 +214,9 @@ def without_axes(x: Any, axes: Sequence[str]) -> Any:
   return x.replace(names=tuple(new))
 
 
-def leaf_value(x: Any) -> Any:
-  """The array of a leaf (the value of an ``nnx.Variable`` or Linen box)."""
-  return unbox(x)
-
-
 def array_mesh(x: Any) -> Any:
   """The mesh a (possibly abstract or traced) array is placed on, or None."""
-  x = leaf_value(x)
+  x = unbox(x)
   if isinstance(x, jax.core.Tracer):
     sharding = jax.typeof(x).sharding
   else:

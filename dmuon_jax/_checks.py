@@ -94,6 +94,14 @@ def ns_flops(m: int, n: int, ns_steps: int = 5) -> float:
 NS_ALGORITHMS = ('auto', 'standard', 'gram')
 
 
+def check_ns_algorithm(ns_algorithm: Any) -> None:
+  """Raises unless ``ns_algorithm`` is one of :data:`NS_ALGORITHMS`."""
+  if ns_algorithm not in NS_ALGORITHMS:
+    raise ValueError(
+      f'dmuon: ns_algorithm={ns_algorithm!r} is not one of {NS_ALGORITHMS}.'
+    )
+
+
 def ns_cost(
   m: int, n: int, ns_steps: int = 5, ns_algorithm: str = 'auto'
 ) -> float:
@@ -113,10 +121,7 @@ def ns_cost(
   Returns:
     The FLOP count, as a float.
   """
-  if ns_algorithm not in NS_ALGORITHMS:
-    raise ValueError(
-      f'dmuon: ns_algorithm={ns_algorithm!r} is not one of {NS_ALGORITHMS}.'
-    )
+  check_ns_algorithm(ns_algorithm)
   if ns_algorithm == 'auto':
     ns_algorithm = _newton_schulz.cheaper_ns_algorithm(m, n, ns_steps)
   return float(_newton_schulz.matmul_flops(m, n, ns_steps, ns_algorithm))
@@ -606,18 +611,10 @@ def _custom_boundary(params, keys, boundary_predicate) -> str | None:
 
 def _default_boundary(path: str, stacked: bool) -> tuple[str | None, bool]:
   """A block prefix (``layers/3``, ``layers_3``), else a scanned stack."""
-  segments = [s for s in path.split('/') if s]
-  end = _routing.block_boundary_end(segments)
-  if end is not None:
-    return '/'.join(segments[:end]), False
-  if stacked:
-    start = 0
-    while (
-      start < len(segments) - 1 and segments[start] in _routing.COLLECTION_NAMES
-    ):
-      start += 1
-    return '/'.join(segments[: start + 1]), True
-  return None, False
+  block, base = _routing.layer_base(path)
+  if block:
+    return base, False
+  return (base, True) if stacked else (None, False)
 
 
 def find_hook_boundaries(

@@ -32,6 +32,13 @@ def context_mesh() -> Any:
   return mesh
 
 
+def axis_tuple(axis_names: Any) -> tuple[str, ...]:
+  """``axis_names`` (None, one name or several) as a tuple."""
+  if axis_names is None:
+    return ()
+  return (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
+
+
 def mesh_axes(
   mesh: Any, axis_names: Any = None
 ) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -58,7 +65,7 @@ def mesh_axes(
   if axis_names is None:
     chosen = order
   else:
-    names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
+    names = axis_tuple(axis_names)
     missing = [n for n in names if n not in sizes]
     if missing and mesh is None:
       raise ValueError(
@@ -331,24 +338,14 @@ def leaf_spec(x: Any) -> P | None:
   """
   if is_variable(x):
     spec = _variable_spec(x)
-    if spec is not None:
-      return spec
-    return leaf_spec(x.get_value())
+    return leaf_spec(x.get_value()) if spec is None else spec
   if is_box(x):
     spec = _box_spec(x)
-    if spec is not None:
-      return spec
-    return leaf_spec(unbox(x))
+    return leaf_spec(unbox(x)) if spec is None else spec
   if isinstance(x, jax.core.Tracer):
-    aval = jax.typeof(x)
-    sharding = getattr(aval, 'sharding', None)
-    if (
-      isinstance(sharding, NamedSharding)
-      and not sharding.mesh.empty
-      and is_explicit(sharding.mesh)
-    ):
-      return sharding.spec
-    return None
+    sharding = getattr(jax.typeof(x), 'sharding', None)
+    ok = isinstance(sharding, NamedSharding) and not sharding.mesh.empty
+    return sharding.spec if ok and is_explicit(sharding.mesh) else None
   sharding = getattr(x, 'sharding', None)
   if isinstance(sharding, NamedSharding):
     return sharding.spec
@@ -593,11 +590,7 @@ def _auto_tp_axis(
   """The TP axis chosen by ``tensor_parallel_axis='auto'``."""
   if sharded_axes is None:
     return None
-  chosen = (
-    ()
-    if axis_names is None
-    else ((axis_names,) if isinstance(axis_names, str) else tuple(axis_names))
-  )
+  chosen = axis_tuple(axis_names)
   hits = [
     n
     for n in names
@@ -654,7 +647,7 @@ def resolve(
   if axis_names is None:
     owners = tuple(n for n in names if n != tp)
   else:
-    chosen = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
+    chosen = axis_tuple(axis_names)
     if tp is not None and tp in chosen:
       raise ValueError(
         f'dmuon: axis_names {chosen} includes the tensor-parallel axis '

@@ -417,20 +417,20 @@ def check_same_tree(
     ValueError: listing the paths only in one of the two trees, or the
       leaves whose shapes differ.
   """
-  got = [
-    # (A leaf that is an empty node, as optax.MaskedNode(), has no shape.)
-    (normalize_path(k), None if isinstance(x, tuple) else tuple(np.shape(x)))
-    for k, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
-  ]
-  want = [
-    (normalize_path(k), tuple(np.shape(r)) if hasattr(r, 'shape') else None)
-    for k, r in jax.tree_util.tree_flatten_with_path(
-      reference, is_leaf=is_leaf
-    )[0]
-  ]
-  if not shapes:
-    got = [(p, None) for p, _ in got]
-    want = [(p, None) for p, _ in want]
+
+  def leaves(t, shape_of):
+    flat = jax.tree_util.tree_flatten_with_path(t, is_leaf=is_leaf)[0]
+    return [
+      (normalize_path(k), shape_of(x) if shapes else None) for k, x in flat
+    ]
+
+  # (A leaf that is an empty node, as optax.MaskedNode(), has no shape.)
+  got = leaves(
+    tree, lambda x: None if isinstance(x, tuple) else tuple(np.shape(x))
+  )
+  want = leaves(
+    reference, lambda r: tuple(np.shape(r)) if hasattr(r, 'shape') else None
+  )
   check_same_leaves(got, want, what, made_by)
 
 

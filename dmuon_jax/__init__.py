@@ -8,8 +8,9 @@ from dmuon_jax._alias import dmuon as dmuon
 from dmuon_jax._alias import muon_labels as muon_labels
 from dmuon_jax._alias import routing_summary as routing_summary
 from dmuon_jax._assign import plan_ownership as plan_ownership
-from dmuon_jax._boundaries import HookBoundaries as HookBoundaries
-from dmuon_jax._boundaries import find_hook_boundaries as find_hook_boundaries
+from dmuon_jax._checks import DMuonWarning as DMuonWarning
+from dmuon_jax._checks import HookBoundaries as HookBoundaries
+from dmuon_jax._checks import find_hook_boundaries as find_hook_boundaries
 from dmuon_jax._dedicated import dedicate as dedicate
 from dmuon_jax._dedicated_muon import DedicatedMuonState as DedicatedMuonState
 from dmuon_jax._dedicated_muon import dedicated_muon as dedicated_muon
@@ -36,7 +37,6 @@ from dmuon_jax._owner_layout import OwnerBuffers as OwnerBuffers
 from dmuon_jax._owner_layout import OwnerLayout as OwnerLayout
 from dmuon_jax._plan import OwnerGroup as OwnerGroup
 from dmuon_jax._plan import OwnershipPlan as OwnershipPlan
-from dmuon_jax._report import DMuonWarning as DMuonWarning
 from dmuon_jax._routing import default_muon_predicate as default_muon_predicate
 from dmuon_jax._steps import local_value_and_grad as local_value_and_grad
 from dmuon_jax._steps import mean_over_devices as mean_over_devices

@@ -10,10 +10,8 @@ import optax
 
 from dmuon_jax import (
   _checks,
-  _hyperparams,
   _mesh,
   _owner_update,
-  _report,
   _routing,
   _steps,
   _transform,
@@ -115,7 +113,7 @@ def _reporting_routing(
         weight_dimension_numbers=dims,
         dims_arg=_DIMS_ARG,
       )
-      _report.report_routing(routing)
+      _checks.report_routing(routing)
       reported = True
     return inner.init(params)
 
@@ -367,7 +365,7 @@ def dmuon(
   """
   _owner_update.check_nonfinite(nonfinite)
   _routing.check_predicate(predicate)
-  _hyperparams.check_adam(
+  _checks.check_adam(
     learning_rate=learning_rate,
     adam_learning_rate=adam_learning_rate,
     adam_b1=adam_b1,
@@ -375,7 +373,7 @@ def dmuon(
     adam_eps_root=adam_eps_root,
     adam_weight_decay=adam_weight_decay,
   )
-  _hyperparams.real('weight_decay', weight_decay, '0.1')
+  _checks.real('weight_decay', weight_decay, '0.1')
   if adam_learning_rate is None:
     adam_learning_rate = learning_rate
 

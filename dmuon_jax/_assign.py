@@ -33,14 +33,19 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from dmuon_jax._cost import FLOPS_PER_BYTE, NS_ALGORITHMS, gram_parts, ns_cost
+from dmuon_jax._checks import (
+  FLOPS_PER_BYTE,
+  NS_ALGORITHMS,
+  check_option,
+  gram_parts,
+  ns_cost,
+)
 from dmuon_jax._mesh import check_devices, mesh_axes
 from dmuon_jax._newton_schulz import is_int
 from dmuon_jax._plan import (
   MIN_SLICE,
   MatrixUnit,
   OwnershipPlan,
-  check_option,
   matrix_units,
   resliced,
   sliced_spec,

@@ -1,14 +1,393 @@
-"""Checks that a tree matches the one an earlier call (init) recorded."""
+"""The bottom layer's small parts: the cost model (Newton–Schulz FLOPs,
+bytes against FLOPs, readable units), checks of hyperparameters, options
+and trees when a factory or ``update`` is called, what dmuon tells the user
+(the routing log line, :class:`DMuonWarning`), and hook boundaries."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
+from dmuon_jax import _newton_schulz, _routing
+from dmuon_jax._newton_schulz import is_int
 from dmuon_jax._routing import normalize_path
+
+
+def human_bytes(n: float) -> str:
+  for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
+    if abs(n) < 1024 or unit == 'TiB':
+      return f'{n:.0f} {unit}' if unit == 'B' else f'{n:.2f} {unit}'
+    n /= 1024
+  raise AssertionError('unreachable')
+
+
+def human_flops(n: float) -> str:
+  for prefix in ('', 'k', 'M', 'G', 'T', 'P'):
+    if abs(n) < 1000 or prefix == 'P':
+      return f'{n:.0f} FLOP' if not prefix else f'{n:.2f} {prefix}FLOP'
+    n /= 1000
+  raise AssertionError('unreachable')
+
+
+def ring_bytes(kind: str, group_size: int, full_bytes: float) -> float:
+  """Per-device bytes of one collective on the ring model, the one model
+  behind every prediction and measurement of this package: over
+  ``group_size`` devices, with ``full_bytes`` the size of the whole array
+  (an all-gather's result, a reduce-scatter's or all-to-all's operand),
+  ``(g - 1) / g`` of it, twice that for an all-reduce; a point-to-point
+  send moves its array. 0 over one device."""
+  if group_size <= 1:
+    return 0.0
+  frac = (group_size - 1) / group_size
+  if kind == 'all-reduce':
+    return 2 * frac * full_bytes
+  if kind in ('collective-permute', 'collective-broadcast'):
+    return float(full_bytes)
+  return frac * full_bytes
+
+
+def route_bytes(
+  num_slots: int, group_size: int, row_bytes: float
+) -> dict[str, float]:
+  """Per-device bytes of the drop-in update's routes for one class of
+  rows: ``row_bytes`` per owner of an axis group of ``group_size``
+  devices, all-to-all to the owners over that group and back, then an
+  all-gather over the other ``num_slots / group_size`` coordinates:
+  ``2 (g - 1) b`` and ``(N - g) b`` (with the all-to-all back, the
+  ``(N - 1) b`` of one all-to-all over all N devices)."""
+  return {
+    'all-to-all': 2
+    * ring_bytes('all-to-all', group_size, group_size * row_bytes),
+    'all-gather': ring_bytes(
+      'all-gather', num_slots // group_size, num_slots * row_bytes
+    ),
+  }
+
+
+def ns_flops(m: int, n: int, ns_steps: int = 5) -> float:
+  """Predicted FLOPs of Newton–Schulz on an ``m x n`` matrix.
+
+  With ``s = min(m, n)`` and ``l = max(m, n)``, each quintic iteration forms
+  ``A = X Xᵀ`` (``2 s² l``), ``A·A`` (``2 s³``) and ``B·X`` (``2 s² l``), so
+  the total is ``ns_steps * (4 s² l + 2 s³)`` (about ``20 s² l + 10 s³`` for
+  5 steps, see ../shared/DESIGN.md, "Performance model").
+
+  Args:
+    m: number of rows.
+    n: number of columns.
+    ns_steps: number of Newton–Schulz iterations.
+
+  Returns:
+    The FLOP count, as a float.
+  """
+  s, l = min(m, n), max(m, n)
+  return float(ns_steps) * (4.0 * s * s * l + 2.0 * s**3)
+
+
+NS_ALGORITHMS = ('auto', 'standard', 'gram')
+
+
+def check_ns_algorithm(ns_algorithm: Any) -> None:
+  """Raises unless ``ns_algorithm`` is one of :data:`NS_ALGORITHMS`."""
+  if ns_algorithm not in NS_ALGORITHMS:
+    raise ValueError(
+      f'dmuon: ns_algorithm={ns_algorithm!r} is not one of {NS_ALGORITHMS}.'
+    )
+
+
+def ns_cost(
+  m: int, n: int, ns_steps: int = 5, ns_algorithm: str = 'auto'
+) -> float:
+  """Predicted matmul FLOPs of the Newton–Schulz form that will run.
+
+  ``'standard'`` is :func:`ns_flops`; ``'gram'`` the Gram form with its
+  default restarts; ``'auto'`` the cheaper of the two for this shape (what
+  :func:`dmuon_jax.dmuon` runs by default: Gram for aspect ratios above about
+  1.5 with 5 iterations).
+
+  Args:
+    m: rows.
+    n: columns.
+    ns_steps: Newton–Schulz iterations.
+    ns_algorithm: ``'auto'``, ``'standard'`` or ``'gram'``.
+
+  Returns:
+    The FLOP count, as a float.
+  """
+  check_ns_algorithm(ns_algorithm)
+  if ns_algorithm == 'auto':
+    ns_algorithm = _newton_schulz.cheaper_ns_algorithm(m, n, ns_steps)
+  return float(_newton_schulz.matmul_flops(m, n, ns_steps, ns_algorithm))
+
+
+# The planner's exchange rate between Gram bytes and NS FLOPs: a byte a
+# device sends in a group's collectives counts as this many FLOPs (a GPU
+# doing ~1e14 FLOP/s of float32 matmuls over ~1e12 bytes/s of NVLink).
+FLOPS_PER_BYTE = 100.0
+
+
+def gram_parts(
+  s: int, l: int, ns_steps: int
+) -> tuple[float, tuple[float, ...]]:
+  """``(long-side work, g x g iteration per restart window)`` FLOPs of Gram
+  Newton–Schulz on an ``s x l`` matrix (``s <= l``) with the default
+  restarts.
+
+  The long-side work (forming each window's Gram ``X X^T`` and applying
+  its factor ``Q X``: ``4 p s^2 l`` for ``p`` windows) splits over slices
+  of the long side; the iteration on the ``s x s`` Gram (``(8 k_j - 6)
+  s^3`` in a window of ``k_j`` iterations, ``(8 k - 6 p) s^3`` in all)
+  does not, but each window's starts from a Gram formed anew from the
+  slices, so windows may run on different devices. Together they are
+  :func:`dmuon_jax.matmul_flops` of the Gram form.
+  """
+  restarts = _newton_schulz.check_restart_iterations(None, ns_steps)
+  windows = _newton_schulz.gram_segments(ns_steps, restarts)
+  work = 4.0 * len(windows) * s * s * l
+  return work, tuple(float((8 * (b - a) - 6) * s**3) for a, b in windows)
+
+
+_SCHEDULE_HINT = (
+  'Pass a number (e.g. 0.02) or a schedule, a callable step -> value such'
+  ' as optax.cosine_decay_schedule(0.02, 1000).'
+)
+
+
+def _concrete(value: Any) -> np.ndarray | None:
+  """``value`` as a numpy array, or None when it is only known at run time
+  (a tracer, or an array not fully on this process)."""
+  if isinstance(value, jax.core.Tracer) or (
+    isinstance(value, jax.Array) and not value.is_fully_addressable
+  ):
+    return None
+  return np.asarray(value)
+
+
+def _number(name: str, value: Any, hint: str) -> float | None:
+  """The value of a real scalar hyperparameter, None if not concrete.
+
+  Raises:
+    TypeError: if ``value`` is not a real number (a str, None, a bool, a
+      non-scalar array).
+  """
+  if (
+    isinstance(value, (str, bytes)) or value is None or isinstance(value, bool)
+  ):
+    kind = 'None' if value is None else f'a {type(value).__name__}'
+    raise TypeError(f'dmuon: {name}={value!r} is {kind}, not a number. {hint}')
+  try:
+    arr = _concrete(value)
+  except (TypeError, ValueError) as e:
+    raise TypeError(
+      f'dmuon: {name}={value!r} ({type(value).__name__}) is not a number.'
+      f' {hint}'
+    ) from e
+  if arr is None:
+    return None
+  if arr.shape != () or not (
+    np.issubdtype(arr.dtype, np.floating)
+    or np.issubdtype(arr.dtype, np.integer)
+  ):
+    raise TypeError(
+      f'dmuon: {name}={value!r} is not a real scalar (shape {arr.shape},'
+      f' dtype {arr.dtype}). {hint}'
+    )
+  return float(arr)
+
+
+def check_learning_rate(name: str, value: Any) -> None:
+  """A learning rate: a schedule, or a finite number >= 0."""
+  if callable(value) and not isinstance(value, jax.Array):
+    return  # A schedule: its values are only known at run time.
+  x = _number(name, value, _SCHEDULE_HINT)
+  if x is not None and not (math.isfinite(x) and x >= 0):
+    raise ValueError(
+      f'dmuon: {name}={value!r} must be a finite number >= 0 (updates are'
+      ' subtracted: a negative rate would climb the loss). Pass its'
+      ' magnitude, e.g. 0.02, or a schedule.'
+    )
+
+
+def decay_rate(name: str, value: Any, what: str) -> None:
+  """A moment decay rate in ``[0, 1)``."""
+  x = _number(name, value, f'Pass a decay rate in [0, 1), e.g. {what}.')
+  if x is not None and not (0 <= x < 1):
+    raise ValueError(
+      f'dmuon: {name}={value!r} must be in [0, 1): at 1 the moment never'
+      " forgets (optax's bias correction 1 - beta**t divides by zero) and"
+      f' above 1 it grows without bound. Use a decay rate such as {what}.'
+    )
+
+
+def at_least_zero(
+  name: str, value: Any, example: str, op: str = '>=', why: str = ''
+) -> None:
+  """A finite number ``op`` 0 (``op`` is ``'>'`` or ``'>='``)."""
+  x = _number(name, value, f'Pass a number {op} 0, e.g. {example}.')
+  if x is not None and not (
+    math.isfinite(x) and (x > 0 or (op == '>=' and x == 0))
+  ):
+    raise ValueError(
+      f'dmuon: {name}={value!r} must be a finite number {op} 0'
+      f'{f" ({why})" if why else ""}. Use e.g. {example}.'
+    )
+
+
+def real(name: str, value: Any, example: str) -> None:
+  """A real number (any sign), or a run-time value."""
+  _number(name, value, f'Pass a number, e.g. {example}.')
+
+
+def check_muon(
+  *,
+  beta: Any,
+  eps: Any,
+  consistent_rms: Any = None,
+  weight_decay: Any = None,
+) -> None:
+  """The Muon hyperparameters every factory shares."""
+  decay_rate('beta', beta, '0.95')
+  at_least_zero(
+    'eps',
+    eps,
+    '1e-8',
+    '>',
+    'it keeps the normalization of a zero gradient, and AdamW of a zero'
+    ' second moment, from dividing by zero',
+  )
+  if consistent_rms is not None:
+    at_least_zero('consistent_rms', consistent_rms, '0.2')
+  if weight_decay is not None:
+    real('weight_decay', weight_decay, '0.1')
+
+
+def check_adam(
+  *,
+  learning_rate: Any,
+  adam_learning_rate: Any,
+  adam_b1: Any,
+  adam_b2: Any,
+  adam_eps_root: Any,
+  adam_weight_decay: Any,
+) -> None:
+  """The learning rates and AdamW hyperparameters of the aliases."""
+  check_learning_rate('learning_rate', learning_rate)
+  if adam_learning_rate is not None:
+    check_learning_rate('adam_learning_rate', adam_learning_rate)
+  decay_rate('adam_b1', adam_b1, '0.9')
+  decay_rate('adam_b2', adam_b2, '0.999')
+  at_least_zero('adam_eps_root', adam_eps_root, '0.0')
+  real('adam_weight_decay', adam_weight_decay, '0.1')
+
+
+def check_option(
+  owner_groups: Any,
+  *,
+  preconditioning: str = 'frobenius',
+  ns_algorithm: str = 'auto',
+  tp_axis: str | None = None,
+  scanned: Sequence[str] = (),
+) -> Any:
+  """The one check of ``owner_groups`` against the options it meets.
+
+  Every entry point (``dmuon``'s factory, its ``init`` once the mesh is
+  known, ``plan_ownership``, ``dedicate``) calls this with what it knows.
+
+  Args:
+    owner_groups: ``'auto'``, None or an int ``k >= 2``.
+    preconditioning: the Newton–Schulz preconditioning.
+    ns_algorithm: ``'auto'``, ``'gram'`` or ``'standard'``.
+    tp_axis: the tensor-parallel axis, when one of size > 1 is in use.
+    scanned: paths of the scanned stacks (dedicated mode).
+
+  Returns:
+    What the planner takes: ``owner_groups``, or None where ``'auto'``
+    cannot form groups (groups run Gram Newton–Schulz with the Frobenius
+    preconditioning; TP matrices are split over their axis already).
+
+  Raises:
+    ValueError: for any other value, and for a forced ``k`` with an option
+      that groups cannot run with (naming both and what to pass).
+  """
+  if owner_groups is None:
+    return None
+  if owner_groups != 'auto' and (not is_int(owner_groups) or owner_groups < 2):
+    raise ValueError(
+      f"dmuon: owner_groups={owner_groups!r} is not 'auto', None or an int "
+      '>= 2 (the number of devices that share each matrix).'
+    )
+  forced = owner_groups != 'auto'
+  given, wanted = [], []
+  if preconditioning != 'frobenius':
+    given.append(f'preconditioning={preconditioning!r}')
+    wanted.append("preconditioning='frobenius'")
+  if ns_algorithm == 'standard':
+    given.append(f'ns_algorithm={ns_algorithm!r}')
+    wanted.append("ns_algorithm='auto' or 'gram'")
+  if given:
+    if forced:
+      raise ValueError(
+        f'dmuon: owner_groups={owner_groups} runs Gram Newton-Schulz with '
+        "preconditioning='frobenius' on the groups' matrices, but got "
+        f'{" and ".join(given)}. Pass {" and ".join(wanted)}, or '
+        'owner_groups=None.'
+      )
+    return None
+  if tp_axis is not None:
+    if forced:
+      raise ValueError(
+        f'dmuon: owner_groups={owner_groups} with the tensor-parallel axis '
+        f'{tp_axis!r}: TP matrices are split over that axis already. Pass '
+        'owner_groups=None (or the default).'
+      )
+    return None
+  if forced and scanned:
+    raise ValueError(
+      f'dmuon: owner_groups={owner_groups} with scanned stacks (param '
+      f'{scanned[0]!r}'
+      + (f' and {len(scanned) - 1} more' if len(scanned) > 1 else '')
+      + '): their owners rotate per scan iteration, which groups do not '
+      "follow. Pass owner_groups='auto' (scanned stacks stay whole) or None."
+    )
+  return owner_groups
+
+
+def check_preconditioning(
+  preconditioning: str,
+  *,
+  tp_axis: str | None = None,
+  groups: int = 0,
+  otherwise: str = '',
+) -> None:
+  """Raises unless ``preconditioning`` is ``'frobenius'`` where matrices
+  are split over devices: over a tensor-parallel axis ``tp_axis``, or
+  ``groups`` matrices over owner groups. Their Gram Newton–Schulz
+  normalizes by the Frobenius norm. ``otherwise``: what else the caller
+  may pass instead (e.g. ``'owner_groups=None'``)."""
+  if preconditioning == 'frobenius' or (tp_axis is None and not groups):
+    return
+  split = []
+  if tp_axis is not None:
+    split.append(f'the tensor-parallel axis {tp_axis!r} splits matrices')
+  if groups:
+    split.append(
+      f'{groups} matrices are split over owners (owner groups; '
+      "owner_groups='auto' splits a dedication's matrices where whole ones "
+      'would pad a gather by more than 5%)'
+    )
+  raise ValueError(
+    f'dmuon: preconditioning={preconditioning!r} is not available here: '
+    f'{" and ".join(split)}, and their Gram Newton-Schulz normalizes by '
+    "the Frobenius norm. Pass preconditioning='frobenius'"
+    + (f', or {otherwise}.' if otherwise else '.')
+  )
 
 
 def check_same_tree(
@@ -38,20 +417,20 @@ def check_same_tree(
     ValueError: listing the paths only in one of the two trees, or the
       leaves whose shapes differ.
   """
-  got = [
-    # (A leaf that is an empty node, as optax.MaskedNode(), has no shape.)
-    (normalize_path(k), None if isinstance(x, tuple) else tuple(np.shape(x)))
-    for k, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
-  ]
-  want = [
-    (normalize_path(k), tuple(np.shape(r)) if hasattr(r, 'shape') else None)
-    for k, r in jax.tree_util.tree_flatten_with_path(
-      reference, is_leaf=is_leaf
-    )[0]
-  ]
-  if not shapes:
-    got = [(p, None) for p, _ in got]
-    want = [(p, None) for p, _ in want]
+
+  def leaves(t, shape_of):
+    flat = jax.tree_util.tree_flatten_with_path(t, is_leaf=is_leaf)[0]
+    return [
+      (normalize_path(k), shape_of(x) if shapes else None) for k, x in flat
+    ]
+
+  # (A leaf that is an empty node, as optax.MaskedNode(), has no shape.)
+  got = leaves(
+    tree, lambda x: None if isinstance(x, tuple) else tuple(np.shape(x))
+  )
+  want = leaves(
+    reference, lambda r: tuple(np.shape(r)) if hasattr(r, 'shape') else None
+  )
   check_same_leaves(got, want, what, made_by)
 
 
@@ -102,4 +481,238 @@ def check_same_leaves(
     f'dmuon: the tree given to {what} does not match the one given to'
     f' {made_by}: {detail}. Call {made_by} again on the new params (a changed'
     f' model needs a new optimizer state){grads}.'
+  )
+
+
+LOGGER = logging.getLogger('dmuon_jax')
+
+NO_MUON_MSG = (
+  'dmuon: no leaf goes to Muon, so every leaf is updated by AdamW (at'
+  ' adam_learning_rate, which defaults to learning_rate). {rule}{summary}.'
+  " Pass predicate='optax' (every 2-D leaf, as optax.contrib.muon), your own"
+  ' predicate, or muon_weight_dimension_numbers (which stacked and'
+  ' attention leaves need); if AdamW alone is meant, use optax.adamw.'
+)
+
+
+class DMuonWarning(UserWarning):
+  """A warning that dmuon does less than it could.
+
+  Raised (with ``warnings.warn``) when the optimizer communicates more
+  than needed (params sharded along a stack axis gathered whole, shardings
+  ``init`` could not see treated as replicated) or routes no leaf to Muon.
+  The message says why and what to pass instead. It is a ``UserWarning``;
+  ``warnings.simplefilter('error', dmuon_jax.DMuonWarning)`` makes it an
+  error, e.g. in tests.
+
+  Attributes:
+    args: a 1-tuple holding the message.
+
+  Examples:
+    >>> import warnings, jax.numpy as jnp, dmuon_jax
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter('always')
+    ...   _ = dmuon_jax.dmuon(0.02).init({'bias': jnp.zeros(8)})  # no matrix
+    >>> [w.category.__name__ for w in caught]
+    ['DMuonWarning']
+    >>> print(caught[0].message.args[0][:47])
+    dmuon: no leaf goes to Muon, so every leaf is u
+  """
+
+
+def report_routing(routing: _routing.Routing) -> None:
+  """Logs the routing summary at INFO; warns if no leaf goes to Muon."""
+  LOGGER.info('%s', routing.summary)
+  if routing.num_muon == 0:
+    rule = (
+      'The default rule (dmuon_jax.default_muon_predicate) takes 2-D'
+      ' matrices with both dims > 1 that are not embeddings, heads, norms'
+      ' or biases. '
+      if routing.default_rule
+      else ''
+    )
+    warnings.warn(
+      NO_MUON_MSG.format(rule=rule, summary=routing.summary),
+      DMuonWarning,
+      stacklevel=4,
+    )
+
+
+BoundaryPredicate = Callable[[str, Any], bool]
+
+
+@dataclasses.dataclass(frozen=True)
+class HookBoundaries:
+  """Which hook boundary each Muon target belongs to.
+
+  A boundary is the unit of materialization in dedicated mode: all owners'
+  matrices of one boundary are gathered together, just before that module
+  runs. Boundaries are independent of the owner plan: the plan balances work
+  over all matrices, the boundary only decides when a gather happens.
+
+  Attributes:
+    names: boundary names (module paths such as ``'layers/3'``), in order of
+      first appearance in the params tree.
+    scanned: for each name, whether it is a scanned stack (leaves stacked
+      over a leading layer axis: one gather per scan iteration).
+    paths: the Muon targets' paths, in leaf order.
+    of_target: for each of ``paths``, the index of its boundary in ``names``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax
+    >>> w = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+    >>> stack = jax.ShapeDtypeStruct((3, 8, 8), jnp.float32)  # 3 layers
+    >>> params = {'layers_0': {'q': w}, 'scan': {'q': stack}}
+    >>> MDN = dmuon_jax.MuonDimensionNumbers
+    >>> dims = {'layers_0': {'q': MDN()}, 'scan': {'q': MDN(1, 2)}}
+    >>> b = dmuon_jax.find_hook_boundaries(
+    ...     params, weight_dimension_numbers=dims)
+    >>> b.names, b.scanned  # a loop block, and a stack gathered per layer
+    (('layers_0', 'scan'), (False, True))
+    >>> b.paths, b.of_target
+    (('layers_0/q', 'scan/q'), (0, 1))
+  """
+
+  names: tuple[str, ...]
+  scanned: tuple[bool, ...]
+  paths: tuple[str, ...]
+  of_target: tuple[int, ...]
+
+  def targets_of(self, name: str) -> tuple[str, ...]:
+    """Paths of the Muon targets in boundary ``name``."""
+    b = self.names.index(name)
+    return tuple(p for p, i in zip(self.paths, self.of_target) if i == b)
+
+
+def subtree(tree: Any, keys) -> Any:
+  for key in keys:
+    if isinstance(key, jax.tree_util.GetAttrKey):
+      tree = getattr(tree, key.name)
+    elif isinstance(key, jax.tree_util.SequenceKey):
+      tree = tree[key.idx]
+    else:  # DictKey, FlattenedIndexKey
+      tree = tree[key.key]
+  return tree
+
+
+def _custom_boundary(params, keys, boundary_predicate) -> str | None:
+  """The lowest ancestor of a leaf whose (path, subtree) satisfies it.
+
+  The root counts too (its path is ``''``): the whole model as one boundary.
+  """
+  for end in range(len(keys) - 1, -1, -1):
+    prefix = keys[:end]
+    if boundary_predicate(
+      _routing.normalize_path(prefix), subtree(params, prefix)
+    ):
+      return _routing.normalize_path(prefix)
+  return None
+
+
+def _default_boundary(path: str, stacked: bool) -> tuple[str | None, bool]:
+  """A block prefix (``layers/3``, ``layers_3``), else a scanned stack."""
+  block, base = _routing.layer_base(path)
+  if block:
+    return base, False
+  return (base, True) if stacked else (None, False)
+
+
+def find_hook_boundaries(
+  params: Any,
+  *,
+  predicate: Callable[[str, Any], bool] | None = None,
+  weight_dimension_numbers: Any = None,
+  boundary_predicate: BoundaryPredicate | None = None,
+  strict: bool = True,
+) -> HookBoundaries:
+  """Assigns every Muon target to a hook boundary.
+
+  Default detection, from the path: the outermost block segment —
+  ``layers/3`` (flax nnx lists), ``layers_3`` (flax linen auto-names), and
+  likewise ``blocks``, ``block``, ``layer``, ``h``, ``encoderblock``,
+  ``decoderblock``, ``resblocks`` — or, for a stacked leaf ``(L, m, n)``
+  outside any such block, the scanned stack it belongs to (its top-level
+  module, e.g. the ``nn.scan``-ed ``'layers'``), gathered once per scan
+  iteration.
+
+  Args:
+    params: the params tree (arrays or ``jax.ShapeDtypeStruct``).
+    predicate: Muon-target predicate, as for :func:`dmuon_jax.dmuon`.
+    weight_dimension_numbers: as for :func:`dmuon_jax.dmuon`.
+    boundary_predicate: optional ``(module_path, subtree) -> bool``; a target
+      belongs to its lowest ancestor that satisfies it (e.g. a ViT block:
+      ``lambda path, sub: 'attn' in sub and 'mlp' in sub``). Replaces the
+      default detection.
+    strict: if True, raise when a target has no boundary; if False, such a
+      target is its own boundary (gathered alone).
+
+  Returns:
+    A :class:`HookBoundaries`.
+
+  Raises:
+    ValueError: in strict mode, naming every target without a boundary.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax
+    >>> w = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+    >>> params = {'embed': w, 'layers_0': {'q': w, 'o': w},
+    ...           'layers_1': {'q': w, 'o': w}, 'mlp': {'w': w}}
+    >>> dmuon_jax.find_hook_boundaries(params)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: dmuon: 1 Muon target(s) have no hook boundary: ['mlp/w']. ...
+    >>> b = dmuon_jax.find_hook_boundaries(params, strict=False)
+    >>> b.names
+    ('layers_0', 'layers_1', 'mlp/w')
+    >>> b.paths  # the embedding goes to AdamW
+    ('layers_0/o', 'layers_0/q', 'layers_1/o', 'layers_1/q', 'mlp/w')
+    >>> b.of_target
+    (0, 0, 1, 1, 2)
+
+    A custom rule, e.g. for blocks named without an index:
+
+    >>> vit = {'enc_a': {'attn': {'q': w}, 'mlp': {'up': w}},
+    ...        'enc_b': {'attn': {'q': w}, 'mlp': {'up': w}}}
+    >>> dmuon_jax.find_hook_boundaries(
+    ...     vit, boundary_predicate=lambda path, sub: 'attn' in sub).names
+    ('enc_a', 'enc_b')
+  """
+  specs = _routing.muon_target_specs(
+    params,
+    predicate=predicate,
+    weight_dimension_numbers=weight_dimension_numbers,
+  )
+  flat = jax.tree.flatten_with_path(params)[0]
+  names: list[str] = []
+  scanned: list[bool] = []
+  paths, of_target, missing = [], [], []
+  for spec, (keys, _) in zip(specs, flat, strict=True):
+    if spec is None:
+      continue
+    if boundary_predicate is not None:
+      name, is_scan = _custom_boundary(params, keys, boundary_predicate), False
+    else:
+      name, is_scan = _default_boundary(spec.path, bool(spec.batch_axes))
+    if name is None:
+      missing.append(spec.path)
+      if strict:
+        continue
+      name = spec.path
+    if name not in names:
+      names.append(name)
+      scanned.append(is_scan)
+    paths.append(spec.path)
+    of_target.append(names.index(name))
+  if strict and missing:
+    raise ValueError(
+      f'dmuon: {len(missing)} Muon target(s) have no hook boundary: '
+      f'{missing}. Name blocks like layers/N or layers_N, pass '
+      'boundary_predicate=(path, subtree) -> bool to mark your block '
+      'modules, route these params to AdamW, or pass strict=False to '
+      'gather each of them on its own.'
+    )
+  return HookBoundaries(
+    names=tuple(names),
+    scanned=tuple(scanned),
+    paths=tuple(paths),
+    of_target=tuple(of_target),
   )

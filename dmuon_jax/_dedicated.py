@@ -16,13 +16,11 @@ from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import (
   _assign,
-  _boundaries,
-  _cost,
+  _checks,
   _gather_plan,
   _mesh,
   _owner_layout,
   _plan,
-  _report,
   _routing,
 )
 from dmuon_jax._dedication import (
@@ -131,7 +129,7 @@ def _rest_spec(x: Any, path: str, mesh: Any, scanned_names) -> P:
 
 
 def _gather_groups(
-  bounds: _boundaries.HookBoundaries, k: int
+  bounds: _checks.HookBoundaries, k: int
 ) -> list[tuple[int, ...]]:
   """Consecutive loop boundaries by ``k``; each scanned stack alone."""
   groups, run = [], []
@@ -154,7 +152,7 @@ def dedicate(
   *,
   predicate: Callable[[str, Any], bool] | None = None,
   muon_weight_dimension_numbers: Any = None,
-  boundary_predicate: _boundaries.BoundaryPredicate | None = None,
+  boundary_predicate: _checks.BoundaryPredicate | None = None,
   strict: bool = True,
   reshard_after_forward: bool = True,
   layers_per_gather: int | str = 'auto',
@@ -292,8 +290,8 @@ def dedicate(
     weight_dimension_numbers=dims_numbers,
     dims_arg='muon_weight_dimension_numbers',
   )
-  _report.report_routing(routing)
-  bounds = _boundaries.find_hook_boundaries(
+  _checks.report_routing(routing)
+  bounds = _checks.find_hook_boundaries(
     params,
     predicate=predicate,
     weight_dimension_numbers=dims_numbers,
@@ -326,7 +324,7 @@ def dedicate(
     for t in routing.specs
     if t is not None and bounds.scanned[of_target[t.path]]
   ]
-  owner_groups = _plan.check_option(
+  owner_groups = _checks.check_option(
     owner_groups,
     ns_algorithm=ns_algorithm,
     tp_axis=info.tp_axis if tp_n > 1 else None,
@@ -435,9 +433,7 @@ def _check_layers_per_gather(layers_per_gather: Any) -> None:
     )
 
 
-def _stack_lengths(
-  params: Any, bounds: _boundaries.HookBoundaries
-) -> list[int]:
+def _stack_lengths(params: Any, bounds: _checks.HookBoundaries) -> list[int]:
   """The distinct layer counts of the scanned stacks, sorted."""
   shape_of = {
     _routing.normalize_path(keys): np.shape(x)
@@ -459,7 +455,7 @@ def _build(
   params: Any,
   abstract: Any,
   mesh: Any,
-  bounds: _boundaries.HookBoundaries,
+  bounds: _checks.HookBoundaries,
   base_plan: _plan.OwnershipPlan,
   info: Any,
   tp_n: int,
@@ -552,7 +548,7 @@ def _build(
 
 
 def _group_specs(
-  bounds: _boundaries.HookBoundaries, plan: _plan.OwnershipPlan, k: int
+  bounds: _checks.HookBoundaries, plan: _plan.OwnershipPlan, k: int
 ) -> list[tuple[str, bool, list[_routing.LeafSpec]]]:
   """Per gather group of ``k`` boundaries: its name, whether it is a
   scanned stack, and its Muon leaves."""
@@ -583,7 +579,7 @@ def _boundary_keys(bounds, flat, leaf_paths) -> list[tuple[Any, ...]]:
 
 
 def _auto_layers_per_gather(
-  bounds: _boundaries.HookBoundaries,
+  bounds: _checks.HookBoundaries,
   stacks: Sequence[int],
   predict: Callable[[int], list[_gather_plan.GatherBytes]],
   sizes: dict[str, int],
@@ -634,8 +630,8 @@ def auto_cost(
   s = math.prod(sizes.values()) // r
   passes = 3 if z3 else 2
   moved = sum(
-    passes * _cost.ring_bytes('all-gather', s, b.gathered)
-    + 2 * _cost.ring_bytes('all-gather', r, b.gathered / s)
+    passes * _checks.ring_bytes('all-gather', s, b.gathered)
+    + 2 * _checks.ring_bytes('all-gather', r, b.gathered / s)
     + b.exchange
     for b in got
   )

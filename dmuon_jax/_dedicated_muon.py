@@ -15,11 +15,9 @@ from dmuon_jax import (
   _checks,
   _collectives,
   _gather,
-  _hyperparams,
   _mesh,
   _owner_layout,
   _owner_update,
-  _plan,
   _states,
 )
 from dmuon_jax._dedication import DedicatedParams, Dedication, check_owned
@@ -154,7 +152,7 @@ def scale_by_dedicated_muon(
     consistent_rms=consistent_rms,
     weight_decay=weight_decay,
   )
-  _plan.check_preconditioning(
+  _checks.check_preconditioning(
     preconditioning,
     tp_axis=dedication.tensor_parallel_axis,
     groups=len(dedication.plan.groups),
@@ -423,7 +421,7 @@ def dedicated_muon(
     True
   """
   _owner_update.check_nonfinite(nonfinite)
-  _hyperparams.check_adam(
+  _checks.check_adam(
     learning_rate=learning_rate,
     adam_learning_rate=adam_learning_rate,
     adam_b1=adam_b1,

@@ -14,9 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import (
-  _boundaries,
   _checks,
-  _cost,
   _gather,
   _layout,
   _owner_layout,
@@ -119,7 +117,7 @@ class Dedication:
   """
 
   plan: _plan.OwnershipPlan
-  boundaries: _boundaries.HookBoundaries
+  boundaries: _checks.HookBoundaries
   groups: tuple[tuple[int, ...], ...]
   layout: _owner_layout.OwnerLayout
   layers_per_gather: int
@@ -604,20 +602,20 @@ def _summary(ded: Dedication) -> str:
       f' ({split} split into {slices} slices)' if split else ''
     )
     lines.append(
-      f'  gather {g}: {names}{times}: {what}, {_cost.human_bytes(used)} '
-      f'gathered as {_cost.human_bytes(held)} '
+      f'  gather {g}: {names}{times}: {what}, {_checks.human_bytes(used)} '
+      f'gathered as {_checks.human_bytes(held)} '
       f'(padding {padding_percent(used, held):.1f}%)'
     )
   lines.append(
-    f'  total: Muon params {_cost.human_bytes(payload)}, '
-    f'gathered {_cost.human_bytes(gathered)} '
+    f'  total: Muon params {_checks.human_bytes(payload)}, '
+    f'gathered {_checks.human_bytes(gathered)} '
     f'(padding {padding_percent(payload, gathered):.1f}%)'
   )
   exchange = _exchange_bytes(ded)
   if exchange:
     lines.append(
       f'  owner groups exchange per device per step: '
-      f'{_cost.human_bytes(exchange)} (float32 Grams and factors, one '
+      f'{_checks.human_bytes(exchange)} (float32 Grams and factors, one '
       'reduce-scatter and one all-gather per restart window in each gather '
       "group's update)"
     )

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dmuon_jax import _collectives, _cost, _layout, _mesh, _plan
+from dmuon_jax import _checks, _collectives, _layout, _mesh, _plan
 
 
 class _Routed:
@@ -526,11 +526,11 @@ class Exchange:
     for key in self.classes:
       axes, g = key
       size = math.prod(self.sizes[a] for a in axes)
-      got = _cost.route_bytes(n, size, self.fwd_size[key] * itemsizes[g])
+      got = _checks.route_bytes(n, size, self.fwd_size[key] * itemsizes[g])
       a2a += got['all-to-all']
       gather += got['all-gather']
     gather += sum(
-      _cost.ring_bytes('all-gather', n, n * size * itemsizes[g])
+      _checks.ring_bytes('all-gather', n, n * size * itemsizes[g])
       for g, size in enumerate(self.rep_size)
     )
     layout = self.layout
@@ -538,7 +538,7 @@ class Exchange:
       spec = layout.plan.leaves[i]
       k = math.prod(self.sizes[a] for e in self.entries[i] for a in e)
       g = layout.unit_group[layout.leaf_units[i][0]]
-      gather += _cost.ring_bytes(
+      gather += _checks.ring_bytes(
         'all-gather', k, math.prod(spec.shape) * itemsizes[g]
       )
     return {'all-to-all': a2a, 'all-gather': gather}

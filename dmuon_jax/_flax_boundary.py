@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from dmuon_jax import _collectives, _gather, _mesh, _report
+from dmuon_jax import _checks, _collectives, _gather, _mesh
 
 if TYPE_CHECKING:
   from dmuon_jax.flax import ModelDedication
@@ -205,7 +205,7 @@ def _warn_unsharded(md: ModelDedication, name: str, arrays) -> None:
     'e.g. jax.device_put(batch, NamedSharding(mesh, P(ded.axes))), or '
     'use dmuon_jax.flax.train_step(ded), which does (evaluation on a '
     'replicated batch is otherwise fine).',
-    _report.DMuonWarning,
+    _checks.DMuonWarning,
     stacklevel=5,
   )
 
@@ -240,7 +240,7 @@ def warn_lifted(md: ModelDedication, name: str, g: int, linen: bool) -> None:
       ),
       inside='nn.remat(nn.Dense)' if linen else 'nnx.remat around its MLP',
     ),
-    _report.DMuonWarning,
+    _checks.DMuonWarning,
     stacklevel=5,
   )
 
@@ -337,7 +337,7 @@ def _warn_remat_z2(md: ModelDedication, name: str) -> None:
     "and holds Z3's memory. Pass reshard_after_forward=True (what nn.remat "
     'gives: no third gather), or keep Z2 and take nn.remat off the block '
     '(remat inside it, e.g. nn.remat around its attention).',
-    _report.DMuonWarning,
+    _checks.DMuonWarning,
     stacklevel=5,
   )
 
@@ -363,6 +363,6 @@ def _warn_bare(md: ModelDedication, traced: bool) -> None:
     + '. Decorate the train step with @dmuon_jax.flax.train_step(dedication)'
     ' instead of jax.jit/nnx.jit to get the floor (evaluation outside it '
     'is fine).',
-    _report.DMuonWarning,
+    _checks.DMuonWarning,
     stacklevel=4,
   )

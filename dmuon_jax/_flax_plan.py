@@ -17,7 +17,7 @@ from flax.core import spmd as core_spmd
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dmuon_jax import _boundaries, _dedicated, _mesh, _report, _routing
+from dmuon_jax import _checks, _dedicated, _mesh, _routing
 
 
 def _key(entry: Any) -> Any:
@@ -151,7 +151,7 @@ def _replicate_rest(ded, params, mesh, kwargs, specs):
       'dmuon_jax.flax.train_step runs the whole model on each device. To '
       'keep them sharded, shard them over another mesh axis; '
       'ded.summary() lists them.',
-      _report.DMuonWarning,
+      _checks.DMuonWarning,
       stacklevel=4,
     )
     params = jax.tree.unflatten(jax.tree.structure(params), leaves)
@@ -176,9 +176,7 @@ def _check_boundaries_hold_targets(params, ded, boundary_predicate) -> None:
       if prefix in seen:
         break
       seen.add(prefix)
-      if not boundary_predicate(
-        prefix, _boundaries.subtree(params, keys[:depth])
-      ):
+      if not boundary_predicate(prefix, _checks.subtree(params, keys[:depth])):
         continue
       if not any(t == prefix or t.startswith(prefix + '/') for t in targets):
         raise ValueError(
@@ -194,7 +192,7 @@ def scan_layers_per_gather(params, kwargs, layers_per_gather, scan: str):
   """``(layers_per_gather, choice)`` for a model with scanned stacks (one
   layer per ``scan`` iteration, so 1); unchanged without any. ``kwargs``:
   the dedication's keyword arguments (routing and boundary options)."""
-  bounds = _boundaries.find_hook_boundaries(
+  bounds = _checks.find_hook_boundaries(
     params,
     predicate=kwargs['predicate'] if kwargs['predicate'] != 'optax' else None,
     weight_dimension_numbers=kwargs['muon_weight_dimension_numbers'],

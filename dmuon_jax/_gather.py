@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dmuon_jax import _boundaries, _collectives, _layout, _mesh
+from dmuon_jax import _checks, _collectives, _layout, _mesh
 
 P = jax.sharding.PartitionSpec
 
@@ -193,7 +193,7 @@ def fill(ded, b: int, sub: list[int], sub_rest, mats) -> Any:
   for i, x in zip(sub, sub_rest):
     leaves[i] = mats.get(i, x)
   tree = jax.tree.unflatten(ded.treedef, leaves)
-  return _boundaries.subtree(tree, ded.boundary_keys[b])
+  return _checks.subtree(tree, ded.boundary_keys[b])
 
 
 def subtree_leaves(ded, b: int) -> list[int]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -33,6 +32,13 @@ def context_mesh() -> Any:
   return mesh
 
 
+def axis_tuple(axis_names: Any) -> tuple[str, ...]:
+  """``axis_names`` (None, one name or several) as a tuple."""
+  if axis_names is None:
+    return ()
+  return (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
+
+
 def mesh_axes(
   mesh: Any, axis_names: Any = None
 ) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -59,7 +65,7 @@ def mesh_axes(
   if axis_names is None:
     chosen = order
   else:
-    names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
+    names = axis_tuple(axis_names)
     missing = [n for n in names if n not in sizes]
     if missing and mesh is None:
       raise ValueError(
@@ -116,22 +122,24 @@ def check_devices(params: Any, mesh: Any) -> None:
       )
 
 
+def _flax_type(x: Any, module: str, name: str) -> bool:
+  """Whether ``x``'s type is or derives from Flax's class ``module.name``,
+  read from its MRO: flax is optional and never imported here."""
+  return any(
+    c.__name__ == name and c.__module__ == module for c in type(x).__mro__
+  )
+
+
 def is_variable(x: Any) -> bool:
   """Whether ``x`` is a flax ``nnx.Variable``, of any subclass (e.g.
-  ``dmuon_jax.flax.OwnedBuffer``). Flax is optional: without its variables
-  module imported there are none."""
-  lib = sys.modules.get('flax.nnx.variablelib')
-  return lib is not None and isinstance(x, lib.Variable)
+  ``dmuon_jax.flax.OwnedBuffer``)."""
+  return _flax_type(x, 'flax.nnx.variablelib', 'Variable')
 
 
 def is_box(x: Any) -> bool:
   """Whether ``x`` is a flax Linen metadata box (``nn.Partitioned``,
-  ``nn.LogicallyPartitioned``, any ``flax.core.meta.AxisMetadata``).
-
-  Flax is optional: without ``flax.core.meta`` imported there are no boxes.
-  """
-  meta = sys.modules.get('flax.core.meta')
-  return meta is not None and isinstance(x, meta.AxisMetadata)
+  ``nn.LogicallyPartitioned``, any ``flax.core.meta.AxisMetadata``)."""
+  return _flax_type(x, 'flax.core.meta', 'AxisMetadata')
 
 
 def is_boxed(x: Any) -> bool:
@@ -147,8 +155,8 @@ def unbox(x: Any) -> Any:
     if is_variable(x):
       x = x.get_value()
     elif is_box(x):
-      meta = sys.modules['flax.core.meta']
-      x = x.value if isinstance(x, meta.Partitioned) else x.unbox()
+      partitioned = _flax_type(x, 'flax.core.meta', 'Partitioned')
+      x = x.value if partitioned else x.unbox()
     else:
       return x
 
@@ -175,7 +183,8 @@ def box_like(template: Any, value: Any, spec: P) -> Any:
   names = tuple(spec)
   if is_variable(template):
     return template.replace(value, out_sharding=names, eager_sharding=False)
-  meta = sys.modules['flax.core.meta']
+  from flax.core import meta  # loaded: template is a Linen box
+
   return meta.Partitioned(value, names, mesh=getattr(template, 'mesh', None))
 
 
@@ -212,14 +221,9 @@ def without_axes(x: Any, axes: Sequence[str]) -> Any:
   return x.replace(names=tuple(new))
 
 
-def leaf_value(x: Any) -> Any:
-  """The array of a leaf (the value of an ``nnx.Variable`` or Linen box)."""
-  return unbox(x)
-
-
 def array_mesh(x: Any) -> Any:
   """The mesh a (possibly abstract or traced) array is placed on, or None."""
-  x = leaf_value(x)
+  x = unbox(x)
   if isinstance(x, jax.core.Tracer):
     sharding = jax.typeof(x).sharding
   else:
@@ -334,24 +338,14 @@ def leaf_spec(x: Any) -> P | None:
   """
   if is_variable(x):
     spec = _variable_spec(x)
-    if spec is not None:
-      return spec
-    return leaf_spec(x.get_value())
+    return leaf_spec(x.get_value()) if spec is None else spec
   if is_box(x):
     spec = _box_spec(x)
-    if spec is not None:
-      return spec
-    return leaf_spec(unbox(x))
+    return leaf_spec(unbox(x)) if spec is None else spec
   if isinstance(x, jax.core.Tracer):
-    aval = jax.typeof(x)
-    sharding = getattr(aval, 'sharding', None)
-    if (
-      isinstance(sharding, NamedSharding)
-      and not sharding.mesh.empty
-      and is_explicit(sharding.mesh)
-    ):
-      return sharding.spec
-    return None
+    sharding = getattr(jax.typeof(x), 'sharding', None)
+    ok = isinstance(sharding, NamedSharding) and not sharding.mesh.empty
+    return sharding.spec if ok and is_explicit(sharding.mesh) else None
   sharding = getattr(x, 'sharding', None)
   if isinstance(sharding, NamedSharding):
     return sharding.spec
@@ -596,11 +590,7 @@ def _auto_tp_axis(
   """The TP axis chosen by ``tensor_parallel_axis='auto'``."""
   if sharded_axes is None:
     return None
-  chosen = (
-    ()
-    if axis_names is None
-    else ((axis_names,) if isinstance(axis_names, str) else tuple(axis_names))
-  )
+  chosen = axis_tuple(axis_names)
   hits = [
     n
     for n in names
@@ -657,7 +647,7 @@ def resolve(
   if axis_names is None:
     owners = tuple(n for n in names if n != tp)
   else:
-    chosen = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
+    chosen = axis_tuple(axis_names)
     if tp is not None and tp in chosen:
       raise ValueError(
         f'dmuon: axis_names {chosen} includes the tensor-parallel axis '

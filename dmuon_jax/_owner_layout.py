@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dmuon_jax import _cost, _exchange, _mesh
+from dmuon_jax import _checks, _exchange, _mesh
 from dmuon_jax._layout import Layout, roll_slots
 
 
@@ -633,7 +633,9 @@ class OwnerLayout:
       predicted = self.collective_bytes()
       lines.append(
         '  predicted update bytes per device: '
-        + ', '.join(f'{k} {_cost.human_bytes(v)}' for k, v in predicted.items())
+        + ', '.join(
+          f'{k} {_checks.human_bytes(v)}' for k, v in predicted.items()
+        )
       )
       known = [e for e in self.param_entries if e is not None]
       sharded = sum(1 for e in known if any(e))
@@ -650,10 +652,10 @@ class OwnerLayout:
         else 'in owner buffers'
       )
       lines.append(
-        f'  momentum {where}: {_cost.human_bytes(held)} per device'
+        f'  momentum {where}: {_checks.human_bytes(held)} per device'
         + (' (the busiest)' if not self.per_leaf else '')
         + f', {held / max(even, 1):.2f}x the even share '
-        f'{_cost.human_bytes(even)}'
+        f'{_checks.human_bytes(even)}'
       )
     padded, extra = self.padding()
     if padded:

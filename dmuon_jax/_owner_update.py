@@ -26,12 +26,11 @@ import numpy as np
 import optax
 
 from dmuon_jax import (
+  _checks,
   _collectives,
-  _hyperparams,
   _layout,
   _newton_schulz,
   _owner_layout,
-  _plan,
   _staged,
 )
 
@@ -211,7 +210,7 @@ def make_hyperparams(
 ) -> Hyperparams:
   """Validates concrete values (at the factory call) into
   :class:`Hyperparams`; run-time values (tracers) pass through."""
-  _hyperparams.check_muon(
+  _checks.check_muon(
     beta=beta,
     eps=eps,
     consistent_rms=consistent_rms,
@@ -498,7 +497,7 @@ def owner_step(
 def _staged_update(cfg, hp, olayout, lay, hat, params, decay, iterations):
   """Owner-group and TP matrices by :mod:`_staged` (collectives between
   stages), the slot's whole matrices in its first stage."""
-  _plan.check_preconditioning(
+  _checks.check_preconditioning(
     cfg.preconditioning,
     tp_axis=olayout.tp_axis if olayout.tp_size > 1 else None,
     groups=len(lay.plan.groups),

@@ -25,16 +25,14 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-from dmuon_jax._cost import (
+from dmuon_jax._checks import (
   gram_parts,
   human_bytes,
   human_flops,
-  plural,
   ring_bytes,
   route_bytes,
 )
-from dmuon_jax._newton_schulz import is_int
-from dmuon_jax._routing import LeafSpec, layer_key
+from dmuon_jax._routing import LeafSpec, layer_key, plural
 
 # Slices of a split matrix keep at least this many rows/columns of the
 # long side.
@@ -620,109 +618,6 @@ def _rounds(edges: Sequence[Message]) -> tuple[tuple[Message, ...], ...]:
   return tuple(
     tuple(edges[e] for e in range(len(edges)) if colour[e] == c)
     for c in range(colours)
-  )
-
-
-def check_option(
-  owner_groups: Any,
-  *,
-  preconditioning: str = 'frobenius',
-  ns_algorithm: str = 'auto',
-  tp_axis: str | None = None,
-  scanned: Sequence[str] = (),
-) -> Any:
-  """The one check of ``owner_groups`` against the options it meets.
-
-  Every entry point (``dmuon``'s factory, its ``init`` once the mesh is
-  known, ``plan_ownership``, ``dedicate``) calls this with what it knows.
-
-  Args:
-    owner_groups: ``'auto'``, None or an int ``k >= 2``.
-    preconditioning: the Newton–Schulz preconditioning.
-    ns_algorithm: ``'auto'``, ``'gram'`` or ``'standard'``.
-    tp_axis: the tensor-parallel axis, when one of size > 1 is in use.
-    scanned: paths of the scanned stacks (dedicated mode).
-
-  Returns:
-    What the planner takes: ``owner_groups``, or None where ``'auto'``
-    cannot form groups (groups run Gram Newton–Schulz with the Frobenius
-    preconditioning; TP matrices are split over their axis already).
-
-  Raises:
-    ValueError: for any other value, and for a forced ``k`` with an option
-      that groups cannot run with (naming both and what to pass).
-  """
-  if owner_groups is None:
-    return None
-  if owner_groups != 'auto' and (not is_int(owner_groups) or owner_groups < 2):
-    raise ValueError(
-      f"dmuon: owner_groups={owner_groups!r} is not 'auto', None or an int "
-      '>= 2 (the number of devices that share each matrix).'
-    )
-  forced = owner_groups != 'auto'
-  given, wanted = [], []
-  if preconditioning != 'frobenius':
-    given.append(f'preconditioning={preconditioning!r}')
-    wanted.append("preconditioning='frobenius'")
-  if ns_algorithm == 'standard':
-    given.append(f'ns_algorithm={ns_algorithm!r}')
-    wanted.append("ns_algorithm='auto' or 'gram'")
-  if given:
-    if forced:
-      raise ValueError(
-        f'dmuon: owner_groups={owner_groups} runs Gram Newton-Schulz with '
-        "preconditioning='frobenius' on the groups' matrices, but got "
-        f'{" and ".join(given)}. Pass {" and ".join(wanted)}, or '
-        'owner_groups=None.'
-      )
-    return None
-  if tp_axis is not None:
-    if forced:
-      raise ValueError(
-        f'dmuon: owner_groups={owner_groups} with the tensor-parallel axis '
-        f'{tp_axis!r}: TP matrices are split over that axis already. Pass '
-        'owner_groups=None (or the default).'
-      )
-    return None
-  if forced and scanned:
-    raise ValueError(
-      f'dmuon: owner_groups={owner_groups} with scanned stacks (param '
-      f'{scanned[0]!r}'
-      + (f' and {len(scanned) - 1} more' if len(scanned) > 1 else '')
-      + '): their owners rotate per scan iteration, which groups do not '
-      "follow. Pass owner_groups='auto' (scanned stacks stay whole) or None."
-    )
-  return owner_groups
-
-
-def check_preconditioning(
-  preconditioning: str,
-  *,
-  tp_axis: str | None = None,
-  groups: int = 0,
-  otherwise: str = '',
-) -> None:
-  """Raises unless ``preconditioning`` is ``'frobenius'`` where matrices
-  are split over devices: over a tensor-parallel axis ``tp_axis``, or
-  ``groups`` matrices over owner groups. Their Gram Newton–Schulz
-  normalizes by the Frobenius norm. ``otherwise``: what else the caller
-  may pass instead (e.g. ``'owner_groups=None'``)."""
-  if preconditioning == 'frobenius' or (tp_axis is None and not groups):
-    return
-  split = []
-  if tp_axis is not None:
-    split.append(f'the tensor-parallel axis {tp_axis!r} splits matrices')
-  if groups:
-    split.append(
-      f'{groups} matrices are split over owners (owner groups; '
-      "owner_groups='auto' splits a dedication's matrices where whole ones "
-      'would pad a gather by more than 5%)'
-    )
-  raise ValueError(
-    f'dmuon: preconditioning={preconditioning!r} is not available here: '
-    f'{" and ".join(split)}, and their Gram Newton-Schulz normalizes by '
-    "the Frobenius norm. Pass preconditioning='frobenius'"
-    + (f', or {otherwise}.' if otherwise else '.')
   )
 
 

@@ -14,8 +14,6 @@ import numpy as np
 import optax
 from optax.contrib import MuonDimensionNumbers
 
-from dmuon_jax._cost import plural
-
 Predicate = Callable[[str, Any], bool]
 # predicate='optax': optax.contrib.muon's routing.
 OPTAX_ROUTING = 'optax'
@@ -118,7 +116,7 @@ _BLOCK_SEGMENT_RE = re.compile(
   r'^(layers?|blocks?|h|encoderblock|decoderblock|resblocks)_\d+$'
 )
 # Leading segments that name a flax linen variable collection, not a module.
-COLLECTION_NAMES = frozenset({'params'})
+_COLLECTION_NAMES = frozenset({'params'})
 
 
 def normalize_path(path: jax.tree_util.KeyPath) -> str:
@@ -645,6 +643,10 @@ def muon_target_specs(
   ).specs
 
 
+def plural(n: int, one: str, many: str) -> str:
+  return f'{n} {one if n == 1 else many}'
+
+
 def _human_count(n: int) -> str:
   for unit, size in (('B', 1e9), ('M', 1e6), ('K', 1e3)):
     if n >= size:
@@ -761,7 +763,7 @@ def layer_key(path: str, batch_index: tuple[int, ...] = ()) -> str:
   Returns:
     The key.
   """
-  block, base = _layer_base(path)
+  block, base = layer_base(path)
   if block:
     return base
   if batch_index:
@@ -770,13 +772,15 @@ def layer_key(path: str, batch_index: tuple[int, ...] = ()) -> str:
 
 
 @functools.lru_cache(maxsize=4096)
-def _layer_base(path: str) -> tuple[bool, str]:
-  """``(whether the path has a block boundary, the key's path part)``."""
+def layer_base(path: str) -> tuple[bool, str]:
+  """``(whether the path has a block boundary, the key's path part)``:
+  the outermost block (``layers/3``), else the first segment after a
+  leading ``params`` collection (also a scanned stack's hook boundary)."""
   segments = _segments(path)
   end = block_boundary_end(segments)
   if end is not None:
     return True, '/'.join(segments[:end])
   start = 0
-  while start < len(segments) - 1 and segments[start] in COLLECTION_NAMES:
+  while start < len(segments) - 1 and segments[start] in _COLLECTION_NAMES:
     start += 1
   return False, '/'.join(segments[: start + 1])

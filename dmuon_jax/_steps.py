@@ -19,14 +19,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import (
+  _checks,
   _collectives,
-  _cost,
   _exchange,
   _layout,
   _mesh,
   _owner_layout,
   _owner_update,
-  _report,
 )
 
 UNKNOWN_SPECS_MSG = (
@@ -87,7 +86,7 @@ def warn_once(message: str) -> None:
   shows a warning once per text and location, and the location is the
   dmuon_jax line calling this; ``warnings.simplefilter('always')`` shows it
   every time."""
-  warnings.warn(message, _report.DMuonWarning, stacklevel=2)
+  warnings.warn(message, _checks.DMuonWarning, stacklevel=2)
 
 
 def check_buffers(
@@ -244,9 +243,9 @@ def _unknown_momentum(layout) -> str:
   if layout.per_leaf or held <= 1.10 * even:
     return ''
   return UNKNOWN_MOMENTUM_MSG.format(
-    held=_cost.human_bytes(held),
+    held=_checks.human_bytes(held),
     ratio=held / even,
-    even=_cost.human_bytes(even),
+    even=_checks.human_bytes(even),
     devices=layout.num_slots * layout.tp_size,
   )
 
@@ -269,7 +268,7 @@ def _warn_if_forced(layout, b: int, shape, got, sizes) -> None:
   nbytes = lambda s: math.prod(s) * jnp.dtype(dtype).itemsize
   held = nbytes(local)
   owned = nbytes(_mesh.local_shape(shape, want, sizes))
-  hb = _cost.human_bytes
+  hb = _checks.human_bytes
   devices = math.prod(sizes.values())
   warn_once(
     FORCED_MSG.format(

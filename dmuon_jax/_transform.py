@@ -21,7 +21,6 @@ from dmuon_jax import (
   _mesh,
   _owner_layout,
   _owner_update,
-  _plan,
   _routing,
   _states,
   _steps,
@@ -318,7 +317,7 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
     [jax.ShapeDtypeStruct(shape, x.dtype) for x, shape in zip(leaves, local)],
   )
   owner_mesh = None if info is None else {a: sizes[a] for a in info.owner_axes}
-  groups = _plan.check_option(
+  groups = _checks.check_option(
     setup.owner_groups, tp_axis=tp_axis if tp_size > 1 else None
   )
   plan = _assign.plan_ownership(
@@ -405,7 +404,7 @@ def check_owner_groups(owner_groups, preconditioning, ns_algorithm):
   injects int arguments) is read as its int."""
   if owner_groups is not None and not isinstance(owner_groups, str):
     owner_groups = _owner_update.static_int(owner_groups, 'owner_groups')
-  return _plan.check_option(
+  return _checks.check_option(
     owner_groups, preconditioning=preconditioning, ns_algorithm=ns_algorithm
   )
 
@@ -413,7 +412,7 @@ def check_owner_groups(owner_groups, preconditioning, ns_algorithm):
 def check_tp_preconditioning(info: Any, preconditioning: str) -> None:
   """Raises if a TP axis meets a preconditioning other than Frobenius."""
   if info is not None and info.tp_size > 1:
-    _plan.check_preconditioning(
+    _checks.check_preconditioning(
       preconditioning,
       tp_axis=info.tp_axis,
       otherwise='tensor_parallel_axis=None',

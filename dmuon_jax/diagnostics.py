@@ -80,7 +80,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from dmuon_jax import _cost, _hlo_text
+from dmuon_jax import _checks, _hlo_text
 from dmuon_jax._hlo_text import parse_replica_groups as parse_replica_groups
 
 KINDS = (
@@ -430,7 +430,7 @@ def _record(
     group_size=group_size,
     executions=executions,
     in_loop=in_loop,
-    bytes=_cost.ring_bytes(kind, group_size, full_bytes),
+    bytes=_checks.ring_bytes(kind, group_size, full_bytes),
   )
 
 

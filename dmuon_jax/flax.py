@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import (
-  _boundaries,
+  _checks,
   _dedication,
   _flax_boundary,
   _flax_linen,
@@ -429,7 +429,7 @@ def dedicate(
   *,
   predicate: Callable[[str, Any], bool] | str | None = None,
   muon_weight_dimension_numbers: Any = None,
-  boundary_predicate: _boundaries.BoundaryPredicate | None = None,
+  boundary_predicate: _checks.BoundaryPredicate | None = None,
   strict: bool = True,
   reshard_after_forward: bool = True,
   layers_per_gather: int | str = 'auto',
@@ -695,7 +695,7 @@ def dedicate_linen(
   *,
   predicate: Callable[[str, Any], bool] | str | None = None,
   muon_weight_dimension_numbers: Any = None,
-  boundary_predicate: _boundaries.BoundaryPredicate | None = None,
+  boundary_predicate: _checks.BoundaryPredicate | None = None,
   strict: bool = True,
   reshard_after_forward: bool = True,
   layers_per_gather: int | str = 'auto',

@@ -690,7 +690,7 @@ CASES = (
     r"mesh axis 'shard' has size 0; expected a positive int",
   ),
   # owner_groups against the options it meets: one check
-  # (_plan.check_option) behind every entry point.
+  # (_checks.check_option) behind every entry point.
   (
     'owner_groups_one',
     functools.partial(dmuon_with, owner_groups=1),
@@ -755,7 +755,7 @@ CASES = (
     r"owner_groups=2 with the tensor-parallel axis 'model'.*owner_groups=None",
   ),
   # Matrices split over devices (TP, owner groups) against the
-  # preconditioning: one check (_plan.check_preconditioning).
+  # preconditioning: one check (_checks.check_preconditioning).
   (
     'tp_with_aol',
     functools.partial(

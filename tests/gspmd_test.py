@@ -31,7 +31,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
-from dmuon_jax import _cost, _mesh
+from dmuon_jax import _checks, _mesh
 from tests import support
 
 # One configuration per recipe runs in the inner loop; the Explicit-mesh
@@ -381,8 +381,8 @@ class WarningTest(absltest.TestCase):
     step = jax.jit(linen_step(tx), out_shardings=replicated)
     pattern = (
       rf'momentum buffer 0 .* sharded as .*each device holds '
-      rf'{re.escape(_cost.human_bytes(buf.nbytes))} of it instead of '
-      rf'{re.escape(_cost.human_bytes(owned))}.*per device'
+      rf'{re.escape(_checks.human_bytes(buf.nbytes))} of it instead of '
+      rf'{re.escape(_checks.human_bytes(owned))}.*per device'
     )
     return step, state, grads, pattern
 

@@ -9,7 +9,7 @@ import optax
 from absl.testing import absltest, parameterized
 from optax.contrib import MuonDimensionNumbers as MDN
 
-from dmuon_jax import _assign, _cost, _routing
+from dmuon_jax import _assign, _checks, _routing
 
 S = jax.ShapeDtypeStruct
 F32 = jnp.float32
@@ -408,13 +408,13 @@ class CostModelTest(parameterized.TestCase):
     ('odd', 3, 7),
   )
   def test_ns_flops(self, m, n):
-    self.assertEqual(_cost.ns_flops(m, n), _flops(m, n))
-    self.assertEqual(_cost.ns_flops(m, n, 3), _flops(m, n, 3))
+    self.assertEqual(_checks.ns_flops(m, n), _flops(m, n))
+    self.assertEqual(_checks.ns_flops(m, n, 3), _flops(m, n, 3))
 
   def test_known_numbers(self):
-    self.assertEqual(_cost.ns_flops(512, 512), 30 * 512**3)
-    self.assertEqual(_cost.ns_flops(512, 1536), 70 * 512**3)
-    self.assertEqual(_cost.ns_flops(2, 3), 5 * (4 * 4 * 3 + 2 * 8))
+    self.assertEqual(_checks.ns_flops(512, 512), 30 * 512**3)
+    self.assertEqual(_checks.ns_flops(512, 1536), 70 * 512**3)
+    self.assertEqual(_checks.ns_flops(2, 3), 5 * (4 * 4 * 3 + 2 * 8))
 
   def test_plan_costs(self):
     tree = {'a': S((64, 256), F32), 'b': S((3, 32, 16), F32)}

@@ -447,47 +447,32 @@ def muon_adamw(
   ],
   *,
   learning_rate: optax.ScalarOrSchedule,
-  eps: Any,
-  weight_decay: Any,
-  mu_dtype: Any,
-  nesterov: bool,
-  nonfinite: str,
-  adam_b1: Any,
-  adam_b2: Any,
-  adam_eps_root: Any,
-  adam_weight_decay: Any,
   adam_learning_rate: optax.ScalarOrSchedule | None,
+  nonfinite: str,
+  weight_decay: Any,
+  **adamw: Any,
 ) -> optax.GradientTransformation:
   """Muon + AdamW, as :func:`dmuon` and :func:`dedicated_muon` compose them.
 
   Checks ``nonfinite``, the learning rates, ``weight_decay`` and the AdamW
   hyperparameters at the call; then chains ``muon()`` (the Muon
   transformations, built after the checks) with the learning rate, and
-  AdamW (``adam_learning_rate``, default ``learning_rate``) after ``mean``
-  (per-device gradients averaged over devices); ``combine(muon, adam)``
-  joins the two, and the ``nonfinite`` policy guards the whole step.
+  ``optax.adamw`` (``adam_learning_rate``, default ``learning_rate``) after
+  ``mean`` (per-device gradients averaged over devices); ``combine(muon,
+  adam)`` joins the two, and the ``nonfinite`` policy guards the whole step.
+  ``adamw``: ``eps``, ``mu_dtype``, ``nesterov`` and the ``adam_*``
+  arguments of :func:`dmuon` (``adam_b1`` is AdamW's ``b1``, ...).
   """
   _owner_update.check_nonfinite(nonfinite)
   _hyperparams.check_adam(
     learning_rate=learning_rate,
     adam_learning_rate=adam_learning_rate,
-    adam_b1=adam_b1,
-    adam_b2=adam_b2,
-    adam_eps_root=adam_eps_root,
-    adam_weight_decay=adam_weight_decay,
+    **{k: v for k, v in adamw.items() if k.startswith('adam_')},
   )
   _hyperparams.real('weight_decay', weight_decay, '0.1')
   adam = optax.adamw(
-    learning_rate=(
-      learning_rate if adam_learning_rate is None else adam_learning_rate
-    ),
-    b1=adam_b1,
-    b2=adam_b2,
-    eps=eps,
-    eps_root=adam_eps_root,
-    weight_decay=adam_weight_decay,
-    mu_dtype=mu_dtype,
-    nesterov=nesterov,
+    learning_rate if adam_learning_rate is None else adam_learning_rate,
+    **{k.removeprefix('adam_'): v for k, v in adamw.items()},
   )
   opt = combine(
     optax.chain(*muon(), optax.scale_by_learning_rate(learning_rate)),

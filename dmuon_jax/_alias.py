@@ -164,25 +164,19 @@ def _placed_on_the_mesh(
 
   def init_fn(params):
     state = inner.init(params)
-    for layout in _transform.owner_layouts(state):
-      if layout.distributed:
-        buffers = [
-          x
-          for x in jax.tree.leaves(state)
-          if isinstance(
-            getattr(x, 'sharding', None), jax.sharding.NamedSharding
-          )
-        ]
-        mesh = next(
-          (
-            b.sharding.mesh
-            for b in buffers
-            if isinstance(b.sharding.mesh, jax.sharding.Mesh)
-          ),
-          None,
-        )
-        return _mesh.replicate_uncommitted(state, mesh)
-    return state
+    if not any(lay.distributed for lay in _transform.owner_layouts(state)):
+      return state
+    shardings = [getattr(x, 'sharding', None) for x in jax.tree.leaves(state)]
+    mesh = next(
+      (
+        s.mesh
+        for s in shardings
+        if isinstance(s, jax.sharding.NamedSharding)
+        and isinstance(s.mesh, jax.sharding.Mesh)
+      ),
+      None,
+    )
+    return _mesh.replicate_uncommitted(state, mesh)
 
   return optax.GradientTransformation(init_fn, inner.update)
 

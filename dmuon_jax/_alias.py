@@ -464,14 +464,13 @@ def muon_adamw(
     **{k: v for k, v in adamw.items() if k.startswith('adam_')},
   )
   _hyperparams.real('weight_decay', weight_decay, '0.1')
+  # Muon first: its checks name a bad mu_dtype before optax.adamw trips on it.
+  muon_chain = optax.chain(*muon(), optax.scale_by_learning_rate(learning_rate))
   adam = optax.adamw(
     learning_rate if adam_learning_rate is None else adam_learning_rate,
     **{k.removeprefix('adam_'): v for k, v in adamw.items()},
   )
-  opt = combine(
-    optax.chain(*muon(), optax.scale_by_learning_rate(learning_rate)),
-    optax.chain(mean, adam),
-  )
+  opt = combine(muon_chain, optax.chain(mean, adam))
   return _owner_update.skip_nonfinite(opt) if nonfinite == 'skip' else opt
 
 

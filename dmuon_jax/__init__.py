@@ -4,6 +4,7 @@ from optax.contrib import MuonDimensionNumbers as MuonDimensionNumbers
 
 from dmuon_jax import checkpoint as checkpoint
 from dmuon_jax import diagnostics as diagnostics
+from dmuon_jax._alias import dedicated_muon as dedicated_muon
 from dmuon_jax._alias import dmuon as dmuon
 from dmuon_jax._alias import muon_labels as muon_labels
 from dmuon_jax._alias import routing_summary as routing_summary
@@ -12,13 +13,12 @@ from dmuon_jax._checks import DMuonWarning as DMuonWarning
 from dmuon_jax._checks import HookBoundaries as HookBoundaries
 from dmuon_jax._checks import find_hook_boundaries as find_hook_boundaries
 from dmuon_jax._dedicated import dedicate as dedicate
-from dmuon_jax._dedicated_muon import DedicatedMuonState as DedicatedMuonState
-from dmuon_jax._dedicated_muon import dedicated_muon as dedicated_muon
-from dmuon_jax._dedicated_muon import (
-  scale_by_dedicated_muon as scale_by_dedicated_muon,
-)
+from dmuon_jax._dedication import DedicatedMuonState as DedicatedMuonState
 from dmuon_jax._dedication import DedicatedParams as DedicatedParams
 from dmuon_jax._dedication import Dedication as Dedication
+from dmuon_jax._dedication import (
+  scale_by_dedicated_muon as scale_by_dedicated_muon,
+)
 from dmuon_jax._newton_schulz import NS_COEFF_PRESETS as NS_COEFF_PRESETS
 from dmuon_jax._newton_schulz import (
   orthogonality_error as orthogonality_error,

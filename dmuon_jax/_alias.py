@@ -1,4 +1,5 @@
-"""``dmuon``: Muon for matrices, AdamW for everything else."""
+"""Muon for matrices, AdamW for everything else: :func:`dmuon` and
+:func:`dedicated_muon`, one composition (:func:`muon_adamw`)."""
 
 from __future__ import annotations
 
@@ -6,15 +7,23 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
+import numpy as np
 import optax
 
 from dmuon_jax import (
   _checks,
+  _collectives,
+  _gather,
   _mesh,
   _owner_update,
   _routing,
   _steps,
   _transform,
+)
+from dmuon_jax._dedication import (
+  DedicatedParams,
+  Dedication,
+  scale_by_dedicated_muon,
 )
 
 
@@ -153,25 +162,19 @@ def _placed_on_the_mesh(
 
   def init_fn(params):
     state = inner.init(params)
-    for layout in _transform.owner_layouts(state):
-      if layout.distributed:
-        buffers = [
-          x
-          for x in jax.tree.leaves(state)
-          if isinstance(
-            getattr(x, 'sharding', None), jax.sharding.NamedSharding
-          )
-        ]
-        mesh = next(
-          (
-            b.sharding.mesh
-            for b in buffers
-            if isinstance(b.sharding.mesh, jax.sharding.Mesh)
-          ),
-          None,
-        )
-        return _mesh.replicate_uncommitted(state, mesh)
-    return state
+    if not any(lay.distributed for lay in _transform.owner_layouts(state)):
+      return state
+    shardings = [getattr(x, 'sharding', None) for x in jax.tree.leaves(state)]
+    mesh = next(
+      (
+        s.mesh
+        for s in shardings
+        if isinstance(s, jax.sharding.NamedSharding)
+        and isinstance(s.mesh, jax.sharding.Mesh)
+      ),
+      None,
+    )
+    return _mesh.replicate_uncommitted(state, mesh)
 
   return optax.GradientTransformation(init_fn, inner.update)
 
@@ -363,19 +366,7 @@ def dmuon(
     Liu et al., `Muon is Scalable for LLM Training
     <https://arxiv.org/abs/2502.16982>`_, 2025
   """
-  _owner_update.check_nonfinite(nonfinite)
   _routing.check_predicate(predicate)
-  _checks.check_adam(
-    learning_rate=learning_rate,
-    adam_learning_rate=adam_learning_rate,
-    adam_b1=adam_b1,
-    adam_b2=adam_b2,
-    adam_eps_root=adam_eps_root,
-    adam_weight_decay=adam_weight_decay,
-  )
-  _checks.real('weight_decay', weight_decay, '0.1')
-  if adam_learning_rate is None:
-    adam_learning_rate = learning_rate
 
   def param_labels(params):
     return muon_labels(
@@ -384,53 +375,319 @@ def dmuon(
       muon_weight_dimension_numbers=muon_weight_dimension_numbers,
     )
 
-  muon_chain = optax.chain(
-    _transform.make_scale_by_dmuon(
-      ns_coeffs=ns_coeffs,
-      ns_steps=ns_steps,
-      beta=beta,
-      eps=eps,
-      mu_dtype=mu_dtype,
-      nesterov=nesterov,
-      adaptive=adaptive,
-      preconditioning=preconditioning,
-      weight_dimension_numbers=muon_weight_dimension_numbers,
-      momentum=momentum,
-      mesh=mesh,
-      axis_names=axis_names,
-      ns_algorithm=ns_algorithm,
-      compute_dtype=compute_dtype,
-      tensor_parallel_axis=tensor_parallel_axis,
-      param_specs=param_specs,
-      # The whole step (Muon and AdamW) is guarded below.
-      nonfinite='propagate',
-      # The owners apply the shape factor (as optax's scale_by_shape).
-      shape_scaling=True,
-      consistent_rms=consistent_rms,
-      owner_groups=owner_groups,
-    ),
-    optax.add_decayed_weights(weight_decay, weight_decay_mask),
-    optax.scale_by_learning_rate(learning_rate),
-  )
-  adam = optax.chain(
+  def muon():
+    return (
+      _transform.make_scale_by_dmuon(
+        ns_coeffs=ns_coeffs,
+        ns_steps=ns_steps,
+        beta=beta,
+        eps=eps,
+        mu_dtype=mu_dtype,
+        nesterov=nesterov,
+        adaptive=adaptive,
+        preconditioning=preconditioning,
+        weight_dimension_numbers=muon_weight_dimension_numbers,
+        momentum=momentum,
+        mesh=mesh,
+        axis_names=axis_names,
+        ns_algorithm=ns_algorithm,
+        compute_dtype=compute_dtype,
+        tensor_parallel_axis=tensor_parallel_axis,
+        param_specs=param_specs,
+        # The whole step (Muon and AdamW) is guarded by muon_adamw.
+        nonfinite='propagate',
+        # The owners apply the shape factor (as optax's scale_by_shape).
+        shape_scaling=True,
+        consistent_rms=consistent_rms,
+        owner_groups=owner_groups,
+      ),
+      optax.add_decayed_weights(weight_decay, weight_decay_mask),
+    )
+
+  def combine(muon_chain, adam):
+    opt = _check_tree_at_update(
+      optax.partition({'muon': muon_chain, 'adam': adam}, param_labels)
+    )
+    opt = _reporting_routing(opt, predicate, muon_weight_dimension_numbers)
+    return _placed_on_the_mesh(opt)
+
+  return muon_adamw(
+    muon,
     # Explicit path: per-device gradients are averaged (pmean) first.
     _steps.mean_over_devices(),
-    optax.adamw(
-      learning_rate=adam_learning_rate,
-      b1=adam_b1,
-      b2=adam_b2,
-      eps=eps,
-      eps_root=adam_eps_root,
-      weight_decay=adam_weight_decay,
-      mu_dtype=mu_dtype,
-      nesterov=nesterov,
-    ),
+    combine,
+    learning_rate=learning_rate,
+    eps=eps,
+    weight_decay=weight_decay,
+    mu_dtype=mu_dtype,
+    nesterov=nesterov,
+    nonfinite=nonfinite,
+    adam_b1=adam_b1,
+    adam_b2=adam_b2,
+    adam_eps_root=adam_eps_root,
+    adam_weight_decay=adam_weight_decay,
+    adam_learning_rate=adam_learning_rate,
   )
-  opt = _check_tree_at_update(
-    optax.partition({'muon': muon_chain, 'adam': adam}, param_labels)
+
+
+def muon_adamw(
+  muon: Callable[[], Sequence[optax.GradientTransformation]],
+  mean: optax.GradientTransformation,
+  combine: Callable[
+    [optax.GradientTransformation, optax.GradientTransformation],
+    optax.GradientTransformation,
+  ],
+  *,
+  learning_rate: optax.ScalarOrSchedule,
+  adam_learning_rate: optax.ScalarOrSchedule | None,
+  nonfinite: str,
+  weight_decay: Any,
+  **adamw: Any,
+) -> optax.GradientTransformation:
+  """Muon + AdamW, as :func:`dmuon` and :func:`dedicated_muon` compose them.
+
+  Checks ``nonfinite``, the learning rates, ``weight_decay`` and the AdamW
+  hyperparameters at the call; then chains ``muon()`` (the Muon
+  transformations, built after the checks) with the learning rate, and
+  ``optax.adamw`` (``adam_learning_rate``, default ``learning_rate``) after
+  ``mean`` (per-device gradients averaged over devices); ``combine(muon,
+  adam)`` joins the two, and the ``nonfinite`` policy guards the whole step.
+  ``adamw``: ``eps``, ``mu_dtype``, ``nesterov`` and the ``adam_*``
+  arguments of :func:`dmuon` (``adam_b1`` is AdamW's ``b1``, ...).
+  """
+  _owner_update.check_nonfinite(nonfinite)
+  _checks.check_adam(
+    learning_rate=learning_rate,
+    adam_learning_rate=adam_learning_rate,
+    **{k: v for k, v in adamw.items() if k.startswith('adam_')},
   )
-  opt = _reporting_routing(opt, predicate, muon_weight_dimension_numbers)
-  opt = _placed_on_the_mesh(opt)
-  if nonfinite == 'skip':
-    opt = _owner_update.skip_nonfinite(opt)
-  return opt
+  _checks.real('weight_decay', weight_decay, '0.1')
+  # Muon first: its checks name a bad mu_dtype before optax.adamw trips on it.
+  muon_chain = optax.chain(*muon(), optax.scale_by_learning_rate(learning_rate))
+  adam = optax.adamw(
+    learning_rate if adam_learning_rate is None else adam_learning_rate,
+    **{k.removeprefix('adam_'): v for k, v in adamw.items()},
+  )
+  opt = combine(muon_chain, optax.chain(mean, adam))
+  return _owner_update.skip_nonfinite(opt) if nonfinite == 'skip' else opt
+
+
+def _mean_rest(dedication: Dedication) -> optax.GradientTransformation:
+  """Averages the non-target gradients over all devices (inside shard_map).
+
+  A sharded param's gradient arrives summed over the manual axes of its
+  sharding but the tensor-parallel one (the transpose of
+  :meth:`Dedication.gather_rest`'s all-gather); it is divided by their size
+  and averaged over the other axes it varies on (not over the TP axis of a
+  TP-sharded param: each TP shard holds its own slice).
+  """
+  mesh = dedication.mesh
+
+  def update_fn(updates, state, params=None):
+    del params
+    if mesh is None or not _collectives.manual_axes():
+      return updates, state
+    sizes = dict(mesh.shape)
+    tp_axis = dedication.tensor_parallel_axis
+    manual = _collectives.manual_axes()
+    out = []
+    for x, spec, path in zip(
+      _gather.full_leaves(updates, dedication.treedef),
+      dedication.rest_specs,
+      dedication.leaf_paths,
+    ):
+      spec_axes = [a for e in _mesh.spec_entries(spec) for a in e]
+      if (
+        x is not None
+        and tp_axis in _collectives.varying_axes(x)
+        and tp_axis not in spec_axes
+      ):
+        raise ValueError(
+          f'dmuon: the gradient of {path!r} differs between the shards of '
+          f'the tensor-parallel axis {tp_axis!r} (it is a partial sum '
+          'there). Compute gradients with dmuon_jax.local_value_and_grad('
+          f'loss, axis_names={dedication.buffer_axes}) so that autodiff '
+          'sums TP-replicated params over the TP axis.'
+        )
+      if x is not None:
+        # Summed over the manual axes its sharding names (the transpose of
+        # gather_rest's all-gather), not over the TP axis (a TP-sharded
+        # param stays each TP shard's slice) nor over automatic axes
+        # (dmuon_jax.flax.train_step's TP axis: the partitioner's).
+        summed = [a for a in spec_axes if a in manual and a != tp_axis]
+        # Invariant over an axis of a step run whole inside shard_map
+        # (dmuon_jax.flax.train_step): autodiff summed it there.
+        summed += [
+          a
+          for a in sorted(_collectives.summed_axes())
+          if a not in summed and a not in _collectives.varying_axes(x)
+        ]
+        if summed:
+          x = x / np.prod([sizes[a] for a in summed])
+        others = tuple(
+          a
+          for a in mesh.axis_names
+          if a not in summed
+          and a not in spec_axes
+          and a in _collectives.varying_axes(x)
+        )
+        if others:
+          x = jax.lax.pmean(x, others)
+      out.append(x)
+    return jax.tree.unflatten(dedication.treedef, out), state
+
+  return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
+def dedicated_muon(
+  dedication: Dedication,
+  learning_rate: optax.ScalarOrSchedule,
+  ns_coeffs: Any = 'jordan',
+  ns_steps: int | None = None,
+  beta: jax.typing.ArrayLike = 0.95,
+  eps: jax.typing.ArrayLike = 1e-8,
+  weight_decay: jax.typing.ArrayLike = 0.0,
+  weight_decay_mask: Any = None,
+  mu_dtype: Any = None,
+  *,
+  nesterov: bool = True,
+  adaptive: bool = False,
+  preconditioning: str = 'frobenius',
+  adam_b1: jax.typing.ArrayLike = 0.9,
+  adam_b2: jax.typing.ArrayLike = 0.999,
+  adam_eps_root: jax.typing.ArrayLike = 0.0,
+  adam_weight_decay: jax.typing.ArrayLike = 0.0,
+  adam_learning_rate: optax.ScalarOrSchedule | None = None,
+  consistent_rms: jax.typing.ArrayLike | None = None,
+  momentum: str = 'optax',
+  compute_dtype: Any = None,
+  nonfinite: str = 'skip',
+) -> optax.GradientTransformation:
+  """:func:`dmuon_jax.dmuon` for :class:`DedicatedParams`.
+
+  Muon targets (``owned``) are updated on their owners by the same owner
+  update as :func:`dmuon_jax.dmuon` (same arguments, same numbers) with no
+  communication; the other params (``rest``) by AdamW on gradients averaged
+  over devices, on the shards they are stored in. Use with
+  :func:`dmuon_jax.local_value_and_grad` inside
+  ``jax.shard_map(..., in_specs=dedication.specs() ...)``. The arguments of
+  :func:`dmuon_jax.dmuon` that decide routing and placement
+  (``predicate``, ``muon_weight_dimension_numbers``, ``mesh``,
+  ``axis_names``, ``tensor_parallel_axis``, ``ns_algorithm``) are
+  :func:`dedicate`'s.
+
+  Args:
+    dedication: the :class:`Dedication`.
+    learning_rate: as for :func:`dmuon_jax.dmuon`.
+    ns_coeffs: as for :func:`dmuon_jax.dmuon`.
+    ns_steps: as for :func:`dmuon_jax.dmuon`.
+    beta: as for :func:`dmuon_jax.dmuon`.
+    eps: as for :func:`dmuon_jax.dmuon`.
+    weight_decay: as for :func:`dmuon_jax.dmuon`.
+    weight_decay_mask: as for :func:`dmuon_jax.dmuon` (over the plain
+      params tree).
+    mu_dtype: as for :func:`dmuon_jax.dmuon` (Muon momentum and AdamW's).
+    nesterov: as for :func:`dmuon_jax.dmuon`.
+    adaptive: as for :func:`dmuon_jax.dmuon`.
+    preconditioning: as for :func:`dmuon_jax.dmuon`.
+    adam_b1: as for :func:`dmuon_jax.dmuon`.
+    adam_b2: as for :func:`dmuon_jax.dmuon`.
+    adam_eps_root: as for :func:`dmuon_jax.dmuon`.
+    adam_weight_decay: as for :func:`dmuon_jax.dmuon`.
+    adam_learning_rate: as for :func:`dmuon_jax.dmuon`.
+    consistent_rms: as for :func:`dmuon_jax.dmuon`.
+    momentum: as for :func:`dmuon_jax.dmuon`.
+    compute_dtype: as for :func:`dmuon_jax.dmuon`.
+    nonfinite: as for :func:`dmuon_jax.dmuon`: ``'skip'`` zeroes the
+      updates and keeps the whole state when any gradient, update or new
+      state entry is NaN/Inf on any device (the flag is reduced over the
+      mesh axes); ``'propagate'`` lets them through.
+
+  Returns:
+    A ``optax.GradientTransformation`` on :class:`DedicatedParams`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax
+    >>> params = {'layers_0': {'w': jnp.ones((4, 8)), 'b': jnp.zeros(8)}}
+    >>> ded = dmuon_jax.dedicate(params, None)  # None: one device
+    >>> dp = ded.to_dedicated(params)
+    >>> opt = dmuon_jax.dedicated_muon(ded, learning_rate=0.02)
+    >>> state = opt.init(dp)
+    >>> grads = jax.tree.map(jnp.ones_like, dp)  # gradients in owner layout
+    >>> updates, state = opt.update(grads, state, dp)
+
+    The same numbers as :func:`dmuon_jax.dmuon` on the plain params:
+
+    >>> ref = dmuon_jax.dmuon(learning_rate=0.02)
+    >>> ones = jax.tree.map(jnp.ones_like, params)
+    >>> ref_updates, _ = ref.update(ones, ref.init(params), params)
+    >>> plain = ded.to_params(updates)
+    >>> jax.tree.all(jax.tree.map(jnp.array_equal, plain, ref_updates))
+    True
+  """
+
+  def muon():
+    return (
+      scale_by_dedicated_muon(
+        dedication,
+        ns_coeffs,
+        ns_steps,
+        beta,
+        eps,
+        mu_dtype,
+        nesterov=nesterov,
+        consistent_rms=consistent_rms,
+        adaptive=adaptive,
+        preconditioning=preconditioning,
+        momentum=momentum,
+        compute_dtype=compute_dtype,
+        weight_decay=weight_decay,
+        weight_decay_mask=weight_decay_mask,
+      ),
+    )
+
+  def combine(muon, adam):
+    def init_fn(params):
+      dedication.check_dedicated(params, 'dedicated_muon init()')
+      state = (muon.init(params.owned), adam.init(params.rest))
+      # On the mesh (the step counts too), eagerly as under jax.jit.
+      return _mesh.replicate_uncommitted(state, dedication.mesh)
+
+    def update_fn(updates, state, params=None):
+      dedication.check_dedicated(updates, 'dedicated_muon update()')
+      _checks.check_same_tree(
+        updates.rest,
+        optax.tree_utils.tree_get(state[1], 'mu'),
+        'dedicated_muon update()',
+        made_by='init()',
+        shapes=True,
+      )
+      owned_u, muon_state = muon.update(
+        updates.owned, state[0], None if params is None else params.owned
+      )
+      rest_u, adam_state = adam.update(
+        updates.rest, state[1], None if params is None else params.rest
+      )
+      return (
+        DedicatedParams(owned=owned_u, rest=rest_u),
+        (muon_state, adam_state),
+      )
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+  return muon_adamw(
+    muon,
+    _mean_rest(dedication),
+    combine,
+    learning_rate=learning_rate,
+    eps=eps,
+    weight_decay=weight_decay,
+    mu_dtype=mu_dtype,
+    nesterov=nesterov,
+    nonfinite=nonfinite,
+    adam_b1=adam_b1,
+    adam_b2=adam_b2,
+    adam_eps_root=adam_eps_root,
+    adam_weight_decay=adam_weight_decay,
+    adam_learning_rate=adam_learning_rate,
+  )

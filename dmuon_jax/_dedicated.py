@@ -395,30 +395,6 @@ def _dims_numbers(muon_weight_dimension_numbers, weight_dimension_numbers):
   return weight_dimension_numbers
 
 
-def _auto_choice(
-  params, bounds, base_plan, replicate_axis, reshard_after_forward, **options
-) -> tuple[int, str]:
-  """``layers_per_gather='auto'``'s ``(k, how it was chosen)``;
-  ``options``: :func:`_gather_plan.gather_group_bytes`'s ``split`` and
-  ``memo``."""
-  buffer_axes, rep_axis = _buffer_axes(base_plan, replicate_axis)
-  return _auto_layers_per_gather(
-    bounds,
-    _stack_lengths(params, bounds),
-    lambda k: _gather_plan.gather_group_bytes(
-      base_plan,
-      _group_specs(bounds, base_plan, k),
-      k,
-      buffer_axes,
-      _group_axis(base_plan, rep_axis),
-      **options,
-    ),
-    dict(zip(base_plan.axis_names, base_plan.mesh_shape)),
-    rep_axis,
-    reshard_after_forward,
-  )
-
-
 def _check_layers_per_gather(layers_per_gather: Any) -> None:
   """Raises unless ``layers_per_gather`` is a positive int or 'auto'."""
   if layers_per_gather != 'auto' and (
@@ -578,35 +554,38 @@ def _boundary_keys(bounds, flat, leaf_paths) -> list[tuple[Any, ...]]:
   return boundary_keys
 
 
-def _auto_layers_per_gather(
-  bounds: _checks.HookBoundaries,
-  stacks: Sequence[int],
-  predict: Callable[[int], list[_gather_plan.GatherBytes]],
-  sizes: dict[str, int],
-  rep_axis: str | None,
-  z3: bool,
+def _auto_choice(
+  params, bounds, base_plan, replicate_axis, z3, **options
 ) -> tuple[int, str]:
   """``(k, choice)`` of ``layers_per_gather='auto'``.
 
   Of the group sizes that divide every scanned stack, the one whose plan
-  (``predict(k)``: per gather group its bytes, see
-  :func:`_gather_plan.gather_group_bytes`) minimizes the bytes a step moves
-  plus the bytes Z3 holds gathered at its peak (:func:`auto_cost`); ties
-  go to the smaller size.
+  (per gather group its bytes, :func:`_gather_plan.gather_group_bytes`
+  with ``options``: its ``split`` and ``memo``) minimizes the bytes a step
+  moves plus the bytes Z3 holds gathered at its peak (:func:`auto_cost`);
+  ties go to the smaller size.
   """
+  buffer_axes, rep_axis = _buffer_axes(base_plan, replicate_axis)
+  sizes = dict(zip(base_plan.axis_names, base_plan.mesh_shape))
+  stacks = _stack_lengths(params, bounds)
   loops = sum(1 for sc in bounds.scanned if not sc)
   top = max([loops] + list(stacks) + [1])
   ks = [k for k in range(1, top + 1) if all(n % k == 0 for n in stacks)]
-  tried = []
+  best = None
   for k in ks:
-    got = predict(k)
+    got = _gather_plan.gather_group_bytes(
+      base_plan,
+      _group_specs(bounds, base_plan, k),
+      k,
+      buffer_axes,
+      _group_axis(base_plan, rep_axis),
+      **options,
+    )
     payload = sum(b.payload for b in got)
     pad = padding_percent(payload, sum(b.gathered for b in got))
-    tried.append((auto_cost(got, sizes, rep_axis, z3), k, pad))
-  best = None
-  for t in tried:
-    if best is None or t[0] < best[0] * (1 - 1e-9):
-      best = t
+    cost = auto_cost(got, sizes, rep_axis, z3)
+    if best is None or cost < best[0] * (1 - 1e-9):
+      best = (cost, k, pad)
   _, k, pad = best
   return k, 'auto' if pad <= AUTO_PADDING_PERCENT else 'auto, padding above 5%'
 

@@ -1,4 +1,5 @@
-"""The dedicated layout: :class:`Dedication` and its owner buffers."""
+"""The dedicated layout: :class:`Dedication`, its owner buffers and the Muon
+on them (:func:`scale_by_dedicated_muon`)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,20 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import (
   _checks,
+  _collectives,
   _gather,
   _layout,
+  _mesh,
   _owner_layout,
+  _owner_update,
   _plan,
+  _states,
 )
 
 
@@ -422,7 +428,12 @@ class Dedication:
     Returns:
       The two byte counts.
     """
-    return _gather_bytes(self)
+    payload = gathered = 0
+    for lay, it in zip(self.layout.groups, self.layout.iterations):
+      used, held = _group_bytes(lay)
+      payload += max(it, 1) * used
+      gathered += max(it, 1) * held
+    return payload, gathered
 
   def exchange_bytes(self) -> float:
     """Predicted bytes per device per step of the owner groups' Gram
@@ -436,7 +447,12 @@ class Dedication:
     Returns:
       The byte count.
     """
-    return _exchange_bytes(self)
+    return float(
+      sum(
+        max(it, 1) * lay.plan.group_exchange_bytes()
+        for lay, it in zip(self.layout.groups, self.layout.iterations)
+      )
+    )
 
   def summary(self) -> str:
     """The gather groups, their padding, and the owner plan's summary."""
@@ -481,14 +497,10 @@ def _replicated(mesh, xs):
   return [jax.device_put(x, NamedSharding(mesh, P())) for x in xs]
 
 
-@functools.lru_cache(maxsize=64)
-def _packer(layout: _owner_layout.OwnerLayout, dtypes: tuple | None):
-  return jax.jit(lambda values: layout.pack(values, dtypes))
-
-
-@functools.lru_cache(maxsize=64)
-def _unpacker(layout: _owner_layout.OwnerLayout):
-  return jax.jit(layout.unpack)
+@functools.lru_cache(maxsize=128)
+def _jitted(layout: _owner_layout.OwnerLayout, method: str, *static):
+  """``layout.<method>(x, *static)`` jitted, once per layout (by value)."""
+  return jax.jit(lambda x: getattr(layout, method)(x, *static))
 
 
 def pack_owned(
@@ -503,7 +515,7 @@ def pack_owned(
   mesh_of = mesh if isinstance(mesh, jax.sharding.Mesh) else None
   full = dict(zip(keys, _replicated(mesh_of, [values[k] for k in keys])))
   dtypes = None if dtypes is None else tuple(jnp.dtype(d) for d in dtypes)
-  bufs = _packer(layout, dtypes)(full)
+  bufs = _jitted(layout, 'pack', dtypes)(full)
   if shardings is None and mesh_of is not None:
     shardings = layout.shardings(mesh_of)
   if shardings is not None:
@@ -524,40 +536,20 @@ def unpack_owned(owned: _owner_layout.OwnerBuffers) -> dict[int, jax.Array]:
     ),
     None,
   )
-  return _unpacker(owned.layout)(_replicated(mesh, bufs))
-
-
-def _leaves_with_none(tree: Any) -> tuple[list[Any], Any]:
-  return jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is None)
+  return _jitted(owned.layout, 'unpack')(_replicated(mesh, bufs))
 
 
 def to_params(dedicated: DedicatedParams) -> Any:
   """The plain params tree of :class:`DedicatedParams` (from its layout)."""
-  leaves, treedef = _leaves_with_none(dedicated.rest)
+  leaves, treedef = jax.tree_util.tree_flatten(
+    dedicated.rest, is_leaf=lambda x: x is None
+  )
   for i, x in unpack_owned(dedicated.owned).items():
     leaves[i] = x
   return jax.tree.unflatten(treedef, leaves)
 
 
 AUTO_PADDING_PERCENT = 5.0
-
-
-def _gather_bytes(ded: Dedication) -> tuple[int, int]:
-  payload = gathered = 0
-  for g, lay in enumerate(ded.layout.groups):
-    used, held = _group_bytes(lay)
-    payload += max(ded.layout.iterations[g], 1) * used
-    gathered += max(ded.layout.iterations[g], 1) * held
-  return payload, gathered
-
-
-def _exchange_bytes(ded: Dedication) -> float:
-  return float(
-    sum(
-      max(it, 1) * lay.plan.group_exchange_bytes()
-      for lay, it in zip(ded.layout.groups, ded.layout.iterations)
-    )
-  )
 
 
 def padding_percent(used: int, held: int) -> float:
@@ -575,7 +567,7 @@ def _group_bytes(lay: _layout.Layout) -> tuple[int, int]:
 
 
 def _summary(ded: Dedication) -> str:
-  payload, gathered = _gather_bytes(ded)
+  payload, gathered = ded.gather_bytes()
   mode = 'Z3' if ded.reshard_after_forward else 'Z2'
   lines = [
     f'Dedicated ownership ({mode}) on {ded.num_slots} slots, '
@@ -611,7 +603,7 @@ def _summary(ded: Dedication) -> str:
     f'gathered {_checks.human_bytes(gathered)} '
     f'(padding {padding_percent(payload, gathered):.1f}%)'
   )
-  exchange = _exchange_bytes(ded)
+  exchange = ded.exchange_bytes()
   if exchange:
     lines.append(
       f'  owner groups exchange per device per step: '
@@ -631,3 +623,247 @@ def _summary(ded: Dedication) -> str:
     if not line.startswith('  owner groups exchange per device per step')
   ]
   return '\n'.join(lines + plan_lines)
+
+
+class DedicatedMuonState(NamedTuple):
+  """State of :func:`scale_by_dedicated_muon`.
+
+  Attributes:
+    count: the step count.
+    mu: the momentum, laid out like ``DedicatedParams.owned`` (the same
+      :class:`dmuon_jax.OwnerLayout`).
+    stamp: the layout that wrote ``mu``, as data: a checkpoint of another
+      layout restored with orbax's ``partial_restore=True`` raises instead
+      of leaving zero momentum (see :class:`dmuon_jax.ScaleByDMuonState`).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax
+    >>> params = {'layers_0': {'w': jnp.ones((4, 8)), 'b': jnp.zeros(8)}}
+    >>> ded = dmuon_jax.dedicate(params, None)  # None: one device
+    >>> dp = ded.to_dedicated(params)
+    >>> state = dmuon_jax.scale_by_dedicated_muon(ded).init(dp.owned)
+    >>> int(state.count), state.mu.layout == dp.owned.layout
+    (0, True)
+  """
+
+  count: jax.Array
+  mu: _owner_layout.OwnerBuffers
+  # Which layout wrote mu, as data (see dmuon_jax.ScaleByDMuonState).
+  stamp: _states.LayoutStamp
+
+
+def _decayed_leaves(
+  ded: Dedication, weight_decay, weight_decay_mask
+) -> frozenset[int] | None:
+  """Leaf indices of the Muon targets that decay (None: no decay)."""
+  if (
+    isinstance(weight_decay, (int, float))
+    and not isinstance(weight_decay, bool)
+    and weight_decay == 0
+  ):
+    return None
+  indices = [t.index for t in ded.layout.leaves]
+  if weight_decay_mask is None:
+    return frozenset(indices)
+  mask = weight_decay_mask
+  if callable(mask):
+    mask = mask(ded.abstract_params)
+  flags = ded.treedef.flatten_up_to(mask)
+  bad = [
+    ded.leaf_paths[i]
+    for i in indices
+    if not isinstance(flags[i], (bool, np.bool_))
+  ]
+  if bad:
+    raise ValueError(
+      f'dmuon: weight_decay_mask has non-boolean entries at {bad}; give a '
+      'tree like the params (or a callable params -> tree) of True/False, '
+      'as for optax.add_decayed_weights.'
+    )
+  return frozenset(i for i in indices if flags[i])
+
+
+def scale_by_dedicated_muon(
+  dedication: Dedication,
+  ns_coeffs: Any = 'jordan',
+  ns_steps: int | None = None,
+  beta: jax.typing.ArrayLike = 0.95,
+  eps: jax.typing.ArrayLike = 1e-8,
+  mu_dtype: Any = None,
+  *,
+  nesterov: bool = True,
+  consistent_rms: jax.typing.ArrayLike | None = None,
+  adaptive: bool = False,
+  preconditioning: str = 'frobenius',
+  momentum: str = 'optax',
+  compute_dtype: Any = None,
+  weight_decay: jax.typing.ArrayLike = 0.0,
+  weight_decay_mask: Any = None,
+) -> optax.GradientTransformation:
+  """Muon on owner buffers: momentum and NS local, no communication.
+
+  The owner update of :func:`dmuon_jax.dmuon` (the same module, the same
+  numbers), applied to :class:`DedicatedParams` ``owned`` buffers: momentum,
+  Newton–Schulz (the dedication's ``ns_algorithm``), ``adaptive``, the shape
+  factor and the masked weight decay, each owner on its own matrices.
+  Inside ``shard_map`` it runs on the local blocks; the gradients are those
+  that :meth:`Dedication.block` / :meth:`~.scan` deliver to the owners: sums
+  over all devices of per-device mean-loss gradients, divided here by the
+  number of owner slots (DMuon's net divisor ``R * S``). Under plain
+  ``jax.jit`` (global arrays) it runs its own ``shard_map`` over the
+  owner axes, on gradients already averaged.
+
+  Args:
+    dedication: the :class:`Dedication`.
+    ns_coeffs: as for :func:`dmuon_jax.dmuon`.
+    ns_steps: as for :func:`dmuon_jax.dmuon`.
+    beta: as for :func:`dmuon_jax.dmuon`.
+    eps: as for :func:`dmuon_jax.dmuon`.
+    mu_dtype: momentum dtype (default: the buffers' dtype).
+    nesterov: as for :func:`dmuon_jax.dmuon`.
+    consistent_rms: as for :func:`dmuon_jax.dmuon`.
+    adaptive: as for :func:`dmuon_jax.dmuon`.
+    preconditioning: as for :func:`dmuon_jax.dmuon`.
+    momentum: as for :func:`dmuon_jax.dmuon`.
+    compute_dtype: as for :func:`dmuon_jax.dmuon`.
+    weight_decay: decoupled weight decay (not multiplied by the learning
+      rate here: chain ``optax.scale_by_learning_rate`` after).
+    weight_decay_mask: as for :func:`dmuon_jax.dmuon` (a tree like the plain
+      params, or a callable of them).
+
+  Returns:
+    A ``optax.GradientTransformation`` on ``owned`` buffers.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax
+    >>> params = {'layers_0': {'w': jnp.ones((4, 8)), 'b': jnp.zeros(8)}}
+    >>> ded = dmuon_jax.dedicate(params, None)  # None: one device
+    >>> dp = ded.to_dedicated(params)
+    >>> tx = dmuon_jax.scale_by_dedicated_muon(ded)
+    >>> state = tx.init(dp.owned)
+    >>> grads = jax.tree.map(jnp.ones_like, dp.owned)
+    >>> updates, state = tx.update(grads, state, dp.owned)
+    >>> updates  # doctest: +ELLIPSIS
+    OwnerBuffers(dmuon_...: float32[32])
+    >>> int(state.count)
+    1
+  """
+  hp = _owner_update.make_hyperparams(
+    beta=beta,
+    eps=eps,
+    consistent_rms=consistent_rms,
+    weight_decay=weight_decay,
+  )
+  _checks.check_preconditioning(
+    preconditioning,
+    tp_axis=dedication.tensor_parallel_axis,
+    groups=len(dedication.plan.groups),
+    otherwise=(
+      'dedicate(..., owner_groups=None) to keep every matrix whole'
+      if dedication.plan.groups and dedication.tensor_parallel_axis is None
+      else ''
+    ),
+  )
+  cfg = _owner_update.make_config(
+    ns_coeffs=ns_coeffs,
+    ns_steps=ns_steps,
+    momentum=momentum,
+    nesterov=nesterov,
+    adaptive=adaptive,
+    preconditioning=preconditioning,
+    ns_algorithm=dedication.ns_algorithm,
+    compute_dtype=compute_dtype,
+    shape_scaling=True,
+    consistent_rms=consistent_rms is not None,
+    mu_dtype=mu_dtype,
+  )
+  decay = _decayed_leaves(dedication, weight_decay, weight_decay_mask)
+
+  return optax.GradientTransformation(
+    functools.partial(_muon_init, cfg, dedication),
+    functools.partial(_muon_update, cfg, hp, decay, dedication),
+  )
+
+
+def _muon_init(cfg, ded, owned):
+  check_owned(ded.layout, owned, 'dedicated_muon init()')
+  dtype = cfg.mu_dtype
+  layout = owned.layout
+  mu = [jnp.zeros_like(b, dtype=dtype) for b in owned.buffers]
+  mesh = ded.mesh if ded.mesh is not None else layout.mesh
+  if (
+    layout.distributed
+    and mesh is not None
+    and not set(layout.buffer_axes) & _collectives.manual_axes()
+  ):
+    # Under jax.jit on Auto axes zeros_like keeps no sharding: the momentum
+    # placed as its layout says, as eagerly.
+    mu = [_mesh.place(m, mesh, s) for m, s in zip(mu, layout.buffer_specs())]
+  return DedicatedMuonState(
+    count=jnp.zeros([], jnp.int32),
+    # Boxed as the owned buffers are (Flax's sharding tools read the boxes).
+    mu=owned.rebox(mu),
+    stamp=_states.make_stamp(owned.layout),
+  )
+
+
+def _muon_update(cfg, hp, decay, ded, grads, state, params=None):
+  layout = state.mu.layout
+  check_owned(layout, grads, 'dedicated_muon update()')
+  if decay is not None and params is None:
+    raise ValueError(
+      'dmuon: dedicated_muon with weight_decay needs the params: call '
+      'update(grads, state, params).'
+    )
+  count_inc = optax.safe_increment(state.count)
+  manual = _collectives.manual_axes()
+  param_bufs = None if params is None or not decay else list(params.buffers)
+  dyn = _owner_update.dynamic(hp)
+
+  def body(g, mus, ps, count_inc, dyn):
+    out, mu = _owner_update.owner_step(
+      cfg,
+      _owner_update.with_dynamic(hp, dyn),
+      layout,
+      g,
+      mus,
+      count_inc,
+      params=ps,
+      decay=decay,
+    )
+    return list(out), list(mu)
+
+  if set(layout.buffer_axes) & manual or not layout.distributed:
+    # The local blocks (inside shard_map, or one device).
+    n = layout.num_slots if manual else 1
+    g = [x / n for x in grads.buffers] if n > 1 else list(grads.buffers)
+    specs = _gather.buffer_tp_specs(ded, g)
+    # With the TP axis automatic (dmuon_jax.flax.train_step), each TP
+    # shard's slices in a shard_map over it: the Gram all-reduces need it.
+    run = _gather.on_tp_shards(
+      ded,
+      body,
+      (specs, specs, specs if decay else None, P(), P()),
+      (specs, specs),
+    )
+  else:  # global arrays (plain jit): a shard_map over the whole mesh
+    g = list(grads.buffers)
+    specs = list(layout.buffer_specs())
+    run = jax.shard_map(
+      body,
+      mesh=ded.mesh if ded.mesh is not None else layout.mesh,
+      in_specs=(specs, specs, specs if decay else None, P(), P()),
+      out_specs=(specs, specs),
+    )
+  ortho, mu = run(g, list(state.mu.buffers), param_bufs, count_inc, dyn)
+  # optax.contrib.muon's dtype: the momentum's promoted with the gradient's.
+  out = [
+    o.astype(jnp.result_type(m.dtype, g.dtype))
+    for o, m, g in zip(ortho, state.mu.buffers, grads.buffers)
+  ]
+  return (
+    grads.rebox(out),
+    DedicatedMuonState(
+      count=count_inc, mu=state.mu.rebox(mu), stamp=state.stamp
+    ),
+  )

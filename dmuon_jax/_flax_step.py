@@ -16,8 +16,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import (
+  _alias,
   _collectives,
-  _dedicated_muon,
   _dedication,
   _flax_boundary,
   _flax_plan,
@@ -68,9 +68,7 @@ def dedicated_muon(
     dedication,
     learning_rate,
     tuple(sorted(kwargs.items())),
-    _dedicated_muon.dedicated_muon(
-      dedication.dedication, learning_rate, **kwargs
-    ),
+    _alias.dedicated_muon(dedication.dedication, learning_rate, **kwargs),
   )
   return optax.GradientTransformation(_Init(muon), _Update(muon))
 

@@ -80,7 +80,10 @@ def dedicate(
   all-gather over the owner axes whose transpose reduce-scatters the
   gradients to the owners (Z3 gathers again in the backward pass, Z2 keeps
   the gathered weights). Every other variable (AdamW params, batch
-  statistics, RNG state, sown values) stays as it was.
+  statistics, RNG state, sown values) stays as it was. A boundary module's
+  parent holds a hooked copy of it afterwards: same variables and
+  submodules (same state paths), its class a subclass of its own (same
+  name) whose ``__call__`` and public methods gather first.
 
   Tensor parallelism: on a mesh with a tensor-parallel axis (e.g.
   ``('replicate', 'shard', 'model')``), Muon targets sharded over it along a
@@ -124,7 +127,8 @@ def dedicate(
 
   Raises:
     ValueError: for a model dedicated already, a Muon target held by two
-      modules (tied weights), a boundary that is not a module, or what
+      modules (tied weights), a boundary that is not a module or is the
+      model itself, or what
       :func:`dmuon_jax.dedicate` rejects (on a mesh with a tensor-parallel
       axis: a Muon target not split over it, or split together with
       another axis on one dimension); when the model runs under a plain

@@ -171,10 +171,7 @@ def _sharded_over(arrays, axes: Sequence[str]) -> bool:
   (the reduced gather's cotangent is a per-device partial sum: jax types a
   weight ``reduced`` only where its contraction runs over those axes)."""
 
-  def named(x):
-    spec = getattr(jax.typeof(x).sharding, 'spec', None)
-    return {a for e in _mesh.spec_entries(spec) for a in e}
-
+  named = lambda x: _mesh.sharded_axes([_mesh.type_spec(x)])
   leaves = jax.tree.leaves(arrays)
   return any(set(axes) <= named(x) for x in leaves if np.ndim(x) >= 1)
 

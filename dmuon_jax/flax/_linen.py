@@ -58,18 +58,6 @@ def plain_dicts(tree: Any) -> Any:
   return tree
 
 
-def set_item(tree: dict, path: Sequence[Any], value: Any) -> None:
-  for k in path[:-1]:
-    tree = tree[k]
-  tree[path[-1]] = value
-
-
-def node_at_dict(tree: Any, path: Sequence[Any]) -> Any:
-  for k in path:
-    tree = tree[k]
-  return tree
-
-
 @dataclasses.dataclass(frozen=True)
 class _Unboxed:
   """A Linen initializer whose Flax box is taken off (see
@@ -160,7 +148,7 @@ class _Interceptor:
       local, iteration = _one_layer(md, b, module, len(bufs))
     else:
       local = [
-        _mesh.unbox(node_at_dict(self.root, md.buffer_paths[k])) for k in bufs
+        _mesh.unbox(_model.node_at(self.root, md.buffer_paths[k])) for k in bufs
       ]
       iteration = None
       _check_one_trace_per_group(md, g, path, local, self.traces)
@@ -179,7 +167,7 @@ class _Interceptor:
       p, others, keys = state
       p = plain_dicts(p)
       for i, rel in mine:
-        set_item(p, rel, mats[i])
+        _model.set_at(p, rel, mats[i])
       a, kw = rebuild(arrays)
       self.inner += 1
       try:
@@ -198,7 +186,7 @@ class _Interceptor:
     # The stack's whole buffers say whether the model runs under jit: an
     # eager call's nn.scan traces its body (and so the slices) too.
     whole = [
-      _mesh.unbox(node_at_dict(self.root, md.buffer_paths[k])) for k in bufs
+      _mesh.unbox(_model.node_at(self.root, md.buffer_paths[k])) for k in bufs
     ]
     out, updates = _boundary.gathered(
       md,
@@ -316,7 +304,7 @@ def with_iterations(ded, boundary_paths, params: Any) -> Any:
   params = plain_dicts(params)
   for b in scanned:
     n = ded.layout.iterations[_gather.group_of(ded, b)]
-    set_item(
+    _model.set_at(
       params,
       boundary_paths[b] + (ITERATION,),
       jax.numpy.arange(n, dtype=jax.numpy.int32),
@@ -490,7 +478,7 @@ def dedicate_linen(
     hole = _model.placeholder(t.shape, t.dtype, scanned)  # nn.scan slices it
     if mesh is not None:
       hole = jax.device_put(hole, NamedSharding(mesh, P()))
-    set_item(out, paths[i], hole)
+    _model.set_at(out, paths[i], hole)
   # A scanned stack gathers where its params hold one layer: in the module
   # nn.scan runs per layer, and its owned buffers are stored there too.
   boundary_paths = _model.gather_points(ded, paths)
@@ -504,7 +492,7 @@ def dedicate_linen(
       template = next((b for b in boxes if b is not None), None)
       if template is not None:  # boxed params: boxed buffers (their spec)
         buf = _mesh.box_like(template, buf, ded.layout.buffer_specs()[bi])
-      set_item(out, buffer_paths[bi], buf)
+      _model.set_at(out, buffer_paths[bi], buf)
   # Boxed params keep their boxes (Flax's sharding tools read them); those
   # replicated over the owner axes say so. Where every mesh axis (of more
   # than one device) is an owner axis, every AdamW param ends replicated:
@@ -518,7 +506,9 @@ def dedicate_linen(
         box = replicated_box(box)
       elif i in moved:
         box = _mesh.without_axes(box, ded.buffer_axes)
-      set_item(out, paths[i], _mesh.rebox(box, node_at_dict(out, paths[i])))
+      _model.set_at(
+        out, paths[i], _mesh.rebox(box, _model.node_at(out, paths[i]))
+      )
   md = LinenDedication(
     dedication=ded,
     buffer_paths=tuple(buffer_paths),

@@ -8,7 +8,7 @@ import functools
 import inspect
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -351,16 +351,22 @@ def text(path: Sequence[Any]) -> str:
   return '/'.join(str(k) for k in path)
 
 
+def _by_item(node: Any, k: Any) -> bool:
+  """Whether ``node`` holds ``k`` as an item (a list index, a key of a
+  mapping: Linen params) rather than an attribute (an NNX module's)."""
+  return isinstance(k, int) or isinstance(node, Mapping)
+
+
 def node_at(root: Any, path: Sequence[Any]) -> Any:
   node = root
   for k in path:
-    node = node[k] if isinstance(k, int) else getattr(node, k)
+    node = node[k] if _by_item(node, k) else getattr(node, k)
   return node
 
 
 def set_at(root: Any, path: Sequence[Any], value: Any) -> None:
   parent = node_at(root, path[:-1])
-  if isinstance(path[-1], int):
+  if _by_item(parent, path[-1]):
     parent[path[-1]] = value
   else:
     setattr(parent, path[-1], value)
@@ -443,8 +449,7 @@ def _replicate_rest(ded, params, mesh, kwargs, specs):
     if rest_spec is None:  # a Muon target
       continue
     spec = specs[i] if specs[i] is not None else rest_spec
-    axes = {a for e in _mesh.spec_entries(spec) for a in e}
-    if not axes & owner:
+    if not _mesh.sharded_axes([spec]) & owner:
       continue
     kept = P(
       *(

@@ -252,10 +252,6 @@ def _manual_spec_of(spec: P, axes: frozenset[str]) -> P:
   return P(*entries)
 
 
-def _spec_axes(spec: P) -> set[str]:
-  return {a for e in _mesh.spec_entries(spec) for a in e}
-
-
 def _default_batch(args, positions) -> set[int]:
   """The default batch argument: the last one holding an array of rank 1
   or more (trailing scalars, e.g. a step number or a typed RNG key, are
@@ -303,7 +299,7 @@ def _settle(x, spec: P, axes: Sequence[str], what: str):
   extra = tuple(
     a
     for a in axes
-    if a in _collectives.varying_axes(x) and a not in _spec_axes(spec)
+    if a in _collectives.varying_axes(x) and a not in _mesh.sharded_axes([spec])
   )
   if not extra:
     return x
@@ -332,7 +328,7 @@ def _check_owner_sharded(md, manual, state_leaves) -> None:
     for shape, spec in zip(layout.buffer_shapes(), layout.buffer_specs())
   }
   for x, spec, path in state_leaves:
-    if not _spec_axes(spec) & manual:
+    if not _mesh.sharded_axes([spec]) & manual:
       continue
     if key(np.shape(x), spec) in owner_layout:
       continue
@@ -491,7 +487,12 @@ def _other_leaves(args, rest, positions, batch, mesh, axes):
     # its sharding splits it over them already: a batch placed replicated
     # (jnp arrays made under jax.set_mesh are) would have every device run
     # the whole batch.
-    if axes and b and np.ndim(x) >= 1 and not _spec_axes(placed) & manual:
+    if (
+      axes
+      and b
+      and np.ndim(x) >= 1
+      and not _mesh.sharded_axes([placed]) & manual
+    ):
       return P(axes)
     return placed
 

@@ -375,6 +375,10 @@ class Hook:
     name = self.md.dedication.boundaries.names[self.boundary]
     return f'<dmuon hook of boundary {name!r}>'
 
+  def __deepcopy__(self, memo: dict) -> Hook:
+    # A deep copy of the model (copy.deepcopy) serves the same dedication.
+    return self
+
 
 @functools.cache
 def hooked_class(cls: type) -> type:

@@ -126,6 +126,8 @@ class _Interceptor:
 
   def __call__(self, next_fun, args, kwargs, context):
     module = context.module
+    if context.method_name == 'setup':
+      return next_fun(*args, **kwargs)
     fixed = self._fixed(module)
     if fixed is not None:
       return getattr(fixed, context.method_name)(*args, **kwargs)
@@ -134,7 +136,6 @@ class _Interceptor:
     if (
       isinstance(module, nn.DenseGeneral)
       or self.inner
-      or context.method_name == 'setup'
       or path not in md.boundary_paths
     ):
       return next_fun(*args, **kwargs)

@@ -659,13 +659,6 @@ class NnxBehaviourTest(absltest.TestCase):
 
 
 class NnxMistakeTest(absltest.TestCase):
-  def test_model_itself_as_boundary_is_named(self):
-    # dedicate hooks a boundary by giving its parent a hooked copy: the
-    # model itself has none.
-    model = nnx.Linear(D, D, rngs=nnx.Rngs(0))
-    with self.assertRaisesRegex(ValueError, r'boundary is the model itself'):
-      dflax.dedicate(model, None, boundary_predicate=lambda p, s: p == '')
-
   def test_hooks_carry_their_own_dedication(self):
     # Two models of one class dedicated apart: each boundary serves its
     # own model's dedication, with nothing registered by the library.

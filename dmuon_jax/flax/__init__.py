@@ -81,9 +81,8 @@ def dedicate(
   gradients to the owners (Z3 gathers again in the backward pass, Z2 keeps
   the gathered weights). Every other variable (AdamW params, batch
   statistics, RNG state, sown values) stays as it was. A boundary module's
-  parent holds a hooked copy of it afterwards: same variables and
-  submodules (same state paths), its class a subclass of its own (same
-  name) whose ``__call__`` and public methods gather first.
+  class becomes a subclass of its own (same name) whose ``__call__`` and
+  public methods gather first; it holds the dedication as ``dmuon_hook``.
 
   Tensor parallelism: on a mesh with a tensor-parallel axis (e.g.
   ``('replicate', 'shard', 'model')``), Muon targets sharded over it along a
@@ -127,8 +126,7 @@ def dedicate(
 
   Raises:
     ValueError: for a model dedicated already, a Muon target held by two
-      modules (tied weights), a boundary that is not a module or is the
-      model itself, or what
+      modules (tied weights), a boundary that is not a module, or what
       :func:`dmuon_jax.dedicate` rejects (on a mesh with a tensor-parallel
       axis: a Muon target not split over it, or split together with
       another axis on one dimension); when the model runs under a plain
@@ -208,11 +206,15 @@ def dedicate(
     targets=_model.targets(ded, paths, boundary_paths),
     replicated=tuple(replicated),
   )
-  # Each boundary module's parent holds a hooked copy of it, which
-  # carries the dedication it serves.
+  # Each boundary module carries the dedication it serves, and its class
+  # becomes one whose methods gather first. The one type change of the
+  # package: Python looks __call__ up on the type and NNX has no call hook
+  # of its own, and a copy in the parent cannot stand for a boundary that
+  # is the model itself (Flax's FSDP toy MLP), which the caller holds.
   for b, bpath in enumerate(boundary_paths):
     module = _model.node_at(model, bpath)
-    _model.set_at(model, bpath, _boundary.hooked(module, _boundary.Hook(md, b)))
+    module.dmuon_hook = _boundary.Hook(md, b)
+    module.__class__ = _boundary.hooked_class(type(module))
   return md
 
 

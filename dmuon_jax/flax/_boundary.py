@@ -358,7 +358,7 @@ def _warn_bare(md: ModelDedication, traced: bool) -> None:
 class Hook:
   """What a hooked NNX boundary module serves: a static attribute of the
   module (``dmuon_hook``), so that copies made by ``nnx.merge`` (inside a
-  transform, a ``train_step``) serve it too.
+  transform, a ``train_step``) serve it too (no registry).
 
   Attributes:
     md: the model's dedication.
@@ -409,18 +409,6 @@ def hooked_class(cls: type) -> type:
       '_dmuon_base': cls,
     },
   )
-
-
-def hooked(module: nnx.Module, hook: Hook) -> nnx.Module:
-  """A copy of ``module`` (the same attributes: variables, submodules)
-  whose class is :func:`hooked_class` of its own, serving ``hook``; made as
-  ``nnx.merge`` makes a graph node of a given type, for its parent to hold
-  in place of ``module``."""
-  cls = hooked_class(type(module))
-  copy = cls._graph_node_create_empty(cls)
-  copy._graph_node_init(vars(module).items())
-  copy.dmuon_hook = hook
-  return copy
 
 
 def _boundary_call(module, original, args, kwargs):

@@ -685,17 +685,8 @@ def check_untied(model, paths, targets_by_leaf) -> None:
 
 
 def check_boundary_modules(model, ded, boundary_paths) -> None:
-  """Raises for a hook boundary that is not an ``nnx.Module`` held by a
-  parent (the parent holds the boundary's hooked copy)."""
+  """Raises for a hook boundary that is not an ``nnx.Module``."""
   for b, bpath in enumerate(boundary_paths):
-    if not bpath:
-      raise ValueError(
-        f'dmuon: the hook boundary is the model itself '
-        f'({type(model).__name__}): dedicate hooks a boundary module by '
-        'putting a hooked copy of it in its parent. Make it a submodule '
-        '(e.g. dedicate nnx.Sequential(model)), or name its submodules as '
-        'boundaries (boundary_predicate).'
-      )
     module = node_at(model, bpath)
     if not isinstance(module, nnx.Module):
       raise ValueError(

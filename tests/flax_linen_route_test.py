@@ -205,7 +205,7 @@ class NanodoLikeLinenTest(absltest.TestCase):
     self.assertLessEqual(kinds['all-reduce'][1], adamw + 64)
 
   # Z2 only: Z3's reduced gathers are the same code for NNX and Linen (the
-  # interceptor hands the call to _flax_boundary.gathered either way),
+  # interceptor hands the call to flax._boundary.gathered either way),
   # held by flax_route_test's Z3 runs.
   def test_z2(self):
     self.check(False)

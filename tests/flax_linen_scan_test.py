@@ -431,6 +431,58 @@ class NestedStackTest(absltest.TestCase):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
+class GeneralMlp(nn.Module):
+  """An Mlp whose input projection is an ``nn.DenseGeneral`` with a boxed
+  initializer (flax issue #3676: its shape check at every call unboxes a
+  flat kernel with the N-D names, which a mesh context refuses)."""
+
+  @nn.compact
+  def __call__(self, x, _=None):
+    init = nn.with_partitioning(nn.initializers.lecun_normal(), (None,) * 3)
+    h = nn.DenseGeneral((2, F // 2), kernel_init=init, name='up')(x)
+    h = jax.nn.gelu(h.reshape(*x.shape[:-1], F))
+    return x + nn.Dense(D, use_bias=False, name='down')(h), None
+
+
+class ScanOfRematGeneral(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    stack = nn.scan(
+      nn.remat(GeneralMlp),
+      variable_axes={'params': 0},
+      split_rngs={'params': True},
+      length=3,
+      metadata_params={nn.PARTITION_NAME: None},
+    )
+    return stack(name='layers')(x, None)[0]
+
+
+class ScanOfRematGeneralTest(absltest.TestCase):
+  def test_dense_general_runs_in_train_step(self):
+    # ded.apply rebinds an nn.DenseGeneral to its scope with its
+    # initializer unboxed for the call, inside nn.scan(nn.remat(...)) and
+    # train_step's shard_map; the user's module is left as it was.
+    mesh = support.make_mesh((2, 4), kind=AxisType.Auto)
+    model = ScanOfRematGeneral()
+    x = jax.random.normal(jax.random.key(1), (8, D))
+    params = model.init(jax.random.key(0), x)['params']
+    dims = lambda p: jax.tree_util.tree_map_with_path(
+      lambda k, v: (
+        dmuon_jax.MuonDimensionNumbers(1, 2)
+        if jax.tree_util.keystr(k).endswith("['down']['kernel']")
+        else None
+      ),
+      p,
+    )
+    ded, dparams = dflax.dedicate_linen(
+      model, params, mesh, muon_weight_dimension_numbers=dims
+    )
+    loss = lambda p, x: jnp.mean(ded.apply({'params': p}, x) ** 2)
+    got = dflax.train_step(ded)(loss)(dparams, x)
+    want = jnp.mean(model.apply({'params': nn.unbox(params)}, x) ** 2)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
 class ScannedMistakeTest(absltest.TestCase):
   def test_layers_per_gather_above_one(self):
     x = jax.ShapeDtypeStruct((2, D), jnp.float32)

@@ -659,6 +659,21 @@ class NnxBehaviourTest(absltest.TestCase):
 
 
 class NnxMistakeTest(absltest.TestCase):
+  def test_hooks_carry_their_own_dedication(self):
+    # Two models of one class dedicated apart: each boundary serves its
+    # own model's dedication, with nothing registered by the library.
+    models = [
+      nnx.Sequential(nnx.Linear(D, D, rngs=nnx.Rngs(i)), jnp.tanh)
+      for i in range(2)
+    ]
+    x = jnp.ones((2, D))
+    before = [m(x) for m in models]
+    deds = [dflax.dedicate(m, None) for m in models]
+    for m, ded, want in zip(models, deds, before):
+      self.assertIs(m.layers[0].dmuon_hook.md, ded)
+      np.testing.assert_allclose(m(x), want, rtol=1e-6)
+    self.assertNotEqual(deds[0], deds[1])
+
   def test_tied_muon_target_is_named(self):
     class Tied(nnx.Module):
       def __init__(self, rngs):

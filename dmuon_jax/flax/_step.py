@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,14 +19,11 @@ from dmuon_jax import (
   _alias,
   _collectives,
   _dedication,
-  _flax_boundary,
-  _flax_plan,
   _mesh,
   _owner_layout,
 )
-
-if TYPE_CHECKING:
-  from dmuon_jax.flax import ModelDedication
+from dmuon_jax.flax import _model
+from dmuon_jax.flax._model import ModelDedication
 
 
 def dedicated_muon(
@@ -160,7 +157,7 @@ class _ModelMuon:
     owned = [None] * len(md.buffer_paths)
     rest = [None] * len(md.rest_paths)
     for keys, x in flat:
-      p = _flax_plan.path(keys)
+      p = _model.path(keys)
       if p in buffer_of:
         owned[buffer_of[p]] = keep(x)
       elif p in leaf_of:
@@ -169,13 +166,13 @@ class _ModelMuon:
         continue
       else:
         raise ValueError(
-          f'dmuon: {what} got param {_flax_plan.text(p)!r}, which the dedicated model'
+          f'dmuon: {what} got param {_model.text(p)!r}, which the dedicated model'
           ' did not have at dmuon_jax.flax.dedicate(); make the optimizer '
           'for this model with wrt=nnx.Param.'
         )
     missing = [
-      _flax_plan.text(p) for p, k in buffer_of.items() if owned[k] is None
-    ] + [_flax_plan.text(p) for p, i in leaf_of.items() if rest[i] is None]
+      _model.text(p) for p, k in buffer_of.items() if owned[k] is None
+    ] + [_model.text(p) for p, i in leaf_of.items() if rest[i] is None]
     if missing:
       raise ValueError(
         f'dmuon: {what} is missing params {missing[:5]} of the dedicated '
@@ -192,7 +189,7 @@ class _ModelMuon:
     rest = self.md.dedication.treedef.flatten_up_to(dp.rest)
 
     def pick(keys, x):
-      p = _flax_plan.path(keys)
+      p = _model.path(keys)
       if p in holes:
         return jnp.zeros_like(_mesh.unbox(x))
       new = (
@@ -253,10 +250,6 @@ def _manual_spec_of(spec: P, axes: frozenset[str]) -> P:
   return P(*entries)
 
 
-def _spec_axes(spec: P) -> set[str]:
-  return {a for e in _mesh.spec_entries(spec) for a in e}
-
-
 def _default_batch(args, positions) -> set[int]:
   """The default batch argument: the last one holding an array of rank 1
   or more (trailing scalars, e.g. a step number or a typed RNG key, are
@@ -304,7 +297,7 @@ def _settle(x, spec: P, axes: Sequence[str], what: str):
   extra = tuple(
     a
     for a in axes
-    if a in _collectives.varying_axes(x) and a not in _spec_axes(spec)
+    if a in _collectives.varying_axes(x) and a not in _mesh.sharded_axes([spec])
   )
   if not extra:
     return x
@@ -333,7 +326,7 @@ def _check_owner_sharded(md, manual, state_leaves) -> None:
     for shape, spec in zip(layout.buffer_shapes(), layout.buffer_specs())
   }
   for x, spec, path in state_leaves:
-    if not _spec_axes(spec) & manual:
+    if not _mesh.sharded_axes([spec]) & manual:
       continue
     if key(np.shape(x), spec) in owner_layout:
       continue
@@ -492,7 +485,12 @@ def _other_leaves(args, rest, positions, batch, mesh, axes):
     # its sharding splits it over them already: a batch placed replicated
     # (jnp arrays made under jax.set_mesh are) would have every device run
     # the whole batch.
-    if axes and b and np.ndim(x) >= 1 and not _spec_axes(placed) & manual:
+    if (
+      axes
+      and b
+      and np.ndim(x) >= 1
+      and not _mesh.sharded_axes([placed]) & manual
+    ):
       return P(axes)
     return placed
 
@@ -529,34 +527,30 @@ def _build_step(md, fn, merge_args, axes, explicit, key, paths):
   graphdef, treedef, specs, other_def, other_specs, other_state, _, done = key
 
   def body(flat, other):
-    ctx = _flax_boundary.ACTIVE.set(_flax_boundary.StepContext(md))
-    try:
-      with _collectives.gradients_summed_over(axes):
-        nodes = nnx.merge(graphdef, jax.tree.unflatten(treedef, flat))
-        _global_batch_norms(nodes, axes)
-        rest = jax.tree.unflatten(other_def, other)
-        args = merge_args(nodes, rest)
-        # Each device draws its own random numbers (dropout masks of its
-        # batch): the RNG keys folded with the device's index while the
-        # step runs; the state keeps the keys as they were.
-        keys = [
-          v for _, v in nnx.iter_graph(nodes) if isinstance(v, nnx.RngKey)
-        ]
-        saved = [v.get_value() for v in keys]
-        if axes:
-          index = jax.lax.axis_index(axes)
-          for v, k in zip(keys, saved):
-            v.set_value(_fold_in(k, index))
-        try:
-          out = fn(*args)
-        except (ValueError, TypeError, NotImplementedError) as err:
-          _explain_annotation(err, axes, explicit)
-          raise
+    # A fresh trace: the gathers of the last one are of no use.
+    md.gathered_manual.clear()
+    with _collectives.gradients_summed_over(axes):
+      nodes = nnx.merge(graphdef, jax.tree.unflatten(treedef, flat))
+      _global_batch_norms(nodes, axes)
+      rest = jax.tree.unflatten(other_def, other)
+      args = merge_args(nodes, rest)
+      # Each device draws its own random numbers (dropout masks of its
+      # batch): the RNG keys folded with the device's index while the
+      # step runs; the state keeps the keys as they were.
+      keys = [v for _, v in nnx.iter_graph(nodes) if isinstance(v, nnx.RngKey)]
+      saved = [v.get_value() for v in keys]
+      if axes:
+        index = jax.lax.axis_index(axes)
         for v, k in zip(keys, saved):
-          v.set_value(k)
-        new_flat = treedef.flatten_up_to(nnx.split(nodes)[1])
-    finally:
-      _flax_boundary.ACTIVE.reset(ctx)
+          v.set_value(_fold_in(k, index))
+      try:
+        out = fn(*args)
+      except (ValueError, TypeError, NotImplementedError) as err:
+        _explain_annotation(err, axes, explicit)
+        raise
+      for v, k in zip(keys, saved):
+        v.set_value(k)
+      new_flat = treedef.flatten_up_to(nnx.split(nodes)[1])
     new_flat = [
       _settle(x, s, axes, f'state {p!r}')
       for x, s, p in zip(new_flat, specs, paths)
@@ -751,7 +745,7 @@ def train_step(
       args, rest, positions, batch, ded.mesh, axes
     )
     if axes:
-      text = lambda keys: _flax_plan.text(_flax_plan.path(keys))
+      text = lambda keys: _model.text(_model.path(keys))
       state_leaves = [
         (x, sp, text(k)) for x, sp, (k, _) in zip(flat, specs, flat_paths)
       ] + [
@@ -779,7 +773,7 @@ def train_step(
       (on_mesh(flat), on_mesh(other)),
     )
     if key not in compiled:
-      paths = tuple(_flax_plan.text(_flax_plan.path(k)) for k, _ in flat_paths)
+      paths = tuple(_model.text(_model.path(k)) for k, _ in flat_paths)
       compiled[key] = _build_step(
         md, fn, _merge_args, axes, explicit, key, paths
       )

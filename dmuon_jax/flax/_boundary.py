@@ -1,34 +1,23 @@
-"""A hook boundary's call on its gather group's matrices (NNX and Linen)."""
+"""A hook boundary's call on its gather group's matrices (NNX and Linen),
+and the NNX boundary modules' hooks."""
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
+import functools
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import jax
 import jax.extend
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import _checks, _collectives, _gather, _mesh
-
-if TYPE_CHECKING:
-  from dmuon_jax.flax import ModelDedication
-
-
-@dataclasses.dataclass(eq=False)
-class StepContext:
-  md: ModelDedication
-  groups: dict[int, tuple] = dataclasses.field(default_factory=dict)
-
-
-ACTIVE: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar(
-  'dmuon_jax_flax_step', default=None
-)
+from dmuon_jax.flax import _model
+from dmuon_jax.flax._model import ModelDedication, OwnedBuffer, ScanIteration
 
 
 def split_args(args, kwargs):
@@ -101,8 +90,7 @@ def gathered(
   )
   if traced is None:
     traced = any(isinstance(x, jax.core.Tracer) for x in local)
-  ctx = ACTIVE.get()
-  cache = ctx.groups if ctx is not None and ctx.md == md else {}
+  cache = md.gathered_manual
   # Keyed by the trace and the buffers themselves (kept alive by the
   # entry): a tracer id of a finished trace (a scan body traced twice) may
   # come again, and a block under a lifted transform of its own (nn.remat)
@@ -182,10 +170,7 @@ def _sharded_over(arrays, axes: Sequence[str]) -> bool:
   (the reduced gather's cotangent is a per-device partial sum: jax types a
   weight ``reduced`` only where its contraction runs over those axes)."""
 
-  def named(x):
-    spec = getattr(jax.typeof(x).sharding, 'spec', None)
-    return {a for e in _mesh.spec_entries(spec) for a in e}
-
+  named = lambda x: _mesh.sharded_axes([_mesh.type_spec(x)])
   leaves = jax.tree.leaves(arrays)
   return any(set(axes) <= named(x) for x in leaves if np.ndim(x) >= 1)
 
@@ -366,3 +351,114 @@ def _warn_bare(md: ModelDedication, traced: bool) -> None:
     _checks.DMuonWarning,
     stacklevel=4,
   )
+
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+  """What a hooked NNX boundary module serves: a static attribute of the
+  module (``dmuon_hook``), so that copies made by ``nnx.merge`` (inside a
+  transform, a ``train_step``) serve it too (no registry).
+
+  Attributes:
+    md: the model's dedication.
+    boundary: the boundary's index.
+    running: True on the copy that a call of the boundary runs on: its
+      methods called inside that call run as written.
+  """
+
+  md: ModelDedication
+  boundary: int
+  running: bool = False
+
+  def __repr__(self) -> str:
+    name = self.md.dedication.boundaries.names[self.boundary]
+    return f'<dmuon hook of boundary {name!r}>'
+
+  def __deepcopy__(self, memo: dict) -> Hook:
+    # A deep copy of the model (copy.deepcopy) serves the same dedication.
+    return self
+
+
+@functools.cache
+def hooked_class(cls: type) -> type:
+  """``cls`` whose ``__call__`` and public methods gather the boundary's
+  matrices first (a method called inside another runs as written)."""
+  if getattr(cls, '_dmuon_base', None) is not None:
+    return cls
+
+  def hook(original):
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+      if self.dmuon_hook.running:
+        return original(self, *args, **kwargs)
+      return _boundary_call(self, original, args, kwargs)
+
+    return method
+
+  attrs = {
+    name: hook(getattr(cls, name)) for name in _model.public_methods(cls)
+  }
+  return type(
+    cls.__name__,
+    (cls,),
+    {
+      **attrs,
+      '__module__': cls.__module__,
+      '__qualname__': cls.__qualname__,
+      '_dmuon_base': cls,
+    },
+  )
+
+
+def _boundary_call(module, original, args, kwargs):
+  hook = module.dmuon_hook
+  md, b = hook.md, hook.boundary
+  ded = md.dedication
+  g = _gather.group_of(ded, b)
+  name = ded.boundaries.names[b]
+  scanned = ded.boundaries.scanned[b]
+  count = len(ded.layout.group_buffers(ded.layout.buffer_index, g))
+  local = [
+    getattr(module, f'dmuon_owned_{j}').get_value() for j in range(count)
+  ]
+  if scanned and local[0].ndim != 1:
+    raise ValueError(
+      f'dmuon: the scanned stack {name!r} was called as a whole; call it '
+      'through nnx.scan over its layer axis (one layer per iteration), as '
+      'without dedication.'
+    )
+  iteration = module.dmuon_iteration.get_value() if scanned else None
+  mine = md.targets[b]
+  holes = {rel: _model.node_at(module, rel).get_raw_value() for _, rel in mine}
+  full = [rel for rel, x in holes.items() if np.size(x)]
+  holes = {rel: (tuple(x.shape), x.dtype) for rel, x in holes.items()}
+  if full:
+    raise ValueError(
+      f'dmuon: the Muon target(s) {[name + "/" + _model.text(r) for r in full]} of '
+      'this dedicated model hold whole arrays: a plain (not dedicated) '
+      'state was written into it (e.g. a checkpoint of the model before '
+      'dmuon_jax.flax.dedicate). Restore plain checkpoints into a plain '
+      'model and dedicate it after, or save and restore the dedicated '
+      'state (nnx.state(model)).'
+    )
+  # The owned buffers stay out of the state that flows through the call:
+  # every boundary of a group then sees the same buffer values.
+  owned_filter = (OwnedBuffer, ScanIteration)
+  arrays, nodes, rebuild = split_args(args, kwargs)
+  graphdef, fixed, state = nnx.split((module, nodes), owned_filter, ...)
+  fixed = jax.tree.map(jax.lax.stop_gradient, fixed)
+
+  def run(mats, state, arrays):
+    m, new_nodes = nnx.merge(graphdef, fixed, state)
+    for i, rel in mine:
+      _model.node_at(m, rel).set_value(mats[i])
+    a, kw = rebuild(arrays, new_nodes)
+    m.dmuon_hook = dataclasses.replace(hook, running=True)  # this copy's
+    out = original(m, *a, **kw)
+    for _, rel in mine:
+      _model.node_at(m, rel).set_value(jnp.zeros(*holes[rel]))
+    return out, nnx.state((m, new_nodes), nnx.Not(owned_filter))
+
+  out, new_state = gathered(md, b, local, iteration, run, state, arrays)
+  nnx.update((module, nodes), new_state)
+  return out

@@ -1,0 +1,264 @@
+"""Dedicated DMuon for Flax models as they are written (optional: flax).
+
+Three lines turn an ordinary NNX training loop into DMuon proper::
+
+  ded = dmuon_jax.flax.dedicate(model, mesh)          # Muon matrices -> owners
+  optimizer = nnx.Optimizer(
+    model, dmuon_jax.flax.dedicated_muon(ded, learning_rate=0.02),
+    wrt=nnx.Param)
+  @dmuon_jax.flax.train_step(ded)                     # instead of @nnx.jit
+  def train_step(model, optimizer, batch): ...        # unchanged
+
+:func:`dedicate` stores each Muon target only on its owner (an
+:class:`OwnedBuffer` per gather group, placeholders where the kernels were)
+and makes every hook boundary module (``layers[3]``, a ``nnx.vmap`` stack
+run by ``nnx.scan``) gather its group's matrices when the model calls it.
+:func:`train_step` runs the user's step inside a ``shard_map`` whose only
+manual axes are the owner (data-parallel) axes, so that autodiff's
+transpose of those gathers is the reduce-scatter to the owners: Muon at
+exactly the Z2/Z3 byte floors. The model's ``__call__`` and the step stay as
+written. Linen models: :func:`dedicate_linen` returns the dedicated params
+and ``ded.apply`` (the ``TrainState``'s ``apply_fn``) makes the boundary
+submodules gather; the same :func:`train_step` and :func:`dedicated_muon`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dmuon_jax import _checks, _gather, _mesh
+from dmuon_jax.flax import _boundary, _model
+from dmuon_jax.flax._boundary import LIFTED_BOUNDARY_MSG as LIFTED_BOUNDARY_MSG
+from dmuon_jax.flax._linen import dedicate_linen as dedicate_linen
+from dmuon_jax.flax._model import DedicatedWeight as DedicatedWeight
+from dmuon_jax.flax._model import ModelDedication as ModelDedication
+from dmuon_jax.flax._model import OwnedBuffer as OwnedBuffer
+from dmuon_jax.flax._model import ScanIteration as ScanIteration
+from dmuon_jax.flax._step import dedicated_muon as dedicated_muon
+from dmuon_jax.flax._step import train_step as train_step
+
+__all__ = (
+  'DedicatedWeight',
+  'ModelDedication',
+  'OwnedBuffer',
+  'ScanIteration',
+  'dedicate',
+  'dedicate_linen',
+  'dedicated_muon',
+  'train_step',
+)
+
+
+def dedicate(
+  model: nnx.Module,
+  mesh: jax.sharding.Mesh | None,
+  *,
+  predicate: Callable[[str, Any], bool] | str | None = None,
+  muon_weight_dimension_numbers: Any = None,
+  boundary_predicate: _checks.BoundaryPredicate | None = None,
+  strict: bool = True,
+  reshard_after_forward: bool = True,
+  layers_per_gather: int | str = 'auto',
+  axis_names: Sequence[str] | None = None,
+  replicate_axis: str | None = 'replicate',
+  remat_policy: Callable[..., Any] | None = None,
+  ns_algorithm: str = 'auto',
+  owner_groups: int | str | None = 'auto',
+  tensor_parallel_axis: str | None = 'auto',
+) -> ModelDedication:
+  """Stores an NNX model's Muon targets on their owners, in place.
+
+  The model's code does not change: each hook boundary module (see
+  :func:`dmuon_jax.find_hook_boundaries`: ``layers[i]``, ``blocks[i]``, a
+  ``nnx.vmap`` stack called through ``nnx.scan``) gathers its gather
+  group's matrices when it is called. Under :func:`train_step` that is an
+  all-gather over the owner axes whose transpose reduce-scatters the
+  gradients to the owners (Z3 gathers again in the backward pass, Z2 keeps
+  the gathered weights). Every other variable (AdamW params, batch
+  statistics, RNG state, sown values) stays as it was. A boundary module's
+  class becomes a subclass of its own (same name) whose ``__call__`` and
+  public methods gather first; it holds the dedication as ``dmuon_hook``.
+
+  Tensor parallelism: on a mesh with a tensor-parallel axis (e.g.
+  ``('replicate', 'shard', 'model')``), Muon targets sharded over it along a
+  matrix dimension (by their sharding metadata, ``nnx.with_partitioning``,
+  or placed so) are stored split: each TP shard of an owner holds its
+  slice, and a boundary module sees each target sharded over the TP axis as
+  the param was, so a model written for the partitioner (no ``psum`` of its
+  own) runs unchanged. The gathers move the slices over the owner axes
+  only, and :func:`dedicated_muon` orthogonalizes them by Gram
+  Newton-Schulz over the TP axis. Under a plain ``jax.jit``/``nnx.jit``
+  step every mesh axis must be Explicit (row-parallel layers then name
+  their output's sharding, e.g. ``out_sharding=P(ded.axes, None, None)``);
+  :func:`train_step` also takes an Auto TP axis.
+
+  Args:
+    model: the NNX model (its params placed on ``mesh`` or not).
+    mesh: the mesh whose owner axes own the matrices (None: one device).
+    predicate: as for :func:`dmuon_jax.dedicate`.
+    muon_weight_dimension_numbers: as for :func:`dmuon_jax.dedicate` (over
+      the params as ``nnx.to_pure_dict(nnx.state(model, nnx.Param))``).
+    boundary_predicate: as for :func:`dmuon_jax.dedicate`; boundaries must
+      be module paths.
+    strict: as for :func:`dmuon_jax.dedicate`.
+    reshard_after_forward: True for Z3, False for Z2.
+    layers_per_gather: as for :func:`dmuon_jax.dedicate` (default
+      ``'auto'``); a scanned stack gathers one layer per ``nnx.scan``
+      iteration, so a model with one takes 1.
+    axis_names: as for :func:`dmuon_jax.dedicate`.
+    replicate_axis: as for :func:`dmuon_jax.dedicate`.
+    remat_policy: as for :func:`dmuon_jax.dedicate`.
+    ns_algorithm: as for :func:`dmuon_jax.dedicate` (TP-split matrices
+      always run Gram Newton-Schulz).
+    owner_groups: as for :func:`dmuon_jax.dedicate`.
+    tensor_parallel_axis: as for :func:`dmuon_jax.dedicate` (default
+      ``'auto'``: the axis named ``'model'``, ``'tensor'`` or ``'tp'`` that
+      the Muon params are sharded over, if any).
+
+  Returns:
+    A :class:`ModelDedication`, for :func:`dedicated_muon` and
+    :func:`train_step`.
+
+  Raises:
+    ValueError: for a model dedicated already, a Muon target held by two
+      modules (tied weights), a boundary that is not a module, or what
+      :func:`dmuon_jax.dedicate` rejects (on a mesh with a tensor-parallel
+      axis: a Muon target not split over it, or split together with
+      another axis on one dimension); when the model runs under a plain
+      ``jax.jit``/``nnx.jit`` on a mesh whose owner axes are Explicit and
+      whose tensor-parallel axis is not (make it Explicit too, or use
+      :func:`train_step`).
+
+  Examples:
+    >>> import jax.numpy as jnp, dmuon_jax.flax as dflax
+    >>> from flax import nnx
+    >>> model = nnx.Sequential(nnx.Linear(8, 8, rngs=nnx.Rngs(0)), jnp.tanh,
+    ...                        nnx.Linear(8, 8, rngs=nnx.Rngs(1)))
+    >>> x = jnp.ones((2, 8))
+    >>> before = model(x)
+    >>> ded = dflax.dedicate(model, None)  # None: one device
+    >>> ded.dedication.boundaries.names  # nnx.Sequential's layers 0 and 2
+    ('layers/0', 'layers/2')
+    >>> type(model.layers[0].kernel).__name__  # stored in an OwnedBuffer
+    'DedicatedWeight'
+    >>> bool(jnp.allclose(model(x), before))  # the model runs as written
+    True
+  """
+  if not isinstance(model, nnx.Module):
+    raise TypeError(
+      'dmuon: dmuon_jax.flax.dedicate takes an nnx.Module; got '
+      f'{type(model).__name__}. For params trees use dmuon_jax.dedicate.'
+    )
+  if nnx.state(model, OwnedBuffer):
+    raise ValueError(
+      'dmuon: this model is dedicated already (it holds OwnedBuffer '
+      'variables); dedicate a fresh model, or keep using its '
+      'ModelDedication.'
+    )
+  state = nnx.state(model, nnx.Param)
+  params = nnx.to_pure_dict(state)
+  kwargs = {k: v for k, v in locals().items() if k in _model.PLANNED}
+  layers_per_gather, choice = _model.scan_layers_per_gather(
+    params, kwargs, layers_per_gather, 'nnx.scan'
+  )
+  paths = [
+    _model.path(keys) for keys, _ in jax.tree.flatten_with_path(params)[0]
+  ]
+  # What Flax's sharding tools say of each param (its out_sharding
+  # metadata), also where a traced value on Auto axes says nothing.
+  specs = [_mesh.leaf_spec(_model.node_at(model, p)) for p in paths]
+  ded, placed, dp, replicated, moved = _model.plan(
+    params,
+    mesh,
+    layers_per_gather,
+    choice,
+    kwargs,
+    specs,
+  )
+  for i, x in moved.items():
+    variable = _model.node_at(model, paths[i])
+    variable.set_value(x)
+    _mesh.without_axes(variable, ded.buffer_axes)
+
+  targets_by_leaf = {t.index: t for t in ded.layout.leaves}
+  _model.rules_free_names(model, paths, specs, ded, mesh, targets_by_leaf)
+  _model.check_untied(model, paths, targets_by_leaf)
+  boundary_paths = [_model.path(k) for k in ded.boundary_keys]
+  _model.check_boundary_modules(model, ded, boundary_paths)
+
+  owned_vars = _owned_variables(ded, dp)
+  _give_buffers(model, ded, boundary_paths, owned_vars)
+  _set_placeholders(model, ded, paths, targets_by_leaf)
+
+  owned_state = nnx.to_flat_state(nnx.state(model, OwnedBuffer))
+  where = {id(v): tuple(p) for p, v in owned_state}
+  md = ModelDedication(
+    dedication=ded,
+    buffer_paths=tuple(where[id(v)] for v in owned_vars),
+    rest_paths=tuple(
+      None if i in targets_by_leaf else p for i, p in enumerate(paths)
+    ),
+    targets=_model.targets(ded, paths, boundary_paths),
+    replicated=tuple(replicated),
+  )
+  # Each boundary module carries the dedication it serves, and its class
+  # becomes one whose methods gather first. The one type change of the
+  # package: Python looks __call__ up on the type and NNX has no call hook
+  # of its own, and a copy in the parent cannot stand for a boundary that
+  # is the model itself (Flax's FSDP toy MLP), which the caller holds.
+  for b, bpath in enumerate(boundary_paths):
+    module = _model.node_at(model, bpath)
+    module.dmuon_hook = _boundary.Hook(md, b)
+    module.__class__ = _boundary.hooked_class(type(module))
+  return md
+
+
+def _owned_variables(ded, dp) -> list[OwnedBuffer]:
+  """Per owner buffer (layout order), its :class:`OwnedBuffer`."""
+  buffers = list(dp.owned.buffers)
+  # Each buffer's layout spec as its out_sharding metadata: Flax's
+  # nnx.get_named_sharding (of the model, or of an abstract one from
+  # nnx.eval_shape) gives the owners' sharding, and nnx.Optimizer copies
+  # it into the momentum's variables.
+  owned_vars = [
+    _mesh.box_like(OwnedBuffer(x), x, spec)
+    if ded.layout.distributed
+    else OwnedBuffer(x)
+    for x, spec in zip(buffers, ded.layout.buffer_specs())
+  ]
+  return owned_vars
+
+
+def _give_buffers(model, ded, boundary_paths, owned_vars) -> None:
+  """Gives each boundary module its group's owned buffers (and a scanned
+  stack its :class:`ScanIteration`)."""
+  for b, bpath in enumerate(boundary_paths):
+    module = _model.node_at(model, bpath)
+    g = _gather.group_of(ded, b)
+    for j, bi in enumerate(
+      k for k, (h, _) in enumerate(ded.layout.buffer_index) if h == g
+    ):
+      setattr(module, f'dmuon_owned_{j}', owned_vars[bi])
+    if ded.boundaries.scanned[b]:
+      n = ded.layout.iterations[g]
+      module.dmuon_iteration = ScanIteration(jnp.arange(n))
+
+
+def _set_placeholders(model, ded, paths, targets_by_leaf) -> None:
+  """Puts a :class:`DedicatedWeight` where each Muon target was."""
+  for i, t in targets_by_leaf.items():
+    scanned = ded.boundaries.scanned[_model.boundary_of(ded, t)]
+    _model.set_at(
+      model,
+      paths[i],
+      DedicatedWeight(
+        _model.placeholder(t.shape, t.dtype, scanned),
+        dmuon_name=_model.text(paths[i]),
+        dmuon_boundary=ded.boundaries.names[_model.boundary_of(ded, t)],
+      ),
+    )

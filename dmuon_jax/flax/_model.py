@@ -1,0 +1,693 @@
+"""What dmuon_jax.flax records of a dedicated Flax model: its variables,
+its :class:`ModelDedication`, and the paths and plan of its params."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.core import spmd as core_spmd
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dmuon_jax import (
+  _checks,
+  _dedicated,
+  _dedication,
+  _mesh,
+  _owner_layout,
+  _routing,
+)
+
+
+class OwnedBuffer(nnx.Param):
+  """Owner-layout storage of one gather group's Muon matrices (one dtype).
+
+  Sharded over the owner axes: a device's block holds the matrices it owns.
+  Every boundary module of the group refers to the same variable. It is an
+  ``nnx.Param``, so ``nnx.Optimizer(..., wrt=nnx.Param)`` and ``nnx.grad``
+  see it.
+
+  Attributes:
+    value: the flat buffer, ``(num_slots * local,)`` for a loop group or
+      ``(num_iterations, num_slots * local)`` for a scanned stack (as
+      :class:`dmuon_jax.DedicatedParams` ``owned``).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax.flax as dflax
+    >>> from flax import nnx
+    >>> model = nnx.Sequential(nnx.Linear(8, 8, rngs=nnx.Rngs(0)), jnp.tanh,
+    ...                        nnx.Linear(8, 8, rngs=nnx.Rngs(1)))
+    >>> ded = dflax.dedicate(model, None)  # None: one device
+    >>> buffers = nnx.state(model, dflax.OwnedBuffer)
+    >>> for path, buffer in nnx.to_flat_state(buffers):
+    ...   print(path, buffer.shape)  # one 8 x 8 kernel each
+    ('layers', 0, 'dmuon_owned_0') (64,)
+    ('layers', 2, 'dmuon_owned_0') (64,)
+  """
+
+
+class DedicatedWeight(nnx.Variable):
+  """Placeholder of a Muon target stored in an :class:`OwnedBuffer`.
+
+  Holds a zero-size array (with the stack's layer axis for a scanned
+  stack); the boundary module's call (or a call of one of its public
+  methods, e.g. ``Embed.attend``) replaces it by the gathered matrix while
+  the module runs. Reading its value elsewhere (``[...]``, ``get_value()``,
+  ``jax.debug.visualize_array_sharding``, arithmetic) raises an error naming
+  the param and ``ModelDedication.to_params`` (the whole arrays), so that no
+  zero-size array reaches metrics or evaluation code; ``.shape`` is the
+  placeholder's (Flax's ``nnx.get_named_sharding`` reads it).
+
+  Attributes:
+    value: the zero-size array, ``(0,)`` (``(num_layers, 0)`` in a scanned
+      stack).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax.flax as dflax
+    >>> from flax import nnx
+    >>> model = nnx.Sequential(nnx.Linear(8, 8, rngs=nnx.Rngs(0)), jnp.tanh,
+    ...                        nnx.Linear(8, 8, rngs=nnx.Rngs(1)))
+    >>> ded = dflax.dedicate(model, None)  # None: one device
+    >>> kernel = model.layers[0].kernel
+    >>> type(kernel).__name__, kernel.shape
+    ('DedicatedWeight', (0,))
+    >>> y = model(jnp.ones((2, 8)))  # the layer sees its gathered matrix
+    >>> y.shape
+    (2, 8)
+    >>> kernel[...]  # outside the layer's call: an error naming it
+    Traceback (most recent call last):
+    ...
+    ValueError: dmuon: 'layers/0/kernel' is a dedicated Muon weight...
+  """
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """The placeholder's shape (Flax's sharding helpers read it)."""
+    return tuple(self.get_raw_value().shape)
+
+  def get_value(self, **kwargs: Any) -> Any:
+    """The value; a clear error while this is the zero-size placeholder
+    (outside its boundary module's call)."""
+    if np.size(self.get_raw_value()) == 0:
+      name = self.get_metadata().get('dmuon_name', '?')
+      boundary = self.get_metadata().get('dmuon_boundary', '?')
+      raise ValueError(
+        f'dmuon: {name!r} is a dedicated Muon weight: its values are stored '
+        'on their owner devices and gathered only while its hook boundary '
+        f'{boundary!r} runs (call that module, or a method of it). For the '
+        'whole array outside (metrics, sharding visualization, export), '
+        'read ded.to_params(model).'
+      )
+    return super().get_value(**kwargs)
+
+
+class ScanIteration(nnx.Variable):
+  """Layer indices of a scanned stack.
+
+  :func:`dedicate` adds one to each ``nnx.vmap`` stack of layers, as
+  ``dmuon_iteration``; ``nnx.scan`` slices it with the layers, so each
+  iteration knows which owners hold its matrices (they rotate by one slot
+  per layer).
+
+  Attributes:
+    value: ``arange(num_layers)``, an ``int32`` array.
+
+  Examples:
+    >>> import jax.numpy as jnp, dmuon_jax, dmuon_jax.flax as dflax
+    >>> from flax import nnx
+    >>> class Stack(nnx.Module):
+    ...   def __init__(self, rngs):
+    ...     self.layers = nnx.vmap(lambda rngs: nnx.Linear(8, 8, rngs=rngs),
+    ...                            in_axes=None, axis_size=3)(rngs)
+    ...   def __call__(self, x):
+    ...     step = lambda x, layer: (jnp.tanh(layer(x)), None)
+    ...     return nnx.scan(step, in_axes=(nnx.Carry, 0))(x, self.layers)[0]
+    >>> model = Stack(nnx.Rngs(0))
+    >>> MDN = dmuon_jax.MuonDimensionNumbers  # (3, 8, 8): 3 matrices
+    >>> dims = {'layers': {'kernel': MDN(1, 2), 'bias': None}}
+    >>> ded = dflax.dedicate(model, None, muon_weight_dimension_numbers=dims)
+    >>> model.layers.dmuon_iteration[...]
+    Array([0, 1, 2], dtype=int32)
+    >>> model(jnp.ones((2, 8))).shape
+    (2, 8)
+  """
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModelDedication:
+  """What :func:`dedicate` did to an NNX model.
+
+  Linen dedications (:func:`dedicate_linen`) compare equal by value, and so
+  do their ``apply`` and the optimizers :func:`dedicated_muon` makes of
+  them with equal arguments: a trainer's init that dedicates, traced by
+  ``jax.eval_shape`` and again by ``jax.jit``, gives one ``TrainState``
+  structure. An NNX dedication equals only itself (its boundary modules
+  hold it).
+
+  Attributes:
+    dedication: the :class:`dmuon_jax.Dedication` of the model's params
+      (plan, boundaries, gather groups, layout).
+    buffer_paths: per owned buffer (layout order), its path in
+      ``nnx.state(model, nnx.Param)``.
+    rest_paths: per param leaf of the plain params tree, its path (None for
+      Muon targets).
+    targets: per boundary, ``(leaf index, path inside the boundary module)``
+      of its Muon targets.
+    replicated: AdamW params that were sharded over an owner axis and are
+      now replicated over the owner axes (inside :func:`train_step` every
+      device runs the whole model on its own batch).
+    warned: a one-element list: whether the GSPMD-gather warning of a call
+      outside :func:`train_step` was given (once per model).
+    gathered: under plain ``jit`` on Explicit owner axes, each gather
+      group's gathered value in the trace that is running (so a group's
+      blocks, and a block called twice, share one gather and one
+      reduce-scatter); replaced when another trace starts.
+    gathered_manual: the same inside :func:`train_step` (manual owner
+      axes): per gather group, its gather and the trace it was made in.
+    linen_model: the Linen module (from :func:`dedicate_linen`), or None
+      for an NNX model.
+    placeholder_paths: per Muon target, the path of its placeholder
+      (:class:`DedicatedWeight` in NNX, a zero-size array in Linen params:
+      ``(num_layers, 0)`` in a scanned stack).
+    boundary_paths: per boundary, the path of the Linen module whose call
+      gathers: the boundary's own, or for an ``nn.scan`` stack the deepest
+      module holding all its Muon targets (run once per layer).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, dmuon_jax.flax as dflax
+    >>> from flax import nnx
+    >>> model = nnx.Sequential(nnx.Linear(8, 8, rngs=nnx.Rngs(0)), jnp.tanh,
+    ...                        nnx.Linear(8, 8, rngs=nnx.Rngs(1)))
+    >>> ded = dflax.dedicate(model, None)  # None: one device
+    >>> ded.dedication.boundaries.names, ded.axes
+    (('layers/0', 'layers/2'), ())
+    >>> ded.buffer_paths  # one owned buffer per gather group
+    (('layers', 0, 'dmuon_owned_0'), ('layers', 2, 'dmuon_owned_0'))
+    >>> plain = ded.to_params(model)  # the params as before dedication
+    >>> jax.tree.map(jnp.shape, plain['layers'][0])
+    {'bias': (8,), 'kernel': (8, 8)}
+  """
+
+  dedication: _dedication.Dedication
+  buffer_paths: tuple[tuple[Any, ...], ...]
+  rest_paths: tuple[tuple[Any, ...] | None, ...]
+  targets: tuple[tuple[tuple[int, tuple[Any, ...]], ...], ...]
+  replicated: tuple[str, ...]
+  warned: list[bool] = dataclasses.field(default_factory=lambda: [False])
+  gathered: dict = dataclasses.field(default_factory=dict, repr=False)
+  gathered_manual: dict = dataclasses.field(default_factory=dict, repr=False)
+  linen_model: Any = None
+  placeholder_paths: tuple[tuple[Any, ...], ...] = ()
+  boundary_paths: tuple[tuple[Any, ...], ...] = ()
+
+  # Equal by value (Linen): a trainer's init that dedicates, traced twice
+  # (jax.eval_shape, then jax.jit in another context: Flax lm1b's and
+  # MaxText's setup_initial_state), makes two dedications, and the
+  # TrainState's apply_fn and tx, which hold them, are pytree metadata
+  # that JAX compares with ==. The replicated list is left out: it depends
+  # on the logical axis rules in effect (a trace outside them cannot know
+  # it). An NNX dedication is its model's boundary modules' own: equal
+  # only to itself.
+  @functools.cached_property
+  def _key(self) -> tuple[Any, ...]:
+    return (
+      self.dedication,
+      self.buffer_paths,
+      self.rest_paths,
+      self.targets,
+      self.linen_model,
+      self.placeholder_paths,
+      self.boundary_paths,
+    )
+
+  def __eq__(self, other: object) -> bool:
+    if self is other:
+      return True
+    if not isinstance(other, ModelDedication):
+      return NotImplemented
+    if self.linen_model is None or other.linen_model is None:
+      return False
+    return hash(self) == hash(other) and self._key == other._key
+
+  def __hash__(self) -> int:
+    # The Linen module is compared, not hashed (its fields may not be).
+    return id(self) if self.linen_model is None else hash(self.dedication)
+
+  @property
+  def apply(self) -> Callable[..., Any]:
+    """``linen_model.apply`` with the boundaries gathering (Linen only).
+
+    Use it as the ``apply_fn`` of a ``TrainState`` (and for evaluation):
+    ``ded.apply(variables, *args, **kwargs)`` takes what
+    ``flax.linen.Module.apply`` takes, with the dedicated params of
+    :func:`dedicate_linen` in ``variables['params']``, and returns what it
+    returns; each boundary module's call gathers its group's matrices from
+    the owned buffers. It compares equal for equal dedications (a
+    ``TrainState`` made in ``jax.eval_shape`` and again in ``jax.jit``).
+    """
+    raise TypeError(
+      'dmuon: ModelDedication.apply is for Linen models (from '
+      'dmuon_jax.flax.dedicate_linen); an NNX model is called directly.'
+    )
+
+  @property
+  def axes(self) -> tuple[str, ...]:
+    """The owner axes, :func:`train_step`'s manual (data-parallel) axes."""
+    return self.dedication.buffer_axes
+
+  def summary(self) -> str:
+    """The dedication's summary (gather groups, padding, owner plan)."""
+    text = self.dedication.summary()
+    if self.replicated:
+      text += (
+        '\n  AdamW params replicated over the owner axes '
+        f'{self.axes}: {list(self.replicated)}'
+      )
+    return text
+
+  def to_params(self, model: Any) -> Any:
+    """The model's plain params, Muon targets whole.
+
+    Args:
+      model: the dedicated NNX model, an ``nnx.State`` of its params (e.g.
+        the gradients from ``nnx.value_and_grad``: logged gradient norms
+        then mean what they mean on the plain model, without the owner
+        buffers' padding), or (Linen) the dedicated params of
+        :func:`dedicate_linen` (or their gradients).
+
+    Returns:
+      The params as a nested dict of arrays, as before dedication
+      (``nnx.to_pure_dict`` form for NNX).
+    """
+    if isinstance(model, (nnx.Module, nnx.State)):
+      params = model if isinstance(model, nnx.State) else None
+      if params is None:
+        params = nnx.state(model, nnx.Param)
+      state = nnx.to_flat_state(params)
+      by_path = {tuple(p): v.get_value() for p, v in state}
+    else:
+      by_path = {
+        path(k): _mesh.unbox(x)
+        for k, x in jax.tree_util.tree_flatten_with_path(
+          model, is_leaf=_mesh.is_box
+        )[0]
+      }
+    owned = [by_path[p] for p in self.buffer_paths]
+    rest = [None if p is None else by_path[p] for p in self.rest_paths]
+    ded = self.dedication
+    return ded.to_params(
+      _dedication.DedicatedParams(
+        owned=_owner_layout.OwnerBuffers(owned, ded.layout),
+        rest=jax.tree.unflatten(ded.treedef, rest),
+      )
+    )
+
+
+def placeholder(shape: tuple[int, ...], dtype: Any, scanned: bool):
+  return jnp.zeros((shape[0], 0) if scanned else (0,), dtype)
+
+
+# The options dedicate and dedicate_linen hand to the planner as they are.
+PLANNED = frozenset(
+  {
+    'predicate',
+    'muon_weight_dimension_numbers',
+    'boundary_predicate',
+    'strict',
+    'reshard_after_forward',
+    'axis_names',
+    'replicate_axis',
+    'remat_policy',
+    'ns_algorithm',
+    'owner_groups',
+    'tensor_parallel_axis',
+  }
+)
+
+
+def _entry_key(entry: Any) -> Any:
+  for name in ('key', 'name', 'idx'):
+    if hasattr(entry, name):
+      return getattr(entry, name)
+  return entry
+
+
+def path(keys: Sequence[Any]) -> tuple[Any, ...]:
+  return tuple(_entry_key(k) for k in keys)
+
+
+def text(path: Sequence[Any]) -> str:
+  return '/'.join(str(k) for k in path)
+
+
+def _by_item(node: Any, k: Any) -> bool:
+  """Whether ``node`` holds ``k`` as an item (a list index, a key of a
+  mapping: Linen params) rather than an attribute (an NNX module's)."""
+  return isinstance(k, int) or isinstance(node, Mapping)
+
+
+def node_at(root: Any, path: Sequence[Any]) -> Any:
+  node = root
+  for k in path:
+    node = node[k] if _by_item(node, k) else getattr(node, k)
+  return node
+
+
+def set_at(root: Any, path: Sequence[Any], value: Any) -> None:
+  parent = node_at(root, path[:-1])
+  if _by_item(parent, path[-1]):
+    parent[path[-1]] = value
+  else:
+    setattr(parent, path[-1], value)
+
+
+def plan(params, mesh, layers_per_gather, choice, kwargs, specs):
+  """The dedication of a Flax model's params, and the params placed for it.
+
+  Plans with :func:`dmuon_jax.dedicate`, checks what ``dmuon_jax.flax``
+  cannot run, replicates AdamW params sharded over an owner axis (see
+  :func:`_replicate_rest`; ``specs``: per leaf, the spec its Flax metadata
+  gives, or None) and puts unplaced params on the mesh.
+
+  Returns:
+    ``(dedication, placed params, DedicatedParams, replicated paths, {leaf
+    index: moved param})``.
+  """
+  ded = _dedicated.dedicate(
+    params, mesh, layers_per_gather=layers_per_gather, **kwargs
+  )
+  if choice is not None:
+    ded = dataclasses.replace(ded, layers_per_gather_choice=choice)
+  _check_boundaries_hold_targets(params, ded, kwargs['boundary_predicate'])
+  scanned = [
+    n for n, s in zip(ded.boundaries.names, ded.boundaries.scanned) if s
+  ]
+  if ded.tensor_parallel_axis is not None and scanned:
+    raise ValueError(
+      'dmuon: dmuon_jax.flax does not run tensor-parallel matrices inside '
+      f'scanned stacks yet ({scanned}, over {ded.tensor_parallel_axis!r}). '
+      'Use the explicit API (dmuon_jax.dedicate, Dedication.scan), run the '
+      'layers as a Python loop, or pass tensor_parallel_axis=None with the '
+      'stack replicated over it.'
+    )
+  params, ded, replicated, moved = _replicate_rest(
+    ded, params, mesh, kwargs, specs
+  )
+  placed = params
+  if mesh is not None:
+    placed = jax.tree.map(
+      lambda x: (
+        x
+        if isinstance(getattr(x, 'sharding', None), NamedSharding)
+        else jax.device_put(x, NamedSharding(mesh, P()))
+      ),
+      params,
+    )
+  return ded, placed, ded.to_dedicated(placed), replicated, moved
+
+
+def boundary_of(ded, target) -> int:
+  return ded.boundaries.of_target[ded.boundaries.paths.index(target.path)]
+
+
+def targets(ded, paths, boundary_paths) -> tuple:
+  """Per boundary, ``(leaf index, path inside the boundary module)`` of its
+  Muon targets."""
+  targets: list[list[tuple[int, tuple]]] = [[] for _ in boundary_paths]
+  for t in ded.layout.leaves:
+    b = boundary_of(ded, t)
+    targets[b].append((t.index, paths[t.index][len(boundary_paths[b]) :]))
+  return tuple(tuple(t) for t in targets)
+
+
+def _replicate_rest(ded, params, mesh, kwargs, specs):
+  """AdamW params sharded over an owner axis, replicated over the owner
+  axes (inside train_step every device runs the whole model on its own
+  batch); the dedication planned again if any moved.
+
+  A leaf's sharding is the one its Flax metadata gives (``specs``), where
+  it has some: under an abstract or jitted init on Auto axes the traced
+  values carry none, yet ``jit(init, out_shardings=...)`` would place them
+  as their metadata says.
+  """
+  leaves = jax.tree.leaves(params)
+  flat = jax.tree.flatten_with_path(params)[0]
+  owner = set(ded.buffer_axes)
+  replicated, moved, extra = [], {}, 0
+  for i, (rest_spec, (keys, x)) in enumerate(zip(ded.rest_specs, flat)):
+    if rest_spec is None:  # a Muon target
+      continue
+    spec = specs[i] if specs[i] is not None else rest_spec
+    if not _mesh.sharded_axes([spec]) & owner:
+      continue
+    kept = P(
+      *(
+        tuple(a for a in e if a not in owner) or None
+        for e in _mesh.spec_entries(spec)
+      )
+    )
+    moved[i] = leaves[i] = jax.device_put(x, NamedSharding(mesh, kept))
+    replicated.append(text(path(keys)))
+    ways = lambda sp: math.prod(
+      mesh.shape[a] for e in _mesh.spec_entries(sp) for a in e
+    )
+    nbytes = np.size(x) * jnp.dtype(x.dtype).itemsize
+    extra += nbytes // ways(kept) - nbytes // ways(spec)
+  if replicated:
+    warnings.warn(
+      f'dmuon: dedicate replicated the AdamW params {replicated} over the '
+      f'owner axes {tuple(ded.buffer_axes)}, over which they were sharded: '
+      f'+{extra:,} bytes per device (their AdamW moments likewise), since '
+      'dmuon_jax.flax.train_step runs the whole model on each device. To '
+      'keep them sharded, shard them over another mesh axis; '
+      'ded.summary() lists them.',
+      _checks.DMuonWarning,
+      stacklevel=4,
+    )
+    params = jax.tree.unflatten(jax.tree.structure(params), leaves)
+    choice = ded.layers_per_gather_choice
+    ded = _dedicated.dedicate(
+      params, mesh, layers_per_gather=ded.layers_per_gather, **kwargs
+    )
+    ded = dataclasses.replace(ded, layers_per_gather_choice=choice)
+  return params, ded, replicated, moved
+
+
+def _check_boundaries_hold_targets(params, ded, boundary_predicate) -> None:
+  """Raises for a module the boundary predicate names (outermost matches)
+  that holds no Muon target: its call would gather nothing."""
+  if boundary_predicate is None:
+    return
+  targets = [t.path for t in ded.layout.leaves]
+  seen = set()
+  for keys, _ in jax.tree.flatten_with_path(params)[0]:
+    for depth in range(1, len(keys)):
+      prefix = _routing.normalize_path(keys[:depth])
+      if prefix in seen:
+        break
+      seen.add(prefix)
+      if not boundary_predicate(prefix, _checks.subtree(params, keys[:depth])):
+        continue
+      if not any(t == prefix or t.startswith(prefix + '/') for t in targets):
+        raise ValueError(
+          f'dmuon: boundary_predicate names module {prefix!r}, which holds '
+          'no Muon target (its params are AdamW params): its call would '
+          'gather nothing. Leave it out of the predicate (the boundaries '
+          f'with targets are {list(ded.boundaries.names)}).'
+        )
+      break
+
+
+def scan_layers_per_gather(params, kwargs, layers_per_gather, scan: str):
+  """``(layers_per_gather, choice)`` for a model with scanned stacks (one
+  layer per ``scan`` iteration, so 1); unchanged without any. ``kwargs``:
+  the dedication's keyword arguments (routing and boundary options)."""
+  bounds = _checks.find_hook_boundaries(
+    params,
+    predicate=kwargs['predicate'] if kwargs['predicate'] != 'optax' else None,
+    weight_dimension_numbers=kwargs['muon_weight_dimension_numbers'],
+    boundary_predicate=kwargs['boundary_predicate'],
+    strict=kwargs['strict'],
+  )
+  if not any(bounds.scanned):
+    return layers_per_gather, None
+  if layers_per_gather not in ('auto', 1):
+    raise ValueError(
+      f'dmuon: layers_per_gather={layers_per_gather!r}, but the scanned '
+      f'stack(s) {[n for n, s in zip(bounds.names, bounds.scanned) if s]}'
+      f' run one layer per {scan} iteration, so each gather holds one '
+      'layer. Pass layers_per_gather=1 (or the default).'
+    )
+  return 1, f'one layer per {scan} iteration'
+
+
+def gather_points(ded, paths) -> tuple[tuple[Any, ...], ...]:
+  """Per boundary, the module path whose call gathers (Linen): the
+  boundary's own, and for a scanned stack the deepest module that holds
+  all its Muon targets (the module ``nn.scan`` runs once per layer, or one
+  inside it: its params are sliced to one layer there)."""
+  points = [path(k) for k in ded.boundary_keys]
+  for b, scanned in enumerate(ded.boundaries.scanned):
+    if not scanned:
+      continue
+    mine = [
+      paths[t.index][:-1] for t in ded.layout.leaves if boundary_of(ded, t) == b
+    ]
+    common = mine[0]
+    for p in mine[1:]:
+      n = next((i for i, (x, y) in enumerate(zip(common, p)) if x != y), None)
+      common = common[: min(len(common), len(p)) if n is None else n]
+    points[b] = common
+  return tuple(points)
+
+
+def owned_mesh(ded, mesh) -> bool:
+  """Whether every axis of ``mesh`` of more than one device is an owner
+  axis (every AdamW param then ends replicated, whatever the logical axis
+  rules say)."""
+  return mesh is not None and all(
+    a in ded.buffer_axes or mesh.shape[a] == 1 for a in mesh.axis_names
+  )
+
+
+def rules_free_names(model, paths, specs, ded, mesh, targets) -> None:
+  """Makes what an NNX model's param metadata says of its sharding the
+  same whatever logical axis rules are in effect where it is dedicated.
+
+  A trainer's init that dedicates may be traced twice: by
+  ``jax.eval_shape`` outside ``nn.logical_axis_rules`` (Flax lm1b's and
+  MaxText's order), then by ``jax.jit(init, out_shardings=...)`` inside
+  them; ``jax.jit`` takes the two states for one tree only where their
+  ``out_sharding`` metadata agree, and places the params as the abstract
+  one says. On a mesh whose axes of more than one device are all owner
+  axes, every AdamW param ends replicated whatever the rules are: its
+  logical names (those that are no mesh axis: what the rules map) are
+  renamed None in place. On any other mesh, a param naming logical axes
+  where no rules are in effect could be sharded over an owner axis or not:
+  an error naming it and the fix.
+  """
+  if mesh is None:
+    return
+  axes = set(mesh.axis_names)
+  logical = lambda e: isinstance(e, str) and e not in axes
+  replicated = owned_mesh(ded, mesh)
+  for i, p in enumerate(paths):
+    variable = node_at(model, p)
+    names = variable.get_metadata().get('out_sharding')
+    # Names that are mesh axes, which no rules change, are read the same
+    # in any context.
+    if not names or _mesh.context_free_spec(variable, axes) is not None:
+      continue
+    if replicated:
+      if i not in targets:  # Muon targets: placeholders
+        variable.set_metadata(
+          out_sharding=tuple(None if logical(e) else e for e in names)
+        )
+      continue
+    ruled = core_spmd.get_logical_axis_rules() or variable.get_metadata().get(
+      'sharding_rules'
+    )
+    unmapped = [
+      a for e in _mesh.spec_entries(specs[i]) for a in e if a not in axes
+    ]
+    if unmapped and not ruled:  # (rules that leave a name out: as before)
+      others = [
+        a
+        for a in mesh.axis_names
+        if a not in ded.buffer_axes and mesh.shape[a] > 1
+      ]
+      decides = (
+        'whether its owners store it split over a tensor-parallel axis'
+        if i in targets
+        else 'whether dedication replicates it over the owner axes '
+        f'{ded.buffer_axes}'
+      )
+      raise ValueError(
+        f'dmuon: dedicate cannot tell how param {text(p)!r} is sharded: its '
+        f'out_sharding {tuple(names)} names logical axes {unmapped}, no '
+        'logical axis rules are in effect to map them, and on this mesh (the '
+        f'axes {others} are no owner axes) they decide {decides}. An init '
+        'traced by jax.eval_shape outside nn.logical_axis_rules and by jax.jit '
+        'inside them would dedicate it two ways, which jax.jit refuses: run '
+        'the eval_shape inside the rules too (with '
+        'nn.logical_axis_rules(rules): abstract = jax.eval_shape(init)).'
+      )
+
+
+def references(model: nnx.Module) -> dict[int, list[tuple]]:
+  """id(node) -> every path that holds it (modules and variables, shared
+  ones under each of their parents)."""
+  refs: dict[int, list[tuple]] = {}
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.Variable):
+      continue
+    if isinstance(node, (list, tuple, nnx.List)):
+      items = list(enumerate(node))
+    elif hasattr(node, '__dict__'):
+      items = list(vars(node).items())
+    else:
+      continue
+    for name, value in items:
+      if isinstance(value, (nnx.Variable, nnx.Module, nnx.List)):
+        held = refs.setdefault(id(value), [])
+        if tuple(path) + (name,) not in held:
+          held.append(tuple(path) + (name,))
+  return refs
+
+
+def public_methods(cls: type) -> list[str]:
+  """``__call__`` and the public methods ``cls`` adds to ``nnx.Module``
+  (``Embed.attend``, a block's helper): each may read the Muon targets."""
+  names = []
+  for klass in cls.__mro__:
+    if klass is nnx.Module or not issubclass(klass, nnx.Module):
+      break
+    for name, fn in vars(klass).items():
+      public = name == '__call__' or not (
+        name.startswith('_') or hasattr(nnx.Module, name)
+      )
+      if public and inspect.isfunction(fn) and name not in names:
+        names.append(name)
+  return names
+
+
+def check_untied(model, paths, targets_by_leaf) -> None:
+  """Raises for a Muon target held by two modules (tied weights)."""
+  refs = references(model)
+  for i in targets_by_leaf:
+    # The target, or a module on its path, held by two parents: tied.
+    holders = max(
+      (
+        refs.get(id(node_at(model, paths[i][:d])), [])
+        for d in range(1, len(paths[i]) + 1)
+      ),
+      key=len,
+    )
+    if len(holders) > 1:
+      raise ValueError(
+        f'dmuon: Muon target {text(paths[i])!r} is held by '
+        f'{[text(h) for h in holders]} (tied weights): one owner cannot '
+        'serve two boundaries. Route it to AdamW (predicate) or untie it.'
+      )
+
+
+def check_boundary_modules(model, ded, boundary_paths) -> None:
+  """Raises for a hook boundary that is not an ``nnx.Module``."""
+  for b, bpath in enumerate(boundary_paths):
+    module = node_at(model, bpath)
+    if not isinstance(module, nnx.Module):
+      raise ValueError(
+        f'dmuon: hook boundary {ded.boundaries.names[b]!r} is a '
+        f'{type(module).__name__}, not an nnx.Module: its call cannot '
+        'gather. Pass a boundary_predicate that names modules.'
+      )

@@ -20,7 +20,6 @@ from dmuon_jax import (
   _owner_layout,
   _owner_update,
   _plan,
-  _states,
 )
 from dmuon_jax._dedication import DedicatedParams, Dedication, check_owned
 
@@ -49,7 +48,7 @@ class DedicatedMuonState(NamedTuple):
   count: jax.Array
   mu: _owner_layout.OwnerBuffers
   # Which layout wrote mu, as data (see dmuon_jax.ScaleByDMuonState).
-  stamp: _states.LayoutStamp
+  stamp: _owner_update.LayoutStamp
 
 
 def _decayed_leaves(
@@ -203,7 +202,7 @@ def _muon_init(cfg, ded, owned):
     count=jnp.zeros([], jnp.int32),
     # Boxed as the owned buffers are (Flax's sharding tools read the boxes).
     mu=owned.rebox(mu),
-    stamp=_states.make_stamp(owned.layout),
+    stamp=_owner_update.make_stamp(owned.layout),
   )
 
 

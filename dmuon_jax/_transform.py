@@ -23,7 +23,6 @@ from dmuon_jax import (
   _owner_update,
   _plan,
   _routing,
-  _states,
   _steps,
 )
 
@@ -85,7 +84,7 @@ class ScaleByDMuonState(NamedTuple):
   mu: _owner_layout.OwnerBuffers
   # Which layout wrote mu, as data (restored with the layout-independent
   # leaves, checked against mu's layout whenever the tree is rebuilt).
-  stamp: _states.LayoutStamp
+  stamp: _owner_update.LayoutStamp
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -394,7 +393,7 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
   return ScaleByDMuonState(
     count=count,
     mu=_owner_layout.OwnerBuffers(buffers, layout),
-    stamp=_states.make_stamp(layout, replicate),
+    stamp=_owner_update.make_stamp(layout, replicate),
   )
 
 
@@ -874,4 +873,4 @@ def owner_layouts(opt_state: Any) -> list[_owner_layout.OwnerLayout]:
     [1]
   """
   is_buffers = lambda x: isinstance(x, _owner_layout.OwnerBuffers)
-  return [x.layout for _, x in _states.find(opt_state, is_buffers)]
+  return [x.layout for _, x in _owner_update.find(opt_state, is_buffers)]

@@ -223,21 +223,16 @@ def _leaf_entries(flat, targets, given, info):
       local.append(tuple(leaf.shape))
       padded.append(None)
       continue
-    e = _mesh.normalize_entries(spec, len(leaf.shape), sizes)
-    _mesh.check_entries(e, leaf.shape, allowed, path, spec, even=False)
+    e, shape, split, dim, held = _steps.resolve_entries(
+      leaf, spec, sizes, allowed, tp_axis, tp_size
+    )
     # Uneven sharding (JAX accepts it): the layout holds the leaf
     # zero-padded to a multiple of its devices per sharded dimension.
-    shape = _mesh.padded_shape(leaf.shape, e, sizes)
     padded.append(None if shape == tuple(leaf.shape) else shape)
-    split = dim = None
-    if tp_axis is not None:
-      _, split, dim, shape = _mesh.split_tensor_parallel(
-        dataclasses.replace(leaf, shape=shape), e, tp_axis, tp_size
-      )
     entries.append(e)
     splits.append(split)
     dims.append(dim)
-    local.append(shape)
+    local.append(held)
   return entries, splits, dims, local, padded
 
 
@@ -715,71 +710,39 @@ def scale_by_dmuon(
     >>> updates['w'].shape
     (4, 8)
   """
-  return make_scale_by_dmuon(
-    ns_coeffs=ns_coeffs,
-    ns_steps=ns_steps,
-    beta=beta,
-    eps=eps,
-    mu_dtype=mu_dtype,
-    nesterov=nesterov,
-    adaptive=adaptive,
-    preconditioning=preconditioning,
-    weight_dimension_numbers=weight_dimension_numbers,
-    momentum=momentum,
-    mesh=mesh,
-    axis_names=axis_names,
-    ns_algorithm=ns_algorithm,
-    compute_dtype=compute_dtype,
-    tensor_parallel_axis=tensor_parallel_axis,
-    nonfinite=nonfinite,
-    param_specs=param_specs,
-    shape_scaling=False,
-    consistent_rms=None,
-    owner_groups=owner_groups,
-  )
+  return make_scale_by_dmuon(**locals())
 
 
 def make_scale_by_dmuon(
   *,
-  ns_coeffs,
-  ns_steps,
   beta,
   eps,
-  mu_dtype,
-  nesterov,
-  adaptive,
   preconditioning,
-  weight_dimension_numbers,
-  momentum,
+  ns_algorithm,
   mesh,
   axis_names,
-  ns_algorithm,
-  compute_dtype,
   tensor_parallel_axis,
-  nonfinite,
+  weight_dimension_numbers,
   param_specs,
-  shape_scaling,
-  consistent_rms,
+  nonfinite,
   owner_groups='auto',
+  shape_scaling=False,
+  consistent_rms=None,
+  **config,
 ) -> optax.GradientTransformation:
-  """:func:`scale_by_dmuon`, optionally with the shape factor on the owner
-  (what :func:`dmuon_jax.dmuon` uses)."""
+  """:func:`scale_by_dmuon` (its arguments), optionally with the shape
+  factor on the owner (what :func:`dmuon_jax.dmuon` uses). ``config``: the
+  options only :func:`_owner_update.make_config` reads."""
   hp = _owner_update.make_hyperparams(
     beta=beta, eps=eps, consistent_rms=consistent_rms
   )
   cfg = _owner_update.make_config(
-    ns_coeffs=ns_coeffs,
-    ns_steps=ns_steps,
-    momentum=momentum,
-    nesterov=nesterov,
-    adaptive=adaptive,
     preconditioning=preconditioning,
     ns_algorithm=ns_algorithm,
-    compute_dtype=compute_dtype,
     shape_scaling=shape_scaling,
     consistent_rms=consistent_rms is not None,
-    mu_dtype=mu_dtype,
     nonfinite=nonfinite,
+    **config,
   )
   mesh = _mesh_argument(mesh)
   check_tp_preconditioning(

@@ -207,7 +207,7 @@ def resolve_entries(leaf, spec, sizes, allowed, tp_axis=None, tp_size=1):
   return e, shape, split, dim, local
 
 
-def _update_entries(layout, targets, sizes, allowed, update_specs=None):
+def _update_entries(layout, targets, sizes, update_specs=None):
   """Each target's sharding on the whole mesh: from its type (Explicit
   meshes), else from the layout; unknown ones are treated as replicated
   (warned once). Raises where it does not fit the layout (its padding or
@@ -218,6 +218,9 @@ def _update_entries(layout, targets, sizes, allowed, update_specs=None):
     and the spec to give ``shard_map`` (an Explicit mesh's type as it is).
   """
   entries, specs, splits, unknown = [], [], [], []
+  allowed = {a: sizes[a] for a in layout.buffer_axes}
+  if layout.tp_axis is not None:
+    allowed[layout.tp_axis] = layout.tp_size
   explicit = _mesh.is_explicit(jax.sharding.get_abstract_mesh()) or (
     _mesh.is_explicit(layout.mesh)
   )
@@ -392,10 +395,7 @@ def drop_in_step(setup, hp, layout, targets, mus, count_inc, specs=None):
       'opt.init(params)).'
     )
   _check_buffer_shardings(layout, mus, mesh)
-  allowed = {a: sizes[a] for a in layout.buffer_axes}
-  if layout.tp_axis is not None:
-    allowed[layout.tp_axis] = layout.tp_size
-  entries, in_specs = _update_entries(layout, targets, sizes, allowed, specs)
+  entries, in_specs = _update_entries(layout, targets, sizes, specs)
   # Per-leaf momentum enters as its gradient does.
   buffer_specs = list(in_specs if layout.per_leaf else layout.buffer_specs())
   given = None

@@ -222,7 +222,7 @@ def _muon_update(cfg, hp, decay, ded, grads, state, params=None):
   def body(g, mus, ps, count_inc, dyn):
     out, mu = _owner_update.owner_step(
       cfg,
-      _owner_update.with_dynamic(hp, dyn),
+      hp._replace(**dyn),
       layout,
       g,
       mus,

@@ -227,13 +227,9 @@ def _is_static(v: Any) -> bool:
 
 
 def dynamic(hp: Hyperparams) -> dict[str, Any]:
-  """The array-valued hyperparameters, to pass into ``shard_map``."""
+  """The array-valued hyperparameters, to pass into ``shard_map`` (and
+  back into ``hp`` there with ``hp._replace(**values)``)."""
   return {k: v for k, v in hp._asdict().items() if not _is_static(v)}
-
-
-def with_dynamic(hp: Hyperparams, values: dict[str, Any]) -> Hyperparams:
-  """``hp`` with its array-valued fields replaced by ``values``."""
-  return hp._replace(**values)
 
 
 def momentum_update(grads, mus, count_inc, *, beta, nesterov, rule):

@@ -431,7 +431,7 @@ def drop_in_step(setup, hp, layout, targets, mus, count_inc, specs=None):
   def body(targets, mus, count_inc, dyn):
     out, mu = _drop_in_body(
       setup.cfg,
-      _owner_update.with_dynamic(hp, dyn),
+      hp._replace(**dyn),
       layout,
       ex,
       owner_entries,

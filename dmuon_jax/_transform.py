@@ -210,30 +210,22 @@ def _leaf_entries(flat, targets, given, info):
   allowed = _allowed_axes(info)
   tp_axis = info.tp_axis if info is not None else None
   tp_size = info.tp_size if info is not None else 1
-  entries, splits, dims, local, padded = [], [], [], [], []
+  out = []
   for (path, _, spec), leaf in zip(flat, targets):
-    if path in given:
-      spec = given[path]
+    spec = given.get(path, spec)
     if info is None or info.num_slots * tp_size == 1:
       spec = P()
     if spec is None:
-      entries.append(None)
-      splits.append(None)
-      dims.append(None)
-      local.append(tuple(leaf.shape))
-      padded.append(None)
+      out.append((None, None, None, tuple(leaf.shape), None))
       continue
     e, shape, split, dim, held = _steps.resolve_entries(
       leaf, spec, sizes, allowed, tp_axis, tp_size
     )
     # Uneven sharding (JAX accepts it): the layout holds the leaf
     # zero-padded to a multiple of its devices per sharded dimension.
-    padded.append(None if shape == tuple(leaf.shape) else shape)
-    entries.append(e)
-    splits.append(split)
-    dims.append(dim)
-    local.append(held)
-  return entries, splits, dims, local, padded
+    padded = None if shape == tuple(leaf.shape) else shape
+    out.append((e, split, dim, held, padded))
+  return tuple(zip(*out)) or ((),) * 5
 
 
 def _zero_buffers(params, layout, mesh) -> list[Any]:

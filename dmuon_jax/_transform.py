@@ -445,33 +445,29 @@ def _update(
   leaves, treedef = jax.tree.flatten(updates)
   targets = check_state_tree(layout, updates)
   count_inc = optax.safe_increment(state.count)
-  cfg = setup.cfg
-  manual = _collectives.manual_axes()
   mus = state.mu.buffers
+  lay = layout.groups[0]
+  # The one dispatch of the drop-in transformation: one owner slot (no
+  # routes), inside the caller's shard_map over the owner axes (explicit),
+  # or global arrays under plain jit (drop-in; per-leaf momentum there).
   if not layout.distributed:
-    _steps.check_buffers(layout, state.mu, local=False)
-    lay = layout.groups[0]
-    grads = lay.pack_full(targets)
+    _steps.check_buffers(layout, mus, local=False)
     ortho, mu = _owner_update.owner_step(
-      cfg, hp, layout, grads, state.mu.buffers, count_inc
+      setup.cfg, hp, layout, lay.pack_full(targets), mus, count_inc
     )
     new = lay.unpack_full(ortho)
-  elif set(layout.buffer_axes) & manual:
-    new, mu = _steps.explicit_step(cfg, hp, layout, targets, mus, count_inc)
+  elif set(layout.buffer_axes) & _collectives.manual_axes():
+    new, mu = _steps.explicit_step(
+      setup.cfg, hp, layout, targets, mus, count_inc
+    )
   else:
+    specs = _update_specs(layout, updates)
     new, mu = _steps.drop_in_step(
-      setup,
-      hp,
-      layout,
-      targets,
-      mus,
-      count_inc,
-      specs=_update_specs(layout, updates),
+      setup, hp, layout, targets, mus, count_inc, specs
     )
   # optax.contrib.muon's dtype: its momentum (mu_dtype, else the params'
   # dtype) promoted with the gradient's, e.g. float32 updates for float32
   # params and bfloat16 gradients.
-  lay = layout.groups[0]
   new = [
     x.astype(jnp.result_type(jnp.dtype(d), t.dtype))
     for x, t, d in zip(new, targets, lay.leaf_dtypes)
@@ -480,7 +476,7 @@ def _update(
   if setup.nonfinite == 'skip':
     ok = _owner_update.all_finite(targets, new, mu)
     new = _owner_update.zeros_unless(ok, new)
-    mu = _owner_update.select_tree(ok, mu, tuple(state.mu.buffers))
+    mu = _owner_update.select_tree(ok, mu, tuple(mus))
     count_inc = jnp.where(ok, count_inc, state.count)
   out = list(leaves)
   for t, x in zip(layout.leaves, new):

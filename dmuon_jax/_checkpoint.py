@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dmuon_jax import _dedication, _mesh, _owner_layout, _states
+from dmuon_jax import _dedication, _mesh, _owner_layout, _owner_update
 
 # Documented as dmuon_jax.checkpoint.COMMIT_MARKER.
 COMMIT_MARKER = 'commit_success.txt'
@@ -351,11 +351,11 @@ def _abstract_init(init, *args):
 
 def _unknown_specs(state) -> bool:
   """Whether a dmuon state in ``state`` records params of unknown sharding."""
-  states = jax.tree.leaves(state, is_leaf=_states.is_dmuon_state)
+  states = jax.tree.leaves(state, is_leaf=_owner_update.is_dmuon_state)
   return any(
     None in x.mu.layout.param_entries
     for x in states
-    if _states.is_dmuon_state(x)
+    if _owner_update.is_dmuon_state(x)
   )
 
 
@@ -387,13 +387,19 @@ def target_state(opt, params):
     if not _unknown_specs(target):
       return target
     placed = _abstract_init(lambda: opt.init(params))
-  leaves, treedef = jax.tree.flatten(target, is_leaf=_states.is_dmuon_state)
-  found, found_def = jax.tree.flatten(placed, is_leaf=_states.is_dmuon_state)
+  leaves, treedef = jax.tree.flatten(
+    target, is_leaf=_owner_update.is_dmuon_state
+  )
+  found, found_def = jax.tree.flatten(
+    placed, is_leaf=_owner_update.is_dmuon_state
+  )
   if found_def != treedef:  # an init that builds its tree from the values
     return target
   return jax.tree.unflatten(
     treedef,
-    [y if _states.is_dmuon_state(y) else x for x, y in zip(leaves, found)],
+    [
+      y if _owner_update.is_dmuon_state(y) else x for x, y in zip(leaves, found)
+    ],
   )
 
 

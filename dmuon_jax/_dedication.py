@@ -24,7 +24,6 @@ from dmuon_jax import (
   _owner_layout,
   _owner_update,
   _plan,
-  _states,
 )
 
 
@@ -649,7 +648,7 @@ class DedicatedMuonState(NamedTuple):
   count: jax.Array
   mu: _owner_layout.OwnerBuffers
   # Which layout wrote mu, as data (see dmuon_jax.ScaleByDMuonState).
-  stamp: _states.LayoutStamp
+  stamp: _owner_update.LayoutStamp
 
 
 def _decayed_leaves(
@@ -803,7 +802,7 @@ def _muon_init(cfg, ded, owned):
     count=jnp.zeros([], jnp.int32),
     # Boxed as the owned buffers are (Flax's sharding tools read the boxes).
     mu=owned.rebox(mu),
-    stamp=_states.make_stamp(owned.layout),
+    stamp=_owner_update.make_stamp(owned.layout),
   )
 
 
@@ -823,7 +822,7 @@ def _muon_update(cfg, hp, decay, ded, grads, state, params=None):
   def body(g, mus, ps, count_inc, dyn):
     out, mu = _owner_update.owner_step(
       cfg,
-      _owner_update.with_dynamic(hp, dyn),
+      hp._replace(**dyn),
       layout,
       g,
       mus,

@@ -175,41 +175,84 @@ def explicit_step(cfg, hp, layout, targets, mus, count_inc):
   return new, mu
 
 
-def _update_entries(layout, targets, sizes, allowed, update_specs=None):
+def resolve_entries(leaf, spec, sizes, allowed, tp_axis=None, tp_size=1):
+  """The one reading of a Muon leaf's sharding ``spec`` (at init, at
+  update, for routing hints): its entries (size-1 axes dropped), checked
+  against the axes ``allowed``; the shape the layout holds it at
+  (zero-padded to a multiple of its devices per sharded dimension: JAX
+  accepts uneven shardings); and its tensor-parallel split of that shape.
+
+  Args:
+    leaf: its ``LeafSpec`` (path, shape; matrix axes where ``tp_axis``).
+    spec: a ``PartitionSpec``.
+    sizes: the mesh's axis sizes.
+    allowed: ``{axis: size}`` of the axes it may be sharded over.
+    tp_axis: the tensor-parallel axis, or None.
+    tp_size: its size.
+
+  Returns:
+    ``(entries, padded_shape, tp_split, tp_dim, local_shape)``, the last
+    one TP shard's slice of the padded shape (see
+    ``_mesh.split_tensor_parallel``).
+  """
+  e = _mesh.normalize_entries(spec, len(leaf.shape), sizes)
+  _mesh.check_entries(e, leaf.shape, allowed, leaf.path, spec, even=False)
+  shape = _mesh.padded_shape(leaf.shape, e, sizes)
+  if tp_axis is None:
+    return e, shape, None, None, shape
+  _, split, dim, local = _mesh.split_tensor_parallel(
+    dataclasses.replace(leaf, shape=shape), e, tp_axis, tp_size
+  )
+  return e, shape, split, dim, local
+
+
+def _update_entries(layout, targets, sizes, update_specs=None):
   """Each target's sharding on the whole mesh: from its type (Explicit
   meshes), else from the layout; unknown ones are treated as replicated
-  (warned once).
+  (warned once). Raises where it does not fit the layout (its padding or
+  tensor-parallel split differ from init's).
 
   Returns:
     ``(entries, in_specs)``: the normalized entries (size-1 axes dropped)
     and the spec to give ``shard_map`` (an Explicit mesh's type as it is).
   """
-  entries, specs, unknown = [], [], []
+  entries, specs, splits, unknown = [], [], [], []
+  allowed = {a: sizes[a] for a in layout.buffer_axes}
+  if layout.tp_axis is not None:
+    allowed[layout.tp_axis] = layout.tp_size
   explicit = _mesh.is_explicit(jax.sharding.get_abstract_mesh()) or (
     _mesh.is_explicit(layout.mesh)
   )
-  for t, x, recorded in zip(layout.leaves, targets, layout.param_entries):
+  lay = layout.groups[0]
+  for t, x, e, leaf in zip(
+    layout.leaves, targets, layout.param_entries, lay.plan.leaves
+  ):
     spec = _mesh.type_spec(x) if explicit else None
-    if spec is not None:
-      e = _mesh.normalize_entries(spec, len(t.shape), sizes)
-      _mesh.check_entries(e, t.shape, allowed, t.path, spec, even=False)
-      if _mesh.padded_shape(t.shape, e, sizes) != t.held_shape:
-        raise ValueError(
-          f'dmuon: param {t.path!r} of shape {t.shape} is sharded as '
-          f'{spec} at update, but the optimizer state holds it at shape '
-          f'{t.held_shape} (padded for the sharding it had at init). Make '
-          'the state again with init() on params sharded as in training.'
-        )
-    else:
-      e = recorded
+    if spec is None:
       if e is None and update_specs:
         e = fitting(t, update_specs[len(entries)], sizes, layout.buffer_axes)
       if e is None:
         e = ((),) * len(t.shape)
         unknown.append(t.path)
       spec = _mesh.entries_spec(e)
+    e, shape, split, _, _ = resolve_entries(
+      dataclasses.replace(leaf, path=t.path, shape=t.shape),
+      spec,
+      sizes,
+      allowed,
+      layout.tp_axis,
+      layout.tp_size,
+    )
+    if shape != t.held_shape:
+      raise ValueError(
+        f'dmuon: param {t.path!r} of shape {t.shape} is sharded as '
+        f'{spec} at update, but the optimizer state holds it at shape '
+        f'{t.held_shape} (padded for the sharding it had at init). Make '
+        'the state again with init() on params sharded as in training.'
+      )
     entries.append(e)
     specs.append(spec)
+    splits.append(split)
   if unknown:
     shown = unknown[:3] + (['...'] if len(unknown) > 3 else [])
     warn_once(
@@ -220,6 +263,15 @@ def _update_entries(layout, targets, sizes, allowed, update_specs=None):
         momentum=_unknown_momentum(layout),
       ),
     )
+  for t, e, got, split in zip(layout.leaves, entries, splits, lay.tp_splits):
+    if got != split:
+      raise ValueError(
+        f'dmuon: param {t.path!r} is sharded as {_mesh.entries_spec(e)} '
+        'at update, but the optimizer state was laid out for '
+        f'{"no tensor-parallel split" if split is None else "a split"} '
+        f'over {layout.tp_axis!r}. Make the state again with init() '
+        'on params sharded as in training.'
+      )
   return entries, specs
 
 
@@ -228,12 +280,13 @@ def fitting(t, spec, sizes, owner_axes):
   them (owner axes only, even, no padding or TP split); else None."""
   if spec is None or t.padded is not None or t.tp_dim is not None:
     return None
-  e = _mesh.normalize_entries(spec, len(t.shape), sizes)
-  if any(a not in owner_axes for d in e for a in d):
+  try:
+    e, shape, *_ = resolve_entries(
+      t, spec, sizes, {a: sizes[a] for a in owner_axes}
+    )
+  except ValueError:  # sharded over other axes
     return None
-  if _mesh.padded_shape(t.shape, e, sizes) != tuple(t.shape):
-    return None
-  return e
+  return e if shape == tuple(t.shape) else None
 
 
 def _unknown_momentum(layout) -> str:
@@ -319,35 +372,6 @@ def _reported(layout, b: int, shape, sizes, sharding) -> None:
   _warn_if_forced(layout, b, shape, sharding, sizes)
 
 
-def _owner_entries(layout, entries):
-  """Each target's entries on the owner axes: ``entries`` with a
-  tensor-parallel split taken off; raises where the split differs from the
-  layout's."""
-  lay = layout.groups[0]
-  owner_entries = []
-  for t, e, spec, split in zip(
-    layout.leaves, entries, lay.plan.leaves, lay.tp_splits
-  ):
-    if layout.tp_axis is not None:
-      e2, got, _, _ = _mesh.split_tensor_parallel(
-        dataclasses.replace(spec, shape=t.held_shape),
-        e,
-        layout.tp_axis,
-        layout.tp_size,
-      )
-      if got != split:
-        raise ValueError(
-          f'dmuon: param {t.path!r} is sharded as {_mesh.entries_spec(e)} '
-          'at update, but the optimizer state was laid out for '
-          f'{"no tensor-parallel split" if split is None else "a split"} '
-          f'over {layout.tp_axis!r}. Make the state again with init() '
-          'on params sharded as in training.'
-        )
-      e = e2
-    owner_entries.append(e)
-  return owner_entries
-
-
 def drop_in_step(setup, hp, layout, targets, mus, count_inc, specs=None):
   """Gradients already reduced, in the params' sharding (plain jit).
 
@@ -370,10 +394,7 @@ def drop_in_step(setup, hp, layout, targets, mus, count_inc, specs=None):
       'opt.init(params)).'
     )
   _check_buffer_shardings(layout, mus, mesh)
-  allowed = {a: sizes[a] for a in layout.buffer_axes}
-  if layout.tp_axis is not None:
-    allowed[layout.tp_axis] = layout.tp_size
-  entries, in_specs = _update_entries(layout, targets, sizes, allowed, specs)
+  entries, in_specs = _update_entries(layout, targets, sizes, specs)
   # Per-leaf momentum enters as its gradient does.
   buffer_specs = list(in_specs if layout.per_leaf else layout.buffer_specs())
   given = None
@@ -388,7 +409,7 @@ def drop_in_step(setup, hp, layout, targets, mus, count_inc, specs=None):
       for x, g, spec in zip(mus, given, buffer_specs)
     ]
   lay = layout.groups[0]
-  owner_entries = _owner_entries(layout, entries)
+  owner_entries = layout.owner_entries(entries)
   ex = _exchange.Exchange(lay, owner_entries)
   if ex.gathered:
     warn_once(
@@ -409,7 +430,7 @@ def drop_in_step(setup, hp, layout, targets, mus, count_inc, specs=None):
   def body(targets, mus, count_inc, dyn):
     out, mu = _drop_in_body(
       setup.cfg,
-      _owner_update.with_dynamic(hp, dyn),
+      hp._replace(**dyn),
       layout,
       ex,
       owner_entries,

@@ -22,7 +22,6 @@ from dmuon_jax import (
   _owner_layout,
   _owner_update,
   _routing,
-  _states,
   _steps,
 )
 
@@ -84,7 +83,7 @@ class ScaleByDMuonState(NamedTuple):
   mu: _owner_layout.OwnerBuffers
   # Which layout wrote mu, as data (restored with the layout-independent
   # leaves, checked against mu's layout whenever the tree is rebuilt).
-  stamp: _states.LayoutStamp
+  stamp: _owner_update.LayoutStamp
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -210,35 +209,22 @@ def _leaf_entries(flat, targets, given, info):
   allowed = _allowed_axes(info)
   tp_axis = info.tp_axis if info is not None else None
   tp_size = info.tp_size if info is not None else 1
-  entries, splits, dims, local, padded = [], [], [], [], []
+  out = []
   for (path, _, spec), leaf in zip(flat, targets):
-    if path in given:
-      spec = given[path]
+    spec = given.get(path, spec)
     if info is None or info.num_slots * tp_size == 1:
       spec = P()
     if spec is None:
-      entries.append(None)
-      splits.append(None)
-      dims.append(None)
-      local.append(tuple(leaf.shape))
-      padded.append(None)
+      out.append((None, None, None, tuple(leaf.shape), None))
       continue
-    e = _mesh.normalize_entries(spec, len(leaf.shape), sizes)
-    _mesh.check_entries(e, leaf.shape, allowed, path, spec, even=False)
+    e, shape, split, dim, held = _steps.resolve_entries(
+      leaf, spec, sizes, allowed, tp_axis, tp_size
+    )
     # Uneven sharding (JAX accepts it): the layout holds the leaf
     # zero-padded to a multiple of its devices per sharded dimension.
-    shape = _mesh.padded_shape(leaf.shape, e, sizes)
-    padded.append(None if shape == tuple(leaf.shape) else shape)
-    split = dim = None
-    if tp_axis is not None:
-      _, split, dim, shape = _mesh.split_tensor_parallel(
-        dataclasses.replace(leaf, shape=shape), e, tp_axis, tp_size
-      )
-    entries.append(e)
-    splits.append(split)
-    dims.append(dim)
-    local.append(shape)
-  return entries, splits, dims, local, padded
+    padded = None if shape == tuple(leaf.shape) else shape
+    out.append((e, split, dim, held, padded))
+  return tuple(zip(*out)) or ((),) * 5
 
 
 def _zero_buffers(params, layout, mesh) -> list[Any]:
@@ -393,7 +379,7 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
   return ScaleByDMuonState(
     count=count,
     mu=_owner_layout.OwnerBuffers(buffers, layout),
-    stamp=_states.make_stamp(layout, replicate),
+    stamp=_owner_update.make_stamp(layout, replicate),
   )
 
 
@@ -458,33 +444,29 @@ def _update(
   leaves, treedef = jax.tree.flatten(updates)
   targets = check_state_tree(layout, updates)
   count_inc = optax.safe_increment(state.count)
-  cfg = setup.cfg
-  manual = _collectives.manual_axes()
   mus = state.mu.buffers
+  lay = layout.groups[0]
+  # The one dispatch of the drop-in transformation: one owner slot (no
+  # routes), inside the caller's shard_map over the owner axes (explicit),
+  # or global arrays under plain jit (drop-in; per-leaf momentum there).
   if not layout.distributed:
-    _steps.check_buffers(layout, state.mu, local=False)
-    lay = layout.groups[0]
-    grads = lay.pack_full(targets)
+    _steps.check_buffers(layout, mus, local=False)
     ortho, mu = _owner_update.owner_step(
-      cfg, hp, layout, grads, state.mu.buffers, count_inc
+      setup.cfg, hp, layout, lay.pack_full(targets), mus, count_inc
     )
     new = lay.unpack_full(ortho)
-  elif set(layout.buffer_axes) & manual:
-    new, mu = _steps.explicit_step(cfg, hp, layout, targets, mus, count_inc)
+  elif set(layout.buffer_axes) & _collectives.manual_axes():
+    new, mu = _steps.explicit_step(
+      setup.cfg, hp, layout, targets, mus, count_inc
+    )
   else:
+    specs = _update_specs(layout, updates)
     new, mu = _steps.drop_in_step(
-      setup,
-      hp,
-      layout,
-      targets,
-      mus,
-      count_inc,
-      specs=_update_specs(layout, updates),
+      setup, hp, layout, targets, mus, count_inc, specs
     )
   # optax.contrib.muon's dtype: its momentum (mu_dtype, else the params'
   # dtype) promoted with the gradient's, e.g. float32 updates for float32
   # params and bfloat16 gradients.
-  lay = layout.groups[0]
   new = [
     x.astype(jnp.result_type(jnp.dtype(d), t.dtype))
     for x, t, d in zip(new, targets, lay.leaf_dtypes)
@@ -493,7 +475,7 @@ def _update(
   if setup.nonfinite == 'skip':
     ok = _owner_update.all_finite(targets, new, mu)
     new = _owner_update.zeros_unless(ok, new)
-    mu = _owner_update.select_tree(ok, mu, tuple(state.mu.buffers))
+    mu = _owner_update.select_tree(ok, mu, tuple(mus))
     count_inc = jnp.where(ok, count_inc, state.count)
   out = list(leaves)
   for t, x in zip(layout.leaves, new):
@@ -715,71 +697,39 @@ def scale_by_dmuon(
     >>> updates['w'].shape
     (4, 8)
   """
-  return make_scale_by_dmuon(
-    ns_coeffs=ns_coeffs,
-    ns_steps=ns_steps,
-    beta=beta,
-    eps=eps,
-    mu_dtype=mu_dtype,
-    nesterov=nesterov,
-    adaptive=adaptive,
-    preconditioning=preconditioning,
-    weight_dimension_numbers=weight_dimension_numbers,
-    momentum=momentum,
-    mesh=mesh,
-    axis_names=axis_names,
-    ns_algorithm=ns_algorithm,
-    compute_dtype=compute_dtype,
-    tensor_parallel_axis=tensor_parallel_axis,
-    nonfinite=nonfinite,
-    param_specs=param_specs,
-    shape_scaling=False,
-    consistent_rms=None,
-    owner_groups=owner_groups,
-  )
+  return make_scale_by_dmuon(**locals())
 
 
 def make_scale_by_dmuon(
   *,
-  ns_coeffs,
-  ns_steps,
   beta,
   eps,
-  mu_dtype,
-  nesterov,
-  adaptive,
   preconditioning,
-  weight_dimension_numbers,
-  momentum,
+  ns_algorithm,
   mesh,
   axis_names,
-  ns_algorithm,
-  compute_dtype,
   tensor_parallel_axis,
-  nonfinite,
+  weight_dimension_numbers,
   param_specs,
-  shape_scaling,
-  consistent_rms,
+  nonfinite,
   owner_groups='auto',
+  shape_scaling=False,
+  consistent_rms=None,
+  **config,
 ) -> optax.GradientTransformation:
-  """:func:`scale_by_dmuon`, optionally with the shape factor on the owner
-  (what :func:`dmuon_jax.dmuon` uses)."""
+  """:func:`scale_by_dmuon` (its arguments), optionally with the shape
+  factor on the owner (what :func:`dmuon_jax.dmuon` uses). ``config``: the
+  options only :func:`_owner_update.make_config` reads."""
   hp = _owner_update.make_hyperparams(
     beta=beta, eps=eps, consistent_rms=consistent_rms
   )
   cfg = _owner_update.make_config(
-    ns_coeffs=ns_coeffs,
-    ns_steps=ns_steps,
-    momentum=momentum,
-    nesterov=nesterov,
-    adaptive=adaptive,
     preconditioning=preconditioning,
     ns_algorithm=ns_algorithm,
-    compute_dtype=compute_dtype,
     shape_scaling=shape_scaling,
     consistent_rms=consistent_rms is not None,
-    mu_dtype=mu_dtype,
     nonfinite=nonfinite,
+    **config,
   )
   mesh = _mesh_argument(mesh)
   check_tp_preconditioning(
@@ -873,4 +823,4 @@ def owner_layouts(opt_state: Any) -> list[_owner_layout.OwnerLayout]:
     [1]
   """
   is_buffers = lambda x: isinstance(x, _owner_layout.OwnerBuffers)
-  return [x.layout for _, x in _states.find(opt_state, is_buffers)]
+  return [x.layout for _, x in _owner_update.find(opt_state, is_buffers)]

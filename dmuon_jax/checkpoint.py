@@ -52,7 +52,7 @@ import jax
 import numpy as np
 import optax
 
-from dmuon_jax import _checkpoint, _dedication, _states
+from dmuon_jax import _checkpoint, _dedication, _owner_update
 
 _NO_DEVICES_MSG = (
   'dmuon_jax checkpoint: the abstract optimizer state of layout {name} '
@@ -207,7 +207,7 @@ class PortableDMuonState(NamedTuple):
 
 def _is_state(x) -> bool:
   """A dmuon state (of any layout) or its portable form."""
-  return _states.is_dmuon_state(x) or isinstance(x, PortableDMuonState)
+  return _owner_update.is_dmuon_state(x) or isinstance(x, PortableDMuonState)
 
 
 def _to_portable(x, abstract=False, placed=True) -> PortableDMuonState:
@@ -267,7 +267,7 @@ def state_to_portable(opt_state: Any) -> Any:
     {'layers_0': {'w': (4, 8)}}
   """
   return jax.tree.map(
-    lambda x: _to_portable(x) if _states.is_dmuon_state(x) else x,
+    lambda x: _to_portable(x) if _owner_update.is_dmuon_state(x) else x,
     opt_state,
     is_leaf=_is_state,
   )
@@ -305,9 +305,9 @@ def _from_portable(portable: PortableDMuonState, target) -> Any:
     'count': _checkpoint.cast_like(portable.count, target.count),
     'mu': mu,
   }
-  if isinstance(getattr(target, 'stamp', None), _states.LayoutStamp):
-    marker, value = _states.stamp_value(layout)
-    fields['stamp'] = _states.LayoutStamp(
+  if isinstance(getattr(target, 'stamp', None), _owner_update.LayoutStamp):
+    marker, value = _owner_update.stamp_value(layout)
+    fields['stamp'] = _owner_update.LayoutStamp(
       _checkpoint.cast_like(marker, target.stamp.marker),
       _checkpoint.cast_like(value, target.stamp.value),
       layout.name,
@@ -383,11 +383,11 @@ def _portable_abstract(target_state: Any, placed: bool = True) -> Any:
   return jax.tree.map(
     lambda x: (
       _to_portable(x, abstract=True, placed=placed)
-      if _states.is_dmuon_state(x)
+      if _owner_update.is_dmuon_state(x)
       else _checkpoint.abstract_leaf(x)
     ),
     target_state,
-    is_leaf=_states.is_dmuon_state,
+    is_leaf=_owner_update.is_dmuon_state,
   )
 
 

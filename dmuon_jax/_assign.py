@@ -35,7 +35,7 @@ import numpy as np
 
 from dmuon_jax._checks import (
   FLOPS_PER_BYTE,
-  NS_ALGORITHMS,
+  check_ns_algorithm,
   check_option,
   gram_parts,
   ns_cost,
@@ -802,10 +802,7 @@ def plan_ownership(
       f'dmuon: {ns_steps=} must be a positive int (the Newton-Schulz'
       ' iterations the cost model counts); pass e.g. 5, as the optimizer.'
     )
-  if ns_algorithm not in NS_ALGORITHMS:
-    raise ValueError(
-      f'dmuon: ns_algorithm={ns_algorithm!r} is not one of {NS_ALGORITHMS}.'
-    )
+  check_ns_algorithm(ns_algorithm)
   names, sizes = mesh_axes(mesh, axis_names)
   check_devices(params, mesh)
   routing = route(

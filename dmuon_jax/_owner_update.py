@@ -35,7 +35,6 @@ from dmuon_jax import (
 )
 
 MOMENTUM_RULES = ('optax', 'sgd')
-NS_ALGORITHMS = ('auto', 'standard', 'gram')
 PRECONDITIONINGS = ('frobenius', 'spectral', 'aol', 'schatten')
 COMPUTE_DTYPES = ('float32', 'bfloat16', 'float16', 'float64')
 NONFINITE = ('skip', 'propagate')
@@ -153,10 +152,7 @@ def make_config(
       "'optax' is optax.contrib.muon's bias-corrected EMA, 'sgd' is the "
       'DMuon/Moonlight rule buf = beta * buf + g.'
     )
-  if ns_algorithm not in NS_ALGORITHMS:
-    raise ValueError(
-      f'dmuon: ns_algorithm={ns_algorithm!r} is not one of {NS_ALGORITHMS}.'
-    )
+  _checks.check_ns_algorithm(ns_algorithm)
   if preconditioning not in PRECONDITIONINGS:
     raise ValueError(
       f'dmuon: preconditioning={preconditioning!r} is not one of '

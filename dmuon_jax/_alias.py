@@ -53,12 +53,12 @@ def muon_labels(
     >>> dmuon_jax.muon_labels(params, predicate='optax')  # optax's rule
     {'embed': 'muon', 'norm': 'adam', 'w': 'muon'}
   """
-  specs = _routing.muon_target_specs(
+  specs = _routing.route(
     params,
     predicate=predicate,
     weight_dimension_numbers=muon_weight_dimension_numbers,
     dims_arg=_DIMS_ARG,
-  )
+  ).specs
   treedef = jax.tree.structure(params)
   return jax.tree.unflatten(
     treedef, ['adam' if s is None else 'muon' for s in specs]

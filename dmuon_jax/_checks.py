@@ -71,26 +71,6 @@ def route_bytes(
   }
 
 
-def ns_flops(m: int, n: int, ns_steps: int = 5) -> float:
-  """Predicted FLOPs of Newton–Schulz on an ``m x n`` matrix.
-
-  With ``s = min(m, n)`` and ``l = max(m, n)``, each quintic iteration forms
-  ``A = X Xᵀ`` (``2 s² l``), ``A·A`` (``2 s³``) and ``B·X`` (``2 s² l``), so
-  the total is ``ns_steps * (4 s² l + 2 s³)`` (about ``20 s² l + 10 s³`` for
-  5 steps, see ../shared/DESIGN.md, "Performance model").
-
-  Args:
-    m: number of rows.
-    n: number of columns.
-    ns_steps: number of Newton–Schulz iterations.
-
-  Returns:
-    The FLOP count, as a float.
-  """
-  s, l = min(m, n), max(m, n)
-  return float(ns_steps) * (4.0 * s * s * l + 2.0 * s**3)
-
-
 NS_ALGORITHMS = ('auto', 'standard', 'gram')
 
 
@@ -107,7 +87,7 @@ def ns_cost(
 ) -> float:
   """Predicted matmul FLOPs of the Newton–Schulz form that will run.
 
-  ``'standard'`` is :func:`ns_flops`; ``'gram'`` the Gram form with its
+  ``'standard'`` is the direct form; ``'gram'`` the Gram form with its
   default restarts; ``'auto'`` the cheaper of the two for this shape (what
   :func:`dmuon_jax.dmuon` runs by default: Gram for aspect ratios above about
   1.5 with 5 iterations).
@@ -676,11 +656,11 @@ def find_hook_boundaries(
     ...     vit, boundary_predicate=lambda path, sub: 'attn' in sub).names
     ('enc_a', 'enc_b')
   """
-  specs = _routing.muon_target_specs(
+  specs = _routing.route(
     params,
     predicate=predicate,
     weight_dimension_numbers=weight_dimension_numbers,
-  )
+  ).specs
   flat = jax.tree.flatten_with_path(params)[0]
   names: list[str] = []
   scanned: list[bool] = []

@@ -42,11 +42,11 @@ def _tp_local(params, info, predicate, weight_dimension_numbers):
     per split target's leaf index its matrix split axis (-1 or -2).
   """
   leaves, treedef = jax.tree.flatten(params)
-  specs = _routing.muon_target_specs(
+  specs = _routing.route(
     params,
     predicate=predicate,
     weight_dimension_numbers=weight_dimension_numbers,
-  )
+  ).specs
   dims = [None] * len(leaves)
   by_leaf = {}
   whole = []

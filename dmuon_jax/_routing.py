@@ -589,13 +589,34 @@ def _is_target(
   return default_muon_predicate(path, leaf)
 
 
-def muon_target_specs(
+def plural(n: int, one: str, many: str) -> str:
+  return f'{n} {one if n == 1 else many}'
+
+
+def _human_count(n: int) -> str:
+  for unit, size in (('B', 1e9), ('M', 1e6), ('K', 1e3)):
+    if n >= size:
+      return f'{n / size:.3g}{unit}'
+  return str(n)
+
+
+class Routing(NamedTuple):
+  """Where each leaf goes: see :func:`route`."""
+
+  specs: list[LeafSpec | None]
+  summary: str
+  num_muon: int
+  # Whether default_muon_predicate chose (no predicate, no dimension numbers).
+  default_rule: bool
+
+
+def route(
   params: Any,
   *,
   predicate: Predicate | str | None = None,
   weight_dimension_numbers: WeightDimNums = None,
   dims_arg: str = 'weight_dimension_numbers',
-) -> list[LeafSpec | None]:
+) -> Routing:
   """Routes every leaf to Muon (a :class:`LeafSpec`) or not (None).
 
   The rule, shared by the planner and the optimizer:
@@ -626,7 +647,10 @@ def muon_target_specs(
       for messages.
 
   Returns:
-    One entry per leaf of ``jax.tree.leaves(params)``.
+    A :class:`Routing`: ``specs``, one entry per leaf of
+    ``jax.tree.leaves(params)``; ``summary``, one line counting the leaves
+    and elements that go to Muon and to AdamW, naming the leaves that
+    ``optax.contrib.muon`` with the same dimension numbers routes otherwise.
 
   Raises:
     ValueError: if a target is not a floating-point matrix of rank >= 2, has
@@ -634,48 +658,6 @@ def muon_target_specs(
       invalid for its shape.
     TypeError: if a leaf is not an array (e.g. an unfiltered Equinox
       model's activation function).
-  """
-  return route(
-    params,
-    predicate=predicate,
-    weight_dimension_numbers=weight_dimension_numbers,
-    dims_arg=dims_arg,
-  ).specs
-
-
-def plural(n: int, one: str, many: str) -> str:
-  return f'{n} {one if n == 1 else many}'
-
-
-def _human_count(n: int) -> str:
-  for unit, size in (('B', 1e9), ('M', 1e6), ('K', 1e3)):
-    if n >= size:
-      return f'{n / size:.3g}{unit}'
-  return str(n)
-
-
-class Routing(NamedTuple):
-  """Where each leaf goes: see :func:`route`."""
-
-  specs: list[LeafSpec | None]
-  summary: str
-  num_muon: int
-  # Whether default_muon_predicate chose (no predicate, no dimension numbers).
-  default_rule: bool
-
-
-def route(
-  params: Any,
-  *,
-  predicate: Predicate | str | None = None,
-  weight_dimension_numbers: WeightDimNums = None,
-  dims_arg: str = 'weight_dimension_numbers',
-) -> Routing:
-  """Routes the leaves (see :func:`muon_target_specs`) and summarizes it.
-
-  The summary is one line counting the leaves and elements that go to Muon
-  and to AdamW, naming the leaves that ``optax.contrib.muon`` with the same
-  dimension numbers routes otherwise.
   """
   check_predicate(predicate)
   with_path, _ = jax.tree_util.tree_flatten_with_path(params)

@@ -270,11 +270,11 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
   flat = _flat_params(params)
   mesh = _find_mesh(setup, flat)
   _mesh.check_devices(params, mesh)
-  targets = _routing.muon_target_specs(
+  targets = _routing.route(
     params,
     predicate=lambda path, leaf: True,
     weight_dimension_numbers=setup.weight_dimension_numbers,
-  )
+  ).specs
   given = setup.param_specs or {}
   # The state's structure (plan, padding, TP splits) is read from the
   # specs that do not depend on the logical axis rules in effect, so that
@@ -788,11 +788,11 @@ def scale_by_shape(
 
   def update_fn(updates, state, params=None):
     del params
-    specs = _routing.muon_target_specs(
+    specs = _routing.route(
       updates,
       predicate=lambda path, leaf: True,
       weight_dimension_numbers=weight_dimension_numbers,
-    )
+    ).specs
     leaves, treedef = jax.tree.flatten(updates)
     out = []
     for x, spec in zip(leaves, specs, strict=True):

@@ -9,7 +9,7 @@ import optax
 from absl.testing import absltest, parameterized
 from optax.contrib import MuonDimensionNumbers as MDN
 
-from dmuon_jax import _assign, _checks, _routing
+from dmuon_jax import _assign, _newton_schulz, _routing
 
 S = jax.ShapeDtypeStruct
 F32 = jnp.float32
@@ -183,7 +183,7 @@ class DefaultPredicateTest(parameterized.TestCase):
     )
 
   def test_llama_targets(self):
-    specs = _routing.muon_target_specs(_llama(num_layers=2))
+    specs = _routing.route(_llama(num_layers=2)).specs
     paths = [s.path for s in specs if s is not None]
     self.assertLen(paths, 14)
     self.assertTrue(all(p.startswith('layers/') for p in paths))
@@ -374,7 +374,7 @@ class PlanTest(parameterized.TestCase):
 
   def test_python_scalars_and_numpy_leaves(self):
     tree = {'step': 3, 'temp': 0.5, 'w': np.zeros((4, 6), np.float32)}
-    specs = _routing.muon_target_specs(tree)
+    specs = _routing.route(tree).specs
     self.assertEqual([s is not None for s in specs], [False, False, True])
     self.assertEqual(specs[2].dtype, 'float32')
     # A Python float is a 0-D leaf: selecting it names it and the fix.
@@ -384,7 +384,7 @@ class PlanTest(parameterized.TestCase):
       r'selected as a Muon target.*Route it to AdamW: make the predicate '
       r'return False for it',
     ):
-      _routing.muon_target_specs(tree, predicate=lambda p, x: p == 'temp')
+      _routing.route(tree, predicate=lambda p, x: p == 'temp')
 
   def test_zero_cost_units(self):
     tree = {'a': S((4, 4), F32), 'b': S((8, 8), F32)}
@@ -408,13 +408,24 @@ class CostModelTest(parameterized.TestCase):
     ('odd', 3, 7),
   )
   def test_ns_flops(self, m, n):
-    self.assertEqual(_checks.ns_flops(m, n), _flops(m, n))
-    self.assertEqual(_checks.ns_flops(m, n, 3), _flops(m, n, 3))
+    # The direct form of the cost model (ns_cost with algorithm standard).
+    self.assertEqual(
+      _newton_schulz.matmul_flops(m, n, 5, 'standard'), _flops(m, n)
+    )
+    self.assertEqual(
+      _newton_schulz.matmul_flops(m, n, 3, 'standard'), _flops(m, n, 3)
+    )
 
   def test_known_numbers(self):
-    self.assertEqual(_checks.ns_flops(512, 512), 30 * 512**3)
-    self.assertEqual(_checks.ns_flops(512, 1536), 70 * 512**3)
-    self.assertEqual(_checks.ns_flops(2, 3), 5 * (4 * 4 * 3 + 2 * 8))
+    self.assertEqual(
+      _newton_schulz.matmul_flops(512, 512, 5, 'standard'), 30 * 512**3
+    )
+    self.assertEqual(
+      _newton_schulz.matmul_flops(512, 1536, 5, 'standard'), 70 * 512**3
+    )
+    self.assertEqual(
+      _newton_schulz.matmul_flops(2, 3, 5, 'standard'), 5 * (4 * 4 * 3 + 2 * 8)
+    )
 
   def test_plan_costs(self):
     tree = {'a': S((64, 256), F32), 'b': S((3, 32, 16), F32)}

@@ -20,20 +20,21 @@ from dmuon_jax._newton_schulz import is_int
 from dmuon_jax._routing import normalize_path
 
 
+def _scaled(n: float, base: int, units: Sequence[str]) -> str:
+  """``n`` in the largest of ``units`` (each ``base`` times the one
+  before) it reaches: ``'512 B'``, ``'1.50 KiB'``."""
+  i = 0
+  while not abs(n) < base and i < len(units) - 1:
+    n, i = n / base, i + 1
+  return f'{n:.2f} {units[i]}' if i else f'{n:.0f} {units[0]}'
+
+
 def human_bytes(n: float) -> str:
-  for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
-    if abs(n) < 1024 or unit == 'TiB':
-      return f'{n:.0f} {unit}' if unit == 'B' else f'{n:.2f} {unit}'
-    n /= 1024
-  raise AssertionError('unreachable')
+  return _scaled(n, 1024, ('B', 'KiB', 'MiB', 'GiB', 'TiB'))
 
 
 def human_flops(n: float) -> str:
-  for prefix in ('', 'k', 'M', 'G', 'T', 'P'):
-    if abs(n) < 1000 or prefix == 'P':
-      return f'{n:.0f} FLOP' if not prefix else f'{n:.2f} {prefix}FLOP'
-    n /= 1000
-  raise AssertionError('unreachable')
+  return _scaled(n, 1000, ('FLOP', 'kFLOP', 'MFLOP', 'GFLOP', 'TFLOP', 'PFLOP'))
 
 
 def ring_bytes(kind: str, group_size: int, full_bytes: float) -> float:
@@ -581,20 +582,10 @@ def _custom_boundary(params, keys, boundary_predicate) -> str | None:
   The root counts too (its path is ``''``): the whole model as one boundary.
   """
   for end in range(len(keys) - 1, -1, -1):
-    prefix = keys[:end]
-    if boundary_predicate(
-      _routing.normalize_path(prefix), subtree(params, prefix)
-    ):
-      return _routing.normalize_path(prefix)
+    path = normalize_path(keys[:end])
+    if boundary_predicate(path, subtree(params, keys[:end])):
+      return path
   return None
-
-
-def _default_boundary(path: str, stacked: bool) -> tuple[str | None, bool]:
-  """A block prefix (``layers/3``, ``layers_3``), else a scanned stack."""
-  block, base = _routing.layer_base(path)
-  if block:
-    return base, False
-  return (base, True) if stacked else (None, False)
 
 
 def find_hook_boundaries(
@@ -670,8 +661,10 @@ def find_hook_boundaries(
       continue
     if boundary_predicate is not None:
       name, is_scan = _custom_boundary(params, keys, boundary_predicate), False
-    else:
-      name, is_scan = _default_boundary(spec.path, bool(spec.batch_axes))
+    else:  # A block prefix (layers/3, layers_3), else a scanned stack.
+      block, name = _routing.layer_base(spec.path)
+      is_scan = not block and bool(spec.batch_axes)
+      name = name if block or is_scan else None
     if name is None:
       missing.append(spec.path)
       if strict:

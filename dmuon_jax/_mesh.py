@@ -200,11 +200,9 @@ def without_axes(x: Any, axes: Sequence[str]) -> Any:
   it is.
   """
   if is_variable(x):
-    names = x.get_metadata().get('out_sharding')
-    spec = _variable_spec(x) if names else None
+    names, spec = x.get_metadata().get('out_sharding'), _variable_spec(x)
   elif is_box(x):
-    names = getattr(x, 'names', None)
-    spec = _box_spec(x) if names is not None else None
+    names, spec = getattr(x, 'names', None), _box_spec(x)
   else:
     return x
   if spec is None:
@@ -225,12 +223,21 @@ def array_mesh(x: Any) -> Any:
   """The mesh a (possibly abstract or traced) array is placed on, or None."""
   x = unbox(x)
   if isinstance(x, jax.core.Tracer):
-    sharding = jax.typeof(x).sharding
+    sharding = _type_sharding(x)
   else:
-    sharding = getattr(x, 'sharding', None)
-  if isinstance(sharding, NamedSharding) and not sharding.mesh.empty:
-    return sharding.mesh
-  return None
+    sharding = _on_mesh(getattr(x, 'sharding', None))
+  return None if sharding is None else sharding.mesh
+
+
+def _on_mesh(sharding: Any) -> NamedSharding | None:
+  """``sharding`` if it is a ``NamedSharding`` on a non-empty mesh."""
+  ok = isinstance(sharding, NamedSharding) and not sharding.mesh.empty
+  return sharding if ok else None
+
+
+def _type_sharding(x: Any) -> NamedSharding | None:
+  """The ``NamedSharding`` in ``x``'s type, if on a non-empty mesh."""
+  return _on_mesh(getattr(jax.typeof(x), 'sharding', None))
 
 
 def _variable_spec(x: Any) -> P | None:
@@ -343,9 +350,9 @@ def leaf_spec(x: Any) -> P | None:
     spec = _box_spec(x)
     return leaf_spec(unbox(x)) if spec is None else spec
   if isinstance(x, jax.core.Tracer):
-    sharding = getattr(jax.typeof(x), 'sharding', None)
-    ok = isinstance(sharding, NamedSharding) and not sharding.mesh.empty
-    return sharding.spec if ok and is_explicit(sharding.mesh) else None
+    sharding = _type_sharding(x)
+    ok = sharding is not None and is_explicit(sharding.mesh)
+    return sharding.spec if ok else None
   sharding = getattr(x, 'sharding', None)
   if isinstance(sharding, NamedSharding):
     return sharding.spec
@@ -357,10 +364,8 @@ def leaf_spec(x: Any) -> P | None:
 def type_spec(x: Any) -> P:
   """The spec in a traced value's type on a mesh with Explicit axes (an
   array not placed on the mesh is replicated there: ``P()``)."""
-  sharding = getattr(jax.typeof(x), 'sharding', None)
-  if isinstance(sharding, NamedSharding) and not sharding.mesh.empty:
-    return sharding.spec
-  return P()
+  sharding = _type_sharding(x)
+  return P() if sharding is None else sharding.spec
 
 
 def is_explicit(mesh: Any) -> bool:
@@ -552,13 +557,8 @@ class MeshInfo:
     return dict(zip(self.axis_names, self.axis_sizes))
 
   @property
-  def owner_sizes(self) -> tuple[int, ...]:
-    sizes = self.sizes
-    return tuple(sizes[a] for a in self.owner_axes)
-
-  @property
   def num_slots(self) -> int:
-    return math.prod(self.owner_sizes)
+    return math.prod(self.sizes[a] for a in self.owner_axes)
 
   @property
   def tp_size(self) -> int:
@@ -569,10 +569,6 @@ class MeshInfo:
     """The mesh's ``AbstractMesh`` (hashable; what a layout records)."""
     mesh = self.mesh
     return getattr(mesh, 'abstract_mesh', mesh)
-
-  @property
-  def explicit(self) -> bool:
-    return is_explicit(self.mesh)
 
 
 # tensor_parallel_axis='auto': mesh axes with these names are tensor

@@ -258,18 +258,18 @@ def _align_dims(
 
   ``arg`` is the argument's name as the user spelled it, for messages.
   """
-  if _is_dims_leaf(dims):
-    out.extend([dims] * len(jax.tree.leaves(tree)))
-    return
   num_leaves = len(jax.tree.leaves(tree))
+  if _is_dims_leaf(dims):
+    out.extend([dims] * num_leaves)
+    return
   if num_leaves == 0:
     # None, MaskedNode() or an empty container (e.g. a subtree masked out by
     # optax.partition): no leaf to route, whatever the dims tree says here.
     return
+  at = normalize_path(path) or '<root>'
   if isinstance(dims, optax.MaskedNode):
     raise ValueError(
-      f'dmuon: {arg} has MaskedNode() at'
-      f' {normalize_path(path) or "<root>"!r} where params has'
+      f'dmuon: {arg} has MaskedNode() at {at!r} where params has'
       f' {num_leaves} leaves. {_HINT_DIMS_TREE}'
     )
   dims_children, dims_def, _ = _one_level(dims)
@@ -277,15 +277,12 @@ def _align_dims(
   if dims_def.num_nodes == 1 and dims_def.num_leaves == 1:
     # A leaf that is neither None nor MuonDimensionNumbers.
     raise ValueError(
-      f'dmuon: {arg} has'
-      f' {type(dims).__name__} {dims!r} at'
-      f' {normalize_path(path) or "<root>"!r}; expected'
+      f'dmuon: {arg} has {type(dims).__name__} {dims!r} at {at!r}; expected'
       f' optax.contrib.MuonDimensionNumbers or None. {_HINT_DIMS_TREE}'
     )
   if dims_def != tree_def:
     raise ValueError(
-      f'dmuon: {arg} does not match the structure of'
-      f' params at {normalize_path(path) or "<root>"!r}: got'
+      f'dmuon: {arg} does not match the structure of params at {at!r}: got'
       f' {dims_def}, params have {tree_def}. {_HINT_DIMS_TREE}'
     )
   for key, d, t in zip(keys, dims_children, tree_children):

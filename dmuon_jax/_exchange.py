@@ -165,17 +165,15 @@ class Exchange:
               self.classes.append(key)
               self.fwd_units[key] = [[] for _ in range(n)]
             self.fwd_units[key][s].append(u)
-    self.fwd_off = {}
-    self.fwd_size = {}
-    for key, per_slot in self.fwd_units.items():
-      used = []
-      for units in per_slot:
-        off = 0
-        for u in units:
-          self.fwd_off[u] = off
-          off += self.routed[layout.unit_leaf[u]].piece_size
-        used.append(off)
-      self.fwd_size[key] = max(used)
+    self.fwd_off: dict[int, int] = {}
+    self.fwd_size = {
+      key: _offsets(
+        per_slot,
+        lambda u: self.routed[layout.unit_leaf[u]].piece_size,
+        self.fwd_off,
+      )
+      for key, per_slot in self.fwd_units.items()
+    }
     # Replicated (and gathered) leaves: per dtype group, per owner its
     # units, packed compactly for one all_gather.
     self.rep_units = [
@@ -189,17 +187,11 @@ class Exchange:
       ]
       for g in groups
     ]
-    self.rep_off = {}
-    self.rep_size = []
-    for g in groups:
-      used = []
-      for per_slot in self.rep_units[g]:
-        off = 0
-        for u in per_slot:
-          self.rep_off[u] = off
-          off += layout.unit_size[u]
-        used.append(off)
-      self.rep_size.append(max(used) if used else 0)
+    self.rep_off: dict[int, int] = {}
+    self.rep_size = [
+      _offsets(self.rep_units[g], layout.unit_size.__getitem__, self.rep_off)
+      for g in groups
+    ]
     self._build_tables()
 
   # -- slot tables ----------------------------------------------------------
@@ -300,15 +292,6 @@ class Exchange:
     )
 
   # -- static helpers ------------------------------------------------------
-
-  def _slot(self, coords: dict[str, int]) -> int:
-    if not self.axes:
-      return 0
-    return int(
-      np.ravel_multi_index(
-        [coords[a] for a in self.axes], [self.sizes[a] for a in self.axes]
-      )
-    )
 
   def _local_units(self, x: jax.Array, i: int) -> jax.Array:
     r = self.routed[i]
@@ -496,11 +479,10 @@ class Exchange:
 
   def rep_unpack(self, gathered: Sequence[jax.Array]) -> dict[int, jax.Array]:
     """Whole non-routed leaves from the all-gathered compact buffers."""
-    lay = self.layout
-    idx = [i for i in range(len(lay.plan.leaves)) if i not in self.routed]
-    return dict(
-      zip(idx, lay.unpack_full(gathered, idx, self.rep_size, self.rep_off))
+    got = self.layout.unpack_full(
+      gathered, self.whole, self.rep_size, self.rep_off
     )
+    return dict(zip(self.whole, got))
 
   # -- the cost model ------------------------------------------------------
 
@@ -542,6 +524,19 @@ class Exchange:
         'all-gather', k, math.prod(spec.shape) * itemsizes[g]
       )
     return {'all-to-all': a2a, 'all-gather': gather}
+
+
+def _offsets(per_slot, size_of, offsets: dict[int, int]) -> int:
+  """Writes each unit's offset in its slot's row (units back to back) into
+  ``offsets``; returns the longest row (0 without slots)."""
+  used = [0]
+  for units in per_slot:
+    off = 0
+    for u in units:
+      offsets[u] = off
+      off += size_of(u)
+    used.append(off)
+  return max(used)
 
 
 def gather_to_full(x: jax.Array, entries: _mesh.Entries) -> jax.Array:

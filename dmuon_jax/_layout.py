@@ -298,12 +298,6 @@ class Layout:
   def num_groups(self) -> int:
     return len(self.dtypes)
 
-  def global_shapes(self) -> tuple[jax.ShapeDtypeStruct, ...]:
-    return tuple(
-      jax.ShapeDtypeStruct((self.num_slots * size,), jnp.dtype(d))
-      for d, size in zip(self.dtypes, self.local_sizes)
-    )
-
   def unit_getter(self, leaves: Sequence[jax.Array]) -> Callable:
     """Returns ``u -> (m, n)`` matrix of unit ``u`` from full leaves."""
     cache = {}

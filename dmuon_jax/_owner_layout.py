@@ -392,12 +392,9 @@ class OwnerLayout:
     matrices."""
     if self.per_leaf:
       return [t.index for t in self.leaves].index(index)
-    t = self.leaf(index)
-    lay = self.groups[t.group]
-    i = [s.leaf_index for s in lay.plan.leaves].index(index)
-    return self.buffer_index.index(
-      (t.group, lay.dtypes.index(lay.leaf_dtypes[i]))
-    )
+    g = self.leaf(index).group
+    j = self.groups[g].dtypes.index(self.mu_dtype(index))
+    return self.buffer_index.index((g, j))
 
   def full_shape(self, lay: Layout, u: int) -> tuple[int, int]:
     """The whole matrix's ``(fan_in, fan_out)`` of unit ``u`` of ``lay``
@@ -424,8 +421,12 @@ class OwnerLayout:
 
   def tp_part(self, x: jax.Array, t: int) -> jax.Array:
     """TP shard ``t``'s slots of a whole flat buffer ``(..., num_slots *
-    tp_size * local)``: ``(..., num_slots * local)``, slot order."""
-    return _tp_part(self.num_slots, self.tp_size, x, t)
+    tp_size * local)``: ``(..., num_slots * local)``, slot order (the
+    inverse of :func:`_interleave_tp`)."""
+    if self.tp_size == 1:
+      return x
+    x = x.reshape(x.shape[:-1] + (self.num_slots, self.tp_size, -1))[..., t, :]
+    return x.reshape(x.shape[:-2] + (-1,))
 
   def pack(
     self, values: dict[int, jax.Array], dtypes: Sequence | None = None
@@ -695,14 +696,6 @@ def _interleave_tp(n: int, per_tp: Sequence[jax.Array]) -> jax.Array:
     return per_tp[0]
   x = jnp.stack([b.reshape(b.shape[:-1] + (n, -1)) for b in per_tp], -2)
   return x.reshape(x.shape[:-3] + (-1,))
-
-
-def _tp_part(n: int, tp: int, x: jax.Array, t: int) -> jax.Array:
-  """Inverse of :func:`_interleave_tp` for TP shard ``t``."""
-  if tp == 1:
-    return x
-  x = x.reshape(x.shape[:-1] + (n, tp, -1))[..., t, :]
-  return x.reshape(x.shape[:-2] + (-1,))
 
 
 @jax.tree_util.register_pytree_with_keys_class

@@ -66,16 +66,16 @@ class _Routed:
       n // math.prod(sizes[a] for a in e) for n, e in zip(spec.shape, entries)
     )
     canon = spec.reduction_axes + spec.output_axes
-    self.dim_axes = [tuple(entries[a]) for a in canon]
+    self.dim_axes = tuple(tuple(entries[a]) for a in canon)
     axes = {a for e in self.dim_axes for a in e}
     self.axes = tuple(a for a in sizes if a in axes)  # mesh order
     self.axis_sizes = tuple(sizes[a] for a in self.axes)
     self.blocks = math.prod(self.axis_sizes)
-    self.full = [spec.shape[a] for a in canon]
-    self.piece = [
+    self.full = tuple(spec.shape[a] for a in canon)
+    self.piece = tuple(
       n // math.prod(sizes[a] for a in e)
       for n, e in zip(self.full, self.dim_axes)
-    ]
+    )
     self.piece_size = math.prod(self.piece)
     self.perm = spec.batch_axes + canon
     self.batch_shape = tuple(spec.shape[a] for a in spec.batch_axes)
@@ -84,7 +84,7 @@ class _Routed:
     """``(blocks, *piece)`` pieces (member order) -> the whole matrix
     in canonical (reduction, output) dims."""
     n = len(self.axes)
-    x = pieces.reshape(self.axis_sizes + tuple(self.piece))
+    x = pieces.reshape(self.axis_sizes + self.piece)
     perm = []
     for j, axes in enumerate(self.dim_axes):
       perm += [self.axes.index(a) for a in axes]
@@ -198,16 +198,6 @@ class Exchange:
   # What each device packs, sends back and gathers, read from tables by its
   # slot: loops with run-time trip counts, one program for all devices.
 
-  def _route_key(self, i: int) -> tuple:
-    r = self.routed[i]
-    return (
-      r.axes,
-      r.axis_sizes,
-      tuple(r.piece),
-      tuple(r.dim_axes),
-      tuple(r.full),
-    )
-
   def _build_tables(self) -> None:
     lay = self.layout
     n = self.num_slots
@@ -221,21 +211,18 @@ class Exchange:
       for s in range(n):
         for u in self.fwd_units[key][s]:
           i = lay.unit_leaf[u]
-          rk = (self._route_key(i), lay.plan.units[u].shape)
+          r = self.routed[i]
+          route = (r.axes, r.axis_sizes, r.piece, r.dim_axes, r.full)
+          rk = (route, lay.plan.units[u].shape)
           if rk not in by_route:
             by_route[rk] = [[] for _ in range(n)]
             first[rk] = (i, lay.plan.units[u].shape)
           by_route[rk][s].append(u)
       self.routes[key] = list(first.values())
-      for per_slot in by_route.values():
-        tables.append(
-          _layout.unit_table(
-            [
-              ([self.fwd_off[u] for u in us], [lay.unit_offset[u] for u in us])
-              for us in per_slot
-            ]
-          )
-        )
+      tables += [
+        _layout.units_table(per_slot, self.fwd_off, lay.unit_offset)
+        for per_slot in by_route.values()
+      ]
     self.whole = [
       i for i in range(len(lay.plan.leaves)) if i not in self.routed
     ]
@@ -249,24 +236,12 @@ class Exchange:
       )
       self.rep_shapes.append(shapes)
       for shape in shapes:
+        per_slot = [
+          [u for u in us if lay.plan.units[u].shape == shape]
+          for us in self.rep_units[g]
+        ]
         tables.append(
-          _layout.unit_table(
-            [
-              (
-                [
-                  lay.unit_offset[u]
-                  for u in us
-                  if lay.plan.units[u].shape == shape
-                ],
-                [
-                  self.rep_off[u]
-                  for u in us
-                  if lay.plan.units[u].shape == shape
-                ],
-              )
-              for us in self.rep_units[g]
-            ]
-          )
+          _layout.units_table(per_slot, lay.unit_offset, self.rep_off)
         )
     self.tables = tables
 
@@ -298,7 +273,7 @@ class Exchange:
     x = x.reshape(r.view_local)
     # The count is explicit: a -1 cannot be inferred for an empty leaf.
     count = math.prod(r.batch_shape)
-    return jnp.transpose(x, r.perm).reshape((count,) + tuple(r.piece))
+    return jnp.transpose(x, r.perm).reshape((count,) + r.piece)
 
   # -- forward: pieces to the owners --------------------------------------
 
@@ -461,7 +436,7 @@ class Exchange:
       (u,) = units
       off = self.fwd_off[u]
       mats = buf[layout.plan.owners[u], off : off + r.piece_size][None]
-    x = mats.reshape(r.batch_shape + tuple(r.piece))
+    x = mats.reshape(r.batch_shape + r.piece)
     return jnp.transpose(x, tuple(np.argsort(r.perm))).reshape(r.leaf_local)
 
   # -- replicated (and gathered) leaves -----------------------------------

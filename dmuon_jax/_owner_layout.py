@@ -340,12 +340,11 @@ class OwnerLayout:
         for b, t in enumerate(self.leaves)
       )
     out = []
-    for b, (g, j) in enumerate(self.buffer_index):
-      lay = self.groups[g]
-      size = self.num_slots * self.tp_size * lay.local_sizes[j]
-      shape = (self.iterations[g], size) if self.iterations[g] else (size,)
-      dtype = jnp.dtype(lay.dtypes[j] if dtypes is None else dtypes[b])
-      out.append(jax.ShapeDtypeStruct(shape, dtype))
+    locals_ = zip(self.buffer_index, self.local_shapes())
+    for b, ((g, j), local) in enumerate(locals_):
+      shape = local[:-1] + (local[-1] * self.num_slots * self.tp_size,)
+      dtype = self.groups[g].dtypes[j] if dtypes is None else dtypes[b]
+      out.append(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)))
     return tuple(out)
 
   def local_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -532,10 +531,6 @@ class OwnerLayout:
       out.append(tuple(tuple(a for a in d if a != self.tp_axis) for d in e))
     return out
 
-  def exchange(self, param_entries=None) -> _exchange.Exchange:
-    """The drop-in routes of a ``dmuon`` layout (see ``_exchange``)."""
-    return _exchange.Exchange(self.groups[0], self.owner_entries(param_entries))
-
   def collective_bytes(self, param_entries=None) -> dict[str, float]:
     """Predicted per-device bytes of one drop-in update, by collective kind.
 
@@ -555,7 +550,8 @@ class OwnerLayout:
       return {'all-to-all': 0.0, 'all-gather': 0.0}
     lay = self.groups[0]
     itemsizes = [jnp.dtype(d).itemsize for d in lay.dtypes]
-    return self.exchange(param_entries).predicted_bytes(itemsizes)
+    routes = _exchange.Exchange(lay, self.owner_entries(param_entries))
+    return routes.predicted_bytes(itemsizes)
 
   def placement(self, specs: Sequence[Any], named: Sequence[bool]) -> str:
     """Where a ``'dmuon'`` state keeps the momentum (:attr:`momentum`):

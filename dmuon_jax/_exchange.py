@@ -66,16 +66,16 @@ class _Routed:
       n // math.prod(sizes[a] for a in e) for n, e in zip(spec.shape, entries)
     )
     canon = spec.reduction_axes + spec.output_axes
-    self.dim_axes = [tuple(entries[a]) for a in canon]
+    self.dim_axes = tuple(tuple(entries[a]) for a in canon)
     axes = {a for e in self.dim_axes for a in e}
     self.axes = tuple(a for a in sizes if a in axes)  # mesh order
     self.axis_sizes = tuple(sizes[a] for a in self.axes)
     self.blocks = math.prod(self.axis_sizes)
-    self.full = [spec.shape[a] for a in canon]
-    self.piece = [
+    self.full = tuple(spec.shape[a] for a in canon)
+    self.piece = tuple(
       n // math.prod(sizes[a] for a in e)
       for n, e in zip(self.full, self.dim_axes)
-    ]
+    )
     self.piece_size = math.prod(self.piece)
     self.perm = spec.batch_axes + canon
     self.batch_shape = tuple(spec.shape[a] for a in spec.batch_axes)
@@ -84,7 +84,7 @@ class _Routed:
     """``(blocks, *piece)`` pieces (member order) -> the whole matrix
     in canonical (reduction, output) dims."""
     n = len(self.axes)
-    x = pieces.reshape(self.axis_sizes + tuple(self.piece))
+    x = pieces.reshape(self.axis_sizes + self.piece)
     perm = []
     for j, axes in enumerate(self.dim_axes):
       perm += [self.axes.index(a) for a in axes]
@@ -165,17 +165,15 @@ class Exchange:
               self.classes.append(key)
               self.fwd_units[key] = [[] for _ in range(n)]
             self.fwd_units[key][s].append(u)
-    self.fwd_off = {}
-    self.fwd_size = {}
-    for key, per_slot in self.fwd_units.items():
-      used = []
-      for units in per_slot:
-        off = 0
-        for u in units:
-          self.fwd_off[u] = off
-          off += self.routed[layout.unit_leaf[u]].piece_size
-        used.append(off)
-      self.fwd_size[key] = max(used)
+    self.fwd_off: dict[int, int] = {}
+    self.fwd_size = {
+      key: _offsets(
+        per_slot,
+        lambda u: self.routed[layout.unit_leaf[u]].piece_size,
+        self.fwd_off,
+      )
+      for key, per_slot in self.fwd_units.items()
+    }
     # Replicated (and gathered) leaves: per dtype group, per owner its
     # units, packed compactly for one all_gather.
     self.rep_units = [
@@ -189,32 +187,16 @@ class Exchange:
       ]
       for g in groups
     ]
-    self.rep_off = {}
-    self.rep_size = []
-    for g in groups:
-      used = []
-      for per_slot in self.rep_units[g]:
-        off = 0
-        for u in per_slot:
-          self.rep_off[u] = off
-          off += layout.unit_size[u]
-        used.append(off)
-      self.rep_size.append(max(used) if used else 0)
+    self.rep_off: dict[int, int] = {}
+    self.rep_size = [
+      _offsets(self.rep_units[g], layout.unit_size.__getitem__, self.rep_off)
+      for g in groups
+    ]
     self._build_tables()
 
   # -- slot tables ----------------------------------------------------------
   # What each device packs, sends back and gathers, read from tables by its
   # slot: loops with run-time trip counts, one program for all devices.
-
-  def _route_key(self, i: int) -> tuple:
-    r = self.routed[i]
-    return (
-      r.axes,
-      r.axis_sizes,
-      tuple(r.piece),
-      tuple(r.dim_axes),
-      tuple(r.full),
-    )
 
   def _build_tables(self) -> None:
     lay = self.layout
@@ -229,21 +211,18 @@ class Exchange:
       for s in range(n):
         for u in self.fwd_units[key][s]:
           i = lay.unit_leaf[u]
-          rk = (self._route_key(i), lay.plan.units[u].shape)
+          r = self.routed[i]
+          route = (r.axes, r.axis_sizes, r.piece, r.dim_axes, r.full)
+          rk = (route, lay.plan.units[u].shape)
           if rk not in by_route:
             by_route[rk] = [[] for _ in range(n)]
             first[rk] = (i, lay.plan.units[u].shape)
           by_route[rk][s].append(u)
       self.routes[key] = list(first.values())
-      for per_slot in by_route.values():
-        tables.append(
-          _layout.unit_table(
-            [
-              ([self.fwd_off[u] for u in us], [lay.unit_offset[u] for u in us])
-              for us in per_slot
-            ]
-          )
-        )
+      tables += [
+        _layout.units_table(per_slot, self.fwd_off, lay.unit_offset)
+        for per_slot in by_route.values()
+      ]
     self.whole = [
       i for i in range(len(lay.plan.leaves)) if i not in self.routed
     ]
@@ -257,24 +236,12 @@ class Exchange:
       )
       self.rep_shapes.append(shapes)
       for shape in shapes:
+        per_slot = [
+          [u for u in us if lay.plan.units[u].shape == shape]
+          for us in self.rep_units[g]
+        ]
         tables.append(
-          _layout.unit_table(
-            [
-              (
-                [
-                  lay.unit_offset[u]
-                  for u in us
-                  if lay.plan.units[u].shape == shape
-                ],
-                [
-                  self.rep_off[u]
-                  for u in us
-                  if lay.plan.units[u].shape == shape
-                ],
-              )
-              for us in self.rep_units[g]
-            ]
-          )
+          _layout.units_table(per_slot, lay.unit_offset, self.rep_off)
         )
     self.tables = tables
 
@@ -301,21 +268,12 @@ class Exchange:
 
   # -- static helpers ------------------------------------------------------
 
-  def _slot(self, coords: dict[str, int]) -> int:
-    if not self.axes:
-      return 0
-    return int(
-      np.ravel_multi_index(
-        [coords[a] for a in self.axes], [self.sizes[a] for a in self.axes]
-      )
-    )
-
   def _local_units(self, x: jax.Array, i: int) -> jax.Array:
     r = self.routed[i]
     x = x.reshape(r.view_local)
     # The count is explicit: a -1 cannot be inferred for an empty leaf.
     count = math.prod(r.batch_shape)
-    return jnp.transpose(x, r.perm).reshape((count,) + tuple(r.piece))
+    return jnp.transpose(x, r.perm).reshape((count,) + r.piece)
 
   # -- forward: pieces to the owners --------------------------------------
 
@@ -478,7 +436,7 @@ class Exchange:
       (u,) = units
       off = self.fwd_off[u]
       mats = buf[layout.plan.owners[u], off : off + r.piece_size][None]
-    x = mats.reshape(r.batch_shape + tuple(r.piece))
+    x = mats.reshape(r.batch_shape + r.piece)
     return jnp.transpose(x, tuple(np.argsort(r.perm))).reshape(r.leaf_local)
 
   # -- replicated (and gathered) leaves -----------------------------------
@@ -496,11 +454,10 @@ class Exchange:
 
   def rep_unpack(self, gathered: Sequence[jax.Array]) -> dict[int, jax.Array]:
     """Whole non-routed leaves from the all-gathered compact buffers."""
-    lay = self.layout
-    idx = [i for i in range(len(lay.plan.leaves)) if i not in self.routed]
-    return dict(
-      zip(idx, lay.unpack_full(gathered, idx, self.rep_size, self.rep_off))
+    got = self.layout.unpack_full(
+      gathered, self.whole, self.rep_size, self.rep_off
     )
+    return dict(zip(self.whole, got))
 
   # -- the cost model ------------------------------------------------------
 
@@ -542,6 +499,19 @@ class Exchange:
         'all-gather', k, math.prod(spec.shape) * itemsizes[g]
       )
     return {'all-to-all': a2a, 'all-gather': gather}
+
+
+def _offsets(per_slot, size_of, offsets: dict[int, int]) -> int:
+  """Writes each unit's offset in its slot's row (units back to back) into
+  ``offsets``; returns the longest row (0 without slots)."""
+  used = [0]
+  for units in per_slot:
+    off = 0
+    for u in units:
+      offsets[u] = off
+      off += size_of(u)
+    used.append(off)
+  return max(used)
 
 
 def gather_to_full(x: jax.Array, entries: _mesh.Entries) -> jax.Array:

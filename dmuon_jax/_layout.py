@@ -83,6 +83,12 @@ def unit_table(per_slot: Sequence[Sequence[Sequence[int]]]) -> np.ndarray:
   return out
 
 
+def units_table(per_slot: Sequence[Sequence[int]], *columns) -> np.ndarray:
+  """The :func:`unit_table` of each slot's units (``per_slot``), one column
+  per ``columns`` entry (unit -> value: a list or a dict)."""
+  return unit_table([[[c[u] for u in us] for c in columns] for us in per_slot])
+
+
 def typed_table(per_slot: Sequence[Sequence[Sequence[int]]]):
   """``(table, trips)`` of one type of a slot's items: its
   :func:`unit_table`, and the items per slot where every slot holds
@@ -297,12 +303,6 @@ class Layout:
   @property
   def num_groups(self) -> int:
     return len(self.dtypes)
-
-  def global_shapes(self) -> tuple[jax.ShapeDtypeStruct, ...]:
-    return tuple(
-      jax.ShapeDtypeStruct((self.num_slots * size,), jnp.dtype(d))
-      for d, size in zip(self.dtypes, self.local_sizes)
-    )
 
   def unit_getter(self, leaves: Sequence[jax.Array]) -> Callable:
     """Returns ``u -> (m, n)`` matrix of unit ``u`` from full leaves."""
@@ -559,17 +559,13 @@ class Layout:
     """Per leaf of ``leaves`` (plan leaf indices), a :func:`unit_table` of
     each slot's units of it: (batch index, offset in its buffer)."""
     return [
-      unit_table(
+      units_table(
         [
-          (
-            [self.unit_batch[u] for u in units],
-            [self.unit_offset[u] for u in units],
-          )
-          for units in (
-            [u for u in self.leaf_units[i] if self.plan.owners[u] == s]
-            for s in range(self.num_slots)
-          )
-        ]
+          [u for u in self.leaf_units[i] if self.plan.owners[u] == s]
+          for s in range(self.num_slots)
+        ],
+        self.unit_batch,
+        self.unit_offset,
       )
       for i in leaves
     ]

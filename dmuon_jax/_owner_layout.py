@@ -340,12 +340,11 @@ class OwnerLayout:
         for b, t in enumerate(self.leaves)
       )
     out = []
-    for b, (g, j) in enumerate(self.buffer_index):
-      lay = self.groups[g]
-      size = self.num_slots * self.tp_size * lay.local_sizes[j]
-      shape = (self.iterations[g], size) if self.iterations[g] else (size,)
-      dtype = jnp.dtype(lay.dtypes[j] if dtypes is None else dtypes[b])
-      out.append(jax.ShapeDtypeStruct(shape, dtype))
+    locals_ = zip(self.buffer_index, self.local_shapes())
+    for b, ((g, j), local) in enumerate(locals_):
+      shape = local[:-1] + (local[-1] * self.num_slots * self.tp_size,)
+      dtype = self.groups[g].dtypes[j] if dtypes is None else dtypes[b]
+      out.append(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)))
     return tuple(out)
 
   def local_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -392,12 +391,9 @@ class OwnerLayout:
     matrices."""
     if self.per_leaf:
       return [t.index for t in self.leaves].index(index)
-    t = self.leaf(index)
-    lay = self.groups[t.group]
-    i = [s.leaf_index for s in lay.plan.leaves].index(index)
-    return self.buffer_index.index(
-      (t.group, lay.dtypes.index(lay.leaf_dtypes[i]))
-    )
+    g = self.leaf(index).group
+    j = self.groups[g].dtypes.index(self.mu_dtype(index))
+    return self.buffer_index.index((g, j))
 
   def full_shape(self, lay: Layout, u: int) -> tuple[int, int]:
     """The whole matrix's ``(fan_in, fan_out)`` of unit ``u`` of ``lay``
@@ -424,8 +420,12 @@ class OwnerLayout:
 
   def tp_part(self, x: jax.Array, t: int) -> jax.Array:
     """TP shard ``t``'s slots of a whole flat buffer ``(..., num_slots *
-    tp_size * local)``: ``(..., num_slots * local)``, slot order."""
-    return _tp_part(self.num_slots, self.tp_size, x, t)
+    tp_size * local)``: ``(..., num_slots * local)``, slot order (the
+    inverse of :func:`_interleave_tp`)."""
+    if self.tp_size == 1:
+      return x
+    x = x.reshape(x.shape[:-1] + (self.num_slots, self.tp_size, -1))[..., t, :]
+    return x.reshape(x.shape[:-2] + (-1,))
 
   def pack(
     self, values: dict[int, jax.Array], dtypes: Sequence | None = None
@@ -531,10 +531,6 @@ class OwnerLayout:
       out.append(tuple(tuple(a for a in d if a != self.tp_axis) for d in e))
     return out
 
-  def exchange(self, param_entries=None) -> _exchange.Exchange:
-    """The drop-in routes of a ``dmuon`` layout (see ``_exchange``)."""
-    return _exchange.Exchange(self.groups[0], self.owner_entries(param_entries))
-
   def collective_bytes(self, param_entries=None) -> dict[str, float]:
     """Predicted per-device bytes of one drop-in update, by collective kind.
 
@@ -554,7 +550,8 @@ class OwnerLayout:
       return {'all-to-all': 0.0, 'all-gather': 0.0}
     lay = self.groups[0]
     itemsizes = [jnp.dtype(d).itemsize for d in lay.dtypes]
-    return self.exchange(param_entries).predicted_bytes(itemsizes)
+    routes = _exchange.Exchange(lay, self.owner_entries(param_entries))
+    return routes.predicted_bytes(itemsizes)
 
   def placement(self, specs: Sequence[Any], named: Sequence[bool]) -> str:
     """Where a ``'dmuon'`` state keeps the momentum (:attr:`momentum`):
@@ -695,14 +692,6 @@ def _interleave_tp(n: int, per_tp: Sequence[jax.Array]) -> jax.Array:
     return per_tp[0]
   x = jnp.stack([b.reshape(b.shape[:-1] + (n, -1)) for b in per_tp], -2)
   return x.reshape(x.shape[:-3] + (-1,))
-
-
-def _tp_part(n: int, tp: int, x: jax.Array, t: int) -> jax.Array:
-  """Inverse of :func:`_interleave_tp` for TP shard ``t``."""
-  if tp == 1:
-    return x
-  x = x.reshape(x.shape[:-1] + (n, tp, -1))[..., t, :]
-  return x.reshape(x.shape[:-2] + (-1,))
 
 
 @jax.tree_util.register_pytree_with_keys_class

@@ -117,18 +117,16 @@ class Collective:
   Examples:
     >>> import jax, jax.numpy as jnp
     >>> from dmuon_jax import diagnostics
-    >>> mesh = jax.make_mesh((2,), ('data',), devices=jax.devices()[:2])
-    >>> x = jax.device_put(jnp.ones((8, 16)), jax.NamedSharding(mesh, jax.P('data')))
+    >>> mesh = jax.make_mesh((2,), ('data',))  # of the first 2 devices
+    >>> x = jnp.ones((8, 16), device=jax.NamedSharding(mesh, jax.P('data')))
     >>> @jax.jit
     ... def step(x):  # each iteration sums the sharded rows: an all-reduce
     ...   return jax.lax.fori_loop(0, 3, lambda i, y: y + y.sum(0), x)
     >>> (c,) = diagnostics.analyze(step, x).collectives
     >>> c.kind, c.shape, c.group_size, c.in_loop, c.executions
     ('all-reduce', (16,), 2, True, 3)
-    >>> c.bytes == 2 * (2 - 1) / 2 * 16 * 4  # ring all-reduce of 16 f32
-    True
-    >>> c.total_bytes == 3 * c.bytes
-    True
+    >>> c.bytes == 2 * (2 - 1) / 2 * 16 * 4, c.total_bytes == 3 * c.bytes
+    (True, True)
   """
 
   kind: str
@@ -166,8 +164,8 @@ class HloReport:
   Examples:
     >>> import jax, jax.numpy as jnp
     >>> from dmuon_jax import diagnostics
-    >>> mesh = jax.make_mesh((2,), ('data',), devices=jax.devices()[:2])
-    >>> x = jax.device_put(jnp.ones((8, 16)), jax.NamedSharding(mesh, jax.P('data')))
+    >>> mesh = jax.make_mesh((2,), ('data',))  # of the first 2 devices
+    >>> x = jnp.ones((8, 16), device=jax.NamedSharding(mesh, jax.P('data')))
     >>> replicated = jax.NamedSharding(mesh, jax.P())
     >>> gather = jax.jit(lambda x: x, out_shardings=replicated)
     >>> report = diagnostics.analyze(gather, x)
@@ -419,7 +417,9 @@ def _human_bytes(n: float | None) -> str:
 
 
 # ---------------------------------------------------------------------------
-# Compiled HLO text.
+# Compiled HLO text. The names here without an underscore that __all__ leaves
+# out (parse_module, elements, callees, ...) serve the repository's tests and
+# examples/benchmarks/hlo_tools.py.
 
 
 _IOTA_RE = re.compile(
@@ -486,22 +486,11 @@ def parse_replica_groups(
 
 def largest_component(pairs: Iterable[tuple[int, int]]) -> int:
   """Size of the largest connected set of devices joined by ``pairs``."""
-  parent: dict[int, int] = {}
-
-  def find(a: int) -> int:
-    parent.setdefault(a, a)
-    while parent[a] != a:
-      parent[a] = parent[parent[a]]
-      a = parent[a]
-    return a
-
-  for s, t in pairs:
-    parent[find(s)] = find(t)
-  sizes: dict[int, int] = {}
-  for a in list(parent):
-    root = find(a)
-    sizes[root] = sizes.get(root, 0) + 1
-  return max(sizes.values(), default=1)
+  components: list[set[int]] = []
+  for pair in pairs:
+    joined = set(pair).union(*(c for c in components if c & set(pair)))
+    components = [c for c in components if not c & joined] + [joined]
+  return max(map(len, components), default=1)
 
 
 Element = tuple[str, tuple[int, ...]]
@@ -661,11 +650,6 @@ def _group_size(
   return replica_count
 
 
-def _gather_dimension(ins: _Instruction) -> int:
-  m = re.search(r'\bdimensions=\{(\d+)\}', ins.attrs)
-  return int(m[1]) if m else 0
-
-
 def _scaled(elements: list[Element], dim: int, factor: float) -> list[Element]:
   out = []
   for dtype, shape in elements:
@@ -688,7 +672,8 @@ def _full_elements(
       break
     operands.extend(elements(text))
   result = elements(ins.shape)
-  dim = _gather_dimension(ins)
+  dim = re.search(r'\bdimensions=\{(\d+)\}', ins.attrs)
+  dim = int(dim[1]) if dim else 0
   if ins.opcode.endswith('-start'):
     # The shape of an async start bundles operands, results and u32[]
     # contexts; the operands are the reliable part.
@@ -712,6 +697,39 @@ def _hlo_kind(opcode: str) -> str | None:
   return base if base in KINDS else None
 
 
+def _walk(
+  computations: dict[str, list[_Instruction]],
+  name: str,
+  executions: int = 1,
+  context: tuple[str, ...] = (),
+  stack: tuple[str, ...] = (),
+) -> Iterable[tuple[str, _Instruction, int, tuple[str, ...]]]:
+  """``(computation, instruction, executions, context)`` of the computation
+  ``name`` and, where called, of its callees: ``executions`` multiplies the
+  known trip counts of the enclosing loops, ``context`` lists the enclosing
+  ``'while'`` and ``'conditional'`` opcodes, outermost first."""
+  if name not in computations or name in stack:
+    return
+  stack += (name,)
+  for ins in computations[name]:
+    yield name, ins, executions, context
+    if ins.opcode == 'while':
+      trip = TRIP_COUNT_RE.search(ins.raw)
+      trips = int(trip[1]) if trip else 1
+      for m in LOOP_RE.finditer(ins.attrs):
+        # The condition runs once more than the body.
+        extra = 1 if trip and m['key'] == 'condition' else 0
+        runs = executions * (trips + extra)
+        yield from _walk(
+          computations, m['name'], runs, context + ('while',), stack
+        )
+    elif ins.opcode not in ('async-done', 'async-update'):
+      # (Those two call the op that their async-start does.)
+      inner = context + ('conditional',) * (ins.opcode == 'conditional')
+      for callee in callees(ins):
+        yield from _walk(computations, callee, executions, inner, stack)
+
+
 def hlo_collectives(
   text: str, num_devices: int | None = None
 ) -> tuple[Collective, ...]:
@@ -731,57 +749,16 @@ def hlo_collectives(
 
   Examples:
     >>> from dmuon_jax import diagnostics
-    >>> text = '''HloModule m, num_partitions=2
-    ... ENTRY main (x: f32[8]) -> f32[16] {
-    ...   x = f32[8] parameter(0)
-    ...   ROOT g = f32[16] all-gather(x), replica_groups={{0,1}}, dimensions={0}
+    >>> text = '''ENTRY main () -> f32[16] {
+    ...   ROOT g = f32[16] all-gather(f32[8] x), replica_groups={{0,1}}
     ... }'''
     >>> (c,) = diagnostics.hlo_collectives(text)
     >>> c.kind, c.shape, c.group_size, c.bytes  # half of the 16 gathered f32s
     ('all-gather', (16,), 2, 32.0)
-
-    Empty groups with a ``channel_id`` span every partition:
-
-    >>> text = text.replace('{{0,1}}', '{}, channel_id=1')
-    >>> diagnostics.hlo_collectives(text)[0].group_size
-    2
-    >>> diagnostics.hlo_collectives(text, num_devices=8)[0].group_size
-    8
   """
   computations, entry, num_partitions, replica_count = parse_module(text)
   if num_devices is not None:
     num_partitions, replica_count = num_devices, 1
-  out: list[Collective] = []
-
-  def visit(
-    name: str, executions: int, in_loop: bool, stack: tuple[str, ...]
-  ) -> None:
-    if name not in computations or name in stack:
-      return
-    stack += (name,)
-    instructions = computations[name]
-    shapes = {ins.name: ins.shape for ins in instructions}
-    for ins in instructions:
-      kind = _hlo_kind(ins.opcode)
-      if kind is not None:
-        n = _group_size(ins, kind, num_partitions, replica_count)
-        full = _full_elements(ins, kind, n, shapes)
-        out.append(
-          make_collective(kind, ins.name, full, n, executions, in_loop)
-        )
-      if ins.opcode == 'while':
-        trip = TRIP_COUNT_RE.search(ins.raw)
-        trips = int(trip[1]) if trip else 1
-        for m in LOOP_RE.finditer(ins.attrs):
-          # The condition runs once more than the body.
-          extra = 1 if trip and m['key'] == 'condition' else 0
-          visit(m['name'], executions * (trips + extra), True, stack)
-        continue
-      if ins.opcode in ('async-done', 'async-update'):
-        continue  # Counted at the async-start, which calls the same op.
-      for callee in callees(ins):
-        visit(callee, executions, in_loop, stack)
-
   if entry is not None:
     roots = [entry]
   else:  # A fragment without ENTRY: start from computations nobody calls.
@@ -793,8 +770,19 @@ def hlo_collectives(
       + [m['name'] for m in LOOP_RE.finditer(ins.attrs)]
     }
     roots = [c for c in computations if c not in called]
+  shapes = {
+    c: {i.name: i.shape for i in body} for c, body in computations.items()
+  }
+  out: list[Collective] = []
   for root in roots:
-    visit(root, 1, False, ())
+    for comp, ins, executions, context in _walk(computations, root):
+      if (kind := _hlo_kind(ins.opcode)) is not None:
+        n = _group_size(ins, kind, num_partitions, replica_count)
+        full = _full_elements(ins, kind, n, shapes[comp])
+        in_loop = 'while' in context
+        out.append(
+          make_collective(kind, ins.name, full, n, executions, in_loop)
+        )
   return tuple(out)
 
 
@@ -813,10 +801,8 @@ class NestedCollective(NamedTuple):
 
   Examples:
     >>> from dmuon_jax import diagnostics
-    >>> text = '''HloModule m, num_partitions=2
-    ... ENTRY main (x: f32[8]) -> f32[16] {
-    ...   x = f32[8] parameter(0)
-    ...   ROOT g = f32[16] all-gather(x), replica_groups={{0,1}}, dimensions={0}
+    >>> text = '''ENTRY main () -> f32[16] {
+    ...   ROOT g = f32[16] all-gather(f32[8] x), replica_groups={{0,1}}
     ... }'''
     >>> diagnostics.collective_nesting(text)
     (NestedCollective(kind='all-gather', context=(), elements=16),)
@@ -848,8 +834,8 @@ def collective_nesting(compiled: Any) -> tuple[NestedCollective, ...]:
   Examples:
     >>> import jax, jax.numpy as jnp
     >>> from dmuon_jax import diagnostics
-    >>> mesh = jax.make_mesh((2,), ('data',), devices=jax.devices()[:2])
-    >>> x = jax.device_put(jnp.ones((8, 16)), jax.NamedSharding(mesh, jax.P('data')))
+    >>> mesh = jax.make_mesh((2,), ('data',))  # of the first 2 devices
+    >>> x = jnp.ones((8, 16), device=jax.NamedSharding(mesh, jax.P('data')))
     >>> @jax.jit
     ... def step(x):  # each iteration sums the sharded rows: an all-reduce
     ...   return jax.lax.fori_loop(0, 3, lambda i, y: y + y.sum(0), x)
@@ -860,34 +846,18 @@ def collective_nesting(compiled: Any) -> tuple[NestedCollective, ...]:
   if isinstance(compiled, jax.stages.Lowered):
     compiled = compiled.compile()
   text = compiled if isinstance(compiled, str) else compiled.as_text()
-  comps, entry, _, _ = parse_module(text)
+  computations, entry, _, _ = parse_module(text)
   out: list[NestedCollective] = []
-  seen: set[tuple[str, tuple[str, ...]]] = set()
-
-  def visit(name: str, context: tuple[str, ...]) -> None:
-    if (name, context) in seen:
-      return
-    seen.add((name, context))
-    for ins in comps.get(name, ()):
-      kind = _hlo_kind(ins.opcode)
-      if kind is not None and not ins.opcode.endswith('-done'):
-        result = elements(ins.shape)
-        if ins.opcode.endswith('-start') and len(result) > 1:
-          result = result[len(result) // 2 :]  # (operands, results)
-        size = sum(math.prod(dims) for _, dims in result)
-        out.append(NestedCollective(kind, context, int(size)))
-      if ins.opcode == 'while':
-        for m in LOOP_RE.finditer(ins.attrs):
-          visit(m['name'], context + ('while',))
-      elif ins.opcode == 'conditional':
-        for c in callees(ins):
-          visit(c, context + ('conditional',))
-      else:
-        for c in callees(ins):
-          visit(c, context)
-
-  if entry:
-    visit(entry, ())
+  seen = set()  # A computation called twice in one context lists once.
+  for comp, ins, _, context in _walk(computations, entry) if entry else ():
+    kind = _hlo_kind(ins.opcode)
+    if kind is not None and (comp, ins.name, context) not in seen:
+      seen.add((comp, ins.name, context))
+      result = elements(ins.shape)
+      if ins.opcode.endswith('-start') and len(result) > 1:
+        result = result[len(result) // 2 :]  # (operands, results)
+      size = sum(math.prod(dims) for _, dims in result)
+      out.append(NestedCollective(kind, context, int(size)))
   return tuple(out)
 
 

@@ -79,9 +79,9 @@ from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
-from dmuon_jax import _checks, _hlo_text
-from dmuon_jax._hlo_text import parse_replica_groups as parse_replica_groups
+from dmuon_jax import _checks
 
 KINDS = (
   'all-gather',
@@ -115,32 +115,18 @@ class Collective:
     bytes: bytes per device per execution.
 
   Examples:
-    >>> import functools, jax, jax.numpy as jnp
-    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> import jax, jax.numpy as jnp
     >>> from dmuon_jax import diagnostics
-    >>> devices = jax.devices()[:2]
-    >>> n = len(devices)  # 2, or 1 on a single device
-    >>> mesh = jax.make_mesh((n,), ('data',), devices=devices)
-    >>> def body(i, y):
-    ...   return y + jax.lax.psum(y, 'data')
+    >>> mesh = jax.make_mesh((2,), ('data',))  # of the first 2 devices
+    >>> x = jnp.ones((8, 16), device=jax.NamedSharding(mesh, jax.P('data')))
     >>> @jax.jit
-    ... @functools.partial(jax.shard_map, mesh=mesh,
-    ...                    in_specs=P('data'), out_specs=P('data'))
-    ... def step(x):  # x: this device's f32[8, 16] block
-    ...   x = x + jax.lax.psum(x, 'data')  # one all-reduce
-    ...   return jax.lax.fori_loop(0, 3, body, x)  # and one per iteration
-    >>> data = NamedSharding(mesh, P('data'))
-    >>> x = jax.device_put(jnp.ones((8 * n, 16)), data)
-    >>> report = diagnostics.analyze(step, x)
-    >>> outside, inside = report.collectives
-    >>> outside.kind, outside.shape, outside.group_size == n
-    ('all-reduce', (8, 16), True)
-    >>> inside.in_loop, inside.executions  # the loop's known trip count
-    (True, 3)
-    >>> inside.bytes == 2 * (n - 1) / n * 8 * 16 * 4  # ring all-reduce
-    True
-    >>> inside.total_bytes == 3 * inside.bytes
-    True
+    ... def step(x):  # each iteration sums the sharded rows: an all-reduce
+    ...   return jax.lax.fori_loop(0, 3, lambda i, y: y + y.sum(0), x)
+    >>> (c,) = diagnostics.analyze(step, x).collectives
+    >>> c.kind, c.shape, c.group_size, c.in_loop, c.executions
+    ('all-reduce', (16,), 2, True, 3)
+    >>> c.bytes == 2 * (2 - 1) / 2 * 16 * 4, c.total_bytes == 3 * c.bytes
+    (True, True)
   """
 
   kind: str
@@ -176,31 +162,19 @@ class HloReport:
     generated_code_bytes: size of the generated code; None if unavailable.
 
   Examples:
-    >>> import functools, jax, jax.numpy as jnp
-    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> import jax, jax.numpy as jnp
     >>> from dmuon_jax import diagnostics
-    >>> devices = jax.devices()[:2]
-    >>> n = len(devices)  # 2, or 1 on a single device
-    >>> mesh = jax.make_mesh((n,), ('data',), devices=devices)
-    >>> def body(i, y):
-    ...   return y + jax.lax.psum(y, 'data')
-    >>> @jax.jit
-    ... @functools.partial(jax.shard_map, mesh=mesh,
-    ...                    in_specs=P('data'), out_specs=P('data'))
-    ... def step(x):  # x: this device's f32[8, 16] block
-    ...   x = x + jax.lax.psum(x, 'data')  # one all-reduce
-    ...   return jax.lax.fori_loop(0, 3, body, x)  # and one per iteration
-    >>> data = NamedSharding(mesh, P('data'))
-    >>> x = jax.device_put(jnp.ones((8 * n, 16)), data)
-    >>> report = diagnostics.analyze(step, x)
-    >>> report.count_by_kind  # 1 + 3 executions per call
-    {'all-reduce': 4}
-    >>> report.total_bytes('all-reduce') == 4 * 2 * (n - 1) / n * 8 * 16 * 4
-    True
+    >>> mesh = jax.make_mesh((2,), ('data',))  # of the first 2 devices
+    >>> x = jnp.ones((8, 16), device=jax.NamedSharding(mesh, jax.P('data')))
+    >>> replicated = jax.NamedSharding(mesh, jax.P())
+    >>> gather = jax.jit(lambda x: x, out_shardings=replicated)
+    >>> report = diagnostics.analyze(gather, x)
+    >>> report.count_by_kind, report.bytes_by_kind  # half of 8 * 16 f32
+    ({'all-gather': 1}, {'all-gather': 256.0})
     >>> report.peak_bytes is not None  # from compiled.memory_analysis()
     True
     >>> print(report.summary().splitlines()[1][:35])
-    all-reduce                2       4
+    all-gather                1       1
   """
 
   collectives: tuple[Collective, ...]
@@ -304,27 +278,14 @@ def analyze_compiled(compiled: Any) -> HloReport:
     An :class:`HloReport`.
 
   Examples:
-    >>> import functools, jax, jax.numpy as jnp
-    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> import jax, jax.numpy as jnp
     >>> from dmuon_jax import diagnostics
-    >>> devices = jax.devices()[:2]
-    >>> n = len(devices)  # 2, or 1 on a single device
-    >>> mesh = jax.make_mesh((n,), ('data',), devices=devices)
-    >>> def body(i, y):
-    ...   return y + jax.lax.psum(y, 'data')
-    >>> @jax.jit
-    ... @functools.partial(jax.shard_map, mesh=mesh,
-    ...                    in_specs=P('data'), out_specs=P('data'))
-    ... def step(x):  # x: this device's f32[8, 16] block
-    ...   x = x + jax.lax.psum(x, 'data')  # one all-reduce
-    ...   return jax.lax.fori_loop(0, 3, body, x)  # and one per iteration
-    >>> data = NamedSharding(mesh, P('data'))
-    >>> x = jax.device_put(jnp.ones((8 * n, 16)), data)
-    >>> compiled = step.lower(x).compile()
-    >>> report = diagnostics.analyze_compiled(compiled)
-    >>> [(c.kind, c.executions) for c in report.collectives]
-    [('all-reduce', 1), ('all-reduce', 3)]
-    >>> report == diagnostics.analyze_compiled(step.lower(x))  # compiled here
+    >>> a, b = jnp.ones((8, 16)), jnp.ones((16, 4))
+    >>> lowered = jax.jit(lambda a, b: a @ b).lower(a, b)
+    >>> report = diagnostics.analyze_compiled(lowered.compile())
+    >>> report.collectives, report.flops  # 2 * 8 * 16 * 4
+    ((), 1024.0)
+    >>> report == diagnostics.analyze_compiled(lowered)  # compiled here
     True
   """
   if isinstance(compiled, jax.stages.Lowered):
@@ -407,10 +368,10 @@ def _itemsize(dtype: str) -> float:
   return int(m[1]) / 8
 
 
-def _record(
+def make_collective(
   kind: str,
   name: str,
-  elements: list[_hlo_text.Element],
+  elements: list[Element],
   group_size: int,
   executions: int,
   in_loop: bool,
@@ -456,12 +417,317 @@ def _human_bytes(n: float | None) -> str:
 
 
 # ---------------------------------------------------------------------------
-# Compiled HLO text.
+# Compiled HLO text. The names here without an underscore that __all__ leaves
+# out (parse_module, elements, callees, ...) serve the repository's tests and
+# examples/benchmarks/hlo_tools.py.
+
+
+_IOTA_RE = re.compile(
+  r'^\[(?P<shape>\d+(?:,\d+)*)\]<=\[(?P<dims>\d+(?:,\d+)*)\]'
+  r'(?:T\((?P<perm>\d+(?:,\d+)*)\))?$'
+)
+
+
+def parse_replica_groups(
+  text: str, num_devices: int | None = None
+) -> tuple[tuple[int, ...], ...]:
+  """Parses an HLO ``replica_groups`` value into explicit groups.
+
+  Args:
+    text: the value, in one of three forms: explicit ``{{0,1,2,3},{4,5,6,7}}``,
+      iota ``[2,4]<=[8]`` (2 groups of 4 from ``arange(8)``) or transposed
+      iota ``[4,2]<=[2,4]T(1,0)`` (``arange(8).reshape(2, 4).T`` cut into 4
+      groups of 2). Empty ``{}`` means one group of all devices.
+    num_devices: (optional, default None) the number of devices that ``{}``
+      stands for; if None, ``{}`` gives no groups.
+
+  Returns:
+    A tuple of groups, each a tuple of device ids.
+
+  Examples:
+    >>> from dmuon_jax import diagnostics
+    >>> diagnostics.parse_replica_groups('[2,4]<=[8]')
+    ((0, 1, 2, 3), (4, 5, 6, 7))
+    >>> diagnostics.parse_replica_groups('[4,2]<=[2,4]T(1,0)')
+    ((0, 4), (1, 5), (2, 6), (3, 7))
+    >>> diagnostics.parse_replica_groups('{}', num_devices=4)
+    ((0, 1, 2, 3),)
+  """
+  compact = re.sub(r'\s+', '', text)
+  m = _IOTA_RE.match(compact)
+  if m:
+    shape = [int(v) for v in m['shape'].split(',')]
+    dims = [int(v) for v in m['dims'].split(',')]
+    perm = (
+      [int(v) for v in m['perm'].split(',')]
+      if m['perm']
+      else list(range(len(dims)))
+    )
+    if math.prod(shape) != math.prod(dims) or sorted(perm) != list(
+      range(len(dims))
+    ):
+      raise ValueError(f'Inconsistent iota replica_groups {text!r}.')
+    ids = np.arange(math.prod(dims)).reshape(dims).transpose(perm)
+    ids = ids.reshape(shape[0], -1)
+    return tuple(tuple(int(v) for v in row) for row in ids)
+  if compact.startswith('{') and compact.endswith('}'):
+    inner = compact[1:-1]
+    if not inner:
+      return (tuple(range(num_devices)),) if num_devices else ()
+    groups = re.findall(r'\{([^{}]*)\}', inner)
+    if re.sub(r'\{[^{}]*\}', '', inner).strip(','):
+      raise ValueError(f'Cannot parse replica_groups {text!r}.')
+    return tuple(tuple(int(v) for v in g.split(',') if v) for g in groups)
+  raise ValueError(
+    f'Cannot parse replica_groups {text!r}; expected {{{{0,1}},{{2,3}}}},'
+    ' [2,4]<=[8] or [4,2]<=[2,4]T(1,0).'
+  )
+
+
+def largest_component(pairs: Iterable[tuple[int, int]]) -> int:
+  """Size of the largest connected set of devices joined by ``pairs``."""
+  components: list[set[int]] = []
+  for pair in pairs:
+    joined = set(pair).union(*(c for c in components if c & set(pair)))
+    components = [c for c in components if not c & joined] + [joined]
+  return max(map(len, components), default=1)
+
+
+Element = tuple[str, tuple[int, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Instruction:
+  name: str
+  shape: str
+  opcode: str
+  operands: tuple[tuple[str | None, str], ...]  # (inline shape, name)
+  attrs: str  # attributes with quoted strings blanked
+  raw: str
+
+
+_COMPUTATION_RE = re.compile(
+  r'^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\{\s*$'
+)
+_INSTRUCTION_RE = re.compile(
+  r'^\s+(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$'
+)
+STRING_RE = re.compile(r'"(?:[^"\\]|\\.)*"')
+_COMMENT_RE = re.compile(r'/\*.*?\*/')
+_ELEMENT_RE = re.compile(r'\b([a-z][a-z0-9]*)\[([^\]]*)\]')
+_CALLEE_RE = re.compile(
+  r'\b(?:calls|to_apply|branch_computations|true_computation|'
+  r'false_computation|called_computations)=(\{[^}]*\}|%?[\w.\-]+)'
+)
+LOOP_RE = re.compile(r'\b(?P<key>body|condition)=%?(?P<name>[\w.\-]+)')
+TRIP_COUNT_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_GROUPS_RE = re.compile(
+  r'replica_groups=(\{\}|\{(?:\{[\d,\s]*\},?\s*)*\}|\[[\d,]+\]<=\[[\d,]+\]'
+  r'(?:T\([\d,]+\))?)'
+)
+_PAIRS_RE = re.compile(r'source_target_pairs=\{((?:\{[\d,\s]*\},?\s*)*)\}')
+
+
+def _bracketed(text: str, start: int) -> tuple[list[str], int]:
+  """The parts, split on top-level commas, inside the bracket opened at
+  ``text[start]``, and the index of the bracket closing it."""
+  parts, depth, begin = [], 0, start + 1
+  for i in range(start, len(text)):
+    if text[i] in '([{':
+      depth += 1
+    elif text[i] in ')]}':
+      depth -= 1
+      if depth == 0:
+        break
+    elif text[i] == ',' and depth == 1:
+      parts.append(text[begin:i])
+      begin = i + 1
+  else:
+    i = len(text)
+  parts.append(text[begin:i])
+  return [p for p in parts if p.strip()], i
+
+
+def elements(shape: str) -> list[Element]:
+  """Array elements of an HLO shape (a tuple shape gives several)."""
+  out = []
+  for dtype, dims in _ELEMENT_RE.findall(shape):
+    if dtype in ('token', 'opaque'):
+      continue
+    sizes = tuple(
+      int(d.replace('<=', '')) for d in dims.split(',') if d.strip()
+    )
+    out.append((dtype, sizes))
+  return out
+
+
+def _parse_instruction(line: str) -> _Instruction | None:
+  line = _COMMENT_RE.sub('', line)  # Long lists carry /*index=5*/ marks.
+  m = _INSTRUCTION_RE.match(line)
+  if not m:
+    return None
+  rest = m['rest']
+  if rest.startswith('('):
+    end = _bracketed(rest, 0)[1] + 1
+  else:
+    end = len(rest.split(' ', 1)[0])
+  shape, rest = rest[:end], rest[end:].lstrip()
+  op = re.match(r'([\w\-]+)\(', rest)
+  if not op:
+    return None
+  tokens, close = _bracketed(rest, op.end() - 1)
+  operands = []
+  for token in tokens:
+    token = token.strip()
+    name = re.search(r'%?([\w.\-]+)$', token)
+    if not name:
+      continue
+    inline = token[: name.start()].strip() or None
+    operands.append((inline, name[1]))
+  return _Instruction(
+    name=m['name'],
+    shape=shape,
+    opcode=op[1],
+    operands=tuple(operands),
+    attrs=STRING_RE.sub('""', rest[close + 1 :]),
+    raw=line,
+  )
+
+
+def parse_module(
+  text: str,
+) -> tuple[dict[str, list[_Instruction]], str | None, int, int]:
+  """Computations by name, the entry's name, partitions and replicas."""
+  computations: dict[str, list[_Instruction]] = {}
+  entry, current = None, None
+  num_partitions, replica_count = 1, 1
+  for line in text.splitlines():
+    if line.startswith('HloModule'):
+      header = STRING_RE.sub('""', line)
+      if m := re.search(r'\bnum_partitions=(\d+)', header):
+        num_partitions = int(m[1])
+      if m := re.search(r'\breplica_count=(\d+)', header):
+        replica_count = int(m[1])
+      continue
+    if current is None:
+      m = _COMPUTATION_RE.match(line)
+      if m:
+        current = m['name']
+        computations[current] = []
+        if m['entry']:
+          entry = current
+      continue
+    if line.strip() == '}':
+      current = None
+      continue
+    instruction = _parse_instruction(line)
+    if instruction is not None:
+      computations[current].append(instruction)
+  return computations, entry, num_partitions, replica_count
+
+
+def callees(ins: _Instruction) -> list[str]:
+  """Computations an instruction calls, other than a while's."""
+  out = []
+  for m in _CALLEE_RE.finditer(ins.attrs):
+    out.extend(re.findall(r'%?([\w.\-]+)', m[1]))
+  return out
+
+
+def _group_size(
+  ins: _Instruction, kind: str, num_partitions: int, replica_count: int
+) -> int:
+  if kind == 'collective-permute':
+    m = _PAIRS_RE.search(ins.attrs)
+    pairs = re.findall(r'\{\s*(\d+)\s*,\s*(\d+)\s*\}', m[1]) if m else []
+    return largest_component((int(s), int(t)) for s, t in pairs)
+  m = _GROUPS_RE.search(ins.attrs)
+  groups = parse_replica_groups(m[1]) if m else ()
+  if groups:
+    return max(len(g) for g in groups)
+  if 'channel_id=' in ins.attrs:
+    return num_partitions * replica_count
+  return replica_count
+
+
+def _scaled(elements: list[Element], dim: int, factor: float) -> list[Element]:
+  out = []
+  for dtype, shape in elements:
+    shape = list(shape)
+    if shape:
+      shape[dim] = int(shape[dim] * factor)
+    out.append((dtype, tuple(shape)))
+  return out
+
+
+def _full_elements(
+  ins: _Instruction, kind: str, n: int, shapes: dict[str, str]
+) -> list[Element]:
+  """Elements of the full array that the byte formula for ``kind`` uses."""
+  operands: list[Element] | None = []
+  for inline, name in ins.operands:
+    text = inline or shapes.get(name)
+    if text is None:  # Not in this computation: fall back to the result.
+      operands = None
+      break
+    operands.extend(elements(text))
+  result = elements(ins.shape)
+  dim = re.search(r'\bdimensions=\{(\d+)\}', ins.attrs)
+  dim = int(dim[1]) if dim else 0
+  if ins.opcode.endswith('-start'):
+    # The shape of an async start bundles operands, results and u32[]
+    # contexts; the operands are the reliable part.
+    if operands is None:
+      arrays = [e for e in result if e[1]]
+      operands = arrays[: max(1, len(arrays) // 2)]
+    if kind == 'all-gather':
+      return _scaled(operands, dim, n)
+    return operands
+  if kind == 'all-gather':
+    return result
+  if operands is not None:
+    return operands
+  if kind == 'reduce-scatter':
+    return _scaled(result, dim, n)
+  return result
 
 
 def _hlo_kind(opcode: str) -> str | None:
   base = opcode.removesuffix('-start')
   return base if base in KINDS else None
+
+
+def _walk(
+  computations: dict[str, list[_Instruction]],
+  name: str,
+  executions: int = 1,
+  context: tuple[str, ...] = (),
+  stack: tuple[str, ...] = (),
+) -> Iterable[tuple[str, _Instruction, int, tuple[str, ...]]]:
+  """``(computation, instruction, executions, context)`` of the computation
+  ``name`` and, where called, of its callees: ``executions`` multiplies the
+  known trip counts of the enclosing loops, ``context`` lists the enclosing
+  ``'while'`` and ``'conditional'`` opcodes, outermost first."""
+  if name not in computations or name in stack:
+    return
+  stack += (name,)
+  for ins in computations[name]:
+    yield name, ins, executions, context
+    if ins.opcode == 'while':
+      trip = TRIP_COUNT_RE.search(ins.raw)
+      trips = int(trip[1]) if trip else 1
+      for m in LOOP_RE.finditer(ins.attrs):
+        # The condition runs once more than the body.
+        extra = 1 if trip and m['key'] == 'condition' else 0
+        runs = executions * (trips + extra)
+        yield from _walk(
+          computations, m['name'], runs, context + ('while',), stack
+        )
+    elif ins.opcode not in ('async-done', 'async-update'):
+      # (Those two call the op that their async-start does.)
+      inner = context + ('conditional',) * (ins.opcode == 'conditional')
+      for callee in callees(ins):
+        yield from _walk(computations, callee, executions, inner, stack)
 
 
 def hlo_collectives(
@@ -482,72 +748,17 @@ def hlo_collectives(
     async ops).
 
   Examples:
-    >>> import functools, jax, jax.numpy as jnp
-    >>> from jax.sharding import NamedSharding, PartitionSpec as P
     >>> from dmuon_jax import diagnostics
-    >>> devices = jax.devices()[:2]
-    >>> n = len(devices)  # 2, or 1 on a single device
-    >>> mesh = jax.make_mesh((n,), ('data',), devices=devices)
-    >>> def body(i, y):
-    ...   return y + jax.lax.psum(y, 'data')
-    >>> @jax.jit
-    ... @functools.partial(jax.shard_map, mesh=mesh,
-    ...                    in_specs=P('data'), out_specs=P('data'))
-    ... def step(x):  # x: this device's f32[8, 16] block
-    ...   x = x + jax.lax.psum(x, 'data')  # one all-reduce
-    ...   return jax.lax.fori_loop(0, 3, body, x)  # and one per iteration
-    >>> data = NamedSharding(mesh, P('data'))
-    >>> x = jax.device_put(jnp.ones((8 * n, 16)), data)
-    >>> text = step.lower(x).compile().as_text()
-    >>> [(c.kind, c.in_loop, c.executions)
-    ...  for c in diagnostics.hlo_collectives(text)]
-    [('all-reduce', False, 1), ('all-reduce', True, 3)]
-
-    Any HLO module text will do, e.g. an all-gather over 2 devices:
-
-    >>> text = '''HloModule m, num_partitions=2
-    ... ENTRY main (x: f32[8]) -> f32[16] {
-    ...   x = f32[8] parameter(0)
-    ...   ROOT g = f32[16] all-gather(x), replica_groups={{0,1}}, dimensions={0}
+    >>> text = '''ENTRY main () -> f32[16] {
+    ...   ROOT g = f32[16] all-gather(f32[8] x), replica_groups={{0,1}}
     ... }'''
     >>> (c,) = diagnostics.hlo_collectives(text)
     >>> c.kind, c.shape, c.group_size, c.bytes  # half of the 16 gathered f32s
     ('all-gather', (16,), 2, 32.0)
   """
-  computations, entry, num_partitions, replica_count = _hlo_text.parse_module(
-    text
-  )
+  computations, entry, num_partitions, replica_count = parse_module(text)
   if num_devices is not None:
     num_partitions, replica_count = num_devices, 1
-  out: list[Collective] = []
-
-  def visit(
-    name: str, executions: int, in_loop: bool, stack: tuple[str, ...]
-  ) -> None:
-    if name not in computations or name in stack:
-      return
-    stack += (name,)
-    instructions = computations[name]
-    shapes = {ins.name: ins.shape for ins in instructions}
-    for ins in instructions:
-      kind = _hlo_kind(ins.opcode)
-      if kind is not None:
-        n = _hlo_text.group_size(ins, kind, num_partitions, replica_count)
-        elements = _hlo_text.full_elements(ins, kind, n, shapes)
-        out.append(_record(kind, ins.name, elements, n, executions, in_loop))
-      if ins.opcode == 'while':
-        trip = _hlo_text.TRIP_COUNT_RE.search(ins.raw)
-        trips = int(trip[1]) if trip else 1
-        for m in _hlo_text.LOOP_RE.finditer(ins.attrs):
-          # The condition runs once more than the body.
-          extra = 1 if trip and m['key'] == 'condition' else 0
-          visit(m['name'], executions * (trips + extra), True, stack)
-        continue
-      if ins.opcode in ('async-done', 'async-update'):
-        continue  # Counted at the async-start, which calls the same op.
-      for callee in _hlo_text.callees(ins):
-        visit(callee, executions, in_loop, stack)
-
   if entry is not None:
     roots = [entry]
   else:  # A fragment without ENTRY: start from computations nobody calls.
@@ -555,12 +766,23 @@ def hlo_collectives(
       callee
       for instructions in computations.values()
       for ins in instructions
-      for callee in _hlo_text.callees(ins)
-      + [m['name'] for m in _hlo_text.LOOP_RE.finditer(ins.attrs)]
+      for callee in callees(ins)
+      + [m['name'] for m in LOOP_RE.finditer(ins.attrs)]
     }
     roots = [c for c in computations if c not in called]
+  shapes = {
+    c: {i.name: i.shape for i in body} for c, body in computations.items()
+  }
+  out: list[Collective] = []
   for root in roots:
-    visit(root, 1, False, ())
+    for comp, ins, executions, context in _walk(computations, root):
+      if (kind := _hlo_kind(ins.opcode)) is not None:
+        n = _group_size(ins, kind, num_partitions, replica_count)
+        full = _full_elements(ins, kind, n, shapes[comp])
+        in_loop = 'while' in context
+        out.append(
+          make_collective(kind, ins.name, full, n, executions, in_loop)
+        )
   return tuple(out)
 
 
@@ -579,10 +801,8 @@ class NestedCollective(NamedTuple):
 
   Examples:
     >>> from dmuon_jax import diagnostics
-    >>> text = '''HloModule m, num_partitions=2
-    ... ENTRY main (x: f32[8]) -> f32[16] {
-    ...   x = f32[8] parameter(0)
-    ...   ROOT g = f32[16] all-gather(x), replica_groups={{0,1}}, dimensions={0}
+    >>> text = '''ENTRY main () -> f32[16] {
+    ...   ROOT g = f32[16] all-gather(f32[8] x), replica_groups={{0,1}}
     ... }'''
     >>> diagnostics.collective_nesting(text)
     (NestedCollective(kind='all-gather', context=(), elements=16),)
@@ -612,58 +832,32 @@ def collective_nesting(compiled: Any) -> tuple[NestedCollective, ...]:
     the top level), and the elements of its result (one execution).
 
   Examples:
-    >>> import functools, jax, jax.numpy as jnp
-    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> import jax, jax.numpy as jnp
     >>> from dmuon_jax import diagnostics
-    >>> devices = jax.devices()[:2]
-    >>> n = len(devices)  # 2, or 1 on a single device
-    >>> mesh = jax.make_mesh((n,), ('data',), devices=devices)
-    >>> def body(i, y):
-    ...   return y + jax.lax.psum(y, 'data')
+    >>> mesh = jax.make_mesh((2,), ('data',))  # of the first 2 devices
+    >>> x = jnp.ones((8, 16), device=jax.NamedSharding(mesh, jax.P('data')))
     >>> @jax.jit
-    ... @functools.partial(jax.shard_map, mesh=mesh,
-    ...                    in_specs=P('data'), out_specs=P('data'))
-    ... def step(x):  # x: this device's f32[8, 16] block
-    ...   x = x + jax.lax.psum(x, 'data')  # one all-reduce
-    ...   return jax.lax.fori_loop(0, 3, body, x)  # and one per iteration
-    >>> data = NamedSharding(mesh, P('data'))
-    >>> x = jax.device_put(jnp.ones((8 * n, 16)), data)
+    ... def step(x):  # each iteration sums the sharded rows: an all-reduce
+    ...   return jax.lax.fori_loop(0, 3, lambda i, y: y + y.sum(0), x)
     >>> for c in diagnostics.collective_nesting(step.lower(x).compile()):
     ...   print(c.kind, c.context, c.elements)
-    all-reduce () 128
-    all-reduce ('while',) 128
+    all-reduce ('while',) 16
   """
   if isinstance(compiled, jax.stages.Lowered):
     compiled = compiled.compile()
   text = compiled if isinstance(compiled, str) else compiled.as_text()
-  comps, entry, _, _ = _hlo_text.parse_module(text)
+  computations, entry, _, _ = parse_module(text)
   out: list[NestedCollective] = []
-  seen: set[tuple[str, tuple[str, ...]]] = set()
-
-  def visit(name: str, context: tuple[str, ...]) -> None:
-    if (name, context) in seen:
-      return
-    seen.add((name, context))
-    for ins in comps.get(name, ()):
-      kind = _hlo_kind(ins.opcode)
-      if kind is not None and not ins.opcode.endswith('-done'):
-        elements = _hlo_text.elements(ins.shape)
-        if ins.opcode.endswith('-start') and len(elements) > 1:
-          elements = elements[len(elements) // 2 :]  # (operands, results)
-        size = sum(math.prod(dims) for _, dims in elements)
-        out.append(NestedCollective(kind, context, int(size)))
-      if ins.opcode == 'while':
-        for m in _hlo_text.LOOP_RE.finditer(ins.attrs):
-          visit(m['name'], context + ('while',))
-      elif ins.opcode == 'conditional':
-        for c in _hlo_text.callees(ins):
-          visit(c, context + ('conditional',))
-      else:
-        for c in _hlo_text.callees(ins):
-          visit(c, context)
-
-  if entry:
-    visit(entry, ())
+  seen = set()  # A computation called twice in one context lists once.
+  for comp, ins, _, context in _walk(computations, entry) if entry else ():
+    kind = _hlo_kind(ins.opcode)
+    if kind is not None and (comp, ins.name, context) not in seen:
+      seen.add((comp, ins.name, context))
+      result = elements(ins.shape)
+      if ins.opcode.endswith('-start') and len(result) > 1:
+        result = result[len(result) // 2 :]  # (operands, results)
+      size = sum(math.prod(dims) for _, dims in result)
+      out.append(NestedCollective(kind, context, int(size)))
   return tuple(out)
 
 

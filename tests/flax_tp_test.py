@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
 import dmuon_jax.flax as dflax
-from dmuon_jax import _hlo_text, _staged
+from dmuon_jax import _staged
 from tests import support
 
 # Each route runs Z2 and Z3, one on each mesh (1x4x2: FSDP x TP, 2x2x2:
@@ -192,7 +192,7 @@ def collectives_by_axes(compiled, mesh):
   """``(kind, mesh axes its groups span, float elements)`` of every
   collective instruction (the step has no loops: each runs once)."""
   coords = {d.id: idx for idx, d in np.ndenumerate(mesh.devices)}
-  computations, *_ = _hlo_text.parse_module(compiled.as_text())
+  computations, *_ = dmuon_jax.diagnostics.parse_module(compiled.as_text())
   out = []
   for ins in (i for c in computations.values() for i in c):
     kind = ins.opcode.removesuffix('-start')
@@ -210,7 +210,9 @@ def collectives_by_axes(compiled, mesh):
     }
     # Float elements (the flags of nonfinite='skip' aside).
     size = sum(
-      int(np.prod(s)) for t, s in _hlo_text.elements(ins.shape) if t != 'pred'
+      int(np.prod(s))
+      for t, s in dmuon_jax.diagnostics.elements(ins.shape)
+      if t != 'pred'
     )
     out.append((kind, frozenset(spans), size))
   return out

@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from dmuon_jax import _hlo_text, diagnostics
+from dmuon_jax import diagnostics
 
 # ---------------------------------------------------------------------------
 # StableHLO (MLIR) text.
@@ -59,7 +59,7 @@ def _mlir_dtype(dtype: str) -> str:
   return dtype.lower()
 
 
-def _mlir_elements(types: str) -> list[_hlo_text.Element]:
+def _mlir_elements(types: str) -> list[diagnostics.Element]:
   out = []
   for m in _MLIR_TENSOR_RE.finditer(types):
     dims = tuple(0 if d == '?' else int(d) for d in m['dims'].split('x') if d)
@@ -151,7 +151,7 @@ def stablehlo_collectives(
   open_op: tuple[int, tuple[str | None, bool, str, str]] | None = None
   open_lines: list[str] = []
   for line in text.splitlines():
-    stripped = _hlo_text.STRING_RE.sub('""', line)
+    stripped = diagnostics.STRING_RE.sub('""', line)
     before = depth
     depth += stripped.count('{') - stripped.count('}')
     if m := _MLIR_FUNC_RE.search(stripped):
@@ -190,14 +190,14 @@ def stablehlo_collectives(
     outs = _mlir_elements(signature['outs']) if signature else []
     if kind == 'collective-permute':
       pairs = _mlir_matrix(op_text, 'source_target_pairs') or []
-      n = _hlo_text.largest_component(p for p in pairs if len(p) == 2)
+      n = diagnostics.largest_component(p for p in pairs if len(p) == 2)
     else:
       groups = _mlir_matrix(op_text, 'replica_groups')
       n = max((len(g) for g in groups), default=0) if groups else 0
       n = n or num_devices
     elements = outs if kind == 'all-gather' else ins
     out.append(
-      diagnostics._record(
+      diagnostics.make_collective(
         kind, result, elements, n, 1, in_while or fn in looped
       )
     )
@@ -282,7 +282,7 @@ _EVALUATED = _ELEMENTWISE.keys() | {
 
 def _constant(ins, devices) -> np.ndarray | None:
   """An integer constant, one copy per device (None if elided)."""
-  (dtype, dims), *more = _hlo_text.elements(ins.shape) or [('', ())]
+  (dtype, dims), *more = diagnostics.elements(ins.shape) or [('', ())]
   text = re.search(r'constant\(([^()]*)\)', ins.raw)
   if more or dtype not in _INTEGERS or text is None:
     return None
@@ -350,7 +350,7 @@ class _Lookup:
       if args[-1] is None:
         return None
     if op == 'fusion':
-      callee = next(iter(_hlo_text.callees(ins)), None)
+      callee = next(iter(diagnostics.callees(ins)), None)
       root = _root(self.comps.get(callee, ()))
       return self.value(callee, root.name, args, {}) if root else None
     return _apply(ins, args, d)
@@ -358,7 +358,7 @@ class _Lookup:
 
 def _iota(ins, devices) -> np.ndarray | None:
   """An integer ``iota``, one copy per device."""
-  (dtype, dims), *more = _hlo_text.elements(ins.shape) or [('', ())]
+  (dtype, dims), *more = diagnostics.elements(ins.shape) or [('', ())]
   axis = re.search(r'iota_dimension=(\d+)', ins.attrs)
   if more or dtype not in _INTEGERS or axis is None or not dims:
     return None
@@ -377,7 +377,7 @@ def _apply(ins, args, devices) -> np.ndarray | None:
     direction = re.search(r'direction=(\w+)', ins.attrs)
     compare = _COMPARE.get(direction[1] if direction else '')
     return compare(*args) if compare else None
-  (dtype, dims), *more = _hlo_text.elements(ins.shape) or [('', ())]
+  (dtype, dims), *more = diagnostics.elements(ins.shape) or [('', ())]
   if more or dtype not in _INTEGERS:
     return None
   if op == 'slice':
@@ -401,7 +401,9 @@ def _apply(ins, args, devices) -> np.ndarray | None:
 def _loop_state(comps, loop):
   """``(bounds, counters)``: the state elements a ``while``'s condition
   compares that its body passes on unchanged, and the others."""
-  names = {m['key']: m['name'] for m in _hlo_text.LOOP_RE.finditer(loop.attrs)}
+  names = {
+    m['key']: m['name'] for m in diagnostics.LOOP_RE.finditer(loop.attrs)
+  }
   cond = comps.get(names.get('condition'), ())
   body = comps.get(names.get('body'), ())
   root, byname = _root(cond), {i.name: i for i in cond}
@@ -443,7 +445,7 @@ def _table_trips(comps, lookup, caller, loop) -> np.ndarray | None:
   if found is not None or caller not in lookup.loops:
     return found
   outer_caller, outer = lookup.loops[caller]
-  known = _hlo_text.TRIP_COUNT_RE.search(outer.raw)
+  known = diagnostics.TRIP_COUNT_RE.search(outer.raw)
   _, outer_counters = _loop_state(comps, outer)
   if not known or len(outer_counters) != 1 or int(known[1]) > _MAX_OUTER:
     return None
@@ -465,8 +467,8 @@ def _table_trips(comps, lookup, caller, loop) -> np.ndarray | None:
 def _dot(ins, shapes) -> float:
   """``2 * out * contracted`` FLOPs of a ``dot`` instruction."""
   inline, lhs_name = ins.operands[0]
-  lhs = _hlo_text.elements(inline) if inline else shapes.get(lhs_name)
-  out = _hlo_text.elements(ins.shape)
+  lhs = diagnostics.elements(inline) if inline else shapes.get(lhs_name)
+  out = diagnostics.elements(ins.shape)
   dims = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', ins.attrs)
   if not lhs or not out or dims is None:
     return 0.0
@@ -475,15 +477,15 @@ def _dot(ins, shapes) -> float:
 
 
 def _module(compiled, n, loop_trip_counts):
-  """The parsed HLO (:func:`_hlo_text.parse_module`), with every constant
+  """The parsed HLO (:func:`diagnostics.parse_module`), with every constant
   printed where slot tables (of branches, of trip counts) are read."""
   if isinstance(compiled, str):
-    return _hlo_text.parse_module(compiled)
+    return diagnostics.parse_module(compiled)
   text = compiled.as_text()
   dynamic = text.count(' while(') > text.count('"known_trip_count"')
   if n or (loop_trip_counts and dynamic):
     text = _text_with_large_constants(compiled) or text
-  return _hlo_text.parse_module(text)
+  return diagnostics.parse_module(text)
 
 
 class _Costs:
@@ -498,7 +500,7 @@ class _Costs:
       for caller, instructions in self.comps.items()
       for ins in instructions
       if ins.opcode == 'while'
-      for m in _hlo_text.LOOP_RE.finditer(ins.attrs)
+      for m in diagnostics.LOOP_RE.finditer(ins.attrs)
       if m['key'] == 'body'
     }
     self.lookup = _Lookup(self.comps, loops, partitions, replicas)
@@ -514,7 +516,7 @@ class _Costs:
     total = np.zeros(self.width) if self.width else 0.0
     self.memo[name] = total  # Guards against cycles.
     computation = self.comps.get(name, ())
-    shapes = {i.name: _hlo_text.elements(i.shape) for i in computation}
+    shapes = {i.name: diagnostics.elements(i.shape) for i in computation}
     for ins in computation:
       if ins.opcode == 'dot':
         total = total + _dot(ins, shapes)
@@ -523,12 +525,12 @@ class _Costs:
       elif ins.opcode == 'while':
         total = total + self._while(ins, name)
       else:
-        total = total + sum(self(c) for c in _hlo_text.callees(ins))
+        total = total + sum(self(c) for c in diagnostics.callees(ins))
     self.memo[name] = total
     return total
 
   def _conditional(self, ins, caller):
-    n, callees = self.n, _hlo_text.callees(ins)
+    n, callees = self.n, diagnostics.callees(ins)
     per = [np.max(self(c)) for c in callees]
     if not n or len(callees) < 2:
       return max(per, default=0.0)
@@ -569,7 +571,7 @@ class _Costs:
     once = self(body[1]) if body else 0.0
     if not self.loop_trip_counts:
       return once
-    if trip := _hlo_text.TRIP_COUNT_RE.search(ins.raw):
+    if trip := diagnostics.TRIP_COUNT_RE.search(ins.raw):
       return once * int(trip[1])
     try:
       trips = _table_trips(self.comps, self.lookup, caller, ins)

@@ -15,10 +15,13 @@ from tests.support import ROOT, run_script, run_unchecked
 pytestmark = pytest.mark.slow
 
 # Every Python script under examples/ and examples/benchmarks/.
+# Every runnable script (hlo_tools.py is a library the benchmarks and the
+# tests import: no __main__, no command line).
 SCRIPTS = sorted(
   str(path.relative_to(ROOT))
   for folder in ('examples', 'examples/benchmarks')
   for path in (ROOT / folder).glob('*.py')
+  if "__name__ == '__main__'" in path.read_text()
 )
 
 # Runs each script named in argv[2:] as __main__ with --help (in one

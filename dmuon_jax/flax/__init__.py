@@ -163,9 +163,6 @@ def dedicate(
   state = nnx.state(model, nnx.Param)
   params = nnx.to_pure_dict(state)
   kwargs = {k: v for k, v in locals().items() if k in _model.PLANNED}
-  layers_per_gather, choice = _model.scan_layers_per_gather(
-    params, kwargs, layers_per_gather, 'nnx.scan'
-  )
   paths = [
     _model.path(keys) for keys, _ in jax.tree.flatten_with_path(params)[0]
   ]
@@ -173,12 +170,7 @@ def dedicate(
   # metadata), also where a traced value on Auto axes says nothing.
   specs = [_mesh.leaf_spec(_model.node_at(model, p)) for p in paths]
   ded, placed, dp, replicated, moved = _model.plan(
-    params,
-    mesh,
-    layers_per_gather,
-    choice,
-    kwargs,
-    specs,
+    params, mesh, layers_per_gather, 'nnx.scan', kwargs, specs
   )
   for i, x in moved.items():
     variable = _model.node_at(model, paths[i])

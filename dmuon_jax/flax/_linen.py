@@ -198,7 +198,7 @@ class _Interceptor:
       (sub, cols, rngs),
       arrays,
       traced=any(isinstance(x, jax.core.Tracer) for x in whole),
-      remat=_in_remat(module),
+      remat=_lifted(module, 'remat'),
     )
     for c, tree in updates.items():
       for name, value in tree.items():
@@ -213,10 +213,6 @@ def _lifted(module, transform: str) -> bool:
   (``('remat(scan(layers))',)`` for ``nn.scan(nn.remat(Block))``)."""
   path = getattr(module.scope, 'debug_path', ())
   return any(f'{transform}(' in str(s) for s in path)
-
-
-def _in_remat(module) -> bool:
-  return _lifted(module, 'remat')
 
 
 def _one_layer(md, b: int, module, count: int) -> tuple[list, Any]:
@@ -463,12 +459,9 @@ def dedicate_linen(
     )
   params, boxes = unbox_linen(params, mesh)
   kwargs = {k: v for k, v in locals().items() if k in _model.PLANNED}
-  layers_per_gather, choice = _model.scan_layers_per_gather(
-    params, kwargs, layers_per_gather, 'nn.scan'
-  )
   specs = [None if box is None else _mesh.leaf_spec(box) for box in boxes]
   ded, placed, dp, replicated, moved = _model.plan(
-    params, mesh, layers_per_gather, choice, kwargs, specs
+    params, mesh, layers_per_gather, 'nn.scan', kwargs, specs
   )
   flat = jax.tree.flatten_with_path(placed)[0]
   paths = [_model.path(k) for k, _ in flat]

@@ -371,10 +371,12 @@ def set_at(root: Any, path: Sequence[Any], value: Any) -> None:
     setattr(parent, path[-1], value)
 
 
-def plan(params, mesh, layers_per_gather, choice, kwargs, specs):
+def plan(params, mesh, layers_per_gather, scan: str, kwargs, specs):
   """The dedication of a Flax model's params, and the params placed for it.
 
-  Plans with :func:`dmuon_jax.dedicate`, checks what ``dmuon_jax.flax``
+  Plans with :func:`dmuon_jax.dedicate` (one layer per gather in a model
+  with ``scan``-ned stacks: :func:`scan_layers_per_gather`), checks what
+  ``dmuon_jax.flax``
   cannot run, replicates AdamW params sharded over an owner axis (see
   :func:`_replicate_rest`; ``specs``: per leaf, the spec its Flax metadata
   gives, or None) and puts unplaced params on the mesh.
@@ -383,6 +385,9 @@ def plan(params, mesh, layers_per_gather, choice, kwargs, specs):
     ``(dedication, placed params, DedicatedParams, replicated paths, {leaf
     index: moved param})``.
   """
+  layers_per_gather, choice = scan_layers_per_gather(
+    params, kwargs, layers_per_gather, scan
+  )
   ded = _dedicated.dedicate(
     params, mesh, layers_per_gather=layers_per_gather, **kwargs
   )

@@ -468,8 +468,7 @@ def dedicate_linen(
   targets_by_leaf = {t.index: t for t in ded.layout.leaves}
   out = plain_dicts(placed)
   for i, t in targets_by_leaf.items():
-    scanned = ded.boundaries.scanned[_model.boundary_of(ded, t)]
-    hole = _model.placeholder(t.shape, t.dtype, scanned)  # nn.scan slices it
+    hole = _model.placeholder(ded, t)
     if mesh is not None:
       hole = jax.device_put(hole, NamedSharding(mesh, P()))
     _model.set_at(out, paths[i], hole)

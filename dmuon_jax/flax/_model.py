@@ -313,8 +313,11 @@ class ModelDedication:
     )
 
 
-def placeholder(shape: tuple[int, ...], dtype: Any, scanned: bool):
-  return jnp.zeros((shape[0], 0) if scanned else (0,), dtype)
+def placeholder(ded, target) -> jax.Array:
+  """The zero-size array that stands for Muon ``target`` (with the layer
+  axis in a scanned stack: ``nn.scan``/``nnx.scan`` slice it)."""
+  scanned = ded.boundaries.scanned[boundary_of(ded, target)]
+  return jnp.zeros((target.shape[0], 0) if scanned else (0,), target.dtype)
 
 
 # The options dedicate and dedicate_linen hand to the planner as they are.

@@ -46,11 +46,6 @@ def unbox_linen(params: Any, mesh: Any) -> tuple[Any, list[Any]]:
   return jax.tree.unflatten(treedef, values), boxes
 
 
-def replicated_box(box: Any) -> Any:
-  """``box`` naming no axis: its value replicated."""
-  return box.replace(names=tuple(None for _ in box.names))
-
-
 def plain_dicts(tree: Any) -> Any:
   """Nested dicts (FrozenDicts too) as plain dicts, leaves kept."""
   if hasattr(tree, 'items') and not hasattr(tree, 'shape'):
@@ -496,7 +491,7 @@ def dedicate_linen(
   for i, box in enumerate(boxes):
     if box is not None and i not in targets_by_leaf:
       if owned_mesh and _mesh.rules_decide(box):
-        box = replicated_box(box)
+        box = box.replace(names=(None,) * len(box.names))  # replicated
       elif i in moved:
         box = _mesh.without_axes(box, ded.buffer_axes)
       _model.set_at(

@@ -140,13 +140,15 @@ class _Interceptor:
     cols = {c: plain_dicts(module.variables[c]) for c in module.variables}
     own = cols.pop('params', {})
     bufs = [k for k, (h, _) in enumerate(ded.layout.buffer_index) if h == g]
-    if ded.boundaries.scanned[b]:
+    scanned = ded.boundaries.scanned[b]
+    if scanned:
       local, iteration = _one_layer(md, b, module, len(bufs))
-    else:
-      local = [
-        _mesh.unbox(_model.node_at(self.root, md.buffer_paths[k])) for k in bufs
-      ]
-      iteration = None
+    # The group's whole buffers (a scanned stack's: all its layers').
+    whole = [
+      _mesh.unbox(_model.node_at(self.root, md.buffer_paths[k])) for k in bufs
+    ]
+    if not scanned:
+      local, iteration = whole, None
       _check_one_trace_per_group(md, g, path, local, self.traces)
     sub = {
       k: v
@@ -181,9 +183,6 @@ class _Interceptor:
 
     # The stack's whole buffers say whether the model runs under jit: an
     # eager call's nn.scan traces its body (and so the slices) too.
-    whole = [
-      _mesh.unbox(_model.node_at(self.root, md.buffer_paths[k])) for k in bufs
-    ]
     out, updates = _boundary.gathered(
       md,
       b,

@@ -289,19 +289,15 @@ class ModelDedication:
       The params as a nested dict of arrays, as before dedication
       (``nnx.to_pure_dict`` form for NNX).
     """
-    if isinstance(model, (nnx.Module, nnx.State)):
-      params = model if isinstance(model, nnx.State) else None
-      if params is None:
-        params = nnx.state(model, nnx.Param)
-      state = nnx.to_flat_state(params)
-      by_path = {tuple(p): v.get_value() for p, v in state}
-    else:
-      by_path = {
-        path(k): _mesh.unbox(x)
-        for k, x in jax.tree_util.tree_flatten_with_path(
-          model, is_leaf=_mesh.is_box
-        )[0]
-      }
+    if isinstance(model, nnx.Module):
+      model = nnx.state(model, nnx.Param)
+    # Variables (NNX) and boxes (Linen) as leaves, unboxed.
+    by_path = {
+      path(k): _mesh.unbox(x)
+      for k, x in jax.tree_util.tree_flatten_with_path(
+        model, is_leaf=_mesh.is_boxed
+      )[0]
+    }
     owned = [by_path[p] for p in self.buffer_paths]
     rest = [None if p is None else by_path[p] for p in self.rest_paths]
     ded = self.dedication

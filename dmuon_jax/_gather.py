@@ -722,15 +722,10 @@ def _whole(ded, g: int, local, iteration) -> dict[int, Any]:
 
 def _as_reduced(ded, mats: dict[int, Any]) -> dict[int, Any]:
   owner = set(ded.buffer_axes)
-  return {
-    i: jax.reshard(
-      m,
-      jax.sharding.NamedSharding(
-        ded.mesh, P(*target_spec(ded, i), reduced=owner)
-      ),
-    )
-    for i, m in mats.items()
-  }
+  sharding = lambda i: jax.sharding.NamedSharding(
+    ded.mesh, P(*target_spec(ded, i), reduced=owner)
+  )
+  return {i: jax.reshard(m, sharding(i)) for i, m in mats.items()}
 
 
 def _scatter_to_owners(ded, g: int, local, iteration, cts) -> list:

@@ -13,7 +13,6 @@ import optax
 from dmuon_jax import (
   _checks,
   _collectives,
-  _gather,
   _mesh,
   _owner_update,
   _routing,
@@ -492,7 +491,7 @@ def _mean_rest(dedication: Dedication) -> optax.GradientTransformation:
     manual = _collectives.manual_axes()
     out = []
     for x, spec, path in zip(
-      _gather.full_leaves(updates, dedication.treedef),
+      dedication.treedef.flatten_up_to(updates),
       dedication.rest_specs,
       dedication.leaf_paths,
     ):

@@ -22,11 +22,6 @@ from dmuon_jax import _checks, _collectives, _layout, _mesh
 P = jax.sharding.PartitionSpec
 
 
-def full_leaves(rest: Any, treedef) -> list[Any]:
-  """Leaves of ``rest`` with None placeholders kept (one per param)."""
-  return treedef.flatten_up_to(rest)
-
-
 def gather_leaf(ded, i: int, x: Any, layer_slice: bool = False) -> Any:
   """All-gathers a non-target leaf's sharded dims (inside ``shard_map``)."""
   spec = ded.rest_specs[i]
@@ -46,7 +41,7 @@ def gather_leaf(ded, i: int, x: Any, layer_slice: bool = False) -> Any:
 def gather_rest(ded, dedicated) -> Any:
   """The non-target params, sharded dims gathered (see
   :meth:`dmuon_jax.Dedication.gather_rest`)."""
-  leaves = full_leaves(dedicated.rest, ded.treedef)
+  leaves = ded.treedef.flatten_up_to(dedicated.rest)
   return jax.tree.unflatten(
     ded.treedef, [gather_leaf(ded, i, x) for i, x in enumerate(leaves)]
   )
@@ -211,7 +206,7 @@ def subtree_leaves(ded, b: int) -> list[int]:
 def all_params(ded, dedicated) -> Any:
   """The whole params tree inside ``shard_map`` (see
   :meth:`dmuon_jax.Dedication.params`)."""
-  leaves = full_leaves(gather_rest(ded, dedicated), ded.treedef)
+  leaves = ded.treedef.flatten_up_to(gather_rest(ded, dedicated))
   for g, lay in enumerate(ded.layout.groups):
     iters = ded.layout.iterations[g]
     local = group_buffers(ded, dedicated, g)
@@ -263,7 +258,7 @@ def run_group(ded, g: int, body: Callable[..., Any]) -> Callable[..., Any]:
   inner = maybe_z3(ded, run, [ded.boundaries.names[b] for b in ded.groups[g]])
 
   def call(dedicated, *args):
-    rest = full_leaves(dedicated.rest, ded.treedef)
+    rest = ded.treedef.flatten_up_to(dedicated.rest)
     local = after_inputs(group_buffers(ded, dedicated, g), args)
     return inner(
       gather_replicate(ded, local),
@@ -367,7 +362,7 @@ def scan(
   inner = maybe_z3(ded, run, [ded.boundaries.names[b]])
 
   def call(dedicated, carry):
-    rest = full_leaves(dedicated.rest, ded.treedef)
+    rest = ded.treedef.flatten_up_to(dedicated.rest)
 
     def body(carry, xs):
       iteration, owned, sub_rest = xs
@@ -701,10 +696,6 @@ def check_tp_axis_type(ded, who: str) -> None:
     )
 
 
-def _sharding(ded, spec) -> jax.sharding.NamedSharding:
-  return jax.sharding.NamedSharding(ded.mesh, spec)
-
-
 def _buffer_spec(ded) -> P:
   """The spec of a loop group's owner buffer (a scan iteration's): its
   layout's spec of the slot dimension (the owner axes, then the TP axis)."""
@@ -731,10 +722,10 @@ def _whole(ded, g: int, local, iteration) -> dict[int, Any]:
 
 def _as_reduced(ded, mats: dict[int, Any]) -> dict[int, Any]:
   owner = set(ded.buffer_axes)
-  return {
-    i: jax.reshard(m, _sharding(ded, P(*target_spec(ded, i), reduced=owner)))
-    for i, m in mats.items()
-  }
+  sharding = lambda i: jax.sharding.NamedSharding(
+    ded.mesh, P(*target_spec(ded, i), reduced=owner)
+  )
+  return {i: jax.reshard(m, sharding(i)) for i, m in mats.items()}
 
 
 def _scatter_to_owners(ded, g: int, local, iteration, cts) -> list:

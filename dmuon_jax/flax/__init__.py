@@ -163,9 +163,6 @@ def dedicate(
   state = nnx.state(model, nnx.Param)
   params = nnx.to_pure_dict(state)
   kwargs = {k: v for k, v in locals().items() if k in _model.PLANNED}
-  layers_per_gather, choice = _model.scan_layers_per_gather(
-    params, kwargs, layers_per_gather, 'nnx.scan'
-  )
   paths = [
     _model.path(keys) for keys, _ in jax.tree.flatten_with_path(params)[0]
   ]
@@ -173,12 +170,7 @@ def dedicate(
   # metadata), also where a traced value on Auto axes says nothing.
   specs = [_mesh.leaf_spec(_model.node_at(model, p)) for p in paths]
   ded, placed, dp, replicated, moved = _model.plan(
-    params,
-    mesh,
-    layers_per_gather,
-    choice,
-    kwargs,
-    specs,
+    params, mesh, layers_per_gather, 'nnx.scan', kwargs, specs
   )
   for i, x in moved.items():
     variable = _model.node_at(model, paths[i])
@@ -191,9 +183,17 @@ def dedicate(
   boundary_paths = [_model.path(k) for k in ded.boundary_keys]
   _model.check_boundary_modules(model, ded, boundary_paths)
 
-  owned_vars = _owned_variables(ded, dp)
-  _give_buffers(model, ded, boundary_paths, owned_vars)
-  _set_placeholders(model, ded, paths, targets_by_leaf)
+  owned_vars = _give_buffers(model, ded, dp, boundary_paths)
+  for i, t in targets_by_leaf.items():  # a DedicatedWeight where each was
+    _model.set_at(
+      model,
+      paths[i],
+      DedicatedWeight(
+        _model.placeholder(ded, t),
+        dmuon_name=_model.text(paths[i]),
+        dmuon_boundary=ded.boundaries.names[_model.boundary_of(ded, t)],
+      ),
+    )
 
   owned_state = nnx.to_flat_state(nnx.state(model, OwnedBuffer))
   where = {id(v): tuple(p) for p, v in owned_state}
@@ -218,9 +218,10 @@ def dedicate(
   return md
 
 
-def _owned_variables(ded, dp) -> list[OwnedBuffer]:
-  """Per owner buffer (layout order), its :class:`OwnedBuffer`."""
-  buffers = list(dp.owned.buffers)
+def _give_buffers(model, ded, dp, boundary_paths) -> list[OwnedBuffer]:
+  """Gives each boundary module its group's owned buffers (and a scanned
+  stack its :class:`ScanIteration`); returns the :class:`OwnedBuffer` of
+  each owner buffer (layout order)."""
   # Each buffer's layout spec as its out_sharding metadata: Flax's
   # nnx.get_named_sharding (of the model, or of an abstract one from
   # nnx.eval_shape) gives the owners' sharding, and nnx.Optimizer copies
@@ -229,14 +230,8 @@ def _owned_variables(ded, dp) -> list[OwnedBuffer]:
     _mesh.box_like(OwnedBuffer(x), x, spec)
     if ded.layout.distributed
     else OwnedBuffer(x)
-    for x, spec in zip(buffers, ded.layout.buffer_specs())
+    for x, spec in zip(dp.owned.buffers, ded.layout.buffer_specs())
   ]
-  return owned_vars
-
-
-def _give_buffers(model, ded, boundary_paths, owned_vars) -> None:
-  """Gives each boundary module its group's owned buffers (and a scanned
-  stack its :class:`ScanIteration`)."""
   for b, bpath in enumerate(boundary_paths):
     module = _model.node_at(model, bpath)
     g = _gather.group_of(ded, b)
@@ -247,18 +242,4 @@ def _give_buffers(model, ded, boundary_paths, owned_vars) -> None:
     if ded.boundaries.scanned[b]:
       n = ded.layout.iterations[g]
       module.dmuon_iteration = ScanIteration(jnp.arange(n))
-
-
-def _set_placeholders(model, ded, paths, targets_by_leaf) -> None:
-  """Puts a :class:`DedicatedWeight` where each Muon target was."""
-  for i, t in targets_by_leaf.items():
-    scanned = ded.boundaries.scanned[_model.boundary_of(ded, t)]
-    _model.set_at(
-      model,
-      paths[i],
-      DedicatedWeight(
-        _model.placeholder(t.shape, t.dtype, scanned),
-        dmuon_name=_model.text(paths[i]),
-        dmuon_boundary=ded.boundaries.names[_model.boundary_of(ded, t)],
-      ),
-    )
+  return owned_vars

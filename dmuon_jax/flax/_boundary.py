@@ -129,19 +129,13 @@ def gathered(
       rep = _gather.gather_replicate(ded, local, tp=True)
       sink = _gather.gather_sink(ded, local, tp=True)
       token = _gather.new_token()
-
-    def run_z3(rep_local, sink, iteration, state, arrays):
-      mats = _gather.materialize(ded, g, rep_local, iteration, sink, tp=True)
-      return run(mats, state, arrays)
-
-    call = _gather.regather_group_in_backward(
-      run_z3,
-      ded.remat_policy,
-      last=b == ded.groups[g][-1] or scanned,
-      blocks=[name],
-      routed=True,
+    out, token = _regathered(
+      ded,
+      b,
+      lambda x, it, s: _gather.materialize(ded, g, x, it, s, tp=True),
+      run,
+      (rep, token, sink, iteration, state, arrays),
     )
-    out, token = call(rep, token, sink, iteration, state, arrays)
     cache[g] = (keys, rep, sink, token)
     return out
   if traced:
@@ -155,14 +149,30 @@ def gathered(
   else:
     _warn_bare(md, traced)
 
-  def run_global(local, iteration, state, arrays):
-    full = [_mesh.place(x, ded.mesh, P()) for x in local]
-    return run(layout.unpack_group(g, full, iteration), state, arrays)
-
   # The boundaries of a group constrain the same buffers: XLA gathers them
   # once and keeps them (Z2 memory: a re-gather per boundary would move the
   # group again for each of its blocks).
-  return run_global(local, iteration, state, arrays)
+  full = [_mesh.place(x, ded.mesh, P()) for x in local]
+  return run(layout.unpack_group(g, full, iteration), state, arrays)
+
+
+def _regathered(ded, b: int, materialize, run, operands):
+  """``run(mats, *rest)`` on boundary ``b``'s group gathered by
+  ``materialize(local, iteration, sink)`` and gathered again in the
+  backward pass once per group (Z3); ``operands``: ``(local, token, sink,
+  iteration, *rest)``. Returns ``(out, token)``."""
+  g = _gather.group_of(ded, b)
+
+  def run_z3(local, sink, iteration, *rest):
+    return run(materialize(local, iteration, sink), *rest)
+
+  return _gather.regather_group_in_backward(
+    run_z3,
+    ded.remat_policy,
+    last=b == ded.groups[g][-1] or ded.boundaries.scanned[b],
+    blocks=[ded.boundaries.names[b]],
+    routed=True,
+  )(*operands)
 
 
 def _sharded_over(arrays, axes: Sequence[str]) -> bool:
@@ -293,20 +303,13 @@ def _reduced_call(
     _gather.reduced_sink(ded, g, local, iteration),
     _gather.new_token(),
   )
-  scanned = ded.boundaries.scanned[b]
-
-  def run_z3(local, sink, iteration, *args):
-    mats = _gather.materialize_reduced(ded, g, local, iteration, sink=sink)
-    return run(mats, *args)
-
-  call = _gather.regather_group_in_backward(
-    run_z3,
-    ded.remat_policy,
-    last=b == ded.groups[g][-1] or scanned,
-    blocks=[ded.boundaries.names[b]],
-    routed=True,
+  out, token = _regathered(
+    ded,
+    b,
+    lambda x, it, s: _gather.materialize_reduced(ded, g, x, it, sink=s),
+    run,
+    (local, token, sink, iteration, *args),
   )
-  out, token = call(local, token, sink, iteration, *args)
   store((sink, token))
   return out
 

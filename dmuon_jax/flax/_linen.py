@@ -46,11 +46,6 @@ def unbox_linen(params: Any, mesh: Any) -> tuple[Any, list[Any]]:
   return jax.tree.unflatten(treedef, values), boxes
 
 
-def replicated_box(box: Any) -> Any:
-  """``box`` naming no axis: its value replicated."""
-  return box.replace(names=tuple(None for _ in box.names))
-
-
 def plain_dicts(tree: Any) -> Any:
   """Nested dicts (FrozenDicts too) as plain dicts, leaves kept."""
   if hasattr(tree, 'items') and not hasattr(tree, 'shape'):
@@ -145,13 +140,15 @@ class _Interceptor:
     cols = {c: plain_dicts(module.variables[c]) for c in module.variables}
     own = cols.pop('params', {})
     bufs = [k for k, (h, _) in enumerate(ded.layout.buffer_index) if h == g]
-    if ded.boundaries.scanned[b]:
+    scanned = ded.boundaries.scanned[b]
+    if scanned:
       local, iteration = _one_layer(md, b, module, len(bufs))
-    else:
-      local = [
-        _mesh.unbox(_model.node_at(self.root, md.buffer_paths[k])) for k in bufs
-      ]
-      iteration = None
+    # The group's whole buffers (a scanned stack's: all its layers').
+    whole = [
+      _mesh.unbox(_model.node_at(self.root, md.buffer_paths[k])) for k in bufs
+    ]
+    if not scanned:
+      local, iteration = whole, None
       _check_one_trace_per_group(md, g, path, local, self.traces)
     sub = {
       k: v
@@ -186,9 +183,6 @@ class _Interceptor:
 
     # The stack's whole buffers say whether the model runs under jit: an
     # eager call's nn.scan traces its body (and so the slices) too.
-    whole = [
-      _mesh.unbox(_model.node_at(self.root, md.buffer_paths[k])) for k in bufs
-    ]
     out, updates = _boundary.gathered(
       md,
       b,
@@ -198,7 +192,7 @@ class _Interceptor:
       (sub, cols, rngs),
       arrays,
       traced=any(isinstance(x, jax.core.Tracer) for x in whole),
-      remat=_in_remat(module),
+      remat=_lifted(module, 'remat'),
     )
     for c, tree in updates.items():
       for name, value in tree.items():
@@ -213,10 +207,6 @@ def _lifted(module, transform: str) -> bool:
   (``('remat(scan(layers))',)`` for ``nn.scan(nn.remat(Block))``)."""
   path = getattr(module.scope, 'debug_path', ())
   return any(f'{transform}(' in str(s) for s in path)
-
-
-def _in_remat(module) -> bool:
-  return _lifted(module, 'remat')
 
 
 def _one_layer(md, b: int, module, count: int) -> tuple[list, Any]:
@@ -463,20 +453,16 @@ def dedicate_linen(
     )
   params, boxes = unbox_linen(params, mesh)
   kwargs = {k: v for k, v in locals().items() if k in _model.PLANNED}
-  layers_per_gather, choice = _model.scan_layers_per_gather(
-    params, kwargs, layers_per_gather, 'nn.scan'
-  )
   specs = [None if box is None else _mesh.leaf_spec(box) for box in boxes]
   ded, placed, dp, replicated, moved = _model.plan(
-    params, mesh, layers_per_gather, choice, kwargs, specs
+    params, mesh, layers_per_gather, 'nn.scan', kwargs, specs
   )
   flat = jax.tree.flatten_with_path(placed)[0]
   paths = [_model.path(k) for k, _ in flat]
   targets_by_leaf = {t.index: t for t in ded.layout.leaves}
   out = plain_dicts(placed)
   for i, t in targets_by_leaf.items():
-    scanned = ded.boundaries.scanned[_model.boundary_of(ded, t)]
-    hole = _model.placeholder(t.shape, t.dtype, scanned)  # nn.scan slices it
+    hole = _model.placeholder(ded, t)
     if mesh is not None:
       hole = jax.device_put(hole, NamedSharding(mesh, P()))
     _model.set_at(out, paths[i], hole)
@@ -504,7 +490,7 @@ def dedicate_linen(
   for i, box in enumerate(boxes):
     if box is not None and i not in targets_by_leaf:
       if owned_mesh and _mesh.rules_decide(box):
-        box = replicated_box(box)
+        box = box.replace(names=(None,) * len(box.names))  # replicated
       elif i in moved:
         box = _mesh.without_axes(box, ded.buffer_axes)
       _model.set_at(

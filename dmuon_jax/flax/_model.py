@@ -289,19 +289,15 @@ class ModelDedication:
       The params as a nested dict of arrays, as before dedication
       (``nnx.to_pure_dict`` form for NNX).
     """
-    if isinstance(model, (nnx.Module, nnx.State)):
-      params = model if isinstance(model, nnx.State) else None
-      if params is None:
-        params = nnx.state(model, nnx.Param)
-      state = nnx.to_flat_state(params)
-      by_path = {tuple(p): v.get_value() for p, v in state}
-    else:
-      by_path = {
-        path(k): _mesh.unbox(x)
-        for k, x in jax.tree_util.tree_flatten_with_path(
-          model, is_leaf=_mesh.is_box
-        )[0]
-      }
+    if isinstance(model, nnx.Module):
+      model = nnx.state(model, nnx.Param)
+    # Variables (NNX) and boxes (Linen) as leaves, unboxed.
+    by_path = {
+      path(k): _mesh.unbox(x)
+      for k, x in jax.tree_util.tree_flatten_with_path(
+        model, is_leaf=_mesh.is_boxed
+      )[0]
+    }
     owned = [by_path[p] for p in self.buffer_paths]
     rest = [None if p is None else by_path[p] for p in self.rest_paths]
     ded = self.dedication
@@ -313,8 +309,11 @@ class ModelDedication:
     )
 
 
-def placeholder(shape: tuple[int, ...], dtype: Any, scanned: bool):
-  return jnp.zeros((shape[0], 0) if scanned else (0,), dtype)
+def placeholder(ded, target) -> jax.Array:
+  """The zero-size array that stands for Muon ``target`` (with the layer
+  axis in a scanned stack: ``nn.scan``/``nnx.scan`` slice it)."""
+  scanned = ded.boundaries.scanned[boundary_of(ded, target)]
+  return jnp.zeros((target.shape[0], 0) if scanned else (0,), target.dtype)
 
 
 # The options dedicate and dedicate_linen hand to the planner as they are.
@@ -371,10 +370,12 @@ def set_at(root: Any, path: Sequence[Any], value: Any) -> None:
     setattr(parent, path[-1], value)
 
 
-def plan(params, mesh, layers_per_gather, choice, kwargs, specs):
+def plan(params, mesh, layers_per_gather, scan: str, kwargs, specs):
   """The dedication of a Flax model's params, and the params placed for it.
 
-  Plans with :func:`dmuon_jax.dedicate`, checks what ``dmuon_jax.flax``
+  Plans with :func:`dmuon_jax.dedicate` (one layer per gather in a model
+  with ``scan``-ned stacks: :func:`scan_layers_per_gather`), checks what
+  ``dmuon_jax.flax``
   cannot run, replicates AdamW params sharded over an owner axis (see
   :func:`_replicate_rest`; ``specs``: per leaf, the spec its Flax metadata
   gives, or None) and puts unplaced params on the mesh.
@@ -383,6 +384,9 @@ def plan(params, mesh, layers_per_gather, choice, kwargs, specs):
     ``(dedication, placed params, DedicatedParams, replicated paths, {leaf
     index: moved param})``.
   """
+  layers_per_gather, choice = scan_layers_per_gather(
+    params, kwargs, layers_per_gather, scan
+  )
   ded = _dedicated.dedicate(
     params, mesh, layers_per_gather=layers_per_gather, **kwargs
   )

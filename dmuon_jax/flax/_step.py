@@ -440,20 +440,6 @@ def _output_sources(
   return sources
 
 
-def _output_specs(
-  out: Any,
-  other_def: Any,
-  other_specs: Sequence[P],
-  other_state: Sequence[bool],
-) -> list[P]:
-  """Per output leaf: the specs of the state argument it has the structure
-  of (a returned ``TrainState``), else ``P()``."""
-  return [
-    P() if k is None else other_specs[k]
-    for k in _output_sources(out, other_def, other_state)
-  ]
-
-
 def _other_leaves(args, rest, positions, batch, mesh, axes):
   """``(leaves, treedef, specs, is_state)`` of the arguments that are not
   graph nodes (``rest``): unplaced state replicated on ``mesh``, and per
@@ -476,11 +462,7 @@ def _other_leaves(args, rest, positions, batch, mesh, axes):
   ]
 
   def spec(x, b):
-    placed = (
-      _manual_spec(x, manual)
-      if isinstance(getattr(x, 'sharding', None), NamedSharding)
-      else P()
-    )
+    placed = _manual_spec(x, manual)
     # The batch is split over the owner axes along its first axis unless
     # its sharding splits it over them already: a batch placed replicated
     # (jnp arrays made under jax.set_mesh are) would have every device run
@@ -568,41 +550,30 @@ def _build_step(md, fn, merge_args, axes, explicit, key, paths):
     return jax.jit(body)
 
   def mapped(flat, other):
+    shard_map = lambda out_specs, **kw: jax.shard_map(
+      body,
+      mesh=ded.mesh,
+      in_specs=(list(specs), list(other_specs)),
+      out_specs=(list(specs), out_specs),
+      axis_names=manual,
+      **kw,
+    )
     # Outputs like an argument (a returned TrainState) keep its specs;
     # the rest is averaged. With no state among the arguments that are not
     # graph nodes (an NNX step: model, optimizer, batch) every output is
     # averaged: P() for all of them, and the step is traced once.
     if not any(other_state):
-      return jax.shard_map(
-        body,
-        mesh=ded.mesh,
-        in_specs=(list(specs), list(other_specs)),
-        out_specs=(list(specs), P()),
-        axis_names=manual,
-      )(flat, other)
+      return shard_map(P())(flat, other)
     # Else the output's structure comes from a trace first. Shapes only
     # (eval_shape computes nothing): replication typing off so that P()
     # fits every output before its specs are known.
-    probe = jax.shard_map(
-      body,
-      mesh=ded.mesh,
-      in_specs=(list(specs), list(other_specs)),
-      out_specs=(list(specs), P()),
-      axis_names=manual,
-      check_vma=False,
-    )
-    out = jax.eval_shape(probe, flat, other)[1]
-    cell['out'] = _output_specs(out, other_def, other_specs, other_state)
-    return jax.shard_map(
-      body,
-      mesh=ded.mesh,
-      in_specs=(list(specs), list(other_specs)),
-      out_specs=(
-        list(specs),
-        jax.tree.unflatten(jax.tree.structure(out), cell['out']),
-      ),
-      axis_names=manual,
-    )(flat, other)
+    out = jax.eval_shape(shard_map(P(), check_vma=False), flat, other)[1]
+    cell['out'] = [
+      P() if k is None else other_specs[k]
+      for k in _output_sources(out, other_def, other_state)
+    ]
+    out_specs = jax.tree.unflatten(jax.tree.structure(out), cell['out'])
+    return shard_map(out_specs)(flat, other)
 
   def place(x, spec, ok):
     # Arrays placed on the mesh already (``done``, known before tracing:

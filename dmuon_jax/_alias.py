@@ -366,10 +366,12 @@ def dmuon(
     options,
     lambda: (
       _transform.make_scale_by_dmuon(
-        **{k: options[k] for k in _MUON + _DMUON},
-        weight_dimension_numbers=muon_weight_dimension_numbers,
-        # The whole step (Muon and AdamW) is guarded by muon_adamw.
-        nonfinite='propagate',
+        {k: options[k] for k in _MUON + _DMUON}
+        | {
+          'weight_dimension_numbers': muon_weight_dimension_numbers,
+          # The whole step (Muon and AdamW) is guarded by muon_adamw.
+          'nonfinite': 'propagate',
+        },
         # The owners apply the shape factor (as optax's scale_by_shape).
         shape_scaling=True,
       ),

@@ -45,6 +45,13 @@ PADDED_MSG = (
 )
 
 
+# The options of scale_by_dmuon that make_config validates (by name).
+_CONFIG = (
+  'ns_coeffs ns_steps momentum nesterov adaptive preconditioning '
+  'ns_algorithm compute_dtype mu_dtype nonfinite'
+).split()
+
+
 class ScaleByDMuonState(NamedTuple):
   """State for :func:`dmuon_jax.scale_by_dmuon`.
 
@@ -598,49 +605,36 @@ def scale_by_dmuon(
     >>> updates['w'].shape
     (4, 8)
   """
-  return make_scale_by_dmuon(**locals())
+  return make_scale_by_dmuon(locals())
 
 
 def make_scale_by_dmuon(
-  *,
-  beta,
-  eps,
-  preconditioning,
-  ns_algorithm,
-  mesh,
-  axis_names,
-  tensor_parallel_axis,
-  weight_dimension_numbers,
-  param_specs,
-  nonfinite,
-  owner_groups,
-  shape_scaling=False,
-  consistent_rms=None,
-  **config,
+  options: dict[str, Any], shape_scaling: bool = False
 ) -> optax.GradientTransformation:
-  """:func:`scale_by_dmuon` (its arguments), optionally with the shape
-  factor on the owner (what :func:`dmuon_jax.dmuon` uses): its options
-  validated once, here, into the frozen :class:`_Setup`. ``config``: the
-  options only :func:`_owner_update.make_config` reads."""
+  """:func:`scale_by_dmuon` from ``options``, its arguments by name (with
+  ``consistent_rms`` where the shape factor is applied on the owner:
+  ``shape_scaling``, what :func:`dmuon_jax.dmuon` uses), validated once,
+  here, into the frozen :class:`_Setup`."""
+  o, consistent_rms = options, options.get('consistent_rms')
   hp = _owner_update.make_hyperparams(
-    beta=beta, eps=eps, consistent_rms=consistent_rms
+    beta=o['beta'], eps=o['eps'], consistent_rms=consistent_rms
   )
   cfg = _owner_update.make_config(
-    preconditioning=preconditioning,
-    ns_algorithm=ns_algorithm,
     shape_scaling=shape_scaling,
     consistent_rms=consistent_rms is not None,
-    nonfinite=nonfinite,
-    **config,
+    **{k: o[k] for k in _CONFIG},
   )
-  mesh = _mesh_argument(mesh)
+  mesh = _mesh_argument(o['mesh'])
+  axis_names, tp_axis = o['axis_names'], o['tensor_parallel_axis']
+  preconditioning, ns_algorithm = o['preconditioning'], o['ns_algorithm']
   check_tp_preconditioning(
-    _mesh.resolve(mesh, axis_names, tensor_parallel_axis), preconditioning
+    _mesh.resolve(mesh, axis_names, tp_axis), preconditioning
   )
-  param_specs = param_specs_by_path(param_specs)
+  param_specs = param_specs_by_path(o['param_specs'])
   # A concrete array (optax.inject_hyperparams injects int arguments) is
   # read as its int; 'auto' becomes None where groups cannot run (other
   # preconditionings, the direct form only), a forced k there raises.
+  owner_groups = o['owner_groups']
   if owner_groups is not None and not isinstance(owner_groups, str):
     owner_groups = _owner_update.static_int(owner_groups, 'owner_groups')
   setup = _Setup(
@@ -648,10 +642,10 @@ def make_scale_by_dmuon(
     hp,
     mesh,
     axis_names,
-    tensor_parallel_axis,
-    weight_dimension_numbers,
+    tp_axis,
+    o['weight_dimension_numbers'],
     param_specs,
-    nonfinite,
+    o['nonfinite'],
     _checks.check_option(
       owner_groups, preconditioning=preconditioning, ns_algorithm=ns_algorithm
     ),

@@ -186,21 +186,12 @@ def _zero_buffers(holders, layout, mesh) -> list[Any]:
   return buffers
 
 
-def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
-  with_path = jax.tree_util.tree_flatten_with_path(params)[0]
-  # Names a leaf that is not an array (an unfiltered Equinox model's
-  # function) before anything reads shapes or devices.
-  _routing.check_array_leaves(with_path)
-  holders = _holders(params)
+def _layout(setup: _Setup, params, with_path, holders, specs, mesh):
+  """The state's :class:`dmuon_jax.OwnerLayout`: the params' shardings read
+  once (``specs``: under the logical axis rules in effect), their owner
+  plan, and where the momentum is kept."""
   paths = [_routing.normalize_path(k) for k, _ in with_path]
   leaves = [x for _, x in with_path]
-  # Each leaf's spec as the logical axis rules in effect here give it.
-  specs = [_mesh.leaf_spec(h) for h in holders]
-  mesh = setup.mesh if setup.mesh is not None else _mesh.context_mesh()
-  if mesh is None:
-    found = (_mesh.array_mesh(x) for x in leaves)
-    mesh = next((m for m in found if m is not None), None)
-  _mesh.check_devices(params, mesh)
   targets = _routing.route(
     params,
     predicate=lambda path, leaf: True,
@@ -307,13 +298,29 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
       for i, e in enumerate(entries)
     ],
   )
-  layout = dataclasses.replace(
+  return dataclasses.replace(
     layout,
     momentum=layout.placement(
       [free[t.index] for t in layout.leaves],
       [_mesh.sharding_names(holders[t.index]) for t in layout.leaves],
     ),
   )
+
+
+def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
+  with_path = jax.tree_util.tree_flatten_with_path(params)[0]
+  # Names a leaf that is not an array (an unfiltered Equinox model's
+  # function) before anything reads shapes or devices.
+  _routing.check_array_leaves(with_path)
+  holders = _holders(params)
+  # Each leaf's spec as the logical axis rules in effect here give it.
+  specs = [_mesh.leaf_spec(h) for h in holders]
+  mesh = setup.mesh if setup.mesh is not None else _mesh.context_mesh()
+  if mesh is None:
+    found = (_mesh.array_mesh(x) for _, x in with_path)
+    mesh = next((m for m in found if m is not None), None)
+  _mesh.check_devices(params, mesh)
+  layout = _layout(setup, params, with_path, holders, specs, mesh)
   uneven, extra = layout.padding()
   if uneven:  # warned once per layout
     total = sum(math.prod(t.shape) for t in layout.leaves)

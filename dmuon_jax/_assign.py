@@ -45,6 +45,7 @@ from dmuon_jax._newton_schulz import is_int
 from dmuon_jax._plan import (
   MIN_SLICE,
   MatrixUnit,
+  OwnerGroup,
   OwnershipPlan,
   matrix_units,
   resliced,
@@ -289,15 +290,13 @@ Piece = tuple[float, int, str, int | tuple[int, int], int]
 
 def place(
   items: Sequence[tuple[float, int, int]],
-  iteration_costs: Sequence[Sequence[float]],
-  group_units: Sequence[Sequence[int]],
+  groups: Sequence[OwnerGroup],
   units: Sequence[MatrixUnit],
   rows: Sequence[Sequence[int]],
-  distinct: bool,
   *,
   loads: np.ndarray | None = None,
   budget: Budget | None = None,
-) -> tuple[list[int], list[tuple[int, ...]]]:
+) -> tuple[list[int], list[OwnerGroup]]:
   """Owners of the units and of the groups' iterations.
 
   LPT of the pieces (a whole matrix, or a group with its slices) onto
@@ -307,22 +306,23 @@ def place(
 
   Args:
     items: the pieces, ``(cost, order, whole unit index | -(group + 1))``.
-    iteration_costs: per group, its iteration's cost in each restart
-      window (with a ``budget`` each window is a piece of its own; without
-      one a group's windows go to one slot).
-    group_units: per group, its slices' unit indices.
+    groups: the owner groups, their ``units`` indices into ``units``; with
+      a ``budget`` each restart window's iteration is a piece of its own
+      (without one a group's windows go to one slot); ``distinct``: every
+      slice of a group on its own member (``owner_groups=k``).
     units: the units (whole matrices and slices).
     rows: the slots of each row.
-    distinct: every slice of a group on its own member (``owner_groups=
-      k``).
     loads: (optional) per slot, the work it already carries; updated in
       place.
     budget: (optional) the bytes a slot may hold of these units.
 
   Returns:
-    ``(owners, iteration_owners)``: a slot per unit, per group a slot per
-    window.
+    ``(owners, groups)``: a slot per unit, the groups with their
+    ``iteration_owners``.
   """
+  iteration_costs = [g.iteration_costs for g in groups]
+  group_units = [g.units for g in groups]
+  distinct = any(g.distinct for g in groups)
   n = sum(len(r) for r in rows)
   if loads is None:
     loads = np.zeros(n)
@@ -381,7 +381,10 @@ def place(
         for v in range(len(iteration_owners[g])) if w < 0 else [w]:
           iteration_owners[g][v] = slot
           loads[slot] += iteration_costs[g][v]
-  return owners, [tuple(o) for o in iteration_owners]
+  return owners, [
+    dataclasses.replace(g, iteration_owners=tuple(o))
+    for g, o in zip(groups, iteration_owners)
+  ]
 
 
 def _members(
@@ -625,21 +628,9 @@ def plan_with_groups(
     return None
   sliced, pieces = resliced(plan, views, ns_steps, distinct=forced)
   rows = [list(range(r, r + row_size)) for r in range(0, n, row_size)]
-  owners, iteration_owners = place(
-    pieces,
-    [g.iteration_costs for g in sliced.groups],
-    [g.units for g in sliced.groups],
-    sliced.units,
-    rows,
-    forced,
-  )
+  owners, groups = place(pieces, sliced.groups, sliced.units, rows)
   grouped = dataclasses.replace(
-    sliced,
-    owners=tuple(owners),
-    groups=tuple(
-      dataclasses.replace(g, iteration_owners=tuple(o))
-      for g, o in zip(sliced.groups, iteration_owners)
-    ),
+    sliced, owners=tuple(owners), groups=tuple(groups)
   )
   predicted = grouped.makespan + FLOPS_PER_BYTE * grouped.group_exchange_bytes()
   if not forced and predicted > (1 - _GROUP_GAIN) * plain:

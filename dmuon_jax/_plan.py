@@ -185,17 +185,8 @@ class OwnershipPlan:
 
   @functools.cached_property
   def _hash(self) -> int:
-    return hash(
-      (
-        self.axis_names,
-        self.mesh_shape,
-        self.num_leaves,
-        self.leaves,
-        self.units,
-        self.owners,
-        self.groups,
-      )
-    )
+    fields = dataclasses.fields(self)
+    return hash(tuple(getattr(self, f.name) for f in fields if f.compare))
 
   @property
   def num_slots(self) -> int:
@@ -216,11 +207,7 @@ class OwnershipPlan:
         f'dmuon: slot {slot} is out of range; the plan has'
         f' {self.num_slots} slots: pass 0 to {self.num_slots - 1}.'
       )
-    coords = []
-    for size in reversed(self.mesh_shape):
-      coords.append(slot % size)
-      slot //= size
-    return tuple(reversed(coords))
+    return tuple(int(c) for c in np.unravel_index(slot, self.mesh_shape))
 
   def slot_costs(self) -> tuple[float, ...]:
     """Predicted Newton–Schulz FLOPs per slot."""
@@ -241,14 +228,9 @@ class OwnershipPlan:
 
   def group_row(self, slot: int) -> int:
     """The row of a slot: its index over the owner axes but the group axis."""
-    if not self.axis_names:
-      return 0
-    pos = self.axis_names.index(self.group_axis())
-    coords = list(self.slot_coords(slot))
-    del coords[pos]
-    shape = list(self.mesh_shape)
-    del shape[pos]
-    return int(np.ravel_multi_index(coords, shape)) if shape else 0
+    axis = self.axis_names.index(self.group_axis()) if self.axis_names else 0
+    rows = group_rows(self.mesh_shape, axis)
+    return next(r for r, row in enumerate(rows) if slot in row)
 
   def group_slots(self, g: int) -> tuple[int, ...]:
     """The slots holding a slice of group ``g`` or running an iteration."""
@@ -328,10 +310,7 @@ class OwnershipPlan:
         f'dmuon: batch_index {batch_index} is out of range for'
         f' {spec.path!r} with batch shape {batch_shape}.'
       )
-    offset = 0
-    for i, n in zip(batch_index, batch_shape):
-      offset = offset * n + i
-    return start + offset
+    return start + int(np.ravel_multi_index(batch_index, batch_shape))
 
   @property
   def makespan(self) -> float:
@@ -762,14 +741,16 @@ def resliced(
 
 def gather_bytes(plan: OwnershipPlan) -> tuple[int, int]:
   """``(payload, gathered)``: the bytes of ``plan``'s matrices, and what one
-  gather of them moves: per dtype (an owner buffer each), ``num_slots``
-  times the largest owner's bytes."""
+  gather of them moves: per dtype (an owner buffer each, of at least one
+  element), ``num_slots`` times the largest owner's bytes."""
+  n = plan.num_slots
+  held = {s.dtype: np.zeros(n, np.int64) for s in plan.leaves}
   dtype_of = {s.leaf_index: s.dtype for s in plan.leaves}
-  held: dict[str, np.ndarray] = {}
   for u, slot in zip(plan.units, plan.owners):
-    dtype = dtype_of[u.leaf_index]
-    held.setdefault(dtype, np.zeros(plan.num_slots, np.int64))[slot] += u.nbytes
-  gathered = sum(plan.num_slots * int(h.max()) for h in held.values())
+    held[dtype_of[u.leaf_index]][slot] += u.nbytes
+  gathered = sum(
+    n * max(int(h.max()), jnp.dtype(d).itemsize) for d, h in held.items()
+  )
   return sum(u.nbytes for u in plan.units), gathered
 
 

@@ -52,7 +52,6 @@ from dmuon_jax._plan import (
   sliced_spec,
 )
 from dmuon_jax._routing import (
-  LeafSpec,
   Predicate,
   WeightDimNums,
   route,
@@ -89,14 +88,6 @@ class Budget(NamedTuple):
 
   key: Sequence[int]
   cap: Sequence[float]
-
-  def held(self, n: int) -> np.ndarray:
-    """Zero bytes held: per bucket, per slot."""
-    return np.zeros((len(self.cap), n))
-
-  def room(self, held: np.ndarray, unit: int, nbytes: int) -> np.ndarray:
-    """Where ``unit`` may go (see :func:`_room`), by its bucket."""
-    return _room(held[self.key[unit]], nbytes, self.cap[self.key[unit]])
 
 
 def _room(held: np.ndarray, nbytes: float, cap: float) -> np.ndarray:
@@ -147,7 +138,7 @@ def assign(
   counts = {layer: np.zeros(num_slots, dtype=np.int64) for layer in sizes}
   if loads is None:
     loads = np.zeros(num_slots, dtype=np.float64)
-  held = None if budget is None else budget.held(num_slots)
+  held = None if budget is None else np.zeros((len(budget.cap), num_slots))
   owners = [0] * len(units)
   makespan = float(loads.max(initial=0.0))
   order = sorted(range(len(units)), key=lambda i: (-units[i].cost, i))
@@ -159,7 +150,8 @@ def assign(
     if budget is None:
       g = int(np.argmin(loads))  # argmin returns the lowest index on ties.
     else:
-      ok = budget.room(held, i, unit.nbytes)
+      key = budget.key[i]
+      ok = _room(held[key], unit.nbytes, budget.cap[key])
       g = int(np.argmin(np.where(ok, loads, np.inf)))
       below = below & ok
     choice = g
@@ -217,6 +209,19 @@ def _spread_layers(
     key = budget.key[i]
     return held[key, t] + units[i].nbytes <= budget.cap[key]
 
+  def move(i, src, dst):
+    unit = units[i]
+    owners[i] = dst
+    loads[src] -= unit.cost
+    loads[dst] += unit.cost
+    counts[unit.layer][src] -= 1
+    counts[unit.layer][dst] += 1
+    on_slot[src].remove(i)
+    on_slot[dst].append(i)
+    if budget is not None:
+      held[budget.key[i], src] -= unit.nbytes
+      held[budget.key[i], dst] += unit.nbytes
+
   def same_bytes(i, j):
     return budget is None or (
       budget.key[i] == budget.key[j] and units[i].nbytes == units[j].nbytes
@@ -257,28 +262,11 @@ def _spread_layers(
           if checks <= 0:
             return
           continue
-        _move(i, s, t, units, owners, loads, counts, on_slot, budget, held)
+        move(i, s, t)
         if partner >= 0:
-          _move(
-            partner, t, s, units, owners, loads, counts, on_slot, budget, held
-          )
+          move(partner, t, s)
         changed = True
         break
-
-
-def _move(i, src, dst, units, owners, loads, counts, on_slot, budget, held):
-  """Unit ``i`` from slot ``src`` to ``dst``, and the tallies with it."""
-  unit = units[i]
-  owners[i] = dst
-  loads[src] -= unit.cost
-  loads[dst] += unit.cost
-  counts[unit.layer][src] -= 1
-  counts[unit.layer][dst] += 1
-  on_slot[src].remove(i)
-  on_slot[dst].append(i)
-  if budget is not None:
-    held[budget.key[i], src] -= unit.nbytes
-    held[budget.key[i], dst] += unit.nbytes
 
 
 # A piece of a row: (cost, order, kind, ref, group). ``kind`` is 'unit' (a
@@ -606,7 +594,24 @@ def plan_with_groups(
   plain = float(costs.max(initial=0.0))
   if not forced and plain <= _GROUP_TRIGGER * ideal:
     return None
-  chosen = _candidates(plan.leaves, plan.units, ungroupable, forced, ideal)
+  # The leaves whose matrices may be split: every groupable one when
+  # forced, else those costly enough (see _MIN_GROUP_FLOPS, _COARSE).
+  first_cost = {}
+  for u in plan.units:
+    first_cost.setdefault(u.leaf_index, u.cost)
+  chosen = [
+    s
+    for s in plan.leaves
+    if s.leaf_index not in ungroupable
+    and min(s.matrix_shape) >= 2
+    and (
+      forced
+      or (
+        first_cost[s.leaf_index] >= _MIN_GROUP_FLOPS
+        and first_cost[s.leaf_index] > _COARSE * ideal
+      )
+    )
+  ]
   if not chosen:
     return None
   parts = {
@@ -615,13 +620,32 @@ def plan_with_groups(
   bound = max([ideal] + [sum(p[1]) for p in parts.values()])
   views = {}
   for spec in chosen:
-    view = _view(
-      spec,
-      owner_groups if forced else None,
-      strides.get(spec.leaf_index),
-      parts[spec.leaf_index][0],
-      bound,
-    )
+    stride = strides.get(spec.leaf_index)
+    if forced:  # k slices, or an error
+      view = sliced_spec(spec, owner_groups, stride)
+      if view is None:
+        raise ValueError(
+          f'dmuon: owner_groups={owner_groups}: the long side of param '
+          f'{spec.path!r} (matrices {spec.matrix_shape[0]}x'
+          f'{spec.matrix_shape[1]}) does not split into {owner_groups} '
+          'slices on a dimension divisible by that times its shard count. '
+          "Pass a k that divides it, or owner_groups='auto'."
+        )
+    else:
+      # The fewest slices of at most _SLICE_FRACTION * bound work each
+      # that divide and keep MIN_SLICE rows/columns; else, if those would
+      # be too narrow, the most coarser ones that do (None if none does).
+      work = parts[spec.leaf_index][0]
+      least = max(2, math.ceil(work / (_SLICE_FRACTION * bound)))
+      counts = list(range(least, 4 * least + 1)) + list(range(least - 1, 1, -1))
+      view = next(
+        (
+          v
+          for v in (sliced_spec(spec, k, stride, MIN_SLICE) for k in counts)
+          if v is not None
+        ),
+        None,
+      )
     if view is not None:
       views[spec.leaf_index] = view
   if not views:
@@ -636,69 +660,6 @@ def plan_with_groups(
   if not forced and predicted > (1 - _GROUP_GAIN) * plain:
     return None
   return grouped
-
-
-def _candidates(
-  leaves: Sequence[LeafSpec],
-  units: Sequence[MatrixUnit],
-  ungroupable: frozenset[int],
-  forced: bool,
-  ideal: float,
-) -> list[LeafSpec]:
-  """The leaves whose matrices may be split: every groupable one when
-  ``forced``, else those costly enough (see ``_MIN_GROUP_FLOPS``,
-  ``_COARSE``)."""
-  first_cost = {}
-  for u in units:
-    first_cost.setdefault(u.leaf_index, u.cost)
-  chosen = []
-  for spec in leaves:
-    s_, l_ = sorted(spec.matrix_shape)
-    if spec.leaf_index in ungroupable or s_ < 2:
-      continue
-    if not forced and (
-      first_cost[spec.leaf_index] < _MIN_GROUP_FLOPS
-      or first_cost[spec.leaf_index] <= _COARSE * ideal
-    ):
-      continue
-    chosen.append(spec)
-  return chosen
-
-
-def _view(
-  spec: LeafSpec,
-  k: int | None,
-  stride: Sequence[int] | None,
-  work: float,
-  bound: float,
-) -> LeafSpec | None:
-  """The sliced view of a chosen leaf: into ``k`` slices (forced; raises
-  when they do not divide), else (``k`` None) into the fewest slices of
-  at most ``_SLICE_FRACTION * bound`` work each that divide and keep
-  ``MIN_SLICE`` rows/columns, or the most coarser ones that do (None if
-  none does)."""
-  if k is not None:
-    view = sliced_spec(spec, k, stride)
-    if view is None:
-      raise ValueError(
-        f'dmuon: owner_groups={k}: the long side of param '
-        f'{spec.path!r} (matrices {spec.matrix_shape[0]}x'
-        f'{spec.matrix_shape[1]}) does not split into {k} '
-        'slices on a dimension divisible by that times its shard count. '
-        "Pass a k that divides it, or owner_groups='auto'."
-      )
-    return view
-  least = max(2, math.ceil(work / (_SLICE_FRACTION * bound)))
-  view = None
-  # The fewest slices that are fine enough; else, if slices of
-  # MIN_SLICE would be too narrow, the most that are not.
-  for slices in list(range(least, 4 * least + 1)) + list(
-    range(least - 1, 1, -1)
-  ):
-    view = sliced_spec(spec, slices, stride, MIN_SLICE)
-    if view is not None:
-      break
-  return view
 
 
 CostFn = Callable[[int, int], float]

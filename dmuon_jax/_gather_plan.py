@@ -86,9 +86,12 @@ def plan_gather_groups(
   if split:
     memo = {} if memo is None else memo
     views = {}
-    for _, scanned, specs in groups:
+    for name, scanned, specs in groups:
       if not scanned:
-        views.update(_split_views(plan, specs, rows, ns_steps, memo)[0])
+        got = _split_views(
+          plan, name, False, specs, 1, rows, True, ns_steps, memo
+        )
+        views.update(got[0])
     if views:
       plan = resliced(plan, views, ns_steps)[0]
       spec_of = {s.leaf_index: s for s in plan.leaves}
@@ -205,18 +208,12 @@ def gather_group_bytes(
   equal shapes are placed once, through ``memo``)."""
   rows = _group_rows(plan, tuple(buffer_axes), group_axis)
   memo = {} if memo is None else memo
-  out = []
-  for name, scanned, specs in groups:
-    if split and not scanned:
-      out.append(_split_views(plan, specs, rows, ns_steps, memo)[1])
-      continue
-    k = layers_per_gather if scanned else 1
-    key = (scanned, _signature(specs), k)
-    if key not in memo:
-      sub = resliced(plan, {}, ns_steps, {s.leaf_index for s in specs})[0]
-      memo[key] = _trial(sub, name, scanned, k, rows)
-    out.append(memo[key])
-  return out
+  return [
+    _split_views(
+      plan, name, scanned, specs, layers_per_gather, rows, split, ns_steps, memo
+    )[1]
+    for name, scanned, specs in groups
+  ]
 
 
 # Placing a loop gather group, a slot's bytes may exceed the group's mean
@@ -226,22 +223,6 @@ _BYTE_SLACK = 0.02
 # A loop gather group whose whole matrices would pad more than this (in
 # percent of its bytes) has matrices split into slices (owner groups).
 SPLIT_PADDING_PERCENT = 5.0
-
-
-def _signature(specs: Sequence[LeafSpec]) -> tuple:
-  """What placing a group reads of its leaves (not their paths)."""
-  return tuple(
-    (
-      s.shape,
-      s.dtype,
-      s.batch_axes,
-      s.reduction_axes,
-      s.output_axes,
-      s.original_shape,
-      s.slice_axis,
-    )
-    for s in specs
-  )
 
 
 def _signature(specs: Sequence[LeafSpec]) -> tuple:
@@ -276,24 +257,31 @@ def _trial(
 
 def _split_views(
   plan: OwnershipPlan,
+  name: str,
+  scanned: bool,
   specs: Sequence[LeafSpec],
+  k: int,
   rows: list[list[int]],
+  split: bool,
   ns_steps: int,
   memo: dict,
 ) -> tuple[dict[int, LeafSpec], GatherBytes]:
-  """The slicing of one loop gather group's matrices, and its bytes.
+  """The slicing of one gather group's matrices, and its bytes placed
+  alone (a scanned stack's: ``k`` layers per iteration).
 
-  Whole matrices if they pad at most ``SPLIT_PADDING_PERCENT``; else the
-  coarsest slicing of :func:`byte_views` that does, placed
-  as :func:`plan_gather_groups` places it (else the one padding least).
-  Groups of equal shapes share one decision through ``memo``.
+  Whole matrices for a scanned stack, without ``split``, or if they pad
+  at most ``SPLIT_PADDING_PERCENT``; else the coarsest slicing of
+  :func:`byte_views` that does, placed as :func:`plan_gather_groups`
+  places it (else the one padding least). Groups of equal shapes share
+  one decision through ``memo``.
   """
-  key = ('split', _signature(specs), tuple(map(tuple, rows)))
+  split, k = split and not scanned, k if scanned else 1
+  key = (split, scanned, _signature(specs), k, tuple(map(tuple, rows)))
   if key not in memo:
     sub = resliced(plan, {}, ns_steps, {s.leaf_index for s in specs})[0]
-    best = _trial(sub, '', False, 1, rows)
+    best = _trial(sub, name, scanned, k, rows)
     counts = {}
-    if _padding(best) > SPLIT_PADDING_PERCENT:
+    if split and _padding(best) > SPLIT_PADDING_PERCENT:
       per_slot = best.payload / plan.num_slots
       for views in byte_views(sub.leaves, per_slot):
         got = _trial(resliced(sub, views, ns_steps)[0], '', False, 1, rows)
@@ -312,10 +300,6 @@ def _split_views(
       spec, slices, None, min_byte_slice(spec)
     )
   return views, best
-
-
-def _padding(b: GatherBytes) -> float:
-  return 100 * (b.gathered / b.payload - 1) if b.payload else 0.0
 
 
 def _padding(b: GatherBytes) -> float:

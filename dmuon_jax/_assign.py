@@ -288,7 +288,7 @@ def place(
   """Owners of the units and of the groups' iterations.
 
   LPT of the pieces (a whole matrix, or a group with its slices) onto
-  rows, then each row's pieces onto its members (see :func:`_members`).
+  rows, then each row's pieces onto its members (see :func:`_distinct` and :func:`_fill`).
   With a ``budget``, a piece goes to the least-loaded row with room for
   its bytes (else the least filled), and a row's members to their share.
 
@@ -308,8 +308,6 @@ def place(
     ``(owners, groups)``: a slot per unit, the groups with their
     ``iteration_owners``.
   """
-  iteration_costs = [g.iteration_costs for g in groups]
-  group_units = [g.units for g in groups]
   distinct = any(g.distinct for g in groups)
   n = sum(len(r) for r in rows)
   if loads is None:
@@ -325,8 +323,8 @@ def place(
       if ref >= 0:
         key, nbytes = budget.key[ref], units[ref].nbytes
       else:
-        key = budget.key[group_units[-ref - 1][0]]
-        nbytes = sum(units[u].nbytes for u in group_units[-ref - 1])
+        key = budget.key[groups[-ref - 1].units[0]]
+        nbytes = sum(units[u].nbytes for u in groups[-ref - 1].units)
       ok = _room(row_held[key], nbytes, row_cap[key])
       r = int(np.argmin(np.where(ok, row_load, np.inf)))
       row_held[key, r] += nbytes
@@ -340,16 +338,16 @@ def place(
     # evenly) it holds its share, and the windows' iterations are pieces
     # of their own, so that no device holds a whole iteration and a share.
     windows = (
-      enumerate(iteration_costs[g])
+      enumerate(groups[g].iteration_costs)
       if budget is not None
-      else [(-1, sum(iteration_costs[g]))]
+      else [(-1, sum(groups[g].iteration_costs))]
     )
     for w, c in windows:
       row_pieces[r].append((c, order, 'iteration', (g, w), g))
-    for u in group_units[g]:
+    for u in groups[g].units:
       row_pieces[r].append((units[u].cost, order, 'unit', u, g))
   owners = [0] * len(units)
-  iteration_owners = [[0] * len(c) for c in iteration_costs]
+  iteration_owners = [[0] * len(g.iteration_costs) for g in groups]
   nbytes = [u.nbytes for u in units]
   for row, pieces in zip(rows, row_pieces):
     byte_cap = None
@@ -358,7 +356,8 @@ def place(
       # but for mixed dtypes (then the caps' sum bounds it).
       keys = {budget.key[p[3]] for p in pieces if p[2] == 'unit'}
       byte_cap = sum(budget.cap[k] for k in keys)
-    got = _members(pieces, len(row), distinct, nbytes, loads[row], byte_cap)
+    members = _distinct if distinct else _fill
+    got = members(pieces, len(row), nbytes, loads[row], byte_cap)
     for (kind, ref), m in got.items():
       slot = row[m]
       if kind == 'unit':
@@ -368,46 +367,40 @@ def place(
         g, w = ref
         for v in range(len(iteration_owners[g])) if w < 0 else [w]:
           iteration_owners[g][v] = slot
-          loads[slot] += iteration_costs[g][v]
+          loads[slot] += groups[g].iteration_costs[v]
   return owners, [
     dataclasses.replace(g, iteration_owners=tuple(o))
     for g, o in zip(groups, iteration_owners)
   ]
 
 
-def _members(
+def _distinct(
   pieces: list[Piece],
   row_size: int,
-  distinct: bool,
   nbytes: Sequence[int],
-  loads: np.ndarray | None = None,
+  loads: np.ndarray,
   byte_cap: float | None = None,
 ) -> dict[tuple[str, int], int]:
-  """One row's pieces onto its members (``loads``: their work so far).
-
-  ``distinct`` (``owner_groups=k``): LPT, each piece to the least-loaded
-  member (ties: lowest; with a ``byte_cap``, among those with room for its
-  bytes), a group's slices to members not yet holding one, its window
-  iterations on them. Else see :func:`_fill` (``nbytes``: each unit's bytes).
+  """One row's pieces onto its members (``loads``: their work so far) for
+  ``owner_groups=k`` (distinct groups; else :func:`_fill`): LPT, each piece
+  to the least-loaded member (ties: lowest; with a ``byte_cap``, among those
+  with room for its bytes), a group's slices to members not yet holding
+  one, its window iterations on them (``nbytes``: each unit's bytes).
   """
-  if not distinct:
-    return _fill(pieces, row_size, nbytes, loads, byte_cap)
-  loads = np.zeros(row_size) if loads is None else np.array(loads, float)
+  loads = np.array(loads, float)
   held = np.zeros(row_size)
   heldby: dict[int, set[int]] = collections.defaultdict(set)
   out = {}
   # A distinct group's iteration goes to one of its k slice owners, so it
   # is placed after every slice.
-  ordered = sorted(
-    pieces, key=lambda p: (p[2] == 'iteration' and p[4] >= 0, -p[0], p[1])
-  )
+  ordered = sorted(pieces, key=lambda p: (p[2] == 'iteration', -p[0], p[1]))
   for cost, _, kind, ref, group in ordered:
     b = nbytes[ref] if kind == 'unit' else 0
     fits = np.arange(row_size)
     if byte_cap is not None:
       fits = fits[_room(held, b, byte_cap)]
     choice = int(fits[np.argmin(loads[fits])])
-    if group >= 0 and kind == 'iteration':
+    if kind == 'iteration':
       choice = min(heldby[group], key=lambda m: (loads[m], m))
     elif group >= 0:
       free = [m for m in fits if m not in heldby[group]]
@@ -426,7 +419,7 @@ def _fill(
   pieces: list[Piece],
   row_size: int,
   nbytes: Sequence[int],
-  loads0: np.ndarray | None = None,
+  loads0: np.ndarray,
   byte_cap: float | None = None,
 ) -> dict[tuple[str, int], int]:
   """``'auto'``'s placement in a row.
@@ -453,10 +446,10 @@ def _fill(
     pieces: see :func:`place`.
     row_size: the members of the row.
     nbytes: bytes of each unit (by unit index).
-    loads0: (optional) the members' work so far.
+    loads0: the members' work so far.
     byte_cap: (optional) the most bytes a member should hold.
   """
-  base = np.zeros(row_size) if loads0 is None else np.array(loads0, float)
+  base = np.array(loads0, float)
   whole, slices = [], collections.defaultdict(list)
   # A group's windows but its largest go after its slices, each to the
   # least-loaded member holding some (which then sends no Gram in that

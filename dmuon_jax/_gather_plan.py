@@ -105,15 +105,34 @@ def plan_gather_groups(
     _place_gather_group(plan, name, scanned, specs, k, rows, work)
     for name, scanned, specs in groups
   ]
-  moved = _balance_work(placed, n, rows)
+  # Even out the work over the model by swapping owners inside loop gather
+  # groups (see balance; a scanned stack keeps its rotation, a group with
+  # owner groups swaps within a row); moved[g]: where each slot's share in
+  # gather group g goes.
+  per_group = []
+  for gp, _, iters in placed:
+    w = np.zeros(n)
+    for u, slot in zip(gp.units, gp.owners):
+      for t in range(max(iters, 1)):
+        w[(slot + t) % n] += u.cost
+    for grp in gp.groups:
+      for slot, cost in zip(grp.iteration_owners, grp.iteration_costs):
+        w[slot] += cost
+    per_group.append(w)
+  moves = balance(
+    per_group,
+    [not iters for _, _, iters in placed],
+    [bool(gp.groups) for gp, _, _ in placed],
+    rows,
+  )
+  moved = [list(range(n)) for _ in placed]
+  for g, move in moves:
+    moved[g] = [move.get(s, s) for s in moved[g]]
   sizes = dict(zip(plan.axis_names, plan.mesh_shape))
   # A slot in buffer_axes order -> the plan's (mesh-order) slot.
   to_plan = np.arange(n).reshape(plan.mesh_shape)
   to_plan = to_plan.transpose([plan.axis_names.index(a) for a in buffer_axes])
   to_plan = to_plan.ravel().tolist()
-  unit_ids = {
-    (u.leaf_index, u.batch_index): i for i, u in enumerate(plan.units)
-  }
   owners = [0] * len(plan.units)
   iteration = {}
   group_plans = []
@@ -129,7 +148,7 @@ def plan_gather_groups(
         index = u.batch_index
         if iters:
           index = (t * k + index[0],) + index[1:]
-        owners[unit_ids[(u.leaf_index, index)]] = to_plan[(slot + t) % n]
+        owners[plan.unit_index(u.leaf_index, index)] = to_plan[(slot + t) % n]
     group_plans.append(
       dataclasses.replace(
         gp,
@@ -153,33 +172,6 @@ def plan_gather_groups(
     tuple(group_plans),
     tuple(iters for _, _, iters in placed),
   )
-
-
-def _balance_work(placed, n: int, rows: Sequence[Sequence[int]]) -> list:
-  """Evens out the work over the model by swapping owners inside loop
-  gather groups (see :func:`balance`; a scanned stack keeps its rotation,
-  a group with owner groups swaps within a row). Returns per gather group
-  where each slot's share goes (slot -> slot)."""
-  per_group = []
-  for gp, _, iters in placed:
-    w = np.zeros(n)
-    for u, slot in zip(gp.units, gp.owners):
-      for t in range(max(iters, 1)):
-        w[(slot + t) % n] += u.cost
-    for grp in gp.groups:
-      for slot, cost in zip(grp.iteration_owners, grp.iteration_costs):
-        w[slot] += cost
-    per_group.append(w)
-  moves = balance(
-    per_group,
-    [not iters for _, _, iters in placed],
-    [bool(gp.groups) for gp, _, _ in placed],
-    rows,
-  )
-  moved = [list(range(n)) for _ in placed]
-  for g, move in moves:
-    moved[g] = [move.get(s, s) for s in moved[g]]
-  return moved
 
 
 class GatherBytes(NamedTuple):
@@ -441,23 +433,6 @@ def min_byte_slice(spec: LeafSpec) -> int:
   return min(MIN_SLICE, min(spec.matrix_shape))
 
 
-def _slice_counts(spec: LeafSpec) -> list[int]:
-  """The slice counts (> 1, ascending) that :func:`sliced_spec` accepts
-  for ``spec`` with :func:`min_byte_slice`."""
-  fi, fo = spec.matrix_shape
-  long_axes = spec.output_axes if fo >= fi else spec.reduction_axes
-  divisors = {
-    k
-    for a in long_axes
-    for k in range(2, spec.shape[a] + 1)
-    if spec.shape[a] % k == 0
-  }
-  least = min_byte_slice(spec)
-  return [
-    k for k in sorted(divisors) if sliced_spec(spec, k, None, least) is not None
-  ]
-
-
 def byte_views(
   specs: Sequence[LeafSpec], per_slot: float
 ) -> Iterator[dict[int, LeafSpec]]:
@@ -481,10 +456,22 @@ def byte_views(
   for s in specs:
     if s.sliced or min(s.matrix_shape) < 2:
       continue
-    ks = _slice_counts(s)
+    # The slice counts (> 1, ascending) that sliced_spec accepts.
+    fi, fo = s.matrix_shape
+    long_axes = s.output_axes if fo >= fi else s.reduction_axes
+    divisors = {
+      k
+      for a in long_axes
+      for k in range(2, s.shape[a] + 1)
+      if s.shape[a] % k == 0
+    }
+    ks = [
+      k
+      for k in sorted(divisors)
+      if sliced_spec(s, k, None, min_byte_slice(s)) is not None
+    ]
     if ks:
       counts[s.leaf_index] = ks
-      fi, fo = s.matrix_shape
       sizes[s.leaf_index] = fi * fo * jnp.dtype(s.dtype).itemsize
   by_index = {s.leaf_index: s for s in specs}
   # The thresholds at which some leaf's slice count changes.

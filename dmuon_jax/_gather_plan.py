@@ -3,10 +3,14 @@
 Within a gather group, matrices (and, where whole ones would pad the
 gather, their slices: owner groups) go to owners so that the group's bytes
 are even over the owners; owners are then swapped between slots to even out
-the Newton–Schulz work over the model. :func:`gather_group_bytes` predicts
-each group's bytes without placing the whole model (``layers_per_gather=
-'auto'`` weighs them). The plan of all Muon targets comes from
-:func:`dmuon_jax._assign.plan_ownership`.
+the Newton–Schulz work over the model. Each group is placed as a group
+plan (an ``OwnershipPlan`` over the buffer axes) by
+:func:`dmuon_jax._assign.place` or :func:`~dmuon_jax._assign.assign`, the
+placement of every plan. :func:`gather_group_bytes` predicts each group's
+bytes without placing the whole model (``layers_per_gather='auto'`` weighs
+them), counted by :func:`dmuon_jax._plan.gather_bytes` as
+``Dedication.gather_bytes`` counts a built one. The plan of all Muon
+targets comes from :func:`dmuon_jax._assign.plan_ownership`.
 """
 
 from __future__ import annotations

@@ -229,6 +229,7 @@ class OwnershipPlan:
   def group_row(self, slot: int) -> int:
     """The row of a slot: its index over the owner axes but the group axis."""
     axis = self.axis_names.index(self.group_axis()) if self.axis_names else 0
+    self.slot_coords(slot)  # raises for a slot out of range
     rows = group_rows(self.mesh_shape, axis)
     return next(r for r, row in enumerate(rows) if slot in row)
 

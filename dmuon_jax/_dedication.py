@@ -429,7 +429,7 @@ class Dedication:
     """
     payload = gathered = 0
     for lay, it in zip(self.layout.groups, self.layout.iterations):
-      used, held = _group_bytes(lay)
+      used, held = _plan.gather_bytes(lay.plan)
       payload += max(it, 1) * used
       gathered += max(it, 1) * held
     return payload, gathered
@@ -556,15 +556,6 @@ def padding_percent(used: int, held: int) -> float:
   return 100 * (held / used - 1) if used else 0.0
 
 
-def _group_bytes(lay: _layout.Layout) -> tuple[int, int]:
-  used = held = 0
-  for g, d in enumerate(lay.dtypes):
-    item = np.dtype(d).itemsize
-    used += int(lay.slot_used[g].sum()) * item
-    held += lay.num_slots * lay.local_sizes[g] * item
-  return used, held
-
-
 def _summary(ded: Dedication) -> str:
   payload, gathered = ded.gather_bytes()
   mode = 'Z3' if ded.reshard_after_forward else 'Z2'
@@ -581,7 +572,7 @@ def _summary(ded: Dedication) -> str:
     + f', layout {ded.layout.name}'
   ]
   for g, lay in enumerate(ded.layout.groups):
-    used, held = _group_bytes(lay)
+    used, held = _plan.gather_bytes(lay.plan)
     names = ', '.join(
       ded.boundaries.names[b] or '<root>' for b in ded.groups[g]
     )

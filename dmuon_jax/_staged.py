@@ -90,6 +90,7 @@ class _Type(NamedTuple):
   gram: int  # g, the Gram's size
   group: int  # dtype group of its buffer
   segments: tuple[tuple[int, int], ...]  # its restart windows
+  key: Any  # what the finish reads of its unit (Stages' unit_keys)
 
 
 def _typed(per_slot, n):
@@ -129,7 +130,7 @@ class Stages:
   slot-indexed tables (``axis_index``). The types follow the model and
   the plan's few signatures, not the number of devices.
 
-  ``unit_keys`` (optional, per unit of the plan): what the finish reads of
+  ``unit_keys`` (per unit of the plan): what the finish reads of
   a unit (its whole matrix's shape, whether it decays): part of its type.
 
   Attributes:
@@ -158,7 +159,7 @@ class Stages:
       of the per-matrix vectors.
   """
 
-  def __init__(self, olayout, lay, ns_steps: int, unit_keys=None):
+  def __init__(self, olayout, lay, ns_steps: int, unit_keys):
     plan = lay.plan
     self.lay = lay
     self.n = lay.num_slots
@@ -167,7 +168,6 @@ class Stages:
     self.tp_axis = olayout.tp_axis if olayout.tp_size > 1 else None
     self.tp_size = olayout.tp_size
     k = ns_steps
-    key_of = (lambda u: None) if unit_keys is None else unit_keys.__getitem__
     self.group_segments = _newton_schulz.gram_segments(
       k, _newton_schulz.check_restart_iterations(None, k)
     )
@@ -203,8 +203,9 @@ class Stages:
                 groups[j].gram_size,
                 gi,
                 self.group_segments,
+                unit_keys[u],
               )
-              found.append((j, typ + (key_of(u),)))
+              found.append((j, typ))
             elif bucket.tp_split is not None:
               m, nn = plan.units[u].shape
               split = bucket.tp_split
@@ -214,7 +215,7 @@ class Stages:
               )
               segments = _newton_schulz.gram_segments(k, restarts)
               mine.append(
-                _Type(u, (m, nn), split, g_size, gi, segments) + (key_of(u),)
+                _Type(u, (m, nn), split, g_size, gi, segments, unit_keys[u])
               )
       held = sorted({j for j, _ in found})
       local = {j: i for i, j in enumerate(held)}
@@ -234,10 +235,10 @@ class Stages:
       tps.append(placed)
       tp_sizes.append(used)
       tp_counts.append(len(mine))
-    types, self.slice_tables, self.slice_trips = _typed(slices, self.n)
-    self.slice_types = [(_Type(*t[:6]), t[6]) for t in types]
-    types, self.tp_tables, self.tp_trips = _typed(tps, self.n)
-    self.tp_types = [(_Type(*t[:6]), t[6]) for t in types]
+    self.slice_types, self.slice_tables, self.slice_trips = _typed(
+      slices, self.n
+    )
+    self.tp_types, self.tp_tables, self.tp_trips = _typed(tps, self.n)
     self.iter_types, self.iter_tables, self.iter_trips = [], [], []
     for per_slot in self.iterated:
       iters = [
@@ -269,7 +270,7 @@ class Stages:
         f"{self.group_windows}; plan with the optimizer's ns_steps."
       )
     self.windows = max(
-      [self.group_windows] + [len(t.segments) for t, _ in self.tp_types]
+      [self.group_windows] + [len(t.segments) for t in self.tp_types]
     )
     self.schedules = [
       _plan.schedule(groups, plan.owners, w) for w in range(self.group_windows)
@@ -376,11 +377,7 @@ def _zeros_like(x, tie):
 
 def _put(bufs, gi, off, value):
   """``bufs`` with dtype group ``gi``'s region at ``off`` set to ``value``."""
-  b = bufs[gi]
-  new = jax.lax.dynamic_update_slice_in_dim(
-    b, value.reshape(-1).astype(b.dtype), off, 0
-  )
-  return bufs[:gi] + (new,) + bufs[gi + 1 :]
+  return bufs[:gi] + (_set_block(bufs[gi], off, value),) + bufs[gi + 1 :]
 
 
 def _row(v, i):
@@ -397,10 +394,6 @@ def _set_block(v, start, value):
   return jax.lax.dynamic_update_slice_in_dim(
     v, value.reshape(-1).astype(v.dtype), start, 0
   )
-
-
-def _get_block(v, start, g):
-  return jax.lax.dynamic_slice_in_dim(v, start, g * g).reshape(g, g)
 
 
 def _packed(m, block):
@@ -457,16 +450,14 @@ class _Bodies:
   (``norm``: the dtype of the norms, Grams and iterated slices)."""
 
   st: Stages
+  cfg: Any
+  eps: Any
   finish: Callable
   plain_update: Callable
-  coeff_rows: np.ndarray
-  compute_dtype: Any  # a jnp.dtype, or None
-  eps: Any
-  adaptive: bool
   norm: Any
 
   def cd(self, x):
-    return x.astype(self.compute_dtype or x.dtype)
+    return x.astype(self.cfg.compute_dtype or x.dtype)
 
   def _over(self, kind, r: _Rows, c: Carry, hat, p, fn, carry):
     """``carry = fn(carry, kind, type, offset, at, position)`` for each of
@@ -480,7 +471,7 @@ class _Bodies:
       (hat, p, c),
       types,
       rows,
-      lambda v, typ, off, at, i: fn(v, kind, typ[0], off, at, i),
+      lambda v, typ, off, at, i: fn(v, kind, typ, off, at, i),
       carry,
     )
 
@@ -535,7 +526,8 @@ class _Bodies:
       r = cd(g.astype(norm) * sc**2)
     else:
       r = cd(g)
-    return _newton_schulz.gram_factor(r, self.coeff_rows[start:end]), sc
+    rows = np.asarray(self.cfg.coeffs)[start:end]
+    return _newton_schulz.gram_factor(r, rows), sc
 
   def iterate(self, w, r: _Rows, c: Carry, hat, p) -> Carry:
     st, lay, norm, cd = self.st, self.st.lay, self.norm, self.cd
@@ -553,7 +545,7 @@ class _Bodies:
       qt, x = carry
       if w >= len(t.segments):
         return carry
-      gram = _get_block(c.tp_grams, block, t.gram)
+      gram = lay.matrix_at(c.tp_grams, block, (t.gram,) * 2)
       fac, sc = self._factor(w, t.segments, _collectives.in_loop(gram, qt))
       if w == 0:
         xi = lay.matrix_at(x[t.group], off, t.shape)
@@ -578,7 +570,7 @@ class _Bodies:
       if kind == 0:
         factor = unpack_symmetric(_row(c.held_factors, at), t.gram)
       else:
-        factor = _get_block(c.tp_factors, at, t.gram)
+        factor = lay.matrix_at(c.tp_factors, at, (t.gram,) * 2)
       xs, grams, dot = carry
       xi = lay.matrix_at(xs[t.group], off, t.shape)
       m = cd(factor) @ cd(_newton_schulz.split_last(xi, t.split))
@@ -586,7 +578,7 @@ class _Bodies:
       xs = _put(xs, t.group, off, new)
       if w + 1 < len(t.segments):
         grams = self._put_gram(kind, grams, at, m @ m.T)
-      elif self.adaptive:
+      elif self.cfg.adaptive:
         h = lay.matrix_at(hat[t.group], off, t.shape)
         d = jnp.sum(h.astype(norm) * new).astype(dot.dtype)
         dot = dot.at[i].set(d) if kind else dot.at[i].add(d)
@@ -614,7 +606,7 @@ class _Bodies:
       res = self.finish(
         t.unit,
         lay.matrix_at(c.x[t.group], off, t.shape),
-        _row(dots, i) if self.adaptive else None,
+        _row(dots, i) if self.cfg.adaptive else None,
         None if p is None else lay.matrix_at(p[t.group], off, t.shape),
       )
       return _put(out, t.group, off, res)
@@ -654,13 +646,11 @@ def _own(table, slot, blocks, into):
 
 def run(
   st: Stages,
+  cfg,
+  eps,
   finish,
   plain_update,
   plain_work,
-  coeff_rows: np.ndarray,
-  compute_dtype,
-  eps,
-  adaptive: bool,
   hat: Sequence[jax.Array],
   params: Sequence[jax.Array] | None,
   iterations: int,
@@ -669,6 +659,9 @@ def run(
 
   Args:
     st: its :class:`Stages`.
+    cfg: the ``_owner_update.OwnerConfig`` (coefficient rows, compute
+      dtype, ``adaptive``).
+    eps: added to the Frobenius norm.
     finish: ``finish(unit, ns_out, dot, param) -> result`` for one
       distributed matrix slice (adaptive scaling, cast, shape factor,
       decay); it may read only what ``st``'s unit key holds of ``unit``
@@ -678,10 +671,6 @@ def run(
       at the distributed matrices' places), ``offsets`` its rows of
       ``plain_work.offsets``.
     plain_work: the plain update's ``_layout.SlotWork``.
-    coeff_rows: the Newton–Schulz coefficient rows.
-    compute_dtype: dtype name of the iterations, or None.
-    eps: added to the Frobenius norm.
-    adaptive: whether dual norms scale the results.
     hat: this device's momentum buffers to orthogonalize.
     params: its param buffers (dedicated weight decay) or None.
     iterations: scan iterations of the group (must be 0: scanned stacks
@@ -700,16 +689,7 @@ def run(
     if any(jnp.dtype(b.dtype) == jnp.float64 for b in hat)
     else jnp.float32
   )
-  bodies = _Bodies(
-    st,
-    finish,
-    plain_update,
-    coeff_rows,
-    jnp.dtype(compute_dtype) if compute_dtype else None,
-    eps,
-    adaptive,
-    norm,
-  )
+  bodies = _Bodies(st, cfg, eps, finish, plain_update, norm)
   tables = list(plain_work.offsets) + st.tables()
 
   def stage(body, c):
@@ -762,7 +742,7 @@ def run(
       )
       c = c._replace(held_factors=factors)
     c = stage(functools.partial(bodies.apply, w), c)
-  if adaptive:
+  if cfg.adaptive:
     c = reduced(c, jax.lax.psum, 'dots')
   c = stage(bodies.finish_all, c)
   return c.out

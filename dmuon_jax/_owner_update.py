@@ -349,10 +349,7 @@ def slot_update(
       out = _layout.uncrop_stack(out, bucket.crop, stacks[0].shape)
     if params is not None and decay:
       mask = np.array(
-        [
-          lay.plan.leaves[lay.unit_leaf[u]].leaf_index in decay
-          for u in bucket.units
-        ]
+        [_unit_key(olayout, lay, decay, u)[1] for u in bucket.units]
       )
       if mask.any():
         decayed = _decayed(hp, out, stacks[1], dtype)

@@ -329,16 +329,15 @@ def needs_stages(olayout, lay) -> bool:
 class Carry(NamedTuple):
   """What the stages of :func:`run` pass on, per device."""
 
-  group_amax: jax.Array  # max |X| per group, at its row position
-  tp_amax: jax.Array  # max |X| per TP matrix of the slot
-  group_dots: jax.Array  # <hat, NS(hat)> per group (adaptive)
-  tp_dots: jax.Array  # <hat, NS(hat)> per TP matrix (adaptive)
-  held_grams: jax.Array  # (held, block): local Grams, packed, per held group
+  # Per kind (owner-group slices, TP matrices; see _Bodies._over):
+  amax: tuple  # max |X| per group at its row position, per TP matrix
+  dots: tuple  # <hat, NS(hat)> likewise (adaptive)
+  # (held, block): local Grams, packed, per held group; the TP matrices'
+  # Grams (then summed over TP).
+  grams: tuple
   owned_grams: jax.Array  # (iterated, block): the summed Grams it iterates
   owned_factors: jax.Array  # (iterated, block): their factors
-  held_factors: jax.Array  # (held, block): the factors of its held groups
-  tp_grams: jax.Array  # the TP matrices' Grams (then summed over TP)
-  tp_factors: jax.Array  # the TP matrices' factors
+  factors: tuple  # (held, block): its held groups' factors; the TP ones'
   x: tuple[jax.Array, ...]  # the iterated slices, per dtype group
   out: tuple[jax.Array, ...]  # the results, per dtype group
 
@@ -354,16 +353,12 @@ def _initial_carry(
   lay = st.lay
   blocks = lambda m: jnp.zeros((max(m, 1), max(st.block, 1)), norm)
   carry = Carry(
-    group_amax=_zeros(st.vec_groups, norm),
-    tp_amax=_zeros(st.vec_tp, norm),
-    group_dots=_zeros(st.vec_groups, norm),
-    tp_dots=_zeros(st.vec_tp, norm),
-    held_grams=blocks(st.m_held),
+    amax=(_zeros(st.vec_groups, norm), _zeros(st.vec_tp, norm)),
+    dots=(_zeros(st.vec_groups, norm), _zeros(st.vec_tp, norm)),
+    grams=(blocks(st.m_held), _zeros(st.tp_block, norm)),
     owned_grams=blocks(st.m_iterated),
     owned_factors=blocks(st.m_iterated),
-    held_factors=blocks(st.m_held),
-    tp_grams=_zeros(st.tp_block, norm),
-    tp_factors=_zeros(st.tp_block, norm),
+    factors=(blocks(st.m_held), _zeros(st.tp_block, norm)),
     x=tuple(_zeros(size, norm) for size in lay.local_sizes),
     out=tuple(_zeros(size, b.dtype) for size, b in zip(lay.local_sizes, hat)),
   )
@@ -490,9 +485,8 @@ class _Bodies:
       x = lay.matrix_at(hat[t.group], off, t.shape)
       return v.at[i].max(jnp.max(jnp.abs(x), initial=0).astype(v.dtype))
 
-    amax = self._over(0, r, c, hat, p, one, c.group_amax)
-    tp_amax = self._over(1, r, c, hat, p, one, c.tp_amax)
-    return c._replace(group_amax=amax, tp_amax=tp_amax)
+    amax = tuple(self._over(k, r, c, hat, p, one, c.amax[k]) for k in (0, 1))
+    return c._replace(amax=amax)
 
   def _scaled(self, hat, amax, t, off, i, carry):
     """The slot's matrix of type ``t`` at ``off``, rescaled (``amax[i]``:
@@ -505,15 +499,15 @@ class _Bodies:
   def gram(self, r: _Rows, c: Carry, hat, p) -> Carry:
     def one(carry, kind, t, off, at, i):
       grams, x = carry
-      amax = (c.group_amax, c.tp_amax)[kind]
-      xi = self._scaled(hat, amax, t, off, i, carry)
+      xi = self._scaled(hat, c.amax[kind], t, off, i, carry)
       m = _newton_schulz.split_last(xi, t.split)
       grams = self._put_gram(kind, grams, at, m @ m.T)
       return grams, _put(x, t.group, off, xi)
 
-    grams, x = self._over(0, r, c, hat, p, one, (c.held_grams, c.x))
-    tp_grams, x = self._over(1, r, c, hat, p, one, (c.tp_grams, x))
-    return c._replace(held_grams=grams, tp_grams=tp_grams, x=x)
+    grams, x = list(c.grams), c.x
+    for k in (0, 1):
+      grams[k], x = self._over(k, r, c, hat, p, one, (grams[k], x))
+    return c._replace(grams=tuple(grams), x=x)
 
   def _factor(self, w, segments, g):
     """The window's factor of Gram ``g`` and the scale it applied (the
@@ -545,7 +539,7 @@ class _Bodies:
       qt, x = carry
       if w >= len(t.segments):
         return carry
-      gram = lay.matrix_at(c.tp_grams, block, (t.gram,) * 2)
+      gram = lay.matrix_at(c.grams[1], block, (t.gram,) * 2)
       fac, sc = self._factor(w, t.segments, _collectives.in_loop(gram, qt))
       if w == 0:
         xi = lay.matrix_at(x[t.group], off, t.shape)
@@ -555,8 +549,8 @@ class _Bodies:
     q = c.owned_factors
     if w < st.group_windows:
       q = _each((hat, p, c), st.iter_types[w], r.iters[w], one_group, q)
-    qt, x = self._over(1, r, c, hat, p, one_tp, (c.tp_factors, c.x))
-    return c._replace(owned_factors=q, tp_factors=qt, x=x)
+    qt, x = self._over(1, r, c, hat, p, one_tp, (c.factors[1], c.x))
+    return c._replace(owned_factors=q, factors=(c.factors[0], qt), x=x)
 
   def apply(self, w, r: _Rows, c: Carry, hat, p) -> Carry:
     """One window of each slice and TP matrix: ``x`` left-multiplied by the
@@ -568,9 +562,9 @@ class _Bodies:
       if w >= len(t.segments):
         return carry
       if kind == 0:
-        factor = unpack_symmetric(_row(c.held_factors, at), t.gram)
+        factor = unpack_symmetric(_row(c.factors[0], at), t.gram)
       else:
-        factor = lay.matrix_at(c.tp_factors, at, (t.gram,) * 2)
+        factor = lay.matrix_at(c.factors[1], at, (t.gram,) * 2)
       xs, grams, dot = carry
       xi = lay.matrix_at(xs[t.group], off, t.shape)
       m = cd(factor) @ cd(_newton_schulz.split_last(xi, t.split))
@@ -586,45 +580,48 @@ class _Bodies:
 
     # The next window's Grams, made when this window's factors are (see
     # _collectives.zero_after), not at the start of the step.
-    tie = _collectives.zero_after(c.held_factors, c.tp_factors)
-    x, grams, dot_g = c.x, _zeros_like(c.held_grams, tie), c.group_dots
-    if w < st.group_windows:
-      x, grams, dot_g = self._over(0, r, c, hat, p, one, (x, grams, dot_g))
-    tp_grams = _zeros_like(c.tp_grams, tie)
-    x, tp_grams, dot_t = self._over(
-      1, r, c, hat, p, one, (x, tp_grams, c.tp_dots)
-    )
-    return c._replace(
-      held_grams=grams, tp_grams=tp_grams, x=x, group_dots=dot_g, tp_dots=dot_t
-    )
+    tie = _collectives.zero_after(*c.factors)
+    x, grams, dots = c.x, list(c.grams), list(c.dots)
+    for k in (0, 1):
+      grams[k] = _zeros_like(grams[k], tie)
+      if k or w < st.group_windows:
+        x, grams[k], dots[k] = self._over(
+          k, r, c, hat, p, one, (x, grams[k], dots[k])
+        )
+    return c._replace(grams=tuple(grams), x=x, dots=tuple(dots))
 
   def finish_all(self, r: _Rows, c: Carry, hat, p) -> Carry:
     lay = self.st.lay
 
     def one(out, kind, t, off, at, i):
-      dots = (c.group_dots, c.tp_dots)[kind]
       res = self.finish(
         t.unit,
         lay.matrix_at(c.x[t.group], off, t.shape),
-        _row(dots, i) if self.cfg.adaptive else None,
+        _row(c.dots[kind], i) if self.cfg.adaptive else None,
         None if p is None else lay.matrix_at(p[t.group], off, t.shape),
       )
       return _put(out, t.group, off, res)
 
-    out = self._over(0, r, c, hat, p, one, c.out)
-    return c._replace(out=self._over(1, r, c, hat, p, one, out))
+    out = c.out
+    for k in (0, 1):
+      out = self._over(k, r, c, hat, p, one, out)
+    return c._replace(out=out)
 
 
 def _exchange(st: Stages, w, direction, slot, blocks, like, vary, tie):
   """Window ``w``'s exchange (``direction``: ``'reduce'``, the Grams to
   their iteration owners, or ``'broadcast'``, the factors back), into
-  zeros like ``like`` (made when ``tie`` is): a slot's own ``blocks`` (see
-  :func:`_own`), then per round each sender's ``blocks[send]`` to its
-  peer, added to the receiver's ``[recv]``."""
+  zeros like ``like`` (made when ``tie`` is): a slot's own ``blocks``
+  (``into[i] += blocks[own[slot, i]]`` where that is not -1), then per
+  round each sender's ``blocks[send]`` to its peer, added to the
+  receiver's ``[recv]``."""
   own = (st.own_gram if direction == 'reduce' else st.own_factor)[w]
   rounds = getattr(st.schedules[w], direction)
   send, recv = getattr(st, direction)[w]
-  into = _own(own, slot, blocks, _zeros_like(like, tie))
+  which = jnp.asarray(own)[slot]
+  mine = jnp.take(blocks, jnp.maximum(which, 0), axis=0)
+  into = _zeros_like(like, tie)
+  into = into + jnp.where((which >= 0)[:, None], mine, 0).astype(into.dtype)
   send_row = jnp.asarray(send)[slot]
   recv_row = jnp.asarray(recv)[slot]
   for r, messages in enumerate(rounds):
@@ -635,13 +632,6 @@ def _exchange(st: Stages, w, direction, slot, blocks, like, vary, tie):
     )
     into = _add_row(into, recv_row[r], _vary(got, vary))
   return into
-
-
-def _own(table, slot, blocks, into):
-  """``into[i] += blocks[table[slot, i]]`` where that is not -1."""
-  which = jnp.asarray(table)[slot]
-  mine = jnp.take(blocks, jnp.maximum(which, 0), axis=0)
-  return into + jnp.where((which >= 0)[:, None], mine, 0).astype(into.dtype)
 
 
 def run(
@@ -707,14 +697,10 @@ def run(
   def reduced(c, op, name):
     """The per-matrix vectors ``name`` reduced over each matrix's devices:
     a group's members, a TP matrix's shards."""
-    for kind, has, axis in (
-      ('group', st.has_groups, st.group_axis),
-      ('tp', st.has_tp, st.tp_axis),
-    ):
-      if has:
-        field = f'{kind}_{name}'
-        c = c._replace(**{field: op(getattr(c, field), axis)})
-    return c
+    has = (st.has_groups, st.has_tp)
+    axes = (st.group_axis, st.tp_axis)
+    v = zip(getattr(c, name), has, axes)
+    return c._replace(**{name: tuple(op(a, x) if h else a for a, h, x in v)})
 
   # Buffers made from zeros wait for this group's inputs (else XLA may make
   # them at the start of the step and hold them through it).
@@ -730,17 +716,18 @@ def run(
     grouped = w < st.group_windows
     if grouped:
       owned = _exchange(
-        st, w, 'reduce', slot, c.held_grams, c.owned_grams, vary, tie
+        st, w, 'reduce', slot, c.grams[0], c.owned_grams, vary, tie
       )
       c = c._replace(owned_grams=owned)
     if st.has_tp:
-      c = c._replace(tp_grams=jax.lax.psum(c.tp_grams, st.tp_axis))
+      tp_grams = jax.lax.psum(c.grams[1], st.tp_axis)
+      c = c._replace(grams=(c.grams[0], tp_grams))
     c = stage(functools.partial(bodies.iterate, w), c)
     if grouped:
       factors = _exchange(
-        st, w, 'broadcast', slot, c.owned_factors, c.held_factors, vary, tie
+        st, w, 'broadcast', slot, c.owned_factors, c.factors[0], vary, tie
       )
-      c = c._replace(held_factors=factors)
+      c = c._replace(factors=(factors, c.factors[1]))
     c = stage(functools.partial(bodies.apply, w), c)
   if cfg.adaptive:
     c = reduced(c, jax.lax.psum, 'dots')

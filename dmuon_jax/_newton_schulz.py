@@ -507,9 +507,7 @@ def check_restart_iterations(
       f' {restart_iterations!r}.'
     ) from e
   valid = all(is_int(i) and 1 <= i < num_iterations for i in restarts)
-  increasing = all(
-    restarts[i] < restarts[i + 1] for i in range(len(restarts) - 1)
-  )
+  increasing = all(a < b for a, b in zip(restarts, restarts[1:]))
   if not valid or not increasing:
     raise ValueError(
       'restart_iterations must hold strictly increasing ints in [1,'

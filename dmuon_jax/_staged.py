@@ -277,13 +277,15 @@ class Stages:
     ]
     self._exchange_tables()
 
-  def tables(self) -> list[np.ndarray]:
-    """The stages' tables, in the order :func:`_rows` reads them."""
-    return (
-      self.slice_tables
-      + self.tp_tables
-      + [t for tables in self.iter_tables for t in tables]
-    )
+  def parts(self) -> list[tuple[list, list, int]]:
+    """The stages' tables in the order :func:`_rows` reads them: per part
+    (slices, TP matrices, each window's iterated groups) its tables, their
+    trip counts and their number of columns."""
+    iters = zip(self.iter_tables, self.iter_trips)
+    return [
+      (self.slice_tables, self.slice_trips, 3),
+      (self.tp_tables, self.tp_trips, 3),
+    ] + [(tables, trips, 1) for tables, trips in iters]
 
   def _exchange_tables(self) -> None:
     """Per window and round, what each slot sends and where it adds what
@@ -408,15 +410,11 @@ class _Rows(NamedTuple):
 
 
 def _rows(st: Stages, num_plain: int, rows) -> _Rows:
-  """The rows of ``num_plain`` plain tables, then of ``st.tables()``."""
+  """The rows of ``num_plain`` plain tables, then of ``st.parts()``."""
   rows = list(rows)
   plain, rows = rows[:num_plain], rows[num_plain:]
-  parts = [
-    (st.slice_tables, st.slice_trips, 3),
-    (st.tp_tables, st.tp_trips, 3),
-  ] + [(t, trips, 1) for t, trips in zip(st.iter_tables, st.iter_trips)]
   out = []
-  for tables, trips, cols in parts:
+  for tables, trips, cols in st.parts():
     mine, rows = rows[: len(tables)], rows[len(tables) :]
     typed = []
     for row, trip in zip(mine, trips):
@@ -680,7 +678,8 @@ def run(
     else jnp.float32
   )
   bodies = _Bodies(st, cfg, eps, finish, plain_update, norm)
-  tables = list(plain_work.offsets) + st.tables()
+  tables = list(plain_work.offsets)
+  tables += [t for part, _, _ in st.parts() for t in part]
 
   def stage(body, c):
     """One stage: ``body`` with this device's rows of ``tables`` (one

@@ -35,14 +35,7 @@ _POLAR_EXPRESS_RAW_ROWS = (
 # well-behaved on singular values up to s instead of 1, which round-off can
 # produce. This is the encoding used by Gram Newton-Schulz (Dao-AILab) and
 # DMuon.
-_POLAR_EXPRESS_SAFETY = 1.05
-
-
-def _apply_safety_factor(
-  rows: Sequence[tuple[float, float, float]], safety: float
-) -> tuple[tuple[float, float, float], ...]:
-  """Returns the rows of ``p(x / safety)`` for odd quintics ``p``."""
-  return tuple((a / safety, b / safety**3, c / safety**5) for a, b, c in rows)
+_SAFETY = 1.05
 
 
 NS_COEFF_PRESETS: dict[str, tuple[tuple[float, float, float], ...]] = {
@@ -58,8 +51,9 @@ NS_COEFF_PRESETS: dict[str, tuple[tuple[float, float, float], ...]] = {
     (2.8366, -3.0525, 1.2012),
   ),
   # Polar Express (arXiv:2505.16932), safety factor 1.05, see above.
-  'polar_express_sf1.05': _apply_safety_factor(
-    _POLAR_EXPRESS_RAW_ROWS, _POLAR_EXPRESS_SAFETY
+  'polar_express_sf1.05': tuple(
+    (a / _SAFETY, b / _SAFETY**3, c / _SAFETY**5)
+    for a, b, c in _POLAR_EXPRESS_RAW_ROWS
   ),
 }
 r"""Newton-Schulz coefficients by name, one row ``(a, b, c)`` per iteration.
@@ -107,8 +101,8 @@ computes in float16).
 # Names used by optax.contrib.muon, accepted as aliases.
 _PRESET_ALIASES = {'standard': 'jordan', 'dion': 'you'}
 
-_PRECONDITIONINGS = ('frobenius', 'spectral', 'aol', 'schatten')
-_COMPUTE_DTYPES = tuple(
+PRECONDITIONINGS = ('frobenius', 'spectral', 'aol', 'schatten')
+COMPUTE_DTYPES = tuple(
   jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
 )
 
@@ -251,15 +245,15 @@ def _check_static_args(
       f'{fn_name}: x must have a real floating dtype, got {x.dtype}. '
       'Cast it first, e.g. x.astype(jnp.float32).'
     )
-  if preconditioning not in _PRECONDITIONINGS:
+  if preconditioning not in PRECONDITIONINGS:
     raise ValueError(
       f'{fn_name}: unknown {preconditioning=}. Pass one of'
-      f' {", ".join(repr(p) for p in _PRECONDITIONINGS)}.'
+      f' {", ".join(repr(p) for p in PRECONDITIONINGS)}.'
     )
   if compute_dtype is None:
     compute_dtype = x.dtype
   compute_dtype = jnp.dtype(compute_dtype)
-  if compute_dtype not in _COMPUTE_DTYPES:
+  if compute_dtype not in COMPUTE_DTYPES:
     raise ValueError(
       f'{fn_name}: unsupported {compute_dtype=}. Pass None (the dtype of'
       ' x) or one of float32, bfloat16, float16, float64.'
@@ -282,7 +276,7 @@ def _normalize(
   Args:
     x: matrices of shape ``(..., m, n)`` with ``m <= n``, in the
       normalization dtype (float32 or float64).
-    preconditioning: one of ``_PRECONDITIONINGS``.
+    preconditioning: one of ``PRECONDITIONINGS``.
     eps: added to the norms, or the lower clip of the AOL / Schatten factors.
 
   Returns:
@@ -513,9 +507,7 @@ def check_restart_iterations(
       f' {restart_iterations!r}.'
     ) from e
   valid = all(is_int(i) and 1 <= i < num_iterations for i in restarts)
-  increasing = all(
-    restarts[i] < restarts[i + 1] for i in range(len(restarts) - 1)
-  )
+  increasing = all(a < b for a, b in zip(restarts, restarts[1:]))
   if not valid or not increasing:
     raise ValueError(
       'restart_iterations must hold strictly increasing ints in [1,'

@@ -35,8 +35,6 @@ from dmuon_jax import (
 )
 
 MOMENTUM_RULES = ('optax', 'sgd')
-PRECONDITIONINGS = ('frobenius', 'spectral', 'aol', 'schatten')
-COMPUTE_DTYPES = ('float32', 'bfloat16', 'float16', 'float64')
 NONFINITE = ('skip', 'propagate')
 
 
@@ -153,16 +151,17 @@ def make_config(
       'DMuon/Moonlight rule buf = beta * buf + g.'
     )
   _checks.check_ns_algorithm(ns_algorithm)
-  if preconditioning not in PRECONDITIONINGS:
+  if preconditioning not in _newton_schulz.PRECONDITIONINGS:
     raise ValueError(
       f'dmuon: preconditioning={preconditioning!r} is not one of '
-      f'{PRECONDITIONINGS}.'
+      f'{_newton_schulz.PRECONDITIONINGS}.'
     )
   compute = static_dtype(compute_dtype, 'compute_dtype')
-  if compute is not None and compute.name not in COMPUTE_DTYPES:
+  if compute is not None and compute not in _newton_schulz.COMPUTE_DTYPES:
     raise ValueError(
       f'dmuon: compute_dtype={compute_dtype!r} is not one of '
-      f'{COMPUTE_DTYPES} (or None for the momentum dtype).'
+      f'{tuple(d.name for d in _newton_schulz.COMPUTE_DTYPES)} (or None for'
+      ' the momentum dtype).'
     )
   mu = static_dtype(mu_dtype, 'mu_dtype')
   coeffs = _newton_schulz.resolve_ns_coeffs(
@@ -217,14 +216,11 @@ def make_hyperparams(
   )
 
 
-def _is_static(v: Any) -> bool:
-  return v is None or isinstance(v, (int, float, np.integer, np.floating))
-
-
 def dynamic(hp: Hyperparams) -> dict[str, Any]:
   """The array-valued hyperparameters, to pass into ``shard_map`` (and
   back into ``hp`` there with ``hp._replace(**values)``)."""
-  return {k: v for k, v in hp._asdict().items() if not _is_static(v)}
+  static = (int, float, np.integer, np.floating, type(None))
+  return {k: v for k, v in hp._asdict().items() if not isinstance(v, static)}
 
 
 def momentum_update(grads, mus, count_inc, *, beta, nesterov, rule):
@@ -353,10 +349,7 @@ def slot_update(
       out = _layout.uncrop_stack(out, bucket.crop, stacks[0].shape)
     if params is not None and decay:
       mask = np.array(
-        [
-          lay.plan.leaves[lay.unit_leaf[u]].leaf_index in decay
-          for u in bucket.units
-        ]
+        [_unit_key(olayout, lay, decay, u)[1] for u in bucket.units]
       )
       if mask.any():
         decayed = _decayed(hp, out, stacks[1], dtype)
@@ -373,17 +366,20 @@ def slot_work(olayout, lay, decay, skip_distributed=False) -> _layout.SlotWork:
   program for every slot, its matrices and their offsets read from tables.
   ``skip_distributed`` leaves out owner-group and TP matrices."""
 
-  def extra(u):
-    leaf = lay.plan.leaves[lay.unit_leaf[u]].leaf_index
-    return olayout.full_shape(lay, u), bool(decay) and leaf in decay
-
   def keep(g, s, b):
     del g, s
     if skip_distributed and (b.grouped or b.tp_split is not None):
       return ()
     return b.units
 
-  return lay.slot_work(extra, keep)
+  return lay.slot_work(lambda u: _unit_key(olayout, lay, decay, u), keep)
+
+
+def _unit_key(olayout, lay, decay, u):
+  """What an update reads of unit ``u`` beyond its bucket: its whole
+  matrix's shape and whether it decays."""
+  leaf = lay.plan.leaves[lay.unit_leaf[u]].leaf_index
+  return olayout.full_shape(lay, u), bool(decay) and leaf in decay
 
 
 def owner_step(
@@ -462,17 +458,19 @@ def owner_step(
       )
       continue
     work = slot_work(olayout, lay, decay)
-
-    def run(rows, hh, pp, lay=lay, work=work):
-      return slot_update(cfg, hp, olayout, lay, work, rows, hh, pp, decay=decay)
-
+    run = functools.partial(
+      slot_update, cfg, hp, olayout, lay, work, decay=decay
+    )
     # Every slot runs one program (see slot_work), its matrices and their
     # offsets read from the tables.
-    def one(hh, pp, shift=0, run=run, work=work, lay=lay):
-      return _collectives.with_slot_rows(
-        axes, n, run, work.offsets, hh, pp, dynamic=lay.dynamic, shift=shift
-      )
-
+    one = functools.partial(
+      _collectives.with_slot_rows,
+      axes,
+      n,
+      run,
+      work.offsets,
+      dynamic=lay.dynamic,
+    )
     if olayout.iterations[g]:
       # Iteration t holds base slot (slot - t) mod n of the layout.
       res = jax.lax.map(
@@ -489,43 +487,32 @@ def owner_step(
 def _staged_update(cfg, hp, olayout, lay, hat, params, decay, iterations):
   """Owner-group and TP matrices by :mod:`_staged` (collectives between
   stages), the slot's whole matrices in its first stage."""
-  _checks.check_preconditioning(
-    cfg.preconditioning,
-    tp_axis=olayout.tp_axis if olayout.tp_size > 1 else None,
-    groups=len(lay.plan.groups),
-    otherwise='owner_groups=None',
-  )
-
-  def finish_key(u):  # what finish reads of a unit
-    leaf = lay.plan.leaves[lay.unit_leaf[u]].leaf_index
-    decays = params is not None and bool(decay) and leaf in decay
-    return olayout.full_shape(lay, u), decays, lay.unit_group[u]
-
-  unit_keys = tuple(finish_key(u) for u in range(len(lay.plan.units)))
-  stages = _stages(olayout, lay, len(cfg.coeffs), unit_keys)
-  rows = np.asarray(cfg.coeffs)
+  # What finish reads of a unit: its key, its dtype group.
+  keys = [
+    _unit_key(olayout, lay, params is not None and decay, u)
+    + (lay.unit_group[u],)
+    for u in range(len(lay.plan.units))
+  ]
+  stages = _stages(olayout, lay, len(cfg.coeffs), tuple(keys))
   work = slot_work(olayout, lay, decay, skip_distributed=True)
 
-  def plain(offsets, h, p):
-    return slot_update(cfg, hp, olayout, lay, work, offsets, h, p, decay=decay)
+  plain = functools.partial(
+    slot_update, cfg, hp, olayout, lay, work, decay=decay
+  )
 
   def finish(u, ns_out, dot, param):
-    spec = lay.plan.leaves[lay.unit_leaf[u]]
-    dtype = hat[lay.unit_group[u]].dtype  # as slot_update's results
-    out = finish_ns(cfg, hp, ns_out, dot, olayout.full_shape(lay, u), dtype)
-    if param is not None and decay and spec.leaf_index in decay:
-      out = _decayed(hp, out, param, dtype)
-    return out
+    shape, decays, group = keys[u]
+    dtype = hat[group].dtype  # as slot_update's results
+    out = finish_ns(cfg, hp, ns_out, dot, shape, dtype)
+    return _decayed(hp, out, param, dtype) if decays else out
 
   return _staged.run(
     stages,
+    cfg,
+    hp.eps,
     finish,
     plain,
     work,
-    rows,
-    cfg.compute_dtype,
-    hp.eps,
-    cfg.adaptive,
     tuple(hat),
     None if params is None else tuple(params),
     iterations,
@@ -660,13 +647,8 @@ def find(
   Returns:
     ``[(key_path, node)]`` in tree order.
   """
-  return [
-    (path, x)
-    for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_node)[
-      0
-    ]
-    if is_node(x)
-  ]
+  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_node)[0]
+  return [(path, x) for path, x in flat if is_node(x)]
 
 
 def stamp_value(layout: _owner_layout.OwnerLayout) -> tuple[np.ndarray, ...]:
@@ -730,14 +712,8 @@ class LayoutStamp:
     self.name = name
 
   def tree_flatten_with_keys(self):
-    keys = (
-      jax.tree_util.DictKey('stamp_marker'),
-      jax.tree_util.DictKey('stamp'),
-    )
+    keys = map(jax.tree_util.DictKey, ('stamp_marker', 'stamp'))
     return tuple(zip(keys, (self.marker, self.value))), self.name
-
-  def tree_flatten(self):
-    return (self.marker, self.value), self.name
 
   @classmethod
   def tree_unflatten(cls, name, children):
@@ -745,18 +721,17 @@ class LayoutStamp:
     check(marker, value, name)
     return cls(marker, value, name)
 
+  def _key(self) -> tuple:
+    return self.name, self.marker, self.value
+
   def __eq__(self, other: object) -> bool:
     # As a tuple (name, marker, value) compares.
     if not isinstance(other, LayoutStamp):
       return NotImplemented
-    return (self.name, self.marker, self.value) == (
-      other.name,
-      other.marker,
-      other.value,
-    )
+    return self._key() == other._key()
 
   def __hash__(self) -> int:
-    return hash((self.name, self.marker, self.value))
+    return hash(self._key())
 
   def __repr__(self) -> str:
     return f'LayoutStamp({self.name})'

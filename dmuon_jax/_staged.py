@@ -90,6 +90,7 @@ class _Type(NamedTuple):
   gram: int  # g, the Gram's size
   group: int  # dtype group of its buffer
   segments: tuple[tuple[int, int], ...]  # its restart windows
+  key: Any  # what the finish reads of its unit (Stages' unit_keys)
 
 
 def _typed(per_slot, n):
@@ -129,7 +130,7 @@ class Stages:
   slot-indexed tables (``axis_index``). The types follow the model and
   the plan's few signatures, not the number of devices.
 
-  ``unit_keys`` (optional, per unit of the plan): what the finish reads of
+  ``unit_keys`` (per unit of the plan): what the finish reads of
   a unit (its whole matrix's shape, whether it decays): part of its type.
 
   Attributes:
@@ -158,7 +159,7 @@ class Stages:
       of the per-matrix vectors.
   """
 
-  def __init__(self, olayout, lay, ns_steps: int, unit_keys=None):
+  def __init__(self, olayout, lay, ns_steps: int, unit_keys):
     plan = lay.plan
     self.lay = lay
     self.n = lay.num_slots
@@ -167,7 +168,6 @@ class Stages:
     self.tp_axis = olayout.tp_axis if olayout.tp_size > 1 else None
     self.tp_size = olayout.tp_size
     k = ns_steps
-    key_of = (lambda u: None) if unit_keys is None else unit_keys.__getitem__
     self.group_segments = _newton_schulz.gram_segments(
       k, _newton_schulz.check_restart_iterations(None, k)
     )
@@ -203,8 +203,9 @@ class Stages:
                 groups[j].gram_size,
                 gi,
                 self.group_segments,
+                unit_keys[u],
               )
-              found.append((j, typ + (key_of(u),)))
+              found.append((j, typ))
             elif bucket.tp_split is not None:
               m, nn = plan.units[u].shape
               split = bucket.tp_split
@@ -214,7 +215,7 @@ class Stages:
               )
               segments = _newton_schulz.gram_segments(k, restarts)
               mine.append(
-                _Type(u, (m, nn), split, g_size, gi, segments) + (key_of(u),)
+                _Type(u, (m, nn), split, g_size, gi, segments, unit_keys[u])
               )
       held = sorted({j for j, _ in found})
       local = {j: i for i, j in enumerate(held)}
@@ -234,10 +235,10 @@ class Stages:
       tps.append(placed)
       tp_sizes.append(used)
       tp_counts.append(len(mine))
-    types, self.slice_tables, self.slice_trips = _typed(slices, self.n)
-    self.slice_types = [(_Type(*t[:6]), t[6]) for t in types]
-    types, self.tp_tables, self.tp_trips = _typed(tps, self.n)
-    self.tp_types = [(_Type(*t[:6]), t[6]) for t in types]
+    self.slice_types, self.slice_tables, self.slice_trips = _typed(
+      slices, self.n
+    )
+    self.tp_types, self.tp_tables, self.tp_trips = _typed(tps, self.n)
     self.iter_types, self.iter_tables, self.iter_trips = [], [], []
     for per_slot in self.iterated:
       iters = [
@@ -269,20 +270,22 @@ class Stages:
         f"{self.group_windows}; plan with the optimizer's ns_steps."
       )
     self.windows = max(
-      [self.group_windows] + [len(t.segments) for t, _ in self.tp_types]
+      [self.group_windows] + [len(t.segments) for t in self.tp_types]
     )
     self.schedules = [
       _plan.schedule(groups, plan.owners, w) for w in range(self.group_windows)
     ]
     self._exchange_tables()
 
-  def tables(self) -> list[np.ndarray]:
-    """The stages' tables, in the order :func:`_rows` reads them."""
-    return (
-      self.slice_tables
-      + self.tp_tables
-      + [t for tables in self.iter_tables for t in tables]
-    )
+  def parts(self) -> list[tuple[list, list, int]]:
+    """The stages' tables in the order :func:`_rows` reads them: per part
+    (slices, TP matrices, each window's iterated groups) its tables, their
+    trip counts and their number of columns."""
+    iters = zip(self.iter_tables, self.iter_trips)
+    return [
+      (self.slice_tables, self.slice_trips, 3),
+      (self.tp_tables, self.tp_trips, 3),
+    ] + [(tables, trips, 1) for tables, trips in iters]
 
   def _exchange_tables(self) -> None:
     """Per window and round, what each slot sends and where it adds what
@@ -328,16 +331,15 @@ def needs_stages(olayout, lay) -> bool:
 class Carry(NamedTuple):
   """What the stages of :func:`run` pass on, per device."""
 
-  group_amax: jax.Array  # max |X| per group, at its row position
-  tp_amax: jax.Array  # max |X| per TP matrix of the slot
-  group_dots: jax.Array  # <hat, NS(hat)> per group (adaptive)
-  tp_dots: jax.Array  # <hat, NS(hat)> per TP matrix (adaptive)
-  held_grams: jax.Array  # (held, block): local Grams, packed, per held group
+  # Per kind (owner-group slices, TP matrices; see _Bodies._over):
+  amax: tuple  # max |X| per group at its row position, per TP matrix
+  dots: tuple  # <hat, NS(hat)> likewise (adaptive)
+  # (held, block): local Grams, packed, per held group; the TP matrices'
+  # Grams (then summed over TP).
+  grams: tuple
   owned_grams: jax.Array  # (iterated, block): the summed Grams it iterates
   owned_factors: jax.Array  # (iterated, block): their factors
-  held_factors: jax.Array  # (held, block): the factors of its held groups
-  tp_grams: jax.Array  # the TP matrices' Grams (then summed over TP)
-  tp_factors: jax.Array  # the TP matrices' factors
+  factors: tuple  # (held, block): its held groups' factors; the TP ones'
   x: tuple[jax.Array, ...]  # the iterated slices, per dtype group
   out: tuple[jax.Array, ...]  # the results, per dtype group
 
@@ -353,16 +355,12 @@ def _initial_carry(
   lay = st.lay
   blocks = lambda m: jnp.zeros((max(m, 1), max(st.block, 1)), norm)
   carry = Carry(
-    group_amax=_zeros(st.vec_groups, norm),
-    tp_amax=_zeros(st.vec_tp, norm),
-    group_dots=_zeros(st.vec_groups, norm),
-    tp_dots=_zeros(st.vec_tp, norm),
-    held_grams=blocks(st.m_held),
+    amax=(_zeros(st.vec_groups, norm), _zeros(st.vec_tp, norm)),
+    dots=(_zeros(st.vec_groups, norm), _zeros(st.vec_tp, norm)),
+    grams=(blocks(st.m_held), _zeros(st.tp_block, norm)),
     owned_grams=blocks(st.m_iterated),
     owned_factors=blocks(st.m_iterated),
-    held_factors=blocks(st.m_held),
-    tp_grams=_zeros(st.tp_block, norm),
-    tp_factors=_zeros(st.tp_block, norm),
+    factors=(blocks(st.m_held), _zeros(st.tp_block, norm)),
     x=tuple(_zeros(size, norm) for size in lay.local_sizes),
     out=tuple(_zeros(size, b.dtype) for size, b in zip(lay.local_sizes, hat)),
   )
@@ -376,11 +374,7 @@ def _zeros_like(x, tie):
 
 def _put(bufs, gi, off, value):
   """``bufs`` with dtype group ``gi``'s region at ``off`` set to ``value``."""
-  b = bufs[gi]
-  new = jax.lax.dynamic_update_slice_in_dim(
-    b, value.reshape(-1).astype(b.dtype), off, 0
-  )
-  return bufs[:gi] + (new,) + bufs[gi + 1 :]
+  return bufs[:gi] + (_set_block(bufs[gi], off, value),) + bufs[gi + 1 :]
 
 
 def _row(v, i):
@@ -397,10 +391,6 @@ def _set_block(v, start, value):
   return jax.lax.dynamic_update_slice_in_dim(
     v, value.reshape(-1).astype(v.dtype), start, 0
   )
-
-
-def _get_block(v, start, g):
-  return jax.lax.dynamic_slice_in_dim(v, start, g * g).reshape(g, g)
 
 
 def _packed(m, block):
@@ -420,15 +410,11 @@ class _Rows(NamedTuple):
 
 
 def _rows(st: Stages, num_plain: int, rows) -> _Rows:
-  """The rows of ``num_plain`` plain tables, then of ``st.tables()``."""
+  """The rows of ``num_plain`` plain tables, then of ``st.parts()``."""
   rows = list(rows)
   plain, rows = rows[:num_plain], rows[num_plain:]
-  parts = [
-    (st.slice_tables, st.slice_trips, 3),
-    (st.tp_tables, st.tp_trips, 3),
-  ] + [(t, trips, 1) for t, trips in zip(st.iter_tables, st.iter_trips)]
   out = []
-  for tables, trips, cols in parts:
+  for tables, trips, cols in st.parts():
     mine, rows = rows[: len(tables)], rows[len(tables) :]
     typed = []
     for row, trip in zip(mine, trips):
@@ -457,16 +443,14 @@ class _Bodies:
   (``norm``: the dtype of the norms, Grams and iterated slices)."""
 
   st: Stages
+  cfg: Any
+  eps: Any
   finish: Callable
   plain_update: Callable
-  coeff_rows: np.ndarray
-  compute_dtype: Any  # a jnp.dtype, or None
-  eps: Any
-  adaptive: bool
   norm: Any
 
   def cd(self, x):
-    return x.astype(self.compute_dtype or x.dtype)
+    return x.astype(self.cfg.compute_dtype or x.dtype)
 
   def _over(self, kind, r: _Rows, c: Carry, hat, p, fn, carry):
     """``carry = fn(carry, kind, type, offset, at, position)`` for each of
@@ -480,7 +464,7 @@ class _Bodies:
       (hat, p, c),
       types,
       rows,
-      lambda v, typ, off, at, i: fn(v, kind, typ[0], off, at, i),
+      lambda v, typ, off, at, i: fn(v, kind, typ, off, at, i),
       carry,
     )
 
@@ -499,9 +483,8 @@ class _Bodies:
       x = lay.matrix_at(hat[t.group], off, t.shape)
       return v.at[i].max(jnp.max(jnp.abs(x), initial=0).astype(v.dtype))
 
-    amax = self._over(0, r, c, hat, p, one, c.group_amax)
-    tp_amax = self._over(1, r, c, hat, p, one, c.tp_amax)
-    return c._replace(group_amax=amax, tp_amax=tp_amax)
+    amax = tuple(self._over(k, r, c, hat, p, one, c.amax[k]) for k in (0, 1))
+    return c._replace(amax=amax)
 
   def _scaled(self, hat, amax, t, off, i, carry):
     """The slot's matrix of type ``t`` at ``off``, rescaled (``amax[i]``:
@@ -514,15 +497,15 @@ class _Bodies:
   def gram(self, r: _Rows, c: Carry, hat, p) -> Carry:
     def one(carry, kind, t, off, at, i):
       grams, x = carry
-      amax = (c.group_amax, c.tp_amax)[kind]
-      xi = self._scaled(hat, amax, t, off, i, carry)
+      xi = self._scaled(hat, c.amax[kind], t, off, i, carry)
       m = _newton_schulz.split_last(xi, t.split)
       grams = self._put_gram(kind, grams, at, m @ m.T)
       return grams, _put(x, t.group, off, xi)
 
-    grams, x = self._over(0, r, c, hat, p, one, (c.held_grams, c.x))
-    tp_grams, x = self._over(1, r, c, hat, p, one, (c.tp_grams, x))
-    return c._replace(held_grams=grams, tp_grams=tp_grams, x=x)
+    grams, x = list(c.grams), c.x
+    for k in (0, 1):
+      grams[k], x = self._over(k, r, c, hat, p, one, (grams[k], x))
+    return c._replace(grams=tuple(grams), x=x)
 
   def _factor(self, w, segments, g):
     """The window's factor of Gram ``g`` and the scale it applied (the
@@ -535,7 +518,8 @@ class _Bodies:
       r = cd(g.astype(norm) * sc**2)
     else:
       r = cd(g)
-    return _newton_schulz.gram_factor(r, self.coeff_rows[start:end]), sc
+    rows = np.asarray(self.cfg.coeffs)[start:end]
+    return _newton_schulz.gram_factor(r, rows), sc
 
   def iterate(self, w, r: _Rows, c: Carry, hat, p) -> Carry:
     st, lay, norm, cd = self.st, self.st.lay, self.norm, self.cd
@@ -553,7 +537,7 @@ class _Bodies:
       qt, x = carry
       if w >= len(t.segments):
         return carry
-      gram = _get_block(c.tp_grams, block, t.gram)
+      gram = lay.matrix_at(c.grams[1], block, (t.gram,) * 2)
       fac, sc = self._factor(w, t.segments, _collectives.in_loop(gram, qt))
       if w == 0:
         xi = lay.matrix_at(x[t.group], off, t.shape)
@@ -563,8 +547,8 @@ class _Bodies:
     q = c.owned_factors
     if w < st.group_windows:
       q = _each((hat, p, c), st.iter_types[w], r.iters[w], one_group, q)
-    qt, x = self._over(1, r, c, hat, p, one_tp, (c.tp_factors, c.x))
-    return c._replace(owned_factors=q, tp_factors=qt, x=x)
+    qt, x = self._over(1, r, c, hat, p, one_tp, (c.factors[1], c.x))
+    return c._replace(owned_factors=q, factors=(c.factors[0], qt), x=x)
 
   def apply(self, w, r: _Rows, c: Carry, hat, p) -> Carry:
     """One window of each slice and TP matrix: ``x`` left-multiplied by the
@@ -576,9 +560,9 @@ class _Bodies:
       if w >= len(t.segments):
         return carry
       if kind == 0:
-        factor = unpack_symmetric(_row(c.held_factors, at), t.gram)
+        factor = unpack_symmetric(_row(c.factors[0], at), t.gram)
       else:
-        factor = _get_block(c.tp_factors, at, t.gram)
+        factor = lay.matrix_at(c.factors[1], at, (t.gram,) * 2)
       xs, grams, dot = carry
       xi = lay.matrix_at(xs[t.group], off, t.shape)
       m = cd(factor) @ cd(_newton_schulz.split_last(xi, t.split))
@@ -586,7 +570,7 @@ class _Bodies:
       xs = _put(xs, t.group, off, new)
       if w + 1 < len(t.segments):
         grams = self._put_gram(kind, grams, at, m @ m.T)
-      elif self.adaptive:
+      elif self.cfg.adaptive:
         h = lay.matrix_at(hat[t.group], off, t.shape)
         d = jnp.sum(h.astype(norm) * new).astype(dot.dtype)
         dot = dot.at[i].set(d) if kind else dot.at[i].add(d)
@@ -594,45 +578,48 @@ class _Bodies:
 
     # The next window's Grams, made when this window's factors are (see
     # _collectives.zero_after), not at the start of the step.
-    tie = _collectives.zero_after(c.held_factors, c.tp_factors)
-    x, grams, dot_g = c.x, _zeros_like(c.held_grams, tie), c.group_dots
-    if w < st.group_windows:
-      x, grams, dot_g = self._over(0, r, c, hat, p, one, (x, grams, dot_g))
-    tp_grams = _zeros_like(c.tp_grams, tie)
-    x, tp_grams, dot_t = self._over(
-      1, r, c, hat, p, one, (x, tp_grams, c.tp_dots)
-    )
-    return c._replace(
-      held_grams=grams, tp_grams=tp_grams, x=x, group_dots=dot_g, tp_dots=dot_t
-    )
+    tie = _collectives.zero_after(*c.factors)
+    x, grams, dots = c.x, list(c.grams), list(c.dots)
+    for k in (0, 1):
+      grams[k] = _zeros_like(grams[k], tie)
+      if k or w < st.group_windows:
+        x, grams[k], dots[k] = self._over(
+          k, r, c, hat, p, one, (x, grams[k], dots[k])
+        )
+    return c._replace(grams=tuple(grams), x=x, dots=tuple(dots))
 
   def finish_all(self, r: _Rows, c: Carry, hat, p) -> Carry:
     lay = self.st.lay
 
     def one(out, kind, t, off, at, i):
-      dots = (c.group_dots, c.tp_dots)[kind]
       res = self.finish(
         t.unit,
         lay.matrix_at(c.x[t.group], off, t.shape),
-        _row(dots, i) if self.adaptive else None,
+        _row(c.dots[kind], i) if self.cfg.adaptive else None,
         None if p is None else lay.matrix_at(p[t.group], off, t.shape),
       )
       return _put(out, t.group, off, res)
 
-    out = self._over(0, r, c, hat, p, one, c.out)
-    return c._replace(out=self._over(1, r, c, hat, p, one, out))
+    out = c.out
+    for k in (0, 1):
+      out = self._over(k, r, c, hat, p, one, out)
+    return c._replace(out=out)
 
 
 def _exchange(st: Stages, w, direction, slot, blocks, like, vary, tie):
   """Window ``w``'s exchange (``direction``: ``'reduce'``, the Grams to
   their iteration owners, or ``'broadcast'``, the factors back), into
-  zeros like ``like`` (made when ``tie`` is): a slot's own ``blocks`` (see
-  :func:`_own`), then per round each sender's ``blocks[send]`` to its
-  peer, added to the receiver's ``[recv]``."""
+  zeros like ``like`` (made when ``tie`` is): a slot's own ``blocks``
+  (``into[i] += blocks[own[slot, i]]`` where that is not -1), then per
+  round each sender's ``blocks[send]`` to its peer, added to the
+  receiver's ``[recv]``."""
   own = (st.own_gram if direction == 'reduce' else st.own_factor)[w]
   rounds = getattr(st.schedules[w], direction)
   send, recv = getattr(st, direction)[w]
-  into = _own(own, slot, blocks, _zeros_like(like, tie))
+  which = jnp.asarray(own)[slot]
+  mine = jnp.take(blocks, jnp.maximum(which, 0), axis=0)
+  into = _zeros_like(like, tie)
+  into = into + jnp.where((which >= 0)[:, None], mine, 0).astype(into.dtype)
   send_row = jnp.asarray(send)[slot]
   recv_row = jnp.asarray(recv)[slot]
   for r, messages in enumerate(rounds):
@@ -645,22 +632,13 @@ def _exchange(st: Stages, w, direction, slot, blocks, like, vary, tie):
   return into
 
 
-def _own(table, slot, blocks, into):
-  """``into[i] += blocks[table[slot, i]]`` where that is not -1."""
-  which = jnp.asarray(table)[slot]
-  mine = jnp.take(blocks, jnp.maximum(which, 0), axis=0)
-  return into + jnp.where((which >= 0)[:, None], mine, 0).astype(into.dtype)
-
-
 def run(
   st: Stages,
+  cfg,
+  eps,
   finish,
   plain_update,
   plain_work,
-  coeff_rows: np.ndarray,
-  compute_dtype,
-  eps,
-  adaptive: bool,
   hat: Sequence[jax.Array],
   params: Sequence[jax.Array] | None,
   iterations: int,
@@ -669,6 +647,9 @@ def run(
 
   Args:
     st: its :class:`Stages`.
+    cfg: the ``_owner_update.OwnerConfig`` (coefficient rows, compute
+      dtype, ``adaptive``).
+    eps: added to the Frobenius norm.
     finish: ``finish(unit, ns_out, dot, param) -> result`` for one
       distributed matrix slice (adaptive scaling, cast, shape factor,
       decay); it may read only what ``st``'s unit key holds of ``unit``
@@ -678,10 +659,6 @@ def run(
       at the distributed matrices' places), ``offsets`` its rows of
       ``plain_work.offsets``.
     plain_work: the plain update's ``_layout.SlotWork``.
-    coeff_rows: the Newton–Schulz coefficient rows.
-    compute_dtype: dtype name of the iterations, or None.
-    eps: added to the Frobenius norm.
-    adaptive: whether dual norms scale the results.
     hat: this device's momentum buffers to orthogonalize.
     params: its param buffers (dedicated weight decay) or None.
     iterations: scan iterations of the group (must be 0: scanned stacks
@@ -700,17 +677,9 @@ def run(
     if any(jnp.dtype(b.dtype) == jnp.float64 for b in hat)
     else jnp.float32
   )
-  bodies = _Bodies(
-    st,
-    finish,
-    plain_update,
-    coeff_rows,
-    jnp.dtype(compute_dtype) if compute_dtype else None,
-    eps,
-    adaptive,
-    norm,
-  )
-  tables = list(plain_work.offsets) + st.tables()
+  bodies = _Bodies(st, cfg, eps, finish, plain_update, norm)
+  tables = list(plain_work.offsets)
+  tables += [t for part, _, _ in st.parts() for t in part]
 
   def stage(body, c):
     """One stage: ``body`` with this device's rows of ``tables`` (one
@@ -727,14 +696,10 @@ def run(
   def reduced(c, op, name):
     """The per-matrix vectors ``name`` reduced over each matrix's devices:
     a group's members, a TP matrix's shards."""
-    for kind, has, axis in (
-      ('group', st.has_groups, st.group_axis),
-      ('tp', st.has_tp, st.tp_axis),
-    ):
-      if has:
-        field = f'{kind}_{name}'
-        c = c._replace(**{field: op(getattr(c, field), axis)})
-    return c
+    has = (st.has_groups, st.has_tp)
+    axes = (st.group_axis, st.tp_axis)
+    v = zip(getattr(c, name), has, axes)
+    return c._replace(**{name: tuple(op(a, x) if h else a for a, h, x in v)})
 
   # Buffers made from zeros wait for this group's inputs (else XLA may make
   # them at the start of the step and hold them through it).
@@ -750,19 +715,20 @@ def run(
     grouped = w < st.group_windows
     if grouped:
       owned = _exchange(
-        st, w, 'reduce', slot, c.held_grams, c.owned_grams, vary, tie
+        st, w, 'reduce', slot, c.grams[0], c.owned_grams, vary, tie
       )
       c = c._replace(owned_grams=owned)
     if st.has_tp:
-      c = c._replace(tp_grams=jax.lax.psum(c.tp_grams, st.tp_axis))
+      tp_grams = jax.lax.psum(c.grams[1], st.tp_axis)
+      c = c._replace(grams=(c.grams[0], tp_grams))
     c = stage(functools.partial(bodies.iterate, w), c)
     if grouped:
       factors = _exchange(
-        st, w, 'broadcast', slot, c.owned_factors, c.held_factors, vary, tie
+        st, w, 'broadcast', slot, c.owned_factors, c.factors[0], vary, tie
       )
-      c = c._replace(held_factors=factors)
+      c = c._replace(factors=(factors, c.factors[1]))
     c = stage(functools.partial(bodies.apply, w), c)
-  if adaptive:
+  if cfg.adaptive:
     c = reduced(c, jax.lax.psum, 'dots')
   c = stage(bodies.finish_all, c)
   return c.out

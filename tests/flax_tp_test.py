@@ -224,7 +224,7 @@ def gram_elements(ded) -> int:
   layout = ded.dedication.layout
   total = 0
   for lay in layout.groups:
-    st = _staged.Stages(layout, lay, 5)
+    st = _staged.Stages(layout, lay, 5, [None] * len(lay.plan.units))
     total += st.windows * st.tp_block + st.vec_tp
   return total
 

@@ -20,21 +20,23 @@ from dmuon_jax._newton_schulz import is_int
 from dmuon_jax._routing import normalize_path
 
 
-def _scaled(n: float, base: int, units: Sequence[str]) -> str:
+def _scaled(n: float, base: int, units: Sequence[str], digits: int) -> str:
   """``n`` in the largest of ``units`` (each ``base`` times the one
   before) it reaches: ``'512 B'``, ``'1.50 KiB'``."""
   i = 0
   while not abs(n) < base and i < len(units) - 1:
     n, i = n / base, i + 1
-  return f'{n:.2f} {units[i]}' if i else f'{n:.0f} {units[0]}'
+  return f'{n:.{digits}f} {units[i]}' if i else f'{n:.0f} {units[0]}'
 
 
-def human_bytes(n: float) -> str:
-  return _scaled(n, 1024, ('B', 'KiB', 'MiB', 'GiB', 'TiB'))
+def human_bytes(n: float, digits: int = 2) -> str:
+  return _scaled(n, 1024, ('B', 'KiB', 'MiB', 'GiB', 'TiB'), digits)
 
 
 def human_flops(n: float) -> str:
-  return _scaled(n, 1000, ('FLOP', 'kFLOP', 'MFLOP', 'GFLOP', 'TFLOP', 'PFLOP'))
+  return _scaled(
+    n, 1000, ('FLOP', 'kFLOP', 'MFLOP', 'GFLOP', 'TFLOP', 'PFLOP'), 2
+  )
 
 
 def ring_bytes(kind: str, group_size: int, full_bytes: float) -> float:

@@ -141,19 +141,16 @@ def normalize_path(path: jax.tree_util.KeyPath) -> str:
     and keys[-1].name == 'value'
   ):
     keys.pop()
-  return '/'.join(_key_str(k) for k in keys)
+  return '/'.join(key_str(k) for k in keys)
 
 
-def _key_str(key: Any) -> str:
-  if isinstance(key, jax.tree_util.DictKey):
-    return str(key.key)
+def key_str(key: Any) -> str:
+  """One key of a key path as a string (see :func:`normalize_path`)."""
   if isinstance(key, jax.tree_util.GetAttrKey):
     return key.name
   if isinstance(key, jax.tree_util.SequenceKey):
     return str(key.idx)
-  if isinstance(key, jax.tree_util.FlattenedIndexKey):
-    return str(key.key)
-  return str(key)
+  return str(getattr(key, 'key', key))  # DictKey, FlattenedIndexKey
 
 
 def _segments(path: str) -> list[str]:
@@ -660,12 +657,9 @@ def route(
   with_path, _ = jax.tree_util.tree_flatten_with_path(params)
   check_array_leaves(with_path)
   have_dims = weight_dimension_numbers is not None
-  if have_dims:
-    all_dims = resolve_dimension_numbers(
-      params, weight_dimension_numbers, dims_arg
-    )
-  else:
-    all_dims = [None] * len(with_path)
+  all_dims = resolve_dimension_numbers(
+    params, weight_dimension_numbers, dims_arg
+  )
   specs: list[LeafSpec | None] = []
   counts = {True: [0, 0], False: [0, 0]}
   only_optax, only_here, stacks = [], [], []

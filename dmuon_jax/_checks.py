@@ -20,7 +20,7 @@ from dmuon_jax._newton_schulz import is_int
 from dmuon_jax._routing import normalize_path
 
 
-def _scaled(n: float, base: int, units: Sequence[str], digits: int) -> str:
+def _scaled(n: float, base: int, units: Sequence[str], digits: int = 2) -> str:
   """``n`` in the largest of ``units`` (each ``base`` times the one
   before) it reaches: ``'512 B'``, ``'1.50 KiB'``."""
   i = 0
@@ -34,9 +34,7 @@ def human_bytes(n: float, digits: int = 2) -> str:
 
 
 def human_flops(n: float) -> str:
-  return _scaled(
-    n, 1000, ('FLOP', 'kFLOP', 'MFLOP', 'GFLOP', 'TFLOP', 'PFLOP'), 2
-  )
+  return _scaled(n, 1000, ('FLOP', 'kFLOP', 'MFLOP', 'GFLOP', 'TFLOP', 'PFLOP'))
 
 
 def ring_bytes(kind: str, group_size: int, full_bytes: float) -> float:

@@ -230,7 +230,11 @@ class HloReport:
     Returns:
       The summed ``total_bytes`` of the matching collectives.
     """
-    selected = _check_kinds(kinds)
+    selected = frozenset(
+      KINDS if kinds is None else [kinds] if isinstance(kinds, str) else kinds
+    )
+    if unknown := sorted(selected - frozenset(KINDS)):
+      raise ValueError(f'Unknown collective kinds {unknown}; expected {KINDS}.')
     return float(
       sum(c.total_bytes for c in self.collectives if c.kind in selected)
     )
@@ -389,16 +393,6 @@ def make_collective(
     in_loop=in_loop,
     bytes=_checks.ring_bytes(kind, group_size, full_bytes),
   )
-
-
-def _check_kinds(kinds: str | Iterable[str] | None) -> frozenset[str]:
-  if kinds is None:
-    return frozenset(KINDS)
-  selected = frozenset([kinds] if isinstance(kinds, str) else kinds)
-  unknown = sorted(selected - frozenset(KINDS))
-  if unknown:
-    raise ValueError(f'Unknown collective kinds {unknown}; expected {KINDS}.')
-  return selected
 
 
 # ---------------------------------------------------------------------------

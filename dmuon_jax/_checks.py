@@ -141,16 +141,6 @@ _SCHEDULE_HINT = (
 )
 
 
-def _concrete(value: Any) -> np.ndarray | None:
-  """``value`` as a numpy array, or None when it is only known at run time
-  (a tracer, or an array not fully on this process)."""
-  if isinstance(value, jax.core.Tracer) or (
-    isinstance(value, jax.Array) and not value.is_fully_addressable
-  ):
-    return None
-  return np.asarray(value)
-
-
 def _number(name: str, value: Any, hint: str) -> float | None:
   """The value of a real scalar hyperparameter, None if not concrete.
 
@@ -163,15 +153,17 @@ def _number(name: str, value: Any, hint: str) -> float | None:
   ):
     kind = 'None' if value is None else f'a {type(value).__name__}'
     raise TypeError(f'dmuon: {name}={value!r} is {kind}, not a number. {hint}')
+  if isinstance(value, jax.core.Tracer) or (
+    isinstance(value, jax.Array) and not value.is_fully_addressable
+  ):
+    return None  # Only known at run time.
   try:
-    arr = _concrete(value)
+    arr = np.asarray(value)
   except (TypeError, ValueError) as e:
     raise TypeError(
       f'dmuon: {name}={value!r} ({type(value).__name__}) is not a number.'
       f' {hint}'
     ) from e
-  if arr is None:
-    return None
   if arr.shape != () or not (
     np.issubdtype(arr.dtype, np.floating)
     or np.issubdtype(arr.dtype, np.integer)

@@ -401,12 +401,11 @@ class LeafSpec:
 def _normalize_axes(
   value: Any, ndim: int, what: str, path: str, shape: tuple[int, ...]
 ) -> tuple[int, ...]:
-  axes = (value,) if isinstance(value, (int, np.integer)) else value
   try:
-    axes = tuple(axes)
-  except TypeError:
-    axes = None
-  if axes is None or not all(
+    axes = tuple((value,) if isinstance(value, (int, np.integer)) else value)
+  except TypeError:  # not iterable
+    axes = (None,)
+  if not all(
     isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in axes
   ):
     raise ValueError(
@@ -453,14 +452,6 @@ _OUTPUT_PROJECTION_NAMES = frozenset(
 _GENERIC_LEAF_NAMES = frozenset({'kernel', 'weight', 'w', 'value'})
 
 
-def _projection_name(shown: str) -> str | None:
-  """The last path segment that is not a generic leaf name."""
-  for seg in reversed(_segments(shown)):
-    if seg.lower() not in _GENERIC_LEAF_NAMES:
-      return seg
-  return None
-
-
 def _no_dims_message(shown: str, shape: tuple[int, ...], arg: str) -> str:
   """The error for a >2-D Muon target without dimension numbers: the three
   readings of its axes as matrices, and which one its name suggests."""
@@ -473,7 +464,9 @@ def _no_dims_message(shown: str, shape: tuple[int, ...], arg: str) -> str:
     reduction_axis=tuple(range(ndim - 1)), output_axis=ndim - 1
   )
   count = math.prod(shape[:-2])
-  name = _projection_name(shown)
+  # The last path segment that is not a generic leaf name.
+  names = [g for g in _segments(shown) if g.lower() not in _GENERIC_LEAF_NAMES]
+  name = names[-1] if names else None
   hint = ''
   if name is not None and name.lower() in _OUTPUT_PROJECTION_NAMES:
     hint = (

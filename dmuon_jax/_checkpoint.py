@@ -324,16 +324,6 @@ def _abstract_init(init, *args):
   )
 
 
-def _unknown_specs(state) -> bool:
-  """Whether a dmuon state in ``state`` records params of unknown sharding."""
-  states = jax.tree.leaves(state, is_leaf=_owner_update.is_dmuon_state)
-  return any(
-    None in x.mu.layout.param_entries
-    for x in states
-    if _owner_update.is_dmuon_state(x)
-  )
-
-
 def target_state(opt, params):
   """The state to restore into: ``opt`` itself if it is a state, else
   ``opt.init(params)``'s layouts, shapes, dtypes and shardings, abstractly.
@@ -354,27 +344,24 @@ def target_state(opt, params):
   """
   if not is_optimizer(opt):
     return opt
+  is_state = _owner_update.is_dmuon_state
   mesh = concrete_mesh(jax.tree.leaves(params))
   # Explicit-mesh params type-check only inside their mesh's context.
   ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
   with ctx:
     target = _abstract_init(opt.init, params)
-    if not _unknown_specs(target):
+    leaves, treedef = jax.tree.flatten(target, is_leaf=is_state)
+    # Only where a dmuon state records params of unknown sharding.
+    if not any(
+      None in x.mu.layout.param_entries for x in leaves if is_state(x)
+    ):
       return target
     placed = _abstract_init(lambda: opt.init(params))
-  leaves, treedef = jax.tree.flatten(
-    target, is_leaf=_owner_update.is_dmuon_state
-  )
-  found, found_def = jax.tree.flatten(
-    placed, is_leaf=_owner_update.is_dmuon_state
-  )
+  found, found_def = jax.tree.flatten(placed, is_leaf=is_state)
   if found_def != treedef:  # an init that builds its tree from the values
     return target
-  return jax.tree.unflatten(
-    treedef,
-    [
-      y if _owner_update.is_dmuon_state(y) else x for x, y in zip(leaves, found)
-    ],
+  return treedef.unflatten(
+    [y if is_state(y) else x for x, y in zip(leaves, found)]
   )
 
 

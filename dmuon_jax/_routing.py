@@ -730,11 +730,7 @@ def layer_key(path: str, batch_index: tuple[int, ...] = ()) -> str:
     The key.
   """
   block, base = layer_base(path)
-  if block:
-    return base
-  if batch_index:
-    return f'{base}[{batch_index[0]}]'
-  return base
+  return f'{base}[{batch_index[0]}]' if batch_index and not block else base
 
 
 @functools.lru_cache(maxsize=4096)

@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dmuon_jax import _dedication, _mesh, _owner_layout, _owner_update
+from dmuon_jax import _dedication, _owner_layout, _owner_update, _routing
 
 # Documented as dmuon_jax.checkpoint.COMMIT_MARKER.
 COMMIT_MARKER = 'commit_success.txt'
@@ -111,15 +111,7 @@ def check_not_a_step(root: pathlib.Path, where: str) -> None:
 
 def _path_str(path) -> str:
   """A key path as ``a/b/0``, the same for a NamedTuple and its dict."""
-  names = []
-  for k in path:
-    for attr in ('key', 'name', 'idx'):
-      if hasattr(k, attr):
-        names.append(str(getattr(k, attr)))
-        break
-    else:
-      names.append(str(k))
-  return '/'.join(names)
+  return '/'.join(map(_routing.key_str, path))
 
 
 def nest(by_path: dict[str, Any]) -> dict:
@@ -248,16 +240,6 @@ def concrete_mesh(xs) -> Any:
   return None
 
 
-def param_shardings(layout: _owner_layout.OwnerLayout, mesh: Any) -> list:
-  """Per target leaf, the sharding of its portable momentum."""
-  if mesh is None:
-    return [None] * len(layout.leaves)
-  return [
-    NamedSharding(mesh, _mesh.entries_spec(e) if e is not None else P())
-    for e in layout.param_entries
-  ]
-
-
 def cast_like(x, target):
   """``x`` with ``target``'s dtype and placement (uncommitted if it is)."""
   sharding = getattr(target, 'sharding', None)
@@ -269,21 +251,14 @@ def cast_like(x, target):
   return jax.device_put(jnp.asarray(x, target.dtype), target.sharding)
 
 
-def abstract_leaf(x) -> jax.ShapeDtypeStruct:
-  dtype = getattr(x, 'dtype', None)
-  return jax.ShapeDtypeStruct(
-    np.shape(x),
-    jnp.result_type(x) if dtype is None else dtype,
-    sharding=getattr(x, 'sharding', None),
-  )
-
-
-def place_like(like):
-  """``like`` as a ``ShapeDtypeStruct``, on the first device if unplaced."""
-  sharding = getattr(like, 'sharding', None)
-  if sharding is None:
+def abstract_leaf(x, placed: bool = False) -> jax.ShapeDtypeStruct:
+  """``x`` as a ``ShapeDtypeStruct``; ``placed``: on the first device if
+  ``x`` has no sharding."""
+  dtype, sharding = getattr(x, 'dtype', None), getattr(x, 'sharding', None)
+  if placed and sharding is None:
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  return jax.ShapeDtypeStruct(np.shape(like), like.dtype, sharding=sharding)
+  dtype = jnp.result_type(x) if dtype is None else dtype
+  return jax.ShapeDtypeStruct(np.shape(x), dtype, sharding=sharding)
 
 
 def _rest_leaves(dp_like: _dedication.DedicatedParams):
@@ -292,8 +267,8 @@ def _rest_leaves(dp_like: _dedication.DedicatedParams):
 
 def dedicated_like(dp_like: _dedication.DedicatedParams):
   """The plain params target of a DedicatedParams target (Muon targets
-  replicated on its mesh; without one, ``place_like`` puts them on the
-  first device)."""
+  replicated on its mesh; without one, ``abstract_leaf(placed=True)`` puts
+  them on the first device)."""
   leaves, treedef = _rest_leaves(dp_like)
   mesh = concrete_mesh(dp_like.owned.buffers)
   sharding = None if mesh is None else NamedSharding(mesh, P())
@@ -349,16 +324,6 @@ def _abstract_init(init, *args):
   )
 
 
-def _unknown_specs(state) -> bool:
-  """Whether a dmuon state in ``state`` records params of unknown sharding."""
-  states = jax.tree.leaves(state, is_leaf=_owner_update.is_dmuon_state)
-  return any(
-    None in x.mu.layout.param_entries
-    for x in states
-    if _owner_update.is_dmuon_state(x)
-  )
-
-
 def target_state(opt, params):
   """The state to restore into: ``opt`` itself if it is a state, else
   ``opt.init(params)``'s layouts, shapes, dtypes and shardings, abstractly.
@@ -379,27 +344,24 @@ def target_state(opt, params):
   """
   if not is_optimizer(opt):
     return opt
+  is_state = _owner_update.is_dmuon_state
   mesh = concrete_mesh(jax.tree.leaves(params))
   # Explicit-mesh params type-check only inside their mesh's context.
   ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
   with ctx:
     target = _abstract_init(opt.init, params)
-    if not _unknown_specs(target):
+    leaves, treedef = jax.tree.flatten(target, is_leaf=is_state)
+    # Only where a dmuon state records params of unknown sharding.
+    if not any(
+      None in x.mu.layout.param_entries for x in leaves if is_state(x)
+    ):
       return target
     placed = _abstract_init(lambda: opt.init(params))
-  leaves, treedef = jax.tree.flatten(
-    target, is_leaf=_owner_update.is_dmuon_state
-  )
-  found, found_def = jax.tree.flatten(
-    placed, is_leaf=_owner_update.is_dmuon_state
-  )
+  found, found_def = jax.tree.flatten(placed, is_leaf=is_state)
   if found_def != treedef:  # an init that builds its tree from the values
     return target
-  return jax.tree.unflatten(
-    treedef,
-    [
-      y if _owner_update.is_dmuon_state(y) else x for x, y in zip(leaves, found)
-    ],
+  return treedef.unflatten(
+    [y if is_state(y) else x for x, y in zip(leaves, found)]
   )
 
 
@@ -446,14 +408,6 @@ _TS_FILE = re.compile(r'local file "([^"]+)"')
 _JSON_FILES = ('_METADATA', '_sharding')
 
 
-def _messages(e: BaseException) -> list[str]:
-  out = []
-  while e is not None and len(out) < 8:
-    out.append(str(e))
-    e = e.__cause__ or e.__context__
-  return out
-
-
 def damaged_file(step_dir: pathlib.Path, e: BaseException):
   """The file of ``step_dir`` that ``e`` shows is damaged, or None.
 
@@ -463,7 +417,10 @@ def damaged_file(step_dir: pathlib.Path, e: BaseException):
   directory) a JSON error or a TensorStore data-loss status.
   """
   item = step_dir / 'default'
-  texts = _messages(e)
+  texts, cause = [], e
+  while cause is not None and len(texts) < 8:
+    texts.append(str(cause))
+    cause = cause.__cause__ or cause.__context__
   for text in texts:
     for name in reversed(_TS_FILE.findall(text)):
       p = pathlib.Path(name)

@@ -20,17 +20,17 @@ from dmuon_jax._newton_schulz import is_int
 from dmuon_jax._routing import normalize_path
 
 
-def _scaled(n: float, base: int, units: Sequence[str]) -> str:
+def _scaled(n: float, base: int, units: Sequence[str], digits: int = 2) -> str:
   """``n`` in the largest of ``units`` (each ``base`` times the one
   before) it reaches: ``'512 B'``, ``'1.50 KiB'``."""
   i = 0
   while not abs(n) < base and i < len(units) - 1:
     n, i = n / base, i + 1
-  return f'{n:.2f} {units[i]}' if i else f'{n:.0f} {units[0]}'
+  return f'{n:.{digits}f} {units[i]}' if i else f'{n:.0f} {units[0]}'
 
 
-def human_bytes(n: float) -> str:
-  return _scaled(n, 1024, ('B', 'KiB', 'MiB', 'GiB', 'TiB'))
+def human_bytes(n: float, digits: int = 2) -> str:
+  return _scaled(n, 1024, ('B', 'KiB', 'MiB', 'GiB', 'TiB'), digits)
 
 
 def human_flops(n: float) -> str:
@@ -141,16 +141,6 @@ _SCHEDULE_HINT = (
 )
 
 
-def _concrete(value: Any) -> np.ndarray | None:
-  """``value`` as a numpy array, or None when it is only known at run time
-  (a tracer, or an array not fully on this process)."""
-  if isinstance(value, jax.core.Tracer) or (
-    isinstance(value, jax.Array) and not value.is_fully_addressable
-  ):
-    return None
-  return np.asarray(value)
-
-
 def _number(name: str, value: Any, hint: str) -> float | None:
   """The value of a real scalar hyperparameter, None if not concrete.
 
@@ -163,15 +153,17 @@ def _number(name: str, value: Any, hint: str) -> float | None:
   ):
     kind = 'None' if value is None else f'a {type(value).__name__}'
     raise TypeError(f'dmuon: {name}={value!r} is {kind}, not a number. {hint}')
+  if isinstance(value, jax.core.Tracer) or (
+    isinstance(value, jax.Array) and not value.is_fully_addressable
+  ):
+    return None  # Only known at run time.
   try:
-    arr = _concrete(value)
+    arr = np.asarray(value)
   except (TypeError, ValueError) as e:
     raise TypeError(
       f'dmuon: {name}={value!r} ({type(value).__name__}) is not a number.'
       f' {hint}'
     ) from e
-  if arr is None:
-    return None
   if arr.shape != () or not (
     np.issubdtype(arr.dtype, np.floating)
     or np.issubdtype(arr.dtype, np.integer)

@@ -380,13 +380,15 @@ def local_shape(
 ) -> tuple[int, ...]:
   """One device's block of an array of ``shape`` sharded by ``spec`` over
   axes of ``sizes`` (ceil division, as JAX pads uneven shards)."""
-  entries = spec_entries(spec)
-  out = []
-  for d, n in enumerate(shape):
-    axes = entries[d] if d < len(entries) else ()
-    k = math.prod(sizes.get(a, 1) for a in axes)
-    out.append(-(-n // k))
-  return tuple(out)
+  return tuple(-(-n // k) for n, k in _shards(shape, spec_entries(spec), sizes))
+
+
+def _shards(shape, entries, sizes) -> list[tuple[int, int]]:
+  """Per dimension of ``shape``: its size and its number of shards."""
+  entries = tuple(entries) + ((),) * len(shape)
+  return [
+    (n, math.prod(sizes.get(a, 1) for a in e)) for n, e in zip(shape, entries)
+  ]
 
 
 def spec_entries(spec: P | None) -> list[tuple[str, ...]]:
@@ -430,36 +432,25 @@ def check_entries(
   shape: Sequence[int],
   sizes: Mapping[str, int],
   path: str,
-  spec: P | None = None,
-  even: bool = True,
+  spec: P | None,
 ) -> None:
   """Raises if a leaf's sharding does not fit the mesh (names the leaf).
 
-  With ``even=False`` a dimension need not divide by its devices (uneven
-  sharding, which JAX accepts): the caller pads it (see
-  :func:`padded_shape`).
+  A dimension need not divide by its devices (uneven sharding, which JAX
+  accepts): the caller pads it (see :func:`padded_shape`).
   """
   if len(entries) > len(shape):
     raise ValueError(
       f'dmuon: param {path!r} of rank {len(shape)} has a sharding spec '
       f'{spec} with more entries than dims.'
     )
-  for dim, axes in enumerate(entries):
-    for a in axes:
-      if a not in sizes:
-        raise ValueError(
-          f'dmuon: param {path!r} is sharded over mesh axis {a!r} (spec '
-          f'{spec}), which is not one of the axes dmuon owns matrices over '
-          f'{tuple(sizes)}. Shard it over those axes (or replicate '
-          'it), or pass the mesh it lives on as mesh= / axis_names=.'
-        )
-    n = math.prod(sizes[a] for a in axes) if axes else 1
-    if even and shape[dim] % n:
-      raise ValueError(
-        f'dmuon: param {path!r} has shape {tuple(shape)}; dim {dim} is not '
-        f'divisible by the {n} devices of mesh axes {axes}. Pad it, or '
-        'replicate it.'
-      )
+  for a in [a for axes in entries for a in axes if a not in sizes][:1]:
+    raise ValueError(
+      f'dmuon: param {path!r} is sharded over mesh axis {a!r} (spec '
+      f'{spec}), which is not one of the axes dmuon owns matrices over '
+      f'{tuple(sizes)}. Shard it over those axes (or replicate '
+      'it), or pass the mesh it lives on as mesh= / axis_names=.'
+    )
 
 
 def padded_shape(
@@ -467,11 +458,7 @@ def padded_shape(
 ) -> tuple[int, ...]:
   """``shape`` with each sharded dimension rounded up to a multiple of its
   devices (what an unevenly sharded Muon leaf is padded to with zeros)."""
-  out = []
-  for n, axes in zip(shape, tuple(entries) + ((),) * len(shape)):
-    k = math.prod(sizes[a] for a in axes) if axes else 1
-    out.append(-(-n // k) * k)
-  return tuple(out)
+  return tuple(-(-n // k) * k for n, k in _shards(shape, entries, sizes))
 
 
 def split_tensor_parallel(leaf, entries: Entries, tp_axis: str, tp_size: int):
@@ -577,35 +564,6 @@ TP_AXIS_NAMES = ('model', 'tensor', 'tp')
 AUTO = 'auto'
 
 
-def _auto_tp_axis(
-  names: Sequence[str],
-  by_name: dict[str, int],
-  axis_names: Any,
-  sharded_axes: Collection[str] | None,
-) -> str | None:
-  """The TP axis chosen by ``tensor_parallel_axis='auto'``."""
-  if sharded_axes is None:
-    return None
-  chosen = axis_tuple(axis_names)
-  hits = [
-    n
-    for n in names
-    if n in TP_AXIS_NAMES
-    and by_name[n] > 1
-    and n in sharded_axes
-    and n not in chosen
-  ]
-  if len(hits) > 1:
-    raise ValueError(
-      f'dmuon: the Muon params are sharded over the mesh axes {hits}, and'
-      f' each could be the tensor-parallel axis (axes named {TP_AXIS_NAMES}'
-      ' are, when params are sharded over them). Say which one splits the'
-      f' matrices with tensor_parallel_axis={hits[0]!r} (the others then'
-      ' hold owners), or tensor_parallel_axis=None for none.'
-    )
-  return hits[0] if hits else None
-
-
 def resolve(
   mesh: Any,
   axis_names: Any = None,
@@ -636,22 +594,38 @@ def resolve(
   names, sizes = mesh_axes(mesh, None)
   mesh_axes(mesh, axis_names)  # Raises for unknown names.
   by_name = dict(zip(names, sizes))
+  chosen = axis_tuple(axis_names)
+  tp = tensor_parallel_axis if tensor_parallel_axis in by_name else None
   if tensor_parallel_axis == AUTO:
-    tp = _auto_tp_axis(names, by_name, axis_names, sharded_axes)
-  else:
-    tp = tensor_parallel_axis if tensor_parallel_axis in by_name else None
+    hits = [
+      n
+      for n in names
+      if n in TP_AXIS_NAMES
+      and by_name[n] > 1
+      and n in (sharded_axes or ())
+      and n not in chosen
+    ]
+    if len(hits) > 1:
+      raise ValueError(
+        f'dmuon: the Muon params are sharded over the mesh axes {hits}, and'
+        f' each could be the tensor-parallel axis (axes named'
+        f' {TP_AXIS_NAMES} are, when params are sharded over them). Say'
+        f' which one splits the matrices with tensor_parallel_axis='
+        f'{hits[0]!r} (the others then hold owners), or'
+        ' tensor_parallel_axis=None for none.'
+      )
+    tp = hits[0] if hits else None
+  if tp is not None and tp in chosen:
+    raise ValueError(
+      f'dmuon: axis_names {chosen} includes the tensor-parallel axis '
+      f'{tp!r}: owners range over data-parallel axes, and every TP '
+      'shard of an owner holds its slice of the matrix. Leave it out of '
+      'axis_names, or pass tensor_parallel_axis=None to use it for '
+      'owners.'
+    )
   if axis_names is None:
     owners = tuple(n for n in names if n != tp)
   else:
-    chosen = axis_tuple(axis_names)
-    if tp is not None and tp in chosen:
-      raise ValueError(
-        f'dmuon: axis_names {chosen} includes the tensor-parallel axis '
-        f'{tp!r}: owners range over data-parallel axes, and every TP '
-        'shard of an owner holds its slice of the matrix. Leave it out of '
-        'axis_names, or pass tensor_parallel_axis=None to use it for '
-        'owners.'
-      )
     owners = tuple(n for n in names if n in chosen)
   if tp is not None and by_name[tp] == 1:
     tp = None

@@ -141,19 +141,16 @@ def normalize_path(path: jax.tree_util.KeyPath) -> str:
     and keys[-1].name == 'value'
   ):
     keys.pop()
-  return '/'.join(_key_str(k) for k in keys)
+  return '/'.join(key_str(k) for k in keys)
 
 
-def _key_str(key: Any) -> str:
-  if isinstance(key, jax.tree_util.DictKey):
-    return str(key.key)
+def key_str(key: Any) -> str:
+  """One key of a key path as a string (see :func:`normalize_path`)."""
   if isinstance(key, jax.tree_util.GetAttrKey):
     return key.name
   if isinstance(key, jax.tree_util.SequenceKey):
     return str(key.idx)
-  if isinstance(key, jax.tree_util.FlattenedIndexKey):
-    return str(key.key)
-  return str(key)
+  return str(getattr(key, 'key', key))  # DictKey, FlattenedIndexKey
 
 
 def _segments(path: str) -> list[str]:
@@ -404,12 +401,11 @@ class LeafSpec:
 def _normalize_axes(
   value: Any, ndim: int, what: str, path: str, shape: tuple[int, ...]
 ) -> tuple[int, ...]:
-  axes = (value,) if isinstance(value, (int, np.integer)) else value
   try:
-    axes = tuple(axes)
-  except TypeError:
-    axes = None
-  if axes is None or not all(
+    axes = tuple((value,) if isinstance(value, (int, np.integer)) else value)
+  except TypeError:  # not iterable
+    axes = (None,)
+  if not all(
     isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in axes
   ):
     raise ValueError(
@@ -456,14 +452,6 @@ _OUTPUT_PROJECTION_NAMES = frozenset(
 _GENERIC_LEAF_NAMES = frozenset({'kernel', 'weight', 'w', 'value'})
 
 
-def _projection_name(shown: str) -> str | None:
-  """The last path segment that is not a generic leaf name."""
-  for seg in reversed(_segments(shown)):
-    if seg.lower() not in _GENERIC_LEAF_NAMES:
-      return seg
-  return None
-
-
 def _no_dims_message(shown: str, shape: tuple[int, ...], arg: str) -> str:
   """The error for a >2-D Muon target without dimension numbers: the three
   readings of its axes as matrices, and which one its name suggests."""
@@ -476,7 +464,9 @@ def _no_dims_message(shown: str, shape: tuple[int, ...], arg: str) -> str:
     reduction_axis=tuple(range(ndim - 1)), output_axis=ndim - 1
   )
   count = math.prod(shape[:-2])
-  name = _projection_name(shown)
+  # The last path segment that is not a generic leaf name.
+  names = [g for g in _segments(shown) if g.lower() not in _GENERIC_LEAF_NAMES]
+  name = names[-1] if names else None
   hint = ''
   if name is not None and name.lower() in _OUTPUT_PROJECTION_NAMES:
     hint = (
@@ -660,12 +650,9 @@ def route(
   with_path, _ = jax.tree_util.tree_flatten_with_path(params)
   check_array_leaves(with_path)
   have_dims = weight_dimension_numbers is not None
-  if have_dims:
-    all_dims = resolve_dimension_numbers(
-      params, weight_dimension_numbers, dims_arg
-    )
-  else:
-    all_dims = [None] * len(with_path)
+  all_dims = resolve_dimension_numbers(
+    params, weight_dimension_numbers, dims_arg
+  )
   specs: list[LeafSpec | None] = []
   counts = {True: [0, 0], False: [0, 0]}
   only_optax, only_here, stacks = [], [], []
@@ -743,11 +730,7 @@ def layer_key(path: str, batch_index: tuple[int, ...] = ()) -> str:
     The key.
   """
   block, base = layer_base(path)
-  if block:
-    return base
-  if batch_index:
-    return f'{base}[{batch_index[0]}]'
-  return base
+  return f'{base}[{batch_index[0]}]' if batch_index and not block else base
 
 
 @functools.lru_cache(maxsize=4096)

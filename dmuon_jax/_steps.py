@@ -193,7 +193,7 @@ def resolve_entries(leaf, spec, sizes, allowed, tp_axis=None, tp_size=1):
     ``_mesh.split_tensor_parallel``).
   """
   e = _mesh.normalize_entries(spec, len(leaf.shape), sizes)
-  _mesh.check_entries(e, leaf.shape, allowed, leaf.path, spec, even=False)
+  _mesh.check_entries(e, leaf.shape, allowed, leaf.path, spec)
   shape = _mesh.padded_shape(leaf.shape, e, sizes)
   if tp_axis is None:
     return e, shape, None, None, shape

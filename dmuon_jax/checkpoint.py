@@ -51,8 +51,10 @@ from typing import Any, Literal, NamedTuple
 import jax
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from dmuon_jax import _checkpoint, _dedication, _owner_update
+from dmuon_jax import _checkpoint, _dedication, _mesh, _owner_update
 
 _NO_DEVICES_MSG = (
   'dmuon_jax checkpoint: the abstract optimizer state of layout {name} '
@@ -223,7 +225,9 @@ def _to_portable(x, abstract=False, placed=True) -> PortableDMuonState:
     raise ValueError(_NO_DEVICES_MSG.format(name=layout.name))
   values = None if abstract else _dedication.unpack_owned(x.mu)
   mu = {}
-  for t, s in zip(layout.leaves, _checkpoint.param_shardings(layout, mesh)):
+  for t, e in zip(layout.leaves, layout.param_entries):
+    spec = P() if e is None else _mesh.entries_spec(e)
+    s = None if mesh is None else NamedSharding(mesh, spec)
     if abstract:
       dtype = x.mu.buffers[layout.leaf_buffer(t.index)].dtype
       mu[t.path] = jax.ShapeDtypeStruct(t.shape, dtype, sharding=s)
@@ -641,6 +645,10 @@ def _restore(where, directory, step, if_damaged, targets):
   ) from damaged[-1]
 
 
+# A target leaf on the first device if it has no sharding.
+_placed = functools.partial(_checkpoint.abstract_leaf, placed=True)
+
+
 def _restore_step(root, step, steps, params_like, opt, extra_like, dedication):
   path = root / str(step) / 'default'
   read = functools.partial(_reading, root, step, steps)
@@ -655,7 +663,7 @@ def _restore_step(root, step, steps, params_like, opt, extra_like, dedication):
     params_like = _checkpoint.dedicated_like(dp_like)
   with read():
     saved = _checkpoint.saved_tree(path)
-  params_abs = jax.tree.map(_checkpoint.place_like, params_like)
+  params_abs = jax.tree.map(_placed, params_like)
   _checkpoint.check_saved(saved, {'params': params_abs}, step)
   params = load('params', params_abs)
   if dp_like is not None:
@@ -670,7 +678,7 @@ def _restore_step(root, step, steps, params_like, opt, extra_like, dedication):
     opt_state = state_from_portable(load('opt_state', abstract), target)
   if extra_like is None:
     return step, params, opt_state
-  extra = load('extra', jax.tree.map(_checkpoint.place_like, extra_like))
+  extra = load('extra', jax.tree.map(_placed, extra_like))
   return step, params, opt_state, extra
 
 

@@ -69,6 +69,7 @@ loop's trips, device by device).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib.util
 import math
@@ -207,16 +208,17 @@ class HloReport:
 
     None if ``memory_analysis()`` was unavailable.
     """
-    parts = (
+    arg, out, temp, alias = self._memory
+    return None if None in self._memory else arg + out + temp - alias
+
+  @property
+  def _memory(self) -> tuple[int | None, ...]:
+    return (
       self.argument_bytes,
       self.output_bytes,
       self.temp_bytes,
       self.alias_bytes,
     )
-    if any(p is None for p in parts):
-      return None
-    arg, out, temp, alias = parts
-    return arg + out + temp - alias
 
   def total_bytes(self, kinds: str | Iterable[str] | None = None) -> float:
     """Bytes per device per call, summed over ``kinds``.
@@ -228,7 +230,11 @@ class HloReport:
     Returns:
       The summed ``total_bytes`` of the matching collectives.
     """
-    selected = _check_kinds(kinds)
+    selected = frozenset(
+      KINDS if kinds is None else [kinds] if isinstance(kinds, str) else kinds
+    )
+    if unknown := sorted(selected - frozenset(KINDS)):
+      raise ValueError(f'Unknown collective kinds {unknown}; expected {KINDS}.')
     return float(
       sum(c.total_bytes for c in self.collectives if c.kind in selected)
     )
@@ -239,29 +245,25 @@ class HloReport:
     Returns:
       A multi-line string.
     """
+    size = lambda n: _checks.human_bytes(n, digits=1)
     lines = [f'{"kind":<22}{"ops":>5}{"count":>8}{"bytes":>14}']
-    ops: dict[str, int] = {}
-    for c in self.collectives:
-      ops[c.kind] = ops.get(c.kind, 0) + 1
+    ops = collections.Counter(c.kind for c in self.collectives)
     counts, nbytes = self.count_by_kind, self.bytes_by_kind
     for kind in KINDS:
       if kind in ops:
         lines.append(
-          f'{kind:<22}{ops[kind]:>5}{counts[kind]:>8}'
-          f'{_human_bytes(nbytes[kind]):>14}'
+          f'{kind:<22}{ops[kind]:>5}{counts[kind]:>8}{size(nbytes[kind]):>14}'
         )
     lines.append(
       f'{"total":<22}{len(self.collectives):>5}'
-      f'{sum(counts.values()):>8}{_human_bytes(self.total_bytes()):>14}'
+      f'{sum(counts.values()):>8}{size(self.total_bytes()):>14}'
     )
     lines.append(f'flops per device: {self.flops:.4g}')
     if self.peak_bytes is not None:
+      names = ('arguments', 'outputs', 'temporaries', 'aliased', 'peak')
+      values = (*self._memory, self.peak_bytes)
       lines.append(
-        f'memory: arguments {_human_bytes(self.argument_bytes)}, outputs'
-        f' {_human_bytes(self.output_bytes)}, temporaries'
-        f' {_human_bytes(self.temp_bytes)}, aliased'
-        f' {_human_bytes(self.alias_bytes)}, peak'
-        f' {_human_bytes(self.peak_bytes)}'
+        'memory: ' + ', '.join(f'{k} {size(v)}' for k, v in zip(names, values))
       )
     return '\n'.join(lines)
 
@@ -300,8 +302,6 @@ def analyze_compiled(compiled: Any) -> HloReport:
     cost = compiled.cost_analysis()
   except Exception:  # pylint: disable=broad-except
     cost = None
-  if isinstance(cost, (list, tuple)):  # Older jax: one dict per program.
-    cost = cost[0] if cost else None
   try:
     stats = compiled.memory_analysis()
   except Exception:  # pylint: disable=broad-except
@@ -395,27 +395,6 @@ def make_collective(
   )
 
 
-def _check_kinds(kinds: str | Iterable[str] | None) -> frozenset[str]:
-  if kinds is None:
-    return frozenset(KINDS)
-  selected = frozenset([kinds] if isinstance(kinds, str) else kinds)
-  unknown = sorted(selected - frozenset(KINDS))
-  if unknown:
-    raise ValueError(f'Unknown collective kinds {unknown}; expected {KINDS}.')
-  return selected
-
-
-def _human_bytes(n: float | None) -> str:
-  if n is None:
-    return '-'
-  units = ('B', 'KiB', 'MiB', 'GiB', 'TiB')
-  i = 0
-  while abs(n) >= 1024 and i < len(units) - 1:
-    n /= 1024
-    i += 1
-  return f'{n:.0f} B' if i == 0 else f'{n:.1f} {units[i]}'
-
-
 # ---------------------------------------------------------------------------
 # Compiled HLO text. The names here without an underscore that __all__ leaves
 # out (parse_module, elements, callees, ...) serve the repository's tests and
@@ -456,16 +435,13 @@ def parse_replica_groups(
   compact = re.sub(r'\s+', '', text)
   m = _IOTA_RE.match(compact)
   if m:
-    shape = [int(v) for v in m['shape'].split(',')]
-    dims = [int(v) for v in m['dims'].split(',')]
-    perm = (
-      [int(v) for v in m['perm'].split(',')]
-      if m['perm']
-      else list(range(len(dims)))
+    shape, dims, perm = (
+      [int(v) for v in (m[k] or '').split(',') if v]
+      for k in ('shape', 'dims', 'perm')
     )
-    if math.prod(shape) != math.prod(dims) or sorted(perm) != list(
-      range(len(dims))
-    ):
+    perm = perm or list(range(len(dims)))
+    valid = sorted(perm) == list(range(len(dims)))
+    if math.prod(shape) != math.prod(dims) or not valid:
       raise ValueError(f'Inconsistent iota replica_groups {text!r}.')
     ids = np.arange(math.prod(dims)).reshape(dims).transpose(perm)
     ids = ids.reshape(shape[0], -1)

@@ -12,7 +12,7 @@ import optax
 
 from dmuon_jax import (
   _checks,
-  _collectives,
+  _gather,
   _mesh,
   _owner_update,
   _routing,
@@ -484,11 +484,11 @@ def _mean_rest(dedication: Dedication) -> optax.GradientTransformation:
 
   def update_fn(updates, state, params=None):
     del params
-    if mesh is None or not _collectives.manual_axes():
+    if mesh is None or not _gather.manual_axes():
       return updates, state
     sizes = dict(mesh.shape)
     tp_axis = dedication.tensor_parallel_axis
-    manual = _collectives.manual_axes()
+    manual = _gather.manual_axes()
     out = []
     for x, spec, path in zip(
       dedication.treedef.flatten_up_to(updates),
@@ -498,7 +498,7 @@ def _mean_rest(dedication: Dedication) -> optax.GradientTransformation:
       spec_axes = [a for e in _mesh.spec_entries(spec) for a in e]
       if (
         x is not None
-        and tp_axis in _collectives.varying_axes(x)
+        and tp_axis in _gather.varying_axes(x)
         and tp_axis not in spec_axes
       ):
         raise ValueError(
@@ -518,8 +518,8 @@ def _mean_rest(dedication: Dedication) -> optax.GradientTransformation:
         # (dmuon_jax.flax.train_step): autodiff summed it there.
         summed += [
           a
-          for a in sorted(_collectives.summed_axes())
-          if a not in summed and a not in _collectives.varying_axes(x)
+          for a in sorted(_gather.summed_axes())
+          if a not in summed and a not in _gather.varying_axes(x)
         ]
         if summed:
           x = x / np.prod([sizes[a] for a in summed])
@@ -528,7 +528,7 @@ def _mean_rest(dedication: Dedication) -> optax.GradientTransformation:
           for a in mesh.axis_names
           if a not in summed
           and a not in spec_axes
-          and a in _collectives.varying_axes(x)
+          and a in _gather.varying_axes(x)
         )
         if others:
           x = jax.lax.pmean(x, others)

@@ -33,12 +33,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dmuon_jax import _checks, _collectives, _layout, _mesh, _plan
+from dmuon_jax import _checks, _gather, _layout, _mesh, _plan
+
+P = jax.sharding.PartitionSpec
 
 
 class _Routed:
@@ -257,7 +260,7 @@ class Exchange:
   def by_slot(self, fn, *operands):
     """``fn(rows, *operands)`` with this device's rows of :attr:`tables`
     (run-time; per-slot constants in a ``switch`` for buffers past int32)."""
-    return _collectives.with_slot_rows(
+    return _gather.with_slot_rows(
       self.axes,
       self.num_slots,
       fn,
@@ -297,9 +300,9 @@ class Exchange:
     # by this device's: other coordinates' rows fall outside and are
     # dropped (one program for all devices, no buffer for other rows).
     out = jnp.zeros((group_size, self.fwd_size[key]), dtype)
-    out = out + _collectives.zero_after(
-      *(local_leaves[i] for i in leaves)
-    ).astype(dtype)
+    out = out + _gather.zero_after(*(local_leaves[i] for i in leaves)).astype(
+      dtype
+    )
     shift = np.zeros(2, np.int32)
     if math.prod(other_sizes) > 1:
       shift = jnp.stack(
@@ -345,7 +348,7 @@ class Exchange:
       )
     if math.prod(other_sizes) == 1:
       return out
-    return _collectives.to_varying(out, self.axes)
+    return _gather.to_varying(out, self.axes)
 
   def pack(
     self,
@@ -393,7 +396,7 @@ class Exchange:
         full = self.layout.matrix_at(buffers[g], s_, shape).reshape(r.full)
         return jax.lax.dynamic_update_slice_in_dim(o, r.split(full), d, 1)
 
-      out = _collectives.for_each(count, (dst, src), put, out)
+      out = _gather.for_each(count, (dst, src), put, out)
     return out
 
   def back(self, key, send: jax.Array) -> jax.Array:
@@ -537,3 +540,175 @@ def local_shard(
         x, axis_index(axes) * size, size, axis=dim
       )
   return x
+
+
+# The reduced gather: dedicated mode under plain jit (Explicit owner axes).
+#
+# Outside shard_map a gather's autodiff transpose is an all-reduce plus a
+# slice on XLA:CPU (an all-gather's transpose in GSPMD). Typing the gathered
+# weights ``reduced`` over the owner axes makes their cotangent
+# ``unreduced`` there (jax's sharding-in-types: each device holds its own
+# partial sum), and a custom backward reduce-scatters that partial sum onto
+# the owners in a small shard_map: all-gather forward, reduce-scatter
+# backward, the Z2 floor, with the user's step under plain jax.jit/nnx.jit.
+# Measured in docs/benchmarks/dedicated_route.md (jax 0.10.2, 8 devices).
+
+
+def reduced_route(ded) -> bool:
+  """Whether the model's gathers can be reduced gathers under plain jit:
+  a distributed layout whose owner axes (and tensor-parallel axis, if
+  any) are all ``Explicit`` in its mesh (jax refuses ``reduced`` over other
+  axes, and types ``unreduced`` cotangents only on meshes whose axes are
+  all Explicit)."""
+  layout = ded.layout
+  if not layout.distributed or ded.mesh is None:
+    return False
+  return _explicit(ded, ded.buffer_axes) and (
+    layout.tp_size == 1 or _explicit(ded, [ded.tensor_parallel_axis])
+  )
+
+
+def _explicit(ded, axes: Sequence[str]) -> bool:
+  types = dict(zip(ded.mesh.axis_names, ded.mesh.axis_types))
+  return all(types.get(a) == jax.sharding.AxisType.Explicit for a in axes)
+
+
+def check_tp_axis_type(ded, who: str) -> None:
+  """Raises where the owner axes are Explicit but the tensor-parallel axis
+  is not: under plain jit such a model would need cotangents typed
+  ``unreduced`` over the owner axes on a mesh with an Auto axis, which
+  jax does not type (jax 0.10: an assertion in ``getu``)."""
+  if (
+    ded.layout.tp_size > 1
+    and ded.mesh is not None
+    and ded.layout.distributed
+    and _explicit(ded, ded.buffer_axes)
+    and not _explicit(ded, [ded.tensor_parallel_axis])
+  ):
+    tp = ded.tensor_parallel_axis
+    raise ValueError(
+      f'dmuon: {who} ran under plain jax.jit/nnx.jit on a mesh whose owner '
+      f'axes {tuple(ded.buffer_axes)} are Explicit and whose '
+      f'tensor-parallel axis {tp!r} is not. Its tensor-parallel matrices '
+      'are gathered typed reduced over the owner axes, and jax types the '
+      'unreduced gradients only on meshes whose axes are all Explicit. '
+      f'Make {tp!r} Explicit too (jax.make_mesh(..., axis_types='
+      '(jax.sharding.AxisType.Explicit,) * 3); a row-parallel layer then '
+      "names its output's sharding, e.g. out_sharding=P(ded.axes, None, "
+      'None)), or keep it Auto and decorate the step with '
+      '@dmuon_jax.flax.train_step(ded).'
+    )
+
+
+def _buffer_spec(ded) -> P:
+  """The spec of a loop group's owner buffer (a scan iteration's): its
+  layout's spec of the slot dimension (the owner axes, then the TP axis)."""
+  return P(ded.layout.buffer_spec(0)[-1])
+
+
+def _whole(ded, g: int, local, iteration) -> dict[int, Any]:
+  """Group ``g``'s targets, all-gathered over the owner axes (plain types:
+  whole, or sharded over the TP axis as the params were)."""
+  axes = tuple(ded.buffer_axes)
+
+  def gather(xs, it):
+    # xs: this (owner, TP shard)'s blocks; full: the TP shard's slots.
+    full = [_gather.gather_from_owners(x, axes) for x in xs]
+    return ded.layout.unpack_group(g, full, it, whole=False)
+
+  return jax.shard_map(
+    gather,
+    mesh=ded.mesh,
+    in_specs=(_buffer_spec(ded), P()),
+    out_specs=_gather.target_specs(ded, g),
+  )(list(local), iteration)
+
+
+def _as_reduced(ded, mats: dict[int, Any]) -> dict[int, Any]:
+  owner = set(ded.buffer_axes)
+  sharding = lambda i: jax.sharding.NamedSharding(
+    ded.mesh, P(*_gather.target_spec(ded, i), reduced=owner)
+  )
+  return {i: jax.reshard(m, sharding(i)) for i, m in mats.items()}
+
+
+def _scatter_to_owners(ded, g: int, local, iteration, cts) -> list:
+  """The targets' ``unreduced`` cotangents packed into group ``g``'s
+  buffers and summed onto their owners: inside a shard_map over the owner
+  axes each device packs its partial sums (the transpose of
+  ``OwnerLayout.unpack_group``, on plain local arrays) and one reduce-scatter
+  per buffer adds them up on the owners."""
+  axes = tuple(ded.buffer_axes)
+  tp = ded.tensor_parallel_axis
+  tp_size = ded.layout.tp_size
+  # One TP shard's whole buffers (every slot's blocks of that TP shard).
+  shapes = [((x.shape[0] // tp_size,) + x.shape[1:], x.dtype) for x in local]
+
+  def pack(cts, it):
+    # cts: this TP shard's slices, partial sums ({U: owner axes}). The
+    # transpose of unpacking reduced values takes unreduced ones.
+    zeros = [
+      jax.lax.pcast(jnp.zeros(s, d), axes, to='reduced') for s, d in shapes
+    ]
+    if tp is not None:  # like the cotangents: one TP shard's slices
+      zeros = [jax.lax.pcast(z, tp, to='varying') for z in zeros]
+    unpack = lambda f: ded.layout.unpack_group(g, f, whole=False)
+    (full,) = jax.vjp(unpack, zeros)[1](cts)
+    if it is not None:  # unpack_group's rotation, undone
+      full = [_layout.roll_slots(x, it, ded.num_slots, True) for x in full]
+    return [jax.lax.psum_scatter(f, axes, tiled=True) for f in full]
+
+  unreduced = {
+    i: P(*_gather.target_spec(ded, i), unreduced=set(axes)) for i in cts
+  }
+  return jax.shard_map(
+    pack if iteration is not None else lambda c, _: pack(c, None),
+    mesh=ded.mesh,
+    in_specs=(unreduced, P()),
+    out_specs=[_buffer_spec(ded)] * len(local),
+  )(cts, jnp.zeros([], jnp.int32) if iteration is None else iteration)
+
+
+def _owners_get_cotangents(ded, g: int, forward, local, iteration) -> Any:
+  """``forward(local, iteration)`` (``{leaf: reduced target}``), its
+  backward reduce-scattering the targets' cotangents onto ``local``
+  (:func:`_scatter_to_owners`)."""
+
+  @jax.custom_vjp
+  def f(local, iteration):
+    return forward(local, iteration)
+
+  def fwd(local, iteration):
+    return f(local, iteration), (local, iteration)
+
+  def bwd(saved, cts):
+    return _scatter_to_owners(ded, g, *saved, cts), None
+
+  f.defvjp(fwd, bwd)
+  return f(list(local), iteration)
+
+
+def reduced_sink(ded, g: int, local, iteration=None) -> list[jax.Array]:
+  """:func:`gather_sink` for the reduced gather: zeros shaped like group
+  ``g``'s targets (a list, in ``OwnerLayout.unpack_group``'s order), typed
+  ``reduced``, whose summed cotangent is reduce-scattered onto ``local``
+  once per gather group."""
+  shapes = jax.eval_shape(lambda l, i: _whole(ded, g, l, i), local, iteration)
+  sink = lambda l, i: _as_reduced(
+    ded, {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
+  )
+  return list(_owners_get_cotangents(ded, g, sink, local, iteration).values())
+
+
+def materialize_reduced(
+  ded, g: int, local, iteration=None, sink=None
+) -> dict[int, Any]:
+  """:func:`materialize` for the reduced gather: group ``g``'s targets from
+  its owner buffers (``local``: ``(size,)`` each, sharded over the owner
+  axes), whole and typed ``reduced``, their cotangents reduce-scattered
+  back onto ``local`` (with ``sink``, from :func:`reduced_sink`: to it)."""
+  whole = lambda l, i: _as_reduced(ded, _whole(ded, g, l, i))
+  if sink is None:
+    return _owners_get_cotangents(ded, g, whole, local, iteration)
+  mats = whole([jax.lax.stop_gradient(x) for x in local], iteration)
+  return {i: _gather.route(s, m) for s, (i, m) in zip(sink, mats.items())}

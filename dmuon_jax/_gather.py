@@ -101,47 +101,6 @@ def in_loop(x: jax.Array, carry) -> jax.Array:
   return x + zero_after(*jax.tree.leaves(carry)).astype(x.dtype)
 
 
-def switch_by_slot(
-  axes: Sequence[str], branches, *operands, shift=0, keys=None
-):
-  """``lax.switch`` on this device's owner slot, one branch per slot.
-
-  Branch outputs are marked as varying over ``axes`` so that all branches
-  have the same type under ``shard_map``'s replication checking. With
-  ``shift`` (an int or traced scalar) the branch is
-  ``(slot - shift) mod len(branches)``.
-
-  With ``keys`` (one hashable per branch: equal keys promise equal branch
-  programs, e.g. a slot's shapes and offsets), slots whose keys are equal
-  share one branch body: the program holds one branch per distinct key, and
-  the slot picks its body through a constant table, so its size follows the
-  distinct keys rather than the number of slots. One distinct key: no
-  conditional at all.
-  """
-
-  def wrap(branch):
-    return lambda *ops: jax.tree.map(
-      lambda y: to_varying(y, axes), branch(*ops)
-    )
-
-  index = slot_index(axes, len(branches), shift)
-  if keys is None:
-    return jax.lax.switch(index, [wrap(b) for b in branches], *operands)
-  if len(keys) != len(branches):
-    raise ValueError(f'{len(keys)} keys for {len(branches)} branches')
-  ids: dict = {}
-  unique, table = [], []
-  for key, branch in zip(keys, branches):
-    if key not in ids:
-      ids[key] = len(unique)
-      unique.append(branch)
-    table.append(ids[key])
-  if len(unique) == 1:
-    return wrap(unique[0])(*operands)
-  which = jnp.asarray(np.asarray(table, np.int32))[index]
-  return jax.lax.switch(which, [wrap(b) for b in unique], *operands)
-
-
 # Offsets in owner buffers are read from slot-indexed tables as int32 (jax's
 # index dtype without x64). Buffers at least this long keep static offsets.
 INDEX_LIMIT = 2**31 - 1
@@ -157,32 +116,41 @@ def with_slot_rows(
   shift=0,
 ):
   """``body(rows, *operands)`` with this device's rows of ``tables``
-  (``(num_slots, ...)`` int arrays), its owner slot's over ``axes``.
+  (``(num_slots, ...)`` int arrays), its owner slot's over ``axes``, its
+  outputs marked as varying over ``axes``.
 
   With ``dynamic`` the rows are read at run time (a dynamic index from
-  ``axis_index``): one program for every slot, its outputs marked as
-  varying over ``axes``. Else (buffers too long for int32 offsets, see
-  :data:`INDEX_LIMIT`) each slot's rows are constants of its own branch
-  of a :func:`switch_by_slot`, slots of equal rows sharing one. With
-  ``shift`` (an int or traced scalar) the slot is ``(slot - shift) mod
-  num_slots``. A single slot reads its rows as constants, outside any
-  ``shard_map`` axis.
+  ``axis_index``): one program for every slot. Else (buffers too long for
+  int32 offsets, see :data:`INDEX_LIMIT`) a ``lax.switch`` on the slot
+  holds one branch per distinct row (its rows constants): slots of equal
+  rows share a branch body, picked through a constant table, so the
+  program's size follows the distinct rows rather than the slots (one
+  distinct: no conditional at all). With ``shift`` (an int or traced
+  scalar) the slot is ``(slot - shift) mod num_slots``. A single slot
+  reads its rows as constants, outside any ``shard_map`` axis.
   """
   if num_slots == 1:
     return body([np.asarray(t)[0] for t in tables], *operands)
-  if not dynamic:
-    branches = [
-      lambda *ops, s=s: body([np.asarray(t)[s] for t in tables], *ops)
-      for s in range(num_slots)
-    ]
-    keys = [
-      tuple(np.asarray(t)[s].tobytes() for t in tables)
-      for s in range(num_slots)
-    ]
-    return switch_by_slot(axes, branches, *operands, shift=shift, keys=keys)
   index = slot_index(axes, num_slots, shift)
-  rows = [jnp.asarray(np.asarray(t, np.int32))[index] for t in tables]
-  return jax.tree.map(lambda y: to_varying(y, axes), body(rows, *operands))
+  vary = lambda out: jax.tree.map(lambda y: to_varying(y, axes), out)
+  if dynamic:
+    rows = [jnp.asarray(np.asarray(t, np.int32))[index] for t in tables]
+    return vary(body(rows, *operands))
+  first: dict = {}  # distinct rows -> the first slot of each
+  keys = [
+    tuple(np.asarray(t)[s].tobytes() for t in tables) for s in range(num_slots)
+  ]
+  for s, key in enumerate(keys):
+    first.setdefault(key, s)
+  branches = [
+    lambda *ops, s=s: vary(body([np.asarray(t)[s] for t in tables], *ops))
+    for s in first.values()
+  ]
+  if len(branches) == 1:
+    return branches[0](*operands)
+  ids = {key: j for j, key in enumerate(first)}
+  which = jnp.asarray(np.asarray([ids[k] for k in keys], np.int32))[index]
+  return jax.lax.switch(which, branches, *operands)
 
 
 def for_each(count, columns, body, carry, like=()):
@@ -196,7 +164,10 @@ def for_each(count, columns, body, carry, like=()):
   axis they and the columns vary over (a loop's carry keeps its type)."""
   if isinstance(count, (int, np.integer)):
     for i in range(int(count)):
-      carry = body(carry, *(_entry(c, i) for c in columns))
+      got = (c[i] for c in columns)
+      carry = body(
+        carry, *(int(v) if isinstance(v, np.integer) else v for v in got)
+      )
     return carry
   axes = set()
   for x in jax.tree.leaves((like, columns, count, carry)):
@@ -205,11 +176,6 @@ def for_each(count, columns, body, carry, like=()):
   return jax.lax.fori_loop(
     0, count, lambda i, c: body(c, *(col[i] for col in columns)), carry
   )
-
-
-def _entry(column, i):
-  value = column[i]
-  return int(value) if isinstance(value, (int, np.integer)) else value
 
 
 def ppermute_slots(

@@ -577,9 +577,9 @@ dense<"0xPAIRS"> : tensor<4x2xi64>}> : (tensor<8xf32>) -> tensor<8xf32>
 
 
 class SharedBranchTest(absltest.TestCase):
-  """Owner slots with equal keys share one branch body
-  (``_gather.switch_by_slot``); ``dot_flops`` still counts each
-  device's own branch, through the slot -> branch table."""
+  """Owner slots with equal rows share one branch body
+  (``_gather.with_slot_rows``, static rows); ``dot_flops`` still counts
+  each device's own branch, through the slot -> branch table."""
 
   def setUp(self):
     super().setUp()
@@ -588,21 +588,18 @@ class SharedBranchTest(absltest.TestCase):
   def compiled(self, keys_a, keys_b):
     from dmuon_jax import _gather  # pylint: disable=import-outside-toplevel
 
-    def matmuls(k):
-      def branch(y, w):
-        for _ in range(k):
-          y = jnp.tanh(y @ w)
-        return y
-
-      return branch
+    def matmuls(rows, y, w):
+      for _ in range(int(rows[0][0])):
+        y = jnp.tanh(y @ w)
+      return y
 
     def body(x, w):
-      a = _gather.switch_by_slot(
-        BOTH, [matmuls(k) for k in keys_a], x, w, keys=keys_a
-      )
-      return _gather.switch_by_slot(
-        BOTH, [matmuls(k) for k in keys_b], a, w, keys=keys_b
-      )
+      for keys in (keys_a, keys_b):
+        table = np.asarray(keys)[:, None]
+        x = _gather.with_slot_rows(
+          BOTH, 8, matmuls, [table], x, w, dynamic=False
+        )
+      return x
 
     f = jax.jit(_smap(body, self.mesh, (P(BOTH), P()), P(BOTH)))
     x = jax.device_put(

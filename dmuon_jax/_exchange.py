@@ -32,7 +32,7 @@ need no communication to reach their owners; their results come back by one
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -81,33 +81,24 @@ class _Routed:
     )
     self.piece_size = math.prod(self.piece)
     self.perm = spec.batch_axes + canon
+    # assemble's transpose: per matrix dim its axes (member order), then
+    # its piece.
+    self.order = []
+    for j, dim in enumerate(self.dim_axes):
+      self.order += [self.axes.index(a) for a in dim] + [len(self.axes) + j]
     self.batch_shape = tuple(spec.shape[a] for a in spec.batch_axes)
 
   def assemble(self, pieces: jax.Array) -> jax.Array:
     """``(blocks, *piece)`` pieces (member order) -> the whole matrix
     in canonical (reduction, output) dims."""
-    n = len(self.axes)
     x = pieces.reshape(self.axis_sizes + self.piece)
-    perm = []
-    for j, axes in enumerate(self.dim_axes):
-      perm += [self.axes.index(a) for a in axes]
-      perm.append(n + j)
-    return jnp.transpose(x, perm).reshape(self.full)
+    return jnp.transpose(x, self.order).reshape(self.full)
 
   def split(self, full: jax.Array) -> jax.Array:
     """Inverse of :meth:`assemble`: ``(blocks, piece_size)``."""
-    n = len(self.axes)
-    shape, src = [], []
-    for j, axes in enumerate(self.dim_axes):
-      for a in axes:
-        shape.append(self.axis_sizes[self.axes.index(a)])
-        src.append(('axis', self.axes.index(a)))
-      shape.append(self.piece[j])
-      src.append(('dim', j))
-    x = full.reshape(shape)
-    order = [src.index(('axis', k)) for k in range(n)] + [
-      src.index(('dim', j)) for j in range(len(self.piece))
-    ]
+    sizes = self.axis_sizes + self.piece
+    x = full.reshape([sizes[k] for k in self.order])
+    order = tuple(int(k) for k in np.argsort(self.order))
     return jnp.transpose(x, order).reshape(self.blocks, self.piece_size)
 
 
@@ -195,15 +186,10 @@ class Exchange:
       _offsets(self.rep_units[g], layout.unit_size.__getitem__, self.rep_off)
       for g in groups
     ]
-    self._build_tables()
-
-  # -- slot tables ----------------------------------------------------------
-  # What each device packs, sends back and gathers, read from tables by its
-  # slot: loops with run-time trip counts, one program for all devices.
-
-  def _build_tables(self) -> None:
-    lay = self.layout
-    n = self.num_slots
+    # Slot tables: what each device packs, sends back and gathers, read
+    # from tables by its slot (loops with run-time trip counts, one program
+    # for all devices).
+    lay = layout
     # Per class: its routes (a route and a unit shape), each with a table
     # of every slot's units: (offset in the class's rows, in the buffer).
     self.routes: dict[tuple, list[tuple[int, tuple[int, int]]]] = {}
@@ -269,15 +255,6 @@ class Exchange:
       dynamic=self.layout.dynamic,
     )
 
-  # -- static helpers ------------------------------------------------------
-
-  def _local_units(self, x: jax.Array, i: int) -> jax.Array:
-    r = self.routed[i]
-    x = x.reshape(r.view_local)
-    # The count is explicit: a -1 cannot be inferred for an empty leaf.
-    count = math.prod(r.batch_shape)
-    return jnp.transpose(x, r.perm).reshape((count,) + r.piece)
-
   # -- forward: pieces to the owners --------------------------------------
 
   def send_to_owners(
@@ -310,8 +287,12 @@ class Exchange:
       )
     order = others + tuple(axes)
     for i in leaves:
-      pieces = self._local_units(local_leaves[i], i).astype(dtype)
-      pieces = pieces.reshape(pieces.shape[0], self.routed[i].piece_size)
+      r = self.routed[i]
+      pieces = jnp.transpose(local_leaves[i].reshape(r.view_local), r.perm)
+      # The count is explicit: a -1 cannot be inferred for an empty leaf.
+      count = math.prod(r.batch_shape)
+      pieces = pieces.reshape((count,) + r.piece).astype(dtype)
+      pieces = pieces.reshape(count, r.piece_size)
       if not pieces.size:
         continue
       # Per piece (at its unit's flat batch index), its owner's row over
@@ -529,7 +510,6 @@ def local_shard(
   x: jax.Array,
   entries: _mesh.Entries,
   sizes: dict[str, int],
-  axis_index: Callable[..., jax.Array] = jax.lax.axis_index,
 ) -> jax.Array:
   """This device's shard of a whole (replicated) array."""
   for dim, axes in enumerate(entries):
@@ -537,7 +517,7 @@ def local_shard(
       n = math.prod(sizes[a] for a in axes)
       size = x.shape[dim] // n
       x = jax.lax.dynamic_slice_in_dim(
-        x, axis_index(axes) * size, size, axis=dim
+        x, jax.lax.axis_index(axes) * size, size, axis=dim
       )
   return x
 
@@ -632,59 +612,52 @@ def _as_reduced(ded, mats: dict[int, Any]) -> dict[int, Any]:
   return {i: jax.reshard(m, sharding(i)) for i, m in mats.items()}
 
 
-def _scatter_to_owners(ded, g: int, local, iteration, cts) -> list:
-  """The targets' ``unreduced`` cotangents packed into group ``g``'s
-  buffers and summed onto their owners: inside a shard_map over the owner
-  axes each device packs its partial sums (the transpose of
-  ``OwnerLayout.unpack_group``, on plain local arrays) and one reduce-scatter
-  per buffer adds them up on the owners."""
-  axes = tuple(ded.buffer_axes)
-  tp = ded.tensor_parallel_axis
-  tp_size = ded.layout.tp_size
-  # One TP shard's whole buffers (every slot's blocks of that TP shard).
-  shapes = [((x.shape[0] // tp_size,) + x.shape[1:], x.dtype) for x in local]
-
-  def pack(cts, it):
-    # cts: this TP shard's slices, partial sums ({U: owner axes}). The
-    # transpose of unpacking reduced values takes unreduced ones.
-    zeros = [
-      jax.lax.pcast(jnp.zeros(s, d), axes, to='reduced') for s, d in shapes
-    ]
-    if tp is not None:  # like the cotangents: one TP shard's slices
-      zeros = [jax.lax.pcast(z, tp, to='varying') for z in zeros]
-    unpack = lambda f: ded.layout.unpack_group(g, f, whole=False)
-    (full,) = jax.vjp(unpack, zeros)[1](cts)
-    if it is not None:  # unpack_group's rotation, undone
-      full = [_layout.roll_slots(x, it, ded.num_slots, True) for x in full]
-    return [jax.lax.psum_scatter(f, axes, tiled=True) for f in full]
-
-  unreduced = {
-    i: P(*_gather.target_spec(ded, i), unreduced=set(axes)) for i in cts
-  }
-  return jax.shard_map(
-    pack if iteration is not None else lambda c, _: pack(c, None),
-    mesh=ded.mesh,
-    in_specs=(unreduced, P()),
-    out_specs=[_buffer_spec(ded)] * len(local),
-  )(cts, jnp.zeros([], jnp.int32) if iteration is None else iteration)
-
-
 def _owners_get_cotangents(ded, g: int, forward, local, iteration) -> Any:
   """``forward(local, iteration)`` (``{leaf: reduced target}``), its
-  backward reduce-scattering the targets' cotangents onto ``local``
-  (:func:`_scatter_to_owners`)."""
+  backward summing the targets' ``unreduced`` cotangents onto their owners:
+  inside a shard_map over the owner axes each device packs its partial
+  sums into group ``g``'s buffers (the transpose of
+  ``OwnerLayout.unpack_group``, on plain local arrays) and one
+  reduce-scatter per buffer adds them up on the owners."""
 
   @jax.custom_vjp
   def f(local, iteration):
     return forward(local, iteration)
 
-  def fwd(local, iteration):
-    return f(local, iteration), (local, iteration)
-
   def bwd(saved, cts):
-    return _scatter_to_owners(ded, g, *saved, cts), None
+    local, iteration = saved
+    axes = tuple(ded.buffer_axes)
+    tp = ded.tensor_parallel_axis
+    tp_size = ded.layout.tp_size
+    # One TP shard's whole buffers (every slot's blocks of that TP shard).
+    shapes = [((x.shape[0] // tp_size,) + x.shape[1:], x.dtype) for x in local]
 
-  f.defvjp(fwd, bwd)
+    def pack(cts, it):
+      # cts: this TP shard's slices, partial sums ({U: owner axes}). The
+      # transpose of unpacking reduced values takes unreduced ones.
+      zeros = [
+        jax.lax.pcast(jnp.zeros(s, d), axes, to='reduced') for s, d in shapes
+      ]
+      if tp is not None:  # like the cotangents: one TP shard's slices
+        zeros = [jax.lax.pcast(z, tp, to='varying') for z in zeros]
+      unpack = lambda f: ded.layout.unpack_group(g, f, whole=False)
+      (full,) = jax.vjp(unpack, zeros)[1](cts)
+      if it is not None:  # unpack_group's rotation, undone
+        full = [_layout.roll_slots(x, it, ded.num_slots, True) for x in full]
+      return [jax.lax.psum_scatter(f, axes, tiled=True) for f in full]
+
+    unreduced = {
+      i: P(*_gather.target_spec(ded, i), unreduced=set(axes)) for i in cts
+    }
+    owners = jax.shard_map(
+      pack if iteration is not None else lambda c, _: pack(c, None),
+      mesh=ded.mesh,
+      in_specs=(unreduced, P()),
+      out_specs=[_buffer_spec(ded)] * len(local),
+    )(cts, jnp.zeros([], jnp.int32) if iteration is None else iteration)
+    return owners, None
+
+  f.defvjp(lambda l, i: (f(l, i), (l, i)), bwd)
   return f(list(local), iteration)
 
 

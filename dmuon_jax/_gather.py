@@ -54,14 +54,7 @@ def summed_axes() -> frozenset[str]:
 
 def manual_axes() -> frozenset[str]:
   """Mesh axes that are manual here (i.e. we are inside ``shard_map``)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh is None or mesh.empty:
-    return frozenset()
-  return frozenset(
-    name
-    for name, kind in zip(mesh.axis_names, mesh.axis_types)
-    if kind == jax.sharding.AxisType.Manual
-  )
+  return frozenset(jax.sharding.get_abstract_mesh().manual_axes)
 
 
 def varying_axes(x) -> frozenset[str]:
@@ -456,16 +449,6 @@ def all_params(ded, dedicated) -> Any:
   return jax.tree.unflatten(ded.treedef, leaves)
 
 
-def maybe_z3(
-  ded, run: Callable[..., Any], blocks: Sequence[str] = ()
-) -> Callable[..., Any]:
-  """``run(rep_local, *args)``, gathered again in the backward pass (Z3);
-  ``blocks`` names its boundaries, for messages."""
-  if not ded.reshard_after_forward:
-    return run
-  return regather_in_backward(run, ded.remat_policy, blocks)
-
-
 def run_group(ded, g: int, body: Callable[..., Any]) -> Callable[..., Any]:
   """``(dedicated, *args) -> body(block_params_list, *args)``, group ``g``
   gathered (Z2/Z3 as configured); one subtree per boundary of the group."""
@@ -485,7 +468,7 @@ def run_group(ded, g: int, body: Callable[..., Any]) -> Callable[..., Any]:
     ]
     return body(trees, *args)
 
-  inner = maybe_z3(ded, run, [ded.boundaries.names[b] for b in ded.groups[g]])
+  inner = _z3(ded, run, [ded.boundaries.names[b] for b in ded.groups[g]])
 
   def call(dedicated, *args):
     rest = ded.treedef.flatten_up_to(dedicated.rest)
@@ -589,7 +572,7 @@ def scan(
       )
     return carry
 
-  inner = maybe_z3(ded, run, [ded.boundaries.names[b]])
+  inner = _z3(ded, run, [ded.boundaries.names[b]])
 
   def call(dedicated, carry):
     rest = ded.treedef.flatten_up_to(dedicated.rest)
@@ -613,6 +596,14 @@ def scan(
     return jax.lax.scan(body, carry, xs)[0]
 
   return call
+
+
+def _z3(ded, run: Callable[..., Any], blocks: Sequence[str]):
+  """``run(rep_local, *args)``, gathered again in the backward pass where
+  the dedication is Z3; ``blocks`` names its boundaries, for messages."""
+  if not ded.reshard_after_forward:
+    return run
+  return regather_in_backward(run, ded.remat_policy, blocks)
 
 
 def regather_in_backward(
@@ -804,16 +795,13 @@ def gather_sink(
   per TP shard (see :func:`on_tp_shards`)."""
   if tp:
     return _per_tp_shard(ded, lambda xs: gather_sink(ded, xs), local)
-  shard_axes = ded.shard_axes
-  rep_axis = ded.replicate_axis
-  n = ded.num_slots
 
   @jax.custom_vjp
   def sink(local):
     # Varying over every manual axis, as the cotangents routed to it.
     return [
       to_varying(
-        jnp.zeros((x.shape[0] * n,) + x.shape[1:], x.dtype),
+        jnp.zeros((x.shape[0] * ded.num_slots,) + x.shape[1:], x.dtype),
         tuple(sorted(manual_axes())),
       )
       for x in local
@@ -821,22 +809,19 @@ def gather_sink(
 
   kinds = [varying_axes(x) for x in local]
 
-  def fwd(local):
-    return sink(local), None
-
   def bwd(_, cts):
     out = []
     for c, kind in zip(cts, kinds):
-      if shard_axes:
-        c = jax.lax.psum_scatter(c, shard_axes, tiled=True)
-      if rep_axis is not None:
-        c = jax.lax.psum_scatter(c, rep_axis, tiled=True)
+      if ded.shard_axes:
+        c = jax.lax.psum_scatter(c, ded.shard_axes, tiled=True)
+      if ded.replicate_axis is not None:
+        c = jax.lax.psum_scatter(c, ded.replicate_axis, tiled=True)
       # Where the buffer is the same on every device (an axis of size 1
       # that the sharding dropped), its cotangent is the sum there.
       out.append(_sum_to(c, kind))
     return (out,)
 
-  sink.defvjp(fwd, bwd)
+  sink.defvjp(lambda local: (sink(local), None), bwd)
   return sink(list(local))
 
 
@@ -848,13 +833,4 @@ def route(grad_to: jax.Array, value: jax.Array) -> jax.Array:
   return value
 
 
-def _route_fwd(grad_to, value):
-  del grad_to
-  return value, None
-
-
-def _route_bwd(_, ct):
-  return ct, jnp.zeros_like(ct)
-
-
-route.defvjp(_route_fwd, _route_bwd)
+route.defvjp(lambda _, v: (v, None), lambda _, ct: (ct, jnp.zeros_like(ct)))

@@ -27,6 +27,10 @@ its share. Leaves that are replicated
 need no communication to reach their owners; their results come back by one
 ``all_gather`` of compact per-owner buffers. Leaves sharded along a stack
 (batch) axis are gathered whole first (see :attr:`Exchange.gathered`).
+
+Dedicated mode under plain ``jit`` (the *reduced gather*, at the end) moves
+a gather group between its owners and every device as ``_gather`` does
+inside ``shard_map``, its gathered weights typed ``reduced``.
 """
 
 from __future__ import annotations
@@ -50,10 +54,12 @@ class _Routed:
   def __init__(self, spec, entries, sizes):
     # The leaf's own local shard shape, and that of the view (a sliced
     # spec's view splits one dimension; see _plan.sliced_spec).
-    self.leaf_local = tuple(
-      n // math.prod(sizes[a] for a in e)
-      for n, e in zip(spec.leaf_shape, entries)
-    )
+    def local(shape, entries):
+      return tuple(
+        n // math.prod(sizes[a] for a in e) for n, e in zip(shape, entries)
+      )
+
+    self.leaf_local = local(spec.leaf_shape, entries)
     entries = _plan.view_entries(spec, entries)
     if spec.sliced:
       d = spec.slice_axis - 1
@@ -65,9 +71,7 @@ class _Routed:
           f'laid out for {spec.shape[d]}. Make the state again with init() '
           'on params sharded as in training.'
         )
-    self.view_local = tuple(
-      n // math.prod(sizes[a] for a in e) for n, e in zip(spec.shape, entries)
-    )
+    self.view_local = local(spec.shape, entries)
     canon = spec.reduction_axes + spec.output_axes
     self.dim_axes = tuple(tuple(entries[a]) for a in canon)
     axes = {a for e in self.dim_axes for a in e}
@@ -75,10 +79,7 @@ class _Routed:
     self.axis_sizes = tuple(sizes[a] for a in self.axes)
     self.blocks = math.prod(self.axis_sizes)
     self.full = tuple(spec.shape[a] for a in canon)
-    self.piece = tuple(
-      n // math.prod(sizes[a] for a in e)
-      for n, e in zip(self.full, self.dim_axes)
-    )
+    self.piece = local(self.full, self.dim_axes)
     self.piece_size = math.prod(self.piece)
     self.perm = spec.batch_axes + canon
     # assemble's transpose: per matrix dim its axes (member order), then
@@ -265,7 +266,7 @@ class Exchange:
     axes, _ = key
     layout = self.layout
     others = tuple(a for a in self.axes if a not in axes)
-    other_sizes = [self.sizes[a] for a in others]
+    spread = math.prod(self.sizes[a] for a in others) > 1
     group_size = math.prod(self.sizes[a] for a in axes)
     leaves = {
       layout.unit_leaf[u]: None for per in self.fwd_units[key] for u in per
@@ -281,7 +282,7 @@ class Exchange:
       dtype
     )
     shift = np.zeros(2, np.int32)
-    if math.prod(other_sizes) > 1:
+    if spread:
       shift = jnp.stack(
         [jax.lax.axis_index(others) * group_size, jnp.zeros((), jnp.int32)]
       )
@@ -327,9 +328,7 @@ class Exchange:
         unique_indices=True,
         mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
       )
-    if math.prod(other_sizes) == 1:
-      return out
-    return _gather.to_varying(out, self.axes)
+    return _gather.to_varying(out, self.axes) if spread else out
 
   def pack(
     self,
@@ -662,7 +661,7 @@ def _owners_get_cotangents(ded, g: int, forward, local, iteration) -> Any:
 
 
 def reduced_sink(ded, g: int, local, iteration=None) -> list[jax.Array]:
-  """:func:`gather_sink` for the reduced gather: zeros shaped like group
+  """``_gather.gather_sink`` for the reduced gather: zeros shaped like group
   ``g``'s targets (a list, in ``OwnerLayout.unpack_group``'s order), typed
   ``reduced``, whose summed cotangent is reduce-scattered onto ``local``
   once per gather group."""
@@ -676,7 +675,7 @@ def reduced_sink(ded, g: int, local, iteration=None) -> list[jax.Array]:
 def materialize_reduced(
   ded, g: int, local, iteration=None, sink=None
 ) -> dict[int, Any]:
-  """:func:`materialize` for the reduced gather: group ``g``'s targets from
+  """``_gather.materialize`` for the reduced gather: group ``g``'s targets from
   its owner buffers (``local``: ``(size,)`` each, sharded over the owner
   axes), whole and typed ``reduced``, their cotangents reduce-scattered
   back onto ``local`` (with ``sink``, from :func:`reduced_sink`: to it)."""

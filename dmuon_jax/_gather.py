@@ -405,11 +405,12 @@ def _per_tp_shard(ded, fn, local: Sequence[jax.Array]) -> list[jax.Array]:
   return on_tp_shards(ded, fn, (specs,), specs)(list(local))
 
 
-def fill(ded, b: int, sub: list[int], sub_rest, mats) -> Any:
-  """Boundary ``b``'s params subtree from its rest leaves and targets."""
+def fill(ded, b: int, sub: list[int], sub_rest, mats, layer=False) -> Any:
+  """Boundary ``b``'s params subtree from its rest leaves (gathered here;
+  ``layer``: one layer's of a stack) and targets."""
   leaves = [None] * len(ded.leaf_paths)
   for i, x in zip(sub, sub_rest):
-    leaves[i] = mats.get(i, x)
+    leaves[i] = mats.get(i, gather_leaf(ded, i, x, layer))
   tree = jax.tree.unflatten(ded.treedef, leaves)
   return _checks.subtree(tree, ded.boundary_keys[b])
 
@@ -457,13 +458,7 @@ def run_group(ded, g: int, body: Callable[..., Any]) -> Callable[..., Any]:
   def run(rep_local, sub_rests, *args):
     mats = materialize(ded, g, rep_local)
     trees = [
-      fill(
-        ded,
-        b,
-        sub,
-        [gather_leaf(ded, i, x) for i, x in zip(sub, sub_rest)],
-        mats,
-      )
+      fill(ded, b, sub, sub_rest, mats)
       for b, sub, sub_rest in zip(ded.groups[g], subs, sub_rests)
     ]
     return body(trees, *args)
@@ -563,13 +558,9 @@ def scan(
   def run(rep_local, sub_rest, carry, iteration):
     mats = materialize(ded, g, rep_local, iteration)
     for j in range(k):
-      layer_rest = [
-        gather_leaf(ded, i, None if x is None else x[j], layer_slice=True)
-        for i, x in zip(sub, sub_rest)
-      ]
-      carry = fn(
-        fill(ded, b, sub, layer_rest, {i: m[j] for i, m in mats.items()}), carry
-      )
+      layer_rest = [None if x is None else x[j] for x in sub_rest]
+      layer_mats = {i: m[j] for i, m in mats.items()}
+      carry = fn(fill(ded, b, sub, layer_rest, layer_mats, True), carry)
     return carry
 
   inner = _z3(ded, run, [ded.boundaries.names[b]])

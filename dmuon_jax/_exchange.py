@@ -150,16 +150,21 @@ class Exchange:
     # Forward classes: (axes, dtype group) -> per owner its routed units.
     self.classes: list[tuple[tuple[str, ...], int]] = []
     self.fwd_units: dict[tuple, list[list[int]]] = {}
+    # Replicated (and gathered) leaves: per dtype group, per owner its
+    # units, packed compactly for one all_gather.
+    self.rep_units = [[[] for _ in range(n)] for _ in groups]
     for g in groups:
       for s in range(n):
         for u in layout.slot_units[g][s]:
           i = layout.unit_leaf[u]
-          if i in self.routed:
-            key = (self.routed[i].axes, g)
-            if key not in self.fwd_units:
-              self.classes.append(key)
-              self.fwd_units[key] = [[] for _ in range(n)]
-            self.fwd_units[key][s].append(u)
+          if i not in self.routed:
+            self.rep_units[g][s].append(u)
+            continue
+          key = (self.routed[i].axes, g)
+          if key not in self.fwd_units:
+            self.classes.append(key)
+            self.fwd_units[key] = [[] for _ in range(n)]
+          self.fwd_units[key][s].append(u)
     self.fwd_off: dict[int, int] = {}
     self.fwd_size = {
       key: _offsets(
@@ -169,19 +174,6 @@ class Exchange:
       )
       for key, per_slot in self.fwd_units.items()
     }
-    # Replicated (and gathered) leaves: per dtype group, per owner its
-    # units, packed compactly for one all_gather.
-    self.rep_units = [
-      [
-        [
-          u
-          for u in layout.slot_units[g][s]
-          if layout.unit_leaf[u] not in self.routed
-        ]
-        for s in range(n)
-      ]
-      for g in groups
-    ]
     self.rep_off: dict[int, int] = {}
     self.rep_size = [
       _offsets(self.rep_units[g], layout.unit_size.__getitem__, self.rep_off)

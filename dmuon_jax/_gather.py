@@ -288,12 +288,10 @@ def after_inputs(local: Sequence[jax.Array], arrays: Sequence[Any]) -> list:
   if not xs:
     return list(local)
   tie = jnp.sum(xs[0]) * 0
-  out = []
-  for x in local:
-    if varying_axes(tie) <= varying_axes(x):
-      x = x + tie.astype(x.dtype)
-    out.append(x)
-  return out
+  return [
+    x + tie.astype(x.dtype) if varying_axes(tie) <= varying_axes(x) else x
+    for x in local
+  ]
 
 
 def gather_replicate(

@@ -13,7 +13,7 @@ import optax
 
 from dmuon_jax import (
   _checks,
-  _collectives,
+  _gather,
   _mesh,
   _owner_update,
   _routing,
@@ -439,7 +439,7 @@ def _mean_rest(dedication: Dedication) -> optax.GradientTransformation:
 
   def update_fn(updates, state, params=None):
     del params
-    manual = _collectives.manual_axes()
+    manual = _gather.manual_axes()
     if mesh is None or not manual:
       return updates, state
     sizes = dict(mesh.shape)
@@ -454,7 +454,7 @@ def _mean_rest(dedication: Dedication) -> optax.GradientTransformation:
         out.append(x)
         continue
       spec_axes = [a for e in _mesh.spec_entries(spec) for a in e]
-      varying = _collectives.varying_axes(x)
+      varying = _gather.varying_axes(x)
       if tp_axis in varying and tp_axis not in spec_axes:
         raise ValueError(
           f'dmuon: the gradient of {path!r} differs between the shards of '
@@ -472,7 +472,7 @@ def _mean_rest(dedication: Dedication) -> optax.GradientTransformation:
       # (dmuon_jax.flax.train_step): autodiff summed it there.
       summed += [
         a
-        for a in sorted(_collectives.summed_axes())
+        for a in sorted(_gather.summed_axes())
         if a not in summed and a not in varying
       ]
       if summed:

@@ -17,7 +17,6 @@ from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import (
   _checks,
-  _collectives,
   _gather,
   _layout,
   _mesh,
@@ -784,7 +783,7 @@ def _muon_init(cfg, ded, owned):
   if (
     layout.distributed
     and mesh is not None
-    and not set(layout.buffer_axes) & _collectives.manual_axes()
+    and not set(layout.buffer_axes) & _gather.manual_axes()
   ):
     # Under jax.jit on Auto axes zeros_like keeps no sharding: the momentum
     # placed as its layout says, as eagerly.
@@ -806,7 +805,7 @@ def _muon_update(cfg, hp, decay, ded, grads, state, params=None):
       'update(grads, state, params).'
     )
   count_inc = optax.safe_increment(state.count)
-  manual = _collectives.manual_axes()
+  manual = _gather.manual_axes()
   param_bufs = None if params is None or not decay else list(params.buffers)
   dyn = _owner_update.dynamic(hp)
 

@@ -27,18 +27,25 @@ its share. Leaves that are replicated
 need no communication to reach their owners; their results come back by one
 ``all_gather`` of compact per-owner buffers. Leaves sharded along a stack
 (batch) axis are gathered whole first (see :attr:`Exchange.gathered`).
+
+Dedicated mode under plain ``jit`` (the *reduced gather*, at the end) moves
+a gather group between its owners and every device as ``_gather`` does
+inside ``shard_map``, its gathered weights typed ``reduced``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dmuon_jax import _checks, _collectives, _layout, _mesh, _plan
+from dmuon_jax import _checks, _gather, _layout, _mesh, _plan
+
+P = jax.sharding.PartitionSpec
 
 
 class _Routed:
@@ -47,10 +54,12 @@ class _Routed:
   def __init__(self, spec, entries, sizes):
     # The leaf's own local shard shape, and that of the view (a sliced
     # spec's view splits one dimension; see _plan.sliced_spec).
-    self.leaf_local = tuple(
-      n // math.prod(sizes[a] for a in e)
-      for n, e in zip(spec.leaf_shape, entries)
-    )
+    def local(shape, entries):
+      return tuple(
+        n // math.prod(sizes[a] for a in e) for n, e in zip(shape, entries)
+      )
+
+    self.leaf_local = local(spec.leaf_shape, entries)
     entries = _plan.view_entries(spec, entries)
     if spec.sliced:
       d = spec.slice_axis - 1
@@ -62,9 +71,7 @@ class _Routed:
           f'laid out for {spec.shape[d]}. Make the state again with init() '
           'on params sharded as in training.'
         )
-    self.view_local = tuple(
-      n // math.prod(sizes[a] for a in e) for n, e in zip(spec.shape, entries)
-    )
+    self.view_local = local(spec.shape, entries)
     canon = spec.reduction_axes + spec.output_axes
     self.dim_axes = tuple(tuple(entries[a]) for a in canon)
     axes = {a for e in self.dim_axes for a in e}
@@ -72,39 +79,27 @@ class _Routed:
     self.axis_sizes = tuple(sizes[a] for a in self.axes)
     self.blocks = math.prod(self.axis_sizes)
     self.full = tuple(spec.shape[a] for a in canon)
-    self.piece = tuple(
-      n // math.prod(sizes[a] for a in e)
-      for n, e in zip(self.full, self.dim_axes)
-    )
+    self.piece = local(self.full, self.dim_axes)
     self.piece_size = math.prod(self.piece)
     self.perm = spec.batch_axes + canon
+    # assemble's transpose: per matrix dim its axes (member order), then
+    # its piece.
+    self.order = []
+    for j, dim in enumerate(self.dim_axes):
+      self.order += [self.axes.index(a) for a in dim] + [len(self.axes) + j]
     self.batch_shape = tuple(spec.shape[a] for a in spec.batch_axes)
 
   def assemble(self, pieces: jax.Array) -> jax.Array:
     """``(blocks, *piece)`` pieces (member order) -> the whole matrix
     in canonical (reduction, output) dims."""
-    n = len(self.axes)
     x = pieces.reshape(self.axis_sizes + self.piece)
-    perm = []
-    for j, axes in enumerate(self.dim_axes):
-      perm += [self.axes.index(a) for a in axes]
-      perm.append(n + j)
-    return jnp.transpose(x, perm).reshape(self.full)
+    return jnp.transpose(x, self.order).reshape(self.full)
 
   def split(self, full: jax.Array) -> jax.Array:
     """Inverse of :meth:`assemble`: ``(blocks, piece_size)``."""
-    n = len(self.axes)
-    shape, src = [], []
-    for j, axes in enumerate(self.dim_axes):
-      for a in axes:
-        shape.append(self.axis_sizes[self.axes.index(a)])
-        src.append(('axis', self.axes.index(a)))
-      shape.append(self.piece[j])
-      src.append(('dim', j))
-    x = full.reshape(shape)
-    order = [src.index(('axis', k)) for k in range(n)] + [
-      src.index(('dim', j)) for j in range(len(self.piece))
-    ]
+    sizes = self.axis_sizes + self.piece
+    x = full.reshape([sizes[k] for k in self.order])
+    order = tuple(int(k) for k in np.argsort(self.order))
     return jnp.transpose(x, order).reshape(self.blocks, self.piece_size)
 
 
@@ -155,16 +150,21 @@ class Exchange:
     # Forward classes: (axes, dtype group) -> per owner its routed units.
     self.classes: list[tuple[tuple[str, ...], int]] = []
     self.fwd_units: dict[tuple, list[list[int]]] = {}
+    # Replicated (and gathered) leaves: per dtype group, per owner its
+    # units, packed compactly for one all_gather.
+    self.rep_units = [[[] for _ in range(n)] for _ in groups]
     for g in groups:
       for s in range(n):
         for u in layout.slot_units[g][s]:
           i = layout.unit_leaf[u]
-          if i in self.routed:
-            key = (self.routed[i].axes, g)
-            if key not in self.fwd_units:
-              self.classes.append(key)
-              self.fwd_units[key] = [[] for _ in range(n)]
-            self.fwd_units[key][s].append(u)
+          if i not in self.routed:
+            self.rep_units[g][s].append(u)
+            continue
+          key = (self.routed[i].axes, g)
+          if key not in self.fwd_units:
+            self.classes.append(key)
+            self.fwd_units[key] = [[] for _ in range(n)]
+          self.fwd_units[key][s].append(u)
     self.fwd_off: dict[int, int] = {}
     self.fwd_size = {
       key: _offsets(
@@ -174,33 +174,15 @@ class Exchange:
       )
       for key, per_slot in self.fwd_units.items()
     }
-    # Replicated (and gathered) leaves: per dtype group, per owner its
-    # units, packed compactly for one all_gather.
-    self.rep_units = [
-      [
-        [
-          u
-          for u in layout.slot_units[g][s]
-          if layout.unit_leaf[u] not in self.routed
-        ]
-        for s in range(n)
-      ]
-      for g in groups
-    ]
     self.rep_off: dict[int, int] = {}
     self.rep_size = [
       _offsets(self.rep_units[g], layout.unit_size.__getitem__, self.rep_off)
       for g in groups
     ]
-    self._build_tables()
-
-  # -- slot tables ----------------------------------------------------------
-  # What each device packs, sends back and gathers, read from tables by its
-  # slot: loops with run-time trip counts, one program for all devices.
-
-  def _build_tables(self) -> None:
-    lay = self.layout
-    n = self.num_slots
+    # Slot tables: what each device packs, sends back and gathers, read
+    # from tables by its slot (loops with run-time trip counts, one program
+    # for all devices).
+    lay = layout
     # Per class: its routes (a route and a unit shape), each with a table
     # of every slot's units: (offset in the class's rows, in the buffer).
     self.routes: dict[tuple, list[tuple[int, tuple[int, int]]]] = {}
@@ -257,7 +239,7 @@ class Exchange:
   def by_slot(self, fn, *operands):
     """``fn(rows, *operands)`` with this device's rows of :attr:`tables`
     (run-time; per-slot constants in a ``switch`` for buffers past int32)."""
-    return _collectives.with_slot_rows(
+    return _gather.with_slot_rows(
       self.axes,
       self.num_slots,
       fn,
@@ -265,15 +247,6 @@ class Exchange:
       *operands,
       dynamic=self.layout.dynamic,
     )
-
-  # -- static helpers ------------------------------------------------------
-
-  def _local_units(self, x: jax.Array, i: int) -> jax.Array:
-    r = self.routed[i]
-    x = x.reshape(r.view_local)
-    # The count is explicit: a -1 cannot be inferred for an empty leaf.
-    count = math.prod(r.batch_shape)
-    return jnp.transpose(x, r.perm).reshape((count,) + r.piece)
 
   # -- forward: pieces to the owners --------------------------------------
 
@@ -285,7 +258,7 @@ class Exchange:
     axes, _ = key
     layout = self.layout
     others = tuple(a for a in self.axes if a not in axes)
-    other_sizes = [self.sizes[a] for a in others]
+    spread = math.prod(self.sizes[a] for a in others) > 1
     group_size = math.prod(self.sizes[a] for a in axes)
     leaves = {
       layout.unit_leaf[u]: None for per in self.fwd_units[key] for u in per
@@ -297,18 +270,22 @@ class Exchange:
     # by this device's: other coordinates' rows fall outside and are
     # dropped (one program for all devices, no buffer for other rows).
     out = jnp.zeros((group_size, self.fwd_size[key]), dtype)
-    out = out + _collectives.zero_after(
-      *(local_leaves[i] for i in leaves)
-    ).astype(dtype)
+    out = out + _gather.zero_after(*(local_leaves[i] for i in leaves)).astype(
+      dtype
+    )
     shift = np.zeros(2, np.int32)
-    if math.prod(other_sizes) > 1:
+    if spread:
       shift = jnp.stack(
         [jax.lax.axis_index(others) * group_size, jnp.zeros((), jnp.int32)]
       )
     order = others + tuple(axes)
     for i in leaves:
-      pieces = self._local_units(local_leaves[i], i).astype(dtype)
-      pieces = pieces.reshape(pieces.shape[0], self.routed[i].piece_size)
+      r = self.routed[i]
+      pieces = jnp.transpose(local_leaves[i].reshape(r.view_local), r.perm)
+      # The count is explicit: a -1 cannot be inferred for an empty leaf.
+      count = math.prod(r.batch_shape)
+      pieces = pieces.reshape((count,) + r.piece).astype(dtype)
+      pieces = pieces.reshape(count, r.piece_size)
       if not pieces.size:
         continue
       # Per piece (at its unit's flat batch index), its owner's row over
@@ -343,9 +320,7 @@ class Exchange:
         unique_indices=True,
         mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
       )
-    if math.prod(other_sizes) == 1:
-      return out
-    return _collectives.to_varying(out, self.axes)
+    return _gather.to_varying(out, self.axes) if spread else out
 
   def pack(
     self,
@@ -393,7 +368,7 @@ class Exchange:
         full = self.layout.matrix_at(buffers[g], s_, shape).reshape(r.full)
         return jax.lax.dynamic_update_slice_in_dim(o, r.split(full), d, 1)
 
-      out = _collectives.for_each(count, (dst, src), put, out)
+      out = _gather.for_each(count, (dst, src), put, out)
     return out
 
   def back(self, key, send: jax.Array) -> jax.Array:
@@ -526,7 +501,6 @@ def local_shard(
   x: jax.Array,
   entries: _mesh.Entries,
   sizes: dict[str, int],
-  axis_index: Callable[..., jax.Array] = jax.lax.axis_index,
 ) -> jax.Array:
   """This device's shard of a whole (replicated) array."""
   for dim, axes in enumerate(entries):
@@ -534,6 +508,171 @@ def local_shard(
       n = math.prod(sizes[a] for a in axes)
       size = x.shape[dim] // n
       x = jax.lax.dynamic_slice_in_dim(
-        x, axis_index(axes) * size, size, axis=dim
+        x, jax.lax.axis_index(axes) * size, size, axis=dim
       )
   return x
+
+
+# The reduced gather: dedicated mode under plain jit (Explicit owner axes).
+#
+# Outside shard_map a gather's autodiff transpose is an all-reduce plus a
+# slice on XLA:CPU (an all-gather's transpose in GSPMD). Typing the gathered
+# weights ``reduced`` over the owner axes makes their cotangent
+# ``unreduced`` there (jax's sharding-in-types: each device holds its own
+# partial sum), and a custom backward reduce-scatters that partial sum onto
+# the owners in a small shard_map: all-gather forward, reduce-scatter
+# backward, the Z2 floor, with the user's step under plain jax.jit/nnx.jit.
+# Measured in docs/benchmarks/dedicated_route.md (jax 0.10.2, 8 devices).
+
+
+def reduced_route(ded) -> bool:
+  """Whether the model's gathers can be reduced gathers under plain jit:
+  a distributed layout whose owner axes (and tensor-parallel axis, if
+  any) are all ``Explicit`` in its mesh (jax refuses ``reduced`` over other
+  axes, and types ``unreduced`` cotangents only on meshes whose axes are
+  all Explicit)."""
+  layout = ded.layout
+  if not layout.distributed or ded.mesh is None:
+    return False
+  return _explicit(ded, ded.buffer_axes) and (
+    layout.tp_size == 1 or _explicit(ded, [ded.tensor_parallel_axis])
+  )
+
+
+def _explicit(ded, axes: Sequence[str]) -> bool:
+  types = dict(zip(ded.mesh.axis_names, ded.mesh.axis_types))
+  return all(types.get(a) == jax.sharding.AxisType.Explicit for a in axes)
+
+
+def check_tp_axis_type(ded, who: str) -> None:
+  """Raises where the owner axes are Explicit but the tensor-parallel axis
+  is not: under plain jit such a model would need cotangents typed
+  ``unreduced`` over the owner axes on a mesh with an Auto axis, which
+  jax does not type (jax 0.10: an assertion in ``getu``)."""
+  if (
+    ded.layout.tp_size > 1
+    and ded.mesh is not None
+    and ded.layout.distributed
+    and _explicit(ded, ded.buffer_axes)
+    and not _explicit(ded, [ded.tensor_parallel_axis])
+  ):
+    tp = ded.tensor_parallel_axis
+    raise ValueError(
+      f'dmuon: {who} ran under plain jax.jit/nnx.jit on a mesh whose owner '
+      f'axes {tuple(ded.buffer_axes)} are Explicit and whose '
+      f'tensor-parallel axis {tp!r} is not. Its tensor-parallel matrices '
+      'are gathered typed reduced over the owner axes, and jax types the '
+      'unreduced gradients only on meshes whose axes are all Explicit. '
+      f'Make {tp!r} Explicit too (jax.make_mesh(..., axis_types='
+      '(jax.sharding.AxisType.Explicit,) * 3); a row-parallel layer then '
+      "names its output's sharding, e.g. out_sharding=P(ded.axes, None, "
+      'None)), or keep it Auto and decorate the step with '
+      '@dmuon_jax.flax.train_step(ded).'
+    )
+
+
+def _buffer_spec(ded) -> P:
+  """The spec of a loop group's owner buffer (a scan iteration's): its
+  layout's spec of the slot dimension (the owner axes, then the TP axis)."""
+  return P(ded.layout.buffer_spec(0)[-1])
+
+
+def _whole(ded, g: int, local, iteration) -> dict[int, Any]:
+  """Group ``g``'s targets, all-gathered over the owner axes (plain types:
+  whole, or sharded over the TP axis as the params were)."""
+  axes = tuple(ded.buffer_axes)
+
+  def gather(xs, it):
+    # xs: this (owner, TP shard)'s blocks; full: the TP shard's slots.
+    full = [_gather.gather_from_owners(x, axes) for x in xs]
+    return ded.layout.unpack_group(g, full, it, whole=False)
+
+  return jax.shard_map(
+    gather,
+    mesh=ded.mesh,
+    in_specs=(_buffer_spec(ded), P()),
+    out_specs=_gather.target_specs(ded, g),
+  )(list(local), iteration)
+
+
+def _as_reduced(ded, mats: dict[int, Any]) -> dict[int, Any]:
+  owner = set(ded.buffer_axes)
+  sharding = lambda i: jax.sharding.NamedSharding(
+    ded.mesh, P(*_gather.target_spec(ded, i), reduced=owner)
+  )
+  return {i: jax.reshard(m, sharding(i)) for i, m in mats.items()}
+
+
+def _owners_get_cotangents(ded, g: int, forward, local, iteration) -> Any:
+  """``forward(local, iteration)`` (``{leaf: reduced target}``), its
+  backward summing the targets' ``unreduced`` cotangents onto their owners:
+  inside a shard_map over the owner axes each device packs its partial
+  sums into group ``g``'s buffers (the transpose of
+  ``OwnerLayout.unpack_group``, on plain local arrays) and one
+  reduce-scatter per buffer adds them up on the owners."""
+
+  @jax.custom_vjp
+  def f(local, iteration):
+    return forward(local, iteration)
+
+  def bwd(saved, cts):
+    local, iteration = saved
+    axes = tuple(ded.buffer_axes)
+    tp = ded.tensor_parallel_axis
+    tp_size = ded.layout.tp_size
+    # One TP shard's whole buffers (every slot's blocks of that TP shard).
+    shapes = [((x.shape[0] // tp_size,) + x.shape[1:], x.dtype) for x in local]
+
+    def pack(cts, it):
+      # cts: this TP shard's slices, partial sums ({U: owner axes}). The
+      # transpose of unpacking reduced values takes unreduced ones.
+      zeros = [
+        jax.lax.pcast(jnp.zeros(s, d), axes, to='reduced') for s, d in shapes
+      ]
+      if tp is not None:  # like the cotangents: one TP shard's slices
+        zeros = [jax.lax.pcast(z, tp, to='varying') for z in zeros]
+      unpack = lambda f: ded.layout.unpack_group(g, f, whole=False)
+      (full,) = jax.vjp(unpack, zeros)[1](cts)
+      if it is not None:  # unpack_group's rotation, undone
+        full = [_layout.roll_slots(x, it, ded.num_slots, True) for x in full]
+      return [jax.lax.psum_scatter(f, axes, tiled=True) for f in full]
+
+    unreduced = {
+      i: P(*_gather.target_spec(ded, i), unreduced=set(axes)) for i in cts
+    }
+    owners = jax.shard_map(
+      pack if iteration is not None else lambda c, _: pack(c, None),
+      mesh=ded.mesh,
+      in_specs=(unreduced, P()),
+      out_specs=[_buffer_spec(ded)] * len(local),
+    )(cts, jnp.zeros([], jnp.int32) if iteration is None else iteration)
+    return owners, None
+
+  f.defvjp(lambda l, i: (f(l, i), (l, i)), bwd)
+  return f(list(local), iteration)
+
+
+def reduced_sink(ded, g: int, local, iteration=None) -> list[jax.Array]:
+  """``_gather.gather_sink`` for the reduced gather: zeros shaped like group
+  ``g``'s targets (a list, in ``OwnerLayout.unpack_group``'s order), typed
+  ``reduced``, whose summed cotangent is reduce-scattered onto ``local``
+  once per gather group."""
+  shapes = jax.eval_shape(lambda l, i: _whole(ded, g, l, i), local, iteration)
+  sink = lambda l, i: _as_reduced(
+    ded, {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
+  )
+  return list(_owners_get_cotangents(ded, g, sink, local, iteration).values())
+
+
+def materialize_reduced(
+  ded, g: int, local, iteration=None, sink=None
+) -> dict[int, Any]:
+  """``_gather.materialize`` for the reduced gather: group ``g``'s targets from
+  its owner buffers (``local``: ``(size,)`` each, sharded over the owner
+  axes), whole and typed ``reduced``, their cotangents reduce-scattered
+  back onto ``local`` (with ``sink``, from :func:`reduced_sink`: to it)."""
+  whole = lambda l, i: _as_reduced(ded, _whole(ded, g, l, i))
+  if sink is None:
+    return _owners_get_cotangents(ded, g, whole, local, iteration)
+  mats = whole([jax.lax.stop_gradient(x) for x in local], iteration)
+  return {i: _gather.route(s, m) for s, (i, m) in zip(sink, mats.items())}

@@ -1,23 +1,246 @@
-"""Dedicated mode inside ``shard_map``: gather a boundary's matrices, Z2/Z3.
+"""Collectives to and from owners, inside ``jax.shard_map`` bodies.
 
-Functions of a :class:`dmuon_jax.Dedication` (passed as ``ded``) and the
-local view of :class:`dmuon_jax.DedicatedParams`. The forward pass
-all-gathers one gather group's owner buffers just before its blocks run
-(on HSDP: over the replicate axis, then over the shard axes); autodiff's
-transpose of that gather reduce-scatters the gradients to the owners. Z3
-gathers again in the backward pass (:func:`regather_in_backward`), Z2 keeps
-the gathered weights.
+Slot-indexed tables and loops (one program for every device, its share
+read by its owner slot), the owner collectives, and dedicated mode's
+gathers: a :class:`dmuon_jax.Dedication` (passed as ``ded``) and the local
+view of :class:`dmuon_jax.DedicatedParams`. The forward pass all-gathers
+one gather group's owner buffers just before its blocks run (on HSDP: over
+the replicate axis, then over the shard axes); autodiff's transpose of
+that gather reduce-scatters the gradients to the owners. Z3 gathers again
+in the backward pass (:func:`regather_in_backward`), Z2 keeps the gathered
+weights.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import contextvars
+import math
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from dmuon_jax import _checks, _collectives, _layout, _mesh
+from dmuon_jax import _checks, _mesh
+
+# The one ambient value, and why: dmuon_jax.flax.train_step runs the user's
+# step function inside its shard_map, and that function (not dmuon) calls the
+# optimizer's update, so no argument can carry "these gradients are sums over
+# these axes" from the step to the update; JAX tracing offers no other
+# channel (a tracer carries no such fact). Set only for that step's trace.
+_SUMMED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+  'dmuon_gradients_summed_over', default=frozenset()
+)
+
+
+@contextlib.contextmanager
+def gradients_summed_over(axes: Sequence[str]) -> Iterator[None]:
+  """Declares that gradients computed here are *sums* over ``axes`` of
+  per-device mean-loss gradients (a step run whole inside ``shard_map``,
+  differentiated by plain autodiff), so the optimizer divides them."""
+  reset = _SUMMED.set(frozenset(axes))
+  try:
+    yield
+  finally:
+    _SUMMED.reset(reset)
+
+
+def summed_axes() -> frozenset[str]:
+  """The axes of the enclosing :func:`gradients_summed_over` (or none)."""
+  return _SUMMED.get()
+
+
+def manual_axes() -> frozenset[str]:
+  """Mesh axes that are manual here (i.e. we are inside ``shard_map``)."""
+  return frozenset(jax.sharding.get_abstract_mesh().manual_axes)
+
+
+def varying_axes(x) -> frozenset[str]:
+  """Manual axes over which ``x`` differs between devices (its vma type)."""
+  kind = getattr(jax.typeof(x), 'manual_axis_type', None)
+  return frozenset(getattr(kind, 'varying', ()) or ())
+
+
+def to_varying(x: jax.Array, axes: Sequence[str]) -> jax.Array:
+  """Marks ``x`` as varying over ``axes`` (a no-op where it already is)."""
+  missing = tuple(a for a in axes if a not in varying_axes(x))
+  return jax.lax.pcast(x, missing, to='varying') if missing else x
+
+
+def zero_after(*arrays: jax.Array) -> jax.Array:
+  """A float32 0 that XLA computes from ``arrays`` (one entry of each), so
+  that what it is added to waits for them: a buffer of zeros made as
+  ``zeros + zero_after(x)`` is allocated when ``x`` is ready, not at the
+  start of the program (XLA schedules a constant's copy, the start of an
+  in-place buffer, as early as it likes, and the copy then stays live
+  through the whole step). 0 whatever the arrays hold, NaN and infinity
+  included (and for empty arrays)."""
+  tie = jnp.zeros((), jnp.float32)
+  for x in arrays:
+    if x.size:
+      tie = tie + jnp.isfinite(x.reshape(-1)[0]).astype(jnp.float32) * 0
+  return tie
+
+
+def in_loop(x: jax.Array, carry) -> jax.Array:
+  """``x`` (read inside a loop from arrays the loop does not change) made
+  to depend on the loop's ``carry`` (a pytree), adding
+  :func:`zero_after` of it: XLA hoists work on loop-invariant values out of
+  the loop, where it runs whatever the trip count (0 included: a device's
+  loop over matrices it does not own), e.g. a read of a whole buffer at an
+  offset that cannot but be 0."""
+  return x + zero_after(*jax.tree.leaves(carry)).astype(x.dtype)
+
+
+# Offsets in owner buffers are read from slot-indexed tables as int32 (jax's
+# index dtype without x64). Buffers at least this long keep static offsets.
+INDEX_LIMIT = 2**31 - 1
+
+
+def with_slot_rows(
+  axes: Sequence[str],
+  num_slots: int,
+  body,
+  tables: Sequence[np.ndarray],
+  *operands,
+  dynamic: bool = True,
+  shift=0,
+):
+  """``body(rows, *operands)`` with this device's rows of ``tables``
+  (``(num_slots, ...)`` int arrays), its owner slot's over ``axes``, its
+  outputs marked as varying over ``axes``.
+
+  With ``dynamic`` the rows are read at run time (a dynamic index from
+  ``axis_index``): one program for every slot. Else (buffers too long for
+  int32 offsets, see :data:`INDEX_LIMIT`) a ``lax.switch`` on the slot
+  holds one branch per distinct row (its rows constants): slots of equal
+  rows share a branch body, picked through a constant table, so the
+  program's size follows the distinct rows rather than the slots (one
+  distinct: no conditional at all). With ``shift`` (an int or traced
+  scalar) the slot is ``(slot - shift) mod num_slots``. A single slot
+  reads its rows as constants, outside any ``shard_map`` axis.
+  """
+  if num_slots == 1:
+    return body([np.asarray(t)[0] for t in tables], *operands)
+  index = slot_index(axes, num_slots, shift)
+  vary = lambda out: jax.tree.map(lambda y: to_varying(y, axes), out)
+  if dynamic:
+    rows = [jnp.asarray(np.asarray(t, np.int32))[index] for t in tables]
+    return vary(body(rows, *operands))
+  first: dict = {}  # distinct rows -> the first slot of each
+  keys = [
+    tuple(np.asarray(t)[s].tobytes() for t in tables) for s in range(num_slots)
+  ]
+  for s, key in enumerate(keys):
+    first.setdefault(key, s)
+  branches = [
+    lambda *ops, s=s: vary(body([np.asarray(t)[s] for t in tables], *ops))
+    for s in first.values()
+  ]
+  if len(branches) == 1:
+    return branches[0](*operands)
+  ids = {key: j for j, key in enumerate(first)}
+  which = jnp.asarray(np.asarray([ids[k] for k in keys], np.int32))[index]
+  return jax.lax.switch(which, branches, *operands)
+
+
+def for_each(count, columns, body, carry, like=()):
+  """``carry = body(carry, *(c[i] for c in columns))`` for ``i <
+  count``: a loop with a run-time trip count where ``count`` is traced
+  (one body for every slot), unrolled where it is a Python int (the
+  columns' entries then constants where they are numpy, else traced).
+
+  ``like``: arrays (any pytree) the body reads besides the carry; under
+  ``shard_map`` the carry is first marked as varying over every manual
+  axis they and the columns vary over (a loop's carry keeps its type)."""
+  if isinstance(count, (int, np.integer)):
+    for i in range(int(count)):
+      got = (c[i] for c in columns)
+      carry = body(
+        carry, *(int(v) if isinstance(v, np.integer) else v for v in got)
+      )
+    return carry
+  axes = set()
+  for x in jax.tree.leaves((like, columns, count, carry)):
+    axes |= varying_axes(x)
+  carry = jax.tree.map(lambda x: to_varying(x, sorted(axes)), carry)
+  return jax.lax.fori_loop(
+    0, count, lambda i, c: body(c, *(col[i] for col in columns)), carry
+  )
+
+
+def ppermute_slots(
+  x: jax.Array, axes: Sequence[str], pairs: Sequence[tuple[int, int]]
+) -> jax.Array:
+  """``lax.ppermute`` of ``x`` from slot to slot (``(source, destination)``
+  pairs of :func:`slot_index` values over ``axes``, row-major in that
+  order). ``ppermute`` numbers devices row-major in the mesh's axis order
+  whatever the order of ``axes`` (``axis_index`` follows ``axes``), so the
+  pairs are renumbered."""
+  mesh = jax.sharding.get_abstract_mesh()
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  ordered = tuple(a for a in mesh.axis_names if a in axes)
+  shape = [sizes[a] for a in axes]
+
+  def renumber(slot):
+    coords = dict(zip(axes, np.unravel_index(slot, shape)))
+    return int(
+      np.ravel_multi_index(
+        [coords[a] for a in ordered], [sizes[a] for a in ordered]
+      )
+    )
+
+  perm = [(renumber(a), renumber(b)) for a, b in pairs]
+  return jax.lax.ppermute(x, ordered, perm=perm)
+
+
+def slot_index(axes: Sequence[str], n: int = 1, shift=0) -> jax.Array:
+  """Row-major index of this device over ``axes`` (the owner slot); with
+  ``shift`` (an int or traced scalar), ``(slot - shift) mod n``: scan
+  iteration ``t`` of a stacked group runs base slot ``slot - t``'s work."""
+  index = jax.lax.axis_index(tuple(axes))
+  if not isinstance(shift, int) or shift:
+    index = (index - shift) % n
+  return index
+
+
+def reduce_scatter_to_owners(
+  buf: jax.Array, axes: Sequence[str], sizes: Sequence[int]
+) -> jax.Array:
+  """Sums per-device buffers and leaves each device its own block.
+
+  ``buf`` holds one block per slot, slot-major over ``axes`` (row-major). The
+  reduction runs one ``psum_scatter`` per axis, innermost first: on a
+  ``('replicate', 'shard')`` mesh, over ``'shard'`` and then over
+  ``'replicate'`` (HSDP's two stages).
+
+  Args:
+    buf: ``(prod(sizes) * local,)``, varying over ``axes``.
+    axes: the slot axes.
+    sizes: their sizes.
+
+  Returns:
+    ``(local,)``: the sum over all devices of this device's block.
+  """
+  local = buf.shape[0] // math.prod(sizes)
+  x = buf.reshape(tuple(sizes) + (local,))
+  # Reverse the axis order so that the innermost axis is the leading one.
+  x = x.transpose(tuple(reversed(range(len(sizes)))) + (len(sizes),))
+  x = x.reshape(-1)
+  for axis, size in zip(reversed(axes), reversed(sizes)):
+    if size > 1:
+      x = jax.lax.psum_scatter(x, axis, tiled=True)
+    else:
+      x = x.reshape(1, -1)[0]
+  return x
+
+
+def gather_from_owners(local: jax.Array, axes: Sequence[str]) -> jax.Array:
+  """All-gathers every slot's block, replicated on every device."""
+  return jax.lax.all_gather(local, tuple(axes), tiled=True, to='invarying')
+
 
 P = jax.sharding.PartitionSpec
 
@@ -65,12 +288,10 @@ def after_inputs(local: Sequence[jax.Array], arrays: Sequence[Any]) -> list:
   if not xs:
     return list(local)
   tie = jnp.sum(xs[0]) * 0
-  out = []
-  for x in local:
-    if _collectives.varying_axes(tie) <= _collectives.varying_axes(x):
-      x = x + tie.astype(x.dtype)
-    out.append(x)
-  return out
+  return [
+    x + tie.astype(x.dtype) if varying_axes(tie) <= varying_axes(x) else x
+    for x in local
+  ]
 
 
 def gather_replicate(
@@ -148,14 +369,14 @@ def on_tp_shards(ded, fn: Callable[..., Any], in_specs, out_specs):
   there is none, ``fn`` itself.
   """
   tp = ded.tensor_parallel_axis
-  if tp is None or tp in _collectives.manual_axes():
+  if tp is None or tp in manual_axes():
     return fn
 
   def call(*args):
     # Replication types as the enclosing shard_map has them: none inside
     # one with check_vma=False (train_step's shape probe), where no value
     # varies over the manual axes (owner buffers otherwise do).
-    typed = any(_collectives.varying_axes(x) for x in jax.tree.leaves(args))
+    typed = any(varying_axes(x) for x in jax.tree.leaves(args))
     return jax.shard_map(
       fn,
       in_specs=in_specs,
@@ -182,11 +403,12 @@ def _per_tp_shard(ded, fn, local: Sequence[jax.Array]) -> list[jax.Array]:
   return on_tp_shards(ded, fn, (specs,), specs)(list(local))
 
 
-def fill(ded, b: int, sub: list[int], sub_rest, mats) -> Any:
-  """Boundary ``b``'s params subtree from its rest leaves and targets."""
+def fill(ded, b: int, sub: list[int], sub_rest, mats, layer=False) -> Any:
+  """Boundary ``b``'s params subtree from its rest leaves (gathered here;
+  ``layer``: one layer's of a stack) and targets."""
   leaves = [None] * len(ded.leaf_paths)
   for i, x in zip(sub, sub_rest):
-    leaves[i] = mats.get(i, x)
+    leaves[i] = mats.get(i, gather_leaf(ded, i, x, layer))
   tree = jax.tree.unflatten(ded.treedef, leaves)
   return _checks.subtree(tree, ded.boundary_keys[b])
 
@@ -226,16 +448,6 @@ def all_params(ded, dedicated) -> Any:
   return jax.tree.unflatten(ded.treedef, leaves)
 
 
-def maybe_z3(
-  ded, run: Callable[..., Any], blocks: Sequence[str] = ()
-) -> Callable[..., Any]:
-  """``run(rep_local, *args)``, gathered again in the backward pass (Z3);
-  ``blocks`` names its boundaries, for messages."""
-  if not ded.reshard_after_forward:
-    return run
-  return regather_in_backward(run, ded.remat_policy, blocks)
-
-
 def run_group(ded, g: int, body: Callable[..., Any]) -> Callable[..., Any]:
   """``(dedicated, *args) -> body(block_params_list, *args)``, group ``g``
   gathered (Z2/Z3 as configured); one subtree per boundary of the group."""
@@ -244,18 +456,12 @@ def run_group(ded, g: int, body: Callable[..., Any]) -> Callable[..., Any]:
   def run(rep_local, sub_rests, *args):
     mats = materialize(ded, g, rep_local)
     trees = [
-      fill(
-        ded,
-        b,
-        sub,
-        [gather_leaf(ded, i, x) for i, x in zip(sub, sub_rest)],
-        mats,
-      )
+      fill(ded, b, sub, sub_rest, mats)
       for b, sub, sub_rest in zip(ded.groups[g], subs, sub_rests)
     ]
     return body(trees, *args)
 
-  inner = maybe_z3(ded, run, [ded.boundaries.names[b] for b in ded.groups[g]])
+  inner = _z3(ded, run, [ded.boundaries.names[b] for b in ded.groups[g]])
 
   def call(dedicated, *args):
     rest = ded.treedef.flatten_up_to(dedicated.rest)
@@ -350,16 +556,12 @@ def scan(
   def run(rep_local, sub_rest, carry, iteration):
     mats = materialize(ded, g, rep_local, iteration)
     for j in range(k):
-      layer_rest = [
-        gather_leaf(ded, i, None if x is None else x[j], layer_slice=True)
-        for i, x in zip(sub, sub_rest)
-      ]
-      carry = fn(
-        fill(ded, b, sub, layer_rest, {i: m[j] for i, m in mats.items()}), carry
-      )
+      layer_rest = [None if x is None else x[j] for x in sub_rest]
+      layer_mats = {i: m[j] for i, m in mats.items()}
+      carry = fn(fill(ded, b, sub, layer_rest, layer_mats, True), carry)
     return carry
 
-  inner = maybe_z3(ded, run, [ded.boundaries.names[b]])
+  inner = _z3(ded, run, [ded.boundaries.names[b]])
 
   def call(dedicated, carry):
     rest = ded.treedef.flatten_up_to(dedicated.rest)
@@ -383,6 +585,14 @@ def scan(
     return jax.lax.scan(body, carry, xs)[0]
 
   return call
+
+
+def _z3(ded, run: Callable[..., Any], blocks: Sequence[str]):
+  """``run(rep_local, *args)``, gathered again in the backward pass where
+  the dedication is Z3; ``blocks`` names its boundaries, for messages."""
+  if not ded.reshard_after_forward:
+    return run
+  return regather_in_backward(run, ded.remat_policy, blocks)
 
 
 def regather_in_backward(
@@ -419,9 +629,7 @@ def regather_in_backward(
 def new_token() -> jax.Array:
   """A group's first token: a scalar 0, varying over the manual axes (its
   cotangent, the backward tie, varies like the cotangents it comes from)."""
-  return _collectives.to_varying(
-    jnp.zeros([]), tuple(sorted(_collectives.manual_axes()))
-  )
+  return to_varying(jnp.zeros([]), tuple(sorted(manual_axes())))
 
 
 def regather_group_in_backward(
@@ -485,9 +693,7 @@ def regather_group_in_backward(
     # with different residuals): the backward rule finds its trace by the
     # residuals' types.
     trace[_avals(res)] = (tree, tied, holes)
-    trace['kinds'] = [
-      _collectives.varying_axes(x) for x in jax.tree.leaves((local, args))
-    ]
+    trace['kinds'] = [varying_axes(x) for x in jax.tree.leaves((local, args))]
     if not tied and _backward_reads_weights(run, local, args):
       raise ValueError(
         f'dmuon: with this remat_policy the Z3 block {list(blocks)} saves'
@@ -507,17 +713,13 @@ def regather_group_in_backward(
         if jnp.issubdtype(jnp.result_type(c), jnp.inexact)
       ]
       tie = sum((jnp.sum(c) for c in floats), jnp.zeros([])) * 0
-      tie = _collectives.to_varying(
-        tie.astype(token.dtype), tuple(_collectives.varying_axes(token))
-      )
+      tie = to_varying(tie.astype(token.dtype), tuple(varying_axes(token)))
     else:
       tie = ct_token
     tree, tied, holes = trace[_avals(res)]
     it = iter(res)
     res = [
-      _collectives.to_varying(
-        jnp.zeros(*holes[k]), tuple(sorted(_collectives.manual_axes()))
-      )
+      to_varying(jnp.zeros(*holes[k]), tuple(sorted(manual_axes())))
       if k in holes
       else next(it)
       for k in range(len(res) + len(holes))
@@ -567,7 +769,7 @@ def _sum_to(ct, kind: frozenset[str]):
   """``ct`` summed over the manual axes it varies on and ``kind`` not."""
   if not hasattr(ct, 'dtype') or not jnp.issubdtype(ct.dtype, jnp.inexact):
     return ct
-  extra = tuple(sorted(_collectives.varying_axes(ct) - kind))
+  extra = tuple(sorted(varying_axes(ct) - kind))
   return jax.lax.psum(ct, extra) if extra else ct
 
 
@@ -582,39 +784,33 @@ def gather_sink(
   per TP shard (see :func:`on_tp_shards`)."""
   if tp:
     return _per_tp_shard(ded, lambda xs: gather_sink(ded, xs), local)
-  shard_axes = ded.shard_axes
-  rep_axis = ded.replicate_axis
-  n = ded.num_slots
 
   @jax.custom_vjp
   def sink(local):
     # Varying over every manual axis, as the cotangents routed to it.
     return [
-      _collectives.to_varying(
-        jnp.zeros((x.shape[0] * n,) + x.shape[1:], x.dtype),
-        tuple(sorted(_collectives.manual_axes())),
+      to_varying(
+        jnp.zeros((x.shape[0] * ded.num_slots,) + x.shape[1:], x.dtype),
+        tuple(sorted(manual_axes())),
       )
       for x in local
     ]
 
-  kinds = [_collectives.varying_axes(x) for x in local]
-
-  def fwd(local):
-    return sink(local), None
+  kinds = [varying_axes(x) for x in local]
 
   def bwd(_, cts):
     out = []
     for c, kind in zip(cts, kinds):
-      if shard_axes:
-        c = jax.lax.psum_scatter(c, shard_axes, tiled=True)
-      if rep_axis is not None:
-        c = jax.lax.psum_scatter(c, rep_axis, tiled=True)
+      if ded.shard_axes:
+        c = jax.lax.psum_scatter(c, ded.shard_axes, tiled=True)
+      if ded.replicate_axis is not None:
+        c = jax.lax.psum_scatter(c, ded.replicate_axis, tiled=True)
       # Where the buffer is the same on every device (an axis of size 1
       # that the sharding dropped), its cotangent is the sum there.
       out.append(_sum_to(c, kind))
     return (out,)
 
-  sink.defvjp(fwd, bwd)
+  sink.defvjp(lambda local: (sink(local), None), bwd)
   return sink(list(local))
 
 
@@ -626,183 +822,4 @@ def route(grad_to: jax.Array, value: jax.Array) -> jax.Array:
   return value
 
 
-def _route_fwd(grad_to, value):
-  del grad_to
-  return value, None
-
-
-def _route_bwd(_, ct):
-  return ct, jnp.zeros_like(ct)
-
-
-route.defvjp(_route_fwd, _route_bwd)
-
-
-# The reduced gather: dedicated mode under plain jit (Explicit owner axes).
-#
-# Outside shard_map a gather's autodiff transpose is an all-reduce plus a
-# slice on XLA:CPU (an all-gather's transpose in GSPMD). Typing the gathered
-# weights ``reduced`` over the owner axes makes their cotangent
-# ``unreduced`` there (jax's sharding-in-types: each device holds its own
-# partial sum), and a custom backward reduce-scatters that partial sum onto
-# the owners in a small shard_map: all-gather forward, reduce-scatter
-# backward, the Z2 floor, with the user's step under plain jax.jit/nnx.jit.
-# Measured in docs/benchmarks/dedicated_route.md (jax 0.10.2, 8 devices).
-
-
-def reduced_route(ded) -> bool:
-  """Whether the model's gathers can be reduced gathers under plain jit:
-  a distributed layout whose owner axes (and tensor-parallel axis, if
-  any) are all ``Explicit`` in its mesh (jax refuses ``reduced`` over other
-  axes, and types ``unreduced`` cotangents only on meshes whose axes are
-  all Explicit)."""
-  layout = ded.layout
-  if not layout.distributed or ded.mesh is None:
-    return False
-  return _explicit(ded, ded.buffer_axes) and (
-    layout.tp_size == 1 or _explicit(ded, [ded.tensor_parallel_axis])
-  )
-
-
-def _explicit(ded, axes: Sequence[str]) -> bool:
-  types = dict(zip(ded.mesh.axis_names, ded.mesh.axis_types))
-  return all(types.get(a) == jax.sharding.AxisType.Explicit for a in axes)
-
-
-def check_tp_axis_type(ded, who: str) -> None:
-  """Raises where the owner axes are Explicit but the tensor-parallel axis
-  is not: under plain jit such a model would need cotangents typed
-  ``unreduced`` over the owner axes on a mesh with an Auto axis, which
-  jax does not type (jax 0.10: an assertion in ``getu``)."""
-  if (
-    ded.layout.tp_size > 1
-    and ded.mesh is not None
-    and ded.layout.distributed
-    and _explicit(ded, ded.buffer_axes)
-    and not _explicit(ded, [ded.tensor_parallel_axis])
-  ):
-    tp = ded.tensor_parallel_axis
-    raise ValueError(
-      f'dmuon: {who} ran under plain jax.jit/nnx.jit on a mesh whose owner '
-      f'axes {tuple(ded.buffer_axes)} are Explicit and whose '
-      f'tensor-parallel axis {tp!r} is not. Its tensor-parallel matrices '
-      'are gathered typed reduced over the owner axes, and jax types the '
-      'unreduced gradients only on meshes whose axes are all Explicit. '
-      f'Make {tp!r} Explicit too (jax.make_mesh(..., axis_types='
-      '(jax.sharding.AxisType.Explicit,) * 3); a row-parallel layer then '
-      "names its output's sharding, e.g. out_sharding=P(ded.axes, None, "
-      'None)), or keep it Auto and decorate the step with '
-      '@dmuon_jax.flax.train_step(ded).'
-    )
-
-
-def _buffer_spec(ded) -> P:
-  """The spec of a loop group's owner buffer (a scan iteration's): its
-  layout's spec of the slot dimension (the owner axes, then the TP axis)."""
-  return P(ded.layout.buffer_spec(0)[-1])
-
-
-def _whole(ded, g: int, local, iteration) -> dict[int, Any]:
-  """Group ``g``'s targets, all-gathered over the owner axes (plain types:
-  whole, or sharded over the TP axis as the params were)."""
-  axes = tuple(ded.buffer_axes)
-
-  def gather(xs, it):
-    # xs: this (owner, TP shard)'s blocks; full: the TP shard's slots.
-    full = [_collectives.gather_from_owners(x, axes) for x in xs]
-    return ded.layout.unpack_group(g, full, it, whole=False)
-
-  return jax.shard_map(
-    gather,
-    mesh=ded.mesh,
-    in_specs=(_buffer_spec(ded), P()),
-    out_specs=target_specs(ded, g),
-  )(list(local), iteration)
-
-
-def _as_reduced(ded, mats: dict[int, Any]) -> dict[int, Any]:
-  owner = set(ded.buffer_axes)
-  sharding = lambda i: jax.sharding.NamedSharding(
-    ded.mesh, P(*target_spec(ded, i), reduced=owner)
-  )
-  return {i: jax.reshard(m, sharding(i)) for i, m in mats.items()}
-
-
-def _scatter_to_owners(ded, g: int, local, iteration, cts) -> list:
-  """The targets' ``unreduced`` cotangents packed into group ``g``'s
-  buffers and summed onto their owners: inside a shard_map over the owner
-  axes each device packs its partial sums (the transpose of
-  ``OwnerLayout.unpack_group``, on plain local arrays) and one reduce-scatter
-  per buffer adds them up on the owners."""
-  axes = tuple(ded.buffer_axes)
-  tp = ded.tensor_parallel_axis
-  tp_size = ded.layout.tp_size
-  # One TP shard's whole buffers (every slot's blocks of that TP shard).
-  shapes = [((x.shape[0] // tp_size,) + x.shape[1:], x.dtype) for x in local]
-
-  def pack(cts, it):
-    # cts: this TP shard's slices, partial sums ({U: owner axes}). The
-    # transpose of unpacking reduced values takes unreduced ones.
-    zeros = [
-      jax.lax.pcast(jnp.zeros(s, d), axes, to='reduced') for s, d in shapes
-    ]
-    if tp is not None:  # like the cotangents: one TP shard's slices
-      zeros = [jax.lax.pcast(z, tp, to='varying') for z in zeros]
-    unpack = lambda f: ded.layout.unpack_group(g, f, whole=False)
-    (full,) = jax.vjp(unpack, zeros)[1](cts)
-    if it is not None:  # unpack_group's rotation, undone
-      full = [_layout.roll_slots(x, it, ded.num_slots, True) for x in full]
-    return [jax.lax.psum_scatter(f, axes, tiled=True) for f in full]
-
-  unreduced = {i: P(*target_spec(ded, i), unreduced=set(axes)) for i in cts}
-  return jax.shard_map(
-    pack if iteration is not None else lambda c, _: pack(c, None),
-    mesh=ded.mesh,
-    in_specs=(unreduced, P()),
-    out_specs=[_buffer_spec(ded)] * len(local),
-  )(cts, jnp.zeros([], jnp.int32) if iteration is None else iteration)
-
-
-def _owners_get_cotangents(ded, g: int, forward, local, iteration) -> Any:
-  """``forward(local, iteration)`` (``{leaf: reduced target}``), its
-  backward reduce-scattering the targets' cotangents onto ``local``
-  (:func:`_scatter_to_owners`)."""
-
-  @jax.custom_vjp
-  def f(local, iteration):
-    return forward(local, iteration)
-
-  def fwd(local, iteration):
-    return f(local, iteration), (local, iteration)
-
-  def bwd(saved, cts):
-    return _scatter_to_owners(ded, g, *saved, cts), None
-
-  f.defvjp(fwd, bwd)
-  return f(list(local), iteration)
-
-
-def reduced_sink(ded, g: int, local, iteration=None) -> list[jax.Array]:
-  """:func:`gather_sink` for the reduced gather: zeros shaped like group
-  ``g``'s targets (a list, in ``OwnerLayout.unpack_group``'s order), typed
-  ``reduced``, whose summed cotangent is reduce-scattered onto ``local``
-  once per gather group."""
-  shapes = jax.eval_shape(lambda l, i: _whole(ded, g, l, i), local, iteration)
-  sink = lambda l, i: _as_reduced(
-    ded, {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
-  )
-  return list(_owners_get_cotangents(ded, g, sink, local, iteration).values())
-
-
-def materialize_reduced(
-  ded, g: int, local, iteration=None, sink=None
-) -> dict[int, Any]:
-  """:func:`materialize` for the reduced gather: group ``g``'s targets from
-  its owner buffers (``local``: ``(size,)`` each, sharded over the owner
-  axes), whole and typed ``reduced``, their cotangents reduce-scattered
-  back onto ``local`` (with ``sink``, from :func:`reduced_sink`: to it)."""
-  whole = lambda l, i: _as_reduced(ded, _whole(ded, g, l, i))
-  if sink is None:
-    return _owners_get_cotangents(ded, g, whole, local, iteration)
-  mats = whole([jax.lax.stop_gradient(x) for x in local], iteration)
-  return {i: route(s, m) for s, (i, m) in zip(sink, mats.items())}
+route.defvjp(lambda _, v: (v, None), lambda _, ct: (ct, jnp.zeros_like(ct)))

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dmuon_jax import _collectives, _plan, _routing
+from dmuon_jax import _gather, _plan, _routing
 
 
 def to_matrices(x: jax.Array, spec: _routing.LeafSpec) -> jax.Array:
@@ -117,7 +117,7 @@ def write_at(buf: jax.Array, row, get: Callable) -> jax.Array:
     m = get(a).reshape(-1).astype(b.dtype)
     return jax.lax.dynamic_update_slice_in_dim(b, m, o, 0)
 
-  return _collectives.for_each(count, cols, put, buf)
+  return _gather.for_each(count, cols, put, buf)
 
 
 class SlotWork(NamedTuple):
@@ -429,7 +429,7 @@ class Layout:
   def dynamic(self) -> bool:
     """Whether offsets into this layout's buffers fit in int32 (read from
     tables at run time; else they are constants of per-slot branches)."""
-    return max(self.local_sizes, default=0) < _collectives.INDEX_LIMIT
+    return max(self.local_sizes, default=0) < _gather.INDEX_LIMIT
 
   def slot_work(self, unit_extra=None, units=None) -> SlotWork:
     """The slots' matrices by type: one program for every slot, each
@@ -520,9 +520,9 @@ class Layout:
       The slot's flat buffers with every matrix of ``work`` replaced by
       ``fn``'s result, zeros elsewhere.
     """
-    # Made when the operands are (see _collectives.zero_after), not at the
+    # Made when the operands are (see _gather.zero_after), not at the
     # start of the step.
-    tie = _collectives.zero_after(*operands[0])
+    tie = _gather.zero_after(*operands[0])
     out = [
       jnp.zeros((self.local_sizes[g],), buf.dtype) + tie.astype(buf.dtype)
       for g, buf in enumerate(operands[0])
@@ -536,7 +536,7 @@ class Layout:
 
         def chunk(result, *offs, g=g, bucket=bucket):
           stacks = tuple(
-            _collectives.in_loop(
+            _gather.in_loop(
               jnp.stack(
                 [self.matrix_at(ops[g], o, bucket.shape) for o in offs]
               ),
@@ -550,9 +550,7 @@ class Layout:
             )
           return result
 
-        out[g] = _collectives.for_each(
-          trips, cols, chunk, out[g], like=operands
-        )
+        out[g] = _gather.for_each(trips, cols, chunk, out[g], like=operands)
     return tuple(out)
 
   def whole_tables(self, leaves: Sequence[int]) -> list[np.ndarray]:

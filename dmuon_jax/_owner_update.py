@@ -27,7 +27,7 @@ import optax
 
 from dmuon_jax import (
   _checks,
-  _collectives,
+  _gather,
   _layout,
   _newton_schulz,
   _owner_layout,
@@ -435,7 +435,7 @@ def owner_step(
       # temporaries grow with the model (an optimization_barrier does not
       # survive XLA:CPU's pipeline). Each group's inputs wait for the
       # previous group's results through a tie that is 0 whatever they hold.
-      tie = _collectives.zero_after(*previous)
+      tie = _gather.zero_after(*previous)
       grads_g = [x + tie.astype(x.dtype) for x in grads_g]
     if mu_groups is None:
       h = grads_g
@@ -464,7 +464,7 @@ def owner_step(
     # Every slot runs one program (see slot_work), its matrices and their
     # offsets read from the tables.
     one = functools.partial(
-      _collectives.with_slot_rows,
+      _gather.with_slot_rows,
       axes,
       n,
       run,
@@ -549,7 +549,7 @@ def all_finite(*trees: Any) -> jax.Array:
     # reduction.
     stacked = jnp.stack(flags)
     ok = stacked[jnp.argmin(stacked)] > 0
-  manual = _collectives.manual_axes()
+  manual = _gather.manual_axes()
   if manual:
     mesh = jax.sharding.get_abstract_mesh()
     axes = tuple(a for a in mesh.axis_names if a in manual)

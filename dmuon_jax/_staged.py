@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dmuon_jax import _collectives, _layout, _newton_schulz, _plan
+from dmuon_jax import _gather, _layout, _newton_schulz, _plan
 
 
 def pack_symmetric(a: jax.Array) -> jax.Array:
@@ -351,7 +351,7 @@ def _zeros(size, dtype):
 def _initial_carry(
   st: Stages, hat: Sequence[jax.Array], norm, tie: jax.Array
 ) -> Carry:
-  """Zeros, made when ``tie`` (see ``_collectives.zero_after``) is."""
+  """Zeros, made when ``tie`` (see ``_gather.zero_after``) is."""
   lay = st.lay
   blocks = lambda m: jnp.zeros((max(m, 1), max(st.block, 1)), norm)
   carry = Carry(
@@ -368,7 +368,7 @@ def _initial_carry(
 
 
 def _zeros_like(x, tie):
-  """Zeros like ``x``, made when ``tie`` (``_collectives.zero_after``) is."""
+  """Zeros like ``x``, made when ``tie`` (``_gather.zero_after``) is."""
   return jnp.zeros_like(x) + tie.astype(x.dtype)
 
 
@@ -427,9 +427,9 @@ def _rows(st: Stages, num_plain: int, rows) -> _Rows:
 def _each(like, types, rows, fn, carry):
   """``carry = fn(carry, typ, *values)`` for each of the slot's items of
   each type (``rows``: its :class:`_Rows` entries for ``types``; ``like``:
-  what ``fn`` reads besides, see ``_collectives.for_each``)."""
+  what ``fn`` reads besides, see ``_gather.for_each``)."""
   for typ, (trips, columns) in zip(types, rows):
-    carry = _collectives.for_each(
+    carry = _gather.for_each(
       trips, columns, lambda c, *v, typ=typ: fn(c, typ, *v), carry, like
     )
   return carry
@@ -489,9 +489,9 @@ class _Bodies:
   def _scaled(self, hat, amax, t, off, i, carry):
     """The slot's matrix of type ``t`` at ``off``, rescaled (``amax[i]``:
     its max-abs entry), in the norm dtype (read in the loop of ``carry``,
-    see ``_collectives.in_loop``)."""
+    see ``_gather.in_loop``)."""
     raw = self.st.lay.matrix_at(hat[t.group], off, t.shape)
-    raw = _collectives.in_loop(raw, carry)
+    raw = _gather.in_loop(raw, carry)
     return _newton_schulz.rescale_large(raw, _row(amax, i)).astype(self.norm)
 
   def gram(self, r: _Rows, c: Carry, hat, p) -> Carry:
@@ -525,9 +525,7 @@ class _Bodies:
     st, lay, norm, cd = self.st, self.st.lay, self.norm, self.cd
 
     def one_group(q, g, i):
-      gram = unpack_symmetric(
-        _collectives.in_loop(_row(c.owned_grams, i), q), g
-      )
+      gram = unpack_symmetric(_gather.in_loop(_row(c.owned_grams, i), q), g)
       fac, sc = self._factor(w, st.group_segments, gram)
       fac = fac.astype(norm) * sc if w == 0 else fac
       packed = _packed(fac.astype(norm), st.block)
@@ -538,7 +536,7 @@ class _Bodies:
       if w >= len(t.segments):
         return carry
       gram = lay.matrix_at(c.grams[1], block, (t.gram,) * 2)
-      fac, sc = self._factor(w, t.segments, _collectives.in_loop(gram, qt))
+      fac, sc = self._factor(w, t.segments, _gather.in_loop(gram, qt))
       if w == 0:
         xi = lay.matrix_at(x[t.group], off, t.shape)
         x = _put(x, t.group, off, cd((xi * sc).astype(norm)))
@@ -577,8 +575,8 @@ class _Bodies:
       return xs, grams, dot
 
     # The next window's Grams, made when this window's factors are (see
-    # _collectives.zero_after), not at the start of the step.
-    tie = _collectives.zero_after(*c.factors)
+    # _gather.zero_after), not at the start of the step.
+    tie = _gather.zero_after(*c.factors)
     x, grams, dots = c.x, list(c.grams), list(c.dots)
     for k in (0, 1):
       grams[k] = _zeros_like(grams[k], tie)
@@ -623,7 +621,7 @@ def _exchange(st: Stages, w, direction, slot, blocks, like, vary, tie):
   send_row = jnp.asarray(send)[slot]
   recv_row = jnp.asarray(recv)[slot]
   for r, messages in enumerate(rounds):
-    got = _collectives.ppermute_slots(
+    got = _gather.ppermute_slots(
       _row(blocks, send_row[r]),
       st.axes,
       [(src, dst) for src, dst, _ in messages],
@@ -689,7 +687,7 @@ def run(
       out = body(_rows(st, len(plain_work.offsets), rows), c, hat, p)
       return jax.tree.map(lambda y: _vary(y, vary), out)
 
-    return _collectives.with_slot_rows(
+    return _gather.with_slot_rows(
       st.axes, st.n, f, tables, c, hat, params, dynamic=st.lay.dynamic
     )
 
@@ -703,10 +701,10 @@ def run(
 
   # Buffers made from zeros wait for this group's inputs (else XLA may make
   # them at the start of the step and hold them through it).
-  tie = _collectives.zero_after(*hat)
+  tie = _gather.zero_after(*hat)
   c = _initial_carry(st, hat, norm, tie)
   c = jax.tree.map(lambda y: _vary(y, vary), c)
-  slot = _collectives.slot_index(st.axes) if st.n > 1 else 0
+  slot = _gather.slot_index(st.axes) if st.n > 1 else 0
   # Collectives run between the stages, on every device.
   c = reduced(stage(bodies.amax, c), jax.lax.pmax, 'amax')
   c = stage(bodies.gram, c)
@@ -735,5 +733,5 @@ def run(
 
 
 def _vary(y, axes):
-  manual = _collectives.manual_axes()
-  return _collectives.to_varying(y, [a for a in axes if a in manual])
+  manual = _gather.manual_axes()
+  return _gather.to_varying(y, [a for a in axes if a in manual])

@@ -20,8 +20,8 @@ from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import (
   _checks,
-  _collectives,
   _exchange,
+  _gather,
   _layout,
   _mesh,
   _owner_layout,
@@ -138,12 +138,12 @@ def explicit_step(cfg, hp, layout, targets, mus, count_inc):
   lay = layout.groups[0]
   axes, sizes = lay.plan.axis_names, lay.plan.mesh_shape
   n = lay.num_slots
-  unreduced = any(_collectives.varying_axes(x) & set(axes) for x in targets)
+  unreduced = any(_gather.varying_axes(x) & set(axes) for x in targets)
   if unreduced:
     # Per-device gradients, reduced straight to the owners (reduce-scatter),
     # results all-gathered: one all-reduce's bytes.
     grads = tuple(
-      _collectives.reduce_scatter_to_owners(b, axes, sizes) / n
+      _gather.reduce_scatter_to_owners(b, axes, sizes) / n
       for b in lay.pack_full(targets)
     )
   else:
@@ -156,19 +156,17 @@ def explicit_step(cfg, hp, layout, targets, mus, count_inc):
 
     def pack(rows):
       bufs = [
-        _collectives.to_varying(jnp.zeros((size,), dt), axes)
+        _gather.to_varying(jnp.zeros((size,), dt), axes)
         for size, dt in zip(lay.local_sizes, dtypes)
       ]
       return tuple(lay.pack_whole_at(bufs, mats, leaves, rows))
 
     # One program for every device: its units read from tables by its slot.
-    grads = _collectives.with_slot_rows(
+    grads = _gather.with_slot_rows(
       axes, n, pack, lay.whole_tables(leaves), dynamic=lay.dynamic
     )
   ortho, mu = _owner_update.owner_step(cfg, hp, layout, grads, mus, count_inc)
-  new = lay.unpack_full(
-    [_collectives.gather_from_owners(o, axes) for o in ortho]
-  )
+  new = lay.unpack_full([_gather.gather_from_owners(o, axes) for o in ortho])
   return new, mu
 
 
@@ -468,7 +466,7 @@ def drop_in_step(setup, layout, targets, mus, count_inc, specs):
       )
       gathered = [None] * lay.num_groups
       for g, c in zip(rep_groups, compact):
-        gathered[g] = _collectives.gather_from_owners(c, axes)
+        gathered[g] = _gather.gather_from_owners(c, axes)
       for i, x in ex.rep_unpack(gathered).items():
         out[i] = _exchange.local_shard(x, owner_entries[i], sizes)
     back = {
@@ -505,7 +503,7 @@ def drop_in_step(setup, layout, targets, mus, count_inc, specs):
 def _mesh_axes(axis_names: Sequence[str] | None) -> tuple[str, ...]:
   if axis_names is not None:
     return tuple(axis_names)
-  axes = _collectives.manual_axes()
+  axes = _gather.manual_axes()
   mesh = jax.sharding.get_abstract_mesh()
   return tuple(a for a in mesh.axis_names if a in axes)
 
@@ -573,7 +571,7 @@ def local_value_and_grad(
 
     args = list(args)
     args[argnums] = jax.tree.map(
-      lambda x: _collectives.to_varying(x, axes), args[argnums]
+      lambda x: _gather.to_varying(x, axes), args[argnums]
     )
     return jax.value_and_grad(fun, argnums, has_aux)(*args, **kwargs)
 
@@ -616,12 +614,12 @@ def mean_over_devices(
 
   def update_fn(updates, state, params=None):
     del params
-    if not _collectives.manual_axes():
+    if not _gather.manual_axes():
       return updates, state
     axes = _mesh_axes(axis_names)
 
     def mean(x):
-      varying = tuple(a for a in axes if a in _collectives.varying_axes(x))
+      varying = tuple(a for a in axes if a in _gather.varying_axes(x))
       return jax.lax.pmean(x, varying) if varying else x
 
     return jax.tree.map(mean, updates), state

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from dmuon_jax import (
   _assign,
   _checks,
-  _collectives,
+  _gather,
   _mesh,
   _owner_layout,
   _owner_update,
@@ -381,7 +381,7 @@ def _update(setup: _Setup, updates, state, params=None):
       cfg, hp, layout, lay.pack_full(targets), mus, count_inc
     )
     new = lay.unpack_full(ortho)
-  elif set(layout.buffer_axes) & _collectives.manual_axes():
+  elif set(layout.buffer_axes) & _gather.manual_axes():
     new, mu = _steps.explicit_step(cfg, hp, layout, targets, mus, count_inc)
   else:
     # Per target the layout records no spec of, the one its update's Flax

@@ -217,7 +217,7 @@ class DedicatedMemoryTest(absltest.TestCase):
     # (a group's gathered weights and its regathered twin or gradient).
     # Measured: 1.30 groups (29.3 MB peak, state 25.2 MB, a group 3.1 MB).
     # Before the staged update's zero buffers waited for their group's
-    # inputs (_collectives.zero_after), XLA made all of them at the start
+    # inputs (_gather.zero_after), XLA made all of them at the start
     # of the step and held them through it: 4.12 groups (38.1 MB).
     mesh = support.make_mesh((1, 8))
     d, n = 256, 8

@@ -577,32 +577,29 @@ dense<"0xPAIRS"> : tensor<4x2xi64>}> : (tensor<8xf32>) -> tensor<8xf32>
 
 
 class SharedBranchTest(absltest.TestCase):
-  """Owner slots with equal keys share one branch body
-  (``_collectives.switch_by_slot``); ``dot_flops`` still counts each
-  device's own branch, through the slot -> branch table."""
+  """Owner slots with equal rows share one branch body
+  (``_gather.with_slot_rows``, static rows); ``dot_flops`` still counts
+  each device's own branch, through the slot -> branch table."""
 
   def setUp(self):
     super().setUp()
     self.mesh = _mesh((1, 8))
 
   def compiled(self, keys_a, keys_b):
-    from dmuon_jax import _collectives  # pylint: disable=import-outside-toplevel
+    from dmuon_jax import _gather  # pylint: disable=import-outside-toplevel
 
-    def matmuls(k):
-      def branch(y, w):
-        for _ in range(k):
-          y = jnp.tanh(y @ w)
-        return y
-
-      return branch
+    def matmuls(rows, y, w):
+      for _ in range(int(rows[0][0])):
+        y = jnp.tanh(y @ w)
+      return y
 
     def body(x, w):
-      a = _collectives.switch_by_slot(
-        BOTH, [matmuls(k) for k in keys_a], x, w, keys=keys_a
-      )
-      return _collectives.switch_by_slot(
-        BOTH, [matmuls(k) for k in keys_b], a, w, keys=keys_b
-      )
+      for keys in (keys_a, keys_b):
+        table = np.asarray(keys)[:, None]
+        x = _gather.with_slot_rows(
+          BOTH, 8, matmuls, [table], x, w, dynamic=False
+        )
+      return x
 
     f = jax.jit(_smap(body, self.mesh, (P(BOTH), P()), P(BOTH)))
     x = jax.device_put(
@@ -653,7 +650,7 @@ def _table_loops(tables, mapped=False, rows=False, shifted=False):
   the count from a row per slot, other columns after it (as dmuon's
   ``_layout.table_columns`` does); ``shifted``: block ``t`` reads the row
   of slot ``(slot - t) mod 8`` (as dmuon's scanned stacks do)."""
-  from dmuon_jax import _collectives  # pylint: disable=import-outside-toplevel
+  from dmuon_jax import _gather  # pylint: disable=import-outside-toplevel
 
   mesh = _mesh((1, 8))
 
@@ -671,7 +668,7 @@ def _table_loops(tables, mapped=False, rows=False, shifted=False):
 
   def f(x, w):
     # x: f32[k, 16, 16]{V:replicate,shard}
-    slot = _collectives.slot_index(BOTH)
+    slot = _gather.slot_index(BOTH)
     if mapped:
       return lax.map(lambda a: run(a[1], w, slot, a[0]), (jnp.arange(3), x))
     return run(x[0], w, slot)[None]

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from dmuon_jax import _checks, _collectives, _gather, _mesh
+from dmuon_jax import _checks, _exchange, _gather, _mesh
 from dmuon_jax.flax import _model
 from dmuon_jax.flax._model import ModelDedication, OwnedBuffer, ScanIteration
 
@@ -86,7 +86,7 @@ def gathered(
   scanned = ded.boundaries.scanned[b]
   layout = ded.layout
   manual = layout.distributed and set(ded.buffer_axes) <= (
-    _collectives.manual_axes()
+    _gather.manual_axes()
   )
   if traced is None:
     traced = any(isinstance(x, jax.core.Tracer) for x in local)
@@ -139,8 +139,8 @@ def gathered(
     cache[g] = (keys, rep, sink, token)
     return out
   if traced:
-    _gather.check_tp_axis_type(ded, f'the dedicated boundary {name!r}')
-  if _gather.reduced_route(ded) and traced:
+    _exchange.check_tp_axis_type(ded, f'the dedicated boundary {name!r}')
+  if _exchange.reduced_route(ded) and traced:
     if _sharded_over(arrays, ded.buffer_axes):
       return _reduced_call(
         md, b, local, iteration, run, state, arrays, remat=remat
@@ -288,7 +288,7 @@ def _reduced_call(
 ):
   """:func:`gathered` under plain ``jit`` on Explicit owner axes: the
   group's buffers gathered typed ``reduced`` (see
-  ``_gather.materialize_reduced``), once per trace; Z3 re-gathers once per group
+  ``_exchange.materialize_reduced``), once per trace; Z3 re-gathers once per group
   in the backward pass (inside a rematerialization of the model's own,
   ``remat``, that one recomputes the gather)."""
   ded = md.dedication
@@ -296,17 +296,17 @@ def _reduced_call(
   entry, store = _trace_cache(md, g, b, local, iteration)
   if not ded.reshard_after_forward or remat:
     if entry is None:
-      entry = _gather.materialize_reduced(ded, g, local, iteration)
+      entry = _exchange.materialize_reduced(ded, g, local, iteration)
       store(entry)
     return run(entry, *args)
   sink, token = entry or (
-    _gather.reduced_sink(ded, g, local, iteration),
+    _exchange.reduced_sink(ded, g, local, iteration),
     _gather.new_token(),
   )
   out, token = _regathered(
     ded,
     b,
-    lambda x, it, s: _gather.materialize_reduced(ded, g, x, it, sink=s),
+    lambda x, it, s: _exchange.materialize_reduced(ded, g, x, it, sink=s),
     run,
     (local, token, sink, iteration, *args),
   )

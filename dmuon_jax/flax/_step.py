@@ -17,8 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import (
   _alias,
-  _collectives,
   _dedication,
+  _gather,
   _mesh,
   _owner_layout,
 )
@@ -297,7 +297,7 @@ def _settle(x, spec: P, axes: Sequence[str], what: str):
   extra = tuple(
     a
     for a in axes
-    if a in _collectives.varying_axes(x) and a not in _mesh.sharded_axes([spec])
+    if a in _gather.varying_axes(x) and a not in _mesh.sharded_axes([spec])
   )
   if not extra:
     return x
@@ -511,7 +511,7 @@ def _build_step(md, fn, merge_args, axes, explicit, key, paths):
   def body(flat, other):
     # A fresh trace: the gathers of the last one are of no use.
     md.gathered_manual.clear()
-    with _collectives.gradients_summed_over(axes):
+    with _gather.gradients_summed_over(axes):
       nodes = nnx.merge(graphdef, jax.tree.unflatten(treedef, flat))
       _global_batch_norms(nodes, axes)
       rest = jax.tree.unflatten(other_def, other)

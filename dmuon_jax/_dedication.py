@@ -19,6 +19,7 @@ from dmuon_jax import (
   _checks,
   _collectives,
   _gather,
+  _gather_plan,
   _layout,
   _mesh,
   _owner_layout,
@@ -343,13 +344,13 @@ class Dedication:
     values = {t.index: leaves[t.index] for t in self.layout.leaves}
     owned = pack_owned(self.layout, values, self.mesh)
     rest = [
-      None if spec is None else x for x, spec in zip(leaves, self.rest_specs)
+      None
+      if spec is None
+      else x
+      if self.mesh is None
+      else jax.device_put(x, NamedSharding(self.mesh, spec))
+      for x, spec in zip(leaves, self.rest_specs)
     ]
-    if self.mesh is not None:
-      rest = [
-        None if x is None else jax.device_put(x, NamedSharding(self.mesh, spec))
-        for x, spec in zip(rest, self.rest_specs)
-      ]
     return DedicatedParams(
       owned=owned, rest=jax.tree.unflatten(self.treedef, rest)
     )
@@ -427,12 +428,8 @@ class Dedication:
     Returns:
       The two byte counts.
     """
-    payload = gathered = 0
-    for lay, it in zip(self.layout.groups, self.layout.iterations):
-      used, held = _group_bytes(lay)
-      payload += max(it, 1) * used
-      gathered += max(it, 1) * held
-    return payload, gathered
+    got = self._group_bytes()
+    return sum(b.payload for b in got), sum(b.gathered for b in got)
 
   def exchange_bytes(self) -> float:
     """Predicted bytes per device per step of the owner groups' Gram
@@ -446,12 +443,28 @@ class Dedication:
     Returns:
       The byte count.
     """
-    return float(
-      sum(
-        max(it, 1) * lay.plan.group_exchange_bytes()
-        for lay, it in zip(self.layout.groups, self.layout.iterations)
+    return float(sum(b.exchange for b in self._group_bytes()))
+
+  def _group_bytes(self) -> list[_gather_plan.GatherBytes]:
+    """Per gather group, its bytes as placed (a scanned stack's: every
+    iteration's), as :func:`_gather_plan.gather_group_bytes` predicts them
+    for ``layers_per_gather='auto'``: ``payload`` and ``gathered`` from
+    the owner buffers, ``exchange`` from its plan."""
+    out = []
+    for lay, it in zip(self.layout.groups, self.layout.iterations):
+      used = held = 0
+      for g, d in enumerate(lay.dtypes):
+        item = np.dtype(d).itemsize
+        used += int(lay.slot_used[g].sum()) * item
+        held += lay.num_slots * lay.local_sizes[g] * item
+      exchange = lay.plan.group_exchange_bytes()
+      times = max(it, 1)
+      out.append(
+        _gather_plan.GatherBytes(
+          times * used, times * held, times * exchange, iterations=it
+        )
       )
-    )
+    return out
 
   def summary(self) -> str:
     """The gather groups, their padding, and the owner plan's summary."""
@@ -556,15 +569,6 @@ def padding_percent(used: int, held: int) -> float:
   return 100 * (held / used - 1) if used else 0.0
 
 
-def _group_bytes(lay: _layout.Layout) -> tuple[int, int]:
-  used = held = 0
-  for g, d in enumerate(lay.dtypes):
-    item = np.dtype(d).itemsize
-    used += int(lay.slot_used[g].sum()) * item
-    held += lay.num_slots * lay.local_sizes[g] * item
-  return used, held
-
-
 def _summary(ded: Dedication) -> str:
   payload, gathered = ded.gather_bytes()
   mode = 'Z3' if ded.reshard_after_forward else 'Z2'
@@ -580,8 +584,8 @@ def _summary(ded: Dedication) -> str:
     )
     + f', layout {ded.layout.name}'
   ]
-  for g, lay in enumerate(ded.layout.groups):
-    used, held = _group_bytes(lay)
+  for g, (lay, b) in enumerate(zip(ded.layout.groups, ded._group_bytes())):
+    used, held = (x // max(b.iterations, 1) for x in (b.payload, b.gathered))
     names = ', '.join(
       ded.boundaries.names[b] or '<root>' for b in ded.groups[g]
     )
@@ -832,28 +836,26 @@ def _muon_update(cfg, hp, decay, ded, grads, state, params=None):
     )
     return list(out), list(mu)
 
+  g = list(grads.buffers)
   if set(layout.buffer_axes) & manual or not layout.distributed:
     # The local blocks (inside shard_map, or one device).
     n = layout.num_slots if manual else 1
-    g = [x / n for x in grads.buffers] if n > 1 else list(grads.buffers)
+    g = [x / n for x in g] if n > 1 else g
     specs = _gather.buffer_tp_specs(ded, g)
     # With the TP axis automatic (dmuon_jax.flax.train_step), each TP
     # shard's slices in a shard_map over it: the Gram all-reduces need it.
-    run = _gather.on_tp_shards(
-      ded,
-      body,
-      (specs, specs, specs if decay else None, P(), P()),
-      (specs, specs),
-    )
+    wrap = functools.partial(_gather.on_tp_shards, ded)
   else:  # global arrays (plain jit): a shard_map over the whole mesh
-    g = list(grads.buffers)
     specs = list(layout.buffer_specs())
-    run = jax.shard_map(
-      body,
-      mesh=ded.mesh if ded.mesh is not None else layout.mesh,
-      in_specs=(specs, specs, specs if decay else None, P(), P()),
-      out_specs=(specs, specs),
+    mesh = ded.mesh if ded.mesh is not None else layout.mesh
+    wrap = lambda fn, i, o: jax.shard_map(
+      fn, mesh=mesh, in_specs=i, out_specs=o
     )
+  run = wrap(
+    body,
+    (specs, specs, specs if decay else None, P(), P()),
+    (specs, specs),
+  )
   ortho, mu = run(g, list(state.mu.buffers), param_bufs, count_inc, dyn)
   # optax.contrib.muon's dtype: the momentum's promoted with the gradient's.
   out = [

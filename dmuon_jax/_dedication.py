@@ -502,11 +502,11 @@ def check_owned(
     )
 
 
-def _replicated(mesh, xs):
-  """``xs`` on every device (conversions index across the owner axes)."""
-  if mesh is None:
-    return list(xs)
-  return [jax.device_put(x, NamedSharding(mesh, P())) for x in xs]
+def _replicated(mesh, tree):
+  """``tree`` on every device (conversions index across the owner axes)."""
+  return (
+    tree if mesh is None else jax.device_put(tree, NamedSharding(mesh, P()))
+  )
 
 
 @functools.lru_cache(maxsize=128)
@@ -523,9 +523,8 @@ def pack_owned(
   shardings=None,
 ) -> _owner_layout.OwnerBuffers:
   """Owner buffers (placed) from whole arrays, leaf index -> array."""
-  keys = sorted(values)
   mesh_of = mesh if isinstance(mesh, jax.sharding.Mesh) else None
-  full = dict(zip(keys, _replicated(mesh_of, [values[k] for k in keys])))
+  full = _replicated(mesh_of, dict(values))
   dtypes = None if dtypes is None else tuple(jnp.dtype(d) for d in dtypes)
   bufs = _jitted(layout, 'pack', dtypes)(full)
   if shardings is None and mesh_of is not None:
@@ -790,9 +789,8 @@ def scale_by_dedicated_muon(
 
 def _muon_init(cfg, ded, owned):
   check_owned(ded.layout, owned, 'dedicated_muon init()')
-  dtype = cfg.mu_dtype
   layout = owned.layout
-  mu = [jnp.zeros_like(b, dtype=dtype) for b in owned.buffers]
+  mu = [jnp.zeros_like(b, dtype=cfg.mu_dtype) for b in owned.buffers]
   mesh = ded.mesh if ded.mesh is not None else layout.mesh
   if (
     layout.distributed

@@ -311,10 +311,8 @@ def dedicate(
     k, choice = _auto_choice(
       plan, bounds, stacks, rep_axis, reshard_after_forward, *axes, **place
     )
-  groups = _gather_groups(bounds, k)
-  gathered = _gather_plan.plan_gather_groups(
-    plan, _group_specs(bounds, plan, groups), k, *axes, **place
-  )
+  groups, specs = _gather_groups(bounds, plan, k)
+  gathered = _gather_plan.plan_gather_groups(plan, specs, k, *axes, **place)
   plan = gathered[0]
   return Dedication(
     plan=plan,
@@ -439,9 +437,11 @@ def _check_layers_per_gather(layers_per_gather: Any) -> None:
 
 
 def _gather_groups(
-  bounds: _checks.HookBoundaries, k: int
-) -> list[tuple[int, ...]]:
-  """Consecutive loop boundaries by ``k``; each scanned stack alone."""
+  bounds: _checks.HookBoundaries, plan: _plan.OwnershipPlan, k: int
+) -> tuple[list[tuple[int, ...]], list[tuple[str, bool, list[Any]]]]:
+  """Consecutive loop boundaries by ``k``, each scanned stack alone; and
+  per such group what the gather planner takes: its name, whether it is a
+  scanned stack, and its Muon leaves."""
   groups, run = [], []
   for b, scanned in enumerate(bounds.scanned):
     if scanned:
@@ -453,18 +453,8 @@ def _gather_groups(
       run = []
   if run:
     groups.append(tuple(run))
-  return groups
-
-
-def _group_specs(
-  bounds: _checks.HookBoundaries,
-  plan: _plan.OwnershipPlan,
-  groups: Sequence[tuple[int, ...]],
-) -> list[tuple[str, bool, list[_routing.LeafSpec]]]:
-  """Per gather group (its boundaries): its name, whether it is a scanned
-  stack, and its Muon leaves."""
   path_boundary = dict(zip(bounds.paths, bounds.of_target))
-  return [
+  return groups, [
     (
       bounds.names[group[0]],
       bounds.scanned[group[0]],
@@ -493,7 +483,7 @@ def _auto_choice(
       continue
     got = _gather_plan.gather_group_bytes(
       plan,
-      _group_specs(bounds, plan, _gather_groups(bounds, k)),
+      _gather_groups(bounds, plan, k)[1],
       k,
       *args,
       **options,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -24,6 +25,26 @@ from dmuon_jax._dedication import (
   Dedication,
   scale_by_dedicated_muon,
 )
+
+# The options that dmuon and dedicated_muon forward, by name, from the one
+# dict of their arguments: to their Muon transformation, and to AdamW.
+_MUON = (
+  'ns_coeffs ns_steps beta eps mu_dtype nesterov adaptive preconditioning '
+  'momentum compute_dtype consistent_rms'
+).split()
+_ADAM = ('adam_b1', 'adam_b2', 'adam_eps_root', 'adam_weight_decay')
+_DMUON = (
+  'mesh axis_names ns_algorithm tensor_parallel_axis param_specs owner_groups'
+).split()
+
+
+def _route(params, predicate, dims) -> _routing.Routing:
+  return _routing.route(
+    params,
+    predicate=predicate,
+    weight_dimension_numbers=dims,
+    dims_arg='muon_weight_dimension_numbers',
+  )
 
 
 def muon_labels(
@@ -52,15 +73,9 @@ def muon_labels(
     >>> dmuon_jax.muon_labels(params, predicate='optax')  # optax's rule
     {'embed': 'muon', 'norm': 'adam', 'w': 'muon'}
   """
-  specs = _routing.route(
-    params,
-    predicate=predicate,
-    weight_dimension_numbers=muon_weight_dimension_numbers,
-    dims_arg=_DIMS_ARG,
-  ).specs
-  treedef = jax.tree.structure(params)
+  specs = _route(params, predicate, muon_weight_dimension_numbers).specs
   return jax.tree.unflatten(
-    treedef, ['adam' if s is None else 'muon' for s in specs]
+    jax.tree.structure(params), ['adam' if s is None else 'muon' for s in specs]
   )
 
 
@@ -94,72 +109,38 @@ def routing_summary(
     elements); optax.contrib.muon would orthogonalize 1 of the AdamW leaves:
     'embed' (64, 8) (predicate='optax' routes as optax)
   """
-  return _routing.route(
-    params,
-    predicate=predicate,
-    weight_dimension_numbers=muon_weight_dimension_numbers,
-    dims_arg=_DIMS_ARG,
-  ).summary
+  return _route(params, predicate, muon_weight_dimension_numbers).summary
 
 
-_DIMS_ARG = 'muon_weight_dimension_numbers'
-
-
-def _reporting_routing(
-  inner: optax.GradientTransformation, predicate: Any, dims: Any
+def _partition(
+  muon: optax.GradientTransformation,
+  adam: optax.GradientTransformation,
+  predicate: Any,
+  dims: Any,
 ) -> optax.GradientTransformation:
-  """Logs the routing on the first ``init`` (and warns if no leaf goes to
-  Muon)."""
+  """``optax.partition`` of ``muon`` and ``adam`` as :func:`muon_labels`
+  labels the params. ``init`` logs the routing on its first call (and warns
+  if no leaf goes to Muon), and places the whole state on the owners' mesh
+  (AdamW's counts too), eagerly as under ``jax.jit``. ``update`` names the
+  leaves added or removed since ``init`` (else optax fails on a bare pytree
+  mismatch), and a ``params`` leaf that is not an array (an unfiltered
+  Equinox model: optax.partition fails on its structure)."""
+  inner = optax.partition(
+    {'muon': muon, 'adam': adam},
+    functools.partial(
+      muon_labels, predicate=predicate, muon_weight_dimension_numbers=dims
+    ),
+  )
   reported = False
 
-  def init_fn(params):
+  def report(params):
     nonlocal reported
     if not reported:
-      routing = _routing.route(
-        params,
-        predicate=predicate,
-        weight_dimension_numbers=dims,
-        dims_arg=_DIMS_ARG,
-      )
-      _checks.report_routing(routing)
+      _checks.report_routing(_route(params, predicate, dims))
       reported = True
-    return inner.init(params)
-
-  return optax.GradientTransformation(init_fn, inner.update)
-
-
-def _check_tree_at_update(
-  inner: optax.GradientTransformation,
-) -> optax.GradientTransformation:
-  """Names the leaves added or removed since ``init`` (else optax fails on
-  a bare pytree mismatch), and a ``params`` leaf that is not an array (an
-  unfiltered Equinox model: optax.partition fails on its structure)."""
-
-  def update_fn(updates, state, params=None):
-    if params is not None:
-      _routing.check_array_leaves(params)
-    # The AdamW moments keep init's tree and shapes (Muon leaves as
-    # MaskedNode; the Muon chain checks their shapes itself).
-    adam_mu = optax.tree_utils.tree_get(state.inner_states['adam'], 'mu')
-    _checks.check_same_tree(
-      updates,
-      adam_mu,
-      'update()',
-      is_leaf=lambda x: isinstance(x, optax.MaskedNode),
-      shapes=True,
-    )
-    return inner.update(updates, state, params)
-
-  return optax.GradientTransformation(inner.init, update_fn)
-
-
-def _placed_on_the_mesh(
-  inner: optax.GradientTransformation,
-) -> optax.GradientTransformation:
-  """``init`` places the whole state on the owners' mesh (AdamW's counts
-  too), eagerly as under ``jax.jit``."""
 
   def init_fn(params):
+    report(params)
     state = inner.init(params)
     if not any(lay.distributed for lay in _transform.owner_layouts(state)):
       return state
@@ -175,7 +156,21 @@ def _placed_on_the_mesh(
     )
     return _mesh.replicate_uncommitted(state, mesh)
 
-  return optax.GradientTransformation(init_fn, inner.update)
+  def update_fn(updates, state, params=None):
+    if params is not None:
+      _routing.check_array_leaves(params)
+    # The AdamW moments keep init's tree and shapes (Muon leaves as
+    # MaskedNode; the Muon chain checks their shapes itself).
+    _checks.check_same_tree(
+      updates,
+      optax.tree_utils.tree_get(state.inner_states['adam'], 'mu'),
+      'update()',
+      is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+      shapes=True,
+    )
+    return inner.update(updates, state, params)
+
+  return optax.GradientTransformation(init_fn, update_fn)
 
 
 def dmuon(
@@ -365,110 +360,70 @@ def dmuon(
     Liu et al., `Muon is Scalable for LLM Training
     <https://arxiv.org/abs/2502.16982>`_, 2025
   """
+  options = dict(locals())  # the arguments, as given
   _routing.check_predicate(predicate)
-
-  def param_labels(params):
-    return muon_labels(
-      params,
-      predicate=predicate,
-      muon_weight_dimension_numbers=muon_weight_dimension_numbers,
-    )
-
-  def muon():
-    return (
+  return muon_adamw(
+    options,
+    lambda: (
       _transform.make_scale_by_dmuon(
-        ns_coeffs=ns_coeffs,
-        ns_steps=ns_steps,
-        beta=beta,
-        eps=eps,
-        mu_dtype=mu_dtype,
-        nesterov=nesterov,
-        adaptive=adaptive,
-        preconditioning=preconditioning,
-        weight_dimension_numbers=muon_weight_dimension_numbers,
-        momentum=momentum,
-        mesh=mesh,
-        axis_names=axis_names,
-        ns_algorithm=ns_algorithm,
-        compute_dtype=compute_dtype,
-        tensor_parallel_axis=tensor_parallel_axis,
-        param_specs=param_specs,
-        # The whole step (Muon and AdamW) is guarded by muon_adamw.
-        nonfinite='propagate',
+        {k: options[k] for k in _MUON + _DMUON}
+        | {
+          'weight_dimension_numbers': muon_weight_dimension_numbers,
+          # The whole step (Muon and AdamW) is guarded by muon_adamw.
+          'nonfinite': 'propagate',
+        },
         # The owners apply the shape factor (as optax's scale_by_shape).
         shape_scaling=True,
-        consistent_rms=consistent_rms,
-        owner_groups=owner_groups,
       ),
       optax.add_decayed_weights(weight_decay, weight_decay_mask),
-    )
-
-  def combine(muon_chain, adam):
-    opt = _check_tree_at_update(
-      optax.partition({'muon': muon_chain, 'adam': adam}, param_labels)
-    )
-    opt = _reporting_routing(opt, predicate, muon_weight_dimension_numbers)
-    return _placed_on_the_mesh(opt)
-
-  return muon_adamw(
-    muon,
+    ),
     # Explicit path: per-device gradients are averaged (pmean) first.
     _steps.mean_over_devices(),
-    combine,
-    learning_rate=learning_rate,
-    eps=eps,
-    weight_decay=weight_decay,
-    mu_dtype=mu_dtype,
-    nesterov=nesterov,
-    nonfinite=nonfinite,
-    adam_b1=adam_b1,
-    adam_b2=adam_b2,
-    adam_eps_root=adam_eps_root,
-    adam_weight_decay=adam_weight_decay,
-    adam_learning_rate=adam_learning_rate,
+    lambda muon, adam: _partition(
+      muon, adam, predicate, muon_weight_dimension_numbers
+    ),
   )
 
 
 def muon_adamw(
+  options: dict[str, Any],
   muon: Callable[[], Sequence[optax.GradientTransformation]],
   mean: optax.GradientTransformation,
   combine: Callable[
     [optax.GradientTransformation, optax.GradientTransformation],
     optax.GradientTransformation,
   ],
-  *,
-  learning_rate: optax.ScalarOrSchedule,
-  adam_learning_rate: optax.ScalarOrSchedule | None,
-  nonfinite: str,
-  weight_decay: Any,
-  **adamw: Any,
 ) -> optax.GradientTransformation:
   """Muon + AdamW, as :func:`dmuon` and :func:`dedicated_muon` compose them.
 
-  Checks ``nonfinite``, the learning rates, ``weight_decay`` and the AdamW
-  hyperparameters at the call; then chains ``muon()`` (the Muon
-  transformations, built after the checks) with the learning rate, and
-  ``optax.adamw`` (``adam_learning_rate``, default ``learning_rate``) after
-  ``mean`` (per-device gradients averaged over devices); ``combine(muon,
-  adam)`` joins the two, and the ``nonfinite`` policy guards the whole step.
-  ``adamw``: ``eps``, ``mu_dtype``, ``nesterov`` and the ``adam_*``
-  arguments of :func:`dmuon` (``adam_b1`` is AdamW's ``b1``, ...).
+  ``options``: the alias's arguments (its ``locals()`` at the call). Checks
+  ``nonfinite``, the learning rates, ``weight_decay`` and the AdamW
+  hyperparameters; then chains ``muon()`` (the Muon transformations, built
+  after the checks) with the learning rate, and ``optax.adamw``
+  (``adam_learning_rate``, default ``learning_rate``; ``eps``, ``mu_dtype``,
+  ``nesterov`` and the ``adam_*`` arguments) after ``mean`` (per-device
+  gradients averaged over devices); ``combine(muon, adam)`` joins the two,
+  and the ``nonfinite`` policy guards the whole step.
   """
-  _owner_update.check_nonfinite(nonfinite)
+  lr, adam_lr = options['learning_rate'], options['adam_learning_rate']
+  _owner_update.check_nonfinite(options['nonfinite'])
   _checks.check_adam(
-    learning_rate=learning_rate,
-    adam_learning_rate=adam_learning_rate,
-    **{k: v for k, v in adamw.items() if k.startswith('adam_')},
+    learning_rate=lr,
+    adam_learning_rate=adam_lr,
+    **{k: options[k] for k in _ADAM},
   )
-  _checks.real('weight_decay', weight_decay, '0.1')
+  _checks.real('weight_decay', options['weight_decay'], '0.1')
   # Muon first: its checks name a bad mu_dtype before optax.adamw trips on it.
-  muon_chain = optax.chain(*muon(), optax.scale_by_learning_rate(learning_rate))
+  muon_chain = optax.chain(*muon(), optax.scale_by_learning_rate(lr))
   adam = optax.adamw(
-    learning_rate if adam_learning_rate is None else adam_learning_rate,
-    **{k.removeprefix('adam_'): v for k, v in adamw.items()},
+    lr if adam_lr is None else adam_lr,
+    **{k: options[k] for k in ('eps', 'mu_dtype', 'nesterov')},
+    **{k.removeprefix('adam_'): options[k] for k in _ADAM},
   )
   opt = combine(muon_chain, optax.chain(mean, adam))
-  return _owner_update.skip_nonfinite(opt) if nonfinite == 'skip' else opt
+  if options['nonfinite'] == 'skip':
+    return _owner_update.skip_nonfinite(opt)
+  return opt
 
 
 def _mean_rest(dedication: Dedication) -> optax.GradientTransformation:
@@ -484,23 +439,23 @@ def _mean_rest(dedication: Dedication) -> optax.GradientTransformation:
 
   def update_fn(updates, state, params=None):
     del params
-    if mesh is None or not _collectives.manual_axes():
+    manual = _collectives.manual_axes()
+    if mesh is None or not manual:
       return updates, state
     sizes = dict(mesh.shape)
     tp_axis = dedication.tensor_parallel_axis
-    manual = _collectives.manual_axes()
     out = []
     for x, spec, path in zip(
       dedication.treedef.flatten_up_to(updates),
       dedication.rest_specs,
       dedication.leaf_paths,
     ):
+      if x is None:
+        out.append(x)
+        continue
       spec_axes = [a for e in _mesh.spec_entries(spec) for a in e]
-      if (
-        x is not None
-        and tp_axis in _collectives.varying_axes(x)
-        and tp_axis not in spec_axes
-      ):
+      varying = _collectives.varying_axes(x)
+      if tp_axis in varying and tp_axis not in spec_axes:
         raise ValueError(
           f'dmuon: the gradient of {path!r} differs between the shards of '
           f'the tensor-parallel axis {tp_axis!r} (it is a partial sum '
@@ -508,31 +463,26 @@ def _mean_rest(dedication: Dedication) -> optax.GradientTransformation:
           f'loss, axis_names={dedication.buffer_axes}) so that autodiff '
           'sums TP-replicated params over the TP axis.'
         )
-      if x is not None:
-        # Summed over the manual axes its sharding names (the transpose of
-        # gather_rest's all-gather), not over the TP axis (a TP-sharded
-        # param stays each TP shard's slice) nor over automatic axes
-        # (dmuon_jax.flax.train_step's TP axis: the partitioner's).
-        summed = [a for a in spec_axes if a in manual and a != tp_axis]
-        # Invariant over an axis of a step run whole inside shard_map
-        # (dmuon_jax.flax.train_step): autodiff summed it there.
-        summed += [
-          a
-          for a in sorted(_collectives.summed_axes())
-          if a not in summed and a not in _collectives.varying_axes(x)
-        ]
-        if summed:
-          x = x / np.prod([sizes[a] for a in summed])
-        others = tuple(
-          a
-          for a in mesh.axis_names
-          if a not in summed
-          and a not in spec_axes
-          and a in _collectives.varying_axes(x)
-        )
-        if others:
-          x = jax.lax.pmean(x, others)
-      out.append(x)
+      # Summed over the manual axes its sharding names (the transpose of
+      # gather_rest's all-gather), not over the TP axis (a TP-sharded
+      # param stays each TP shard's slice) nor over automatic axes
+      # (dmuon_jax.flax.train_step's TP axis: the partitioner's).
+      summed = [a for a in spec_axes if a in manual and a != tp_axis]
+      # Invariant over an axis of a step run whole inside shard_map
+      # (dmuon_jax.flax.train_step): autodiff summed it there.
+      summed += [
+        a
+        for a in sorted(_collectives.summed_axes())
+        if a not in summed and a not in varying
+      ]
+      if summed:
+        x = x / np.prod([sizes[a] for a in summed])
+      others = tuple(
+        a
+        for a in mesh.axis_names
+        if a not in summed and a not in spec_axes and a in varying
+      )
+      out.append(jax.lax.pmean(x, others) if others else x)
     return jax.tree.unflatten(dedication.treedef, out), state
 
   return optax.GradientTransformation(optax.init_empty_state, update_fn)
@@ -624,26 +574,7 @@ def dedicated_muon(
     >>> jax.tree.all(jax.tree.map(jnp.array_equal, plain, ref_updates))
     True
   """
-
-  def muon():
-    return (
-      scale_by_dedicated_muon(
-        dedication,
-        ns_coeffs,
-        ns_steps,
-        beta,
-        eps,
-        mu_dtype,
-        nesterov=nesterov,
-        consistent_rms=consistent_rms,
-        adaptive=adaptive,
-        preconditioning=preconditioning,
-        momentum=momentum,
-        compute_dtype=compute_dtype,
-        weight_decay=weight_decay,
-        weight_decay_mask=weight_decay_mask,
-      ),
-    )
+  options = dict(locals())  # the arguments, as given
 
   def combine(muon, adam):
     def init_fn(params):
@@ -675,18 +606,15 @@ def dedicated_muon(
     return optax.GradientTransformation(init_fn, update_fn)
 
   return muon_adamw(
-    muon,
+    options,
+    lambda: (
+      scale_by_dedicated_muon(
+        dedication,
+        **{k: options[k] for k in _MUON},
+        weight_decay=weight_decay,
+        weight_decay_mask=weight_decay_mask,
+      ),
+    ),
     _mean_rest(dedication),
     combine,
-    learning_rate=learning_rate,
-    eps=eps,
-    weight_decay=weight_decay,
-    mu_dtype=mu_dtype,
-    nesterov=nesterov,
-    nonfinite=nonfinite,
-    adam_b1=adam_b1,
-    adam_b2=adam_b2,
-    adam_eps_root=adam_eps_root,
-    adam_weight_decay=adam_weight_decay,
-    adam_learning_rate=adam_learning_rate,
   )

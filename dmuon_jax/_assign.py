@@ -45,13 +45,13 @@ from dmuon_jax._newton_schulz import is_int
 from dmuon_jax._plan import (
   MIN_SLICE,
   MatrixUnit,
+  OwnerGroup,
   OwnershipPlan,
   matrix_units,
   resliced,
   sliced_spec,
 )
 from dmuon_jax._routing import (
-  LeafSpec,
   Predicate,
   WeightDimNums,
   route,
@@ -88,14 +88,6 @@ class Budget(NamedTuple):
 
   key: Sequence[int]
   cap: Sequence[float]
-
-  def held(self, n: int) -> np.ndarray:
-    """Zero bytes held: per bucket, per slot."""
-    return np.zeros((len(self.cap), n))
-
-  def room(self, held: np.ndarray, unit: int, nbytes: int) -> np.ndarray:
-    """Where ``unit`` may go (see :func:`_room`), by its bucket."""
-    return _room(held[self.key[unit]], nbytes, self.cap[self.key[unit]])
 
 
 def _room(held: np.ndarray, nbytes: float, cap: float) -> np.ndarray:
@@ -146,7 +138,7 @@ def assign(
   counts = {layer: np.zeros(num_slots, dtype=np.int64) for layer in sizes}
   if loads is None:
     loads = np.zeros(num_slots, dtype=np.float64)
-  held = None if budget is None else budget.held(num_slots)
+  held = None if budget is None else np.zeros((len(budget.cap), num_slots))
   owners = [0] * len(units)
   makespan = float(loads.max(initial=0.0))
   order = sorted(range(len(units)), key=lambda i: (-units[i].cost, i))
@@ -158,7 +150,8 @@ def assign(
     if budget is None:
       g = int(np.argmin(loads))  # argmin returns the lowest index on ties.
     else:
-      ok = budget.room(held, i, unit.nbytes)
+      key = budget.key[i]
+      ok = _room(held[key], unit.nbytes, budget.cap[key])
       g = int(np.argmin(np.where(ok, loads, np.inf)))
       below = below & ok
     choice = g
@@ -216,6 +209,19 @@ def _spread_layers(
     key = budget.key[i]
     return held[key, t] + units[i].nbytes <= budget.cap[key]
 
+  def move(i, src, dst):
+    unit = units[i]
+    owners[i] = dst
+    loads[src] -= unit.cost
+    loads[dst] += unit.cost
+    counts[unit.layer][src] -= 1
+    counts[unit.layer][dst] += 1
+    on_slot[src].remove(i)
+    on_slot[dst].append(i)
+    if budget is not None:
+      held[budget.key[i], src] -= unit.nbytes
+      held[budget.key[i], dst] += unit.nbytes
+
   def same_bytes(i, j):
     return budget is None or (
       budget.key[i] == budget.key[j] and units[i].nbytes == units[j].nbytes
@@ -256,28 +262,11 @@ def _spread_layers(
           if checks <= 0:
             return
           continue
-        _move(i, s, t, units, owners, loads, counts, on_slot, budget, held)
+        move(i, s, t)
         if partner >= 0:
-          _move(
-            partner, t, s, units, owners, loads, counts, on_slot, budget, held
-          )
+          move(partner, t, s)
         changed = True
         break
-
-
-def _move(i, src, dst, units, owners, loads, counts, on_slot, budget, held):
-  """Unit ``i`` from slot ``src`` to ``dst``, and the tallies with it."""
-  unit = units[i]
-  owners[i] = dst
-  loads[src] -= unit.cost
-  loads[dst] += unit.cost
-  counts[unit.layer][src] -= 1
-  counts[unit.layer][dst] += 1
-  on_slot[src].remove(i)
-  on_slot[dst].append(i)
-  if budget is not None:
-    held[budget.key[i], src] -= unit.nbytes
-    held[budget.key[i], dst] += unit.nbytes
 
 
 # A piece of a row: (cost, order, kind, ref, group). ``kind`` is 'unit' (a
@@ -289,40 +278,37 @@ Piece = tuple[float, int, str, int | tuple[int, int], int]
 
 def place(
   items: Sequence[tuple[float, int, int]],
-  iteration_costs: Sequence[Sequence[float]],
-  group_units: Sequence[Sequence[int]],
+  groups: Sequence[OwnerGroup],
   units: Sequence[MatrixUnit],
   rows: Sequence[Sequence[int]],
-  distinct: bool,
   *,
   loads: np.ndarray | None = None,
   budget: Budget | None = None,
-) -> tuple[list[int], list[tuple[int, ...]]]:
+) -> tuple[list[int], list[OwnerGroup]]:
   """Owners of the units and of the groups' iterations.
 
   LPT of the pieces (a whole matrix, or a group with its slices) onto
-  rows, then each row's pieces onto its members (see :func:`_members`).
+  rows, then each row's pieces onto its members (see :func:`_distinct` and :func:`_fill`).
   With a ``budget``, a piece goes to the least-loaded row with room for
   its bytes (else the least filled), and a row's members to their share.
 
   Args:
     items: the pieces, ``(cost, order, whole unit index | -(group + 1))``.
-    iteration_costs: per group, its iteration's cost in each restart
-      window (with a ``budget`` each window is a piece of its own; without
-      one a group's windows go to one slot).
-    group_units: per group, its slices' unit indices.
+    groups: the owner groups, their ``units`` indices into ``units``; with
+      a ``budget`` each restart window's iteration is a piece of its own
+      (without one a group's windows go to one slot); ``distinct``: every
+      slice of a group on its own member (``owner_groups=k``).
     units: the units (whole matrices and slices).
     rows: the slots of each row.
-    distinct: every slice of a group on its own member (``owner_groups=
-      k``).
     loads: (optional) per slot, the work it already carries; updated in
       place.
     budget: (optional) the bytes a slot may hold of these units.
 
   Returns:
-    ``(owners, iteration_owners)``: a slot per unit, per group a slot per
-    window.
+    ``(owners, groups)``: a slot per unit, the groups with their
+    ``iteration_owners``.
   """
+  distinct = any(g.distinct for g in groups)
   n = sum(len(r) for r in rows)
   if loads is None:
     loads = np.zeros(n)
@@ -337,8 +323,8 @@ def place(
       if ref >= 0:
         key, nbytes = budget.key[ref], units[ref].nbytes
       else:
-        key = budget.key[group_units[-ref - 1][0]]
-        nbytes = sum(units[u].nbytes for u in group_units[-ref - 1])
+        key = budget.key[groups[-ref - 1].units[0]]
+        nbytes = sum(units[u].nbytes for u in groups[-ref - 1].units)
       ok = _room(row_held[key], nbytes, row_cap[key])
       r = int(np.argmin(np.where(ok, row_load, np.inf)))
       row_held[key, r] += nbytes
@@ -352,16 +338,16 @@ def place(
     # evenly) it holds its share, and the windows' iterations are pieces
     # of their own, so that no device holds a whole iteration and a share.
     windows = (
-      enumerate(iteration_costs[g])
+      enumerate(groups[g].iteration_costs)
       if budget is not None
-      else [(-1, sum(iteration_costs[g]))]
+      else [(-1, sum(groups[g].iteration_costs))]
     )
     for w, c in windows:
       row_pieces[r].append((c, order, 'iteration', (g, w), g))
-    for u in group_units[g]:
+    for u in groups[g].units:
       row_pieces[r].append((units[u].cost, order, 'unit', u, g))
   owners = [0] * len(units)
-  iteration_owners = [[0] * len(c) for c in iteration_costs]
+  iteration_owners = [[0] * len(g.iteration_costs) for g in groups]
   nbytes = [u.nbytes for u in units]
   for row, pieces in zip(rows, row_pieces):
     byte_cap = None
@@ -370,7 +356,8 @@ def place(
       # but for mixed dtypes (then the caps' sum bounds it).
       keys = {budget.key[p[3]] for p in pieces if p[2] == 'unit'}
       byte_cap = sum(budget.cap[k] for k in keys)
-    got = _members(pieces, len(row), distinct, nbytes, loads[row], byte_cap)
+    members = _distinct if distinct else _fill
+    got = members(pieces, len(row), nbytes, loads[row], byte_cap)
     for (kind, ref), m in got.items():
       slot = row[m]
       if kind == 'unit':
@@ -380,43 +367,40 @@ def place(
         g, w = ref
         for v in range(len(iteration_owners[g])) if w < 0 else [w]:
           iteration_owners[g][v] = slot
-          loads[slot] += iteration_costs[g][v]
-  return owners, [tuple(o) for o in iteration_owners]
+          loads[slot] += groups[g].iteration_costs[v]
+  return owners, [
+    dataclasses.replace(g, iteration_owners=tuple(o))
+    for g, o in zip(groups, iteration_owners)
+  ]
 
 
-def _members(
+def _distinct(
   pieces: list[Piece],
   row_size: int,
-  distinct: bool,
   nbytes: Sequence[int],
-  loads: np.ndarray | None = None,
+  loads: np.ndarray,
   byte_cap: float | None = None,
 ) -> dict[tuple[str, int], int]:
-  """One row's pieces onto its members (``loads``: their work so far).
-
-  ``distinct`` (``owner_groups=k``): LPT, each piece to the least-loaded
-  member (ties: lowest; with a ``byte_cap``, among those with room for its
-  bytes), a group's slices to members not yet holding one, its window
-  iterations on them. Else see :func:`_fill` (``nbytes``: each unit's bytes).
+  """One row's pieces onto its members (``loads``: their work so far) for
+  ``owner_groups=k`` (distinct groups; else :func:`_fill`): LPT, each piece
+  to the least-loaded member (ties: lowest; with a ``byte_cap``, among those
+  with room for its bytes), a group's slices to members not yet holding
+  one, its window iterations on them (``nbytes``: each unit's bytes).
   """
-  if not distinct:
-    return _fill(pieces, row_size, nbytes, loads, byte_cap)
-  loads = np.zeros(row_size) if loads is None else np.array(loads, float)
+  loads = np.array(loads, float)
   held = np.zeros(row_size)
   heldby: dict[int, set[int]] = collections.defaultdict(set)
   out = {}
   # A distinct group's iteration goes to one of its k slice owners, so it
   # is placed after every slice.
-  ordered = sorted(
-    pieces, key=lambda p: (p[2] == 'iteration' and p[4] >= 0, -p[0], p[1])
-  )
+  ordered = sorted(pieces, key=lambda p: (p[2] == 'iteration', -p[0], p[1]))
   for cost, _, kind, ref, group in ordered:
     b = nbytes[ref] if kind == 'unit' else 0
     fits = np.arange(row_size)
     if byte_cap is not None:
       fits = fits[_room(held, b, byte_cap)]
     choice = int(fits[np.argmin(loads[fits])])
-    if group >= 0 and kind == 'iteration':
+    if kind == 'iteration':
       choice = min(heldby[group], key=lambda m: (loads[m], m))
     elif group >= 0:
       free = [m for m in fits if m not in heldby[group]]
@@ -435,7 +419,7 @@ def _fill(
   pieces: list[Piece],
   row_size: int,
   nbytes: Sequence[int],
-  loads0: np.ndarray | None = None,
+  loads0: np.ndarray,
   byte_cap: float | None = None,
 ) -> dict[tuple[str, int], int]:
   """``'auto'``'s placement in a row.
@@ -462,10 +446,10 @@ def _fill(
     pieces: see :func:`place`.
     row_size: the members of the row.
     nbytes: bytes of each unit (by unit index).
-    loads0: (optional) the members' work so far.
+    loads0: the members' work so far.
     byte_cap: (optional) the most bytes a member should hold.
   """
-  base = np.zeros(row_size) if loads0 is None else np.array(loads0, float)
+  base = np.array(loads0, float)
   whole, slices = [], collections.defaultdict(list)
   # A group's windows but its largest go after its slices, each to the
   # least-loaded member holding some (which then sends no Gram in that
@@ -603,7 +587,24 @@ def plan_with_groups(
   plain = float(costs.max(initial=0.0))
   if not forced and plain <= _GROUP_TRIGGER * ideal:
     return None
-  chosen = _candidates(plan.leaves, plan.units, ungroupable, forced, ideal)
+  # The leaves whose matrices may be split: every groupable one when
+  # forced, else those costly enough (see _MIN_GROUP_FLOPS, _COARSE).
+  first_cost = {}
+  for u in plan.units:
+    first_cost.setdefault(u.leaf_index, u.cost)
+  chosen = [
+    s
+    for s in plan.leaves
+    if s.leaf_index not in ungroupable
+    and min(s.matrix_shape) >= 2
+    and (
+      forced
+      or (
+        first_cost[s.leaf_index] >= _MIN_GROUP_FLOPS
+        and first_cost[s.leaf_index] > _COARSE * ideal
+      )
+    )
+  ]
   if not chosen:
     return None
   parts = {
@@ -612,102 +613,46 @@ def plan_with_groups(
   bound = max([ideal] + [sum(p[1]) for p in parts.values()])
   views = {}
   for spec in chosen:
-    view = _view(
-      spec,
-      owner_groups if forced else None,
-      strides.get(spec.leaf_index),
-      parts[spec.leaf_index][0],
-      bound,
-    )
+    stride = strides.get(spec.leaf_index)
+    if forced:  # k slices, or an error
+      view = sliced_spec(spec, owner_groups, stride)
+      if view is None:
+        raise ValueError(
+          f'dmuon: owner_groups={owner_groups}: the long side of param '
+          f'{spec.path!r} (matrices {spec.matrix_shape[0]}x'
+          f'{spec.matrix_shape[1]}) does not split into {owner_groups} '
+          'slices on a dimension divisible by that times its shard count. '
+          "Pass a k that divides it, or owner_groups='auto'."
+        )
+    else:
+      # The fewest slices of at most _SLICE_FRACTION * bound work each
+      # that divide and keep MIN_SLICE rows/columns; else, if those would
+      # be too narrow, the most coarser ones that do (None if none does).
+      work = parts[spec.leaf_index][0]
+      least = max(2, math.ceil(work / (_SLICE_FRACTION * bound)))
+      counts = list(range(least, 4 * least + 1)) + list(range(least - 1, 1, -1))
+      view = next(
+        (
+          v
+          for v in (sliced_spec(spec, k, stride, MIN_SLICE) for k in counts)
+          if v is not None
+        ),
+        None,
+      )
     if view is not None:
       views[spec.leaf_index] = view
   if not views:
     return None
   sliced, pieces = resliced(plan, views, ns_steps, distinct=forced)
   rows = [list(range(r, r + row_size)) for r in range(0, n, row_size)]
-  owners, iteration_owners = place(
-    pieces,
-    [g.iteration_costs for g in sliced.groups],
-    [g.units for g in sliced.groups],
-    sliced.units,
-    rows,
-    forced,
-  )
+  owners, groups = place(pieces, sliced.groups, sliced.units, rows)
   grouped = dataclasses.replace(
-    sliced,
-    owners=tuple(owners),
-    groups=tuple(
-      dataclasses.replace(g, iteration_owners=tuple(o))
-      for g, o in zip(sliced.groups, iteration_owners)
-    ),
+    sliced, owners=tuple(owners), groups=tuple(groups)
   )
   predicted = grouped.makespan + FLOPS_PER_BYTE * grouped.group_exchange_bytes()
   if not forced and predicted > (1 - _GROUP_GAIN) * plain:
     return None
   return grouped
-
-
-def _candidates(
-  leaves: Sequence[LeafSpec],
-  units: Sequence[MatrixUnit],
-  ungroupable: frozenset[int],
-  forced: bool,
-  ideal: float,
-) -> list[LeafSpec]:
-  """The leaves whose matrices may be split: every groupable one when
-  ``forced``, else those costly enough (see ``_MIN_GROUP_FLOPS``,
-  ``_COARSE``)."""
-  first_cost = {}
-  for u in units:
-    first_cost.setdefault(u.leaf_index, u.cost)
-  chosen = []
-  for spec in leaves:
-    s_, l_ = sorted(spec.matrix_shape)
-    if spec.leaf_index in ungroupable or s_ < 2:
-      continue
-    if not forced and (
-      first_cost[spec.leaf_index] < _MIN_GROUP_FLOPS
-      or first_cost[spec.leaf_index] <= _COARSE * ideal
-    ):
-      continue
-    chosen.append(spec)
-  return chosen
-
-
-def _view(
-  spec: LeafSpec,
-  k: int | None,
-  stride: Sequence[int] | None,
-  work: float,
-  bound: float,
-) -> LeafSpec | None:
-  """The sliced view of a chosen leaf: into ``k`` slices (forced; raises
-  when they do not divide), else (``k`` None) into the fewest slices of
-  at most ``_SLICE_FRACTION * bound`` work each that divide and keep
-  ``MIN_SLICE`` rows/columns, or the most coarser ones that do (None if
-  none does)."""
-  if k is not None:
-    view = sliced_spec(spec, k, stride)
-    if view is None:
-      raise ValueError(
-        f'dmuon: owner_groups={k}: the long side of param '
-        f'{spec.path!r} (matrices {spec.matrix_shape[0]}x'
-        f'{spec.matrix_shape[1]}) does not split into {k} '
-        'slices on a dimension divisible by that times its shard count. '
-        "Pass a k that divides it, or owner_groups='auto'."
-      )
-    return view
-  least = max(2, math.ceil(work / (_SLICE_FRACTION * bound)))
-  view = None
-  # The fewest slices that are fine enough; else, if slices of
-  # MIN_SLICE would be too narrow, the most that are not.
-  for slices in list(range(least, 4 * least + 1)) + list(
-    range(least - 1, 1, -1)
-  ):
-    view = sliced_spec(spec, slices, stride, MIN_SLICE)
-    if view is not None:
-      break
-  return view
 
 
 CostFn = Callable[[int, int], float]

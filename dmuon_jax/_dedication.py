@@ -19,7 +19,6 @@ from dmuon_jax import (
   _checks,
   _collectives,
   _gather,
-  _gather_plan,
   _layout,
   _mesh,
   _owner_layout,
@@ -344,13 +343,13 @@ class Dedication:
     values = {t.index: leaves[t.index] for t in self.layout.leaves}
     owned = pack_owned(self.layout, values, self.mesh)
     rest = [
-      None
-      if spec is None
-      else x
-      if self.mesh is None
-      else jax.device_put(x, NamedSharding(self.mesh, spec))
-      for x, spec in zip(leaves, self.rest_specs)
+      None if spec is None else x for x, spec in zip(leaves, self.rest_specs)
     ]
+    if self.mesh is not None:
+      rest = [
+        None if x is None else jax.device_put(x, NamedSharding(self.mesh, spec))
+        for x, spec in zip(rest, self.rest_specs)
+      ]
     return DedicatedParams(
       owned=owned, rest=jax.tree.unflatten(self.treedef, rest)
     )
@@ -428,8 +427,12 @@ class Dedication:
     Returns:
       The two byte counts.
     """
-    got = self._group_bytes()
-    return sum(b.payload for b in got), sum(b.gathered for b in got)
+    payload = gathered = 0
+    for lay, it in zip(self.layout.groups, self.layout.iterations):
+      used, held = _plan.gather_bytes(lay.plan)
+      payload += max(it, 1) * used
+      gathered += max(it, 1) * held
+    return payload, gathered
 
   def exchange_bytes(self) -> float:
     """Predicted bytes per device per step of the owner groups' Gram
@@ -443,28 +446,12 @@ class Dedication:
     Returns:
       The byte count.
     """
-    return float(sum(b.exchange for b in self._group_bytes()))
-
-  def _group_bytes(self) -> list[_gather_plan.GatherBytes]:
-    """Per gather group, its bytes as placed (a scanned stack's: every
-    iteration's), as :func:`_gather_plan.gather_group_bytes` predicts them
-    for ``layers_per_gather='auto'``: ``payload`` and ``gathered`` from
-    the owner buffers, ``exchange`` from its plan."""
-    out = []
-    for lay, it in zip(self.layout.groups, self.layout.iterations):
-      used = held = 0
-      for g, d in enumerate(lay.dtypes):
-        item = np.dtype(d).itemsize
-        used += int(lay.slot_used[g].sum()) * item
-        held += lay.num_slots * lay.local_sizes[g] * item
-      exchange = lay.plan.group_exchange_bytes()
-      times = max(it, 1)
-      out.append(
-        _gather_plan.GatherBytes(
-          times * used, times * held, times * exchange, iterations=it
-        )
+    return float(
+      sum(
+        max(it, 1) * lay.plan.group_exchange_bytes()
+        for lay, it in zip(self.layout.groups, self.layout.iterations)
       )
-    return out
+    )
 
   def summary(self) -> str:
     """The gather groups, their padding, and the owner plan's summary."""
@@ -583,8 +570,8 @@ def _summary(ded: Dedication) -> str:
     )
     + f', layout {ded.layout.name}'
   ]
-  for g, (lay, b) in enumerate(zip(ded.layout.groups, ded._group_bytes())):
-    used, held = (x // max(b.iterations, 1) for x in (b.payload, b.gathered))
+  for g, lay in enumerate(ded.layout.groups):
+    used, held = _plan.gather_bytes(lay.plan)
     names = ', '.join(
       ded.boundaries.names[b] or '<root>' for b in ded.groups[g]
     )

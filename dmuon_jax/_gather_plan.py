@@ -3,16 +3,20 @@
 Within a gather group, matrices (and, where whole ones would pad the
 gather, their slices: owner groups) go to owners so that the group's bytes
 are even over the owners; owners are then swapped between slots to even out
-the Newton–Schulz work over the model. :func:`gather_group_bytes` predicts
-each group's bytes without placing the whole model (``layers_per_gather=
-'auto'`` weighs them). The plan of all Muon targets comes from
-:func:`dmuon_jax._assign.plan_ownership`.
+the Newton–Schulz work over the model. Each group is placed as a group
+plan (an ``OwnershipPlan`` over the buffer axes) by
+:func:`dmuon_jax._assign.place` or :func:`~dmuon_jax._assign.assign`, the
+placement of every plan. :func:`gather_group_bytes` predicts each group's
+bytes without placing the whole model (``layers_per_gather='auto'`` weighs
+them), counted by :func:`dmuon_jax._plan.gather_bytes` as
+``Dedication.gather_bytes`` counts a built one. The plan of all Muon
+targets comes from :func:`dmuon_jax._assign.plan_ownership`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -21,61 +25,13 @@ import numpy as np
 from dmuon_jax import _assign
 from dmuon_jax._plan import (
   MIN_SLICE,
-  MatrixUnit,
-  OwnerGroup,
   OwnershipPlan,
-  group_exchange_bytes,
+  gather_bytes,
+  group_rows,
   resliced,
   sliced_spec,
 )
 from dmuon_jax._routing import LeafSpec
-
-
-def _balance_work(
-  planned: Sequence[_GatherGroup], n: int, rows: Sequence[Sequence[int]]
-) -> None:
-  """Evens out the work over the model by swapping owners inside loop
-  gather groups (see :func:`balance`; a scanned stack
-  keeps its rotation, a group with owner groups swaps within a row).
-  Updates the owners in ``planned`` in place."""
-  per_group = []
-  for entry in planned:
-    w = np.zeros(n)
-    for u, slot in zip(entry.base, entry.base_owner):
-      for t in range(max(entry.iters, 1)):
-        w[(slot + t) % n] += u.cost
-    for g, grp in entry.ggroups:
-      for slot, cost in zip(entry.iteration_owner[g], grp.iteration_costs):
-        w[slot] += cost
-    per_group.append(w)
-  moves = balance(
-    per_group,
-    [not entry.iters for entry in planned],
-    [bool(entry.ggroups) for entry in planned],
-    rows,
-  )
-  for g, move in moves:
-    entry = planned[g]
-    entry.base_owner[:] = [move.get(s, s) for s in entry.base_owner]
-    for j, slots in entry.iteration_owner.items():
-      entry.iteration_owner[j] = tuple(move.get(s, s) for s in slots)
-
-
-def _plan_slot(
-  plan: OwnershipPlan, buffer_axes: Sequence[str], slot: int
-) -> int:
-  """The plan's (mesh-order) slot of a slot in ``buffer_axes`` order."""
-  if not plan.axis_names:
-    return 0
-  sizes = dict(zip(plan.axis_names, plan.mesh_shape))
-  coords = dict(
-    zip(buffer_axes, np.unravel_index(slot, [sizes[a] for a in buffer_axes]))
-  )
-  return int(
-    np.ravel_multi_index(
-      [int(coords[a]) for a in plan.axis_names], plan.mesh_shape
-    )
-  )
 
 
 def plan_gather_groups(
@@ -129,16 +85,17 @@ def plan_gather_groups(
       layer axis, or whose length ``layers_per_gather`` does not divide.
   """
   k = layers_per_gather
-  sizes = dict(zip(plan.axis_names, plan.mesh_shape))
   buffer_axes = tuple(buffer_axes)
-  n = plan.num_slots
-  rows = _group_rows(plan, buffer_axes, sizes, group_axis)
+  rows = _group_rows(plan, buffer_axes, group_axis)
   if split:
     memo = {} if memo is None else memo
     views = {}
-    for _, scanned, specs in groups:
+    for name, scanned, specs in groups:
       if not scanned:
-        views.update(_split_views(plan, specs, rows, ns_steps, memo)[0])
+        got = _split_views(
+          plan, name, False, specs, 1, rows, True, ns_steps, memo
+        )
+        views.update(got[0])
     if views:
       plan = resliced(plan, views, ns_steps)[0]
       spec_of = {s.leaf_index: s for s in plan.leaves}
@@ -146,63 +103,69 @@ def plan_gather_groups(
         (name, scanned, [spec_of[s.leaf_index] for s in specs])
         for name, scanned, specs in groups
       ]
-  unit_ids = {
-    (u.leaf_index, u.batch_index): i for i, u in enumerate(plan.units)
-  }
+  n = plan.num_slots
   work = np.zeros(n)
-  planned = [
+  placed = [
     _place_gather_group(plan, name, scanned, specs, k, rows, work)
     for name, scanned, specs in groups
   ]
-  _balance_work(planned, n, rows)
+  # Even out the work over the model by swapping owners inside loop gather
+  # groups (see balance; a scanned stack keeps its rotation, a group with
+  # owner groups swaps within a row); moved[g]: where each slot's share in
+  # gather group g goes.
+  per_group = []
+  for gp, _, iters in placed:
+    w = np.zeros(n)
+    for u, slot in zip(gp.units, gp.owners):
+      for t in range(max(iters, 1)):
+        w[(slot + t) % n] += u.cost
+    for grp in gp.groups:
+      for slot, cost in zip(grp.iteration_owners, grp.iteration_costs):
+        w[slot] += cost
+    per_group.append(w)
+  moves = balance(
+    per_group,
+    [not iters for _, _, iters in placed],
+    [bool(gp.groups) for gp, _, _ in placed],
+    rows,
+  )
+  moved = [list(range(n)) for _ in placed]
+  for g, move in moves:
+    moved[g] = [move.get(s, s) for s in moved[g]]
+  sizes = dict(zip(plan.axis_names, plan.mesh_shape))
+  # A slot in buffer_axes order -> the plan's (mesh-order) slot.
+  to_plan = np.arange(n).reshape(plan.mesh_shape)
+  to_plan = to_plan.transpose([plan.axis_names.index(a) for a in buffer_axes])
+  to_plan = to_plan.ravel().tolist()
   owners = [0] * len(plan.units)
-  group_plans, iterations = [], []
-  full_iteration = {}
-  for entry in planned:
-    local = {u: i for i, u in enumerate(entry.base_ids)}
+  iteration = {}
+  group_plans = []
+  for (gp, (_, gids), iters), move in zip(placed, moved):
     sub_groups = []
-    for g, grp in entry.ggroups:
-      full_iteration[g] = tuple(
-        _plan_slot(plan, buffer_axes, slot) for slot in entry.iteration_owner[g]
-      )
-      sub_groups.append(
-        dataclasses.replace(
-          grp,
-          units=tuple(local[u] for u in grp.units),
-          iteration_owners=entry.iteration_owner[g],
-        )
-      )
-    remap = {g: j for j, (g, _) in enumerate(entry.ggroups)}
-    base = [
-      dataclasses.replace(u, group=remap[u.group]) if u.group >= 0 else u
-      for u in entry.base
-    ]
-    iters = entry.iters
-    for u, slot in zip(base, entry.base_owner):
+    for g, grp in zip(gids, gp.groups):
+      slots = tuple(move[s] for s in grp.iteration_owners)
+      iteration[g] = tuple(to_plan[s] for s in slots)
+      sub_groups.append(dataclasses.replace(grp, iteration_owners=slots))
+    base_owner = [move[s] for s in gp.owners]
+    for u, slot in zip(gp.units, base_owner):
       for t in range(max(iters, 1)):
         index = u.batch_index
         if iters:
           index = (t * k + index[0],) + index[1:]
-        owners[unit_ids[(u.leaf_index, index)]] = _plan_slot(
-          plan, buffer_axes, (slot + t) % n
-        )
+        owners[plan.unit_index(u.leaf_index, index)] = to_plan[(slot + t) % n]
     group_plans.append(
       dataclasses.replace(
-        plan,
+        gp,
         axis_names=buffer_axes,
         mesh_shape=tuple(sizes[a] for a in buffer_axes),
-        leaves=tuple(entry.specs),
-        units=tuple(base),
-        owners=tuple(entry.base_owner),
+        owners=tuple(base_owner),
         groups=tuple(sub_groups),
         group_axis_name=group_axis,
       )
     )
-    iterations.append(iters)
   groups = tuple(
     dataclasses.replace(
-      grp,
-      iteration_owners=full_iteration.get(g, (0,) * len(grp.iteration_costs)),
+      grp, iteration_owners=iteration.get(g, (0,) * len(grp.iteration_costs))
     )
     for g, grp in enumerate(plan.groups)
   )
@@ -211,7 +174,7 @@ def plan_gather_groups(
       plan, owners=tuple(owners), groups=groups, group_axis_name=group_axis
     ),
     tuple(group_plans),
-    tuple(iterations),
+    tuple(iters for _, _, iters in placed),
   )
 
 
@@ -239,21 +202,14 @@ def gather_group_bytes(
   """Per gather group, its bytes as :func:`plan_gather_groups` (same
   arguments) would place them, without placing the whole model (groups of
   equal shapes are placed once, through ``memo``)."""
-  sizes = dict(zip(plan.axis_names, plan.mesh_shape))
-  rows = _group_rows(plan, tuple(buffer_axes), sizes, group_axis)
+  rows = _group_rows(plan, tuple(buffer_axes), group_axis)
   memo = {} if memo is None else memo
-  out = []
-  for name, scanned, specs in groups:
-    if split and not scanned:
-      out.append(_split_views(plan, specs, rows, ns_steps, memo)[1])
-      continue
-    k = layers_per_gather if scanned else 1
-    key = (scanned, _signature(specs), k)
-    if key not in memo:
-      sub = resliced(plan, {}, ns_steps, {s.leaf_index for s in specs})[0]
-      memo[key] = _trial(sub, name, scanned, k, rows)
-    out.append(memo[key])
-  return out
+  return [
+    _split_views(
+      plan, name, scanned, specs, layers_per_gather, rows, split, ns_steps, memo
+    )[1]
+    for name, scanned, specs in groups
+  ]
 
 
 # Placing a loop gather group, a slot's bytes may exceed the group's mean
@@ -282,66 +238,46 @@ def _signature(specs: Sequence[LeafSpec]) -> tuple:
 
 
 def _trial(
-  sub: OwnershipPlan,
-  name: str,
-  scanned: bool,
-  k: int,
-  rows: list[list[int]],
+  sub: OwnershipPlan, name: str, scanned: bool, k: int, rows: list[list[int]]
 ) -> GatherBytes:
   """The bytes of ``sub`` (one gather group's plan) placed alone."""
-  entry = _place_gather_group(
+  gp, _, iters = _place_gather_group(
     sub, name, scanned, sub.leaves, k, rows, np.zeros(sub.num_slots)
   )
-  times = max(entry.iters, 1)
-  owners = [0] * len(sub.units)
-  for i, slot in zip(entry.base_ids, entry.base_owner):
-    owners[i] = slot
+  payload, gathered = gather_bytes(gp)
+  times = max(iters, 1)
   return GatherBytes(
-    payload=times * sum(u.nbytes for u in entry.base),
-    gathered=times * _gathered(entry, sub.num_slots),
-    exchange=group_exchange_bytes(
-      [
-        dataclasses.replace(grp, iteration_owners=entry.iteration_owner[g])
-        for g, grp in entry.ggroups
-      ],
-      owners,
-    ),
-    iterations=entry.iters,
+    times * payload, times * gathered, gp.group_exchange_bytes(), iters
   )
-
-
-def _gathered(entry: _GatherGroup, n: int) -> int:
-  """What one gather of a placed group moves: per dtype, ``n`` times the
-  largest owner's bytes (the owner buffers are one per dtype)."""
-  dtype_of = {s.leaf_index: s.dtype for s in entry.specs}
-  held: dict[str, np.ndarray] = {}
-  for u, slot in zip(entry.base, entry.base_owner):
-    held.setdefault(dtype_of[u.leaf_index], np.zeros(n, np.int64))[slot] += (
-      u.nbytes
-    )
-  return int(sum(n * h.max() for h in held.values()))
 
 
 def _split_views(
   plan: OwnershipPlan,
+  name: str,
+  scanned: bool,
   specs: Sequence[LeafSpec],
+  k: int,
   rows: list[list[int]],
+  split: bool,
   ns_steps: int,
   memo: dict,
 ) -> tuple[dict[int, LeafSpec], GatherBytes]:
-  """The slicing of one loop gather group's matrices, and its bytes.
+  """The slicing of one gather group's matrices, and its bytes placed
+  alone (a scanned stack's: ``k`` layers per iteration).
 
-  Whole matrices if they pad at most ``SPLIT_PADDING_PERCENT``; else the
-  coarsest slicing of :func:`byte_views` that does, placed
-  as :func:`plan_gather_groups` places it (else the one padding least).
-  Groups of equal shapes share one decision through ``memo``.
+  Whole matrices for a scanned stack, without ``split``, or if they pad
+  at most ``SPLIT_PADDING_PERCENT``; else the coarsest slicing of
+  :func:`byte_views` that does, placed as :func:`plan_gather_groups`
+  places it (else the one padding least). Groups of equal shapes share
+  one decision through ``memo``.
   """
-  key = ('split', _signature(specs), tuple(map(tuple, rows)))
+  split, k = split and not scanned, k if scanned else 1
+  key = (split, scanned, _signature(specs), k, tuple(map(tuple, rows)))
   if key not in memo:
     sub = resliced(plan, {}, ns_steps, {s.leaf_index for s in specs})[0]
-    best = _trial(sub, '', False, 1, rows)
+    best = _trial(sub, name, scanned, k, rows)
     counts = {}
-    if _padding(best) > SPLIT_PADDING_PERCENT:
+    if split and _padding(best) > SPLIT_PADDING_PERCENT:
       per_slot = best.payload / plan.num_slots
       for views in byte_views(sub.leaves, per_slot):
         got = _trial(resliced(sub, views, ns_steps)[0], '', False, 1, rows)
@@ -366,38 +302,13 @@ def _padding(b: GatherBytes) -> float:
   return 100 * (b.gathered / b.payload - 1) if b.payload else 0.0
 
 
-class _GatherGroup(NamedTuple):
-  """One gather group as :func:`plan_gather_groups` places it (slots in
-  ``buffer_axes`` order)."""
-
-  specs: list[LeafSpec]  # its leaves (a scanned stack's: one iteration)
-  iters: int  # scan iterations (0: a loop group)
-  base: list[MatrixUnit]  # its units (a scanned stack's: one iteration)
-  base_owner: list[int]  # per base unit, its slot (balancing swaps them)
-  base_ids: list[int]  # per base unit, its index in the plan
-  ggroups: list[tuple[int, OwnerGroup]]  # its owner groups (plan index)
-  # Per owner group, the slot of its iteration in each restart window.
-  iteration_owner: dict[int, tuple[int, ...]]
-
-
 def _group_rows(
-  plan: OwnershipPlan,
-  buffer_axes: tuple[str, ...],
-  sizes: Mapping[str, int],
-  group_axis: str | None,
+  plan: OwnershipPlan, buffer_axes: tuple[str, ...], group_axis: str | None
 ) -> list[list[int]]:
   """The slots (in ``buffer_axes`` order) of each row of owner groups."""
-  probe = dataclasses.replace(
-    plan,
-    axis_names=buffer_axes,
-    mesh_shape=tuple(sizes[a] for a in buffer_axes),
-    group_axis_name=group_axis,
-    groups=(),
-  )
-  by_row: dict[int, list[int]] = {}
-  for slot in range(plan.num_slots):
-    by_row.setdefault(probe.group_row(slot), []).append(slot)
-  return [by_row[r] for r in sorted(by_row)]
+  sizes = dict(zip(plan.axis_names, plan.mesh_shape))
+  axis = buffer_axes.index(group_axis or buffer_axes[-1]) if buffer_axes else 0
+  return group_rows([sizes[a] for a in buffer_axes], axis)
 
 
 def _scanned_specs(
@@ -432,7 +343,7 @@ def _place_gather_group(
   k: int,
   rows: list[list[int]],
   work: np.ndarray,
-) -> _GatherGroup:
+) -> tuple[OwnershipPlan, tuple[list[int], list[int]], int]:
   """Places one gather group's matrices (see :func:`plan_gather_groups`),
   adding their Newton–Schulz work to ``work`` (per slot, in place).
 
@@ -444,6 +355,12 @@ def _place_gather_group(
   :func:`~dmuon_jax._assign.place`. A scanned stack's one iteration is
   placed alone (iteration ``t`` rotates its owners by ``t`` slots) and its
   work added for every rotation.
+
+  Returns:
+    ``(group plan, (unit indices, owner group indices) in plan, scan
+    iterations)``: the group plan over ``plan``'s slots holds the group's
+    leaves and units (a scanned stack's: one iteration's) and its owner
+    groups, their units and units' groups renumbered within it.
   """
   n = plan.num_slots
   specs = list(specs)
@@ -451,25 +368,32 @@ def _place_gather_group(
   if scanned:
     specs, iters = _scanned_specs(name, specs, k)
   in_group = {s.leaf_index for s in specs}
-  base_ids = [
+  ids = [
     i
     for i, u in enumerate(plan.units)
     if u.leaf_index in in_group and (not iters or u.batch_index[0] < k)
   ]
-  base = [plan.units[i] for i in base_ids]
-  local = {u: i for i, u in enumerate(base_ids)}
+  local = {u: i for i, u in enumerate(ids)}
   # Owner groups of this gather group: slices in one row, the iteration
   # on a member of that row (see OwnerGroup).
-  ggroups = [
-    (g, grp)
-    for g, grp in enumerate(plan.groups)
-    if grp.units and grp.units[0] in local
-  ]
-  if ggroups and iters:
+  gids = [g for g, grp in enumerate(plan.groups) if grp.units[0] in local]
+  if gids and iters:
     raise ValueError(
       f'dmuon: scanned stack {name!r} holds owner-group matrices; pass '
       'owner_groups=None (scanned stacks rotate whole matrices).'
     )
+  remap = {g: j for j, g in enumerate(gids)}
+  base = [plan.units[i] for i in ids]
+  base = [
+    u if u.group < 0 else dataclasses.replace(u, group=remap[u.group])
+    for u in base
+  ]
+  sub = [
+    dataclasses.replace(
+      plan.groups[g], units=tuple(local[u] for u in plan.groups[g].units)
+    )
+    for g in gids
+  ]
   dtypes = sorted({str(s.dtype) for s in specs})
   dtype_of = {s.leaf_index: dtypes.index(str(s.dtype)) for s in specs}
   key = [dtype_of[u.leaf_index] for u in base]
@@ -477,40 +401,32 @@ def _place_gather_group(
   for u, b in zip(base, key):
     cap[b] += u.nbytes * (1 + _BYTE_SLACK) / n
   budget = _assign.Budget(key, cap)
-  iteration_owner: dict[int, tuple[int, ...]] = {}
-  if ggroups:
-    items, group_units, iteration_costs, sliced = [], [], [], set()
-    for j, (_, grp) in enumerate(ggroups):
-      members = [local[u] for u in grp.units]
-      group_units.append(members)
-      iteration_costs.append(grp.iteration_costs)
-      cost = sum(base[m].cost for m in members) + grp.iteration_cost
-      items.append((cost, len(items), -(j + 1)))
-      sliced.update(members)
-    for i, u in enumerate(base):
-      if i not in sliced:
-        items.append((u.cost, len(items), i))
-    base_owner, owner_of = _assign.place(
-      items,
-      iteration_costs,
-      group_units,
-      base,
-      rows,
-      any(grp.distinct for _, grp in ggroups),
-      loads=work,
-      budget=budget,
+  if sub:
+    items = [
+      (sum(base[m].cost for m in grp.units) + grp.iteration_cost, j, -(j + 1))
+      for j, grp in enumerate(sub)
+    ]
+    sliced = {m for grp in sub for m in grp.units}
+    whole = [i for i in range(len(base)) if i not in sliced]
+    items += [(base[i].cost, len(sub) + j, i) for j, i in enumerate(whole)]
+    owners, sub = _assign.place(
+      items, sub, base, rows, loads=work, budget=budget
     )
-    iteration_owner = {g: owner_of[j] for j, (g, _) in enumerate(ggroups)}
   elif iters:
-    base_owner = _assign.assign(base, n, budget=budget)
-    for u, slot in zip(base, base_owner):
+    owners = _assign.assign(base, n, budget=budget)
+    for u, slot in zip(base, owners):
       for t in range(iters):
         work[(slot + t) % n] += u.cost
   else:
-    base_owner = _assign.assign(base, n, loads=work, budget=budget)
-  return _GatherGroup(
-    specs, iters, base, base_owner, base_ids, ggroups, iteration_owner
+    owners = _assign.assign(base, n, loads=work, budget=budget)
+  gp = dataclasses.replace(
+    plan,
+    leaves=tuple(specs),
+    units=tuple(base),
+    owners=tuple(owners),
+    groups=tuple(sub),
   )
+  return gp, (ids, gids), iters
 
 
 def min_byte_slice(spec: LeafSpec) -> int:
@@ -519,23 +435,6 @@ def min_byte_slice(spec: LeafSpec) -> int:
   slice then holds at least as many elements as the Gram its group
   exchanges)."""
   return min(MIN_SLICE, min(spec.matrix_shape))
-
-
-def _slice_counts(spec: LeafSpec) -> list[int]:
-  """The slice counts (> 1, ascending) that :func:`sliced_spec` accepts
-  for ``spec`` with :func:`min_byte_slice`."""
-  fi, fo = spec.matrix_shape
-  long_axes = spec.output_axes if fo >= fi else spec.reduction_axes
-  divisors = {
-    k
-    for a in long_axes
-    for k in range(2, spec.shape[a] + 1)
-    if spec.shape[a] % k == 0
-  }
-  least = min_byte_slice(spec)
-  return [
-    k for k in sorted(divisors) if sliced_spec(spec, k, None, least) is not None
-  ]
 
 
 def byte_views(
@@ -561,10 +460,22 @@ def byte_views(
   for s in specs:
     if s.sliced or min(s.matrix_shape) < 2:
       continue
-    ks = _slice_counts(s)
+    # The slice counts (> 1, ascending) that sliced_spec accepts.
+    fi, fo = s.matrix_shape
+    long_axes = s.output_axes if fo >= fi else s.reduction_axes
+    divisors = {
+      k
+      for a in long_axes
+      for k in range(2, s.shape[a] + 1)
+      if s.shape[a] % k == 0
+    }
+    ks = [
+      k
+      for k in sorted(divisors)
+      if sliced_spec(s, k, None, min_byte_slice(s)) is not None
+    ]
     if ks:
       counts[s.leaf_index] = ks
-      fi, fo = s.matrix_shape
       sizes[s.leaf_index] = fi * fo * jnp.dtype(s.dtype).itemsize
   by_index = {s.leaf_index: s for s in specs}
   # The thresholds at which some leaf's slice count changes.

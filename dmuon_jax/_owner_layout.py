@@ -135,7 +135,7 @@ class OwnerLayout:
   # A routing hint, not part of the layout's identity (==, hash): the same
   # init traced where logical axis rules are in effect and where they are
   # not gives the same layout and buffers; only the routes of the update
-  # differ (see _transform._update_specs).
+  # differ (see _transform._update).
   param_entries: tuple[_mesh.Entries | None, ...] = dataclasses.field(
     compare=False
   )

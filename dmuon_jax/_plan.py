@@ -185,17 +185,8 @@ class OwnershipPlan:
 
   @functools.cached_property
   def _hash(self) -> int:
-    return hash(
-      (
-        self.axis_names,
-        self.mesh_shape,
-        self.num_leaves,
-        self.leaves,
-        self.units,
-        self.owners,
-        self.groups,
-      )
-    )
+    fields = dataclasses.fields(self)
+    return hash(tuple(getattr(self, f.name) for f in fields if f.compare))
 
   @property
   def num_slots(self) -> int:
@@ -216,11 +207,7 @@ class OwnershipPlan:
         f'dmuon: slot {slot} is out of range; the plan has'
         f' {self.num_slots} slots: pass 0 to {self.num_slots - 1}.'
       )
-    coords = []
-    for size in reversed(self.mesh_shape):
-      coords.append(slot % size)
-      slot //= size
-    return tuple(reversed(coords))
+    return tuple(int(c) for c in np.unravel_index(slot, self.mesh_shape))
 
   def slot_costs(self) -> tuple[float, ...]:
     """Predicted Newton–Schulz FLOPs per slot."""
@@ -241,20 +228,10 @@ class OwnershipPlan:
 
   def group_row(self, slot: int) -> int:
     """The row of a slot: its index over the owner axes but the group axis."""
-    if not self.axis_names:
-      return 0
-    pos = self.axis_names.index(self.group_axis())
-    coords = list(self.slot_coords(slot))
-    del coords[pos]
-    shape = list(self.mesh_shape)
-    del shape[pos]
-    return int(np.ravel_multi_index(coords, shape)) if shape else 0
-
-  def group_member(self, slot: int) -> int:
-    """A slot's coordinate on the group axis."""
-    if not self.axis_names:
-      return 0
-    return self.slot_coords(slot)[self.axis_names.index(self.group_axis())]
+    axis = self.axis_names.index(self.group_axis()) if self.axis_names else 0
+    self.slot_coords(slot)  # raises for a slot out of range
+    rows = group_rows(self.mesh_shape, axis)
+    return next(r for r, row in enumerate(rows) if slot in row)
 
   def group_slots(self, g: int) -> tuple[int, ...]:
     """The slots holding a slice of group ``g`` or running an iteration."""
@@ -334,10 +311,7 @@ class OwnershipPlan:
         f'dmuon: batch_index {batch_index} is out of range for'
         f' {spec.path!r} with batch shape {batch_shape}.'
       )
-    offset = 0
-    for i, n in zip(batch_index, batch_shape):
-      offset = offset * n + i
-    return start + offset
+    return start + int(np.ravel_multi_index(batch_index, batch_shape))
 
   @property
   def makespan(self) -> float:
@@ -366,7 +340,79 @@ class OwnershipPlan:
       FLOPs, imbalance) followed by one section per slot listing its
       coordinates, cost, bytes and matrices.
     """
-    return '\n'.join(self._summary_lines(paths))
+    costs, nbytes = self.slot_costs(), self.slot_bytes()
+    mesh = ' '.join(
+      f'{n}={s}' for n, s in zip(self.axis_names, self.mesh_shape)
+    )
+    whole = sum(u.group < 0 for u in self.units) + len(self.groups)
+    what = plural(len(self.units), 'matrix', 'matrices')
+    if self.groups:
+      what = (
+        f'{plural(whole, "matrix", "matrices")} ({len(self.groups)} split '
+        f'into {len(self.units) - whole + len(self.groups)} slices)'
+      )
+    lines = [
+      f'OwnershipPlan: {what}'
+      f' in {plural(len(self.leaves), "leaf", "leaves")} on'
+      f' {plural(self.num_slots, "slot", "slots")},'
+      f' mesh {mesh or "(single slot, no mesh axes)"}'
+    ] + [f'  {self.routing}'] * bool(self.routing)
+    by_shape: dict[tuple, list[int]] = {}
+    for g, group in enumerate(self.groups):
+      by_shape.setdefault((group.shape, len(group.units)), []).append(g)
+    for (shape, slices), gs in by_shape.items():
+      sizes = sorted({len(self.group_slots(g)) for g in gs})
+      k = f'{sizes[0]}' if len(sizes) == 1 else f'{sizes[0]}-{sizes[-1]}'
+      lines.append(
+        f'  owner groups: {plural(len(gs), "matrix", "matrices")} '
+        f'{shape[0]}x{shape[1]}, {slices} slices each on k={k} devices '
+        f'along {self.group_axis()!r}; the {min(shape)}x{min(shape)} '
+        f'iterations ({human_flops(self.groups[gs[0]].iteration_cost)} in '
+        f'{len(self.groups[gs[0]].iteration_costs)} restart windows) on '
+        'one or more of them'
+      )
+    if self.groups:
+      lines.append(
+        f'  owner groups exchange per device per step: '
+        f'{human_bytes(self.group_exchange_bytes())} (float32 packed Grams '
+        "and factors, point to point between each group's devices)"
+      )
+    lines += [
+      f'  predicted NS FLOPs: total {human_flops(sum(costs))}, per slot'
+      f' max {human_flops(max(costs))}, mean'
+      f' {human_flops(sum(costs) / len(costs))}, imbalance (max/mean)'
+      f' {self.imbalance:.3f}',
+      f'  bytes: total {human_bytes(sum(nbytes))}, per slot max'
+      f' {human_bytes(max(nbytes))}',
+    ]
+    if paths:
+      lines.append('  predicted collective bytes per device per step:')
+      lines += [
+        f'    {path}: {human_bytes(b)}'
+        for path, b in self.collective_bytes().items()
+      ]
+    for slot in range(self.num_slots):
+      coords = ' '.join(
+        f'{n}={c}' for n, c in zip(self.axis_names, self.slot_coords(slot))
+      )
+      unit_ids = self.units_of(slot)
+      lines.append(
+        f'slot {slot}'
+        + (f' ({coords})' if coords else '')
+        + f': {plural(len(unit_ids), "matrix", "matrices")},'
+        f' {human_flops(costs[slot])},'
+        f' {human_bytes(nbytes[slot])}'
+      )
+      for i in unit_ids:
+        unit = self.units[i]
+        what = '' if unit.group < 0 else f'  (slice of group {unit.group})'
+        lines.append(f'  {unit.name}  {unit.shape[0]}x{unit.shape[1]}{what}')
+      for g, group in enumerate(self.groups):
+        for w, owner in enumerate(group.iteration_owners):
+          if owner == slot:
+            s = group.gram_size
+            lines.append(f'  iteration of group {g}, window {w}  {s}x{s}')
+    return '\n'.join(lines)
 
   def collective_bytes(self) -> dict[str, float]:
     """Predicted per-device collective bytes of one dmuon step, by path.
@@ -404,110 +450,10 @@ class OwnershipPlan:
       'all-reduce floor': ring_bytes('all-reduce', n, sum(self.slot_bytes())),
     }
 
-  def _summary_lines(self, paths: bool = True) -> list[str]:
-    """The lines of :meth:`summary`; sections are appended in order."""
-    lines = self._summary_header_lines()
-    if paths:
-      lines.append('  predicted collective bytes per device per step:')
-      lines.extend(
-        f'    {path}: {human_bytes(b)}'
-        for path, b in self.collective_bytes().items()
-      )
-    lines.extend(self._summary_slot_lines())
-    return lines
-
   def group_exchange_bytes(self) -> float:
     """Predicted per-device bytes of the owner groups' collectives per step
     (see :func:`group_exchange_bytes`; 0 without groups)."""
     return group_exchange_bytes(self.groups, self.owners)
-
-  def group_lines(self) -> list[str]:
-    """One line per shape of grouped matrices (empty without groups)."""
-    by_shape: dict[tuple, list[int]] = {}
-    for g, group in enumerate(self.groups):
-      key = (group.shape, len(group.units))
-      by_shape.setdefault(key, []).append(g)
-    lines = []
-    for (shape, slices), gs in by_shape.items():
-      sizes = sorted({len(self.group_slots(g)) for g in gs})
-      k = f'{sizes[0]}' if len(sizes) == 1 else f'{sizes[0]}-{sizes[-1]}'
-      lines.append(
-        f'  owner groups: {plural(len(gs), "matrix", "matrices")} '
-        f'{shape[0]}x{shape[1]}, {slices} slices each on k={k} devices '
-        f'along {self.group_axis()!r}; the {min(shape)}x{min(shape)} '
-        f'iterations ({human_flops(self.groups[gs[0]].iteration_cost)} in '
-        f'{len(self.groups[gs[0]].iteration_costs)} restart windows) on '
-        'one or more of them'
-      )
-    if self.groups:
-      exchange = self.group_exchange_bytes()
-      lines.append(
-        f'  owner groups exchange per device per step: '
-        f'{human_bytes(exchange)} (float32 packed Grams and factors, '
-        "point to point between each group's devices)"
-      )
-    return lines
-
-  def _summary_header_lines(self) -> list[str]:
-    costs = self.slot_costs()
-    nbytes = self.slot_bytes()
-    if self.axis_names:
-      mesh = ' '.join(
-        f'{n}={s}' for n, s in zip(self.axis_names, self.mesh_shape)
-      )
-    else:
-      mesh = '(single slot, no mesh axes)'
-    whole = sum(u.group < 0 for u in self.units) + len(self.groups)
-    what = plural(len(self.units), 'matrix', 'matrices')
-    if self.groups:
-      what = (
-        f'{plural(whole, "matrix", "matrices")} ({len(self.groups)} split '
-        f'into {len(self.units) - whole + len(self.groups)} slices)'
-      )
-    return (
-      [
-        f'OwnershipPlan: {what}'
-        f' in {plural(len(self.leaves), "leaf", "leaves")} on'
-        f' {plural(self.num_slots, "slot", "slots")}, mesh {mesh}',
-      ]
-      + [f'  {self.routing}'] * bool(self.routing)
-      + self.group_lines()
-      + [
-        f'  predicted NS FLOPs: total {human_flops(sum(costs))}, per slot'
-        f' max {human_flops(max(costs))}, mean'
-        f' {human_flops(sum(costs) / len(costs))}, imbalance (max/mean)'
-        f' {self.imbalance:.3f}',
-        f'  bytes: total {human_bytes(sum(nbytes))}, per slot max'
-        f' {human_bytes(max(nbytes))}',
-      ]
-    )
-
-  def _summary_slot_lines(self) -> list[str]:
-    costs = self.slot_costs()
-    nbytes = self.slot_bytes()
-    lines = []
-    for slot in range(self.num_slots):
-      coords = ' '.join(
-        f'{n}={c}' for n, c in zip(self.axis_names, self.slot_coords(slot))
-      )
-      unit_ids = self.units_of(slot)
-      lines.append(
-        f'slot {slot}'
-        + (f' ({coords})' if coords else '')
-        + f': {plural(len(unit_ids), "matrix", "matrices")},'
-        f' {human_flops(costs[slot])},'
-        f' {human_bytes(nbytes[slot])}'
-      )
-      for i in unit_ids:
-        unit = self.units[i]
-        what = '' if unit.group < 0 else f'  (slice of group {unit.group})'
-        lines.append(f'  {unit.name}  {unit.shape[0]}x{unit.shape[1]}{what}')
-      for g, group in enumerate(self.groups):
-        for w, owner in enumerate(group.iteration_owners):
-          if owner == slot:
-            s = group.gram_size
-            lines.append(f'  iteration of group {g}, window {w}  {s}x{s}')
-    return lines
 
 
 # A message of the Gram exchange: (source slot, destination slot, group index).
@@ -792,3 +738,27 @@ def resliced(
     groups=groups,
   )
   return replaced, pieces
+
+
+def gather_bytes(plan: OwnershipPlan) -> tuple[int, int]:
+  """``(payload, gathered)``: the bytes of ``plan``'s matrices, and what one
+  gather of them moves: per dtype (an owner buffer each, of at least one
+  element), ``num_slots`` times the largest owner's bytes."""
+  n = plan.num_slots
+  held = {s.dtype: np.zeros(n, np.int64) for s in plan.leaves}
+  dtype_of = {s.leaf_index: s.dtype for s in plan.leaves}
+  for u, slot in zip(plan.units, plan.owners):
+    held[dtype_of[u.leaf_index]][slot] += u.nbytes
+  gathered = sum(
+    n * max(int(h.max()), jnp.dtype(d).itemsize) for d, h in held.items()
+  )
+  return sum(u.nbytes for u in plan.units), gathered
+
+
+def group_rows(shape: Sequence[int], axis: int) -> list[list[int]]:
+  """The slots (row-major over ``shape``) of each row of owner groups: of
+  one coordinate on every axis but ``axis``, rows in row-major order."""
+  if not shape:
+    return [[0]]
+  slots = np.arange(math.prod(shape)).reshape(shape)
+  return np.moveaxis(slots, axis, -1).reshape(-1, shape[axis]).tolist()

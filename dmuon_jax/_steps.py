@@ -92,15 +92,12 @@ def warn_once(message: str) -> None:
 def check_buffers(
   layout: _owner_layout.OwnerLayout, mu: Sequence[jax.Array], local: bool
 ) -> None:
-  want = (
-    layout.local_shapes()
-    if local
-    else tuple(s.shape for s in layout.buffer_shapes())
-  )
+  glob = tuple(s.shape for s in layout.buffer_shapes())
+  want = layout.local_shapes() if local else glob
   got = tuple(tuple(np.shape(m)) for m in mu)
   if got == want:
     return
-  if local and got == tuple(s.shape for s in layout.buffer_shapes()):
+  if local and got == glob:
     raise ValueError(
       'dmuon: inside shard_map the momentum buffers must be split over the '
       f'owner axes {layout.buffer_axes}: pass the optimizer state with '
@@ -206,9 +203,10 @@ def resolve_entries(leaf, spec, sizes, allowed, tp_axis=None, tp_size=1):
   return e, shape, split, dim, local
 
 
-def _update_entries(layout, targets, sizes, update_specs=None):
+def _update_entries(layout, targets, sizes, update_specs):
   """Each target's sharding on the whole mesh: from its type (Explicit
-  meshes), else from the layout; unknown ones are treated as replicated
+  meshes), else from the layout, else from ``update_specs`` (per target, a
+  spec read at update, or None); unknown ones are treated as replicated
   (warned once). Raises where it does not fit the layout (its padding or
   tensor-parallel split differ from init's).
 
@@ -254,13 +252,24 @@ def _update_entries(layout, targets, sizes, update_specs=None):
     specs.append(spec)
     splits.append(split)
   if unknown:
+    # The state-size sentence only where the owner buffers hold more than
+    # 1.10x the even share.
+    held, even = layout.momentum_share()
+    momentum = ''
+    if not layout.per_leaf and held > 1.10 * even:
+      momentum = UNKNOWN_MOMENTUM_MSG.format(
+        held=_checks.human_bytes(held),
+        ratio=held / even,
+        even=_checks.human_bytes(even),
+        devices=layout.num_slots * layout.tp_size,
+      )
     shown = unknown[:3] + (['...'] if len(unknown) > 3 else [])
     warn_once(
       UNKNOWN_SPECS_MSG.format(
         name=layout.name,
         count=len(unknown),
         paths=', '.join(shown),
-        momentum=_unknown_momentum(layout),
+        momentum=momentum,
       ),
     )
   for t, e, got, split in zip(layout.leaves, entries, splits, lay.tp_splits):
@@ -289,21 +298,7 @@ def fitting(t, spec, sizes, owner_axes):
   return e if shape == tuple(t.shape) else None
 
 
-def _unknown_momentum(layout) -> str:
-  """The state-size sentence of the unknown-shardings warning (empty
-  where the owner buffers hold at most 1.10x the even share)."""
-  held, even = layout.momentum_share()
-  if layout.per_leaf or held <= 1.10 * even:
-    return ''
-  return UNKNOWN_MOMENTUM_MSG.format(
-    held=_checks.human_bytes(held),
-    ratio=held / even,
-    even=_checks.human_bytes(even),
-    devices=layout.num_slots * layout.tp_size,
-  )
-
-
-def _warn_if_forced(layout, b: int, shape, got, sizes) -> None:
+def _warn_if_forced(layout, b: int, shape, sizes, got) -> None:
   """Warns once if buffer ``b`` arrives in another sharding than its
   layout's (``got``: its spec, or a ``jax.sharding.Sharding``)."""
   spec = getattr(got, 'spec', got)
@@ -315,12 +310,13 @@ def _warn_if_forced(layout, b: int, shape, got, sizes) -> None:
   else:
     local = _mesh.local_shape(shape, spec, sizes)
   want = layout.buffer_spec(b)
-  if want is None or local == _mesh.local_shape(shape, want, sizes):
+  if want is None:
     return
-  dtype = layout.buffer_shapes()[b].dtype
-  nbytes = lambda s: math.prod(s) * jnp.dtype(dtype).itemsize
-  held = nbytes(local)
-  owned = nbytes(_mesh.local_shape(shape, want, sizes))
+  owned = _mesh.local_shape(shape, want, sizes)
+  if local == owned:
+    return
+  itemsize = jnp.dtype(layout.buffer_shapes()[b].dtype).itemsize
+  extra = (math.prod(local) - math.prod(owned)) * itemsize
   hb = _checks.human_bytes
   devices = math.prod(sizes.values())
   warn_once(
@@ -329,12 +325,12 @@ def _warn_if_forced(layout, b: int, shape, got, sizes) -> None:
       name=layout.name,
       got=spec,
       want=want,
-      held=hb(held),
-      owned=hb(owned),
-      extra=hb(held - owned),
-      total=hb(devices * (held - owned)),
+      held=hb(math.prod(local) * itemsize),
+      owned=hb(math.prod(owned) * itemsize),
+      extra=hb(extra),
+      total=hb(devices * extra),
       devices=devices,
-      gather=hb(held - owned),
+      gather=hb(extra),
     ),
   )
 
@@ -352,34 +348,30 @@ def _check_buffer_shardings(layout, mus, mesh) -> None:
   """
   sizes = dict(mesh.shape)
   for b, x in enumerate(mus):
-    shape = tuple(np.shape(x))
+    warn = functools.partial(_warn_if_forced, layout, b, np.shape(x), sizes)
     if not isinstance(x, jax.core.Tracer):
-      sharding = getattr(x, 'sharding', None)
-      if sharding is not None:
-        _warn_if_forced(layout, b, shape, sharding, sizes)
+      if getattr(x, 'sharding', None) is not None:
+        warn(x.sharding)
     elif _mesh.is_explicit(mesh):
-      _warn_if_forced(layout, b, shape, _mesh.type_spec(x), sizes)
+      warn(_mesh.type_spec(x))
     elif not layout.probed:
-      jax.debug.inspect_array_sharding(
-        x,
-        callback=functools.partial(_reported, layout, b, shape, sizes),
-      )
+
+      def reported(sharding, b=b, warn=warn):
+        """The Auto-mesh probe's callback (at compile time)."""
+        layout.probed.add(b)
+        warn(sharding)
+
+      jax.debug.inspect_array_sharding(x, callback=reported)
 
 
-def _reported(layout, b: int, shape, sizes, sharding) -> None:
-  """The Auto-mesh probe's callback (at compile time)."""
-  layout.probed.add(b)
-  _warn_if_forced(layout, b, shape, sharding, sizes)
-
-
-def drop_in_step(setup, hp, layout, targets, mus, count_inc, specs=None):
+def drop_in_step(setup, layout, targets, mus, count_inc, specs):
   """Gradients already reduced, in the params' sharding (plain jit).
 
   ``mus``: the owner buffers, or (``momentum='params'``) one momentum per
   target, sharded as it: its step runs in the same per-device program as
   the routes, on each device's block (as a one-device program computes
   it). ``specs``: per target, a spec read at update (boxed gradients) for
-  those the layout records none of.
+  those the layout records none of (or None).
   """
   check_buffers(layout, mus, local=False)
   mesh = setup.mesh if setup.mesh is not None else layout.mesh
@@ -409,6 +401,7 @@ def drop_in_step(setup, hp, layout, targets, mus, count_inc, specs=None):
       for x, g, spec in zip(mus, given, buffer_specs)
     ]
   lay = layout.groups[0]
+  axes = lay.plan.axis_names
   owner_entries = layout.owner_entries(entries)
   ex = _exchange.Exchange(lay, owner_entries)
   if ex.gathered:
@@ -417,7 +410,6 @@ def drop_in_step(setup, hp, layout, targets, mus, count_inc, specs=None):
         paths=[lay.plan.leaves[i].path for i in sorted(ex.gathered)]
       ),
     )
-  dyn = _owner_update.dynamic(hp)
   # Unevenly sharded leaves: zero-padded here, in the global (GSPMD)
   # domain, to the shape the layout holds them at (a multiple of their
   # devices per sharded dimension), and their results sliced back below.
@@ -428,18 +420,67 @@ def drop_in_step(setup, hp, layout, targets, mus, count_inc, specs=None):
   ]
 
   def body(targets, mus, count_inc, dyn):
-    out, mu = _drop_in_body(
-      setup.cfg,
-      hp._replace(**dyn),
-      layout,
-      ex,
-      owner_entries,
-      sizes,
-      targets,
-      mus,
-      count_inc,
+    """The per-device program: pieces to owners, owner update, results
+    back."""
+    hp = setup.hp._replace(**dyn)
+    per_leaf_mu = None
+    if layout.per_leaf:
+      per_leaf_mu, targets = _owner_update.momentum_update(
+        targets,
+        mus,
+        count_inc,
+        beta=hp.beta,
+        nesterov=setup.cfg.nesterov,
+        rule=setup.cfg.momentum,
+      )
+      per_leaf_mu = [m.astype(b.dtype) for m, b in zip(per_leaf_mu, mus)]
+      mus = None
+    dtypes = [lay.promoted(targets, g) for g in range(lay.num_groups)]
+    recv = {
+      key: jax.lax.all_to_all(
+        ex.send_to_owners(key, targets, dtypes[key[1]]),
+        key[0],
+        0,
+        0,
+        tiled=True,
+      )
+      for key in ex.classes
+    }
+    full = {
+      i: _layout.to_matrices(
+        _exchange.gather_to_full(targets[i], owner_entries[i]),
+        lay.plan.leaves[i],
+      )
+      for i in ex.whole
+    }
+    # Every device runs one program: its units and offsets are read from
+    # tables by its slot (see Exchange.by_slot).
+    grads = ex.by_slot(lambda rows: ex.pack(rows, recv, full, dtypes))
+    ortho, new_mu = _owner_update.owner_step(
+      setup.cfg, hp, layout, grads, mus, count_inc
     )
-    return list(out), list(mu)
+    out = [None] * len(targets)
+    rep_groups = [g for g in range(lay.num_groups) if ex.rep_size[g]]
+    if rep_groups:
+      compact = ex.by_slot(
+        lambda rows, b: tuple(ex.rep_pack(rows, b, g) for g in rep_groups),
+        ortho,
+      )
+      gathered = [None] * lay.num_groups
+      for g, c in zip(rep_groups, compact):
+        gathered[g] = _collectives.gather_from_owners(c, axes)
+      for i, x in ex.rep_unpack(gathered).items():
+        out[i] = _exchange.local_shard(x, owner_entries[i], sizes)
+    back = {
+      key: ex.back(
+        key,
+        ex.by_slot(lambda rows, b, key=key: ex.send_back(key, rows, b), ortho),
+      )
+      for key in ex.classes
+    }
+    for i in ex.routed:
+      out[i] = ex.local_leaf(i, back)
+    return out, list(new_mu if per_leaf_mu is None else per_leaf_mu)
 
   new, mu = jax.shard_map(
     body,
@@ -451,7 +492,7 @@ def drop_in_step(setup, hp, layout, targets, mus, count_inc, specs=None):
     # (HSDP's replicate peers receive equal pieces). Nothing here is
     # differentiated; the parity tests check the values.
     check_vma=False,
-  )(list(targets), list(mus), count_inc, dyn)
+  )(list(targets), list(mus), count_inc, _owner_update.dynamic(setup.hp))
   if given is not None:
     mu = [
       x if g == spec else jax.sharding.reshard(x, NamedSharding(mesh, g))
@@ -459,70 +500,6 @@ def drop_in_step(setup, hp, layout, targets, mus, count_inc, specs=None):
     ]
   new = [_owner_layout.unpad(x, t.shape) for x, t in zip(new, layout.leaves)]
   return new, mu
-
-
-def _drop_in_body(
-  cfg, hp, layout, ex, owner_entries, sizes, targets, mus, count_inc
-):
-  """The per-device program: pieces to owners, owner update, results back."""
-  lay = layout.groups[0]
-  axes = lay.plan.axis_names
-  per_leaf_mu = None
-  if layout.per_leaf:
-    per_leaf_mu, targets = _owner_update.momentum_update(
-      targets,
-      mus,
-      count_inc,
-      beta=hp.beta,
-      nesterov=cfg.nesterov,
-      rule=cfg.momentum,
-    )
-    per_leaf_mu = [m.astype(b.dtype) for m, b in zip(per_leaf_mu, mus)]
-    mus = None
-  dtypes = [lay.promoted(targets, g) for g in range(lay.num_groups)]
-  recv = {
-    key: jax.lax.all_to_all(
-      ex.send_to_owners(key, targets, dtypes[key[1]]), key[0], 0, 0, tiled=True
-    )
-    for key in ex.classes
-  }
-  full = {
-    i: _layout.to_matrices(
-      _exchange.gather_to_full(targets[i], owner_entries[i]),
-      lay.plan.leaves[i],
-    )
-    for i in ex.whole
-  }
-  # Every device runs one program: its units and offsets are read from
-  # tables by its slot (see Exchange.by_slot).
-  grads = ex.by_slot(lambda rows: ex.pack(rows, recv, full, dtypes))
-  ortho, new_mu = _owner_update.owner_step(
-    cfg, hp, layout, grads, mus, count_inc
-  )
-  if per_leaf_mu is not None:
-    new_mu = per_leaf_mu
-  out = [None] * len(targets)
-  rep_groups = [g for g in range(lay.num_groups) if ex.rep_size[g]]
-  if rep_groups:
-    compact = ex.by_slot(
-      lambda rows, b: tuple(ex.rep_pack(rows, b, g) for g in rep_groups),
-      ortho,
-    )
-    gathered = [None] * lay.num_groups
-    for g, c in zip(rep_groups, compact):
-      gathered[g] = _collectives.gather_from_owners(c, axes)
-    for i, x in ex.rep_unpack(gathered).items():
-      out[i] = _exchange.local_shard(x, owner_entries[i], sizes)
-  back = {
-    key: ex.back(
-      key,
-      ex.by_slot(lambda rows, b, key=key: ex.send_back(key, rows, b), ortho),
-    )
-    for key in ex.classes
-  }
-  for i in ex.routed:
-    out[i] = ex.local_leaf(i, back)
-  return out, new_mu
 
 
 def _mesh_axes(axis_names: Sequence[str] | None) -> tuple[str, ...]:

@@ -45,6 +45,13 @@ PADDED_MSG = (
 )
 
 
+# The options of scale_by_dmuon that make_config validates (by name).
+_CONFIG = (
+  'ns_coeffs ns_steps momentum nesterov adaptive preconditioning '
+  'ns_algorithm compute_dtype mu_dtype nonfinite'
+).split()
+
+
 class ScaleByDMuonState(NamedTuple):
   """State for :func:`dmuon_jax.scale_by_dmuon`.
 
@@ -88,16 +95,17 @@ class ScaleByDMuonState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Setup:
-  """What ``scale_by_dmuon``'s arguments fix (validated at the call)."""
+  """What ``scale_by_dmuon``'s arguments fix (validated once, at the call)."""
 
   cfg: _owner_update.OwnerConfig
+  hp: _owner_update.Hyperparams
   mesh: Any
   axis_names: Any
   tensor_parallel_axis: str | None
   weight_dimension_numbers: Any
   param_specs: dict[str, P] | None
   nonfinite: str
-  owner_groups: Any = 'auto'
+  owner_groups: Any
 
 
 def _mesh_argument(mesh: Any) -> Any:
@@ -155,121 +163,35 @@ def _holders(params: Any) -> list[Any]:
   return holders
 
 
-def _flat_params(params: Any):
-  """``[(path, value, spec)]`` of the array leaves (values unwrapped from
-  ``nnx.Variable``\\ s and Linen boxes; ``spec`` None where unknown).
-
-  Raises a ``TypeError`` naming a leaf that is not an array (an unfiltered
-  Equinox model's function) before anything reads shapes or devices.
-  """
-  with_path = jax.tree_util.tree_flatten_with_path(params)[0]
-  _routing.check_array_leaves(with_path)
-  return [
-    (_routing.normalize_path(k), x, _mesh.leaf_spec(h))
-    for (k, x), h in zip(with_path, _holders(params))
-  ]
-
-
-def _box_template(params: Any) -> Any:
-  """The first Flax box (Linen box or ``nnx.Variable``) holding a param,
-  or None: owner buffers are boxed like it (see ``_mesh.box_like``)."""
-  return next((h for h in _holders(params) if _mesh.is_boxed(h)), None)
-
-
-def _allowed_axes(info) -> dict[str, int]:
-  """The axes a Muon param may be sharded over: owner axes and TP."""
-  if info is None:
-    return {}
-  sizes = info.sizes
-  allowed = {a: sizes[a] for a in info.owner_axes}
-  if info.tp_axis is not None:
-    allowed[info.tp_axis] = sizes[info.tp_axis]
-  return allowed
-
-
-def _find_mesh(setup: _Setup, flat) -> Any:
-  if setup.mesh is not None:
-    return setup.mesh
-  mesh = _mesh.context_mesh()
-  if mesh is not None:
-    return mesh
-  for _, x, _ in flat:
-    found = _mesh.array_mesh(x)
-    if found is not None:
-      return found
-  return None
-
-
-def _leaf_entries(flat, targets, given, info):
-  """Per leaf of ``flat``: its sharding entries, tensor-parallel split and
-  dim, the shape the layout holds (one TP shard's, zero-padded) and its
-  padded shape (None where even); entries None where its spec is unknown.
-  """
-  sizes = info.sizes if info is not None else {}
-  allowed = _allowed_axes(info)
-  tp_axis = info.tp_axis if info is not None else None
-  tp_size = info.tp_size if info is not None else 1
-  out = []
-  for (path, _, spec), leaf in zip(flat, targets):
-    spec = given.get(path, spec)
-    if info is None or info.num_slots * tp_size == 1:
-      spec = P()
-    if spec is None:
-      out.append((None, None, None, tuple(leaf.shape), None))
-      continue
-    e, shape, split, dim, held = _steps.resolve_entries(
-      leaf, spec, sizes, allowed, tp_axis, tp_size
-    )
-    # Uneven sharding (JAX accepts it): the layout holds the leaf
-    # zero-padded to a multiple of its devices per sharded dimension.
-    padded = None if shape == tuple(leaf.shape) else shape
-    out.append((e, split, dim, held, padded))
-  return tuple(zip(*out)) or ((),) * 5
-
-
-def _zero_buffers(params, layout, mesh) -> list[Any]:
-  """The layout's zero buffers, placed on ``mesh`` and boxed as the params."""
-  if layout.per_leaf:
-    # Each Muon leaf's momentum, sharded and boxed as the leaf (Flax's
-    # sharding tools map its logical names by the same rules).
-    holders = _holders(params)
-    out = []
-    for b, (t, shape) in enumerate(zip(layout.leaves, layout.buffer_shapes())):
-      buf = jnp.zeros(shape.shape, shape.dtype)
-      spec = layout.buffer_spec(b)
-      if spec is not None:
-        buf = _mesh.place(buf, mesh, spec)
-      out.append(_mesh.rebox(holders[t.index], buf))
-    return out
+def _zero_buffers(holders, layout, mesh) -> list[Any]:
+  """The layout's zero buffers, placed on ``mesh`` and boxed as the params
+  (``holders``: see :func:`_holders`)."""
   # Boxed params (Linen boxes, nnx Variables) give boxed buffers: Flax's
   # sharding tools (nn.get_sharding, nnx.get_partition_spec, ...) then read
   # the buffers' layout from the state as they read the params'.
-  template = _box_template(params)
+  template = next((h for h in holders if _mesh.is_boxed(h)), None)
   buffers = []
-  for shape, spec in zip(layout.buffer_shapes(), layout.buffer_specs()):
-    zeros = jnp.zeros(shape.shape, shape.dtype)
-    buf = _mesh.place(zeros, mesh, spec) if layout.distributed else zeros
-    if template is not None:
+  for b, shape in enumerate(layout.buffer_shapes()):
+    buf = jnp.zeros(shape.shape, shape.dtype)
+    spec = layout.buffer_spec(b)  # None: a per-leaf buffer of unknown spec
+    if layout.distributed and spec is not None:
+      buf = _mesh.place(buf, mesh, spec)
+    if layout.per_leaf:
+      # Each Muon leaf's momentum, sharded and boxed as the leaf (Flax's
+      # sharding tools map its logical names by the same rules).
+      buf = _mesh.rebox(holders[layout.leaves[b].index], buf)
+    elif template is not None:
       buf = _mesh.box_like(template, buf, spec)
     buffers.append(buf)
   return buffers
 
 
-def _context_free(flat, holders, mesh):
-  """``flat`` with each spec replaced by the one its holder gives whatever
-  logical axis rules are in effect (None where the rules decide it; see
-  ``_mesh.context_free_spec``)."""
-  axes = tuple(mesh.axis_names) if mesh is not None else ()
-  return [
-    (path, x, _mesh.context_free_spec(h, axes))
-    for (path, x, _), h in zip(flat, holders)
-  ]
-
-
-def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
-  flat = _flat_params(params)
-  mesh = _find_mesh(setup, flat)
-  _mesh.check_devices(params, mesh)
+def _layout(setup: _Setup, params, with_path, holders, specs, mesh):
+  """The state's :class:`dmuon_jax.OwnerLayout`: the params' shardings read
+  once (``specs``: under the logical axis rules in effect), their owner
+  plan, and where the momentum is kept."""
+  paths = [_routing.normalize_path(k) for k, _ in with_path]
+  leaves = [x for _, x in with_path]
   targets = _routing.route(
     params,
     predicate=lambda path, leaf: True,
@@ -280,40 +202,56 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
   # specs that do not depend on the logical axis rules in effect, so that
   # jax.eval_shape(init) outside the rules and jax.jit(init) inside them
   # give equal trees; the rules' answer only steers the update's routes.
-  holders = _holders(params)
-  structural = _context_free(flat, holders, mesh)
+  axes = tuple(mesh.axis_names) if mesh is not None else ()
+  free = [_mesh.context_free_spec(h, axes) for h in holders]
+  known = [given.get(path, spec) for path, spec in zip(paths, free)]
   info = _mesh.resolve(
     mesh,
     setup.axis_names,
     setup.tensor_parallel_axis,
-    sharded_axes=_mesh.sharded_axes(
-      [given.get(path, spec) for path, _, spec in structural]
-    ),
+    sharded_axes=_mesh.sharded_axes(known),
   )
   check_tp_preconditioning(info, setup.cfg.preconditioning)
-  sizes = info.sizes if info is not None else {}
-  tp_axis = info.tp_axis if info is not None else None
-  tp_size = info.tp_size if info is not None else 1
-  entries, splits, dims, local, padded = _leaf_entries(
-    structural, targets, given, info
+  sizes, owner_axes, tp_axis, tp_size = (
+    ({}, (), None, 1)
+    if info is None
+    else (info.sizes, info.owner_axes, info.tp_axis, info.tp_size)
   )
-  leaves, treedef = jax.tree.flatten(params)
-  planned = jax.tree.unflatten(
-    treedef,
-    [jax.ShapeDtypeStruct(shape, x.dtype) for x, shape in zip(leaves, local)],
-  )
-  owner_mesh = None if info is None else {a: sizes[a] for a in info.owner_axes}
-  groups = _checks.check_option(
-    setup.owner_groups, tp_axis=tp_axis if tp_size > 1 else None
-  )
+  # The axes a Muon param may be sharded over: owner axes and TP.
+  allowed = {a: sizes[a] for a in owner_axes}
+  if tp_axis is not None:
+    allowed[tp_axis] = sizes[tp_axis]
+  # Per leaf: its sharding entries (None where its spec is unknown), TP
+  # split and dim, the shape the layout holds (one TP shard's, zero-padded)
+  # and its padded shape (None where even).
+  rows = []
+  for spec, leaf in zip(known, targets):
+    if info is None or info.num_slots * tp_size == 1:
+      spec = P()
+    if spec is None:
+      rows.append((None, None, None, tuple(leaf.shape), None))
+      continue
+    e, shape, split, dim, held = _steps.resolve_entries(
+      leaf, spec, sizes, allowed, tp_axis, tp_size
+    )
+    # Uneven sharding (JAX accepts it): the layout holds the leaf
+    # zero-padded to a multiple of its devices per sharded dimension.
+    padded = None if shape == tuple(leaf.shape) else shape
+    rows.append((e, split, dim, held, padded))
+  entries, splits, dims, local, padded = tuple(zip(*rows)) or ((),) * 5
   plan = _assign.plan_ownership(
-    planned,
-    owner_mesh,
+    jax.tree.unflatten(
+      jax.tree.structure(params),
+      [jax.ShapeDtypeStruct(s, x.dtype) for x, s in zip(leaves, local)],
+    ),
+    None if info is None else {a: sizes[a] for a in owner_axes},
     predicate=lambda path, leaf: True,
     weight_dimension_numbers=setup.weight_dimension_numbers,
     ns_steps=len(setup.cfg.coeffs),
     ns_algorithm=setup.cfg.ns_algorithm,
-    owner_groups=groups,
+    owner_groups=_checks.check_option(
+      setup.owner_groups, tp_axis=tp_axis if tp_size > 1 else None
+    ),
     shard_counts={
       i: tuple(math.prod(sizes[a] for a in d) for d in e)
       for i, e in enumerate(entries)
@@ -323,32 +261,23 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
     # columns, see _layout.Layout.crops), never sliced over a group.
     ungroupable=[i for i, p in enumerate(padded) if p is not None],
   )
-  cfg = setup.cfg
   records = [
     _owner_layout.TargetLeaf(
       index=i,
-      path=flat[i][0],
-      shape=tuple(leaves[i].shape),
-      dtype=jnp.dtype(leaves[i].dtype).name,
+      path=paths[i],
+      shape=tuple(x.shape),
+      dtype=jnp.dtype(x.dtype).name,
       group=0,
       tp_dim=dims[i],
       padded=padded[i],
     )
-    for i in range(len(leaves))
-  ]
-  # The update routes each leaf from its context-free sharding where
-  # known, else from the one the logical axis rules in effect here give.
-  hints = [
-    e
-    if e is not None or info is None or flat[i][0] in given
-    else _steps.fitting(records[i], flat[i][2], sizes, info.owner_axes)
-    for i, e in enumerate(entries)
+    for i, x in enumerate(leaves)
   ]
   layout = _owner_layout.OwnerLayout.build(
     [plan],
     records,
     dtype_of={
-      s.leaf_index: cfg.mu_dtype or leaves[s.leaf_index].dtype
+      s.leaf_index: setup.cfg.mu_dtype or leaves[s.leaf_index].dtype
       for s in plan.leaves
     },
     split_of=dict(enumerate(splits)),
@@ -360,17 +289,48 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
     tp_axis=tp_axis,
     tp_size=tp_size,
     mesh=None if info is None else info.abstract,
-    param_entries=hints,
+    # The update routes each leaf from its context-free sharding where
+    # known, else from the one the logical axis rules in effect here give.
+    param_entries=[
+      e
+      if e is not None or info is None or paths[i] in given
+      else _steps.fitting(records[i], specs[i], sizes, owner_axes)
+      for i, e in enumerate(entries)
+    ],
   )
-  layout = dataclasses.replace(
+  return dataclasses.replace(
     layout,
     momentum=layout.placement(
-      [structural[t.index][2] for t in layout.leaves],
+      [free[t.index] for t in layout.leaves],
       [_mesh.sharding_names(holders[t.index]) for t in layout.leaves],
     ),
   )
-  _warn_if_padded(layout)
-  buffers = _zero_buffers(params, layout, mesh)
+
+
+def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
+  with_path = jax.tree_util.tree_flatten_with_path(params)[0]
+  # Names a leaf that is not an array (an unfiltered Equinox model's
+  # function) before anything reads shapes or devices.
+  _routing.check_array_leaves(with_path)
+  holders = _holders(params)
+  # Each leaf's spec as the logical axis rules in effect here give it.
+  specs = [_mesh.leaf_spec(h) for h in holders]
+  mesh = setup.mesh if setup.mesh is not None else _mesh.context_mesh()
+  if mesh is None:
+    found = (_mesh.array_mesh(x) for _, x in with_path)
+    mesh = next((m for m in found if m is not None), None)
+  _mesh.check_devices(params, mesh)
+  layout = _layout(setup, params, with_path, holders, specs, mesh)
+  uneven, extra = layout.padding()
+  if uneven:  # warned once per layout
+    total = sum(math.prod(t.shape) for t in layout.leaves)
+    _steps.warn_once(
+      PADDED_MSG.format(
+        leaves=', '.join(f'{t.path} {t.shape}->{t.padded}' for t in uneven),
+        extra=extra,
+        pct=100 * extra / max(total, 1),
+      ),
+    )
   count = jnp.zeros([], jnp.int32)
   replicate = None
   if layout.distributed:  # replicated on the mesh, eagerly as under jit
@@ -378,20 +338,8 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
     count = replicate(count)
   return ScaleByDMuonState(
     count=count,
-    mu=_owner_layout.OwnerBuffers(buffers, layout),
+    mu=_owner_layout.OwnerBuffers(_zero_buffers(holders, layout, mesh), layout),
     stamp=_owner_update.make_stamp(layout, replicate),
-  )
-
-
-def check_owner_groups(owner_groups, preconditioning, ns_algorithm):
-  """``owner_groups`` as the planner takes it: 'auto' becomes None where
-  groups cannot run (other preconditionings, the direct form only); a
-  forced ``k`` there raises. A concrete array (``optax.inject_hyperparams``
-  injects int arguments) is read as its int."""
-  if owner_groups is not None and not isinstance(owner_groups, str):
-    owner_groups = _owner_update.static_int(owner_groups, 'owner_groups')
-  return _checks.check_option(
-    owner_groups, preconditioning=preconditioning, ns_algorithm=ns_algorithm
   )
 
 
@@ -405,35 +353,7 @@ def check_tp_preconditioning(info: Any, preconditioning: str) -> None:
     )
 
 
-def check_state_tree(
-  layout: _owner_layout.OwnerLayout, updates: Any, what: str = 'update()'
-) -> list[jax.Array]:
-  """The target leaves of ``updates``; raises unless they fit ``layout``."""
-  with_path = jax.tree_util.tree_flatten_with_path(updates)[0]
-  _checks.check_same_leaves(
-    [(_routing.normalize_path(k), tuple(np.shape(x))) for k, x in with_path],
-    [(t.path, t.shape) for t in layout.leaves],
-    what,
-  )
-  return [x for _, x in with_path]
-
-
-def _update_specs(layout, updates) -> list:
-  """Per target leaf, the spec its update's Flax holder gives now (boxed
-  gradients under the logical axis rules in effect), where the layout
-  records none; else None."""
-  if all(e is not None for e in layout.param_entries):
-    return [None] * len(layout.leaves)
-  holders = _holders(updates)
-  return [
-    _mesh.leaf_spec(holders[t.index]) if e is None else None
-    for t, e in zip(layout.leaves, layout.param_entries)
-  ]
-
-
-def _update(
-  setup: _Setup, hp: _owner_update.Hyperparams, updates, state, params=None
-):
+def _update(setup: _Setup, updates, state, params=None):
   del params
   if not isinstance(getattr(state, 'mu', None), _owner_layout.OwnerBuffers):
     raise TypeError(
@@ -441,29 +361,39 @@ def _update(
       f'init(); got {type(state).__name__}.'
     )
   layout = state.mu.layout
-  leaves, treedef = jax.tree.flatten(updates)
-  targets = check_state_tree(layout, updates)
+  with_path, treedef = jax.tree_util.tree_flatten_with_path(updates)
+  _checks.check_same_leaves(
+    [(_routing.normalize_path(k), tuple(np.shape(x))) for k, x in with_path],
+    [(t.path, t.shape) for t in layout.leaves],
+    'update()',
+  )
+  targets = [x for _, x in with_path]
   count_inc = optax.safe_increment(state.count)
   mus = state.mu.buffers
   lay = layout.groups[0]
+  cfg, hp = setup.cfg, setup.hp
   # The one dispatch of the drop-in transformation: one owner slot (no
   # routes), inside the caller's shard_map over the owner axes (explicit),
   # or global arrays under plain jit (drop-in; per-leaf momentum there).
   if not layout.distributed:
     _steps.check_buffers(layout, mus, local=False)
     ortho, mu = _owner_update.owner_step(
-      setup.cfg, hp, layout, lay.pack_full(targets), mus, count_inc
+      cfg, hp, layout, lay.pack_full(targets), mus, count_inc
     )
     new = lay.unpack_full(ortho)
   elif set(layout.buffer_axes) & _collectives.manual_axes():
-    new, mu = _steps.explicit_step(
-      setup.cfg, hp, layout, targets, mus, count_inc
-    )
+    new, mu = _steps.explicit_step(cfg, hp, layout, targets, mus, count_inc)
   else:
-    specs = _update_specs(layout, updates)
-    new, mu = _steps.drop_in_step(
-      setup, hp, layout, targets, mus, count_inc, specs
-    )
+    # Per target the layout records no spec of, the one its update's Flax
+    # holder gives now (boxed gradients under the logical axis rules).
+    specs = None
+    if any(e is None for e in layout.param_entries):
+      holders = _holders(updates)
+      specs = [
+        _mesh.leaf_spec(holders[t.index]) if e is None else None
+        for t, e in zip(layout.leaves, layout.param_entries)
+      ]
+    new, mu = _steps.drop_in_step(setup, layout, targets, mus, count_inc, specs)
   # optax.contrib.muon's dtype: its momentum (mu_dtype, else the params'
   # dtype) promoted with the gradient's, e.g. float32 updates for float32
   # params and bfloat16 gradients.
@@ -477,28 +407,13 @@ def _update(
     new = _owner_update.zeros_unless(ok, new)
     mu = _owner_update.select_tree(ok, mu, tuple(mus))
     count_inc = jnp.where(ok, count_inc, state.count)
-  out = list(leaves)
+  out = [x for _, x in with_path]
   for t, x in zip(layout.leaves, new):
     out[t.index] = x
   return (
     jax.tree.unflatten(treedef, out),
     ScaleByDMuonState(
       count=count_inc, mu=state.mu.rebox(mu), stamp=state.stamp
-    ),
-  )
-
-
-def _warn_if_padded(layout) -> None:
-  """Warns once per layout that holds unevenly sharded leaves padded."""
-  padded, extra = layout.padding()
-  if not padded:
-    return
-  total = sum(math.prod(t.shape) for t in layout.leaves)
-  _steps.warn_once(
-    PADDED_MSG.format(
-      leaves=', '.join(f'{t.path} {t.shape}->{t.padded}' for t in padded),
-      extra=extra,
-      pct=100 * extra / max(total, 1),
     ),
   )
 
@@ -697,58 +612,53 @@ def scale_by_dmuon(
     >>> updates['w'].shape
     (4, 8)
   """
-  return make_scale_by_dmuon(**locals())
+  return make_scale_by_dmuon(locals())
 
 
 def make_scale_by_dmuon(
-  *,
-  beta,
-  eps,
-  preconditioning,
-  ns_algorithm,
-  mesh,
-  axis_names,
-  tensor_parallel_axis,
-  weight_dimension_numbers,
-  param_specs,
-  nonfinite,
-  owner_groups='auto',
-  shape_scaling=False,
-  consistent_rms=None,
-  **config,
+  options: dict[str, Any], shape_scaling: bool = False
 ) -> optax.GradientTransformation:
-  """:func:`scale_by_dmuon` (its arguments), optionally with the shape
-  factor on the owner (what :func:`dmuon_jax.dmuon` uses). ``config``: the
-  options only :func:`_owner_update.make_config` reads."""
+  """:func:`scale_by_dmuon` from ``options``, its arguments by name (with
+  ``consistent_rms`` where the shape factor is applied on the owner:
+  ``shape_scaling``, what :func:`dmuon_jax.dmuon` uses), validated once,
+  here, into the frozen :class:`_Setup`."""
+  o, consistent_rms = options, options.get('consistent_rms')
   hp = _owner_update.make_hyperparams(
-    beta=beta, eps=eps, consistent_rms=consistent_rms
+    beta=o['beta'], eps=o['eps'], consistent_rms=consistent_rms
   )
   cfg = _owner_update.make_config(
-    preconditioning=preconditioning,
-    ns_algorithm=ns_algorithm,
     shape_scaling=shape_scaling,
     consistent_rms=consistent_rms is not None,
-    nonfinite=nonfinite,
-    **config,
+    **{k: o[k] for k in _CONFIG},
   )
-  mesh = _mesh_argument(mesh)
+  mesh = _mesh_argument(o['mesh'])
+  axis_names, tp_axis = o['axis_names'], o['tensor_parallel_axis']
+  preconditioning, ns_algorithm = o['preconditioning'], o['ns_algorithm']
   check_tp_preconditioning(
-    _mesh.resolve(mesh, axis_names, tensor_parallel_axis), preconditioning
+    _mesh.resolve(mesh, axis_names, tp_axis), preconditioning
   )
+  param_specs = param_specs_by_path(o['param_specs'])
+  # A concrete array (optax.inject_hyperparams injects int arguments) is
+  # read as its int; 'auto' becomes None where groups cannot run (other
+  # preconditionings, the direct form only), a forced k there raises.
+  owner_groups = o['owner_groups']
+  if owner_groups is not None and not isinstance(owner_groups, str):
+    owner_groups = _owner_update.static_int(owner_groups, 'owner_groups')
   setup = _Setup(
-    cfg=cfg,
-    mesh=mesh,
-    axis_names=axis_names,
-    tensor_parallel_axis=tensor_parallel_axis,
-    weight_dimension_numbers=weight_dimension_numbers,
-    param_specs=param_specs_by_path(param_specs),
-    nonfinite=nonfinite,
-    owner_groups=check_owner_groups(
-      owner_groups, preconditioning, ns_algorithm
+    cfg,
+    hp,
+    mesh,
+    axis_names,
+    tp_axis,
+    o['weight_dimension_numbers'],
+    param_specs,
+    o['nonfinite'],
+    _checks.check_option(
+      owner_groups, preconditioning=preconditioning, ns_algorithm=ns_algorithm
     ),
   )
   return optax.GradientTransformation(
-    functools.partial(_init, setup), functools.partial(_update, setup, hp)
+    functools.partial(_init, setup), functools.partial(_update, setup)
   )
 
 
@@ -794,10 +704,12 @@ def scale_by_shape(
       weight_dimension_numbers=weight_dimension_numbers,
     ).specs
     leaves, treedef = jax.tree.flatten(updates)
-    out = []
-    for x, spec in zip(leaves, specs, strict=True):
-      scale = _owner_update.shape_scale(*spec.matrix_shape, consistent_rms)
-      out.append((scale * x).astype(x.dtype))
+    out = [
+      (
+        _owner_update.shape_scale(*spec.matrix_shape, consistent_rms) * x
+      ).astype(x.dtype)
+      for x, spec in zip(leaves, specs, strict=True)
+    ]
     return jax.tree.unflatten(treedef, out), state
 
   return optax.GradientTransformation(optax.init_empty_state, update_fn)

@@ -10,7 +10,7 @@ from absl.testing import absltest, parameterized
 
 import dmuon_jax
 from dmuon_jax import _assign, _gather_plan
-from dmuon_jax._plan import MatrixUnit
+from dmuon_jax._plan import MatrixUnit, OwnerGroup
 from tests import support
 
 
@@ -93,13 +93,14 @@ class WindowsTest(absltest.TestCase):
     units = [
       MatrixUnit(0, 'w', (i,), (4, 8), 'w', 1.0, 10, group=0) for i in range(2)
     ]
-    args = ([(10.0, 0, -1)], [(3.0, 5.0)], [[0, 1]], units, [[0, 1]], False)
-    owners, (windows,) = _assign.place(*args)
-    self.assertEqual(len(set(windows)), 1)
+    group = OwnerGroup(0, (), (8, 8), (0, 1), (0, 0), (3.0, 5.0))
+    args = ([(10.0, 0, -1)], [group], units, [[0, 1]])
+    owners, (group,) = _assign.place(*args)
+    self.assertEqual(len(set(group.iteration_owners)), 1)
     budget = _assign.Budget([0, 0], [10.2])
-    owners, (windows,) = _assign.place(*args, budget=budget)
+    owners, (group,) = _assign.place(*args, budget=budget)
     self.assertEqual(sorted(owners), [0, 1])  # a slice each
-    self.assertEqual(sorted(windows), [0, 1])
+    self.assertEqual(sorted(group.iteration_owners), [0, 1])
 
 
 def apply(per_group, moves):

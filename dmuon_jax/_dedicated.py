@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -32,38 +30,41 @@ from dmuon_jax._dedication import (
 _UNSET = object()
 
 
-def _tp_local(params, info, predicate, weight_dimension_numbers):
-  """Params with TP-split targets at one TP shard's shape.
+def _tp_local(params, targets, mesh, axis_names, tensor_parallel_axis):
+  """The owner and TP axes (``_mesh.resolve``), and the params with
+  TP-split targets at one TP shard's shape.
 
   Returns:
-    ``(params, tp_dims, tp_splits)``: the tree with
+    ``(info, tp_axis, params, (tp_dims, tp_splits))``: the mesh's axes; the
+    TP axis if it has more than one device; the tree with
     ``jax.ShapeDtypeStruct`` slices for split targets (the non-targets keep
-    their leaves, for their shardings), per leaf the split dim or None, and
-    per split target's leaf index its matrix split axis (-1 or -2).
+    their leaves, for their shardings); and per split target's leaf index
+    its split dim and its matrix split axis (-1 or -2).
   """
   leaves, treedef = jax.tree.flatten(params)
-  specs = _routing.route(
-    params,
-    predicate=predicate,
-    weight_dimension_numbers=weight_dimension_numbers,
-  ).specs
-  dims = [None] * len(leaves)
-  by_leaf = {}
-  whole = []
-  for s in specs:
-    if s is None:
-      continue
+  info = _mesh.resolve(
+    mesh,
+    axis_names,
+    tensor_parallel_axis,
+    sharded_axes=_mesh.sharded_axes(
+      [_mesh.leaf_spec(leaves[t.leaf_index]) for t in targets]
+    ),
+  )
+  dims, splits, whole = {}, {}, []
+  if info is None or info.tp_size == 1:
+    return info, None, params, (dims, splits)
+  for s in targets:
     x = leaves[s.leaf_index]
-    spec = _mesh.leaf_spec(x) or P()
-    entries = _mesh.normalize_entries(spec, len(s.shape), info.sizes)
+    entries = _mesh.normalize_entries(
+      _mesh.leaf_spec(x) or P(), len(s.shape), info.sizes
+    )
     _, split, dim, shape = _mesh.split_tensor_parallel(
       s, entries, info.tp_axis, info.tp_size
     )
     if split is None:
       whole.append(s.path)
       continue
-    by_leaf[s.leaf_index] = split
-    dims[s.leaf_index] = dim
+    splits[s.leaf_index], dims[s.leaf_index] = split, dim
     leaves[s.leaf_index] = jax.ShapeDtypeStruct(shape, x.dtype)
   if whole:
     raise ValueError(
@@ -74,33 +75,28 @@ def _tp_local(params, info, predicate, weight_dimension_numbers):
       'use the drop-in dmuon_jax.dmuon (which orthogonalizes '
       'TP-replicated matrices on every TP shard of the owner).'
     )
-  return jax.tree.unflatten(treedef, leaves), tuple(dims), by_leaf
+  return info, info.tp_axis, jax.tree.unflatten(treedef, leaves), (dims, splits)
 
 
-def _buffer_axes(
+def _owner_axes(
   plan: _plan.OwnershipPlan, replicate_axis: str | None
-) -> tuple[tuple[str, ...], str | None]:
-  """Owner axes in buffer order (shard axes, then replicate) and the
-  replicate axis if it has more than one device."""
+) -> tuple[tuple[str, ...], str | None, str | None]:
+  """``(buffer_axes, rep_axis, group_axis)``: the owner axes in buffer
+  order (shard axes, then replicate); the replicate axis if it has more
+  than one device; and the axis owner groups range over: the innermost
+  owner axis of more than one device that is not ``rep_axis`` (a group's
+  Grams then stay in a shard group), else the replicate axis (a DDP mesh,
+  whose shard axis has one device)."""
   sizes = dict(zip(plan.axis_names, plan.mesh_shape))
-  if replicate_axis not in sizes:
-    return plan.axis_names, None
-  axes = tuple(a for a in plan.axis_names if a != replicate_axis)
-  return axes + (replicate_axis,), (
-    replicate_axis if sizes[replicate_axis] > 1 else None
-  )
-
-
-def _group_axis(plan: _plan.OwnershipPlan, rep_axis: str | None) -> str | None:
-  """The axis owner groups range over: the innermost owner axis of more
-  than one device that is not the HSDP replicate axis (a group's Grams then
-  stay in a shard group), else the replicate axis (a DDP mesh, whose shard
-  axis has one device)."""
-  sizes = dict(zip(plan.axis_names, plan.mesh_shape))
+  buffer_axes, rep_axis = plan.axis_names, None
+  if replicate_axis in sizes:
+    buffer_axes = tuple(a for a in plan.axis_names if a != replicate_axis)
+    buffer_axes += (replicate_axis,)
+    rep_axis = replicate_axis if sizes[replicate_axis] > 1 else None
   axes = [a for a in plan.axis_names if a != rep_axis and sizes[a] > 1]
   if not axes:
     axes = [a for a in plan.axis_names if sizes[a] > 1] or list(plan.axis_names)
-  return axes[-1] if axes else None
+  return buffer_axes, rep_axis, axes[-1] if axes else None
 
 
 def _rest_spec(x: Any, path: str, mesh: Any, scanned_names) -> P:
@@ -126,24 +122,6 @@ def _rest_spec(x: Any, path: str, mesh: Any, scanned_names) -> P:
       'one layer per iteration) or replicate it.'
     )
   return spec
-
-
-def _gather_groups(
-  bounds: _checks.HookBoundaries, k: int
-) -> list[tuple[int, ...]]:
-  """Consecutive loop boundaries by ``k``; each scanned stack alone."""
-  groups, run = [], []
-  for b, scanned in enumerate(bounds.scanned):
-    if scanned:
-      groups.append((b,))
-      continue
-    run.append(b)
-    if len(run) == k:
-      groups.append(tuple(run))
-      run = []
-  if run:
-    groups.append(tuple(run))
-  return groups
 
 
 def dedicate(
@@ -298,40 +276,21 @@ def dedicate(
     boundary_predicate=boundary_predicate,
     strict=strict,
   )
-  param_leaves = jax.tree.leaves(params)
-  info = _mesh.resolve(
-    mesh,
-    axis_names,
-    tensor_parallel_axis,
-    sharded_axes=_mesh.sharded_axes(
-      [
-        _mesh.leaf_spec(param_leaves[t.leaf_index])
-        for t in routing.specs
-        if t is not None
-      ]
-    ),
+  targets = [t for t in routing.specs if t is not None]
+  leaves = jax.tree.leaves(params)
+  info, tp_axis, local, tp = _tp_local(
+    params, targets, mesh, axis_names, tensor_parallel_axis
   )
-  tp_n = info.tp_size if info is not None else 1
-  tp_dims: tuple[int | None, ...] = (None,) * len(jax.tree.leaves(params))
-  tp_splits_by_leaf: dict[int, int | None] = {}
-  if tp_n > 1:
-    params, tp_dims, tp_splits_by_leaf = _tp_local(
-      params, info, predicate, dims_numbers
-    )
   of_target = dict(zip(bounds.paths, bounds.of_target))
-  scanned = [
-    t
-    for t in routing.specs
-    if t is not None and bounds.scanned[of_target[t.path]]
-  ]
+  scanned = [t for t in targets if bounds.scanned[of_target[t.path]]]
   owner_groups = _checks.check_option(
     owner_groups,
     ns_algorithm=ns_algorithm,
-    tp_axis=info.tp_axis if tp_n > 1 else None,
+    tp_axis=tp_axis,
     scanned=[t.path for t in scanned],
   )
-  base_plan = _assign.plan_ownership(
-    params,
+  plan = _assign.plan_ownership(
+    local,
     mesh,
     axis_names=None if info is None else info.owner_axes,
     predicate=predicate,
@@ -340,38 +299,106 @@ def dedicate(
     owner_groups=owner_groups,
     ungroupable=[t.leaf_index for t in scanned],
   )
-  split = owner_groups == 'auto'
-  memo: dict = {}
-  build = functools.partial(
-    _build,
-    split=split,
-    memo=memo,
-    params=params,
-    abstract=abstract,
+  buffer_axes, rep_axis, group_axis = _owner_axes(plan, replicate_axis)
+  # plan_gather_groups and gather_group_bytes take the same arguments.
+  axes, place = (
+    (buffer_axes, group_axis),
+    dict(split=owner_groups == 'auto', memo={}),
+  )
+  k, choice = layers_per_gather, 'given'
+  if layers_per_gather == 'auto':
+    stacks = sorted({t.shape[0] for t in scanned})
+    k, choice = _auto_choice(
+      plan, bounds, stacks, rep_axis, reshard_after_forward, *axes, **place
+    )
+  groups, specs = _gather_groups(bounds, plan, k)
+  gathered = _gather_plan.plan_gather_groups(plan, specs, k, *axes, **place)
+  plan = gathered[0]
+  return Dedication(
+    plan=plan,
+    boundaries=bounds,
+    groups=tuple(groups),
+    layout=_layout(*gathered, k, leaves, tp, info, buffer_axes),
+    layers_per_gather=k,
+    layers_per_gather_choice=choice,
+    treedef=jax.tree.structure(params),
     mesh=mesh,
-    bounds=bounds,
-    base_plan=base_plan,
-    info=info,
-    tp_n=tp_n,
-    tp_dims=tp_dims,
-    tp_splits_by_leaf=tp_splits_by_leaf,
-    replicate_axis=replicate_axis,
     reshard_after_forward=reshard_after_forward,
-    remat_policy=remat_policy,
+    buffer_axes=buffer_axes,
+    replicate_axis=rep_axis,
+    remat_policy=remat_policy or jax.checkpoint_policies.dots_saveable,
+    **_rest(params, leaves, plan, mesh, bounds),
+    abstract_params=abstract,
+    tensor_parallel_axis=tp_axis,
     ns_algorithm=ns_algorithm,
   )
-  if layers_per_gather != 'auto':
-    return build(layers_per_gather, 'given')
-  return build(
-    *_auto_choice(
-      params,
-      bounds,
-      base_plan,
-      replicate_axis,
-      reshard_after_forward,
-      split=split,
-      memo=memo,
-    )
+
+
+def _layout(
+  plan: _plan.OwnershipPlan,
+  group_plans: Sequence[_plan.OwnershipPlan],
+  iterations: Sequence[int],
+  k: int,
+  leaves: Sequence[Any],
+  tp: tuple[dict[int, int], dict[int, int]],
+  info: Any,
+  buffer_axes: tuple[str, ...],
+) -> _owner_layout.OwnerLayout:
+  """The owner layout of the gather groups' plans (``leaves``: the whole
+  params; ``k`` layers per scan iteration; ``tp``: per TP-split target's
+  leaf index, its split dim and its matrix split axis)."""
+  tp_dims, tp_splits = tp
+  sizes = dict(zip(plan.axis_names, plan.mesh_shape))
+  group_of = {
+    s.leaf_index: g for g, gp in enumerate(group_plans) for s in gp.leaves
+  }
+  return _owner_layout.OwnerLayout.build(
+    group_plans,
+    [
+      _owner_layout.TargetLeaf(
+        index=s.leaf_index,
+        path=s.path,
+        shape=np.shape(leaves[s.leaf_index]),
+        dtype=s.dtype,
+        group=group_of[s.leaf_index],
+        tp_dim=tp_dims.get(s.leaf_index),
+      )
+      for s in plan.leaves
+    ],
+    dtype_of={s.leaf_index: s.dtype for s in plan.leaves},
+    split_of=tp_splits,
+    buffer_axes=buffer_axes,
+    buffer_sizes=tuple(sizes[a] for a in buffer_axes),
+    tp_axis=None if info is None else info.tp_axis,
+    tp_size=1 if info is None else info.tp_size,
+    mesh=None if info is None else info.abstract,
+    iterations=iterations,
+    layers_per_iteration=tuple(k if it else 1 for it in iterations),
+    kind='dedicated',
+  )
+
+
+def _rest(params, leaves, plan, mesh, bounds) -> dict[str, tuple[Any, ...]]:
+  """The :class:`Dedication` fields of the leaves' paths: ``rest_specs``
+  (see :func:`_rest_spec`), ``leaf_paths`` and ``boundary_keys``."""
+  flat = jax.tree.flatten_with_path(params)[0]
+  leaf_paths = tuple(_routing.normalize_path(keys) for keys, _ in flat)
+  owned = {s.leaf_index for s in plan.leaves}
+  scanned_names = [n for n, sc in zip(bounds.names, bounds.scanned) if sc]
+  return dict(
+    rest_specs=tuple(
+      None if i in owned else _rest_spec(x, path, mesh, scanned_names)
+      for i, (x, path) in enumerate(zip(leaves, leaf_paths))
+    ),
+    leaf_paths=leaf_paths,
+    boundary_keys=tuple(
+      next(
+        tuple(keys[: len([s for s in name.split('/') if s])])
+        for (keys, _), path in zip(flat, leaf_paths)
+        if not name or path == name or path.startswith(name + '/')
+      )
+      for name in bounds.names
+    ),
   )
 
 
@@ -409,183 +436,62 @@ def _check_layers_per_gather(layers_per_gather: Any) -> None:
     )
 
 
-def _stack_lengths(params: Any, bounds: _checks.HookBoundaries) -> list[int]:
-  """The distinct layer counts of the scanned stacks, sorted."""
-  shape_of = {
-    _routing.normalize_path(keys): np.shape(x)
-    for keys, x in jax.tree.flatten_with_path(params)[0]
-  }
-  return sorted(
-    {
-      shape_of[path][0]
-      for path, b in zip(bounds.paths, bounds.of_target)
-      if bounds.scanned[b] and shape_of[path]
-    }
-  )
-
-
-def _build(
-  k: int,
-  choice: str,
-  *,
-  params: Any,
-  abstract: Any,
-  mesh: Any,
-  bounds: _checks.HookBoundaries,
-  base_plan: _plan.OwnershipPlan,
-  info: Any,
-  tp_n: int,
-  tp_dims: tuple[int | None, ...],
-  tp_splits_by_leaf: dict[int, int | None],
-  replicate_axis: str | None,
-  reshard_after_forward: bool,
-  remat_policy: Callable[..., Any] | None,
-  ns_algorithm: str,
-  split: bool,
-  memo: dict,
-) -> Dedication:
-  """The dedication of ``k`` layers per gather (``choice``: how ``k`` was
-  chosen); the keyword arguments are what :func:`dedicate` fixed first."""
-  plan = base_plan
-  buffer_axes, rep_axis = _buffer_axes(plan, replicate_axis)
-  sizes = dict(zip(plan.axis_names, plan.mesh_shape))
-  leaves = jax.tree.leaves(params)
-  flat = jax.tree.flatten_with_path(params)[0]
-  leaf_paths = tuple(_routing.normalize_path(keys) for keys, _ in flat)
-  groups = _gather_groups(bounds, k)
-  scanned_names = [n for n, sc in zip(bounds.names, bounds.scanned) if sc]
-  plan, group_plans, iterations = _gather_plan.plan_gather_groups(
-    plan,
-    _group_specs(bounds, plan, k),
-    k,
-    buffer_axes,
-    _group_axis(plan, rep_axis),
-    split=split,
-    memo=memo,
-  )
-  full_shapes = jax.tree.leaves(abstract)
-  group_of_leaf = {
-    s.leaf_index: g for g, gp in enumerate(group_plans) for s in gp.leaves
-  }
-  layout = _owner_layout.OwnerLayout.build(
-    group_plans,
-    [
-      _owner_layout.TargetLeaf(
-        index=s.leaf_index,
-        path=s.path,
-        shape=tuple(full_shapes[s.leaf_index].shape),
-        dtype=jnp.dtype(s.dtype).name,
-        group=group_of_leaf[s.leaf_index],
-        tp_dim=tp_dims[s.leaf_index],
-      )
-      for s in plan.leaves
-    ],
-    dtype_of={s.leaf_index: leaves[s.leaf_index].dtype for s in plan.leaves},
-    split_of=tp_splits_by_leaf,
-    buffer_axes=buffer_axes,
-    buffer_sizes=tuple(sizes[a] for a in buffer_axes),
-    tp_axis=None if info is None else info.tp_axis,
-    tp_size=tp_n,
-    mesh=None if info is None else info.abstract,
-    iterations=iterations,
-    layers_per_iteration=tuple(k if it else 1 for it in iterations),
-    kind='dedicated',
-  )
-  targets = {s.leaf_index for s in plan.leaves}
-  rest_specs = tuple(
-    None if i in targets else _rest_spec(x, path, mesh, scanned_names)
-    for i, (x, path) in enumerate(zip(leaves, leaf_paths))
-  )
-  boundary_keys = _boundary_keys(bounds, flat, leaf_paths)
-  return Dedication(
-    plan=plan,
-    boundaries=bounds,
-    groups=tuple(groups),
-    layout=layout,
-    layers_per_gather=k,
-    layers_per_gather_choice=choice,
-    treedef=jax.tree.structure(params),
-    mesh=mesh,
-    reshard_after_forward=reshard_after_forward,
-    buffer_axes=buffer_axes,
-    replicate_axis=rep_axis,
-    remat_policy=(
-      remat_policy
-      if remat_policy is not None
-      else jax.checkpoint_policies.dots_saveable
-    ),
-    rest_specs=rest_specs,
-    leaf_paths=leaf_paths,
-    boundary_keys=tuple(boundary_keys),
-    abstract_params=abstract,
-    tensor_parallel_axis=info.tp_axis if tp_n > 1 else None,
-    ns_algorithm=ns_algorithm,
-  )
-
-
-def _group_specs(
+def _gather_groups(
   bounds: _checks.HookBoundaries, plan: _plan.OwnershipPlan, k: int
-) -> list[tuple[str, bool, list[_routing.LeafSpec]]]:
-  """Per gather group of ``k`` boundaries: its name, whether it is a
+) -> tuple[list[tuple[int, ...]], list[tuple[str, bool, list[Any]]]]:
+  """Consecutive loop boundaries by ``k``, each scanned stack alone; and
+  per such group what the gather planner takes: its name, whether it is a
   scanned stack, and its Muon leaves."""
+  groups, run = [], []
+  for b, scanned in enumerate(bounds.scanned):
+    if scanned:
+      groups.append((b,))
+      continue
+    run.append(b)
+    if len(run) == k:
+      groups.append(tuple(run))
+      run = []
+  if run:
+    groups.append(tuple(run))
   path_boundary = dict(zip(bounds.paths, bounds.of_target))
-  return [
+  return groups, [
     (
       bounds.names[group[0]],
       bounds.scanned[group[0]],
       [s for s in plan.leaves if path_boundary[s.path] in group],
     )
-    for group in _gather_groups(bounds, k)
+    for group in groups
   ]
 
 
-def _boundary_keys(bounds, flat, leaf_paths) -> list[tuple[Any, ...]]:
-  """Per boundary, the key path of its subtree."""
-  boundary_keys = []
-  for name in bounds.names:
-    depth = len([s for s in name.split('/') if s])
-    boundary_keys.append(
-      next(
-        tuple(keys[:depth])
-        for keys, path in zip((keys for keys, _ in flat), leaf_paths)
-        if not name or path == name or path.startswith(name + '/')
-      )
-    )
-  return boundary_keys
-
-
 def _auto_choice(
-  params, bounds, base_plan, replicate_axis, z3, **options
+  plan, bounds, stacks, rep_axis, z3, *args, **options
 ) -> tuple[int, str]:
   """``(k, choice)`` of ``layers_per_gather='auto'``.
 
-  Of the group sizes that divide every scanned stack, the one whose plan
-  (per gather group its bytes, :func:`_gather_plan.gather_group_bytes`
-  with ``options``: its ``split`` and ``memo``) minimizes the bytes a step
-  moves plus the bytes Z3 holds gathered at its peak (:func:`auto_cost`);
-  ties go to the smaller size.
+  Of the group sizes that divide every scanned stack (``stacks``: their
+  lengths), the one whose plan (per gather group its bytes,
+  :func:`_gather_plan.gather_group_bytes` with ``args`` and ``options``)
+  minimizes the bytes a step moves plus the bytes Z3 holds gathered at its
+  peak (:func:`auto_cost`); ties go to the smaller size.
   """
-  buffer_axes, rep_axis = _buffer_axes(base_plan, replicate_axis)
-  sizes = dict(zip(base_plan.axis_names, base_plan.mesh_shape))
-  stacks = _stack_lengths(params, bounds)
-  loops = sum(1 for sc in bounds.scanned if not sc)
-  top = max([loops] + list(stacks) + [1])
-  ks = [k for k in range(1, top + 1) if all(n % k == 0 for n in stacks)]
+  sizes = dict(zip(plan.axis_names, plan.mesh_shape))
+  top = max([sum(1 for sc in bounds.scanned if not sc), *stacks, 1])
   best = None
-  for k in ks:
+  for k in range(1, top + 1):
+    if any(n % k for n in stacks):
+      continue
     got = _gather_plan.gather_group_bytes(
-      base_plan,
-      _group_specs(bounds, base_plan, k),
+      plan,
+      _gather_groups(bounds, plan, k)[1],
       k,
-      buffer_axes,
-      _group_axis(base_plan, rep_axis),
+      *args,
       **options,
     )
-    payload = sum(b.payload for b in got)
-    pad = padding_percent(payload, sum(b.gathered for b in got))
     cost = auto_cost(got, sizes, rep_axis, z3)
     if best is None or cost < best[0] * (1 - 1e-9):
-      best = (cost, k, pad)
+      payload = sum(b.payload for b in got)
+      best = (cost, k, padding_percent(payload, sum(b.gathered for b in got)))
   _, k, pad = best
   return k, 'auto' if pad <= AUTO_PADDING_PERCENT else 'auto, padding above 5%'
 

@@ -488,11 +488,11 @@ def check_owned(
     )
 
 
-def _replicated(mesh, xs):
-  """``xs`` on every device (conversions index across the owner axes)."""
-  if mesh is None:
-    return list(xs)
-  return [jax.device_put(x, NamedSharding(mesh, P())) for x in xs]
+def _replicated(mesh, tree):
+  """``tree`` on every device (conversions index across the owner axes)."""
+  return (
+    tree if mesh is None else jax.device_put(tree, NamedSharding(mesh, P()))
+  )
 
 
 @functools.lru_cache(maxsize=128)
@@ -509,9 +509,8 @@ def pack_owned(
   shardings=None,
 ) -> _owner_layout.OwnerBuffers:
   """Owner buffers (placed) from whole arrays, leaf index -> array."""
-  keys = sorted(values)
   mesh_of = mesh if isinstance(mesh, jax.sharding.Mesh) else None
-  full = dict(zip(keys, _replicated(mesh_of, [values[k] for k in keys])))
+  full = _replicated(mesh_of, dict(values))
   dtypes = None if dtypes is None else tuple(jnp.dtype(d) for d in dtypes)
   bufs = _jitted(layout, 'pack', dtypes)(full)
   if shardings is None and mesh_of is not None:
@@ -776,9 +775,8 @@ def scale_by_dedicated_muon(
 
 def _muon_init(cfg, ded, owned):
   check_owned(ded.layout, owned, 'dedicated_muon init()')
-  dtype = cfg.mu_dtype
   layout = owned.layout
-  mu = [jnp.zeros_like(b, dtype=dtype) for b in owned.buffers]
+  mu = [jnp.zeros_like(b, dtype=cfg.mu_dtype) for b in owned.buffers]
   mesh = ded.mesh if ded.mesh is not None else layout.mesh
   if (
     layout.distributed
@@ -822,28 +820,26 @@ def _muon_update(cfg, hp, decay, ded, grads, state, params=None):
     )
     return list(out), list(mu)
 
+  g = list(grads.buffers)
   if set(layout.buffer_axes) & manual or not layout.distributed:
     # The local blocks (inside shard_map, or one device).
     n = layout.num_slots if manual else 1
-    g = [x / n for x in grads.buffers] if n > 1 else list(grads.buffers)
+    g = [x / n for x in g] if n > 1 else g
     specs = _gather.buffer_tp_specs(ded, g)
     # With the TP axis automatic (dmuon_jax.flax.train_step), each TP
     # shard's slices in a shard_map over it: the Gram all-reduces need it.
-    run = _gather.on_tp_shards(
-      ded,
-      body,
-      (specs, specs, specs if decay else None, P(), P()),
-      (specs, specs),
-    )
+    wrap = functools.partial(_gather.on_tp_shards, ded)
   else:  # global arrays (plain jit): a shard_map over the whole mesh
-    g = list(grads.buffers)
     specs = list(layout.buffer_specs())
-    run = jax.shard_map(
-      body,
-      mesh=ded.mesh if ded.mesh is not None else layout.mesh,
-      in_specs=(specs, specs, specs if decay else None, P(), P()),
-      out_specs=(specs, specs),
+    mesh = ded.mesh if ded.mesh is not None else layout.mesh
+    wrap = lambda fn, i, o: jax.shard_map(
+      fn, mesh=mesh, in_specs=i, out_specs=o
     )
+  run = wrap(
+    body,
+    (specs, specs, specs if decay else None, P(), P()),
+    (specs, specs),
+  )
   ortho, mu = run(g, list(state.mu.buffers), param_bufs, count_inc, dyn)
   # optax.contrib.muon's dtype: the momentum's promoted with the gradient's.
   out = [

@@ -306,16 +306,20 @@ class Layout:
     Returns:
       One flat buffer per dtype group.
     """
-    mats = [to_matrices(x, spec) for x, spec in zip(leaves, self.plan.leaves)]
+    mats = {}  # each leaf's matrices, made where first read
+
+    def get(u):
+      i = self.unit_leaf[u]
+      if i not in mats:
+        mats[i] = to_matrices(leaves[i], self.plan.leaves[i])
+      return mats[i][self.unit_batch[u]]
+
     out = []
     for g, slots in enumerate(self.slot_units):
       dt = dtype or self.promoted(leaves, g)
       blocks = []
       for s, units in enumerate(slots):
-        pieces = [
-          mats[self.unit_leaf[u]][self.unit_batch[u]].reshape(-1).astype(dt)
-          for u in units
-        ]
+        pieces = [get(u).reshape(-1).astype(dt) for u in units]
         pad = self.local_sizes[g] - int(self.slot_used[g, s])
         if pad or not units:
           pieces.append(jnp.zeros((pad,), dt))

@@ -235,34 +235,32 @@ class Layout:
     """
     self.plan = plan
     self.num_slots = plan.num_slots
-    names = tuple(np.dtype(d).name for d in dtypes)
-    self.leaf_dtypes = names
+    none = (None,) * len(plan.leaves)
+    self.leaf_dtypes = names = tuple(np.dtype(d).name for d in dtypes)
     self.dtypes = tuple(sorted(set(names)))
+    self.tp_splits = tuple(tp_splits or none)
+    self.logical = tuple(x if x is None else tuple(x) for x in logical or none)
     pos = {spec.leaf_index: i for i, spec in enumerate(plan.leaves)}
-    n = len(plan.units)
     self.unit_leaf = [pos[u.leaf_index] for u in plan.units]
-    self.tp_splits = (
-      tuple(tp_splits) if tp_splits is not None else (None,) * len(plan.leaves)
-    )
     self.unit_group = [self.dtypes.index(names[i]) for i in self.unit_leaf]
-    self.unit_offset = [0] * n
-    self.unit_size = [u.shape[0] * u.shape[1] for u in plan.units]
-    self.unit_batch = [0] * n
-    for u, unit in enumerate(plan.units):
-      spec = plan.leaves[self.unit_leaf[u]]
-      if unit.batch_index:
-        self.unit_batch[u] = int(
-          np.ravel_multi_index(
-            unit.batch_index, [spec.shape[a] for a in spec.batch_axes]
-          )
-        )
-    # slot_units[g][s]: unit indices of group g owned by slot s, in order.
+    self.unit_size = [math.prod(u.shape) for u in plan.units]
+    self.unit_batch, self.unit_offset = [], []
+    # slot_units[g][s]: unit indices of group g owned by slot s, in order;
+    # leaf_units[i]: unit indices of plan.leaves[i] by flat batch index.
     self.slot_units = [[[] for _ in range(self.num_slots)] for _ in self.dtypes]
+    self.leaf_units = [[] for _ in plan.leaves]
     used = np.zeros((len(self.dtypes), self.num_slots), np.int64)
-    for u, owner in enumerate(plan.owners):
-      g = self.unit_group[u]
+    for u, (unit, owner) in enumerate(zip(plan.units, plan.owners)):
+      spec, g = plan.leaves[self.unit_leaf[u]], self.unit_group[u]
+      dims = [spec.shape[a] for a in spec.batch_axes]
+      self.unit_batch.append(
+        int(np.ravel_multi_index(unit.batch_index, dims))
+        if unit.batch_index
+        else 0
+      )
+      self.leaf_units[self.unit_leaf[u]].append(u)
       self.slot_units[g][owner].append(u)
-      self.unit_offset[u] = int(used[g, owner])
+      self.unit_offset.append(int(used[g, owner]))
       used[g, owner] += self.unit_size[u]
     self.slot_used = used
     self.local_sizes = tuple(
@@ -279,15 +277,6 @@ class Layout:
         'elements per dtype, for one program on every device.',
         stacklevel=2,
       )
-    # leaf_units[i]: unit indices of plan.leaves[i] by flat batch index.
-    self.leaf_units = [[] for _ in plan.leaves]
-    for u in range(n):
-      self.leaf_units[self.unit_leaf[u]].append(u)
-    self.logical = (
-      tuple(None if x is None else tuple(x) for x in logical)
-      if logical is not None
-      else (None,) * len(plan.leaves)
-    )
     self.crops = [
       _crop(spec, shape, split)
       for spec, shape, split in zip(plan.leaves, self.logical, self.tp_splits)
@@ -304,26 +293,6 @@ class Layout:
   def num_groups(self) -> int:
     return len(self.dtypes)
 
-  def unit_getter(self, leaves: Sequence[jax.Array]) -> Callable:
-    """Returns ``u -> (m, n)`` matrix of unit ``u`` from full leaves."""
-    cache = {}
-
-    def get(u):
-      i = self.unit_leaf[u]
-      if i not in cache:
-        spec = self.plan.leaves[i]
-        cache[i] = to_matrices(leaves[i], spec)
-      return cache[i][self.unit_batch[u]]
-
-    return get
-
-  def _flat_slot(self, get, g: int, s: int, dtype) -> jax.Array:
-    pieces = [get(u).reshape(-1).astype(dtype) for u in self.slot_units[g][s]]
-    pad = self.local_sizes[g] - int(self.slot_used[g, s])
-    if pad or not pieces:
-      pieces.append(jnp.zeros((pad,), dtype))
-    return jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0]
-
   def pack_full(
     self, leaves: Sequence[jax.Array], dtype=None
   ) -> tuple[jax.Array, ...]:
@@ -337,24 +306,31 @@ class Layout:
     Returns:
       One flat buffer per dtype group.
     """
-    get = self.unit_getter(leaves)
+    mats = {}  # each leaf's matrices, made where first read
+
+    def get(u):
+      i = self.unit_leaf[u]
+      if i not in mats:
+        mats[i] = to_matrices(leaves[i], self.plan.leaves[i])
+      return mats[i][self.unit_batch[u]]
+
     out = []
-    for g in range(self.num_groups):
+    for g, slots in enumerate(self.slot_units):
       dt = dtype or self.promoted(leaves, g)
-      out.append(
-        jnp.concatenate(
-          [self._flat_slot(get, g, s, dt) for s in range(self.num_slots)]
-        )
-      )
+      blocks = []
+      for s, units in enumerate(slots):
+        pieces = [get(u).reshape(-1).astype(dt) for u in units]
+        pad = self.local_sizes[g] - int(self.slot_used[g, s])
+        if pad or not units:
+          pieces.append(jnp.zeros((pad,), dt))
+        blocks.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
+      out.append(jnp.concatenate(blocks))
     return tuple(out)
 
   def promoted(self, leaves, g):
     """The promoted dtype of dtype group ``g``'s leaves."""
-    dts = [
-      leaves[self.unit_leaf[u]].dtype
-      for slot in self.slot_units[g]
-      for u in slot
-    ]
+    name = self.dtypes[g]
+    dts = [x.dtype for x, d in zip(leaves, self.leaf_dtypes) if d == name]
     return jnp.result_type(*dts) if dts else jnp.dtype(self.dtypes[g])
 
   def unpack_full(
@@ -385,44 +361,27 @@ class Layout:
       out.append(from_matrices(jnp.stack(mats), spec))
     return out
 
-  def logical_matrix(self, i: int) -> tuple[int, int] | None:
-    """``(fan_in, fan_out)`` of plan leaf ``i``'s param before padding (the
-    whole matrix, not a TP shard's slice), or None if it is not padded."""
-    shape = self.logical[i]
-    if shape is None:
-      return None
-    spec = self.plan.leaves[i]
-    if spec.sliced:
-      raise ValueError(
-        f'dmuon: internal: padded param {spec.path!r} was sliced for an '
-        'owner group.'
-      )
+  def _unit_key(self, u: int) -> tuple:
+    """What unit ``u`` shares with the others of its bucket: (shape, TP
+    split, the params' dtype, grouped, the padding's crop as bytes)."""
+    leaf, crop = self.unit_leaf[u], self.crops[self.unit_leaf[u]]
     return (
-      math.prod(shape[a] for a in spec.reduction_axes),
-      math.prod(shape[a] for a in spec.output_axes),
+      self.plan.units[u].shape,
+      self.tp_splits[leaf],
+      self.plan.leaves[leaf].dtype,
+      self.plan.units[u].group >= 0,
+      None if crop is None else (crop[0].tobytes(), crop[1].tobytes()),
     )
 
   def buckets(self, g: int, slot: int) -> list[Bucket]:
     """A slot's matrices of dtype group ``g``, by (shape, TP split, the
     params' dtype, the padding)."""
     by_key: dict[tuple, list[int]] = {}
-    crops = {}
     for u in self.slot_units[g][slot]:
-      leaf = self.unit_leaf[u]
-      crop = self.crops[leaf]
-      ckey = None if crop is None else (crop[0].tobytes(), crop[1].tobytes())
-      crops[ckey] = crop
-      key = (
-        self.plan.units[u].shape,
-        self.tp_splits[leaf],
-        self.plan.leaves[leaf].dtype,
-        self.plan.units[u].group >= 0,
-        ckey,
-      )
-      by_key.setdefault(key, []).append(u)
+      by_key.setdefault(self._unit_key(u), []).append(u)
     return [
-      Bucket(shape, split, dtype, tuple(units), grouped, crops[ckey])
-      for (shape, split, dtype, grouped, ckey), units in by_key.items()
+      Bucket(*key[:3], tuple(us), key[3], self.crops[self.unit_leaf[us[0]]])
+      for key, us in by_key.items()
     ]
 
   @property
@@ -453,24 +412,14 @@ class Layout:
     for s in range(self.num_slots):
       for g in range(self.num_groups):
         for b in self.buckets(g, s):
-          kept = b.units if units is None else tuple(units(g, s, b))
-          for u in kept:
-            key = (
-              b.shape,
-              b.tp_split,
-              b.dtype,
-              b.grouped,
-              None
-              if b.crop is None
-              else (b.crop[0].tobytes(), b.crop[1].tobytes()),
-              extra(u),
-            )
-            _, _, per = found.setdefault((g, repr(key)), (key, b, {}))
+          for u in b.units if units is None else units(g, s, b):
+            key = repr(self._unit_key(u) + (extra(u),))
+            _, per = found.setdefault((g, key), (b, {}))
             per.setdefault(s, []).append(u)
     buckets: list[list[Bucket]] = [[] for _ in range(self.num_groups)]
     tables, trips = [], []
     for g, rkey in sorted(found):
-      _, b, per = found[g, rkey]
+      b, per = found[g, rkey]
       offsets = [
         sorted(self.unit_offset[u] for u in per.get(s, ()))
         for s in range(self.num_slots)
@@ -527,30 +476,26 @@ class Layout:
       jnp.zeros((self.local_sizes[g],), buf.dtype) + tie.astype(buf.dtype)
       for g, buf in enumerate(operands[0])
     ]
-    i = 0
-    for g, group_buckets in enumerate(work.buckets):
-      for bucket in group_buckets:
-        count, cols = table_columns(rows[i], len(bucket.units))
-        trips = count if work.trips[i] is None else work.trips[i]
-        i += 1
+    typed = [(g, b) for g, bs in enumerate(work.buckets) for b in bs]
+    for (g, bucket), row, trips in zip(typed, rows, work.trips):
+      count, cols = table_columns(row, len(bucket.units))
 
-        def chunk(result, *offs, g=g, bucket=bucket):
-          stacks = tuple(
-            _gather.in_loop(
-              jnp.stack(
-                [self.matrix_at(ops[g], o, bucket.shape) for o in offs]
-              ),
-              result,
-            )
-            for ops in operands
+      def chunk(result, *offs, g=g, bucket=bucket):
+        stacks = tuple(
+          _gather.in_loop(
+            jnp.stack([self.matrix_at(ops[g], o, bucket.shape) for o in offs]),
+            result,
           )
-          for o, r in zip(offs, fn(stacks, bucket)):
-            result = jax.lax.dynamic_update_slice_in_dim(
-              result, r.reshape(-1).astype(result.dtype), o, 0
-            )
-          return result
+          for ops in operands
+        )
+        for o, r in zip(offs, fn(stacks, bucket)):
+          result = jax.lax.dynamic_update_slice_in_dim(
+            result, r.reshape(-1).astype(result.dtype), o, 0
+          )
+        return result
 
-        out[g] = _gather.for_each(trips, cols, chunk, out[g], like=operands)
+      trips = count if trips is None else trips
+      out[g] = _gather.for_each(trips, cols, chunk, out[g], like=operands)
     return tuple(out)
 
   def whole_tables(self, leaves: Sequence[int]) -> list[np.ndarray]:

@@ -195,7 +195,6 @@ class OwnerLayout:
       )
       for gp in plans
     )
-    distributed = math.prod(buffer_sizes) * tp_size > 1
     return cls(
       groups=groups,
       iterations=tuple(iterations or (0,) * len(groups)),
@@ -203,11 +202,9 @@ class OwnerLayout:
       buffer_sizes=tuple(buffer_sizes),
       tp_axis=tp_axis if tp_size > 1 else None,
       tp_size=tp_size,
-      mesh=mesh if distributed else None,
+      mesh=mesh if math.prod(buffer_sizes) * tp_size > 1 else None,
       leaves=tuple(leaves),
-      param_entries=tuple(
-        (None,) * len(leaves) if param_entries is None else param_entries
-      ),
+      param_entries=tuple(param_entries or (None,) * len(leaves)),
       layers_per_iteration=tuple(layers_per_iteration),
       kind=kind,
     )
@@ -245,13 +242,8 @@ class OwnerLayout:
   def split_groups(self, blocks: Sequence[Any]) -> list[tuple]:
     """Flat owner blocks (one per group and dtype group, whatever
     ``momentum`` says), split by group, in group order."""
-    index = [
-      g for g, lay in enumerate(self.groups) for _ in range(lay.num_groups)
-    ]
-    return [
-      tuple(b for b, h in zip(blocks, index) if h == g)
-      for g in range(len(self.groups))
-    ]
+    ends = np.cumsum([0] + [lay.num_groups for lay in self.groups])
+    return [tuple(blocks[a:b]) for a, b in zip(ends[:-1], ends[1:])]
 
   @functools.cached_property
   def probed(self) -> set[int]:
@@ -332,20 +324,16 @@ class OwnerLayout:
   ) -> tuple[jax.ShapeDtypeStruct, ...]:
     """Global buffer shapes (``dtypes`` overrides the dtype of each)."""
     if self.per_leaf:
-      return tuple(
-        jax.ShapeDtypeStruct(
-          t.shape,
-          jnp.dtype(self.mu_dtype(t.index) if dtypes is None else dtypes[b]),
-        )
-        for b, t in enumerate(self.leaves)
-      )
-    out = []
-    locals_ = zip(self.buffer_index, self.local_shapes())
-    for b, ((g, j), local) in enumerate(locals_):
-      shape = local[:-1] + (local[-1] * self.num_slots * self.tp_size,)
-      dtype = self.groups[g].dtypes[j] if dtypes is None else dtypes[b]
-      out.append(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)))
-    return tuple(out)
+      shapes = [t.shape for t in self.leaves]
+      own = [self.mu_dtype(t.index) for t in self.leaves]
+    else:
+      n = self.num_slots * self.tp_size
+      shapes = [s[:-1] + (s[-1] * n,) for s in self.local_shapes()]
+      own = [self.groups[g].dtypes[j] for g, j in self.buffer_index]
+    dtypes = own if dtypes is None else dtypes
+    return tuple(
+      jax.ShapeDtypeStruct(s, jnp.dtype(d)) for s, d in zip(shapes, dtypes)
+    )
 
   def local_shapes(self) -> tuple[tuple[int, ...], ...]:
     """Per buffer, the shape of one device's block."""
@@ -398,34 +386,19 @@ class OwnerLayout:
   def full_shape(self, lay: Layout, u: int) -> tuple[int, int]:
     """The whole matrix's ``(fan_in, fan_out)`` of unit ``u`` of ``lay``
     (of the param itself for a zero-padded one)."""
-    logical = lay.logical_matrix(lay.unit_leaf[u])
-    if logical is not None:
-      return logical
-    spec = lay.plan.leaves[lay.unit_leaf[u]]
+    i = lay.unit_leaf[u]
+    spec, logical, split = lay.plan.leaves[i], lay.logical[i], lay.tp_splits[i]
+    if logical is not None:  # never sliced or TP-split
+      axes = (spec.reduction_axes, spec.output_axes)
+      return tuple(math.prod(logical[a] for a in ax) for ax in axes)
     if spec.sliced:
       return spec.whole_matrix
     shape = list(lay.plan.units[u].shape)
-    split = lay.tp_splits[lay.unit_leaf[u]]
     if split is not None:
       shape[split] *= self.tp_size
     return tuple(shape)
 
   # -- whole-array conversions (global arrays, e.g. under jax.jit) -------
-
-  def _tp_slice(self, t: TargetLeaf, x: jax.Array, k: int) -> jax.Array:
-    if t.tp_dim is None:
-      return x
-    size = x.shape[t.tp_dim] // self.tp_size
-    return jax.lax.slice_in_dim(x, k * size, (k + 1) * size, axis=t.tp_dim)
-
-  def tp_part(self, x: jax.Array, t: int) -> jax.Array:
-    """TP shard ``t``'s slots of a whole flat buffer ``(..., num_slots *
-    tp_size * local)``: ``(..., num_slots * local)``, slot order (the
-    inverse of :func:`_interleave_tp`)."""
-    if self.tp_size == 1:
-      return x
-    x = x.reshape(x.shape[:-1] + (self.num_slots, self.tp_size, -1))[..., t, :]
-    return x.reshape(x.shape[:-2] + (-1,))
 
   def pack(
     self, values: dict[int, jax.Array], dtypes: Sequence | None = None
@@ -440,31 +413,36 @@ class OwnerLayout:
       The flat buffers, in buffer order (global arrays, not yet placed).
     """
     if self.per_leaf:
-      return tuple(
-        values[t.index] if dtypes is None else values[t.index].astype(d)
-        for t, d in zip(self.leaves, dtypes or [None] * len(self.leaves))
-      )
-    values = {i: pad_to(x, self.leaf(i).held_shape) for i, x in values.items()}
-    out = []
-    for g, lay in enumerate(self.groups):
-      idx = [s.leaf_index for s in lay.plan.leaves]
-      per_tp = []
-      for k in range(self.tp_size):
-        sliced = [self._tp_slice(self.leaf(i), values[i], k) for i in idx]
-        iters = self.iterations[g]
-        if iters:
-          sliced = [x.reshape((iters, -1) + x.shape[1:]) for x in sliced]
+      out = [values[t.index] for t in self.leaves]
+    else:
+      held = {i: pad_to(x, self.leaf(i).held_shape) for i, x in values.items()}
+      out = []
+      for g, lay in enumerate(self.groups):
+        iters, per_tp = self.iterations[g], []
+        for k in range(self.tp_size):  # each TP shard's slices
+          xs = []
+          for t in (self.leaf(spec.leaf_index) for spec in lay.plan.leaves):
+            x, dim = held[t.index], t.tp_dim
+            if dim is not None:
+              size = x.shape[dim] // self.tp_size
+              x = jax.lax.slice_in_dim(x, k * size, (k + 1) * size, axis=dim)
+            xs.append(x.reshape((iters, -1) + x.shape[1:]) if iters else x)
           per_tp.append(
-            jax.vmap(
-              lambda t, xs, lay=lay: tuple(
-                roll_slots(b, t, self.num_slots) for b in lay.pack_full(xs)
+            jax.vmap(  # scan iteration i rotated by i slots
+              lambda i, xs, lay=lay: tuple(
+                roll_slots(b, i, self.num_slots) for b in lay.pack_full(xs)
               )
-            )(jnp.arange(iters), sliced)
+            )(jnp.arange(iters), xs)
+            if iters
+            else lay.pack_full(xs)
           )
-        else:
-          per_tp.append(lay.pack_full(sliced))
-      for j in range(lay.num_groups):
-        out.append(_interleave_tp(self.num_slots, [b[j] for b in per_tp]))
+        for bs in zip(*per_tp):
+          if len(bs) > 1:  # TP shard k of slot s at block s * tp_size + k
+            x = jnp.stack(
+              [b.reshape(b.shape[:-1] + (self.num_slots, -1)) for b in bs], -2
+            )
+            bs = (x.reshape(x.shape[:-3] + (-1,)),)
+          out.append(bs[0])
     if dtypes is not None:
       out = [b.astype(d) for b, d in zip(out, dtypes)]
     return tuple(out)
@@ -500,12 +478,15 @@ class OwnerLayout:
         target's slices are joined along its TP dim; else they hold one TP
         shard's (or there is no TP), and so do the targets.
     """
-    lay = self.groups[g]
+    lay, n, tp = self.groups[g], self.num_slots, self.tp_size
     parts = []
-    for k in range(self.tp_size if whole else 1):
-      mine = [self.tp_part(x, k) if whole else x for x in bufs]
+    for k in range(tp if whole else 1):
+      mine = list(bufs)
+      if whole and tp > 1:  # TP shard k's slots (pack's interleave undone)
+        mine = [x.reshape(x.shape[:-1] + (n, tp, -1))[..., k, :] for x in mine]
+        mine = [x.reshape(x.shape[:-2] + (-1,)) for x in mine]
       if iteration is not None:
-        mine = [roll_slots(x, -iteration, self.num_slots) for x in mine]
+        mine = [roll_slots(x, -iteration, n) for x in mine]
       parts.append(lay.unpack_full(mine))
     out = {}
     for j, spec in enumerate(lay.plan.leaves):
@@ -626,13 +607,13 @@ class OwnerLayout:
       f'{self.num_slots} owner slot(s) over {self.buffer_axes}'
       + (f', TP {self.tp_axis}={self.tp_size}' if self.tp_size > 1 else '')
     ]
-    if self.kind == 'dmuon' and self.num_slots > 1:
-      predicted = self.collective_bytes()
+    more = lambda xs: ' ...' if len(xs) > 4 else ''
+    dmuon = self.kind == 'dmuon' and self.distributed
+    if dmuon and self.num_slots > 1:
+      predicted = self.collective_bytes().items()
       lines.append(
         '  predicted update bytes per device: '
-        + ', '.join(
-          f'{k} {_checks.human_bytes(v)}' for k, v in predicted.items()
-        )
+        + ', '.join(f'{k} {_checks.human_bytes(v)}' for k, v in predicted)
       )
       known = [e for e in self.param_entries if e is not None]
       sharded = sum(1 for e in known if any(e))
@@ -641,15 +622,16 @@ class OwnerLayout:
         f'{len(known) - sharded} replicated, '
         f'{len(self.param_entries) - len(known)} unknown'
       )
-    if self.kind == 'dmuon' and self.distributed:
+    if dmuon:
       held, even = self.momentum_share()
-      where = (
-        "as the params (one buffer per leaf, optax's layout)"
-        if self.per_leaf
-        else 'in owner buffers'
-      )
       lines.append(
-        f'  momentum {where}: {_checks.human_bytes(held)} per device'
+        '  momentum '
+        + (
+          "as the params (one buffer per leaf, optax's layout)"
+          if self.per_leaf
+          else 'in owner buffers'
+        )
+        + f': {_checks.human_bytes(held)} per device'
         + (' (the busiest)' if not self.per_leaf else '')
         + f', {held / max(even, 1):.2f}x the even share '
         f'{_checks.human_bytes(even)}'
@@ -659,39 +641,25 @@ class OwnerLayout:
       lines.append(
         f'  zero-padded for uneven sharding ({extra} elements): '
         + ', '.join(f'{t.path} {t.shape}->{t.padded}' for t in padded[:4])
-        + (' ...' if len(padded) > 4 else '')
+        + more(padded)
       )
     unknown = [
       t.path for t, e in zip(self.leaves, self.param_entries) if e is None
     ]
-    if unknown and self.distributed and self.kind == 'dmuon':
+    if unknown and dmuon:
       lines.append(
         f'  param shardings unknown for {len(unknown)} leaves '
-        f'(treated as replicated): {unknown[:4]}'
-        + (' ...' if len(unknown) > 4 else '')
+        f'(treated as replicated): {unknown[:4]}' + more(unknown)
       )
-    for g, lay in enumerate(self.groups):
-      if len(self.groups) > 1:
-        lines.append(
-          f'  group {g}: {len(lay.plan.units)} matrices'
-          + (
-            f', {self.iterations[g]} scan iterations'
-            if self.iterations[g]
-            else ''
-          )
-        )
     if len(self.groups) == 1:
       lines.append(self.groups[0].plan.summary(paths=self.kind != 'dmuon'))
+    for g, lay in enumerate(self.groups if len(self.groups) > 1 else ()):
+      it = self.iterations[g]
+      lines.append(
+        f'  group {g}: {len(lay.plan.units)} matrices'
+        + (f', {it} scan iterations' if it else '')
+      )
     return '\n'.join(lines)
-
-
-def _interleave_tp(n: int, per_tp: Sequence[jax.Array]) -> jax.Array:
-  """``(..., n * local)`` buffers of each TP shard -> ``(..., n * T * local)``
-  with TP shard ``t`` of slot ``s`` at block ``s * T + t``."""
-  if len(per_tp) == 1:
-    return per_tp[0]
-  x = jnp.stack([b.reshape(b.shape[:-1] + (n, -1)) for b in per_tp], -2)
-  return x.reshape(x.shape[:-3] + (-1,))
 
 
 @jax.tree_util.register_pytree_with_keys_class

@@ -206,15 +206,24 @@ def dedicate(
     targets=_model.targets(ded, paths, boundary_paths),
     replicated=tuple(replicated),
   )
-  # Each boundary module carries the dedication it serves, and its class
-  # becomes one whose methods gather first. The one type change of the
-  # package: Python looks __call__ up on the type and NNX has no call hook
-  # of its own, and a copy in the parent cannot stand for a boundary that
-  # is the model itself (Flax's FSDP toy MLP), which the caller holds.
+  # Each boundary module carries the dedication it serves, and becomes an
+  # instance of a subclass of its class whose methods gather first (Python
+  # looks __call__ up on the type, and NNX has no call hook of its own).
+  # Its parent holds the new instance, built as nnx.merge builds a node: its
+  # attributes (the same Variables) set on an empty one.
   for b, bpath in enumerate(boundary_paths):
     module = _model.node_at(model, bpath)
     module.dmuon_hook = _boundary.Hook(md, b)
-    module.__class__ = _boundary.hooked_class(type(module))
+    cls = _boundary.hooked_class(type(module))
+    if bpath:
+      hooked = cls._graph_node_create_empty(cls)
+      vars(hooked).update(vars(module))
+      _model.set_at(model, bpath, hooked)
+    else:
+      # A boundary that is the model itself (Flax's FSDP toy MLP): the
+      # caller holds it, so no parent can hold a replacement; NNX offers no
+      # other way to hook its __call__ than its type.
+      module.__class__ = cls
   return md
 
 

@@ -173,7 +173,7 @@ class ModelDedication:
       blocks, and a block called twice, share one gather and one
       reduce-scatter); replaced when another trace starts.
     gathered_manual: the same inside :func:`train_step` (manual owner
-      axes): per gather group, its gather and the trace it was made in.
+      axes).
     linen_model: the Linen module (from :func:`dedicate_linen`), or None
       for an NNX model.
     placeholder_paths: per Muon target, the path of its placeholder
@@ -242,6 +242,26 @@ class ModelDedication:
   def __hash__(self) -> int:
     # The Linen module is compared, not hashed (its fields may not be).
     return id(self) if self.linen_model is None else hash(self.dedication)
+
+  @classmethod
+  def of(
+    cls, ded, paths, modules, buffer_paths, replicated, **kwargs
+  ) -> ModelDedication:
+    """The record of ``ded`` over a model whose param leaves lie at
+    ``paths`` and whose boundaries' gathering modules at ``modules``."""
+    targets: list[list[tuple[int, tuple]]] = [[] for _ in modules]
+    for t in ded.layout.leaves:
+      b = boundary_of(ded, t)
+      targets[b].append((t.index, paths[t.index][len(modules[b]) :]))
+    held = {t.index for t in ded.layout.leaves}
+    return cls(
+      dedication=ded,
+      buffer_paths=tuple(buffer_paths),
+      rest_paths=tuple(None if i in held else p for i, p in enumerate(paths)),
+      targets=tuple(tuple(t) for t in targets),
+      replicated=tuple(replicated),
+      **kwargs,
+    )
 
   @property
   def apply(self) -> Callable[..., Any]:
@@ -316,22 +336,14 @@ def placeholder(ded, target) -> jax.Array:
   return jnp.zeros((target.shape[0], 0) if scanned else (0,), target.dtype)
 
 
-# The options dedicate and dedicate_linen hand to the planner as they are.
-PLANNED = frozenset(
-  {
-    'predicate',
-    'muon_weight_dimension_numbers',
-    'boundary_predicate',
-    'strict',
-    'reshard_after_forward',
-    'axis_names',
-    'replicate_axis',
-    'remat_policy',
-    'ns_algorithm',
-    'owner_groups',
-    'tensor_parallel_axis',
-  }
-)
+# The options dedicate and dedicate_linen hand to the planner as they are
+# (dmuon_jax.dedicate's, but its params, mesh and deprecated spelling).
+PLANNED = frozenset(inspect.signature(_dedicated.dedicate).parameters) - {
+  'params',
+  'mesh',
+  'layers_per_gather',
+  'weight_dimension_numbers',
+}
 
 
 def _entry_key(entry: Any) -> Any:
@@ -422,16 +434,6 @@ def plan(params, mesh, layers_per_gather, scan: str, kwargs, specs):
 
 def boundary_of(ded, target) -> int:
   return ded.boundaries.of_target[ded.boundaries.paths.index(target.path)]
-
-
-def targets(ded, paths, boundary_paths) -> tuple:
-  """Per boundary, ``(leaf index, path inside the boundary module)`` of its
-  Muon targets."""
-  targets: list[list[tuple[int, tuple]]] = [[] for _ in boundary_paths]
-  for t in ded.layout.leaves:
-    b = boundary_of(ded, t)
-    targets[b].append((t.index, paths[t.index][len(boundary_paths[b]) :]))
-  return tuple(tuple(t) for t in targets)
 
 
 def _replicate_rest(ded, params, mesh, kwargs, specs):
@@ -628,27 +630,6 @@ def rules_free_names(model, paths, specs, ded, mesh, targets) -> None:
       )
 
 
-def references(model: nnx.Module) -> dict[int, list[tuple]]:
-  """id(node) -> every path that holds it (modules and variables, shared
-  ones under each of their parents)."""
-  refs: dict[int, list[tuple]] = {}
-  for path, node in nnx.iter_graph(model):
-    if isinstance(node, nnx.Variable):
-      continue
-    if isinstance(node, (list, tuple, nnx.List)):
-      items = list(enumerate(node))
-    elif hasattr(node, '__dict__'):
-      items = list(vars(node).items())
-    else:
-      continue
-    for name, value in items:
-      if isinstance(value, (nnx.Variable, nnx.Module, nnx.List)):
-        held = refs.setdefault(id(value), [])
-        if tuple(path) + (name,) not in held:
-          held.append(tuple(path) + (name,))
-  return refs
-
-
 def public_methods(cls: type) -> list[str]:
   """``__call__`` and the public methods ``cls`` adds to ``nnx.Module``
   (``Embed.attend``, a block's helper): each may read the Muon targets."""
@@ -667,14 +648,11 @@ def public_methods(cls: type) -> list[str]:
 
 def check_untied(model, paths, targets_by_leaf) -> None:
   """Raises for a Muon target held by two modules (tied weights)."""
-  refs = references(model)
+  held = {p: paths for paths in nnx.find_duplicates(model) for p in paths}
   for i in targets_by_leaf:
     # The target, or a module on its path, held by two parents: tied.
     holders = max(
-      (
-        refs.get(id(node_at(model, paths[i][:d])), [])
-        for d in range(1, len(paths[i]) + 1)
-      ),
+      (held.get(paths[i][:d], []) for d in range(1, len(paths[i]) + 1)),
       key=len,
     )
     if len(holders) > 1:

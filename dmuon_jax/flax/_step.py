@@ -67,7 +67,9 @@ def dedicated_muon(
     tuple(sorted(kwargs.items())),
     _alias.dedicated_muon(dedication.dedication, learning_rate, **kwargs),
   )
-  return optax.GradientTransformation(_Init(muon), _Update(muon))
+  return optax.GradientTransformation(
+    _Method(muon, 'init'), _Method(muon, 'update')
+  )
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -184,6 +186,21 @@ class _ModelMuon:
       rest=jax.tree.unflatten(ded.treedef, rest),
     )
 
+  def init(self, params: Any) -> Any:
+    return self.core.init(self.to_core(params, 'init()', boxes=True))
+
+  def update(self, updates: Any, state: Any, params: Any = None) -> Any:
+    u, new_state = self.core.update(
+      self.to_core(updates, 'update()'),
+      jax.tree.map(_mesh.unbox, state, is_leaf=_mesh.is_box),
+      None if params is None else self.to_core(params, 'update()'),
+    )
+    # The state's boxes (from init) kept.
+    new_state = jax.tree.map(
+      _mesh.rebox, state, new_state, is_leaf=_mesh.is_box
+    )
+    return self.from_core(u, updates), new_state
+
   def from_core(self, dp, like):
     buffer_of, leaf_of, holes = self._paths
     rest = self.md.dedication.treedef.flatten_up_to(dp.rest)
@@ -201,34 +218,15 @@ class _ModelMuon:
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class _Init:
-  """``init`` of :func:`dedicated_muon` (equal for equal optimizers)."""
+class _Method:
+  """``init`` or ``update`` of :func:`dedicated_muon`: a callable equal for
+  equal optimizers (a bound method compares its ``self`` by identity)."""
 
   muon: _ModelMuon
+  name: str
 
-  def __call__(self, params: Any) -> Any:
-    muon = self.muon
-    return muon.core.init(muon.to_core(params, 'init()', boxes=True))
-
-
-@dataclasses.dataclass(frozen=True, repr=False)
-class _Update:
-  """``update`` of :func:`dedicated_muon` (equal for equal optimizers)."""
-
-  muon: _ModelMuon
-
-  def __call__(self, updates: Any, state: Any, params: Any = None) -> Any:
-    muon = self.muon
-    u, new_state = muon.core.update(
-      muon.to_core(updates, 'update()'),
-      jax.tree.map(_mesh.unbox, state, is_leaf=_mesh.is_box),
-      None if params is None else muon.to_core(params, 'update()'),
-    )
-    # The state's boxes (from init) kept.
-    new_state = jax.tree.map(
-      _mesh.rebox, state, new_state, is_leaf=_mesh.is_box
-    )
-    return muon.from_core(u, updates), new_state
+  def __call__(self, *args: Any) -> Any:
+    return getattr(self.muon, self.name)(*args)
 
 
 def _manual_spec(x: Any, axes: frozenset[str]) -> P:

@@ -311,21 +311,50 @@ class ModelDedication:
     """
     if isinstance(model, nnx.Module):
       model = nnx.state(model, nnx.Param)
-    # Variables (NNX) and boxes (Linen) as leaves, unboxed.
-    by_path = {
-      path(k): _mesh.unbox(x)
-      for k, x in jax.tree_util.tree_flatten_with_path(
-        model, is_leaf=_mesh.is_boxed
-      )[0]
-    }
-    owned = [by_path[p] for p in self.buffer_paths]
-    rest = [None if p is None else by_path[p] for p in self.rest_paths]
-    ded = self.dedication
-    return ded.to_params(
-      _dedication.DedicatedParams(
-        owned=_owner_layout.OwnerBuffers(owned, ded.layout),
-        rest=jax.tree.unflatten(ded.treedef, rest),
+    return self.dedication.to_params(self.dedicated(model))
+
+  @functools.cached_property
+  def _paths(self) -> tuple[dict, dict, frozenset]:
+    return (
+      {p: k for k, p in enumerate(self.buffer_paths)},
+      {p: i for i, p in enumerate(self.rest_paths) if p is not None},
+      frozenset(self.placeholder_paths),
+    )
+
+  def dedicated(self, tree: Any, what: str | None = None, boxes=False):
+    """The :class:`dmuon_jax.DedicatedParams` of a params (or gradients)
+    tree of the dedicated model, read by path; ``what`` names the caller
+    in the error for a param the model did not have (None: ignored);
+    ``boxes``: Linen boxes and NNX Variables kept on the leaves."""
+    buffer_of, leaf_of, holes = self._paths
+    owned = [None] * len(self.buffer_paths)
+    rest = [None] * len(self.rest_paths)
+    for keys, x in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=_mesh.is_boxed
+    )[0]:
+      p, x = path(keys), x if boxes and _mesh.is_boxed(x) else _mesh.unbox(x)
+      if p in buffer_of:
+        owned[buffer_of[p]] = x
+      elif p in leaf_of:
+        rest[leaf_of[p]] = x
+      elif p not in holes and what is not None:
+        raise ValueError(
+          f'dmuon: {what} got param {text(p)!r}, which the dedicated model'
+          ' did not have at dmuon_jax.flax.dedicate(); make the optimizer '
+          'for this model with wrt=nnx.Param.'
+        )
+    missing = [text(p) for p, k in buffer_of.items() if owned[k] is None]
+    missing += [text(p) for p, i in leaf_of.items() if rest[i] is None]
+    if missing:
+      raise ValueError(
+        f'dmuon: {what or "to_params()"} is missing params {missing[:5]} of '
+        'the dedicated model; pass nnx.state(model, nnx.Param) '
+        '(nnx.Optimizer with wrt=nnx.Param does).'
       )
+    ded = self.dedication
+    return _dedication.DedicatedParams(
+      owned=_owner_layout.OwnerBuffers(owned, ded.layout),
+      rest=jax.tree.unflatten(ded.treedef, rest),
     )
 
 

@@ -18,9 +18,7 @@ from jax.sharding import PartitionSpec as P
 from dmuon_jax import (
   _alias,
   _collectives,
-  _dedication,
   _mesh,
-  _owner_layout,
 )
 from dmuon_jax.flax import _model
 from dmuon_jax.flax._model import ModelDedication
@@ -135,65 +133,20 @@ class _ModelMuon:
   def __hash__(self) -> int:
     return hash(self.md)
 
-  @functools.cached_property
-  def _paths(self) -> tuple[dict, dict, frozenset]:
-    md = self.md
-    return (
-      {p: k for k, p in enumerate(md.buffer_paths)},
-      {p: i for i, p in enumerate(md.rest_paths) if p is not None},
-      frozenset(md.placeholder_paths),
-    )
-
-  def to_core(self, tree, what, boxes=False):
-    # boxes: Linen boxes and nnx Variables kept (init: optax's moments keep
-    # them, the owner momentum takes the owned buffers'), so that Flax's
-    # sharding tools read the state's shardings as they read the params'
+  def init(self, params: Any) -> Any:
+    # Linen boxes and nnx Variables kept (optax's moments keep them, the
+    # owner momentum takes the owned buffers'), so that Flax's sharding
+    # tools read the state's shardings as they read the params'
     # (nnx.Optimizer turns the Variables into OptVariables with their
     # metadata). Unboxed, an NNX trainer's out_shardings read from an
     # abstract optimizer (jax.eval_shape) replicated the momentum.
-    md, ded = self.md, self.md.dedication
-    buffer_of, leaf_of, holes = self._paths
-    value = _mesh.unbox  # of an nnx.Variable or a Linen box
-    keep = lambda x: x if boxes and _mesh.is_boxed(x) else value(x)
-    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_mesh.is_boxed)[0]
-    owned = [None] * len(md.buffer_paths)
-    rest = [None] * len(md.rest_paths)
-    for keys, x in flat:
-      p = _model.path(keys)
-      if p in buffer_of:
-        owned[buffer_of[p]] = keep(x)
-      elif p in leaf_of:
-        rest[leaf_of[p]] = keep(x)
-      elif p in holes:
-        continue
-      else:
-        raise ValueError(
-          f'dmuon: {what} got param {_model.text(p)!r}, which the dedicated model'
-          ' did not have at dmuon_jax.flax.dedicate(); make the optimizer '
-          'for this model with wrt=nnx.Param.'
-        )
-    missing = [
-      _model.text(p) for p, k in buffer_of.items() if owned[k] is None
-    ] + [_model.text(p) for p, i in leaf_of.items() if rest[i] is None]
-    if missing:
-      raise ValueError(
-        f'dmuon: {what} is missing params {missing[:5]} of the dedicated '
-        'model; pass nnx.state(model, nnx.Param) (nnx.Optimizer with '
-        'wrt=nnx.Param does).'
-      )
-    return _dedication.DedicatedParams(
-      owned=_owner_layout.OwnerBuffers(owned, ded.layout),
-      rest=jax.tree.unflatten(ded.treedef, rest),
-    )
-
-  def init(self, params: Any) -> Any:
-    return self.core.init(self.to_core(params, 'init()', boxes=True))
+    return self.core.init(self.md.dedicated(params, 'init()', boxes=True))
 
   def update(self, updates: Any, state: Any, params: Any = None) -> Any:
     u, new_state = self.core.update(
-      self.to_core(updates, 'update()'),
+      self.md.dedicated(updates, 'update()'),
       jax.tree.map(_mesh.unbox, state, is_leaf=_mesh.is_box),
-      None if params is None else self.to_core(params, 'update()'),
+      None if params is None else self.md.dedicated(params, 'update()'),
     )
     # The state's boxes (from init) kept.
     new_state = jax.tree.map(
@@ -202,7 +155,7 @@ class _ModelMuon:
     return self.from_core(u, updates), new_state
 
   def from_core(self, dp, like):
-    buffer_of, leaf_of, holes = self._paths
+    buffer_of, leaf_of, holes = self.md._paths
     rest = self.md.dedication.treedef.flatten_up_to(dp.rest)
 
     def pick(keys, x):

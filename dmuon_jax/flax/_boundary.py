@@ -70,7 +70,7 @@ def gathered(
   its first call and reuses it; Z3 re-gathers in the backward pass once per
   group (token-tied) and reduce-scatters once (through a sink). Under plain
   ``jit`` on Explicit owner axes: the reduced gather (see
-  :func:`_reduced_call`). Elsewhere on a mesh: a sharding constraint
+  :func:`_routed`). Elsewhere on a mesh: a sharding constraint
   gathers (GSPMD; warned once).
 
   Args:
@@ -103,38 +103,13 @@ def gathered(
   if not layout.distributed:
     return run(layout.unpack_group(g, local, iteration), state, arrays)
   if manual:
-    # Inside train_step the TP axis (if any) stays automatic: the gathers
-    # run per TP shard (``_gather.on_tp_shards``), each target sharded
-    # over it as the param was.
-    hit, store = _trace_cache(md, g, b, local, iteration, manual=True)
-    if hit is None:  # the group's first block
-      local = _gather.after_inputs(local, arrays)
-    if not z3 or remat:
-      if hit is None:
-        rep = _gather.gather_replicate(ded, local, tp=True)
-        hit = _gather.materialize(ded, g, rep, iteration, tp=True)
-        store(hit)
-      return run(hit, state, arrays)
-    rep, sink, token = hit or (
-      _gather.gather_replicate(ded, local, tp=True),
-      _gather.gather_sink(ded, local, tp=True),
-      _gather.new_token(),
-    )
-    out, token = _regathered(
-      ded,
-      b,
-      lambda x, it, s: _gather.materialize(ded, g, x, it, s, tp=True),
-      run,
-      (rep, token, sink, iteration, state, arrays),
-    )
-    store((rep, sink, token))
-    return out
+    return _routed(md, b, local, iteration, run, (state, arrays), True, remat)
   if traced:
     _gather.check_tp_axis_type(ded, f'the dedicated boundary {name!r}')
   if _gather.reduced_route(ded) and traced:
     if _sharded_over(arrays, ded.buffer_axes):
-      return _reduced_call(
-        md, b, local, iteration, run, state, arrays, remat=remat
+      return _routed(
+        md, b, local, iteration, run, (state, arrays), False, remat
       )
     _warn_unsharded(md, name, arrays)
   else:
@@ -145,25 +120,6 @@ def gathered(
   # group again for each of its blocks).
   full = [_mesh.place(x, ded.mesh, P()) for x in local]
   return run(layout.unpack_group(g, full, iteration), state, arrays)
-
-
-def _regathered(ded, b: int, materialize, run, operands):
-  """``run(mats, *rest)`` on boundary ``b``'s group gathered by
-  ``materialize(local, iteration, sink)`` and gathered again in the
-  backward pass once per group (Z3); ``operands``: ``(local, token, sink,
-  iteration, *rest)``. Returns ``(out, token)``."""
-  g = _gather.group_of(ded, b)
-
-  def run_z3(local, sink, iteration, *rest):
-    return run(materialize(local, iteration, sink), *rest)
-
-  return _gather.regather_group_in_backward(
-    run_z3,
-    ded.remat_policy,
-    last=b == ded.groups[g][-1] or ded.boundaries.scanned[b],
-    blocks=[ded.boundaries.names[b]],
-    routed=True,
-  )(*operands)
 
 
 def _sharded_over(arrays, axes: Sequence[str]) -> bool:
@@ -287,34 +243,47 @@ def _trace_cache(
   return entry, store
 
 
-def _reduced_call(
-  md: ModelDedication, b: int, local, iteration, run, *args, remat=False
-):
-  """:func:`gathered` under plain ``jit`` on Explicit owner axes: the
-  group's buffers gathered typed ``reduced`` (see
-  ``_gather.materialize_reduced``), once per trace; Z3 re-gathers once per group
-  in the backward pass (inside a rematerialization of the model's own,
-  ``remat``, that one recomputes the gather)."""
+def _routed(md, b: int, local, iteration, run, args, manual: bool, remat):
+  """:func:`gathered` on the owners' own route, the group gathered once per
+  trace: inside :func:`train_step` (``manual``; the TP axis, if any, stays
+  automatic: the gathers run per TP shard, ``_gather.on_tp_shards``, each
+  target sharded over it as the param was), or under plain ``jit`` on
+  Explicit owner axes, typed ``reduced`` (see
+  ``_gather.materialize_reduced``). Z3 re-gathers once per group in the
+  backward pass (token-tied, reduce-scattered once through a sink),
+  except inside a rematerialization of the model's own (``remat``), which
+  recomputes the gather."""
   ded = md.dedication
   g = _gather.group_of(ded, b)
-  entry, store = _trace_cache(md, g, b, local, iteration)
+  entry, store = _trace_cache(md, g, b, local, iteration, manual)
+  if manual:
+    if entry is None:  # the group's first block
+      local = _gather.after_inputs(local, args[-1])
+    first = lambda: _gather.gather_replicate(ded, local, tp=True)
+    gather = lambda x, it, s=None: _gather.materialize(ded, g, x, it, s, True)
+    sink = lambda: _gather.gather_sink(ded, local, tp=True)
+  else:
+    first = lambda: local
+    gather = lambda x, it, s=None: _gather.materialize_reduced(ded, g, x, it, s)
+    sink = lambda: _gather.reduced_sink(ded, g, local, iteration)
   if not ded.reshard_after_forward or remat:
     if entry is None:
-      entry = _gather.materialize_reduced(ded, g, local, iteration)
+      entry = gather(first(), iteration)
       store(entry)
     return run(entry, *args)
-  sink, token = entry or (
-    _gather.reduced_sink(ded, g, local, iteration),
-    _gather.new_token(),
-  )
-  out, token = _regathered(
-    ded,
-    b,
-    lambda x, it, s: _gather.materialize_reduced(ded, g, x, it, sink=s),
-    run,
-    (local, token, sink, iteration, *args),
-  )
-  store((sink, token))
+  x, s, token = entry or (first(), sink(), _gather.new_token())
+
+  def run_z3(x, s, iteration, *args):
+    return run(gather(x, iteration, s), *args)
+
+  out, token = _gather.regather_group_in_backward(
+    run_z3,
+    ded.remat_policy,
+    last=b == ded.groups[g][-1] or ded.boundaries.scanned[b],
+    blocks=[ded.boundaries.names[b]],
+    routed=True,
+  )(x, token, s, iteration, *args)
+  store((x, s, token))
   return out
 
 

@@ -445,9 +445,13 @@ def plan(params, mesh, layers_per_gather, scan: str, kwargs, specs):
       'layers as a Python loop, or pass tensor_parallel_axis=None with the '
       'stack replicated over it.'
     )
-  params, ded, replicated, moved = _replicate_rest(
-    ded, params, mesh, kwargs, specs
-  )
+  params, replicated, moved = _replicate_rest(ded, params, mesh, specs)
+  if replicated:  # planned again on the params as they are now placed
+    choice = ded.layers_per_gather_choice
+    ded = _dedicated.dedicate(
+      params, mesh, layers_per_gather=ded.layers_per_gather, **kwargs
+    )
+    ded = dataclasses.replace(ded, layers_per_gather_choice=choice)
   placed = params
   if mesh is not None:
     placed = jax.tree.map(
@@ -465,10 +469,10 @@ def boundary_of(ded, target) -> int:
   return ded.boundaries.of_target[ded.boundaries.paths.index(target.path)]
 
 
-def _replicate_rest(ded, params, mesh, kwargs, specs):
+def _replicate_rest(ded, params, mesh, specs):
   """AdamW params sharded over an owner axis, replicated over the owner
   axes (inside train_step every device runs the whole model on its own
-  batch); the dedication planned again if any moved.
+  batch).
 
   A leaf's sharding is the one its Flax metadata gives (``specs``), where
   it has some: under an abstract or jitted init on Auto axes the traced
@@ -510,12 +514,7 @@ def _replicate_rest(ded, params, mesh, kwargs, specs):
       stacklevel=4,
     )
     params = jax.tree.unflatten(jax.tree.structure(params), leaves)
-    choice = ded.layers_per_gather_choice
-    ded = _dedicated.dedicate(
-      params, mesh, layers_per_gather=ded.layers_per_gather, **kwargs
-    )
-    ded = dataclasses.replace(ded, layers_per_gather_choice=choice)
-  return params, ded, replicated, moved
+  return params, replicated, moved
 
 
 def _check_boundaries_hold_targets(params, ded, boundary_predicate) -> None:

@@ -186,7 +186,25 @@ def dedicate(
   boundary_paths = [_model.path(k) for k in ded.boundary_keys]
   _model.check_boundary_modules(model, ded, boundary_paths)
 
-  owned_vars = _give_buffers(model, ded, dp, boundary_paths)
+  # Each boundary module gets its group's owned buffers (a scanned stack
+  # its ScanIteration too), each with its layout spec as its out_sharding
+  # metadata: Flax's nnx.get_named_sharding (of the model, or of an
+  # abstract one from nnx.eval_shape) gives the owners' sharding, and
+  # nnx.Optimizer copies it into the momentum's variables.
+  owned_vars = [
+    _mesh.box_like(OwnedBuffer(x), x, spec)
+    if ded.layout.distributed
+    else OwnedBuffer(x)
+    for x, spec in zip(dp.owned.buffers, ded.layout.buffer_specs())
+  ]
+  for b, bpath in enumerate(boundary_paths):
+    module = _model.node_at(model, bpath)
+    g = _gather.group_of(ded, b)
+    for j, v in enumerate(ded.layout.group_buffers(owned_vars, g)):
+      setattr(module, f'dmuon_owned_{j}', v)
+    if ded.boundaries.scanned[b]:
+      n = ded.layout.iterations[g]
+      module.dmuon_iteration = ScanIteration(jnp.arange(n))
   for i, t in targets_by_leaf.items():  # a DedicatedWeight where each was
     _model.set_at(
       model,
@@ -226,33 +244,6 @@ def dedicate(
       # other way to hook its __call__ than its type.
       module.__class__ = cls
   return md
-
-
-def _give_buffers(model, ded, dp, boundary_paths) -> list[OwnedBuffer]:
-  """Gives each boundary module its group's owned buffers (and a scanned
-  stack its :class:`ScanIteration`); returns the :class:`OwnedBuffer` of
-  each owner buffer (layout order)."""
-  # Each buffer's layout spec as its out_sharding metadata: Flax's
-  # nnx.get_named_sharding (of the model, or of an abstract one from
-  # nnx.eval_shape) gives the owners' sharding, and nnx.Optimizer copies
-  # it into the momentum's variables.
-  owned_vars = [
-    _mesh.box_like(OwnedBuffer(x), x, spec)
-    if ded.layout.distributed
-    else OwnedBuffer(x)
-    for x, spec in zip(dp.owned.buffers, ded.layout.buffer_specs())
-  ]
-  for b, bpath in enumerate(boundary_paths):
-    module = _model.node_at(model, bpath)
-    g = _gather.group_of(ded, b)
-    for j, bi in enumerate(
-      k for k, (h, _) in enumerate(ded.layout.buffer_index) if h == g
-    ):
-      setattr(module, f'dmuon_owned_{j}', owned_vars[bi])
-    if ded.boundaries.scanned[b]:
-      n = ded.layout.iterations[g]
-      module.dmuon_iteration = ScanIteration(jnp.arange(n))
-  return owned_vars
 
 
 def dedicate_linen(
@@ -382,7 +373,7 @@ def dedicate_linen(
   buffer_paths: list[tuple] = [()] * len(dp.owned.buffers)
   for g, group in enumerate(ded.groups):
     first = boundary_paths[group[0]]
-    mine = [k for k, (h, _) in enumerate(ded.layout.buffer_index) if h == g]
+    mine = ded.layout.group_buffers(range(len(buffer_paths)), g)
     for j, bi in enumerate(mine):
       buffer_paths[bi] = first + (f'dmuon_owned_{j}',)
       buf = dp.owned.buffers[bi]

@@ -554,7 +554,7 @@ class _Interceptor:
     g = _gather.group_of(ded, b)
     cols = {c: unfreeze(module.variables[c]) for c in module.variables}
     own = cols.pop('params', {})
-    bufs = [k for k, (h, _) in enumerate(ded.layout.buffer_index) if h == g]
+    bufs = ded.layout.group_buffers(range(len(md.buffer_paths)), g)
     scanned = ded.boundaries.scanned[b]
     if scanned:
       local, iteration = _one_layer(md, b, module, len(bufs))

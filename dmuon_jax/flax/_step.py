@@ -120,14 +120,8 @@ class _ModelMuon:
       return True
     if not isinstance(other, _ModelMuon):
       return NotImplemented
-    return (
-      self.md == other.md
-      and _same(self.learning_rate, other.learning_rate)
-      and [k for k, _ in self.kwargs] == [k for k, _ in other.kwargs]
-      and all(
-        _same(a, b)
-        for (_, a), (_, b) in zip(self.kwargs, other.kwargs, strict=True)
-      )
+    return self.md == other.md and _same(
+      (self.learning_rate, self.kwargs), (other.learning_rate, other.kwargs)
     )
 
   def __hash__(self) -> int:

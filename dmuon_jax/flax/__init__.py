@@ -83,9 +83,12 @@ def dedicate(
   all-gather over the owner axes whose transpose reduce-scatters the
   gradients to the owners (Z3 gathers again in the backward pass, Z2 keeps
   the gathered weights). Every other variable (AdamW params, batch
-  statistics, RNG state, sown values) stays as it was. A boundary module's
-  class becomes a subclass of its own (same name) whose ``__call__`` and
-  public methods gather first; it holds the dedication as ``dmuon_hook``.
+  statistics, RNG state, sown values) stays as it was. Each boundary module
+  is replaced in its parent by an instance of a subclass of its class (same
+  name, same variables) whose ``__call__`` and public methods gather first
+  (read it from the model after this call; a model that is its own only
+  boundary changes class in place); it holds the dedication as
+  ``dmuon_hook``.
 
   Tensor parallelism: on a mesh with a tensor-parallel axis (e.g.
   ``('replicate', 'shard', 'model')``), Muon targets sharded over it along a

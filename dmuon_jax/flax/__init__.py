@@ -27,14 +27,17 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.core import unfreeze
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import _checks, _gather, _mesh
 from dmuon_jax.flax import _boundary, _model
 from dmuon_jax.flax._boundary import LIFTED_BOUNDARY_MSG as LIFTED_BOUNDARY_MSG
-from dmuon_jax.flax._linen import dedicate_linen as dedicate_linen
 from dmuon_jax.flax._model import DedicatedWeight as DedicatedWeight
 from dmuon_jax.flax._model import ModelDedication as ModelDedication
 from dmuon_jax.flax._model import OwnedBuffer as OwnedBuffer
@@ -80,9 +83,12 @@ def dedicate(
   all-gather over the owner axes whose transpose reduce-scatters the
   gradients to the owners (Z3 gathers again in the backward pass, Z2 keeps
   the gathered weights). Every other variable (AdamW params, batch
-  statistics, RNG state, sown values) stays as it was. A boundary module's
-  class becomes a subclass of its own (same name) whose ``__call__`` and
-  public methods gather first; it holds the dedication as ``dmuon_hook``.
+  statistics, RNG state, sown values) stays as it was. Each boundary module
+  is replaced in its parent by an instance of a subclass of its class (same
+  name, same variables) whose ``__call__`` and public methods gather first
+  (read it from the model after this call; a model that is its own only
+  boundary changes class in place); it holds the dedication as
+  ``dmuon_hook``.
 
   Tensor parallelism: on a mesh with a tensor-parallel axis (e.g.
   ``('replicate', 'shard', 'model')``), Muon targets sharded over it along a
@@ -183,7 +189,25 @@ def dedicate(
   boundary_paths = [_model.path(k) for k in ded.boundary_keys]
   _model.check_boundary_modules(model, ded, boundary_paths)
 
-  owned_vars = _give_buffers(model, ded, dp, boundary_paths)
+  # Each boundary module gets its group's owned buffers (a scanned stack
+  # its ScanIteration too), each with its layout spec as its out_sharding
+  # metadata: Flax's nnx.get_named_sharding (of the model, or of an
+  # abstract one from nnx.eval_shape) gives the owners' sharding, and
+  # nnx.Optimizer copies it into the momentum's variables.
+  owned_vars = [
+    _mesh.box_like(OwnedBuffer(x), x, spec)
+    if ded.layout.distributed
+    else OwnedBuffer(x)
+    for x, spec in zip(dp.owned.buffers, ded.layout.buffer_specs())
+  ]
+  for b, bpath in enumerate(boundary_paths):
+    module = _model.node_at(model, bpath)
+    g = _gather.group_of(ded, b)
+    for j, v in enumerate(ded.layout.group_buffers(owned_vars, g)):
+      setattr(module, f'dmuon_owned_{j}', v)
+    if ded.boundaries.scanned[b]:
+      n = ded.layout.iterations[g]
+      module.dmuon_iteration = ScanIteration(jnp.arange(n))
   for i, t in targets_by_leaf.items():  # a DedicatedWeight where each was
     _model.set_at(
       model,
@@ -197,49 +221,193 @@ def dedicate(
 
   owned_state = nnx.to_flat_state(nnx.state(model, OwnedBuffer))
   where = {id(v): tuple(p) for p, v in owned_state}
-  md = ModelDedication(
-    dedication=ded,
-    buffer_paths=tuple(where[id(v)] for v in owned_vars),
-    rest_paths=tuple(
-      None if i in targets_by_leaf else p for i, p in enumerate(paths)
-    ),
-    targets=_model.targets(ded, paths, boundary_paths),
-    replicated=tuple(replicated),
+  md = ModelDedication.of(
+    ded,
+    paths,
+    boundary_paths,
+    [where[id(v)] for v in owned_vars],
+    replicated,
   )
-  # Each boundary module carries the dedication it serves, and its class
-  # becomes one whose methods gather first. The one type change of the
-  # package: Python looks __call__ up on the type and NNX has no call hook
-  # of its own, and a copy in the parent cannot stand for a boundary that
-  # is the model itself (Flax's FSDP toy MLP), which the caller holds.
+  # Each boundary module carries the dedication it serves, and becomes an
+  # instance of a subclass of its class whose methods gather first (Python
+  # looks __call__ up on the type, and NNX has no call hook of its own).
+  # Its parent holds the new instance, built as nnx.merge builds a node: its
+  # attributes (the same Variables) set on an empty one.
   for b, bpath in enumerate(boundary_paths):
     module = _model.node_at(model, bpath)
     module.dmuon_hook = _boundary.Hook(md, b)
-    module.__class__ = _boundary.hooked_class(type(module))
+    cls = _boundary.hooked_class(type(module))
+    if bpath:
+      hooked = cls._graph_node_create_empty(cls)
+      vars(hooked).update(vars(module))
+      _model.set_at(model, bpath, hooked)
+    else:
+      # A boundary that is the model itself (Flax's FSDP toy MLP): the
+      # caller holds it, so no parent can hold a replacement; NNX offers no
+      # other way to hook its __call__ than its type.
+      module.__class__ = cls
   return md
 
 
-def _give_buffers(model, ded, dp, boundary_paths) -> list[OwnedBuffer]:
-  """Gives each boundary module its group's owned buffers (and a scanned
-  stack its :class:`ScanIteration`); returns the :class:`OwnedBuffer` of
-  each owner buffer (layout order)."""
-  # Each buffer's layout spec as its out_sharding metadata: Flax's
-  # nnx.get_named_sharding (of the model, or of an abstract one from
-  # nnx.eval_shape) gives the owners' sharding, and nnx.Optimizer copies
-  # it into the momentum's variables.
-  owned_vars = [
-    _mesh.box_like(OwnedBuffer(x), x, spec)
-    if ded.layout.distributed
-    else OwnedBuffer(x)
-    for x, spec in zip(dp.owned.buffers, ded.layout.buffer_specs())
-  ]
-  for b, bpath in enumerate(boundary_paths):
-    module = _model.node_at(model, bpath)
-    g = _gather.group_of(ded, b)
-    for j, bi in enumerate(
-      k for k, (h, _) in enumerate(ded.layout.buffer_index) if h == g
-    ):
-      setattr(module, f'dmuon_owned_{j}', owned_vars[bi])
-    if ded.boundaries.scanned[b]:
-      n = ded.layout.iterations[g]
-      module.dmuon_iteration = ScanIteration(jnp.arange(n))
-  return owned_vars
+def dedicate_linen(
+  model: nn.Module,
+  params: Any,
+  mesh: jax.sharding.Mesh | None,
+  *,
+  predicate: Callable[[str, Any], bool] | str | None = None,
+  muon_weight_dimension_numbers: Any = None,
+  boundary_predicate: _checks.BoundaryPredicate | None = None,
+  strict: bool = True,
+  reshard_after_forward: bool = True,
+  layers_per_gather: int | str = 'auto',
+  axis_names: Sequence[str] | None = None,
+  replicate_axis: str | None = 'replicate',
+  remat_policy: Callable[..., Any] | None = None,
+  ns_algorithm: str = 'auto',
+  owner_groups: int | str | None = 'auto',
+  tensor_parallel_axis: str | None = 'auto',
+) -> tuple[ModelDedication, Any]:
+  """:func:`dedicate` for a Linen model: returns the dedicated params.
+
+  The module's code does not change. Use ``ded.apply`` as the model's
+  apply function (e.g. ``TrainState.create(apply_fn=ded.apply, ...)``):
+  each hook boundary submodule (``layers_3``, ``blocks_0`` ...) gathers its
+  group's matrices when it is called; other collections (``batch_stats``)
+  pass through as without dedication.
+
+  An ``nn.scan`` stack (``variable_axes={'params': 0}``; its Muon kernels
+  ``(L, m, n)`` given dimension numbers, e.g. ``MuonDimensionNumbers(1,
+  2)``) gathers one layer per iteration, inside the loop: its owner buffer
+  ``(L, num_slots * local)`` is stored with the stack's params, so
+  ``nn.scan`` slices it like them, and ``ded.apply`` adds the layer indices
+  beside it (``dmuon_iteration``, sliced too), since the owners rotate by
+  one slot per layer. Inside ``nn.remat`` (``nn.scan(nn.remat(Block))``)
+  the gather is recomputed in the backward pass: that is Z3, and Z2 warns
+  that it moves Z3's bytes.
+
+  Args:
+    model: the Linen module.
+    params: its ``'params'`` collection (``variables['params']``), boxed
+      (``nn.Partitioned``, ``nn.LogicallyPartitioned``: an unplaced value
+      is placed as its box says) or not.
+    mesh: as for :func:`dedicate`.
+    predicate: as for :func:`dedicate`.
+    muon_weight_dimension_numbers: as for :func:`dedicate`.
+    boundary_predicate: as for :func:`dedicate`.
+    strict: as for :func:`dedicate`.
+    reshard_after_forward: as for :func:`dedicate`.
+    layers_per_gather: as for :func:`dedicate`.
+    axis_names: as for :func:`dedicate`.
+    replicate_axis: as for :func:`dedicate`.
+    remat_policy: as for :func:`dedicate`.
+    ns_algorithm: as for :func:`dedicate`.
+    owner_groups: as for :func:`dedicate`.
+    tensor_parallel_axis: as for :func:`dedicate`: Muon kernels boxed
+      over it (``nn.with_partitioning(init, (None, 'model'))``) are stored
+      split and reach each layer sharded over it. Linen's ``nn.Dense``
+      takes no ``out_sharding``, which a row-parallel layer needs on an
+      all-Explicit mesh: run such models with :func:`train_step` on an
+      Auto TP axis.
+
+  Returns:
+    ``(dedication, dedicated_params)``: the Muon targets replaced by
+    zero-size placeholders (``(L, 0)`` in a scanned stack), each gather
+    group's owner buffers stored as ``dmuon_owned_<j>`` under the group's
+    first boundary (a scanned stack's: in the deepest module holding all
+    its Muon targets). Boxed params
+    keep their boxes, and the owner buffers are boxed with their layout's
+    spec (``nn.get_sharding`` of the params gives the owners' sharding).
+
+  Raises:
+    ValueError: for a variables dict instead of its ``'params'``, a
+      ``layers_per_gather`` other than 1 or
+      ``'auto'`` with a scanned stack, or what :func:`dmuon_jax.dedicate`
+      rejects; and from ``ded.apply``, for a scanned stack that does not
+      run one layer per ``nn.scan`` iteration (called whole, two stacks
+      under one top-level module, or layers stacked by ``nn.vmap``) or runs
+      without its owner buffers (plain params).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, dmuon_jax.flax as dflax
+    >>> class MLP(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     for i in range(2):
+    ...       x = jnp.tanh(nn.Dense(8, name=f'layers_{i}')(x))
+    ...     return x
+    >>> model, x = MLP(), jnp.ones((2, 8))
+    >>> params = model.init(jax.random.key(0), x)['params']
+    >>> ded, dparams = dflax.dedicate_linen(model, params, None)
+    >>> jax.tree.map(jnp.shape, dparams['layers_0'])
+    {'bias': (8,), 'dmuon_owned_0': (64,), 'kernel': (0,)}
+    >>> y = ded.apply({'params': dparams}, x)  # the TrainState's apply_fn
+    >>> bool(jnp.allclose(y, model.apply({'params': params}, x)))
+    True
+  """
+  if not isinstance(model, nn.Module):
+    raise TypeError(
+      'dmuon: dedicate_linen takes a flax.linen.Module; got '
+      f'{type(model).__name__} (NNX models: dmuon_jax.flax.dedicate).'
+    )
+  params = unfreeze(params)
+  if 'params' in params and isinstance(params['params'], dict):
+    raise ValueError(
+      "dmuon: dedicate_linen takes the 'params' collection; got a "
+      "variables dict (it has a 'params' key): pass variables['params']."
+    )
+  params, boxes = _boundary.unbox_linen(params, mesh)
+  kwargs = {k: v for k, v in locals().items() if k in _model.PLANNED}
+  specs = [None if box is None else _mesh.leaf_spec(box) for box in boxes]
+  ded, placed, dp, replicated, moved = _model.plan(
+    params, mesh, layers_per_gather, 'nn.scan', kwargs, specs
+  )
+  flat = jax.tree.flatten_with_path(placed)[0]
+  paths = [_model.path(k) for k, _ in flat]
+  targets_by_leaf = {t.index: t for t in ded.layout.leaves}
+  out = unfreeze(placed)
+  for i, t in targets_by_leaf.items():
+    hole = _model.placeholder(ded, t)
+    if mesh is not None:
+      hole = jax.device_put(hole, NamedSharding(mesh, P()))
+    _model.set_at(out, paths[i], hole)
+  # A scanned stack gathers where its params hold one layer: in the module
+  # nn.scan runs per layer, and its owned buffers are stored there too.
+  boundary_paths = _model.gather_points(ded, paths)
+  buffer_paths: list[tuple] = [()] * len(dp.owned.buffers)
+  for g, group in enumerate(ded.groups):
+    first = boundary_paths[group[0]]
+    mine = ded.layout.group_buffers(range(len(buffer_paths)), g)
+    for j, bi in enumerate(mine):
+      buffer_paths[bi] = first + (f'dmuon_owned_{j}',)
+      buf = dp.owned.buffers[bi]
+      template = next((b for b in boxes if b is not None), None)
+      if template is not None:  # boxed params: boxed buffers (their spec)
+        buf = _mesh.box_like(template, buf, ded.layout.buffer_specs()[bi])
+      _model.set_at(out, buffer_paths[bi], buf)
+  # Boxed params keep their boxes (Flax's sharding tools read them); those
+  # replicated over the owner axes say so. Where every mesh axis (of more
+  # than one device) is an owner axis, every AdamW param ends replicated:
+  # a box whose logical names the rules in effect map says so whatever
+  # the rules are (a jax.eval_shape of the init outside them, as Flax lm1b
+  # runs it, gives the jax.jit inside them the same boxes).
+  owned_mesh = _model.owned_mesh(ded, mesh)
+  for i, box in enumerate(boxes):
+    if box is not None and i not in targets_by_leaf:
+      if owned_mesh and _mesh.rules_decide(box):
+        box = box.replace(names=(None,) * len(box.names))  # replicated
+      elif i in moved:
+        box = _mesh.without_axes(box, ded.buffer_axes)
+      _model.set_at(
+        out, paths[i], _mesh.rebox(box, _model.node_at(out, paths[i]))
+      )
+  md = _boundary.LinenDedication.of(
+    ded,
+    paths,
+    boundary_paths,
+    buffer_paths,
+    replicated,
+    linen_model=model,
+    placeholder_paths=tuple(paths[i] for i in targets_by_leaf),
+    boundary_paths=boundary_paths,
+  )
+  return md, out

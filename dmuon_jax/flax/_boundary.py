@@ -1,18 +1,22 @@
-"""A hook boundary's call on its gather group's matrices (NNX and Linen),
-and the NNX boundary modules' hooks."""
+"""A hook boundary's call on its gather group's matrices: the NNX boundary
+modules' hooks and the Linen method interceptor of ``ded.apply``."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.core import unfreeze
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import _checks, _exchange, _gather, _mesh
@@ -66,7 +70,7 @@ def gathered(
   its first call and reuses it; Z3 re-gathers in the backward pass once per
   group (token-tied) and reduce-scatters once (through a sink). Under plain
   ``jit`` on Explicit owner axes: the reduced gather (see
-  :func:`_reduced_call`). Elsewhere on a mesh: a sharding constraint
+  :func:`_routed`). Elsewhere on a mesh: a sharding constraint
   gathers (GSPMD; warned once).
 
   Args:
@@ -90,60 +94,22 @@ def gathered(
   )
   if traced is None:
     traced = any(isinstance(x, jax.core.Tracer) for x in local)
-  cache = md.gathered_manual
-  # Keyed by the trace and the buffers themselves (kept alive by the
-  # entry): a tracer id of a finished trace (a scan body traced twice) may
-  # come again, and a block under a lifted transform of its own (nn.remat)
-  # runs in a trace of its own, where another block's gather is unknown.
-  keys = (jax.extend.core.get_opaque_trace_state(convention='nnx'), *local)
   z3 = ded.reshard_after_forward
   if remat and layout.distributed and not z3 and traced:
     _warn_remat_z2(md, name)
-  hit = cache.get(g)
-  same = hit is not None and len(hit[0]) == len(keys) and hit[0][0] == keys[0]
-  same = same and all(a is b for a, b in zip(hit[0][1:], keys[1:]))
-  hit = hit[1:] if same else None
-  if manual and hit is None:  # the group's first block
-    local = _gather.after_inputs(local, arrays)
   if scanned:  # one layer per iteration: drop the group's layer axis
     run_layer = run
     run = lambda mats, *a: run_layer({i: m[0] for i, m in mats.items()}, *a)
   if not layout.distributed:
-    mats = layout.unpack_group(g, local, iteration)
-    return run(mats, state, arrays)
-  # Inside train_step the TP axis (if any) stays automatic: the gathers
-  # run per TP shard (``_gather.on_tp_shards``), each target sharded over
-  # it as the param was.
-  if manual and (not z3 or remat):
-    if hit is not None:
-      (mats,) = hit
-    else:
-      rep = _gather.gather_replicate(ded, local, tp=True)
-      mats = _gather.materialize(ded, g, rep, iteration, tp=True)
-      cache[g] = (keys, mats)
-    return run(mats, state, arrays)
+    return run(layout.unpack_group(g, local, iteration), state, arrays)
   if manual:
-    if hit is not None:
-      rep, sink, token = hit
-    else:
-      rep = _gather.gather_replicate(ded, local, tp=True)
-      sink = _gather.gather_sink(ded, local, tp=True)
-      token = _gather.new_token()
-    out, token = _regathered(
-      ded,
-      b,
-      lambda x, it, s: _gather.materialize(ded, g, x, it, s, tp=True),
-      run,
-      (rep, token, sink, iteration, state, arrays),
-    )
-    cache[g] = (keys, rep, sink, token)
-    return out
+    return _routed(md, b, local, iteration, run, (state, arrays), True, remat)
   if traced:
     _exchange.check_tp_axis_type(ded, f'the dedicated boundary {name!r}')
   if _exchange.reduced_route(ded) and traced:
     if _sharded_over(arrays, ded.buffer_axes):
-      return _reduced_call(
-        md, b, local, iteration, run, state, arrays, remat=remat
+      return _routed(
+        md, b, local, iteration, run, (state, arrays), False, remat
       )
     _warn_unsharded(md, name, arrays)
   else:
@@ -156,25 +122,6 @@ def gathered(
   return run(layout.unpack_group(g, full, iteration), state, arrays)
 
 
-def _regathered(ded, b: int, materialize, run, operands):
-  """``run(mats, *rest)`` on boundary ``b``'s group gathered by
-  ``materialize(local, iteration, sink)`` and gathered again in the
-  backward pass once per group (Z3); ``operands``: ``(local, token, sink,
-  iteration, *rest)``. Returns ``(out, token)``."""
-  g = _gather.group_of(ded, b)
-
-  def run_z3(local, sink, iteration, *rest):
-    return run(materialize(local, iteration, sink), *rest)
-
-  return _gather.regather_group_in_backward(
-    run_z3,
-    ded.remat_policy,
-    last=b == ded.groups[g][-1] or ded.boundaries.scanned[b],
-    blocks=[ded.boundaries.names[b]],
-    routed=True,
-  )(*operands)
-
-
 def _sharded_over(arrays, axes: Sequence[str]) -> bool:
   """Whether the boundary's array inputs are split over every owner axis
   (the reduced gather's cotangent is a per-device partial sum: jax types a
@@ -185,13 +132,18 @@ def _sharded_over(arrays, axes: Sequence[str]) -> bool:
   return any(set(axes) <= named(x) for x in leaves if np.ndim(x) >= 1)
 
 
+def _warn_once(md: ModelDedication, message: str, stacklevel: int) -> None:
+  """Warns ``message`` unless this model warned already (``md.warned``)."""
+  if not md.warned[0]:
+    md.warned[0] = True
+    warnings.warn(message, _checks.DMuonWarning, stacklevel=stacklevel + 1)
+
+
 def _warn_unsharded(md: ModelDedication, name: str, arrays) -> None:
-  if md.warned[0]:
-    return
-  md.warned[0] = True
   xs = [x for x in jax.tree.leaves(arrays) if np.ndim(x) >= 1]
   typed = str(jax.typeof(xs[0])) if xs else 'no array'
-  warnings.warn(
+  _warn_once(
+    md,
     f'dmuon: the dedicated boundary {name!r} ran under jax.jit/nnx.jit on '
     f'an input typed {typed}, not split over the owner axes '
     f'{md.axes}: its matrices were gathered with GSPMD, and a gradient '
@@ -200,7 +152,6 @@ def _warn_unsharded(md: ModelDedication, name: str, arrays) -> None:
     'e.g. jax.device_put(batch, NamedSharding(mesh, P(ded.axes))), or '
     'use dmuon_jax.flax.train_step(ded), which does (evaluation on a '
     'replicated batch is otherwise fine).',
-    _checks.DMuonWarning,
     stacklevel=5,
   )
 
@@ -221,9 +172,10 @@ LIFTED_BOUNDARY_MSG = (
 
 
 def warn_lifted(md: ModelDedication, name: str, g: int, linen: bool) -> None:
-  """The :data:`LIFTED_BOUNDARY_MSG` warning for group ``g``'s block
-  ``name`` (Linen's or NNX's transforms named)."""
-  warnings.warn(
+  """The :data:`LIFTED_BOUNDARY_MSG` warning (once per model) for group
+  ``g``'s block ``name`` (Linen's or NNX's transforms named)."""
+  _warn_once(
+    md,
     LIFTED_BOUNDARY_MSG.format(
       name=name,
       group=g,
@@ -235,24 +187,33 @@ def warn_lifted(md: ModelDedication, name: str, g: int, linen: bool) -> None:
       ),
       inside='nn.remat(nn.Dense)' if linen else 'nnx.remat around its MLP',
     ),
-    _checks.DMuonWarning,
     stacklevel=5,
   )
 
 
-def _trace_cache(md: ModelDedication, g: int, b: int, local, iteration):
+def _trace_cache(
+  md: ModelDedication, g: int, b: int, local, iteration, manual=False
+):
   """``(entry, store)``: group ``g``'s cached gather in the running trace
   (``None`` if its buffers were not gathered in it yet), and a function
   that records a new one (for block ``b``).
 
-  Warns (once per model) where block ``b`` of a group of several blocks
-  misses the group in its trace while another block of the group gathered
-  it in the trace just before: a transform of its own around each block
-  (``nnx.remat(lambda block, x: block(x))``), so the group is gathered and
-  reduce-scattered per block.
+  Keyed by the trace and the buffers themselves (kept alive by the entry):
+  a tracer id of a finished trace (a scan body traced twice) may come
+  again, and a block under a lifted transform of its own (nn.remat) runs
+  in a trace of its own, where another block's gather is unknown. So that
+  a group's blocks, and a block called twice, share one gather and one
+  reduce-scatter.
+
+  ``manual``: inside :func:`train_step` (``md.gathered_manual``); else
+  (``md.gathered``) warns (once per model) where block ``b`` of a group of several
+  blocks misses the group in its trace while another block of the group
+  gathered it in the trace just before: a transform of its own around
+  each block (``nnx.remat(lambda block, x: block(x))``), so the group is
+  gathered and reduce-scattered per block.
   """
   trace = jax.extend.core.get_opaque_trace_state(convention='nnx')
-  cache = md.gathered
+  cache = md.gathered_manual if manual else md.gathered
   if cache.get('trace') != trace:
     previous = cache.get('blocks', {})
     cache.clear()
@@ -265,13 +226,12 @@ def _trace_cache(md: ModelDedication, g: int, b: int, local, iteration):
   ded = md.dedication
   before = cache['previous'].get(g)
   if (
-    entry is None
+    not manual
+    and entry is None
     and before is not None
     and before != b
     and len(ded.groups[g]) > 1
-    and not md.warned[0]
   ):
-    md.warned[0] = True
     warn_lifted(
       md, ded.boundaries.names[b], g, linen=md.linen_model is not None
     )
@@ -283,34 +243,49 @@ def _trace_cache(md: ModelDedication, g: int, b: int, local, iteration):
   return entry, store
 
 
-def _reduced_call(
-  md: ModelDedication, b: int, local, iteration, run, *args, remat=False
-):
-  """:func:`gathered` under plain ``jit`` on Explicit owner axes: the
-  group's buffers gathered typed ``reduced`` (see
-  ``_exchange.materialize_reduced``), once per trace; Z3 re-gathers once per group
-  in the backward pass (inside a rematerialization of the model's own,
-  ``remat``, that one recomputes the gather)."""
+def _routed(md, b: int, local, iteration, run, args, manual: bool, remat):
+  """:func:`gathered` on the owners' own route, the group gathered once per
+  trace: inside :func:`train_step` (``manual``; the TP axis, if any, stays
+  automatic: the gathers run per TP shard, ``_gather.on_tp_shards``, each
+  target sharded over it as the param was), or under plain ``jit`` on
+  Explicit owner axes, typed ``reduced`` (see
+  ``_exchange.materialize_reduced``). Z3 re-gathers once per group in the
+  backward pass (token-tied, reduce-scattered once through a sink),
+  except inside a rematerialization of the model's own (``remat``), which
+  recomputes the gather."""
   ded = md.dedication
   g = _gather.group_of(ded, b)
-  entry, store = _trace_cache(md, g, b, local, iteration)
+  entry, store = _trace_cache(md, g, b, local, iteration, manual)
+  if manual:
+    if entry is None:  # the group's first block
+      local = _gather.after_inputs(local, args[-1])
+    first = lambda: _gather.gather_replicate(ded, local, tp=True)
+    gather = lambda x, it, s=None: _gather.materialize(ded, g, x, it, s, True)
+    sink = lambda: _gather.gather_sink(ded, local, tp=True)
+  else:
+    first = lambda: local
+    gather = lambda x, it, s=None: _exchange.materialize_reduced(
+      ded, g, x, it, s
+    )
+    sink = lambda: _exchange.reduced_sink(ded, g, local, iteration)
   if not ded.reshard_after_forward or remat:
     if entry is None:
-      entry = _exchange.materialize_reduced(ded, g, local, iteration)
+      entry = gather(first(), iteration)
       store(entry)
     return run(entry, *args)
-  sink, token = entry or (
-    _exchange.reduced_sink(ded, g, local, iteration),
-    _gather.new_token(),
-  )
-  out, token = _regathered(
-    ded,
-    b,
-    lambda x, it, s: _exchange.materialize_reduced(ded, g, x, it, sink=s),
-    run,
-    (local, token, sink, iteration, *args),
-  )
-  store((sink, token))
+  x, s, token = entry or (first(), sink(), _gather.new_token())
+
+  def run_z3(x, s, iteration, *args):
+    return run(gather(x, iteration, s), *args)
+
+  out, token = _gather.regather_group_in_backward(
+    run_z3,
+    ded.remat_policy,
+    last=b == ded.groups[g][-1] or ded.boundaries.scanned[b],
+    blocks=[ded.boundaries.names[b]],
+    routed=True,
+  )(x, token, s, iteration, *args)
+  store((x, s, token))
   return out
 
 
@@ -331,12 +306,12 @@ def _warn_remat_z2(md: ModelDedication, name: str) -> None:
 
 
 def _warn_bare(md: ModelDedication, traced: bool) -> None:
-  if md.warned[0] or not traced:
+  if not traced:
     return
-  md.warned[0] = True
   n = md.dedication.num_slots
   z3 = md.dedication.reshard_after_forward
-  warnings.warn(
+  _warn_once(
+    md,
     'dmuon: a dedicated model ran under plain jax.jit/nnx.jit (outside '
     'dmuon_jax.flax.train_step). It computes the same numbers, but XLA '
     "reduces the Muon gradients with an all-reduce rather than the owners'"
@@ -351,7 +326,6 @@ def _warn_bare(md: ModelDedication, traced: bool) -> None:
     + '. Decorate the train step with @dmuon_jax.flax.train_step(dedication)'
     ' instead of jax.jit/nnx.jit to get the floor (evaluation outside it '
     'is fine).',
-    _checks.DMuonWarning,
     stacklevel=4,
   )
 
@@ -465,3 +439,322 @@ def _boundary_call(module, original, args, kwargs):
   out, new_state = gathered(md, b, local, iteration, run, state, arrays)
   nnx.update((module, nodes), new_state)
   return out
+
+
+# A scanned stack's layer indices, beside its owned buffers in the params
+# (added by ModelDedication.apply; nn.scan slices them with the layers).
+ITERATION = 'dmuon_iteration'
+
+
+def unbox_linen(params: Any, mesh: Any) -> tuple[Any, list[Any]]:
+  """Linen params with their Flax boxes (``nn.Partitioned``,
+  ``nn.LogicallyPartitioned``) taken off, an unplaced value put on
+  ``mesh`` as its box says; and per leaf its box (or None), to put back."""
+  flat, treedef = jax.tree.flatten(params, is_leaf=_mesh.is_box)
+  values, boxes = [], []
+  for x in flat:
+    if not _mesh.is_box(x):
+      values.append(x)
+      boxes.append(None)
+      continue
+    v = _mesh.unbox(x)
+    spec = _mesh.leaf_spec(x)
+    if (
+      mesh is not None
+      and spec is not None
+      and not isinstance(getattr(v, 'sharding', None), NamedSharding)
+    ):
+      v = jax.device_put(v, NamedSharding(mesh, spec))
+    values.append(v)
+    boxes.append(x)
+  return jax.tree.unflatten(treedef, values), boxes
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unboxed:
+  """A Linen initializer whose Flax box is taken off (see
+  :meth:`_Interceptor._fixed`)."""
+
+  init: Callable[..., Any]
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    return _mesh.unbox(self.init(*args, **kwargs))
+
+
+@dataclasses.dataclass
+class _Interceptor:
+  """The method interceptor of one ``ded.apply`` call: runs a boundary
+  module's method (``__call__`` or any other: a ``decode``, an ``attend``)
+  on its group's gathered matrices.
+
+  Attributes:
+    md: the dedication.
+    root: the call's (unboxed) params, where the owned buffers are read.
+    traces: per gather group, the trace its first block ran in.
+    inner: how many boundary calls are running (their blocks' own
+      submodules run as written).
+  """
+
+  md: ModelDedication
+  root: Any
+  traces: dict[int, Any] = dataclasses.field(default_factory=dict)
+  inner: int = 0
+
+  def _fixed(self, module):
+    """``module`` rebound to its scope with what the call needs, or None.
+
+    ``nn.DenseGeneral`` whose kernel exists: its kernel initializer's Flax
+    box taken off. DenseGeneral boxes its initializer's flat 2-D kernel and
+    unboxes it with the kernel's N-D partition names before reshaping, and
+    Flax runs that initializer again at every call to check the existing
+    param's shape (flax issue #3676). Under a mesh context
+    (``train_step``'s shard_map is one; so is ``jax.set_mesh``) the
+    unboxing is a sharding constraint that fails: too many names for the
+    flat kernel, or a manual owner axis. The param exists, so the
+    initializer only serves that shape check: it runs unboxed (same shape).
+
+    ``nn.BatchNorm`` without an ``axis_name`` inside ``train_step`` (manual
+    owner axes): the owner axes as its ``axis_name``, so that its
+    statistics are the global batch's (a pmean of the devices' equal
+    shares), as under ``jax.jit``.
+    """
+    if isinstance(module, nn.DenseGeneral):
+      if isinstance(module.kernel_init, _Unboxed) or not module.has_variable(
+        'params', 'kernel'
+      ):
+        return None
+      return module.clone(
+        parent=module.scope, kernel_init=_Unboxed(module.kernel_init)
+      )
+    axes = self.md.axes
+    if (
+      isinstance(module, nn.BatchNorm)
+      and module.axis_name is None
+      and axes
+      and set(axes) <= _gather.manual_axes()
+    ):
+      return module.clone(parent=module.scope, axis_name=tuple(axes))
+    return None
+
+  def __call__(self, next_fun, args, kwargs, context):
+    module = context.module
+    if context.method_name == 'setup':
+      return next_fun(*args, **kwargs)
+    fixed = self._fixed(module)
+    if fixed is not None:
+      return getattr(fixed, context.method_name)(*args, **kwargs)
+    md = self.md
+    path = tuple(module.path)
+    if (
+      isinstance(module, nn.DenseGeneral)
+      or self.inner
+      or path not in md.boundary_paths
+    ):
+      return next_fun(*args, **kwargs)
+    b = md.boundary_paths.index(path)
+    ded = md.dedication
+    g = _gather.group_of(ded, b)
+    cols = {c: unfreeze(module.variables[c]) for c in module.variables}
+    own = cols.pop('params', {})
+    bufs = ded.layout.group_buffers(range(len(md.buffer_paths)), g)
+    scanned = ded.boundaries.scanned[b]
+    if scanned:
+      local, iteration = _one_layer(md, b, module, len(bufs))
+    # The group's whole buffers (a scanned stack's: all its layers').
+    whole = [
+      _mesh.unbox(_model.node_at(self.root, md.buffer_paths[k])) for k in bufs
+    ]
+    if not scanned:
+      local, iteration = whole, None
+      _check_one_trace_per_group(md, g, path, local, self.traces)
+    sub = {
+      k: v
+      for k, v in own.items()
+      if not (str(k).startswith('dmuon_owned_') or k == ITERATION)
+    }
+    mutable = [c for c in cols if module.is_mutable_collection(c)]
+    rngs = {name: module.make_rng(name) for name in module.scope.rngs}
+    mine = md.targets[b]
+    arrays, _, rebuild = split_args(args, kwargs)
+    method = context.method_name
+
+    def run(mats, state, arrays):
+      p, others, keys = state
+      p = unfreeze(p)
+      for i, rel in mine:
+        _model.set_at(p, rel, mats[i])
+      a, kw = rebuild(arrays)
+      self.inner += 1
+      try:
+        result = module.clone(parent=None).apply(
+          {'params': p, **others},
+          *a,
+          rngs=keys,
+          mutable=mutable or False,
+          method=method,
+          **kw,
+        )
+      finally:
+        self.inner -= 1
+      return result if mutable else (result, {})
+
+    # The stack's whole buffers say whether the model runs under jit: an
+    # eager call's nn.scan traces its body (and so the slices) too.
+    out, updates = gathered(
+      md,
+      b,
+      local,
+      iteration,
+      run,
+      (sub, cols, rngs),
+      arrays,
+      traced=any(isinstance(x, jax.core.Tracer) for x in whole),
+      remat=_lifted(module, 'remat'),
+    )
+    for c, tree in updates.items():
+      for name, value in tree.items():
+        module.put_variable(c, name, value)
+    return out
+
+
+def _lifted(module, transform: str) -> bool:
+  """Whether ``module`` runs inside the Flax lifted ``transform``
+  (``'remat'``, ``'scan'``; around it or a parent): Flax's lifted
+  transforms name themselves in their scopes' ``debug_path``
+  (``('remat(scan(layers))',)`` for ``nn.scan(nn.remat(Block))``)."""
+  path = getattr(module.scope, 'debug_path', ())
+  return any(f'{transform}(' in str(s) for s in path)
+
+
+def _one_layer(md, b: int, module, count: int) -> tuple[list, Any]:
+  """A scanned stack's owned buffers and layer index as ``nn.scan`` sliced
+  them for this iteration (one layer each); raises where they were not
+  sliced (the module ran outside ``nn.scan``, or ``nn.scan`` broadcast its
+  params instead of slicing them) or another transform sliced them."""
+  name = md.dedication.boundaries.names[b]
+  own = module.variables.get('params', {})
+  local = [own.get(f'dmuon_owned_{j}') for j in range(count)]
+  iteration = own.get(ITERATION)
+  if any(x is None for x in local) or iteration is None:
+    raise ValueError(
+      f'dmuon: the scanned stack {name!r} ran without its owned buffers '
+      f'(module {_model.text(md.boundary_paths[b])!r}): call the model'
+      ' through ded.apply with the dedicated params of dedicate_linen.'
+    )
+  if np.ndim(iteration) != 0 or any(np.ndim(x) != 1 for x in local):
+    raise ValueError(
+      SCAN_SLICE_MSG.format(
+        name=name,
+        module=_model.text(md.boundary_paths[b]),
+        shape=tuple(np.shape(local[0])),
+      )
+    )
+  if not _lifted(module, 'scan'):
+    raise ValueError(
+      f'dmuon: the scanned stack {name!r} runs one layer at a time under '
+      f'{"/".join(module.scope.debug_path)!r}, not nn.scan: dedicate_linen '
+      'runs stacked layers made by nn.scan (one gather per iteration). '
+      'Leave these matrices to AdamW (muon_weight_dimension_numbers None '
+      'for them), or use the drop-in dmuon_jax.dmuon.'
+    )
+  return list(local), iteration
+
+
+SCAN_SLICE_MSG = (
+  'dmuon: the scanned stack {name!r} gathers in module {module!r} (the '
+  'deepest one holding all its Muon matrices), which ran on all its '
+  'layers at once (its owned buffer has shape {shape}, with the layer '
+  'axis). dedicate_linen runs a stack one layer per iteration of the '
+  "nn.scan that made it (variable_axes={{'params': 0}} slices its params):"
+  ' call {module!r} through that nn.scan, as when its params were '
+  'initialized. Two nn.scan stacks under one top-level module meet there:'
+  ' give each a top-level module of its own, or leave one of them to '
+  'AdamW (muon_weight_dimension_numbers None for its kernels).'
+)
+
+
+def _check_one_trace_per_group(md, g: int, path, local, traces) -> None:
+  """Warns (once per model) where group ``g``'s blocks run under different
+  traces in one ``ded.apply`` on the reduced route: a lifted transform
+  around each boundary module, so the group is gathered per block."""
+  ded = md.dedication
+  if not _exchange.reduced_route(ded) or not any(
+    isinstance(x, jax.core.Tracer) for x in local
+  ):
+    return
+  trace = jax.extend.core.get_opaque_trace_state(convention='nnx')
+  first = traces.setdefault(g, trace)
+  if first != trace:
+    warn_lifted(md, _model.text(path), g, linen=True)
+
+
+def with_iterations(ded, boundary_paths, params: Any) -> Any:
+  """Linen ``params`` with each scanned stack's layer indices,
+  ``dmuon_iteration = arange(num_layers)``, beside its owned buffers:
+  ``nn.scan`` slices them with the layers (``variable_axes={'params':
+  0}``), so each iteration knows which owners hold its matrices (they
+  rotate by one slot per layer). Made in the step, they are no param of
+  the ``TrainState``: nothing differentiates or updates them.
+
+  Args:
+    ded: the model's ``Dedication``.
+    boundary_paths: each boundary's module path in the params.
+    params: the (unboxed) Linen params.
+
+  Returns:
+    ``params``, with the indices where a stack is scanned.
+  """
+  scanned = [b for b, s in enumerate(ded.boundaries.scanned) if s]
+  if not scanned:
+    return params
+  params = unfreeze(params)
+  for b in scanned:
+    n = ded.layout.iterations[_gather.group_of(ded, b)]
+    _model.set_at(
+      params,
+      boundary_paths[b] + (ITERATION,),
+      jax.numpy.arange(n, dtype=jax.numpy.int32),
+    )
+  return params
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LinenDedication(ModelDedication):
+  """A :class:`ModelDedication` of a Linen model (:func:`dedicate_linen`),
+  with its ``apply``."""
+
+  @property
+  def apply(self) -> LinenApply:
+    """``linen_model.apply`` with the boundaries gathering (see
+    :attr:`ModelDedication.apply`)."""
+    return LinenApply(self)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class LinenApply:
+  """``ded.apply`` of a Linen ``ModelDedication``: ``linen_model.apply``
+  with the boundaries gathering; a callable that compares (and hashes) as
+  its dedication does, where a bound method would compare its dedication
+  by identity."""
+
+  md: ModelDedication
+
+  def __call__(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
+    md = self.md
+    # Flax boxes come off here: unboxing inside the model would constrain
+    # each value to its names, which train_step's manual owner axes refuse
+    # (the arrays are placed already).
+    params = jax.tree.map(
+      _mesh.unbox, variables['params'], is_leaf=_mesh.is_box
+    )
+    variables = {
+      **variables,
+      'params': with_iterations(md.dedication, md.boundary_paths, params),
+    }
+    with nn.intercept_methods(_Interceptor(md, params)):
+      return md.linen_model.apply(variables, *args, **kwargs)
+
+  def __repr__(self) -> str:
+    model = type(self.md.linen_model).__name__
+    n = len(self.md.dedication.boundaries.names)
+    return f'<ded.apply of a dedicated {model}, {n} boundaries>'

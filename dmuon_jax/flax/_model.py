@@ -173,7 +173,7 @@ class ModelDedication:
       blocks, and a block called twice, share one gather and one
       reduce-scatter); replaced when another trace starts.
     gathered_manual: the same inside :func:`train_step` (manual owner
-      axes): per gather group, its gather and the trace it was made in.
+      axes).
     linen_model: the Linen module (from :func:`dedicate_linen`), or None
       for an NNX model.
     placeholder_paths: per Muon target, the path of its placeholder
@@ -243,6 +243,26 @@ class ModelDedication:
     # The Linen module is compared, not hashed (its fields may not be).
     return id(self) if self.linen_model is None else hash(self.dedication)
 
+  @classmethod
+  def of(
+    cls, ded, paths, modules, buffer_paths, replicated, **kwargs
+  ) -> ModelDedication:
+    """The record of ``ded`` over a model whose param leaves lie at
+    ``paths`` and whose boundaries' gathering modules at ``modules``."""
+    targets: list[list[tuple[int, tuple]]] = [[] for _ in modules]
+    for t in ded.layout.leaves:
+      b = boundary_of(ded, t)
+      targets[b].append((t.index, paths[t.index][len(modules[b]) :]))
+    held = {t.index for t in ded.layout.leaves}
+    return cls(
+      dedication=ded,
+      buffer_paths=tuple(buffer_paths),
+      rest_paths=tuple(None if i in held else p for i, p in enumerate(paths)),
+      targets=tuple(tuple(t) for t in targets),
+      replicated=tuple(replicated),
+      **kwargs,
+    )
+
   @property
   def apply(self) -> Callable[..., Any]:
     """``linen_model.apply`` with the boundaries gathering (Linen only).
@@ -291,21 +311,50 @@ class ModelDedication:
     """
     if isinstance(model, nnx.Module):
       model = nnx.state(model, nnx.Param)
-    # Variables (NNX) and boxes (Linen) as leaves, unboxed.
-    by_path = {
-      path(k): _mesh.unbox(x)
-      for k, x in jax.tree_util.tree_flatten_with_path(
-        model, is_leaf=_mesh.is_boxed
-      )[0]
-    }
-    owned = [by_path[p] for p in self.buffer_paths]
-    rest = [None if p is None else by_path[p] for p in self.rest_paths]
-    ded = self.dedication
-    return ded.to_params(
-      _dedication.DedicatedParams(
-        owned=_owner_layout.OwnerBuffers(owned, ded.layout),
-        rest=jax.tree.unflatten(ded.treedef, rest),
+    return self.dedication.to_params(self.dedicated(model))
+
+  @functools.cached_property
+  def _paths(self) -> tuple[dict, dict, frozenset]:
+    return (
+      {p: k for k, p in enumerate(self.buffer_paths)},
+      {p: i for i, p in enumerate(self.rest_paths) if p is not None},
+      frozenset(self.placeholder_paths),
+    )
+
+  def dedicated(self, tree: Any, what: str | None = None, boxes=False):
+    """The :class:`dmuon_jax.DedicatedParams` of a params (or gradients)
+    tree of the dedicated model, read by path; ``what`` names the caller
+    in the error for a param the model did not have (None: ignored);
+    ``boxes``: Linen boxes and NNX Variables kept on the leaves."""
+    buffer_of, leaf_of, holes = self._paths
+    owned = [None] * len(self.buffer_paths)
+    rest = [None] * len(self.rest_paths)
+    for keys, x in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=_mesh.is_boxed
+    )[0]:
+      p, x = path(keys), x if boxes and _mesh.is_boxed(x) else _mesh.unbox(x)
+      if p in buffer_of:
+        owned[buffer_of[p]] = x
+      elif p in leaf_of:
+        rest[leaf_of[p]] = x
+      elif p not in holes and what is not None:
+        raise ValueError(
+          f'dmuon: {what} got param {text(p)!r}, which the dedicated model'
+          ' did not have at dmuon_jax.flax.dedicate(); make the optimizer '
+          'for this model with wrt=nnx.Param.'
+        )
+    missing = [text(p) for p, k in buffer_of.items() if owned[k] is None]
+    missing += [text(p) for p, i in leaf_of.items() if rest[i] is None]
+    if missing:
+      raise ValueError(
+        f'dmuon: {what or "to_params()"} is missing params {missing[:5]} of '
+        'the dedicated model; pass nnx.state(model, nnx.Param) '
+        '(nnx.Optimizer with wrt=nnx.Param does).'
       )
+    ded = self.dedication
+    return _dedication.DedicatedParams(
+      owned=_owner_layout.OwnerBuffers(owned, ded.layout),
+      rest=jax.tree.unflatten(ded.treedef, rest),
     )
 
 
@@ -316,22 +365,14 @@ def placeholder(ded, target) -> jax.Array:
   return jnp.zeros((target.shape[0], 0) if scanned else (0,), target.dtype)
 
 
-# The options dedicate and dedicate_linen hand to the planner as they are.
-PLANNED = frozenset(
-  {
-    'predicate',
-    'muon_weight_dimension_numbers',
-    'boundary_predicate',
-    'strict',
-    'reshard_after_forward',
-    'axis_names',
-    'replicate_axis',
-    'remat_policy',
-    'ns_algorithm',
-    'owner_groups',
-    'tensor_parallel_axis',
-  }
-)
+# The options dedicate and dedicate_linen hand to the planner as they are
+# (dmuon_jax.dedicate's, but its params, mesh and deprecated spelling).
+PLANNED = frozenset(inspect.signature(_dedicated.dedicate).parameters) - {
+  'params',
+  'mesh',
+  'layers_per_gather',
+  'weight_dimension_numbers',
+}
 
 
 def _entry_key(entry: Any) -> Any:
@@ -404,9 +445,13 @@ def plan(params, mesh, layers_per_gather, scan: str, kwargs, specs):
       'layers as a Python loop, or pass tensor_parallel_axis=None with the '
       'stack replicated over it.'
     )
-  params, ded, replicated, moved = _replicate_rest(
-    ded, params, mesh, kwargs, specs
-  )
+  params, replicated, moved = _replicate_rest(ded, params, mesh, specs)
+  if replicated:  # planned again on the params as they are now placed
+    choice = ded.layers_per_gather_choice
+    ded = _dedicated.dedicate(
+      params, mesh, layers_per_gather=ded.layers_per_gather, **kwargs
+    )
+    ded = dataclasses.replace(ded, layers_per_gather_choice=choice)
   placed = params
   if mesh is not None:
     placed = jax.tree.map(
@@ -424,20 +469,10 @@ def boundary_of(ded, target) -> int:
   return ded.boundaries.of_target[ded.boundaries.paths.index(target.path)]
 
 
-def targets(ded, paths, boundary_paths) -> tuple:
-  """Per boundary, ``(leaf index, path inside the boundary module)`` of its
-  Muon targets."""
-  targets: list[list[tuple[int, tuple]]] = [[] for _ in boundary_paths]
-  for t in ded.layout.leaves:
-    b = boundary_of(ded, t)
-    targets[b].append((t.index, paths[t.index][len(boundary_paths[b]) :]))
-  return tuple(tuple(t) for t in targets)
-
-
-def _replicate_rest(ded, params, mesh, kwargs, specs):
+def _replicate_rest(ded, params, mesh, specs):
   """AdamW params sharded over an owner axis, replicated over the owner
   axes (inside train_step every device runs the whole model on its own
-  batch); the dedication planned again if any moved.
+  batch).
 
   A leaf's sharding is the one its Flax metadata gives (``specs``), where
   it has some: under an abstract or jitted init on Auto axes the traced
@@ -479,12 +514,7 @@ def _replicate_rest(ded, params, mesh, kwargs, specs):
       stacklevel=4,
     )
     params = jax.tree.unflatten(jax.tree.structure(params), leaves)
-    choice = ded.layers_per_gather_choice
-    ded = _dedicated.dedicate(
-      params, mesh, layers_per_gather=ded.layers_per_gather, **kwargs
-    )
-    ded = dataclasses.replace(ded, layers_per_gather_choice=choice)
-  return params, ded, replicated, moved
+  return params, replicated, moved
 
 
 def _check_boundaries_hold_targets(params, ded, boundary_predicate) -> None:
@@ -628,27 +658,6 @@ def rules_free_names(model, paths, specs, ded, mesh, targets) -> None:
       )
 
 
-def references(model: nnx.Module) -> dict[int, list[tuple]]:
-  """id(node) -> every path that holds it (modules and variables, shared
-  ones under each of their parents)."""
-  refs: dict[int, list[tuple]] = {}
-  for path, node in nnx.iter_graph(model):
-    if isinstance(node, nnx.Variable):
-      continue
-    if isinstance(node, (list, tuple, nnx.List)):
-      items = list(enumerate(node))
-    elif hasattr(node, '__dict__'):
-      items = list(vars(node).items())
-    else:
-      continue
-    for name, value in items:
-      if isinstance(value, (nnx.Variable, nnx.Module, nnx.List)):
-        held = refs.setdefault(id(value), [])
-        if tuple(path) + (name,) not in held:
-          held.append(tuple(path) + (name,))
-  return refs
-
-
 def public_methods(cls: type) -> list[str]:
   """``__call__`` and the public methods ``cls`` adds to ``nnx.Module``
   (``Embed.attend``, a block's helper): each may read the Muon targets."""
@@ -667,14 +676,11 @@ def public_methods(cls: type) -> list[str]:
 
 def check_untied(model, paths, targets_by_leaf) -> None:
   """Raises for a Muon target held by two modules (tied weights)."""
-  refs = references(model)
+  held = {p: paths for paths in nnx.find_duplicates(model) for p in paths}
   for i in targets_by_leaf:
     # The target, or a module on its path, held by two parents: tied.
     holders = max(
-      (
-        refs.get(id(node_at(model, paths[i][:d])), [])
-        for d in range(1, len(paths[i]) + 1)
-      ),
+      (held.get(paths[i][:d], []) for d in range(1, len(paths[i]) + 1)),
       key=len,
     )
     if len(holders) > 1:

@@ -17,10 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import (
   _alias,
-  _dedication,
   _gather,
   _mesh,
-  _owner_layout,
 )
 from dmuon_jax.flax import _model
 from dmuon_jax.flax._model import ModelDedication
@@ -67,7 +65,9 @@ def dedicated_muon(
     tuple(sorted(kwargs.items())),
     _alias.dedicated_muon(dedication.dedication, learning_rate, **kwargs),
   )
-  return optax.GradientTransformation(_Init(muon), _Update(muon))
+  return optax.GradientTransformation(
+    _Method(muon, 'init'), _Method(muon, 'update')
+  )
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -120,72 +120,36 @@ class _ModelMuon:
       return True
     if not isinstance(other, _ModelMuon):
       return NotImplemented
-    return (
-      self.md == other.md
-      and _same(self.learning_rate, other.learning_rate)
-      and [k for k, _ in self.kwargs] == [k for k, _ in other.kwargs]
-      and all(
-        _same(a, b)
-        for (_, a), (_, b) in zip(self.kwargs, other.kwargs, strict=True)
-      )
+    return self.md == other.md and _same(
+      (self.learning_rate, self.kwargs), (other.learning_rate, other.kwargs)
     )
 
   def __hash__(self) -> int:
     return hash(self.md)
 
-  @functools.cached_property
-  def _paths(self) -> tuple[dict, dict, frozenset]:
-    md = self.md
-    return (
-      {p: k for k, p in enumerate(md.buffer_paths)},
-      {p: i for i, p in enumerate(md.rest_paths) if p is not None},
-      frozenset(md.placeholder_paths),
-    )
-
-  def to_core(self, tree, what, boxes=False):
-    # boxes: Linen boxes and nnx Variables kept (init: optax's moments keep
-    # them, the owner momentum takes the owned buffers'), so that Flax's
-    # sharding tools read the state's shardings as they read the params'
+  def init(self, params: Any) -> Any:
+    # Linen boxes and nnx Variables kept (optax's moments keep them, the
+    # owner momentum takes the owned buffers'), so that Flax's sharding
+    # tools read the state's shardings as they read the params'
     # (nnx.Optimizer turns the Variables into OptVariables with their
     # metadata). Unboxed, an NNX trainer's out_shardings read from an
     # abstract optimizer (jax.eval_shape) replicated the momentum.
-    md, ded = self.md, self.md.dedication
-    buffer_of, leaf_of, holes = self._paths
-    value = _mesh.unbox  # of an nnx.Variable or a Linen box
-    keep = lambda x: x if boxes and _mesh.is_boxed(x) else value(x)
-    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_mesh.is_boxed)[0]
-    owned = [None] * len(md.buffer_paths)
-    rest = [None] * len(md.rest_paths)
-    for keys, x in flat:
-      p = _model.path(keys)
-      if p in buffer_of:
-        owned[buffer_of[p]] = keep(x)
-      elif p in leaf_of:
-        rest[leaf_of[p]] = keep(x)
-      elif p in holes:
-        continue
-      else:
-        raise ValueError(
-          f'dmuon: {what} got param {_model.text(p)!r}, which the dedicated model'
-          ' did not have at dmuon_jax.flax.dedicate(); make the optimizer '
-          'for this model with wrt=nnx.Param.'
-        )
-    missing = [
-      _model.text(p) for p, k in buffer_of.items() if owned[k] is None
-    ] + [_model.text(p) for p, i in leaf_of.items() if rest[i] is None]
-    if missing:
-      raise ValueError(
-        f'dmuon: {what} is missing params {missing[:5]} of the dedicated '
-        'model; pass nnx.state(model, nnx.Param) (nnx.Optimizer with '
-        'wrt=nnx.Param does).'
-      )
-    return _dedication.DedicatedParams(
-      owned=_owner_layout.OwnerBuffers(owned, ded.layout),
-      rest=jax.tree.unflatten(ded.treedef, rest),
+    return self.core.init(self.md.dedicated(params, 'init()', boxes=True))
+
+  def update(self, updates: Any, state: Any, params: Any = None) -> Any:
+    u, new_state = self.core.update(
+      self.md.dedicated(updates, 'update()'),
+      jax.tree.map(_mesh.unbox, state, is_leaf=_mesh.is_box),
+      None if params is None else self.md.dedicated(params, 'update()'),
     )
+    # The state's boxes (from init) kept.
+    new_state = jax.tree.map(
+      _mesh.rebox, state, new_state, is_leaf=_mesh.is_box
+    )
+    return self.from_core(u, updates), new_state
 
   def from_core(self, dp, like):
-    buffer_of, leaf_of, holes = self._paths
+    buffer_of, leaf_of, holes = self.md._paths
     rest = self.md.dedication.treedef.flatten_up_to(dp.rest)
 
     def pick(keys, x):
@@ -201,34 +165,15 @@ class _ModelMuon:
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class _Init:
-  """``init`` of :func:`dedicated_muon` (equal for equal optimizers)."""
+class _Method:
+  """``init`` or ``update`` of :func:`dedicated_muon`: a callable equal for
+  equal optimizers (a bound method compares its ``self`` by identity)."""
 
   muon: _ModelMuon
+  name: str
 
-  def __call__(self, params: Any) -> Any:
-    muon = self.muon
-    return muon.core.init(muon.to_core(params, 'init()', boxes=True))
-
-
-@dataclasses.dataclass(frozen=True, repr=False)
-class _Update:
-  """``update`` of :func:`dedicated_muon` (equal for equal optimizers)."""
-
-  muon: _ModelMuon
-
-  def __call__(self, updates: Any, state: Any, params: Any = None) -> Any:
-    muon = self.muon
-    u, new_state = muon.core.update(
-      muon.to_core(updates, 'update()'),
-      jax.tree.map(_mesh.unbox, state, is_leaf=_mesh.is_box),
-      None if params is None else muon.to_core(params, 'update()'),
-    )
-    # The state's boxes (from init) kept.
-    new_state = jax.tree.map(
-      _mesh.rebox, state, new_state, is_leaf=_mesh.is_box
-    )
-    return muon.from_core(u, updates), new_state
+  def __call__(self, *args: Any) -> Any:
+    return getattr(self.muon, self.name)(*args)
 
 
 def _manual_spec(x: Any, axes: frozenset[str]) -> P:

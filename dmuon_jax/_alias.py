@@ -362,9 +362,11 @@ def dmuon(
   """
   options = dict(locals())  # the arguments, as given
   _routing.check_predicate(predicate)
-  return muon_adamw(
-    options,
-    lambda: (
+
+  def muon():
+    # Checked here, as dedicated_muon's Muon checks it (make_hyperparams).
+    _checks.real('weight_decay', weight_decay, '0.1')
+    return (
       _transform.make_scale_by_dmuon(
         {k: options[k] for k in _MUON + _DMUON}
         | {
@@ -376,7 +378,11 @@ def dmuon(
         shape_scaling=True,
       ),
       optax.add_decayed_weights(weight_decay, weight_decay_mask),
-    ),
+    )
+
+  return muon_adamw(
+    options,
+    muon,
     # Explicit path: per-device gradients are averaged (pmean) first.
     _steps.mean_over_devices(),
     lambda muon, adam: _partition(
@@ -412,7 +418,6 @@ def muon_adamw(
     adam_learning_rate=adam_lr,
     **{k: options[k] for k in _ADAM},
   )
-  _checks.real('weight_decay', options['weight_decay'], '0.1')
   # Muon first: its checks name a bad mu_dtype before optax.adamw trips on it.
   muon_chain = optax.chain(*muon(), optax.scale_by_learning_rate(lr))
   adam = optax.adamw(

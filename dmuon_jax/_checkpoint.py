@@ -282,12 +282,11 @@ def dedicated_like(dp_like: _dedication.DedicatedParams):
 def pack_like(like: _owner_layout.OwnerBuffers, values: dict[int, Any]):
   """Owner buffers of ``like``'s layout, dtypes and placement, from whole
   arrays by leaf index."""
-  return _dedication.pack_owned(
-    like.layout,
+  return like.layout.pack(
     values,
+    [b.dtype for b in like.buffers],
     concrete_mesh(like.buffers),
-    dtypes=[b.dtype for b in like.buffers],
-    shardings=[getattr(b, 'sharding', None) for b in like.buffers],
+    [getattr(b, 'sharding', None) for b in like.buffers],
   )
 
 

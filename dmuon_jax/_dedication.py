@@ -340,7 +340,7 @@ class Dedication:
     self._check_params(params)
     leaves = jax.tree.leaves(params)
     values = {t.index: leaves[t.index] for t in self.layout.leaves}
-    owned = pack_owned(self.layout, values, self.mesh)
+    owned = self.layout.pack(values, mesh=self.mesh)
     rest = [
       None if spec is None else x for x, spec in zip(leaves, self.rest_specs)
     ]
@@ -488,60 +488,13 @@ def check_owned(
     )
 
 
-def _replicated(mesh, tree):
-  """``tree`` on every device (conversions index across the owner axes)."""
-  return (
-    tree if mesh is None else jax.device_put(tree, NamedSharding(mesh, P()))
-  )
-
-
-@functools.lru_cache(maxsize=128)
-def _jitted(layout: _owner_layout.OwnerLayout, method: str, *static):
-  """``layout.<method>(x, *static)`` jitted, once per layout (by value)."""
-  return jax.jit(lambda x: getattr(layout, method)(x, *static))
-
-
-def pack_owned(
-  layout: _owner_layout.OwnerLayout,
-  values: dict[int, Any],
-  mesh: Any,
-  dtypes=None,
-  shardings=None,
-) -> _owner_layout.OwnerBuffers:
-  """Owner buffers (placed) from whole arrays, leaf index -> array."""
-  mesh_of = mesh if isinstance(mesh, jax.sharding.Mesh) else None
-  full = _replicated(mesh_of, dict(values))
-  dtypes = None if dtypes is None else tuple(jnp.dtype(d) for d in dtypes)
-  bufs = _jitted(layout, 'pack', dtypes)(full)
-  if shardings is None and mesh_of is not None:
-    shardings = layout.shardings(mesh_of)
-  if shardings is not None:
-    bufs = [
-      b if s is None else jax.device_put(b, s) for b, s in zip(bufs, shardings)
-    ]
-  return _owner_layout.OwnerBuffers(bufs, layout)
-
-
-def unpack_owned(owned: _owner_layout.OwnerBuffers) -> dict[int, jax.Array]:
-  """Whole (replicated) arrays from owner buffers: leaf index -> array."""
-  bufs = list(owned.buffers)
-  mesh = next(
-    (
-      b.sharding.mesh
-      for b in bufs
-      if isinstance(getattr(b, 'sharding', None), NamedSharding)
-    ),
-    None,
-  )
-  return _jitted(owned.layout, 'unpack')(_replicated(mesh, bufs))
-
-
 def to_params(dedicated: DedicatedParams) -> Any:
   """The plain params tree of :class:`DedicatedParams` (from its layout)."""
   leaves, treedef = jax.tree_util.tree_flatten(
     dedicated.rest, is_leaf=lambda x: x is None
   )
-  for i, x in unpack_owned(dedicated.owned).items():
+  owned = dedicated.owned
+  for i, x in owned.layout.unpack(owned.buffers).items():
     leaves[i] = x
   return jax.tree.unflatten(treedef, leaves)
 

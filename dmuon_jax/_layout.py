@@ -293,15 +293,12 @@ class Layout:
   def num_groups(self) -> int:
     return len(self.dtypes)
 
-  def pack_full(
-    self, leaves: Sequence[jax.Array], dtype=None
-  ) -> tuple[jax.Array, ...]:
+  def pack_full(self, leaves: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
     """All slots' buffers, concatenated: one ``(num_slots * local,)`` each
-    (one slot's: its ``(local,)`` buffers).
+    (one slot's: its ``(local,)`` buffers), in the leaves' promoted dtype.
 
     Args:
       leaves: the full (unsharded) target leaves, in ``plan.leaves`` order.
-      dtype: buffer dtype (default: the leaves' promoted dtype).
 
     Returns:
       One flat buffer per dtype group.
@@ -316,7 +313,7 @@ class Layout:
 
     out = []
     for g, slots in enumerate(self.slot_units):
-      dt = dtype or self.promoted(leaves, g)
+      dt = self.promoted(leaves, g)
       blocks = []
       for s, units in enumerate(slots):
         pieces = [get(u).reshape(-1).astype(dt) for u in units]

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import _checks, _exchange, _mesh
 from dmuon_jax._layout import Layout, roll_slots
@@ -67,6 +68,14 @@ def unpad(x: jax.Array, shape: Sequence[int]) -> jax.Array:
   if tuple(np.shape(x)) == tuple(shape):
     return x
   return x[tuple(slice(0, n) for n in shape)]
+
+
+def _replicated(tree: Any, mesh: Any) -> Any:
+  """``tree`` on every device of ``mesh`` if it is a concrete ``Mesh``
+  (the conversions read across the owner slots)."""
+  if not isinstance(mesh, jax.sharding.Mesh):
+    return tree
+  return jax.device_put(tree, jax.sharding.NamedSharding(mesh, P()))
 
 
 # Owner buffers within this factor of the even share are kept for params
@@ -398,20 +407,52 @@ class OwnerLayout:
       shape[split] *= self.tp_size
     return tuple(shape)
 
-  # -- whole-array conversions (global arrays, e.g. under jax.jit) -------
+  # -- whole-array conversions (global arrays, outside jax.jit) ------------
 
   def pack(
-    self, values: dict[int, jax.Array], dtypes: Sequence | None = None
-  ) -> tuple[jax.Array, ...]:
-    """Owner buffers from whole arrays, one per Muon target.
+    self,
+    values: dict[int, jax.Array],
+    dtypes: Sequence | None = None,
+    mesh: Any = None,
+    shardings: Sequence | None = None,
+  ) -> OwnerBuffers:
+    """Owner buffers from whole arrays, one per Muon target (jitted once
+    per layout).
 
     Args:
       values: leaf index -> the whole (unsplit) array of each target.
       dtypes: per buffer, its dtype (default: each group's promoted dtype).
+      mesh: a concrete ``Mesh``: ``values`` are replicated on it first (the
+        packing reads across owner slots) and the buffers placed as the
+        layout says (default, or any other mesh: left where jit puts them).
+      shardings: per buffer, its sharding (None: left), instead.
 
     Returns:
-      The flat buffers, in buffer order (global arrays, not yet placed).
+      The :class:`OwnerBuffers`.
     """
+    dtypes = None if dtypes is None else tuple(jnp.dtype(d) for d in dtypes)
+    bufs = self._pack(_replicated(dict(values), mesh), dtypes)
+    if shardings is None and isinstance(mesh, jax.sharding.Mesh):
+      shardings = self.shardings(mesh)
+    shardings = shardings or (None,) * len(bufs)
+    return OwnerBuffers(
+      [
+        b if s is None else jax.device_put(b, s)
+        for b, s in zip(bufs, shardings)
+      ],
+      self,
+    )
+
+  def unpack(self, buffers: Sequence[jax.Array]) -> dict[int, jax.Array]:
+    """Inverse of :meth:`pack`: leaf index -> whole array (replicated on
+    the buffers' mesh)."""
+    bufs = list(buffers)
+    mesh = next(filter(None, map(_mesh.array_mesh, bufs)), None)
+    return self._unpack(_replicated(bufs, mesh))
+
+  @functools.partial(jax.jit, static_argnums=(0, 2))
+  def _pack(self, values, dtypes) -> tuple[jax.Array, ...]:
+    """:meth:`pack`'s traced body: the flat buffers, in buffer order."""
     if self.per_leaf:
       out = [values[t.index] for t in self.leaves]
     else:
@@ -447,8 +488,9 @@ class OwnerLayout:
       out = [b.astype(d) for b, d in zip(out, dtypes)]
     return tuple(out)
 
-  def unpack(self, buffers: Sequence[jax.Array]) -> dict[int, jax.Array]:
-    """Inverse of :meth:`pack`: leaf index -> whole array."""
+  @functools.partial(jax.jit, static_argnums=0)
+  def _unpack(self, buffers) -> dict[int, jax.Array]:
+    """:meth:`unpack`'s traced body."""
     if self.per_leaf:
       return {t.index: b for t, b in zip(self.leaves, buffers)}
     out = {}

@@ -401,12 +401,6 @@ def _update(setup: _Setup, updates, state, params=None):
     x.astype(jnp.result_type(jnp.dtype(d), t.dtype))
     for x, t, d in zip(new, targets, lay.leaf_dtypes)
   ]
-  mu = tuple(mu)
-  if setup.nonfinite == 'skip':
-    ok = _owner_update.all_finite(targets, new, mu)
-    new = _owner_update.zeros_unless(ok, new)
-    mu = _owner_update.select_tree(ok, mu, tuple(mus))
-    count_inc = jnp.where(ok, count_inc, state.count)
   out = [x for _, x in with_path]
   for t, x in zip(layout.leaves, new):
     out[t.index] = x
@@ -657,9 +651,11 @@ def make_scale_by_dmuon(
       owner_groups, preconditioning=preconditioning, ns_algorithm=ns_algorithm
     ),
   )
-  return optax.GradientTransformation(
+  tx = optax.GradientTransformation(
     functools.partial(_init, setup), functools.partial(_update, setup)
   )
+  # 'skip': the guard of dmuon and dedicated_muon's whole step, on this one.
+  return _owner_update.skip_nonfinite(tx) if setup.nonfinite == 'skip' else tx
 
 
 def scale_by_shape(

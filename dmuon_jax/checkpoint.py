@@ -223,7 +223,7 @@ def _to_portable(x, abstract=False, placed=True) -> PortableDMuonState:
   )
   if abstract and mesh is None and layout.distributed and placed:
     raise ValueError(_NO_DEVICES_MSG.format(name=layout.name))
-  values = None if abstract else _dedication.unpack_owned(x.mu)
+  values = None if abstract else layout.unpack(x.mu.buffers)
   mu = {}
   for t, e in zip(layout.leaves, layout.param_entries):
     spec = P() if e is None else _mesh.entries_spec(e)

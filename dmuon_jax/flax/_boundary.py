@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from dmuon_jax import _checks, _exchange, _gather, _mesh
+from dmuon_jax import _checks, _gather, _mesh
 from dmuon_jax.flax import _model
 from dmuon_jax.flax._model import ModelDedication, OwnedBuffer, ScanIteration
 
@@ -118,29 +118,29 @@ def gathered(
     if hit is not None:
       (mats,) = hit
     else:
-      rep = _gather.gather_replicate(ded, local, tp=True)
-      mats = _gather.materialize(ded, g, rep, iteration, tp=True)
+      rep = _gather.gather_replicate(ded, local, 'tp')
+      mats = _gather.materialize(ded, g, rep, iteration, mode='tp')
       cache[g] = (keys, mats)
     return run(mats, state, arrays)
   if manual:
     if hit is not None:
       rep, sink, token = hit
     else:
-      rep = _gather.gather_replicate(ded, local, tp=True)
-      sink = _gather.gather_sink(ded, local, tp=True)
+      rep = _gather.gather_replicate(ded, local, 'tp')
+      sink = _gather.gather_sink(ded, g, local, mode='tp')
       token = _gather.new_token()
     out, token = _regathered(
       ded,
       b,
-      lambda x, it, s: _gather.materialize(ded, g, x, it, s, tp=True),
+      lambda x, it, s: _gather.materialize(ded, g, x, it, s, 'tp'),
       run,
       (rep, token, sink, iteration, state, arrays),
     )
     cache[g] = (keys, rep, sink, token)
     return out
   if traced:
-    _exchange.check_tp_axis_type(ded, f'the dedicated boundary {name!r}')
-  if _exchange.reduced_route(ded) and traced:
+    _gather.check_tp_axis_type(ded, f'the dedicated boundary {name!r}')
+  if _gather.reduced_route(ded) and traced:
     if _sharded_over(arrays, ded.buffer_axes):
       return _reduced_call(
         md, b, local, iteration, run, state, arrays, remat=remat
@@ -288,7 +288,7 @@ def _reduced_call(
 ):
   """:func:`gathered` under plain ``jit`` on Explicit owner axes: the
   group's buffers gathered typed ``reduced`` (see
-  ``_exchange.materialize_reduced``), once per trace; Z3 re-gathers once per group
+  ``_gather.materialize``), once per trace; Z3 re-gathers once per group
   in the backward pass (inside a rematerialization of the model's own,
   ``remat``, that one recomputes the gather)."""
   ded = md.dedication
@@ -296,17 +296,17 @@ def _reduced_call(
   entry, store = _trace_cache(md, g, b, local, iteration)
   if not ded.reshard_after_forward or remat:
     if entry is None:
-      entry = _exchange.materialize_reduced(ded, g, local, iteration)
+      entry = _gather.materialize(ded, g, local, iteration, mode='reduced')
       store(entry)
     return run(entry, *args)
   sink, token = entry or (
-    _exchange.reduced_sink(ded, g, local, iteration),
+    _gather.gather_sink(ded, g, local, iteration, 'reduced'),
     _gather.new_token(),
   )
   out, token = _regathered(
     ded,
     b,
-    lambda x, it, s: _exchange.materialize_reduced(ded, g, x, it, sink=s),
+    lambda x, it, s: _gather.materialize(ded, g, x, it, s, 'reduced'),
     run,
     (local, token, sink, iteration, *args),
   )

@@ -264,9 +264,9 @@ class Exchange:
     # stack has 44,834), at rows numbered over every coordinate and shifted
     # by this device's: other coordinates' rows fall outside and are
     # dropped (one program for all devices, no buffer for other rows).
-    out = jnp.zeros((group_size, self.fwd_size[key]), dtype)
-    out = out + _gather.zero_after(*(local_leaves[i] for i in leaves)).astype(
-      dtype
+    out = _gather.in_loop(
+      jnp.zeros((group_size, self.fwd_size[key]), dtype),
+      [local_leaves[i] for i in leaves],
     )
     shift = np.zeros(2, np.int32)
     if spread:
@@ -286,18 +286,8 @@ class Exchange:
       # Per piece (at its unit's flat batch index), its owner's row over
       # (others, axes) and its offset in that row.
       units = layout.leaf_units[i]
-      coords = dict(
-        zip(
-          self.axes,
-          np.unravel_index(
-            [layout.plan.owners[u] for u in units],
-            [self.sizes[a] for a in self.axes],
-          ),
-        )
-      )
-      rows = np.ravel_multi_index(
-        [coords[a] for a in order], [self.sizes[a] for a in order]
-      )
+      owners = np.asarray([layout.plan.owners[u] for u in units])
+      rows = _gather.renumber(owners, self.axes, order, self.sizes)
       at = np.zeros((len(units), 2), np.int32)
       at[[layout.unit_batch[u] for u in units]] = np.stack(
         [rows, [self.fwd_off[u] for u in units]], 1

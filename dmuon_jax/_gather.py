@@ -203,18 +203,18 @@ def ppermute_slots(
   mesh = jax.sharding.get_abstract_mesh()
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
   ordered = tuple(a for a in mesh.axis_names if a in axes)
-  shape = [sizes[a] for a in axes]
+  perm = renumber(np.asarray(pairs, np.int64), axes, ordered, sizes)
+  return jax.lax.ppermute(x, ordered, perm=[tuple(map(int, p)) for p in perm])
 
-  def renumber(slot):
-    coords = dict(zip(axes, np.unravel_index(slot, shape)))
-    return int(
-      np.ravel_multi_index(
-        [coords[a] for a in ordered], [sizes[a] for a in ordered]
-      )
-    )
 
-  perm = [(renumber(a), renumber(b)) for a, b in pairs]
-  return jax.lax.ppermute(x, ordered, perm=perm)
+def renumber(slots, axes: Sequence[str], order: Sequence[str], sizes):
+  """Slots numbered row-major over ``axes`` (an int array), numbered
+  row-major over ``order`` (the same axes, reordered); ``sizes``: axis
+  name -> size."""
+  coords = dict(zip(axes, np.unravel_index(slots, [sizes[a] for a in axes])))
+  return np.ravel_multi_index(
+    [coords[a] for a in order], [sizes[a] for a in order]
+  )
 
 
 def slot_index(axes: Sequence[str], n: int = 1, shift=0) -> jax.Array:
@@ -662,10 +662,11 @@ def regather_in_backward(
   return lambda local, *args: tied(local, new_token(), *args)[0]
 
 
-def new_token() -> jax.Array:
+def new_token(shape=(), dtype=jnp.float32) -> jax.Array:
   """A group's first token: a scalar 0, varying over the manual axes (its
-  cotangent, the backward tie, varies like the cotangents it comes from)."""
-  return to_varying(jnp.zeros([]), tuple(sorted(manual_axes())))
+  cotangent, the backward tie, varies like the cotangents it comes from);
+  zeros of ``shape`` and ``dtype`` so typed."""
+  return to_varying(jnp.zeros(shape, dtype), tuple(sorted(manual_axes())))
 
 
 def regather_group_in_backward(
@@ -755,9 +756,7 @@ def regather_group_in_backward(
     tree, tied, holes = trace[_avals(res)]
     it = iter(res)
     res = [
-      to_varying(jnp.zeros(*holes[k]), tuple(sorted(manual_axes())))
-      if k in holes
-      else next(it)
+      new_token(*holes[k]) if k in holes else next(it)
       for k in range(len(res) + len(holes))
     ]
     res = [
@@ -835,10 +834,7 @@ def gather_sink(
   def sink(local):
     # Varying over every manual axis, as the cotangents routed to it.
     return [
-      to_varying(
-        jnp.zeros((x.shape[0] * ded.num_slots,) + x.shape[1:], x.dtype),
-        tuple(sorted(manual_axes())),
-      )
+      new_token((x.shape[0] * ded.num_slots,) + x.shape[1:], x.dtype)
       for x in local
     ]
 

@@ -8,7 +8,8 @@ one gather group's owner buffers just before its blocks run (on HSDP: over
 the replicate axis, then over the shard axes); autodiff's transpose of
 that gather reduce-scatters the gradients to the owners. Z3 gathers again
 in the backward pass (:func:`regather_in_backward`), Z2 keeps the gathered
-weights.
+weights. Under plain ``jit`` (Explicit owner axes, no ``shard_map``) the
+same gathers run as the *reduced gather* (``mode='reduced'``).
 """
 
 from __future__ import annotations

@@ -496,3 +496,49 @@ def local_shard(
         x, jax.lax.axis_index(axes) * size, size, axis=dim
       )
   return x
+
+
+def reduced_route(ded) -> bool:
+  """Whether the model's gathers can be reduced gathers under plain jit:
+  a distributed layout whose owner axes (and tensor-parallel axis, if
+  any) are all ``Explicit`` in its mesh (jax refuses ``reduced`` over other
+  axes, and types ``unreduced`` cotangents only on meshes whose axes are
+  all Explicit)."""
+  layout = ded.layout
+  if not layout.distributed or ded.mesh is None:
+    return False
+  return _explicit(ded, ded.buffer_axes) and (
+    layout.tp_size == 1 or _explicit(ded, [ded.tensor_parallel_axis])
+  )
+
+
+def _explicit(ded, axes: Sequence[str]) -> bool:
+  types = dict(zip(ded.mesh.axis_names, ded.mesh.axis_types))
+  return all(types.get(a) == jax.sharding.AxisType.Explicit for a in axes)
+
+
+def check_tp_axis_type(ded, who: str) -> None:
+  """Raises where the owner axes are Explicit but the tensor-parallel axis
+  is not: under plain jit such a model would need cotangents typed
+  ``unreduced`` over the owner axes on a mesh with an Auto axis, which
+  jax does not type (jax 0.10: an assertion in ``getu``)."""
+  if (
+    ded.layout.tp_size > 1
+    and ded.mesh is not None
+    and ded.layout.distributed
+    and _explicit(ded, ded.buffer_axes)
+    and not _explicit(ded, [ded.tensor_parallel_axis])
+  ):
+    tp = ded.tensor_parallel_axis
+    raise ValueError(
+      f'dmuon: {who} ran under plain jax.jit/nnx.jit on a mesh whose owner '
+      f'axes {tuple(ded.buffer_axes)} are Explicit and whose '
+      f'tensor-parallel axis {tp!r} is not. Its tensor-parallel matrices '
+      'are gathered typed reduced over the owner axes, and jax types the '
+      'unreduced gradients only on meshes whose axes are all Explicit. '
+      f'Make {tp!r} Explicit too (jax.make_mesh(..., axis_types='
+      '(jax.sharding.AxisType.Explicit,) * 3); a row-parallel layer then '
+      "names its output's sharding, e.g. out_sharding=P(ded.axes, None, "
+      'None)), or keep it Auto and decorate the step with '
+      '@dmuon_jax.flax.train_step(ded).'
+    )

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from dmuon_jax import _checks, _gather, _mesh
+from dmuon_jax import _checks, _exchange, _gather, _mesh
 from dmuon_jax.flax import _model
 from dmuon_jax.flax._model import ModelDedication, OwnedBuffer, ScanIteration
 
@@ -139,8 +139,8 @@ def gathered(
     cache[g] = (keys, rep, sink, token)
     return out
   if traced:
-    _gather.check_tp_axis_type(ded, f'the dedicated boundary {name!r}')
-  if _gather.reduced_route(ded) and traced:
+    _exchange.check_tp_axis_type(ded, f'the dedicated boundary {name!r}')
+  if _exchange.reduced_route(ded) and traced:
     if _sharded_over(arrays, ded.buffer_axes):
       return _reduced_call(
         md, b, local, iteration, run, state, arrays, remat=remat

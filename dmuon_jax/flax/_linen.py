@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dmuon_jax import _checks, _gather, _mesh
+from dmuon_jax import _checks, _exchange, _gather, _mesh
 from dmuon_jax.flax import _boundary, _model
 from dmuon_jax.flax._model import ModelDedication
 
@@ -261,7 +261,7 @@ def _check_one_trace_per_group(md, g: int, path, local, traces) -> None:
   traces in one ``ded.apply`` on the reduced route: a lifted transform
   around each boundary module, so the group is gathered per block."""
   ded = md.dedication
-  if not _gather.reduced_route(ded) or not any(
+  if not _exchange.reduced_route(ded) or not any(
     isinstance(x, jax.core.Tracer) for x in local
   ):
     return

@@ -27,17 +27,12 @@ its share. Leaves that are replicated
 need no communication to reach their owners; their results come back by one
 ``all_gather`` of compact per-owner buffers. Leaves sharded along a stack
 (batch) axis are gathered whole first (see :attr:`Exchange.gathered`).
-
-Dedicated mode under plain ``jit`` (the *reduced gather*, at the end) moves
-a gather group between its owners and every device as ``_gather`` does
-inside ``shard_map``, its gathered weights typed ``reduced``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -269,9 +264,9 @@ class Exchange:
     # stack has 44,834), at rows numbered over every coordinate and shifted
     # by this device's: other coordinates' rows fall outside and are
     # dropped (one program for all devices, no buffer for other rows).
-    out = jnp.zeros((group_size, self.fwd_size[key]), dtype)
-    out = out + _gather.zero_after(*(local_leaves[i] for i in leaves)).astype(
-      dtype
+    out = _gather.in_loop(
+      jnp.zeros((group_size, self.fwd_size[key]), dtype),
+      [local_leaves[i] for i in leaves],
     )
     shift = np.zeros(2, np.int32)
     if spread:
@@ -291,18 +286,8 @@ class Exchange:
       # Per piece (at its unit's flat batch index), its owner's row over
       # (others, axes) and its offset in that row.
       units = layout.leaf_units[i]
-      coords = dict(
-        zip(
-          self.axes,
-          np.unravel_index(
-            [layout.plan.owners[u] for u in units],
-            [self.sizes[a] for a in self.axes],
-          ),
-        )
-      )
-      rows = np.ravel_multi_index(
-        [coords[a] for a in order], [self.sizes[a] for a in order]
-      )
+      owners = np.asarray([layout.plan.owners[u] for u in units])
+      rows = _gather.renumber(owners, self.axes, order, self.sizes)
       at = np.zeros((len(units), 2), np.int32)
       at[[layout.unit_batch[u] for u in units]] = np.stack(
         [rows, [self.fwd_off[u] for u in units]], 1
@@ -513,18 +498,6 @@ def local_shard(
   return x
 
 
-# The reduced gather: dedicated mode under plain jit (Explicit owner axes).
-#
-# Outside shard_map a gather's autodiff transpose is an all-reduce plus a
-# slice on XLA:CPU (an all-gather's transpose in GSPMD). Typing the gathered
-# weights ``reduced`` over the owner axes makes their cotangent
-# ``unreduced`` there (jax's sharding-in-types: each device holds its own
-# partial sum), and a custom backward reduce-scatters that partial sum onto
-# the owners in a small shard_map: all-gather forward, reduce-scatter
-# backward, the Z2 floor, with the user's step under plain jax.jit/nnx.jit.
-# Measured in docs/benchmarks/dedicated_route.md (jax 0.10.2, 8 devices).
-
-
 def reduced_route(ded) -> bool:
   """Whether the model's gathers can be reduced gathers under plain jit:
   a distributed layout whose owner axes (and tensor-parallel axis, if
@@ -569,110 +542,3 @@ def check_tp_axis_type(ded, who: str) -> None:
       'None)), or keep it Auto and decorate the step with '
       '@dmuon_jax.flax.train_step(ded).'
     )
-
-
-def _buffer_spec(ded) -> P:
-  """The spec of a loop group's owner buffer (a scan iteration's): its
-  layout's spec of the slot dimension (the owner axes, then the TP axis)."""
-  return P(ded.layout.buffer_spec(0)[-1])
-
-
-def _whole(ded, g: int, local, iteration) -> dict[int, Any]:
-  """Group ``g``'s targets, all-gathered over the owner axes (plain types:
-  whole, or sharded over the TP axis as the params were)."""
-  axes = tuple(ded.buffer_axes)
-
-  def gather(xs, it):
-    # xs: this (owner, TP shard)'s blocks; full: the TP shard's slots.
-    full = [_gather.gather_from_owners(x, axes) for x in xs]
-    return ded.layout.unpack_group(g, full, it, whole=False)
-
-  return jax.shard_map(
-    gather,
-    mesh=ded.mesh,
-    in_specs=(_buffer_spec(ded), P()),
-    out_specs=_gather.target_specs(ded, g),
-  )(list(local), iteration)
-
-
-def _as_reduced(ded, mats: dict[int, Any]) -> dict[int, Any]:
-  owner = set(ded.buffer_axes)
-  sharding = lambda i: jax.sharding.NamedSharding(
-    ded.mesh, P(*_gather.target_spec(ded, i), reduced=owner)
-  )
-  return {i: jax.reshard(m, sharding(i)) for i, m in mats.items()}
-
-
-def _owners_get_cotangents(ded, g: int, forward, local, iteration) -> Any:
-  """``forward(local, iteration)`` (``{leaf: reduced target}``), its
-  backward summing the targets' ``unreduced`` cotangents onto their owners:
-  inside a shard_map over the owner axes each device packs its partial
-  sums into group ``g``'s buffers (the transpose of
-  ``OwnerLayout.unpack_group``, on plain local arrays) and one
-  reduce-scatter per buffer adds them up on the owners."""
-
-  @jax.custom_vjp
-  def f(local, iteration):
-    return forward(local, iteration)
-
-  def bwd(saved, cts):
-    local, iteration = saved
-    axes = tuple(ded.buffer_axes)
-    tp = ded.tensor_parallel_axis
-    tp_size = ded.layout.tp_size
-    # One TP shard's whole buffers (every slot's blocks of that TP shard).
-    shapes = [((x.shape[0] // tp_size,) + x.shape[1:], x.dtype) for x in local]
-
-    def pack(cts, it):
-      # cts: this TP shard's slices, partial sums ({U: owner axes}). The
-      # transpose of unpacking reduced values takes unreduced ones.
-      zeros = [
-        jax.lax.pcast(jnp.zeros(s, d), axes, to='reduced') for s, d in shapes
-      ]
-      if tp is not None:  # like the cotangents: one TP shard's slices
-        zeros = [jax.lax.pcast(z, tp, to='varying') for z in zeros]
-      unpack = lambda f: ded.layout.unpack_group(g, f, whole=False)
-      (full,) = jax.vjp(unpack, zeros)[1](cts)
-      if it is not None:  # unpack_group's rotation, undone
-        full = [_layout.roll_slots(x, it, ded.num_slots, True) for x in full]
-      return [jax.lax.psum_scatter(f, axes, tiled=True) for f in full]
-
-    unreduced = {
-      i: P(*_gather.target_spec(ded, i), unreduced=set(axes)) for i in cts
-    }
-    owners = jax.shard_map(
-      pack if iteration is not None else lambda c, _: pack(c, None),
-      mesh=ded.mesh,
-      in_specs=(unreduced, P()),
-      out_specs=[_buffer_spec(ded)] * len(local),
-    )(cts, jnp.zeros([], jnp.int32) if iteration is None else iteration)
-    return owners, None
-
-  f.defvjp(lambda l, i: (f(l, i), (l, i)), bwd)
-  return f(list(local), iteration)
-
-
-def reduced_sink(ded, g: int, local, iteration=None) -> list[jax.Array]:
-  """``_gather.gather_sink`` for the reduced gather: zeros shaped like group
-  ``g``'s targets (a list, in ``OwnerLayout.unpack_group``'s order), typed
-  ``reduced``, whose summed cotangent is reduce-scattered onto ``local``
-  once per gather group."""
-  shapes = jax.eval_shape(lambda l, i: _whole(ded, g, l, i), local, iteration)
-  sink = lambda l, i: _as_reduced(
-    ded, {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
-  )
-  return list(_owners_get_cotangents(ded, g, sink, local, iteration).values())
-
-
-def materialize_reduced(
-  ded, g: int, local, iteration=None, sink=None
-) -> dict[int, Any]:
-  """``_gather.materialize`` for the reduced gather: group ``g``'s targets from
-  its owner buffers (``local``: ``(size,)`` each, sharded over the owner
-  axes), whole and typed ``reduced``, their cotangents reduce-scattered
-  back onto ``local`` (with ``sink``, from :func:`reduced_sink`: to it)."""
-  whole = lambda l, i: _as_reduced(ded, _whole(ded, g, l, i))
-  if sink is None:
-    return _owners_get_cotangents(ded, g, whole, local, iteration)
-  mats = whole([jax.lax.stop_gradient(x) for x in local], iteration)
-  return {i: _gather.route(s, m) for s, (i, m) in zip(sink, mats.items())}

@@ -8,7 +8,8 @@ one gather group's owner buffers just before its blocks run (on HSDP: over
 the replicate axis, then over the shard axes); autodiff's transpose of
 that gather reduce-scatters the gradients to the owners. Z3 gathers again
 in the backward pass (:func:`regather_in_backward`), Z2 keeps the gathered
-weights.
+weights. Under plain ``jit`` (Explicit owner axes, no ``shard_map``) the
+same gathers run as the *reduced gather* (``mode='reduced'``).
 """
 
 from __future__ import annotations
@@ -99,6 +100,27 @@ def in_loop(x: jax.Array, carry) -> jax.Array:
 INDEX_LIMIT = 2**31 - 1
 
 
+def roll_slots(flat: jax.Array, shift, n: int, unreduced: bool = False):
+  """A flat buffer's ``n`` slot blocks rolled by ``shift`` (an int or
+  traced; block ``s`` goes to ``s + shift mod n``): scan iteration ``t``
+  of a stacked group holds its layout rotated by ``t`` slots.
+
+  ``unreduced``: for a value typed ``unreduced`` (jax has no unreduced
+  rule for ``dynamic_slice``), rolled by one static roll per bit of
+  ``shift``, each selected.
+  """
+  rows = flat.reshape(n, -1)
+  if not unreduced:
+    return jnp.roll(rows, shift, axis=0).reshape(-1)
+  shift = shift % n
+  bit = 1
+  while bit < n:
+    rolled = jnp.concatenate([rows[n - bit :], rows[: n - bit]])
+    rows = jnp.where((shift & bit) > 0, rolled, rows)
+    bit *= 2
+  return rows.reshape(-1)
+
+
 def with_slot_rows(
   axes: Sequence[str],
   num_slots: int,
@@ -182,18 +204,18 @@ def ppermute_slots(
   mesh = jax.sharding.get_abstract_mesh()
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
   ordered = tuple(a for a in mesh.axis_names if a in axes)
-  shape = [sizes[a] for a in axes]
+  perm = renumber(np.asarray(pairs, np.int64), axes, ordered, sizes)
+  return jax.lax.ppermute(x, ordered, perm=[tuple(map(int, p)) for p in perm])
 
-  def renumber(slot):
-    coords = dict(zip(axes, np.unravel_index(slot, shape)))
-    return int(
-      np.ravel_multi_index(
-        [coords[a] for a in ordered], [sizes[a] for a in ordered]
-      )
-    )
 
-  perm = [(renumber(a), renumber(b)) for a, b in pairs]
-  return jax.lax.ppermute(x, ordered, perm=perm)
+def renumber(slots, axes: Sequence[str], order: Sequence[str], sizes):
+  """Slots numbered row-major over ``axes`` (an int array), numbered
+  row-major over ``order`` (the same axes, reordered); ``sizes``: axis
+  name -> size."""
+  coords = dict(zip(axes, np.unravel_index(slots, [sizes[a] for a in axes])))
+  return np.ravel_multi_index(
+    [coords[a] for a in order], [sizes[a] for a in order]
+  )
 
 
 def slot_index(axes: Sequence[str], n: int = 1, shift=0) -> jax.Array:
@@ -294,31 +316,46 @@ def after_inputs(local: Sequence[jax.Array], arrays: Sequence[Any]) -> list:
   ]
 
 
+# How a gather runs: ``mode`` of :func:`gather_replicate`,
+# :func:`materialize` and :func:`gather_sink`. ``'manual'``: inside a
+# ``shard_map`` whose manual axes are the owner and TP axes (Dedication's
+# explicit API); ``'tp'``: per TP shard (see :func:`on_tp_shards`: the TP
+# axis left to the partitioner, dmuon_jax.flax.train_step), each target
+# sharded over the TP axis as the param was; ``'reduced'``: under plain
+# ``jit`` (the reduced gather, below).
+
+
 def gather_replicate(
-  ded, local: Sequence[jax.Array], tp: bool = False
+  ded, local: Sequence[jax.Array], mode: str = 'manual'
 ) -> list[jax.Array]:
   """Local owner buffers all-gathered over the replicate axis (HSDP's
-  first stage; themselves without one). ``tp``: per TP shard (see
-  :func:`on_tp_shards`)."""
+  first stage; themselves without one, or for the reduced gather, which
+  gathers over every owner axis at once)."""
 
   def gather(xs):
-    if ded.replicate_axis is None:
+    if ded.replicate_axis is None or mode == 'reduced':
       return list(xs)
     return [jax.lax.all_gather(x, ded.replicate_axis, tiled=True) for x in xs]
 
-  return _per_tp_shard(ded, gather, local) if tp else gather(local)
+  return _per_tp_shard(ded, gather, local) if mode == 'tp' else gather(local)
 
 
 def materialize(
-  ded, g: int, rep_local, iteration=None, sink=None, tp: bool = False
+  ded, g: int, rep_local, iteration=None, sink=None, mode: str = 'manual'
 ) -> dict[int, Any]:
-  """Leaf index -> whole target, from replicate-gathered local buffers.
+  """Leaf index -> whole target, from :func:`gather_replicate`'s buffers.
 
   With ``sink`` (from :func:`gather_sink`), the targets' cotangents go to
-  it rather than through this gather's own transpose. ``tp``: per TP
-  shard (see :func:`on_tp_shards`): each target comes out sharded over the
-  TP axis as the param was.
+  it rather than through this gather's own transpose. ``'reduced'``: the
+  targets typed ``reduced``, their cotangents reduce-scattered back onto
+  the owner buffers.
   """
+  if mode == 'reduced':
+    whole = lambda l, i: _as_reduced(ded, _whole(ded, g, l, i))
+    if sink is None:
+      return _owners_get_cotangents(ded, g, whole, rep_local, iteration)
+    mats = whole([jax.lax.stop_gradient(x) for x in rep_local], iteration)
+    return {i: route(s, m) for s, (i, m) in zip(sink, mats.items())}
 
   def gather(full, iteration, sink):
     if sink is not None:
@@ -330,7 +367,7 @@ def materialize(
     return ded.layout.unpack_group(g, full, iteration, whole=False)
 
   args = (list(rep_local), iteration, None if sink is None else list(sink))
-  if not tp:
+  if mode != 'tp':
     return gather(*args)
   specs = (buffer_tp_specs(ded, rep_local), P())
   specs += (None if sink is None else buffer_tp_specs(ded, sink),)
@@ -626,10 +663,11 @@ def regather_in_backward(
   return lambda local, *args: tied(local, new_token(), *args)[0]
 
 
-def new_token() -> jax.Array:
+def new_token(shape=(), dtype=jnp.float32) -> jax.Array:
   """A group's first token: a scalar 0, varying over the manual axes (its
-  cotangent, the backward tie, varies like the cotangents it comes from)."""
-  return to_varying(jnp.zeros([]), tuple(sorted(manual_axes())))
+  cotangent, the backward tie, varies like the cotangents it comes from);
+  zeros of ``shape`` and ``dtype`` so typed."""
+  return to_varying(jnp.zeros(shape, dtype), tuple(sorted(manual_axes())))
 
 
 def regather_group_in_backward(
@@ -719,9 +757,7 @@ def regather_group_in_backward(
     tree, tied, holes = trace[_avals(res)]
     it = iter(res)
     res = [
-      to_varying(jnp.zeros(*holes[k]), tuple(sorted(manual_axes())))
-      if k in holes
-      else next(it)
+      new_token(*holes[k]) if k in holes else next(it)
       for k in range(len(res) + len(holes))
     ]
     res = [
@@ -774,25 +810,32 @@ def _sum_to(ct, kind: frozenset[str]):
 
 
 def gather_sink(
-  ded, local: Sequence[jax.Array], tp: bool = False
+  ded, g: int, local: Sequence[jax.Array], iteration=None, mode='manual'
 ) -> list[jax.Array]:
-  """Zeros shaped like ``local`` gathered over all owner axes, whose
-  cotangent is reduce-scattered onto ``local`` (over the shard axes, then
-  the replicate axis: the transpose of :func:`gather_replicate` and
-  :func:`materialize`'s gather). One reduce-scatter per gather group,
-  however many calls route gradients to it (see :func:`route`). ``tp``:
-  per TP shard (see :func:`on_tp_shards`)."""
-  if tp:
-    return _per_tp_shard(ded, lambda xs: gather_sink(ded, xs), local)
+  """Zeros that receive the cotangents of group ``g``'s gathered weights,
+  their sum reduce-scattered onto ``local``: one reduce-scatter per gather
+  group, however many calls route gradients to it (see :func:`route`).
+  ``'manual'``/``'tp'``: shaped like ``local`` gathered over all owner
+  axes, reduced over the shard axes, then the replicate axis (the
+  transpose of :func:`gather_replicate` and :func:`materialize`'s gather).
+  ``'reduced'``: shaped like the group's targets (a list, in
+  ``OwnerLayout.unpack_group``'s order), typed ``reduced``."""
+  if mode == 'reduced':
+    shapes = jax.eval_shape(lambda l, i: _whole(ded, g, l, i), local, iteration)
+    zeros = lambda l, i: _as_reduced(
+      ded, {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
+    )
+    return list(
+      _owners_get_cotangents(ded, g, zeros, local, iteration).values()
+    )
+  if mode == 'tp':
+    return _per_tp_shard(ded, lambda xs: gather_sink(ded, g, xs), local)
 
   @jax.custom_vjp
   def sink(local):
     # Varying over every manual axis, as the cotangents routed to it.
     return [
-      to_varying(
-        jnp.zeros((x.shape[0] * ded.num_slots,) + x.shape[1:], x.dtype),
-        tuple(sorted(manual_axes())),
-      )
+      new_token((x.shape[0] * ded.num_slots,) + x.shape[1:], x.dtype)
       for x in local
     ]
 
@@ -823,3 +866,94 @@ def route(grad_to: jax.Array, value: jax.Array) -> jax.Array:
 
 
 route.defvjp(lambda _, v: (v, None), lambda _, ct: (ct, jnp.zeros_like(ct)))
+
+
+# The reduced gather: dedicated mode under plain jit (Explicit owner axes).
+#
+# Outside shard_map a gather's autodiff transpose is an all-reduce plus a
+# slice on XLA:CPU (an all-gather's transpose in GSPMD). Typing the gathered
+# weights ``reduced`` over the owner axes makes their cotangent
+# ``unreduced`` there (jax's sharding-in-types: each device holds its own
+# partial sum), and a custom backward reduce-scatters that partial sum onto
+# the owners in a small shard_map: all-gather forward, reduce-scatter
+# backward, the Z2 floor, with the user's step under plain jax.jit/nnx.jit.
+# Measured in docs/benchmarks/dedicated_route.md (jax 0.10.2, 8 devices).
+
+
+def _buffer_spec(ded) -> P:
+  """The spec of a loop group's owner buffer (a scan iteration's): its
+  layout's spec of the slot dimension (the owner axes, then the TP axis)."""
+  return P(ded.layout.buffer_spec(0)[-1])
+
+
+def _whole(ded, g: int, local, iteration) -> dict[int, Any]:
+  """Group ``g``'s targets, all-gathered over the owner axes (plain types:
+  whole, or sharded over the TP axis as the params were)."""
+  axes = tuple(ded.buffer_axes)
+
+  def gather(xs, it):
+    # xs: this (owner, TP shard)'s blocks; full: the TP shard's slots.
+    full = [gather_from_owners(x, axes) for x in xs]
+    return ded.layout.unpack_group(g, full, it, whole=False)
+
+  return jax.shard_map(
+    gather,
+    mesh=ded.mesh,
+    in_specs=(_buffer_spec(ded), P()),
+    out_specs=target_specs(ded, g),
+  )(list(local), iteration)
+
+
+def _as_reduced(ded, mats: dict[int, Any]) -> dict[int, Any]:
+  owner = set(ded.buffer_axes)
+  sharding = lambda i: jax.sharding.NamedSharding(
+    ded.mesh, P(*target_spec(ded, i), reduced=owner)
+  )
+  return {i: jax.reshard(m, sharding(i)) for i, m in mats.items()}
+
+
+def _owners_get_cotangents(ded, g: int, forward, local, iteration) -> Any:
+  """``forward(local, iteration)`` (``{leaf: reduced target}``), its
+  backward summing the targets' ``unreduced`` cotangents onto their owners:
+  inside a shard_map over the owner axes each device packs its partial
+  sums into group ``g``'s buffers (the transpose of
+  ``OwnerLayout.unpack_group``, on plain local arrays) and one
+  reduce-scatter per buffer adds them up on the owners."""
+
+  @jax.custom_vjp
+  def f(local, iteration):
+    return forward(local, iteration)
+
+  def bwd(saved, cts):
+    local, iteration = saved
+    axes = tuple(ded.buffer_axes)
+    tp = ded.tensor_parallel_axis
+    tp_size = ded.layout.tp_size
+    # One TP shard's whole buffers (every slot's blocks of that TP shard).
+    shapes = [((x.shape[0] // tp_size,) + x.shape[1:], x.dtype) for x in local]
+
+    def pack(cts, it):
+      # cts: this TP shard's slices, partial sums ({U: owner axes}). The
+      # transpose of unpacking reduced values takes unreduced ones.
+      zeros = [
+        jax.lax.pcast(jnp.zeros(s, d), axes, to='reduced') for s, d in shapes
+      ]
+      if tp is not None:  # like the cotangents: one TP shard's slices
+        zeros = [jax.lax.pcast(z, tp, to='varying') for z in zeros]
+      unpack = lambda f: ded.layout.unpack_group(g, f, whole=False)
+      (full,) = jax.vjp(unpack, zeros)[1](cts)
+      if it is not None:  # unpack_group's rotation, undone
+        full = [roll_slots(x, it, ded.num_slots, True) for x in full]
+      return [jax.lax.psum_scatter(f, axes, tiled=True) for f in full]
+
+    unreduced = {i: P(*target_spec(ded, i), unreduced=set(axes)) for i in cts}
+    owners = jax.shard_map(
+      pack if iteration is not None else lambda c, _: pack(c, None),
+      mesh=ded.mesh,
+      in_specs=(unreduced, P()),
+      out_specs=[_buffer_spec(ded)] * len(local),
+    )(cts, jnp.zeros([], jnp.int32) if iteration is None else iteration)
+    return owners, None
+
+  f.defvjp(lambda l, i: (f(l, i), (l, i)), bwd)
+  return f(list(local), iteration)

@@ -36,27 +36,6 @@ def from_matrices(x: jax.Array, spec: _routing.LeafSpec) -> jax.Array:
   return jnp.transpose(x, tuple(np.argsort(perm))).reshape(spec.leaf_shape)
 
 
-def roll_slots(flat: jax.Array, shift, n: int, unreduced: bool = False):
-  """A flat buffer's ``n`` slot blocks rolled by ``shift`` (an int or
-  traced; block ``s`` goes to ``s + shift mod n``): scan iteration ``t``
-  of a stacked group holds its layout rotated by ``t`` slots.
-
-  ``unreduced``: for a value typed ``unreduced`` (jax has no unreduced
-  rule for ``dynamic_slice``), rolled by one static roll per bit of
-  ``shift``, each selected.
-  """
-  rows = flat.reshape(n, -1)
-  if not unreduced:
-    return jnp.roll(rows, shift, axis=0).reshape(-1)
-  shift = shift % n
-  bit = 1
-  while bit < n:
-    rolled = jnp.concatenate([rows[n - bit :], rows[: n - bit]])
-    rows = jnp.where((shift & bit) > 0, rolled, rows)
-    bit *= 2
-  return rows.reshape(-1)
-
-
 def unit_table(per_slot: Sequence[Sequence[Sequence[int]]]) -> np.ndarray:
   """``(num_slots, 1 + columns * width)`` int table: per slot its count,
   then each column's values, padded to the most any slot has, and to at

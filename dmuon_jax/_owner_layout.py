@@ -23,7 +23,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import _checks, _exchange, _mesh
-from dmuon_jax._layout import Layout, roll_slots
+from dmuon_jax._gather import roll_slots
+from dmuon_jax._layout import Layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -515,7 +516,7 @@ class OwnerLayout:
       g: the group.
       bufs: its buffers, one per dtype group.
       iteration: a scan iteration's buffers are rotated back by it (see
-        :func:`~dmuon_jax._layout.roll_slots`); None for a loop group.
+        :func:`~dmuon_jax._gather.roll_slots`); None for a loop group.
       whole: ``bufs`` hold every TP shard's slices (global arrays): each
         target's slices are joined along its TP dim; else they hold one TP
         shard's (or there is no TP), and so do the targets.

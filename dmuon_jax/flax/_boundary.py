@@ -249,7 +249,7 @@ def _routed(md, b: int, local, iteration, run, args, manual: bool, remat):
   automatic: the gathers run per TP shard, ``_gather.on_tp_shards``, each
   target sharded over it as the param was), or under plain ``jit`` on
   Explicit owner axes, typed ``reduced`` (see
-  ``_exchange.materialize_reduced``). Z3 re-gathers once per group in the
+  ``_gather.materialize``). Z3 re-gathers once per group in the
   backward pass (token-tied, reduce-scattered once through a sink),
   except inside a rematerialization of the model's own (``remat``), which
   recomputes the gather."""
@@ -259,15 +259,13 @@ def _routed(md, b: int, local, iteration, run, args, manual: bool, remat):
   if manual:
     if entry is None:  # the group's first block
       local = _gather.after_inputs(local, args[-1])
-    first = lambda: _gather.gather_replicate(ded, local, tp=True)
-    gather = lambda x, it, s=None: _gather.materialize(ded, g, x, it, s, True)
-    sink = lambda: _gather.gather_sink(ded, local, tp=True)
+    mode, first = 'tp', lambda: _gather.gather_replicate(ded, local, 'tp')
   else:
-    first = lambda: local
-    gather = lambda x, it, s=None: _exchange.materialize_reduced(
-      ded, g, x, it, s
-    )
-    sink = lambda: _exchange.reduced_sink(ded, g, local, iteration)
+    mode, first = 'reduced', lambda: local
+  gather = lambda x, it, s=None: _gather.materialize(ded, g, x, it, s, mode)
+  sink = lambda: _gather.gather_sink(
+    ded, g, local, None if manual else iteration, mode
+  )
   if not ded.reshard_after_forward or remat:
     if entry is None:
       entry = gather(first(), iteration)

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import (
   _checks,
+  _exchange,
   _gather,
   _layout,
   _mesh,
@@ -247,7 +248,7 @@ class Dedication:
     Returns:
       The params tree, every leaf whole.
     """
-    return _gather.all_params(self, dedicated)
+    return _exchange.all_params(self, dedicated)
 
   def block(self, fn: Callable[..., Any], boundary: str) -> Callable[..., Any]:
     """Wraps one block so that its weights are gathered inside it.
@@ -274,7 +275,7 @@ class Dedication:
         together with others (``layers_per_gather > 1``: use
         :meth:`sequential`).
     """
-    return _gather.block(self, fn, boundary)
+    return _exchange.block(self, fn, boundary)
 
   def sequential(
     self, fn: Callable[[Any, Any], Any], boundaries: Sequence[str]
@@ -295,7 +296,7 @@ class Dedication:
     Raises:
       ValueError: for unknown or scanned boundaries or a split group.
     """
-    return _gather.sequential(self, fn, boundaries)
+    return _exchange.sequential(self, fn, boundaries)
 
   def scan(
     self, fn: Callable[[Any, Any], Any], boundary: str
@@ -319,7 +320,7 @@ class Dedication:
     Raises:
       ValueError: for an unknown boundary or one that is not scanned.
     """
-    return _gather.scan(self, fn, boundary)
+    return _exchange.scan(self, fn, boundary)
 
   # -- conversion (outside shard_map, on global arrays) --------------------
 

@@ -27,12 +27,18 @@ its share. Leaves that are replicated
 need no communication to reach their owners; their results come back by one
 ``all_gather`` of compact per-owner buffers. Leaves sharded along a stack
 (batch) axis are gathered whole first (see :attr:`Exchange.gathered`).
+
+Also here, as the second user of the gathers in ``_gather``: the checks of
+the reduced (plain-``jit``) route and the explicit ``Dedication`` API
+(``block``, ``sequential``, ``scan``: a user function run on each group's
+gathered matrices).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -542,3 +548,196 @@ def check_tp_axis_type(ded, who: str) -> None:
       'None)), or keep it Auto and decorate the step with '
       '@dmuon_jax.flax.train_step(ded).'
     )
+
+
+# -- the explicit Dedication API: a user function run on gathered groups --
+
+
+def fill(ded, b: int, sub: list[int], sub_rest, mats, layer=False) -> Any:
+  """Boundary ``b``'s params subtree from its rest leaves (gathered here;
+  ``layer``: one layer's of a stack) and targets."""
+  leaves = [None] * len(ded.leaf_paths)
+  for i, x in zip(sub, sub_rest):
+    leaves[i] = mats.get(i, _gather.gather_leaf(ded, i, x, layer))
+  tree = jax.tree.unflatten(ded.treedef, leaves)
+  return _checks.subtree(tree, ded.boundary_keys[b])
+
+
+def subtree_leaves(ded, b: int) -> list[int]:
+  """All leaves (targets or not) under boundary ``b``'s module path."""
+  name = ded.boundaries.names[b]
+  if not name:
+    return list(range(len(ded.leaf_paths)))
+  return [
+    i
+    for i, p in enumerate(ded.leaf_paths)
+    if p == name or p.startswith(name + '/')
+  ]
+
+
+def all_params(ded, dedicated) -> Any:
+  """The whole params tree inside ``shard_map`` (see
+  :meth:`dmuon_jax.Dedication.params`)."""
+  leaves = ded.treedef.flatten_up_to(_gather.gather_rest(ded, dedicated))
+  for g, lay in enumerate(ded.layout.groups):
+    iters = ded.layout.iterations[g]
+    local = _gather.group_buffers(ded, dedicated, g)
+    if iters:
+      idx = [s.leaf_index for s in lay.plan.leaves]
+
+      def one(a, g=g, idx=idx):
+        mats = _gather.materialize(
+          ded, g, _gather.gather_replicate(ded, a[1]), a[0]
+        )
+        return [mats[i] for i in idx]
+
+      mats = jax.lax.map(one, (jnp.arange(iters), local))
+      got = {i: m.reshape((-1,) + m.shape[2:]) for i, m in zip(idx, mats)}
+    else:
+      got = _gather.materialize(ded, g, _gather.gather_replicate(ded, local))
+    for i, x in got.items():
+      leaves[i] = x
+  return jax.tree.unflatten(ded.treedef, leaves)
+
+
+def run_group(ded, g: int, body: Callable[..., Any]) -> Callable[..., Any]:
+  """``(dedicated, *args) -> body(block_params_list, *args)``, group ``g``
+  gathered (Z2/Z3 as configured); one subtree per boundary of the group."""
+  subs = [subtree_leaves(ded, b) for b in ded.groups[g]]
+
+  def run(rep_local, sub_rests, *args):
+    mats = _gather.materialize(ded, g, rep_local)
+    trees = [
+      fill(ded, b, sub, sub_rest, mats)
+      for b, sub, sub_rest in zip(ded.groups[g], subs, sub_rests)
+    ]
+    return body(trees, *args)
+
+  inner = _z3(ded, run, [ded.boundaries.names[b] for b in ded.groups[g]])
+
+  def call(dedicated, *args):
+    rest = ded.treedef.flatten_up_to(dedicated.rest)
+    local = _gather.after_inputs(_gather.group_buffers(ded, dedicated, g), args)
+    return inner(
+      _gather.gather_replicate(ded, local),
+      [[rest[i] for i in sub] for sub in subs],
+      *args,
+    )
+
+  return call
+
+
+def boundary_index(ded, boundary: str, scanned: bool) -> int:
+  if boundary not in ded.boundaries.names:
+    raise ValueError(
+      f'dmuon: no hook boundary {boundary!r}; the boundaries are '
+      f'{list(ded.boundaries.names)}. Pass one of them (the path of '
+      'the block subtree, as dmuon_jax.find_hook_boundaries(params) '
+      'shows).'
+    )
+  b = ded.boundaries.names.index(boundary)
+  if ded.boundaries.scanned[b] != scanned:
+    raise ValueError(
+      f'dmuon: boundary {boundary!r} is '
+      f'{"a scanned stack" if not scanned else "not scanned"}; use '
+      f'Dedication.{"scan" if not scanned else "block or sequential"}.'
+    )
+  return b
+
+
+def block(ded, fn: Callable[..., Any], boundary: str) -> Callable[..., Any]:
+  """See :meth:`dmuon_jax.Dedication.block`."""
+  b = boundary_index(ded, boundary, scanned=False)
+  g = _gather.group_of(ded, b)
+  if len(ded.groups[g]) > 1:
+    raise ValueError(
+      f'dmuon: boundary {boundary!r} is gathered together with '
+      f'{[ded.boundaries.names[i] for i in ded.groups[g]]} '
+      f'(layers_per_gather={ded.layers_per_gather}); run them with '
+      'Dedication.sequential.'
+    )
+  return run_group(ded, g, lambda trees, *args: fn(trees[0], *args))
+
+
+def sequential(
+  ded, fn: Callable[[Any, Any], Any], boundaries: Sequence[str]
+) -> Callable[[Any, Any], Any]:
+  """See :meth:`dmuon_jax.Dedication.sequential`."""
+  idx = [boundary_index(ded, name, scanned=False) for name in boundaries]
+  plan = []
+  while idx:
+    g = _gather.group_of(ded, idx[0])
+    size = len(ded.groups[g])
+    if tuple(idx[:size]) != ded.groups[g]:
+      raise ValueError(
+        f'dmuon: boundaries {list(boundaries)} split the gather group '
+        f'{[ded.boundaries.names[i] for i in ded.groups[g]]}; pass '
+        'whole groups, in order.'
+      )
+    plan.append(g)
+    idx = idx[size:]
+
+  def body(trees, x):
+    for tree in trees:
+      x = fn(tree, x)
+    return x
+
+  calls = [run_group(ded, g, body) for g in plan]
+
+  def call(dedicated, x):
+    for c in calls:
+      x = c(dedicated, x)
+    return x
+
+  return call
+
+
+def scan(
+  ded, fn: Callable[[Any, Any], Any], boundary: str
+) -> Callable[[Any, Any], Any]:
+  """See :meth:`dmuon_jax.Dedication.scan`."""
+  b = boundary_index(ded, boundary, scanned=True)
+  g = _gather.group_of(ded, b)
+  sub = subtree_leaves(ded, b)
+  k, iters = ded.layers_per_gather, ded.layout.iterations[g]
+
+  def run(rep_local, sub_rest, carry, iteration):
+    mats = _gather.materialize(ded, g, rep_local, iteration)
+    for j in range(k):
+      layer_rest = [None if x is None else x[j] for x in sub_rest]
+      layer_mats = {i: m[j] for i, m in mats.items()}
+      carry = fn(fill(ded, b, sub, layer_rest, layer_mats, True), carry)
+    return carry
+
+  inner = _z3(ded, run, [ded.boundaries.names[b]])
+
+  def call(dedicated, carry):
+    rest = ded.treedef.flatten_up_to(dedicated.rest)
+
+    def body(carry, xs):
+      iteration, owned, sub_rest = xs
+      return inner(
+        _gather.gather_replicate(ded, owned), sub_rest, carry, iteration
+      ), None
+
+    xs = (
+      jnp.arange(iters),
+      _gather.group_buffers(ded, dedicated, g),
+      [
+        None
+        if rest[i] is None
+        else rest[i].reshape((iters, k) + rest[i].shape[1:])
+        for i in sub
+      ],
+    )
+    return jax.lax.scan(body, carry, xs)[0]
+
+  return call
+
+
+def _z3(ded, run: Callable[..., Any], blocks: Sequence[str]):
+  """``run(rep_local, *args)``, gathered again in the backward pass where
+  the dedication is Z3; ``blocks`` names its boundaries, for messages."""
+  if not ded.reshard_after_forward:
+    return run
+  return _gather.regather_in_backward(run, ded.remat_policy, blocks)

@@ -54,24 +54,6 @@ def ring_bytes(kind: str, group_size: int, full_bytes: float) -> float:
   return frac * full_bytes
 
 
-def route_bytes(
-  num_slots: int, group_size: int, row_bytes: float
-) -> dict[str, float]:
-  """Per-device bytes of the drop-in update's routes for one class of
-  rows: ``row_bytes`` per owner of an axis group of ``group_size``
-  devices, all-to-all to the owners over that group and back, then an
-  all-gather over the other ``num_slots / group_size`` coordinates:
-  ``2 (g - 1) b`` and ``(N - g) b`` (with the all-to-all back, the
-  ``(N - 1) b`` of one all-to-all over all N devices)."""
-  return {
-    'all-to-all': 2
-    * ring_bytes('all-to-all', group_size, group_size * row_bytes),
-    'all-gather': ring_bytes(
-      'all-gather', num_slots // group_size, num_slots * row_bytes
-    ),
-  }
-
-
 NS_ALGORITHMS = ('auto', 'standard', 'gram')
 
 

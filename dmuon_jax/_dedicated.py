@@ -24,7 +24,6 @@ from dmuon_jax import (
 from dmuon_jax._dedication import (
   AUTO_PADDING_PERCENT,
   Dedication,
-  padding_percent,
 )
 
 _UNSET = object()
@@ -490,14 +489,13 @@ def _auto_choice(
     )
     cost = auto_cost(got, sizes, rep_axis, z3)
     if best is None or cost < best[0] * (1 - 1e-9):
-      payload = sum(b.payload for b in got)
-      best = (cost, k, padding_percent(payload, sum(b.gathered for b in got)))
+      best = (cost, k, _plan.GatherBytes.total(got).padding)
   _, k, pad = best
   return k, 'auto' if pad <= AUTO_PADDING_PERCENT else 'auto, padding above 5%'
 
 
 def auto_cost(
-  got: Sequence[_gather_plan.GatherBytes],
+  got: Sequence[_plan.GatherBytes],
   sizes: dict[str, int],
   rep_axis: str | None,
   z3: bool,

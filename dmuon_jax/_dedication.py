@@ -427,12 +427,7 @@ class Dedication:
     Returns:
       The two byte counts.
     """
-    payload = gathered = 0
-    for lay, it in zip(self.layout.groups, self.layout.iterations):
-      used, held = _plan.gather_bytes(lay.plan)
-      payload += max(it, 1) * used
-      gathered += max(it, 1) * held
-    return payload, gathered
+    return self._bytes()[:2]
 
   def exchange_bytes(self) -> float:
     """Predicted bytes per device per step of the owner groups' Gram
@@ -446,11 +441,15 @@ class Dedication:
     Returns:
       The byte count.
     """
-    return float(
-      sum(
-        max(it, 1) * lay.plan.group_exchange_bytes()
+    return self._bytes().exchange
+
+  def _bytes(self) -> _plan.GatherBytes:
+    """All gather groups' bytes, as their plans predict them."""
+    return _plan.GatherBytes.total(
+      [
+        lay.plan.gather_bytes(it)
         for lay, it in zip(self.layout.groups, self.layout.iterations)
-      )
+      ]
     )
 
   def summary(self) -> str:
@@ -503,13 +502,8 @@ def to_params(dedicated: DedicatedParams) -> Any:
 AUTO_PADDING_PERCENT = 5.0
 
 
-def padding_percent(used: int, held: int) -> float:
-  """Gathered bytes beyond the payload, in percent (0 with no payload)."""
-  return 100 * (held / used - 1) if used else 0.0
-
-
 def _summary(ded: Dedication) -> str:
-  payload, gathered = ded.gather_bytes()
+  total = ded._bytes()  # pylint: disable=protected-access
   mode = 'Z3' if ded.reshard_after_forward else 'Z2'
   lines = [
     f'Dedicated ownership ({mode}) on {ded.num_slots} slots, '
@@ -524,7 +518,7 @@ def _summary(ded: Dedication) -> str:
     + f', layout {ded.layout.name}'
   ]
   for g, lay in enumerate(ded.layout.groups):
-    used, held = _plan.gather_bytes(lay.plan)
+    got = lay.plan.gather_bytes()
     names = ', '.join(
       ded.boundaries.names[b] or '<root>' for b in ded.groups[g]
     )
@@ -536,16 +530,16 @@ def _summary(ded: Dedication) -> str:
       f' ({split} split into {slices} slices)' if split else ''
     )
     lines.append(
-      f'  gather {g}: {names}{times}: {what}, {_checks.human_bytes(used)} '
-      f'gathered as {_checks.human_bytes(held)} '
-      f'(padding {padding_percent(used, held):.1f}%)'
+      f'  gather {g}: {names}{times}: {what}, '
+      f'{_checks.human_bytes(got.payload)} gathered as '
+      f'{_checks.human_bytes(got.gathered)} (padding {got.padding:.1f}%)'
     )
   lines.append(
-    f'  total: Muon params {_checks.human_bytes(payload)}, '
-    f'gathered {_checks.human_bytes(gathered)} '
-    f'(padding {padding_percent(payload, gathered):.1f}%)'
+    f'  total: Muon params {_checks.human_bytes(total.payload)}, '
+    f'gathered {_checks.human_bytes(total.gathered)} '
+    f'(padding {total.padding:.1f}%)'
   )
-  exchange = ded.exchange_bytes()
+  exchange = total.exchange
   if exchange:
     lines.append(
       f'  owner groups exchange per device per step: '

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dmuon_jax import _checks, _gather, _layout, _mesh, _plan
+from dmuon_jax import _gather, _layout, _mesh, _plan
 
 P = jax.sharding.PartitionSpec
 
@@ -427,44 +427,34 @@ class Exchange:
 
   # -- the cost model ------------------------------------------------------
 
-  def predicted_bytes(self, itemsizes: Sequence[int]) -> dict[str, float]:
-    """Per-device bytes of one update by collective kind (ring model).
-
-    Per class (axes ``A``, ``|A|`` devices) of rows of ``b`` elements: the
-    forward all-to-all and the one back, ``(|A| - 1) b`` each, and the
-    all-gather over the other owner axes, ``(N / |A| - 1) |A| b``: with
-    the all-to-all back, ``(N - 1) b``, what one all-to-all over all N
-    devices moves.
+  def byte_routes(self, itemsizes: Sequence[int]) -> tuple[list, list]:
+    """What one update moves, as :meth:`OwnershipPlan.collective_bytes`
+    predicts it from ``routes`` and ``whole``: per class (axes ``A``) its
+    ``|A|`` and row bytes (rows padded to the largest owner's share, as in
+    the program), the non-routed leaves' compact rows as a class over one
+    device (all-gathered), and the leaves gathered whole.
 
     Args:
       itemsizes: bytes per element of each dtype group's buffers.
 
     Returns:
-      ``{'all-to-all': ..., 'all-gather': ...}``; rows are padded to the
-      largest owner's share, as in the program.
+      ``(routes, whole)``: ``(group size, bytes)`` pairs.
     """
-    n = self.num_slots
-    a2a = 0.0
-    gather = 0.0
-    for key in self.classes:
-      axes, g = key
-      size = math.prod(self.sizes[a] for a in axes)
-      got = _checks.route_bytes(n, size, self.fwd_size[key] * itemsizes[g])
-      a2a += got['all-to-all']
-      gather += got['all-gather']
-    gather += sum(
-      _checks.ring_bytes('all-gather', n, n * size * itemsizes[g])
-      for g, size in enumerate(self.rep_size)
-    )
-    layout = self.layout
-    for i in self.gathered:
-      spec = layout.plan.leaves[i]
-      k = math.prod(self.sizes[a] for e in self.entries[i] for a in e)
-      g = layout.unit_group[layout.leaf_units[i][0]]
-      gather += _checks.ring_bytes(
-        'all-gather', k, math.prod(spec.shape) * itemsizes[g]
+    lay = self.layout
+    size = lambda axes: math.prod(self.sizes[a] for a in axes)
+    routes = [
+      (size(axes), self.fwd_size[(axes, g)] * itemsizes[g])
+      for axes, g in self.classes
+    ] + [(1, rows * itemsizes[g]) for g, rows in enumerate(self.rep_size)]
+    whole = [
+      (
+        size([a for e in self.entries[i] for a in e]),
+        math.prod(lay.plan.leaves[i].shape)
+        * itemsizes[lay.unit_group[lay.leaf_units[i][0]]],
       )
-    return {'all-to-all': a2a, 'all-gather': gather}
+      for i in self.gathered
+    ]
+    return routes, whole
 
 
 def _offsets(per_slot, size_of, offsets: dict[int, int]) -> int:

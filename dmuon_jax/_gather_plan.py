@@ -8,7 +8,7 @@ plan (an ``OwnershipPlan`` over the buffer axes) by
 :func:`dmuon_jax._assign.place` or :func:`~dmuon_jax._assign.assign`, the
 placement of every plan. :func:`gather_group_bytes` predicts each group's
 bytes without placing the whole model (``layers_per_gather='auto'`` weighs
-them), counted by :func:`dmuon_jax._plan.gather_bytes` as
+them), counted by ``OwnershipPlan.gather_bytes`` as
 ``Dedication.gather_bytes`` counts a built one. The plan of all Muon
 targets comes from :func:`dmuon_jax._assign.plan_ownership`.
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -25,8 +24,8 @@ import numpy as np
 from dmuon_jax import _assign
 from dmuon_jax._plan import (
   MIN_SLICE,
+  GatherBytes,
   OwnershipPlan,
-  gather_bytes,
   group_rows,
   resliced,
   sliced_spec,
@@ -178,16 +177,6 @@ def plan_gather_groups(
   )
 
 
-class GatherBytes(NamedTuple):
-  """One gather group's bytes as :func:`plan_gather_groups` places them
-  (a scanned stack's: every iteration's)."""
-
-  payload: int  # its matrices' bytes
-  gathered: int  # what its gathers move per pass (N x the largest share)
-  exchange: float  # its owner groups' Gram exchange per device per step
-  iterations: int = 0  # scan iterations (0: a loop group)
-
-
 def gather_group_bytes(
   plan: OwnershipPlan,
   groups: Sequence[tuple[str, bool, Sequence[LeafSpec]]],
@@ -244,11 +233,7 @@ def _trial(
   gp, _, iters = _place_gather_group(
     sub, name, scanned, sub.leaves, k, rows, np.zeros(sub.num_slots)
   )
-  payload, gathered = gather_bytes(gp)
-  times = max(iters, 1)
-  return GatherBytes(
-    times * payload, times * gathered, gp.group_exchange_bytes(), iters
-  )
+  return gp.gather_bytes(iters)
 
 
 def _split_views(
@@ -277,15 +262,15 @@ def _split_views(
     sub = resliced(plan, {}, ns_steps, {s.leaf_index for s in specs})[0]
     best = _trial(sub, name, scanned, k, rows)
     counts = {}
-    if split and _padding(best) > SPLIT_PADDING_PERCENT:
+    if split and best.padding > SPLIT_PADDING_PERCENT:
       per_slot = best.payload / plan.num_slots
       for views in byte_views(sub.leaves, per_slot):
         got = _trial(resliced(sub, views, ns_steps)[0], '', False, 1, rows)
-        if _padding(got) < _padding(best) - 1e-9:
+        if got.padding < best.padding - 1e-9:
           best = got
           pos = {s.leaf_index: i for i, s in enumerate(sub.leaves)}
           counts = {pos[i]: v.shape[v.slice_axis] for i, v in views.items()}
-        if _padding(got) <= SPLIT_PADDING_PERCENT:
+        if got.padding <= SPLIT_PADDING_PERCENT:
           break
     memo[key] = (counts, best)
   counts, best = memo[key]
@@ -296,10 +281,6 @@ def _split_views(
       spec, slices, None, min_byte_slice(spec)
     )
   return views, best
-
-
-def _padding(b: GatherBytes) -> float:
-  return 100 * (b.gathered / b.payload - 1) if b.payload else 0.0
 
 
 def _group_rows(

@@ -575,7 +575,7 @@ class OwnerLayout:
     lay = self.groups[0]
     itemsizes = [jnp.dtype(d).itemsize for d in lay.dtypes]
     routes = _exchange.Exchange(lay, self.owner_entries(param_entries))
-    return routes.predicted_bytes(itemsizes)
+    return lay.plan.collective_bytes(*routes.byte_routes(itemsizes))
 
   def placement(self, specs: Sequence[Any], named: Sequence[bool]) -> str:
     """Where a ``'dmuon'`` state keeps the momentum (:attr:`momentum`):

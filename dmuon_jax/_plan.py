@@ -30,7 +30,6 @@ from dmuon_jax._checks import (
   human_bytes,
   human_flops,
   ring_bytes,
-  route_bytes,
 )
 from dmuon_jax._routing import LeafSpec, layer_key, plural
 
@@ -125,6 +124,30 @@ class OwnerGroup:
   def gram_size(self) -> int:
     """The short side ``g``, the size of the Gram matrix."""
     return min(self.shape)
+
+
+class GatherBytes(NamedTuple):
+  """A gather group's bytes in dedicated mode (:meth:`OwnershipPlan.gather_bytes`;
+  a scanned stack's: every iteration's)."""
+
+  payload: int  # its matrices' bytes
+  gathered: int  # what its gathers move per pass (N x the largest share)
+  exchange: float  # its owner groups' Gram exchange per device, an iteration's
+  iterations: int = 0  # scan iterations (0: a loop group)
+
+  @property
+  def padding(self) -> float:
+    """Gathered bytes beyond the payload, in percent (0 with no payload)."""
+    return 100 * (self.gathered / self.payload - 1) if self.payload else 0.0
+
+  @staticmethod
+  def total(groups: Sequence[GatherBytes]) -> GatherBytes:
+    """The bytes of all ``groups`` (the exchange of every iteration)."""
+    return GatherBytes(
+      sum(b.payload for b in groups),
+      sum(b.gathered for b in groups),
+      float(sum(max(b.iterations, 1) * b.exchange for b in groups)),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -414,12 +437,19 @@ class OwnershipPlan:
             lines.append(f'  iteration of group {g}, window {w}  {s}x{s}')
     return '\n'.join(lines)
 
-  def collective_bytes(self) -> dict[str, float]:
-    """Predicted per-device collective bytes of one dmuon step, by path.
+  def collective_bytes(
+    self,
+    routes: Sequence[tuple[int, float]] | None = None,
+    whole: Sequence[tuple[int, float]] = (),
+  ) -> dict[str, float]:
+    """Predicted per-device collective bytes of one dmuon step (ring model):
+    the package's one prediction of the drop-in and explicit paths (the
+    dedicated gathers': :meth:`gather_bytes`).
 
-    Owner buffers are padded to the largest slot's bytes (``max``), so every
-    figure scales with ``max`` rather than with the mean; with N slots and
-    ``P`` the total bytes of all matrices (in the params' dtype):
+    Without ``routes``, by path. Owner buffers are padded to the largest
+    slot's bytes (``max``), so every figure scales with ``max`` rather than
+    with the mean; with N slots and ``P`` the total bytes of all matrices
+    (in the params' dtype):
 
     * ``'explicit'``: reduce-scatter of per-device gradients to the owners
       plus all-gather of the results: ``2 (N - 1) max`` (the all-reduce
@@ -431,24 +461,77 @@ class OwnershipPlan:
       and back the same all-to-all reversed plus an all-gather over the
       other owner axes, ``(N - 1) max / S`` together. (A state's
       :meth:`dmuon_jax.OwnerLayout.collective_bytes` predicts the bytes for
-      the params' actual shardings.)
+      the params' actual shardings, through ``routes``.)
     * ``'all-reduce floor'``: ``2 (N - 1) / N P``, what data parallelism pays
       for these gradients anyway.
 
+    With ``routes``, the drop-in update's bytes by collective kind: per
+    class ``(g, b)`` of rows, ``b`` bytes per owner of an axis group of
+    ``g`` devices, all-to-all to the owners over that group and back, then
+    an all-gather over the other ``N / g`` coordinates: ``2 (g - 1) b``
+    and ``(N - g) b`` (with the all-to-all back, the ``(N - 1) b`` of one
+    all-to-all over all N devices); per ``(k, b)`` of ``whole``, an array
+    of ``b`` bytes all-gathered over ``k`` devices.
+
+    Args:
+      routes: (optional) per class of rows, its group size and row bytes
+        (padded to the largest owner's share, as in the program).
+      whole: (optional, with ``routes``) per array gathered whole, its
+        group size and bytes.
+
     Returns:
-      A dict from path name to bytes.
+      A dict from path name to bytes; with ``routes``,
+      ``{'all-to-all': ..., 'all-gather': ...}``.
     """
     n = self.num_slots
+    if routes is not None:
+      a2a = gather = 0.0
+      for g, b in routes:
+        a2a += 2 * ring_bytes('all-to-all', g, g * b)
+        gather += ring_bytes('all-gather', n // g, n * b)
+      for k, b in whole:
+        gather += ring_bytes('all-gather', k, b)
+      return {'all-to-all': a2a, 'all-gather': gather}
     biggest = max(self.slot_bytes())
     inner = self.mesh_shape[-1] if self.mesh_shape else 1
-    routes = lambda group: sum(route_bytes(n, group, biggest / group).values())
+    routed = lambda g: sum(self.collective_bytes([(g, biggest / g)]).values())
     return {
       'explicit': ring_bytes('reduce-scatter', n, n * biggest)
       + ring_bytes('all-gather', n, n * biggest),
-      'drop-in, replicated params': routes(1),
-      'drop-in, sharded params': routes(inner),
+      'drop-in, replicated params': routed(1),
+      'drop-in, sharded params': routed(inner),
       'all-reduce floor': ring_bytes('all-reduce', n, sum(self.slot_bytes())),
     }
+
+  def gather_bytes(self, iterations: int = 0) -> GatherBytes:
+    """Predicted bytes of dedicated mode's gathers of this plan (one gather
+    group's), the one prediction that ``Dedication.gather_bytes`` and
+    ``exchange_bytes`` and ``layers_per_gather='auto'`` read.
+
+    Args:
+      iterations: (optional) the group's scan iterations (0: a loop group,
+        gathered once).
+
+    Returns:
+      A :class:`GatherBytes`: payload and gathered bytes times
+      ``max(iterations, 1)``; gathered per dtype (an owner buffer each, of
+      at least one element) ``num_slots`` times the largest owner's bytes.
+    """
+    n = self.num_slots
+    held = {s.dtype: np.zeros(n, np.int64) for s in self.leaves}
+    dtype_of = {s.leaf_index: s.dtype for s in self.leaves}
+    for u, slot in zip(self.units, self.owners):
+      held[dtype_of[u.leaf_index]][slot] += u.nbytes
+    gathered = sum(
+      n * max(int(h.max()), jnp.dtype(d).itemsize) for d, h in held.items()
+    )
+    times = max(iterations, 1)
+    return GatherBytes(
+      times * sum(u.nbytes for u in self.units),
+      times * gathered,
+      self.group_exchange_bytes(),
+      iterations,
+    )
 
   def group_exchange_bytes(self) -> float:
     """Predicted per-device bytes of the owner groups' collectives per step
@@ -738,21 +821,6 @@ def resliced(
     groups=groups,
   )
   return replaced, pieces
-
-
-def gather_bytes(plan: OwnershipPlan) -> tuple[int, int]:
-  """``(payload, gathered)``: the bytes of ``plan``'s matrices, and what one
-  gather of them moves: per dtype (an owner buffer each, of at least one
-  element), ``num_slots`` times the largest owner's bytes."""
-  n = plan.num_slots
-  held = {s.dtype: np.zeros(n, np.int64) for s in plan.leaves}
-  dtype_of = {s.leaf_index: s.dtype for s in plan.leaves}
-  for u, slot in zip(plan.units, plan.owners):
-    held[dtype_of[u.leaf_index]][slot] += u.nbytes
-  gathered = sum(
-    n * max(int(h.max()), jnp.dtype(d).itemsize) for d, h in held.items()
-  )
-  return sum(u.nbytes for u in plan.units), gathered
 
 
 def group_rows(shape: Sequence[int], axis: int) -> list[list[int]]:

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dmuon_jax import _gather, _layout, _mesh, _plan
+from dmuon_jax import _checks, _gather, _layout, _mesh, _plan
 
 P = jax.sharding.PartitionSpec
 

@@ -10,6 +10,7 @@ script's default: 4 blocks), so each mode's step compiles a smaller program.
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -77,6 +78,17 @@ class MultihostTest(absltest.TestCase):
     super().setUpClass()
     cls.tmp = tempfile.TemporaryDirectory()
     cls.results, start = {}, time.time()
+    # One coordinator port per launch, both picked while both are held: two
+    # launches that each asked the kernel for a free port could be handed
+    # the same one, and the children of both then register at one
+    # coordinator (seen once: "Aborted connect attempt as there is a
+    # request from a newer incarnation", child 0 killed).
+    held = [socket.socket() for _ in TOPOLOGIES]
+    for s in held:
+      s.bind(('127.0.0.1', 0))
+    ports = [s.getsockname()[1] for s in held]
+    for s in held:
+      s.close()
     procs = {
       topo: launch(
         cls.out_dir(topo),
@@ -84,8 +96,10 @@ class MultihostTest(absltest.TestCase):
         'both',
         '--checkpoint-dir',
         os.path.join(cls.tmp.name, f'ckpt_p{topo[0]}'),
+        '--port',
+        str(port),
       )
-      for topo in TOPOLOGIES
+      for topo, port in zip(TOPOLOGIES, ports)
     }
     for topo, proc in procs.items():
       out, err = proc.communicate(timeout=400)

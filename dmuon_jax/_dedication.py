@@ -427,7 +427,7 @@ class Dedication:
     Returns:
       The two byte counts.
     """
-    return self._bytes()[:2]
+    return _gather_totals(self)[:2]
 
   def exchange_bytes(self) -> float:
     """Predicted bytes per device per step of the owner groups' Gram
@@ -441,16 +441,7 @@ class Dedication:
     Returns:
       The byte count.
     """
-    return self._bytes().exchange
-
-  def _bytes(self) -> _plan.GatherBytes:
-    """All gather groups' bytes, as their plans predict them."""
-    return _plan.GatherBytes.total(
-      [
-        lay.plan.gather_bytes(it)
-        for lay, it in zip(self.layout.groups, self.layout.iterations)
-      ]
-    )
+    return _gather_totals(self).exchange
 
   def summary(self) -> str:
     """The gather groups, their padding, and the owner plan's summary."""
@@ -502,8 +493,18 @@ def to_params(dedicated: DedicatedParams) -> Any:
 AUTO_PADDING_PERCENT = 5.0
 
 
+def _gather_totals(ded: Dedication) -> _plan.GatherBytes:
+  """All gather groups' bytes, as their plans predict them."""
+  return _plan.GatherBytes.total(
+    [
+      lay.plan.gather_bytes(it)
+      for lay, it in zip(ded.layout.groups, ded.layout.iterations)
+    ]
+  )
+
+
 def _summary(ded: Dedication) -> str:
-  total = ded._bytes()  # pylint: disable=protected-access
+  total = _gather_totals(ded)
   mode = 'Z3' if ded.reshard_after_forward else 'Z2'
   lines = [
     f'Dedicated ownership ({mode}) on {ded.num_slots} slots, '

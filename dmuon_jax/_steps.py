@@ -334,7 +334,8 @@ def _warn_if_forced(layout, b: int, shape, sizes, got) -> None:
 
 
 def _check_buffer_shardings(layout, mus, mesh) -> None:
-  """Warns once per buffer whose sharding is not its layout's.
+  """Raises for a state laid out for another mesh; warns once per buffer
+  whose sharding is not its layout's.
 
   Read where it is known: a concrete array's sharding (eager calls); a
   tracer's type on a mesh with Explicit axes; on Auto meshes, the sharding
@@ -345,6 +346,15 @@ def _check_buffer_shardings(layout, mus, mesh) -> None:
   until one compile of the layout has reported.
   """
   sizes = dict(mesh.shape)
+  if tuple(sizes[a] for a in layout.buffer_axes) != layout.buffer_sizes:
+    raise ValueError(
+      f'dmuon: the optimizer state is laid out as {layout.name} (owner axes '
+      f'{dict(zip(layout.buffer_axes, layout.buffer_sizes))}), but this '
+      f'optimizer runs on mesh {sizes}. Use a state made by this '
+      "optimizer's init, or convert it with "
+      'dmuon_jax.checkpoint.state_from_portable(state_to_portable(state), '
+      'opt.init(params)).'
+    )
   for b, x in enumerate(mus):
     warn = functools.partial(_warn_if_forced, layout, b, np.shape(x), sizes)
     if not isinstance(x, jax.core.Tracer):
@@ -374,15 +384,6 @@ def drop_in_step(setup, layout, targets, mus, count_inc, specs):
   check_buffers(layout, mus, local=False)
   mesh = setup.mesh if setup.mesh is not None else layout.mesh
   sizes = dict(mesh.shape)
-  if tuple(sizes[a] for a in layout.buffer_axes) != layout.buffer_sizes:
-    raise ValueError(
-      f'dmuon: the optimizer state is laid out as {layout.name} (owner axes '
-      f'{dict(zip(layout.buffer_axes, layout.buffer_sizes))}), but this '
-      f'optimizer runs on mesh {sizes}. Use a state made by this '
-      "optimizer's init, or convert it with "
-      'dmuon_jax.checkpoint.state_from_portable(state_to_portable(state), '
-      'opt.init(params)).'
-    )
   _check_buffer_shardings(layout, mus, mesh)
   entries, in_specs = _update_entries(layout, targets, sizes, specs)
   # Per-leaf momentum enters as its gradient does.

@@ -263,9 +263,7 @@ def _routed(md, b: int, local, iteration, run, args, manual: bool, remat):
   else:
     mode, first = 'reduced', lambda: local
   gather = lambda x, it, s=None: _gather.materialize(ded, g, x, it, s, mode)
-  sink = lambda: _gather.gather_sink(
-    ded, g, local, None if manual else iteration, mode
-  )
+  sink = lambda: _gather.gather_sink(ded, g, local, iteration, mode)
   if not ded.reshard_after_forward or remat:
     if entry is None:
       entry = gather(first(), iteration)

@@ -355,9 +355,22 @@ def dedicate_linen(
       "dmuon: dedicate_linen takes the 'params' collection; got a "
       "variables dict (it has a 'params' key): pass variables['params']."
     )
-  params, boxes = _boundary.unbox_linen(params, mesh)
-  kwargs = {k: v for k, v in locals().items() if k in _model.PLANNED}
+  # Flax boxes (nn.Partitioned, nn.LogicallyPartitioned) come off, an
+  # unplaced value put on the mesh as its box says; each leaf's box (or
+  # None) is kept, to put back.
+  flat, treedef = jax.tree.flatten(params, is_leaf=_mesh.is_box)
+  boxes = [x if _mesh.is_box(x) else None for x in flat]
   specs = [None if box is None else _mesh.leaf_spec(box) for box in boxes]
+  values = [
+    v
+    if mesh is None
+    or spec is None
+    or isinstance(getattr(v, 'sharding', None), NamedSharding)
+    else jax.device_put(v, NamedSharding(mesh, spec))
+    for v, spec in zip(map(_mesh.unbox, flat), specs)
+  ]
+  params = jax.tree.unflatten(treedef, values)
+  kwargs = {k: v for k, v in locals().items() if k in _model.PLANNED}
   ded, placed, dp, replicated, moved = _model.plan(
     params, mesh, layers_per_gather, 'nn.scan', kwargs, specs
   )

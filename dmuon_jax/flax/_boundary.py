@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from flax.core import unfreeze
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import _checks, _exchange, _gather, _mesh
@@ -29,107 +28,21 @@ def split_args(args, kwargs):
   nodes among its arguments (an ``nnx.Rngs`` or a module passed in: they
   flow through the gathered call as state, so what the call does to them
   is kept), and ``rebuild(arrays, nodes) -> (args, kwargs)``."""
-  leaves, treedef = jax.tree.flatten(
-    (args, kwargs), is_leaf=lambda x: isinstance(x, nnx.Pytree)
-  )
-  kind = [
-    'array'
-    if isinstance(x, (jax.Array, np.ndarray))
-    else 'node'
-    if isinstance(x, nnx.Pytree)
-    else None
-    for x in leaves
-  ]
-  arrays = [x for x, k in zip(leaves, kind) if k == 'array']
-  nodes = tuple(x for x, k in zip(leaves, kind) if k == 'node')
-  static = [None if k else x for x, k in zip(leaves, kind)]
+  is_node = lambda x: isinstance(x, nnx.Pytree)
+  is_array = lambda x: isinstance(x, (jax.Array, np.ndarray))
+  leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_node)
+  arrays = [x for x in leaves if is_array(x)]
+  nodes = tuple(x for x in leaves if is_node(x))
 
   def rebuild(arrs, new_nodes=()):
-    it = {'array': iter(arrs), 'node': iter(new_nodes)}
-    full = [next(it[k]) if k else s for s, k in zip(static, kind)]
+    arrs, new_nodes = iter(arrs), iter(new_nodes)
+    full = [
+      next(arrs) if is_array(x) else next(new_nodes) if is_node(x) else x
+      for x in leaves
+    ]
     return jax.tree.unflatten(treedef, full)
 
   return arrays, nodes, rebuild
-
-
-def gathered(
-  md: ModelDedication,
-  b: int,
-  local,
-  iteration,
-  run,
-  state,
-  arrays,
-  *,
-  traced: bool | None = None,
-  remat: bool = False,
-):
-  """``run(mats, state, arrays)`` with boundary ``b``'s group gathered.
-
-  Inside :func:`train_step` (manual owner axes): Z2 gathers the group at
-  its first call and reuses it; Z3 re-gathers in the backward pass once per
-  group (token-tied) and reduce-scatters once (through a sink). Under plain
-  ``jit`` on Explicit owner axes: the reduced gather (see
-  :func:`_routed`). Elsewhere on a mesh: a sharding constraint
-  gathers (GSPMD; warned once).
-
-  Args:
-    traced: whether the model runs under a transformation of the step
-      (``jit``); None: whether ``local`` are tracers (an eager call's scan
-      body traces them too, so a Linen stack says).
-    remat: whether the call runs inside a rematerialization of the model's
-      own (a Flax ``nn.remat`` around the block or its stack), which
-      recomputes the gather in the backward pass: the plain gather is then
-      Z3's traffic (one all-gather forward, one in the backward pass, one
-      reduce-scatter), and Z3's own re-gather would only add a third
-      all-gather; Z2 warns that it is moving Z3's bytes.
-  """
-  ded = md.dedication
-  g = _gather.group_of(ded, b)
-  name = ded.boundaries.names[b]
-  scanned = ded.boundaries.scanned[b]
-  layout = ded.layout
-  manual = layout.distributed and set(ded.buffer_axes) <= (
-    _gather.manual_axes()
-  )
-  if traced is None:
-    traced = any(isinstance(x, jax.core.Tracer) for x in local)
-  z3 = ded.reshard_after_forward
-  if remat and layout.distributed and not z3 and traced:
-    _warn_remat_z2(md, name)
-  if scanned:  # one layer per iteration: drop the group's layer axis
-    run_layer = run
-    run = lambda mats, *a: run_layer({i: m[0] for i, m in mats.items()}, *a)
-  if not layout.distributed:
-    return run(layout.unpack_group(g, local, iteration), state, arrays)
-  if manual:
-    return _routed(md, b, local, iteration, run, (state, arrays), True, remat)
-  if traced:
-    _exchange.check_tp_axis_type(ded, f'the dedicated boundary {name!r}')
-  if _exchange.reduced_route(ded) and traced:
-    if _sharded_over(arrays, ded.buffer_axes):
-      return _routed(
-        md, b, local, iteration, run, (state, arrays), False, remat
-      )
-    _warn_unsharded(md, name, arrays)
-  else:
-    _warn_bare(md, traced)
-
-  # The boundaries of a group constrain the same buffers: XLA gathers them
-  # once and keeps them (Z2 memory: a re-gather per boundary would move the
-  # group again for each of its blocks).
-  full = [_mesh.place(x, ded.mesh, P()) for x in local]
-  return run(layout.unpack_group(g, full, iteration), state, arrays)
-
-
-def _sharded_over(arrays, axes: Sequence[str]) -> bool:
-  """Whether the boundary's array inputs are split over every owner axis
-  (the reduced gather's cotangent is a per-device partial sum: jax types a
-  weight ``reduced`` only where its contraction runs over those axes)."""
-
-  named = lambda x: _mesh.sharded_axes([_mesh.type_spec(x)])
-  leaves = jax.tree.leaves(arrays)
-  return any(set(axes) <= named(x) for x in leaves if np.ndim(x) >= 1)
 
 
 def _warn_once(md: ModelDedication, message: str, stacklevel: int) -> None:
@@ -137,23 +50,6 @@ def _warn_once(md: ModelDedication, message: str, stacklevel: int) -> None:
   if not md.warned[0]:
     md.warned[0] = True
     warnings.warn(message, _checks.DMuonWarning, stacklevel=stacklevel + 1)
-
-
-def _warn_unsharded(md: ModelDedication, name: str, arrays) -> None:
-  xs = [x for x in jax.tree.leaves(arrays) if np.ndim(x) >= 1]
-  typed = str(jax.typeof(xs[0])) if xs else 'no array'
-  _warn_once(
-    md,
-    f'dmuon: the dedicated boundary {name!r} ran under jax.jit/nnx.jit on '
-    f'an input typed {typed}, not split over the owner axes '
-    f'{md.axes}: its matrices were gathered with GSPMD, and a gradient '
-    'through them is all-reduced (3(N-1)/N x the Muon bytes instead of '
-    'the reduce-scatter floor). Shard the batch over the owner axes, '
-    'e.g. jax.device_put(batch, NamedSharding(mesh, P(ded.axes))), or '
-    'use dmuon_jax.flax.train_step(ded), which does (evaluation on a '
-    'replicated batch is otherwise fine).',
-    stacklevel=5,
-  )
 
 
 LIFTED_BOUNDARY_MSG = (
@@ -171,29 +67,147 @@ LIFTED_BOUNDARY_MSG = (
 )
 
 
-def warn_lifted(md: ModelDedication, name: str, g: int, linen: bool) -> None:
-  """The :data:`LIFTED_BOUNDARY_MSG` warning (once per model) for group
-  ``g``'s block ``name`` (Linen's or NNX's transforms named)."""
-  _warn_once(
-    md,
-    LIFTED_BOUNDARY_MSG.format(
-      name=name,
-      group=g,
-      blocks=len(md.dedication.groups[g]),
-      transforms=(
-        'a Flax lifted transform: nn.remat, nn.jit, nn.vmap ...'
-        if linen
-        else 'nnx.remat, nnx.jit, nnx.vmap ...'
-      ),
-      inside='nn.remat(nn.Dense)' if linen else 'nnx.remat around its MLP',
-    ),
-    stacklevel=5,
-  )
-
-
-def _trace_cache(
-  md: ModelDedication, g: int, b: int, local, iteration, manual=False
+def gathered(
+  md: ModelDedication,
+  b: int,
+  local,
+  iteration,
+  run,
+  state,
+  arrays,
+  *,
+  traced: bool | None = None,
+  remat: bool = False,
 ):
+  """``run(mats, state, arrays)`` with boundary ``b``'s group gathered.
+
+  Inside :func:`train_step` (manual owner axes; the TP axis, if any, stays
+  automatic: the gathers run per TP shard, ``_gather.on_tp_shards``, each
+  target sharded over it as the param was), or under plain ``jit`` on
+  Explicit owner axes with the input split over them (typed ``reduced``,
+  see ``_gather.materialize``): the owners' own route, the group gathered
+  once per trace (see :func:`_trace_cache`). Z2 keeps the gathered group;
+  Z3 re-gathers it once in the backward pass (token-tied) and
+  reduce-scatters once (through a sink), except inside a rematerialization
+  of the model's own (``remat``), which recomputes the gather. Elsewhere
+  on a mesh: a sharding constraint gathers (GSPMD; warned once).
+
+  Args:
+    traced: whether the model runs under a transformation of the step
+      (``jit``); None: whether ``local`` are tracers (an eager call's scan
+      body traces them too, so a Linen stack says).
+    remat: whether the call runs inside a rematerialization of the model's
+      own (a Flax ``nn.remat`` around the block or its stack), which
+      recomputes the gather in the backward pass: the plain gather is then
+      Z3's traffic (one all-gather forward, one in the backward pass, one
+      reduce-scatter), and Z3's own re-gather would only add a third
+      all-gather; Z2 warns that it is moving Z3's bytes.
+  """
+  ded = md.dedication
+  g = _gather.group_of(ded, b)
+  name = ded.boundaries.names[b]
+  layout, n, z3 = ded.layout, ded.num_slots, ded.reshard_after_forward
+  if traced is None:
+    traced = any(isinstance(x, jax.core.Tracer) for x in local)
+  if remat and layout.distributed and not z3 and traced:
+    warnings.warn(
+      f'dmuon: the dedicated boundary {name!r} runs inside a Flax nn.remat '
+      '(around the block or its nn.scan stack), which recomputes its '
+      'gathered matrices in the backward pass: with '
+      "reshard_after_forward=False (Z2) it moves Z3's bytes, "
+      f'3({n}-1)/{n} x the Muon bytes per step instead of 2({n}-1)/{n}, '
+      "and holds Z3's memory. Pass reshard_after_forward=True (what nn.remat "
+      'gives: no third gather), or keep Z2 and take nn.remat off the block '
+      '(remat inside it, e.g. nn.remat around its attention).',
+      _checks.DMuonWarning,
+      stacklevel=4,
+    )
+  if ded.boundaries.scanned[b]:  # one layer per iteration: drop its axis
+    run_layer = run
+    run = lambda mats, *a: run_layer({i: m[0] for i, m in mats.items()}, *a)
+  manual = layout.distributed and set(ded.buffer_axes) <= (
+    _gather.manual_axes()
+  )
+  routed = manual
+  if layout.distributed and not manual and traced:
+    _exchange.check_tp_axis_type(ded, f'the dedicated boundary {name!r}')
+    if _exchange.reduced_route(ded):
+      # The reduced gather's cotangent is a per-device partial sum: jax
+      # types a weight ``reduced`` only where its contraction runs over the
+      # owner axes, so the input must be split over every one of them.
+      xs = [x for x in jax.tree.leaves(arrays) if np.ndim(x) >= 1]
+      split = lambda x: _mesh.sharded_axes([_mesh.type_spec(x)])
+      routed = any(set(ded.buffer_axes) <= split(x) for x in xs)
+      if not routed:
+        typed = str(jax.typeof(xs[0])) if xs else 'no array'
+        _warn_once(
+          md,
+          f'dmuon: the dedicated boundary {name!r} ran under jax.jit/nnx.jit '
+          f'on an input typed {typed}, not split over the owner axes '
+          f'{md.axes}: its matrices were gathered with GSPMD, and a gradient '
+          'through them is all-reduced (3(N-1)/N x the Muon bytes instead of '
+          'the reduce-scatter floor). Shard the batch over the owner axes, '
+          'e.g. jax.device_put(batch, NamedSharding(mesh, P(ded.axes))), or '
+          'use dmuon_jax.flax.train_step(ded), which does (evaluation on a '
+          'replicated batch is otherwise fine).',
+          stacklevel=4,
+        )
+    else:
+      _warn_once(
+        md,
+        'dmuon: a dedicated model ran under plain jax.jit/nnx.jit (outside '
+        'dmuon_jax.flax.train_step). It computes the same numbers, but XLA '
+        'reduces the Muon gradients with an all-reduce rather than the '
+        "owners' reduce-scatter: an all-gather forward and an all-reduce "
+        f'backward, 3({n}-1)/{n} x the Muon bytes per step'
+        + (
+          " (the Z3 floor's bytes), but the gathered weights are kept for "
+          'the backward (Z2 memory) and every device holds all Muon gradients'
+          if z3
+          else f' instead of the Z2 floor 2({n}-1)/{n}'
+        )
+        + '. Decorate the train step with @dmuon_jax.flax.train_step('
+        'dedication) instead of jax.jit/nnx.jit to get the floor (evaluation '
+        'outside it is fine).',
+        stacklevel=3,
+      )
+  if not routed:
+    # The boundaries of a group constrain the same buffers: XLA gathers them
+    # once and keeps them (Z2 memory: a re-gather per boundary would move
+    # the group again for each of its blocks).
+    if layout.distributed:
+      local = [_mesh.place(x, ded.mesh, P()) for x in local]
+    return run(layout.unpack_group(g, local, iteration), state, arrays)
+
+  entry, store = _trace_cache(md, g, b, local, iteration, manual)
+  mode = 'tp' if manual else 'reduced'
+  if manual and entry is None:  # the group's first block
+    local = _gather.after_inputs(local, arrays)
+  gather = lambda x, it, s=None: _gather.materialize(ded, g, x, it, s, mode)
+  first = lambda: _gather.gather_replicate(ded, local, mode)
+  if not z3 or remat:
+    if entry is None:
+      entry = gather(first(), iteration)
+      store(entry)
+    return run(entry, state, arrays)
+  sink = lambda: _gather.gather_sink(ded, g, local, iteration, mode)
+  x, s, token = entry or (first(), sink(), _gather.new_token())
+
+  def run_z3(x, s, iteration, *args):
+    return run(gather(x, iteration, s), *args)
+
+  out, token = _gather.regather_group_in_backward(
+    run_z3,
+    ded.remat_policy,
+    last=b == ded.groups[g][-1] or ded.boundaries.scanned[b],
+    blocks=[name],
+    routed=True,
+  )(x, token, s, iteration, state, arrays)
+  store((x, s, token))
+  return out
+
+
+def _trace_cache(md: ModelDedication, g: int, b: int, local, iteration, manual):
   """``(entry, store)``: group ``g``'s cached gather in the running trace
   (``None`` if its buffers were not gathered in it yet), and a function
   that records a new one (for block ``b``).
@@ -206,11 +220,12 @@ def _trace_cache(
   reduce-scatter.
 
   ``manual``: inside :func:`train_step` (``md.gathered_manual``); else
-  (``md.gathered``) warns (once per model) where block ``b`` of a group of several
-  blocks misses the group in its trace while another block of the group
-  gathered it in the trace just before: a transform of its own around
-  each block (``nnx.remat(lambda block, x: block(x))``), so the group is
-  gathered and reduce-scattered per block.
+  (``md.gathered``) warns :data:`LIFTED_BOUNDARY_MSG` (once per model)
+  where block ``b`` of a group of several blocks misses the group in its
+  trace while another block of the group gathered it in the trace just
+  before: a transform of its own around each block (``nnx.remat(lambda
+  block, x: block(x))``, a Flax ``nn.remat`` around the boundary module),
+  so the group is gathered and reduce-scattered per block.
   """
   trace = jax.extend.core.get_opaque_trace_state(convention='nnx')
   cache = md.gathered_manual if manual else md.gathered
@@ -220,110 +235,33 @@ def _trace_cache(
     cache.update(trace=trace, blocks={}, previous=previous)
   keys = (*local, iteration)
   hit = cache.get(g)
-  entry = None
-  if hit is not None and all(a is b for a, b in zip(hit[0], keys)):
-    entry = hit[1]
+  entry = hit[1] if hit and all(x is y for x, y in zip(hit[0], keys)) else None
   ded = md.dedication
-  before = cache['previous'].get(g)
-  if (
-    not manual
-    and entry is None
-    and before is not None
-    and before != b
-    and len(ded.groups[g]) > 1
-  ):
-    warn_lifted(
-      md, ded.boundaries.names[b], g, linen=md.linen_model is not None
-    )
+  blocks = len(ded.groups[g])
+  if not manual and entry is None and blocks > 1:
+    if cache['previous'].get(g) not in (None, b):
+      linen = md.linen_model is not None
+      _warn_once(
+        md,
+        LIFTED_BOUNDARY_MSG.format(
+          name=ded.boundaries.names[b],
+          group=g,
+          blocks=blocks,
+          transforms=(
+            'a Flax lifted transform: nn.remat, nn.jit, nn.vmap ...'
+            if linen
+            else 'nnx.remat, nnx.jit, nnx.vmap ...'
+          ),
+          inside='nn.remat(nn.Dense)' if linen else 'nnx.remat around its MLP',
+        ),
+        stacklevel=3,
+      )
 
   def store(value):
     cache[g] = (keys, value)
     cache['blocks'][g] = b
 
   return entry, store
-
-
-def _routed(md, b: int, local, iteration, run, args, manual: bool, remat):
-  """:func:`gathered` on the owners' own route, the group gathered once per
-  trace: inside :func:`train_step` (``manual``; the TP axis, if any, stays
-  automatic: the gathers run per TP shard, ``_gather.on_tp_shards``, each
-  target sharded over it as the param was), or under plain ``jit`` on
-  Explicit owner axes, typed ``reduced`` (see
-  ``_gather.materialize``). Z3 re-gathers once per group in the
-  backward pass (token-tied, reduce-scattered once through a sink),
-  except inside a rematerialization of the model's own (``remat``), which
-  recomputes the gather."""
-  ded = md.dedication
-  g = _gather.group_of(ded, b)
-  entry, store = _trace_cache(md, g, b, local, iteration, manual)
-  if manual:
-    if entry is None:  # the group's first block
-      local = _gather.after_inputs(local, args[-1])
-    mode, first = 'tp', lambda: _gather.gather_replicate(ded, local, 'tp')
-  else:
-    mode, first = 'reduced', lambda: local
-  gather = lambda x, it, s=None: _gather.materialize(ded, g, x, it, s, mode)
-  sink = lambda: _gather.gather_sink(ded, g, local, iteration, mode)
-  if not ded.reshard_after_forward or remat:
-    if entry is None:
-      entry = gather(first(), iteration)
-      store(entry)
-    return run(entry, *args)
-  x, s, token = entry or (first(), sink(), _gather.new_token())
-
-  def run_z3(x, s, iteration, *args):
-    return run(gather(x, iteration, s), *args)
-
-  out, token = _gather.regather_group_in_backward(
-    run_z3,
-    ded.remat_policy,
-    last=b == ded.groups[g][-1] or ded.boundaries.scanned[b],
-    blocks=[ded.boundaries.names[b]],
-    routed=True,
-  )(x, token, s, iteration, *args)
-  store((x, s, token))
-  return out
-
-
-def _warn_remat_z2(md: ModelDedication, name: str) -> None:
-  n = md.dedication.num_slots
-  warnings.warn(
-    f'dmuon: the dedicated boundary {name!r} runs inside a Flax nn.remat '
-    '(around the block or its nn.scan stack), which recomputes its '
-    'gathered matrices in the backward pass: with '
-    "reshard_after_forward=False (Z2) it moves Z3's bytes, "
-    f'3({n}-1)/{n} x the Muon bytes per step instead of 2({n}-1)/{n}, '
-    "and holds Z3's memory. Pass reshard_after_forward=True (what nn.remat "
-    'gives: no third gather), or keep Z2 and take nn.remat off the block '
-    '(remat inside it, e.g. nn.remat around its attention).',
-    _checks.DMuonWarning,
-    stacklevel=5,
-  )
-
-
-def _warn_bare(md: ModelDedication, traced: bool) -> None:
-  if not traced:
-    return
-  n = md.dedication.num_slots
-  z3 = md.dedication.reshard_after_forward
-  _warn_once(
-    md,
-    'dmuon: a dedicated model ran under plain jax.jit/nnx.jit (outside '
-    'dmuon_jax.flax.train_step). It computes the same numbers, but XLA '
-    "reduces the Muon gradients with an all-reduce rather than the owners'"
-    f' reduce-scatter: an all-gather forward and an all-reduce backward, '
-    f'3({n}-1)/{n} x the Muon bytes per step'
-    + (
-      " (the Z3 floor's bytes), but the gathered weights are kept for the "
-      'backward (Z2 memory) and every device holds all Muon gradients'
-      if z3
-      else f' instead of the Z2 floor 2({n}-1)/{n}'
-    )
-    + '. Decorate the train step with @dmuon_jax.flax.train_step(dedication)'
-    ' instead of jax.jit/nnx.jit to get the floor (evaluation outside it '
-    'is fine).',
-    stacklevel=4,
-  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,19 +306,11 @@ def hooked_class(cls: type) -> type:
 
     return method
 
-  attrs = {
-    name: hook(getattr(cls, name)) for name in _model.public_methods(cls)
-  }
-  return type(
-    cls.__name__,
-    (cls,),
-    {
-      **attrs,
-      '__module__': cls.__module__,
-      '__qualname__': cls.__qualname__,
-      '_dmuon_base': cls,
-    },
+  attrs = {n: hook(getattr(cls, n)) for n in _model.public_methods(cls)}
+  attrs.update(
+    __module__=cls.__module__, __qualname__=cls.__qualname__, _dmuon_base=cls
   )
+  return type(cls.__name__, (cls,), attrs)
 
 
 def _boundary_call(module, original, args, kwargs):
@@ -442,30 +372,6 @@ def _boundary_call(module, original, args, kwargs):
 ITERATION = 'dmuon_iteration'
 
 
-def unbox_linen(params: Any, mesh: Any) -> tuple[Any, list[Any]]:
-  """Linen params with their Flax boxes (``nn.Partitioned``,
-  ``nn.LogicallyPartitioned``) taken off, an unplaced value put on
-  ``mesh`` as its box says; and per leaf its box (or None), to put back."""
-  flat, treedef = jax.tree.flatten(params, is_leaf=_mesh.is_box)
-  values, boxes = [], []
-  for x in flat:
-    if not _mesh.is_box(x):
-      values.append(x)
-      boxes.append(None)
-      continue
-    v = _mesh.unbox(x)
-    spec = _mesh.leaf_spec(x)
-    if (
-      mesh is not None
-      and spec is not None
-      and not isinstance(getattr(v, 'sharding', None), NamedSharding)
-    ):
-      v = jax.device_put(v, NamedSharding(mesh, spec))
-    values.append(v)
-    boxes.append(x)
-  return jax.tree.unflatten(treedef, values), boxes
-
-
 @dataclasses.dataclass(frozen=True)
 class _Unboxed:
   """A Linen initializer whose Flax box is taken off (see
@@ -486,14 +392,12 @@ class _Interceptor:
   Attributes:
     md: the dedication.
     root: the call's (unboxed) params, where the owned buffers are read.
-    traces: per gather group, the trace its first block ran in.
     inner: how many boundary calls are running (their blocks' own
       submodules run as written).
   """
 
   md: ModelDedication
   root: Any
-  traces: dict[int, Any] = dataclasses.field(default_factory=dict)
   inner: int = 0
 
   def _fixed(self, module):
@@ -533,12 +437,12 @@ class _Interceptor:
     return None
 
   def __call__(self, next_fun, args, kwargs, context):
-    module = context.module
-    if context.method_name == 'setup':
+    module, method = context.module, context.method_name
+    if method == 'setup':
       return next_fun(*args, **kwargs)
     fixed = self._fixed(module)
     if fixed is not None:
-      return getattr(fixed, context.method_name)(*args, **kwargs)
+      return getattr(fixed, method)(*args, **kwargs)
     md = self.md
     path = tuple(module.path)
     if (
@@ -549,35 +453,34 @@ class _Interceptor:
       return next_fun(*args, **kwargs)
     b = md.boundary_paths.index(path)
     ded = md.dedication
-    g = _gather.group_of(ded, b)
-    cols = {c: unfreeze(module.variables[c]) for c in module.variables}
-    own = cols.pop('params', {})
-    bufs = ded.layout.group_buffers(range(len(md.buffer_paths)), g)
+    bufs = ded.layout.group_buffers(
+      range(len(md.buffer_paths)), _gather.group_of(ded, b)
+    )
     scanned = ded.boundaries.scanned[b]
     if scanned:
       local, iteration = _one_layer(md, b, module, len(bufs))
-    # The group's whole buffers (a scanned stack's: all its layers').
+    # The group's whole buffers (a scanned stack's: all its layers'): they
+    # say whether the model runs under jit (an eager call's nn.scan traces
+    # its body, and so the slices, too).
     whole = [
       _mesh.unbox(_model.node_at(self.root, md.buffer_paths[k])) for k in bufs
     ]
     if not scanned:
       local, iteration = whole, None
-      _check_one_trace_per_group(md, g, path, local, self.traces)
+    cols = {c: unfreeze(module.variables[c]) for c in module.variables}
     sub = {
       k: v
-      for k, v in own.items()
+      for k, v in cols.pop('params', {}).items()
       if not (str(k).startswith('dmuon_owned_') or k == ITERATION)
     }
     mutable = [c for c in cols if module.is_mutable_collection(c)]
     rngs = {name: module.make_rng(name) for name in module.scope.rngs}
-    mine = md.targets[b]
     arrays, _, rebuild = split_args(args, kwargs)
-    method = context.method_name
 
     def run(mats, state, arrays):
       p, others, keys = state
       p = unfreeze(p)
-      for i, rel in mine:
+      for i, rel in md.targets[b]:
         _model.set_at(p, rel, mats[i])
       a, kw = rebuild(arrays)
       self.inner += 1
@@ -594,8 +497,6 @@ class _Interceptor:
         self.inner -= 1
       return result if mutable else (result, {})
 
-    # The stack's whole buffers say whether the model runs under jit: an
-    # eager call's nn.scan traces its body (and so the slices) too.
     out, updates = gathered(
       md,
       b,
@@ -628,22 +529,28 @@ def _one_layer(md, b: int, module, count: int) -> tuple[list, Any]:
   sliced (the module ran outside ``nn.scan``, or ``nn.scan`` broadcast its
   params instead of slicing them) or another transform sliced them."""
   name = md.dedication.boundaries.names[b]
+  where = _model.text(md.boundary_paths[b])
   own = module.variables.get('params', {})
   local = [own.get(f'dmuon_owned_{j}') for j in range(count)]
   iteration = own.get(ITERATION)
   if any(x is None for x in local) or iteration is None:
     raise ValueError(
       f'dmuon: the scanned stack {name!r} ran without its owned buffers '
-      f'(module {_model.text(md.boundary_paths[b])!r}): call the model'
-      ' through ded.apply with the dedicated params of dedicate_linen.'
+      f'(module {where!r}): call the model through ded.apply with the '
+      'dedicated params of dedicate_linen.'
     )
   if np.ndim(iteration) != 0 or any(np.ndim(x) != 1 for x in local):
     raise ValueError(
-      SCAN_SLICE_MSG.format(
-        name=name,
-        module=_model.text(md.boundary_paths[b]),
-        shape=tuple(np.shape(local[0])),
-      )
+      f'dmuon: the scanned stack {name!r} gathers in module {where!r} (the '
+      'deepest one holding all its Muon matrices), which ran on all its '
+      'layers at once (its owned buffer has shape '
+      f'{tuple(np.shape(local[0]))}, with the layer axis). dedicate_linen '
+      'runs a stack one layer per iteration of the nn.scan that made it '
+      "(variable_axes={'params': 0} slices its params): call "
+      f'{where!r} through that nn.scan, as when its params were '
+      'initialized. Two nn.scan stacks under one top-level module meet '
+      'there: give each a top-level module of its own, or leave one of '
+      'them to AdamW (muon_weight_dimension_numbers None for its kernels).'
     )
   if not _lifted(module, 'scan'):
     raise ValueError(
@@ -653,65 +560,7 @@ def _one_layer(md, b: int, module, count: int) -> tuple[list, Any]:
       'Leave these matrices to AdamW (muon_weight_dimension_numbers None '
       'for them), or use the drop-in dmuon_jax.dmuon.'
     )
-  return list(local), iteration
-
-
-SCAN_SLICE_MSG = (
-  'dmuon: the scanned stack {name!r} gathers in module {module!r} (the '
-  'deepest one holding all its Muon matrices), which ran on all its '
-  'layers at once (its owned buffer has shape {shape}, with the layer '
-  'axis). dedicate_linen runs a stack one layer per iteration of the '
-  "nn.scan that made it (variable_axes={{'params': 0}} slices its params):"
-  ' call {module!r} through that nn.scan, as when its params were '
-  'initialized. Two nn.scan stacks under one top-level module meet there:'
-  ' give each a top-level module of its own, or leave one of them to '
-  'AdamW (muon_weight_dimension_numbers None for its kernels).'
-)
-
-
-def _check_one_trace_per_group(md, g: int, path, local, traces) -> None:
-  """Warns (once per model) where group ``g``'s blocks run under different
-  traces in one ``ded.apply`` on the reduced route: a lifted transform
-  around each boundary module, so the group is gathered per block."""
-  ded = md.dedication
-  if not _exchange.reduced_route(ded) or not any(
-    isinstance(x, jax.core.Tracer) for x in local
-  ):
-    return
-  trace = jax.extend.core.get_opaque_trace_state(convention='nnx')
-  first = traces.setdefault(g, trace)
-  if first != trace:
-    warn_lifted(md, _model.text(path), g, linen=True)
-
-
-def with_iterations(ded, boundary_paths, params: Any) -> Any:
-  """Linen ``params`` with each scanned stack's layer indices,
-  ``dmuon_iteration = arange(num_layers)``, beside its owned buffers:
-  ``nn.scan`` slices them with the layers (``variable_axes={'params':
-  0}``), so each iteration knows which owners hold its matrices (they
-  rotate by one slot per layer). Made in the step, they are no param of
-  the ``TrainState``: nothing differentiates or updates them.
-
-  Args:
-    ded: the model's ``Dedication``.
-    boundary_paths: each boundary's module path in the params.
-    params: the (unboxed) Linen params.
-
-  Returns:
-    ``params``, with the indices where a stack is scanned.
-  """
-  scanned = [b for b, s in enumerate(ded.boundaries.scanned) if s]
-  if not scanned:
-    return params
-  params = unfreeze(params)
-  for b in scanned:
-    n = ded.layout.iterations[_gather.group_of(ded, b)]
-    _model.set_at(
-      params,
-      boundary_paths[b] + (ITERATION,),
-      jax.numpy.arange(n, dtype=jax.numpy.int32),
-    )
-  return params
+  return local, iteration
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -737,18 +586,30 @@ class LinenApply:
 
   def __call__(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
     md = self.md
+    ded = md.dedication
     # Flax boxes come off here: unboxing inside the model would constrain
     # each value to its names, which train_step's manual owner axes refuse
     # (the arrays are placed already).
     params = jax.tree.map(
       _mesh.unbox, variables['params'], is_leaf=_mesh.is_box
     )
-    variables = {
-      **variables,
-      'params': with_iterations(md.dedication, md.boundary_paths, params),
-    }
+    # Each scanned stack's layer indices, dmuon_iteration = arange(layers),
+    # beside its owned buffers: nn.scan slices them with the layers, so
+    # each iteration knows which owners hold its matrices (they rotate by
+    # one slot per layer). Made here, they are no param of the TrainState:
+    # nothing differentiates or updates them.
+    with_iterations = (
+      unfreeze(params) if any(ded.boundaries.scanned) else params
+    )
+    for b, scanned in enumerate(ded.boundaries.scanned):
+      if scanned:
+        n = ded.layout.iterations[_gather.group_of(ded, b)]
+        where = md.boundary_paths[b] + (ITERATION,)
+        _model.set_at(with_iterations, where, jnp.arange(n, dtype=jnp.int32))
     with nn.intercept_methods(_Interceptor(md, params)):
-      return md.linen_model.apply(variables, *args, **kwargs)
+      return md.linen_model.apply(
+        {**variables, 'params': with_iterations}, *args, **kwargs
+      )
 
   def __repr__(self) -> str:
     model = type(self.md.linen_model).__name__

@@ -166,8 +166,7 @@ def dedicate(
       'variables); dedicate a fresh model, or keep using its '
       'ModelDedication.'
     )
-  state = nnx.state(model, nnx.Param)
-  params = nnx.to_pure_dict(state)
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   kwargs = {k: v for k, v in locals().items() if k in _model.PLANNED}
   paths = [
     _model.path(keys) for keys, _ in jax.tree.flatten_with_path(params)[0]
@@ -374,8 +373,7 @@ def dedicate_linen(
   ded, placed, dp, replicated, moved = _model.plan(
     params, mesh, layers_per_gather, 'nn.scan', kwargs, specs
   )
-  flat = jax.tree.flatten_with_path(placed)[0]
-  paths = [_model.path(k) for k, _ in flat]
+  paths = [_model.path(k) for k, _ in jax.tree.flatten_with_path(placed)[0]]
   targets_by_leaf = {t.index: t for t in ded.layout.leaves}
   out = unfreeze(placed)
   for i, t in targets_by_leaf.items():
@@ -386,14 +384,13 @@ def dedicate_linen(
   # A scanned stack gathers where its params hold one layer: in the module
   # nn.scan runs per layer, and its owned buffers are stored there too.
   boundary_paths = _model.gather_points(ded, paths)
+  template = next((box for box in boxes if box is not None), None)
   buffer_paths: list[tuple] = [()] * len(dp.owned.buffers)
   for g, group in enumerate(ded.groups):
-    first = boundary_paths[group[0]]
     mine = ded.layout.group_buffers(range(len(buffer_paths)), g)
     for j, bi in enumerate(mine):
-      buffer_paths[bi] = first + (f'dmuon_owned_{j}',)
+      buffer_paths[bi] = boundary_paths[group[0]] + (f'dmuon_owned_{j}',)
       buf = dp.owned.buffers[bi]
-      template = next((b for b in boxes if b is not None), None)
       if template is not None:  # boxed params: boxed buffers (their spec)
         buf = _mesh.box_like(template, buf, ded.layout.buffer_specs()[bi])
       _model.set_at(out, buffer_paths[bi], buf)

@@ -220,15 +220,9 @@ class ModelDedication:
   # only to itself.
   @functools.cached_property
   def _key(self) -> tuple[Any, ...]:
-    return (
-      self.dedication,
-      self.buffer_paths,
-      self.rest_paths,
-      self.targets,
-      self.linen_model,
-      self.placeholder_paths,
-      self.boundary_paths,
-    )
+    skip = ('replicated', 'warned', 'gathered', 'gathered_manual')
+    fields = [f.name for f in dataclasses.fields(self) if f.name not in skip]
+    return tuple(getattr(self, name) for name in fields)
 
   def __eq__(self, other: object) -> bool:
     if self is other:
@@ -375,15 +369,10 @@ PLANNED = frozenset(inspect.signature(_dedicated.dedicate).parameters) - {
 }
 
 
-def _entry_key(entry: Any) -> Any:
-  for name in ('key', 'name', 'idx'):
-    if hasattr(entry, name):
-      return getattr(entry, name)
-  return entry
-
-
 def path(keys: Sequence[Any]) -> tuple[Any, ...]:
-  return tuple(_entry_key(k) for k in keys)
+  """A key path's keys (a dict key, an attribute name, an index)."""
+  get = getattr
+  return tuple(get(k, 'key', get(k, 'name', get(k, 'idx', k))) for k in keys)
 
 
 def text(path: Sequence[Any]) -> str:
@@ -415,28 +404,38 @@ def plan(params, mesh, layers_per_gather, scan: str, kwargs, specs):
   """The dedication of a Flax model's params, and the params placed for it.
 
   Plans with :func:`dmuon_jax.dedicate` (one layer per gather in a model
-  with ``scan``-ned stacks: :func:`scan_layers_per_gather`), checks what
-  ``dmuon_jax.flax``
-  cannot run, replicates AdamW params sharded over an owner axis (see
-  :func:`_replicate_rest`; ``specs``: per leaf, the spec its Flax metadata
+  with ``scan``-ned stacks: one layer per ``scan`` iteration), checks what
+  ``dmuon_jax.flax`` cannot run, replicates AdamW params sharded over an
+  owner axis (see :func:`_replicate_rest`; ``specs``: per leaf, the spec its Flax metadata
   gives, or None) and puts unplaced params on the mesh.
 
   Returns:
     ``(dedication, placed params, DedicatedParams, replicated paths, {leaf
     index: moved param})``.
   """
-  layers_per_gather, choice = scan_layers_per_gather(
-    params, kwargs, layers_per_gather, scan
+  bounds = _checks.find_hook_boundaries(
+    params,
+    predicate=kwargs['predicate'] if kwargs['predicate'] != 'optax' else None,
+    weight_dimension_numbers=kwargs['muon_weight_dimension_numbers'],
+    boundary_predicate=kwargs['boundary_predicate'],
+    strict=kwargs['strict'],
   )
+  stacks = [n for n, s in zip(bounds.names, bounds.scanned) if s]
+  if stacks and layers_per_gather not in ('auto', 1):
+    raise ValueError(
+      f'dmuon: layers_per_gather={layers_per_gather!r}, but the scanned '
+      f'stack(s) {stacks} run one layer per {scan} iteration, so each '
+      'gather holds one layer. Pass layers_per_gather=1 (or the default).'
+    )
   ded = _dedicated.dedicate(
-    params, mesh, layers_per_gather=layers_per_gather, **kwargs
+    params, mesh, layers_per_gather=1 if stacks else layers_per_gather, **kwargs
   )
-  if choice is not None:
+  if stacks:
+    choice = f'one layer per {scan} iteration'
     ded = dataclasses.replace(ded, layers_per_gather_choice=choice)
   _check_boundaries_hold_targets(params, ded, kwargs['boundary_predicate'])
-  scanned = [
-    n for n, s in zip(ded.boundaries.names, ded.boundaries.scanned) if s
-  ]
+  bounds = ded.boundaries
+  scanned = [n for n, s in zip(bounds.names, bounds.scanned) if s]
   if ded.tensor_parallel_axis is not None and scanned:
     raise ValueError(
       'dmuon: dmuon_jax.flax does not run tensor-parallel matrices inside '
@@ -453,15 +452,10 @@ def plan(params, mesh, layers_per_gather, scan: str, kwargs, specs):
     )
     ded = dataclasses.replace(ded, layers_per_gather_choice=choice)
   placed = params
-  if mesh is not None:
-    placed = jax.tree.map(
-      lambda x: (
-        x
-        if isinstance(getattr(x, 'sharding', None), NamedSharding)
-        else jax.device_put(x, NamedSharding(mesh, P()))
-      ),
-      params,
-    )
+  if mesh is not None:  # unplaced params replicated on the mesh
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, P()))
+    on_mesh = lambda x: isinstance(getattr(x, 'sharding', None), NamedSharding)
+    placed = jax.tree.map(lambda x: x if on_mesh(x) else put(x), params)
   return ded, placed, ded.to_dedicated(placed), replicated, moved
 
 
@@ -479,15 +473,14 @@ def _replicate_rest(ded, params, mesh, specs):
   values carry none, yet ``jit(init, out_shardings=...)`` would place them
   as their metadata says.
   """
-  leaves = jax.tree.leaves(params)
-  flat = jax.tree.flatten_with_path(params)[0]
+  flat, treedef = jax.tree.flatten_with_path(params)
+  leaves = [x for _, x in flat]
   owner = set(ded.buffer_axes)
   replicated, moved, extra = [], {}, 0
   for i, (rest_spec, (keys, x)) in enumerate(zip(ded.rest_specs, flat)):
-    if rest_spec is None:  # a Muon target
-      continue
     spec = specs[i] if specs[i] is not None else rest_spec
-    if not _mesh.sharded_axes([spec]) & owner:
+    # (rest_spec None: a Muon target)
+    if rest_spec is None or not _mesh.sharded_axes([spec]) & owner:
       continue
     kept = P(
       *(
@@ -513,7 +506,7 @@ def _replicate_rest(ded, params, mesh, specs):
       _checks.DMuonWarning,
       stacklevel=4,
     )
-    params = jax.tree.unflatten(jax.tree.structure(params), leaves)
+    params = jax.tree.unflatten(treedef, leaves)
   return params, replicated, moved
 
 
@@ -542,29 +535,6 @@ def _check_boundaries_hold_targets(params, ded, boundary_predicate) -> None:
       break
 
 
-def scan_layers_per_gather(params, kwargs, layers_per_gather, scan: str):
-  """``(layers_per_gather, choice)`` for a model with scanned stacks (one
-  layer per ``scan`` iteration, so 1); unchanged without any. ``kwargs``:
-  the dedication's keyword arguments (routing and boundary options)."""
-  bounds = _checks.find_hook_boundaries(
-    params,
-    predicate=kwargs['predicate'] if kwargs['predicate'] != 'optax' else None,
-    weight_dimension_numbers=kwargs['muon_weight_dimension_numbers'],
-    boundary_predicate=kwargs['boundary_predicate'],
-    strict=kwargs['strict'],
-  )
-  if not any(bounds.scanned):
-    return layers_per_gather, None
-  if layers_per_gather not in ('auto', 1):
-    raise ValueError(
-      f'dmuon: layers_per_gather={layers_per_gather!r}, but the scanned '
-      f'stack(s) {[n for n, s in zip(bounds.names, bounds.scanned) if s]}'
-      f' run one layer per {scan} iteration, so each gather holds one '
-      'layer. Pass layers_per_gather=1 (or the default).'
-    )
-  return 1, f'one layer per {scan} iteration'
-
-
 def gather_points(ded, paths) -> tuple[tuple[Any, ...], ...]:
   """Per boundary, the module path whose call gathers (Linen): the
   boundary's own, and for a scanned stack the deepest module that holds
@@ -577,11 +547,10 @@ def gather_points(ded, paths) -> tuple[tuple[Any, ...], ...]:
     mine = [
       paths[t.index][:-1] for t in ded.layout.leaves if boundary_of(ded, t) == b
     ]
-    common = mine[0]
-    for p in mine[1:]:
-      n = next((i for i, (x, y) in enumerate(zip(common, p)) if x != y), None)
-      common = common[: min(len(common), len(p)) if n is None else n]
-    points[b] = common
+    n = 0
+    while all(len(p) > n and p[n] == mine[0][n] for p in mine):
+      n += 1
+    points[b] = mine[0][:n]
   return tuple(points)
 
 

@@ -324,17 +324,17 @@ def _explain_annotation(err: Exception, axes: Sequence[str], mesh) -> None:
     ) from err
 
 
-def _output_sources(
-  out: Any, other_def: Any, other_state: Sequence[bool]
-) -> list[int | None]:
-  """Per output leaf: the index (among the non-node argument leaves) of
-  the leaf of the state argument it has the structure of (a returned
-  ``TrainState``), else None."""
-  args = jax.tree.unflatten(other_def, list(range(other_def.num_leaves)))
+def _output_sources(out: Any, treedef: Any, is_state) -> list[int | None]:
+  """Per output leaf: the index (among the argument leaves, ``treedef``'s:
+  the graph nodes' state, then the other arguments) of the leaf of the
+  state argument it has the structure of (a returned ``TrainState``),
+  else None."""
+  state_def, rest_def = treedef.children()
+  n = state_def.num_leaves
   by_structure = {}
-  for arg in args:
+  for arg in jax.tree.unflatten(rest_def, range(n, treedef.num_leaves)):
     leaves = jax.tree.leaves(arg)
-    if leaves and other_state[leaves[0]]:
+    if leaves and is_state[leaves[0]]:
       by_structure.setdefault(jax.tree.structure(arg), leaves)
   sources: list[int | None] = []
   for part in out if isinstance(out, (tuple, list)) else (out,):
@@ -360,20 +360,20 @@ def _respell(new: Any, old: Any) -> Any:
   return new
 
 
-def _build_step(md, fn, axes, key, paths):
+def _build_step(md, fn, axes, key, names):
   """The step for one structure of its arguments (``key``, from
   :func:`train_step`'s ``prepare``): ``fn`` run inside a ``shard_map``
   whose manual axes are ``axes``, compiled with ``jax.jit``."""
   mesh = md.dedication.mesh
-  graphdef, treedef, specs, other_def, other_specs, other_state = key[:6]
-  positions, (flat_done, other_done) = key[6:]
+  graphdef, treedef, specs, is_state, positions, done = key
+  n = treedef.children()[0].num_leaves  # the graph nodes' state first
 
-  def body(out_specs, flat, other):
+  def body(out_specs, leaves):
     # A fresh trace: the gathers of the last one are of no use.
     md.gathered_manual.clear()
     with _gather.gradients_summed_over(axes):
-      nodes = nnx.merge(graphdef, jax.tree.unflatten(treedef, flat))
-      args = jax.tree.unflatten(other_def, other)
+      state, args = jax.tree.unflatten(treedef, leaves)
+      nodes = nnx.merge(graphdef, state)
       for k, node in zip(positions, nodes):
         args.insert(k, node)
       # A BatchNorm without an axis_name gets the owner axes (statistics
@@ -390,9 +390,8 @@ def _build_step(md, fn, axes, key, paths):
           keys.append(v)
       saved = [v.get_value() for v in keys]
       if axes:
-        fold = functools.partial(
-          jax.random.fold_in, data=jax.lax.axis_index(axes)
-        )
+        index = jax.lax.axis_index(axes)
+        fold = functools.partial(jax.random.fold_in, data=index)
         for v, k in zip(keys, saved):
           v.set_value(jax.vmap(fold)(k.reshape(-1)).reshape(k.shape))
       try:
@@ -402,17 +401,17 @@ def _build_step(md, fn, axes, key, paths):
         raise
       for v, k in zip(keys, saved):
         v.set_value(k)
-      new_flat = treedef.flatten_up_to(nnx.split(nodes)[1])
-    new_flat = [
+      new_state = treedef.children()[0].flatten_up_to(nnx.split(nodes)[1])
+    new_state = [
       _settle(x, s, axes, f'state {p!r}')
-      for x, s, p in zip(new_flat, specs, paths)
+      for x, s, p in zip(new_state, specs, names)
     ]
-    leaves, out_def = jax.tree.flatten(out)
-    leaves = [
+    out_leaves, out_def = jax.tree.flatten(out)
+    out_leaves = [
       _settle(x, sp, axes, 'an output of the step')
-      for x, sp in zip(leaves, out_specs or [P()] * len(leaves))
+      for x, sp in zip(out_leaves, out_specs or [P()] * len(out_leaves))
     ]
-    return new_flat, jax.tree.unflatten(out_def, leaves)
+    return new_state, jax.tree.unflatten(out_def, out_leaves)
 
   if not axes:
     return jax.jit(functools.partial(body, None))
@@ -421,37 +420,36 @@ def _build_step(md, fn, axes, key, paths):
     return jax.shard_map(
       functools.partial(body, leaf_specs),
       mesh=mesh,
-      in_specs=(list(specs), list(other_specs)),
-      out_specs=(list(specs), out_specs),
+      in_specs=(list(specs),),
+      out_specs=(list(specs[:n]), out_specs),
       axis_names=frozenset(axes),
       **kw,
     )
 
-  def step(flat, other):
+  def step(leaves):
     # The batch (and any unplaced state) onto the specs shard_map expects.
     # Arrays placed on the mesh already (``done``, known before tracing:
     # traced values carry no sharding) keep their sharding: their specs
     # were read from it, and a constraint to the manual axes alone would
     # gather them over the others (an owner buffer's TP axis).
     place = lambda x, s, done: x if done else _mesh.place(x, mesh, s)
-    flat = list(map(place, flat, specs, flat_done))
-    other = list(map(place, other, other_specs, other_done))
+    leaves = list(map(place, leaves, specs, done))
     # Outputs like an argument (a returned TrainState) keep its specs;
     # the rest is averaged. With no state among the arguments that are not
     # graph nodes (an NNX step: model, optimizer, batch) every output is
     # averaged: P() for all of them, and the step is traced once.
-    if not any(other_state):
-      return mapped(None, P())(flat, other)
+    if not any(is_state[n:]):
+      return mapped(None, P())(leaves)
     # Else the output's structure comes from a trace first. Shapes only
     # (eval_shape computes nothing): replication typing off so that P()
     # fits every output before its specs are known.
-    out = jax.eval_shape(mapped(None, P(), check_vma=False), flat, other)[1]
+    out = jax.eval_shape(mapped(None, P(), check_vma=False), leaves)[1]
     leaf_specs = [
-      P() if k is None else other_specs[k]
-      for k in _output_sources(out, other_def, other_state)
+      P() if k is None else specs[k]
+      for k in _output_sources(out, treedef, is_state)
     ]
     out_specs = jax.tree.unflatten(jax.tree.structure(out), leaf_specs)
-    return mapped(leaf_specs, out_specs)(flat, other)
+    return mapped(leaf_specs, out_specs)(leaves)
 
   return jax.jit(step)
 
@@ -552,87 +550,77 @@ def train_step(
     nodes = tuple(args[k] for k in positions)
     rest_at = [k for k in range(len(args)) if k not in positions]
     graphdef, state = nnx.split(nodes)
-    flat_paths, treedef = jax.tree_util.tree_flatten_with_path(state)
     # Uncommitted state (step counts, RNG keys) onto the mesh, as the step
     # returns it: the second call then runs the first call's executable.
-    flat = _mesh.replicate_uncommitted(
-      [x for _, x in flat_paths], ded.mesh if axes else None
+    state = _mesh.replicate_uncommitted(state, ded.mesh if axes else None)
+    # One list of leaves: the graph nodes' state, then the other arguments
+    # (state too, but for the batch).
+    flat, treedef = jax.tree_util.tree_flatten_with_path(
+      (state, [args[k] for k in rest_at])
     )
-    specs = tuple(_manual_spec(x, manual) for x in flat)
-    other_paths, other_def = jax.tree_util.tree_flatten_with_path(
-      [args[k] for k in rest_at]
-    )
-    other_state = tuple(
-      rest_at[keys[0].idx] not in batch for keys, _ in other_paths
+    is_state = tuple(
+      keys[0].idx == 0 or rest_at[keys[1].idx] not in batch for keys, _ in flat
     )
     # Arrays placed on the mesh keep their specs; unplaced batch arrays are
-    # split over the owner axes along their first axis, unplaced state (a
-    # TrainState's batch statistics) is replicated.
-    other = [
+    # split over the owner axes along their first axis, unplaced state
+    # arguments (a TrainState's batch statistics) are replicated.
+    leaves = [
       jax.device_put(x, NamedSharding(ded.mesh, P()))
-      if axes and is_state and _named(x) is None
+      if axes and keys[0].idx and is_state[i] and _named(x) is None
       else x
-      for (_, x), is_state in zip(other_paths, other_state)
+      for i, (keys, x) in enumerate(flat)
     ]
 
-    def spec(x, is_state):
+    def spec(x, state):
       placed = _manual_spec(x, manual)
       # The batch is split over the owner axes along its first axis unless
       # its sharding splits it over them already: a batch placed replicated
       # (jnp arrays made under jax.set_mesh are) would have every device run
       # the whole batch.
-      if axes and not is_state and np.ndim(x) >= 1:
+      if axes and not state and np.ndim(x) >= 1:
         if not _mesh.sharded_axes([placed]) & manual:
           return P(axes)
       return placed
 
-    other_specs = tuple(map(spec, other, other_state))
-    text = lambda keys: _model.text(_model.path(keys))
-    paths = tuple(text(k) for k, _ in flat_paths)
+    specs = tuple(map(spec, leaves, is_state))
+    names = tuple(
+      ('argument ' if keys[0].idx else '') + _model.text(_model.path(keys[1:]))
+      for keys, _ in flat
+    )
     if axes:
-      _check_owner_sharded(
-        md,
-        manual,
-        list(zip(flat, specs, paths))
-        + [
-          (x, sp, f'argument {text(k)}')
-          for x, sp, is_state, (k, _) in zip(
-            other, other_specs, other_state, other_paths
-          )
-          if is_state
-        ],
-      )
-    on_mesh = lambda xs: tuple(_named(x) is not None for x in xs)
-    key = (graphdef, treedef, specs, other_def, other_specs, other_state)
-    key += (positions, (on_mesh(flat), on_mesh(other)))
+      named = zip(leaves, specs, names, is_state)
+      _check_owner_sharded(md, manual, [x[:3] for x in named if x[3]])
+    on_mesh = tuple(_named(x) is not None for x in leaves)
+    key = (graphdef, treedef, specs, is_state, positions, on_mesh)
     if key not in compiled:
-      compiled[key] = _build_step(md, fn, axes, key, paths)
-    return compiled[key], flat, other, nodes, treedef, other_def, other_state
+      compiled[key] = _build_step(md, fn, axes, key, names)
+    return compiled[key], leaves, nodes, treedef, is_state
 
   @functools.wraps(fn)
   def call(*args):
-    jitted, flat, other, nodes, treedef, other_def, other_state = prepare(args)
-    new_flat, out = jitted(flat, other)
-    new_flat = [_respell(n, o) for n, o in zip(new_flat, flat)]
-    nnx.update(nodes, jax.tree.unflatten(treedef, new_flat))
-    if not any(other_state):  # an NNX step: nothing returned is state
-      return out
+    jitted, leaves, nodes, treedef, is_state = prepare(args)
+    new_state, out = jitted(leaves)
+    new_state = [_respell(n, o) for n, o in zip(new_state, leaves)]
+    state_def = treedef.children()[0]
+    nnx.update(nodes, jax.tree.unflatten(state_def, new_state))
+    if not any(is_state[state_def.num_leaves :]):  # an NNX step
+      return out  # nothing returned is state
     # A returned state argument (a TrainState) too, as it came in.
-    leaves, out_def = jax.tree.flatten(out)
-    sources = _output_sources(out, other_def, other_state)
+    out_leaves, out_def = jax.tree.flatten(out)
+    sources = _output_sources(out, treedef, is_state)
     return jax.tree.unflatten(
       out_def,
       [
-        x if k is None else _respell(x, other[k])
-        for x, k in zip(leaves, sources)
+        x if k is None else _respell(x, leaves[k])
+        for x, k in zip(out_leaves, sources)
       ],
     )
 
   def compile(*args):  # noqa: A001
     """The step compiled for these arguments (e.g. for
     :func:`dmuon_jax.analyze_compiled`; a compilation of its own)."""
-    jitted, flat, other, *_ = prepare(args)
-    return jitted.lower(flat, other).compile()
+    jitted, leaves, *_ = prepare(args)
+    return jitted.lower(leaves).compile()
 
   call.compile = compile
   return call

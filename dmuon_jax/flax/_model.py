@@ -307,38 +307,27 @@ class ModelDedication:
       model = nnx.state(model, nnx.Param)
     return self.dedication.to_params(self.dedicated(model))
 
-  @functools.cached_property
-  def _paths(self) -> tuple[dict, dict, frozenset]:
-    return (
-      {p: k for k, p in enumerate(self.buffer_paths)},
-      {p: i for i, p in enumerate(self.rest_paths) if p is not None},
-      frozenset(self.placeholder_paths),
-    )
-
   def dedicated(self, tree: Any, what: str | None = None, boxes=False):
     """The :class:`dmuon_jax.DedicatedParams` of a params (or gradients)
     tree of the dedicated model, read by path; ``what`` names the caller
     in the error for a param the model did not have (None: ignored);
     ``boxes``: Linen boxes and NNX Variables kept on the leaves."""
-    buffer_of, leaf_of, holes = self._paths
-    owned = [None] * len(self.buffer_paths)
-    rest = [None] * len(self.rest_paths)
-    for keys, x in jax.tree_util.tree_flatten_with_path(
-      tree, is_leaf=_mesh.is_boxed
-    )[0]:
-      p, x = path(keys), x if boxes and _mesh.is_boxed(x) else _mesh.unbox(x)
-      if p in buffer_of:
-        owned[buffer_of[p]] = x
-      elif p in leaf_of:
-        rest[leaf_of[p]] = x
-      elif p not in holes and what is not None:
+    found = {
+      path(keys): x if boxes and _mesh.is_boxed(x) else _mesh.unbox(x)
+      for keys, x in jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=_mesh.is_boxed
+      )[0]
+    }
+    known = {*self.buffer_paths, *self.rest_paths, *self.placeholder_paths}
+    for p in found:
+      if p not in known and what is not None:
         raise ValueError(
           f'dmuon: {what} got param {text(p)!r}, which the dedicated model'
           ' did not have at dmuon_jax.flax.dedicate(); make the optimizer '
           'for this model with wrt=nnx.Param.'
         )
-    missing = [text(p) for p, k in buffer_of.items() if owned[k] is None]
-    missing += [text(p) for p, i in leaf_of.items() if rest[i] is None]
+    wanted = [p for p in self.buffer_paths + self.rest_paths if p is not None]
+    missing = [text(p) for p in wanted if p not in found]
     if missing:
       raise ValueError(
         f'dmuon: {what or "to_params()"} is missing params {missing[:5]} of '
@@ -347,8 +336,10 @@ class ModelDedication:
       )
     ded = self.dedication
     return _dedication.DedicatedParams(
-      owned=_owner_layout.OwnerBuffers(owned, ded.layout),
-      rest=jax.tree.unflatten(ded.treedef, rest),
+      owned=_owner_layout.OwnerBuffers(
+        [found[p] for p in self.buffer_paths], ded.layout
+      ),
+      rest=jax.tree.unflatten(ded.treedef, map(found.get, self.rest_paths)),
     )
 
 
@@ -406,8 +397,8 @@ def plan(params, mesh, layers_per_gather, scan: str, kwargs, specs):
   Plans with :func:`dmuon_jax.dedicate` (one layer per gather in a model
   with ``scan``-ned stacks: one layer per ``scan`` iteration), checks what
   ``dmuon_jax.flax`` cannot run, replicates AdamW params sharded over an
-  owner axis (see :func:`_replicate_rest`; ``specs``: per leaf, the spec its Flax metadata
-  gives, or None) and puts unplaced params on the mesh.
+  owner axis (see :func:`_replicate_rest`; ``specs``: per leaf, the spec
+  its Flax metadata gives, or None) and puts unplaced params on the mesh.
 
   Returns:
     ``(dedication, placed params, DedicatedParams, replicated paths, {leaf

@@ -142,17 +142,16 @@ class _ModelMuon:
     return self.from_core(u, updates), new_state
 
   def from_core(self, dp, like):
-    buffer_of, leaf_of, holes = self.md._paths
-    rest = self.md.dedication.treedef.flatten_up_to(dp.rest)
+    md = self.md
+    new = dict(zip(md.rest_paths, md.dedication.treedef.flatten_up_to(dp.rest)))
+    new.update(zip(md.buffer_paths, dp.owned.buffers))
+    holes = frozenset(md.placeholder_paths)
 
     def pick(keys, x):
       p = _model.path(keys)
       if p in holes:
         return jnp.zeros_like(_mesh.unbox(x))
-      new = (
-        dp.owned.buffers[buffer_of[p]] if p in buffer_of else rest[leaf_of[p]]
-      )
-      return _mesh.rebox(x, new) if _mesh.is_box(x) else new
+      return _mesh.rebox(x, new[p]) if _mesh.is_box(x) else new[p]
 
     return jax.tree_util.tree_map_with_path(pick, like, is_leaf=_mesh.is_box)
 

@@ -102,11 +102,10 @@ class DedicatedWeight(nnx.Variable):
       name = self.get_metadata().get('dmuon_name', '?')
       boundary = self.get_metadata().get('dmuon_boundary', '?')
       raise ValueError(
-        f'dmuon: {name!r} is a dedicated Muon weight: its values are stored '
-        'on their owner devices and gathered only while its hook boundary '
-        f'{boundary!r} runs (call that module, or a method of it). For the '
-        'whole array outside (metrics, sharding visualization, export), '
-        'read ded.to_params(model).'
+        f'dmuon: {name!r} is a dedicated Muon weight, stored on its owners '
+        f'and gathered only while its hook boundary {boundary!r} runs (call '
+        'that module or a method of it); for the whole array elsewhere '
+        '(metrics, sharding visualization, export) read ded.to_params(model).'
       )
     return super().get_value(**kwargs)
 
@@ -225,13 +224,10 @@ class ModelDedication:
     return tuple(getattr(self, name) for name in fields)
 
   def __eq__(self, other: object) -> bool:
-    if self is other:
-      return True
     if not isinstance(other, ModelDedication):
       return NotImplemented
-    if self.linen_model is None or other.linen_model is None:
-      return False
-    return hash(self) == hash(other) and self._key == other._key
+    linen = self.linen_model is not None  # (the model is in the key)
+    return self is other or (linen and self._key == other._key)
 
   def __hash__(self) -> int:
     # The Linen module is compared, not hashed (its fields may not be).
@@ -467,23 +463,19 @@ def _replicate_rest(ded, params, mesh, specs):
   flat, treedef = jax.tree.flatten_with_path(params)
   leaves = [x for _, x in flat]
   owner = set(ded.buffer_axes)
+  drop = lambda e: tuple(a for a in e if a not in owner) or None
+  ways = lambda sp: math.prod(
+    mesh.shape[a] for e in _mesh.spec_entries(sp) for a in e
+  )
   replicated, moved, extra = [], {}, 0
   for i, (rest_spec, (keys, x)) in enumerate(zip(ded.rest_specs, flat)):
     spec = specs[i] if specs[i] is not None else rest_spec
     # (rest_spec None: a Muon target)
     if rest_spec is None or not _mesh.sharded_axes([spec]) & owner:
       continue
-    kept = P(
-      *(
-        tuple(a for a in e if a not in owner) or None
-        for e in _mesh.spec_entries(spec)
-      )
-    )
+    kept = P(*map(drop, _mesh.spec_entries(spec)))
     moved[i] = leaves[i] = jax.device_put(x, NamedSharding(mesh, kept))
     replicated.append(text(path(keys)))
-    ways = lambda sp: math.prod(
-      mesh.shape[a] for e in _mesh.spec_entries(sp) for a in e
-    )
     nbytes = np.size(x) * jnp.dtype(x.dtype).itemsize
     extra += nbytes // ways(kept) - nbytes // ways(spec)
   if replicated:
@@ -514,16 +506,15 @@ def _check_boundaries_hold_targets(params, ded, boundary_predicate) -> None:
       if prefix in seen:
         break
       seen.add(prefix)
-      if not boundary_predicate(prefix, _checks.subtree(params, keys[:depth])):
-        continue
-      if not any(t == prefix or t.startswith(prefix + '/') for t in targets):
-        raise ValueError(
-          f'dmuon: boundary_predicate names module {prefix!r}, which holds '
-          'no Muon target (its params are AdamW params): its call would '
-          'gather nothing. Leave it out of the predicate (the boundaries '
-          f'with targets are {list(ded.boundaries.names)}).'
-        )
-      break
+      if boundary_predicate(prefix, _checks.subtree(params, keys[:depth])):
+        if not any(t == prefix or t.startswith(prefix + '/') for t in targets):
+          raise ValueError(
+            f'dmuon: boundary_predicate names module {prefix!r}, which holds '
+            'no Muon target (its params are AdamW params): its call would '
+            'gather nothing. Leave it out of the predicate (the boundaries '
+            f'with targets are {list(ded.boundaries.names)}).'
+          )
+        break
 
 
 def gather_points(ded, paths) -> tuple[tuple[Any, ...], ...]:

@@ -59,14 +59,10 @@ def dedicated_muon(
     >>> [layout.kind for layout in dmuon_jax.owner_layouts(optimizer.opt_state)]
     ['dedicated']
   """
-  muon = _ModelMuon(
-    dedication,
-    learning_rate,
-    tuple(sorted(kwargs.items())),
-    _alias.dedicated_muon(dedication.dedication, learning_rate, **kwargs),
-  )
+  core = _alias.dedicated_muon(dedication.dedication, learning_rate, **kwargs)
+  args = (learning_rate, tuple(sorted(kwargs.items())))
   return optax.GradientTransformation(
-    _Method(muon, 'init'), _Method(muon, 'update')
+    *(_ModelMuon(m, dedication, args, core) for m in ('init', 'update'))
   )
 
 
@@ -98,27 +94,32 @@ def _same_leaf(x: Any, y: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _ModelMuon:
-  """:func:`dedicated_muon`'s optimizer over a dedicated model's params.
+  """``init`` or ``update`` (``method``) of :func:`dedicated_muon`'s
+  optimizer over a dedicated model's params.
 
-  Equal for equal arguments (the dedication by value): a trainer's init
-  that builds it, traced twice (``jax.eval_shape``, then ``jax.jit``),
-  gives one ``TrainState.tx``, which JAX compares as pytree metadata.
+  A callable equal for equal arguments (the dedication by value; a bound
+  method would compare its ``self`` by identity): a trainer's init that
+  builds it, traced twice (``jax.eval_shape``, then ``jax.jit``), gives
+  one ``TrainState.tx``, which JAX compares as pytree metadata.
   """
 
+  method: str
   md: ModelDedication
-  learning_rate: Any
-  kwargs: tuple[tuple[str, Any], ...]
+  args: tuple[Any, tuple[tuple[str, Any], ...]]  # learning rate, kwargs
   core: optax.GradientTransformation
 
   def __eq__(self, other: object) -> bool:
     if not isinstance(other, _ModelMuon):
       return NotImplemented
-    return self.md == other.md and _same(
-      (self.learning_rate, self.kwargs), (other.learning_rate, other.kwargs)
+    return (self.method, self.md) == (other.method, other.md) and _same(
+      self.args, other.args
     )
 
   def __hash__(self) -> int:
     return hash(self.md)
+
+  def __call__(self, *args: Any) -> Any:
+    return getattr(self, self.method)(*args)
 
   def init(self, params: Any) -> Any:
     # Linen boxes and nnx Variables kept (optax's moments keep them, the
@@ -130,21 +131,16 @@ class _ModelMuon:
     return self.core.init(self.md.dedicated(params, 'init()', boxes=True))
 
   def update(self, updates: Any, state: Any, params: Any = None) -> Any:
-    u, new_state = self.core.update(
-      self.md.dedicated(updates, 'update()'),
-      jax.tree.map(_mesh.unbox, state, is_leaf=_mesh.is_box),
-      None if params is None else self.md.dedicated(params, 'update()'),
-    )
-    # The state's boxes (from init) kept.
-    new_state = jax.tree.map(
-      _mesh.rebox, state, new_state, is_leaf=_mesh.is_box
-    )
-    return self.from_core(u, updates), new_state
-
-  def from_core(self, dp, like):
     md = self.md
-    new = dict(zip(md.rest_paths, md.dedication.treedef.flatten_up_to(dp.rest)))
-    new.update(zip(md.buffer_paths, dp.owned.buffers))
+    u, new_state = self.core.update(
+      md.dedicated(updates, 'update()'),
+      jax.tree.map(_mesh.unbox, state, is_leaf=_mesh.is_box),
+      None if params is None else md.dedicated(params, 'update()'),
+    )
+    # The updates by path, as they came in (boxes kept); the state's boxes
+    # (from init) kept.
+    new = dict(zip(md.rest_paths, md.dedication.treedef.flatten_up_to(u.rest)))
+    new.update(zip(md.buffer_paths, u.owned.buffers))
     holes = frozenset(md.placeholder_paths)
 
     def pick(keys, x):
@@ -153,19 +149,10 @@ class _ModelMuon:
         return jnp.zeros_like(_mesh.unbox(x))
       return _mesh.rebox(x, new[p]) if _mesh.is_box(x) else new[p]
 
-    return jax.tree_util.tree_map_with_path(pick, like, is_leaf=_mesh.is_box)
-
-
-@dataclasses.dataclass(frozen=True, repr=False)
-class _Method:
-  """``init`` or ``update`` of :func:`dedicated_muon`: a callable equal for
-  equal optimizers (a bound method compares its ``self`` by identity)."""
-
-  muon: _ModelMuon
-  name: str
-
-  def __call__(self, *args: Any) -> Any:
-    return getattr(self.muon, self.name)(*args)
+    return (
+      jax.tree_util.tree_map_with_path(pick, updates, is_leaf=_mesh.is_box),
+      jax.tree.map(_mesh.rebox, state, new_state, is_leaf=_mesh.is_box),
+    )
 
 
 def _named(x: Any) -> NamedSharding | None:
@@ -202,10 +189,9 @@ def _arguments(args, batch_argnums) -> tuple[tuple[int, ...], set[int]]:
     if nested:
       raise TypeError(
         f'dmuon: argument {k} of the train step holds NNX graph nodes '
-        f'({", ".join(nested)}) inside a {type(a).__name__}; train_step '
-        'updates graph nodes passed as arguments themselves (as nnx.jit '
-        'does), so their state would be lost here. Pass each one as an '
-        'argument of its own.'
+        f'({", ".join(nested)}) inside a {type(a).__name__}, whose updates '
+        'train_step would lose (as nnx.jit, it updates graph nodes passed '
+        'as arguments themselves): pass each one as an argument of its own.'
       )
     if any(
       np.ndim(x) >= 1
@@ -260,14 +246,10 @@ def _check_owner_sharded(md, manual, leaves) -> None:
     ):
       raise ValueError(
         f'dmuon: train_step got {path!r} sharded {spec} over the owner axes '
-        f'{tuple(sorted(manual))}; inside the step each device runs the '
-        "whole model on its share of the batch, so everything but the owners' "
-        'buffers and their momentum must be replicated over those axes (the '
-        'model would see one shard). Place it as dmuon_jax.flax.dedicate '
-        'returned it: its Flax metadata says so (nn.get_sharding / '
-        'nnx.get_named_sharding of the dedicated model or state), and '
-        'dedicate replicated the AdamW params that were sharded over them '
-        '(ded.replicated).'
+        f'{tuple(sorted(manual))}; each device runs the whole model there, '
+        "so all but the owners' buffers and their momentum must be "
+        'replicated over those axes. Place it as dmuon_jax.flax.dedicate '
+        'left it (as its Flax metadata says; see ded.replicated).'
       )
 
 
@@ -292,22 +274,16 @@ def _explain_annotation(err: Exception, axes: Sequence[str], mesh) -> None:
   inside the step with what to do about it (on ``mesh`` the owner ``axes``
   are Explicit or not)."""
   text = str(err)
-  if axes and all(
-    dict(zip(mesh.axis_names, mesh.axis_types))[a]
-    == jax.sharding.AxisType.Explicit
-    for a in axes
-  ):
-    route = (
-      'On this mesh the owner axes are Explicit: a plain nnx.jit/jax.jit '
-      'step keeps every annotation (see the guide, "Your own jit step").'
-    )
-  else:
-    route = (
-      'To keep them, make the owner axes Explicit (jax.make_mesh(..., '
-      'axis_types=(jax.sharding.AxisType.Explicit,) * n)), dedicate on that '
-      'mesh and use a plain nnx.jit/jax.jit step (see the guide, "Your own '
-      'jit step").'
-    )
+  kinds = dict(zip(mesh.axis_names, mesh.axis_types)) if axes else {}
+  explicit = axes and all(kinds[a].name == 'Explicit' for a in axes)
+  route = (
+    'On this mesh the owner axes are Explicit: a plain nnx.jit/jax.jit step'
+    ' keeps every annotation'
+    if explicit
+    else 'To keep them, make the owner axes Explicit (jax.make_mesh(..., '
+    'axis_types=(jax.sharding.AxisType.Explicit,) * n)), dedicate on that '
+    'mesh and use a plain nnx.jit/jax.jit step'
+  ) + ' (see the guide, "Your own jit step").'
   names_axis = any(s in text for s in _MANUAL_AXIS_ERRORS) and any(
     a in text for a in axes
   )
@@ -570,18 +546,15 @@ def train_step(
       for i, (keys, x) in enumerate(flat)
     ]
 
-    def spec(x, state):
-      placed = _manual_spec(x, manual)
-      # The batch is split over the owner axes along its first axis unless
-      # its sharding splits it over them already: a batch placed replicated
-      # (jnp arrays made under jax.set_mesh are) would have every device run
-      # the whole batch.
-      if axes and not state and np.ndim(x) >= 1:
-        if not _mesh.sharded_axes([placed]) & manual:
-          return P(axes)
-      return placed
-
-    specs = tuple(map(spec, leaves, is_state))
+    # The batch is split over the owner axes along its first axis unless
+    # its sharding splits it over them already: a batch placed replicated
+    # (jnp arrays made under jax.set_mesh are) would have every device run
+    # the whole batch.
+    specs = [_manual_spec(x, manual) for x in leaves]
+    specs = tuple(
+      P(axes) if axes and not state and np.ndim(x) >= 1 and s == P() else s
+      for x, s, state in zip(leaves, specs, is_state)
+    )
     names = tuple(
       ('argument ' if keys[0].idx else '') + _model.text(_model.path(keys[1:]))
       for keys, _ in flat
@@ -600,13 +573,10 @@ def train_step(
     jitted, leaves, nodes, treedef, is_state = prepare(args)
     new_state, out = jitted(leaves)
     new_state = [_respell(n, o) for n, o in zip(new_state, leaves)]
-    state_def = treedef.children()[0]
-    nnx.update(nodes, jax.tree.unflatten(state_def, new_state))
-    if not any(is_state[state_def.num_leaves :]):  # an NNX step
-      return out  # nothing returned is state
+    nnx.update(nodes, jax.tree.unflatten(treedef.children()[0], new_state))
     # A returned state argument (a TrainState) too, as it came in.
-    out_leaves, out_def = jax.tree.flatten(out)
     sources = _output_sources(out, treedef, is_state)
+    out_leaves, out_def = jax.tree.flatten(out)
     return jax.tree.unflatten(
       out_def,
       [

@@ -566,6 +566,8 @@ def rules_free_names(model, paths, specs, ded, mesh, targets) -> None:
   axes = set(mesh.axis_names)
   logical = lambda e: isinstance(e, str) and e not in axes
   replicated = owned_mesh(ded, mesh)
+  owners = ded.buffer_axes
+  others = [a for a, n in mesh.shape.items() if n > 1 and a not in owners]
   for i, p in enumerate(paths):
     variable = node_at(model, p)
     names = variable.get_metadata().get('out_sharding')
@@ -586,11 +588,6 @@ def rules_free_names(model, paths, specs, ded, mesh, targets) -> None:
       a for e in _mesh.spec_entries(specs[i]) for a in e if a not in axes
     ]
     if unmapped and not ruled:  # (rules that leave a name out: as before)
-      others = [
-        a
-        for a in mesh.axis_names
-        if a not in ded.buffer_axes and mesh.shape[a] > 1
-      ]
       decides = (
         'whether its owners store it split over a tensor-parallel axis'
         if i in targets

@@ -66,16 +66,10 @@ def dedicated_muon(
   )
 
 
-def _same(a: Any, b: Any) -> bool:
-  """Whether two factory arguments are the same value: equal leaves
-  (concrete arrays by their contents; tracers, and anything ``==`` cannot
-  tell, only where identical)."""
-  leaves_a, tree_a = jax.tree.flatten(a)
-  leaves_b, tree_b = jax.tree.flatten(b)
-  return tree_a == tree_b and all(map(_same_leaf, leaves_a, leaves_b))
-
-
 def _same_leaf(x: Any, y: Any) -> bool:
+  """Whether two leaves of factory arguments are the same value (concrete
+  arrays by their contents; tracers, and anything ``==`` cannot tell, only
+  where identical)."""
   if x is y:
     return True
   if isinstance(x, jax.core.Tracer) or isinstance(y, jax.core.Tracer):
@@ -111,9 +105,9 @@ class _ModelMuon:
   def __eq__(self, other: object) -> bool:
     if not isinstance(other, _ModelMuon):
       return NotImplemented
-    return (self.method, self.md) == (other.method, other.md) and _same(
-      self.args, other.args
-    )
+    (a, tree_a), (b, tree_b) = map(jax.tree.flatten, (self.args, other.args))
+    same = (self.method, self.md, tree_a) == (other.method, other.md, tree_b)
+    return same and all(map(_same_leaf, a, b))
 
   def __hash__(self) -> int:
     return hash(self.md)
@@ -172,19 +166,14 @@ def _manual_spec(x: Any, axes: frozenset[str]) -> P:
   return _mesh.entries_spec(entries)
 
 
-def _arguments(args, batch_argnums) -> tuple[tuple[int, ...], set[int]]:
-  """The positions of the NNX graph nodes among ``args`` and of the batch
-  arguments (default: the last other one holding an array of rank 1 or
-  more: trailing scalars, e.g. a step number or a typed RNG key, are
-  state). Raises for graph nodes inside a container argument (a list or
-  dict of metrics): those would be copied in and their updates lost."""
+def _node_positions(args) -> tuple[int, ...]:
+  """The positions of the NNX graph nodes among ``args``. Raises for graph
+  nodes inside a container argument (a list or dict of metrics): those
+  would be copied in and their updates lost."""
   is_node = lambda x: isinstance(x, nnx.Pytree)
   positions = tuple(k for k, a in enumerate(args) if is_node(a))
-  data = []
   for k, a in enumerate(args):
-    if k in positions:
-      continue
-    leaves = jax.tree.leaves(a, is_leaf=is_node)
+    leaves = [] if k in positions else jax.tree.leaves(a, is_leaf=is_node)
     nested = sorted({type(x).__name__ for x in leaves if is_node(x)})
     if nested:
       raise TypeError(
@@ -193,17 +182,7 @@ def _arguments(args, batch_argnums) -> tuple[tuple[int, ...], set[int]]:
         'train_step would lose (as nnx.jit, it updates graph nodes passed '
         'as arguments themselves): pass each one as an argument of its own.'
       )
-    if any(
-      np.ndim(x) >= 1
-      and not jax.dtypes.issubdtype(
-        getattr(x, 'dtype', None), jax.dtypes.prng_key
-      )
-      for x in leaves
-    ):
-      data.append(k)
-  if batch_argnums is not None:
-    return positions, set(batch_argnums)
-  return positions, set(data[-1:])
+  return positions
 
 
 def _settle(x, spec: P, axes: Sequence[str], what: str):
@@ -223,34 +202,6 @@ def _settle(x, spec: P, axes: Sequence[str], what: str):
     f'(an integer {x.dtype} value); train_step can only average floats. '
     'Compute it from values that are the same on every device.'
   )
-
-
-def _check_owner_sharded(md, manual, leaves) -> None:
-  """Raises for a state leaf (``(array, spec, path)``) sharded over an
-  owner axis that is not in owner layout (an owner buffer or its
-  momentum): inside the step each device runs the whole model, which
-  would see one device's shard."""
-  layout = md.dedication.layout
-  sizes = dict(md.dedication.mesh.shape)
-
-  def key(shape, spec):  # size-1 axes dropped: XLA's spelling omits them
-    return tuple(shape), _mesh.normalize_entries(spec, len(shape), sizes)
-
-  owner_layout = {
-    key(shape.shape, _manual_spec(spec, manual))
-    for shape, spec in zip(layout.buffer_shapes(), layout.buffer_specs())
-  }
-  for x, spec, path in leaves:
-    if _mesh.sharded_axes([spec]) & manual and (
-      key(np.shape(x), spec) not in owner_layout
-    ):
-      raise ValueError(
-        f'dmuon: train_step got {path!r} sharded {spec} over the owner axes '
-        f'{tuple(sorted(manual))}; each device runs the whole model there, '
-        "so all but the owners' buffers and their momentum must be "
-        'replicated over those axes. Place it as dmuon_jax.flax.dedicate '
-        'left it (as its Flax metadata says; see ded.replicated).'
-      )
 
 
 _MANUAL_AXIS_ERRORS = (
@@ -517,11 +468,24 @@ def train_step(
   axes = tuple(ded.buffer_axes) if ded.layout.distributed else ()
   manual = frozenset(axes)
   compiled: dict[Any, Callable[..., Any]] = {}
+  # Shapes and manual specs of the owner buffers (and their momentum), the
+  # only state that may be sharded over the owner axes (size-1 axes
+  # dropped: XLA's spelling omits them).
+  sizes = dict(ded.mesh.shape) if axes else {}
+  in_layout = lambda shape, spec: (
+    tuple(shape),
+    _mesh.normalize_entries(spec, len(shape), sizes),
+  )
+  layout = ded.layout
+  owner_layout = {
+    in_layout(shape.shape, _manual_spec(spec, manual))
+    for shape, spec in zip(layout.buffer_shapes(), layout.buffer_specs())
+  }
 
   def prepare(args):
     # Every NNX graph node among the arguments (model, optimizer, metrics,
     # nnx.Rngs, ...) is updated in place afterwards, as nnx.jit does.
-    positions, batch = _arguments(args, batch_argnums)
+    positions = _node_positions(args)
     nodes = tuple(args[k] for k in positions)
     rest_at = [k for k in range(len(args)) if k not in positions]
     graphdef, state = nnx.split(nodes)
@@ -533,19 +497,31 @@ def train_step(
     flat, treedef = jax.tree_util.tree_flatten_with_path(
       (state, [args[k] for k in rest_at])
     )
-    is_state = tuple(
-      keys[0].idx == 0 or rest_at[keys[1].idx] not in batch for keys, _ in flat
-    )
+    # Per leaf its argument (None: the graph nodes' state). The batch
+    # arguments by default: the last one holding an array of rank 1 or
+    # more (trailing scalars, e.g. a step number or a typed RNG key, are
+    # state).
+    arg_of = [rest_at[keys[1].idx] if keys[0].idx else None for keys, _ in flat]
+    data = [
+      k
+      for k, (_, x) in zip(arg_of, flat)
+      if k is not None
+      and np.ndim(x) >= 1
+      and not jax.dtypes.issubdtype(
+        getattr(x, 'dtype', None), jax.dtypes.prng_key
+      )
+    ]
+    batch = set(data[-1:] if batch_argnums is None else batch_argnums)
+    is_state = tuple(k is None or k not in batch for k in arg_of)
     # Arrays placed on the mesh keep their specs; unplaced batch arrays are
     # split over the owner axes along their first axis, unplaced state
     # arguments (a TrainState's batch statistics) are replicated.
     leaves = [
       jax.device_put(x, NamedSharding(ded.mesh, P()))
-      if axes and keys[0].idx and is_state[i] and _named(x) is None
+      if axes and k is not None and k not in batch and _named(x) is None
       else x
-      for i, (keys, x) in enumerate(flat)
+      for k, (_, x) in zip(arg_of, flat)
     ]
-
     # The batch is split over the owner axes along its first axis unless
     # its sharding splits it over them already: a batch placed replicated
     # (jnp arrays made under jax.set_mesh are) would have every device run
@@ -559,9 +535,17 @@ def train_step(
       ('argument ' if keys[0].idx else '') + _model.text(_model.path(keys[1:]))
       for keys, _ in flat
     )
-    if axes:
-      named = zip(leaves, specs, names, is_state)
-      _check_owner_sharded(md, manual, [x[:3] for x in named if x[3]])
+    # Inside the step each device runs the whole model: other state sharded
+    # over an owner axis would be seen as one device's shard.
+    for x, spec, name, state in zip(leaves, specs, names, is_state):
+      if state and spec != P() and in_layout(x.shape, spec) not in owner_layout:
+        raise ValueError(
+          f'dmuon: train_step got {name!r} sharded {spec} over the owner '
+          f'axes {tuple(sorted(manual))}; each device runs the whole model '
+          "there, so all but the owners' buffers and their momentum must be "
+          'replicated over those axes. Place it as dmuon_jax.flax.dedicate '
+          'left it (as its Flax metadata says; see ded.replicated).'
+        )
     on_mesh = tuple(_named(x) is not None for x in leaves)
     key = (graphdef, treedef, specs, is_state, positions, on_mesh)
     if key not in compiled:

@@ -433,10 +433,8 @@ def plan(params, mesh, layers_per_gather, scan: str, kwargs, specs):
     )
   params, replicated, moved = _replicate_rest(ded, params, mesh, specs)
   if replicated:  # planned again on the params as they are now placed
-    choice = ded.layers_per_gather_choice
-    ded = _dedicated.dedicate(
-      params, mesh, layers_per_gather=ded.layers_per_gather, **kwargs
-    )
+    k, choice = ded.layers_per_gather, ded.layers_per_gather_choice
+    ded = _dedicated.dedicate(params, mesh, layers_per_gather=k, **kwargs)
     ded = dataclasses.replace(ded, layers_per_gather_choice=choice)
   placed = params
   if mesh is not None:  # unplaced params replicated on the mesh

@@ -158,8 +158,7 @@ def _named(x: Any) -> NamedSharding | None:
 def _manual_spec(x: Any, axes: frozenset[str]) -> P:
   """The PartitionSpec ``x`` (or an array's) restricted to the manual
   ``axes``."""
-  if not isinstance(x, P):
-    x = _named(x).spec if _named(x) is not None else P()
+  x = x if isinstance(x, P) else getattr(_named(x), 'spec', P())
   entries = [tuple(a for a in e if a in axes) for e in _mesh.spec_entries(x)]
   while entries and not entries[-1]:
     entries.pop()
@@ -188,11 +187,8 @@ def _node_positions(args) -> tuple[int, ...]:
 def _settle(x, spec: P, axes: Sequence[str], what: str):
   """``x`` varying only where ``spec`` shards it: averaged over the other
   manual axes (e.g. batch statistics computed on each device's batch)."""
-  extra = tuple(
-    a
-    for a in axes
-    if a in _gather.varying_axes(x) and a not in _mesh.sharded_axes([spec])
-  )
+  varying = _gather.varying_axes(x) - _mesh.sharded_axes([spec])
+  extra = tuple(a for a in axes if a in varying)
   if not extra:
     return x
   if jnp.issubdtype(x.dtype, jnp.inexact):

@@ -102,11 +102,10 @@ class DedicatedWeight(nnx.Variable):
       name = self.get_metadata().get('dmuon_name', '?')
       boundary = self.get_metadata().get('dmuon_boundary', '?')
       raise ValueError(
-        f'dmuon: {name!r} is a dedicated Muon weight: its values are stored '
-        'on their owner devices and gathered only while its hook boundary '
-        f'{boundary!r} runs (call that module, or a method of it). For the '
-        'whole array outside (metrics, sharding visualization, export), '
-        'read ded.to_params(model).'
+        f'dmuon: {name!r} is a dedicated Muon weight, stored on its owners '
+        f'and gathered only while its hook boundary {boundary!r} runs (call '
+        'that module or a method of it); for the whole array elsewhere '
+        '(metrics, sharding visualization, export) read ded.to_params(model).'
       )
     return super().get_value(**kwargs)
 
@@ -220,24 +219,15 @@ class ModelDedication:
   # only to itself.
   @functools.cached_property
   def _key(self) -> tuple[Any, ...]:
-    return (
-      self.dedication,
-      self.buffer_paths,
-      self.rest_paths,
-      self.targets,
-      self.linen_model,
-      self.placeholder_paths,
-      self.boundary_paths,
-    )
+    skip = ('replicated', 'warned', 'gathered', 'gathered_manual')
+    fields = [f.name for f in dataclasses.fields(self) if f.name not in skip]
+    return tuple(getattr(self, name) for name in fields)
 
   def __eq__(self, other: object) -> bool:
-    if self is other:
-      return True
     if not isinstance(other, ModelDedication):
       return NotImplemented
-    if self.linen_model is None or other.linen_model is None:
-      return False
-    return hash(self) == hash(other) and self._key == other._key
+    linen = self.linen_model is not None  # (the model is in the key)
+    return self is other or (linen and self._key == other._key)
 
   def __hash__(self) -> int:
     # The Linen module is compared, not hashed (its fields may not be).
@@ -313,38 +303,27 @@ class ModelDedication:
       model = nnx.state(model, nnx.Param)
     return self.dedication.to_params(self.dedicated(model))
 
-  @functools.cached_property
-  def _paths(self) -> tuple[dict, dict, frozenset]:
-    return (
-      {p: k for k, p in enumerate(self.buffer_paths)},
-      {p: i for i, p in enumerate(self.rest_paths) if p is not None},
-      frozenset(self.placeholder_paths),
-    )
-
   def dedicated(self, tree: Any, what: str | None = None, boxes=False):
     """The :class:`dmuon_jax.DedicatedParams` of a params (or gradients)
     tree of the dedicated model, read by path; ``what`` names the caller
     in the error for a param the model did not have (None: ignored);
     ``boxes``: Linen boxes and NNX Variables kept on the leaves."""
-    buffer_of, leaf_of, holes = self._paths
-    owned = [None] * len(self.buffer_paths)
-    rest = [None] * len(self.rest_paths)
-    for keys, x in jax.tree_util.tree_flatten_with_path(
-      tree, is_leaf=_mesh.is_boxed
-    )[0]:
-      p, x = path(keys), x if boxes and _mesh.is_boxed(x) else _mesh.unbox(x)
-      if p in buffer_of:
-        owned[buffer_of[p]] = x
-      elif p in leaf_of:
-        rest[leaf_of[p]] = x
-      elif p not in holes and what is not None:
+    found = {
+      path(keys): x if boxes and _mesh.is_boxed(x) else _mesh.unbox(x)
+      for keys, x in jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=_mesh.is_boxed
+      )[0]
+    }
+    known = {*self.buffer_paths, *self.rest_paths, *self.placeholder_paths}
+    for p in found:
+      if p not in known and what is not None:
         raise ValueError(
           f'dmuon: {what} got param {text(p)!r}, which the dedicated model'
           ' did not have at dmuon_jax.flax.dedicate(); make the optimizer '
           'for this model with wrt=nnx.Param.'
         )
-    missing = [text(p) for p, k in buffer_of.items() if owned[k] is None]
-    missing += [text(p) for p, i in leaf_of.items() if rest[i] is None]
+    wanted = [p for p in self.buffer_paths + self.rest_paths if p is not None]
+    missing = [text(p) for p in wanted if p not in found]
     if missing:
       raise ValueError(
         f'dmuon: {what or "to_params()"} is missing params {missing[:5]} of '
@@ -353,8 +332,10 @@ class ModelDedication:
       )
     ded = self.dedication
     return _dedication.DedicatedParams(
-      owned=_owner_layout.OwnerBuffers(owned, ded.layout),
-      rest=jax.tree.unflatten(ded.treedef, rest),
+      owned=_owner_layout.OwnerBuffers(
+        [found[p] for p in self.buffer_paths], ded.layout
+      ),
+      rest=jax.tree.unflatten(ded.treedef, map(found.get, self.rest_paths)),
     )
 
 
@@ -375,15 +356,10 @@ PLANNED = frozenset(inspect.signature(_dedicated.dedicate).parameters) - {
 }
 
 
-def _entry_key(entry: Any) -> Any:
-  for name in ('key', 'name', 'idx'):
-    if hasattr(entry, name):
-      return getattr(entry, name)
-  return entry
-
-
 def path(keys: Sequence[Any]) -> tuple[Any, ...]:
-  return tuple(_entry_key(k) for k in keys)
+  """A key path's keys (a dict key, an attribute name, an index)."""
+  get = getattr
+  return tuple(get(k, 'key', get(k, 'name', get(k, 'idx', k))) for k in keys)
 
 
 def text(path: Sequence[Any]) -> str:
@@ -415,28 +391,38 @@ def plan(params, mesh, layers_per_gather, scan: str, kwargs, specs):
   """The dedication of a Flax model's params, and the params placed for it.
 
   Plans with :func:`dmuon_jax.dedicate` (one layer per gather in a model
-  with ``scan``-ned stacks: :func:`scan_layers_per_gather`), checks what
-  ``dmuon_jax.flax``
-  cannot run, replicates AdamW params sharded over an owner axis (see
-  :func:`_replicate_rest`; ``specs``: per leaf, the spec its Flax metadata
-  gives, or None) and puts unplaced params on the mesh.
+  with ``scan``-ned stacks: one layer per ``scan`` iteration), checks what
+  ``dmuon_jax.flax`` cannot run, replicates AdamW params sharded over an
+  owner axis (see :func:`_replicate_rest`; ``specs``: per leaf, the spec
+  its Flax metadata gives, or None) and puts unplaced params on the mesh.
 
   Returns:
     ``(dedication, placed params, DedicatedParams, replicated paths, {leaf
     index: moved param})``.
   """
-  layers_per_gather, choice = scan_layers_per_gather(
-    params, kwargs, layers_per_gather, scan
+  bounds = _checks.find_hook_boundaries(
+    params,
+    predicate=kwargs['predicate'] if kwargs['predicate'] != 'optax' else None,
+    weight_dimension_numbers=kwargs['muon_weight_dimension_numbers'],
+    boundary_predicate=kwargs['boundary_predicate'],
+    strict=kwargs['strict'],
   )
+  stacks = [n for n, s in zip(bounds.names, bounds.scanned) if s]
+  if stacks and layers_per_gather not in ('auto', 1):
+    raise ValueError(
+      f'dmuon: layers_per_gather={layers_per_gather!r}, but the scanned '
+      f'stack(s) {stacks} run one layer per {scan} iteration, so each '
+      'gather holds one layer. Pass layers_per_gather=1 (or the default).'
+    )
   ded = _dedicated.dedicate(
-    params, mesh, layers_per_gather=layers_per_gather, **kwargs
+    params, mesh, layers_per_gather=1 if stacks else layers_per_gather, **kwargs
   )
-  if choice is not None:
+  if stacks:
+    choice = f'one layer per {scan} iteration'
     ded = dataclasses.replace(ded, layers_per_gather_choice=choice)
   _check_boundaries_hold_targets(params, ded, kwargs['boundary_predicate'])
-  scanned = [
-    n for n, s in zip(ded.boundaries.names, ded.boundaries.scanned) if s
-  ]
+  bounds = ded.boundaries
+  scanned = [n for n, s in zip(bounds.names, bounds.scanned) if s]
   if ded.tensor_parallel_axis is not None and scanned:
     raise ValueError(
       'dmuon: dmuon_jax.flax does not run tensor-parallel matrices inside '
@@ -447,21 +433,14 @@ def plan(params, mesh, layers_per_gather, scan: str, kwargs, specs):
     )
   params, replicated, moved = _replicate_rest(ded, params, mesh, specs)
   if replicated:  # planned again on the params as they are now placed
-    choice = ded.layers_per_gather_choice
-    ded = _dedicated.dedicate(
-      params, mesh, layers_per_gather=ded.layers_per_gather, **kwargs
-    )
+    k, choice = ded.layers_per_gather, ded.layers_per_gather_choice
+    ded = _dedicated.dedicate(params, mesh, layers_per_gather=k, **kwargs)
     ded = dataclasses.replace(ded, layers_per_gather_choice=choice)
   placed = params
-  if mesh is not None:
-    placed = jax.tree.map(
-      lambda x: (
-        x
-        if isinstance(getattr(x, 'sharding', None), NamedSharding)
-        else jax.device_put(x, NamedSharding(mesh, P()))
-      ),
-      params,
-    )
+  if mesh is not None:  # unplaced params replicated on the mesh
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, P()))
+    on_mesh = lambda x: isinstance(getattr(x, 'sharding', None), NamedSharding)
+    placed = jax.tree.map(lambda x: x if on_mesh(x) else put(x), params)
   return ded, placed, ded.to_dedicated(placed), replicated, moved
 
 
@@ -479,27 +458,22 @@ def _replicate_rest(ded, params, mesh, specs):
   values carry none, yet ``jit(init, out_shardings=...)`` would place them
   as their metadata says.
   """
-  leaves = jax.tree.leaves(params)
-  flat = jax.tree.flatten_with_path(params)[0]
+  flat, treedef = jax.tree.flatten_with_path(params)
+  leaves = [x for _, x in flat]
   owner = set(ded.buffer_axes)
+  drop = lambda e: tuple(a for a in e if a not in owner) or None
+  ways = lambda sp: math.prod(
+    mesh.shape[a] for e in _mesh.spec_entries(sp) for a in e
+  )
   replicated, moved, extra = [], {}, 0
   for i, (rest_spec, (keys, x)) in enumerate(zip(ded.rest_specs, flat)):
-    if rest_spec is None:  # a Muon target
-      continue
     spec = specs[i] if specs[i] is not None else rest_spec
-    if not _mesh.sharded_axes([spec]) & owner:
+    # (rest_spec None: a Muon target)
+    if rest_spec is None or not _mesh.sharded_axes([spec]) & owner:
       continue
-    kept = P(
-      *(
-        tuple(a for a in e if a not in owner) or None
-        for e in _mesh.spec_entries(spec)
-      )
-    )
+    kept = P(*map(drop, _mesh.spec_entries(spec)))
     moved[i] = leaves[i] = jax.device_put(x, NamedSharding(mesh, kept))
     replicated.append(text(path(keys)))
-    ways = lambda sp: math.prod(
-      mesh.shape[a] for e in _mesh.spec_entries(sp) for a in e
-    )
     nbytes = np.size(x) * jnp.dtype(x.dtype).itemsize
     extra += nbytes // ways(kept) - nbytes // ways(spec)
   if replicated:
@@ -513,7 +487,7 @@ def _replicate_rest(ded, params, mesh, specs):
       _checks.DMuonWarning,
       stacklevel=4,
     )
-    params = jax.tree.unflatten(jax.tree.structure(params), leaves)
+    params = jax.tree.unflatten(treedef, leaves)
   return params, replicated, moved
 
 
@@ -530,39 +504,15 @@ def _check_boundaries_hold_targets(params, ded, boundary_predicate) -> None:
       if prefix in seen:
         break
       seen.add(prefix)
-      if not boundary_predicate(prefix, _checks.subtree(params, keys[:depth])):
-        continue
-      if not any(t == prefix or t.startswith(prefix + '/') for t in targets):
-        raise ValueError(
-          f'dmuon: boundary_predicate names module {prefix!r}, which holds '
-          'no Muon target (its params are AdamW params): its call would '
-          'gather nothing. Leave it out of the predicate (the boundaries '
-          f'with targets are {list(ded.boundaries.names)}).'
-        )
-      break
-
-
-def scan_layers_per_gather(params, kwargs, layers_per_gather, scan: str):
-  """``(layers_per_gather, choice)`` for a model with scanned stacks (one
-  layer per ``scan`` iteration, so 1); unchanged without any. ``kwargs``:
-  the dedication's keyword arguments (routing and boundary options)."""
-  bounds = _checks.find_hook_boundaries(
-    params,
-    predicate=kwargs['predicate'] if kwargs['predicate'] != 'optax' else None,
-    weight_dimension_numbers=kwargs['muon_weight_dimension_numbers'],
-    boundary_predicate=kwargs['boundary_predicate'],
-    strict=kwargs['strict'],
-  )
-  if not any(bounds.scanned):
-    return layers_per_gather, None
-  if layers_per_gather not in ('auto', 1):
-    raise ValueError(
-      f'dmuon: layers_per_gather={layers_per_gather!r}, but the scanned '
-      f'stack(s) {[n for n, s in zip(bounds.names, bounds.scanned) if s]}'
-      f' run one layer per {scan} iteration, so each gather holds one '
-      'layer. Pass layers_per_gather=1 (or the default).'
-    )
-  return 1, f'one layer per {scan} iteration'
+      if boundary_predicate(prefix, _checks.subtree(params, keys[:depth])):
+        if not any(t == prefix or t.startswith(prefix + '/') for t in targets):
+          raise ValueError(
+            f'dmuon: boundary_predicate names module {prefix!r}, which holds '
+            'no Muon target (its params are AdamW params): its call would '
+            'gather nothing. Leave it out of the predicate (the boundaries '
+            f'with targets are {list(ded.boundaries.names)}).'
+          )
+        break
 
 
 def gather_points(ded, paths) -> tuple[tuple[Any, ...], ...]:
@@ -577,11 +527,10 @@ def gather_points(ded, paths) -> tuple[tuple[Any, ...], ...]:
     mine = [
       paths[t.index][:-1] for t in ded.layout.leaves if boundary_of(ded, t) == b
     ]
-    common = mine[0]
-    for p in mine[1:]:
-      n = next((i for i, (x, y) in enumerate(zip(common, p)) if x != y), None)
-      common = common[: min(len(common), len(p)) if n is None else n]
-    points[b] = common
+    n = 0
+    while all(len(p) > n and p[n] == mine[0][n] for p in mine):
+      n += 1
+    points[b] = mine[0][:n]
   return tuple(points)
 
 
@@ -615,6 +564,8 @@ def rules_free_names(model, paths, specs, ded, mesh, targets) -> None:
   axes = set(mesh.axis_names)
   logical = lambda e: isinstance(e, str) and e not in axes
   replicated = owned_mesh(ded, mesh)
+  owners = ded.buffer_axes
+  others = [a for a, n in mesh.shape.items() if n > 1 and a not in owners]
   for i, p in enumerate(paths):
     variable = node_at(model, p)
     names = variable.get_metadata().get('out_sharding')
@@ -635,11 +586,6 @@ def rules_free_names(model, paths, specs, ded, mesh, targets) -> None:
       a for e in _mesh.spec_entries(specs[i]) for a in e if a not in axes
     ]
     if unmapped and not ruled:  # (rules that leave a name out: as before)
-      others = [
-        a
-        for a in mesh.axis_names
-        if a not in ded.buffer_axes and mesh.shape[a] > 1
-      ]
       decides = (
         'whether its owners store it split over a tensor-parallel axis'
         if i in targets

@@ -59,73 +59,61 @@ def dedicated_muon(
     >>> [layout.kind for layout in dmuon_jax.owner_layouts(optimizer.opt_state)]
     ['dedicated']
   """
-  muon = _ModelMuon(
-    dedication,
-    learning_rate,
-    tuple(sorted(kwargs.items())),
-    _alias.dedicated_muon(dedication.dedication, learning_rate, **kwargs),
-  )
+  core = _alias.dedicated_muon(dedication.dedication, learning_rate, **kwargs)
+  args = (learning_rate, tuple(sorted(kwargs.items())))
   return optax.GradientTransformation(
-    _Method(muon, 'init'), _Method(muon, 'update')
+    *(_ModelMuon(m, dedication, args, core) for m in ('init', 'update'))
   )
 
 
-def _same(a: Any, b: Any) -> bool:
-  """Whether two factory arguments are the same value: equal leaves
-  (concrete arrays by their contents; tracers, and anything ``==`` cannot
-  tell, only where identical)."""
-  if a is b:
+def _same_leaf(x: Any, y: Any) -> bool:
+  """Whether two leaves of factory arguments are the same value (concrete
+  arrays by their contents; tracers, and anything ``==`` cannot tell, only
+  where identical)."""
+  if x is y:
     return True
-  leaves_a, tree_a = jax.tree.flatten(a)
-  leaves_b, tree_b = jax.tree.flatten(b)
-  if tree_a != tree_b:
+  if isinstance(x, jax.core.Tracer) or isinstance(y, jax.core.Tracer):
     return False
-  for x, y in zip(leaves_a, leaves_b):
-    if x is y:
-      continue
-    if isinstance(x, jax.core.Tracer) or isinstance(y, jax.core.Tracer):
-      return False
-    if hasattr(x, 'shape') or hasattr(y, 'shape'):
-      if not (
-        np.shape(x) == np.shape(y)
-        and np.result_type(x) == np.result_type(y)
-        and np.array_equal(x, y)
-      ):
-        return False
-      continue
-    try:
-      if not bool(x == y):
-        return False
-    except Exception:  # no verdict: not the same value
-      return False
-  return True
+  if hasattr(x, 'shape') or hasattr(y, 'shape'):
+    return (
+      np.shape(x) == np.shape(y)
+      and np.result_type(x) == np.result_type(y)
+      and np.array_equal(x, y)
+    )
+  try:
+    return bool(x == y)
+  except Exception:  # no verdict: not the same value
+    return False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _ModelMuon:
-  """:func:`dedicated_muon`'s optimizer over a dedicated model's params.
+  """``init`` or ``update`` (``method``) of :func:`dedicated_muon`'s
+  optimizer over a dedicated model's params.
 
-  Equal for equal arguments (the dedication by value): a trainer's init
-  that builds it, traced twice (``jax.eval_shape``, then ``jax.jit``),
-  gives one ``TrainState.tx``, which JAX compares as pytree metadata.
+  A callable equal for equal arguments (the dedication by value; a bound
+  method would compare its ``self`` by identity): a trainer's init that
+  builds it, traced twice (``jax.eval_shape``, then ``jax.jit``), gives
+  one ``TrainState.tx``, which JAX compares as pytree metadata.
   """
 
+  method: str
   md: ModelDedication
-  learning_rate: Any
-  kwargs: tuple[tuple[str, Any], ...]
+  args: tuple[Any, tuple[tuple[str, Any], ...]]  # learning rate, kwargs
   core: optax.GradientTransformation
 
   def __eq__(self, other: object) -> bool:
-    if self is other:
-      return True
     if not isinstance(other, _ModelMuon):
       return NotImplemented
-    return self.md == other.md and _same(
-      (self.learning_rate, self.kwargs), (other.learning_rate, other.kwargs)
-    )
+    (a, tree_a), (b, tree_b) = map(jax.tree.flatten, (self.args, other.args))
+    same = (self.method, self.md, tree_a) == (other.method, other.md, tree_b)
+    return same and all(map(_same_leaf, a, b))
 
   def __hash__(self) -> int:
     return hash(self.md)
+
+  def __call__(self, *args: Any) -> Any:
+    return getattr(self, self.method)(*args)
 
   def init(self, params: Any) -> Any:
     # Linen boxes and nnx Variables kept (optax's moments keep them, the
@@ -137,113 +125,70 @@ class _ModelMuon:
     return self.core.init(self.md.dedicated(params, 'init()', boxes=True))
 
   def update(self, updates: Any, state: Any, params: Any = None) -> Any:
+    md = self.md
     u, new_state = self.core.update(
-      self.md.dedicated(updates, 'update()'),
+      md.dedicated(updates, 'update()'),
       jax.tree.map(_mesh.unbox, state, is_leaf=_mesh.is_box),
-      None if params is None else self.md.dedicated(params, 'update()'),
+      None if params is None else md.dedicated(params, 'update()'),
     )
-    # The state's boxes (from init) kept.
-    new_state = jax.tree.map(
-      _mesh.rebox, state, new_state, is_leaf=_mesh.is_box
-    )
-    return self.from_core(u, updates), new_state
-
-  def from_core(self, dp, like):
-    buffer_of, leaf_of, holes = self.md._paths
-    rest = self.md.dedication.treedef.flatten_up_to(dp.rest)
+    # The updates by path, as they came in (boxes kept); the state's boxes
+    # (from init) kept.
+    new = dict(zip(md.rest_paths, md.dedication.treedef.flatten_up_to(u.rest)))
+    new.update(zip(md.buffer_paths, u.owned.buffers))
+    holes = frozenset(md.placeholder_paths)
 
     def pick(keys, x):
       p = _model.path(keys)
       if p in holes:
         return jnp.zeros_like(_mesh.unbox(x))
-      new = (
-        dp.owned.buffers[buffer_of[p]] if p in buffer_of else rest[leaf_of[p]]
-      )
-      return _mesh.rebox(x, new) if _mesh.is_box(x) else new
+      return _mesh.rebox(x, new[p]) if _mesh.is_box(x) else new[p]
 
-    return jax.tree_util.tree_map_with_path(pick, like, is_leaf=_mesh.is_box)
+    return (
+      jax.tree_util.tree_map_with_path(pick, updates, is_leaf=_mesh.is_box),
+      jax.tree.map(_mesh.rebox, state, new_state, is_leaf=_mesh.is_box),
+    )
 
 
-@dataclasses.dataclass(frozen=True, repr=False)
-class _Method:
-  """``init`` or ``update`` of :func:`dedicated_muon`: a callable equal for
-  equal optimizers (a bound method compares its ``self`` by identity)."""
-
-  muon: _ModelMuon
-  name: str
-
-  def __call__(self, *args: Any) -> Any:
-    return getattr(self.muon, self.name)(*args)
+def _named(x: Any) -> NamedSharding | None:
+  """``x``'s sharding if it is placed on a mesh (a ``NamedSharding``)."""
+  sharding = getattr(x, 'sharding', None)
+  return sharding if isinstance(sharding, NamedSharding) else None
 
 
 def _manual_spec(x: Any, axes: frozenset[str]) -> P:
-  """``x``'s PartitionSpec restricted to the manual ``axes``."""
-  sharding = getattr(x, 'sharding', None)
-  if not isinstance(sharding, NamedSharding):
-    return P()
-  return _manual_spec_of(sharding.spec, axes)
-
-
-def _manual_spec_of(spec: P, axes: frozenset[str]) -> P:
-  """``spec`` restricted to the manual ``axes``."""
-  entries = []
-  for e in _mesh.spec_entries(spec):
-    kept = tuple(a for a in e if a in axes)
-    entries.append(kept if len(kept) > 1 else (kept[0] if kept else None))
-  while entries and entries[-1] is None:
+  """The PartitionSpec ``x`` (or an array's) restricted to the manual
+  ``axes``."""
+  x = x if isinstance(x, P) else getattr(_named(x), 'spec', P())
+  entries = [tuple(a for a in e if a in axes) for e in _mesh.spec_entries(x)]
+  while entries and not entries[-1]:
     entries.pop()
-  return P(*entries)
+  return _mesh.entries_spec(entries)
 
 
-def _default_batch(args, positions) -> set[int]:
-  """The default batch argument: the last one holding an array of rank 1
-  or more (trailing scalars, e.g. a step number or a typed RNG key, are
-  state), graph nodes aside."""
-  for k in range(len(args) - 1, -1, -1):
-    if k in positions:
-      continue
-    leaves = jax.tree.leaves(args[k])
-    if any(
-      np.ndim(x) >= 1
-      and not jax.dtypes.issubdtype(
-        getattr(x, 'dtype', None), jax.dtypes.prng_key
-      )
-      for x in leaves
-    ):
-      return {k}
-  return set()
-
-
-def _check_no_nested_nodes(args, positions) -> None:
-  """Raises for NNX graph nodes inside a container argument (a list or
-  dict of metrics): train_step updates graph nodes passed as arguments
-  themselves, and those would be copied in and their updates lost."""
+def _node_positions(args) -> tuple[int, ...]:
+  """The positions of the NNX graph nodes among ``args``. Raises for graph
+  nodes inside a container argument (a list or dict of metrics): those
+  would be copied in and their updates lost."""
+  is_node = lambda x: isinstance(x, nnx.Pytree)
+  positions = tuple(k for k, a in enumerate(args) if is_node(a))
   for k, a in enumerate(args):
-    if k in positions:
-      continue
-    nested = [
-      x
-      for x in jax.tree.leaves(a, is_leaf=lambda x: isinstance(x, nnx.Pytree))
-      if isinstance(x, nnx.Pytree)
-    ]
+    leaves = [] if k in positions else jax.tree.leaves(a, is_leaf=is_node)
+    nested = sorted({type(x).__name__ for x in leaves if is_node(x)})
     if nested:
       raise TypeError(
         f'dmuon: argument {k} of the train step holds NNX graph nodes '
-        f'({", ".join(sorted({type(x).__name__ for x in nested}))}) inside '
-        f'a {type(a).__name__}; train_step updates graph nodes passed as '
-        'arguments themselves (as nnx.jit does for its arguments), so their '
-        'state would be lost here. Pass each one as an argument of its own.'
+        f'({", ".join(nested)}) inside a {type(a).__name__}, whose updates '
+        'train_step would lose (as nnx.jit, it updates graph nodes passed '
+        'as arguments themselves): pass each one as an argument of its own.'
       )
+  return positions
 
 
 def _settle(x, spec: P, axes: Sequence[str], what: str):
   """``x`` varying only where ``spec`` shards it: averaged over the other
   manual axes (e.g. batch statistics computed on each device's batch)."""
-  extra = tuple(
-    a
-    for a in axes
-    if a in _gather.varying_axes(x) and a not in _mesh.sharded_axes([spec])
-  )
+  varying = _gather.varying_axes(x) - _mesh.sharded_axes([spec])
+  extra = tuple(a for a in axes if a in varying)
   if not extra:
     return x
   if jnp.issubdtype(x.dtype, jnp.inexact):
@@ -253,61 +198,6 @@ def _settle(x, spec: P, axes: Sequence[str], what: str):
     f'(an integer {x.dtype} value); train_step can only average floats. '
     'Compute it from values that are the same on every device.'
   )
-
-
-def _check_owner_sharded(md, manual, state_leaves) -> None:
-  """Raises for a state leaf sharded over an owner axis that is not in
-  owner layout (an owner buffer or its momentum): inside the step each
-  device runs the whole model, which would see one device's shard."""
-  layout = md.dedication.layout
-  sizes = dict(md.dedication.mesh.shape)
-
-  def key(shape, spec):  # size-1 axes dropped: XLA's spelling omits them
-    shape = tuple(shape)
-    return shape, _mesh.normalize_entries(spec, len(shape), sizes)
-
-  owner_layout = {
-    key(shape.shape, _manual_spec_of(spec, manual))
-    for shape, spec in zip(layout.buffer_shapes(), layout.buffer_specs())
-  }
-  for x, spec, path in state_leaves:
-    if not _mesh.sharded_axes([spec]) & manual:
-      continue
-    if key(np.shape(x), spec) in owner_layout:
-      continue
-    raise ValueError(
-      f'dmuon: train_step got {path!r} sharded {spec} over the owner axes '
-      f'{tuple(sorted(manual))}; inside the step each device runs the whole '
-      "model on its share of the batch, so everything but the owners' "
-      'buffers and their momentum must be replicated over those axes (the '
-      'model would see one shard). Place it as dmuon_jax.flax.dedicate '
-      'returned it: its Flax metadata says so (nn.get_sharding / '
-      'nnx.get_named_sharding of the dedicated model or state), and '
-      'dedicate replicated the AdamW params that were sharded over them '
-      '(ded.replicated).'
-    )
-
-
-def _global_batch_norms(nodes: Any, axes: Sequence[str]) -> None:
-  """Gives each ``nnx.BatchNorm`` among ``nodes`` without an ``axis_name``
-  the owner ``axes``: its statistics are then the global batch's (a pmean
-  of the devices' equal shares), as under ``nnx.jit``. ``nodes`` are the
-  step's own merged copies; the user's modules keep their attributes."""
-  if not axes:
-    return
-  for _, node in nnx.iter_graph(nodes):
-    if isinstance(node, nnx.BatchNorm) and node.axis_name is None:
-      node.axis_name = tuple(axes)
-
-
-def _fold_in(key: jax.Array, data: jax.Array) -> jax.Array:
-  """``jax.random.fold_in`` of every key in an array of keys (the stacked
-  RNG streams of an ``nnx.vmap`` stack too)."""
-  if key.ndim == 0:
-    return jax.random.fold_in(key, data)
-  flat = key.reshape(-1)
-  folded = jax.vmap(lambda k: jax.random.fold_in(k, data))(flat)
-  return folded.reshape(key.shape)
 
 
 _MANUAL_AXIS_ERRORS = (
@@ -326,25 +216,21 @@ _MANUAL_AXIS_ERRORS = (
 _MANUAL_ONLY_ERRORS = ('from `Manual` AxisType',)
 
 
-def _explain_annotation(
-  err: Exception, axes: Sequence[str], explicit: bool
-) -> None:
+def _explain_annotation(err: Exception, axes: Sequence[str], mesh) -> None:
   """Re-raises JAX's error for a sharding annotation naming a manual axis
-  inside the step with what to do about it (``explicit``: whether the
-  owner axes are Explicit on the dedication's mesh)."""
+  inside the step with what to do about it (on ``mesh`` the owner ``axes``
+  are Explicit or not)."""
   text = str(err)
-  if explicit:
-    route = (
-      'On this mesh the owner axes are Explicit: a plain nnx.jit/jax.jit '
-      'step keeps every annotation (see the guide, "Your own jit step").'
-    )
-  else:
-    route = (
-      'To keep them, make the owner axes Explicit (jax.make_mesh(..., '
-      'axis_types=(jax.sharding.AxisType.Explicit,) * n)), dedicate on that '
-      'mesh and use a plain nnx.jit/jax.jit step (see the guide, "Your own '
-      'jit step").'
-    )
+  kinds = dict(zip(mesh.axis_names, mesh.axis_types)) if axes else {}
+  explicit = axes and all(kinds[a].name == 'Explicit' for a in axes)
+  route = (
+    'On this mesh the owner axes are Explicit: a plain nnx.jit/jax.jit step'
+    ' keeps every annotation'
+    if explicit
+    else 'To keep them, make the owner axes Explicit (jax.make_mesh(..., '
+    'axis_types=(jax.sharding.AxisType.Explicit,) * n)), dedicate on that '
+    'mesh and use a plain nnx.jit/jax.jit step'
+  ) + ' (see the guide, "Your own jit step").'
   names_axis = any(s in text for s in _MANUAL_AXIS_ERRORS) and any(
     a in text for a in axes
   )
@@ -360,70 +246,25 @@ def _explain_annotation(
     ) from err
 
 
-def _output_sources(
-  out: Any, other_def: Any, other_state: Sequence[bool]
-) -> list[int | None]:
-  """Per output leaf: the index (among the non-node argument leaves) of
-  the leaf of the state argument it has the structure of (a returned
-  ``TrainState``), else None."""
-  args = jax.tree.unflatten(other_def, list(range(other_def.num_leaves)))
+def _output_sources(out: Any, treedef: Any, is_state) -> list[int | None]:
+  """Per output leaf: the index (among the argument leaves, ``treedef``'s:
+  the graph nodes' state, then the other arguments) of the leaf of the
+  state argument it has the structure of (a returned ``TrainState``),
+  else None."""
+  state_def, rest_def = treedef.children()
+  n = state_def.num_leaves
   by_structure = {}
-  for arg in args:
+  for arg in jax.tree.unflatten(rest_def, range(n, treedef.num_leaves)):
     leaves = jax.tree.leaves(arg)
-    if not leaves or not other_state[leaves[0]]:
-      continue
-    by_structure.setdefault(jax.tree.structure(arg), leaves)
-  parts = out if isinstance(out, (tuple, list)) else (out,)
+    if leaves and is_state[leaves[0]]:
+      by_structure.setdefault(jax.tree.structure(arg), leaves)
   sources: list[int | None] = []
-  for part in parts:
-    known = by_structure.get(jax.tree.structure(part))
-    sources.extend(
-      known if known is not None else [None] * len(jax.tree.leaves(part))
-    )
+  for part in out if isinstance(out, (tuple, list)) else (out,):
+    n = len(jax.tree.leaves(part))
+    sources += by_structure.get(jax.tree.structure(part), [None] * n)
   if len(sources) != len(jax.tree.leaves(out)):
     return [None] * len(jax.tree.leaves(out))
   return sources
-
-
-def _other_leaves(args, rest, positions, batch, mesh, axes):
-  """``(leaves, treedef, specs, is_state)`` of the arguments that are not
-  graph nodes (``rest``): unplaced state replicated on ``mesh``, and per
-  leaf its spec over the manual ``axes`` and whether it is state (not
-  ``batch``)."""
-  manual = frozenset(axes)
-  other, other_def = jax.tree.flatten(rest)
-  is_batch = []
-  for k, a in enumerate(args):
-    if k not in positions:
-      is_batch += [k in batch] * len(jax.tree.leaves(a))
-  # Arrays placed on the mesh keep their specs; unplaced batch arrays are
-  # split over the owner axes along their first axis, unplaced state (a
-  # TrainState's batch statistics) is replicated.
-  other = [
-    x
-    if b or isinstance(getattr(x, 'sharding', None), NamedSharding) or not axes
-    else jax.device_put(x, NamedSharding(mesh, P()))
-    for x, b in zip(other, is_batch)
-  ]
-
-  def spec(x, b):
-    placed = _manual_spec(x, manual)
-    # The batch is split over the owner axes along its first axis unless
-    # its sharding splits it over them already: a batch placed replicated
-    # (jnp arrays made under jax.set_mesh are) would have every device run
-    # the whole batch.
-    if (
-      axes
-      and b
-      and np.ndim(x) >= 1
-      and not _mesh.sharded_axes([placed]) & manual
-    ):
-      return P(axes)
-    return placed
-
-  other_specs = tuple(spec(x, b) for x, b in zip(other, is_batch))
-  other_state = tuple(not b for b in is_batch)
-  return other, other_def, other_specs, other_state
 
 
 def _respell(new: Any, old: Any) -> Any:
@@ -434,106 +275,105 @@ def _respell(new: Any, old: Any) -> Any:
   ``P(('shard', 'replicate', 'model'))`` on a mesh with one replica): the
   next call's specs, read from the state, would then differ from this
   call's, and the step would compile again."""
-  s, t = getattr(new, 'sharding', None), getattr(old, 'sharding', None)
-  if (
-    isinstance(s, NamedSharding)
-    and isinstance(t, NamedSharding)
-    and s != t
-    and s.is_equivalent_to(t, np.ndim(new))
-  ):
-    return jax.device_put(new, t)
+  s, t = _named(new), _named(old)
+  if s is not None and t is not None and s != t:
+    if s.is_equivalent_to(t, np.ndim(new)):
+      return jax.device_put(new, t)
   return new
 
 
-def _build_step(md, fn, merge_args, axes, explicit, key, paths):
+def _build_step(md, fn, axes, key, names):
   """The step for one structure of its arguments (``key``, from
   :func:`train_step`'s ``prepare``): ``fn`` run inside a ``shard_map``
   whose manual axes are ``axes``, compiled with ``jax.jit``."""
-  ded = md.dedication
-  manual = frozenset(axes)
-  graphdef, treedef, specs, other_def, other_specs, other_state, _, done = key
+  mesh = md.dedication.mesh
+  graphdef, treedef, specs, is_state, positions, done = key
+  n = treedef.children()[0].num_leaves  # the graph nodes' state first
 
-  def body(flat, other):
+  def body(out_specs, leaves):
     # A fresh trace: the gathers of the last one are of no use.
     md.gathered_manual.clear()
     with _gather.gradients_summed_over(axes):
-      nodes = nnx.merge(graphdef, jax.tree.unflatten(treedef, flat))
-      _global_batch_norms(nodes, axes)
-      rest = jax.tree.unflatten(other_def, other)
-      args = merge_args(nodes, rest)
-      # Each device draws its own random numbers (dropout masks of its
-      # batch): the RNG keys folded with the device's index while the
-      # step runs; the state keeps the keys as they were.
-      keys = [v for _, v in nnx.iter_graph(nodes) if isinstance(v, nnx.RngKey)]
+      state, args = jax.tree.unflatten(treedef, leaves)
+      nodes = nnx.merge(graphdef, state)
+      for k, node in zip(positions, nodes):
+        args.insert(k, node)
+      # A BatchNorm without an axis_name gets the owner axes (statistics
+      # of the global batch, as under nnx.jit; the user's modules keep
+      # their attributes: these are the step's own copies). Each device
+      # draws its own random numbers (dropout masks of its batch): the RNG
+      # keys folded with the device's index while the step runs; the
+      # state keeps the keys as they were.
+      keys = []
+      for _, v in nnx.iter_graph(nodes):
+        if axes and isinstance(v, nnx.BatchNorm) and v.axis_name is None:
+          v.axis_name = axes
+        elif isinstance(v, nnx.RngKey):
+          keys.append(v)
       saved = [v.get_value() for v in keys]
       if axes:
         index = jax.lax.axis_index(axes)
+        fold = functools.partial(jax.random.fold_in, data=index)
         for v, k in zip(keys, saved):
-          v.set_value(_fold_in(k, index))
+          v.set_value(jax.vmap(fold)(k.reshape(-1)).reshape(k.shape))
       try:
         out = fn(*args)
       except (ValueError, TypeError, NotImplementedError) as err:
-        _explain_annotation(err, axes, explicit)
+        _explain_annotation(err, axes, mesh)
         raise
       for v, k in zip(keys, saved):
         v.set_value(k)
-      new_flat = treedef.flatten_up_to(nnx.split(nodes)[1])
-    new_flat = [
+      new_state = treedef.children()[0].flatten_up_to(nnx.split(nodes)[1])
+    new_state = [
       _settle(x, s, axes, f'state {p!r}')
-      for x, s, p in zip(new_flat, specs, paths)
+      for x, s, p in zip(new_state, specs, names)
     ]
-    leaves, out_def = jax.tree.flatten(out)
-    out_specs = cell.get('out') or [P()] * len(leaves)
-    leaves = [
+    out_leaves, out_def = jax.tree.flatten(out)
+    out_leaves = [
       _settle(x, sp, axes, 'an output of the step')
-      for x, sp in zip(leaves, out_specs)
+      for x, sp in zip(out_leaves, out_specs or [P()] * len(out_leaves))
     ]
-    return new_flat, jax.tree.unflatten(out_def, leaves)
+    return new_state, jax.tree.unflatten(out_def, out_leaves)
 
-  cell: dict[str, Any] = {}
   if not axes:
-    return jax.jit(body)
+    return jax.jit(functools.partial(body, None))
 
-  def mapped(flat, other):
-    shard_map = lambda out_specs, **kw: jax.shard_map(
-      body,
-      mesh=ded.mesh,
-      in_specs=(list(specs), list(other_specs)),
-      out_specs=(list(specs), out_specs),
-      axis_names=manual,
+  def mapped(leaf_specs, out_specs, **kw):
+    return jax.shard_map(
+      functools.partial(body, leaf_specs),
+      mesh=mesh,
+      in_specs=(list(specs),),
+      out_specs=(list(specs[:n]), out_specs),
+      axis_names=frozenset(axes),
       **kw,
     )
-    # Outputs like an argument (a returned TrainState) keep its specs;
-    # the rest is averaged. With no state among the arguments that are not
-    # graph nodes (an NNX step: model, optimizer, batch) every output is
-    # averaged: P() for all of them, and the step is traced once.
-    if not any(other_state):
-      return shard_map(P())(flat, other)
-    # Else the output's structure comes from a trace first. Shapes only
-    # (eval_shape computes nothing): replication typing off so that P()
-    # fits every output before its specs are known.
-    out = jax.eval_shape(shard_map(P(), check_vma=False), flat, other)[1]
-    cell['out'] = [
-      P() if k is None else other_specs[k]
-      for k in _output_sources(out, other_def, other_state)
-    ]
-    out_specs = jax.tree.unflatten(jax.tree.structure(out), cell['out'])
-    return shard_map(out_specs)(flat, other)
 
-  def place(x, spec, ok):
+  def step(leaves):
+    # The batch (and any unplaced state) onto the specs shard_map expects.
     # Arrays placed on the mesh already (``done``, known before tracing:
     # traced values carry no sharding) keep their sharding: their specs
     # were read from it, and a constraint to the manual axes alone would
     # gather them over the others (an owner buffer's TP axis).
-    return x if ok else _mesh.place(x, ded.mesh, spec)
+    place = lambda x, s, done: x if done else _mesh.place(x, mesh, s)
+    leaves = list(map(place, leaves, specs, done))
+    # Outputs like an argument (a returned TrainState) keep its specs;
+    # the rest is averaged. With no state among the arguments that are not
+    # graph nodes (an NNX step: model, optimizer, batch) every output is
+    # averaged: P() for all of them, and the step is traced once.
+    if not any(is_state[n:]):
+      return mapped(None, P())(leaves)
+    # Else the output's structure comes from a trace first. Shapes only
+    # (eval_shape computes nothing): replication typing off so that P()
+    # fits every output before its specs are known.
+    out = jax.eval_shape(mapped(None, P(), check_vma=False), leaves)[1]
+    leaf_specs = [
+      P() if k is None else specs[k]
+      for k in _output_sources(out, treedef, is_state)
+    ]
+    out_specs = jax.tree.unflatten(jax.tree.structure(out), leaf_specs)
+    return mapped(leaf_specs, out_specs)(leaves)
 
-  def placed(flat, other):
-    # The batch (and any unplaced state) onto the specs shard_map expects.
-    flat = [place(x, s, ok) for x, s, ok in zip(flat, specs, done[0])]
-    other = [place(x, s, ok) for x, s, ok in zip(other, other_specs, done[1])]
-    return mapped(flat, other)
-
-  return jax.jit(placed)
+  return jax.jit(step)
 
 
 def train_step(
@@ -623,102 +463,113 @@ def train_step(
   ded = md.dedication
   axes = tuple(ded.buffer_axes) if ded.layout.distributed else ()
   manual = frozenset(axes)
-  kinds = dict(zip(ded.mesh.axis_names, ded.mesh.axis_types)) if axes else {}
-  explicit = bool(axes) and all(
-    kinds[a] == jax.sharding.AxisType.Explicit for a in axes
-  )
   compiled: dict[Any, Callable[..., Any]] = {}
-  positions: list[int] = []
-
-  def _merge_args(nodes, rest):
-    args, it_nodes, it_rest = [], iter(nodes), iter(rest)
-    for k in range(len(positions) + len(rest)):
-      args.append(next(it_nodes) if k in positions else next(it_rest))
-    return args
+  # Shapes and manual specs of the owner buffers (and their momentum), the
+  # only state that may be sharded over the owner axes (size-1 axes
+  # dropped: XLA's spelling omits them).
+  sizes = dict(ded.mesh.shape) if axes else {}
+  in_layout = lambda shape, spec: (
+    tuple(shape),
+    _mesh.normalize_entries(spec, len(shape), sizes),
+  )
+  layout = ded.layout
+  owner_layout = {
+    in_layout(shape.shape, _manual_spec(spec, manual))
+    for shape, spec in zip(layout.buffer_shapes(), layout.buffer_specs())
+  }
 
   def prepare(args):
     # Every NNX graph node among the arguments (model, optimizer, metrics,
     # nnx.Rngs, ...) is updated in place afterwards, as nnx.jit does.
-    positions[:] = [k for k, a in enumerate(args) if isinstance(a, nnx.Pytree)]
-    _check_no_nested_nodes(args, positions)
+    positions = _node_positions(args)
     nodes = tuple(args[k] for k in positions)
-    rest = [a for k, a in enumerate(args) if k not in positions]
+    rest_at = [k for k in range(len(args)) if k not in positions]
     graphdef, state = nnx.split(nodes)
-    flat_paths = jax.tree_util.tree_flatten_with_path(state)[0]
     # Uncommitted state (step counts, RNG keys) onto the mesh, as the step
     # returns it: the second call then runs the first call's executable.
-    flat = _mesh.replicate_uncommitted(
-      [x for _, x in flat_paths], ded.mesh if axes else None
+    state = _mesh.replicate_uncommitted(state, ded.mesh if axes else None)
+    # One list of leaves: the graph nodes' state, then the other arguments
+    # (state too, but for the batch).
+    flat, treedef = jax.tree_util.tree_flatten_with_path(
+      (state, [args[k] for k in rest_at])
     )
-    treedef = jax.tree.structure(state)
-    specs = tuple(_manual_spec(x, manual) for x in flat)
-    batch = (
-      _default_batch(args, positions)
-      if batch_argnums is None
-      else set(batch_argnums)
-    )
-    other, other_def, other_specs, other_state = _other_leaves(
-      args, rest, positions, batch, ded.mesh, axes
-    )
-    if axes:
-      text = lambda keys: _model.text(_model.path(keys))
-      state_leaves = [
-        (x, sp, text(k)) for x, sp, (k, _) in zip(flat, specs, flat_paths)
-      ] + [
-        (x, sp, f'argument {text(k)}')
-        for x, sp, is_state, (k, _) in zip(
-          other,
-          other_specs,
-          other_state,
-          jax.tree_util.tree_flatten_with_path(rest)[0],
-        )
-        if is_state
-      ]
-      _check_owner_sharded(md, manual, state_leaves)
-    on_mesh = lambda xs: tuple(
-      isinstance(getattr(x, 'sharding', None), NamedSharding) for x in xs
-    )
-    key = (
-      graphdef,
-      treedef,
-      specs,
-      other_def,
-      other_specs,
-      other_state,
-      tuple(positions),
-      (on_mesh(flat), on_mesh(other)),
-    )
-    if key not in compiled:
-      paths = tuple(_model.text(_model.path(k)) for k, _ in flat_paths)
-      compiled[key] = _build_step(
-        md, fn, _merge_args, axes, explicit, key, paths
+    # Per leaf its argument (None: the graph nodes' state). The batch
+    # arguments by default: the last one holding an array of rank 1 or
+    # more (trailing scalars, e.g. a step number or a typed RNG key, are
+    # state).
+    arg_of = [rest_at[keys[1].idx] if keys[0].idx else None for keys, _ in flat]
+    data = [
+      k
+      for k, (_, x) in zip(arg_of, flat)
+      if k is not None
+      and np.ndim(x) >= 1
+      and not jax.dtypes.issubdtype(
+        getattr(x, 'dtype', None), jax.dtypes.prng_key
       )
-    return compiled[key], flat, other, nodes, treedef, other_def, other_state
+    ]
+    batch = set(data[-1:] if batch_argnums is None else batch_argnums)
+    is_state = tuple(k is None or k not in batch for k in arg_of)
+    # Arrays placed on the mesh keep their specs; unplaced batch arrays are
+    # split over the owner axes along their first axis, unplaced state
+    # arguments (a TrainState's batch statistics) are replicated.
+    leaves = [
+      jax.device_put(x, NamedSharding(ded.mesh, P()))
+      if axes and k is not None and k not in batch and _named(x) is None
+      else x
+      for k, (_, x) in zip(arg_of, flat)
+    ]
+    # The batch is split over the owner axes along its first axis unless
+    # its sharding splits it over them already: a batch placed replicated
+    # (jnp arrays made under jax.set_mesh are) would have every device run
+    # the whole batch.
+    specs = [_manual_spec(x, manual) for x in leaves]
+    specs = tuple(
+      P(axes) if axes and not state and np.ndim(x) >= 1 and s == P() else s
+      for x, s, state in zip(leaves, specs, is_state)
+    )
+    names = tuple(
+      ('argument ' if keys[0].idx else '') + _model.text(_model.path(keys[1:]))
+      for keys, _ in flat
+    )
+    # Inside the step each device runs the whole model: other state sharded
+    # over an owner axis would be seen as one device's shard.
+    for x, spec, name, state in zip(leaves, specs, names, is_state):
+      if state and spec != P() and in_layout(x.shape, spec) not in owner_layout:
+        raise ValueError(
+          f'dmuon: train_step got {name!r} sharded {spec} over the owner '
+          f'axes {tuple(sorted(manual))}; each device runs the whole model '
+          "there, so all but the owners' buffers and their momentum must be "
+          'replicated over those axes. Place it as dmuon_jax.flax.dedicate '
+          'left it (as its Flax metadata says; see ded.replicated).'
+        )
+    on_mesh = tuple(_named(x) is not None for x in leaves)
+    key = (graphdef, treedef, specs, is_state, positions, on_mesh)
+    if key not in compiled:
+      compiled[key] = _build_step(md, fn, axes, key, names)
+    return compiled[key], leaves, nodes, treedef, is_state
 
   @functools.wraps(fn)
   def call(*args):
-    jitted, flat, other, nodes, treedef, other_def, other_state = prepare(args)
-    new_flat, out = jitted(flat, other)
-    new_flat = [_respell(n, o) for n, o in zip(new_flat, flat)]
-    nnx.update(nodes, jax.tree.unflatten(treedef, new_flat))
-    if not any(other_state):  # an NNX step: nothing returned is state
-      return out
+    jitted, leaves, nodes, treedef, is_state = prepare(args)
+    new_state, out = jitted(leaves)
+    new_state = [_respell(n, o) for n, o in zip(new_state, leaves)]
+    nnx.update(nodes, jax.tree.unflatten(treedef.children()[0], new_state))
     # A returned state argument (a TrainState) too, as it came in.
-    leaves, out_def = jax.tree.flatten(out)
-    sources = _output_sources(out, other_def, other_state)
+    sources = _output_sources(out, treedef, is_state)
+    out_leaves, out_def = jax.tree.flatten(out)
     return jax.tree.unflatten(
       out_def,
       [
-        x if k is None else _respell(x, other[k])
-        for x, k in zip(leaves, sources)
+        x if k is None else _respell(x, leaves[k])
+        for x, k in zip(out_leaves, sources)
       ],
     )
 
   def compile(*args):  # noqa: A001
     """The step compiled for these arguments (e.g. for
     :func:`dmuon_jax.analyze_compiled`; a compilation of its own)."""
-    jitted, flat, other, *_ = prepare(args)
-    return jitted.lower(flat, other).compile()
+    jitted, leaves, *_ = prepare(args)
+    return jitted.lower(leaves).compile()
 
   call.compile = compile
   return call

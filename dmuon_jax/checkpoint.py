@@ -41,7 +41,6 @@ Examples:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import pathlib
@@ -238,6 +237,18 @@ def _to_portable(x, abstract=False, placed=True) -> PortableDMuonState:
   return PortableDMuonState(count=count, mu=_checkpoint.nest(mu))
 
 
+def _portable(tree, abstract=False, placed=True) -> Any:
+  """``tree`` with each dmuon state in portable form (see ``_to_portable``);
+  ``abstract``: every leaf as a ``jax.ShapeDtypeStruct``."""
+
+  def one(x):
+    if _owner_update.is_dmuon_state(x):
+      return _to_portable(x, abstract, placed)
+    return _checkpoint.abstract_leaf(x) if abstract else x
+
+  return jax.tree.map(one, tree, is_leaf=_owner_update.is_dmuon_state)
+
+
 def state_to_portable(opt_state: Any) -> Any:
   """Returns ``opt_state`` with mesh-independent Muon momentum.
 
@@ -270,39 +281,28 @@ def state_to_portable(opt_state: Any) -> Any:
     >>> jax.tree.map(jnp.shape, muon.mu)  # the Muon momentum, param-shaped
     {'layers_0': {'w': (4, 8)}}
   """
-  return jax.tree.map(
-    lambda x: _to_portable(x) if _owner_update.is_dmuon_state(x) else x,
-    opt_state,
-    is_leaf=_is_state,
-  )
+  return _portable(opt_state)
 
 
 def _from_portable(portable: PortableDMuonState, target) -> Any:
   layout = target.mu.layout
   by_path = _checkpoint.flat(portable.mu)
-  want = {t.path: t for t in layout.leaves}
-  missing = sorted(set(want) - set(by_path))
-  extra = sorted(set(by_path) - set(want))
-  if missing or extra:
+  parts = _checkpoint.diff_parts(
+    {p: tuple(np.shape(x)) for p, x in by_path.items()},
+    {t.path: t.shape for t in layout.leaves},
+    what='shapes',
+    have_name='portable',
+    want_name='expected',
+    only_want='missing',
+    only_have='not Muon targets here',
+  )
+  if parts:
     raise ValueError(
       'dmuon_jax checkpoint: the portable momentum does not fit the '
-      f'optimizer state of layout {layout.name}: '
-      + '; '.join(
-        [f'missing {missing}'] * bool(missing)
-        + [f'not Muon targets here {extra}'] * bool(extra)
-      )
-      + '. Make the optimizer as when saving (same Muon routing).'
+      f'optimizer state of layout {layout.name}: {" | ".join(parts)}. Make '
+      'the optimizer as when saving (same Muon routing).'
     )
-  values = {}
-  for path, t in want.items():
-    x = by_path[path]
-    if tuple(np.shape(x)) != t.shape:
-      raise ValueError(
-        f'dmuon_jax checkpoint: momentum of {path!r} has shape '
-        f'{tuple(np.shape(x))}, but the optimizer state of layout '
-        f'{layout.name} expects {t.shape}.'
-      )
-    values[t.index] = x
+  values = {t.index: by_path[t.path] for t in layout.leaves}
   # Boxed targets (Flax metadata on the buffers) get their boxes back.
   mu = target.mu.rebox(_checkpoint.pack_like(target.mu, values).buffers)
   fields = {
@@ -382,19 +382,6 @@ def state_from_portable(portable: Any, target_state: Any) -> Any:
   return jax.tree.unflatten(treedef, out)
 
 
-def _portable_abstract(target_state: Any, placed: bool = True) -> Any:
-  """``jax.ShapeDtypeStruct`` tree of the portable form of a state."""
-  return jax.tree.map(
-    lambda x: (
-      _to_portable(x, abstract=True, placed=placed)
-      if _owner_update.is_dmuon_state(x)
-      else _checkpoint.abstract_leaf(x)
-    ),
-    target_state,
-    is_leaf=_owner_update.is_dmuon_state,
-  )
-
-
 # ----------------------------------------------------------------- orbax
 
 
@@ -419,7 +406,7 @@ def _check_state_of(opt, params, portable) -> None:
   parts = _checkpoint.diff_parts(
     _checkpoint.sigs_by_path({'opt_state': portable}),
     _checkpoint.sigs_by_path(
-      {'opt_state': _portable_abstract(abstract, placed=False)}
+      {'opt_state': _portable(abstract, abstract=True, placed=False)}
     ),
     what='shapes/dtypes',
     have_name='opt_state',
@@ -608,6 +595,7 @@ def _restore(where, directory, step, if_damaged, targets):
     )
   root = _checkpoint.check_directory(directory, where)
   steps = complete_steps(root)
+  candidates = reversed(steps)
   if step is not None:
     step = _checkpoint.as_step(step, where)
     if step not in steps:
@@ -615,22 +603,27 @@ def _restore(where, directory, step, if_damaged, targets):
         f'dmuon_jax checkpoint.{where}: no complete step {step} under '
         f'{directory} (complete steps: {steps}).'
       )
-    return _restore_step(root, step, steps, *targets)
-  if not steps:
+    candidates, if_damaged = [step], 'raise'
+  elif not steps:
     _checkpoint.check_not_a_step(root, where)
     return None
   damaged = []
-  for candidate in reversed(steps):
+  for candidate in candidates:
     try:
-      return _restore_step(root, candidate, steps, *targets)
-    except CheckpointDamagedError as e:
-      if if_damaged == 'raise':
+      return _restore_step(root, candidate, *targets)
+    except Exception as e:  # orbax, TensorStore, json: whatever they raise
+      error = _damaged(root, candidate, steps, e)
+      if error is None:
         raise
-      damaged.append(e)
+      if if_damaged == 'raise':
+        raise error from e
+      error.__cause__ = e  # as if raised: chained to the last one's error
+      damaged.append(error)
       warnings.warn(
-        f'dmuon_jax checkpoint.{where}: step {e.step} is damaged ({e.file} '
-        'cannot be read); trying the next older complete step. Delete or '
-        f'move {root / str(e.step)} once you no longer need it.',
+        f'dmuon_jax checkpoint.{where}: step {candidate} is damaged '
+        f'({error.file} cannot be read); trying the next older complete '
+        f'step. Delete or move {root / str(candidate)} once you no longer '
+        'need it.',
         stacklevel=3,
       )
   raise CheckpointDamagedError(
@@ -649,20 +642,19 @@ def _restore(where, directory, step, if_damaged, targets):
 _placed = functools.partial(_checkpoint.abstract_leaf, placed=True)
 
 
-def _restore_step(root, step, steps, params_like, opt, extra_like, dedication):
+def _restore_step(root, step, params_like, opt, extra_like, dedication):
+  """``step`` restored onto the targets (``_restore`` translates the errors
+  on damaged files)."""
   path = root / str(step) / 'default'
-  read = functools.partial(_reading, root, step, steps)
 
   def load(name, abstract):
-    with read():
-      return _checkpoint.partial_restore(path, {name: abstract})[name]
+    return _checkpoint.partial_restore(path, {name: abstract})[name]
 
   dp_like = None
   if isinstance(params_like, _dedication.DedicatedParams):
     dp_like = params_like
     params_like = _checkpoint.dedicated_like(dp_like)
-  with read():
-    saved = _checkpoint.saved_tree(path)
+  saved = _checkpoint.saved_tree(path)
   params_abs = jax.tree.map(_placed, params_like)
   _checkpoint.check_saved(saved, {'params': params_abs}, step)
   params = load('params', params_abs)
@@ -673,7 +665,7 @@ def _restore_step(root, step, steps, params_like, opt, extra_like, dedication):
   opt_state = None
   if opt is not None:
     target = _checkpoint.target_state(opt, params)
-    abstract = _portable_abstract(target)
+    abstract = _portable(target, abstract=True)
     _checkpoint.check_saved(saved, {'opt_state': abstract}, step)
     opt_state = state_from_portable(load('opt_state', abstract), target)
   if extra_like is None:
@@ -823,42 +815,36 @@ def restore_nnx(
 # ------------------------------------------------------ damaged checkpoints
 
 
-@contextlib.contextmanager
-def _reading(root: pathlib.Path, step: int, steps: list[int]):
-  """Turns orbax's failures on damaged files into CheckpointDamagedError."""
-  try:
-    yield
-  except CheckpointDamagedError:
-    raise
-  except Exception as e:  # orbax, TensorStore, json: whatever they raise
-    step_dir = root / str(step)
-    file = _checkpoint.damaged_file(step_dir, e)
-    if file is None:
-      raise
-    others = [s for s in steps if s != step]
-    older = [s for s in others if s < step]
+def _damaged(root: pathlib.Path, step: int, steps: list[int], e: Exception):
+  """The CheckpointDamagedError for orbax's failure ``e`` on the files of
+  ``step``, or None if nothing says the files are at fault."""
+  step_dir = root / str(step)
+  file = _checkpoint.damaged_file(step_dir, e)
+  if file is None:
+    return None
+  others = [s for s in steps if s != step]
+  if not others:
     fix = (
-      f'Restore another complete step ({others}) with step=N'
-      + (
+      'There is no other complete step: recover the files from a copy or '
+      'start from scratch'
+    )
+  else:
+    fix = f'Restore another complete step ({others}) with step=N'
+    if min(others) < step:
+      fix += (
         ", or (without step=) pass if_damaged='older' to fall back to the "
         'newest undamaged one'
-        if older
-        else ''
       )
-      if others
-      else 'There is no other complete step: recover the files from a copy '
-      'or start from scratch'
-    )
-    raise CheckpointDamagedError(
-      f'dmuon_jax checkpoint: step {step} under {root} is damaged: {file} '
-      f'cannot be read ({_checkpoint.reason(e)}). The step was '
-      'committed, so its files changed after the save; this is not about '
-      f'the targets it is restored onto. {fix}; delete or move {step_dir} '
-      'so that later restores skip it.',
-      step=step,
-      file=file,
-      directory=root,
-    ) from e
+  return CheckpointDamagedError(
+    f'dmuon_jax checkpoint: step {step} under {root} is damaged: {file} '
+    f'cannot be read ({_checkpoint.reason(e)}). The step was '
+    'committed, so its files changed after the save; this is not about '
+    f'the targets it is restored onto. {fix}; delete or move {step_dir} '
+    'so that later restores skip it.',
+    step=step,
+    file=file,
+    directory=root,
+  )
 
 
 __all__ = (

@@ -722,21 +722,30 @@ def save_nnx(
     1 1
   """
   step = _checkpoint.as_step(step, 'save_nnx')
-  from flax import nnx  # flax is optional: lazily
-
-  params = nnx.to_pure_dict(nnx.state(model, optimizer.wrt))
-  more = {'optimizer_step': nnx.as_pure(optimizer.step)}
-  if extra is not None:
-    more['user'] = extra
+  _, params, opt_state, more = _nnx_tree(model, optimizer, extra)
   return save(
     directory,
     step,
     params,
-    nnx.as_pure(optimizer.opt_state),
+    opt_state,
     opt=optimizer.tx,
     max_to_keep=max_to_keep,
     extra=more,
   )
+
+
+def _nnx_tree(model, optimizer, extra):
+  """What ``save_nnx`` saves (the targets of ``restore_nnx``): the model's
+  params state, its pure dict, the pure optimizer state, and ``extra`` with
+  ``optimizer.step``."""
+  from flax import nnx  # flax is optional: lazily
+
+  state = nnx.state(model, optimizer.wrt)
+  more = {'optimizer_step': nnx.as_pure(optimizer.step)}
+  if extra is not None:
+    more['user'] = extra
+  opt_state = nnx.as_pure(optimizer.opt_state)
+  return state, nnx.to_pure_dict(state), opt_state, more
 
 
 def restore_nnx(
@@ -793,13 +802,8 @@ def restore_nnx(
   """
   from flax import nnx  # flax is optional: lazily
 
-  state = nnx.state(model, optimizer.wrt)
-  params_like = nnx.to_pure_dict(state)
-  more_like = {'optimizer_step': nnx.as_pure(optimizer.step)}
-  if extra_like is not None:
-    more_like['user'] = extra_like
-  targets = (params_like, nnx.as_pure(optimizer.opt_state), more_like, None)
-  got = _restore('restore_nnx', directory, step, if_damaged, targets)
+  state, *targets = _nnx_tree(model, optimizer, extra_like)
+  got = _restore('restore_nnx', directory, step, if_damaged, (*targets, None))
   if got is None:
     return None
   step, params, opt_state, more = got

@@ -595,7 +595,6 @@ def _restore(where, directory, step, if_damaged, targets):
     )
   root = _checkpoint.check_directory(directory, where)
   steps = complete_steps(root)
-  candidates = reversed(steps)
   if step is not None:
     step = _checkpoint.as_step(step, where)
     if step not in steps:
@@ -603,27 +602,22 @@ def _restore(where, directory, step, if_damaged, targets):
         f'dmuon_jax checkpoint.{where}: no complete step {step} under '
         f'{directory} (complete steps: {steps}).'
       )
-    candidates, if_damaged = [step], 'raise'
-  elif not steps:
+    return _restore_step(root, step, steps, *targets)
+  if not steps:
     _checkpoint.check_not_a_step(root, where)
     return None
   damaged = []
-  for candidate in candidates:
+  for candidate in reversed(steps):
     try:
-      return _restore_step(root, candidate, *targets)
-    except Exception as e:  # orbax, TensorStore, json: whatever they raise
-      error = _damaged(root, candidate, steps, e)
-      if error is None:
-        raise
+      return _restore_step(root, candidate, steps, *targets)
+    except CheckpointDamagedError as e:
       if if_damaged == 'raise':
-        raise error from e
-      error.__cause__ = e  # as if raised: chained to the last one's error
-      damaged.append(error)
+        raise
+      damaged.append(e)
       warnings.warn(
-        f'dmuon_jax checkpoint.{where}: step {candidate} is damaged '
-        f'({error.file} cannot be read); trying the next older complete '
-        f'step. Delete or move {root / str(candidate)} once you no longer '
-        'need it.',
+        f'dmuon_jax checkpoint.{where}: step {e.step} is damaged ({e.file} '
+        'cannot be read); trying the next older complete step. Delete or '
+        f'move {root / str(e.step)} once you no longer need it.',
         stacklevel=3,
       )
   raise CheckpointDamagedError(
@@ -642,22 +636,31 @@ def _restore(where, directory, step, if_damaged, targets):
 _placed = functools.partial(_checkpoint.abstract_leaf, placed=True)
 
 
-def _restore_step(root, step, params_like, opt, extra_like, dedication):
-  """``step`` restored onto the targets (``_restore`` translates the errors
-  on damaged files)."""
+def _restore_step(root, step, steps, params_like, opt, extra_like, dedication):
   path = root / str(step) / 'default'
 
-  def load(name, abstract):
-    return _checkpoint.partial_restore(path, {name: abstract})[name]
+  def read(name=None, abstract=None):
+    """The saved tree's metadata, or item ``name`` restored onto
+    ``abstract``; orbax's failures on damaged files raise
+    CheckpointDamagedError."""
+    try:
+      if name is None:
+        return _checkpoint.saved_tree(path)
+      return _checkpoint.partial_restore(path, {name: abstract})[name]
+    except Exception as e:  # orbax, TensorStore, json: whatever they raise
+      error = _damaged(root, step, steps, e)
+      if error is None:
+        raise
+      raise error from e
 
   dp_like = None
   if isinstance(params_like, _dedication.DedicatedParams):
     dp_like = params_like
     params_like = _checkpoint.dedicated_like(dp_like)
-  saved = _checkpoint.saved_tree(path)
+  saved = read()
   params_abs = jax.tree.map(_placed, params_like)
   _checkpoint.check_saved(saved, {'params': params_abs}, step)
-  params = load('params', params_abs)
+  params = read('params', params_abs)
   if dp_like is not None:
     params = _checkpoint.to_dedicated_like(params, dp_like)
   elif dedication is not None:
@@ -667,10 +670,10 @@ def _restore_step(root, step, params_like, opt, extra_like, dedication):
     target = _checkpoint.target_state(opt, params)
     abstract = _portable(target, abstract=True)
     _checkpoint.check_saved(saved, {'opt_state': abstract}, step)
-    opt_state = state_from_portable(load('opt_state', abstract), target)
+    opt_state = state_from_portable(read('opt_state', abstract), target)
   if extra_like is None:
     return step, params, opt_state
-  extra = load('extra', jax.tree.map(_placed, extra_like))
+  extra = read('extra', jax.tree.map(_placed, extra_like))
   return step, params, opt_state, extra
 
 

@@ -41,7 +41,6 @@ Examples:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import pathlib
@@ -238,6 +237,18 @@ def _to_portable(x, abstract=False, placed=True) -> PortableDMuonState:
   return PortableDMuonState(count=count, mu=_checkpoint.nest(mu))
 
 
+def _portable(tree, abstract=False, placed=True) -> Any:
+  """``tree`` with each dmuon state in portable form (see ``_to_portable``);
+  ``abstract``: every leaf as a ``jax.ShapeDtypeStruct``."""
+
+  def one(x):
+    if _owner_update.is_dmuon_state(x):
+      return _to_portable(x, abstract, placed)
+    return _checkpoint.abstract_leaf(x) if abstract else x
+
+  return jax.tree.map(one, tree, is_leaf=_owner_update.is_dmuon_state)
+
+
 def state_to_portable(opt_state: Any) -> Any:
   """Returns ``opt_state`` with mesh-independent Muon momentum.
 
@@ -270,39 +281,28 @@ def state_to_portable(opt_state: Any) -> Any:
     >>> jax.tree.map(jnp.shape, muon.mu)  # the Muon momentum, param-shaped
     {'layers_0': {'w': (4, 8)}}
   """
-  return jax.tree.map(
-    lambda x: _to_portable(x) if _owner_update.is_dmuon_state(x) else x,
-    opt_state,
-    is_leaf=_is_state,
-  )
+  return _portable(opt_state)
 
 
 def _from_portable(portable: PortableDMuonState, target) -> Any:
   layout = target.mu.layout
   by_path = _checkpoint.flat(portable.mu)
-  want = {t.path: t for t in layout.leaves}
-  missing = sorted(set(want) - set(by_path))
-  extra = sorted(set(by_path) - set(want))
-  if missing or extra:
+  parts = _checkpoint.diff_parts(
+    {p: tuple(np.shape(x)) for p, x in by_path.items()},
+    {t.path: t.shape for t in layout.leaves},
+    what='shapes',
+    have_name='portable',
+    want_name='expected',
+    only_want='missing',
+    only_have='not Muon targets here',
+  )
+  if parts:
     raise ValueError(
       'dmuon_jax checkpoint: the portable momentum does not fit the '
-      f'optimizer state of layout {layout.name}: '
-      + '; '.join(
-        [f'missing {missing}'] * bool(missing)
-        + [f'not Muon targets here {extra}'] * bool(extra)
-      )
-      + '. Make the optimizer as when saving (same Muon routing).'
+      f'optimizer state of layout {layout.name}: {" | ".join(parts)}. Make '
+      'the optimizer as when saving (same Muon routing).'
     )
-  values = {}
-  for path, t in want.items():
-    x = by_path[path]
-    if tuple(np.shape(x)) != t.shape:
-      raise ValueError(
-        f'dmuon_jax checkpoint: momentum of {path!r} has shape '
-        f'{tuple(np.shape(x))}, but the optimizer state of layout '
-        f'{layout.name} expects {t.shape}.'
-      )
-    values[t.index] = x
+  values = {t.index: by_path[t.path] for t in layout.leaves}
   # Boxed targets (Flax metadata on the buffers) get their boxes back.
   mu = target.mu.rebox(_checkpoint.pack_like(target.mu, values).buffers)
   fields = {
@@ -382,19 +382,6 @@ def state_from_portable(portable: Any, target_state: Any) -> Any:
   return jax.tree.unflatten(treedef, out)
 
 
-def _portable_abstract(target_state: Any, placed: bool = True) -> Any:
-  """``jax.ShapeDtypeStruct`` tree of the portable form of a state."""
-  return jax.tree.map(
-    lambda x: (
-      _to_portable(x, abstract=True, placed=placed)
-      if _owner_update.is_dmuon_state(x)
-      else _checkpoint.abstract_leaf(x)
-    ),
-    target_state,
-    is_leaf=_owner_update.is_dmuon_state,
-  )
-
-
 # ----------------------------------------------------------------- orbax
 
 
@@ -419,7 +406,7 @@ def _check_state_of(opt, params, portable) -> None:
   parts = _checkpoint.diff_parts(
     _checkpoint.sigs_by_path({'opt_state': portable}),
     _checkpoint.sigs_by_path(
-      {'opt_state': _portable_abstract(abstract, placed=False)}
+      {'opt_state': _portable(abstract, abstract=True, placed=False)}
     ),
     what='shapes/dtypes',
     have_name='opt_state',
@@ -651,21 +638,29 @@ _placed = functools.partial(_checkpoint.abstract_leaf, placed=True)
 
 def _restore_step(root, step, steps, params_like, opt, extra_like, dedication):
   path = root / str(step) / 'default'
-  read = functools.partial(_reading, root, step, steps)
 
-  def load(name, abstract):
-    with read():
+  def read(name=None, abstract=None):
+    """The saved tree's metadata, or item ``name`` restored onto
+    ``abstract``; orbax's failures on damaged files raise
+    CheckpointDamagedError."""
+    try:
+      if name is None:
+        return _checkpoint.saved_tree(path)
       return _checkpoint.partial_restore(path, {name: abstract})[name]
+    except Exception as e:  # orbax, TensorStore, json: whatever they raise
+      error = _damaged(root, step, steps, e)
+      if error is None:
+        raise
+      raise error from e
 
   dp_like = None
   if isinstance(params_like, _dedication.DedicatedParams):
     dp_like = params_like
     params_like = _checkpoint.dedicated_like(dp_like)
-  with read():
-    saved = _checkpoint.saved_tree(path)
+  saved = read()
   params_abs = jax.tree.map(_placed, params_like)
   _checkpoint.check_saved(saved, {'params': params_abs}, step)
-  params = load('params', params_abs)
+  params = read('params', params_abs)
   if dp_like is not None:
     params = _checkpoint.to_dedicated_like(params, dp_like)
   elif dedication is not None:
@@ -673,12 +668,12 @@ def _restore_step(root, step, steps, params_like, opt, extra_like, dedication):
   opt_state = None
   if opt is not None:
     target = _checkpoint.target_state(opt, params)
-    abstract = _portable_abstract(target)
+    abstract = _portable(target, abstract=True)
     _checkpoint.check_saved(saved, {'opt_state': abstract}, step)
-    opt_state = state_from_portable(load('opt_state', abstract), target)
+    opt_state = state_from_portable(read('opt_state', abstract), target)
   if extra_like is None:
     return step, params, opt_state
-  extra = load('extra', jax.tree.map(_placed, extra_like))
+  extra = read('extra', jax.tree.map(_placed, extra_like))
   return step, params, opt_state, extra
 
 
@@ -730,21 +725,30 @@ def save_nnx(
     1 1
   """
   step = _checkpoint.as_step(step, 'save_nnx')
-  from flax import nnx  # flax is optional: lazily
-
-  params = nnx.to_pure_dict(nnx.state(model, optimizer.wrt))
-  more = {'optimizer_step': nnx.as_pure(optimizer.step)}
-  if extra is not None:
-    more['user'] = extra
+  _, params, opt_state, more = _nnx_tree(model, optimizer, extra)
   return save(
     directory,
     step,
     params,
-    nnx.as_pure(optimizer.opt_state),
+    opt_state,
     opt=optimizer.tx,
     max_to_keep=max_to_keep,
     extra=more,
   )
+
+
+def _nnx_tree(model, optimizer, extra):
+  """What ``save_nnx`` saves (the targets of ``restore_nnx``): the model's
+  params state, its pure dict, the pure optimizer state, and ``extra`` with
+  ``optimizer.step``."""
+  from flax import nnx  # flax is optional: lazily
+
+  state = nnx.state(model, optimizer.wrt)
+  more = {'optimizer_step': nnx.as_pure(optimizer.step)}
+  if extra is not None:
+    more['user'] = extra
+  opt_state = nnx.as_pure(optimizer.opt_state)
+  return state, nnx.to_pure_dict(state), opt_state, more
 
 
 def restore_nnx(
@@ -801,13 +805,8 @@ def restore_nnx(
   """
   from flax import nnx  # flax is optional: lazily
 
-  state = nnx.state(model, optimizer.wrt)
-  params_like = nnx.to_pure_dict(state)
-  more_like = {'optimizer_step': nnx.as_pure(optimizer.step)}
-  if extra_like is not None:
-    more_like['user'] = extra_like
-  targets = (params_like, nnx.as_pure(optimizer.opt_state), more_like, None)
-  got = _restore('restore_nnx', directory, step, if_damaged, targets)
+  state, *targets = _nnx_tree(model, optimizer, extra_like)
+  got = _restore('restore_nnx', directory, step, if_damaged, (*targets, None))
   if got is None:
     return None
   step, params, opt_state, more = got
@@ -823,42 +822,36 @@ def restore_nnx(
 # ------------------------------------------------------ damaged checkpoints
 
 
-@contextlib.contextmanager
-def _reading(root: pathlib.Path, step: int, steps: list[int]):
-  """Turns orbax's failures on damaged files into CheckpointDamagedError."""
-  try:
-    yield
-  except CheckpointDamagedError:
-    raise
-  except Exception as e:  # orbax, TensorStore, json: whatever they raise
-    step_dir = root / str(step)
-    file = _checkpoint.damaged_file(step_dir, e)
-    if file is None:
-      raise
-    others = [s for s in steps if s != step]
-    older = [s for s in others if s < step]
+def _damaged(root: pathlib.Path, step: int, steps: list[int], e: Exception):
+  """The CheckpointDamagedError for orbax's failure ``e`` on the files of
+  ``step``, or None if nothing says the files are at fault."""
+  step_dir = root / str(step)
+  file = _checkpoint.damaged_file(step_dir, e)
+  if file is None:
+    return None
+  others = [s for s in steps if s != step]
+  if not others:
     fix = (
-      f'Restore another complete step ({others}) with step=N'
-      + (
+      'There is no other complete step: recover the files from a copy or '
+      'start from scratch'
+    )
+  else:
+    fix = f'Restore another complete step ({others}) with step=N'
+    if min(others) < step:
+      fix += (
         ", or (without step=) pass if_damaged='older' to fall back to the "
         'newest undamaged one'
-        if older
-        else ''
       )
-      if others
-      else 'There is no other complete step: recover the files from a copy '
-      'or start from scratch'
-    )
-    raise CheckpointDamagedError(
-      f'dmuon_jax checkpoint: step {step} under {root} is damaged: {file} '
-      f'cannot be read ({_checkpoint.reason(e)}). The step was '
-      'committed, so its files changed after the save; this is not about '
-      f'the targets it is restored onto. {fix}; delete or move {step_dir} '
-      'so that later restores skip it.',
-      step=step,
-      file=file,
-      directory=root,
-    ) from e
+  return CheckpointDamagedError(
+    f'dmuon_jax checkpoint: step {step} under {root} is damaged: {file} '
+    f'cannot be read ({_checkpoint.reason(e)}). The step was '
+    'committed, so its files changed after the save; this is not about '
+    f'the targets it is restored onto. {fix}; delete or move {step_dir} '
+    'so that later restores skip it.',
+    step=step,
+    file=file,
+    directory=root,
+  )
 
 
 __all__ = (

@@ -77,7 +77,7 @@ import pathlib
 import re
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
@@ -626,54 +626,29 @@ def _group_size(
   return replica_count
 
 
-def _scaled(elements: list[Element], dim: int, factor: float) -> list[Element]:
-  out = []
-  for dtype, shape in elements:
-    shape = list(shape)
-    if shape:
-      shape[dim] = int(shape[dim] * factor)
-    out.append((dtype, tuple(shape)))
-  return out
-
-
 def _full_elements(
   ins: _Instruction, kind: str, n: int, shapes: dict[str, str]
 ) -> list[Element]:
-  """Elements of the full array that the byte formula for ``kind`` uses."""
-  operands: list[Element] | None = []
-  for inline, name in ins.operands:
-    text = inline or shapes.get(name)
-    if text is None:  # Not in this computation: fall back to the result.
-      operands = None
-      break
-    operands.extend(elements(text))
-  result = elements(ins.shape)
+  """Elements of the full array that the byte formula for ``kind`` uses:
+  the operands, but the result of an all-gather (its operands times ``n``
+  along the gathered dimension for an async start, whose shape bundles
+  operands, results and u32[] contexts)."""
+  if kind == 'all-gather' and not ins.opcode.endswith('-start'):
+    return elements(ins.shape)
+  operands = [
+    e for s, name in ins.operands for e in elements(s or shapes[name])
+  ]
+  if kind != 'all-gather':
+    return operands
   dim = re.search(r'\bdimensions=\{(\d+)\}', ins.attrs)
   dim = int(dim[1]) if dim else 0
-  if ins.opcode.endswith('-start'):
-    # The shape of an async start bundles operands, results and u32[]
-    # contexts; the operands are the reliable part.
-    if operands is None:
-      arrays = [e for e in result if e[1]]
-      operands = arrays[: max(1, len(arrays) // 2)]
-    if kind == 'all-gather':
-      return _scaled(operands, dim, n)
-    return operands
-  if kind == 'all-gather':
-    return result
-  if operands is not None:
-    return operands
-  if kind == 'reduce-scatter':
-    return _scaled(result, dim, n)
-  return result
+  return [
+    (dtype, s[:dim] + (s[dim] * n,) + s[dim + 1 :] if s else s)
+    for dtype, s in operands
+  ]
 
 
-def _hlo_kind(opcode: str) -> str | None:
-  base = opcode.removesuffix('-start')
-  return base if base in KINDS else None
-
-
-def _walk(
+def walk(
   computations: dict[str, list[_Instruction]],
   name: str,
   executions: int = 1,
@@ -696,14 +671,14 @@ def _walk(
         # The condition runs once more than the body.
         extra = 1 if trip and m['key'] == 'condition' else 0
         runs = executions * (trips + extra)
-        yield from _walk(
+        yield from walk(
           computations, m['name'], runs, context + ('while',), stack
         )
     elif ins.opcode not in ('async-done', 'async-update'):
       # (Those two call the op that their async-start does.)
       inner = context + ('conditional',) * (ins.opcode == 'conditional')
       for callee in callees(ins):
-        yield from _walk(computations, callee, executions, inner, stack)
+        yield from walk(computations, callee, executions, inner, stack)
 
 
 def hlo_collectives(
@@ -751,8 +726,8 @@ def hlo_collectives(
   }
   out: list[Collective] = []
   for root in roots:
-    for comp, ins, executions, context in _walk(computations, root):
-      if (kind := _hlo_kind(ins.opcode)) is not None:
+    for comp, ins, executions, context in walk(computations, root):
+      if (kind := ins.opcode.removesuffix('-start')) in KINDS:
         n = _group_size(ins, kind, num_partitions, replica_count)
         full = _full_elements(ins, kind, n, shapes[comp])
         in_loop = 'while' in context
@@ -762,84 +737,14 @@ def hlo_collectives(
   return tuple(out)
 
 
-class NestedCollective(NamedTuple):
-  """A collective and the control flow around it.
-
-  One entry of :func:`collective_nesting`: a collective inside a
-  ``conditional`` runs only on the devices that take its branch, which
-  NCCL, matching collectives by their order, does not allow.
-
-  Attributes:
-    kind: one of :data:`KINDS`.
-    context: the enclosing ``'conditional'`` and ``'while'`` instructions,
-      outermost first; ``()`` at the top level.
-    elements: the number of elements of its result (one execution).
-
-  Examples:
-    >>> from dmuon_jax import diagnostics
-    >>> text = '''ENTRY main () -> f32[16] {
-    ...   ROOT g = f32[16] all-gather(f32[8] x), replica_groups={{0,1}}
-    ... }'''
-    >>> diagnostics.collective_nesting(text)
-    (NestedCollective(kind='all-gather', context=(), elements=16),)
-  """
-
-  kind: str
-  context: tuple[str, ...]
-  elements: int
-
-
-def collective_nesting(compiled: Any) -> tuple[NestedCollective, ...]:
-  """Every collective of a compiled program with the control flow around it.
-
-  On GPU a collective that only some devices of its replica groups execute
-  (one inside a branch of a ``conditional`` that devices take differently)
-  is a hazard: NCCL matches collectives by their order on each
-  communicator. This lists, for each collective instruction, the
-  ``conditional`` and ``while`` instructions it is nested in.
-
-  Args:
-    compiled: a ``jax.stages.Compiled`` (or ``Lowered``), or HLO text.
-
-  Returns:
-    A :class:`NestedCollective` per collective instruction (asynchronous
-    pairs counted once, by their start): its kind, the enclosing
-    ``'conditional'`` and ``'while'`` opcodes, outermost first (``()`` at
-    the top level), and the elements of its result (one execution).
-
-  Examples:
-    >>> import jax, jax.numpy as jnp
-    >>> from dmuon_jax import diagnostics
-    >>> mesh = jax.make_mesh((2,), ('data',))  # of the first 2 devices
-    >>> x = jnp.ones((8, 16), device=jax.NamedSharding(mesh, jax.P('data')))
-    >>> @jax.jit
-    ... def step(x):  # each iteration sums the sharded rows: an all-reduce
-    ...   return jax.lax.fori_loop(0, 3, lambda i, y: y + y.sum(0), x)
-    >>> for c in diagnostics.collective_nesting(step.lower(x).compile()):
-    ...   print(c.kind, c.context, c.elements)
-    all-reduce ('while',) 16
-  """
-  if isinstance(compiled, jax.stages.Lowered):
-    compiled = compiled.compile()
-  text = compiled if isinstance(compiled, str) else compiled.as_text()
-  computations, entry, _, _ = parse_module(text)
-  out: list[NestedCollective] = []
-  seen = set()  # A computation called twice in one context lists once.
-  for comp, ins, _, context in _walk(computations, entry) if entry else ():
-    kind = _hlo_kind(ins.opcode)
-    if kind is not None and (comp, ins.name, context) not in seen:
-      seen.add((comp, ins.name, context))
-      result = elements(ins.shape)
-      if ins.opcode.endswith('-start') and len(result) > 1:
-        result = result[len(result) // 2 :]  # (operands, results)
-      size = sum(math.prod(dims) for _, dims in result)
-      out.append(NestedCollective(kind, context, int(size)))
-  return tuple(out)
-
-
 # Moved to the repository's examples/benchmarks/hlo_tools.py (tooling for the
 # tests and benchmarks); importable from here for one more release.
-_MOVED = ('dot_flops', 'stablehlo_collectives')
+_MOVED = (
+  'NestedCollective',
+  'collective_nesting',
+  'dot_flops',
+  'stablehlo_collectives',
+)
 
 
 def __getattr__(name: str) -> Any:
@@ -866,10 +771,8 @@ __all__ = (
   'KINDS',
   'Collective',
   'HloReport',
-  'NestedCollective',
   'analyze',
   'analyze_compiled',
-  'collective_nesting',
   'hlo_collectives',
   'parse_replica_groups',
 )

@@ -288,6 +288,21 @@ class DedicatedCheckpointTest(absltest.TestCase):
     self.assertIsNone(state)
     chex.assert_trees_all_equal(params, self.ded.to_params(self.dp))
 
+  def test_restore_into_dedicated_params(self):
+    # DedicatedParams as params_like give the layout, dtypes and placement
+    # themselves (here of another mesh): no dedication= needed.
+    ded, opt, _ = dedicated_setup(jax.make_mesh((1, 8), AXES))
+    target = ded.to_dedicated(jax.tree.map(jnp.zeros_like, block_params()))
+    got, dp, state = checkpoint.restore(self.tmp.name, target, opt)
+    self.assertEqual(got, 10)
+    self.assertEqual(dp.owned.layout, target.owned.layout)
+    for a, b in zip(jax.tree.leaves(dp), jax.tree.leaves(target)):
+      self.assertEqual((a.dtype, a.sharding), (b.dtype, b.sharding))
+    chex.assert_trees_all_equal(ded.to_params(dp), self.ded.to_params(self.dp))
+    chex.assert_trees_all_equal(
+      checkpoint.state_to_portable(state), self.portable
+    )
+
   def _resume(self, shape):
     mesh = (
       None

@@ -789,9 +789,17 @@ class HloToolsTest(absltest.TestCase):
     got = stablehlo_collectives(text)
     self.assertEqual(got, hlo_tools.stablehlo_collectives(text))
     self.assertEqual([(c.kind, c.group_size) for c in got], [('all-reduce', 8)])
+    with self.assertWarnsRegex(DeprecationWarning, 'collective_nesting'):
+      collective_nesting = diagnostics.collective_nesting
+    with self.assertWarnsRegex(DeprecationWarning, 'NestedCollective'):
+      nested = diagnostics.NestedCollective
+    got = collective_nesting(psum.lower(_arg(mesh, (8, 16), P())).compile())
+    self.assertEqual([(c.kind, c.context) for c in got], [('all-reduce', ())])
+    self.assertEqual(type(got[0]).__name__, nested.__name__)
     with self.assertRaises(AttributeError):
       diagnostics.no_such_name  # noqa: B018
-    self.assertNotIn('dot_flops', diagnostics.__all__)
+    for name in ('dot_flops', 'collective_nesting', 'NestedCollective'):
+      self.assertNotIn(name, diagnostics.__all__)
 
 
 if __name__ == '__main__':

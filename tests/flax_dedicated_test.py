@@ -77,7 +77,7 @@ def _run(shape, scan, z3, per_gather, fsdp_rest):
   step = tf.make_train_step(ded, opt, state, scan)
   compiled = step.lower(dp, state, tokens).compile()
   report = dmuon_jax.analyze_compiled(compiled)
-  nesting = dmuon_jax.diagnostics.collective_nesting(compiled)
+  nesting = support.hlo_tools.collective_nesting(compiled)
   first = (dp, state, tokens, step)
   dp, state, losses = support.run_dedicated_steps(
     compiled, dp, state, tokens, STEPS

@@ -258,7 +258,7 @@ def _dedicated(shape, scan, z3, auto, owner_groups, per_gather):
     'losses': losses,
     'params': jax.device_get(ded.to_params(model)),
     'report': dmuon_jax.analyze_compiled(compiled),
-    'nesting': dmuon_jax.diagnostics.collective_nesting(compiled),
+    'nesting': support.hlo_tools.collective_nesting(compiled),
     'memory': compiled.memory_analysis(),
     'model': model,
     'optimizer': optimizer,

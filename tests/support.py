@@ -660,7 +660,7 @@ def conditional_branches(text: str) -> list[int]:
 def assert_no_collective_in_a_conditional(test, compiled, scanned=False):
   """No collective is nested in a conditional; inside while loops only the
   per-layer gathers of a scanned stack (``scanned``) and their transposes."""
-  nesting = dmuon_jax.diagnostics.collective_nesting(compiled)
+  nesting = hlo_tools.collective_nesting(compiled)
   test.assertNotEmpty(nesting)
   in_branch = [c for c in nesting if 'conditional' in c.context]
   test.assertEmpty(in_branch, in_branch)

@@ -184,7 +184,9 @@ def main(argv=None):
         p, state = compiled(p, state, gs[r % 2])
         jax.block_until_ready(p)
         times.append(time.perf_counter() - t0)
-    nesting = dmuon_jax.diagnostics.collective_nesting(compiled)
+    import hlo_tools  # pylint: disable=import-outside-toplevel
+
+    nesting = hlo_tools.collective_nesting(compiled)
     report = dmuon_jax.analyze_compiled(compiled)
     (layout,) = dmuon_jax.owner_layouts(state)
     record(

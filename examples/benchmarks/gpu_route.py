@@ -105,7 +105,9 @@ def run(size, z3, reps):
   for c in dmuon_jax.diagnostics.hlo_collectives(compiled.as_text()):
     count, nbytes = kinds.get(c.kind, (0, 0.0))
     kinds[c.kind] = (count + c.executions, nbytes + c.bytes * c.executions)
-  nested = dmuon_jax.diagnostics.collective_nesting(compiled)
+  import hlo_tools  # pylint: disable=import-outside-toplevel
+
+  nested = hlo_tools.collective_nesting(compiled)
   _, gathered = ded.dedication.gather_bytes()
   floor = (3 if z3 else 2) * (n - 1) / n * gathered
   muon = sum(

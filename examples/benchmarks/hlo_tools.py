@@ -1,5 +1,6 @@
-"""HLO tooling for the suite and the benchmarks: per-device matmul FLOPs and
-the collectives of a StableHLO program.
+"""HLO tooling for the suite and the benchmarks: per-device matmul FLOPs,
+the collectives of a StableHLO program and the control flow around each
+collective.
 
 Not part of ``dmuon_jax``: the tests and the scripts here import it (with
 this folder on ``sys.path``). ``dmuon_jax.diagnostics`` keeps what a user
@@ -12,10 +13,12 @@ and bytes by kind, XLA's FLOPs and memory).
   each owner's own branch of a ``conditional``.
 * :func:`stablehlo_collectives`: the collectives of a program lowered for a
   platform this machine cannot compile for (the CUDA program on a CPU host).
+* :func:`collective_nesting`: the ``conditional`` and ``while`` around each
+  collective of a compiled program (a collective only some devices run is
+  an NCCL hazard).
 
-Both were ``dmuon_jax.diagnostics.dot_flops`` and
-``dmuon_jax.diagnostics.stablehlo_collectives`` (deprecated aliases there
-for one release).
+All were in ``dmuon_jax.diagnostics`` (deprecated aliases there for one
+release, :class:`NestedCollective` too).
 """
 
 from __future__ import annotations
@@ -23,12 +26,90 @@ from __future__ import annotations
 import math
 import re
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from dmuon_jax import diagnostics
+
+# ---------------------------------------------------------------------------
+# The control flow around each collective of compiled HLO.
+
+
+class NestedCollective(NamedTuple):
+  """A collective and the control flow around it.
+
+  One entry of :func:`collective_nesting`: a collective inside a
+  ``conditional`` runs only on the devices that take its branch, which
+  NCCL, matching collectives by their order, does not allow.
+
+  Attributes:
+    kind: one of :data:`dmuon_jax.diagnostics.KINDS`.
+    context: the enclosing ``'conditional'`` and ``'while'`` instructions,
+      outermost first; ``()`` at the top level.
+    elements: the number of elements of its result (one execution).
+
+  Examples:
+    >>> text = '''ENTRY main () -> f32[16] {
+    ...   ROOT g = f32[16] all-gather(f32[8] x), replica_groups={{0,1}}
+    ... }'''
+    >>> collective_nesting(text)
+    (NestedCollective(kind='all-gather', context=(), elements=16),)
+  """
+
+  kind: str
+  context: tuple[str, ...]
+  elements: int
+
+
+def collective_nesting(compiled: Any) -> tuple[NestedCollective, ...]:
+  """Every collective of a compiled program with the control flow around it.
+
+  On GPU a collective that only some devices of its replica groups execute
+  (one inside a branch of a ``conditional`` that devices take differently)
+  is a hazard: NCCL matches collectives by their order on each
+  communicator. This lists, for each collective instruction, the
+  ``conditional`` and ``while`` instructions it is nested in.
+
+  Args:
+    compiled: a ``jax.stages.Compiled`` (or ``Lowered``), or HLO text.
+
+  Returns:
+    A :class:`NestedCollective` per collective instruction (asynchronous
+    pairs counted once, by their start): its kind, the enclosing
+    ``'conditional'`` and ``'while'`` opcodes, outermost first (``()`` at
+    the top level), and the elements of its result (one execution).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> mesh = jax.make_mesh((2,), ('data',))  # of the first 2 devices
+    >>> x = jnp.ones((8, 16), device=jax.NamedSharding(mesh, jax.P('data')))
+    >>> @jax.jit
+    ... def step(x):  # each iteration sums the sharded rows: an all-reduce
+    ...   return jax.lax.fori_loop(0, 3, lambda i, y: y + y.sum(0), x)
+    >>> for c in collective_nesting(step.lower(x).compile()):
+    ...   print(c.kind, c.context, c.elements)
+    all-reduce ('while',) 16
+  """
+  if isinstance(compiled, jax.stages.Lowered):
+    compiled = compiled.compile()
+  text = compiled if isinstance(compiled, str) else compiled.as_text()
+  computations, entry, _, _ = diagnostics.parse_module(text)
+  out: list[NestedCollective] = []
+  seen = set()  # A computation called twice in one context lists once.
+  walk = diagnostics.walk(computations, entry) if entry else ()
+  for comp, ins, _, context in walk:
+    kind = ins.opcode.removesuffix('-start')
+    if kind in diagnostics.KINDS and (comp, ins.name, context) not in seen:
+      seen.add((comp, ins.name, context))
+      result = diagnostics.elements(ins.shape)
+      if ins.opcode.endswith('-start') and len(result) > 1:
+        result = result[len(result) // 2 :]  # (operands, results)
+      size = sum(math.prod(dims) for _, dims in result)
+      out.append(NestedCollective(kind, context, int(size)))
+  return tuple(out)
+
 
 # ---------------------------------------------------------------------------
 # StableHLO (MLIR) text.

@@ -243,7 +243,6 @@ def drop_in_row(name, n, s):
   import jax  # pylint: disable=import-outside-toplevel
 
   import dmuon_jax  # pylint: disable=import-outside-toplevel
-  from dmuon_jax import diagnostics  # pylint: disable=import-outside-toplevel
 
   mesh = jax.make_mesh((n // s, s), ('replicate', 'shard'))
   params, dims = model_params(name)
@@ -265,7 +264,7 @@ def drop_in_row(name, n, s):
   flops = hlo_tools.dot_flops(
     compiled, loop_trip_counts=True, branches_per_device=n
   )
-  nesting = diagnostics.collective_nesting(compiled)
+  nesting = hlo_tools.collective_nesting(compiled)
   text = compiled.as_text()
   branches = conditional_branches(text)
   predicted = layout.collective_bytes()
@@ -380,7 +379,6 @@ def dedicated_row(name, n, s, layers_per_gather='auto'):
   from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
 
   import dmuon_jax  # pylint: disable=import-outside-toplevel
-  from dmuon_jax import diagnostics  # pylint: disable=import-outside-toplevel
 
   mesh = jax.make_mesh((n // s, s), ('replicate', 'shard'))
   params, dims = model_params(name)
@@ -433,7 +431,7 @@ def dedicated_row(name, n, s, layers_per_gather='auto'):
   flops = hlo_tools.dot_flops(
     compiled, loop_trip_counts=True, branches_per_device=n_slots
   )
-  nesting = diagnostics.collective_nesting(compiled)
+  nesting = hlo_tools.collective_nesting(compiled)
   branches = conditional_branches(compiled.as_text())
   payload, gathered = ded.gather_bytes()
   r = n // s

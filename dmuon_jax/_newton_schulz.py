@@ -170,20 +170,17 @@ def resolve_ns_coeffs(
         ' Or pass the coefficients themselves: one row (a, b, c) or a'
         ' (k, 3) array.'
       )
-    coeffs = np.array(NS_COEFF_PRESETS[name], dtype=np.float64)
-    repeat = len(coeffs) == 1
-  else:
-    try:
-      coeffs = np.array(ns_coeffs, dtype=np.float64)
-    except (TypeError, ValueError) as e:
-      raise ValueError(
-        'ns_coeffs must be a preset name, one row (a, b, c) or a (k, 3)'
-        ' array of static numbers (not traced arrays), got'
-        f' {ns_coeffs!r}.'
-      ) from e
-    repeat = coeffs.shape == (3,)
-    if repeat:
-      coeffs = coeffs[None]
+    rows = NS_COEFF_PRESETS[name]
+    ns_coeffs = rows[0] if len(rows) == 1 else rows  # one row: repeated
+  try:
+    coeffs = np.array(ns_coeffs, dtype=np.float64)
+  except (TypeError, ValueError) as e:
+    raise ValueError(
+      'ns_coeffs must be a preset name, one row (a, b, c) or a (k, 3)'
+      f' array of static numbers (not traced arrays), got {ns_coeffs!r}.'
+    ) from e
+  repeat = coeffs.shape == (3,)
+  coeffs = coeffs[None] if repeat else coeffs
   if coeffs.ndim != 2 or coeffs.shape[1] != 3 or coeffs.shape[0] < 1:
     raise ValueError(
       'ns_coeffs must have shape (3,) (one row (a, b, c), repeated ns_steps'
@@ -196,10 +193,9 @@ def resolve_ns_coeffs(
       ' coefficients.'
     )
   if repeat:
-    steps = _DEFAULT_NS_STEPS if ns_steps is None else ns_steps
-    return np.repeat(coeffs, steps, axis=0)
+    return np.repeat(coeffs, ns_steps or _DEFAULT_NS_STEPS, axis=0)
   k = coeffs.shape[0]
-  if ns_steps is not None and ns_steps != k:
+  if ns_steps not in (None, k):
     raise ValueError(
       f'ns_coeffs has {k} rows (one per iteration) but {ns_steps=}. Pass'
       f' ns_steps=None or ns_steps={k} to run the {k} rows, or pass exactly'
@@ -228,6 +224,25 @@ def _clipped_rsqrt(x: jax.Array, eps: jax.typing.ArrayLike) -> jax.Array:
   return jax.lax.rsqrt(jnp.maximum(x, floor))
 
 
+def check_ns_options(
+  where: str, preconditioning: str, compute_dtype: jax.typing.DTypeLike | None
+) -> None:
+  """Raises for an unknown ``preconditioning`` or ``compute_dtype`` (None:
+  the input's dtype); ``where`` names the caller in the message."""
+  if preconditioning not in PRECONDITIONINGS:
+    raise ValueError(
+      f'{where}: {preconditioning=} is not one of {PRECONDITIONINGS}.'
+    )
+  if compute_dtype is not None and jnp.dtype(compute_dtype) not in (
+    COMPUTE_DTYPES
+  ):
+    raise ValueError(
+      f'{where}: compute_dtype={compute_dtype!r} is not one of'
+      f' {tuple(d.name for d in COMPUTE_DTYPES)} (or None: the dtype of the'
+      ' input).'
+    )
+
+
 def _check_static_args(
   fn_name: str,
   x: jax.Array,
@@ -245,20 +260,8 @@ def _check_static_args(
       f'{fn_name}: x must have a real floating dtype, got {x.dtype}. '
       'Cast it first, e.g. x.astype(jnp.float32).'
     )
-  if preconditioning not in PRECONDITIONINGS:
-    raise ValueError(
-      f'{fn_name}: unknown {preconditioning=}. Pass one of'
-      f' {", ".join(repr(p) for p in PRECONDITIONINGS)}.'
-    )
-  if compute_dtype is None:
-    compute_dtype = x.dtype
-  compute_dtype = jnp.dtype(compute_dtype)
-  if compute_dtype not in COMPUTE_DTYPES:
-    raise ValueError(
-      f'{fn_name}: unsupported {compute_dtype=}. Pass None (the dtype of'
-      ' x) or one of float32, bfloat16, float16, float64.'
-    )
-  return compute_dtype
+  check_ns_options(fn_name, preconditioning, compute_dtype)
+  return jnp.dtype(x.dtype if compute_dtype is None else compute_dtype)
 
 
 def _orient(x: jax.Array) -> tuple[jax.Array, bool]:
@@ -596,20 +599,27 @@ def orthogonalize_via_gram_newton_schulz(
     https://github.com/Dao-AILab/gram-newton-schulz
   """
   rows = resolve_ns_coeffs(ns_coeffs, ns_steps)
-  restarts = check_restart_iterations(restart_iterations, len(rows))
+  windows = gram_windows(len(rows), restart_iterations)
   x = jnp.asarray(x)
   compute_dtype = _check_static_args(
     'orthogonalize_via_gram_newton_schulz', x, preconditioning, compute_dtype
   )
   x0, r, transposed = _prepare(x, preconditioning, eps, compute_dtype)
-  return _finish(gram_iterate(x0, r, rows, restarts), transposed, x)
+  return _finish(gram_iterate(x0, r, rows, windows), transposed, x)
 
 
-def gram_segments(
-  num_iterations: int, restarts: Sequence[int]
+def gram_windows(
+  k: int, restart_iterations: Sequence[int] | None = None, long_gram=False
 ) -> tuple[tuple[int, int], ...]:
-  """``[start, end)`` iteration ranges between restarts."""
-  bounds = (0,) + tuple(restarts) + (num_iterations,)
+  """The ``[start, end)`` iteration ranges between the restarts of ``k``
+  iterations (:func:`check_restart_iterations`). ``long_gram``: the Gram
+  of a TP-split matrix is over its long side, where None means ``(1, 3)``
+  for >= 4 iterations (the iteration amplifies the rounding in its large
+  null space; seen: 1.6e-5 against direct NS with one restart on
+  32 x 128, 3.7e-6 with two)."""
+  if restart_iterations is None and long_gram and k >= 4:
+    restart_iterations = (1, 3)
+  bounds = (0, *check_restart_iterations(restart_iterations, k), k)
   return tuple(zip(bounds[:-1], bounds[1:]))
 
 
@@ -635,17 +645,16 @@ def gram_iterate(
   x0: jax.Array,
   r: jax.Array | None,
   rows: np.ndarray,
-  restarts: Sequence[int],
-  reduce: Callable[[jax.Array], jax.Array] | None = None,
+  windows: Sequence[tuple[int, int]],
+  reduce: Callable[[jax.Array], jax.Array] = lambda r: r,
 ) -> jax.Array:
   """The Gram iteration from ``X_0`` and ``R = X_0 X_0^T`` (None: formed
-  here); returns ``Q X_0``. ``R`` is formed as ``reduce(X X^T)``: a sum of
-  the local Grams of a sharded ``X`` (a ``psum`` over its TP axis); None
-  for a whole ``X``."""
-  for w, (start, end) in enumerate(gram_segments(len(rows), restarts)):
+  here) over :func:`gram_windows`; returns ``Q X_0``. ``R`` is formed as
+  ``reduce(X X^T)``: a sum of the local Grams of a sharded ``X`` (a
+  ``psum`` over its TP axis); the identity for a whole ``X``."""
+  for w, (start, end) in enumerate(windows):
     if w or r is None:
-      r = x0 @ _transpose(x0)
-      r = r if reduce is None else reduce(r)
+      r = reduce(x0 @ _transpose(x0))
     x0 = gram_factor(r, rows[start:end]) @ x0
   return x0
 
@@ -660,24 +669,6 @@ def frobenius_scale(gram: jax.Array, eps: jax.typing.ArrayLike) -> jax.Array:
 def split_last(x: jax.Array, split_axis: int) -> jax.Array:
   """``x`` with its split dimension (``split_axis``: -1 or -2) last."""
   return x if split_axis == -1 else _transpose(x)
-
-
-def tp_restarts(
-  restart_iterations: Sequence[int] | None,
-  num_iterations: int,
-  gram_size: int,
-  other_size: int,
-) -> tuple[int, ...]:
-  """The restarts of a TP-split matrix's Gram iteration (Gram
-  ``gram_size`` square, the whole other side ``other_size``). None:
-  ``(1, 3)`` for a Gram over the long side and >= 4 iterations (the
-  iteration amplifies the rounding in its large null space; seen: 1.6e-5
-  against direct NS with one restart on 32 x 128, 3.7e-6 with two), else
-  :func:`check_restart_iterations`'s default."""
-  long_gram = num_iterations >= 4 and gram_size > other_size
-  if restart_iterations is None and long_gram:
-    restart_iterations = (1, 3)
-  return check_restart_iterations(restart_iterations, num_iterations)
 
 
 def orthogonalize_via_gram_newton_schulz_tp(
@@ -774,15 +765,14 @@ def orthogonalize_via_gram_newton_schulz_tp(
   compute_dtype = jnp.dtype(compute_dtype or x.dtype)
   norm_dtype = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
   x0 = split_last(x.astype(norm_dtype), split_axis)
-  restarts = tp_restarts(
-    restart_iterations, len(rows), x0.shape[-2], x0.shape[-1] * tp
-  )
+  long_gram = x0.shape[-2] > x0.shape[-1] * tp
+  windows = gram_windows(len(rows), restart_iterations, long_gram)
   reduce = lambda a: jax.lax.psum(a, axis_name)
   gram = reduce(x0 @ _transpose(x0))
   scale = frobenius_scale(gram, eps)[..., None, None]
   x0 = (x0 * scale).astype(compute_dtype)
   r = (gram * scale**2).astype(compute_dtype)
-  out = gram_iterate(x0, r, rows, restarts, reduce)
+  out = gram_iterate(x0, r, rows, windows, reduce)
   return split_last(out, split_axis).astype(x.dtype)
 
 
@@ -822,12 +812,8 @@ def matmul_flops(
   s, long = min(m, n), max(m, n)
   if algorithm == 'standard':
     return k * (4 * s * s * long + 2 * s**3)
-  if algorithm == 'gram':
-    p = len(check_restart_iterations(restart_iterations, k)) + 1
-    return 4 * p * s * s * long + (8 * k - 6 * p) * s**3
-  raise ValueError(
-    f"{algorithm=} is not one of 'standard', 'gram'. Pass one of them."
-  )
+  p = len(gram_windows(k, restart_iterations))
+  return 4 * p * s * s * long + (8 * k - 6 * p) * s**3
 
 
 def cheaper_ns_algorithm(m: int, n: int, k: int) -> Literal['standard', 'gram']:

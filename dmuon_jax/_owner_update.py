@@ -151,18 +151,8 @@ def make_config(
       'DMuon/Moonlight rule buf = beta * buf + g.'
     )
   _checks.check_ns_algorithm(ns_algorithm)
-  if preconditioning not in _newton_schulz.PRECONDITIONINGS:
-    raise ValueError(
-      f'dmuon: preconditioning={preconditioning!r} is not one of '
-      f'{_newton_schulz.PRECONDITIONINGS}.'
-    )
   compute = static_dtype(compute_dtype, 'compute_dtype')
-  if compute is not None and compute not in _newton_schulz.COMPUTE_DTYPES:
-    raise ValueError(
-      f'dmuon: compute_dtype={compute_dtype!r} is not one of '
-      f'{tuple(d.name for d in _newton_schulz.COMPUTE_DTYPES)} (or None for'
-      ' the momentum dtype).'
-    )
+  _newton_schulz.check_ns_options('dmuon', preconditioning, compute_dtype)
   mu = static_dtype(mu_dtype, 'mu_dtype')
   coeffs = _newton_schulz.resolve_ns_coeffs(
     ns_coeffs, static_int(ns_steps, 'ns_steps')
@@ -557,18 +547,6 @@ def all_finite(*trees: Any) -> jax.Array:
   return ok
 
 
-def select_tree(ok: jax.Array, new: Any, old: Any) -> Any:
-  """``new`` where ``ok``, else ``old``, leaf by leaf (``jnp.where``)."""
-  return jax.tree.map(
-    lambda n, o: jnp.where(ok, n, o).astype(jnp.asarray(n).dtype), new, old
-  )
-
-
-def zeros_unless(ok: jax.Array, tree: Any) -> Any:
-  """``tree`` where ``ok``, else zeros of its leaves' shapes and dtypes."""
-  return jax.tree.map(lambda x: jnp.where(ok, x, jnp.zeros((), x.dtype)), tree)
-
-
 def skip_nonfinite(
   inner: optax.GradientTransformation,
 ) -> optax.GradientTransformation:
@@ -591,7 +569,14 @@ def skip_nonfinite(
   def update_fn(updates, state, params=None, **extra_args):
     new_updates, new_state = inner.update(updates, state, params, **extra_args)
     ok = all_finite(updates, new_updates, new_state)
-    return zeros_unless(ok, new_updates), select_tree(ok, new_state, state)
+    updates = jax.tree.map(
+      lambda x: jnp.where(ok, x, jnp.zeros((), x.dtype)), new_updates
+    )
+    return updates, jax.tree.map(
+      lambda n, o: jnp.where(ok, n, o).astype(jnp.asarray(n).dtype),
+      new_state,
+      state,
+    )
 
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
@@ -682,6 +667,7 @@ def _read(x: Any) -> np.ndarray | None:
 
 
 @jax.tree_util.register_pytree_with_keys_class
+@dataclasses.dataclass(frozen=True, repr=False)
 class LayoutStamp:
   """The owner layout a state's momentum was written by, as data.
 
@@ -704,12 +690,9 @@ class LayoutStamp:
       layout's fingerprint).
   """
 
-  __slots__ = ('marker', 'value', 'name')
-
-  def __init__(self, marker: Any, value: Any, name: str):
-    self.marker = marker
-    self.value = value
-    self.name = name
+  marker: Any
+  value: Any
+  name: str
 
   def tree_flatten_with_keys(self):
     keys = map(jax.tree_util.DictKey, ('stamp_marker', 'stamp'))
@@ -720,18 +703,6 @@ class LayoutStamp:
     marker, value = children
     check(marker, value, name)
     return cls(marker, value, name)
-
-  def _key(self) -> tuple:
-    return self.name, self.marker, self.value
-
-  def __eq__(self, other: object) -> bool:
-    # As a tuple (name, marker, value) compares.
-    if not isinstance(other, LayoutStamp):
-      return NotImplemented
-    return self._key() == other._key()
-
-  def __hash__(self) -> int:
-    return hash(self._key())
 
   def __repr__(self) -> str:
     return f'LayoutStamp({self.name})'

@@ -168,9 +168,7 @@ class Stages:
     self.tp_axis = olayout.tp_axis if olayout.tp_size > 1 else None
     self.tp_size = olayout.tp_size
     k = ns_steps
-    self.group_segments = _newton_schulz.gram_segments(
-      k, _newton_schulz.check_restart_iterations(None, k)
-    )
+    self.group_segments = _newton_schulz.gram_windows(k)
     groups = plan.groups
     # Row positions of the groups (for the per-matrix vectors).
     rows: dict[int, list[int]] = {}
@@ -210,10 +208,9 @@ class Stages:
               m, nn = plan.units[u].shape
               split = bucket.tp_split
               g_size, w = (m, nn) if split == -1 else (nn, m)
-              restarts = _newton_schulz.tp_restarts(
-                None, k, g_size, w * self.tp_size
+              segments = _newton_schulz.gram_windows(
+                k, None, g_size > w * self.tp_size
               )
-              segments = _newton_schulz.gram_segments(k, restarts)
               mine.append(
                 _Type(u, (m, nn), split, g_size, gi, segments, unit_keys[u])
               )

@@ -56,46 +56,12 @@ NS_COEFF_PRESETS: dict[str, tuple[tuple[float, float, float], ...]] = {
     for a, b, c in _POLAR_EXPRESS_RAW_ROWS
   ),
 }
-r"""Newton-Schulz coefficients by name, one row ``(a, b, c)`` per iteration.
+"""Newton-Schulz coefficients by name, one row ``(a, b, c)`` per iteration.
 
 A single row (``'jordan'``) is repeated ``ns_steps`` times (5 by default);
 several rows run once each. Aliases: ``'standard'`` (optax's name) for
-``'jordan'`` and ``'dion'`` for ``'you'``.
-
-Each row maps every singular value :math:`x` of the normalized matrix to
-:math:`a x + b x^3 + c x^5`; the output singular values are the composition
-:math:`\varphi(x)` over the iterations. With ``'frobenius'``
-preconditioning, :math:`x = \sigma_i / \|X\|_F \le 1`, so
-:math:`x \ge 2 \cdot 10^{-3}` holds for every :math:`\sigma_i \ge 2 \cdot
-10^{-3} \sqrt{r} \, \sigma_{\max}`, :math:`r = \min(m, n)`. Ranges of
-:math:`\varphi` with 5 iterations (float64, on a grid, rounded outwards),
-which float32 matrices reproduce to about :math:`10^{-5}` (see
-``tests/newton_schulz_test.py``):
-
-==========================  ==============  ==============  ==========
-preset                      x in [2e-3, 1]  x in [1e-2, 1]  slope at 0
-==========================  ==============  ==============  ==========
-``'jordan'``                [0.681, 1.203]  [0.681, 1.135]  485
-``'you'``                   [0.852, 1.146]  [0.977, 1.032]  493
-``'polar_express_sf1.05'``  [0.846, 1.124]  [0.846, 1.124]  804
-==========================  ==============  ==============  ==========
-
-No output singular value exceeds the upper end. Smaller singular values
-have not converged after 5 iterations (the band is reached from
-:math:`x = 1.5 \cdot 10^{-3}`, :math:`2.0 \cdot 10^{-3}` and
-:math:`1.22 \cdot 10^{-3}` respectively): they come out as roughly
-(slope at 0) times :math:`x`, for example :math:`x = 10^{-3}` gives 0.47
-(``'jordan'``, ``'you'``) and 0.73 (``'polar_express_sf1.05'``). A
-condition number of :math:`10^3` is therefore not fully orthogonalized.
-
-In bfloat16 (input and ``compute_dtype``), the measured ranges on the same
-part of the spectrum widen to about [0.65, 1.20] (``'jordan'``), [0.84, 1.16]
-(``'you'``) and [0.78, 1.13] (``'polar_express_sf1.05'``); the tests allow
-0.1 below and 0.05 above the float32 band. The Gram form in bfloat16 stays
-there for well-conditioned inputs but reached 1.46 (``'jordan'``) for
-condition numbers up to :math:`10^3`; ``compute_dtype=jnp.float16`` keeps it
-within 0.02 of the float32 band (the Gram Newton-Schulz reference code
-computes in float16).
+``'jordan'`` and ``'dion'`` for ``'you'``. The singular values each preset
+produces, in float32 and low precision: :doc:`/reference/newton_schulz`.
 """
 
 # Names used by optax.contrib.muon, accepted as aliases.
@@ -408,8 +374,8 @@ def orthogonalize_via_newton_schulz(
   operation order of ``optax.contrib.orthogonalize_via_newton_schulz`` with
   the same coefficients and preconditioning (under ``jax.jit`` on CPU we
   observed bitwise-equal results); optax normalizes low-precision inputs in
-  their own dtype instead. See :data:`NS_COEFF_PRESETS` for the singular
-  values each preset produces.
+  their own dtype instead. The singular values each preset of
+  :data:`NS_COEFF_PRESETS` produces: :doc:`/reference/newton_schulz`.
 
   Args:
     x: array of shape ``(..., m, n)``; every matrix over the leading axes is

@@ -186,24 +186,12 @@ class Hyperparams(NamedTuple):
   weight_decay: Any = None
 
 
-def make_hyperparams(
-  *,
-  beta: Any,
-  eps: Any,
-  consistent_rms: Any = None,
-  weight_decay: Any = None,
-) -> Hyperparams:
-  """Validates concrete values (at the factory call) into
-  :class:`Hyperparams`; run-time values (tracers) pass through."""
-  _checks.check_muon(
-    beta=beta,
-    eps=eps,
-    consistent_rms=consistent_rms,
-    weight_decay=weight_decay,
-  )
-  return Hyperparams(
-    beta=beta, eps=eps, consistent_rms=consistent_rms, weight_decay=weight_decay
-  )
+def make_hyperparams(**values: Any) -> Hyperparams:
+  """Validates concrete values (``beta``, ``eps``, ``consistent_rms``,
+  ``weight_decay``; at the factory call) into :class:`Hyperparams`;
+  run-time values (tracers) pass through."""
+  _checks.check_muon(**values)
+  return Hyperparams(**values)
 
 
 def dynamic(hp: Hyperparams) -> dict[str, Any]:
@@ -358,9 +346,8 @@ def slot_work(olayout, lay, decay, skip_distributed=False) -> _layout.SlotWork:
 
   def keep(g, s, b):
     del g, s
-    if skip_distributed and (b.grouped or b.tp_split is not None):
-      return ()
-    return b.units
+    distributed = b.grouped or b.tp_split is not None
+    return () if skip_distributed and distributed else b.units
 
   return lay.slot_work(lambda u: _unit_key(olayout, lay, decay, u), keep)
 

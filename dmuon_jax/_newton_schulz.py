@@ -175,11 +175,6 @@ def _transpose(x: jax.Array) -> jax.Array:
   return jnp.swapaxes(x, -1, -2)
 
 
-def _safe_divide(x: jax.Array, denominator: jax.Array) -> jax.Array:
-  """``x / denominator``, or ``x`` (which is then zero) where it is zero."""
-  return x / jnp.where(denominator > 0, denominator, 1)
-
-
 def _clipped_rsqrt(x: jax.Array, eps: jax.typing.ArrayLike) -> jax.Array:
   """``1 / sqrt(max(x, eps))``, finite even for ``eps = 0``.
 
@@ -253,12 +248,11 @@ def _normalize(
     matrices ``X X^T`` (computed for the scaling, reused by the first
     iteration), else None.
   """
-  if preconditioning == 'frobenius':
-    norm = jnp.linalg.norm(x, ord='fro', axis=(-2, -1), keepdims=True)
-    return _safe_divide(x, norm + eps), None
-  if preconditioning == 'spectral':
-    norm = jnp.linalg.norm(x, ord=2, axis=(-2, -1), keepdims=True)
-    return _safe_divide(x, norm + eps), None
+  if preconditioning in ('frobenius', 'spectral'):
+    ord_ = 'fro' if preconditioning == 'frobenius' else 2
+    norm = jnp.linalg.norm(x, ord=ord_, axis=(-2, -1), keepdims=True) + eps
+    # A zero matrix (norm 0 with eps = 0) stays zero.
+    return x / jnp.where(norm > 0, norm, 1), None
   gram = x @ _transpose(x)
   if preconditioning == 'aol':
     # Almost-orthogonal-layer scaling: X <- D^{-1/2} X with D the row sums of

@@ -128,46 +128,31 @@ def check_nonfinite(nonfinite: str) -> None:
 
 
 def make_config(
-  *,
-  ns_coeffs,
-  ns_steps,
-  momentum,
-  nesterov,
-  adaptive,
-  preconditioning,
-  ns_algorithm,
-  compute_dtype,
-  shape_scaling,
-  consistent_rms,
-  mu_dtype,
-  nonfinite='skip',
+  *, ns_coeffs, ns_steps, compute_dtype, mu_dtype, nonfinite='skip', **options
 ) -> OwnerConfig:
-  """Validates the static arguments (at the factory call) into a config."""
+  """Validates the static arguments (at the factory call) into a config
+  (``options``: the other fields of :class:`OwnerConfig`, by name)."""
   check_nonfinite(nonfinite)
-  if momentum not in MOMENTUM_RULES:
+  if (momentum := options['momentum']) not in MOMENTUM_RULES:
     raise ValueError(
       f'dmuon: momentum={momentum!r} is not one of {MOMENTUM_RULES}: '
       "'optax' is optax.contrib.muon's bias-corrected EMA, 'sgd' is the "
       'DMuon/Moonlight rule buf = beta * buf + g.'
     )
-  _checks.check_ns_algorithm(ns_algorithm)
+  _checks.check_ns_algorithm(options['ns_algorithm'])
   compute = static_dtype(compute_dtype, 'compute_dtype')
-  _newton_schulz.check_ns_options('dmuon', preconditioning, compute_dtype)
+  _newton_schulz.check_ns_options(
+    'dmuon', options['preconditioning'], compute_dtype
+  )
   mu = static_dtype(mu_dtype, 'mu_dtype')
   coeffs = _newton_schulz.resolve_ns_coeffs(
     ns_coeffs, static_int(ns_steps, 'ns_steps')
   )
   return OwnerConfig(
     coeffs=tuple(tuple(float(v) for v in row) for row in coeffs),
-    momentum=momentum,
-    nesterov=bool(nesterov),
-    adaptive=bool(adaptive),
-    preconditioning=preconditioning,
-    ns_algorithm=ns_algorithm,
     compute_dtype=None if compute is None else compute.name,
-    shape_scaling=shape_scaling,
-    consistent_rms=consistent_rms,
     mu_dtype=None if mu is None else mu.name,
+    **options | {k: bool(options[k]) for k in ('nesterov', 'adaptive')},
   )
 
 
@@ -392,15 +377,9 @@ def owner_step(
     step produced (momentum and gradients promoted, as optax's updates),
     the momentum in its own dtype.
   """
-  grad_groups = olayout.split_groups(grads)
-  mu_groups = olayout.split_groups(mus) if mus is not None else None
-  param_groups = (
-    olayout.split_groups(params)
-    if params is not None
-    else [None] * len(olayout.groups)
-  )
-  axes = olayout.buffer_axes
-  n = olayout.num_slots
+  none = [None] * len(olayout.groups)
+  split = lambda bufs: none if bufs is None else olayout.split_groups(bufs)
+  grad_groups, mu_groups, param_groups = map(split, (grads, mus, params))
   out, new_mu, start = [], [], 0
   for g, lay in enumerate(olayout.groups):
     # The previous group's results.
@@ -414,7 +393,7 @@ def owner_step(
       # previous group's results through a tie that is 0 whatever they hold.
       tie = _gather.zero_after(*previous)
       grads_g = [x + tie.astype(x.dtype) for x in grads_g]
-    if mu_groups is None:
+    if mus is None:
       h = grads_g
     else:
       mu_g, h = momentum_update(
@@ -442,8 +421,8 @@ def owner_step(
     # offsets read from the tables.
     one = functools.partial(
       _gather.with_slot_rows,
-      axes,
-      n,
+      olayout.buffer_axes,
+      olayout.num_slots,
       run,
       work.offsets,
       dynamic=lay.dynamic,

@@ -295,9 +295,8 @@ class Stages:
 
 def needs_stages(olayout, lay) -> bool:
   """Whether a layout group has distributed matrices (groups or TP)."""
-  if lay.plan.groups:
-    return True
-  return olayout.tp_size > 1 and any(s is not None for s in lay.tp_splits)
+  tp = olayout.tp_size > 1 and any(s is not None for s in lay.tp_splits)
+  return bool(lay.plan.groups) or tp
 
 
 class Carry(NamedTuple):
@@ -642,11 +641,8 @@ def run(
       'dmuon: internal: owner groups or TP matrices in a scanned stack.'
     )
   vary = tuple(st.axes) + ((st.tp_axis,) if st.tp_axis else ())
-  norm = (
-    jnp.float64
-    if any(jnp.dtype(b.dtype) == jnp.float64 for b in hat)
-    else jnp.float32
-  )
+  f64 = any(jnp.dtype(b.dtype) == jnp.float64 for b in hat)
+  norm = jnp.float64 if f64 else jnp.float32
   bodies = _Bodies(st, cfg, eps, finish, plain_update, norm)
   tables = list(plain_work.offsets)
   tables += [t for part, _, _ in st.parts for t in part]

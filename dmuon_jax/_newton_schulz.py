@@ -204,27 +204,6 @@ def check_ns_options(
     )
 
 
-def _check_static_args(
-  fn_name: str,
-  x: jax.Array,
-  preconditioning: str,
-  compute_dtype: jax.typing.DTypeLike | None,
-) -> jnp.dtype:
-  """Validates arguments from shapes and dtypes; returns the compute dtype."""
-  if x.ndim < 2:
-    raise ValueError(
-      f'{fn_name}: x must have shape (..., m, n), got shape {x.shape}.'
-      ' Reshape vectors to (1, n) or (n, 1).'
-    )
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(
-      f'{fn_name}: x must have a real floating dtype, got {x.dtype}. '
-      'Cast it first, e.g. x.astype(jnp.float32).'
-    )
-  check_ns_options(fn_name, preconditioning, compute_dtype)
-  return jnp.dtype(x.dtype if compute_dtype is None else compute_dtype)
-
-
 def _orient(x: jax.Array) -> tuple[jax.Array, bool]:
   """Transposes tall matrices so that rows are the short side."""
   if x.shape[-2] > x.shape[-1]:
@@ -268,24 +247,39 @@ def _normalize(
 
 
 def _prepare(
+  fn_name: str,
   x: jax.Array,
   preconditioning: str,
   eps: jax.typing.ArrayLike,
-  compute_dtype: jnp.dtype,
-) -> tuple[jax.Array, jax.Array | None, bool]:
-  """Flattens, orients, normalizes and casts to the compute dtype.
+  compute_dtype: jax.typing.DTypeLike | None,
+) -> tuple[jax.Array, jax.Array | None, bool, jnp.dtype]:
+  """Validates the arguments (``fn_name`` names the caller), then
+  flattens, orients, normalizes and casts to the compute dtype (returned
+  too; None means the dtype of ``x``).
 
   The leading axes are flattened into one batch axis, also for a single
   matrix: on CPU, XLA's batched and unbatched matmuls round differently, and
   the batched one is what ``optax.contrib`` (which uses ``jax.vmap``) runs.
   """
+  if x.ndim < 2:
+    raise ValueError(
+      f'{fn_name}: x must have shape (..., m, n), got shape {x.shape}.'
+      ' Reshape vectors to (1, n) or (n, 1).'
+    )
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(
+      f'{fn_name}: x must have a real floating dtype, got {x.dtype}. '
+      'Cast it first, e.g. x.astype(jnp.float32).'
+    )
+  check_ns_options(fn_name, preconditioning, compute_dtype)
+  compute_dtype = jnp.dtype(x.dtype if compute_dtype is None else compute_dtype)
   x = x.reshape((math.prod(x.shape[:-2]),) + x.shape[-2:])
   x, transposed = _orient(x)
   norm_dtype = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
   x, gram = _normalize(x.astype(norm_dtype), preconditioning, eps)
   if gram is not None:
     gram = gram.astype(compute_dtype)
-  return x.astype(compute_dtype), gram, transposed
+  return x.astype(compute_dtype), gram, transposed, compute_dtype
 
 
 def _finish(y: jax.Array, transposed: bool, x: jax.Array) -> jax.Array:
@@ -423,10 +417,9 @@ def orthogonalize_via_newton_schulz(
   """
   rows = resolve_ns_coeffs(ns_coeffs, ns_steps)
   x = jnp.asarray(x)
-  compute_dtype = _check_static_args(
-    'orthogonalize_via_newton_schulz', x, preconditioning, compute_dtype
+  y, gram, transposed, compute_dtype = _prepare(
+    'orthogonalize_via_newton_schulz', x, preconditioning, eps, compute_dtype
   )
-  y, gram, transposed = _prepare(x, preconditioning, eps, compute_dtype)
   if gram is not None:  # 'aol'/'schatten' computed the first X X^T already
     y = _quintic_step(y, gram, _coeffs(rows[0], compute_dtype))
     rows = rows[1:]
@@ -561,10 +554,13 @@ def orthogonalize_via_gram_newton_schulz(
   rows = resolve_ns_coeffs(ns_coeffs, ns_steps)
   windows = gram_windows(len(rows), restart_iterations)
   x = jnp.asarray(x)
-  compute_dtype = _check_static_args(
-    'orthogonalize_via_gram_newton_schulz', x, preconditioning, compute_dtype
+  x0, r, transposed, _ = _prepare(
+    'orthogonalize_via_gram_newton_schulz',
+    x,
+    preconditioning,
+    eps,
+    compute_dtype,
   )
-  x0, r, transposed = _prepare(x, preconditioning, eps, compute_dtype)
   return _finish(gram_iterate(x0, r, rows, windows), transposed, x)
 
 

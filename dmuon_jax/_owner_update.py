@@ -475,9 +475,7 @@ def _staged_update(cfg, hp, olayout, lay, hat, params, decay, iterations):
   )
 
 
-@functools.lru_cache(maxsize=64)
-def _stages(olayout, lay, ns_steps, unit_keys):
-  return _staged.Stages(olayout, lay, ns_steps, unit_keys)
+_stages = functools.lru_cache(maxsize=64)(_staged.Stages)
 
 
 # ---------------------------------------------------------------------------

@@ -382,16 +382,12 @@ class _Rows(NamedTuple):
 
 def _rows(st: Stages, num_plain: int, rows) -> _Rows:
   """The rows of ``num_plain`` plain tables, then of ``st.parts``."""
-  rows = list(rows)
-  plain, rows = rows[:num_plain], rows[num_plain:]
+  rows = iter(rows)
+  plain = [next(rows) for _ in range(num_plain)]
   out = []
-  for tables, trips, cols in st.parts:
-    mine, rows = rows[: len(tables)], rows[len(tables) :]
-    typed = []
-    for row, trip in zip(mine, trips):
-      count, columns = _layout.table_columns(row, cols)
-      typed.append((count if trip is None else trip, columns))
-    out.append(typed)
+  for _, trips, cols in st.parts:
+    read = [_layout.table_columns(next(rows), cols) for _ in trips]
+    out.append([(n if t is None else t, v) for (n, v), t in zip(read, trips)])
   return _Rows(plain, out[0], out[1], out[2:])
 
 

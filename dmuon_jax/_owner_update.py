@@ -48,9 +48,7 @@ def static_dtype(value: Any, name: str) -> np.dtype | None:
   """
   if value is None:
     return None
-  if isinstance(value, (jax.Array, np.ndarray)) or isinstance(
-    value, jax.core.Tracer
-  ):
+  if isinstance(value, (jax.Array, np.ndarray, jax.core.Tracer)):
     raise TypeError(
       f'dmuon: {name} is an array ({value!r}), not a dtype. '
       'optax.inject_hyperparams calls every callable argument as a '

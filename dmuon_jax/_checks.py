@@ -111,8 +111,7 @@ def gram_parts(
   slices, so windows may run on different devices. Together they are
   :func:`dmuon_jax.matmul_flops` of the Gram form.
   """
-  restarts = _newton_schulz.check_restart_iterations(None, ns_steps)
-  windows = _newton_schulz.gram_segments(ns_steps, restarts)
+  windows = _newton_schulz.gram_windows(ns_steps)
   work = 4.0 * len(windows) * s * s * l
   return work, tuple(float((8 * (b - a) - 6) * s**3) for a, b in windows)
 

@@ -56,46 +56,12 @@ NS_COEFF_PRESETS: dict[str, tuple[tuple[float, float, float], ...]] = {
     for a, b, c in _POLAR_EXPRESS_RAW_ROWS
   ),
 }
-r"""Newton-Schulz coefficients by name, one row ``(a, b, c)`` per iteration.
+"""Newton-Schulz coefficients by name, one row ``(a, b, c)`` per iteration.
 
 A single row (``'jordan'``) is repeated ``ns_steps`` times (5 by default);
 several rows run once each. Aliases: ``'standard'`` (optax's name) for
-``'jordan'`` and ``'dion'`` for ``'you'``.
-
-Each row maps every singular value :math:`x` of the normalized matrix to
-:math:`a x + b x^3 + c x^5`; the output singular values are the composition
-:math:`\varphi(x)` over the iterations. With ``'frobenius'``
-preconditioning, :math:`x = \sigma_i / \|X\|_F \le 1`, so
-:math:`x \ge 2 \cdot 10^{-3}` holds for every :math:`\sigma_i \ge 2 \cdot
-10^{-3} \sqrt{r} \, \sigma_{\max}`, :math:`r = \min(m, n)`. Ranges of
-:math:`\varphi` with 5 iterations (float64, on a grid, rounded outwards),
-which float32 matrices reproduce to about :math:`10^{-5}` (see
-``tests/newton_schulz_test.py``):
-
-==========================  ==============  ==============  ==========
-preset                      x in [2e-3, 1]  x in [1e-2, 1]  slope at 0
-==========================  ==============  ==============  ==========
-``'jordan'``                [0.681, 1.203]  [0.681, 1.135]  485
-``'you'``                   [0.852, 1.146]  [0.977, 1.032]  493
-``'polar_express_sf1.05'``  [0.846, 1.124]  [0.846, 1.124]  804
-==========================  ==============  ==============  ==========
-
-No output singular value exceeds the upper end. Smaller singular values
-have not converged after 5 iterations (the band is reached from
-:math:`x = 1.5 \cdot 10^{-3}`, :math:`2.0 \cdot 10^{-3}` and
-:math:`1.22 \cdot 10^{-3}` respectively): they come out as roughly
-(slope at 0) times :math:`x`, for example :math:`x = 10^{-3}` gives 0.47
-(``'jordan'``, ``'you'``) and 0.73 (``'polar_express_sf1.05'``). A
-condition number of :math:`10^3` is therefore not fully orthogonalized.
-
-In bfloat16 (input and ``compute_dtype``), the measured ranges on the same
-part of the spectrum widen to about [0.65, 1.20] (``'jordan'``), [0.84, 1.16]
-(``'you'``) and [0.78, 1.13] (``'polar_express_sf1.05'``); the tests allow
-0.1 below and 0.05 above the float32 band. The Gram form in bfloat16 stays
-there for well-conditioned inputs but reached 1.46 (``'jordan'``) for
-condition numbers up to :math:`10^3`; ``compute_dtype=jnp.float16`` keeps it
-within 0.02 of the float32 band (the Gram Newton-Schulz reference code
-computes in float16).
+``'jordan'`` and ``'dion'`` for ``'you'``. The singular values each preset
+produces, in float32 and low precision: :doc:`/reference/newton_schulz`.
 """
 
 # Names used by optax.contrib.muon, accepted as aliases.
@@ -170,20 +136,17 @@ def resolve_ns_coeffs(
         ' Or pass the coefficients themselves: one row (a, b, c) or a'
         ' (k, 3) array.'
       )
-    coeffs = np.array(NS_COEFF_PRESETS[name], dtype=np.float64)
-    repeat = len(coeffs) == 1
-  else:
-    try:
-      coeffs = np.array(ns_coeffs, dtype=np.float64)
-    except (TypeError, ValueError) as e:
-      raise ValueError(
-        'ns_coeffs must be a preset name, one row (a, b, c) or a (k, 3)'
-        ' array of static numbers (not traced arrays), got'
-        f' {ns_coeffs!r}.'
-      ) from e
-    repeat = coeffs.shape == (3,)
-    if repeat:
-      coeffs = coeffs[None]
+    rows = NS_COEFF_PRESETS[name]
+    ns_coeffs = rows[0] if len(rows) == 1 else rows  # one row: repeated
+  try:
+    coeffs = np.array(ns_coeffs, dtype=np.float64)
+  except (TypeError, ValueError) as e:
+    raise ValueError(
+      'ns_coeffs must be a preset name, one row (a, b, c) or a (k, 3)'
+      f' array of static numbers (not traced arrays), got {ns_coeffs!r}.'
+    ) from e
+  repeat = coeffs.shape == (3,)
+  coeffs = coeffs[None] if repeat else coeffs
   if coeffs.ndim != 2 or coeffs.shape[1] != 3 or coeffs.shape[0] < 1:
     raise ValueError(
       'ns_coeffs must have shape (3,) (one row (a, b, c), repeated ns_steps'
@@ -196,10 +159,9 @@ def resolve_ns_coeffs(
       ' coefficients.'
     )
   if repeat:
-    steps = _DEFAULT_NS_STEPS if ns_steps is None else ns_steps
-    return np.repeat(coeffs, steps, axis=0)
+    return np.repeat(coeffs, ns_steps or _DEFAULT_NS_STEPS, axis=0)
   k = coeffs.shape[0]
-  if ns_steps is not None and ns_steps != k:
+  if ns_steps not in (None, k):
     raise ValueError(
       f'ns_coeffs has {k} rows (one per iteration) but {ns_steps=}. Pass'
       f' ns_steps=None or ns_steps={k} to run the {k} rows, or pass exactly'
@@ -213,11 +175,6 @@ def _transpose(x: jax.Array) -> jax.Array:
   return jnp.swapaxes(x, -1, -2)
 
 
-def _safe_divide(x: jax.Array, denominator: jax.Array) -> jax.Array:
-  """``x / denominator``, or ``x`` (which is then zero) where it is zero."""
-  return x / jnp.where(denominator > 0, denominator, 1)
-
-
 def _clipped_rsqrt(x: jax.Array, eps: jax.typing.ArrayLike) -> jax.Array:
   """``1 / sqrt(max(x, eps))``, finite even for ``eps = 0``.
 
@@ -228,37 +185,23 @@ def _clipped_rsqrt(x: jax.Array, eps: jax.typing.ArrayLike) -> jax.Array:
   return jax.lax.rsqrt(jnp.maximum(x, floor))
 
 
-def _check_static_args(
-  fn_name: str,
-  x: jax.Array,
-  preconditioning: str,
-  compute_dtype: jax.typing.DTypeLike | None,
-) -> jnp.dtype:
-  """Validates arguments from shapes and dtypes; returns the compute dtype."""
-  if x.ndim < 2:
-    raise ValueError(
-      f'{fn_name}: x must have shape (..., m, n), got shape {x.shape}.'
-      ' Reshape vectors to (1, n) or (n, 1).'
-    )
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(
-      f'{fn_name}: x must have a real floating dtype, got {x.dtype}. '
-      'Cast it first, e.g. x.astype(jnp.float32).'
-    )
+def check_ns_options(
+  where: str, preconditioning: str, compute_dtype: jax.typing.DTypeLike | None
+) -> None:
+  """Raises for an unknown ``preconditioning`` or ``compute_dtype`` (None:
+  the input's dtype); ``where`` names the caller in the message."""
   if preconditioning not in PRECONDITIONINGS:
     raise ValueError(
-      f'{fn_name}: unknown {preconditioning=}. Pass one of'
-      f' {", ".join(repr(p) for p in PRECONDITIONINGS)}.'
+      f'{where}: {preconditioning=} is not one of {PRECONDITIONINGS}.'
     )
-  if compute_dtype is None:
-    compute_dtype = x.dtype
-  compute_dtype = jnp.dtype(compute_dtype)
-  if compute_dtype not in COMPUTE_DTYPES:
+  if compute_dtype is not None and jnp.dtype(compute_dtype) not in (
+    COMPUTE_DTYPES
+  ):
     raise ValueError(
-      f'{fn_name}: unsupported {compute_dtype=}. Pass None (the dtype of'
-      ' x) or one of float32, bfloat16, float16, float64.'
+      f'{where}: compute_dtype={compute_dtype!r} is not one of'
+      f' {tuple(d.name for d in COMPUTE_DTYPES)} (or None: the dtype of the'
+      ' input).'
     )
-  return compute_dtype
 
 
 def _orient(x: jax.Array) -> tuple[jax.Array, bool]:
@@ -284,12 +227,11 @@ def _normalize(
     matrices ``X X^T`` (computed for the scaling, reused by the first
     iteration), else None.
   """
-  if preconditioning == 'frobenius':
-    norm = jnp.linalg.norm(x, ord='fro', axis=(-2, -1), keepdims=True)
-    return _safe_divide(x, norm + eps), None
-  if preconditioning == 'spectral':
-    norm = jnp.linalg.norm(x, ord=2, axis=(-2, -1), keepdims=True)
-    return _safe_divide(x, norm + eps), None
+  if preconditioning in ('frobenius', 'spectral'):
+    ord_ = 'fro' if preconditioning == 'frobenius' else 2
+    norm = jnp.linalg.norm(x, ord=ord_, axis=(-2, -1), keepdims=True) + eps
+    # A zero matrix (norm 0 with eps = 0) stays zero.
+    return x / jnp.where(norm > 0, norm, 1), None
   gram = x @ _transpose(x)
   if preconditioning == 'aol':
     # Almost-orthogonal-layer scaling: X <- D^{-1/2} X with D the row sums of
@@ -305,24 +247,39 @@ def _normalize(
 
 
 def _prepare(
+  fn_name: str,
   x: jax.Array,
   preconditioning: str,
   eps: jax.typing.ArrayLike,
-  compute_dtype: jnp.dtype,
-) -> tuple[jax.Array, jax.Array | None, bool]:
-  """Flattens, orients, normalizes and casts to the compute dtype.
+  compute_dtype: jax.typing.DTypeLike | None,
+) -> tuple[jax.Array, jax.Array | None, bool, jnp.dtype]:
+  """Validates the arguments (``fn_name`` names the caller), then
+  flattens, orients, normalizes and casts to the compute dtype (returned
+  too; None means the dtype of ``x``).
 
   The leading axes are flattened into one batch axis, also for a single
   matrix: on CPU, XLA's batched and unbatched matmuls round differently, and
   the batched one is what ``optax.contrib`` (which uses ``jax.vmap``) runs.
   """
+  if x.ndim < 2:
+    raise ValueError(
+      f'{fn_name}: x must have shape (..., m, n), got shape {x.shape}.'
+      ' Reshape vectors to (1, n) or (n, 1).'
+    )
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(
+      f'{fn_name}: x must have a real floating dtype, got {x.dtype}. '
+      'Cast it first, e.g. x.astype(jnp.float32).'
+    )
+  check_ns_options(fn_name, preconditioning, compute_dtype)
+  compute_dtype = jnp.dtype(x.dtype if compute_dtype is None else compute_dtype)
   x = x.reshape((math.prod(x.shape[:-2]),) + x.shape[-2:])
   x, transposed = _orient(x)
   norm_dtype = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
   x, gram = _normalize(x.astype(norm_dtype), preconditioning, eps)
   if gram is not None:
     gram = gram.astype(compute_dtype)
-  return x.astype(compute_dtype), gram, transposed
+  return x.astype(compute_dtype), gram, transposed, compute_dtype
 
 
 def _finish(y: jax.Array, transposed: bool, x: jax.Array) -> jax.Array:
@@ -405,8 +362,8 @@ def orthogonalize_via_newton_schulz(
   operation order of ``optax.contrib.orthogonalize_via_newton_schulz`` with
   the same coefficients and preconditioning (under ``jax.jit`` on CPU we
   observed bitwise-equal results); optax normalizes low-precision inputs in
-  their own dtype instead. See :data:`NS_COEFF_PRESETS` for the singular
-  values each preset produces.
+  their own dtype instead. The singular values each preset of
+  :data:`NS_COEFF_PRESETS` produces: :doc:`/reference/newton_schulz`.
 
   Args:
     x: array of shape ``(..., m, n)``; every matrix over the leading axes is
@@ -460,10 +417,9 @@ def orthogonalize_via_newton_schulz(
   """
   rows = resolve_ns_coeffs(ns_coeffs, ns_steps)
   x = jnp.asarray(x)
-  compute_dtype = _check_static_args(
-    'orthogonalize_via_newton_schulz', x, preconditioning, compute_dtype
+  y, gram, transposed, compute_dtype = _prepare(
+    'orthogonalize_via_newton_schulz', x, preconditioning, eps, compute_dtype
   )
-  y, gram, transposed = _prepare(x, preconditioning, eps, compute_dtype)
   if gram is not None:  # 'aol'/'schatten' computed the first X X^T already
     y = _quintic_step(y, gram, _coeffs(rows[0], compute_dtype))
     rows = rows[1:]
@@ -596,20 +552,30 @@ def orthogonalize_via_gram_newton_schulz(
     https://github.com/Dao-AILab/gram-newton-schulz
   """
   rows = resolve_ns_coeffs(ns_coeffs, ns_steps)
-  restarts = check_restart_iterations(restart_iterations, len(rows))
+  windows = gram_windows(len(rows), restart_iterations)
   x = jnp.asarray(x)
-  compute_dtype = _check_static_args(
-    'orthogonalize_via_gram_newton_schulz', x, preconditioning, compute_dtype
+  x0, r, transposed, _ = _prepare(
+    'orthogonalize_via_gram_newton_schulz',
+    x,
+    preconditioning,
+    eps,
+    compute_dtype,
   )
-  x0, r, transposed = _prepare(x, preconditioning, eps, compute_dtype)
-  return _finish(gram_iterate(x0, r, rows, restarts), transposed, x)
+  return _finish(gram_iterate(x0, r, rows, windows), transposed, x)
 
 
-def gram_segments(
-  num_iterations: int, restarts: Sequence[int]
+def gram_windows(
+  k: int, restart_iterations: Sequence[int] | None = None, long_gram=False
 ) -> tuple[tuple[int, int], ...]:
-  """``[start, end)`` iteration ranges between restarts."""
-  bounds = (0,) + tuple(restarts) + (num_iterations,)
+  """The ``[start, end)`` iteration ranges between the restarts of ``k``
+  iterations (:func:`check_restart_iterations`). ``long_gram``: the Gram
+  of a TP-split matrix is over its long side, where None means ``(1, 3)``
+  for >= 4 iterations (the iteration amplifies the rounding in its large
+  null space; seen: 1.6e-5 against direct NS with one restart on
+  32 x 128, 3.7e-6 with two)."""
+  if restart_iterations is None and long_gram and k >= 4:
+    restart_iterations = (1, 3)
+  bounds = (0, *check_restart_iterations(restart_iterations, k), k)
   return tuple(zip(bounds[:-1], bounds[1:]))
 
 
@@ -635,17 +601,16 @@ def gram_iterate(
   x0: jax.Array,
   r: jax.Array | None,
   rows: np.ndarray,
-  restarts: Sequence[int],
-  reduce: Callable[[jax.Array], jax.Array] | None = None,
+  windows: Sequence[tuple[int, int]],
+  reduce: Callable[[jax.Array], jax.Array] = lambda r: r,
 ) -> jax.Array:
   """The Gram iteration from ``X_0`` and ``R = X_0 X_0^T`` (None: formed
-  here); returns ``Q X_0``. ``R`` is formed as ``reduce(X X^T)``: a sum of
-  the local Grams of a sharded ``X`` (a ``psum`` over its TP axis); None
-  for a whole ``X``."""
-  for w, (start, end) in enumerate(gram_segments(len(rows), restarts)):
+  here) over :func:`gram_windows`; returns ``Q X_0``. ``R`` is formed as
+  ``reduce(X X^T)``: a sum of the local Grams of a sharded ``X`` (a
+  ``psum`` over its TP axis); the identity for a whole ``X``."""
+  for w, (start, end) in enumerate(windows):
     if w or r is None:
-      r = x0 @ _transpose(x0)
-      r = r if reduce is None else reduce(r)
+      r = reduce(x0 @ _transpose(x0))
     x0 = gram_factor(r, rows[start:end]) @ x0
   return x0
 
@@ -660,24 +625,6 @@ def frobenius_scale(gram: jax.Array, eps: jax.typing.ArrayLike) -> jax.Array:
 def split_last(x: jax.Array, split_axis: int) -> jax.Array:
   """``x`` with its split dimension (``split_axis``: -1 or -2) last."""
   return x if split_axis == -1 else _transpose(x)
-
-
-def tp_restarts(
-  restart_iterations: Sequence[int] | None,
-  num_iterations: int,
-  gram_size: int,
-  other_size: int,
-) -> tuple[int, ...]:
-  """The restarts of a TP-split matrix's Gram iteration (Gram
-  ``gram_size`` square, the whole other side ``other_size``). None:
-  ``(1, 3)`` for a Gram over the long side and >= 4 iterations (the
-  iteration amplifies the rounding in its large null space; seen: 1.6e-5
-  against direct NS with one restart on 32 x 128, 3.7e-6 with two), else
-  :func:`check_restart_iterations`'s default."""
-  long_gram = num_iterations >= 4 and gram_size > other_size
-  if restart_iterations is None and long_gram:
-    restart_iterations = (1, 3)
-  return check_restart_iterations(restart_iterations, num_iterations)
 
 
 def orthogonalize_via_gram_newton_schulz_tp(
@@ -774,15 +721,14 @@ def orthogonalize_via_gram_newton_schulz_tp(
   compute_dtype = jnp.dtype(compute_dtype or x.dtype)
   norm_dtype = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
   x0 = split_last(x.astype(norm_dtype), split_axis)
-  restarts = tp_restarts(
-    restart_iterations, len(rows), x0.shape[-2], x0.shape[-1] * tp
-  )
+  long_gram = x0.shape[-2] > x0.shape[-1] * tp
+  windows = gram_windows(len(rows), restart_iterations, long_gram)
   reduce = lambda a: jax.lax.psum(a, axis_name)
   gram = reduce(x0 @ _transpose(x0))
   scale = frobenius_scale(gram, eps)[..., None, None]
   x0 = (x0 * scale).astype(compute_dtype)
   r = (gram * scale**2).astype(compute_dtype)
-  out = gram_iterate(x0, r, rows, restarts, reduce)
+  out = gram_iterate(x0, r, rows, windows, reduce)
   return split_last(out, split_axis).astype(x.dtype)
 
 
@@ -822,12 +768,8 @@ def matmul_flops(
   s, long = min(m, n), max(m, n)
   if algorithm == 'standard':
     return k * (4 * s * s * long + 2 * s**3)
-  if algorithm == 'gram':
-    p = len(check_restart_iterations(restart_iterations, k)) + 1
-    return 4 * p * s * s * long + (8 * k - 6 * p) * s**3
-  raise ValueError(
-    f"{algorithm=} is not one of 'standard', 'gram'. Pass one of them."
-  )
+  p = len(gram_windows(k, restart_iterations))
+  return 4 * p * s * s * long + (8 * k - 6 * p) * s**3
 
 
 def cheaper_ns_algorithm(m: int, n: int, k: int) -> Literal['standard', 'gram']:

@@ -48,9 +48,7 @@ def static_dtype(value: Any, name: str) -> np.dtype | None:
   """
   if value is None:
     return None
-  if isinstance(value, (jax.Array, np.ndarray)) or isinstance(
-    value, jax.core.Tracer
-  ):
+  if isinstance(value, (jax.Array, np.ndarray, jax.core.Tracer)):
     raise TypeError(
       f'dmuon: {name} is an array ({value!r}), not a dtype. '
       'optax.inject_hyperparams calls every callable argument as a '
@@ -128,56 +126,31 @@ def check_nonfinite(nonfinite: str) -> None:
 
 
 def make_config(
-  *,
-  ns_coeffs,
-  ns_steps,
-  momentum,
-  nesterov,
-  adaptive,
-  preconditioning,
-  ns_algorithm,
-  compute_dtype,
-  shape_scaling,
-  consistent_rms,
-  mu_dtype,
-  nonfinite='skip',
+  *, ns_coeffs, ns_steps, compute_dtype, mu_dtype, nonfinite='skip', **options
 ) -> OwnerConfig:
-  """Validates the static arguments (at the factory call) into a config."""
+  """Validates the static arguments (at the factory call) into a config
+  (``options``: the other fields of :class:`OwnerConfig`, by name)."""
   check_nonfinite(nonfinite)
-  if momentum not in MOMENTUM_RULES:
+  if (momentum := options['momentum']) not in MOMENTUM_RULES:
     raise ValueError(
       f'dmuon: momentum={momentum!r} is not one of {MOMENTUM_RULES}: '
       "'optax' is optax.contrib.muon's bias-corrected EMA, 'sgd' is the "
       'DMuon/Moonlight rule buf = beta * buf + g.'
     )
-  _checks.check_ns_algorithm(ns_algorithm)
-  if preconditioning not in _newton_schulz.PRECONDITIONINGS:
-    raise ValueError(
-      f'dmuon: preconditioning={preconditioning!r} is not one of '
-      f'{_newton_schulz.PRECONDITIONINGS}.'
-    )
+  _checks.check_ns_algorithm(options['ns_algorithm'])
   compute = static_dtype(compute_dtype, 'compute_dtype')
-  if compute is not None and compute not in _newton_schulz.COMPUTE_DTYPES:
-    raise ValueError(
-      f'dmuon: compute_dtype={compute_dtype!r} is not one of '
-      f'{tuple(d.name for d in _newton_schulz.COMPUTE_DTYPES)} (or None for'
-      ' the momentum dtype).'
-    )
+  _newton_schulz.check_ns_options(
+    'dmuon', options['preconditioning'], compute_dtype
+  )
   mu = static_dtype(mu_dtype, 'mu_dtype')
   coeffs = _newton_schulz.resolve_ns_coeffs(
     ns_coeffs, static_int(ns_steps, 'ns_steps')
   )
   return OwnerConfig(
     coeffs=tuple(tuple(float(v) for v in row) for row in coeffs),
-    momentum=momentum,
-    nesterov=bool(nesterov),
-    adaptive=bool(adaptive),
-    preconditioning=preconditioning,
-    ns_algorithm=ns_algorithm,
     compute_dtype=None if compute is None else compute.name,
-    shape_scaling=shape_scaling,
-    consistent_rms=consistent_rms,
     mu_dtype=None if mu is None else mu.name,
+    **options | {k: bool(options[k]) for k in ('nesterov', 'adaptive')},
   )
 
 
@@ -196,24 +169,12 @@ class Hyperparams(NamedTuple):
   weight_decay: Any = None
 
 
-def make_hyperparams(
-  *,
-  beta: Any,
-  eps: Any,
-  consistent_rms: Any = None,
-  weight_decay: Any = None,
-) -> Hyperparams:
-  """Validates concrete values (at the factory call) into
-  :class:`Hyperparams`; run-time values (tracers) pass through."""
-  _checks.check_muon(
-    beta=beta,
-    eps=eps,
-    consistent_rms=consistent_rms,
-    weight_decay=weight_decay,
-  )
-  return Hyperparams(
-    beta=beta, eps=eps, consistent_rms=consistent_rms, weight_decay=weight_decay
-  )
+def make_hyperparams(**values: Any) -> Hyperparams:
+  """Validates concrete values (``beta``, ``eps``, ``consistent_rms``,
+  ``weight_decay``; at the factory call) into :class:`Hyperparams`;
+  run-time values (tracers) pass through."""
+  _checks.check_muon(**values)
+  return Hyperparams(**values)
 
 
 def dynamic(hp: Hyperparams) -> dict[str, Any]:
@@ -368,9 +329,8 @@ def slot_work(olayout, lay, decay, skip_distributed=False) -> _layout.SlotWork:
 
   def keep(g, s, b):
     del g, s
-    if skip_distributed and (b.grouped or b.tp_split is not None):
-      return ()
-    return b.units
+    distributed = b.grouped or b.tp_split is not None
+    return () if skip_distributed and distributed else b.units
 
   return lay.slot_work(lambda u: _unit_key(olayout, lay, decay, u), keep)
 
@@ -415,15 +375,9 @@ def owner_step(
     step produced (momentum and gradients promoted, as optax's updates),
     the momentum in its own dtype.
   """
-  grad_groups = olayout.split_groups(grads)
-  mu_groups = olayout.split_groups(mus) if mus is not None else None
-  param_groups = (
-    olayout.split_groups(params)
-    if params is not None
-    else [None] * len(olayout.groups)
-  )
-  axes = olayout.buffer_axes
-  n = olayout.num_slots
+  none = [None] * len(olayout.groups)
+  split = lambda bufs: none if bufs is None else olayout.split_groups(bufs)
+  grad_groups, mu_groups, param_groups = map(split, (grads, mus, params))
   out, new_mu, start = [], [], 0
   for g, lay in enumerate(olayout.groups):
     # The previous group's results.
@@ -437,7 +391,7 @@ def owner_step(
       # previous group's results through a tie that is 0 whatever they hold.
       tie = _gather.zero_after(*previous)
       grads_g = [x + tie.astype(x.dtype) for x in grads_g]
-    if mu_groups is None:
+    if mus is None:
       h = grads_g
     else:
       mu_g, h = momentum_update(
@@ -465,8 +419,8 @@ def owner_step(
     # offsets read from the tables.
     one = functools.partial(
       _gather.with_slot_rows,
-      axes,
-      n,
+      olayout.buffer_axes,
+      olayout.num_slots,
       run,
       work.offsets,
       dynamic=lay.dynamic,
@@ -519,9 +473,7 @@ def _staged_update(cfg, hp, olayout, lay, hat, params, decay, iterations):
   )
 
 
-@functools.lru_cache(maxsize=64)
-def _stages(olayout, lay, ns_steps, unit_keys):
-  return _staged.Stages(olayout, lay, ns_steps, unit_keys)
+_stages = functools.lru_cache(maxsize=64)(_staged.Stages)
 
 
 # ---------------------------------------------------------------------------
@@ -557,18 +509,6 @@ def all_finite(*trees: Any) -> jax.Array:
   return ok
 
 
-def select_tree(ok: jax.Array, new: Any, old: Any) -> Any:
-  """``new`` where ``ok``, else ``old``, leaf by leaf (``jnp.where``)."""
-  return jax.tree.map(
-    lambda n, o: jnp.where(ok, n, o).astype(jnp.asarray(n).dtype), new, old
-  )
-
-
-def zeros_unless(ok: jax.Array, tree: Any) -> Any:
-  """``tree`` where ``ok``, else zeros of its leaves' shapes and dtypes."""
-  return jax.tree.map(lambda x: jnp.where(ok, x, jnp.zeros((), x.dtype)), tree)
-
-
 def skip_nonfinite(
   inner: optax.GradientTransformation,
 ) -> optax.GradientTransformation:
@@ -591,7 +531,14 @@ def skip_nonfinite(
   def update_fn(updates, state, params=None, **extra_args):
     new_updates, new_state = inner.update(updates, state, params, **extra_args)
     ok = all_finite(updates, new_updates, new_state)
-    return zeros_unless(ok, new_updates), select_tree(ok, new_state, state)
+    updates = jax.tree.map(
+      lambda x: jnp.where(ok, x, jnp.zeros((), x.dtype)), new_updates
+    )
+    return updates, jax.tree.map(
+      lambda n, o: jnp.where(ok, n, o).astype(jnp.asarray(n).dtype),
+      new_state,
+      state,
+    )
 
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
@@ -682,6 +629,7 @@ def _read(x: Any) -> np.ndarray | None:
 
 
 @jax.tree_util.register_pytree_with_keys_class
+@dataclasses.dataclass(frozen=True, repr=False)
 class LayoutStamp:
   """The owner layout a state's momentum was written by, as data.
 
@@ -704,12 +652,9 @@ class LayoutStamp:
       layout's fingerprint).
   """
 
-  __slots__ = ('marker', 'value', 'name')
-
-  def __init__(self, marker: Any, value: Any, name: str):
-    self.marker = marker
-    self.value = value
-    self.name = name
+  marker: Any
+  value: Any
+  name: str
 
   def tree_flatten_with_keys(self):
     keys = map(jax.tree_util.DictKey, ('stamp_marker', 'stamp'))
@@ -720,18 +665,6 @@ class LayoutStamp:
     marker, value = children
     check(marker, value, name)
     return cls(marker, value, name)
-
-  def _key(self) -> tuple:
-    return self.name, self.marker, self.value
-
-  def __eq__(self, other: object) -> bool:
-    # As a tuple (name, marker, value) compares.
-    if not isinstance(other, LayoutStamp):
-      return NotImplemented
-    return self._key() == other._key()
-
-  def __hash__(self) -> int:
-    return hash(self._key())
 
   def __repr__(self) -> str:
     return f'LayoutStamp({self.name})'

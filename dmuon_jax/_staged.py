@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -93,7 +94,7 @@ class _Type(NamedTuple):
   key: Any  # what the finish reads of its unit (Stages' unit_keys)
 
 
-def _typed(per_slot, n):
+def _typed(per_slot):
   """Types and their tables from ``per_slot[s]``: ``(type, rank, row)``
   items (``rank`` orders a slot's items of a type; ``row`` the values its
   loop body reads): the types in order, per type its
@@ -101,21 +102,20 @@ def _typed(per_slot, n):
   found: dict = {}
   for s, items in enumerate(per_slot):
     for typ, rank, row in items:
-      found.setdefault(typ[1:], (typ, {}))[1].setdefault(s, []).append(
-        (rank, row)
-      )
+      per = found.setdefault(typ[1:], (typ, [[] for _ in per_slot]))[1]
+      per[s].append((rank, row))
   types, tables, trips = [], [], []
   for key in sorted(found, key=repr):
     typ, per = found[key]
-    types.append(typ)
-    rows = []
-    for s in range(n):
-      items = [row for _, row in sorted(per.get(s, []), key=lambda e: e[0])]
-      rows.append([list(col) for col in zip(*items)] if items else [])
-    width = max((len(r) for r in rows), default=0)
+    rows = [
+      [list(c) for c in zip(*(r for _, r in sorted(it, key=lambda e: e[0])))]
+      for it in per
+    ]
+    width = max(map(len, rows))
     table, trip = _layout.typed_table(
       [r or [[] for _ in range(width)] for r in rows]
     )
+    types.append(typ)
     tables.append(table)
     trips.append(trip)
   return types, tables, trips
@@ -138,15 +138,15 @@ class Stages:
     axes: the owner axes (the ``ppermute`` and tables run over them).
     group_axis: the axis a group's members share (its ``pmax``/``psum`` of
       per-matrix scalars).
-    slice_types, slice_tables, slice_trips: the slices' types (a
-      representative unit each), per type a table (offset in the buffer,
-      the slice's group among the slot's held ones, its group's row
-      position) and its static trip count (or None).
-    tp_types, tp_tables, tp_trips: the TP matrices' (offset, offset of
-      the Gram in the TP block, position in the slot's TP vectors).
-    iter_types, iter_tables, iter_trips: per restart window of the
-      groups, the Gram sizes a slot iterates (its position among the
-      slot's iterated groups of the window).
+    slice_types, tp_types, iter_types: the slices' types (a representative
+      unit each), the TP matrices', per restart window of the groups the
+      Gram sizes a slot iterates.
+    parts: per part (slices, TP matrices, each window's iterated groups)
+      its tables, their static trip counts (or None) and their number of
+      columns: a slice's (offset in the buffer, its group among the slot's
+      held ones, its group's row position); a TP matrix's (offset, offset
+      of its Gram in the TP block, position in the slot's TP vectors); an
+      iterated group's position among the slot's of the window.
     held: per slot, the groups (plan indices) it holds slices of.
     iterated: per window, per slot, the groups it iterates.
     schedules: per window, the exchange's rounds
@@ -160,24 +160,18 @@ class Stages:
   """
 
   def __init__(self, olayout, lay, ns_steps: int, unit_keys):
-    plan = lay.plan
-    self.lay = lay
-    self.n = lay.num_slots
+    plan, groups, k = lay.plan, lay.plan.groups, ns_steps
+    self.lay, self.n = lay, lay.num_slots
     self.axes = tuple(olayout.buffer_axes)
     self.group_axis = plan.group_axis()
     self.tp_axis = olayout.tp_axis if olayout.tp_size > 1 else None
-    self.tp_size = olayout.tp_size
-    k = ns_steps
-    self.group_segments = _newton_schulz.gram_segments(
-      k, _newton_schulz.check_restart_iterations(None, k)
-    )
-    groups = plan.groups
+    self.group_segments = _newton_schulz.gram_windows(k)
     # Row positions of the groups (for the per-matrix vectors).
     rows: dict[int, list[int]] = {}
     for j, g in enumerate(groups):
       rows.setdefault(plan.group_row(g.iteration_owners[0]), []).append(j)
     pos = {j: i for js in rows.values() for i, j in enumerate(js)}
-    self.vec_groups = max((len(js) for js in rows.values()), default=0)
+    self.vec_groups = max(map(len, rows.values()), default=0)
     self.iterated = [
       [
         [j for j, g in enumerate(groups) if g.iteration_owners[w] == s]
@@ -185,75 +179,63 @@ class Stages:
       ]
       for w in range(_plan.windows(groups))
     ]
-    self.held: list[list[int]] = []
-    slices, tps = [], []
-    tp_sizes, tp_counts = [], []
+    self.held, slices, tps = [], [], []
+    self.tp_block = self.vec_tp = 0
     for s in range(self.n):
       found, mine = [], []
       for gi in range(lay.num_groups):
         for bucket in lay.buckets(gi, s):
           for u in bucket.units:
+            shape, key = plan.units[u].shape, unit_keys[u]
             if bucket.grouped:
               j = plan.units[u].group
-              spec = plan.leaves[lay.unit_leaf[u]]
-              typ = _Type(
-                u,
-                plan.units[u].shape,
-                spec.split_axis,
-                groups[j].gram_size,
-                gi,
-                self.group_segments,
-                unit_keys[u],
-              )
+              split = plan.leaves[lay.unit_leaf[u]].split_axis
+              size = groups[j].gram_size
+              typ = _Type(u, shape, split, size, gi, self.group_segments, key)
               found.append((j, typ))
             elif bucket.tp_split is not None:
-              m, nn = plan.units[u].shape
               split = bucket.tp_split
-              g_size, w = (m, nn) if split == -1 else (nn, m)
-              restarts = _newton_schulz.tp_restarts(
-                None, k, g_size, w * self.tp_size
-              )
-              segments = _newton_schulz.gram_segments(k, restarts)
-              mine.append(
-                _Type(u, (m, nn), split, g_size, gi, segments, unit_keys[u])
-              )
+              size, w = shape if split == -1 else shape[::-1]
+              long_gram = size > w * olayout.tp_size
+              segments = _newton_schulz.gram_windows(k, None, long_gram)
+              mine.append(_Type(u, shape, split, size, gi, segments, key))
       held = sorted({j for j, _ in found})
       local = {j: i for i, j in enumerate(held)}
       self.held.append(held)
       slices.append(
         [
-          (t, (local[j], t[0]), (lay.unit_offset[t[0]], local[j], pos[j]))
+          (t, (local[j], t.unit), (lay.unit_offset[t.unit], local[j], pos[j]))
           for j, t in found
         ]
       )
       # A slot's TP Grams in canonical order, one block after another.
-      mine.sort(key=lambda t: (repr(t[1:]), t[0]))
-      placed, used = [], 0
-      for i, t in enumerate(mine):
-        placed.append((t, i, (lay.unit_offset[t[0]], used, i)))
-        used += t[3] ** 2
-      tps.append(placed)
-      tp_sizes.append(used)
-      tp_counts.append(len(mine))
-    self.slice_types, self.slice_tables, self.slice_trips = _typed(
-      slices, self.n
-    )
-    self.tp_types, self.tp_tables, self.tp_trips = _typed(tps, self.n)
-    self.iter_types, self.iter_tables, self.iter_trips = [], [], []
+      mine.sort(key=lambda t: (repr(t[1:]), t.unit))
+      starts = [0, *itertools.accumulate(t.gram**2 for t in mine)]
+      tps.append(
+        [
+          (t, i, (lay.unit_offset[t.unit], starts[i], i))
+          for i, t in enumerate(mine)
+        ]
+      )
+      self.tp_block = max(self.tp_block, starts[-1])
+      self.vec_tp = max(self.vec_tp, len(mine))
+    self.slice_types, *slice_part = _typed(slices)
+    self.tp_types, *tp_part = _typed(tps)
+    # The stages' tables in the order _rows reads them: per part (slices,
+    # TP matrices, each window's iterated groups) its tables, their trip
+    # counts and their number of columns.
+    self.parts = [(*slice_part, 3), (*tp_part, 3)]
+    self.iter_types = []
     for per_slot in self.iterated:
-      iters = [
-        [((0, groups[j].gram_size), i, (i,)) for i, j in enumerate(js)]
-        for js in per_slot
-      ]
-      types, tables, trips = _typed(iters, self.n)
+      types, *part = _typed(
+        [
+          [((0, groups[j].gram_size), i, (i,)) for i, j in enumerate(js)]
+          for js in per_slot
+        ]
+      )
       self.iter_types.append([t[1] for t in types])
-      self.iter_tables.append(tables)
-      self.iter_trips.append(trips)
-    self.has_groups = bool(groups)
-    self.tp_block = max(tp_sizes, default=0)
-    self.vec_tp = max(tp_counts, default=0)
-    self.has_tp = self.tp_block > 0
-    self.m_held = max((len(h) for h in self.held), default=0)
+      self.parts.append((*part, 1))
+    self.m_held = max(map(len, self.held), default=0)
     self.m_iterated = max(
       (len(js) for per_slot in self.iterated for js in per_slot), default=0
     )
@@ -276,16 +258,6 @@ class Stages:
       _plan.schedule(groups, plan.owners, w) for w in range(self.group_windows)
     ]
     self._exchange_tables()
-
-  def parts(self) -> list[tuple[list, list, int]]:
-    """The stages' tables in the order :func:`_rows` reads them: per part
-    (slices, TP matrices, each window's iterated groups) its tables, their
-    trip counts and their number of columns."""
-    iters = zip(self.iter_tables, self.iter_trips)
-    return [
-      (self.slice_tables, self.slice_trips, 3),
-      (self.tp_tables, self.tp_trips, 3),
-    ] + [(tables, trips, 1) for tables, trips in iters]
 
   def _exchange_tables(self) -> None:
     """Per window and round, what each slot sends and where it adds what
@@ -323,9 +295,8 @@ class Stages:
 
 def needs_stages(olayout, lay) -> bool:
   """Whether a layout group has distributed matrices (groups or TP)."""
-  if lay.plan.groups:
-    return True
-  return olayout.tp_size > 1 and any(s is not None for s in lay.tp_splits)
+  tp = olayout.tp_size > 1 and any(s is not None for s in lay.tp_splits)
+  return bool(lay.plan.groups) or tp
 
 
 class Carry(NamedTuple):
@@ -410,17 +381,13 @@ class _Rows(NamedTuple):
 
 
 def _rows(st: Stages, num_plain: int, rows) -> _Rows:
-  """The rows of ``num_plain`` plain tables, then of ``st.parts()``."""
-  rows = list(rows)
-  plain, rows = rows[:num_plain], rows[num_plain:]
+  """The rows of ``num_plain`` plain tables, then of ``st.parts``."""
+  rows = iter(rows)
+  plain = [next(rows) for _ in range(num_plain)]
   out = []
-  for tables, trips, cols in st.parts():
-    mine, rows = rows[: len(tables)], rows[len(tables) :]
-    typed = []
-    for row, trip in zip(mine, trips):
-      count, columns = _layout.table_columns(row, cols)
-      typed.append((count if trip is None else trip, columns))
-    out.append(typed)
+  for _, trips, cols in st.parts:
+    read = [_layout.table_columns(next(rows), cols) for _ in trips]
+    out.append([(n if t is None else t, v) for (n, v), t in zip(read, trips)])
   return _Rows(plain, out[0], out[1], out[2:])
 
 
@@ -670,14 +637,11 @@ def run(
       'dmuon: internal: owner groups or TP matrices in a scanned stack.'
     )
   vary = tuple(st.axes) + ((st.tp_axis,) if st.tp_axis else ())
-  norm = (
-    jnp.float64
-    if any(jnp.dtype(b.dtype) == jnp.float64 for b in hat)
-    else jnp.float32
-  )
+  f64 = any(jnp.dtype(b.dtype) == jnp.float64 for b in hat)
+  norm = jnp.float64 if f64 else jnp.float32
   bodies = _Bodies(st, cfg, eps, finish, plain_update, norm)
   tables = list(plain_work.offsets)
-  tables += [t for part, _, _ in st.parts() for t in part]
+  tables += [t for part, _, _ in st.parts for t in part]
 
   def stage(body, c):
     """One stage: ``body`` with this device's rows of ``tables`` (one
@@ -694,7 +658,7 @@ def run(
   def reduced(c, op, name):
     """The per-matrix vectors ``name`` reduced over each matrix's devices:
     a group's members, a TP matrix's shards."""
-    has = (st.has_groups, st.has_tp)
+    has = (st.group_windows > 0, st.tp_block > 0)
     axes = (st.group_axis, st.tp_axis)
     v = zip(getattr(c, name), has, axes)
     return c._replace(**{name: tuple(op(a, x) if h else a for a, h, x in v)})
@@ -716,7 +680,7 @@ def run(
         st, w, 'reduce', slot, c.grams[0], c.owned_grams, vary, tie
       )
       c = c._replace(owned_grams=owned)
-    if st.has_tp:
+    if st.tp_block:
       tp_grams = jax.lax.psum(c.grams[1], st.tp_axis)
       c = c._replace(grams=(c.grams[0], tp_grams))
     c = stage(functools.partial(bodies.iterate, w), c)

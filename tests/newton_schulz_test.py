@@ -43,7 +43,7 @@ _PE = tuple((a / 1.05, b / 1.05**3, c / 1.05**5) for a, b, c in _PE_RAW)
 _ROWS = {'jordan': _JORDAN, 'you': _YOU, 'polar_express_sf1.05': _PE}
 _PRESETS = tuple(_ROWS)
 
-# Documented in NS_COEFF_PRESETS: range of the output singular values for
+# Documented in docs/reference/newton_schulz.md: range of the output singular values for
 # normalized input singular values x = sigma / ||X||_F >= _CONVERGED_X.
 _CONVERGED_X = 2e-3
 _BANDS = {

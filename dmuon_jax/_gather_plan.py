@@ -6,9 +6,9 @@ are even over the owners; owners are then swapped between slots to even out
 the Newton–Schulz work over the model. Each group is placed as a group
 plan (an ``OwnershipPlan`` over the buffer axes) by
 :func:`dmuon_jax._assign.place` or :func:`~dmuon_jax._assign.assign`, the
-placement of every plan. :func:`gather_group_bytes` predicts each group's
-bytes without placing the whole model (``layers_per_gather='auto'`` weighs
-them), counted by ``OwnershipPlan.gather_bytes`` as
+placement of every plan. With ``bytes_only``, :func:`plan_gather_groups`
+predicts each group's bytes without placing the whole model
+(``layers_per_gather='auto'`` weighs them), counted by ``OwnershipPlan.gather_bytes`` as
 ``Dedication.gather_bytes`` counts a built one. The plan of all Muon
 targets comes from :func:`dmuon_jax._assign.plan_ownership`.
 """
@@ -43,7 +43,11 @@ def plan_gather_groups(
   split: bool = False,
   ns_steps: int = 5,
   memo: dict | None = None,
-) -> tuple[OwnershipPlan, tuple[OwnershipPlan, ...], tuple[int, ...]]:
+  bytes_only: bool = False,
+) -> (
+  tuple[OwnershipPlan, tuple[OwnershipPlan, ...], tuple[int, ...]]
+  | list[GatherBytes]
+):
   """Owners for dedicated mode: matrices gathered per group of boundaries.
 
   Each group is placed by the assignment algorithm of every plan
@@ -71,13 +75,17 @@ def plan_gather_groups(
     ns_steps: Newton–Schulz iterations, for the cost of split matrices.
     memo: (optional) a dict kept across calls for one set of params: the
       split chosen per group of equal shapes.
+    bytes_only: return, per gather group, only its bytes as this placement
+      would give them, each group placed alone (groups of equal shapes
+      once, through ``memo``): what ``layers_per_gather='auto'`` weighs.
 
   Returns:
     ``(plan, group_plans, iterations)``: ``plan`` with every unit's owner
     (mesh-order slots; with ``split``, its leaves and units may be sliced
     views), per group a plan over ``buffer_axes`` of its base units (one
     iteration for a scanned stack), and per group the number of scan
-    iterations (0 for loop groups).
+    iterations (0 for loop groups). With ``bytes_only``, per group its
+    :class:`GatherBytes`.
 
   Raises:
     ValueError: for a scanned group whose leaves do not share the leading
@@ -85,23 +93,25 @@ def plan_gather_groups(
   """
   k = layers_per_gather
   buffer_axes = tuple(buffer_axes)
-  rows = _group_rows(plan, buffer_axes, group_axis)
-  if split:
-    memo = {} if memo is None else memo
-    views = {}
-    for name, scanned, specs in groups:
-      if not scanned:
-        got = _split_views(
-          plan, name, False, specs, 1, rows, True, ns_steps, memo
-        )
-        views.update(got[0])
-    if views:
-      plan = resliced(plan, views, ns_steps)[0]
-      spec_of = {s.leaf_index: s for s in plan.leaves}
-      groups = [
-        (name, scanned, [spec_of[s.leaf_index] for s in specs])
-        for name, scanned, specs in groups
-      ]
+  sizes = dict(zip(plan.axis_names, plan.mesh_shape))
+  axis = buffer_axes.index(group_axis or buffer_axes[-1]) if buffer_axes else 0
+  rows = group_rows([sizes[a] for a in buffer_axes], axis)
+  memo = {} if memo is None else memo
+  got = [
+    _split_views(plan, name, scanned, specs, k, rows, split, ns_steps, memo)
+    for name, scanned, specs in groups
+    if bytes_only or (split and not scanned)
+  ]
+  if bytes_only:
+    return [b for _, b in got]
+  views = {i: v for vs, _ in got for i, v in vs.items()}
+  if views:
+    plan = resliced(plan, views, ns_steps)[0]
+    spec_of = {s.leaf_index: s for s in plan.leaves}
+    groups = [
+      (name, scanned, [spec_of[s.leaf_index] for s in specs])
+      for name, scanned, specs in groups
+    ]
   n = plan.num_slots
   work = np.zeros(n)
   placed = [
@@ -131,7 +141,6 @@ def plan_gather_groups(
   moved = [list(range(n)) for _ in placed]
   for g, move in moves:
     moved[g] = [move.get(s, s) for s in moved[g]]
-  sizes = dict(zip(plan.axis_names, plan.mesh_shape))
   # A slot in buffer_axes order -> the plan's (mesh-order) slot.
   to_plan = np.arange(n).reshape(plan.mesh_shape)
   to_plan = to_plan.transpose([plan.axis_names.index(a) for a in buffer_axes])
@@ -177,30 +186,6 @@ def plan_gather_groups(
   )
 
 
-def gather_group_bytes(
-  plan: OwnershipPlan,
-  groups: Sequence[tuple[str, bool, Sequence[LeafSpec]]],
-  layers_per_gather: int,
-  buffer_axes: Sequence[str],
-  group_axis: str | None = None,
-  *,
-  split: bool = False,
-  ns_steps: int = 5,
-  memo: dict | None = None,
-) -> list[GatherBytes]:
-  """Per gather group, its bytes as :func:`plan_gather_groups` (same
-  arguments) would place them, without placing the whole model (groups of
-  equal shapes are placed once, through ``memo``)."""
-  rows = _group_rows(plan, tuple(buffer_axes), group_axis)
-  memo = {} if memo is None else memo
-  return [
-    _split_views(
-      plan, name, scanned, specs, layers_per_gather, rows, split, ns_steps, memo
-    )[1]
-    for name, scanned, specs in groups
-  ]
-
-
 # Placing a loop gather group, a slot's bytes may exceed the group's mean
 # per slot by this fraction before its Newton-Schulz work stops mattering.
 _BYTE_SLACK = 0.02
@@ -208,32 +193,6 @@ _BYTE_SLACK = 0.02
 # A loop gather group whose whole matrices would pad more than this (in
 # percent of its bytes) has matrices split into slices (owner groups).
 SPLIT_PADDING_PERCENT = 5.0
-
-
-def _signature(specs: Sequence[LeafSpec]) -> tuple:
-  """What placing a group reads of its leaves (not their paths)."""
-  return tuple(
-    (
-      s.shape,
-      s.dtype,
-      s.batch_axes,
-      s.reduction_axes,
-      s.output_axes,
-      s.original_shape,
-      s.slice_axis,
-    )
-    for s in specs
-  )
-
-
-def _trial(
-  sub: OwnershipPlan, name: str, scanned: bool, k: int, rows: list[list[int]]
-) -> GatherBytes:
-  """The bytes of ``sub`` (one gather group's plan) placed alone."""
-  gp, _, iters = _place_gather_group(
-    sub, name, scanned, sub.leaves, k, rows, np.zeros(sub.num_slots)
-  )
-  return gp.gather_bytes(iters)
 
 
 def _split_views(
@@ -254,18 +213,31 @@ def _split_views(
   at most ``SPLIT_PADDING_PERCENT``; else the coarsest slicing of
   :func:`byte_views` that does, placed as :func:`plan_gather_groups`
   places it (else the one padding least). Groups of equal shapes share
-  one decision through ``memo``.
+  one decision through ``memo`` (keyed on what placing reads of the
+  leaves: not their paths).
   """
   split, k = split and not scanned, k if scanned else 1
-  key = (split, scanned, _signature(specs), k, tuple(map(tuple, rows)))
+  shapes = tuple(
+    (s.shape, s.dtype, s.batch_axes, s.reduction_axes, s.output_axes)
+    + (s.original_shape, s.slice_axis)
+    for s in specs
+  )
+  key = (split, scanned, shapes, k, tuple(map(tuple, rows)))
+
+  def trial(sub, name, scanned, k):
+    gp, _, iters = _place_gather_group(
+      sub, name, scanned, sub.leaves, k, rows, np.zeros(sub.num_slots)
+    )
+    return gp.gather_bytes(iters)
+
   if key not in memo:
     sub = resliced(plan, {}, ns_steps, {s.leaf_index for s in specs})[0]
-    best = _trial(sub, name, scanned, k, rows)
+    best = trial(sub, name, scanned, k)
     counts = {}
     if split and best.padding > SPLIT_PADDING_PERCENT:
       per_slot = best.payload / plan.num_slots
       for views in byte_views(sub.leaves, per_slot):
-        got = _trial(resliced(sub, views, ns_steps)[0], '', False, 1, rows)
+        got = trial(resliced(sub, views, ns_steps)[0], '', False, 1)
         if got.padding < best.padding - 1e-9:
           best = got
           pos = {s.leaf_index: i for i, s in enumerate(sub.leaves)}
@@ -274,46 +246,13 @@ def _split_views(
           break
     memo[key] = (counts, best)
   counts, best = memo[key]
-  views = {}
-  for i, slices in counts.items():
-    spec = specs[i]
-    views[spec.leaf_index] = sliced_spec(
-      spec, slices, None, min_byte_slice(spec)
+  views = {
+    specs[i].leaf_index: sliced_spec(
+      specs[i], c, None, min_byte_slice(specs[i])
     )
+    for i, c in counts.items()
+  }
   return views, best
-
-
-def _group_rows(
-  plan: OwnershipPlan, buffer_axes: tuple[str, ...], group_axis: str | None
-) -> list[list[int]]:
-  """The slots (in ``buffer_axes`` order) of each row of owner groups."""
-  sizes = dict(zip(plan.axis_names, plan.mesh_shape))
-  axis = buffer_axes.index(group_axis or buffer_axes[-1]) if buffer_axes else 0
-  return group_rows([sizes[a] for a in buffer_axes], axis)
-
-
-def _scanned_specs(
-  name: str, specs: list[LeafSpec], k: int
-) -> tuple[list[LeafSpec], int]:
-  """A scanned stack's specs for one iteration of ``k`` layers, and its
-  number of iterations; raises unless its leaves share a leading layer
-  axis that ``k`` divides."""
-  length = specs[0].shape[0]
-  bad = [s.path for s in specs if 0 not in s.batch_axes or s.shape[0] != length]
-  if bad:
-    raise ValueError(
-      f'dmuon: scanned stack {name!r} needs every Muon target to have '
-      f'the same leading layer axis (a batch axis of its dimension '
-      f'numbers) of size {length}; these do not: {bad}.'
-    )
-  if length % k:
-    fits = [d for d in range(1, length + 1) if length % d == 0]
-    raise ValueError(
-      f'dmuon: layers_per_gather={k} does not divide the {length} '
-      f'layers of scanned stack {name!r}. Pass one of {fits}.'
-    )
-  specs = [dataclasses.replace(s, shape=(k,) + s.shape[1:]) for s in specs]
-  return specs, length // k
 
 
 def _place_gather_group(
@@ -344,10 +283,26 @@ def _place_gather_group(
     groups, their units and units' groups renumbered within it.
   """
   n = plan.num_slots
-  specs = list(specs)
-  iters = 0
-  if scanned:
-    specs, iters = _scanned_specs(name, specs, k)
+  specs, iters = list(specs), 0
+  if scanned:  # one iteration of k layers
+    length = specs[0].shape[0]
+    bad = [
+      s.path for s in specs if 0 not in s.batch_axes or s.shape[0] != length
+    ]
+    if bad:
+      raise ValueError(
+        f'dmuon: scanned stack {name!r} needs every Muon target to have '
+        f'the same leading layer axis (a batch axis of its dimension '
+        f'numbers) of size {length}; these do not: {bad}.'
+      )
+    if length % k:
+      fits = [d for d in range(1, length + 1) if length % d == 0]
+      raise ValueError(
+        f'dmuon: layers_per_gather={k} does not divide the {length} '
+        f'layers of scanned stack {name!r}. Pass one of {fits}.'
+      )
+    specs = [dataclasses.replace(s, shape=(k,) + s.shape[1:]) for s in specs]
+    iters = length // k
   in_group = {s.leaf_index for s in specs}
   ids = [
     i
@@ -356,13 +311,9 @@ def _place_gather_group(
   ]
   local = {u: i for i, u in enumerate(ids)}
   # Owner groups of this gather group: slices in one row, the iteration
-  # on a member of that row (see OwnerGroup).
+  # on a member of that row (see OwnerGroup); never a scanned stack's
+  # (plan_ownership leaves those whole).
   gids = [g for g, grp in enumerate(plan.groups) if grp.units[0] in local]
-  if gids and iters:
-    raise ValueError(
-      f'dmuon: scanned stack {name!r} holds owner-group matrices; pass '
-      'owner_groups=None (scanned stacks rotate whole matrices).'
-    )
   remap = {g: j for j, g in enumerate(gids)}
   base = [plan.units[i] for i in ids]
   base = [
@@ -441,19 +392,14 @@ def byte_views(
   for s in specs:
     if s.sliced or min(s.matrix_shape) < 2:
       continue
-    # The slice counts (> 1, ascending) that sliced_spec accepts.
+    # The slice counts (> 1, ascending) that sliced_spec accepts: those
+    # dividing a long-side dimension that keep min_byte_slice.
     fi, fo = s.matrix_shape
     long_axes = s.output_axes if fo >= fi else s.reduction_axes
-    divisors = {
-      k
-      for a in long_axes
-      for k in range(2, s.shape[a] + 1)
-      if s.shape[a] % k == 0
-    }
     ks = [
       k
-      for k in sorted(divisors)
-      if sliced_spec(s, k, None, min_byte_slice(s)) is not None
+      for k in range(2, max(fi, fo) // min_byte_slice(s) + 1)
+      if any(s.shape[a] % k == 0 for a in long_axes)
     ]
     if ks:
       counts[s.leaf_index] = ks

@@ -309,26 +309,31 @@ def place(
     ``iteration_owners``.
   """
   distinct = any(g.distinct for g in groups)
-  n = sum(len(r) for r in rows)
   if loads is None:
-    loads = np.zeros(n)
-  row_load = np.array([loads[r].sum() for r in rows])
+    loads = np.zeros(sum(len(r) for r in rows))
+  # The rows are the slots of one assign, each piece its own layer (no
+  # spreading), its bytes those of its units (a group's in one bucket).
+  items = sorted(items, key=lambda x: x[1])
+  of = [[ref] if ref >= 0 else groups[-ref - 1].units for _, _, ref in items]
+  on_row = assign(
+    [
+      MatrixUnit(
+        -1, '', (), (0, 0), str(i), cost, sum(units[u].nbytes for u in us)
+      )
+      for i, ((cost, _, _), us) in enumerate(zip(items, of))
+    ],
+    len(rows),
+    loads=np.array([loads[r].sum() for r in rows]),
+    budget=None
+    if budget is None
+    else Budget(
+      [budget.key[u[0]] for u in of], [c * len(rows[0]) for c in budget.cap]
+    ),
+  )
   row_pieces: list[list[Piece]] = [[] for _ in rows]
-  if budget is not None:
-    row_held = np.zeros((len(budget.cap), len(rows)))
-    row_cap = np.outer(budget.cap, [len(r) for r in rows])
-  for cost, order, ref in sorted(items, key=lambda x: (-x[0], x[1])):
-    r = int(np.argmin(row_load))
-    if budget is not None:
-      if ref >= 0:
-        key, nbytes = budget.key[ref], units[ref].nbytes
-      else:
-        key = budget.key[groups[-ref - 1].units[0]]
-        nbytes = sum(units[u].nbytes for u in groups[-ref - 1].units)
-      ok = _room(row_held[key], nbytes, row_cap[key])
-      r = int(np.argmin(np.where(ok, row_load, np.inf)))
-      row_held[key, r] += nbytes
-    row_load[r] += cost
+  for i in sorted(range(len(items)), key=lambda i: (-items[i][0], i)):
+    cost, order, ref = items[i]
+    r = on_row[i]
     if ref >= 0:
       row_pieces[r].append((cost, order, 'unit', ref, -1))
       continue

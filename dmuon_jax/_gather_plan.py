@@ -107,15 +107,17 @@ def plan_gather_groups(
   views = {i: v for vs, _ in got for i, v in vs.items()}
   if views:
     plan = resliced(plan, views, ns_steps)[0]
-    spec_of = {s.leaf_index: s for s in plan.leaves}
-    groups = [
-      (name, scanned, [spec_of[s.leaf_index] for s in specs])
-      for name, scanned, specs in groups
-    ]
   n = plan.num_slots
   work = np.zeros(n)
   placed = [
-    _place_gather_group(plan, name, scanned, specs, k, rows, work)
+    _place_gather_group(
+      resliced(plan, {}, ns_steps, {s.leaf_index for s in specs})[0],
+      name,
+      scanned,
+      k,
+      rows,
+      work,
+    )
     for name, scanned, specs in groups
   ]
   # Even out the work over the model by swapping owners inside loop gather
@@ -123,7 +125,7 @@ def plan_gather_groups(
   # owner groups swaps within a row); moved[g]: where each slot's share in
   # gather group g goes.
   per_group = []
-  for gp, _, iters in placed:
+  for gp, iters in placed:
     w = np.zeros(n)
     for u, slot in zip(gp.units, gp.owners):
       for t in range(max(iters, 1)):
@@ -134,8 +136,8 @@ def plan_gather_groups(
     per_group.append(w)
   moves = balance(
     per_group,
-    [not iters for _, _, iters in placed],
-    [bool(gp.groups) for gp, _, _ in placed],
+    [not iters for _, iters in placed],
+    [bool(gp.groups) for gp, _ in placed],
     rows,
   )
   moved = [list(range(n)) for _ in placed]
@@ -146,13 +148,19 @@ def plan_gather_groups(
   to_plan = to_plan.transpose([plan.axis_names.index(a) for a in buffer_axes])
   to_plan = to_plan.ravel().tolist()
   owners = [0] * len(plan.units)
-  iteration = {}
+  index_of = {
+    (g.leaf_index, g.batch_index): i for i, g in enumerate(plan.groups)
+  }
+  plan_groups = list(plan.groups)
   group_plans = []
-  for (gp, (_, gids), iters), move in zip(placed, moved):
+  for (gp, iters), move in zip(placed, moved):
     sub_groups = []
-    for g, grp in zip(gids, gp.groups):
+    for grp in gp.groups:
       slots = tuple(move[s] for s in grp.iteration_owners)
-      iteration[g] = tuple(to_plan[s] for s in slots)
+      g = index_of[grp.leaf_index, grp.batch_index]
+      plan_groups[g] = dataclasses.replace(
+        plan.groups[g], iteration_owners=tuple(to_plan[s] for s in slots)
+      )
       sub_groups.append(dataclasses.replace(grp, iteration_owners=slots))
     base_owner = [move[s] for s in gp.owners]
     for u, slot in zip(gp.units, base_owner):
@@ -171,18 +179,15 @@ def plan_gather_groups(
         group_axis_name=group_axis,
       )
     )
-  groups = tuple(
-    dataclasses.replace(
-      grp, iteration_owners=iteration.get(g, (0,) * len(grp.iteration_costs))
-    )
-    for g, grp in enumerate(plan.groups)
-  )
   return (
     dataclasses.replace(
-      plan, owners=tuple(owners), groups=groups, group_axis_name=group_axis
+      plan,
+      owners=tuple(owners),
+      groups=tuple(plan_groups),
+      group_axis_name=group_axis,
     ),
     tuple(group_plans),
-    tuple(iters for _, _, iters in placed),
+    tuple(iters for _, iters in placed),
   )
 
 
@@ -225,8 +230,8 @@ def _split_views(
   key = (split, scanned, shapes, k, tuple(map(tuple, rows)))
 
   def trial(sub, name, scanned, k):
-    gp, _, iters = _place_gather_group(
-      sub, name, scanned, sub.leaves, k, rows, np.zeros(sub.num_slots)
+    gp, iters = _place_gather_group(
+      sub, name, scanned, k, rows, np.zeros(sub.num_slots)
     )
     return gp.gather_bytes(iters)
 
@@ -259,12 +264,12 @@ def _place_gather_group(
   plan: OwnershipPlan,
   name: str,
   scanned: bool,
-  specs: Sequence[LeafSpec],
   k: int,
   rows: list[list[int]],
   work: np.ndarray,
-) -> tuple[OwnershipPlan, tuple[list[int], list[int]], int]:
-  """Places one gather group's matrices (see :func:`plan_gather_groups`),
+) -> tuple[OwnershipPlan, int]:
+  """Places one gather group's matrices, ``plan`` (its leaves and units:
+  see :func:`dmuon_jax._plan.resliced`; see :func:`plan_gather_groups`),
   adding their Newton–Schulz work to ``work`` (per slot, in place).
 
   The assignment algorithm of every plan (:mod:`dmuon_jax._assign`), with
@@ -277,13 +282,11 @@ def _place_gather_group(
   work added for every rotation.
 
   Returns:
-    ``(group plan, (unit indices, owner group indices) in plan, scan
-    iterations)``: the group plan over ``plan``'s slots holds the group's
-    leaves and units (a scanned stack's: one iteration's) and its owner
-    groups, their units and units' groups renumbered within it.
+    ``(group plan, scan iterations)``: ``plan`` placed (a scanned stack's:
+    one iteration's leaves and units).
   """
   n = plan.num_slots
-  specs, iters = list(specs), 0
+  specs, iters = plan.leaves, 0
   if scanned:  # one iteration of k layers
     length = specs[0].shape[0]
     bad = [
@@ -301,31 +304,14 @@ def _place_gather_group(
         f'dmuon: layers_per_gather={k} does not divide the {length} '
         f'layers of scanned stack {name!r}. Pass one of {fits}.'
       )
-    specs = [dataclasses.replace(s, shape=(k,) + s.shape[1:]) for s in specs]
-    iters = length // k
-  in_group = {s.leaf_index for s in specs}
-  ids = [
-    i
-    for i, u in enumerate(plan.units)
-    if u.leaf_index in in_group and (not iters or u.batch_index[0] < k)
-  ]
-  local = {u: i for i, u in enumerate(ids)}
-  # Owner groups of this gather group: slices in one row, the iteration
-  # on a member of that row (see OwnerGroup); never a scanned stack's
-  # (plan_ownership leaves those whole).
-  gids = [g for g, grp in enumerate(plan.groups) if grp.units[0] in local]
-  remap = {g: j for j, g in enumerate(gids)}
-  base = [plan.units[i] for i in ids]
-  base = [
-    u if u.group < 0 else dataclasses.replace(u, group=remap[u.group])
-    for u in base
-  ]
-  sub = [
-    dataclasses.replace(
-      plan.groups[g], units=tuple(local[u] for u in plan.groups[g].units)
+    specs = tuple(
+      dataclasses.replace(s, shape=(k,) + s.shape[1:]) for s in specs
     )
-    for g in gids
-  ]
+    iters = length // k
+    # (whole matrices: plan_ownership never splits a scanned stack's)
+    units = tuple(u for u in plan.units if u.batch_index[0] < k)
+    plan = dataclasses.replace(plan, leaves=specs, units=units)
+  base, sub = plan.units, plan.groups
   dtypes = sorted({str(s.dtype) for s in specs})
   dtype_of = {s.leaf_index: dtypes.index(str(s.dtype)) for s in specs}
   key = [dtype_of[u.leaf_index] for u in base]
@@ -351,14 +337,9 @@ def _place_gather_group(
         work[(slot + t) % n] += u.cost
   else:
     owners = _assign.assign(base, n, loads=work, budget=budget)
-  gp = dataclasses.replace(
-    plan,
-    leaves=tuple(specs),
-    units=tuple(base),
-    owners=tuple(owners),
-    groups=tuple(sub),
-  )
-  return gp, (ids, gids), iters
+  return dataclasses.replace(
+    plan, owners=tuple(owners), groups=tuple(sub)
+  ), iters
 
 
 def min_byte_slice(spec: LeafSpec) -> int:
@@ -423,12 +404,15 @@ def byte_views(
       yield views
 
 
+# The most moves of each of balance's two passes.
+_MAX_MOVES = 10_000
+
+
 def balance(
   per_group: list[np.ndarray],
   movable: Sequence[bool],
   within_row: Sequence[bool],
   rows: Sequence[Sequence[int]],
-  max_rounds: int = 10_000,
 ) -> list[tuple[int, dict[int, int]]]:
   """Moves that even out the work over gather groups.
 
@@ -450,7 +434,6 @@ def balance(
       rotate instead).
     within_row: per group, whether its slots trade within a row only.
     rows: the slots of each row (all of one length).
-    max_rounds: the most moves.
 
   Returns:
     The moves in order, ``(group, {slot: new slot})``: what ``slot`` owned
@@ -461,12 +444,10 @@ def balance(
     return []
   n = len(per_group[0])
   grid = np.asarray(rows)
-  row_of = np.zeros(n, dtype=np.int64)
-  for r, slots in enumerate(rows):
-    row_of[slots] = r
+  row_of = np.argsort(grid.ravel()) // grid.shape[1]
   total = sum(per_group, np.zeros(n))
-  moves = _balance_rows(per_group, groups, within_row, grid, total, max_rounds)
-  for _ in range(max_rounds):
+  moves = _balance_rows(per_group, groups, within_row, grid, total)
+  for _ in range(_MAX_MOVES):
     a = int(np.argmax(total))
     top, ra = total[a], row_of[a]
     eps = 1e-12 * top * top
@@ -481,13 +462,11 @@ def balance(
       yb = total[pool] - w[pool] + w[a]
       new = np.maximum(ya, yb)
       dsq = ya * ya + yb * yb - total[a] ** 2 - total[pool] ** 2
-      ok = (pool != a) & (w[pool] != w[a]) & (dsq < -eps)
-      if ok.any():
-        i = np.flatnonzero(ok)
-        j = int(i[np.lexsort((dsq[i], new[i]))[0]])
-        if (new[j], dsq[j]) < best_key:
-          best_key = (new[j], dsq[j])
-          best = (g, {a: int(pool[j]), int(pool[j]): a})
+      j, best_key = _better(
+        best_key, (pool != a) & (w[pool] != w[a]) & (dsq < -eps), new, dsq
+      )
+      if j is not None:
+        best = (g, {a: int(pool[j]), int(pool[j]): a})
       if not within_row[g] or len(grid) < 2:
         continue
       # Row exchanges: the rest of each member's work, least first, takes
@@ -499,18 +478,27 @@ def balance(
       new = np.maximum(mine.max(axis=1), theirs.max(axis=1))
       held = (total[grid] ** 2).sum(axis=1)
       dsq = (mine**2).sum(axis=1) + (theirs**2).sum(axis=1) - held - held[ra]
-      ok = dsq < -eps
-      ok[ra] = False
-      if ok.any():
-        i = np.flatnonzero(ok)
-        r = int(i[np.lexsort((dsq[i], new[i]))[0]])
-        if (new[r], dsq[r]) < best_key:
-          best_key = (new[r], dsq[r])
-          best = (g, _exchange(grid[ra], grid[r], total, w))
+      r, best_key = _better(
+        best_key, (dsq < -eps) & (np.arange(len(grid)) != ra), new, dsq
+      )
+      if r is not None:
+        best = (g, _exchange(grid[ra], grid[r], total, w))
     if best is None:
       break
     _apply(per_group, total, moves, *best)
   return moves
+
+
+def _better(best_key, ok, new, dsq) -> tuple[int | None, tuple]:
+  """The candidate of :func:`balance` (an index where ``ok``) with the
+  lowest ``new``, then ``dsq``, and its key, if it beats ``best_key``;
+  else ``(None, best_key)``."""
+  if ok.any():
+    i = np.flatnonzero(ok)
+    j = int(i[np.lexsort((dsq[i], new[i]))[0]])
+    if (new[j], dsq[j]) < best_key:
+      return j, (new[j], dsq[j])
+  return None, best_key
 
 
 def _apply(per_group, total, moves, g, move) -> None:
@@ -525,7 +513,7 @@ def _apply(per_group, total, moves, g, move) -> None:
   moves.append((g, move))
 
 
-def _balance_rows(per_group, groups, within_row, grid, total, max_rounds):
+def _balance_rows(per_group, groups, within_row, grid, total):
   """The row exchanges of :func:`balance` that even out the rows' work
   (in place): repeatedly the busiest row and the exchange, in a group
   that moves within rows, that lowers the larger of the two rows' work
@@ -535,7 +523,7 @@ def _balance_rows(per_group, groups, within_row, grid, total, max_rounds):
   rowed = [g for g in groups if within_row[g]]
   if len(grid) < 2 or not rowed:
     return moves
-  for _ in range(max_rounds):
+  for _ in range(_MAX_MOVES):
     rt = total[grid].sum(axis=1)
     a = int(np.argmax(rt))
     best, best_max = None, rt[a] * (1 - 1e-9)

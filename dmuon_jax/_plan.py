@@ -245,9 +245,7 @@ class OwnershipPlan:
   def group_axis(self) -> str | None:
     """The owner axis a group's slice owners range over (default: the
     innermost)."""
-    if self.group_axis_name is not None:
-      return self.group_axis_name
-    return self.axis_names[-1] if self.axis_names else None
+    return self.group_axis_name or (self.axis_names or (None,))[-1]
 
   def group_row(self, slot: int) -> int:
     """The row of a slot: its index over the owner axes but the group axis."""
@@ -534,9 +532,20 @@ class OwnershipPlan:
     )
 
   def group_exchange_bytes(self) -> float:
-    """Predicted per-device bytes of the owner groups' collectives per step
-    (see :func:`group_exchange_bytes`; 0 without groups)."""
-    return group_exchange_bytes(self.groups, self.owners)
+    """Predicted bytes the busiest device sends in the owner groups'
+    exchange of one update, 0 without groups (ring model: one
+    ``ppermute`` of a block per round): every restart window's rounds
+    (:func:`schedule`), each member's Gram to its group's iteration owner
+    of the window and the factor back, float32 packed triangles of the
+    largest Gram."""
+    if not self.groups:
+      return 0.0
+    rounds = 0
+    for w in range(windows(self.groups)):
+      sched = schedule(self.groups, self.owners, w)
+      rounds += len(sched.reduce) + len(sched.broadcast)
+    block = max(triangle_size(g.gram_size) for g in self.groups)
+    return float(rounds * block * 4)
 
 
 # A message of the Gram exchange: (source slot, destination slot, group index).
@@ -562,11 +571,6 @@ class Schedule(NamedTuple):
   broadcast: tuple[tuple[Message, ...], ...]
 
 
-def members(groups, owners: Sequence[int]) -> list[tuple[int, ...]]:
-  """Per group, the slots holding its slices (sorted)."""
-  return [tuple(sorted({owners[u] for u in g.units})) for g in groups]
-
-
 def schedule(groups, owners: Sequence[int], window: int) -> Schedule:
   """The rounds of the groups' exchange in one restart window.
 
@@ -576,8 +580,9 @@ def schedule(groups, owners: Sequence[int], window: int) -> Schedule:
     window: the restart window (its iteration owners).
   """
   reduce = []
-  for j, (g, held) in enumerate(zip(groups, members(groups, owners))):
+  for j, g in enumerate(groups):
     owner = g.iteration_owners[window]
+    held = sorted({owners[u] for u in g.units})
     reduce += [(h, owner, j) for h in held if h != owner]
   back = [(o, h, j) for h, o, j in reduce]
   return Schedule(_rounds(reduce), _rounds(back))
@@ -586,22 +591,6 @@ def schedule(groups, owners: Sequence[int], window: int) -> Schedule:
 def windows(groups) -> int:
   """The groups' restart windows (the same for every group)."""
   return max((len(g.iteration_owners) for g in groups), default=0)
-
-
-def group_exchange_bytes(groups, owners: Sequence[int]) -> float:
-  """Predicted bytes the busiest device sends in the groups' exchange of
-  one update (ring model: one ``ppermute`` of a block per round): every
-  restart window's rounds, each member's Gram to its group's iteration
-  owner of the window and the factor back, float32 packed triangles of
-  the largest Gram."""
-  if not groups:
-    return 0.0
-  rounds = 0
-  for w in range(windows(groups)):
-    sched = schedule(groups, owners, w)
-    rounds += len(sched.reduce) + len(sched.broadcast)
-  block = max(triangle_size(g.gram_size) for g in groups)
-  return float(rounds * block * 4)
 
 
 def _rounds(edges: Sequence[Message]) -> tuple[tuple[Message, ...], ...]:

@@ -138,22 +138,20 @@ def assign(
   counts = {layer: np.zeros(num_slots, dtype=np.int64) for layer in sizes}
   if loads is None:
     loads = np.zeros(num_slots, dtype=np.float64)
-  held = None if budget is None else np.zeros((len(budget.cap), num_slots))
+  bounded = budget is not None
+  if not bounded:  # one bucket of infinite room
+    budget = Budget([0] * len(units), [np.inf])
+  held = np.zeros((len(budget.cap), num_slots))
   owners = [0] * len(units)
   makespan = float(loads.max(initial=0.0))
   order = sorted(range(len(units)), key=lambda i: (-units[i].cost, i))
   for i in order:
     unit = units[i]
-    cost = unit.cost
+    cost, key = unit.cost, budget.key[i]
     count, limit = counts[unit.layer], cap[unit.layer]
-    below = count < limit
-    if budget is None:
-      g = int(np.argmin(loads))  # argmin returns the lowest index on ties.
-    else:
-      key = budget.key[i]
-      ok = _room(held[key], unit.nbytes, budget.cap[key])
-      g = int(np.argmin(np.where(ok, loads, np.inf)))
-      below = below & ok
+    ok = _room(held[key], unit.nbytes, budget.cap[key])
+    g = int(np.argmin(np.where(ok, loads, np.inf)))  # ties: the lowest
+    below = (count < limit) & ok
     choice = g
     if count[g] >= limit:
       a = int(np.argmin(np.where(below, loads, np.inf)))
@@ -161,53 +159,21 @@ def assign(
         choice = a
     loads[choice] += cost
     count[choice] += 1
-    if held is not None:
-      held[budget.key[i], choice] += unit.nbytes
+    held[key, choice] += unit.nbytes
     makespan = max(makespan, float(loads[choice]))
     owners[i] = choice
-  _spread_layers(units, owners, loads, counts, cap, budget, held)
-  return owners
 
-
-def _spread_layers(
-  units: Sequence[MatrixUnit],
-  owners: list[int],
-  loads: np.ndarray,
-  counts: dict[str, np.ndarray],
-  cap: dict[str, int],
-  budget: Budget | None,
-  held: np.ndarray | None,
-) -> None:
-  """Moves or swaps units, in place, to bring layers under their caps.
-
-  A unit on a slot holding more than ``cap`` units of its layer moves to a
-  slot below the cap, or swaps with a unit there whose layer has room on the
-  first slot, when neither slot then exceeds the current makespan (nor,
-  with a ``budget``, its bytes: a move where they fit, a swap of equal
-  bytes). Every change lowers the total excess by at least one, so this
-  terminates; the search is deterministic (units and slots in index order)
-  and bounded by ``_REPAIR_BUDGET`` partner checks.
-
-  Args:
-    units: the matrices.
-    owners: owner slot per unit, updated in place.
-    loads: cost per slot, updated in place.
-    counts: per layer, the number of its units on each slot (in place).
-    cap: per layer, the most units it should have on one slot.
-    budget: (optional) the bytes a slot may hold, ``held`` (in place).
-    held: per bucket and slot, the bytes held.
-  """
-  num_slots = len(loads)
-  makespan = float(loads.max(initial=0.0))
+  # The repair pass: a unit on a slot holding more than ``cap`` units of
+  # its layer moves to a slot below the cap, or swaps with a unit there
+  # whose layer has room on the first slot, when neither slot then exceeds
+  # the current makespan (nor, with a ``budget``, its bytes: a move where
+  # they fit, a swap of equal bytes). Every change lowers the total excess
+  # by at least one, so this terminates; the search is deterministic
+  # (units and slots in index order) and bounded by ``_REPAIR_BUDGET``
+  # partner checks.
   on_slot: list[list[int]] = [[] for _ in range(num_slots)]
   for i, owner in enumerate(owners):
     on_slot[owner].append(i)
-
-  def fits(i, t):
-    if budget is None:
-      return True
-    key = budget.key[i]
-    return held[key, t] + units[i].nbytes <= budget.cap[key]
 
   def move(i, src, dst):
     unit = units[i]
@@ -218,12 +184,11 @@ def _spread_layers(
     counts[unit.layer][dst] += 1
     on_slot[src].remove(i)
     on_slot[dst].append(i)
-    if budget is not None:
-      held[budget.key[i], src] -= unit.nbytes
-      held[budget.key[i], dst] += unit.nbytes
+    held[budget.key[i], src] -= unit.nbytes
+    held[budget.key[i], dst] += unit.nbytes
 
   def same_bytes(i, j):
-    return budget is None or (
+    return not bounded or (
       budget.key[i] == budget.key[j] and units[i].nbytes == units[j].nbytes
     )
 
@@ -232,7 +197,7 @@ def _spread_layers(
   while changed and checks > 0:
     changed = False
     for i, unit in enumerate(units):
-      s, layer = owners[i], unit.layer
+      s, layer, key = owners[i], unit.layer, budget.key[i]
       count, limit = counts[layer], cap[layer]
       if count[s] <= limit:
         continue
@@ -240,7 +205,10 @@ def _spread_layers(
         if count[t] >= limit:
           continue
         partner = None
-        if loads[t] + unit.cost <= makespan and fits(i, t):
+        if (
+          loads[t] + unit.cost <= makespan
+          and held[key, t] + unit.nbytes <= budget.cap[key]
+        ):
           partner = -1  # a plain move
         else:
           for j in on_slot[t]:
@@ -260,13 +228,14 @@ def _spread_layers(
               break
         if partner is None:
           if checks <= 0:
-            return
+            return owners
           continue
         move(i, s, t)
         if partner >= 0:
           move(partner, t, s)
         changed = True
         break
+  return owners
 
 
 # A piece of a row: (cost, order, kind, ref, group). ``kind`` is 'unit' (a
@@ -594,9 +563,8 @@ def plan_with_groups(
     return None
   # The leaves whose matrices may be split: every groupable one when
   # forced, else those costly enough (see _MIN_GROUP_FLOPS, _COARSE).
-  first_cost = {}
-  for u in plan.units:
-    first_cost.setdefault(u.leaf_index, u.cost)
+  # (A leaf's matrices cost the same.)
+  cost = {u.leaf_index: u.cost for u in plan.units}
   chosen = [
     s
     for s in plan.leaves
@@ -605,8 +573,8 @@ def plan_with_groups(
     and (
       forced
       or (
-        first_cost[s.leaf_index] >= _MIN_GROUP_FLOPS
-        and first_cost[s.leaf_index] > _COARSE * ideal
+        cost[s.leaf_index] >= _MIN_GROUP_FLOPS
+        and cost[s.leaf_index] > _COARSE * ideal
       )
     )
   ]
@@ -636,14 +604,10 @@ def plan_with_groups(
       work = parts[spec.leaf_index][0]
       least = max(2, math.ceil(work / (_SLICE_FRACTION * bound)))
       counts = list(range(least, 4 * least + 1)) + list(range(least - 1, 1, -1))
-      view = next(
-        (
-          v
-          for v in (sliced_spec(spec, k, stride, MIN_SLICE) for k in counts)
-          if v is not None
-        ),
-        None,
-      )
+      for count in counts:
+        view = sliced_spec(spec, count, stride, MIN_SLICE)
+        if view is not None:
+          break
     if view is not None:
       views[spec.leaf_index] = view
   if not views:

@@ -94,8 +94,9 @@ def plan_gather_groups(
   k = layers_per_gather
   buffer_axes = tuple(buffer_axes)
   sizes = dict(zip(plan.axis_names, plan.mesh_shape))
+  shape = tuple(sizes[a] for a in buffer_axes)
   axis = buffer_axes.index(group_axis or buffer_axes[-1]) if buffer_axes else 0
-  rows = group_rows([sizes[a] for a in buffer_axes], axis)
+  rows = group_rows(shape, axis)
   memo = {} if memo is None else memo
   got = [
     _split_views(plan, name, scanned, specs, k, rows, split, ns_steps, memo)
@@ -108,18 +109,10 @@ def plan_gather_groups(
   if views:
     plan = resliced(plan, views, ns_steps)[0]
   n = plan.num_slots
-  work = np.zeros(n)
-  placed = [
-    _place_gather_group(
-      resliced(plan, {}, ns_steps, {s.leaf_index for s in specs})[0],
-      name,
-      scanned,
-      k,
-      rows,
-      work,
-    )
-    for name, scanned, specs in groups
-  ]
+  work, placed = np.zeros(n), []
+  for name, scanned, specs in groups:
+    sub = resliced(plan, {}, ns_steps, {s.leaf_index for s in specs})[0]
+    placed.append(_place_gather_group(sub, name, scanned, k, rows, work))
   # Even out the work over the model by swapping owners inside loop gather
   # groups (see balance; a scanned stack keeps its rotation, a group with
   # owner groups swaps within a row); moved[g]: where each slot's share in
@@ -173,7 +166,7 @@ def plan_gather_groups(
       dataclasses.replace(
         gp,
         axis_names=buffer_axes,
-        mesh_shape=tuple(sizes[a] for a in buffer_axes),
+        mesh_shape=shape,
         owners=tuple(base_owner),
         groups=tuple(sub_groups),
         group_axis_name=group_axis,
@@ -324,8 +317,7 @@ def _place_gather_group(
       (sum(base[m].cost for m in grp.units) + grp.iteration_cost, j, -(j + 1))
       for j, grp in enumerate(sub)
     ]
-    sliced = {m for grp in sub for m in grp.units}
-    whole = [i for i in range(len(base)) if i not in sliced]
+    whole = [i for i, u in enumerate(base) if u.group < 0]
     items += [(base[i].cost, len(sub) + j, i) for j, i in enumerate(whole)]
     owners, sub = _assign.place(
       items, sub, base, rows, loads=work, budget=budget
@@ -369,7 +361,7 @@ def byte_views(
   Yields:
     Dicts from leaf index to its sliced view.
   """
-  counts, sizes = {}, {}
+  leaves = []  # (spec, bytes of one of its matrices, slice counts)
   for s in specs:
     if s.sliced or min(s.matrix_shape) < 2:
       continue
@@ -383,25 +375,23 @@ def byte_views(
       if any(s.shape[a] % k == 0 for a in long_axes)
     ]
     if ks:
-      counts[s.leaf_index] = ks
-      sizes[s.leaf_index] = fi * fo * jnp.dtype(s.dtype).itemsize
-  by_index = {s.leaf_index: s for s in specs}
+      leaves.append((s, fi * fo * jnp.dtype(s.dtype).itemsize, ks))
   # The thresholds at which some leaf's slice count changes.
-  steps = {per_slot} | {
-    sizes[i] / k for i, ks in counts.items() for k in [1] + ks
-  }
+  steps = {per_slot} | {size / k for _, size, ks in leaves for k in [1] + ks}
   seen = set()
   for q in sorted((t for t in steps if t <= per_slot), reverse=True):
-    views = {}
-    for i, ks in counts.items():
-      if sizes[i] <= q:
-        continue
-      k = next((k for k in ks if sizes[i] / k <= q), ks[-1])
-      views[i] = sliced_spec(by_index[i], k, None, min_byte_slice(by_index[i]))
-    key = tuple(sorted((i, v.shape) for i, v in views.items()))
+    chosen = tuple(
+      (s, next((k for k in ks if size / k <= q), ks[-1]))
+      for s, size, ks in leaves
+      if size > q
+    )
+    key = tuple((s.leaf_index, k) for s, k in chosen)
     if key not in seen:
       seen.add(key)
-      yield views
+      yield {
+        s.leaf_index: sliced_spec(s, k, None, min_byte_slice(s))
+        for s, k in chosen
+      }
 
 
 # The most moves of each of balance's two passes.

@@ -280,6 +280,9 @@ def place(
   distinct = any(g.distinct for g in groups)
   if loads is None:
     loads = np.zeros(sum(len(r) for r in rows))
+  bounded = budget is not None
+  if not bounded:  # one bucket of infinite room
+    budget = Budget([0] * len(units), [np.inf])
   # The rows are the slots of one assign, each piece its own layer (no
   # spreading), its bytes those of its units (a group's in one bucket).
   items = sorted(items, key=lambda x: x[1])
@@ -293,9 +296,7 @@ def place(
     ],
     len(rows),
     loads=np.array([loads[r].sum() for r in rows]),
-    budget=None
-    if budget is None
-    else Budget(
+    budget=Budget(
       [budget.key[u[0]] for u in of], [c * len(rows[0]) for c in budget.cap]
     ),
   )
@@ -313,7 +314,7 @@ def place(
     # of their own, so that no device holds a whole iteration and a share.
     windows = (
       enumerate(groups[g].iteration_costs)
-      if budget is not None
+      if bounded
       else [(-1, sum(groups[g].iteration_costs))]
     )
     for w, c in windows:
@@ -324,12 +325,10 @@ def place(
   iteration_owners = [[0] * len(g.iteration_costs) for g in groups]
   nbytes = [u.nbytes for u in units]
   for row, pieces in zip(rows, row_pieces):
-    byte_cap = None
-    if budget is not None and pieces:
-      # One target for the row's members: a row's pieces share a bucket
-      # but for mixed dtypes (then the caps' sum bounds it).
-      keys = {budget.key[p[3]] for p in pieces if p[2] == 'unit'}
-      byte_cap = sum(budget.cap[k] for k in keys)
+    # One target for the row's members: a row's pieces share a bucket but
+    # for mixed dtypes (then the caps' sum bounds it); inf without a budget.
+    keys = {budget.key[p[3]] for p in pieces if p[2] == 'unit'}
+    byte_cap = sum(budget.cap[k] for k in keys)
     members = _distinct if distinct else _fill
     got = members(pieces, len(row), nbytes, loads[row], byte_cap)
     for (kind, ref), m in got.items():
@@ -353,12 +352,12 @@ def _distinct(
   row_size: int,
   nbytes: Sequence[int],
   loads: np.ndarray,
-  byte_cap: float | None = None,
+  byte_cap: float,
 ) -> dict[tuple[str, int], int]:
   """One row's pieces onto its members (``loads``: their work so far) for
   ``owner_groups=k`` (distinct groups; else :func:`_fill`): LPT, each piece
-  to the least-loaded member (ties: lowest; with a ``byte_cap``, among those
-  with room for its bytes), a group's slices to members not yet holding
+  to the least-loaded member (ties: lowest) among those with room for its
+  bytes (``byte_cap``; inf without a budget), a group's slices to members not yet holding
   one, its window iterations on them (``nbytes``: each unit's bytes).
   """
   loads = np.array(loads, float)
@@ -370,9 +369,7 @@ def _distinct(
   ordered = sorted(pieces, key=lambda p: (p[2] == 'iteration', -p[0], p[1]))
   for cost, _, kind, ref, group in ordered:
     b = nbytes[ref] if kind == 'unit' else 0
-    fits = np.arange(row_size)
-    if byte_cap is not None:
-      fits = fits[_room(held, b, byte_cap)]
+    fits = np.flatnonzero(_room(held, b, byte_cap))
     choice = int(fits[np.argmin(loads[fits])])
     if kind == 'iteration':
       choice = min(heldby[group], key=lambda m: (loads[m], m))
@@ -394,7 +391,7 @@ def _fill(
   row_size: int,
   nbytes: Sequence[int],
   loads0: np.ndarray,
-  byte_cap: float | None = None,
+  byte_cap: float,
 ) -> dict[tuple[str, int], int]:
   """``'auto'``'s placement in a row.
 
@@ -421,7 +418,7 @@ def _fill(
     row_size: the members of the row.
     nbytes: bytes of each unit (by unit index).
     loads0: the members' work so far.
-    byte_cap: (optional) the most bytes a member should hold.
+    byte_cap: the most bytes a member should hold (inf: no budget).
   """
   base = np.array(loads0, float)
   whole, slices = [], collections.defaultdict(list)
@@ -456,7 +453,7 @@ def _fill(
   order = sorted(
     slices,
     key=lambda g: (
-      -max(nbytes[r] for _, _, r in slices[g]) if byte_cap is not None else 0,
+      -max(nbytes[r] for _, _, r in slices[g]) if byte_cap < np.inf else 0,
       -sum(c for c, _, _ in slices[g]),
       min(o for _, o, _ in slices[g]),
     ),
@@ -519,9 +516,8 @@ def _fill(
     return out, fit, loads.max(initial=0.0)
 
   everything = sum(size(p[2], p[3]) for p in pieces)
-  lo, hi = everything / row_size, everything
-  if byte_cap is not None:
-    hi = max(min(hi, byte_cap), lo)
+  lo = everything / row_size
+  hi = max(min(everything, byte_cap), lo)
   best, _, busiest = fill(hi)
   for _ in range(20):  # bisection on the bytes target
     if hi - lo <= 0.01 * lo:

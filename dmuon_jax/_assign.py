@@ -28,7 +28,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -536,7 +536,7 @@ def plan_with_groups(
   owner_groups: Any,
   ns_steps: int,
   strides: Mapping[int, Sequence[int]],
-  ungroupable: frozenset[int],
+  ungroupable: Collection[int],
 ) -> OwnershipPlan | None:
   """``plan`` (whole matrices) with owner groups, or None when ``'auto'``
   finds no gain (or nothing to group)."""
@@ -747,10 +747,6 @@ def plan_ownership(
   if owner_groups is None or (owner_groups == 'auto' and cost_fn is not None):
     return plan
   grouped = plan_with_groups(
-    plan,
-    owner_groups,
-    int(ns_steps),
-    dict(shard_counts or {}),
-    frozenset(ungroupable),
+    plan, owner_groups, int(ns_steps), shard_counts or {}, set(ungroupable)
   )
   return plan if grouped is None else grouped

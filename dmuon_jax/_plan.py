@@ -344,9 +344,7 @@ class OwnershipPlan:
     """Max over mean of the per-slot costs; 1.0 when the total is 0."""
     costs = self.slot_costs()
     total = sum(costs)
-    if total <= 0:
-      return 1.0
-    return max(costs) / (total / len(costs))
+    return max(costs) / (total / len(costs)) if total > 0 else 1.0
 
   def summary(self, paths: bool = True) -> str:
     """A human-readable, multi-line description of the plan.
@@ -760,20 +758,16 @@ def resliced(
     order, whole unit index | -(group + 1))``.
   """
   had = {(g.leaf_index, g.batch_index): g.distinct for g in plan.groups}
-  whole: dict[int, list[MatrixUnit]] = collections.defaultdict(list)
-  for u in plan.units:
-    if u.group < 0:
-      whole[u.leaf_index].append(u)
   leaves, units, pieces, meta, members = [], [], [], [], []
   for spec in plan.leaves:
     if only is not None and spec.leaf_index not in only:
       continue
     spec = views.get(spec.leaf_index, spec)
     leaves.append(spec)
-    if not spec.sliced:
-      for u in whole[spec.leaf_index]:
-        pieces.append((u.cost, len(pieces), len(units)))
-        units.append(u)
+    if not spec.sliced:  # whole matrices, as in plan
+      for i in plan.leaf_units(spec.leaf_index):
+        pieces.append((plan.units[i].cost, len(pieces), len(units)))
+        units.append(plan.units[i])
       continue
     work, iteration = gram_parts(*sorted(spec.whole_matrix), ns_steps)
     index_of = {}

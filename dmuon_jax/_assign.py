@@ -620,9 +620,6 @@ def plan_with_groups(
   return grouped
 
 
-CostFn = Callable[[int, int], float]
-
-
 def plan_ownership(
   params: Any,
   mesh: Any = None,
@@ -631,7 +628,7 @@ def plan_ownership(
   predicate: Predicate | str | None = None,
   weight_dimension_numbers: WeightDimNums = None,
   ns_steps: int = 5,
-  cost_fn: CostFn | None = None,
+  cost_fn: Callable[[int, int], float] | None = None,
   ns_algorithm: str = 'auto',
   owner_groups: int | str | None = 'auto',
   shard_counts: Mapping[int, Sequence[int]] | None = None,

@@ -19,7 +19,7 @@ import collections
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
@@ -533,7 +533,7 @@ class OwnershipPlan:
     """Predicted bytes the busiest device sends in the owner groups'
     exchange of one update, 0 without groups (ring model: one
     ``ppermute`` of a block per round): every restart window's rounds
-    (:func:`schedule`), each member's Gram to its group's iteration owner
+    (``schedule``), each member's Gram to its group's iteration owner
     of the window and the factor back, float32 packed triangles of the
     largest Gram."""
     if not self.groups:
@@ -708,20 +708,22 @@ def view_entries(spec: LeafSpec, entries: Sequence[Any]) -> tuple | None:
 
 
 def matrix_units(
-  spec: LeafSpec, cost: float, group: Callable[[tuple], int] = lambda _: -1
+  spec: LeafSpec, cost: float, first_group: int = -1
 ) -> list[MatrixUnit]:
   """The units of a leaf's matrices (of their slices, for a sliced view),
-  row-major over its batch axes, each predicted to cost ``cost``;
-  ``group``: a unit's group from its matrix's whole batch index."""
+  row-major over its batch axes, each predicted to cost ``cost``; for a
+  sliced view, a slice's group is ``first_group`` plus its matrix's
+  number (in order of first slices)."""
   fi, fo = spec.matrix_shape
   nbytes = int(fi * fo * jnp.dtype(spec.dtype).itemsize)
-  units = []
+  pos = spec.batch_axes.index(spec.slice_axis) if spec.sliced else -1
+  units, groups = [], {}
   for index in np.ndindex(*spec.batch_shape):
     index = tuple(int(i) for i in index)
-    whole = index  # the matrix's index over the leaf's own batch axes
-    if spec.sliced:
-      pos = spec.batch_axes.index(spec.slice_axis)
+    whole, group = index, -1  # the matrix's index over the leaf's batch axes
+    if pos >= 0:
       whole = index[:pos] + index[pos + 1 :]
+      group = first_group + groups.setdefault(whole, len(groups))
     units.append(
       MatrixUnit(
         leaf_index=spec.leaf_index,
@@ -731,7 +733,7 @@ def matrix_units(
         layer=layer_key(spec.path, whole),
         cost=cost,
         nbytes=nbytes,
-        group=group(whole),
+        group=group,
       )
     )
   return units
@@ -770,18 +772,14 @@ def resliced(
         units.append(plan.units[i])
       continue
     work, iteration = gram_parts(*sorted(spec.whole_matrix), ns_steps)
-    index_of = {}
-
-    def group(index, spec=spec, work=work, iteration=iteration, at=index_of):
-      if index not in at:
-        at[index] = len(meta)
+    pos = spec.batch_axes.index(spec.slice_axis)
+    k = spec.shape[spec.slice_axis]
+    for u in matrix_units(spec, work / k, len(meta)):
+      if u.group == len(meta):  # a matrix's first slice: its group
+        index = u.batch_index[:pos] + u.batch_index[pos + 1 :]
         meta.append((spec.leaf_index, index, spec.whole_matrix, iteration))
         members.append([])
         pieces.append((work + sum(iteration), len(pieces), -len(meta)))
-      return at[index]
-
-    k = spec.shape[spec.slice_axis]
-    for u in matrix_units(spec, work / k, group):
       members[u.group].append(len(units))
       units.append(u)
   groups = tuple(

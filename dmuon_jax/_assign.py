@@ -171,6 +171,7 @@ def assign(
   # by at least one, so this terminates; the search is deterministic
   # (units and slots in index order) and bounded by ``_REPAIR_BUDGET``
   # partner checks.
+  makespan = float(loads.max(initial=0.0))
   on_slot: list[list[int]] = [[] for _ in range(num_slots)]
   for i, owner in enumerate(owners):
     on_slot[owner].append(i)
@@ -357,8 +358,9 @@ def _distinct(
   """One row's pieces onto its members (``loads``: their work so far) for
   ``owner_groups=k`` (distinct groups; else :func:`_fill`): LPT, each piece
   to the least-loaded member (ties: lowest) among those with room for its
-  bytes (``byte_cap``; inf without a budget), a group's slices to members not yet holding
-  one, its window iterations on them (``nbytes``: each unit's bytes).
+  bytes (``byte_cap``; inf without a budget), a group's slices to members
+  not yet holding one, its window iterations on them (``nbytes``: each
+  unit's bytes).
   """
   loads = np.array(loads, float)
   held = np.zeros(row_size)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -138,22 +138,20 @@ def assign(
   counts = {layer: np.zeros(num_slots, dtype=np.int64) for layer in sizes}
   if loads is None:
     loads = np.zeros(num_slots, dtype=np.float64)
-  held = None if budget is None else np.zeros((len(budget.cap), num_slots))
+  bounded = budget is not None
+  if not bounded:  # one bucket of infinite room
+    budget = Budget([0] * len(units), [np.inf])
+  held = np.zeros((len(budget.cap), num_slots))
   owners = [0] * len(units)
   makespan = float(loads.max(initial=0.0))
   order = sorted(range(len(units)), key=lambda i: (-units[i].cost, i))
   for i in order:
     unit = units[i]
-    cost = unit.cost
+    cost, key = unit.cost, budget.key[i]
     count, limit = counts[unit.layer], cap[unit.layer]
-    below = count < limit
-    if budget is None:
-      g = int(np.argmin(loads))  # argmin returns the lowest index on ties.
-    else:
-      key = budget.key[i]
-      ok = _room(held[key], unit.nbytes, budget.cap[key])
-      g = int(np.argmin(np.where(ok, loads, np.inf)))
-      below = below & ok
+    ok = _room(held[key], unit.nbytes, budget.cap[key])
+    g = int(np.argmin(np.where(ok, loads, np.inf)))  # ties: the lowest
+    below = (count < limit) & ok
     choice = g
     if count[g] >= limit:
       a = int(np.argmin(np.where(below, loads, np.inf)))
@@ -161,53 +159,22 @@ def assign(
         choice = a
     loads[choice] += cost
     count[choice] += 1
-    if held is not None:
-      held[budget.key[i], choice] += unit.nbytes
+    held[key, choice] += unit.nbytes
     makespan = max(makespan, float(loads[choice]))
     owners[i] = choice
-  _spread_layers(units, owners, loads, counts, cap, budget, held)
-  return owners
 
-
-def _spread_layers(
-  units: Sequence[MatrixUnit],
-  owners: list[int],
-  loads: np.ndarray,
-  counts: dict[str, np.ndarray],
-  cap: dict[str, int],
-  budget: Budget | None,
-  held: np.ndarray | None,
-) -> None:
-  """Moves or swaps units, in place, to bring layers under their caps.
-
-  A unit on a slot holding more than ``cap`` units of its layer moves to a
-  slot below the cap, or swaps with a unit there whose layer has room on the
-  first slot, when neither slot then exceeds the current makespan (nor,
-  with a ``budget``, its bytes: a move where they fit, a swap of equal
-  bytes). Every change lowers the total excess by at least one, so this
-  terminates; the search is deterministic (units and slots in index order)
-  and bounded by ``_REPAIR_BUDGET`` partner checks.
-
-  Args:
-    units: the matrices.
-    owners: owner slot per unit, updated in place.
-    loads: cost per slot, updated in place.
-    counts: per layer, the number of its units on each slot (in place).
-    cap: per layer, the most units it should have on one slot.
-    budget: (optional) the bytes a slot may hold, ``held`` (in place).
-    held: per bucket and slot, the bytes held.
-  """
-  num_slots = len(loads)
+  # The repair pass: a unit on a slot holding more than ``cap`` units of
+  # its layer moves to a slot below the cap, or swaps with a unit there
+  # whose layer has room on the first slot, when neither slot then exceeds
+  # the current makespan (nor, with a ``budget``, its bytes: a move where
+  # they fit, a swap of equal bytes). Every change lowers the total excess
+  # by at least one, so this terminates; the search is deterministic
+  # (units and slots in index order) and bounded by ``_REPAIR_BUDGET``
+  # partner checks.
   makespan = float(loads.max(initial=0.0))
   on_slot: list[list[int]] = [[] for _ in range(num_slots)]
   for i, owner in enumerate(owners):
     on_slot[owner].append(i)
-
-  def fits(i, t):
-    if budget is None:
-      return True
-    key = budget.key[i]
-    return held[key, t] + units[i].nbytes <= budget.cap[key]
 
   def move(i, src, dst):
     unit = units[i]
@@ -218,12 +185,11 @@ def _spread_layers(
     counts[unit.layer][dst] += 1
     on_slot[src].remove(i)
     on_slot[dst].append(i)
-    if budget is not None:
-      held[budget.key[i], src] -= unit.nbytes
-      held[budget.key[i], dst] += unit.nbytes
+    held[budget.key[i], src] -= unit.nbytes
+    held[budget.key[i], dst] += unit.nbytes
 
   def same_bytes(i, j):
-    return budget is None or (
+    return not bounded or (
       budget.key[i] == budget.key[j] and units[i].nbytes == units[j].nbytes
     )
 
@@ -232,7 +198,7 @@ def _spread_layers(
   while changed and checks > 0:
     changed = False
     for i, unit in enumerate(units):
-      s, layer = owners[i], unit.layer
+      s, layer, key = owners[i], unit.layer, budget.key[i]
       count, limit = counts[layer], cap[layer]
       if count[s] <= limit:
         continue
@@ -240,7 +206,10 @@ def _spread_layers(
         if count[t] >= limit:
           continue
         partner = None
-        if loads[t] + unit.cost <= makespan and fits(i, t):
+        if (
+          loads[t] + unit.cost <= makespan
+          and held[key, t] + unit.nbytes <= budget.cap[key]
+        ):
           partner = -1  # a plain move
         else:
           for j in on_slot[t]:
@@ -260,13 +229,14 @@ def _spread_layers(
               break
         if partner is None:
           if checks <= 0:
-            return
+            return owners
           continue
         move(i, s, t)
         if partner >= 0:
           move(partner, t, s)
         changed = True
         break
+  return owners
 
 
 # A piece of a row: (cost, order, kind, ref, group). ``kind`` is 'unit' (a
@@ -309,26 +279,32 @@ def place(
     ``iteration_owners``.
   """
   distinct = any(g.distinct for g in groups)
-  n = sum(len(r) for r in rows)
   if loads is None:
-    loads = np.zeros(n)
-  row_load = np.array([loads[r].sum() for r in rows])
+    loads = np.zeros(sum(len(r) for r in rows))
+  bounded = budget is not None
+  if not bounded:  # one bucket of infinite room
+    budget = Budget([0] * len(units), [np.inf])
+  # The rows are the slots of one assign, each piece its own layer (no
+  # spreading), its bytes those of its units (a group's in one bucket).
+  items = sorted(items, key=lambda x: x[1])
+  of = [[ref] if ref >= 0 else groups[-ref - 1].units for _, _, ref in items]
+  on_row = assign(
+    [
+      MatrixUnit(
+        -1, '', (), (0, 0), str(i), cost, sum(units[u].nbytes for u in us)
+      )
+      for i, ((cost, _, _), us) in enumerate(zip(items, of))
+    ],
+    len(rows),
+    loads=np.array([loads[r].sum() for r in rows]),
+    budget=Budget(
+      [budget.key[u[0]] for u in of], [c * len(rows[0]) for c in budget.cap]
+    ),
+  )
   row_pieces: list[list[Piece]] = [[] for _ in rows]
-  if budget is not None:
-    row_held = np.zeros((len(budget.cap), len(rows)))
-    row_cap = np.outer(budget.cap, [len(r) for r in rows])
-  for cost, order, ref in sorted(items, key=lambda x: (-x[0], x[1])):
-    r = int(np.argmin(row_load))
-    if budget is not None:
-      if ref >= 0:
-        key, nbytes = budget.key[ref], units[ref].nbytes
-      else:
-        key = budget.key[groups[-ref - 1].units[0]]
-        nbytes = sum(units[u].nbytes for u in groups[-ref - 1].units)
-      ok = _room(row_held[key], nbytes, row_cap[key])
-      r = int(np.argmin(np.where(ok, row_load, np.inf)))
-      row_held[key, r] += nbytes
-    row_load[r] += cost
+  for i in sorted(range(len(items)), key=lambda i: (-items[i][0], i)):
+    cost, order, ref = items[i]
+    r = on_row[i]
     if ref >= 0:
       row_pieces[r].append((cost, order, 'unit', ref, -1))
       continue
@@ -339,7 +315,7 @@ def place(
     # of their own, so that no device holds a whole iteration and a share.
     windows = (
       enumerate(groups[g].iteration_costs)
-      if budget is not None
+      if bounded
       else [(-1, sum(groups[g].iteration_costs))]
     )
     for w, c in windows:
@@ -350,12 +326,10 @@ def place(
   iteration_owners = [[0] * len(g.iteration_costs) for g in groups]
   nbytes = [u.nbytes for u in units]
   for row, pieces in zip(rows, row_pieces):
-    byte_cap = None
-    if budget is not None and pieces:
-      # One target for the row's members: a row's pieces share a bucket
-      # but for mixed dtypes (then the caps' sum bounds it).
-      keys = {budget.key[p[3]] for p in pieces if p[2] == 'unit'}
-      byte_cap = sum(budget.cap[k] for k in keys)
+    # One target for the row's members: a row's pieces share a bucket but
+    # for mixed dtypes (then the caps' sum bounds it); inf without a budget.
+    keys = {budget.key[p[3]] for p in pieces if p[2] == 'unit'}
+    byte_cap = sum(budget.cap[k] for k in keys)
     members = _distinct if distinct else _fill
     got = members(pieces, len(row), nbytes, loads[row], byte_cap)
     for (kind, ref), m in got.items():
@@ -379,13 +353,14 @@ def _distinct(
   row_size: int,
   nbytes: Sequence[int],
   loads: np.ndarray,
-  byte_cap: float | None = None,
+  byte_cap: float,
 ) -> dict[tuple[str, int], int]:
   """One row's pieces onto its members (``loads``: their work so far) for
   ``owner_groups=k`` (distinct groups; else :func:`_fill`): LPT, each piece
-  to the least-loaded member (ties: lowest; with a ``byte_cap``, among those
-  with room for its bytes), a group's slices to members not yet holding
-  one, its window iterations on them (``nbytes``: each unit's bytes).
+  to the least-loaded member (ties: lowest) among those with room for its
+  bytes (``byte_cap``; inf without a budget), a group's slices to members
+  not yet holding one, its window iterations on them (``nbytes``: each
+  unit's bytes).
   """
   loads = np.array(loads, float)
   held = np.zeros(row_size)
@@ -396,9 +371,7 @@ def _distinct(
   ordered = sorted(pieces, key=lambda p: (p[2] == 'iteration', -p[0], p[1]))
   for cost, _, kind, ref, group in ordered:
     b = nbytes[ref] if kind == 'unit' else 0
-    fits = np.arange(row_size)
-    if byte_cap is not None:
-      fits = fits[_room(held, b, byte_cap)]
+    fits = np.flatnonzero(_room(held, b, byte_cap))
     choice = int(fits[np.argmin(loads[fits])])
     if kind == 'iteration':
       choice = min(heldby[group], key=lambda m: (loads[m], m))
@@ -420,7 +393,7 @@ def _fill(
   row_size: int,
   nbytes: Sequence[int],
   loads0: np.ndarray,
-  byte_cap: float | None = None,
+  byte_cap: float,
 ) -> dict[tuple[str, int], int]:
   """``'auto'``'s placement in a row.
 
@@ -447,7 +420,7 @@ def _fill(
     row_size: the members of the row.
     nbytes: bytes of each unit (by unit index).
     loads0: the members' work so far.
-    byte_cap: (optional) the most bytes a member should hold.
+    byte_cap: the most bytes a member should hold (inf: no budget).
   """
   base = np.array(loads0, float)
   whole, slices = [], collections.defaultdict(list)
@@ -482,7 +455,7 @@ def _fill(
   order = sorted(
     slices,
     key=lambda g: (
-      -max(nbytes[r] for _, _, r in slices[g]) if byte_cap is not None else 0,
+      -max(nbytes[r] for _, _, r in slices[g]) if byte_cap < np.inf else 0,
       -sum(c for c, _, _ in slices[g]),
       min(o for _, o, _ in slices[g]),
     ),
@@ -545,9 +518,8 @@ def _fill(
     return out, fit, loads.max(initial=0.0)
 
   everything = sum(size(p[2], p[3]) for p in pieces)
-  lo, hi = everything / row_size, everything
-  if byte_cap is not None:
-    hi = max(min(hi, byte_cap), lo)
+  lo = everything / row_size
+  hi = max(min(everything, byte_cap), lo)
   best, _, busiest = fill(hi)
   for _ in range(20):  # bisection on the bytes target
     if hi - lo <= 0.01 * lo:
@@ -566,7 +538,7 @@ def plan_with_groups(
   owner_groups: Any,
   ns_steps: int,
   strides: Mapping[int, Sequence[int]],
-  ungroupable: frozenset[int],
+  ungroupable: Collection[int],
 ) -> OwnershipPlan | None:
   """``plan`` (whole matrices) with owner groups, or None when ``'auto'``
   finds no gain (or nothing to group)."""
@@ -589,9 +561,8 @@ def plan_with_groups(
     return None
   # The leaves whose matrices may be split: every groupable one when
   # forced, else those costly enough (see _MIN_GROUP_FLOPS, _COARSE).
-  first_cost = {}
-  for u in plan.units:
-    first_cost.setdefault(u.leaf_index, u.cost)
+  # (A leaf's matrices cost the same.)
+  cost = {u.leaf_index: u.cost for u in plan.units}
   chosen = [
     s
     for s in plan.leaves
@@ -600,8 +571,8 @@ def plan_with_groups(
     and (
       forced
       or (
-        first_cost[s.leaf_index] >= _MIN_GROUP_FLOPS
-        and first_cost[s.leaf_index] > _COARSE * ideal
+        cost[s.leaf_index] >= _MIN_GROUP_FLOPS
+        and cost[s.leaf_index] > _COARSE * ideal
       )
     )
   ]
@@ -631,14 +602,10 @@ def plan_with_groups(
       work = parts[spec.leaf_index][0]
       least = max(2, math.ceil(work / (_SLICE_FRACTION * bound)))
       counts = list(range(least, 4 * least + 1)) + list(range(least - 1, 1, -1))
-      view = next(
-        (
-          v
-          for v in (sliced_spec(spec, k, stride, MIN_SLICE) for k in counts)
-          if v is not None
-        ),
-        None,
-      )
+      for count in counts:
+        view = sliced_spec(spec, count, stride, MIN_SLICE)
+        if view is not None:
+          break
     if view is not None:
       views[spec.leaf_index] = view
   if not views:
@@ -655,9 +622,6 @@ def plan_with_groups(
   return grouped
 
 
-CostFn = Callable[[int, int], float]
-
-
 def plan_ownership(
   params: Any,
   mesh: Any = None,
@@ -666,7 +630,7 @@ def plan_ownership(
   predicate: Predicate | str | None = None,
   weight_dimension_numbers: WeightDimNums = None,
   ns_steps: int = 5,
-  cost_fn: CostFn | None = None,
+  cost_fn: Callable[[int, int], float] | None = None,
   ns_algorithm: str = 'auto',
   owner_groups: int | str | None = 'auto',
   shard_counts: Mapping[int, Sequence[int]] | None = None,
@@ -782,10 +746,6 @@ def plan_ownership(
   if owner_groups is None or (owner_groups == 'auto' and cost_fn is not None):
     return plan
   grouped = plan_with_groups(
-    plan,
-    owner_groups,
-    int(ns_steps),
-    dict(shard_counts or {}),
-    frozenset(ungroupable),
+    plan, owner_groups, int(ns_steps), shard_counts or {}, set(ungroupable)
   )
   return plan if grouped is None else grouped

@@ -299,7 +299,7 @@ def dedicate(
     ungroupable=[t.leaf_index for t in scanned],
   )
   buffer_axes, rep_axis, group_axis = _owner_axes(plan, replicate_axis)
-  # plan_gather_groups and gather_group_bytes take the same arguments.
+  # plan_gather_groups' arguments, also for its bytes in _auto_choice.
   axes, place = (
     (buffer_axes, group_axis),
     dict(split=owner_groups == 'auto', memo={}),
@@ -470,9 +470,10 @@ def _auto_choice(
 
   Of the group sizes that divide every scanned stack (``stacks``: their
   lengths), the one whose plan (per gather group its bytes,
-  :func:`_gather_plan.gather_group_bytes` with ``args`` and ``options``)
-  minimizes the bytes a step moves plus the bytes Z3 holds gathered at its
-  peak (:func:`auto_cost`); ties go to the smaller size.
+  :func:`_gather_plan.plan_gather_groups` with ``args``, ``options``
+  and ``bytes_only``) minimizes the bytes a step moves plus the bytes Z3
+  holds gathered at its peak (:func:`auto_cost`); ties go to the smaller
+  size.
   """
   sizes = dict(zip(plan.axis_names, plan.mesh_shape))
   top = max([sum(1 for sc in bounds.scanned if not sc), *stacks, 1])
@@ -480,12 +481,13 @@ def _auto_choice(
   for k in range(1, top + 1):
     if any(n % k for n in stacks):
       continue
-    got = _gather_plan.gather_group_bytes(
+    got = _gather_plan.plan_gather_groups(
       plan,
       _gather_groups(bounds, plan, k)[1],
       k,
       *args,
       **options,
+      bytes_only=True,
     )
     cost = auto_cost(got, sizes, rep_axis, z3)
     if best is None or cost < best[0] * (1 - 1e-9):

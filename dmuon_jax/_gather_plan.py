@@ -6,9 +6,9 @@ are even over the owners; owners are then swapped between slots to even out
 the Newton–Schulz work over the model. Each group is placed as a group
 plan (an ``OwnershipPlan`` over the buffer axes) by
 :func:`dmuon_jax._assign.place` or :func:`~dmuon_jax._assign.assign`, the
-placement of every plan. :func:`gather_group_bytes` predicts each group's
-bytes without placing the whole model (``layers_per_gather='auto'`` weighs
-them), counted by ``OwnershipPlan.gather_bytes`` as
+placement of every plan. With ``bytes_only``, :func:`plan_gather_groups`
+predicts each group's bytes without placing the whole model
+(``layers_per_gather='auto'`` weighs them), counted by ``OwnershipPlan.gather_bytes`` as
 ``Dedication.gather_bytes`` counts a built one. The plan of all Muon
 targets comes from :func:`dmuon_jax._assign.plan_ownership`.
 """
@@ -43,7 +43,11 @@ def plan_gather_groups(
   split: bool = False,
   ns_steps: int = 5,
   memo: dict | None = None,
-) -> tuple[OwnershipPlan, tuple[OwnershipPlan, ...], tuple[int, ...]]:
+  bytes_only: bool = False,
+) -> (
+  tuple[OwnershipPlan, tuple[OwnershipPlan, ...], tuple[int, ...]]
+  | list[GatherBytes]
+):
   """Owners for dedicated mode: matrices gathered per group of boundaries.
 
   Each group is placed by the assignment algorithm of every plan
@@ -71,13 +75,17 @@ def plan_gather_groups(
     ns_steps: Newton–Schulz iterations, for the cost of split matrices.
     memo: (optional) a dict kept across calls for one set of params: the
       split chosen per group of equal shapes.
+    bytes_only: return, per gather group, only its bytes as this placement
+      would give them, each group placed alone (groups of equal shapes
+      once, through ``memo``): what ``layers_per_gather='auto'`` weighs.
 
   Returns:
     ``(plan, group_plans, iterations)``: ``plan`` with every unit's owner
     (mesh-order slots; with ``split``, its leaves and units may be sliced
     views), per group a plan over ``buffer_axes`` of its base units (one
     iteration for a scanned stack), and per group the number of scan
-    iterations (0 for loop groups).
+    iterations (0 for loop groups). With ``bytes_only``, per group its
+    :class:`GatherBytes`.
 
   Raises:
     ValueError: for a scanned group whose leaves do not share the leading
@@ -85,35 +93,32 @@ def plan_gather_groups(
   """
   k = layers_per_gather
   buffer_axes = tuple(buffer_axes)
-  rows = _group_rows(plan, buffer_axes, group_axis)
-  if split:
-    memo = {} if memo is None else memo
-    views = {}
-    for name, scanned, specs in groups:
-      if not scanned:
-        got = _split_views(
-          plan, name, False, specs, 1, rows, True, ns_steps, memo
-        )
-        views.update(got[0])
-    if views:
-      plan = resliced(plan, views, ns_steps)[0]
-      spec_of = {s.leaf_index: s for s in plan.leaves}
-      groups = [
-        (name, scanned, [spec_of[s.leaf_index] for s in specs])
-        for name, scanned, specs in groups
-      ]
-  n = plan.num_slots
-  work = np.zeros(n)
-  placed = [
-    _place_gather_group(plan, name, scanned, specs, k, rows, work)
+  sizes = dict(zip(plan.axis_names, plan.mesh_shape))
+  shape = tuple(sizes[a] for a in buffer_axes)
+  axis = buffer_axes.index(group_axis or buffer_axes[-1]) if buffer_axes else 0
+  rows = group_rows(shape, axis)
+  memo = {} if memo is None else memo
+  got = [
+    _split_views(plan, name, scanned, specs, k, rows, split, ns_steps, memo)
     for name, scanned, specs in groups
+    if bytes_only or (split and not scanned)
   ]
+  if bytes_only:
+    return [b for _, b in got]
+  views = {i: v for vs, _ in got for i, v in vs.items()}
+  if views:
+    plan = resliced(plan, views, ns_steps)[0]
+  n = plan.num_slots
+  work, placed = np.zeros(n), []
+  for name, scanned, specs in groups:
+    sub = resliced(plan, {}, ns_steps, {s.leaf_index for s in specs})[0]
+    placed.append(_place_gather_group(sub, name, scanned, k, rows, work))
   # Even out the work over the model by swapping owners inside loop gather
   # groups (see balance; a scanned stack keeps its rotation, a group with
   # owner groups swaps within a row); moved[g]: where each slot's share in
   # gather group g goes.
   per_group = []
-  for gp, _, iters in placed:
+  for gp, iters in placed:
     w = np.zeros(n)
     for u, slot in zip(gp.units, gp.owners):
       for t in range(max(iters, 1)):
@@ -124,26 +129,31 @@ def plan_gather_groups(
     per_group.append(w)
   moves = balance(
     per_group,
-    [not iters for _, _, iters in placed],
-    [bool(gp.groups) for gp, _, _ in placed],
+    [not iters for _, iters in placed],
+    [bool(gp.groups) for gp, _ in placed],
     rows,
   )
   moved = [list(range(n)) for _ in placed]
   for g, move in moves:
     moved[g] = [move.get(s, s) for s in moved[g]]
-  sizes = dict(zip(plan.axis_names, plan.mesh_shape))
   # A slot in buffer_axes order -> the plan's (mesh-order) slot.
   to_plan = np.arange(n).reshape(plan.mesh_shape)
   to_plan = to_plan.transpose([plan.axis_names.index(a) for a in buffer_axes])
   to_plan = to_plan.ravel().tolist()
   owners = [0] * len(plan.units)
-  iteration = {}
+  index_of = {
+    (g.leaf_index, g.batch_index): i for i, g in enumerate(plan.groups)
+  }
+  plan_groups = list(plan.groups)
   group_plans = []
-  for (gp, (_, gids), iters), move in zip(placed, moved):
+  for (gp, iters), move in zip(placed, moved):
     sub_groups = []
-    for g, grp in zip(gids, gp.groups):
+    for grp in gp.groups:
       slots = tuple(move[s] for s in grp.iteration_owners)
-      iteration[g] = tuple(to_plan[s] for s in slots)
+      g = index_of[grp.leaf_index, grp.batch_index]
+      plan_groups[g] = dataclasses.replace(
+        plan.groups[g], iteration_owners=tuple(to_plan[s] for s in slots)
+      )
       sub_groups.append(dataclasses.replace(grp, iteration_owners=slots))
     base_owner = [move[s] for s in gp.owners]
     for u, slot in zip(gp.units, base_owner):
@@ -156,49 +166,22 @@ def plan_gather_groups(
       dataclasses.replace(
         gp,
         axis_names=buffer_axes,
-        mesh_shape=tuple(sizes[a] for a in buffer_axes),
+        mesh_shape=shape,
         owners=tuple(base_owner),
         groups=tuple(sub_groups),
         group_axis_name=group_axis,
       )
     )
-  groups = tuple(
-    dataclasses.replace(
-      grp, iteration_owners=iteration.get(g, (0,) * len(grp.iteration_costs))
-    )
-    for g, grp in enumerate(plan.groups)
-  )
   return (
     dataclasses.replace(
-      plan, owners=tuple(owners), groups=groups, group_axis_name=group_axis
+      plan,
+      owners=tuple(owners),
+      groups=tuple(plan_groups),
+      group_axis_name=group_axis,
     ),
     tuple(group_plans),
-    tuple(iters for _, _, iters in placed),
+    tuple(iters for _, iters in placed),
   )
-
-
-def gather_group_bytes(
-  plan: OwnershipPlan,
-  groups: Sequence[tuple[str, bool, Sequence[LeafSpec]]],
-  layers_per_gather: int,
-  buffer_axes: Sequence[str],
-  group_axis: str | None = None,
-  *,
-  split: bool = False,
-  ns_steps: int = 5,
-  memo: dict | None = None,
-) -> list[GatherBytes]:
-  """Per gather group, its bytes as :func:`plan_gather_groups` (same
-  arguments) would place them, without placing the whole model (groups of
-  equal shapes are placed once, through ``memo``)."""
-  rows = _group_rows(plan, tuple(buffer_axes), group_axis)
-  memo = {} if memo is None else memo
-  return [
-    _split_views(
-      plan, name, scanned, specs, layers_per_gather, rows, split, ns_steps, memo
-    )[1]
-    for name, scanned, specs in groups
-  ]
 
 
 # Placing a loop gather group, a slot's bytes may exceed the group's mean
@@ -208,32 +191,6 @@ _BYTE_SLACK = 0.02
 # A loop gather group whose whole matrices would pad more than this (in
 # percent of its bytes) has matrices split into slices (owner groups).
 SPLIT_PADDING_PERCENT = 5.0
-
-
-def _signature(specs: Sequence[LeafSpec]) -> tuple:
-  """What placing a group reads of its leaves (not their paths)."""
-  return tuple(
-    (
-      s.shape,
-      s.dtype,
-      s.batch_axes,
-      s.reduction_axes,
-      s.output_axes,
-      s.original_shape,
-      s.slice_axis,
-    )
-    for s in specs
-  )
-
-
-def _trial(
-  sub: OwnershipPlan, name: str, scanned: bool, k: int, rows: list[list[int]]
-) -> GatherBytes:
-  """The bytes of ``sub`` (one gather group's plan) placed alone."""
-  gp, _, iters = _place_gather_group(
-    sub, name, scanned, sub.leaves, k, rows, np.zeros(sub.num_slots)
-  )
-  return gp.gather_bytes(iters)
 
 
 def _split_views(
@@ -254,18 +211,31 @@ def _split_views(
   at most ``SPLIT_PADDING_PERCENT``; else the coarsest slicing of
   :func:`byte_views` that does, placed as :func:`plan_gather_groups`
   places it (else the one padding least). Groups of equal shapes share
-  one decision through ``memo``.
+  one decision through ``memo`` (keyed on what placing reads of the
+  leaves: not their paths).
   """
   split, k = split and not scanned, k if scanned else 1
-  key = (split, scanned, _signature(specs), k, tuple(map(tuple, rows)))
+  shapes = tuple(
+    (s.shape, s.dtype, s.batch_axes, s.reduction_axes, s.output_axes)
+    + (s.original_shape, s.slice_axis)
+    for s in specs
+  )
+  key = (split, scanned, shapes, k, tuple(map(tuple, rows)))
+
+  def trial(sub, name, scanned, k):
+    gp, iters = _place_gather_group(
+      sub, name, scanned, k, rows, np.zeros(sub.num_slots)
+    )
+    return gp.gather_bytes(iters)
+
   if key not in memo:
     sub = resliced(plan, {}, ns_steps, {s.leaf_index for s in specs})[0]
-    best = _trial(sub, name, scanned, k, rows)
+    best = trial(sub, name, scanned, k)
     counts = {}
     if split and best.padding > SPLIT_PADDING_PERCENT:
       per_slot = best.payload / plan.num_slots
       for views in byte_views(sub.leaves, per_slot):
-        got = _trial(resliced(sub, views, ns_steps)[0], '', False, 1, rows)
+        got = trial(resliced(sub, views, ns_steps)[0], '', False, 1)
         if got.padding < best.padding - 1e-9:
           best = got
           pos = {s.leaf_index: i for i, s in enumerate(sub.leaves)}
@@ -274,58 +244,25 @@ def _split_views(
           break
     memo[key] = (counts, best)
   counts, best = memo[key]
-  views = {}
-  for i, slices in counts.items():
-    spec = specs[i]
-    views[spec.leaf_index] = sliced_spec(
-      spec, slices, None, min_byte_slice(spec)
+  views = {
+    specs[i].leaf_index: sliced_spec(
+      specs[i], c, None, min_byte_slice(specs[i])
     )
+    for i, c in counts.items()
+  }
   return views, best
-
-
-def _group_rows(
-  plan: OwnershipPlan, buffer_axes: tuple[str, ...], group_axis: str | None
-) -> list[list[int]]:
-  """The slots (in ``buffer_axes`` order) of each row of owner groups."""
-  sizes = dict(zip(plan.axis_names, plan.mesh_shape))
-  axis = buffer_axes.index(group_axis or buffer_axes[-1]) if buffer_axes else 0
-  return group_rows([sizes[a] for a in buffer_axes], axis)
-
-
-def _scanned_specs(
-  name: str, specs: list[LeafSpec], k: int
-) -> tuple[list[LeafSpec], int]:
-  """A scanned stack's specs for one iteration of ``k`` layers, and its
-  number of iterations; raises unless its leaves share a leading layer
-  axis that ``k`` divides."""
-  length = specs[0].shape[0]
-  bad = [s.path for s in specs if 0 not in s.batch_axes or s.shape[0] != length]
-  if bad:
-    raise ValueError(
-      f'dmuon: scanned stack {name!r} needs every Muon target to have '
-      f'the same leading layer axis (a batch axis of its dimension '
-      f'numbers) of size {length}; these do not: {bad}.'
-    )
-  if length % k:
-    fits = [d for d in range(1, length + 1) if length % d == 0]
-    raise ValueError(
-      f'dmuon: layers_per_gather={k} does not divide the {length} '
-      f'layers of scanned stack {name!r}. Pass one of {fits}.'
-    )
-  specs = [dataclasses.replace(s, shape=(k,) + s.shape[1:]) for s in specs]
-  return specs, length // k
 
 
 def _place_gather_group(
   plan: OwnershipPlan,
   name: str,
   scanned: bool,
-  specs: Sequence[LeafSpec],
   k: int,
   rows: list[list[int]],
   work: np.ndarray,
-) -> tuple[OwnershipPlan, tuple[list[int], list[int]], int]:
-  """Places one gather group's matrices (see :func:`plan_gather_groups`),
+) -> tuple[OwnershipPlan, int]:
+  """Places one gather group's matrices, ``plan`` (its leaves and units:
+  see :func:`dmuon_jax._plan.resliced`; see :func:`plan_gather_groups`),
   adding their Newton–Schulz work to ``work`` (per slot, in place).
 
   The assignment algorithm of every plan (:mod:`dmuon_jax._assign`), with
@@ -338,43 +275,36 @@ def _place_gather_group(
   work added for every rotation.
 
   Returns:
-    ``(group plan, (unit indices, owner group indices) in plan, scan
-    iterations)``: the group plan over ``plan``'s slots holds the group's
-    leaves and units (a scanned stack's: one iteration's) and its owner
-    groups, their units and units' groups renumbered within it.
+    ``(group plan, scan iterations)``: ``plan`` placed (a scanned stack's:
+    one iteration's leaves and units).
   """
   n = plan.num_slots
-  specs = list(specs)
-  iters = 0
-  if scanned:
-    specs, iters = _scanned_specs(name, specs, k)
-  in_group = {s.leaf_index for s in specs}
-  ids = [
-    i
-    for i, u in enumerate(plan.units)
-    if u.leaf_index in in_group and (not iters or u.batch_index[0] < k)
-  ]
-  local = {u: i for i, u in enumerate(ids)}
-  # Owner groups of this gather group: slices in one row, the iteration
-  # on a member of that row (see OwnerGroup).
-  gids = [g for g, grp in enumerate(plan.groups) if grp.units[0] in local]
-  if gids and iters:
-    raise ValueError(
-      f'dmuon: scanned stack {name!r} holds owner-group matrices; pass '
-      'owner_groups=None (scanned stacks rotate whole matrices).'
+  specs, iters = plan.leaves, 0
+  if scanned:  # one iteration of k layers
+    length = specs[0].shape[0]
+    bad = [
+      s.path for s in specs if 0 not in s.batch_axes or s.shape[0] != length
+    ]
+    if bad:
+      raise ValueError(
+        f'dmuon: scanned stack {name!r} needs every Muon target to have '
+        f'the same leading layer axis (a batch axis of its dimension '
+        f'numbers) of size {length}; these do not: {bad}.'
+      )
+    if length % k:
+      fits = [d for d in range(1, length + 1) if length % d == 0]
+      raise ValueError(
+        f'dmuon: layers_per_gather={k} does not divide the {length} '
+        f'layers of scanned stack {name!r}. Pass one of {fits}.'
+      )
+    specs = tuple(
+      dataclasses.replace(s, shape=(k,) + s.shape[1:]) for s in specs
     )
-  remap = {g: j for j, g in enumerate(gids)}
-  base = [plan.units[i] for i in ids]
-  base = [
-    u if u.group < 0 else dataclasses.replace(u, group=remap[u.group])
-    for u in base
-  ]
-  sub = [
-    dataclasses.replace(
-      plan.groups[g], units=tuple(local[u] for u in plan.groups[g].units)
-    )
-    for g in gids
-  ]
+    iters = length // k
+    # (whole matrices: plan_ownership never splits a scanned stack's)
+    units = tuple(u for u in plan.units if u.batch_index[0] < k)
+    plan = dataclasses.replace(plan, leaves=specs, units=units)
+  base, sub = plan.units, plan.groups
   dtypes = sorted({str(s.dtype) for s in specs})
   dtype_of = {s.leaf_index: dtypes.index(str(s.dtype)) for s in specs}
   key = [dtype_of[u.leaf_index] for u in base]
@@ -387,8 +317,7 @@ def _place_gather_group(
       (sum(base[m].cost for m in grp.units) + grp.iteration_cost, j, -(j + 1))
       for j, grp in enumerate(sub)
     ]
-    sliced = {m for grp in sub for m in grp.units}
-    whole = [i for i in range(len(base)) if i not in sliced]
+    whole = [i for i, u in enumerate(base) if u.group < 0]
     items += [(base[i].cost, len(sub) + j, i) for j, i in enumerate(whole)]
     owners, sub = _assign.place(
       items, sub, base, rows, loads=work, budget=budget
@@ -400,14 +329,9 @@ def _place_gather_group(
         work[(slot + t) % n] += u.cost
   else:
     owners = _assign.assign(base, n, loads=work, budget=budget)
-  gp = dataclasses.replace(
-    plan,
-    leaves=tuple(specs),
-    units=tuple(base),
-    owners=tuple(owners),
-    groups=tuple(sub),
-  )
-  return gp, (ids, gids), iters
+  return dataclasses.replace(
+    plan, owners=tuple(owners), groups=tuple(sub)
+  ), iters
 
 
 def min_byte_slice(spec: LeafSpec) -> int:
@@ -437,44 +361,41 @@ def byte_views(
   Yields:
     Dicts from leaf index to its sliced view.
   """
-  counts, sizes = {}, {}
+  leaves = []  # (spec, bytes of one of its matrices, slice counts)
   for s in specs:
     if s.sliced or min(s.matrix_shape) < 2:
       continue
-    # The slice counts (> 1, ascending) that sliced_spec accepts.
+    # The slice counts (> 1, ascending) that sliced_spec accepts: those
+    # dividing a long-side dimension that keep min_byte_slice.
     fi, fo = s.matrix_shape
     long_axes = s.output_axes if fo >= fi else s.reduction_axes
-    divisors = {
-      k
-      for a in long_axes
-      for k in range(2, s.shape[a] + 1)
-      if s.shape[a] % k == 0
-    }
     ks = [
       k
-      for k in sorted(divisors)
-      if sliced_spec(s, k, None, min_byte_slice(s)) is not None
+      for k in range(2, max(fi, fo) // min_byte_slice(s) + 1)
+      if any(s.shape[a] % k == 0 for a in long_axes)
     ]
     if ks:
-      counts[s.leaf_index] = ks
-      sizes[s.leaf_index] = fi * fo * jnp.dtype(s.dtype).itemsize
-  by_index = {s.leaf_index: s for s in specs}
+      leaves.append((s, fi * fo * jnp.dtype(s.dtype).itemsize, ks))
   # The thresholds at which some leaf's slice count changes.
-  steps = {per_slot} | {
-    sizes[i] / k for i, ks in counts.items() for k in [1] + ks
-  }
+  steps = {per_slot} | {size / k for _, size, ks in leaves for k in [1] + ks}
   seen = set()
   for q in sorted((t for t in steps if t <= per_slot), reverse=True):
-    views = {}
-    for i, ks in counts.items():
-      if sizes[i] <= q:
-        continue
-      k = next((k for k in ks if sizes[i] / k <= q), ks[-1])
-      views[i] = sliced_spec(by_index[i], k, None, min_byte_slice(by_index[i]))
-    key = tuple(sorted((i, v.shape) for i, v in views.items()))
+    chosen = tuple(
+      (s, next((k for k in ks if size / k <= q), ks[-1]))
+      for s, size, ks in leaves
+      if size > q
+    )
+    key = tuple((s.leaf_index, k) for s, k in chosen)
     if key not in seen:
       seen.add(key)
-      yield views
+      yield {
+        s.leaf_index: sliced_spec(s, k, None, min_byte_slice(s))
+        for s, k in chosen
+      }
+
+
+# The most moves of each of balance's two passes.
+_MAX_MOVES = 10_000
 
 
 def balance(
@@ -482,7 +403,6 @@ def balance(
   movable: Sequence[bool],
   within_row: Sequence[bool],
   rows: Sequence[Sequence[int]],
-  max_rounds: int = 10_000,
 ) -> list[tuple[int, dict[int, int]]]:
   """Moves that even out the work over gather groups.
 
@@ -504,7 +424,6 @@ def balance(
       rotate instead).
     within_row: per group, whether its slots trade within a row only.
     rows: the slots of each row (all of one length).
-    max_rounds: the most moves.
 
   Returns:
     The moves in order, ``(group, {slot: new slot})``: what ``slot`` owned
@@ -515,12 +434,10 @@ def balance(
     return []
   n = len(per_group[0])
   grid = np.asarray(rows)
-  row_of = np.zeros(n, dtype=np.int64)
-  for r, slots in enumerate(rows):
-    row_of[slots] = r
+  row_of = np.argsort(grid.ravel()) // grid.shape[1]
   total = sum(per_group, np.zeros(n))
-  moves = _balance_rows(per_group, groups, within_row, grid, total, max_rounds)
-  for _ in range(max_rounds):
+  moves = _balance_rows(per_group, groups, within_row, grid, total)
+  for _ in range(_MAX_MOVES):
     a = int(np.argmax(total))
     top, ra = total[a], row_of[a]
     eps = 1e-12 * top * top
@@ -535,13 +452,11 @@ def balance(
       yb = total[pool] - w[pool] + w[a]
       new = np.maximum(ya, yb)
       dsq = ya * ya + yb * yb - total[a] ** 2 - total[pool] ** 2
-      ok = (pool != a) & (w[pool] != w[a]) & (dsq < -eps)
-      if ok.any():
-        i = np.flatnonzero(ok)
-        j = int(i[np.lexsort((dsq[i], new[i]))[0]])
-        if (new[j], dsq[j]) < best_key:
-          best_key = (new[j], dsq[j])
-          best = (g, {a: int(pool[j]), int(pool[j]): a})
+      j, best_key = _better(
+        best_key, (pool != a) & (w[pool] != w[a]) & (dsq < -eps), new, dsq
+      )
+      if j is not None:
+        best = (g, {a: int(pool[j]), int(pool[j]): a})
       if not within_row[g] or len(grid) < 2:
         continue
       # Row exchanges: the rest of each member's work, least first, takes
@@ -553,18 +468,27 @@ def balance(
       new = np.maximum(mine.max(axis=1), theirs.max(axis=1))
       held = (total[grid] ** 2).sum(axis=1)
       dsq = (mine**2).sum(axis=1) + (theirs**2).sum(axis=1) - held - held[ra]
-      ok = dsq < -eps
-      ok[ra] = False
-      if ok.any():
-        i = np.flatnonzero(ok)
-        r = int(i[np.lexsort((dsq[i], new[i]))[0]])
-        if (new[r], dsq[r]) < best_key:
-          best_key = (new[r], dsq[r])
-          best = (g, _exchange(grid[ra], grid[r], total, w))
+      r, best_key = _better(
+        best_key, (dsq < -eps) & (np.arange(len(grid)) != ra), new, dsq
+      )
+      if r is not None:
+        best = (g, _exchange(grid[ra], grid[r], total, w))
     if best is None:
       break
     _apply(per_group, total, moves, *best)
   return moves
+
+
+def _better(best_key, ok, new, dsq) -> tuple[int | None, tuple]:
+  """The candidate of :func:`balance` (an index where ``ok``) with the
+  lowest ``new``, then ``dsq``, and its key, if it beats ``best_key``;
+  else ``(None, best_key)``."""
+  if ok.any():
+    i = np.flatnonzero(ok)
+    j = int(i[np.lexsort((dsq[i], new[i]))[0]])
+    if (new[j], dsq[j]) < best_key:
+      return j, (new[j], dsq[j])
+  return None, best_key
 
 
 def _apply(per_group, total, moves, g, move) -> None:
@@ -579,7 +503,7 @@ def _apply(per_group, total, moves, g, move) -> None:
   moves.append((g, move))
 
 
-def _balance_rows(per_group, groups, within_row, grid, total, max_rounds):
+def _balance_rows(per_group, groups, within_row, grid, total):
   """The row exchanges of :func:`balance` that even out the rows' work
   (in place): repeatedly the busiest row and the exchange, in a group
   that moves within rows, that lowers the larger of the two rows' work
@@ -589,7 +513,7 @@ def _balance_rows(per_group, groups, within_row, grid, total, max_rounds):
   rowed = [g for g in groups if within_row[g]]
   if len(grid) < 2 or not rowed:
     return moves
-  for _ in range(max_rounds):
+  for _ in range(_MAX_MOVES):
     rt = total[grid].sum(axis=1)
     a = int(np.argmax(rt))
     best, best_max = None, rt[a] * (1 - 1e-9)

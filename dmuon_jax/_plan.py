@@ -19,7 +19,7 @@ import collections
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
@@ -245,9 +245,7 @@ class OwnershipPlan:
   def group_axis(self) -> str | None:
     """The owner axis a group's slice owners range over (default: the
     innermost)."""
-    if self.group_axis_name is not None:
-      return self.group_axis_name
-    return self.axis_names[-1] if self.axis_names else None
+    return self.group_axis_name or (self.axis_names or (None,))[-1]
 
   def group_row(self, slot: int) -> int:
     """The row of a slot: its index over the owner axes but the group axis."""
@@ -346,9 +344,7 @@ class OwnershipPlan:
     """Max over mean of the per-slot costs; 1.0 when the total is 0."""
     costs = self.slot_costs()
     total = sum(costs)
-    if total <= 0:
-      return 1.0
-    return max(costs) / (total / len(costs))
+    return max(costs) / (total / len(costs)) if total > 0 else 1.0
 
   def summary(self, paths: bool = True) -> str:
     """A human-readable, multi-line description of the plan.
@@ -534,9 +530,20 @@ class OwnershipPlan:
     )
 
   def group_exchange_bytes(self) -> float:
-    """Predicted per-device bytes of the owner groups' collectives per step
-    (see :func:`group_exchange_bytes`; 0 without groups)."""
-    return group_exchange_bytes(self.groups, self.owners)
+    """Predicted bytes the busiest device sends in the owner groups'
+    exchange of one update, 0 without groups (ring model: one
+    ``ppermute`` of a block per round): every restart window's rounds
+    (``schedule``), each member's Gram to its group's iteration owner
+    of the window and the factor back, float32 packed triangles of the
+    largest Gram."""
+    if not self.groups:
+      return 0.0
+    rounds = 0
+    for w in range(windows(self.groups)):
+      sched = schedule(self.groups, self.owners, w)
+      rounds += len(sched.reduce) + len(sched.broadcast)
+    block = max(triangle_size(g.gram_size) for g in self.groups)
+    return float(rounds * block * 4)
 
 
 # A message of the Gram exchange: (source slot, destination slot, group index).
@@ -562,11 +569,6 @@ class Schedule(NamedTuple):
   broadcast: tuple[tuple[Message, ...], ...]
 
 
-def members(groups, owners: Sequence[int]) -> list[tuple[int, ...]]:
-  """Per group, the slots holding its slices (sorted)."""
-  return [tuple(sorted({owners[u] for u in g.units})) for g in groups]
-
-
 def schedule(groups, owners: Sequence[int], window: int) -> Schedule:
   """The rounds of the groups' exchange in one restart window.
 
@@ -576,8 +578,9 @@ def schedule(groups, owners: Sequence[int], window: int) -> Schedule:
     window: the restart window (its iteration owners).
   """
   reduce = []
-  for j, (g, held) in enumerate(zip(groups, members(groups, owners))):
+  for j, g in enumerate(groups):
     owner = g.iteration_owners[window]
+    held = sorted({owners[u] for u in g.units})
     reduce += [(h, owner, j) for h in held if h != owner]
   back = [(o, h, j) for h, o, j in reduce]
   return Schedule(_rounds(reduce), _rounds(back))
@@ -586,22 +589,6 @@ def schedule(groups, owners: Sequence[int], window: int) -> Schedule:
 def windows(groups) -> int:
   """The groups' restart windows (the same for every group)."""
   return max((len(g.iteration_owners) for g in groups), default=0)
-
-
-def group_exchange_bytes(groups, owners: Sequence[int]) -> float:
-  """Predicted bytes the busiest device sends in the groups' exchange of
-  one update (ring model: one ``ppermute`` of a block per round): every
-  restart window's rounds, each member's Gram to its group's iteration
-  owner of the window and the factor back, float32 packed triangles of
-  the largest Gram."""
-  if not groups:
-    return 0.0
-  rounds = 0
-  for w in range(windows(groups)):
-    sched = schedule(groups, owners, w)
-    rounds += len(sched.reduce) + len(sched.broadcast)
-  block = max(triangle_size(g.gram_size) for g in groups)
-  return float(rounds * block * 4)
 
 
 def _rounds(edges: Sequence[Message]) -> tuple[tuple[Message, ...], ...]:
@@ -721,20 +708,22 @@ def view_entries(spec: LeafSpec, entries: Sequence[Any]) -> tuple | None:
 
 
 def matrix_units(
-  spec: LeafSpec, cost: float, group: Callable[[tuple], int] = lambda _: -1
+  spec: LeafSpec, cost: float, first_group: int = -1
 ) -> list[MatrixUnit]:
   """The units of a leaf's matrices (of their slices, for a sliced view),
-  row-major over its batch axes, each predicted to cost ``cost``;
-  ``group``: a unit's group from its matrix's whole batch index."""
+  row-major over its batch axes, each predicted to cost ``cost``; for a
+  sliced view, a slice's group is ``first_group`` plus its matrix's
+  number (in order of first slices)."""
   fi, fo = spec.matrix_shape
   nbytes = int(fi * fo * jnp.dtype(spec.dtype).itemsize)
-  units = []
+  pos = spec.batch_axes.index(spec.slice_axis) if spec.sliced else -1
+  units, groups = [], {}
   for index in np.ndindex(*spec.batch_shape):
     index = tuple(int(i) for i in index)
-    whole = index  # the matrix's index over the leaf's own batch axes
-    if spec.sliced:
-      pos = spec.batch_axes.index(spec.slice_axis)
+    whole, group = index, -1  # the matrix's index over the leaf's batch axes
+    if pos >= 0:
       whole = index[:pos] + index[pos + 1 :]
+      group = first_group + groups.setdefault(whole, len(groups))
     units.append(
       MatrixUnit(
         leaf_index=spec.leaf_index,
@@ -744,7 +733,7 @@ def matrix_units(
         layer=layer_key(spec.path, whole),
         cost=cost,
         nbytes=nbytes,
-        group=group(whole),
+        group=group,
       )
     )
   return units
@@ -771,34 +760,26 @@ def resliced(
     order, whole unit index | -(group + 1))``.
   """
   had = {(g.leaf_index, g.batch_index): g.distinct for g in plan.groups}
-  whole: dict[int, list[MatrixUnit]] = collections.defaultdict(list)
-  for u in plan.units:
-    if u.group < 0:
-      whole[u.leaf_index].append(u)
   leaves, units, pieces, meta, members = [], [], [], [], []
   for spec in plan.leaves:
     if only is not None and spec.leaf_index not in only:
       continue
     spec = views.get(spec.leaf_index, spec)
     leaves.append(spec)
-    if not spec.sliced:
-      for u in whole[spec.leaf_index]:
-        pieces.append((u.cost, len(pieces), len(units)))
-        units.append(u)
+    if not spec.sliced:  # whole matrices, as in plan
+      for i in plan.leaf_units(spec.leaf_index):
+        pieces.append((plan.units[i].cost, len(pieces), len(units)))
+        units.append(plan.units[i])
       continue
     work, iteration = gram_parts(*sorted(spec.whole_matrix), ns_steps)
-    index_of = {}
-
-    def group(index, spec=spec, work=work, iteration=iteration, at=index_of):
-      if index not in at:
-        at[index] = len(meta)
+    pos = spec.batch_axes.index(spec.slice_axis)
+    k = spec.shape[spec.slice_axis]
+    for u in matrix_units(spec, work / k, len(meta)):
+      if u.group == len(meta):  # a matrix's first slice: its group
+        index = u.batch_index[:pos] + u.batch_index[pos + 1 :]
         meta.append((spec.leaf_index, index, spec.whole_matrix, iteration))
         members.append([])
         pieces.append((work + sum(iteration), len(pieces), -len(meta)))
-      return at[index]
-
-    k = spec.shape[spec.slice_axis]
-    for u in matrix_units(spec, work / k, group):
       members[u.group].append(len(units))
       units.append(u)
   groups = tuple(

@@ -262,7 +262,7 @@ class PlannerGroupsTest(parameterized.TestCase):
     # view takes every shard's rows).
     shards = {i: (8, 1) for i in range(len(jax.tree.leaves(params)))}
     plan = dmuon_jax.plan_ownership(params, mesh, shard_counts=shards)
-    held = _plan.members(plan.groups, plan.owners)
+    held = [{plan.owners[u] for u in g.units} for g in plan.groups]
     for w in range(_plan.windows(plan.groups)):
       sched = _plan.schedule(plan.groups, plan.owners, w)
       want = sorted(

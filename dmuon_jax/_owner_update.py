@@ -205,7 +205,8 @@ def make_hyperparams(
 ) -> Hyperparams:
   """Validates concrete values (at the factory call) into
   :class:`Hyperparams`; run-time values (tracers) pass through."""
-  _checks.check_muon(
+  _checks.check_numbers(
+    ('consistent_rms', 'weight_decay'),
     beta=beta,
     eps=eps,
     consistent_rms=consistent_rms,

@@ -29,35 +29,12 @@ _HINT_DIMS_TREE = (
   ' structure of params (or a prefix of it) holding MuonDimensionNumbers or'
   ' None at its leaves, or a callable params -> such a tree.'
 )
-NOT_AN_ARRAY_MSG = (
-  'dmuon: param {path!r} is {what}, not an array. The optimizer takes a tree'
-  ' of arrays (or jax.ShapeDtypeStruct): with Equinox, pass the model'
-  "'s arrays, opt.init(eqx.filter(model, eqx.is_array)) and"
-  ' opt.update(grads, state, eqx.filter(model, eqx.is_array)); with other'
-  ' pytree libraries, leave such leaves out of the tree (None, or a static'
-  ' field).'
-)
-
-
-def _is_array_like(x: Any) -> bool:
-  """An array, ``jax.ShapeDtypeStruct``, tracer or Python/NumPy number:
-  what optax's transformations take as a leaf."""
-  return (hasattr(x, 'shape') and hasattr(x, 'dtype')) or isinstance(
-    x, (int, float, complex, np.generic)
-  )
-
-
-def _describe(x: Any) -> str:
-  if callable(x):
-    name = getattr(x, '__qualname__', None) or getattr(x, '__name__', None)
-    return f'a function {name!r}' if name else f'a {type(x).__name__}'
-  shown = repr(x)
-  shown = shown if len(shown) <= 40 else shown[:37] + '...'
-  return f'a {type(x).__name__} ({shown})'
 
 
 def check_array_leaves(tree_or_flat: Any) -> None:
-  """Raises unless every leaf is an array (see :func:`_is_array_like`).
+  """Raises unless every leaf is an array, ``jax.ShapeDtypeStruct``,
+  tracer or Python/NumPy number: what optax's transformations take as a
+  leaf.
 
   Args:
     tree_or_flat: a pytree, or its ``jax.tree_util.tree_flatten_with_path``
@@ -70,13 +47,27 @@ def check_array_leaves(tree_or_flat: Any) -> None:
   flat = tree_or_flat
   if not isinstance(flat, list):
     flat = jax.tree_util.tree_flatten_with_path(flat)[0]
-  for key_path, leaf in flat:
-    if not _is_array_like(leaf):
-      raise TypeError(
-        NOT_AN_ARRAY_MSG.format(
-          path=normalize_path(key_path) or '<root>', what=_describe(leaf)
-        )
-      )
+  for key_path, x in flat:
+    if (hasattr(x, 'shape') and hasattr(x, 'dtype')) or isinstance(
+      x, (int, float, complex, np.generic)
+    ):
+      continue
+    name = getattr(x, '__qualname__', None) or getattr(x, '__name__', None)
+    what = f'a {type(x).__name__}'
+    if callable(x):
+      what = f'a function {name!r}' if name else what
+    else:
+      shown = repr(x)
+      what += f' ({shown if len(shown) <= 40 else shown[:37] + "..."})'
+    raise TypeError(
+      f'dmuon: param {normalize_path(key_path) or "<root>"!r} is {what}, not'
+      ' an array. The optimizer takes a tree of arrays (or'
+      " jax.ShapeDtypeStruct): with Equinox, pass the model's arrays,"
+      ' opt.init(eqx.filter(model, eqx.is_array)) and opt.update(grads,'
+      ' state, eqx.filter(model, eqx.is_array)); with other pytree'
+      ' libraries, leave such leaves out of the tree (None, or a static'
+      ' field).'
+    )
 
 
 # Segments whose name contains one of these (lower-cased) are never Muon
@@ -100,21 +91,8 @@ _LAYER_NORM_RE = re.compile(r'^ln(_|$|f|\d)')
 
 # A block boundary is one of these segments followed by an integer segment
 # ('layers/3'), or one segment like 'layers_3' (flax linen auto-naming).
-_BLOCK_NAMES = frozenset(
-  {
-    'layers',
-    'layer',
-    'blocks',
-    'block',
-    'h',
-    'encoderblock',
-    'decoderblock',
-    'resblocks',
-  }
-)
-_BLOCK_SEGMENT_RE = re.compile(
-  r'^(layers?|blocks?|h|encoderblock|decoderblock|resblocks)_\d+$'
-)
+_BLOCK_NAMES = 'layers layer blocks block h encoderblock decoderblock resblocks'
+_BLOCK_SEGMENT_RE = re.compile(rf'^({_BLOCK_NAMES.replace(" ", "|")})_\d+$')
 # Leading segments that name a flax linen variable collection, not a module.
 _COLLECTION_NAMES = frozenset({'params'})
 
@@ -164,7 +142,7 @@ def block_boundary_end(segments: Sequence[str]) -> int | None:
     if _BLOCK_SEGMENT_RE.match(low):
       return i + 1
     if (
-      low in _BLOCK_NAMES
+      low in _BLOCK_NAMES.split()
       and i + 1 < len(segments)
       and segments[i + 1].isdigit()
     ):
@@ -244,13 +222,7 @@ def _one_level(x: Any) -> tuple[list[Any], Any, list[Any]]:
   return [c for _, c in with_keys], treedef, keys
 
 
-def _align_dims(
-  dims: Any,
-  tree: Any,
-  path: tuple[Any, ...],
-  out: list[Any],
-  arg: str = 'weight_dimension_numbers',
-) -> None:
+def _align_dims(dims: Any, tree: Any, path: tuple, out: list, arg: str) -> None:
   """Appends one dimension-numbers entry per leaf of ``tree`` to ``out``.
 
   ``arg`` is the argument's name as the user spelled it, for messages.
@@ -465,15 +437,15 @@ def _no_dims_message(shown: str, shape: tuple[int, ...], arg: str) -> str:
   )
   count = math.prod(shape[:-2])
   # The last path segment that is not a generic leaf name.
-  names = [g for g in _segments(shown) if g.lower() not in _GENERIC_LEAF_NAMES]
-  name = names[-1] if names else None
+  named = [g for g in _segments(shown) if g.lower() not in _GENERIC_LEAF_NAMES]
+  name = ([''] + named)[-1]
   hint = ''
-  if name is not None and name.lower() in _OUTPUT_PROJECTION_NAMES:
+  if name.lower() in _OUTPUT_PROJECTION_NAMES:
     hint = (
       f' The name {name!r} suggests an attention output projection: {out}'
       ' (if it is one).'
     )
-  elif name is not None and name.lower() in _INPUT_PROJECTION_NAMES:
+  elif name.lower() in _INPUT_PROJECTION_NAMES:
     hint = (
       f' The name {name!r} suggests an input projection (query, key or'
       f' value): {flat} (if it is one).'
@@ -495,11 +467,7 @@ def _no_dims_message(shown: str, shape: tuple[int, ...], arg: str) -> str:
 
 
 def _make_leaf_spec(
-  leaf_index: int,
-  path: str,
-  leaf: Any,
-  dims: MuonDimensionNumbers | None,
-  dims_arg: str = 'weight_dimension_numbers',
+  index: int, path: str, leaf: Any, dims, dims_arg
 ) -> LeafSpec:
   """Validates a Muon-target leaf and describes its matrices."""
   shape = tuple(int(d) for d in np.shape(leaf))
@@ -536,7 +504,7 @@ def _make_leaf_spec(
     )
   batch = tuple(sorted(set(range(ndim)) - set(reduction) - set(output)))
   return LeafSpec(
-    leaf_index=leaf_index,
+    leaf_index=index,
     path=path,
     shape=shape,
     dtype=dtype.name,
@@ -556,24 +524,6 @@ def check_predicate(predicate: Any) -> None:
     ' 2-D leaf, or the leaves with dimension numbers, as'
     ' optax.contrib.muon), or a callable (path, leaf) -> bool.'
   )
-
-
-def _optax_target(leaf: Any, dims: Any, have_dims: bool) -> bool:
-  """``optax.contrib.muon``'s rule: leaves with dimension numbers when they
-  are given, else every 2-D leaf (optax 0.2.8, ``contrib/_muon.py``)."""
-  return dims is not None if have_dims else np.ndim(leaf) == 2
-
-
-def _is_target(
-  path: str, leaf: Any, dims: Any, have_dims: bool, predicate: Any
-) -> bool:
-  if isinstance(predicate, str):
-    return _optax_target(leaf, dims, have_dims)
-  if predicate is not None:
-    return bool(predicate(path, leaf)) and (not have_dims or dims is not None)
-  if have_dims:
-    return dims is not None
-  return default_muon_predicate(path, leaf)
 
 
 def plural(n: int, one: str, many: str) -> str:
@@ -654,28 +604,38 @@ def route(
     params, weight_dimension_numbers, dims_arg
   )
   specs: list[LeafSpec | None] = []
-  counts = {True: [0, 0], False: [0, 0]}
+  sizes = {True: [], False: []}  # elements of each leaf, by target
   only_optax, only_here, stacks = [], [], []
   for i, ((key_path, leaf), dims) in enumerate(zip(with_path, all_dims)):
     path = normalize_path(key_path)
-    target = _is_target(path, leaf, dims, have_dims, predicate)
+    # optax.contrib.muon's rule (optax 0.2.8, contrib/_muon.py).
+    optax_target = dims is not None if have_dims else np.ndim(leaf) == 2
+    if isinstance(predicate, str):
+      target = optax_target
+    elif predicate is not None:
+      target = bool(predicate(path, leaf)) and (
+        not have_dims or dims is not None
+      )
+    else:
+      target = (
+        dims is not None if have_dims else default_muon_predicate(path, leaf)
+      )
     specs.append(
       _make_leaf_spec(i, path, leaf, dims, dims_arg) if target else None
     )
-    counts[target][0] += 1
-    counts[target][1] += math.prod(np.shape(leaf))
+    sizes[target].append(math.prod(np.shape(leaf)))
     shown = f'{path or "<root>"!r} {tuple(np.shape(leaf))}'
-    if _optax_target(leaf, dims, have_dims) != target:
+    if optax_target != target:
       (only_here if target else only_optax).append(shown)
     elif not target and not have_dims and np.ndim(leaf) > 2:
       stacks.append(shown)
-  total = max(1, counts[True][1] + counts[False][1])
+  muon, adam = sum(sizes[True]), sum(sizes[False])
   parts = [
-    f'dmuon routing: Muon {plural(counts[True][0], "leaf", "leaves")}'
-    f' ({_human_count(counts[True][1])} elements,'
-    f' {100 * counts[True][1] / total:.1f}%), AdamW'
-    f' {plural(counts[False][0], "leaf", "leaves")}'
-    f' ({_human_count(counts[False][1])} elements)'
+    f'dmuon routing: Muon {plural(len(sizes[True]), "leaf", "leaves")}'
+    f' ({_human_count(muon)} elements,'
+    f' {100 * muon / max(1, muon + adam):.1f}%), AdamW'
+    f' {plural(len(sizes[False]), "leaf", "leaves")}'
+    f' ({_human_count(adam)} elements)'
   ]
 
   def listed(paths):
@@ -704,7 +664,7 @@ def route(
   return Routing(
     specs,
     '; '.join(parts),
-    counts[True][0],
+    len(sizes[True]),
     default_rule=predicate is None and not have_dims,
   )
 

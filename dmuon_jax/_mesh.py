@@ -27,16 +27,7 @@ def context_mesh() -> Any:
     mesh = None
   if mesh is None or mesh.empty:
     mesh = jax.sharding.get_abstract_mesh()
-  if mesh is None or mesh.empty:
-    return None
-  return mesh
-
-
-def axis_tuple(axis_names: Any) -> tuple[str, ...]:
-  """``axis_names`` (None, one name or several) as a tuple."""
-  if axis_names is None:
-    return ()
-  return (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
+  return None if mesh is None or mesh.empty else mesh
 
 
 def mesh_axes(
@@ -59,7 +50,8 @@ def mesh_axes(
       raise ValueError(
         f'dmuon: mesh axis {name!r} has size {size!r}; expected a positive int.'
       )
-  names = tuple(sizes) if axis_names is None else axis_tuple(axis_names)
+  names = tuple(sizes) if axis_names is None else axis_names
+  names = (names,) if isinstance(names, str) else tuple(names)
   missing = [n for n in names if n not in sizes]
   if missing:
     raise ValueError(
@@ -443,10 +435,10 @@ def split_tensor_parallel(leaf, entries: Entries, tp_axis: str, tp_size: int):
     tp_size: its size.
 
   Returns:
-    ``(owner_entries, tp_split, tp_dim, local_shape)``: the entries without
-    the TP axis; None or the split matrix axis (-1 for a split output axis,
-    i.e. columns; -2 for a split reduction axis, i.e. rows); the split
-    dimension of the leaf (or None); the shape of one TP shard's slice.
+    ``(tp_split, tp_dim, local_shape)``: None or the split matrix axis (-1
+    for a split output axis, i.e. columns; -2 for a split reduction axis,
+    i.e. rows); the split dimension of the leaf (or None); the shape of one
+    TP shard's slice.
 
   Raises:
     ValueError: naming the leaf, for a TP axis on a stack (batch) axis,
@@ -454,7 +446,7 @@ def split_tensor_parallel(leaf, entries: Entries, tp_axis: str, tp_size: int):
   """
   dims = [d for d, axes in enumerate(entries) if tp_axis in axes]
   if not dims:
-    return entries, None, None, tuple(leaf.shape)
+    return None, None, tuple(leaf.shape)
   dim = dims[0]
   spec = entries_spec(entries)
   if len(dims) > 1 or entries[dim] != (tp_axis,):
@@ -485,11 +477,9 @@ def split_tensor_parallel(leaf, entries: Entries, tp_axis: str, tp_size: int):
       f'multiple of {tp_size}, or use the drop-in dmuon_jax.dmuon (which '
       'pads uneven shardings internally).'
     )
-  owner = list(entries)
-  owner[dim] = ()
   shape = list(leaf.shape)
   shape[dim] //= tp_size
-  return tuple(owner), split, dim, tuple(shape)
+  return split, dim, tuple(shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -554,7 +544,7 @@ def resolve(
     return None
   sizes = dict(zip(*mesh_axes(mesh)))
   owners = mesh_axes(mesh, axis_names)[0]  # Raises for unknown names.
-  chosen = axis_tuple(axis_names)
+  chosen = () if axis_names is None else owners
   tp = tensor_parallel_axis if tensor_parallel_axis in sizes else None
   if tensor_parallel_axis == AUTO:
     hits = [

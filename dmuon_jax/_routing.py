@@ -213,36 +213,33 @@ def _is_dims_leaf(x: Any) -> bool:
   return x is None or isinstance(x, MuonDimensionNumbers)
 
 
-def _one_level(x: Any) -> tuple[list[Any], Any, list[Any]]:
-  """Flattens one level of a pytree: children, node structure and keys."""
+def _one_level(x: Any) -> tuple[Any, list[tuple[Any, Any]]]:
+  """One level of a pytree: its node structure, and ``(key, child)``s."""
   with_keys, treedef = jax.tree_util.tree_flatten_with_path(
     x, is_leaf=lambda y: y is not x
   )
-  keys = [p[0] if p else None for p, _ in with_keys]
-  return [c for _, c in with_keys], treedef, keys
+  return treedef, [(p[0] if p else None, c) for p, c in with_keys]
 
 
-def _align_dims(dims: Any, tree: Any, path: tuple, out: list, arg: str) -> None:
-  """Appends one dimension-numbers entry per leaf of ``tree`` to ``out``.
-
-  ``arg`` is the argument's name as the user spelled it, for messages.
-  """
+def _align_dims(dims: Any, tree: Any, path: tuple, arg: str) -> list[Any]:
+  """One dimension-numbers entry per leaf of ``tree`` (``arg``: the
+  argument's name as the user spelled it, for messages)."""
   num_leaves = len(jax.tree.leaves(tree))
   if _is_dims_leaf(dims):
-    out.extend([dims] * num_leaves)
-    return
+    return [dims] * num_leaves
   if num_leaves == 0:
     # None, MaskedNode() or an empty container (e.g. a subtree masked out by
     # optax.partition): no leaf to route, whatever the dims tree says here.
-    return
+    return []
   at = normalize_path(path) or '<root>'
   if isinstance(dims, optax.MaskedNode):
     raise ValueError(
       f'dmuon: {arg} has MaskedNode() at {at!r} where params has'
       f' {num_leaves} leaves. {_HINT_DIMS_TREE}'
     )
-  dims_children, dims_def, _ = _one_level(dims)
-  tree_children, tree_def, keys = _one_level(tree)
+  (dims_def, dims_children), (tree_def, children) = map(
+    _one_level, (dims, tree)
+  )
   if dims_def.num_nodes == 1 and dims_def.num_leaves == 1:
     # A leaf that is neither None nor MuonDimensionNumbers.
     raise ValueError(
@@ -254,26 +251,11 @@ def _align_dims(dims: Any, tree: Any, path: tuple, out: list, arg: str) -> None:
       f'dmuon: {arg} does not match the structure of params at {at!r}: got'
       f' {dims_def}, params have {tree_def}. {_HINT_DIMS_TREE}'
     )
-  for key, d, t in zip(keys, dims_children, tree_children):
-    _align_dims(d, t, path + (key,), out, arg)
-
-
-def _same_node(dims: Any, tree: Any) -> bool:
-  """Whether ``dims`` is a pytree node of the type of ``tree``'s root.
-
-  Such a ``dims`` is a tree even if it is callable: ``jax.tree.map`` over
-  :func:`dmuon_jax.muon_labels` of an Equinox model's arrays gives an
-  ``eqx.Module`` that has the model's ``__call__`` (calling it would run
-  the model on the params). A mismatch below the root is then reported as
-  one, naming the path.
-  """
-  node = jax.tree_util.tree_structure(dims, is_leaf=lambda y: y is not dims)
-  root = jax.tree_util.tree_structure(tree, is_leaf=lambda y: y is not tree)
-  return (
-    node.node_data() is not None
-    and root.node_data() is not None
-    and node.node_data()[0] is root.node_data()[0]
-  )
+  return [
+    entry
+    for (key, t), (_, d) in zip(children, dims_children)
+    for entry in _align_dims(d, t, path + (key,), arg)
+  ]
 
 
 def resolve_dimension_numbers(
@@ -303,11 +285,15 @@ def resolve_dimension_numbers(
     ValueError: if the dimension-numbers tree does not match ``tree``.
   """
   dims = weight_dimension_numbers
-  if callable(dims) and not _is_dims_leaf(dims) and not _same_node(dims, tree):
-    dims = dims(tree)
-  out: list[Any] = []
-  _align_dims(dims, tree, (), out, arg)
-  return out
+  if callable(dims) and not _is_dims_leaf(dims):
+    # A callable pytree node of the type of tree's root is a tree: mapping
+    # over dmuon_jax.muon_labels of an Equinox model's arrays gives an
+    # eqx.Module with the model's __call__ (calling it would run the model
+    # on the params); a mismatch below the root is then reported as one.
+    node, root = (_one_level(x)[0].node_data() for x in (dims, tree))
+    if node is None or root is None or node[0] is not root[0]:
+      dims = dims(tree)
+  return _align_dims(dims, tree, (), arg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,43 +354,6 @@ class LeafSpec:
   def num_matrices(self) -> int:
     """Number of matrices in the leaf (1 for a 2-D leaf)."""
     return math.prod(self.batch_shape)
-
-
-def _normalize_axes(
-  value: Any, ndim: int, what: str, path: str, shape: tuple[int, ...]
-) -> tuple[int, ...]:
-  try:
-    axes = tuple((value,) if isinstance(value, (int, np.integer)) else value)
-  except TypeError:  # not iterable
-    axes = (None,)
-  if not all(
-    isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in axes
-  ):
-    raise ValueError(
-      f'dmuon: param {path!r} has {what}={value!r}; expected an int or a'
-      ' sequence of ints. Fix its MuonDimensionNumbers.'
-    )
-  if not axes:
-    raise ValueError(
-      f'dmuon: param {path!r} with shape {shape} has an empty {what}; a'
-      ' matrix needs at least one reduction and one output axis. Fix its'
-      f' MuonDimensionNumbers. {_HINT_ADAMW}'
-    )
-  bad = [a for a in axes if not -ndim <= a < ndim]
-  if bad:
-    raise ValueError(
-      f'dmuon: param {path!r} with shape {shape} (ndim={ndim}) has'
-      f' {what}={value!r}; axes {bad} are out of range [-{ndim}, {ndim}).'
-      ' Fix its MuonDimensionNumbers.'
-    )
-  axes = tuple(int(a) % ndim for a in axes)
-  if len(set(axes)) != len(axes):
-    raise ValueError(
-      f'dmuon: param {path!r} with shape {shape} has {what}={value!r},'
-      ' which repeats an axis. List each axis once in its'
-      ' MuonDimensionNumbers.'
-    )
-  return axes
 
 
 # Names of a projection's leaf or module (lower-cased), for the hint of
@@ -479,8 +428,7 @@ def _make_leaf_spec(
       ' selected as a Muon target, which needs a matrix (ndim >= 2).'
       f' {_HINT_ADAMW}'
     )
-  dtype = getattr(leaf, 'dtype', None)
-  dtype = np.dtype(np.result_type(leaf) if dtype is None else dtype)
+  dtype = np.dtype(leaf.dtype)  # (an array: a scalar is no matrix)
   if not jax.dtypes.issubdtype(dtype, np.floating):
     raise ValueError(
       f'dmuon: param {shown!r} has dtype {dtype.name} but was selected as a'
@@ -491,10 +439,41 @@ def _make_leaf_spec(
     if ndim > 2:
       raise ValueError(_no_dims_message(shown, shape, dims_arg))
     dims = MuonDimensionNumbers(reduction_axis=0, output_axis=1)
-  reduction = _normalize_axes(
-    dims.reduction_axis, ndim, 'reduction_axis', shown, shape
-  )
-  output = _normalize_axes(dims.output_axis, ndim, 'output_axis', shown, shape)
+  normalized = []
+  for what in ('reduction_axis', 'output_axis'):
+    value = getattr(dims, what)
+    try:
+      axes = tuple((value,) if isinstance(value, (int, np.integer)) else value)
+    except TypeError:  # not iterable
+      axes = (None,)
+    if not all(
+      isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in axes
+    ):
+      raise ValueError(
+        f'dmuon: param {shown!r} has {what}={value!r}; expected an int or a'
+        ' sequence of ints. Fix its MuonDimensionNumbers.'
+      )
+    if not axes:
+      raise ValueError(
+        f'dmuon: param {shown!r} with shape {shape} has an empty {what}; a'
+        ' matrix needs at least one reduction and one output axis. Fix its'
+        f' MuonDimensionNumbers. {_HINT_ADAMW}'
+      )
+    bad = [a for a in axes if not -ndim <= a < ndim]
+    if bad:
+      raise ValueError(
+        f'dmuon: param {shown!r} with shape {shape} (ndim={ndim}) has'
+        f' {what}={value!r}; axes {bad} are out of range [-{ndim}, {ndim}).'
+        ' Fix its MuonDimensionNumbers.'
+      )
+    normalized.append(tuple(int(a) % ndim for a in axes))
+    if len(set(normalized[-1])) != len(axes):
+      raise ValueError(
+        f'dmuon: param {shown!r} with shape {shape} has {what}={value!r},'
+        ' which repeats an axis. List each axis once in its'
+        ' MuonDimensionNumbers.'
+      )
+  reduction, output = normalized
   overlap = sorted(set(reduction) & set(output))
   if overlap:
     raise ValueError(

@@ -65,9 +65,7 @@ def check_ns_algorithm(ns_algorithm: Any) -> None:
     )
 
 
-def ns_cost(
-  m: int, n: int, ns_steps: int = 5, ns_algorithm: str = 'auto'
-) -> float:
+def ns_cost(m: int, n: int, ns_steps: int, ns_algorithm: str) -> float:
   """Predicted matmul FLOPs of the Newton–Schulz form that will run.
 
   ``'standard'`` is the direct form; ``'gram'`` the Gram form with its

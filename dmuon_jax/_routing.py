@@ -93,8 +93,6 @@ _LAYER_NORM_RE = re.compile(r'^ln(_|$|f|\d)')
 # ('layers/3'), or one segment like 'layers_3' (flax linen auto-naming).
 _BLOCK_NAMES = 'layers layer blocks block h encoderblock decoderblock resblocks'
 _BLOCK_SEGMENT_RE = re.compile(rf'^({_BLOCK_NAMES.replace(" ", "|")})_\d+$')
-# Leading segments that name a flax linen variable collection, not a module.
-_COLLECTION_NAMES = frozenset({'params'})
 
 
 def normalize_path(path: jax.tree_util.KeyPath) -> str:
@@ -682,6 +680,7 @@ def layer_base(path: str) -> tuple[bool, str]:
   if end is not None:
     return True, '/'.join(segments[:end])
   start = 0
-  while start < len(segments) - 1 and segments[start] in _COLLECTION_NAMES:
+  # (A leading linen 'params' collection names no module.)
+  while start < len(segments) - 1 and segments[start] == 'params':
     start += 1
   return False, '/'.join(segments[: start + 1])

@@ -203,11 +203,9 @@ def without_axes(x: Any, axes: Sequence[str]) -> Any:
 def array_mesh(x: Any) -> Any:
   """The mesh a (possibly abstract or traced) array is placed on, or None."""
   x = unbox(x)
-  if isinstance(x, jax.core.Tracer):
-    sharding = _type_sharding(x)
-  else:
-    sharding = _on_mesh(getattr(x, 'sharding', None))
-  return None if sharding is None else sharding.mesh
+  tracer = isinstance(x, jax.core.Tracer)
+  s = _type_sharding(x) if tracer else _on_mesh(getattr(x, 'sharding', None))
+  return None if s is None else s.mesh
 
 
 def _on_mesh(sharding: Any) -> NamedSharding | None:
@@ -323,11 +321,9 @@ def leaf_spec(x: Any) -> P | None:
     ok = sharding is not None and is_explicit(sharding.mesh)
     return sharding.spec if ok else None
   sharding = getattr(x, 'sharding', None)
-  if isinstance(sharding, NamedSharding):
-    return sharding.spec
-  if sharding is not None:
-    return P()
-  return None
+  if sharding is None:
+    return None
+  return sharding.spec if isinstance(sharding, NamedSharding) else P()
 
 
 def type_spec(x: Any) -> P:

@@ -406,7 +406,7 @@ class DMuonWarning(UserWarning):
 def report_routing(routing: _routing.Routing) -> None:
   """Logs the routing summary at INFO; warns if no leaf goes to Muon."""
   logging.getLogger('dmuon_jax').info('%s', routing.summary)
-  if routing.num_muon == 0:
+  if all(s is None for s in routing.specs):
     rule = (
       'The default rule (dmuon_jax.default_muon_predicate) takes 2-D'
       ' matrices with both dims > 1 that are not embeddings, heads, norms'

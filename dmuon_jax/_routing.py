@@ -519,7 +519,6 @@ class Routing(NamedTuple):
 
   specs: list[LeafSpec | None]
   summary: str
-  num_muon: int
   # Whether default_muon_predicate chose (no predicate, no dimension numbers).
   default_rule: bool
 
@@ -641,7 +640,6 @@ def route(
   return Routing(
     specs,
     '; '.join(parts),
-    len(sizes[True]),
     default_rule=predicate is None and not have_dims,
   )
 

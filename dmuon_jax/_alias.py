@@ -166,7 +166,6 @@ def _partition(
       optax.tree_utils.tree_get(state.inner_states['adam'], 'mu'),
       'update()',
       is_leaf=lambda x: isinstance(x, optax.MaskedNode),
-      shapes=True,
     )
     return inner.update(updates, state, params)
 
@@ -365,7 +364,7 @@ def dmuon(
 
   def muon():
     # Checked here, as dedicated_muon's Muon checks it (make_hyperparams).
-    _checks.real('weight_decay', weight_decay, '0.1')
+    _checks.check_numbers(weight_decay=weight_decay)
     return (
       _transform.make_scale_by_dmuon(
         {k: options[k] for k in _MUON + _DMUON}
@@ -413,7 +412,8 @@ def muon_adamw(
   """
   lr, adam_lr = options['learning_rate'], options['adam_learning_rate']
   _owner_update.check_nonfinite(options['nonfinite'])
-  _checks.check_adam(
+  _checks.check_numbers(
+    ('adam_learning_rate',),
     learning_rate=lr,
     adam_learning_rate=adam_lr,
     **{k: options[k] for k in _ADAM},
@@ -595,7 +595,6 @@ def dedicated_muon(
         optax.tree_utils.tree_get(state[1], 'mu'),
         'dedicated_muon update()',
         made_by='init()',
-        shapes=True,
       )
       owned_u, muon_state = muon.update(
         updates.owned, state[0], None if params is None else params.owned

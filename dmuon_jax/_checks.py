@@ -65,9 +65,7 @@ def check_ns_algorithm(ns_algorithm: Any) -> None:
     )
 
 
-def ns_cost(
-  m: int, n: int, ns_steps: int = 5, ns_algorithm: str = 'auto'
-) -> float:
+def ns_cost(m: int, n: int, ns_steps: int, ns_algorithm: str) -> float:
   """Predicted matmul FLOPs of the Newton–Schulz form that will run.
 
   ``'standard'`` is the direct form; ``'gram'`` the Gram form with its
@@ -84,8 +82,7 @@ def ns_cost(
   Returns:
     The FLOP count, as a float.
   """
-  check_ns_algorithm(ns_algorithm)
-  if ns_algorithm == 'auto':
+  if ns_algorithm == 'auto':  # (checked by its callers)
     ns_algorithm = _newton_schulz.cheaper_ns_algorithm(m, n, ns_steps)
   return float(_newton_schulz.matmul_flops(m, n, ns_steps, ns_algorithm))
 
@@ -116,129 +113,86 @@ def gram_parts(
   return work, tuple(float((8 * (b - a) - 6) * s**3) for a, b in windows)
 
 
-_SCHEDULE_HINT = (
-  'Pass a number (e.g. 0.02) or a schedule, a callable step -> value such'
-  ' as optax.cosine_decay_schedule(0.02, 1000).'
+_DECAY_WHY = (
+  "at 1 the moment never forgets, as optax's bias correction 1 - beta**t"
+  ' divides by zero; above 1 it grows without bound'
 )
-
-
-def _number(name: str, value: Any, hint: str) -> float | None:
-  """The value of a real scalar hyperparameter, None if not concrete.
-
-  Raises:
-    TypeError: if ``value`` is not a real number (a str, None, a bool, a
-      non-scalar array).
-  """
-  if (
-    isinstance(value, (str, bytes)) or value is None or isinstance(value, bool)
-  ):
-    kind = 'None' if value is None else f'a {type(value).__name__}'
-    raise TypeError(f'dmuon: {name}={value!r} is {kind}, not a number. {hint}')
-  if isinstance(value, jax.core.Tracer) or (
-    isinstance(value, jax.Array) and not value.is_fully_addressable
-  ):
-    return None  # Only known at run time.
-  try:
-    arr = np.asarray(value)
-  except (TypeError, ValueError) as e:
-    raise TypeError(
-      f'dmuon: {name}={value!r} ({type(value).__name__}) is not a number.'
-      f' {hint}'
-    ) from e
-  if arr.shape != () or not (
-    np.issubdtype(arr.dtype, np.floating)
-    or np.issubdtype(arr.dtype, np.integer)
-  ):
-    raise TypeError(
-      f'dmuon: {name}={value!r} is not a real scalar (shape {arr.shape},'
-      f' dtype {arr.dtype}). {hint}'
-    )
-  return float(arr)
-
-
-def check_learning_rate(name: str, value: Any) -> None:
-  """A learning rate: a schedule, or a finite number >= 0."""
-  if callable(value) and not isinstance(value, jax.Array):
-    return  # A schedule: its values are only known at run time.
-  x = _number(name, value, _SCHEDULE_HINT)
-  if x is not None and not (math.isfinite(x) and x >= 0):
-    raise ValueError(
-      f'dmuon: {name}={value!r} must be a finite number >= 0 (updates are'
-      ' subtracted: a negative rate would climb the loss). Pass its'
-      ' magnitude, e.g. 0.02, or a schedule.'
-    )
-
-
-def decay_rate(name: str, value: Any, what: str) -> None:
-  """A moment decay rate in ``[0, 1)``."""
-  x = _number(name, value, f'Pass a decay rate in [0, 1), e.g. {what}.')
-  if x is not None and not (0 <= x < 1):
-    raise ValueError(
-      f'dmuon: {name}={value!r} must be in [0, 1): at 1 the moment never'
-      " forgets (optax's bias correction 1 - beta**t divides by zero) and"
-      f' above 1 it grows without bound. Use a decay rate such as {what}.'
-    )
-
-
-def at_least_zero(
-  name: str, value: Any, example: str, op: str = '>=', why: str = ''
-) -> None:
-  """A finite number ``op`` 0 (``op`` is ``'>'`` or ``'>='``)."""
-  x = _number(name, value, f'Pass a number {op} 0, e.g. {example}.')
-  if x is not None and not (
-    math.isfinite(x) and (x > 0 or (op == '>=' and x == 0))
-  ):
-    raise ValueError(
-      f'dmuon: {name}={value!r} must be a finite number {op} 0'
-      f'{f" ({why})" if why else ""}. Use e.g. {example}.'
-    )
-
-
-def real(name: str, value: Any, example: str) -> None:
-  """A real number (any sign), or a run-time value."""
-  _number(name, value, f'Pass a number, e.g. {example}.')
-
-
-def check_muon(
-  *,
-  beta: Any,
-  eps: Any,
-  consistent_rms: Any = None,
-  weight_decay: Any = None,
-) -> None:
-  """The Muon hyperparameters every factory shares."""
-  decay_rate('beta', beta, '0.95')
-  at_least_zero(
-    'eps',
-    eps,
-    '1e-8',
+_LR_WHY = 'updates are subtracted: a negative rate would climb the loss'
+# Per hyperparameter: its range ('' any real; '>' or '>=' 0 and finite; '<1'
+# a moment decay rate in [0, 1)), an example value, and why that range.
+_RANGES = {
+  'learning_rate': ('>=', '0.02', _LR_WHY),
+  'adam_learning_rate': ('>=', '0.02', _LR_WHY),
+  'beta': ('<1', '0.95', _DECAY_WHY),
+  'adam_b1': ('<1', '0.9', _DECAY_WHY),
+  'adam_b2': ('<1', '0.999', _DECAY_WHY),
+  'eps': (
     '>',
+    '1e-8',
     'it keeps the normalization of a zero gradient, and AdamW of a zero'
     ' second moment, from dividing by zero',
-  )
-  if consistent_rms is not None:
-    at_least_zero('consistent_rms', consistent_rms, '0.2')
-  if weight_decay is not None:
-    real('weight_decay', weight_decay, '0.1')
+  ),
+  'consistent_rms': ('>=', '0.2', ''),
+  'adam_eps_root': ('>=', '0.0', ''),
+  'weight_decay': ('', '0.1', ''),
+  'adam_weight_decay': ('', '0.1', ''),
+}
 
 
-def check_adam(
-  *,
-  learning_rate: Any,
-  adam_learning_rate: Any,
-  adam_b1: Any,
-  adam_b2: Any,
-  adam_eps_root: Any,
-  adam_weight_decay: Any,
-) -> None:
-  """The learning rates and AdamW hyperparameters of the aliases."""
-  check_learning_rate('learning_rate', learning_rate)
-  if adam_learning_rate is not None:
-    check_learning_rate('adam_learning_rate', adam_learning_rate)
-  decay_rate('adam_b1', adam_b1, '0.9')
-  decay_rate('adam_b2', adam_b2, '0.999')
-  at_least_zero('adam_eps_root', adam_eps_root, '0.0')
-  real('adam_weight_decay', adam_weight_decay, '0.1')
+def check_numbers(optional: Sequence[str] = (), **values: Any) -> None:
+  """The one check of the numeric hyperparameters (by name, see
+  ``_RANGES``): a real scalar, in its range where concrete. Run-time values
+  (tracers), learning-rate schedules and None for a name in ``optional``
+  pass.
+
+  Raises:
+    TypeError: for a str, None, a bool or anything but a real scalar.
+    ValueError: for a concrete value out of its range, saying why.
+  """
+  for name, value in values.items():
+    bound, example, why = _RANGES[name]
+    lr = name.endswith('learning_rate')
+    if (value is None and name in optional) or (
+      lr and callable(value) and not isinstance(value, jax.Array)
+    ):
+      continue
+    hint = f'Pass a number, e.g. {example}.'
+    if lr:
+      hint = (
+        'Pass a number (e.g. 0.02) or a schedule, a callable step -> value'
+        ' such as optax.cosine_decay_schedule(0.02, 1000).'
+      )
+    if isinstance(value, (str, bytes, bool)) or value is None:
+      kind = 'None' if value is None else f'a {type(value).__name__}'
+      raise TypeError(
+        f'dmuon: {name}={value!r} is {kind}, not a number. {hint}'
+      )
+    if isinstance(value, jax.core.Tracer) or (
+      isinstance(value, jax.Array) and not value.is_fully_addressable
+    ):
+      continue  # Only known at run time.
+    try:
+      arr = np.asarray(value)
+    except (TypeError, ValueError):
+      arr = np.asarray(None)  # not a number either
+    if arr.shape != () or not (
+      np.issubdtype(arr.dtype, np.floating)
+      or np.issubdtype(arr.dtype, np.integer)
+    ):
+      raise TypeError(f'dmuon: {name}={value!r} is not a real scalar. {hint}')
+    x = float(arr)
+    if bound and not (
+      math.isfinite(x) and {'>': x > 0, '>=': x >= 0, '<1': 0 <= x < 1}[bound]
+    ):
+      must, fix = f'a finite number {bound} 0', f'e.g. {example}'
+      if bound == '<1':
+        must, fix = 'in [0, 1)', f'a decay rate such as {example}'
+      if lr:
+        fix = 'its magnitude, e.g. 0.02, or a schedule'
+      raise ValueError(
+        f'dmuon: {name}={value!r} must be {must}'
+        f'{f" ({why})" if why else ""}. Pass {fix}.'
+      )
 
 
 def check_option(
@@ -270,14 +224,12 @@ def check_option(
     ValueError: for any other value, and for a forced ``k`` with an option
       that groups cannot run with (naming both and what to pass).
   """
-  if owner_groups is None:
-    return None
-  if owner_groups != 'auto' and (not is_int(owner_groups) or owner_groups < 2):
+  forced = owner_groups not in (None, 'auto')
+  if forced and (not is_int(owner_groups) or owner_groups < 2):
     raise ValueError(
       f"dmuon: owner_groups={owner_groups!r} is not 'auto', None or an int "
       '>= 2 (the number of devices that share each matrix).'
     )
-  forced = owner_groups != 'auto'
   given, wanted = [], []
   if preconditioning != 'frobenius':
     given.append(f'preconditioning={preconditioning!r}')
@@ -285,23 +237,19 @@ def check_option(
   if ns_algorithm == 'standard':
     given.append(f'ns_algorithm={ns_algorithm!r}')
     wanted.append("ns_algorithm='auto' or 'gram'")
-  if given:
-    if forced:
-      raise ValueError(
-        f'dmuon: owner_groups={owner_groups} runs Gram Newton-Schulz with '
-        "preconditioning='frobenius' on the groups' matrices, but got "
-        f'{" and ".join(given)}. Pass {" and ".join(wanted)}, or '
-        'owner_groups=None.'
-      )
-    return None
-  if tp_axis is not None:
-    if forced:
-      raise ValueError(
-        f'dmuon: owner_groups={owner_groups} with the tensor-parallel axis '
-        f'{tp_axis!r}: TP matrices are split over that axis already. Pass '
-        'owner_groups=None (or the default).'
-      )
-    return None
+  if forced and given:
+    raise ValueError(
+      f'dmuon: owner_groups={owner_groups} runs Gram Newton-Schulz with '
+      "preconditioning='frobenius' on the groups' matrices, but got "
+      f'{" and ".join(given)}. Pass {" and ".join(wanted)}, or '
+      'owner_groups=None.'
+    )
+  if forced and tp_axis is not None:
+    raise ValueError(
+      f'dmuon: owner_groups={owner_groups} with the tensor-parallel axis '
+      f'{tp_axis!r}: TP matrices are split over that axis already. Pass '
+      'owner_groups=None (or the default).'
+    )
   if forced and scanned:
     raise ValueError(
       f'dmuon: owner_groups={owner_groups} with scanned stacks (param '
@@ -310,7 +258,7 @@ def check_option(
       + '): their owners rotate per scan iteration, which groups do not '
       "follow. Pass owner_groups='auto' (scanned stacks stay whole) or None."
     )
-  return owner_groups
+  return None if given or tp_axis is not None else owner_groups
 
 
 def check_preconditioning(
@@ -350,41 +298,32 @@ def check_same_tree(
   what: str,
   is_leaf: Callable[[Any], bool] | None = None,
   made_by: str = 'init()',
-  shapes: bool = False,
 ) -> None:
-  """Raises if ``tree`` and ``reference`` differ in their leaf paths (and,
-  with ``shapes``, in the shapes of the reference leaves that have one).
+  """Raises if ``tree`` and ``reference`` differ in their leaf paths, or in
+  the shapes of the reference leaves that have one (see
+  :func:`check_same_leaves`).
 
   Args:
     tree: the tree given now (e.g. to ``update``).
     reference: a tree with the structure recorded earlier (e.g. a state
-      made by ``init``).
+      made by ``init``); a leaf without a ``shape`` (``optax.MaskedNode()``,
+      a Python number) matches any.
     what: the operation, for the message (e.g. ``'update()'``).
     is_leaf: leaf predicate for both trees (e.g. to keep
       ``optax.MaskedNode`` entries: a wrapper's ``optax.masked`` gives them
       to ``update`` where ``init`` had them too).
     made_by: the call that recorded ``reference``.
-    shapes: also compare shapes (reference leaves without a ``shape``, such
-      as ``optax.MaskedNode()``, match any).
-
-  Raises:
-    ValueError: listing the paths only in one of the two trees, or the
-      leaves whose shapes differ.
   """
-
-  def leaves(t, shape_of):
-    flat = jax.tree_util.tree_flatten_with_path(t, is_leaf=is_leaf)[0]
-    return [
-      (normalize_path(k), shape_of(x) if shapes else None) for k, x in flat
-    ]
-
+  flat = lambda t: jax.tree_util.tree_flatten_with_path(t, is_leaf=is_leaf)[0]
   # (A leaf that is an empty node, as optax.MaskedNode(), has no shape.)
-  got = leaves(
-    tree, lambda x: None if isinstance(x, tuple) else tuple(np.shape(x))
-  )
-  want = leaves(
-    reference, lambda r: tuple(np.shape(r)) if hasattr(r, 'shape') else None
-  )
+  got = [
+    (normalize_path(k), None if isinstance(x, tuple) else tuple(np.shape(x)))
+    for k, x in flat(tree)
+  ]
+  want = [
+    (normalize_path(k), tuple(np.shape(r)) if hasattr(r, 'shape') else None)
+    for k, r in flat(reference)
+  ]
   check_same_leaves(got, want, what, made_by)
 
 
@@ -438,17 +377,6 @@ def check_same_leaves(
   )
 
 
-LOGGER = logging.getLogger('dmuon_jax')
-
-NO_MUON_MSG = (
-  'dmuon: no leaf goes to Muon, so every leaf is updated by AdamW (at'
-  ' adam_learning_rate, which defaults to learning_rate). {rule}{summary}.'
-  " Pass predicate='optax' (every 2-D leaf, as optax.contrib.muon), your own"
-  ' predicate, or muon_weight_dimension_numbers (which stacked and'
-  ' attention leaves need); if AdamW alone is meant, use optax.adamw.'
-)
-
-
 class DMuonWarning(UserWarning):
   """A warning that dmuon does less than it could.
 
@@ -476,17 +404,20 @@ class DMuonWarning(UserWarning):
 
 def report_routing(routing: _routing.Routing) -> None:
   """Logs the routing summary at INFO; warns if no leaf goes to Muon."""
-  LOGGER.info('%s', routing.summary)
-  if routing.num_muon == 0:
+  logging.getLogger('dmuon_jax').info('%s', routing.summary)
+  if all(s is None for s in routing.specs):
     rule = (
       'The default rule (dmuon_jax.default_muon_predicate) takes 2-D'
       ' matrices with both dims > 1 that are not embeddings, heads, norms'
       ' or biases. '
-      if routing.default_rule
-      else ''
-    )
+    ) * routing.default_rule
     warnings.warn(
-      NO_MUON_MSG.format(rule=rule, summary=routing.summary),
+      'dmuon: no leaf goes to Muon, so every leaf is updated by AdamW (at'
+      ' adam_learning_rate, which defaults to learning_rate).'
+      f" {rule}{routing.summary}. Pass predicate='optax' (every 2-D leaf,"
+      ' as optax.contrib.muon), your own predicate, or'
+      ' muon_weight_dimension_numbers (which stacked and attention leaves'
+      ' need); if AdamW alone is meant, use optax.adamw.',
       DMuonWarning,
       stacklevel=4,
     )
@@ -547,18 +478,6 @@ def subtree(tree: Any, keys) -> Any:
     else:  # DictKey, FlattenedIndexKey
       tree = tree[key.key]
   return tree
-
-
-def _custom_boundary(params, keys, boundary_predicate) -> str | None:
-  """The lowest ancestor of a leaf whose (path, subtree) satisfies it.
-
-  The root counts too (its path is ``''``): the whole model as one boundary.
-  """
-  for end in range(len(keys) - 1, -1, -1):
-    path = normalize_path(keys[:end])
-    if boundary_predicate(path, subtree(params, keys[:end])):
-      return path
-  return None
 
 
 def find_hook_boundaries(
@@ -626,14 +545,18 @@ def find_hook_boundaries(
     weight_dimension_numbers=weight_dimension_numbers,
   ).specs
   flat = jax.tree.flatten_with_path(params)[0]
-  names: list[str] = []
-  scanned: list[bool] = []
-  paths, of_target, missing = [], [], []
+  scanned: dict[str, bool] = {}  # boundary name -> scanned, in order
+  paths, names, missing = [], [], []
   for spec, (keys, _) in zip(specs, flat, strict=True):
     if spec is None:
       continue
     if boundary_predicate is not None:
-      name, is_scan = _custom_boundary(params, keys, boundary_predicate), False
+      name, is_scan = None, False
+      for end in range(len(keys) - 1, -1, -1):  # the lowest ancestor, or ''
+        path = normalize_path(keys[:end])
+        if boundary_predicate(path, subtree(params, keys[:end])):
+          name = path
+          break
     else:  # A block prefix (layers/3, layers_3), else a scanned stack.
       block, name = _routing.layer_base(spec.path)
       is_scan = not block and bool(spec.batch_axes)
@@ -643,11 +566,9 @@ def find_hook_boundaries(
       if strict:
         continue
       name = spec.path
-    if name not in names:
-      names.append(name)
-      scanned.append(is_scan)
+    scanned.setdefault(name, is_scan)
     paths.append(spec.path)
-    of_target.append(names.index(name))
+    names.append(name)
   if strict and missing:
     raise ValueError(
       f'dmuon: {len(missing)} Muon target(s) have no hook boundary: '
@@ -656,9 +577,10 @@ def find_hook_boundaries(
       'modules, route these params to AdamW, or pass strict=False to '
       'gather each of them on its own.'
     )
+  order = list(scanned)
   return HookBoundaries(
-    names=tuple(names),
-    scanned=tuple(scanned),
+    names=tuple(order),
+    scanned=tuple(scanned.values()),
     paths=tuple(paths),
-    of_target=tuple(of_target),
+    of_target=tuple(order.index(n) for n in names),
   )

@@ -57,7 +57,7 @@ def _tp_local(params, targets, mesh, axis_names, tensor_parallel_axis):
     entries = _mesh.normalize_entries(
       _mesh.leaf_spec(x) or P(), len(s.shape), info.sizes
     )
-    _, split, dim, shape = _mesh.split_tensor_parallel(
+    split, dim, shape = _mesh.split_tensor_parallel(
       s, entries, info.tp_axis, info.tp_size
     )
     if split is None:

@@ -27,16 +27,7 @@ def context_mesh() -> Any:
     mesh = None
   if mesh is None or mesh.empty:
     mesh = jax.sharding.get_abstract_mesh()
-  if mesh is None or mesh.empty:
-    return None
-  return mesh
-
-
-def axis_tuple(axis_names: Any) -> tuple[str, ...]:
-  """``axis_names`` (None, one name or several) as a tuple."""
-  if axis_names is None:
-    return ()
-  return (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
+  return None if mesh is None or mesh.empty else mesh
 
 
 def mesh_axes(
@@ -44,14 +35,11 @@ def mesh_axes(
 ) -> tuple[tuple[str, ...], tuple[int, ...]]:
   """Owner axes (in mesh order) and their sizes."""
   if mesh is None:
-    sizes: dict[str, int] = {}
-    order: tuple[str, ...] = ()
+    sizes = {}
   elif isinstance(mesh, Mapping):
     sizes = {str(k): v for k, v in mesh.items()}
-    order = tuple(sizes)
   elif hasattr(mesh, 'axis_names') and hasattr(mesh, 'shape'):
-    sizes = dict(mesh.shape)
-    order = tuple(mesh.axis_names)
+    sizes = {n: mesh.shape[n] for n in mesh.axis_names}
   else:
     raise TypeError(
       f'dmuon: mesh must be None, a jax.sharding.Mesh or AbstractMesh, or a'
@@ -62,25 +50,21 @@ def mesh_axes(
       raise ValueError(
         f'dmuon: mesh axis {name!r} has size {size!r}; expected a positive int.'
       )
-  if axis_names is None:
-    chosen = order
-  else:
-    names = axis_tuple(axis_names)
-    missing = [n for n in names if n not in sizes]
-    if missing and mesh is None:
-      raise ValueError(
-        f'dmuon: axis_names {names} names mesh axes, but no mesh was given'
-        ' (one slot, no axes). Pass the mesh too, or leave axis_names None.'
-      )
-    if missing:
-      raise ValueError(
-        f'dmuon: axis_names {names} includes {missing}, which are not axes'
-        f' of the mesh; the mesh has axes {order}. Pass a subset of them,'
-        ' or None for all.'
-      )
-    if len(set(names)) != len(names):
-      raise ValueError(f'dmuon: axis_names {names} repeats an axis.')
-    chosen = tuple(n for n in order if n in names)
+  names = tuple(sizes) if axis_names is None else axis_names
+  names = (names,) if isinstance(names, str) else tuple(names)
+  missing = [n for n in names if n not in sizes]
+  if missing:
+    raise ValueError(
+      f'dmuon: axis_names {names} names mesh axes, but no mesh was given'
+      ' (one slot, no axes). Pass the mesh too, or leave axis_names None.'
+      if mesh is None
+      else f'dmuon: axis_names {names} includes {missing}, which are not'
+      f' axes of the mesh; the mesh has axes {tuple(sizes)}. Pass a subset'
+      ' of them, or None for all.'
+    )
+  if len(set(names)) != len(names):
+    raise ValueError(f'dmuon: axis_names {names} repeats an axis.')
+  chosen = tuple(n for n in sizes if n in names)
   return chosen, tuple(int(sizes[n]) for n in chosen)
 
 
@@ -102,11 +86,7 @@ def check_devices(params: Any, mesh: Any) -> None:
     return
   mesh_ids = {d.id for d in mesh.devices.flat}
   for keys, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-    if (
-      not isinstance(x, jax.Array)
-      or isinstance(x, jax.core.Tracer)
-      or not getattr(x, 'committed', True)
-    ):
+    if not _concrete(x) or not getattr(x, 'committed', True):
       continue
     ids = sorted(d.id for d in x.sharding.device_set)
     if not set(ids) <= mesh_ids or (
@@ -120,6 +100,11 @@ def check_devices(params: Any, mesh: Any) -> None:
         'on that mesh (jax.device_put(params, NamedSharding(mesh, spec))) '
         'or pass the mesh they live on as mesh=.'
       )
+
+
+def _concrete(x: Any) -> bool:
+  """Whether ``x`` is an array with values (not a tracer)."""
+  return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
 
 
 def _flax_type(x: Any, module: str, name: str) -> bool:
@@ -199,14 +184,10 @@ def without_axes(x: Any, axes: Sequence[str]) -> Any:
   replicated over ``axes``. Anything without such metadata is returned as
   it is.
   """
-  if is_variable(x):
-    names, spec = x.get_metadata().get('out_sharding'), _variable_spec(x)
-  elif is_box(x):
-    names, spec = getattr(x, 'names', None), _box_spec(x)
-  else:
-    return x
+  spec = _meta_spec(x)
   if spec is None:
     return x
+  names = x.get_metadata()['out_sharding'] if is_variable(x) else x.names
   entries = spec_entries(spec)
   entries += [()] * (len(names) - len(entries))
   new = []
@@ -222,11 +203,9 @@ def without_axes(x: Any, axes: Sequence[str]) -> Any:
 def array_mesh(x: Any) -> Any:
   """The mesh a (possibly abstract or traced) array is placed on, or None."""
   x = unbox(x)
-  if isinstance(x, jax.core.Tracer):
-    sharding = _type_sharding(x)
-  else:
-    sharding = _on_mesh(getattr(x, 'sharding', None))
-  return None if sharding is None else sharding.mesh
+  tracer = isinstance(x, jax.core.Tracer)
+  s = _type_sharding(x) if tracer else _on_mesh(getattr(x, 'sharding', None))
+  return None if s is None else s.mesh
 
 
 def _on_mesh(sharding: Any) -> NamedSharding | None:
@@ -240,27 +219,25 @@ def _type_sharding(x: Any) -> NamedSharding | None:
   return _on_mesh(getattr(jax.typeof(x), 'sharding', None))
 
 
-def _variable_spec(x: Any) -> P | None:
-  """The spec of an ``nnx.Variable``'s ``out_sharding`` (logical names
-  mapped by its ``sharding_rules`` and the active logical axis rules, as
-  ``nnx.get_partition_spec`` maps them), or None without it."""
-  if not x.get_metadata().get('out_sharding'):
-    return None
-  from flax.nnx import spmd  # flax is optional: lazily
+def _meta_spec(x: Any) -> P | None:
+  """The mesh spec a Flax holder's sharding metadata gives, or None where
+  it has none or it cannot be known.
 
-  return spmd.get_var_pspec(x)
-
-
-def _box_spec(x: Any) -> P | None:
-  """The mesh spec of a Linen box, or None where it cannot be known.
-
-  ``nn.Partitioned`` names mesh axes. ``nn.LogicallyPartitioned`` names
-  logical axes, mapped by its own ``rules`` or else the active
+  An ``nnx.Variable``'s ``out_sharding`` is mapped by its ``sharding_rules``
+  and the active logical axis rules (as ``nnx.get_partition_spec`` maps
+  it). ``nn.Partitioned`` names mesh axes. ``nn.LogicallyPartitioned``
+  names logical axes, mapped by its own ``rules`` or else the active
   ``nn.logical_axis_rules`` (as its ``unbox`` maps them); without any rules
   its logical names say nothing about the mesh: None.
   """
+  if is_variable(x):
+    if not x.get_metadata().get('out_sharding'):
+      return None
+    from flax.nnx import spmd  # flax is optional: lazily
+
+    return spmd.get_var_pspec(x)
   names = getattr(x, 'names', None)
-  if names is None or not hasattr(x, 'get_partition_spec'):
+  if not is_box(x) or names is None or not hasattr(x, 'get_partition_spec'):
     return None
   if not hasattr(x, 'rules'):
     return x.get_partition_spec()
@@ -272,24 +249,22 @@ def _box_spec(x: Any) -> P | None:
   return spmd.logical_to_mesh_axes(names, rules)
 
 
+def _logical_names(x: Any) -> tuple | None:
+  """The sharding names of a Flax holder that the logical axis rules in
+  effect where it is read map (``nnx.Variable`` ``out_sharding``, the
+  ``names`` of an ``nn.LogicallyPartitioned`` without rules of its own), as
+  they are written; None for anything else."""
+  if is_variable(x):
+    return x.get_metadata().get('out_sharding') or None
+  if is_box(x) and getattr(x, 'rules', False) is None:
+    return getattr(x, 'names', None)
+  return None
+
+
 def sharding_names(x: Any) -> bool:
   """Whether a Flax holder names a sharding (mesh or logical axes) for any
   dimension of its value."""
-  names = _names_spec(x)
-  return names is not None and any(e for e in spec_entries(names))
-
-
-def _names_spec(x: Any) -> P | None:
-  """The sharding names a Flax holder carries as they are written (Linen
-  box ``names``, ``nnx.Variable`` ``out_sharding``), before any logical
-  axis rules map them; None for anything else."""
-  if is_variable(x):
-    names = x.get_metadata().get('out_sharding')
-    return P(*names) if names else None
-  if is_box(x) and hasattr(x, 'rules') and x.rules is None:
-    names = getattr(x, 'names', None)
-    return None if names is None else P(*names)
-  return None
+  return any(spec_entries(_logical_names(x)))
 
 
 def rules_decide(x: Any) -> bool:
@@ -297,12 +272,8 @@ def rules_decide(x: Any) -> bool:
   decide its mesh sharding: an ``nn.LogicallyPartitioned`` without rules
   of its own that has a string name (a logical axis, mesh axis names
   included: Flax maps each through the rules; tuples pass unchanged)."""
-  return (
-    is_box(x)
-    and hasattr(x, 'rules')
-    and x.rules is None
-    and any(isinstance(n, str) for n in (getattr(x, 'names', None) or ()))
-  )
+  names = _logical_names(x) if is_box(x) else None
+  return any(isinstance(n, str) for n in names or ())
 
 
 def context_free_spec(x: Any, mesh_axes: Sequence[str]) -> P | None:
@@ -321,13 +292,11 @@ def context_free_spec(x: Any, mesh_axes: Sequence[str]) -> P | None:
   if rules_decide(x):
     return None
   spec = leaf_spec(x)
-  names = _names_spec(x) if is_variable(x) else None
-  if names is None:
-    return spec
-  axes = set(mesh_axes)
-  written = [a for d in spec_entries(names) for a in d]
-  if spec == names and all(a in axes for a in written):
-    return spec  # mesh axis names, which no rules changed
+  names = _logical_names(x) if is_variable(x) else None
+  if names is None or (
+    spec == P(*names) and sharded_axes([names]) <= set(mesh_axes)
+  ):
+    return spec  # (written as mesh axis names, which no rules changed)
   return None
 
 
@@ -343,22 +312,18 @@ def leaf_spec(x: Any) -> P | None:
   ``nn.logical_axis_rules``). A box's metadata comes before its value's
   sharding. Tracers on Auto meshes carry no sharding: None.
   """
-  if is_variable(x):
-    spec = _variable_spec(x)
-    return leaf_spec(x.get_value()) if spec is None else spec
-  if is_box(x):
-    spec = _box_spec(x)
-    return leaf_spec(unbox(x)) if spec is None else spec
+  if is_boxed(x):
+    spec = _meta_spec(x)
+    inner = x.get_value() if is_variable(x) else unbox(x)
+    return leaf_spec(inner) if spec is None else spec
   if isinstance(x, jax.core.Tracer):
     sharding = _type_sharding(x)
     ok = sharding is not None and is_explicit(sharding.mesh)
     return sharding.spec if ok else None
   sharding = getattr(x, 'sharding', None)
-  if isinstance(sharding, NamedSharding):
-    return sharding.spec
-  if sharding is not None:
-    return P()
-  return None
+  if sharding is None:
+    return None
+  return sharding.spec if isinstance(sharding, NamedSharding) else P()
 
 
 def type_spec(x: Any) -> P:
@@ -393,15 +358,10 @@ def _shards(shape, entries, sizes) -> list[tuple[int, int]]:
 
 def spec_entries(spec: P | None) -> list[tuple[str, ...]]:
   """The mesh axes of each dimension of a PartitionSpec, as tuples."""
-  out = []
-  for entry in tuple(spec or ()):
-    if entry is None:
-      out.append(())
-    elif isinstance(entry, str):
-      out.append((entry,))
-    else:
-      out.append(tuple(entry))
-  return out
+  return [
+    () if e is None else (e,) if isinstance(e, str) else tuple(e)
+    for e in tuple(spec or ())
+  ]
 
 
 def entries_spec(entries: Sequence[Sequence[str]]) -> P:
@@ -471,10 +431,10 @@ def split_tensor_parallel(leaf, entries: Entries, tp_axis: str, tp_size: int):
     tp_size: its size.
 
   Returns:
-    ``(owner_entries, tp_split, tp_dim, local_shape)``: the entries without
-    the TP axis; None or the split matrix axis (-1 for a split output axis,
-    i.e. columns; -2 for a split reduction axis, i.e. rows); the split
-    dimension of the leaf (or None); the shape of one TP shard's slice.
+    ``(tp_split, tp_dim, local_shape)``: None or the split matrix axis (-1
+    for a split output axis, i.e. columns; -2 for a split reduction axis,
+    i.e. rows); the split dimension of the leaf (or None); the shape of one
+    TP shard's slice.
 
   Raises:
     ValueError: naming the leaf, for a TP axis on a stack (batch) axis,
@@ -482,7 +442,7 @@ def split_tensor_parallel(leaf, entries: Entries, tp_axis: str, tp_size: int):
   """
   dims = [d for d, axes in enumerate(entries) if tp_axis in axes]
   if not dims:
-    return entries, None, None, tuple(leaf.shape)
+    return None, None, tuple(leaf.shape)
   dim = dims[0]
   spec = entries_spec(entries)
   if len(dims) > 1 or entries[dim] != (tp_axis,):
@@ -513,11 +473,9 @@ def split_tensor_parallel(leaf, entries: Entries, tp_axis: str, tp_size: int):
       f'multiple of {tp_size}, or use the drop-in dmuon_jax.dmuon (which '
       'pads uneven shardings internally).'
     )
-  owner = list(entries)
-  owner[dim] = ()
   shape = list(leaf.shape)
   shape[dim] //= tp_size
-  return tuple(owner), split, dim, tuple(shape)
+  return split, dim, tuple(shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -525,23 +483,18 @@ class MeshInfo:
   """The axes dmuon uses on one mesh, resolved once.
 
   Attributes:
-    mesh: the mesh as given (concrete, or abstract inside ``jit``).
-    axis_names: every mesh axis, in mesh order.
-    axis_sizes: their sizes.
+    abstract: the mesh's ``AbstractMesh`` (hashable; what a layout
+      records).
+    sizes: every mesh axis and its size, in mesh order.
     owner_axes: the axes owners range over, in mesh order.
     tp_axis: the tensor-parallel axis if the mesh has it with size > 1,
       else None.
   """
 
-  mesh: Any
-  axis_names: tuple[str, ...]
-  axis_sizes: tuple[int, ...]
+  abstract: Any
+  sizes: dict[str, int]
   owner_axes: tuple[str, ...]
   tp_axis: str | None
-
-  @property
-  def sizes(self) -> dict[str, int]:
-    return dict(zip(self.axis_names, self.axis_sizes))
 
   @property
   def num_slots(self) -> int:
@@ -550,12 +503,6 @@ class MeshInfo:
   @property
   def tp_size(self) -> int:
     return self.sizes[self.tp_axis] if self.tp_axis else 1
-
-  @property
-  def abstract(self) -> Any:
-    """The mesh's ``AbstractMesh`` (hashable; what a layout records)."""
-    mesh = self.mesh
-    return getattr(mesh, 'abstract_mesh', mesh)
 
 
 # tensor_parallel_axis='auto': mesh axes with these names are tensor
@@ -591,17 +538,16 @@ def resolve(
   """
   if mesh is None:
     return None
-  names, sizes = mesh_axes(mesh, None)
-  mesh_axes(mesh, axis_names)  # Raises for unknown names.
-  by_name = dict(zip(names, sizes))
-  chosen = axis_tuple(axis_names)
-  tp = tensor_parallel_axis if tensor_parallel_axis in by_name else None
+  sizes = dict(zip(*mesh_axes(mesh)))
+  owners = mesh_axes(mesh, axis_names)[0]  # Raises for unknown names.
+  chosen = () if axis_names is None else owners
+  tp = tensor_parallel_axis if tensor_parallel_axis in sizes else None
   if tensor_parallel_axis == AUTO:
     hits = [
       n
-      for n in names
+      for n, size in sizes.items()
       if n in TP_AXIS_NAMES
-      and by_name[n] > 1
+      and size > 1
       and n in (sharded_axes or ())
       and n not in chosen
     ]
@@ -615,7 +561,7 @@ def resolve(
         ' tensor_parallel_axis=None for none.'
       )
     tp = hits[0] if hits else None
-  if tp is not None and tp in chosen:
+  if tp in chosen:
     raise ValueError(
       f'dmuon: axis_names {chosen} includes the tensor-parallel axis '
       f'{tp!r}: owners range over data-parallel axes, and every TP '
@@ -624,13 +570,12 @@ def resolve(
       'owners.'
     )
   if axis_names is None:
-    owners = tuple(n for n in names if n != tp)
-  else:
-    owners = tuple(n for n in names if n in chosen)
-  if tp is not None and by_name[tp] == 1:
-    tp = None
+    owners = tuple(n for n in sizes if n != tp)
   return MeshInfo(
-    mesh=mesh, axis_names=names, axis_sizes=sizes, owner_axes=owners, tp_axis=tp
+    abstract=getattr(mesh, 'abstract_mesh', mesh),
+    sizes=sizes,
+    owner_axes=owners,
+    tp_axis=None if tp is None or sizes[tp] == 1 else tp,
   )
 
 
@@ -665,12 +610,7 @@ def replicate_uncommitted(tree: Any, mesh: Any) -> Any:
   sharding = NamedSharding(mesh, P())
 
   def put(x):
-    if (
-      isinstance(x, jax.Array)
-      and not isinstance(x, jax.core.Tracer)
-      and not getattr(x, 'committed', True)
-    ):
-      return jax.device_put(x, sharding)
-    return x
+    committed = not _concrete(x) or getattr(x, 'committed', True)
+    return x if committed else jax.device_put(x, sharding)
 
   return jax.tree.map(put, tree)

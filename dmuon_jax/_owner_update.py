@@ -173,7 +173,7 @@ def make_hyperparams(**values: Any) -> Hyperparams:
   """Validates concrete values (``beta``, ``eps``, ``consistent_rms``,
   ``weight_decay``; at the factory call) into :class:`Hyperparams`;
   run-time values (tracers) pass through."""
-  _checks.check_muon(**values)
+  _checks.check_numbers(('consistent_rms', 'weight_decay'), **values)
   return Hyperparams(**values)
 
 

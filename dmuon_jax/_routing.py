@@ -29,35 +29,12 @@ _HINT_DIMS_TREE = (
   ' structure of params (or a prefix of it) holding MuonDimensionNumbers or'
   ' None at its leaves, or a callable params -> such a tree.'
 )
-NOT_AN_ARRAY_MSG = (
-  'dmuon: param {path!r} is {what}, not an array. The optimizer takes a tree'
-  ' of arrays (or jax.ShapeDtypeStruct): with Equinox, pass the model'
-  "'s arrays, opt.init(eqx.filter(model, eqx.is_array)) and"
-  ' opt.update(grads, state, eqx.filter(model, eqx.is_array)); with other'
-  ' pytree libraries, leave such leaves out of the tree (None, or a static'
-  ' field).'
-)
-
-
-def _is_array_like(x: Any) -> bool:
-  """An array, ``jax.ShapeDtypeStruct``, tracer or Python/NumPy number:
-  what optax's transformations take as a leaf."""
-  return (hasattr(x, 'shape') and hasattr(x, 'dtype')) or isinstance(
-    x, (int, float, complex, np.generic)
-  )
-
-
-def _describe(x: Any) -> str:
-  if callable(x):
-    name = getattr(x, '__qualname__', None) or getattr(x, '__name__', None)
-    return f'a function {name!r}' if name else f'a {type(x).__name__}'
-  shown = repr(x)
-  shown = shown if len(shown) <= 40 else shown[:37] + '...'
-  return f'a {type(x).__name__} ({shown})'
 
 
 def check_array_leaves(tree_or_flat: Any) -> None:
-  """Raises unless every leaf is an array (see :func:`_is_array_like`).
+  """Raises unless every leaf is an array, ``jax.ShapeDtypeStruct``,
+  tracer or Python/NumPy number: what optax's transformations take as a
+  leaf.
 
   Args:
     tree_or_flat: a pytree, or its ``jax.tree_util.tree_flatten_with_path``
@@ -70,13 +47,27 @@ def check_array_leaves(tree_or_flat: Any) -> None:
   flat = tree_or_flat
   if not isinstance(flat, list):
     flat = jax.tree_util.tree_flatten_with_path(flat)[0]
-  for key_path, leaf in flat:
-    if not _is_array_like(leaf):
-      raise TypeError(
-        NOT_AN_ARRAY_MSG.format(
-          path=normalize_path(key_path) or '<root>', what=_describe(leaf)
-        )
-      )
+  for key_path, x in flat:
+    if (hasattr(x, 'shape') and hasattr(x, 'dtype')) or isinstance(
+      x, (int, float, complex, np.generic)
+    ):
+      continue
+    name = getattr(x, '__qualname__', None) or getattr(x, '__name__', None)
+    what = f'a {type(x).__name__}'
+    if callable(x):
+      what = f'a function {name!r}' if name else what
+    else:
+      shown = repr(x)
+      what += f' ({shown if len(shown) <= 40 else shown[:37] + "..."})'
+    raise TypeError(
+      f'dmuon: param {normalize_path(key_path) or "<root>"!r} is {what}, not'
+      ' an array. The optimizer takes a tree of arrays (or'
+      " jax.ShapeDtypeStruct): with Equinox, pass the model's arrays,"
+      ' opt.init(eqx.filter(model, eqx.is_array)) and opt.update(grads,'
+      ' state, eqx.filter(model, eqx.is_array)); with other pytree'
+      ' libraries, leave such leaves out of the tree (None, or a static'
+      ' field).'
+    )
 
 
 # Segments whose name contains one of these (lower-cased) are never Muon
@@ -100,23 +91,8 @@ _LAYER_NORM_RE = re.compile(r'^ln(_|$|f|\d)')
 
 # A block boundary is one of these segments followed by an integer segment
 # ('layers/3'), or one segment like 'layers_3' (flax linen auto-naming).
-_BLOCK_NAMES = frozenset(
-  {
-    'layers',
-    'layer',
-    'blocks',
-    'block',
-    'h',
-    'encoderblock',
-    'decoderblock',
-    'resblocks',
-  }
-)
-_BLOCK_SEGMENT_RE = re.compile(
-  r'^(layers?|blocks?|h|encoderblock|decoderblock|resblocks)_\d+$'
-)
-# Leading segments that name a flax linen variable collection, not a module.
-_COLLECTION_NAMES = frozenset({'params'})
+_BLOCK_NAMES = 'layers layer blocks block h encoderblock decoderblock resblocks'
+_BLOCK_SEGMENT_RE = re.compile(rf'^({_BLOCK_NAMES.replace(" ", "|")})_\d+$')
 
 
 def normalize_path(path: jax.tree_util.KeyPath) -> str:
@@ -164,7 +140,7 @@ def block_boundary_end(segments: Sequence[str]) -> int | None:
     if _BLOCK_SEGMENT_RE.match(low):
       return i + 1
     if (
-      low in _BLOCK_NAMES
+      low in _BLOCK_NAMES.split()
       and i + 1 < len(segments)
       and segments[i + 1].isdigit()
     ):
@@ -235,42 +211,33 @@ def _is_dims_leaf(x: Any) -> bool:
   return x is None or isinstance(x, MuonDimensionNumbers)
 
 
-def _one_level(x: Any) -> tuple[list[Any], Any, list[Any]]:
-  """Flattens one level of a pytree: children, node structure and keys."""
+def _one_level(x: Any) -> tuple[Any, list[tuple[Any, Any]]]:
+  """One level of a pytree: its node structure, and ``(key, child)``s."""
   with_keys, treedef = jax.tree_util.tree_flatten_with_path(
     x, is_leaf=lambda y: y is not x
   )
-  keys = [p[0] if p else None for p, _ in with_keys]
-  return [c for _, c in with_keys], treedef, keys
+  return treedef, [(p[0] if p else None, c) for p, c in with_keys]
 
 
-def _align_dims(
-  dims: Any,
-  tree: Any,
-  path: tuple[Any, ...],
-  out: list[Any],
-  arg: str = 'weight_dimension_numbers',
-) -> None:
-  """Appends one dimension-numbers entry per leaf of ``tree`` to ``out``.
-
-  ``arg`` is the argument's name as the user spelled it, for messages.
-  """
+def _align_dims(dims: Any, tree: Any, path: tuple, arg: str) -> list[Any]:
+  """One dimension-numbers entry per leaf of ``tree`` (``arg``: the
+  argument's name as the user spelled it, for messages)."""
   num_leaves = len(jax.tree.leaves(tree))
   if _is_dims_leaf(dims):
-    out.extend([dims] * num_leaves)
-    return
+    return [dims] * num_leaves
   if num_leaves == 0:
     # None, MaskedNode() or an empty container (e.g. a subtree masked out by
     # optax.partition): no leaf to route, whatever the dims tree says here.
-    return
+    return []
   at = normalize_path(path) or '<root>'
   if isinstance(dims, optax.MaskedNode):
     raise ValueError(
       f'dmuon: {arg} has MaskedNode() at {at!r} where params has'
       f' {num_leaves} leaves. {_HINT_DIMS_TREE}'
     )
-  dims_children, dims_def, _ = _one_level(dims)
-  tree_children, tree_def, keys = _one_level(tree)
+  (dims_def, dims_children), (tree_def, children) = map(
+    _one_level, (dims, tree)
+  )
   if dims_def.num_nodes == 1 and dims_def.num_leaves == 1:
     # A leaf that is neither None nor MuonDimensionNumbers.
     raise ValueError(
@@ -282,26 +249,11 @@ def _align_dims(
       f'dmuon: {arg} does not match the structure of params at {at!r}: got'
       f' {dims_def}, params have {tree_def}. {_HINT_DIMS_TREE}'
     )
-  for key, d, t in zip(keys, dims_children, tree_children):
-    _align_dims(d, t, path + (key,), out, arg)
-
-
-def _same_node(dims: Any, tree: Any) -> bool:
-  """Whether ``dims`` is a pytree node of the type of ``tree``'s root.
-
-  Such a ``dims`` is a tree even if it is callable: ``jax.tree.map`` over
-  :func:`dmuon_jax.muon_labels` of an Equinox model's arrays gives an
-  ``eqx.Module`` that has the model's ``__call__`` (calling it would run
-  the model on the params). A mismatch below the root is then reported as
-  one, naming the path.
-  """
-  node = jax.tree_util.tree_structure(dims, is_leaf=lambda y: y is not dims)
-  root = jax.tree_util.tree_structure(tree, is_leaf=lambda y: y is not tree)
-  return (
-    node.node_data() is not None
-    and root.node_data() is not None
-    and node.node_data()[0] is root.node_data()[0]
-  )
+  return [
+    entry
+    for (key, t), (_, d) in zip(children, dims_children)
+    for entry in _align_dims(d, t, path + (key,), arg)
+  ]
 
 
 def resolve_dimension_numbers(
@@ -331,11 +283,15 @@ def resolve_dimension_numbers(
     ValueError: if the dimension-numbers tree does not match ``tree``.
   """
   dims = weight_dimension_numbers
-  if callable(dims) and not _is_dims_leaf(dims) and not _same_node(dims, tree):
-    dims = dims(tree)
-  out: list[Any] = []
-  _align_dims(dims, tree, (), out, arg)
-  return out
+  if callable(dims) and not _is_dims_leaf(dims):
+    # A callable pytree node of the type of tree's root is a tree: mapping
+    # over dmuon_jax.muon_labels of an Equinox model's arrays gives an
+    # eqx.Module with the model's __call__ (calling it would run the model
+    # on the params); a mismatch below the root is then reported as one.
+    node, root = (_one_level(x)[0].node_data() for x in (dims, tree))
+    if node is None or root is None or node[0] is not root[0]:
+      dims = dims(tree)
+  return _align_dims(dims, tree, (), arg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,43 +354,6 @@ class LeafSpec:
     return math.prod(self.batch_shape)
 
 
-def _normalize_axes(
-  value: Any, ndim: int, what: str, path: str, shape: tuple[int, ...]
-) -> tuple[int, ...]:
-  try:
-    axes = tuple((value,) if isinstance(value, (int, np.integer)) else value)
-  except TypeError:  # not iterable
-    axes = (None,)
-  if not all(
-    isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in axes
-  ):
-    raise ValueError(
-      f'dmuon: param {path!r} has {what}={value!r}; expected an int or a'
-      ' sequence of ints. Fix its MuonDimensionNumbers.'
-    )
-  if not axes:
-    raise ValueError(
-      f'dmuon: param {path!r} with shape {shape} has an empty {what}; a'
-      ' matrix needs at least one reduction and one output axis. Fix its'
-      f' MuonDimensionNumbers. {_HINT_ADAMW}'
-    )
-  bad = [a for a in axes if not -ndim <= a < ndim]
-  if bad:
-    raise ValueError(
-      f'dmuon: param {path!r} with shape {shape} (ndim={ndim}) has'
-      f' {what}={value!r}; axes {bad} are out of range [-{ndim}, {ndim}).'
-      ' Fix its MuonDimensionNumbers.'
-    )
-  axes = tuple(int(a) % ndim for a in axes)
-  if len(set(axes)) != len(axes):
-    raise ValueError(
-      f'dmuon: param {path!r} with shape {shape} has {what}={value!r},'
-      ' which repeats an axis. List each axis once in its'
-      ' MuonDimensionNumbers.'
-    )
-  return axes
-
-
 # Names of a projection's leaf or module (lower-cased), for the hint of
 # _no_dims_message: q/k/v kernels (d_model, heads, head_dim) and output
 # kernels (heads, head_dim, d_model), as Flax's attention and Llama/Gemma
@@ -465,15 +384,15 @@ def _no_dims_message(shown: str, shape: tuple[int, ...], arg: str) -> str:
   )
   count = math.prod(shape[:-2])
   # The last path segment that is not a generic leaf name.
-  names = [g for g in _segments(shown) if g.lower() not in _GENERIC_LEAF_NAMES]
-  name = names[-1] if names else None
+  named = [g for g in _segments(shown) if g.lower() not in _GENERIC_LEAF_NAMES]
+  name = ([''] + named)[-1]
   hint = ''
-  if name is not None and name.lower() in _OUTPUT_PROJECTION_NAMES:
+  if name.lower() in _OUTPUT_PROJECTION_NAMES:
     hint = (
       f' The name {name!r} suggests an attention output projection: {out}'
       ' (if it is one).'
     )
-  elif name is not None and name.lower() in _INPUT_PROJECTION_NAMES:
+  elif name.lower() in _INPUT_PROJECTION_NAMES:
     hint = (
       f' The name {name!r} suggests an input projection (query, key or'
       f' value): {flat} (if it is one).'
@@ -495,11 +414,7 @@ def _no_dims_message(shown: str, shape: tuple[int, ...], arg: str) -> str:
 
 
 def _make_leaf_spec(
-  leaf_index: int,
-  path: str,
-  leaf: Any,
-  dims: MuonDimensionNumbers | None,
-  dims_arg: str = 'weight_dimension_numbers',
+  index: int, path: str, leaf: Any, dims, dims_arg
 ) -> LeafSpec:
   """Validates a Muon-target leaf and describes its matrices."""
   shape = tuple(int(d) for d in np.shape(leaf))
@@ -511,8 +426,7 @@ def _make_leaf_spec(
       ' selected as a Muon target, which needs a matrix (ndim >= 2).'
       f' {_HINT_ADAMW}'
     )
-  dtype = getattr(leaf, 'dtype', None)
-  dtype = np.dtype(np.result_type(leaf) if dtype is None else dtype)
+  dtype = np.dtype(leaf.dtype)  # (an array: a scalar is no matrix)
   if not jax.dtypes.issubdtype(dtype, np.floating):
     raise ValueError(
       f'dmuon: param {shown!r} has dtype {dtype.name} but was selected as a'
@@ -523,10 +437,41 @@ def _make_leaf_spec(
     if ndim > 2:
       raise ValueError(_no_dims_message(shown, shape, dims_arg))
     dims = MuonDimensionNumbers(reduction_axis=0, output_axis=1)
-  reduction = _normalize_axes(
-    dims.reduction_axis, ndim, 'reduction_axis', shown, shape
-  )
-  output = _normalize_axes(dims.output_axis, ndim, 'output_axis', shown, shape)
+  normalized = []
+  for what in ('reduction_axis', 'output_axis'):
+    value = getattr(dims, what)
+    try:
+      axes = tuple((value,) if isinstance(value, (int, np.integer)) else value)
+    except TypeError:  # not iterable
+      axes = (None,)
+    if not all(
+      isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in axes
+    ):
+      raise ValueError(
+        f'dmuon: param {shown!r} has {what}={value!r}; expected an int or a'
+        ' sequence of ints. Fix its MuonDimensionNumbers.'
+      )
+    if not axes:
+      raise ValueError(
+        f'dmuon: param {shown!r} with shape {shape} has an empty {what}; a'
+        ' matrix needs at least one reduction and one output axis. Fix its'
+        f' MuonDimensionNumbers. {_HINT_ADAMW}'
+      )
+    bad = [a for a in axes if not -ndim <= a < ndim]
+    if bad:
+      raise ValueError(
+        f'dmuon: param {shown!r} with shape {shape} (ndim={ndim}) has'
+        f' {what}={value!r}; axes {bad} are out of range [-{ndim}, {ndim}).'
+        ' Fix its MuonDimensionNumbers.'
+      )
+    normalized.append(tuple(int(a) % ndim for a in axes))
+    if len(set(normalized[-1])) != len(axes):
+      raise ValueError(
+        f'dmuon: param {shown!r} with shape {shape} has {what}={value!r},'
+        ' which repeats an axis. List each axis once in its'
+        ' MuonDimensionNumbers.'
+      )
+  reduction, output = normalized
   overlap = sorted(set(reduction) & set(output))
   if overlap:
     raise ValueError(
@@ -536,7 +481,7 @@ def _make_leaf_spec(
     )
   batch = tuple(sorted(set(range(ndim)) - set(reduction) - set(output)))
   return LeafSpec(
-    leaf_index=leaf_index,
+    leaf_index=index,
     path=path,
     shape=shape,
     dtype=dtype.name,
@@ -558,24 +503,6 @@ def check_predicate(predicate: Any) -> None:
   )
 
 
-def _optax_target(leaf: Any, dims: Any, have_dims: bool) -> bool:
-  """``optax.contrib.muon``'s rule: leaves with dimension numbers when they
-  are given, else every 2-D leaf (optax 0.2.8, ``contrib/_muon.py``)."""
-  return dims is not None if have_dims else np.ndim(leaf) == 2
-
-
-def _is_target(
-  path: str, leaf: Any, dims: Any, have_dims: bool, predicate: Any
-) -> bool:
-  if isinstance(predicate, str):
-    return _optax_target(leaf, dims, have_dims)
-  if predicate is not None:
-    return bool(predicate(path, leaf)) and (not have_dims or dims is not None)
-  if have_dims:
-    return dims is not None
-  return default_muon_predicate(path, leaf)
-
-
 def plural(n: int, one: str, many: str) -> str:
   return f'{n} {one if n == 1 else many}'
 
@@ -592,7 +519,6 @@ class Routing(NamedTuple):
 
   specs: list[LeafSpec | None]
   summary: str
-  num_muon: int
   # Whether default_muon_predicate chose (no predicate, no dimension numbers).
   default_rule: bool
 
@@ -654,28 +580,38 @@ def route(
     params, weight_dimension_numbers, dims_arg
   )
   specs: list[LeafSpec | None] = []
-  counts = {True: [0, 0], False: [0, 0]}
+  sizes = {True: [], False: []}  # elements of each leaf, by target
   only_optax, only_here, stacks = [], [], []
   for i, ((key_path, leaf), dims) in enumerate(zip(with_path, all_dims)):
     path = normalize_path(key_path)
-    target = _is_target(path, leaf, dims, have_dims, predicate)
+    # optax.contrib.muon's rule (optax 0.2.8, contrib/_muon.py).
+    optax_target = dims is not None if have_dims else np.ndim(leaf) == 2
+    if isinstance(predicate, str):
+      target = optax_target
+    elif predicate is not None:
+      target = bool(predicate(path, leaf)) and (
+        not have_dims or dims is not None
+      )
+    else:
+      target = (
+        dims is not None if have_dims else default_muon_predicate(path, leaf)
+      )
     specs.append(
       _make_leaf_spec(i, path, leaf, dims, dims_arg) if target else None
     )
-    counts[target][0] += 1
-    counts[target][1] += math.prod(np.shape(leaf))
+    sizes[target].append(math.prod(np.shape(leaf)))
     shown = f'{path or "<root>"!r} {tuple(np.shape(leaf))}'
-    if _optax_target(leaf, dims, have_dims) != target:
+    if optax_target != target:
       (only_here if target else only_optax).append(shown)
     elif not target and not have_dims and np.ndim(leaf) > 2:
       stacks.append(shown)
-  total = max(1, counts[True][1] + counts[False][1])
+  muon, adam = sum(sizes[True]), sum(sizes[False])
   parts = [
-    f'dmuon routing: Muon {plural(counts[True][0], "leaf", "leaves")}'
-    f' ({_human_count(counts[True][1])} elements,'
-    f' {100 * counts[True][1] / total:.1f}%), AdamW'
-    f' {plural(counts[False][0], "leaf", "leaves")}'
-    f' ({_human_count(counts[False][1])} elements)'
+    f'dmuon routing: Muon {plural(len(sizes[True]), "leaf", "leaves")}'
+    f' ({_human_count(muon)} elements,'
+    f' {100 * muon / max(1, muon + adam):.1f}%), AdamW'
+    f' {plural(len(sizes[False]), "leaf", "leaves")}'
+    f' ({_human_count(adam)} elements)'
   ]
 
   def listed(paths):
@@ -704,7 +640,6 @@ def route(
   return Routing(
     specs,
     '; '.join(parts),
-    counts[True][0],
     default_rule=predicate is None and not have_dims,
   )
 
@@ -743,6 +678,7 @@ def layer_base(path: str) -> tuple[bool, str]:
   if end is not None:
     return True, '/'.join(segments[:end])
   start = 0
-  while start < len(segments) - 1 and segments[start] in _COLLECTION_NAMES:
+  # (A leading linen 'params' collection names no module.)
+  while start < len(segments) - 1 and segments[start] == 'params':
     start += 1
   return False, '/'.join(segments[: start + 1])

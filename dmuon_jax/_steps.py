@@ -195,7 +195,7 @@ def resolve_entries(leaf, spec, sizes, allowed, tp_axis=None, tp_size=1):
   shape = _mesh.padded_shape(leaf.shape, e, sizes)
   if tp_axis is None:
     return e, shape, None, None, shape
-  _, split, dim, local = _mesh.split_tensor_parallel(
+  split, dim, local = _mesh.split_tensor_parallel(
     dataclasses.replace(leaf, shape=shape), e, tp_axis, tp_size
   )
   return e, shape, split, dim, local

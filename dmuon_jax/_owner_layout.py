@@ -457,37 +457,48 @@ class OwnerLayout:
     if self.per_leaf:
       out = [values[t.index] for t in self.leaves]
     else:
-      held = {i: pad_to(x, self.leaf(i).held_shape) for i, x in values.items()}
       out = []
       for g, lay in enumerate(self.groups):
-        iters, per_tp = self.iterations[g], []
-        for k in range(self.tp_size):  # each TP shard's slices
-          xs = []
-          for t in (self.leaf(spec.leaf_index) for spec in lay.plan.leaves):
-            x, dim = held[t.index], t.tp_dim
-            if dim is not None:
-              size = x.shape[dim] // self.tp_size
-              x = jax.lax.slice_in_dim(x, k * size, (k + 1) * size, axis=dim)
-            xs.append(x.reshape((iters, -1) + x.shape[1:]) if iters else x)
-          per_tp.append(
-            jax.vmap(  # scan iteration i rotated by i slots
-              lambda i, xs, lay=lay: tuple(
-                roll_slots(b, i, self.num_slots) for b in lay.pack_full(xs)
-              )
-            )(jnp.arange(iters), xs)
-            if iters
-            else lay.pack_full(xs)
+        iters = self.iterations[g]
+        xs = []
+        for spec in lay.plan.leaves:
+          x = pad_to(
+            values[spec.leaf_index], self.leaf(spec.leaf_index).held_shape
           )
-        for bs in zip(*per_tp):
-          if len(bs) > 1:  # TP shard k of slot s at block s * tp_size + k
-            x = jnp.stack(
-              [b.reshape(b.shape[:-1] + (self.num_slots, -1)) for b in bs], -2
-            )
-            bs = (x.reshape(x.shape[:-3] + (-1,)),)
-          out.append(bs[0])
+          xs.append(x.reshape((iters, -1) + x.shape[1:]) if iters else x)
+        if iters:  # scan iteration i rotated by i slots
+          pack = lambda i, xs, g=g: self.pack_group(g, xs, i)
+          out += jax.vmap(pack)(jnp.arange(iters), xs)
+        else:
+          out += self.pack_group(g, xs)
     if dtypes is not None:
       out = [b.astype(d) for b, d in zip(out, dtypes)]
     return tuple(out)
+
+  def pack_group(self, g: int, xs: Sequence[jax.Array], iteration=None) -> list:
+    """Inverse of :meth:`unpack_group` (``whole``): group ``g``'s flat
+    buffers from its targets at their held shapes (``plan.leaves`` order),
+    each TP shard's slices at block ``s * tp_size + k`` of slot ``s``."""
+    lay, n, tp = self.groups[g], self.num_slots, self.tp_size
+    per_tp = []
+    for k in range(tp):  # each TP shard's slices
+      mine = []
+      for spec, x in zip(lay.plan.leaves, xs):
+        dim = self.leaf(spec.leaf_index).tp_dim
+        if dim is not None:
+          size = x.shape[dim] // tp
+          x = jax.lax.slice_in_dim(x, k * size, (k + 1) * size, axis=dim)
+        mine.append(x)
+      bufs = lay.pack_full(mine)
+      if iteration is not None:
+        bufs = [roll_slots(b, iteration, n) for b in bufs]
+      per_tp.append(bufs)
+    if tp == 1:
+      return list(per_tp[0])
+    return [  # TP shard k of slot s at block s * tp_size + k
+      jnp.stack([b.reshape(n, -1) for b in bs], 1).reshape(-1)
+      for bs in zip(*per_tp)
+    ]
 
   @functools.partial(jax.jit, static_argnums=0)
   def _unpack(self, buffers) -> dict[int, jax.Array]:

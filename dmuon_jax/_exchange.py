@@ -127,105 +127,88 @@ class Exchange:
       entries: each plan leaf's sharding over the owner axes (size-1 and
         tensor-parallel axes removed), per dimension.
     """
-    plan = layout.plan
-    self.layout = layout
+    self.layout = lay = layout
+    plan = lay.plan
     self.axes = plan.axis_names
     self.sizes = dict(zip(plan.axis_names, plan.mesh_shape))
-    n = plan.num_slots
-    self.num_slots = n
+    self.num_slots = n = plan.num_slots
     self.entries = list(entries)
     self.routed: dict[int, _Routed] = {}
     self.gathered: set[int] = set()
     for i, spec in enumerate(plan.leaves):
-      sharded = [
-        d for d, axes in enumerate(_plan.view_entries(spec, entries[i])) if axes
-      ]
-      if not sharded:
-        continue
-      matrix = set(spec.reduction_axes + spec.output_axes)
-      if all(d in matrix for d in sharded):
-        self.routed[i] = _Routed(spec, entries[i], self.sizes)
+      view = _plan.view_entries(spec, entries[i])
+      sharded = {d for d, axes in enumerate(view) if axes}
+      if sharded <= set(spec.reduction_axes + spec.output_axes):
+        if sharded:
+          self.routed[i] = _Routed(spec, entries[i], self.sizes)
       else:
         self.gathered.add(i)
-    groups = range(layout.num_groups)
     # Forward classes: (axes, dtype group) -> per owner its routed units.
-    self.classes: list[tuple[tuple[str, ...], int]] = []
-    self.fwd_units: dict[tuple, list[list[int]]] = {}
     # Replicated (and gathered) leaves: per dtype group, per owner its
     # units, packed compactly for one all_gather.
-    self.rep_units = [[[] for _ in range(n)] for _ in groups]
-    for g in groups:
-      for s in range(n):
-        for u in layout.slot_units[g][s]:
-          i = layout.unit_leaf[u]
-          if i not in self.routed:
-            self.rep_units[g][s].append(u)
-            continue
-          key = (self.routed[i].axes, g)
-          if key not in self.fwd_units:
-            self.classes.append(key)
-            self.fwd_units[key] = [[] for _ in range(n)]
-          self.fwd_units[key][s].append(u)
+    self.fwd_units: dict[tuple, list[list[int]]] = {}
+    self.rep_units = [[[] for _ in range(n)] for _ in range(lay.num_groups)]
+    for g, slots in enumerate(lay.slot_units):
+      for s, units in enumerate(slots):
+        for u in units:
+          r = self.routed.get(lay.unit_leaf[u])
+          per = (
+            self.rep_units[g]
+            if r is None
+            else self.fwd_units.setdefault((r.axes, g), [[] for _ in range(n)])
+          )
+          per[s].append(u)
+    self.classes: list[tuple[tuple[str, ...], int]] = list(self.fwd_units)
     self.fwd_off: dict[int, int] = {}
     self.fwd_size = {
       key: _offsets(
-        per_slot,
-        lambda u: self.routed[layout.unit_leaf[u]].piece_size,
-        self.fwd_off,
+        per, lambda u: self.routed[lay.unit_leaf[u]].piece_size, self.fwd_off
       )
-      for key, per_slot in self.fwd_units.items()
+      for key, per in self.fwd_units.items()
     }
     self.rep_off: dict[int, int] = {}
     self.rep_size = [
-      _offsets(self.rep_units[g], layout.unit_size.__getitem__, self.rep_off)
-      for g in groups
+      _offsets(per, lay.unit_size.__getitem__, self.rep_off)
+      for per in self.rep_units
     ]
     # Slot tables: what each device packs, sends back and gathers, read
     # from tables by its slot (loops with run-time trip counts, one program
-    # for all devices).
-    lay = layout
-    # Per class: its routes (a route and a unit shape), each with a table
-    # of every slot's units: (offset in the class's rows, in the buffer).
+    # for all devices). Per class: its routes (a route and a unit shape),
+    # each with a table of every slot's units: (offset in the class's rows,
+    # in the buffer).
     self.routes: dict[tuple, list[tuple[int, tuple[int, int]]]] = {}
     tables = []
     for key in self.classes:
-      by_route: dict[tuple, list[list[int]]] = {}
-      first: dict[tuple, tuple[int, tuple[int, int]]] = {}
-      for s in range(n):
-        for u in self.fwd_units[key][s]:
-          i = lay.unit_leaf[u]
+      by_route: dict[tuple, tuple] = {}
+      for s, units in enumerate(self.fwd_units[key]):
+        for u in units:
+          i, shape = lay.unit_leaf[u], plan.units[u].shape
           r = self.routed[i]
-          route = (r.axes, r.axis_sizes, r.piece, r.dim_axes, r.full)
-          rk = (route, lay.plan.units[u].shape)
-          if rk not in by_route:
-            by_route[rk] = [[] for _ in range(n)]
-            first[rk] = (i, lay.plan.units[u].shape)
-          by_route[rk][s].append(u)
-      self.routes[key] = list(first.values())
+          rk = (r.axes, r.axis_sizes, r.piece, r.dim_axes, r.full, shape)
+          new = ((i, shape), [[] for _ in range(n)])
+          by_route.setdefault(rk, new)[1][s].append(u)
+      self.routes[key] = [first for first, _ in by_route.values()]
       tables += [
-        _layout.units_table(per_slot, self.fwd_off, lay.unit_offset)
-        for per_slot in by_route.values()
+        _layout.units_table(per, self.fwd_off, lay.unit_offset)
+        for _, per in by_route.values()
       ]
-    self.whole = [
-      i for i in range(len(lay.plan.leaves)) if i not in self.routed
-    ]
+    self.whole = [i for i in range(len(plan.leaves)) if i not in self.routed]
     tables += lay.whole_tables(self.whole)
     # Per dtype group, per unit shape: the replicated leaves' units
     # (offset in the buffer, in the compact one).
     self.rep_shapes: list[list[tuple[int, int]]] = []
-    for g in range(lay.num_groups):
-      shapes = sorted(
-        {lay.plan.units[u].shape for us in self.rep_units[g] for u in us}
-      )
+    for per_slot in self.rep_units:
+      shape_of = lambda u: plan.units[u].shape
+      shapes = sorted({shape_of(u) for us in per_slot for u in us})
       self.rep_shapes.append(shapes)
-      for shape in shapes:
-        per_slot = [
-          [u for u in us if lay.plan.units[u].shape == shape]
-          for us in self.rep_units[g]
-        ]
-        tables.append(
-          _layout.units_table(per_slot, lay.unit_offset, self.rep_off)
+      tables += [
+        _layout.units_table(
+          [[u for u in us if shape_of(u) == shape] for us in per_slot],
+          lay.unit_offset,
+          self.rep_off,
         )
+        for shape in shapes
+      ]
     self.tables = tables
 
   def _split_rows(self, rows):
@@ -460,14 +443,12 @@ class Exchange:
 def _offsets(per_slot, size_of, offsets: dict[int, int]) -> int:
   """Writes each unit's offset in its slot's row (units back to back) into
   ``offsets``; returns the longest row (0 without slots)."""
-  used = [0]
+  longest = 0
   for units in per_slot:
-    off = 0
-    for u in units:
-      offsets[u] = off
-      off += size_of(u)
-    used.append(off)
-  return max(used)
+    ends = np.cumsum([0] + [size_of(u) for u in units]).tolist()
+    offsets.update(zip(units, ends))
+    longest = max(longest, ends[-1])
+  return longest
 
 
 def gather_to_full(x: jax.Array, entries: _mesh.Entries) -> jax.Array:

@@ -36,6 +36,7 @@ gathered matrices).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -268,8 +269,7 @@ class Exchange:
       pieces = jnp.transpose(local_leaves[i].reshape(r.view_local), r.perm)
       # The count is explicit: a -1 cannot be inferred for an empty leaf.
       count = math.prod(r.batch_shape)
-      pieces = pieces.reshape((count,) + r.piece).astype(dtype)
-      pieces = pieces.reshape(count, r.piece_size)
+      pieces = pieces.reshape(count, r.piece_size).astype(dtype)
       if not pieces.size:
         continue
       # Per piece (at its unit's flat batch index), its owner's row over
@@ -481,15 +481,16 @@ def reduced_route(ded) -> bool:
   any) are all ``Explicit`` in its mesh (jax refuses ``reduced`` over other
   axes, and types ``unreduced`` cotangents only on meshes whose axes are
   all Explicit)."""
-  layout = ded.layout
-  if not layout.distributed or ded.mesh is None:
+  return _explicit(ded, tp=True)
+
+
+def _explicit(ded, tp: bool) -> bool:
+  """Whether the layout is distributed on a mesh where the owner axes
+  (with ``tp``, the tensor-parallel axis too, if any) are Explicit."""
+  if not ded.layout.distributed or ded.mesh is None:
     return False
-  return _explicit(ded, ded.buffer_axes) and (
-    layout.tp_size == 1 or _explicit(ded, [ded.tensor_parallel_axis])
-  )
-
-
-def _explicit(ded, axes: Sequence[str]) -> bool:
+  axes = list(ded.buffer_axes)
+  axes += [ded.tensor_parallel_axis] if tp and ded.layout.tp_size > 1 else []
   types = dict(zip(ded.mesh.axis_names, ded.mesh.axis_types))
   return all(types.get(a) == jax.sharding.AxisType.Explicit for a in axes)
 
@@ -499,13 +500,7 @@ def check_tp_axis_type(ded, who: str) -> None:
   is not: under plain jit such a model would need cotangents typed
   ``unreduced`` over the owner axes on a mesh with an Auto axis, which
   jax does not type (jax 0.10: an assertion in ``getu``)."""
-  if (
-    ded.layout.tp_size > 1
-    and ded.mesh is not None
-    and ded.layout.distributed
-    and _explicit(ded, ded.buffer_axes)
-    and not _explicit(ded, [ded.tensor_parallel_axis])
-  ):
+  if _explicit(ded, tp=False) and not _explicit(ded, tp=True):
     tp = ded.tensor_parallel_axis
     raise ValueError(
       f'dmuon: {who} ran under plain jax.jit/nnx.jit on a mesh whose owner '
@@ -573,27 +568,58 @@ def all_params(ded, dedicated) -> Any:
 
 def run_group(ded, g: int, body: Callable[..., Any]) -> Callable[..., Any]:
   """``(dedicated, *args) -> body(block_params_list, *args)``, group ``g``
-  gathered (Z2/Z3 as configured); one subtree per boundary of the group."""
-  subs = [subtree_leaves(ded, b) for b in ded.groups[g]]
+  gathered (Z2/Z3 as configured); one subtree per boundary of the group.
+  A scanned stack's group is called as ``(dedicated, carry)``: a
+  ``lax.scan`` over its iterations, ``body`` given one subtree per layer
+  of the iteration."""
+  bs, iters = ded.groups[g], ded.layout.iterations[g]
+  subs = [subtree_leaves(ded, b) for b in bs]
 
-  def run(rep_local, sub_rests, *args):
-    mats = _gather.materialize(ded, g, rep_local)
-    trees = [
-      fill(ded, b, sub, sub_rest, mats)
-      for b, sub, sub_rest in zip(ded.groups[g], subs, sub_rests)
-    ]
+  def run(rep_local, sub_rests, iteration, *args):
+    mats = _gather.materialize(ded, g, rep_local, iteration)
+    if iteration is None:
+      trees = [
+        fill(ded, b, sub, sub_rest, mats)
+        for b, sub, sub_rest in zip(bs, subs, sub_rests)
+      ]
+    else:  # one boundary: the stack, a subtree per layer of the iteration
+      trees = [
+        fill(
+          ded,
+          bs[0],
+          subs[0],
+          [None if x is None else x[j] for x in sub_rests[0]],
+          {i: m[j] for i, m in mats.items()},
+          True,
+        )
+        for j in range(ded.layers_per_gather)
+      ]
     return body(trees, *args)
 
-  inner = _z3(ded, run, [ded.boundaries.names[b] for b in ded.groups[g]])
+  inner = _z3(ded, run, [ded.boundaries.names[b] for b in bs])
 
   def call(dedicated, *args):
     rest = ded.treedef.flatten_up_to(dedicated.rest)
-    local = _gather.after_inputs(_gather.group_buffers(ded, dedicated, g), args)
-    return inner(
-      _gather.gather_replicate(ded, local),
-      [[rest[i] for i in sub] for sub in subs],
-      *args,
-    )
+    local = _gather.group_buffers(ded, dedicated, g)
+    if not iters:
+      return inner(
+        _gather.gather_replicate(ded, _gather.after_inputs(local, args)),
+        [[rest[i] for i in sub] for sub in subs],
+        None,
+        *args,
+      )
+
+    def step(carry, xs):
+      iteration, owned, sub_rest = xs
+      rep = _gather.gather_replicate(ded, owned)
+      return inner(rep, [sub_rest], iteration, carry), None
+
+    shape = lambda x: (iters, ded.layers_per_gather) + x.shape[1:]
+    sub_rest = [
+      None if rest[i] is None else rest[i].reshape(shape(rest[i]))
+      for i in subs[0]
+    ]
+    return jax.lax.scan(step, args[0], (jnp.arange(iters), local, sub_rest))[0]
 
   return call
 
@@ -630,12 +656,17 @@ def block(ded, fn: Callable[..., Any], boundary: str) -> Callable[..., Any]:
   return run_group(ded, g, lambda trees, *args: fn(trees[0], *args))
 
 
+def _chain(fn: Callable[[Any, Any], Any]) -> Callable[[list, Any], Any]:
+  """``(trees, x) -> fn(trees[-1], ... fn(trees[0], x))``."""
+  return lambda trees, x: functools.reduce(lambda x, t: fn(t, x), trees, x)
+
+
 def sequential(
   ded, fn: Callable[[Any, Any], Any], boundaries: Sequence[str]
 ) -> Callable[[Any, Any], Any]:
   """See :meth:`dmuon_jax.Dedication.sequential`."""
   idx = [boundary_index(ded, name, scanned=False) for name in boundaries]
-  plan = []
+  calls = []
   while idx:
     g = _gather.group_of(ded, idx[0])
     size = len(ded.groups[g])
@@ -645,22 +676,11 @@ def sequential(
         f'{[ded.boundaries.names[i] for i in ded.groups[g]]}; pass '
         'whole groups, in order.'
       )
-    plan.append(g)
+    calls.append(run_group(ded, g, _chain(fn)))
     idx = idx[size:]
-
-  def body(trees, x):
-    for tree in trees:
-      x = fn(tree, x)
-    return x
-
-  calls = [run_group(ded, g, body) for g in plan]
-
-  def call(dedicated, x):
-    for c in calls:
-      x = c(dedicated, x)
-    return x
-
-  return call
+  return lambda dedicated, x: functools.reduce(
+    lambda x, c: c(dedicated, x), calls, x
+  )
 
 
 def scan(
@@ -668,42 +688,7 @@ def scan(
 ) -> Callable[[Any, Any], Any]:
   """See :meth:`dmuon_jax.Dedication.scan`."""
   b = boundary_index(ded, boundary, scanned=True)
-  g = _gather.group_of(ded, b)
-  sub = subtree_leaves(ded, b)
-  k, iters = ded.layers_per_gather, ded.layout.iterations[g]
-
-  def run(rep_local, sub_rest, carry, iteration):
-    mats = _gather.materialize(ded, g, rep_local, iteration)
-    for j in range(k):
-      layer_rest = [None if x is None else x[j] for x in sub_rest]
-      layer_mats = {i: m[j] for i, m in mats.items()}
-      carry = fn(fill(ded, b, sub, layer_rest, layer_mats, True), carry)
-    return carry
-
-  inner = _z3(ded, run, [ded.boundaries.names[b]])
-
-  def call(dedicated, carry):
-    rest = ded.treedef.flatten_up_to(dedicated.rest)
-
-    def body(carry, xs):
-      iteration, owned, sub_rest = xs
-      return inner(
-        _gather.gather_replicate(ded, owned), sub_rest, carry, iteration
-      ), None
-
-    xs = (
-      jnp.arange(iters),
-      _gather.group_buffers(ded, dedicated, g),
-      [
-        None
-        if rest[i] is None
-        else rest[i].reshape((iters, k) + rest[i].shape[1:])
-        for i in sub
-      ],
-    )
-    return jax.lax.scan(body, carry, xs)[0]
-
-  return call
+  return run_group(ded, _gather.group_of(ded, b), _chain(fn))
 
 
 def _z3(ded, run: Callable[..., Any], blocks: Sequence[str]):

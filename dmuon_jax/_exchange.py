@@ -547,7 +547,7 @@ def all_params(ded, dedicated) -> Any:
   leaves = ded.treedef.flatten_up_to(_gather.gather_rest(ded, dedicated))
   for g, lay in enumerate(ded.layout.groups):
     iters = ded.layout.iterations[g]
-    local = _gather.group_buffers(ded, dedicated, g)
+    local = list(ded.layout.group_buffers(dedicated.owned.buffers, g))
     if iters:
       idx = [s.leaf_index for s in lay.plan.leaves]
 
@@ -600,7 +600,7 @@ def run_group(ded, g: int, body: Callable[..., Any]) -> Callable[..., Any]:
 
   def call(dedicated, *args):
     rest = ded.treedef.flatten_up_to(dedicated.rest)
-    local = _gather.group_buffers(ded, dedicated, g)
+    local = list(ded.layout.group_buffers(dedicated.owned.buffers, g))
     if not iters:
       return inner(
         _gather.gather_replicate(ded, _gather.after_inputs(local, args)),

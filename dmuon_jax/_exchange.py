@@ -391,15 +391,16 @@ class Exchange:
   # -- replicated (and gathered) leaves -----------------------------------
 
   def rep_pack(self, rows, buffers: Sequence[jax.Array], g: int) -> jax.Array:
-    """This owner's results of non-routed leaves, compactly, ``(rep,)``."""
+    """This owner's results of non-routed leaves, compactly, ``(rep,)``
+    (for a dtype group ``g`` that has some: ``rep_size[g] > 0``)."""
     lay = self.layout
-    out = jnp.zeros((max(self.rep_size[g], 1),), buffers[g].dtype)
+    out = jnp.zeros((self.rep_size[g],), buffers[g].dtype)
     _, _, rep = self._split_rows(rows)
     for shape, row in zip(self.rep_shapes[g], rep[g]):
       out = _layout.write_at(
         out, row, lambda src, shape=shape: lay.matrix_at(buffers[g], src, shape)
       )
-    return out[: self.rep_size[g]] if self.rep_size[g] else out
+    return out
 
   def rep_unpack(self, gathered: Sequence[jax.Array]) -> dict[int, jax.Array]:
     """Whole non-routed leaves from the all-gathered compact buffers."""
@@ -545,22 +546,16 @@ def all_params(ded, dedicated) -> Any:
   """The whole params tree inside ``shard_map`` (see
   :meth:`dmuon_jax.Dedication.params`)."""
   leaves = ded.treedef.flatten_up_to(_gather.gather_rest(ded, dedicated))
-  for g, lay in enumerate(ded.layout.groups):
-    iters = ded.layout.iterations[g]
+  for g, iters in enumerate(ded.layout.iterations):
     local = list(ded.layout.group_buffers(dedicated.owned.buffers, g))
-    if iters:
-      idx = [s.leaf_index for s in lay.plan.leaves]
-
-      def one(a, g=g, idx=idx):
-        mats = _gather.materialize(
-          ded, g, _gather.gather_replicate(ded, a[1]), a[0]
-        )
-        return [mats[i] for i in idx]
-
-      mats = jax.lax.map(one, (jnp.arange(iters), local))
-      got = {i: m.reshape((-1,) + m.shape[2:]) for i, m in zip(idx, mats)}
+    gather = lambda local, it=None, g=g: _gather.materialize(
+      ded, g, _gather.gather_replicate(ded, local), it
+    )
+    if iters:  # every scan iteration's, stacked
+      got = jax.lax.map(lambda a, f=gather: f(*a), (local, jnp.arange(iters)))
+      got = {i: m.reshape((-1,) + m.shape[2:]) for i, m in got.items()}
     else:
-      got = _gather.materialize(ded, g, _gather.gather_replicate(ded, local))
+      got = gather(local)
     for i, x in got.items():
       leaves[i] = x
   return jax.tree.unflatten(ded.treedef, leaves)

@@ -530,18 +530,6 @@ def fill(ded, b: int, sub: list[int], sub_rest, mats, layer=False) -> Any:
   return _checks.subtree(tree, ded.boundary_keys[b])
 
 
-def subtree_leaves(ded, b: int) -> list[int]:
-  """All leaves (targets or not) under boundary ``b``'s module path."""
-  name = ded.boundaries.names[b]
-  if not name:
-    return list(range(len(ded.leaf_paths)))
-  return [
-    i
-    for i, p in enumerate(ded.leaf_paths)
-    if p == name or p.startswith(name + '/')
-  ]
-
-
 def all_params(ded, dedicated) -> Any:
   """The whole params tree inside ``shard_map`` (see
   :meth:`dmuon_jax.Dedication.params`)."""
@@ -568,7 +556,16 @@ def run_group(ded, g: int, body: Callable[..., Any]) -> Callable[..., Any]:
   ``lax.scan`` over its iterations, ``body`` given one subtree per layer
   of the iteration."""
   bs, iters = ded.groups[g], ded.layout.iterations[g]
-  subs = [subtree_leaves(ded, b) for b in bs]
+  names = [ded.boundaries.names[b] for b in bs]
+  # Per boundary, all leaves (targets or not) under its module path.
+  subs = [
+    [
+      i
+      for i, p in enumerate(ded.leaf_paths)
+      if not n or f'{p}/'.startswith(n + '/')
+    ]
+    for n in names
+  ]
 
   def run(rep_local, sub_rests, iteration, *args):
     mats = _gather.materialize(ded, g, rep_local, iteration)
@@ -591,7 +588,10 @@ def run_group(ded, g: int, body: Callable[..., Any]) -> Callable[..., Any]:
       ]
     return body(trees, *args)
 
-  inner = _z3(ded, run, [ded.boundaries.names[b] for b in bs])
+  # Z3: gathered again in the backward pass.
+  inner = run
+  if ded.reshard_after_forward:
+    inner = _gather.regather_in_backward(run, ded.remat_policy, names)
 
   def call(dedicated, *args):
     rest = ded.treedef.flatten_up_to(dedicated.rest)
@@ -684,11 +684,3 @@ def scan(
   """See :meth:`dmuon_jax.Dedication.scan`."""
   b = boundary_index(ded, boundary, scanned=True)
   return run_group(ded, _gather.group_of(ded, b), _chain(fn))
-
-
-def _z3(ded, run: Callable[..., Any], blocks: Sequence[str]):
-  """``run(rep_local, *args)``, gathered again in the backward pass where
-  the dedication is Z3; ``blocks`` names its boundaries, for messages."""
-  if not ded.reshard_after_forward:
-    return run
-  return _gather.regather_in_backward(run, ded.remat_policy, blocks)

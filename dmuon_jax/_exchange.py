@@ -336,13 +336,10 @@ class Exchange:
     routes, _, _ = self._split_rows(rows)
     for (i, shape), row in zip(self.routes[key], routes[key]):
       r = self.routed[i]
-      count, (dst, src) = _layout.table_columns(row, 2)
-
-      def put(o, d, s_, r=r, shape=shape):
-        full = self.layout.matrix_at(buffers[g], s_, shape).reshape(r.full)
-        return jax.lax.dynamic_update_slice_in_dim(o, r.split(full), d, 1)
-
-      out = _gather.for_each(count, (dst, src), put, out)
+      get = lambda s, r=r, shape=shape: r.split(
+        self.layout.matrix_at(buffers[g], s, shape).reshape(r.full)
+      )
+      out = _layout.write_at(out, row, get, back=True)
     return out
 
   def back(self, key, send: jax.Array) -> jax.Array:
@@ -567,26 +564,27 @@ def run_group(ded, g: int, body: Callable[..., Any]) -> Callable[..., Any]:
     for n in names
   ]
 
-  def run(rep_local, sub_rests, iteration, *args):
+  def run(rep_local, sub_rests, *args):
+    iteration = args[-1] if iters else None  # scanned: (carry, iteration)
     mats = _gather.materialize(ded, g, rep_local, iteration)
-    if iteration is None:
+    if not iters:
       trees = [
         fill(ded, b, sub, sub_rest, mats)
         for b, sub, sub_rest in zip(bs, subs, sub_rests)
       ]
-    else:  # one boundary: the stack, a subtree per layer of the iteration
-      trees = [
-        fill(
-          ded,
-          bs[0],
-          subs[0],
-          [None if x is None else x[j] for x in sub_rests[0]],
-          {i: m[j] for i, m in mats.items()},
-          True,
-        )
-        for j in range(ded.layers_per_gather)
-      ]
-    return body(trees, *args)
+      return body(trees, *args)
+    trees = [  # the stack: a subtree per layer of the iteration
+      fill(
+        ded,
+        bs[0],
+        subs[0],
+        [None if x is None else x[j] for x in sub_rests],
+        {i: m[j] for i, m in mats.items()},
+        True,
+      )
+      for j in range(ded.layers_per_gather)
+    ]
+    return body(trees, *args[:-1])
 
   # Z3: gathered again in the backward pass.
   inner = run
@@ -600,14 +598,13 @@ def run_group(ded, g: int, body: Callable[..., Any]) -> Callable[..., Any]:
       return inner(
         _gather.gather_replicate(ded, _gather.after_inputs(local, args)),
         [[rest[i] for i in sub] for sub in subs],
-        None,
         *args,
       )
 
     def step(carry, xs):
       iteration, owned, sub_rest = xs
       rep = _gather.gather_replicate(ded, owned)
-      return inner(rep, [sub_rest], iteration, carry), None
+      return inner(rep, sub_rest, carry, iteration), None
 
     shape = lambda x: (iters, ded.layers_per_gather) + x.shape[1:]
     sub_rest = [

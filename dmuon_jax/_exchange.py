@@ -36,6 +36,7 @@ gathered matrices).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -127,105 +128,88 @@ class Exchange:
       entries: each plan leaf's sharding over the owner axes (size-1 and
         tensor-parallel axes removed), per dimension.
     """
-    plan = layout.plan
-    self.layout = layout
+    self.layout = lay = layout
+    plan = lay.plan
     self.axes = plan.axis_names
     self.sizes = dict(zip(plan.axis_names, plan.mesh_shape))
-    n = plan.num_slots
-    self.num_slots = n
+    self.num_slots = n = plan.num_slots
     self.entries = list(entries)
     self.routed: dict[int, _Routed] = {}
     self.gathered: set[int] = set()
     for i, spec in enumerate(plan.leaves):
-      sharded = [
-        d for d, axes in enumerate(_plan.view_entries(spec, entries[i])) if axes
-      ]
-      if not sharded:
-        continue
-      matrix = set(spec.reduction_axes + spec.output_axes)
-      if all(d in matrix for d in sharded):
-        self.routed[i] = _Routed(spec, entries[i], self.sizes)
+      view = _plan.view_entries(spec, entries[i])
+      sharded = {d for d, axes in enumerate(view) if axes}
+      if sharded <= set(spec.reduction_axes + spec.output_axes):
+        if sharded:
+          self.routed[i] = _Routed(spec, entries[i], self.sizes)
       else:
         self.gathered.add(i)
-    groups = range(layout.num_groups)
     # Forward classes: (axes, dtype group) -> per owner its routed units.
-    self.classes: list[tuple[tuple[str, ...], int]] = []
-    self.fwd_units: dict[tuple, list[list[int]]] = {}
     # Replicated (and gathered) leaves: per dtype group, per owner its
     # units, packed compactly for one all_gather.
-    self.rep_units = [[[] for _ in range(n)] for _ in groups]
-    for g in groups:
-      for s in range(n):
-        for u in layout.slot_units[g][s]:
-          i = layout.unit_leaf[u]
-          if i not in self.routed:
-            self.rep_units[g][s].append(u)
-            continue
-          key = (self.routed[i].axes, g)
-          if key not in self.fwd_units:
-            self.classes.append(key)
-            self.fwd_units[key] = [[] for _ in range(n)]
-          self.fwd_units[key][s].append(u)
+    self.fwd_units: dict[tuple, list[list[int]]] = {}
+    self.rep_units = [[[] for _ in range(n)] for _ in range(lay.num_groups)]
+    for g, slots in enumerate(lay.slot_units):
+      for s, units in enumerate(slots):
+        for u in units:
+          r = self.routed.get(lay.unit_leaf[u])
+          per = (
+            self.rep_units[g]
+            if r is None
+            else self.fwd_units.setdefault((r.axes, g), [[] for _ in range(n)])
+          )
+          per[s].append(u)
+    self.classes: list[tuple[tuple[str, ...], int]] = list(self.fwd_units)
     self.fwd_off: dict[int, int] = {}
     self.fwd_size = {
       key: _offsets(
-        per_slot,
-        lambda u: self.routed[layout.unit_leaf[u]].piece_size,
-        self.fwd_off,
+        per, lambda u: self.routed[lay.unit_leaf[u]].piece_size, self.fwd_off
       )
-      for key, per_slot in self.fwd_units.items()
+      for key, per in self.fwd_units.items()
     }
     self.rep_off: dict[int, int] = {}
     self.rep_size = [
-      _offsets(self.rep_units[g], layout.unit_size.__getitem__, self.rep_off)
-      for g in groups
+      _offsets(per, lay.unit_size.__getitem__, self.rep_off)
+      for per in self.rep_units
     ]
     # Slot tables: what each device packs, sends back and gathers, read
     # from tables by its slot (loops with run-time trip counts, one program
-    # for all devices).
-    lay = layout
-    # Per class: its routes (a route and a unit shape), each with a table
-    # of every slot's units: (offset in the class's rows, in the buffer).
+    # for all devices). Per class: its routes (a route and a unit shape),
+    # each with a table of every slot's units: (offset in the class's rows,
+    # in the buffer).
     self.routes: dict[tuple, list[tuple[int, tuple[int, int]]]] = {}
     tables = []
     for key in self.classes:
-      by_route: dict[tuple, list[list[int]]] = {}
-      first: dict[tuple, tuple[int, tuple[int, int]]] = {}
-      for s in range(n):
-        for u in self.fwd_units[key][s]:
-          i = lay.unit_leaf[u]
+      by_route: dict[tuple, tuple] = {}
+      for s, units in enumerate(self.fwd_units[key]):
+        for u in units:
+          i, shape = lay.unit_leaf[u], plan.units[u].shape
           r = self.routed[i]
-          route = (r.axes, r.axis_sizes, r.piece, r.dim_axes, r.full)
-          rk = (route, lay.plan.units[u].shape)
-          if rk not in by_route:
-            by_route[rk] = [[] for _ in range(n)]
-            first[rk] = (i, lay.plan.units[u].shape)
-          by_route[rk][s].append(u)
-      self.routes[key] = list(first.values())
+          rk = (r.axes, r.axis_sizes, r.piece, r.dim_axes, r.full, shape)
+          new = ((i, shape), [[] for _ in range(n)])
+          by_route.setdefault(rk, new)[1][s].append(u)
+      self.routes[key] = [first for first, _ in by_route.values()]
       tables += [
-        _layout.units_table(per_slot, self.fwd_off, lay.unit_offset)
-        for per_slot in by_route.values()
+        _layout.units_table(per, self.fwd_off, lay.unit_offset)
+        for _, per in by_route.values()
       ]
-    self.whole = [
-      i for i in range(len(lay.plan.leaves)) if i not in self.routed
-    ]
+    self.whole = [i for i in range(len(plan.leaves)) if i not in self.routed]
     tables += lay.whole_tables(self.whole)
     # Per dtype group, per unit shape: the replicated leaves' units
     # (offset in the buffer, in the compact one).
     self.rep_shapes: list[list[tuple[int, int]]] = []
-    for g in range(lay.num_groups):
-      shapes = sorted(
-        {lay.plan.units[u].shape for us in self.rep_units[g] for u in us}
-      )
+    for per_slot in self.rep_units:
+      shape_of = lambda u: plan.units[u].shape
+      shapes = sorted({shape_of(u) for us in per_slot for u in us})
       self.rep_shapes.append(shapes)
-      for shape in shapes:
-        per_slot = [
-          [u for u in us if lay.plan.units[u].shape == shape]
-          for us in self.rep_units[g]
-        ]
-        tables.append(
-          _layout.units_table(per_slot, lay.unit_offset, self.rep_off)
+      tables += [
+        _layout.units_table(
+          [[u for u in us if shape_of(u) == shape] for us in per_slot],
+          lay.unit_offset,
+          self.rep_off,
         )
+        for shape in shapes
+      ]
     self.tables = tables
 
   def _split_rows(self, rows):
@@ -285,8 +269,7 @@ class Exchange:
       pieces = jnp.transpose(local_leaves[i].reshape(r.view_local), r.perm)
       # The count is explicit: a -1 cannot be inferred for an empty leaf.
       count = math.prod(r.batch_shape)
-      pieces = pieces.reshape((count,) + r.piece).astype(dtype)
-      pieces = pieces.reshape(count, r.piece_size)
+      pieces = pieces.reshape(count, r.piece_size).astype(dtype)
       if not pieces.size:
         continue
       # Per piece (at its unit's flat batch index), its owner's row over
@@ -353,13 +336,10 @@ class Exchange:
     routes, _, _ = self._split_rows(rows)
     for (i, shape), row in zip(self.routes[key], routes[key]):
       r = self.routed[i]
-      count, (dst, src) = _layout.table_columns(row, 2)
-
-      def put(o, d, s_, r=r, shape=shape):
-        full = self.layout.matrix_at(buffers[g], s_, shape).reshape(r.full)
-        return jax.lax.dynamic_update_slice_in_dim(o, r.split(full), d, 1)
-
-      out = _gather.for_each(count, (dst, src), put, out)
+      get = lambda s, r=r, shape=shape: r.split(
+        self.layout.matrix_at(buffers[g], s, shape).reshape(r.full)
+      )
+      out = _layout.write_at(out, row, get, back=True)
     return out
 
   def back(self, key, send: jax.Array) -> jax.Array:
@@ -408,15 +388,16 @@ class Exchange:
   # -- replicated (and gathered) leaves -----------------------------------
 
   def rep_pack(self, rows, buffers: Sequence[jax.Array], g: int) -> jax.Array:
-    """This owner's results of non-routed leaves, compactly, ``(rep,)``."""
+    """This owner's results of non-routed leaves, compactly, ``(rep,)``
+    (for a dtype group ``g`` that has some: ``rep_size[g] > 0``)."""
     lay = self.layout
-    out = jnp.zeros((max(self.rep_size[g], 1),), buffers[g].dtype)
+    out = jnp.zeros((self.rep_size[g],), buffers[g].dtype)
     _, _, rep = self._split_rows(rows)
     for shape, row in zip(self.rep_shapes[g], rep[g]):
       out = _layout.write_at(
         out, row, lambda src, shape=shape: lay.matrix_at(buffers[g], src, shape)
       )
-    return out[: self.rep_size[g]] if self.rep_size[g] else out
+    return out
 
   def rep_unpack(self, gathered: Sequence[jax.Array]) -> dict[int, jax.Array]:
     """Whole non-routed leaves from the all-gathered compact buffers."""
@@ -460,14 +441,12 @@ class Exchange:
 def _offsets(per_slot, size_of, offsets: dict[int, int]) -> int:
   """Writes each unit's offset in its slot's row (units back to back) into
   ``offsets``; returns the longest row (0 without slots)."""
-  used = [0]
+  longest = 0
   for units in per_slot:
-    off = 0
-    for u in units:
-      offsets[u] = off
-      off += size_of(u)
-    used.append(off)
-  return max(used)
+    ends = np.cumsum([0] + [size_of(u) for u in units]).tolist()
+    offsets.update(zip(units, ends))
+    longest = max(longest, ends[-1])
+  return longest
 
 
 def gather_to_full(x: jax.Array, entries: _mesh.Entries) -> jax.Array:
@@ -500,15 +479,16 @@ def reduced_route(ded) -> bool:
   any) are all ``Explicit`` in its mesh (jax refuses ``reduced`` over other
   axes, and types ``unreduced`` cotangents only on meshes whose axes are
   all Explicit)."""
-  layout = ded.layout
-  if not layout.distributed or ded.mesh is None:
+  return _explicit(ded, tp=True)
+
+
+def _explicit(ded, tp: bool) -> bool:
+  """Whether the layout is distributed on a mesh where the owner axes
+  (with ``tp``, the tensor-parallel axis too, if any) are Explicit."""
+  if not ded.layout.distributed or ded.mesh is None:
     return False
-  return _explicit(ded, ded.buffer_axes) and (
-    layout.tp_size == 1 or _explicit(ded, [ded.tensor_parallel_axis])
-  )
-
-
-def _explicit(ded, axes: Sequence[str]) -> bool:
+  axes = list(ded.buffer_axes)
+  axes += [ded.tensor_parallel_axis] if tp and ded.layout.tp_size > 1 else []
   types = dict(zip(ded.mesh.axis_names, ded.mesh.axis_types))
   return all(types.get(a) == jax.sharding.AxisType.Explicit for a in axes)
 
@@ -518,13 +498,7 @@ def check_tp_axis_type(ded, who: str) -> None:
   is not: under plain jit such a model would need cotangents typed
   ``unreduced`` over the owner axes on a mesh with an Auto axis, which
   jax does not type (jax 0.10: an assertion in ``getu``)."""
-  if (
-    ded.layout.tp_size > 1
-    and ded.mesh is not None
-    and ded.layout.distributed
-    and _explicit(ded, ded.buffer_axes)
-    and not _explicit(ded, [ded.tensor_parallel_axis])
-  ):
+  if _explicit(ded, tp=False) and not _explicit(ded, tp=True):
     tp = ded.tensor_parallel_axis
     raise ValueError(
       f'dmuon: {who} ran under plain jax.jit/nnx.jit on a mesh whose owner '
@@ -553,38 +527,20 @@ def fill(ded, b: int, sub: list[int], sub_rest, mats, layer=False) -> Any:
   return _checks.subtree(tree, ded.boundary_keys[b])
 
 
-def subtree_leaves(ded, b: int) -> list[int]:
-  """All leaves (targets or not) under boundary ``b``'s module path."""
-  name = ded.boundaries.names[b]
-  if not name:
-    return list(range(len(ded.leaf_paths)))
-  return [
-    i
-    for i, p in enumerate(ded.leaf_paths)
-    if p == name or p.startswith(name + '/')
-  ]
-
-
 def all_params(ded, dedicated) -> Any:
   """The whole params tree inside ``shard_map`` (see
   :meth:`dmuon_jax.Dedication.params`)."""
   leaves = ded.treedef.flatten_up_to(_gather.gather_rest(ded, dedicated))
-  for g, lay in enumerate(ded.layout.groups):
-    iters = ded.layout.iterations[g]
-    local = _gather.group_buffers(ded, dedicated, g)
-    if iters:
-      idx = [s.leaf_index for s in lay.plan.leaves]
-
-      def one(a, g=g, idx=idx):
-        mats = _gather.materialize(
-          ded, g, _gather.gather_replicate(ded, a[1]), a[0]
-        )
-        return [mats[i] for i in idx]
-
-      mats = jax.lax.map(one, (jnp.arange(iters), local))
-      got = {i: m.reshape((-1,) + m.shape[2:]) for i, m in zip(idx, mats)}
+  for g, iters in enumerate(ded.layout.iterations):
+    local = list(ded.layout.group_buffers(dedicated.owned.buffers, g))
+    gather = lambda local, it=None, g=g: _gather.materialize(
+      ded, g, _gather.gather_replicate(ded, local), it
+    )
+    if iters:  # every scan iteration's, stacked
+      got = jax.lax.map(lambda a, f=gather: f(*a), (local, jnp.arange(iters)))
+      got = {i: m.reshape((-1,) + m.shape[2:]) for i, m in got.items()}
     else:
-      got = _gather.materialize(ded, g, _gather.gather_replicate(ded, local))
+      got = gather(local)
     for i, x in got.items():
       leaves[i] = x
   return jax.tree.unflatten(ded.treedef, leaves)
@@ -592,27 +548,70 @@ def all_params(ded, dedicated) -> Any:
 
 def run_group(ded, g: int, body: Callable[..., Any]) -> Callable[..., Any]:
   """``(dedicated, *args) -> body(block_params_list, *args)``, group ``g``
-  gathered (Z2/Z3 as configured); one subtree per boundary of the group."""
-  subs = [subtree_leaves(ded, b) for b in ded.groups[g]]
+  gathered (Z2/Z3 as configured); one subtree per boundary of the group.
+  A scanned stack's group is called as ``(dedicated, carry)``: a
+  ``lax.scan`` over its iterations, ``body`` given one subtree per layer
+  of the iteration."""
+  bs, iters = ded.groups[g], ded.layout.iterations[g]
+  names = [ded.boundaries.names[b] for b in bs]
+  # Per boundary, all leaves (targets or not) under its module path.
+  subs = [
+    [
+      i
+      for i, p in enumerate(ded.leaf_paths)
+      if not n or f'{p}/'.startswith(n + '/')
+    ]
+    for n in names
+  ]
 
   def run(rep_local, sub_rests, *args):
-    mats = _gather.materialize(ded, g, rep_local)
-    trees = [
-      fill(ded, b, sub, sub_rest, mats)
-      for b, sub, sub_rest in zip(ded.groups[g], subs, sub_rests)
+    iteration = args[-1] if iters else None  # scanned: (carry, iteration)
+    mats = _gather.materialize(ded, g, rep_local, iteration)
+    if not iters:
+      trees = [
+        fill(ded, b, sub, sub_rest, mats)
+        for b, sub, sub_rest in zip(bs, subs, sub_rests)
+      ]
+      return body(trees, *args)
+    trees = [  # the stack: a subtree per layer of the iteration
+      fill(
+        ded,
+        bs[0],
+        subs[0],
+        [None if x is None else x[j] for x in sub_rests],
+        {i: m[j] for i, m in mats.items()},
+        True,
+      )
+      for j in range(ded.layers_per_gather)
     ]
-    return body(trees, *args)
+    return body(trees, *args[:-1])
 
-  inner = _z3(ded, run, [ded.boundaries.names[b] for b in ded.groups[g]])
+  # Z3: gathered again in the backward pass.
+  inner = run
+  if ded.reshard_after_forward:
+    inner = _gather.regather_in_backward(run, ded.remat_policy, names)
 
   def call(dedicated, *args):
     rest = ded.treedef.flatten_up_to(dedicated.rest)
-    local = _gather.after_inputs(_gather.group_buffers(ded, dedicated, g), args)
-    return inner(
-      _gather.gather_replicate(ded, local),
-      [[rest[i] for i in sub] for sub in subs],
-      *args,
-    )
+    local = list(ded.layout.group_buffers(dedicated.owned.buffers, g))
+    if not iters:
+      return inner(
+        _gather.gather_replicate(ded, _gather.after_inputs(local, args)),
+        [[rest[i] for i in sub] for sub in subs],
+        *args,
+      )
+
+    def step(carry, xs):
+      iteration, owned, sub_rest = xs
+      rep = _gather.gather_replicate(ded, owned)
+      return inner(rep, sub_rest, carry, iteration), None
+
+    shape = lambda x: (iters, ded.layers_per_gather) + x.shape[1:]
+    sub_rest = [
+      None if rest[i] is None else rest[i].reshape(shape(rest[i]))
+      for i in subs[0]
+    ]
+    return jax.lax.scan(step, args[0], (jnp.arange(iters), local, sub_rest))[0]
 
   return call
 
@@ -649,12 +648,17 @@ def block(ded, fn: Callable[..., Any], boundary: str) -> Callable[..., Any]:
   return run_group(ded, g, lambda trees, *args: fn(trees[0], *args))
 
 
+def _chain(fn: Callable[[Any, Any], Any]) -> Callable[[list, Any], Any]:
+  """``(trees, x) -> fn(trees[-1], ... fn(trees[0], x))``."""
+  return lambda trees, x: functools.reduce(lambda x, t: fn(t, x), trees, x)
+
+
 def sequential(
   ded, fn: Callable[[Any, Any], Any], boundaries: Sequence[str]
 ) -> Callable[[Any, Any], Any]:
   """See :meth:`dmuon_jax.Dedication.sequential`."""
   idx = [boundary_index(ded, name, scanned=False) for name in boundaries]
-  plan = []
+  calls = []
   while idx:
     g = _gather.group_of(ded, idx[0])
     size = len(ded.groups[g])
@@ -664,22 +668,11 @@ def sequential(
         f'{[ded.boundaries.names[i] for i in ded.groups[g]]}; pass '
         'whole groups, in order.'
       )
-    plan.append(g)
+    calls.append(run_group(ded, g, _chain(fn)))
     idx = idx[size:]
-
-  def body(trees, x):
-    for tree in trees:
-      x = fn(tree, x)
-    return x
-
-  calls = [run_group(ded, g, body) for g in plan]
-
-  def call(dedicated, x):
-    for c in calls:
-      x = c(dedicated, x)
-    return x
-
-  return call
+  return lambda dedicated, x: functools.reduce(
+    lambda x, c: c(dedicated, x), calls, x
+  )
 
 
 def scan(
@@ -687,47 +680,4 @@ def scan(
 ) -> Callable[[Any, Any], Any]:
   """See :meth:`dmuon_jax.Dedication.scan`."""
   b = boundary_index(ded, boundary, scanned=True)
-  g = _gather.group_of(ded, b)
-  sub = subtree_leaves(ded, b)
-  k, iters = ded.layers_per_gather, ded.layout.iterations[g]
-
-  def run(rep_local, sub_rest, carry, iteration):
-    mats = _gather.materialize(ded, g, rep_local, iteration)
-    for j in range(k):
-      layer_rest = [None if x is None else x[j] for x in sub_rest]
-      layer_mats = {i: m[j] for i, m in mats.items()}
-      carry = fn(fill(ded, b, sub, layer_rest, layer_mats, True), carry)
-    return carry
-
-  inner = _z3(ded, run, [ded.boundaries.names[b]])
-
-  def call(dedicated, carry):
-    rest = ded.treedef.flatten_up_to(dedicated.rest)
-
-    def body(carry, xs):
-      iteration, owned, sub_rest = xs
-      return inner(
-        _gather.gather_replicate(ded, owned), sub_rest, carry, iteration
-      ), None
-
-    xs = (
-      jnp.arange(iters),
-      _gather.group_buffers(ded, dedicated, g),
-      [
-        None
-        if rest[i] is None
-        else rest[i].reshape((iters, k) + rest[i].shape[1:])
-        for i in sub
-      ],
-    )
-    return jax.lax.scan(body, carry, xs)[0]
-
-  return call
-
-
-def _z3(ded, run: Callable[..., Any], blocks: Sequence[str]):
-  """``run(rep_local, *args)``, gathered again in the backward pass where
-  the dedication is Z3; ``blocks`` names its boundaries, for messages."""
-  if not ded.reshard_after_forward:
-    return run
-  return _gather.regather_in_backward(run, ded.remat_policy, blocks)
+  return run_group(ded, _gather.group_of(ded, b), _chain(fn))

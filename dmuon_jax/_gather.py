@@ -151,12 +151,10 @@ def with_slot_rows(
   if dynamic:
     rows = [jnp.asarray(np.asarray(t, np.int32))[index] for t in tables]
     return vary(body(rows, *operands))
-  first: dict = {}  # distinct rows -> the first slot of each
   keys = [
     tuple(np.asarray(t)[s].tobytes() for t in tables) for s in range(num_slots)
   ]
-  for s, key in enumerate(keys):
-    first.setdefault(key, s)
+  first = {key: keys.index(key) for key in keys}  # distinct rows: 1st slot
   branches = [
     lambda *ops, s=s: vary(body([np.asarray(t)[s] for t in tables], *ops))
     for s in first.values()
@@ -254,8 +252,6 @@ def reduce_scatter_to_owners(
   for axis, size in zip(reversed(axes), reversed(sizes)):
     if size > 1:
       x = jax.lax.psum_scatter(x, axis, tiled=True)
-    else:
-      x = x.reshape(1, -1)[0]
   return x
 
 
@@ -292,11 +288,6 @@ def gather_rest(ded, dedicated) -> Any:
   )
 
 
-def group_buffers(ded, dedicated, g: int) -> list[jax.Array]:
-  """Gather group ``g``'s local owner buffers (one per dtype)."""
-  return list(ded.layout.group_buffers(dedicated.owned.buffers, g))
-
-
 def after_inputs(local: Sequence[jax.Array], arrays: Sequence[Any]) -> list:
   """``local``, tied to a group's inputs: the group is gathered when its
   first block is about to run, not every group at the start of the step
@@ -329,11 +320,11 @@ def gather_replicate(
   ded, local: Sequence[jax.Array], mode: str = 'manual'
 ) -> list[jax.Array]:
   """Local owner buffers all-gathered over the replicate axis (HSDP's
-  first stage; themselves without one, or for the reduced gather, which
-  gathers over every owner axis at once)."""
+  first stage; themselves without one). (The reduced gather gathers over
+  every owner axis at once, in :func:`materialize`.)"""
 
   def gather(xs):
-    if ded.replicate_axis is None or mode == 'reduced':
+    if ded.replicate_axis is None:
       return list(xs)
     return [jax.lax.all_gather(x, ded.replicate_axis, tiled=True) for x in xs]
 

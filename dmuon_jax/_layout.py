@@ -86,17 +86,18 @@ def table_columns(row, columns: int):
   ]
 
 
-def write_at(buf: jax.Array, row, get: Callable) -> jax.Array:
-  """``buf`` with ``get(a)`` (flattened, in ``buf``'s dtype) written at
-  offset ``o`` for each ``(a, o)`` of a two-column :func:`unit_table` row
-  (numpy or traced)."""
+def write_at(buf: jax.Array, row, get: Callable, back=False) -> jax.Array:
+  """``buf`` with ``get(a)`` (in ``buf``'s dtype, flattened but for its
+  leading dims) written at offset ``o`` of its last dim for each ``(a, o)``
+  of a two-column :func:`unit_table` row (numpy or traced); ``back``: each
+  ``(o, a)`` (the row of a forward copy, copied back)."""
   count, cols = table_columns(row, 2)
 
   def put(b, a, o):
-    m = get(a).reshape(-1).astype(b.dtype)
-    return jax.lax.dynamic_update_slice_in_dim(b, m, o, 0)
+    m = get(a).reshape(b.shape[:-1] + (-1,)).astype(b.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(b, m, o, b.ndim - 1)
 
-  return _gather.for_each(count, cols, put, buf)
+  return _gather.for_each(count, cols[::-1] if back else cols, put, buf)
 
 
 class SlotWork(NamedTuple):

@@ -454,40 +454,39 @@ class OwnerLayout:
   @functools.partial(jax.jit, static_argnums=(0, 2))
   def _pack(self, values, dtypes) -> tuple[jax.Array, ...]:
     """:meth:`pack`'s traced body: the flat buffers, in buffer order."""
-    if self.per_leaf:
-      out = [values[t.index] for t in self.leaves]
-    else:
-      held = {i: pad_to(x, self.leaf(i).held_shape) for i, x in values.items()}
-      out = []
-      for g, lay in enumerate(self.groups):
-        iters, per_tp = self.iterations[g], []
-        for k in range(self.tp_size):  # each TP shard's slices
-          xs = []
-          for t in (self.leaf(spec.leaf_index) for spec in lay.plan.leaves):
-            x, dim = held[t.index], t.tp_dim
-            if dim is not None:
-              size = x.shape[dim] // self.tp_size
-              x = jax.lax.slice_in_dim(x, k * size, (k + 1) * size, axis=dim)
-            xs.append(x.reshape((iters, -1) + x.shape[1:]) if iters else x)
-          per_tp.append(
-            jax.vmap(  # scan iteration i rotated by i slots
-              lambda i, xs, lay=lay: tuple(
-                roll_slots(b, i, self.num_slots) for b in lay.pack_full(xs)
-              )
-            )(jnp.arange(iters), xs)
-            if iters
-            else lay.pack_full(xs)
-          )
-        for bs in zip(*per_tp):
-          if len(bs) > 1:  # TP shard k of slot s at block s * tp_size + k
-            x = jnp.stack(
-              [b.reshape(b.shape[:-1] + (self.num_slots, -1)) for b in bs], -2
-            )
-            bs = (x.reshape(x.shape[:-3] + (-1,)),)
-          out.append(bs[0])
+    out = [values[t.index] for t in self.leaves] if self.per_leaf else []
+    for g, lay in enumerate(() if self.per_leaf else self.groups):
+      it = self.iterations[g]
+      held = [self.leaf(s.leaf_index).held_shape for s in lay.plan.leaves]
+      xs = [
+        pad_to(values[s.leaf_index], h) for s, h in zip(lay.plan.leaves, held)
+      ]
+      if it:  # scan iteration i rotated by i slots
+        xs = [x.reshape((it, -1) + x.shape[1:]) for x in xs]
+        pack = lambda i, xs, g=g: self.pack_group(g, xs, i)
+        out += jax.vmap(pack)(jnp.arange(it), xs)
+      else:
+        out += self.pack_group(g, xs)
     if dtypes is not None:
       out = [b.astype(d) for b, d in zip(out, dtypes)]
     return tuple(out)
+
+  def pack_group(self, g: int, xs: Sequence[jax.Array], iteration=None) -> list:
+    """Inverse of :meth:`unpack_group` (``whole``): group ``g``'s flat
+    buffers from its targets at their held shapes (``plan.leaves`` order),
+    TP shard ``k``'s slices of slot ``s`` at block ``s * tp_size + k``."""
+    lay, n, tp = self.groups[g], self.num_slots, self.tp_size
+    dims = [self.leaf(s.leaf_index).tp_dim for s in lay.plan.leaves]
+    per_tp = [  # each TP shard's slices
+      lay.pack_full(
+        [x if d is None else jnp.split(x, tp, d)[k] for x, d in zip(xs, dims)]
+      )
+      for k in range(tp)
+    ]
+    out = [jnp.stack([b.reshape(n, -1) for b in bs], 1) for bs in zip(*per_tp)]
+    if iteration is not None:
+      out = [roll_slots(b, iteration, n) for b in out]
+    return [b.reshape(-1) for b in out]
 
   @functools.partial(jax.jit, static_argnums=0)
   def _unpack(self, buffers) -> dict[int, jax.Array]:

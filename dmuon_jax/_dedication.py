@@ -338,10 +338,30 @@ class Dedication:
       ValueError: if ``params`` differs from the tree given to ``dedicate``
         in structure or in a Muon target's shape.
     """
-    self._check_params(params)
+    if isinstance(params, DedicatedParams):
+      raise TypeError(
+        'dmuon: to_dedicated() takes a plain params tree and got '
+        'DedicatedParams (already in owner layout); use it as it is, or '
+        'to_params() to go back.'
+      )
+    _checks.check_same_tree(
+      params,
+      jax.tree.unflatten(self.treedef, [0] * self.treedef.num_leaves),
+      'to_dedicated()',
+      made_by='dmuon_jax.dedicate()',
+    )
     leaves = jax.tree.leaves(params)
-    values = {t.index: leaves[t.index] for t in self.layout.leaves}
-    owned = self.layout.pack(values, mesh=self.mesh)
+    for t in self.layout.leaves:
+      got = tuple(np.shape(leaves[t.index]))
+      if got != t.shape:
+        raise ValueError(
+          f'dmuon: param {t.path!r} has shape {got}, but dedicate() '
+          f'planned it with shape {t.shape}. Call dmuon_jax.dedicate '
+          'again on the new params (and make a new optimizer state).'
+        )
+    owned = self.layout.pack(
+      {t.index: leaves[t.index] for t in self.layout.leaves}, mesh=self.mesh
+    )
     rest = [
       None if spec is None else x for x, spec in zip(leaves, self.rest_specs)
     ]
@@ -369,30 +389,6 @@ class Dedication:
     """
     self.check_dedicated(dedicated, 'to_params()')
     return to_params(dedicated)
-
-  def _check_params(self, params: Any) -> None:
-    """Raises unless ``params`` is the tree ``dedicate`` planned."""
-    if isinstance(params, DedicatedParams):
-      raise TypeError(
-        'dmuon: to_dedicated() takes a plain params tree and got '
-        'DedicatedParams (already in owner layout); use it as it is, or '
-        'to_params() to go back.'
-      )
-    _checks.check_same_tree(
-      params,
-      jax.tree.unflatten(self.treedef, [0] * self.treedef.num_leaves),
-      'to_dedicated()',
-      made_by='dmuon_jax.dedicate()',
-    )
-    leaves = jax.tree.leaves(params)
-    for t in self.layout.leaves:
-      got = tuple(np.shape(leaves[t.index]))
-      if got != t.shape:
-        raise ValueError(
-          f'dmuon: param {t.path!r} has shape {got}, but dedicate() '
-          f'planned it with shape {t.shape}. Call dmuon_jax.dedicate '
-          'again on the new params (and make a new optimizer state).'
-        )
 
   def check_dedicated(self, dedicated: Any, what: str) -> None:
     """Raises unless ``dedicated`` fits this dedication's owner layout.
@@ -795,9 +791,6 @@ def _muon_update(cfg, hp, decay, ded, grads, state, params=None):
     o.astype(jnp.result_type(m.dtype, g.dtype))
     for o, m, g in zip(ortho, state.mu.buffers, grads.buffers)
   ]
-  return (
-    grads.rebox(out),
-    DedicatedMuonState(
-      count=count_inc, mu=state.mu.rebox(mu), stamp=state.stamp
-    ),
+  return grads.rebox(out), state._replace(
+    count=count_inc, mu=state.mu.rebox(mu)
   )

@@ -24,6 +24,7 @@ from dmuon_jax import (
   _owner_layout,
   _owner_update,
   _plan,
+  _transform,
 )
 
 
@@ -681,11 +682,8 @@ def scale_by_dedicated_muon(
     >>> int(state.count)
     1
   """
-  hp = _owner_update.make_hyperparams(
-    beta=beta,
-    eps=eps,
-    consistent_rms=consistent_rms,
-    weight_decay=weight_decay,
+  cfg, hp = _transform.owner_config(
+    dict(locals(), ns_algorithm=dedication.ns_algorithm), shape_scaling=True
   )
   _checks.check_preconditioning(
     preconditioning,
@@ -696,19 +694,6 @@ def scale_by_dedicated_muon(
       if dedication.plan.groups and dedication.tensor_parallel_axis is None
       else ''
     ),
-  )
-  cfg = _owner_update.make_config(
-    ns_coeffs=ns_coeffs,
-    ns_steps=ns_steps,
-    momentum=momentum,
-    nesterov=nesterov,
-    adaptive=adaptive,
-    preconditioning=preconditioning,
-    ns_algorithm=dedication.ns_algorithm,
-    compute_dtype=compute_dtype,
-    shape_scaling=True,
-    consistent_rms=consistent_rms is not None,
-    mu_dtype=mu_dtype,
   )
   decay = _decayed_leaves(dedication, weight_decay, weight_decay_mask)
 

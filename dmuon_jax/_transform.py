@@ -558,15 +558,8 @@ def make_scale_by_dmuon(
   ``consistent_rms`` where the shape factor is applied on the owner:
   ``shape_scaling``, what :func:`dmuon_jax.dmuon` uses), validated once,
   here, into the frozen :class:`_Setup`."""
-  o, rms = options, options.get('consistent_rms')
-  hp = _owner_update.make_hyperparams(
-    beta=o['beta'], eps=o['eps'], consistent_rms=rms
-  )
-  cfg = _owner_update.make_config(
-    shape_scaling=shape_scaling,
-    consistent_rms=rms is not None,
-    **{k: o[k] for k in _CONFIG},
-  )
+  o = options
+  cfg, hp = owner_config(o, shape_scaling)
   mesh = o['mesh']
   if mesh is not None and not isinstance(
     mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)
@@ -631,6 +624,28 @@ def make_scale_by_dmuon(
   )
   # 'skip': the guard of dmuon and dedicated_muon's whole step, on this one.
   return _owner_update.skip_nonfinite(tx) if o['nonfinite'] == 'skip' else tx
+
+
+def owner_config(
+  options: dict[str, Any], shape_scaling: bool
+) -> tuple[_owner_update.OwnerConfig, _owner_update.Hyperparams]:
+  """The owner update's static config and numeric hyperparameters from a
+  factory's arguments by name (``scale_by_dmuon``'s, or
+  ``scale_by_dedicated_muon``'s with its dedication's ``ns_algorithm``),
+  validated once, here."""
+  rms = options.get('consistent_rms')
+  hp = _owner_update.make_hyperparams(
+    beta=options['beta'],
+    eps=options['eps'],
+    consistent_rms=rms,
+    weight_decay=options.get('weight_decay'),
+  )
+  cfg = _owner_update.make_config(
+    shape_scaling=shape_scaling,
+    consistent_rms=rms is not None,
+    **{k: options[k] for k in _CONFIG if k in options},
+  )
+  return cfg, hp
 
 
 def scale_by_shape(

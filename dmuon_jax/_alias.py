@@ -131,16 +131,12 @@ def _partition(
       muon_labels, predicate=predicate, muon_weight_dimension_numbers=dims
     ),
   )
-  reported = False
-
-  def report(params):
-    nonlocal reported
-    if not reported:
-      _checks.report_routing(_route(params, predicate, dims))
-      reported = True
+  reported = []  # whether init has logged the routing
 
   def init_fn(params):
-    report(params)
+    if not reported:
+      _checks.report_routing(_route(params, predicate, dims))
+      reported.append(True)
     state = inner.init(params)
     if not any(lay.distributed for lay in _transform.owner_layouts(state)):
       return state

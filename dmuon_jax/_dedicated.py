@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -257,7 +258,16 @@ def dedicate(
   dims_numbers = _dims_numbers(
     muon_weight_dimension_numbers, weight_dimension_numbers
   )
-  _check_layers_per_gather(layers_per_gather)
+  if layers_per_gather != 'auto' and (
+    not isinstance(layers_per_gather, int)
+    or isinstance(layers_per_gather, bool)
+    or layers_per_gather < 1
+  ):
+    raise ValueError(
+      f'dmuon: layers_per_gather={layers_per_gather!r} must be a positive'
+      ' int (the number of consecutive hook boundaries gathered together:'
+      " 1, 2, ...; dedicate(...).summary() shows the padding) or 'auto'."
+    )
   abstract = jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params
   )
@@ -299,24 +309,38 @@ def dedicate(
     ungroupable=[t.leaf_index for t in scanned],
   )
   buffer_axes, rep_axis, group_axis = _owner_axes(plan, replicate_axis)
-  # plan_gather_groups' arguments, also for its bytes in _auto_choice.
-  axes, place = (
-    (buffer_axes, group_axis),
-    dict(split=owner_groups == 'auto', memo={}),
-  )
+  place = dict(split=owner_groups == 'auto', memo={})
+
+  def place_with(k, bytes_only=False):
+    """The owners (or, ``bytes_only``, the bytes) of the gather groups of
+    ``k`` layers per gather."""
+    groups = [
+      (
+        bounds.names[group[0]],
+        bounds.scanned[group[0]],
+        [s for s in plan.leaves if of_target[s.path] in group],
+      )
+      for group in _gather_groups(bounds, k)
+    ]
+    return _gather_plan.plan_gather_groups(
+      plan, groups, k, buffer_axes, group_axis, bytes_only=bytes_only, **place
+    )
+
   k, choice = layers_per_gather, 'given'
   if layers_per_gather == 'auto':
-    stacks = sorted({t.shape[0] for t in scanned})
     k, choice = _auto_choice(
-      plan, bounds, stacks, rep_axis, reshard_after_forward, *axes, **place
+      plan,
+      bounds,
+      scanned,
+      rep_axis,
+      reshard_after_forward,
+      functools.partial(place_with, bytes_only=True),
     )
-  groups, specs = _gather_groups(bounds, plan, k)
-  gathered = _gather_plan.plan_gather_groups(plan, specs, k, *axes, **place)
-  plan = gathered[0]
+  gathered = place_with(k)
   return Dedication(
-    plan=plan,
+    plan=gathered[0],
     boundaries=bounds,
-    groups=tuple(groups),
+    groups=_gather_groups(bounds, k),
     layout=_layout(*gathered, k, leaves, tp, info, buffer_axes),
     layers_per_gather=k,
     layers_per_gather_choice=choice,
@@ -326,7 +350,7 @@ def dedicate(
     buffer_axes=buffer_axes,
     replicate_axis=rep_axis,
     remat_policy=remat_policy or jax.checkpoint_policies.dots_saveable,
-    **_rest(params, leaves, plan, mesh, bounds),
+    **_rest(params, leaves, gathered[0], mesh, bounds),
     abstract_params=abstract,
     tensor_parallel_axis=tp_axis,
     ns_algorithm=ns_algorithm,
@@ -421,26 +445,10 @@ def _dims_numbers(muon_weight_dimension_numbers, weight_dimension_numbers):
   return weight_dimension_numbers
 
 
-def _check_layers_per_gather(layers_per_gather: Any) -> None:
-  """Raises unless ``layers_per_gather`` is a positive int or 'auto'."""
-  if layers_per_gather != 'auto' and (
-    not isinstance(layers_per_gather, int)
-    or isinstance(layers_per_gather, bool)
-    or layers_per_gather < 1
-  ):
-    raise ValueError(
-      f'dmuon: layers_per_gather={layers_per_gather!r} must be a positive'
-      ' int (the number of consecutive hook boundaries gathered together:'
-      " 1, 2, ...; dedicate(...).summary() shows the padding) or 'auto'."
-    )
-
-
 def _gather_groups(
-  bounds: _checks.HookBoundaries, plan: _plan.OwnershipPlan, k: int
-) -> tuple[list[tuple[int, ...]], list[tuple[str, bool, list[Any]]]]:
-  """Consecutive loop boundaries by ``k``, each scanned stack alone; and
-  per such group what the gather planner takes: its name, whether it is a
-  scanned stack, and its Muon leaves."""
+  bounds: _checks.HookBoundaries, k: int
+) -> tuple[tuple[int, ...], ...]:
+  """Consecutive loop boundaries by ``k``, each scanned stack alone."""
   groups, run = [], []
   for b, scanned in enumerate(bounds.scanned):
     if scanned:
@@ -452,57 +460,17 @@ def _gather_groups(
       run = []
   if run:
     groups.append(tuple(run))
-  path_boundary = dict(zip(bounds.paths, bounds.of_target))
-  return groups, [
-    (
-      bounds.names[group[0]],
-      bounds.scanned[group[0]],
-      [s for s in plan.leaves if path_boundary[s.path] in group],
-    )
-    for group in groups
-  ]
+  return tuple(groups)
 
 
 def _auto_choice(
-  plan, bounds, stacks, rep_axis, z3, *args, **options
+  plan, bounds, scanned, rep_axis, z3, group_bytes
 ) -> tuple[int, str]:
   """``(k, choice)`` of ``layers_per_gather='auto'``.
 
-  Of the group sizes that divide every scanned stack (``stacks``: their
-  lengths), the one whose plan (per gather group its bytes,
-  :func:`_gather_plan.plan_gather_groups` with ``args``, ``options``
-  and ``bytes_only``) minimizes the bytes a step moves plus the bytes Z3
-  holds gathered at its peak (:func:`auto_cost`); ties go to the smaller
-  size.
-  """
-  sizes = dict(zip(plan.axis_names, plan.mesh_shape))
-  top = max([sum(1 for sc in bounds.scanned if not sc), *stacks, 1])
-  best = None
-  for k in range(1, top + 1):
-    if any(n % k for n in stacks):
-      continue
-    got = _gather_plan.plan_gather_groups(
-      plan,
-      _gather_groups(bounds, plan, k)[1],
-      k,
-      *args,
-      **options,
-      bytes_only=True,
-    )
-    cost = auto_cost(got, sizes, rep_axis, z3)
-    if best is None or cost < best[0] * (1 - 1e-9):
-      best = (cost, k, _plan.GatherBytes.total(got).padding)
-  _, k, pad = best
-  return k, 'auto' if pad <= AUTO_PADDING_PERCENT else 'auto, padding above 5%'
-
-
-def auto_cost(
-  got: Sequence[_plan.GatherBytes],
-  sizes: dict[str, int],
-  rep_axis: str | None,
-  z3: bool,
-) -> float:
-  """What ``layers_per_gather='auto'`` minimizes, in bytes per device: the
+  Of the group sizes that divide every scanned stack, the one whose plan
+  (per gather group its bytes, ``group_bytes(k)``: the plans'
+  :meth:`OwnershipPlan.gather_bytes`) minimizes, in bytes per device, the
   Muon bytes a step moves (the seeds' HSDP model of the gathers and
   reduce-scatters, ``(2 or 3) (S - 1) / S`` of the gathered bytes plus
   ``2 (R - 1) / R`` of a shard's share, and the owner groups' Gram
@@ -510,24 +478,35 @@ def auto_cost(
   about two groups (measured: a group's regathered weights and their
   gradient in its backward pass), Z2 every group's weights. A byte held
   counts as two bytes moved (so a 70B model on 64 devices gathers 8
-  layers at a time, not 17; ``HELD_WEIGHT``)."""
+  layers at a time, not 17; ``HELD_WEIGHT``). Ties go to the smaller size.
+  """
+  sizes = dict(zip(plan.axis_names, plan.mesh_shape))
   r = sizes.get(rep_axis, 1) if rep_axis else 1
   s = math.prod(sizes.values()) // r
-  passes = 3 if z3 else 2
-  moved = sum(
-    passes * _checks.ring_bytes('all-gather', s, b.gathered)
-    + 2 * _checks.ring_bytes('all-gather', r, b.gathered / s)
-    + b.exchange
-    for b in got
-  )
-  if z3:
-    per_pass = sorted(b.gathered / max(b.iterations, 1) for b in got)
-    held = sum(per_pass[-2:])
-  else:
-    held = sum(b.gathered for b in got)
-  return moved + HELD_WEIGHT * held
+  stacks = sorted({t.shape[0] for t in scanned})
+  top = max([sum(1 for sc in bounds.scanned if not sc), *stacks, 1])
+  best = None
+  for k in range(1, top + 1):
+    if any(n % k for n in stacks):
+      continue
+    got = group_bytes(k)
+    moved = sum(
+      (3 if z3 else 2) * _checks.ring_bytes('all-gather', s, b.gathered)
+      + 2 * _checks.ring_bytes('all-gather', r, b.gathered / s)
+      + b.exchange
+      for b in got
+    )
+    if z3:
+      held = sum(sorted(b.gathered / max(b.iterations, 1) for b in got)[-2:])
+    else:
+      held = sum(b.gathered for b in got)
+    cost = moved + HELD_WEIGHT * held
+    if best is None or cost < best[0] * (1 - 1e-9):
+      best = (cost, k, _plan.GatherBytes.total(got).padding)
+  _, k, pad = best
+  return k, 'auto' if pad <= AUTO_PADDING_PERCENT else 'auto, padding above 5%'
 
 
 # What a byte of gathered weights held at Z3's peak counts for against a
-# byte a step moves, in layers_per_gather='auto' (see auto_cost).
+# byte a step moves, in layers_per_gather='auto' (see _auto_choice).
 HELD_WEIGHT = 2.0

@@ -24,6 +24,7 @@ from dmuon_jax import (
   _owner_layout,
   _owner_update,
   _plan,
+  _transform,
 )
 
 
@@ -338,10 +339,30 @@ class Dedication:
       ValueError: if ``params`` differs from the tree given to ``dedicate``
         in structure or in a Muon target's shape.
     """
-    self._check_params(params)
+    if isinstance(params, DedicatedParams):
+      raise TypeError(
+        'dmuon: to_dedicated() takes a plain params tree and got '
+        'DedicatedParams (already in owner layout); use it as it is, or '
+        'to_params() to go back.'
+      )
+    _checks.check_same_tree(
+      params,
+      jax.tree.unflatten(self.treedef, [0] * self.treedef.num_leaves),
+      'to_dedicated()',
+      made_by='dmuon_jax.dedicate()',
+    )
     leaves = jax.tree.leaves(params)
-    values = {t.index: leaves[t.index] for t in self.layout.leaves}
-    owned = self.layout.pack(values, mesh=self.mesh)
+    for t in self.layout.leaves:
+      got = tuple(np.shape(leaves[t.index]))
+      if got != t.shape:
+        raise ValueError(
+          f'dmuon: param {t.path!r} has shape {got}, but dedicate() '
+          f'planned it with shape {t.shape}. Call dmuon_jax.dedicate '
+          'again on the new params (and make a new optimizer state).'
+        )
+    owned = self.layout.pack(
+      {t.index: leaves[t.index] for t in self.layout.leaves}, mesh=self.mesh
+    )
     rest = [
       None if spec is None else x for x, spec in zip(leaves, self.rest_specs)
     ]
@@ -369,30 +390,6 @@ class Dedication:
     """
     self.check_dedicated(dedicated, 'to_params()')
     return to_params(dedicated)
-
-  def _check_params(self, params: Any) -> None:
-    """Raises unless ``params`` is the tree ``dedicate`` planned."""
-    if isinstance(params, DedicatedParams):
-      raise TypeError(
-        'dmuon: to_dedicated() takes a plain params tree and got '
-        'DedicatedParams (already in owner layout); use it as it is, or '
-        'to_params() to go back.'
-      )
-    _checks.check_same_tree(
-      params,
-      jax.tree.unflatten(self.treedef, [0] * self.treedef.num_leaves),
-      'to_dedicated()',
-      made_by='dmuon_jax.dedicate()',
-    )
-    leaves = jax.tree.leaves(params)
-    for t in self.layout.leaves:
-      got = tuple(np.shape(leaves[t.index]))
-      if got != t.shape:
-        raise ValueError(
-          f'dmuon: param {t.path!r} has shape {got}, but dedicate() '
-          f'planned it with shape {t.shape}. Call dmuon_jax.dedicate '
-          'again on the new params (and make a new optimizer state).'
-        )
 
   def check_dedicated(self, dedicated: Any, what: str) -> None:
     """Raises unless ``dedicated`` fits this dedication's owner layout.
@@ -685,11 +682,8 @@ def scale_by_dedicated_muon(
     >>> int(state.count)
     1
   """
-  hp = _owner_update.make_hyperparams(
-    beta=beta,
-    eps=eps,
-    consistent_rms=consistent_rms,
-    weight_decay=weight_decay,
+  cfg, hp = _transform.owner_config(
+    dict(locals(), ns_algorithm=dedication.ns_algorithm), shape_scaling=True
   )
   _checks.check_preconditioning(
     preconditioning,
@@ -700,19 +694,6 @@ def scale_by_dedicated_muon(
       if dedication.plan.groups and dedication.tensor_parallel_axis is None
       else ''
     ),
-  )
-  cfg = _owner_update.make_config(
-    ns_coeffs=ns_coeffs,
-    ns_steps=ns_steps,
-    momentum=momentum,
-    nesterov=nesterov,
-    adaptive=adaptive,
-    preconditioning=preconditioning,
-    ns_algorithm=dedication.ns_algorithm,
-    compute_dtype=compute_dtype,
-    shape_scaling=True,
-    consistent_rms=consistent_rms is not None,
-    mu_dtype=mu_dtype,
   )
   decay = _decayed_leaves(dedication, weight_decay, weight_decay_mask)
 
@@ -795,9 +776,6 @@ def _muon_update(cfg, hp, decay, ded, grads, state, params=None):
     o.astype(jnp.result_type(m.dtype, g.dtype))
     for o, m, g in zip(ortho, state.mu.buffers, grads.buffers)
   ]
-  return (
-    grads.rebox(out),
-    DedicatedMuonState(
-      count=count_inc, mu=state.mu.rebox(mu), stamp=state.stamp
-    ),
+  return grads.rebox(out), state._replace(
+    count=count_inc, mu=state.mu.rebox(mu)
   )

@@ -170,10 +170,10 @@ def explicit_step(cfg, hp, layout, targets, mus, count_inc):
   return new, mu
 
 
-def resolve_entries(leaf, spec, sizes, allowed, tp_axis=None, tp_size=1):
+def resolve_entries(leaf, spec, sizes, owner_axes, tp_axis=None, tp_size=1):
   """The one reading of a Muon leaf's sharding ``spec`` (at init, at
   update, for routing hints): its entries (size-1 axes dropped), checked
-  against the axes ``allowed``; the shape the layout holds it at
+  against the owner and TP axes; the shape the layout holds it at
   (zero-padded to a multiple of its devices per sharded dimension: JAX
   accepts uneven shardings); and its tensor-parallel split of that shape.
 
@@ -181,7 +181,7 @@ def resolve_entries(leaf, spec, sizes, allowed, tp_axis=None, tp_size=1):
     leaf: its ``LeafSpec`` (path, shape; matrix axes where ``tp_axis``).
     spec: a ``PartitionSpec``.
     sizes: the mesh's axis sizes.
-    allowed: ``{axis: size}`` of the axes it may be sharded over.
+    owner_axes: the owner axes (it may be sharded over them and TP).
     tp_axis: the tensor-parallel axis, or None.
     tp_size: its size.
 
@@ -190,6 +190,9 @@ def resolve_entries(leaf, spec, sizes, allowed, tp_axis=None, tp_size=1):
     one TP shard's slice of the padded shape (see
     ``_mesh.split_tensor_parallel``).
   """
+  allowed = {a: sizes[a] for a in owner_axes}
+  if tp_axis is not None:
+    allowed[tp_axis] = tp_size
   e = _mesh.normalize_entries(spec, len(leaf.shape), sizes)
   _mesh.check_entries(e, leaf.shape, allowed, leaf.path, spec)
   shape = _mesh.padded_shape(leaf.shape, e, sizes)
@@ -213,9 +216,6 @@ def _update_entries(layout, targets, sizes, update_specs):
     and the spec to give ``shard_map`` (an Explicit mesh's type as it is).
   """
   entries, specs, splits, unknown = [], [], [], []
-  allowed = {a: sizes[a] for a in layout.buffer_axes}
-  if layout.tp_axis is not None:
-    allowed[layout.tp_axis] = layout.tp_size
   explicit = _mesh.is_explicit(jax.sharding.get_abstract_mesh()) or (
     _mesh.is_explicit(layout.mesh)
   )
@@ -235,7 +235,7 @@ def _update_entries(layout, targets, sizes, update_specs):
       dataclasses.replace(leaf, path=t.path, shape=t.shape),
       spec,
       sizes,
-      allowed,
+      layout.buffer_axes,
       layout.tp_axis,
       layout.tp_size,
     )
@@ -288,9 +288,7 @@ def fitting(t, spec, sizes, owner_axes):
   if spec is None or t.padded is not None or t.tp_dim is not None:
     return None
   try:
-    e, shape, *_ = resolve_entries(
-      t, spec, sizes, {a: sizes[a] for a in owner_axes}
-    )
+    e, shape, *_ = resolve_entries(t, spec, sizes, owner_axes)
   except ValueError:  # sharded over other axes
     return None
   return e if shape == tuple(t.shape) else None
@@ -299,17 +297,15 @@ def fitting(t, spec, sizes, owner_axes):
 def _warn_if_forced(layout, b: int, shape, sizes, got) -> None:
   """Warns once if buffer ``b`` arrives in another sharding than its
   layout's (``got``: its spec, or a ``jax.sharding.Sharding``)."""
-  spec = getattr(got, 'spec', got)
-  if isinstance(got, jax.sharding.Sharding) and not isinstance(
-    got, jax.sharding.NamedSharding
-  ):
-    local = tuple(got.shard_shape(tuple(shape)))
-    spec = got
-  else:
-    local = _mesh.local_shape(shape, spec, sizes)
   want = layout.buffer_spec(b)
   if want is None:
     return
+  if isinstance(got, jax.sharding.NamedSharding):
+    got = got.spec
+  if isinstance(got, jax.sharding.Sharding):
+    local = tuple(got.shard_shape(tuple(shape)))
+  else:
+    local = _mesh.local_shape(shape, got, sizes)
   owned = _mesh.local_shape(shape, want, sizes)
   if local == owned:
     return
@@ -321,7 +317,7 @@ def _warn_if_forced(layout, b: int, shape, sizes, got) -> None:
     FORCED_MSG.format(
       buffer=b,
       name=layout.name,
-      got=spec,
+      got=got,
       want=want,
       held=hb(math.prod(local) * itemsize),
       owned=hb(math.prod(owned) * itemsize),

@@ -104,52 +104,7 @@ class _Setup:
   tensor_parallel_axis: str | None
   weight_dimension_numbers: Any
   param_specs: dict[str, P] | None
-  nonfinite: str
   owner_groups: Any
-
-
-def _mesh_argument(mesh: Any) -> Any:
-  """Checks ``mesh`` (a Mesh, AbstractMesh or None)."""
-  if mesh is None or isinstance(
-    mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)
-  ):
-    return mesh
-  if callable(mesh) and any(
-    isinstance(getattr(c, 'cell_contents', None), jax.sharding.Mesh)
-    for c in getattr(mesh, '__closure__', None) or ()
-  ):
-    raise TypeError(
-      'dmuon: mesh is a function wrapping a jax.sharding.Mesh: '
-      'optax.inject_hyperparams treats every callable argument as a '
-      'schedule, and a Mesh is callable (it is a context decorator), so it '
-      "was called with the step count. Pass static_args=('mesh',) to "
-      'inject_hyperparams, or leave mesh out: dmuon then uses the mesh of '
-      'jax.set_mesh(...) or the mesh the params are placed on.'
-    )
-  _mesh.mesh_axes(mesh)  # Raises a TypeError naming what it got.
-  return mesh
-
-
-def param_specs_by_path(param_specs: Any) -> dict[str, P] | None:
-  """A tree of PartitionSpecs / shardings / None as ``{path: spec}``."""
-  if param_specs is None:
-    return None
-  is_spec = lambda x: x is None or isinstance(x, (P, jax.sharding.Sharding))
-  out = {}
-  for keys, x in jax.tree_util.tree_flatten_with_path(
-    param_specs, is_leaf=is_spec
-  )[0]:
-    if isinstance(x, jax.sharding.NamedSharding):
-      x = x.spec
-    elif isinstance(x, jax.sharding.Sharding):
-      x = P()
-    elif x is not None and not isinstance(x, P):
-      raise TypeError(
-        f'dmuon: param_specs has {x!r} at {_routing.normalize_path(keys)!r}'
-        '; expected a PartitionSpec, a NamedSharding or None.'
-      )
-    out[_routing.normalize_path(keys)] = x
-  return out
 
 
 def _holders(params: Any) -> list[Any]:
@@ -161,29 +116,6 @@ def _holders(params: Any) -> list[Any]:
   if len(holders) != len(leaves):
     return leaves  # a box holding several arrays
   return holders
-
-
-def _zero_buffers(holders, layout, mesh) -> list[Any]:
-  """The layout's zero buffers, placed on ``mesh`` and boxed as the params
-  (``holders``: see :func:`_holders`)."""
-  # Boxed params (Linen boxes, nnx Variables) give boxed buffers: Flax's
-  # sharding tools (nn.get_sharding, nnx.get_partition_spec, ...) then read
-  # the buffers' layout from the state as they read the params'.
-  template = next((h for h in holders if _mesh.is_boxed(h)), None)
-  buffers = []
-  for b, shape in enumerate(layout.buffer_shapes()):
-    buf = jnp.zeros(shape.shape, shape.dtype)
-    spec = layout.buffer_spec(b)  # None: a per-leaf buffer of unknown spec
-    if layout.distributed and spec is not None:
-      buf = _mesh.place(buf, mesh, spec)
-    if layout.per_leaf:
-      # Each Muon leaf's momentum, sharded and boxed as the leaf (Flax's
-      # sharding tools map its logical names by the same rules).
-      buf = _mesh.rebox(holders[layout.leaves[b].index], buf)
-    elif template is not None:
-      buf = _mesh.box_like(template, buf, spec)
-    buffers.append(buf)
-  return buffers
 
 
 def _layout(setup: _Setup, params, with_path, holders, specs, mesh):
@@ -217,10 +149,6 @@ def _layout(setup: _Setup, params, with_path, holders, specs, mesh):
     if info is None
     else (info.sizes, info.owner_axes, info.tp_axis, info.tp_size)
   )
-  # The axes a Muon param may be sharded over: owner axes and TP.
-  allowed = {a: sizes[a] for a in owner_axes}
-  if tp_axis is not None:
-    allowed[tp_axis] = sizes[tp_axis]
   # Per leaf: its sharding entries (None where its spec is unknown), TP
   # split and dim, the shape the layout holds (one TP shard's, zero-padded)
   # and its padded shape (None where even).
@@ -232,7 +160,7 @@ def _layout(setup: _Setup, params, with_path, holders, specs, mesh):
       rows.append((None, None, None, tuple(leaf.shape), None))
       continue
     e, shape, split, dim, held = _steps.resolve_entries(
-      leaf, spec, sizes, allowed, tp_axis, tp_size
+      leaf, spec, sizes, owner_axes, tp_axis, tp_size
     )
     # Uneven sharding (JAX accepts it): the layout holds the leaf
     # zero-padded to a multiple of its devices per sharded dimension.
@@ -336,9 +264,26 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
   if layout.distributed:  # replicated on the mesh, eagerly as under jit
     replicate = functools.partial(_mesh.place, mesh=mesh, spec=P())
     count = replicate(count)
+  # Boxed params (Linen boxes, nnx Variables) give boxed buffers: Flax's
+  # sharding tools (nn.get_sharding, nnx.get_partition_spec, ...) then read
+  # the buffers' layout from the state as they read the params'.
+  template = next((h for h in holders if _mesh.is_boxed(h)), None)
+  buffers = []
+  for b, shape in enumerate(layout.buffer_shapes()):
+    buf = jnp.zeros(shape.shape, shape.dtype)
+    spec = layout.buffer_spec(b)  # None: a per-leaf buffer of unknown spec
+    if layout.distributed and spec is not None:
+      buf = _mesh.place(buf, mesh, spec)
+    if layout.per_leaf:
+      # Each Muon leaf's momentum, sharded and boxed as the leaf (Flax's
+      # sharding tools map its logical names by the same rules).
+      buf = _mesh.rebox(holders[layout.leaves[b].index], buf)
+    elif template is not None:
+      buf = _mesh.box_like(template, buf, spec)
+    buffers.append(buf)
   return ScaleByDMuonState(
     count=count,
-    mu=_owner_layout.OwnerBuffers(_zero_buffers(holders, layout, mesh), layout),
+    mu=_owner_layout.OwnerBuffers(buffers, layout),
     stamp=_owner_update.make_stamp(layout, replicate),
   )
 
@@ -404,11 +349,8 @@ def _update(setup: _Setup, updates, state, params=None):
   out = [x for _, x in with_path]
   for t, x in zip(layout.leaves, new):
     out[t.index] = x
-  return (
-    jax.tree.unflatten(treedef, out),
-    ScaleByDMuonState(
-      count=count_inc, mu=state.mu.rebox(mu), stamp=state.stamp
-    ),
+  return jax.tree.unflatten(treedef, out), state._replace(
+    count=count_inc, mu=state.mu.rebox(mu)
   )
 
 
@@ -616,22 +558,47 @@ def make_scale_by_dmuon(
   ``consistent_rms`` where the shape factor is applied on the owner:
   ``shape_scaling``, what :func:`dmuon_jax.dmuon` uses), validated once,
   here, into the frozen :class:`_Setup`."""
-  o, consistent_rms = options, options.get('consistent_rms')
-  hp = _owner_update.make_hyperparams(
-    beta=o['beta'], eps=o['eps'], consistent_rms=consistent_rms
-  )
-  cfg = _owner_update.make_config(
-    shape_scaling=shape_scaling,
-    consistent_rms=consistent_rms is not None,
-    **{k: o[k] for k in _CONFIG},
-  )
-  mesh = _mesh_argument(o['mesh'])
-  axis_names, tp_axis = o['axis_names'], o['tensor_parallel_axis']
-  preconditioning, ns_algorithm = o['preconditioning'], o['ns_algorithm']
+  o = options
+  cfg, hp = owner_config(o, shape_scaling)
+  mesh = o['mesh']
+  if mesh is not None and not isinstance(
+    mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)
+  ):
+    if callable(mesh) and any(
+      isinstance(getattr(c, 'cell_contents', None), jax.sharding.Mesh)
+      for c in getattr(mesh, '__closure__', None) or ()
+    ):
+      raise TypeError(
+        'dmuon: mesh is a function wrapping a jax.sharding.Mesh: '
+        'optax.inject_hyperparams treats every callable argument as a '
+        'schedule, and a Mesh is callable (it is a context decorator), so it '
+        "was called with the step count. Pass static_args=('mesh',) to "
+        'inject_hyperparams, or leave mesh out: dmuon then uses the mesh of '
+        'jax.set_mesh(...) or the mesh the params are placed on.'
+      )
+    _mesh.mesh_axes(mesh)  # Raises a TypeError naming what it got.
   check_tp_preconditioning(
-    _mesh.resolve(mesh, axis_names, tp_axis), preconditioning
+    _mesh.resolve(mesh, o['axis_names'], o['tensor_parallel_axis']),
+    o['preconditioning'],
   )
-  param_specs = param_specs_by_path(o['param_specs'])
+  # The params' shardings given as a tree, as {path: spec}.
+  param_specs = None
+  if o['param_specs'] is not None:
+    is_spec = lambda x: x is None or isinstance(x, (P, jax.sharding.Sharding))
+    param_specs = {}
+    for keys, x in jax.tree_util.tree_flatten_with_path(
+      o['param_specs'], is_leaf=is_spec
+    )[0]:
+      if isinstance(x, jax.sharding.NamedSharding):
+        x = x.spec
+      elif isinstance(x, jax.sharding.Sharding):
+        x = P()
+      elif x is not None and not isinstance(x, P):
+        raise TypeError(
+          f'dmuon: param_specs has {x!r} at {_routing.normalize_path(keys)!r}'
+          '; expected a PartitionSpec, a NamedSharding or None.'
+        )
+      param_specs[_routing.normalize_path(keys)] = x
   # A concrete array (optax.inject_hyperparams injects int arguments) is
   # read as its int; 'auto' becomes None where groups cannot run (other
   # preconditionings, the direct form only), a forced k there raises.
@@ -642,20 +609,43 @@ def make_scale_by_dmuon(
     cfg,
     hp,
     mesh,
-    axis_names,
-    tp_axis,
+    o['axis_names'],
+    o['tensor_parallel_axis'],
     o['weight_dimension_numbers'],
     param_specs,
-    o['nonfinite'],
     _checks.check_option(
-      owner_groups, preconditioning=preconditioning, ns_algorithm=ns_algorithm
+      owner_groups,
+      preconditioning=o['preconditioning'],
+      ns_algorithm=o['ns_algorithm'],
     ),
   )
   tx = optax.GradientTransformation(
     functools.partial(_init, setup), functools.partial(_update, setup)
   )
   # 'skip': the guard of dmuon and dedicated_muon's whole step, on this one.
-  return _owner_update.skip_nonfinite(tx) if setup.nonfinite == 'skip' else tx
+  return _owner_update.skip_nonfinite(tx) if o['nonfinite'] == 'skip' else tx
+
+
+def owner_config(
+  options: dict[str, Any], shape_scaling: bool
+) -> tuple[_owner_update.OwnerConfig, _owner_update.Hyperparams]:
+  """The owner update's static config and numeric hyperparameters from a
+  factory's arguments by name (``scale_by_dmuon``'s, or
+  ``scale_by_dedicated_muon``'s with its dedication's ``ns_algorithm``),
+  validated once, here."""
+  rms = options.get('consistent_rms')
+  hp = _owner_update.make_hyperparams(
+    beta=options['beta'],
+    eps=options['eps'],
+    consistent_rms=rms,
+    weight_decay=options.get('weight_decay'),
+  )
+  cfg = _owner_update.make_config(
+    shape_scaling=shape_scaling,
+    consistent_rms=rms is not None,
+    **{k: options[k] for k in _CONFIG if k in options},
+  )
+  return cfg, hp
 
 
 def scale_by_shape(

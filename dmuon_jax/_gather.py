@@ -320,11 +320,11 @@ def gather_replicate(
   ded, local: Sequence[jax.Array], mode: str = 'manual'
 ) -> list[jax.Array]:
   """Local owner buffers all-gathered over the replicate axis (HSDP's
-  first stage; themselves without one). (The reduced gather gathers over
-  every owner axis at once, in :func:`materialize`.)"""
+  first stage; themselves without one, or for the reduced gather, which
+  gathers over every owner axis at once in :func:`materialize`)."""
 
   def gather(xs):
-    if ded.replicate_axis is None:
+    if ded.replicate_axis is None or mode == 'reduced':
       return list(xs)
     return [jax.lax.all_gather(x, ded.replicate_axis, tiled=True) for x in xs]
 

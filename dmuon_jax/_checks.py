@@ -547,7 +547,9 @@ def find_hook_boundaries(
   return hook_boundaries(params, specs, boundary_predicate, strict)
 
 
-def hook_boundaries(params, specs, boundary_predicate, strict):
+def hook_boundaries(
+  params, specs, boundary_predicate, strict
+) -> HookBoundaries:
   """:func:`find_hook_boundaries` of ``params`` routed as ``specs`` (per
   leaf, its ``_routing.route`` spec or None)."""
   flat = jax.tree.flatten_with_path(params)[0]

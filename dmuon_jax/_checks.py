@@ -544,6 +544,14 @@ def find_hook_boundaries(
     predicate=predicate,
     weight_dimension_numbers=weight_dimension_numbers,
   ).specs
+  return hook_boundaries(params, specs, boundary_predicate, strict)
+
+
+def hook_boundaries(
+  params, specs, boundary_predicate, strict
+) -> HookBoundaries:
+  """:func:`find_hook_boundaries` of ``params`` routed as ``specs`` (per
+  leaf, its ``_routing.route`` spec or None)."""
   flat = jax.tree.flatten_with_path(params)[0]
   scanned: dict[str, bool] = {}  # boundary name -> scanned, in order
   paths, names, missing = [], [], []

@@ -278,12 +278,8 @@ def dedicate(
     dims_arg='muon_weight_dimension_numbers',
   )
   _checks.report_routing(routing)
-  bounds = _checks.find_hook_boundaries(
-    params,
-    predicate=predicate,
-    weight_dimension_numbers=dims_numbers,
-    boundary_predicate=boundary_predicate,
-    strict=strict,
+  bounds = _checks.hook_boundaries(
+    params, routing.specs, boundary_predicate, strict
   )
   targets = [t for t in routing.specs if t is not None]
   leaves = jax.tree.leaves(params)

@@ -168,25 +168,19 @@ def dedicate(
     )
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   kwargs = {k: v for k, v in locals().items() if k in _model.PLANNED}
-  paths = [
-    _model.path(keys) for keys, _ in jax.tree.flatten_with_path(params)[0]
-  ]
+  paths = _model.leaf_paths(params)
   # What Flax's sharding tools say of each param (its out_sharding
   # metadata), also where a traced value on Auto axes says nothing.
   specs = [_mesh.leaf_spec(_model.node_at(model, p)) for p in paths]
-  ded, placed, dp, replicated, moved = _model.plan(
-    params, mesh, layers_per_gather, 'nnx.scan', kwargs, specs
+  ded, _, dp, replicated, moved = _model.plan(
+    params, mesh, 'nnx.scan', kwargs, specs
   )
   for i, x in moved.items():
     variable = _model.node_at(model, paths[i])
     variable.set_value(x)
     _mesh.without_axes(variable, ded.buffer_axes)
-
-  targets_by_leaf = {t.index: t for t in ded.layout.leaves}
-  _model.rules_free_names(model, paths, specs, ded, mesh, targets_by_leaf)
-  _model.check_untied(model, paths, targets_by_leaf)
   boundary_paths = [_model.path(k) for k in ded.boundary_keys]
-  _model.check_boundary_modules(model, ded, boundary_paths)
+  _model.check_model(model, paths, specs, ded, mesh, boundary_paths)
 
   # Each boundary module gets its group's owned buffers (a scanned stack
   # its ScanIteration too), each with its layout spec as its out_sharding
@@ -199,6 +193,11 @@ def dedicate(
     else OwnedBuffer(x)
     for x, spec in zip(dp.owned.buffers, ded.layout.buffer_specs())
   ]
+  # Each boundary module becomes an instance of a subclass of its class
+  # whose methods gather first (Python looks __call__ up on the type, and
+  # NNX has no call hook of its own). Its parent holds the new instance,
+  # built as nnx.merge builds a node: its attributes (the same Variables)
+  # set on an empty one.
   for b, bpath in enumerate(boundary_paths):
     module = _model.node_at(model, bpath)
     g = _gather.group_of(ded, b)
@@ -207,34 +206,6 @@ def dedicate(
     if ded.boundaries.scanned[b]:
       n = ded.layout.iterations[g]
       module.dmuon_iteration = ScanIteration(jnp.arange(n))
-  for i, t in targets_by_leaf.items():  # a DedicatedWeight where each was
-    _model.set_at(
-      model,
-      paths[i],
-      DedicatedWeight(
-        _model.placeholder(ded, t),
-        dmuon_name=_model.text(paths[i]),
-        dmuon_boundary=ded.boundaries.names[_model.boundary_of(ded, t)],
-      ),
-    )
-
-  owned_state = nnx.to_flat_state(nnx.state(model, OwnedBuffer))
-  where = {id(v): tuple(p) for p, v in owned_state}
-  md = ModelDedication.of(
-    ded,
-    paths,
-    boundary_paths,
-    [where[id(v)] for v in owned_vars],
-    replicated,
-  )
-  # Each boundary module carries the dedication it serves, and becomes an
-  # instance of a subclass of its class whose methods gather first (Python
-  # looks __call__ up on the type, and NNX has no call hook of its own).
-  # Its parent holds the new instance, built as nnx.merge builds a node: its
-  # attributes (the same Variables) set on an empty one.
-  for b, bpath in enumerate(boundary_paths):
-    module = _model.node_at(model, bpath)
-    module.dmuon_hook = _boundary.Hook(md, b)
     cls = _boundary.hooked_class(type(module))
     if bpath:
       hooked = cls._graph_node_create_empty(cls)
@@ -245,6 +216,26 @@ def dedicate(
       # caller holds it, so no parent can hold a replacement; NNX offers no
       # other way to hook its __call__ than its type.
       module.__class__ = cls
+  for t in ded.layout.leaves:  # a DedicatedWeight where each was
+    p = paths[t.index]
+    boundary = ded.boundaries.names[_model.boundary_of(ded, t)]
+    hole = _model.placeholder(ded, t)
+    weight = DedicatedWeight(
+      hole, dmuon_name=_model.text(p), dmuon_boundary=boundary
+    )
+    _model.set_at(model, p, weight)
+
+  owned_state = nnx.to_flat_state(nnx.state(model, OwnedBuffer))
+  where = {id(v): tuple(p) for p, v in owned_state}
+  md = ModelDedication.of(
+    ded,
+    paths,
+    boundary_paths,
+    [where[id(v)] for v in owned_vars],
+    replicated,
+  )
+  for b, bpath in enumerate(boundary_paths):  # the dedication each serves
+    _model.node_at(model, bpath).dmuon_hook = _boundary.Hook(md, b)
   return md
 
 
@@ -370,17 +361,15 @@ def dedicate_linen(
   ]
   params = jax.tree.unflatten(treedef, values)
   kwargs = {k: v for k, v in locals().items() if k in _model.PLANNED}
-  ded, placed, dp, replicated, moved = _model.plan(
-    params, mesh, layers_per_gather, 'nn.scan', kwargs, specs
+  ded, out, dp, replicated, moved = _model.plan(
+    params, mesh, 'nn.scan', kwargs, specs
   )
-  paths = [_model.path(k) for k, _ in jax.tree.flatten_with_path(placed)[0]]
-  targets_by_leaf = {t.index: t for t in ded.layout.leaves}
-  out = unfreeze(placed)
-  for i, t in targets_by_leaf.items():
+  paths = _model.leaf_paths(params)
+  for t in ded.layout.leaves:
     hole = _model.placeholder(ded, t)
     if mesh is not None:
       hole = jax.device_put(hole, NamedSharding(mesh, P()))
-    _model.set_at(out, paths[i], hole)
+    _model.set_at(out, paths[t.index], hole)
   # A scanned stack gathers where its params hold one layer: in the module
   # nn.scan runs per layer, and its owned buffers are stored there too.
   boundary_paths = _model.gather_points(ded, paths)
@@ -402,7 +391,7 @@ def dedicate_linen(
   # runs it, gives the jax.jit inside them the same boxes).
   owned_mesh = _model.owned_mesh(ded, mesh)
   for i, box in enumerate(boxes):
-    if box is not None and i not in targets_by_leaf:
+    if box is not None and ded.rest_specs[i] is not None:  # AdamW params
       if owned_mesh and _mesh.rules_decide(box):
         box = box.replace(names=(None,) * len(box.names))  # replicated
       elif i in moved:
@@ -417,7 +406,7 @@ def dedicate_linen(
     buffer_paths,
     replicated,
     linen_model=model,
-    placeholder_paths=tuple(paths[i] for i in targets_by_leaf),
+    placeholder_paths=tuple(paths[t.index] for t in ded.layout.leaves),
     boundary_paths=boundary_paths,
   )
   return md, out

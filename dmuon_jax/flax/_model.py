@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -346,12 +347,11 @@ def placeholder(ded, target) -> jax.Array:
   return jnp.zeros((target.shape[0], 0) if scanned else (0,), target.dtype)
 
 
-# The options dedicate and dedicate_linen hand to the planner as they are
-# (dmuon_jax.dedicate's, but its params, mesh and deprecated spelling).
+# The options dedicate and dedicate_linen hand to the planner (dmuon_jax.
+# dedicate's, but its params, mesh and deprecated spelling).
 PLANNED = frozenset(inspect.signature(_dedicated.dedicate).parameters) - {
   'params',
   'mesh',
-  'layers_per_gather',
   'weight_dimension_numbers',
 }
 
@@ -360,6 +360,11 @@ def path(keys: Sequence[Any]) -> tuple[Any, ...]:
   """A key path's keys (a dict key, an attribute name, an index)."""
   get = getattr
   return tuple(get(k, 'key', get(k, 'name', get(k, 'idx', k))) for k in keys)
+
+
+def leaf_paths(tree: Any) -> list[tuple[Any, ...]]:
+  """Per leaf of ``tree``, its path."""
+  return [path(keys) for keys, _ in jax.tree.flatten_with_path(tree)[0]]
 
 
 def text(path: Sequence[Any]) -> str:
@@ -387,77 +392,52 @@ def set_at(root: Any, path: Sequence[Any], value: Any) -> None:
     setattr(parent, path[-1], value)
 
 
-def plan(params, mesh, layers_per_gather, scan: str, kwargs, specs):
+def plan(params, mesh, scan: str, kwargs, specs):
   """The dedication of a Flax model's params, and the params placed for it.
 
-  Plans with :func:`dmuon_jax.dedicate` (one layer per gather in a model
-  with ``scan``-ned stacks: one layer per ``scan`` iteration), checks what
-  ``dmuon_jax.flax`` cannot run, replicates AdamW params sharded over an
-  owner axis (see :func:`_replicate_rest`; ``specs``: per leaf, the spec
-  its Flax metadata gives, or None) and puts unplaced params on the mesh.
+  Plans with :func:`dmuon_jax.dedicate` (``kwargs``: its options; one layer
+  per gather in a model with ``scan``-ned stacks: one layer per ``scan``
+  iteration), checks what ``dmuon_jax.flax`` cannot run, replicates AdamW
+  params sharded over an owner axis over the owner axes (inside train_step
+  every device runs the whole model on its own batch) and puts unplaced
+  params on the mesh, replicated.
+
+  A leaf's sharding is the one its Flax metadata gives (``specs``: per
+  leaf, its spec or None), where it has some: under an abstract or jitted
+  init on Auto axes the traced values carry none, yet ``jit(init,
+  out_shardings=...)`` would place them as their metadata says.
 
   Returns:
     ``(dedication, placed params, DedicatedParams, replicated paths, {leaf
     index: moved param})``.
   """
+  k = kwargs.pop('layers_per_gather')
   bounds = _checks.find_hook_boundaries(
     params,
-    predicate=kwargs['predicate'] if kwargs['predicate'] != 'optax' else None,
+    predicate=kwargs['predicate'],
     weight_dimension_numbers=kwargs['muon_weight_dimension_numbers'],
     boundary_predicate=kwargs['boundary_predicate'],
     strict=kwargs['strict'],
   )
   stacks = [n for n, s in zip(bounds.names, bounds.scanned) if s]
-  if stacks and layers_per_gather not in ('auto', 1):
+  if stacks and k not in ('auto', 1):
     raise ValueError(
-      f'dmuon: layers_per_gather={layers_per_gather!r}, but the scanned '
+      f'dmuon: layers_per_gather={k!r}, but the scanned '
       f'stack(s) {stacks} run one layer per {scan} iteration, so each '
       'gather holds one layer. Pass layers_per_gather=1 (or the default).'
     )
   ded = _dedicated.dedicate(
-    params, mesh, layers_per_gather=1 if stacks else layers_per_gather, **kwargs
+    params, mesh, layers_per_gather=1 if stacks else k, **kwargs
   )
-  if stacks:
-    choice = f'one layer per {scan} iteration'
-    ded = dataclasses.replace(ded, layers_per_gather_choice=choice)
   _check_boundaries_hold_targets(params, ded, kwargs['boundary_predicate'])
-  bounds = ded.boundaries
-  scanned = [n for n, s in zip(bounds.names, bounds.scanned) if s]
-  if ded.tensor_parallel_axis is not None and scanned:
+  if ded.tensor_parallel_axis is not None and stacks:
     raise ValueError(
       'dmuon: dmuon_jax.flax does not run tensor-parallel matrices inside '
-      f'scanned stacks yet ({scanned}, over {ded.tensor_parallel_axis!r}). '
+      f'scanned stacks yet ({stacks}, over {ded.tensor_parallel_axis!r}). '
       'Use the explicit API (dmuon_jax.dedicate, Dedication.scan), run the '
       'layers as a Python loop, or pass tensor_parallel_axis=None with the '
       'stack replicated over it.'
     )
-  params, replicated, moved = _replicate_rest(ded, params, mesh, specs)
-  if replicated:  # planned again on the params as they are now placed
-    k, choice = ded.layers_per_gather, ded.layers_per_gather_choice
-    ded = _dedicated.dedicate(params, mesh, layers_per_gather=k, **kwargs)
-    ded = dataclasses.replace(ded, layers_per_gather_choice=choice)
-  placed = params
-  if mesh is not None:  # unplaced params replicated on the mesh
-    put = lambda x: jax.device_put(x, NamedSharding(mesh, P()))
-    on_mesh = lambda x: isinstance(getattr(x, 'sharding', None), NamedSharding)
-    placed = jax.tree.map(lambda x: x if on_mesh(x) else put(x), params)
-  return ded, placed, ded.to_dedicated(placed), replicated, moved
-
-
-def boundary_of(ded, target) -> int:
-  return ded.boundaries.of_target[ded.boundaries.paths.index(target.path)]
-
-
-def _replicate_rest(ded, params, mesh, specs):
-  """AdamW params sharded over an owner axis, replicated over the owner
-  axes (inside train_step every device runs the whole model on its own
-  batch).
-
-  A leaf's sharding is the one its Flax metadata gives (``specs``), where
-  it has some: under an abstract or jitted init on Auto axes the traced
-  values carry none, yet ``jit(init, out_shardings=...)`` would place them
-  as their metadata says.
-  """
   flat, treedef = jax.tree.flatten_with_path(params)
   leaves = [x for _, x in flat]
   owner = set(ded.buffer_axes)
@@ -466,13 +446,17 @@ def _replicate_rest(ded, params, mesh, specs):
     mesh.shape[a] for e in _mesh.spec_entries(sp) for a in e
   )
   replicated, moved, extra = [], {}, 0
+  rest_specs = list(ded.rest_specs)  # (None: a Muon target)
   for i, (rest_spec, (keys, x)) in enumerate(zip(ded.rest_specs, flat)):
     spec = specs[i] if specs[i] is not None else rest_spec
-    # (rest_spec None: a Muon target)
     if rest_spec is None or not _mesh.sharded_axes([spec]) & owner:
       continue
     kept = P(*map(drop, _mesh.spec_entries(spec)))
     moved[i] = leaves[i] = jax.device_put(x, NamedSharding(mesh, kept))
+    # The plan reads an AdamW param only for its spec: the one it has now.
+    rest_specs[i] = _dedicated._rest_spec(
+      leaves[i], ded.leaf_paths[i], mesh, stacks
+    )
     replicated.append(text(path(keys)))
     nbytes = np.size(x) * jnp.dtype(x.dtype).itemsize
     extra += nbytes // ways(kept) - nbytes // ways(spec)
@@ -485,10 +469,24 @@ def _replicate_rest(ded, params, mesh, specs):
       'keep them sharded, shard them over another mesh axis; '
       'ded.summary() lists them.',
       _checks.DMuonWarning,
-      stacklevel=4,
+      stacklevel=3,
     )
-    params = jax.tree.unflatten(treedef, leaves)
-  return params, replicated, moved
+  choice = f'one layer per {scan} iteration' if stacks else None
+  ded = dataclasses.replace(
+    ded,
+    rest_specs=tuple(rest_specs),
+    layers_per_gather_choice=choice or ded.layers_per_gather_choice,
+  )
+  if mesh is not None:  # unplaced params replicated on the mesh
+    on_mesh = lambda x: isinstance(getattr(x, 'sharding', None), NamedSharding)
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, P()))
+    leaves = [x if on_mesh(x) else put(x) for x in leaves]
+  params = jax.tree.unflatten(treedef, leaves)
+  return ded, params, ded.to_dedicated(params), replicated, moved
+
+
+def boundary_of(ded, target) -> int:
+  return ded.boundaries.of_target[ded.boundaries.paths.index(target.path)]
 
 
 def _check_boundaries_hold_targets(params, ded, boundary_predicate) -> None:
@@ -522,15 +520,13 @@ def gather_points(ded, paths) -> tuple[tuple[Any, ...], ...]:
   inside it: its params are sliced to one layer there)."""
   points = [path(k) for k in ded.boundary_keys]
   for b, scanned in enumerate(ded.boundaries.scanned):
-    if not scanned:
-      continue
-    mine = [
-      paths[t.index][:-1] for t in ded.layout.leaves if boundary_of(ded, t) == b
-    ]
-    n = 0
-    while all(len(p) > n and p[n] == mine[0][n] for p in mine):
-      n += 1
-    points[b] = mine[0][:n]
+    if scanned:
+      mine = [
+        paths[t.index][:-1]
+        for t in ded.layout.leaves
+        if boundary_of(ded, t) == b
+      ]
+      points[b] = os.path.commonprefix(mine)
   return tuple(points)
 
 
@@ -543,9 +539,14 @@ def owned_mesh(ded, mesh) -> bool:
   )
 
 
-def rules_free_names(model, paths, specs, ded, mesh, targets) -> None:
-  """Makes what an NNX model's param metadata says of its sharding the
-  same whatever logical axis rules are in effect where it is dedicated.
+def check_model(model, paths, specs, ded, mesh, boundary_paths) -> None:
+  """Checks an NNX model for dedication, in one walk of its params.
+
+  Raises for a hook boundary that is not an ``nnx.Module``, a Muon target
+  held by two modules (tied weights), or a param whose sharding the
+  logical axis rules in effect decide (below); on a mesh whose axes of
+  more than one device are all owner axes, makes what such an AdamW
+  param's metadata says of its sharding rules-free instead.
 
   A trainer's init that dedicates may be traced twice: by
   ``jax.eval_shape`` outside ``nn.logical_axis_rules`` (Flax lm1b's and
@@ -559,19 +560,38 @@ def rules_free_names(model, paths, specs, ded, mesh, targets) -> None:
   where no rules are in effect could be sharded over an owner axis or not:
   an error naming it and the fix.
   """
-  if mesh is None:
-    return
-  axes = set(mesh.axis_names)
+  for b, bpath in enumerate(boundary_paths):
+    module = node_at(model, bpath)
+    if not isinstance(module, nnx.Module):
+      raise ValueError(
+        f'dmuon: hook boundary {ded.boundaries.names[b]!r} is a '
+        f'{type(module).__name__}, not an nnx.Module: its call cannot '
+        'gather. Pass a boundary_predicate that names modules.'
+      )
+  targets = {t.index for t in ded.layout.leaves}
+  held = {p: paths for paths in nnx.find_duplicates(model) for p in paths}
+  axes = set(() if mesh is None else mesh.axis_names)
   logical = lambda e: isinstance(e, str) and e not in axes
   replicated = owned_mesh(ded, mesh)
   owners = ded.buffer_axes
-  others = [a for a, n in mesh.shape.items() if n > 1 and a not in owners]
   for i, p in enumerate(paths):
+    # The target, or a module on its path, held by two parents: tied.
+    holders = max((held.get(p[:d], []) for d in range(1, len(p) + 1)), key=len)
+    if i in targets and len(holders) > 1:
+      raise ValueError(
+        f'dmuon: Muon target {text(p)!r} is held by '
+        f'{[text(h) for h in holders]} (tied weights): one owner cannot '
+        'serve two boundaries. Route it to AdamW (predicate) or untie it.'
+      )
     variable = node_at(model, p)
     names = variable.get_metadata().get('out_sharding')
     # Names that are mesh axes, which no rules change, are read the same
     # in any context.
-    if not names or _mesh.context_free_spec(variable, axes) is not None:
+    if (
+      mesh is None
+      or not names
+      or _mesh.context_free_spec(variable, axes) is not None
+    ):
       continue
     if replicated:
       if i not in targets:  # Muon targets: placeholders
@@ -589,9 +609,9 @@ def rules_free_names(model, paths, specs, ded, mesh, targets) -> None:
       decides = (
         'whether its owners store it split over a tensor-parallel axis'
         if i in targets
-        else 'whether dedication replicates it over the owner axes '
-        f'{ded.buffer_axes}'
+        else f'whether dedication replicates it over the owner axes {owners}'
       )
+      others = [a for a, n in mesh.shape.items() if n > 1 and a not in owners]
       raise ValueError(
         f'dmuon: dedicate cannot tell how param {text(p)!r} is sharded: its '
         f'out_sharding {tuple(names)} names logical axes {unmapped}, no '
@@ -618,32 +638,3 @@ def public_methods(cls: type) -> list[str]:
       if public and inspect.isfunction(fn) and name not in names:
         names.append(name)
   return names
-
-
-def check_untied(model, paths, targets_by_leaf) -> None:
-  """Raises for a Muon target held by two modules (tied weights)."""
-  held = {p: paths for paths in nnx.find_duplicates(model) for p in paths}
-  for i in targets_by_leaf:
-    # The target, or a module on its path, held by two parents: tied.
-    holders = max(
-      (held.get(paths[i][:d], []) for d in range(1, len(paths[i]) + 1)),
-      key=len,
-    )
-    if len(holders) > 1:
-      raise ValueError(
-        f'dmuon: Muon target {text(paths[i])!r} is held by '
-        f'{[text(h) for h in holders]} (tied weights): one owner cannot '
-        'serve two boundaries. Route it to AdamW (predicate) or untie it.'
-      )
-
-
-def check_boundary_modules(model, ded, boundary_paths) -> None:
-  """Raises for a hook boundary that is not an ``nnx.Module``."""
-  for b, bpath in enumerate(boundary_paths):
-    module = node_at(model, bpath)
-    if not isinstance(module, nnx.Module):
-      raise ValueError(
-        f'dmuon: hook boundary {ded.boundaries.names[b]!r} is a '
-        f'{type(module).__name__}, not an nnx.Module: its call cannot '
-        'gather. Pass a boundary_predicate that names modules.'
-      )

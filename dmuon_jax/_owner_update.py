@@ -417,14 +417,7 @@ def owner_step(
     )
     # Every slot runs one program (see slot_work), its matrices and their
     # offsets read from the tables.
-    one = functools.partial(
-      _gather.with_slot_rows,
-      olayout.buffer_axes,
-      olayout.num_slots,
-      run,
-      work.offsets,
-      dynamic=lay.dynamic,
-    )
+    one = functools.partial(_gather.with_slot_rows, lay, run, work.offsets)
     if olayout.iterations[g]:
       # Iteration t holds base slot (slot - t) mod n of the layout.
       res = jax.lax.map(

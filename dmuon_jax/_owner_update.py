@@ -327,11 +327,8 @@ def slot_work(olayout, lay, decay, skip_distributed=False) -> _layout.SlotWork:
   program for every slot, its matrices and their offsets read from tables.
   ``skip_distributed`` leaves out owner-group and TP matrices."""
 
-  def keep(g, s, b):
-    del g, s
-    distributed = b.grouped or b.tp_split is not None
-    return () if skip_distributed and distributed else b.units
-
+  distributed = lambda b: b.grouped or b.tp_split is not None
+  keep = lambda b: not (skip_distributed and distributed(b))
   return lay.slot_work(lambda u: _unit_key(olayout, lay, decay, u), keep)
 
 

@@ -224,14 +224,7 @@ class Exchange:
   def by_slot(self, fn, *operands):
     """``fn(rows, *operands)`` with this device's rows of :attr:`tables`
     (run-time; per-slot constants in a ``switch`` for buffers past int32)."""
-    return _gather.with_slot_rows(
-      self.axes,
-      self.num_slots,
-      fn,
-      self.tables,
-      *operands,
-      dynamic=self.layout.dynamic,
-    )
+    return _gather.with_slot_rows(self.layout, fn, self.tables, *operands)
 
   # -- forward: pieces to the owners --------------------------------------
 
@@ -532,7 +525,7 @@ def all_params(ded, dedicated) -> Any:
   :meth:`dmuon_jax.Dedication.params`)."""
   leaves = ded.treedef.flatten_up_to(_gather.gather_rest(ded, dedicated))
   for g, iters in enumerate(ded.layout.iterations):
-    local = list(ded.layout.group_buffers(dedicated.owned.buffers, g))
+    local = list(ded.layout.split_groups(dedicated.owned.buffers)[g])
     gather = lambda local, it=None, g=g: _gather.materialize(
       ded, g, _gather.gather_replicate(ded, local), it
     )
@@ -593,7 +586,7 @@ def run_group(ded, g: int, body: Callable[..., Any]) -> Callable[..., Any]:
 
   def call(dedicated, *args):
     rest = ded.treedef.flatten_up_to(dedicated.rest)
-    local = list(ded.layout.group_buffers(dedicated.owned.buffers, g))
+    local = list(ded.layout.split_groups(dedicated.owned.buffers)[g])
     if not iters:
       return inner(
         _gather.gather_replicate(ded, _gather.after_inputs(local, args)),

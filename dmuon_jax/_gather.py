@@ -121,20 +121,13 @@ def roll_slots(flat: jax.Array, shift, n: int, unreduced: bool = False):
   return rows.reshape(-1)
 
 
-def with_slot_rows(
-  axes: Sequence[str],
-  num_slots: int,
-  body,
-  tables: Sequence[np.ndarray],
-  *operands,
-  dynamic: bool = True,
-  shift=0,
-):
+def with_slot_rows(lay, body, tables: Sequence[np.ndarray], *operands, shift=0):
   """``body(rows, *operands)`` with this device's rows of ``tables``
-  (``(num_slots, ...)`` int arrays), its owner slot's over ``axes``, its
-  outputs marked as varying over ``axes``.
+  (``(num_slots, ...)`` int arrays), its owner slot's over the axes of
+  ``lay`` (a ``_layout.Layout``: its ``plan.axis_names``), its outputs
+  marked as varying over them.
 
-  With ``dynamic`` the rows are read at run time (a dynamic index from
+  Where ``lay.dynamic`` the rows are read at run time (a dynamic index from
   ``axis_index``): one program for every slot. Else (buffers too long for
   int32 offsets, see :data:`INDEX_LIMIT`) a ``lax.switch`` on the slot
   holds one branch per distinct row (its rows constants): slots of equal
@@ -144,11 +137,12 @@ def with_slot_rows(
   scalar) the slot is ``(slot - shift) mod num_slots``. A single slot
   reads its rows as constants, outside any ``shard_map`` axis.
   """
+  axes, num_slots = lay.plan.axis_names, lay.num_slots
   if num_slots == 1:
     return body([np.asarray(t)[0] for t in tables], *operands)
   index = slot_index(axes, num_slots, shift)
   vary = lambda out: jax.tree.map(lambda y: to_varying(y, axes), out)
-  if dynamic:
+  if lay.dynamic:
     rows = [jnp.asarray(np.asarray(t, np.int32))[index] for t in tables]
     return vary(body(rows, *operands))
   keys = [

@@ -308,7 +308,7 @@ class Layout:
     """The promoted dtype of dtype group ``g``'s leaves."""
     name = self.dtypes[g]
     dts = [x.dtype for x, d in zip(leaves, self.leaf_dtypes) if d == name]
-    return jnp.result_type(*dts) if dts else jnp.dtype(self.dtypes[g])
+    return jnp.result_type(*dts)  # every dtype group holds a leaf
 
   def unpack_full(
     self, buffers: Sequence[jax.Array], leaves=None, sizes=None, offsets=None
@@ -367,7 +367,7 @@ class Layout:
     tables at run time; else they are constants of per-slot branches)."""
     return max(self.local_sizes, default=0) < _gather.INDEX_LIMIT
 
-  def slot_work(self, unit_extra=None, units=None) -> SlotWork:
+  def slot_work(self, unit_extra: Callable, keep: Callable) -> SlotWork:
     """The slots' matrices by type: one program for every slot, each
     slot's matrices of a type and their offsets read from a table.
 
@@ -380,17 +380,15 @@ class Layout:
     hold equally many.
 
     Args:
-      unit_extra: optional ``unit_extra(u)``, hashable and orderable.
-      units: optional ``units(g, slot, bucket)``: the bucket's units to keep
-        (default all).
+      unit_extra: ``unit_extra(u)``, hashable and orderable.
+      keep: ``keep(bucket)``: whether to keep a bucket's units.
     """
-    extra = unit_extra or (lambda u: None)
     found: dict[tuple, tuple] = {}
     for s in range(self.num_slots):
       for g in range(self.num_groups):
-        for b in self.buckets(g, s):
-          for u in b.units if units is None else units(g, s, b):
-            key = repr(self._unit_key(u) + (extra(u),))
+        for b in filter(keep, self.buckets(g, s)):
+          for u in b.units:
+            key = repr(self._unit_key(u) + (unit_extra(u),))
             _, per = found.setdefault((g, key), (b, {}))
             per.setdefault(s, []).append(u)
     buckets: list[list[Bucket]] = [[] for _ in range(self.num_groups)]

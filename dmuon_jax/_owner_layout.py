@@ -167,7 +167,6 @@ class OwnerLayout:
     tp_size: int,
     mesh: Any,
     iterations: Sequence[int] | None = None,
-    logical_of: Any = None,
     param_entries: Sequence[Any] | None = None,
     layers_per_iteration: Sequence[int] = (),
     kind: str = 'dmuon',
@@ -187,7 +186,6 @@ class OwnerLayout:
       mesh: the ``AbstractMesh`` of the buffers (kept only when more than
         one device holds them).
       iterations: per group, 0 or its scan iterations (default: all 0).
-      logical_of: ``{leaf index: logical shape}`` of zero-padded leaves.
       param_entries: per target leaf, its sharding (default: unknown).
       layers_per_iteration: per group, the layers per scan iteration.
       kind: ``'dmuon'`` or ``'dedicated'``.
@@ -195,7 +193,8 @@ class OwnerLayout:
     Returns:
       The layout.
     """
-    logical_of = logical_of or {}
+    # A zero-padded leaf's layout holds it at ``padded``, crops to ``shape``.
+    logical_of = {t.index: t.shape for t in leaves if t.padded is not None}
     groups = tuple(
       Layout(
         gp,
@@ -244,10 +243,6 @@ class OwnerLayout:
     return tuple(
       (g, j) for g, lay in enumerate(self.groups) for j in range(lay.num_groups)
     )
-
-  def group_buffers(self, buffers: Sequence[Any], g: int) -> tuple:
-    """The buffers of group ``g`` (one per dtype group)."""
-    return tuple(b for b, (h, _) in zip(buffers, self.buffer_index) if h == g)
 
   def split_groups(self, blocks: Sequence[Any]) -> list[tuple]:
     """Flat owner blocks (one per group and dtype group, whatever

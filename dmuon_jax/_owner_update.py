@@ -327,11 +327,8 @@ def slot_work(olayout, lay, decay, skip_distributed=False) -> _layout.SlotWork:
   program for every slot, its matrices and their offsets read from tables.
   ``skip_distributed`` leaves out owner-group and TP matrices."""
 
-  def keep(g, s, b):
-    del g, s
-    distributed = b.grouped or b.tp_split is not None
-    return () if skip_distributed and distributed else b.units
-
+  distributed = lambda b: b.grouped or b.tp_split is not None
+  keep = lambda b: not (skip_distributed and distributed(b))
   return lay.slot_work(lambda u: _unit_key(olayout, lay, decay, u), keep)
 
 
@@ -417,14 +414,7 @@ def owner_step(
     )
     # Every slot runs one program (see slot_work), its matrices and their
     # offsets read from the tables.
-    one = functools.partial(
-      _gather.with_slot_rows,
-      olayout.buffer_axes,
-      olayout.num_slots,
-      run,
-      work.offsets,
-      dynamic=lay.dynamic,
-    )
+    one = functools.partial(_gather.with_slot_rows, lay, run, work.offsets)
     if olayout.iterations[g]:
       # Iteration t holds base slot (slot - t) mod n of the layout.
       res = jax.lax.map(

@@ -651,9 +651,7 @@ def run(
       out = body(_rows(st, len(plain_work.offsets), rows), c, hat, p)
       return jax.tree.map(lambda y: _vary(y, vary), out)
 
-    return _gather.with_slot_rows(
-      st.axes, st.n, f, tables, c, hat, params, dynamic=st.lay.dynamic
-    )
+    return _gather.with_slot_rows(st.lay, f, tables, c, hat, params)
 
   def reduced(c, op, name):
     """The per-matrix vectors ``name`` reduced over each matrix's devices:

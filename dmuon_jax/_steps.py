@@ -162,9 +162,7 @@ def explicit_step(cfg, hp, layout, targets, mus, count_inc):
       return tuple(lay.pack_whole_at(bufs, mats, leaves, rows))
 
     # One program for every device: its units read from tables by its slot.
-    grads = _gather.with_slot_rows(
-      axes, n, pack, lay.whole_tables(leaves), dynamic=lay.dynamic
-    )
+    grads = _gather.with_slot_rows(lay, pack, lay.whole_tables(leaves))
   ortho, mu = _owner_update.owner_step(cfg, hp, layout, grads, mus, count_inc)
   new = lay.unpack_full([_gather.gather_from_owners(o, axes) for o in ortho])
   return new, mu

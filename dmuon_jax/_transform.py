@@ -209,9 +209,6 @@ def _layout(setup: _Setup, params, with_path, holders, specs, mesh):
       for s in plan.leaves
     },
     split_of=dict(enumerate(splits)),
-    logical_of={
-      i: tuple(leaves[i].shape) for i, p in enumerate(padded) if p is not None
-    },
     buffer_axes=plan.axis_names,
     buffer_sizes=plan.mesh_shape,
     tp_axis=tp_axis,

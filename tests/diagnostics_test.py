@@ -4,6 +4,7 @@ for the suite's HLO tooling, examples/benchmarks/hlo_tools.py."""
 import doctest
 import functools
 import math
+import types
 import unittest
 
 import jax
@@ -576,6 +577,13 @@ dense<"0xPAIRS"> : tensor<4x2xi64>}> : (tensor<8xf32>) -> tensor<8xf32>
     )
 
 
+# A layout's slots as with_slot_rows reads them: 8 over both axes, offsets
+# past int32 (rows as constants of per-slot branches).
+STATIC_8 = types.SimpleNamespace(
+  plan=types.SimpleNamespace(axis_names=BOTH), num_slots=8, dynamic=False
+)
+
+
 class SharedBranchTest(absltest.TestCase):
   """Owner slots with equal rows share one branch body
   (``_gather.with_slot_rows``, static rows); ``dot_flops`` still counts
@@ -596,9 +604,7 @@ class SharedBranchTest(absltest.TestCase):
     def body(x, w):
       for keys in (keys_a, keys_b):
         table = np.asarray(keys)[:, None]
-        x = _gather.with_slot_rows(
-          BOTH, 8, matmuls, [table], x, w, dynamic=False
-        )
+        x = _gather.with_slot_rows(STATIC_8, matmuls, [table], x, w)
       return x
 
     f = jax.jit(_smap(body, self.mesh, (P(BOTH), P()), P(BOTH)))

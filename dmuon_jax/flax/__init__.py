@@ -201,7 +201,7 @@ def dedicate(
   for b, bpath in enumerate(boundary_paths):
     module = _model.node_at(model, bpath)
     g = _gather.group_of(ded, b)
-    for j, v in enumerate(ded.layout.group_buffers(owned_vars, g)):
+    for j, v in enumerate(ded.layout.split_groups(owned_vars)[g]):
       setattr(module, f'dmuon_owned_{j}', v)
     if ded.boundaries.scanned[b]:
       n = ded.layout.iterations[g]
@@ -376,7 +376,7 @@ def dedicate_linen(
   template = next((box for box in boxes if box is not None), None)
   buffer_paths: list[tuple] = [()] * len(dp.owned.buffers)
   for g, group in enumerate(ded.groups):
-    mine = ded.layout.group_buffers(range(len(buffer_paths)), g)
+    mine = ded.layout.split_groups(range(len(buffer_paths)))[g]
     for j, bi in enumerate(mine):
       buffer_paths[bi] = boundary_paths[group[0]] + (f'dmuon_owned_{j}',)
       buf = dp.owned.buffers[bi]

@@ -320,7 +320,7 @@ def _boundary_call(module, original, args, kwargs):
   g = _gather.group_of(ded, b)
   name = ded.boundaries.names[b]
   scanned = ded.boundaries.scanned[b]
-  count = len(ded.layout.group_buffers(ded.layout.buffer_index, g))
+  count = ded.layout.groups[g].num_groups
   local = [
     getattr(module, f'dmuon_owned_{j}').get_value() for j in range(count)
   ]
@@ -453,9 +453,9 @@ class _Interceptor:
       return next_fun(*args, **kwargs)
     b = md.boundary_paths.index(path)
     ded = md.dedication
-    bufs = ded.layout.group_buffers(
-      range(len(md.buffer_paths)), _gather.group_of(ded, b)
-    )
+    bufs = ded.layout.split_groups(range(len(md.buffer_paths)))[
+      _gather.group_of(ded, b)
+    ]
     scanned = ded.boundaries.scanned[b]
     if scanned:
       local, iteration = _one_layer(md, b, module, len(bufs))

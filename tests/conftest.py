@@ -129,7 +129,9 @@ def pytest_collection_modifyitems(config, items):
 
   A module's ``SLOW_CASES`` holds regexes searched in ``Class::test_name``
   of each of its tests: the rest of a mesh x mode grid beyond one
-  configuration per behaviour. ``-m 'not slow'`` (the inner loop) leaves
+  configuration per behaviour, and the compile-heavy checks (multi-layer
+  memory analyses, whole trainers) whose behaviour a cheaper case of the
+  inner loop also reaches. ``-m 'not slow'`` (the inner loop) leaves
   them out with the subprocess tests; the README's command and CI run
   everything.
   """

@@ -12,6 +12,10 @@ from absl.testing import absltest
 import dmuon_jax
 from tests import support
 
+# Compile-heavy: the README command runs these, the inner loop
+# (-m 'not slow') does not (tests/conftest.py).
+SLOW_CASES = (r'^ContractTest::test_inject_hyperparams_learning_rate$',)
+
 DIMS = support.dim_numbers
 
 

@@ -28,6 +28,13 @@ import dmuon_jax
 from dmuon_jax import checkpoint
 from tests import support
 
+# Compile-heavy: the README command runs these, the inner loop
+# (-m 'not slow') does not (tests/conftest.py).
+SLOW_CASES = (
+  r'^RestoreOnFourDevicesTest::test_restore_onto_4_devices_matches_optax_muon$',
+  r'^TrainTest::test_matches_optax_muon_mesh_2x4$',
+)
+
 D, HEADS, HEAD_DIM, HIDDEN, VOCAB = 16, 2, 8, 32, 32
 BATCH, SEQ = 8, 8
 LR = 0.02

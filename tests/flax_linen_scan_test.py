@@ -29,6 +29,14 @@ import dmuon_jax
 import dmuon_jax.flax as dflax
 from tests import support
 
+# Compile-heavy: the README command runs these, the inner loop
+# (-m 'not slow') does not (tests/conftest.py).
+SLOW_CASES = (
+  r'^ScannedLinenTest::test_plain_jit_z2$',
+  r'^ScannedLinenTest::test_train_step_z2$',
+  r'^ScannedLinenTest::test_train_step_z3$',
+)
+
 AXES = support.AXES
 D, F, HEADS, V, LAYERS = 32, 64, 4, 64, 3
 BATCH, LENGTH = 16, 9

@@ -36,7 +36,12 @@ from tests import support
 
 # One configuration per recipe runs in the inner loop; the Explicit-mesh
 # variants of the Auto recipes are the rest of the grid.
-SLOW_CASES = (r'nanodo_explicit', r'nnx_explicit')
+SLOW_CASES = (
+  r'nanodo_explicit',
+  r'nnx_explicit',
+  # compile-heavy: the README command runs it, the inner loop does not
+  r'^WarningTest::test_forced_replication_warns_once_explicit$',
+)
 
 AXES = ('replicate', 'shard')
 AUTO, EXPLICIT = AxisType.Auto, AxisType.Explicit

@@ -35,6 +35,13 @@ from optax.contrib import MuonDimensionNumbers as MDN
 import dmuon_jax
 from tests import support
 
+# Compile-heavy: the README command runs these, the inner loop
+# (-m 'not slow') does not (tests/conftest.py).
+SLOW_CASES = (
+  r'^Lm1bOrderTest::test_linen_drop_in_matches_optax_with_optax_sized_state$',
+  r'^PlainFsdpTest::test_3d_attention_fsdp_state_and_numbers_match_optax$',
+)
+
 D, F, V = 32, 64, 48
 LAYERS, BATCH, LENGTH = 2, 16, 8
 STEPS = 5

@@ -34,6 +34,9 @@ SLOW_CASES = (
   r'route_like_plain_init_auto',
   # Sharding kinds beyond both dims sharded and columns sharded.
   r'all_to_all_as_predicted_(size1_axis_8x1|two_axes_one_dim|hsdp_rows)',
+  # compile-heavy: the README command runs it, the inner loop does not
+  r'^NnxOptimizerTest::test_eager_and_jit_created_optimizers_route_like_plain_init_explicit$',
+  r'^SharedBodiesTest::test_a_batch_then_the_rest_one_at_a_time$',
 )
 
 AXES = ('replicate', 'shard')

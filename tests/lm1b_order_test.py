@@ -40,6 +40,13 @@ import dmuon_jax
 import dmuon_jax.flax as dflax
 from tests import support
 
+# Compile-heavy: the README command runs these, the inner loop
+# (-m 'not slow') does not (tests/conftest.py).
+SLOW_CASES = (
+  r'^Lm1bOrderTest::test_auto_fsdp_rules$',
+  r'^Lm1bOrderTest::test_explicit$',
+)
+
 D, F, V, LAYERS = 32, 64, 64, 3
 BATCH, LENGTH, STEPS, LR = 16, 9, 5, 0.01
 # lm1b's FSDP rules, onto the one mesh axis. The owner buffers' boxes name

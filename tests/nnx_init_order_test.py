@@ -49,6 +49,10 @@ import dmuon_jax
 import dmuon_jax.flax as dflax
 from tests import support
 
+# Compile-heavy: the README command runs these, the inner loop
+# (-m 'not slow') does not (tests/conftest.py).
+SLOW_CASES = (r'^NnxDedicatedOrderTest::test_auto_mesh_train_step$',)
+
 D, F, LAYERS = 32, 64, 2
 BATCH, STEPS, LR = 16, 5, 0.02
 # lm1b's FSDP rules: 'embed' over the data axis.

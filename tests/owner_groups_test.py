@@ -30,7 +30,14 @@ from tests import support
 
 # The rest of the grid, for CI and the README's command (see conftest.py).
 # (k=4 in the inner loop: DropInGroupsTest's k4_2x4.)
-SLOW_CASES = (r'DedicatedGroupsTest',)
+SLOW_CASES = (
+  r'DedicatedGroupsTest',
+  # compile-heavy: the README command runs it, the inner loop does not
+  r'^DropInGroupsTest::test_ten_steps_equal_single_device_optax_muon_k2_1x8$',
+  r'^DropInGroupsTest::test_ten_steps_equal_single_device_optax_muon_k4_2x4$',
+  r'^AutoGroupsTest::test_several_slices_per_device_equal_optax$',
+  r'^ExplicitGroupsTest::test_ten_steps_equal_single_device_optax_muon$',
+)
 
 STEPS = 10
 LR = 0.02

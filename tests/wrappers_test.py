@@ -28,6 +28,9 @@ from tests import support
 SLOW_CASES = (
   r'round_trip_onto_1x4_(chain|named_chain|apply_if_finite|inject)',
   r'update_matches_optax_(chain|named_chain)',
+  # compile-heavy: the README command runs it, the inner loop does not
+  r'^UpdateTest::test_update_matches_optax_multi_steps$',
+  r'^CheckpointTest::test_resumed_multi_steps_matches_the_saving_mesh$',
 )
 
 LR = 0.02

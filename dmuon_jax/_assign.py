@@ -170,8 +170,7 @@ def assign(
   # they fit, a swap of equal bytes). Every change lowers the total excess
   # by at least one, so this terminates; the search is deterministic
   # (units and slots in index order) and bounded by ``_REPAIR_BUDGET``
-  # partner checks.
-  makespan = float(loads.max(initial=0.0))
+  # partner checks. (``makespan`` is loads.max(): costs are >= 0.)
   on_slot: list[list[int]] = [[] for _ in range(num_slots)]
   for i, owner in enumerate(owners):
     on_slot[owner].append(i)
@@ -187,11 +186,6 @@ def assign(
     on_slot[dst].append(i)
     held[budget.key[i], src] -= unit.nbytes
     held[budget.key[i], dst] += unit.nbytes
-
-  def same_bytes(i, j):
-    return not bounded or (
-      budget.key[i] == budget.key[j] and units[i].nbytes == units[j].nbytes
-    )
 
   checks = _REPAIR_BUDGET
   changed = True
@@ -218,7 +212,11 @@ def assign(
             if (
               other.layer == layer
               or counts[other.layer][s] >= cap[other.layer]
-              or not same_bytes(i, j)
+              # (under a budget, only a swap of equal bytes keeps it)
+              or (
+                bounded
+                and (budget.key[j] != key or other.nbytes != unit.nbytes)
+              )
             ):
               continue
             delta = other.cost - unit.cost
@@ -377,8 +375,7 @@ def _distinct(
       choice = min(heldby[group], key=lambda m: (loads[m], m))
     elif group >= 0:
       free = [m for m in fits if m not in heldby[group]]
-      if not free:
-        free = [m for m in range(row_size) if m not in heldby[group]]
+      free = free or [m for m in range(row_size) if m not in heldby[group]]
       if free:
         choice = min(free, key=lambda m: (loads[m], m))
       heldby[group].add(int(choice))

@@ -561,22 +561,20 @@ def make_scale_by_dmuon(
   o = options
   cfg, hp = owner_config(o, shape_scaling)
   mesh = o['mesh']
-  if mesh is not None and not isinstance(
-    mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)
+  # A function closing over a Mesh (a Mesh itself has no closure).
+  if callable(mesh) and any(
+    isinstance(getattr(c, 'cell_contents', None), jax.sharding.Mesh)
+    for c in getattr(mesh, '__closure__', None) or ()
   ):
-    if callable(mesh) and any(
-      isinstance(getattr(c, 'cell_contents', None), jax.sharding.Mesh)
-      for c in getattr(mesh, '__closure__', None) or ()
-    ):
-      raise TypeError(
-        'dmuon: mesh is a function wrapping a jax.sharding.Mesh: '
-        'optax.inject_hyperparams treats every callable argument as a '
-        'schedule, and a Mesh is callable (it is a context decorator), so it '
-        "was called with the step count. Pass static_args=('mesh',) to "
-        'inject_hyperparams, or leave mesh out: dmuon then uses the mesh of '
-        'jax.set_mesh(...) or the mesh the params are placed on.'
-      )
-    _mesh.mesh_axes(mesh)  # Raises a TypeError naming what it got.
+    raise TypeError(
+      'dmuon: mesh is a function wrapping a jax.sharding.Mesh: '
+      'optax.inject_hyperparams treats every callable argument as a '
+      'schedule, and a Mesh is callable (it is a context decorator), so it '
+      "was called with the step count. Pass static_args=('mesh',) to "
+      'inject_hyperparams, or leave mesh out: dmuon then uses the mesh of '
+      'jax.set_mesh(...) or the mesh the params are placed on.'
+    )
+  # (resolve raises a TypeError naming any other mesh it gets)
   check_tp_preconditioning(
     _mesh.resolve(mesh, o['axis_names'], o['tensor_parallel_axis']),
     o['preconditioning'],

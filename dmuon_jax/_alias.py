@@ -584,7 +584,6 @@ def dedicated_muon(
         updates.rest,
         optax.tree_utils.tree_get(state[1], 'mu'),
         'dedicated_muon update()',
-        made_by='init()',
       )
       owned_u, muon_state = muon.update(
         updates.owned, state[0], None if params is None else params.owned

@@ -585,12 +585,9 @@ def dedicated_muon(
         optax.tree_utils.tree_get(state[1], 'mu'),
         'dedicated_muon update()',
       )
-      owned_u, muon_state = muon.update(
-        updates.owned, state[0], None if params is None else params.owned
-      )
-      rest_u, adam_state = adam.update(
-        updates.rest, state[1], None if params is None else params.rest
-      )
+      params = DedicatedParams(None, None) if params is None else params
+      owned_u, muon_state = muon.update(updates.owned, state[0], params.owned)
+      rest_u, adam_state = adam.update(updates.rest, state[1], params.rest)
       return (
         DedicatedParams(owned=owned_u, rest=rest_u),
         (muon_state, adam_state),

@@ -112,62 +112,6 @@ def routing_summary(
   return _route(params, predicate, muon_weight_dimension_numbers).summary
 
 
-def _partition(
-  muon: optax.GradientTransformation,
-  adam: optax.GradientTransformation,
-  predicate: Any,
-  dims: Any,
-) -> optax.GradientTransformation:
-  """``optax.partition`` of ``muon`` and ``adam`` as :func:`muon_labels`
-  labels the params. ``init`` logs the routing on its first call (and warns
-  if no leaf goes to Muon), and places the whole state on the owners' mesh
-  (AdamW's counts too), eagerly as under ``jax.jit``. ``update`` names the
-  leaves added or removed since ``init`` (else optax fails on a bare pytree
-  mismatch), and a ``params`` leaf that is not an array (an unfiltered
-  Equinox model: optax.partition fails on its structure)."""
-  inner = optax.partition(
-    {'muon': muon, 'adam': adam},
-    functools.partial(
-      muon_labels, predicate=predicate, muon_weight_dimension_numbers=dims
-    ),
-  )
-  reported = []  # whether init has logged the routing
-
-  def init_fn(params):
-    if not reported:
-      _checks.report_routing(_route(params, predicate, dims))
-      reported.append(True)
-    state = inner.init(params)
-    if not any(lay.distributed for lay in _transform.owner_layouts(state)):
-      return state
-    shardings = [getattr(x, 'sharding', None) for x in jax.tree.leaves(state)]
-    mesh = next(
-      (
-        s.mesh
-        for s in shardings
-        if isinstance(s, jax.sharding.NamedSharding)
-        and isinstance(s.mesh, jax.sharding.Mesh)
-      ),
-      None,
-    )
-    return _mesh.replicate_uncommitted(state, mesh)
-
-  def update_fn(updates, state, params=None):
-    if params is not None:
-      _routing.check_array_leaves(params)
-    # The AdamW moments keep init's tree and shapes (Muon leaves as
-    # MaskedNode; the Muon chain checks their shapes itself).
-    _checks.check_same_tree(
-      updates,
-      optax.tree_utils.tree_get(state.inner_states['adam'], 'mu'),
-      'update()',
-      is_leaf=lambda x: isinstance(x, optax.MaskedNode),
-    )
-    return inner.update(updates, state, params)
-
-  return optax.GradientTransformation(init_fn, update_fn)
-
-
 def dmuon(
   learning_rate: optax.ScalarOrSchedule,
   ns_coeffs: _transform.NsCoeffs = 'jordan',
@@ -375,14 +319,64 @@ def dmuon(
       optax.add_decayed_weights(weight_decay, weight_decay_mask),
     )
 
+  dims = muon_weight_dimension_numbers
+
+  def combine(muon, adam):
+    # optax.partition of ``muon`` and ``adam`` as :func:`muon_labels` labels
+    # the params. ``init`` logs the routing on its first call (and warns if
+    # no leaf goes to Muon), and places the whole state on the owners' mesh
+    # (AdamW's counts too), eagerly as under ``jax.jit``. ``update`` names
+    # the leaves added or removed since ``init`` (else optax fails on a bare
+    # pytree mismatch), and a ``params`` leaf that is not an array (an
+    # unfiltered Equinox model: optax.partition fails on its structure).
+    inner = optax.partition(
+      {'muon': muon, 'adam': adam},
+      functools.partial(
+        muon_labels, predicate=predicate, muon_weight_dimension_numbers=dims
+      ),
+    )
+    reported = []  # whether init has logged the routing
+
+    def init_fn(params):
+      if not reported:
+        _checks.report_routing(_route(params, predicate, dims))
+        reported.append(True)
+      state = inner.init(params)
+      if not any(lay.distributed for lay in _transform.owner_layouts(state)):
+        return state
+      shardings = [getattr(x, 'sharding', None) for x in jax.tree.leaves(state)]
+      mesh = next(
+        (
+          s.mesh
+          for s in shardings
+          if isinstance(s, jax.sharding.NamedSharding)
+          and isinstance(s.mesh, jax.sharding.Mesh)
+        ),
+        None,
+      )
+      return _mesh.replicate_uncommitted(state, mesh)
+
+    def update_fn(updates, state, params=None):
+      if params is not None:
+        _routing.check_array_leaves(params)
+      # The AdamW moments keep init's tree and shapes (Muon leaves as
+      # MaskedNode; the Muon chain checks their shapes itself).
+      _checks.check_same_tree(
+        updates,
+        optax.tree_utils.tree_get(state.inner_states['adam'], 'mu'),
+        'update()',
+        is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+      )
+      return inner.update(updates, state, params)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
   return muon_adamw(
     options,
     muon,
     # Explicit path: per-device gradients are averaged (pmean) first.
     _steps.mean_over_devices(),
-    lambda muon, adam: _partition(
-      muon, adam, predicate, muon_weight_dimension_numbers
-    ),
+    combine,
   )
 
 
@@ -590,14 +584,10 @@ def dedicated_muon(
         updates.rest,
         optax.tree_utils.tree_get(state[1], 'mu'),
         'dedicated_muon update()',
-        made_by='init()',
       )
-      owned_u, muon_state = muon.update(
-        updates.owned, state[0], None if params is None else params.owned
-      )
-      rest_u, adam_state = adam.update(
-        updates.rest, state[1], None if params is None else params.rest
-      )
+      params = DedicatedParams(None, None) if params is None else params
+      owned_u, muon_state = muon.update(updates.owned, state[0], params.owned)
+      rest_u, adam_state = adam.update(updates.rest, state[1], params.rest)
       return (
         DedicatedParams(owned=owned_u, rest=rest_u),
         (muon_state, adam_state),

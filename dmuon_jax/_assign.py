@@ -28,7 +28,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -170,8 +170,7 @@ def assign(
   # they fit, a swap of equal bytes). Every change lowers the total excess
   # by at least one, so this terminates; the search is deterministic
   # (units and slots in index order) and bounded by ``_REPAIR_BUDGET``
-  # partner checks.
-  makespan = float(loads.max(initial=0.0))
+  # partner checks. (``makespan`` is loads.max(): costs are >= 0.)
   on_slot: list[list[int]] = [[] for _ in range(num_slots)]
   for i, owner in enumerate(owners):
     on_slot[owner].append(i)
@@ -187,11 +186,6 @@ def assign(
     on_slot[dst].append(i)
     held[budget.key[i], src] -= unit.nbytes
     held[budget.key[i], dst] += unit.nbytes
-
-  def same_bytes(i, j):
-    return not bounded or (
-      budget.key[i] == budget.key[j] and units[i].nbytes == units[j].nbytes
-    )
 
   checks = _REPAIR_BUDGET
   changed = True
@@ -218,7 +212,11 @@ def assign(
             if (
               other.layer == layer
               or counts[other.layer][s] >= cap[other.layer]
-              or not same_bytes(i, j)
+              # (under a budget, only a swap of equal bytes keeps it)
+              or (
+                bounded
+                and (budget.key[j] != key or other.nbytes != unit.nbytes)
+              )
             ):
               continue
             delta = other.cost - unit.cost
@@ -377,8 +375,7 @@ def _distinct(
       choice = min(heldby[group], key=lambda m: (loads[m], m))
     elif group >= 0:
       free = [m for m in fits if m not in heldby[group]]
-      if not free:
-        free = [m for m in range(row_size) if m not in heldby[group]]
+      free = free or [m for m in range(row_size) if m not in heldby[group]]
       if free:
         choice = min(free, key=lambda m: (loads[m], m))
       heldby[group].add(int(choice))
@@ -533,95 +530,6 @@ def _fill(
   return best
 
 
-def plan_with_groups(
-  plan: OwnershipPlan,
-  owner_groups: Any,
-  ns_steps: int,
-  strides: Mapping[int, Sequence[int]],
-  ungroupable: Collection[int],
-) -> OwnershipPlan | None:
-  """``plan`` (whole matrices) with owner groups, or None when ``'auto'``
-  finds no gain (or nothing to group)."""
-  sizes = plan.mesh_shape
-  n = plan.num_slots
-  row_size = sizes[-1] if sizes else 1
-  forced = owner_groups != 'auto'
-  if forced and not 2 <= owner_groups <= row_size:
-    raise ValueError(
-      f'dmuon: owner_groups={owner_groups} needs 2 <= k <= the size of the '
-      f'innermost owner axis ({row_size}), along which a group of owners '
-      "shares a matrix. Pass a smaller k, or owner_groups='auto'."
-    )
-  if n == 1 or row_size == 1:
-    return None
-  costs = np.array(plan.slot_costs())
-  ideal = float(costs.sum()) / n
-  plain = float(costs.max(initial=0.0))
-  if not forced and plain <= _GROUP_TRIGGER * ideal:
-    return None
-  # The leaves whose matrices may be split: every groupable one when
-  # forced, else those costly enough (see _MIN_GROUP_FLOPS, _COARSE).
-  # (A leaf's matrices cost the same.)
-  cost = {u.leaf_index: u.cost for u in plan.units}
-  chosen = [
-    s
-    for s in plan.leaves
-    if s.leaf_index not in ungroupable
-    and min(s.matrix_shape) >= 2
-    and (
-      forced
-      or (
-        cost[s.leaf_index] >= _MIN_GROUP_FLOPS
-        and cost[s.leaf_index] > _COARSE * ideal
-      )
-    )
-  ]
-  if not chosen:
-    return None
-  parts = {
-    s.leaf_index: gram_parts(*sorted(s.matrix_shape), ns_steps) for s in chosen
-  }
-  bound = max([ideal] + [sum(p[1]) for p in parts.values()])
-  views = {}
-  for spec in chosen:
-    stride = strides.get(spec.leaf_index)
-    if forced:  # k slices, or an error
-      view = sliced_spec(spec, owner_groups, stride)
-      if view is None:
-        raise ValueError(
-          f'dmuon: owner_groups={owner_groups}: the long side of param '
-          f'{spec.path!r} (matrices {spec.matrix_shape[0]}x'
-          f'{spec.matrix_shape[1]}) does not split into {owner_groups} '
-          'slices on a dimension divisible by that times its shard count. '
-          "Pass a k that divides it, or owner_groups='auto'."
-        )
-    else:
-      # The fewest slices of at most _SLICE_FRACTION * bound work each
-      # that divide and keep MIN_SLICE rows/columns; else, if those would
-      # be too narrow, the most coarser ones that do (None if none does).
-      work = parts[spec.leaf_index][0]
-      least = max(2, math.ceil(work / (_SLICE_FRACTION * bound)))
-      counts = list(range(least, 4 * least + 1)) + list(range(least - 1, 1, -1))
-      for count in counts:
-        view = sliced_spec(spec, count, stride, MIN_SLICE)
-        if view is not None:
-          break
-    if view is not None:
-      views[spec.leaf_index] = view
-  if not views:
-    return None
-  sliced, pieces = resliced(plan, views, ns_steps, distinct=forced)
-  rows = [list(range(r, r + row_size)) for r in range(0, n, row_size)]
-  owners, groups = place(pieces, sliced.groups, sliced.units, rows)
-  grouped = dataclasses.replace(
-    sliced, owners=tuple(owners), groups=tuple(groups)
-  )
-  predicted = grouped.makespan + FLOPS_PER_BYTE * grouped.group_exchange_bytes()
-  if not forced and predicted > (1 - _GROUP_GAIN) * plain:
-    return None
-  return grouped
-
-
 def plan_ownership(
   params: Any,
   mesh: Any = None,
@@ -711,6 +619,7 @@ def plan_ownership(
       f'dmuon: {ns_steps=} must be a positive int (the Newton-Schulz'
       ' iterations the cost model counts); pass e.g. 5, as the optimizer.'
     )
+  ns_steps = int(ns_steps)
   check_ns_algorithm(ns_algorithm)
   names, sizes = mesh_axes(mesh, axis_names)
   check_devices(params, mesh)
@@ -724,7 +633,7 @@ def plan_ownership(
   for spec in leaves:
     fan_in, fan_out = spec.matrix_shape
     if cost_fn is None:
-      cost = ns_cost(fan_in, fan_out, int(ns_steps), ns_algorithm)
+      cost = ns_cost(fan_in, fan_out, ns_steps, ns_algorithm)
     else:
       cost = float(cost_fn(fan_in, fan_out))
       if not math.isfinite(cost) or cost < 0:
@@ -742,10 +651,79 @@ def plan_ownership(
     owners=tuple(assign(units, math.prod(sizes))),
     routing=routing.summary,
   )
+  # Owner groups: ``plan`` with some matrices split over a row of owners,
+  # unless 'auto' finds no gain (or nothing to group).
   owner_groups = check_option(owner_groups, ns_algorithm=ns_algorithm)
   if owner_groups is None or (owner_groups == 'auto' and cost_fn is not None):
     return plan
-  grouped = plan_with_groups(
-    plan, owner_groups, int(ns_steps), shard_counts or {}, set(ungroupable)
+  n = plan.num_slots
+  row_size = sizes[-1] if sizes else 1
+  forced = owner_groups != 'auto'
+  if forced and not 2 <= owner_groups <= row_size:
+    raise ValueError(
+      f'dmuon: owner_groups={owner_groups} needs 2 <= k <= the size of the '
+      f'innermost owner axis ({row_size}), along which a group of owners '
+      "shares a matrix. Pass a smaller k, or owner_groups='auto'."
+    )
+  if n == 1 or row_size == 1:
+    return plan
+  costs = np.array(plan.slot_costs())
+  ideal = float(costs.sum()) / n
+  plain = float(costs.max(initial=0.0))
+  if not forced and plain <= _GROUP_TRIGGER * ideal:
+    return plan
+  # The leaves whose matrices may be split: every groupable one when
+  # forced, else those costly enough (see _MIN_GROUP_FLOPS, _COARSE).
+  # (A leaf's matrices cost the same.)
+  cost = {u.leaf_index: u.cost for u in plan.units}
+  chosen = [
+    s
+    for s in plan.leaves
+    if s.leaf_index not in ungroupable
+    and min(s.matrix_shape) >= 2
+    and (forced or _MIN_GROUP_FLOPS <= cost[s.leaf_index] > _COARSE * ideal)
+  ]
+  if not chosen:
+    return plan
+  parts = {
+    s.leaf_index: gram_parts(*sorted(s.matrix_shape), ns_steps) for s in chosen
+  }
+  bound = max([ideal] + [sum(p[1]) for p in parts.values()])
+  views = {}
+  for spec in chosen:
+    stride = (shard_counts or {}).get(spec.leaf_index)
+    if forced:  # k slices, or an error
+      view = sliced_spec(spec, owner_groups, stride)
+      if view is None:
+        raise ValueError(
+          f'dmuon: owner_groups={owner_groups}: the long side of param '
+          f'{spec.path!r} (matrices {spec.matrix_shape[0]}x'
+          f'{spec.matrix_shape[1]}) does not split into {owner_groups} '
+          'slices on a dimension divisible by that times its shard count. '
+          "Pass a k that divides it, or owner_groups='auto'."
+        )
+    else:
+      # The fewest slices of at most _SLICE_FRACTION * bound work each
+      # that divide and keep MIN_SLICE rows/columns; else, if those would
+      # be too narrow, the most coarser ones that do (None if none does).
+      work = parts[spec.leaf_index][0]
+      least = max(2, math.ceil(work / (_SLICE_FRACTION * bound)))
+      counts = list(range(least, 4 * least + 1)) + list(range(least - 1, 1, -1))
+      for count in counts:
+        view = sliced_spec(spec, count, stride, MIN_SLICE)
+        if view is not None:
+          break
+    if view is not None:
+      views[spec.leaf_index] = view
+  if not views:
+    return plan
+  sliced, pieces = resliced(plan, views, ns_steps, distinct=forced)
+  rows = [list(range(r, r + row_size)) for r in range(0, n, row_size)]
+  owners, groups = place(pieces, sliced.groups, sliced.units, rows)
+  grouped = dataclasses.replace(
+    sliced, owners=tuple(owners), groups=tuple(groups)
   )
-  return plan if grouped is None else grouped
+  predicted = grouped.makespan + FLOPS_PER_BYTE * grouped.group_exchange_bytes()
+  if not forced and predicted > (1 - _GROUP_GAIN) * plain:
+    return plan
+  return grouped

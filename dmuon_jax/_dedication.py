@@ -442,7 +442,59 @@ class Dedication:
 
   def summary(self) -> str:
     """The gather groups, their padding, and the owner plan's summary."""
-    return _summary(self)
+    total = _gather_totals(self)
+    mode = 'Z3' if self.reshard_after_forward else 'Z2'
+    choice, rep = self.layers_per_gather_choice, self.replicate_axis
+    if choice == 'auto':
+      choice += f': padding <= {AUTO_PADDING_PERCENT:g}%'
+    lines = [
+      f'Dedicated ownership ({mode}) on {self.num_slots} slots, '
+      f'buffer axes {self.buffer_axes}'
+      + (f', replicate axis {rep!r}' if rep else '')
+      + f', {self.layers_per_gather} layer(s) per gather ({choice}), '
+      f'layout {self.layout.name}'
+    ]
+    for g, lay in enumerate(self.layout.groups):
+      got = lay.plan.gather_bytes()
+      names = ', '.join(
+        self.boundaries.names[b] or '<root>' for b in self.groups[g]
+      )
+      iters = self.layout.iterations[g]
+      times = f' x {iters} iterations' if iters else ''
+      split = len(lay.plan.groups)
+      slices = sum(len(x.units) for x in lay.plan.groups)
+      what = f'{len(lay.plan.units) - slices + split} matrices' + (
+        f' ({split} split into {slices} slices)' if split else ''
+      )
+      lines.append(
+        f'  gather {g}: {names}{times}: {what}, '
+        f'{_checks.human_bytes(got.payload)} gathered as '
+        f'{_checks.human_bytes(got.gathered)} (padding {got.padding:.1f}%)'
+      )
+    lines.append(
+      f'  total: Muon params {_checks.human_bytes(total.payload)}, '
+      f'gathered {_checks.human_bytes(total.gathered)} '
+      f'(padding {total.padding:.1f}%)'
+    )
+    if total.exchange:
+      lines.append(
+        f'  owner groups exchange per device per step: '
+        f'{_checks.human_bytes(total.exchange)} (float32 Grams and factors, one '
+        'reduce-scatter and one all-gather per restart window in each gather '
+        "group's update)"
+      )
+    if not self.plan.units:
+      lines.append(
+        '  no Muon targets: every param is an AdamW param (kept in rest)'
+      )
+    # The plan's own exchange line counts every group in one update; the
+    # dedicated update runs one per gather group (the line above).
+    plan_lines = [
+      line
+      for line in self.plan.summary().splitlines()
+      if not line.startswith('  owner groups exchange per device per step')
+    ]
+    return '\n'.join(lines + plan_lines)
 
 
 def check_owned(
@@ -500,65 +552,6 @@ def _gather_totals(ded: Dedication) -> _plan.GatherBytes:
   )
 
 
-def _summary(ded: Dedication) -> str:
-  total = _gather_totals(ded)
-  mode = 'Z3' if ded.reshard_after_forward else 'Z2'
-  lines = [
-    f'Dedicated ownership ({mode}) on {ded.num_slots} slots, '
-    f'buffer axes {ded.buffer_axes}'
-    + (f', replicate axis {ded.replicate_axis!r}' if ded.replicate_axis else '')
-    + f', {ded.layers_per_gather} layer(s) per gather'
-    + (
-      f' ({ded.layers_per_gather_choice}: padding <= {AUTO_PADDING_PERCENT:g}%)'
-      if ded.layers_per_gather_choice == 'auto'
-      else f' ({ded.layers_per_gather_choice})'
-    )
-    + f', layout {ded.layout.name}'
-  ]
-  for g, lay in enumerate(ded.layout.groups):
-    got = lay.plan.gather_bytes()
-    names = ', '.join(
-      ded.boundaries.names[b] or '<root>' for b in ded.groups[g]
-    )
-    iters = ded.layout.iterations[g]
-    times = f' x {iters} iterations' if iters else ''
-    split = len(lay.plan.groups)
-    slices = sum(len(x.units) for x in lay.plan.groups)
-    what = f'{len(lay.plan.units) - slices + split} matrices' + (
-      f' ({split} split into {slices} slices)' if split else ''
-    )
-    lines.append(
-      f'  gather {g}: {names}{times}: {what}, '
-      f'{_checks.human_bytes(got.payload)} gathered as '
-      f'{_checks.human_bytes(got.gathered)} (padding {got.padding:.1f}%)'
-    )
-  lines.append(
-    f'  total: Muon params {_checks.human_bytes(total.payload)}, '
-    f'gathered {_checks.human_bytes(total.gathered)} '
-    f'(padding {total.padding:.1f}%)'
-  )
-  exchange = total.exchange
-  if exchange:
-    lines.append(
-      f'  owner groups exchange per device per step: '
-      f'{_checks.human_bytes(exchange)} (float32 Grams and factors, one '
-      'reduce-scatter and one all-gather per restart window in each gather '
-      "group's update)"
-    )
-  if not ded.plan.units:
-    lines.append(
-      '  no Muon targets: every param is an AdamW param (kept in rest)'
-    )
-  # The plan's own exchange line counts every group in one update; the
-  # dedicated update runs one per gather group (the line above).
-  plan_lines = [
-    line
-    for line in ded.plan.summary().splitlines()
-    if not line.startswith('  owner groups exchange per device per step')
-  ]
-  return '\n'.join(lines + plan_lines)
-
-
 class DedicatedMuonState(NamedTuple):
   """State of :func:`scale_by_dedicated_muon`.
 
@@ -584,37 +577,6 @@ class DedicatedMuonState(NamedTuple):
   mu: _owner_layout.OwnerBuffers
   # Which layout wrote mu, as data (see dmuon_jax.ScaleByDMuonState).
   stamp: _owner_update.LayoutStamp
-
-
-def _decayed_leaves(
-  ded: Dedication, weight_decay, weight_decay_mask
-) -> frozenset[int] | None:
-  """Leaf indices of the Muon targets that decay (None: no decay)."""
-  if (
-    isinstance(weight_decay, (int, float))
-    and not isinstance(weight_decay, bool)
-    and weight_decay == 0
-  ):
-    return None
-  indices = [t.index for t in ded.layout.leaves]
-  if weight_decay_mask is None:
-    return frozenset(indices)
-  mask = weight_decay_mask
-  if callable(mask):
-    mask = mask(ded.abstract_params)
-  flags = ded.treedef.flatten_up_to(mask)
-  bad = [
-    ded.leaf_paths[i]
-    for i in indices
-    if not isinstance(flags[i], (bool, np.bool_))
-  ]
-  if bad:
-    raise ValueError(
-      f'dmuon: weight_decay_mask has non-boolean entries at {bad}; give a '
-      'tree like the params (or a callable params -> tree) of True/False, '
-      'as for optax.add_decayed_weights.'
-    )
-  return frozenset(i for i in indices if flags[i])
 
 
 def scale_by_dedicated_muon(
@@ -695,7 +657,26 @@ def scale_by_dedicated_muon(
       else ''
     ),
   )
-  decay = _decayed_leaves(dedication, weight_decay, weight_decay_mask)
+  # The leaf indices of the Muon targets that decay (None: no decay;
+  # make_hyperparams has rejected a bool weight_decay).
+  decay, mask, flags = None, weight_decay_mask, None
+  if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
+    indices = [t.index for t in dedication.layout.leaves]
+    if mask is not None:
+      mask = mask(dedication.abstract_params) if callable(mask) else mask
+      flags = dedication.treedef.flatten_up_to(mask)
+    bad = [
+      dedication.leaf_paths[i]
+      for i in indices
+      if flags is not None and not isinstance(flags[i], (bool, np.bool_))
+    ]
+    if bad:
+      raise ValueError(
+        f'dmuon: weight_decay_mask has non-boolean entries at {bad}; give a '
+        'tree like the params (or a callable params -> tree) of True/False, '
+        'as for optax.add_decayed_weights.'
+      )
+    decay = frozenset(i for i in indices if flags is None or flags[i])
 
   return optax.GradientTransformation(
     functools.partial(_muon_init, cfg, dedication),

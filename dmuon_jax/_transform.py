@@ -45,6 +45,9 @@ PADDED_MSG = (
 )
 
 
+# What a preconditioning other than Frobenius needs with a TP axis.
+_NO_TP = 'tensor_parallel_axis=None'
+
 # The options of scale_by_dmuon that make_config validates (by name).
 _CONFIG = (
   'ns_coeffs ns_steps momentum nesterov adaptive preconditioning '
@@ -143,11 +146,14 @@ def _layout(setup: _Setup, params, with_path, holders, specs, mesh):
     setup.tensor_parallel_axis,
     sharded_axes=_mesh.sharded_axes(known),
   )
-  check_tp_preconditioning(info, setup.cfg.preconditioning)
   sizes, owner_axes, tp_axis, tp_size = (
     ({}, (), None, 1)
     if info is None
     else (info.sizes, info.owner_axes, info.tp_axis, info.tp_size)
+  )
+  # (tp_axis: None unless the mesh splits matrices over more than one device)
+  _checks.check_preconditioning(
+    setup.cfg.preconditioning, tp_axis=tp_axis, otherwise=_NO_TP
   )
   # Per leaf: its sharding entries (None where its spec is unknown), TP
   # split and dim, the shape the layout holds (one TP shard's, zero-padded)
@@ -177,9 +183,7 @@ def _layout(setup: _Setup, params, with_path, holders, specs, mesh):
     weight_dimension_numbers=setup.weight_dimension_numbers,
     ns_steps=len(setup.cfg.coeffs),
     ns_algorithm=setup.cfg.ns_algorithm,
-    owner_groups=_checks.check_option(
-      setup.owner_groups, tp_axis=tp_axis if tp_size > 1 else None
-    ),
+    owner_groups=_checks.check_option(setup.owner_groups, tp_axis=tp_axis),
     shard_counts={
       i: tuple(math.prod(sizes[a] for a in d) for d in e)
       for i, e in enumerate(entries)
@@ -283,16 +287,6 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
     mu=_owner_layout.OwnerBuffers(buffers, layout),
     stamp=_owner_update.make_stamp(layout, replicate),
   )
-
-
-def check_tp_preconditioning(info: Any, preconditioning: str) -> None:
-  """Raises if a TP axis meets a preconditioning other than Frobenius."""
-  if info is not None and info.tp_size > 1:
-    _checks.check_preconditioning(
-      preconditioning,
-      tp_axis=info.tp_axis,
-      otherwise='tensor_parallel_axis=None',
-    )
 
 
 def _update(setup: _Setup, updates, state, params=None):
@@ -558,25 +552,25 @@ def make_scale_by_dmuon(
   o = options
   cfg, hp = owner_config(o, shape_scaling)
   mesh = o['mesh']
-  if mesh is not None and not isinstance(
-    mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)
+  # A function closing over a Mesh (a Mesh itself has no closure).
+  if callable(mesh) and any(
+    isinstance(getattr(c, 'cell_contents', None), jax.sharding.Mesh)
+    for c in getattr(mesh, '__closure__', None) or ()
   ):
-    if callable(mesh) and any(
-      isinstance(getattr(c, 'cell_contents', None), jax.sharding.Mesh)
-      for c in getattr(mesh, '__closure__', None) or ()
-    ):
-      raise TypeError(
-        'dmuon: mesh is a function wrapping a jax.sharding.Mesh: '
-        'optax.inject_hyperparams treats every callable argument as a '
-        'schedule, and a Mesh is callable (it is a context decorator), so it '
-        "was called with the step count. Pass static_args=('mesh',) to "
-        'inject_hyperparams, or leave mesh out: dmuon then uses the mesh of '
-        'jax.set_mesh(...) or the mesh the params are placed on.'
-      )
-    _mesh.mesh_axes(mesh)  # Raises a TypeError naming what it got.
-  check_tp_preconditioning(
-    _mesh.resolve(mesh, o['axis_names'], o['tensor_parallel_axis']),
+    raise TypeError(
+      'dmuon: mesh is a function wrapping a jax.sharding.Mesh: '
+      'optax.inject_hyperparams treats every callable argument as a '
+      'schedule, and a Mesh is callable (it is a context decorator), so it '
+      "was called with the step count. Pass static_args=('mesh',) to "
+      'inject_hyperparams, or leave mesh out: dmuon then uses the mesh of '
+      'jax.set_mesh(...) or the mesh the params are placed on.'
+    )
+  # (resolve raises a TypeError naming any other mesh it gets)
+  info = _mesh.resolve(mesh, o['axis_names'], o['tensor_parallel_axis'])
+  _checks.check_preconditioning(
     o['preconditioning'],
+    tp_axis=None if info is None else info.tp_axis,
+    otherwise=_NO_TP,
   )
   # The params' shardings given as a tree, as {path: spec}.
   param_specs = None

@@ -296,38 +296,104 @@ class Exchange:
       )
     return _gather.to_varying(out, self.axes) if spread else out
 
-  def pack(
-    self,
-    rows,
-    recv: dict,
-    leaf_matrices: dict[int, jax.Array],
-    dtypes: Sequence,
-  ) -> tuple[jax.Array, ...]:
-    """This device's owner buffers: each unit assembled from the pieces
-    received (``recv``: per class, ``(group size, row)``) or taken from a
-    whole leaf (``leaf_matrices``: ``to_matrices`` of each whole leaf),
-    written at its offset (``rows``: the device's rows of
-    :attr:`tables`)."""
+  def to_owners(self, targets: Sequence[jax.Array], dtypes) -> tuple:
+    """This device's owner buffers (one per dtype group, in ``dtypes``)
+    from its shards of the plan leaves ``targets``: each routed unit
+    assembled from the pieces its class's all-to-all brings, the others
+    read from their whole leaves (all-gathered first where sharded)."""
     lay = self.layout
-    bufs = [jnp.zeros((size,), dt) for size, dt in zip(lay.local_sizes, dtypes)]
-    routes, whole, _ = self._split_rows(rows)
+    recv = {  # per class, (group size, row)
+      key: jax.lax.all_to_all(
+        self.send_to_owners(key, targets, dtypes[key[1]]),
+        key[0],
+        0,
+        0,
+        tiled=True,
+      )
+      for key in self.classes
+    }
+    full = {}  # to_matrices of each whole leaf
+    for i in self.whole:
+      x = targets[i]
+      for dim, axes in enumerate(self.entries[i]):
+        if axes:
+          x = jax.lax.all_gather(x, axes, axis=dim, tiled=True, to='invarying')
+      full[i] = _layout.to_matrices(x, lay.plan.leaves[i])
+
+    def pack(rows):
+      bufs = [jnp.zeros((n,), dt) for n, dt in zip(lay.local_sizes, dtypes)]
+      routes, whole, _ = self._split_rows(rows)
+      for (axes, g), route_rows in routes.items():
+        for (i, _), row in zip(self.routes[(axes, g)], route_rows):
+          r, got = self.routed[i], recv[(axes, g)]
+          bufs[g] = _layout.write_at(
+            bufs[g],
+            row,
+            lambda src, r=r, got=got: r.assemble(
+              jax.lax.dynamic_slice_in_dim(got, src, r.piece_size, axis=1)
+            ),
+          )
+      return tuple(lay.pack_whole_at(bufs, full, self.whole, whole))
+
+    # Every device runs one program: its units and offsets are read from
+    # tables by its slot.
+    return self.by_slot(pack)
+
+  def from_owners(self, ortho: Sequence[jax.Array]) -> list[jax.Array]:
+    """This device's shard of each plan leaf from the owners' results
+    (``ortho``: this device's owner buffers): the non-routed leaves' by
+    one all-gather of compact per-owner buffers; each routed class's rows
+    by its forward all-to-all reversed, then an all-gather over the other
+    owner axes."""
+    lay = self.layout
+    out = [None] * len(lay.plan.leaves)
+    reps = [g for g in range(lay.num_groups) if self.rep_size[g]]
+    if reps:
+
+      def rep_pack(rows, bufs):
+        """This owner's results of non-routed leaves, compactly."""
+        rep, packed = self._split_rows(rows)[2], []
+        for g in reps:
+          o = jnp.zeros((self.rep_size[g],), bufs[g].dtype)
+          for shape, row in zip(self.rep_shapes[g], rep[g]):
+            o = _layout.write_at(
+              o, row, lambda s, b=bufs[g], sh=shape: lay.matrix_at(b, s, sh)
+            )
+          packed.append(o)
+        return tuple(packed)
+
+      gathered = [None] * lay.num_groups
+      for g, c in zip(reps, self.by_slot(rep_pack, ortho)):
+        gathered[g] = _gather.gather_from_owners(c, self.axes)
+      got = lay.unpack_full(gathered, self.whole, self.rep_size, self.rep_off)
+      for i, x in zip(self.whole, got):  # this device's shard of it
+        for dim, axes in enumerate(self.entries[i]):
+          if axes:
+            size = x.shape[dim] // math.prod(self.sizes[a] for a in axes)
+            at = jax.lax.axis_index(axes) * size
+            x = jax.lax.dynamic_slice_in_dim(x, at, size, axis=dim)
+        out[i] = x
+    back = {}  # per class, every owner's result rows, in slot order
     for key in self.classes:
-      _, g = key
-      for (i, _), row in zip(self.routes[key], routes[key]):
-        r = self.routed[i]
-        bufs[g] = _layout.write_at(
-          bufs[g],
-          row,
-          lambda src, r=r, key=key: r.assemble(
-            jax.lax.dynamic_slice_in_dim(recv[key], src, r.piece_size, axis=1)
-          ),
-        )
-    bufs = lay.pack_whole_at(bufs, leaf_matrices, self.whole, whole)
-    return tuple(bufs)
+      axes, g = key
+      x = self.by_slot(
+        lambda rows, b, key=key: self._send_back(key, rows, b), ortho
+      )
+      if x.shape[0] > 1:
+        x = jax.lax.all_to_all(x, axes, 0, 0, tiled=True)
+      others = tuple(a for a in self.axes if a not in axes)
+      if others and math.prod(self.sizes[a] for a in others) > 1:
+        x = jax.lax.all_gather(x, others, axis=0, tiled=False)
+      # x: (others..., axes...) -> slot order (mesh order of self.axes).
+      order = others + tuple(axes)
+      x = x.reshape(tuple(self.sizes[a] for a in order) + x.shape[-1:])
+      perm = [order.index(a) for a in self.axes] + [len(order)]
+      back[key] = jnp.transpose(x, perm).reshape(self.num_slots, -1)
+    for i in self.routed:
+      out[i] = self._local_leaf(i, back)
+    return out
 
-  # -- back: results to every device --------------------------------------
-
-  def send_back(self, key, rows, buffers: Sequence[jax.Array]) -> jax.Array:
+  def _send_back(self, key, rows, buffers: Sequence[jax.Array]) -> jax.Array:
     """This owner's ``(group size, row)`` result pieces of class ``key``
     for the devices of its axis group (member order)."""
     axes, g = key
@@ -342,24 +408,7 @@ class Exchange:
       out = _layout.write_at(out, row, get, back=True)
     return out
 
-  def back(self, key, send: jax.Array) -> jax.Array:
-    """Every owner's result rows of class ``key``, ``(num_slots, row)`` in
-    slot order: an all-to-all over the class's axes, then an all-gather
-    over the other owner axes."""
-    axes, _ = key
-    x = send
-    if x.shape[0] > 1:
-      x = jax.lax.all_to_all(x, axes, 0, 0, tiled=True)
-    others = tuple(a for a in self.axes if a not in axes)
-    if others and math.prod(self.sizes[a] for a in others) > 1:
-      x = jax.lax.all_gather(x, others, axis=0, tiled=False)
-    # x: (others..., axes...) -> slot order (mesh order of self.axes).
-    order = others + tuple(axes)
-    x = x.reshape(tuple(self.sizes[a] for a in order) + x.shape[-1:])
-    perm = [order.index(a) for a in self.axes] + [len(order)]
-    return jnp.transpose(x, perm).reshape(self.num_slots, -1)
-
-  def local_leaf(self, i: int, recv: dict) -> jax.Array:
+  def _local_leaf(self, i: int, recv: dict) -> jax.Array:
     """This device's shard of routed leaf ``i`` from the results received
     (``recv``: per class, every owner's rows)."""
     layout = self.layout
@@ -384,27 +433,6 @@ class Exchange:
       mats = buf[layout.plan.owners[u], off : off + r.piece_size][None]
     x = mats.reshape(r.batch_shape + r.piece)
     return jnp.transpose(x, tuple(np.argsort(r.perm))).reshape(r.leaf_local)
-
-  # -- replicated (and gathered) leaves -----------------------------------
-
-  def rep_pack(self, rows, buffers: Sequence[jax.Array], g: int) -> jax.Array:
-    """This owner's results of non-routed leaves, compactly, ``(rep,)``
-    (for a dtype group ``g`` that has some: ``rep_size[g] > 0``)."""
-    lay = self.layout
-    out = jnp.zeros((self.rep_size[g],), buffers[g].dtype)
-    _, _, rep = self._split_rows(rows)
-    for shape, row in zip(self.rep_shapes[g], rep[g]):
-      out = _layout.write_at(
-        out, row, lambda src, shape=shape: lay.matrix_at(buffers[g], src, shape)
-      )
-    return out
-
-  def rep_unpack(self, gathered: Sequence[jax.Array]) -> dict[int, jax.Array]:
-    """Whole non-routed leaves from the all-gathered compact buffers."""
-    got = self.layout.unpack_full(
-      gathered, self.whole, self.rep_size, self.rep_off
-    )
-    return dict(zip(self.whole, got))
 
   # -- the cost model ------------------------------------------------------
 
@@ -447,30 +475,6 @@ def _offsets(per_slot, size_of, offsets: dict[int, int]) -> int:
     offsets.update(zip(units, ends))
     longest = max(longest, ends[-1])
   return longest
-
-
-def gather_to_full(x: jax.Array, entries: _mesh.Entries) -> jax.Array:
-  """The whole array from this device's shard (one all-gather per dim)."""
-  for dim, axes in enumerate(entries):
-    if axes:
-      x = jax.lax.all_gather(x, axes, axis=dim, tiled=True, to='invarying')
-  return x
-
-
-def local_shard(
-  x: jax.Array,
-  entries: _mesh.Entries,
-  sizes: dict[str, int],
-) -> jax.Array:
-  """This device's shard of a whole (replicated) array."""
-  for dim, axes in enumerate(entries):
-    if axes:
-      n = math.prod(sizes[a] for a in axes)
-      size = x.shape[dim] // n
-      x = jax.lax.dynamic_slice_in_dim(
-        x, jax.lax.axis_index(axes) * size, size, axis=dim
-      )
-  return x
 
 
 def reduced_route(ded) -> bool:

@@ -22,7 +22,6 @@ from dmuon_jax import (
   _checks,
   _exchange,
   _gather,
-  _layout,
   _mesh,
   _owner_layout,
   _owner_update,
@@ -147,24 +146,11 @@ def explicit_step(cfg, hp, layout, targets, mus, count_inc):
       for b in lay.pack_full(targets)
     )
   else:
-    # Already reduced (the same on every device): each owner reads its own.
+    # Already reduced (the same on every device): each owner reads its own,
+    # as the drop-in path reads replicated leaves.
+    ex = _exchange.Exchange(lay, layout.owner_entries([None] * len(targets)))
     dtypes = [lay.promoted(targets, g) for g in range(lay.num_groups)]
-    leaves = range(len(lay.plan.leaves))
-    mats = {
-      i: _layout.to_matrices(targets[i], lay.plan.leaves[i]) for i in leaves
-    }
-
-    def pack(rows):
-      bufs = [
-        _gather.to_varying(jnp.zeros((size,), dt), axes)
-        for size, dt in zip(lay.local_sizes, dtypes)
-      ]
-      return tuple(lay.pack_whole_at(bufs, mats, leaves, rows))
-
-    # One program for every device: its units read from tables by its slot.
-    grads = _gather.with_slot_rows(
-      axes, n, pack, lay.whole_tables(leaves), dynamic=lay.dynamic
-    )
+    grads = ex.to_owners(targets, dtypes)
   ortho, mu = _owner_update.owner_step(cfg, hp, layout, grads, mus, count_inc)
   new = lay.unpack_full([_gather.gather_from_owners(o, axes) for o in ortho])
   return new, mu
@@ -396,9 +382,7 @@ def drop_in_step(setup, layout, targets, mus, count_inc, specs):
       for x, g, spec in zip(mus, given, buffer_specs)
     ]
   lay = layout.groups[0]
-  axes = lay.plan.axis_names
-  owner_entries = layout.owner_entries(entries)
-  ex = _exchange.Exchange(lay, owner_entries)
+  ex = _exchange.Exchange(lay, layout.owner_entries(entries))
   if ex.gathered:
     warn_once(
       GATHERED_MSG.format(
@@ -431,50 +415,11 @@ def drop_in_step(setup, layout, targets, mus, count_inc, specs):
       per_leaf_mu = [m.astype(b.dtype) for m, b in zip(per_leaf_mu, mus)]
       mus = None
     dtypes = [lay.promoted(targets, g) for g in range(lay.num_groups)]
-    recv = {
-      key: jax.lax.all_to_all(
-        ex.send_to_owners(key, targets, dtypes[key[1]]),
-        key[0],
-        0,
-        0,
-        tiled=True,
-      )
-      for key in ex.classes
-    }
-    full = {
-      i: _layout.to_matrices(
-        _exchange.gather_to_full(targets[i], owner_entries[i]),
-        lay.plan.leaves[i],
-      )
-      for i in ex.whole
-    }
-    # Every device runs one program: its units and offsets are read from
-    # tables by its slot (see Exchange.by_slot).
-    grads = ex.by_slot(lambda rows: ex.pack(rows, recv, full, dtypes))
+    grads = ex.to_owners(targets, dtypes)
     ortho, new_mu = _owner_update.owner_step(
       setup.cfg, hp, layout, grads, mus, count_inc
     )
-    out = [None] * len(targets)
-    rep_groups = [g for g in range(lay.num_groups) if ex.rep_size[g]]
-    if rep_groups:
-      compact = ex.by_slot(
-        lambda rows, b: tuple(ex.rep_pack(rows, b, g) for g in rep_groups),
-        ortho,
-      )
-      gathered = [None] * lay.num_groups
-      for g, c in zip(rep_groups, compact):
-        gathered[g] = _gather.gather_from_owners(c, axes)
-      for i, x in ex.rep_unpack(gathered).items():
-        out[i] = _exchange.local_shard(x, owner_entries[i], sizes)
-    back = {
-      key: ex.back(
-        key,
-        ex.by_slot(lambda rows, b, key=key: ex.send_back(key, rows, b), ortho),
-      )
-      for key in ex.classes
-    }
-    for i in ex.routed:
-      out[i] = ex.local_leaf(i, back)
+    out = ex.from_owners(ortho)
     return out, list(new_mu if per_leaf_mu is None else per_leaf_mu)
 
   new, mu = jax.shard_map(

@@ -59,7 +59,7 @@ FORCED_MSG = (
   '{got}, not as its layout says ({want}): each device holds {held} of '
   'it instead of {owned} ({extra} more per device, {total} over the '
   '{devices} devices), and a train step that keeps it in that sharding '
-  'all-gathers the new momentum every step ({gather} per device). Its '
+  'all-gathers the new momentum every step ({extra} per device). Its '
   'sharding was forced, e.g. by out_shardings derived from rules that do '
   'not know the owner buffers. Derive the state shardings from a state '
   'made by init: give init the params boxed (nn.Partitioned, '
@@ -310,7 +310,6 @@ def _warn_if_forced(layout, b: int, shape, sizes, got) -> None:
       extra=hb(extra),
       total=hb(devices * extra),
       devices=devices,
-      gather=hb(extra),
     ),
   )
 
@@ -371,16 +370,17 @@ def drop_in_step(setup, layout, targets, mus, count_inc, specs):
   # Per-leaf momentum enters as its gradient does.
   buffer_specs = list(in_specs if layout.per_leaf else layout.buffer_specs())
   given = None
+  reshard = lambda xs, have, want: [
+    x if h == w else jax.sharding.reshard(x, NamedSharding(mesh, w))
+    for x, h, w in zip(xs, have, want)
+  ]
   if _mesh.is_explicit(mesh):
     # A state forced into another sharding (warned above) enters the
     # owners' shard_map resharded (on Explicit axes its in_specs must be the
     # inputs' types) and leaves it in its own type: the state's types stay
     # those of its init, at the cost the warning names.
     given = [_mesh.type_spec(x) for x in mus]
-    mus = [
-      x if g == spec else jax.sharding.reshard(x, NamedSharding(mesh, spec))
-      for x, g, spec in zip(mus, given, buffer_specs)
-    ]
+    mus = reshard(mus, given, buffer_specs)
   lay = layout.groups[0]
   ex = _exchange.Exchange(lay, layout.owner_entries(entries))
   if ex.gathered:
@@ -434,10 +434,7 @@ def drop_in_step(setup, layout, targets, mus, count_inc, specs):
     check_vma=False,
   )(list(targets), list(mus), count_inc, _owner_update.dynamic(setup.hp))
   if given is not None:
-    mu = [
-      x if g == spec else jax.sharding.reshard(x, NamedSharding(mesh, g))
-      for x, g, spec in zip(mu, given, buffer_specs)
-    ]
+    mu = reshard(mu, buffer_specs, given)
   new = [_owner_layout.unpad(x, t.shape) for x, t in zip(new, layout.leaves)]
   return new, mu
 

@@ -5,7 +5,6 @@ inside ``shard_map``)."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -280,43 +279,9 @@ def fitting(t, spec, sizes, owner_axes):
   return e if shape == tuple(t.shape) else None
 
 
-def _warn_if_forced(layout, b: int, shape, sizes, got) -> None:
-  """Warns once if buffer ``b`` arrives in another sharding than its
-  layout's (``got``: its spec, or a ``jax.sharding.Sharding``)."""
-  want = layout.buffer_spec(b)
-  if want is None:
-    return
-  if isinstance(got, jax.sharding.NamedSharding):
-    got = got.spec
-  if isinstance(got, jax.sharding.Sharding):
-    local = tuple(got.shard_shape(tuple(shape)))
-  else:
-    local = _mesh.local_shape(shape, got, sizes)
-  owned = _mesh.local_shape(shape, want, sizes)
-  if local == owned:
-    return
-  itemsize = jnp.dtype(layout.buffer_shapes()[b].dtype).itemsize
-  extra = (math.prod(local) - math.prod(owned)) * itemsize
-  hb = _checks.human_bytes
-  devices = math.prod(sizes.values())
-  warn_once(
-    FORCED_MSG.format(
-      buffer=b,
-      name=layout.name,
-      got=got,
-      want=want,
-      held=hb(math.prod(local) * itemsize),
-      owned=hb(math.prod(owned) * itemsize),
-      extra=hb(extra),
-      total=hb(devices * extra),
-      devices=devices,
-    ),
-  )
-
-
 def _check_buffer_shardings(layout, mus, mesh) -> None:
   """Raises for a state laid out for another mesh; warns once per buffer
-  whose sharding is not its layout's.
+  whose sharding is not its layout's (:data:`FORCED_MSG`).
 
   Read where it is known: a concrete array's sharding (eager calls); a
   tracer's type on a mesh with Explicit axes; on Auto meshes, the sharding
@@ -336,19 +301,52 @@ def _check_buffer_shardings(layout, mus, mesh) -> None:
       'dmuon_jax.checkpoint.state_from_portable(state_to_portable(state), '
       'opt.init(params)).'
     )
+
+  def warn(b, got):
+    """Warns if buffer ``b`` arrives sharded as ``got`` (its spec, or a
+    ``jax.sharding.Sharding``), not as its layout says."""
+    want, buffer = layout.buffer_spec(b), layout.buffer_shapes()[b]
+    if want is None:
+      return
+    shape = buffer.shape  # the buffers' (check_buffers)
+    if isinstance(got, jax.sharding.NamedSharding):
+      got = got.spec
+    if isinstance(got, jax.sharding.Sharding):
+      local = tuple(got.shard_shape(tuple(shape)))
+    else:
+      local = _mesh.local_shape(shape, got, sizes)
+    owned = _mesh.local_shape(shape, want, sizes)
+    if local == owned:
+      return
+    itemsize = jnp.dtype(buffer.dtype).itemsize
+    extra = (math.prod(local) - math.prod(owned)) * itemsize
+    hb, devices = _checks.human_bytes, math.prod(sizes.values())
+    warn_once(
+      FORCED_MSG.format(
+        buffer=b,
+        name=layout.name,
+        got=got,
+        want=want,
+        held=hb(math.prod(local) * itemsize),
+        owned=hb(math.prod(owned) * itemsize),
+        extra=hb(extra),
+        total=hb(devices * extra),
+        devices=devices,
+      ),
+    )
+
   for b, x in enumerate(mus):
-    warn = functools.partial(_warn_if_forced, layout, b, np.shape(x), sizes)
     if not isinstance(x, jax.core.Tracer):
       if getattr(x, 'sharding', None) is not None:
-        warn(x.sharding)
+        warn(b, x.sharding)
     elif _mesh.is_explicit(mesh):
-      warn(_mesh.type_spec(x))
+      warn(b, _mesh.type_spec(x))
     elif not layout.probed:
 
-      def reported(sharding, b=b, warn=warn):
+      def reported(sharding, b=b):
         """The Auto-mesh probe's callback (at compile time)."""
         layout.probed.add(b)
-        warn(sharding)
+        warn(b, sharding)
 
       jax.debug.inspect_array_sharding(x, callback=reported)
 

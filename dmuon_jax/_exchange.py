@@ -1,8 +1,10 @@
 """Static routes between sharded params and owner buffers (all-to-all).
 
-Used inside the drop-in update's ``shard_map``. A Muon leaf whose sharded
-dimensions are all matrix dimensions (reduction or output axes: rows,
-columns, several axes on one dimension, both dimensions) is *routed*:
+Used inside the drop-in update's ``shard_map`` (and by the explicit path
+for reduced gradients: an exchange whose leaves are all replicated). A
+Muon leaf whose sharded dimensions are all matrix dimensions (reduction
+or output axes: rows, columns, several axes on one dimension, both
+dimensions) is *routed*:
 
 * to the owners: every device sends each owner of its *axis group* (the
   devices that differ from it only on the leaf's sharding axes ``A``) its

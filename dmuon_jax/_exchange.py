@@ -237,83 +237,68 @@ class Exchange:
 
   # -- forward: pieces to the owners --------------------------------------
 
-  def send_to_owners(
-    self, key, local_leaves: Sequence[jax.Array], dtype
-  ) -> jax.Array:
-    """This device's ``(group size, row)`` pieces for the owners of its
-    axis group (class ``key``); rows in member order."""
-    axes, _ = key
-    layout = self.layout
-    others = tuple(a for a in self.axes if a not in axes)
-    spread = math.prod(self.sizes[a] for a in others) > 1
-    group_size = math.prod(self.sizes[a] for a in axes)
-    leaves = {
-      layout.unit_leaf[u]: None for per in self.fwd_units[key] for u in per
-    }
-    # Each local piece goes to exactly one owner; this device sends those of
-    # the owners at its own coordinates off the class's axes. One scatter
-    # per leaf places its pieces (not a slice per unit: the DeepSeek-V3-like
-    # stack has 44,834), at rows numbered over every coordinate and shifted
-    # by this device's: other coordinates' rows fall outside and are
-    # dropped (one program for all devices, no buffer for other rows).
-    out = _gather.in_loop(
-      jnp.zeros((group_size, self.fwd_size[key]), dtype),
-      [local_leaves[i] for i in leaves],
-    )
-    shift = np.zeros(2, np.int32)
-    if spread:
-      shift = jnp.stack(
-        [jax.lax.axis_index(others) * group_size, jnp.zeros((), jnp.int32)]
-      )
-    order = others + tuple(axes)
-    for i in leaves:
-      r = self.routed[i]
-      pieces = jnp.transpose(local_leaves[i].reshape(r.view_local), r.perm)
-      # The count is explicit: a -1 cannot be inferred for an empty leaf.
-      count = math.prod(r.batch_shape)
-      pieces = pieces.reshape(count, r.piece_size).astype(dtype)
-      if not pieces.size:
-        continue
-      # Per piece (at its unit's flat batch index), its owner's row over
-      # (others, axes) and its offset in that row.
-      units = layout.leaf_units[i]
-      owners = np.asarray([layout.plan.owners[u] for u in units])
-      rows = _gather.renumber(owners, self.axes, order, self.sizes)
-      at = np.zeros((len(units), 2), np.int32)
-      at[[layout.unit_batch[u] for u in units]] = np.stack(
-        [rows, [self.fwd_off[u] for u in units]], 1
-      )
-      out = jax.lax.scatter(
-        out,
-        jnp.asarray(at) - shift,
-        pieces,
-        jax.lax.ScatterDimensionNumbers(
-          update_window_dims=(1,),
-          inserted_window_dims=(0,),
-          scatter_dims_to_operand_dims=(0, 1),
-        ),
-        indices_are_sorted=False,
-        unique_indices=True,
-        mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
-      )
-    return _gather.to_varying(out, self.axes) if spread else out
-
   def to_owners(self, targets: Sequence[jax.Array], dtypes) -> tuple:
     """This device's owner buffers (one per dtype group, in ``dtypes``)
     from its shards of the plan leaves ``targets``: each routed unit
     assembled from the pieces its class's all-to-all brings, the others
     read from their whole leaves (all-gathered first where sharded)."""
     lay = self.layout
-    recv = {  # per class, (group size, row)
-      key: jax.lax.all_to_all(
-        self.send_to_owners(key, targets, dtypes[key[1]]),
-        key[0],
-        0,
-        0,
-        tiled=True,
+    recv = {}  # per class, (group size, row): rows in member order
+    for key, per_slot in self.fwd_units.items():
+      axes, g = key
+      others = tuple(a for a in self.axes if a not in axes)
+      spread = math.prod(self.sizes[a] for a in others) > 1
+      group_size = math.prod(self.sizes[a] for a in axes)
+      leaves = {lay.unit_leaf[u]: None for per in per_slot for u in per}
+      # Each local piece goes to exactly one owner; this device sends those
+      # of the owners at its own coordinates off the class's axes. One
+      # scatter per leaf places its pieces (not a slice per unit: the
+      # DeepSeek-V3-like stack has 44,834), at rows numbered over every
+      # coordinate and shifted by this device's: other coordinates' rows
+      # fall outside and are dropped (one program for all devices, no
+      # buffer for other rows).
+      out = _gather.in_loop(
+        jnp.zeros((group_size, self.fwd_size[key]), dtypes[g]),
+        [targets[i] for i in leaves],
       )
-      for key in self.classes
-    }
+      shift = np.zeros(2, np.int32)
+      if spread:
+        shift = jnp.stack(
+          [jax.lax.axis_index(others) * group_size, jnp.zeros((), jnp.int32)]
+        )
+      order = others + tuple(axes)
+      for i in leaves:
+        r = self.routed[i]
+        pieces = jnp.transpose(targets[i].reshape(r.view_local), r.perm)
+        # The count is explicit: a -1 cannot be inferred for an empty leaf.
+        count = math.prod(r.batch_shape)
+        pieces = pieces.reshape(count, r.piece_size).astype(dtypes[g])
+        if not pieces.size:
+          continue
+        # Per piece (at its unit's flat batch index), its owner's row over
+        # (others, axes) and its offset in that row.
+        units = lay.leaf_units[i]
+        owners = np.asarray([lay.plan.owners[u] for u in units])
+        rows = _gather.renumber(owners, self.axes, order, self.sizes)
+        at = np.zeros((len(units), 2), np.int32)
+        at[[lay.unit_batch[u] for u in units]] = np.stack(
+          [rows, [self.fwd_off[u] for u in units]], 1
+        )
+        out = jax.lax.scatter(
+          out,
+          jnp.asarray(at) - shift,
+          pieces,
+          jax.lax.ScatterDimensionNumbers(
+            update_window_dims=(1,),
+            inserted_window_dims=(0,),
+            scatter_dims_to_operand_dims=(0, 1),
+          ),
+          indices_are_sorted=False,
+          unique_indices=True,
+          mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
+        )
+      out = _gather.to_varying(out, self.axes) if spread else out
+      recv[key] = jax.lax.all_to_all(out, axes, 0, 0, tiled=True)
     full = {}  # to_matrices of each whole leaf
     for i in self.whole:
       x = targets[i]
@@ -378,9 +363,21 @@ class Exchange:
     back = {}  # per class, every owner's result rows, in slot order
     for key in self.classes:
       axes, g = key
-      x = self.by_slot(
-        lambda rows, b, key=key: self._send_back(key, rows, b), ortho
-      )
+
+      def send_back(rows, bufs, key=key, g=g):
+        """This owner's ``(group size, row)`` result pieces of class
+        ``key`` for the devices of its axis group (member order)."""
+        size = math.prod(self.sizes[a] for a in key[0])
+        x = jnp.zeros((size, max(self.fwd_size[key], 1)), bufs[g].dtype)
+        routes = self._split_rows(rows)[0][key]
+        for (i, shape), row in zip(self.routes[key], routes):
+          get = lambda s, r=self.routed[i], shape=shape: r.split(
+            lay.matrix_at(bufs[g], s, shape).reshape(r.full)
+          )
+          x = _layout.write_at(x, row, get, back=True)
+        return x
+
+      x = self.by_slot(send_back, ortho)
       if x.shape[0] > 1:
         x = jax.lax.all_to_all(x, axes, 0, 0, tiled=True)
       others = tuple(a for a in self.axes if a not in axes)
@@ -391,50 +388,30 @@ class Exchange:
       x = x.reshape(tuple(self.sizes[a] for a in order) + x.shape[-1:])
       perm = [order.index(a) for a in self.axes] + [len(order)]
       back[key] = jnp.transpose(x, perm).reshape(self.num_slots, -1)
-    for i in self.routed:
-      out[i] = self._local_leaf(i, back)
+    for i, r in self.routed.items():  # this device's shard of each
+      units = lay.leaf_units[i]
+      buf = back[(r.axes, lay.unit_group[units[0]])]
+      if len(units) > 1:
+        # One gather of the leaf's pieces (each at its owner's row and
+        # offset: a table of the leaf's unit count), not a slice per unit
+        # (owner groups cut a matrix into many units: Llama-3-8B at N =
+        # 1024 has 1,664; compile 54.0 s -> 20.1 s).
+        where = np.array(
+          [[lay.plan.owners[u], self.fwd_off[u]] for u in units], np.int32
+        )
+        mats = jax.vmap(
+          lambda at, buf=buf, r=r: jax.lax.dynamic_slice(
+            buf, at, (1, r.piece_size)
+          )[0]
+        )(where)
+      else:
+        (u,) = units
+        off = self.fwd_off[u]
+        mats = buf[lay.plan.owners[u], off : off + r.piece_size][None]
+      x = mats.reshape(r.batch_shape + r.piece)
+      x = jnp.transpose(x, tuple(np.argsort(r.perm)))
+      out[i] = x.reshape(r.leaf_local)
     return out
-
-  def _send_back(self, key, rows, buffers: Sequence[jax.Array]) -> jax.Array:
-    """This owner's ``(group size, row)`` result pieces of class ``key``
-    for the devices of its axis group (member order)."""
-    axes, g = key
-    size = math.prod(self.sizes[a] for a in axes)
-    out = jnp.zeros((size, max(self.fwd_size[key], 1)), buffers[g].dtype)
-    routes, _, _ = self._split_rows(rows)
-    for (i, shape), row in zip(self.routes[key], routes[key]):
-      r = self.routed[i]
-      get = lambda s, r=r, shape=shape: r.split(
-        self.layout.matrix_at(buffers[g], s, shape).reshape(r.full)
-      )
-      out = _layout.write_at(out, row, get, back=True)
-    return out
-
-  def _local_leaf(self, i: int, recv: dict) -> jax.Array:
-    """This device's shard of routed leaf ``i`` from the results received
-    (``recv``: per class, every owner's rows)."""
-    layout = self.layout
-    r = self.routed[i]
-    units = layout.leaf_units[i]
-    g = layout.unit_group[units[0]]
-    buf = recv[(r.axes, g)]
-    if len(units) > 1:
-      # One gather of the leaf's pieces (each at its owner's row and offset:
-      # a table of the leaf's unit count), not a slice per unit (owner
-      # groups cut a matrix into many units: Llama-3-8B at N = 1024 has
-      # 1,664; compile 54.0 s -> 20.1 s).
-      where = np.array(
-        [[layout.plan.owners[u], self.fwd_off[u]] for u in units], np.int32
-      )
-      mats = jax.vmap(
-        lambda at: jax.lax.dynamic_slice(buf, at, (1, r.piece_size))[0]
-      )(where)
-    else:
-      (u,) = units
-      off = self.fwd_off[u]
-      mats = buf[layout.plan.owners[u], off : off + r.piece_size][None]
-    x = mats.reshape(r.batch_shape + r.piece)
-    return jnp.transpose(x, tuple(np.argsort(r.perm))).reshape(r.leaf_local)
 
   # -- the cost model ------------------------------------------------------
 

@@ -1,8 +1,10 @@
 """Static routes between sharded params and owner buffers (all-to-all).
 
-Used inside the drop-in update's ``shard_map``. A Muon leaf whose sharded
-dimensions are all matrix dimensions (reduction or output axes: rows,
-columns, several axes on one dimension, both dimensions) is *routed*:
+Used inside the drop-in update's ``shard_map`` (and by the explicit path
+for reduced gradients: an exchange whose leaves are all replicated). A
+Muon leaf whose sharded dimensions are all matrix dimensions (reduction
+or output axes: rows, columns, several axes on one dimension, both
+dimensions) is *routed*:
 
 * to the owners: every device sends each owner of its *axis group* (the
   devices that differ from it only on the leaf's sharding axes ``A``) its
@@ -228,176 +230,181 @@ class Exchange:
 
   # -- forward: pieces to the owners --------------------------------------
 
-  def send_to_owners(
-    self, key, local_leaves: Sequence[jax.Array], dtype
-  ) -> jax.Array:
-    """This device's ``(group size, row)`` pieces for the owners of its
-    axis group (class ``key``); rows in member order."""
-    axes, _ = key
-    layout = self.layout
-    others = tuple(a for a in self.axes if a not in axes)
-    spread = math.prod(self.sizes[a] for a in others) > 1
-    group_size = math.prod(self.sizes[a] for a in axes)
-    leaves = {
-      layout.unit_leaf[u]: None for per in self.fwd_units[key] for u in per
-    }
-    # Each local piece goes to exactly one owner; this device sends those of
-    # the owners at its own coordinates off the class's axes. One scatter
-    # per leaf places its pieces (not a slice per unit: the DeepSeek-V3-like
-    # stack has 44,834), at rows numbered over every coordinate and shifted
-    # by this device's: other coordinates' rows fall outside and are
-    # dropped (one program for all devices, no buffer for other rows).
-    out = _gather.in_loop(
-      jnp.zeros((group_size, self.fwd_size[key]), dtype),
-      [local_leaves[i] for i in leaves],
-    )
-    shift = np.zeros(2, np.int32)
-    if spread:
-      shift = jnp.stack(
-        [jax.lax.axis_index(others) * group_size, jnp.zeros((), jnp.int32)]
-      )
-    order = others + tuple(axes)
-    for i in leaves:
-      r = self.routed[i]
-      pieces = jnp.transpose(local_leaves[i].reshape(r.view_local), r.perm)
-      # The count is explicit: a -1 cannot be inferred for an empty leaf.
-      count = math.prod(r.batch_shape)
-      pieces = pieces.reshape(count, r.piece_size).astype(dtype)
-      if not pieces.size:
-        continue
-      # Per piece (at its unit's flat batch index), its owner's row over
-      # (others, axes) and its offset in that row.
-      units = layout.leaf_units[i]
-      owners = np.asarray([layout.plan.owners[u] for u in units])
-      rows = _gather.renumber(owners, self.axes, order, self.sizes)
-      at = np.zeros((len(units), 2), np.int32)
-      at[[layout.unit_batch[u] for u in units]] = np.stack(
-        [rows, [self.fwd_off[u] for u in units]], 1
-      )
-      out = jax.lax.scatter(
-        out,
-        jnp.asarray(at) - shift,
-        pieces,
-        jax.lax.ScatterDimensionNumbers(
-          update_window_dims=(1,),
-          inserted_window_dims=(0,),
-          scatter_dims_to_operand_dims=(0, 1),
-        ),
-        indices_are_sorted=False,
-        unique_indices=True,
-        mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
-      )
-    return _gather.to_varying(out, self.axes) if spread else out
-
-  def pack(
-    self,
-    rows,
-    recv: dict,
-    leaf_matrices: dict[int, jax.Array],
-    dtypes: Sequence,
-  ) -> tuple[jax.Array, ...]:
-    """This device's owner buffers: each unit assembled from the pieces
-    received (``recv``: per class, ``(group size, row)``) or taken from a
-    whole leaf (``leaf_matrices``: ``to_matrices`` of each whole leaf),
-    written at its offset (``rows``: the device's rows of
-    :attr:`tables`)."""
+  def to_owners(self, targets: Sequence[jax.Array], dtypes) -> tuple:
+    """This device's owner buffers (one per dtype group, in ``dtypes``)
+    from its shards of the plan leaves ``targets``: each routed unit
+    assembled from the pieces its class's all-to-all brings, the others
+    read from their whole leaves (all-gathered first where sharded)."""
     lay = self.layout
-    bufs = [jnp.zeros((size,), dt) for size, dt in zip(lay.local_sizes, dtypes)]
-    routes, whole, _ = self._split_rows(rows)
-    for key in self.classes:
-      _, g = key
-      for (i, _), row in zip(self.routes[key], routes[key]):
-        r = self.routed[i]
-        bufs[g] = _layout.write_at(
-          bufs[g],
-          row,
-          lambda src, r=r, key=key: r.assemble(
-            jax.lax.dynamic_slice_in_dim(recv[key], src, r.piece_size, axis=1)
-          ),
+    recv = {}  # per class, (group size, row): rows in member order
+    for key, per_slot in self.fwd_units.items():
+      axes, g = key
+      others = tuple(a for a in self.axes if a not in axes)
+      spread = math.prod(self.sizes[a] for a in others) > 1
+      group_size = math.prod(self.sizes[a] for a in axes)
+      leaves = {lay.unit_leaf[u]: None for per in per_slot for u in per}
+      # Each local piece goes to exactly one owner; this device sends those
+      # of the owners at its own coordinates off the class's axes. One
+      # scatter per leaf places its pieces (not a slice per unit: the
+      # DeepSeek-V3-like stack has 44,834), at rows numbered over every
+      # coordinate and shifted by this device's: other coordinates' rows
+      # fall outside and are dropped (one program for all devices, no
+      # buffer for other rows).
+      out = _gather.in_loop(
+        jnp.zeros((group_size, self.fwd_size[key]), dtypes[g]),
+        [targets[i] for i in leaves],
+      )
+      shift = np.zeros(2, np.int32)
+      if spread:
+        shift = jnp.stack(
+          [jax.lax.axis_index(others) * group_size, jnp.zeros((), jnp.int32)]
         )
-    bufs = lay.pack_whole_at(bufs, leaf_matrices, self.whole, whole)
-    return tuple(bufs)
+      order = others + tuple(axes)
+      for i in leaves:
+        r = self.routed[i]
+        pieces = jnp.transpose(targets[i].reshape(r.view_local), r.perm)
+        # The count is explicit: a -1 cannot be inferred for an empty leaf.
+        count = math.prod(r.batch_shape)
+        pieces = pieces.reshape(count, r.piece_size).astype(dtypes[g])
+        if not pieces.size:
+          continue
+        # Per piece (at its unit's flat batch index), its owner's row over
+        # (others, axes) and its offset in that row.
+        units = lay.leaf_units[i]
+        owners = np.asarray([lay.plan.owners[u] for u in units])
+        rows = _gather.renumber(owners, self.axes, order, self.sizes)
+        at = np.zeros((len(units), 2), np.int32)
+        at[[lay.unit_batch[u] for u in units]] = np.stack(
+          [rows, [self.fwd_off[u] for u in units]], 1
+        )
+        out = jax.lax.scatter(
+          out,
+          jnp.asarray(at) - shift,
+          pieces,
+          jax.lax.ScatterDimensionNumbers(
+            update_window_dims=(1,),
+            inserted_window_dims=(0,),
+            scatter_dims_to_operand_dims=(0, 1),
+          ),
+          indices_are_sorted=False,
+          unique_indices=True,
+          mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
+        )
+      out = _gather.to_varying(out, self.axes) if spread else out
+      recv[key] = jax.lax.all_to_all(out, axes, 0, 0, tiled=True)
+    full = {}  # to_matrices of each whole leaf
+    for i in self.whole:
+      x = targets[i]
+      for dim, axes in enumerate(self.entries[i]):
+        if axes:
+          x = jax.lax.all_gather(x, axes, axis=dim, tiled=True, to='invarying')
+      full[i] = _layout.to_matrices(x, lay.plan.leaves[i])
 
-  # -- back: results to every device --------------------------------------
+    def pack(rows):
+      bufs = [jnp.zeros((n,), dt) for n, dt in zip(lay.local_sizes, dtypes)]
+      routes, whole, _ = self._split_rows(rows)
+      for (axes, g), route_rows in routes.items():
+        for (i, _), row in zip(self.routes[(axes, g)], route_rows):
+          r, got = self.routed[i], recv[(axes, g)]
+          bufs[g] = _layout.write_at(
+            bufs[g],
+            row,
+            lambda src, r=r, got=got: r.assemble(
+              jax.lax.dynamic_slice_in_dim(got, src, r.piece_size, axis=1)
+            ),
+          )
+      return tuple(lay.pack_whole_at(bufs, full, self.whole, whole))
 
-  def send_back(self, key, rows, buffers: Sequence[jax.Array]) -> jax.Array:
-    """This owner's ``(group size, row)`` result pieces of class ``key``
-    for the devices of its axis group (member order)."""
-    axes, g = key
-    size = math.prod(self.sizes[a] for a in axes)
-    out = jnp.zeros((size, max(self.fwd_size[key], 1)), buffers[g].dtype)
-    routes, _, _ = self._split_rows(rows)
-    for (i, shape), row in zip(self.routes[key], routes[key]):
-      r = self.routed[i]
-      get = lambda s, r=r, shape=shape: r.split(
-        self.layout.matrix_at(buffers[g], s, shape).reshape(r.full)
-      )
-      out = _layout.write_at(out, row, get, back=True)
-    return out
+    # Every device runs one program: its units and offsets are read from
+    # tables by its slot.
+    return self.by_slot(pack)
 
-  def back(self, key, send: jax.Array) -> jax.Array:
-    """Every owner's result rows of class ``key``, ``(num_slots, row)`` in
-    slot order: an all-to-all over the class's axes, then an all-gather
-    over the other owner axes."""
-    axes, _ = key
-    x = send
-    if x.shape[0] > 1:
-      x = jax.lax.all_to_all(x, axes, 0, 0, tiled=True)
-    others = tuple(a for a in self.axes if a not in axes)
-    if others and math.prod(self.sizes[a] for a in others) > 1:
-      x = jax.lax.all_gather(x, others, axis=0, tiled=False)
-    # x: (others..., axes...) -> slot order (mesh order of self.axes).
-    order = others + tuple(axes)
-    x = x.reshape(tuple(self.sizes[a] for a in order) + x.shape[-1:])
-    perm = [order.index(a) for a in self.axes] + [len(order)]
-    return jnp.transpose(x, perm).reshape(self.num_slots, -1)
-
-  def local_leaf(self, i: int, recv: dict) -> jax.Array:
-    """This device's shard of routed leaf ``i`` from the results received
-    (``recv``: per class, every owner's rows)."""
-    layout = self.layout
-    r = self.routed[i]
-    units = layout.leaf_units[i]
-    g = layout.unit_group[units[0]]
-    buf = recv[(r.axes, g)]
-    if len(units) > 1:
-      # One gather of the leaf's pieces (each at its owner's row and offset:
-      # a table of the leaf's unit count), not a slice per unit (owner
-      # groups cut a matrix into many units: Llama-3-8B at N = 1024 has
-      # 1,664; compile 54.0 s -> 20.1 s).
-      where = np.array(
-        [[layout.plan.owners[u], self.fwd_off[u]] for u in units], np.int32
-      )
-      mats = jax.vmap(
-        lambda at: jax.lax.dynamic_slice(buf, at, (1, r.piece_size))[0]
-      )(where)
-    else:
-      (u,) = units
-      off = self.fwd_off[u]
-      mats = buf[layout.plan.owners[u], off : off + r.piece_size][None]
-    x = mats.reshape(r.batch_shape + r.piece)
-    return jnp.transpose(x, tuple(np.argsort(r.perm))).reshape(r.leaf_local)
-
-  # -- replicated (and gathered) leaves -----------------------------------
-
-  def rep_pack(self, rows, buffers: Sequence[jax.Array], g: int) -> jax.Array:
-    """This owner's results of non-routed leaves, compactly, ``(rep,)``
-    (for a dtype group ``g`` that has some: ``rep_size[g] > 0``)."""
+  def from_owners(self, ortho: Sequence[jax.Array]) -> list[jax.Array]:
+    """This device's shard of each plan leaf from the owners' results
+    (``ortho``: this device's owner buffers): the non-routed leaves' by
+    one all-gather of compact per-owner buffers; each routed class's rows
+    by its forward all-to-all reversed, then an all-gather over the other
+    owner axes."""
     lay = self.layout
-    out = jnp.zeros((self.rep_size[g],), buffers[g].dtype)
-    _, _, rep = self._split_rows(rows)
-    for shape, row in zip(self.rep_shapes[g], rep[g]):
-      out = _layout.write_at(
-        out, row, lambda src, shape=shape: lay.matrix_at(buffers[g], src, shape)
-      )
-    return out
+    out = [None] * len(lay.plan.leaves)
+    reps = [g for g in range(lay.num_groups) if self.rep_size[g]]
+    if reps:
 
-  def rep_unpack(self, gathered: Sequence[jax.Array]) -> dict[int, jax.Array]:
-    """Whole non-routed leaves from the all-gathered compact buffers."""
-    got = self.layout.unpack_full(
-      gathered, self.whole, self.rep_size, self.rep_off
-    )
-    return dict(zip(self.whole, got))
+      def rep_pack(rows, bufs):
+        """This owner's results of non-routed leaves, compactly."""
+        rep, packed = self._split_rows(rows)[2], []
+        for g in reps:
+          o = jnp.zeros((self.rep_size[g],), bufs[g].dtype)
+          for shape, row in zip(self.rep_shapes[g], rep[g]):
+            o = _layout.write_at(
+              o, row, lambda s, b=bufs[g], sh=shape: lay.matrix_at(b, s, sh)
+            )
+          packed.append(o)
+        return tuple(packed)
+
+      gathered = [None] * lay.num_groups
+      for g, c in zip(reps, self.by_slot(rep_pack, ortho)):
+        gathered[g] = _gather.gather_from_owners(c, self.axes)
+      got = lay.unpack_full(gathered, self.whole, self.rep_size, self.rep_off)
+      for i, x in zip(self.whole, got):  # this device's shard of it
+        for dim, axes in enumerate(self.entries[i]):
+          if axes:
+            size = x.shape[dim] // math.prod(self.sizes[a] for a in axes)
+            at = jax.lax.axis_index(axes) * size
+            x = jax.lax.dynamic_slice_in_dim(x, at, size, axis=dim)
+        out[i] = x
+    back = {}  # per class, every owner's result rows, in slot order
+    for key in self.classes:
+      axes, g = key
+
+      def send_back(rows, bufs, key=key, g=g):
+        """This owner's ``(group size, row)`` result pieces of class
+        ``key`` for the devices of its axis group (member order)."""
+        size = math.prod(self.sizes[a] for a in key[0])
+        x = jnp.zeros((size, max(self.fwd_size[key], 1)), bufs[g].dtype)
+        routes = self._split_rows(rows)[0][key]
+        for (i, shape), row in zip(self.routes[key], routes):
+          get = lambda s, r=self.routed[i], shape=shape: r.split(
+            lay.matrix_at(bufs[g], s, shape).reshape(r.full)
+          )
+          x = _layout.write_at(x, row, get, back=True)
+        return x
+
+      x = self.by_slot(send_back, ortho)
+      if x.shape[0] > 1:
+        x = jax.lax.all_to_all(x, axes, 0, 0, tiled=True)
+      others = tuple(a for a in self.axes if a not in axes)
+      if others and math.prod(self.sizes[a] for a in others) > 1:
+        x = jax.lax.all_gather(x, others, axis=0, tiled=False)
+      # x: (others..., axes...) -> slot order (mesh order of self.axes).
+      order = others + tuple(axes)
+      x = x.reshape(tuple(self.sizes[a] for a in order) + x.shape[-1:])
+      perm = [order.index(a) for a in self.axes] + [len(order)]
+      back[key] = jnp.transpose(x, perm).reshape(self.num_slots, -1)
+    for i, r in self.routed.items():  # this device's shard of each
+      units = lay.leaf_units[i]
+      buf = back[(r.axes, lay.unit_group[units[0]])]
+      if len(units) > 1:
+        # One gather of the leaf's pieces (each at its owner's row and
+        # offset: a table of the leaf's unit count), not a slice per unit
+        # (owner groups cut a matrix into many units: Llama-3-8B at N =
+        # 1024 has 1,664; compile 54.0 s -> 20.1 s).
+        where = np.array(
+          [[lay.plan.owners[u], self.fwd_off[u]] for u in units], np.int32
+        )
+        mats = jax.vmap(
+          lambda at, buf=buf, r=r: jax.lax.dynamic_slice(
+            buf, at, (1, r.piece_size)
+          )[0]
+        )(where)
+      else:
+        (u,) = units
+        off = self.fwd_off[u]
+        mats = buf[lay.plan.owners[u], off : off + r.piece_size][None]
+      x = mats.reshape(r.batch_shape + r.piece)
+      x = jnp.transpose(x, tuple(np.argsort(r.perm)))
+      out[i] = x.reshape(r.leaf_local)
+    return out
 
   # -- the cost model ------------------------------------------------------
 
@@ -440,30 +447,6 @@ def _offsets(per_slot, size_of, offsets: dict[int, int]) -> int:
     offsets.update(zip(units, ends))
     longest = max(longest, ends[-1])
   return longest
-
-
-def gather_to_full(x: jax.Array, entries: _mesh.Entries) -> jax.Array:
-  """The whole array from this device's shard (one all-gather per dim)."""
-  for dim, axes in enumerate(entries):
-    if axes:
-      x = jax.lax.all_gather(x, axes, axis=dim, tiled=True, to='invarying')
-  return x
-
-
-def local_shard(
-  x: jax.Array,
-  entries: _mesh.Entries,
-  sizes: dict[str, int],
-) -> jax.Array:
-  """This device's shard of a whole (replicated) array."""
-  for dim, axes in enumerate(entries):
-    if axes:
-      n = math.prod(sizes[a] for a in axes)
-      size = x.shape[dim] // n
-      x = jax.lax.dynamic_slice_in_dim(
-        x, jax.lax.axis_index(axes) * size, size, axis=dim
-      )
-  return x
 
 
 def reduced_route(ded) -> bool:

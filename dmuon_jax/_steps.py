@@ -5,7 +5,6 @@ inside ``shard_map``)."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -22,7 +21,6 @@ from dmuon_jax import (
   _checks,
   _exchange,
   _gather,
-  _layout,
   _mesh,
   _owner_layout,
   _owner_update,
@@ -60,7 +58,7 @@ FORCED_MSG = (
   '{got}, not as its layout says ({want}): each device holds {held} of '
   'it instead of {owned} ({extra} more per device, {total} over the '
   '{devices} devices), and a train step that keeps it in that sharding '
-  'all-gathers the new momentum every step ({gather} per device). Its '
+  'all-gathers the new momentum every step ({extra} per device). Its '
   'sharding was forced, e.g. by out_shardings derived from rules that do '
   'not know the owner buffers. Derive the state shardings from a state '
   'made by init: give init the params boxed (nn.Partitioned, '
@@ -147,22 +145,11 @@ def explicit_step(cfg, hp, layout, targets, mus, count_inc):
       for b in lay.pack_full(targets)
     )
   else:
-    # Already reduced (the same on every device): each owner reads its own.
+    # Already reduced (the same on every device): each owner reads its own,
+    # as the drop-in path reads replicated leaves.
+    ex = _exchange.Exchange(lay, layout.owner_entries([None] * len(targets)))
     dtypes = [lay.promoted(targets, g) for g in range(lay.num_groups)]
-    leaves = range(len(lay.plan.leaves))
-    mats = {
-      i: _layout.to_matrices(targets[i], lay.plan.leaves[i]) for i in leaves
-    }
-
-    def pack(rows):
-      bufs = [
-        _gather.to_varying(jnp.zeros((size,), dt), axes)
-        for size, dt in zip(lay.local_sizes, dtypes)
-      ]
-      return tuple(lay.pack_whole_at(bufs, mats, leaves, rows))
-
-    # One program for every device: its units read from tables by its slot.
-    grads = _gather.with_slot_rows(lay, pack, lay.whole_tables(leaves))
+    grads = ex.to_owners(targets, dtypes)
   ortho, mu = _owner_update.owner_step(cfg, hp, layout, grads, mus, count_inc)
   new = lay.unpack_full([_gather.gather_from_owners(o, axes) for o in ortho])
   return new, mu
@@ -292,44 +279,9 @@ def fitting(t, spec, sizes, owner_axes):
   return e if shape == tuple(t.shape) else None
 
 
-def _warn_if_forced(layout, b: int, shape, sizes, got) -> None:
-  """Warns once if buffer ``b`` arrives in another sharding than its
-  layout's (``got``: its spec, or a ``jax.sharding.Sharding``)."""
-  want = layout.buffer_spec(b)
-  if want is None:
-    return
-  if isinstance(got, jax.sharding.NamedSharding):
-    got = got.spec
-  if isinstance(got, jax.sharding.Sharding):
-    local = tuple(got.shard_shape(tuple(shape)))
-  else:
-    local = _mesh.local_shape(shape, got, sizes)
-  owned = _mesh.local_shape(shape, want, sizes)
-  if local == owned:
-    return
-  itemsize = jnp.dtype(layout.buffer_shapes()[b].dtype).itemsize
-  extra = (math.prod(local) - math.prod(owned)) * itemsize
-  hb = _checks.human_bytes
-  devices = math.prod(sizes.values())
-  warn_once(
-    FORCED_MSG.format(
-      buffer=b,
-      name=layout.name,
-      got=got,
-      want=want,
-      held=hb(math.prod(local) * itemsize),
-      owned=hb(math.prod(owned) * itemsize),
-      extra=hb(extra),
-      total=hb(devices * extra),
-      devices=devices,
-      gather=hb(extra),
-    ),
-  )
-
-
 def _check_buffer_shardings(layout, mus, mesh) -> None:
   """Raises for a state laid out for another mesh; warns once per buffer
-  whose sharding is not its layout's.
+  whose sharding is not its layout's (:data:`FORCED_MSG`).
 
   Read where it is known: a concrete array's sharding (eager calls); a
   tracer's type on a mesh with Explicit axes; on Auto meshes, the sharding
@@ -349,19 +301,52 @@ def _check_buffer_shardings(layout, mus, mesh) -> None:
       'dmuon_jax.checkpoint.state_from_portable(state_to_portable(state), '
       'opt.init(params)).'
     )
+
+  def warn(b, got):
+    """Warns if buffer ``b`` arrives sharded as ``got`` (its spec, or a
+    ``jax.sharding.Sharding``), not as its layout says."""
+    want, buffer = layout.buffer_spec(b), layout.buffer_shapes()[b]
+    if want is None:
+      return
+    shape = buffer.shape  # the buffers' (check_buffers)
+    if isinstance(got, jax.sharding.NamedSharding):
+      got = got.spec
+    if isinstance(got, jax.sharding.Sharding):
+      local = tuple(got.shard_shape(tuple(shape)))
+    else:
+      local = _mesh.local_shape(shape, got, sizes)
+    owned = _mesh.local_shape(shape, want, sizes)
+    if local == owned:
+      return
+    itemsize = jnp.dtype(buffer.dtype).itemsize
+    extra = (math.prod(local) - math.prod(owned)) * itemsize
+    hb, devices = _checks.human_bytes, math.prod(sizes.values())
+    warn_once(
+      FORCED_MSG.format(
+        buffer=b,
+        name=layout.name,
+        got=got,
+        want=want,
+        held=hb(math.prod(local) * itemsize),
+        owned=hb(math.prod(owned) * itemsize),
+        extra=hb(extra),
+        total=hb(devices * extra),
+        devices=devices,
+      ),
+    )
+
   for b, x in enumerate(mus):
-    warn = functools.partial(_warn_if_forced, layout, b, np.shape(x), sizes)
     if not isinstance(x, jax.core.Tracer):
       if getattr(x, 'sharding', None) is not None:
-        warn(x.sharding)
+        warn(b, x.sharding)
     elif _mesh.is_explicit(mesh):
-      warn(_mesh.type_spec(x))
+      warn(b, _mesh.type_spec(x))
     elif not layout.probed:
 
-      def reported(sharding, b=b, warn=warn):
+      def reported(sharding, b=b):
         """The Auto-mesh probe's callback (at compile time)."""
         layout.probed.add(b)
-        warn(sharding)
+        warn(b, sharding)
 
       jax.debug.inspect_array_sharding(x, callback=reported)
 
@@ -383,20 +368,19 @@ def drop_in_step(setup, layout, targets, mus, count_inc, specs):
   # Per-leaf momentum enters as its gradient does.
   buffer_specs = list(in_specs if layout.per_leaf else layout.buffer_specs())
   given = None
+  reshard = lambda xs, have, want: [
+    x if h == w else jax.sharding.reshard(x, NamedSharding(mesh, w))
+    for x, h, w in zip(xs, have, want)
+  ]
   if _mesh.is_explicit(mesh):
     # A state forced into another sharding (warned above) enters the
     # owners' shard_map resharded (on Explicit axes its in_specs must be the
     # inputs' types) and leaves it in its own type: the state's types stay
     # those of its init, at the cost the warning names.
     given = [_mesh.type_spec(x) for x in mus]
-    mus = [
-      x if g == spec else jax.sharding.reshard(x, NamedSharding(mesh, spec))
-      for x, g, spec in zip(mus, given, buffer_specs)
-    ]
+    mus = reshard(mus, given, buffer_specs)
   lay = layout.groups[0]
-  axes = lay.plan.axis_names
-  owner_entries = layout.owner_entries(entries)
-  ex = _exchange.Exchange(lay, owner_entries)
+  ex = _exchange.Exchange(lay, layout.owner_entries(entries))
   if ex.gathered:
     warn_once(
       GATHERED_MSG.format(
@@ -429,50 +413,11 @@ def drop_in_step(setup, layout, targets, mus, count_inc, specs):
       per_leaf_mu = [m.astype(b.dtype) for m, b in zip(per_leaf_mu, mus)]
       mus = None
     dtypes = [lay.promoted(targets, g) for g in range(lay.num_groups)]
-    recv = {
-      key: jax.lax.all_to_all(
-        ex.send_to_owners(key, targets, dtypes[key[1]]),
-        key[0],
-        0,
-        0,
-        tiled=True,
-      )
-      for key in ex.classes
-    }
-    full = {
-      i: _layout.to_matrices(
-        _exchange.gather_to_full(targets[i], owner_entries[i]),
-        lay.plan.leaves[i],
-      )
-      for i in ex.whole
-    }
-    # Every device runs one program: its units and offsets are read from
-    # tables by its slot (see Exchange.by_slot).
-    grads = ex.by_slot(lambda rows: ex.pack(rows, recv, full, dtypes))
+    grads = ex.to_owners(targets, dtypes)
     ortho, new_mu = _owner_update.owner_step(
       setup.cfg, hp, layout, grads, mus, count_inc
     )
-    out = [None] * len(targets)
-    rep_groups = [g for g in range(lay.num_groups) if ex.rep_size[g]]
-    if rep_groups:
-      compact = ex.by_slot(
-        lambda rows, b: tuple(ex.rep_pack(rows, b, g) for g in rep_groups),
-        ortho,
-      )
-      gathered = [None] * lay.num_groups
-      for g, c in zip(rep_groups, compact):
-        gathered[g] = _gather.gather_from_owners(c, axes)
-      for i, x in ex.rep_unpack(gathered).items():
-        out[i] = _exchange.local_shard(x, owner_entries[i], sizes)
-    back = {
-      key: ex.back(
-        key,
-        ex.by_slot(lambda rows, b, key=key: ex.send_back(key, rows, b), ortho),
-      )
-      for key in ex.classes
-    }
-    for i in ex.routed:
-      out[i] = ex.local_leaf(i, back)
+    out = ex.from_owners(ortho)
     return out, list(new_mu if per_leaf_mu is None else per_leaf_mu)
 
   new, mu = jax.shard_map(
@@ -487,10 +432,7 @@ def drop_in_step(setup, layout, targets, mus, count_inc, specs):
     check_vma=False,
   )(list(targets), list(mus), count_inc, _owner_update.dynamic(setup.hp))
   if given is not None:
-    mu = [
-      x if g == spec else jax.sharding.reshard(x, NamedSharding(mesh, g))
-      for x, g, spec in zip(mu, given, buffer_specs)
-    ]
+    mu = reshard(mu, buffer_specs, given)
   new = [_owner_layout.unpad(x, t.shape) for x, t in zip(new, layout.leaves)]
   return new, mu
 

@@ -99,7 +99,7 @@ def _owner_axes(
   return buffer_axes, rep_axis, axes[-1] if axes else None
 
 
-def _rest_spec(x: Any, path: str, mesh: Any, scanned_names) -> P:
+def rest_spec(x: Any, path: str, mesh: Any, scanned_names) -> P:
   """The PartitionSpec a non-target param keeps in dedicated mode."""
   sharding = getattr(x, 'sharding', None)
   if mesh is None or not isinstance(sharding, NamedSharding):
@@ -399,14 +399,14 @@ def _layout(
 
 def _rest(params, leaves, plan, mesh, bounds) -> dict[str, tuple[Any, ...]]:
   """The :class:`Dedication` fields of the leaves' paths: ``rest_specs``
-  (see :func:`_rest_spec`), ``leaf_paths`` and ``boundary_keys``."""
+  (see :func:`rest_spec`), ``leaf_paths`` and ``boundary_keys``."""
   flat = jax.tree.flatten_with_path(params)[0]
   leaf_paths = tuple(_routing.normalize_path(keys) for keys, _ in flat)
   owned = {s.leaf_index for s in plan.leaves}
   scanned_names = [n for n, sc in zip(bounds.names, bounds.scanned) if sc]
   return dict(
     rest_specs=tuple(
-      None if i in owned else _rest_spec(x, path, mesh, scanned_names)
+      None if i in owned else rest_spec(x, path, mesh, scanned_names)
       for i, (x, path) in enumerate(zip(leaves, leaf_paths))
     ),
     leaf_paths=leaf_paths,

@@ -454,7 +454,7 @@ def plan(params, mesh, scan: str, kwargs, specs):
     kept = P(*map(drop, _mesh.spec_entries(spec)))
     moved[i] = leaves[i] = jax.device_put(x, NamedSharding(mesh, kept))
     # The plan reads an AdamW param only for its spec: the one it has now.
-    rest_specs[i] = _dedicated._rest_spec(
+    rest_specs[i] = _dedicated.rest_spec(
       leaves[i], ded.leaf_paths[i], mesh, stacks
     )
     replicated.append(text(path(keys)))

@@ -527,16 +527,17 @@ def train_step(
       P(axes) if axes and not state and np.ndim(x) >= 1 and s == P() else s
       for x, s, state in zip(leaves, specs, is_state)
     )
-    names = tuple(
+    # Per leaf its name in messages (built only when one is needed).
+    names = lambda: tuple(
       ('argument ' if keys[0].idx else '') + _model.text(_model.path(keys[1:]))
       for keys, _ in flat
     )
     # Inside the step each device runs the whole model: other state sharded
     # over an owner axis would be seen as one device's shard.
-    for x, spec, name, state in zip(leaves, specs, names, is_state):
+    for i, (x, spec, state) in enumerate(zip(leaves, specs, is_state)):
       if state and spec != P() and in_layout(x.shape, spec) not in owner_layout:
         raise ValueError(
-          f'dmuon: train_step got {name!r} sharded {spec} over the owner '
+          f'dmuon: train_step got {names()[i]!r} sharded {spec} over the owner '
           f'axes {tuple(sorted(manual))}; each device runs the whole model '
           "there, so all but the owners' buffers and their momentum must be "
           'replicated over those axes. Place it as dmuon_jax.flax.dedicate '
@@ -545,7 +546,7 @@ def train_step(
     on_mesh = tuple(_named(x) is not None for x in leaves)
     key = (graphdef, treedef, specs, is_state, positions, on_mesh)
     if key not in compiled:
-      compiled[key] = _build_step(md, fn, axes, key, names)
+      compiled[key] = _build_step(md, fn, axes, key, names())
     return compiled[key], leaves, nodes, treedef, is_state
 
   @functools.wraps(fn)
@@ -554,6 +555,8 @@ def train_step(
     new_state, out = jitted(leaves)
     new_state = [_respell(n, o) for n, o in zip(new_state, leaves)]
     nnx.update(nodes, jax.tree.unflatten(treedef.children()[0], new_state))
+    if not any(is_state[len(new_state) :]):  # nothing returned is state
+      return out
     # A returned state argument (a TrainState) too, as it came in.
     sources = _output_sources(out, treedef, is_state)
     out_leaves, out_def = jax.tree.flatten(out)

@@ -43,20 +43,13 @@ def is_step(path: pathlib.Path) -> bool:
 def as_step(step, where: str) -> int:
   """``step`` as a Python int, or a TypeError/ValueError saying why not."""
   dtype = getattr(step, 'dtype', None)
-  if isinstance(step, int) and not isinstance(step, bool):
-    value = step
-  elif (
-    dtype is not None
-    and np.shape(step) == ()
-    and jnp.issubdtype(dtype, jnp.integer)
-  ):
-    value = int(step)
+  if dtype is None:
+    ok = isinstance(step, int) and not isinstance(step, bool)
+    what = type(step).__name__
   else:
-    what = (
-      type(step).__name__
-      if dtype is None
-      else f'{jnp.dtype(dtype).name} array of shape {np.shape(step)}'
-    )
+    ok = np.shape(step) == () and jnp.issubdtype(dtype, jnp.integer)
+    what = f'{jnp.dtype(dtype).name} array of shape {np.shape(step)}'
+  if not ok:
     raise TypeError(
       f'dmuon_jax checkpoint.{where}: step={step!r} ({what}) is not an '
       'integer. Pass the training step as a '
@@ -64,7 +57,7 @@ def as_step(step, where: str) -> int:
       'optimizer.step[...]): steps are directories named by the number, '
       'and restore only finds those named by non-negative integers.'
     )
-  if value < 0:
+  if (value := int(step)) < 0:
     raise ValueError(
       f'dmuon_jax checkpoint.{where}: step={value} is negative. Pass the '
       'non-negative training step (e.g. the number of updates applied so '
@@ -242,13 +235,10 @@ def concrete_mesh(xs) -> Any:
 
 def cast_like(x, target):
   """``x`` with ``target``'s dtype and placement (uncommitted if it is)."""
-  sharding = getattr(target, 'sharding', None)
-  if isinstance(target, jax.ShapeDtypeStruct):
-    x = jnp.asarray(x, target.dtype)
-    return x if sharding is None else jax.device_put(x, sharding)
   if not getattr(target, 'committed', True):
     return jnp.asarray(np.asarray(x), target.dtype)
-  return jax.device_put(jnp.asarray(x, target.dtype), target.sharding)
+  x, sharding = jnp.asarray(x, target.dtype), getattr(target, 'sharding', None)
+  return x if sharding is None else jax.device_put(x, sharding)
 
 
 def abstract_leaf(x, placed: bool = False) -> jax.ShapeDtypeStruct:

@@ -70,11 +70,12 @@ loop's trips, device by device).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
-import importlib.util
 import math
 import pathlib
 import re
+import runpy
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -297,15 +298,11 @@ def analyze_compiled(compiled: Any) -> HloReport:
       'analyze_compiled expects a jax.stages.Compiled (from'
       f' jax.jit(f).lower(*args).compile()); got {type(compiled).__name__}.'
     )
-  # Not every backend has cost_analysis or memory_analysis.
-  try:
+  cost, stats = None, None
+  with contextlib.suppress(Exception):  # Not on every backend.
     cost = compiled.cost_analysis()
-  except Exception:  # pylint: disable=broad-except
-    cost = None
-  try:
+  with contextlib.suppress(Exception):
     stats = compiled.memory_analysis()
-  except Exception:  # pylint: disable=broad-except
-    stats = None
   memory = {}
   for part in ('argument', 'output', 'temp', 'alias', 'generated_code'):
     value = getattr(stats, f'{part}_size_in_bytes', None)
@@ -439,12 +436,11 @@ def parse_replica_groups(
       [int(v) for v in (m[k] or '').split(',') if v]
       for k in ('shape', 'dims', 'perm')
     )
-    perm = perm or list(range(len(dims)))
-    valid = sorted(perm) == list(range(len(dims)))
-    if math.prod(shape) != math.prod(dims) or not valid:
-      raise ValueError(f'Inconsistent iota replica_groups {text!r}.')
-    ids = np.arange(math.prod(dims)).reshape(dims).transpose(perm)
-    ids = ids.reshape(shape[0], -1)
+    try:  # numpy rejects a repeated axis or a shape of another size
+      ids = np.arange(math.prod(dims)).reshape(dims).transpose(perm or None)
+      ids = ids.reshape(shape).reshape(shape[0], -1)
+    except ValueError as e:
+      raise ValueError(f'Inconsistent iota replica_groups {text!r}.') from e
     return tuple(tuple(int(v) for v in row) for row in ids)
   if compact.startswith('{') and compact.endswith('}'):
     inner = compact[1:-1]
@@ -761,10 +757,7 @@ def __getattr__(name: str) -> Any:
   )
   if not path.is_file():  # Not a source checkout (pip install -e .).
     raise AttributeError(f'{name} moved to {path}, which is not here.')
-  spec = importlib.util.spec_from_file_location('hlo_tools', path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return getattr(module, name)
+  return runpy.run_path(str(path))[name]
 
 
 __all__ = (

@@ -185,12 +185,8 @@ def diff_parts(
 def check_saved(saved, wanted, step) -> None:
   """Raises unless every array of ``wanted`` was saved with its shape."""
   top = next(iter(wanted))
-  have = sigs_by_path(
-    {top: saved.get(top)} if isinstance(saved, dict) else saved,
-    shapes_only=True,
-  )
   parts = diff_parts(
-    {p: s for p, s in have.items() if p.split('/')[0] == top},
+    sigs_by_path({top: saved.get(top)}, shapes_only=True),
     sigs_by_path(wanted, shapes_only=True),
     what='shapes',
     have_name='saved',
@@ -434,10 +430,3 @@ def damaged_file(step_dir: pathlib.Path, e: BaseException):
   ):
     return item
   return None
-
-
-def reason(e: BaseException) -> str:
-  text = str(e).split(' [tensorstore_spec=')[0].splitlines()
-  text = text[0] if text else ''
-  text = text if len(text) <= 300 else text[:297] + '...'
-  return f'{type(e).__name__}: {text}'

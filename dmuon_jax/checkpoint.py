@@ -227,12 +227,10 @@ def _to_portable(x, abstract=False, placed=True) -> PortableDMuonState:
   for t, e in zip(layout.leaves, layout.param_entries):
     spec = P() if e is None else _mesh.entries_spec(e)
     s = None if mesh is None else NamedSharding(mesh, spec)
-    if abstract:
-      dtype = x.mu.buffers[layout.leaf_buffer(t.index)].dtype
-      mu[t.path] = jax.ShapeDtypeStruct(t.shape, dtype, sharding=s)
-    else:
-      v = values[t.index]
-      mu[t.path] = v if s is None else jax.device_put(v, s)
+    dtype = x.mu.buffers[layout.leaf_buffer(t.index)].dtype
+    mu[t.path] = jax.ShapeDtypeStruct(t.shape, dtype, sharding=s)
+    if not abstract:
+      mu[t.path] = _checkpoint.cast_like(values[t.index], mu[t.path])
   count = _checkpoint.abstract_leaf(x.count) if abstract else x.count
   return PortableDMuonState(count=count, mu=_checkpoint.nest(mu))
 
@@ -305,18 +303,12 @@ def _from_portable(portable: PortableDMuonState, target) -> Any:
   values = {t.index: by_path[t.path] for t in layout.leaves}
   # Boxed targets (Flax metadata on the buffers) get their boxes back.
   mu = target.mu.rebox(_checkpoint.pack_like(target.mu, values).buffers)
-  fields = {
-    'count': _checkpoint.cast_like(portable.count, target.count),
-    'mu': mu,
-  }
+  count = _checkpoint.cast_like(portable.count, target.count)
   if isinstance(getattr(target, 'stamp', None), _owner_update.LayoutStamp):
-    marker, value = _owner_update.stamp_value(layout)
-    fields['stamp'] = _owner_update.LayoutStamp(
-      _checkpoint.cast_like(marker, target.stamp.marker),
-      _checkpoint.cast_like(value, target.stamp.value),
-      layout.name,
-    )
-  return target._replace(**fields)
+    stamp = _owner_update.make_stamp(layout)
+    stamp = jax.tree.map(_checkpoint.cast_like, stamp, target.stamp)
+    target = target._replace(stamp=stamp)
+  return target._replace(count=count, mu=mu)
 
 
 def state_from_portable(portable: Any, target_state: Any) -> Any:
@@ -602,16 +594,15 @@ def _restore(where, directory, step, if_damaged, targets):
         f'dmuon_jax checkpoint.{where}: no complete step {step} under '
         f'{directory} (complete steps: {steps}).'
       )
-    return _restore_step(root, step, steps, *targets)
-  if not steps:
+  elif not steps:
     _checkpoint.check_not_a_step(root, where)
     return None
-  damaged = []
-  for candidate in reversed(steps):
+  damaged = []  # An explicit step is never replaced by another one.
+  for candidate in reversed(steps) if step is None else [step]:
     try:
       return _restore_step(root, candidate, steps, *targets)
     except CheckpointDamagedError as e:
-      if if_damaged == 'raise':
+      if if_damaged == 'raise' or step is not None:
         raise
       damaged.append(e)
       warnings.warn(
@@ -653,15 +644,14 @@ def _restore_step(root, step, steps, params_like, opt, extra_like, dedication):
         raise
       raise error from e
 
-  dp_like = None
-  if isinstance(params_like, _dedication.DedicatedParams):
-    dp_like = params_like
+  dp_like = params_like
+  if isinstance(dp_like, _dedication.DedicatedParams):
     params_like = _checkpoint.dedicated_like(dp_like)
   saved = read()
   params_abs = jax.tree.map(_placed, params_like)
   _checkpoint.check_saved(saved, {'params': params_abs}, step)
   params = read('params', params_abs)
-  if dp_like is not None:
+  if isinstance(dp_like, _dedication.DedicatedParams):
     params = _checkpoint.to_dedicated_like(params, dp_like)
   elif dedication is not None:
     params = dedication.to_dedicated(params)
@@ -829,6 +819,8 @@ def _damaged(root: pathlib.Path, step: int, steps: list[int], e: Exception):
   file = _checkpoint.damaged_file(step_dir, e)
   if file is None:
     return None
+  reason = (str(e).split(' [tensorstore_spec=')[0].splitlines() or [''])[0]
+  reason = reason if len(reason) <= 300 else reason[:297] + '...'
   others = [s for s in steps if s != step]
   if not others:
     fix = (
@@ -844,7 +836,7 @@ def _damaged(root: pathlib.Path, step: int, steps: list[int], e: Exception):
       )
   return CheckpointDamagedError(
     f'dmuon_jax checkpoint: step {step} under {root} is damaged: {file} '
-    f'cannot be read ({_checkpoint.reason(e)}). The step was '
+    f'cannot be read ({type(e).__name__}: {reason}). The step was '
     'committed, so its files changed after the save; this is not about '
     f'the targets it is restored onto. {fix}; delete or move {step_dir} '
     'so that later restores skip it.',

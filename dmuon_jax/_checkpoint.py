@@ -145,21 +145,22 @@ def sigs_by_path(tree, *, shapes_only: bool = False) -> dict[str, str]:
   leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
   out = {}
   for p, x in leaves:
-    if _is_empty_node(x):
-      out[_path_str(p)] = 'None' if x is None else f'{type(x).__name__}()'
-      continue
-    sig = str(tuple(int(d) for d in np.shape(x)))
     dtype = None if shapes_only else getattr(x, 'dtype', None)
-    out[_path_str(p)] = (
-      sig if dtype is None else f'{sig} {jnp.dtype(dtype).name}'
-    )
+    if _is_empty_node(x):
+      sig = 'None' if x is None else f'{type(x).__name__}()'
+    else:
+      sig = str(tuple(int(d) for d in np.shape(x)))
+      sig += '' if dtype is None else f' {jnp.dtype(dtype).name}'
+    out[_path_str(p)] = sig
   return out
 
 
-def diff_parts(
-  have, want, *, what, have_name, want_name, only_want, only_have
-) -> list[str]:
-  """The differences of two ``path -> signature`` dicts (up to 8 each)."""
+def check_fits(have, want, message: str, *, what: str, names) -> None:
+  """Raises ``ValueError(message)`` with ``{}`` in it replaced by the
+  differences of two ``path -> signature`` dicts (up to 8 of each kind), if
+  they differ. ``names``: of ``have`` and ``want`` in a difference, then the
+  headings of the paths only ``want`` has and of those only ``have`` has."""
+  have_name, want_name, only_want, only_have = names
   missing = sorted(set(want) - set(have))
   extra = sorted(set(have) - set(want))
   differ = sorted(
@@ -179,38 +180,41 @@ def diff_parts(
     parts.append(f'{only_want}: ' + first(missing, ', '))
   if extra:
     parts.append(f'{only_have}: ' + first(extra, ', '))
-  return parts
+  if parts:
+    raise ValueError(message.replace('{}', ' | '.join(parts)))
+
+
+# How check_saved names a saved item, and how to make a target fit it.
+_ITEMS = {
+  'params': (
+    'params',
+    'Build params_like from the model config the checkpoint was saved '
+    'with (same tree, same shapes).',
+  ),
+  'opt_state': (
+    'optimizer state (in its mesh-independent form)',
+    'Make the optimizer as when saving (same Muon routing and '
+    'transformations), or pass opt=None to restore the params only.',
+  ),
+}
 
 
 def check_saved(saved, wanted, step) -> None:
   """Raises unless every array of ``wanted`` was saved with its shape."""
   top = next(iter(wanted))
-  parts = diff_parts(
+  item, fix = _ITEMS[top]
+  check_fits(
     sigs_by_path({top: saved.get(top)}, shapes_only=True),
     sigs_by_path(wanted, shapes_only=True),
+    f'dmuon_jax checkpoint: step {step} does not fit the {item} it is '
+    f'restored onto: {{}}. {fix}',
     what='shapes',
-    have_name='saved',
-    want_name='target',
-    only_want='not in the checkpoint',
-    only_have='in the checkpoint but not in the target',
-  )
-  if not parts:
-    return
-  what = (
-    'params'
-    if top == 'params'
-    else 'optimizer state (in its mesh-independent form)'
-  )
-  fix = (
-    'Build params_like from the model config the checkpoint was saved '
-    'with (same tree, same shapes).'
-    if top == 'params'
-    else 'Make the optimizer as when saving (same Muon routing and '
-    'transformations), or pass opt=None to restore the params only.'
-  )
-  raise ValueError(
-    f'dmuon_jax checkpoint: step {step} does not fit the {what} it is '
-    f'restored onto: {" | ".join(parts)}. {fix}'
+    names=(
+      'saved',
+      'target',
+      'not in the checkpoint',
+      'in the checkpoint but not in the target',
+    ),
   )
 
 
@@ -353,35 +357,34 @@ def target_state(opt, params):
 # ---------------------------------------------------------- orbax reads
 
 
-def saved_tree(path):
-  """The saved tree's array metadata (orbax), as nested containers.
+def read(path, name=None, abstract=None):
+  """The saved tree's array metadata (orbax) as nested containers, or its
+  top-level item ``name`` restored onto ``abstract``.
 
-  Asks the handler, not a checkpointer: ``Checkpointer.metadata`` logs and
-  returns None for unreadable metadata, which would read as an empty tree.
+  The metadata comes from the handler, not a checkpointer:
+  ``Checkpointer.metadata`` logs and returns None for unreadable metadata,
+  which would read as an empty tree.
   """
   ocp = orbax_checkpoint()
-  from etils import epath  # pylint: disable=import-outside-toplevel
+  if name is None:
+    from etils import epath  # pylint: disable=import-outside-toplevel
 
-  handler = ocp.PyTreeCheckpointHandler()
-  try:
-    meta = handler.metadata(epath.Path(path))
-  finally:
-    handler.close()
-  return getattr(meta, 'tree', meta)
-
-
-def partial_restore(path, abstract):
-  """Restores the top-level items of ``abstract`` from a saved tree."""
-  ocp = orbax_checkpoint()
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+      meta = handler.metadata(epath.Path(path))
+    finally:
+      handler.close()
+    return getattr(meta, 'tree', meta)
+  item = {name: abstract}
   with ocp.PyTreeCheckpointer() as ckptr:
     return ckptr.restore(
       path,
       args=ocp.args.PyTreeRestore(
-        item=abstract,
-        restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+        item=item,
+        restore_args=ocp.checkpoint_utils.construct_restore_args(item),
         partial_restore=True,
       ),
-    )
+    )[name]
 
 
 # TensorStore's status codes for files that are missing, short or garbled.

@@ -211,38 +211,32 @@ def _is_state(x) -> bool:
   return _owner_update.is_dmuon_state(x) or isinstance(x, PortableDMuonState)
 
 
-def _to_portable(x, abstract=False, placed=True) -> PortableDMuonState:
-  """The portable form of a dmuon state; as ``jax.ShapeDtypeStruct``\\ s
-  if ``abstract`` or the state is (``placed``: then raise unless the
-  buffers say which devices they are on)."""
-  layout = x.mu.layout
-  mesh = _checkpoint.concrete_mesh(x.mu.buffers)
-  abstract = abstract or any(  # buffers from jax.eval_shape
-    isinstance(b, jax.ShapeDtypeStruct) for b in jax.tree.leaves(x.mu)
-  )
-  if abstract and mesh is None and layout.distributed and placed:
-    raise ValueError(_NO_DEVICES_MSG.format(name=layout.name))
-  values = None if abstract else layout.unpack(x.mu.buffers)
-  mu = {}
-  for t, e in zip(layout.leaves, layout.param_entries):
-    spec = P() if e is None else _mesh.entries_spec(e)
-    s = None if mesh is None else NamedSharding(mesh, spec)
-    dtype = x.mu.buffers[layout.leaf_buffer(t.index)].dtype
-    mu[t.path] = jax.ShapeDtypeStruct(t.shape, dtype, sharding=s)
-    if not abstract:
-      mu[t.path] = _checkpoint.cast_like(values[t.index], mu[t.path])
-  count = _checkpoint.abstract_leaf(x.count) if abstract else x.count
-  return PortableDMuonState(count=count, mu=_checkpoint.nest(mu))
-
-
 def _portable(tree, abstract=False, placed=True) -> Any:
-  """``tree`` with each dmuon state in portable form (see ``_to_portable``);
-  ``abstract``: every leaf as a ``jax.ShapeDtypeStruct``."""
+  """``tree`` with each dmuon state in portable form; ``abstract``: every
+  leaf as a ``jax.ShapeDtypeStruct`` (a state's also where its buffers are:
+  then, if ``placed``, raise unless they say which devices they are on)."""
 
   def one(x):
-    if _owner_update.is_dmuon_state(x):
-      return _to_portable(x, abstract, placed)
-    return _checkpoint.abstract_leaf(x) if abstract else x
+    if not _owner_update.is_dmuon_state(x):
+      return _checkpoint.abstract_leaf(x) if abstract else x
+    layout = x.mu.layout
+    mesh = _checkpoint.concrete_mesh(x.mu.buffers)
+    shapes = abstract or any(  # buffers from jax.eval_shape
+      isinstance(b, jax.ShapeDtypeStruct) for b in jax.tree.leaves(x.mu)
+    )
+    if shapes and mesh is None and layout.distributed and placed:
+      raise ValueError(_NO_DEVICES_MSG.format(name=layout.name))
+    values = None if shapes else layout.unpack(x.mu.buffers)
+    mu = {}
+    for t, e in zip(layout.leaves, layout.param_entries):
+      spec = P() if e is None else _mesh.entries_spec(e)
+      s = None if mesh is None else NamedSharding(mesh, spec)
+      dtype = x.mu.buffers[layout.leaf_buffer(t.index)].dtype
+      mu[t.path] = jax.ShapeDtypeStruct(t.shape, dtype, sharding=s)
+      if not shapes:
+        mu[t.path] = _checkpoint.cast_like(values[t.index], mu[t.path])
+    count = _checkpoint.abstract_leaf(x.count) if shapes else x.count
+    return PortableDMuonState(count=count, mu=_checkpoint.nest(mu))
 
   return jax.tree.map(one, tree, is_leaf=_owner_update.is_dmuon_state)
 
@@ -285,21 +279,15 @@ def state_to_portable(opt_state: Any) -> Any:
 def _from_portable(portable: PortableDMuonState, target) -> Any:
   layout = target.mu.layout
   by_path = _checkpoint.flat(portable.mu)
-  parts = _checkpoint.diff_parts(
+  _checkpoint.check_fits(
     {p: tuple(np.shape(x)) for p, x in by_path.items()},
     {t.path: t.shape for t in layout.leaves},
+    'dmuon_jax checkpoint: the portable momentum does not fit the optimizer '
+    f'state of layout {layout.name}: {{}}. Make the optimizer as when saving '
+    '(same Muon routing).',
     what='shapes',
-    have_name='portable',
-    want_name='expected',
-    only_want='missing',
-    only_have='not Muon targets here',
+    names=('portable', 'expected', 'missing', 'not Muon targets here'),
   )
-  if parts:
-    raise ValueError(
-      'dmuon_jax checkpoint: the portable momentum does not fit the '
-      f'optimizer state of layout {layout.name}: {" | ".join(parts)}. Make '
-      'the optimizer as when saving (same Muon routing).'
-    )
   values = {t.index: by_path[t.path] for t in layout.leaves}
   # Boxed targets (Flax metadata on the buffers) get their boxes back.
   mu = target.mu.rebox(_checkpoint.pack_like(target.mu, values).buffers)
@@ -395,26 +383,24 @@ def _check_state_of(opt, params, portable) -> None:
       'opt. Pass the params opt was initialised with (the DedicatedParams '
       'in dedicated mode) and the optimizer that made opt_state.'
     ) from e
-  parts = _checkpoint.diff_parts(
+  _checkpoint.check_fits(
     _checkpoint.sigs_by_path({'opt_state': portable}),
     _checkpoint.sigs_by_path(
       {'opt_state': _portable(abstract, abstract=True, placed=False)}
     ),
+    'dmuon_jax checkpoint.save: opt_state is not a state of opt (compared '
+    'with jax.eval_shape(opt.init, params), both in mesh-independent '
+    'form): {}. Nothing was written. Save the state returned by this '
+    "optimizer's init/update, or pass as opt= the optimizer that made "
+    'opt_state (same transformations, same Muon routing).',
     what='shapes/dtypes',
-    have_name='opt_state',
-    want_name='opt.init(params)',
-    only_want='not in opt_state',
-    only_have='in opt_state but not in opt.init(params)',
+    names=(
+      'opt_state',
+      'opt.init(params)',
+      'not in opt_state',
+      'in opt_state but not in opt.init(params)',
+    ),
   )
-  if parts:
-    raise ValueError(
-      'dmuon_jax checkpoint.save: opt_state is not a state of opt (compared '
-      'with jax.eval_shape(opt.init, params), both in mesh-independent '
-      f'form): {" | ".join(parts)}. Nothing was written. Save the state '
-      "returned by this optimizer's init/update, or pass as opt= the "
-      'optimizer that made opt_state (same transformations, same Muon '
-      'routing).'
-    )
 
 
 def save(
@@ -635,14 +621,10 @@ def _restore_step(root, step, steps, params_like, opt, extra_like, dedication):
     ``abstract``; orbax's failures on damaged files raise
     CheckpointDamagedError."""
     try:
-      if name is None:
-        return _checkpoint.saved_tree(path)
-      return _checkpoint.partial_restore(path, {name: abstract})[name]
+      return _checkpoint.read(path, name, abstract)
     except Exception as e:  # orbax, TensorStore, json: whatever they raise
-      error = _damaged(root, step, steps, e)
-      if error is None:
-        raise
-      raise error from e
+      _raise_if_damaged(root, step, steps, e)
+      raise
 
   dp_like = params_like
   if isinstance(dp_like, _dedication.DedicatedParams):
@@ -812,13 +794,13 @@ def restore_nnx(
 # ------------------------------------------------------ damaged checkpoints
 
 
-def _damaged(root: pathlib.Path, step: int, steps: list[int], e: Exception):
-  """The CheckpointDamagedError for orbax's failure ``e`` on the files of
-  ``step``, or None if nothing says the files are at fault."""
+def _raise_if_damaged(root: pathlib.Path, step: int, steps: list[int], e):
+  """Raises CheckpointDamagedError from orbax's failure ``e`` on the files
+  of ``step``, unless nothing says the files are at fault."""
   step_dir = root / str(step)
   file = _checkpoint.damaged_file(step_dir, e)
   if file is None:
-    return None
+    return
   reason = (str(e).split(' [tensorstore_spec=')[0].splitlines() or [''])[0]
   reason = reason if len(reason) <= 300 else reason[:297] + '...'
   others = [s for s in steps if s != step]
@@ -834,7 +816,7 @@ def _damaged(root: pathlib.Path, step: int, steps: list[int], e: Exception):
         ", or (without step=) pass if_damaged='older' to fall back to the "
         'newest undamaged one'
       )
-  return CheckpointDamagedError(
+  raise CheckpointDamagedError(
     f'dmuon_jax checkpoint: step {step} under {root} is damaged: {file} '
     f'cannot be read ({type(e).__name__}: {reason}). The step was '
     'committed, so its files changed after the save; this is not about '
@@ -843,7 +825,7 @@ def _damaged(root: pathlib.Path, step: int, steps: list[int], e: Exception):
     step=step,
     file=file,
     directory=root,
-  )
+  ) from e
 
 
 __all__ = (

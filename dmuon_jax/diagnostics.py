@@ -190,17 +190,17 @@ class HloReport:
   @property
   def bytes_by_kind(self) -> dict[str, float]:
     """``{kind: bytes per device per call}``, executions included."""
-    out: dict[str, float] = {}
-    for c in self.collectives:
-      out[c.kind] = out.get(c.kind, 0.0) + c.total_bytes
-    return out
+    return self._by_kind(lambda c: c.total_bytes, 0.0)
 
   @property
   def count_by_kind(self) -> dict[str, int]:
     """``{kind: number of executions per call}``."""
-    out: dict[str, int] = {}
+    return self._by_kind(lambda c: c.executions, 0)
+
+  def _by_kind(self, value, zero):
+    out = {}
     for c in self.collectives:
-      out[c.kind] = out.get(c.kind, 0) + c.executions
+      out[c.kind] = out.get(c.kind, zero) + value(c)
     return out
 
   @property
@@ -360,9 +360,7 @@ def _itemsize(dtype: str) -> float:
   if dtype == 'pred':
     return 1.0
   m = re.match(r'[a-z]+?(\d+)', dtype)
-  if not m:  # token[], opaque[]
-    return 0.0
-  return int(m[1]) / 8
+  return int(m[1]) / 8 if m else 0.0  # 0 for token[], opaque[]
 
 
 def make_collective(
@@ -442,13 +440,10 @@ def parse_replica_groups(
     except ValueError as e:
       raise ValueError(f'Inconsistent iota replica_groups {text!r}.') from e
     return tuple(tuple(int(v) for v in row) for row in ids)
-  if compact.startswith('{') and compact.endswith('}'):
-    inner = compact[1:-1]
-    if not inner:
+  if re.fullmatch(r'\{(?:\{[\d,]*\},?)*\}', compact):
+    groups = re.findall(r'\{([\d,]*)\}', compact[1:-1])
+    if not groups:
       return (tuple(range(num_devices)),) if num_devices else ()
-    groups = re.findall(r'\{([^{}]*)\}', inner)
-    if re.sub(r'\{[^{}]*\}', '', inner).strip(','):
-      raise ValueError(f'Cannot parse replica_groups {text!r}.')
     return tuple(tuple(int(v) for v in g.split(',') if v) for g in groups)
   raise ValueError(
     f'Cannot parse replica_groups {text!r}; expected {{{{0,1}},{{2,3}}}},'
@@ -522,15 +517,14 @@ def _bracketed(text: str, start: int) -> tuple[list[str], int]:
 
 def elements(shape: str) -> list[Element]:
   """Array elements of an HLO shape (a tuple shape gives several)."""
-  out = []
-  for dtype, dims in _ELEMENT_RE.findall(shape):
-    if dtype in ('token', 'opaque'):
-      continue
-    sizes = tuple(
-      int(d.replace('<=', '')) for d in dims.split(',') if d.strip()
+  return [
+    (
+      dtype,
+      tuple(int(d.replace('<=', '')) for d in dims.split(',') if d.strip()),
     )
-    out.append((dtype, sizes))
-  return out
+    for dtype, dims in _ELEMENT_RE.findall(shape)
+    if dtype not in ('token', 'opaque')
+  ]
 
 
 def _parse_instruction(line: str) -> _Instruction | None:
@@ -548,19 +542,12 @@ def _parse_instruction(line: str) -> _Instruction | None:
   if not op:
     return None
   tokens, close = _bracketed(rest, op.end() - 1)
-  operands = []
-  for token in tokens:
-    token = token.strip()
-    name = re.search(r'%?([\w.\-]+)$', token)
-    if not name:
-      continue
-    inline = token[: name.start()].strip() or None
-    operands.append((inline, name[1]))
+  names = [re.fullmatch(r'(.*?)%?([\w.\-]+)', t.strip()) for t in tokens]
   return _Instruction(
     name=m['name'],
     shape=shape,
     opcode=op[1],
-    operands=tuple(operands),
+    operands=tuple((n[1].strip() or None, n[2]) for n in names if n),
     attrs=STRING_RE.sub('""', rest[close + 1 :]),
     raw=line,
   )
@@ -600,10 +587,11 @@ def parse_module(
 
 def callees(ins: _Instruction) -> list[str]:
   """Computations an instruction calls, other than a while's."""
-  out = []
-  for m in _CALLEE_RE.finditer(ins.attrs):
-    out.extend(re.findall(r'%?([\w.\-]+)', m[1]))
-  return out
+  return [
+    name
+    for m in _CALLEE_RE.finditer(ins.attrs)
+    for name in re.findall(r'%?([\w.\-]+)', m[1])
+  ]
 
 
 def _group_size(

@@ -88,17 +88,6 @@ def check_directory(directory, where: str) -> pathlib.Path:
   return root
 
 
-def check_not_a_step(root: pathlib.Path, where: str) -> None:
-  """Raises if ``root`` (with no complete step) is itself a step directory."""
-  if is_step(root):
-    raise ValueError(
-      f'dmuon_jax checkpoint.{where}: {str(root)!r} is the directory of '
-      f'step {root.name}, not a checkpoint root. Pass its parent '
-      f'{str(root.parent)!r} (the directory given to save), with '
-      f'step={root.name} to restore this step.'
-    )
-
-
 # ------------------------------------------------------- trees by path
 
 

@@ -581,7 +581,13 @@ def _restore(where, directory, step, if_damaged, targets):
         f'{directory} (complete steps: {steps}).'
       )
   elif not steps:
-    _checkpoint.check_not_a_step(root, where)
+    if _checkpoint.is_step(root):
+      raise ValueError(
+        f'dmuon_jax checkpoint.{where}: {str(root)!r} is the directory of '
+        f'step {root.name}, not a checkpoint root. Pass its parent '
+        f'{str(root.parent)!r} (the directory given to save), with '
+        f'step={root.name} to restore this step.'
+      )
     return None
   damaged = []  # An explicit step is never replaced by another one.
   for candidate in reversed(steps) if step is None else [step]:
@@ -786,9 +792,7 @@ def restore_nnx(
   nnx.update(model, state)
   nnx.update(optimizer.opt_state, nnx.state(opt_state))
   optimizer.step.set_value(more['optimizer_step'])
-  if extra_like is not None:
-    return step, more['user']
-  return step
+  return step if extra_like is None else (step, more['user'])
 
 
 # ------------------------------------------------------ damaged checkpoints

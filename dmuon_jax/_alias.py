@@ -344,16 +344,8 @@ def dmuon(
       state = inner.init(params)
       if not any(lay.distributed for lay in _transform.owner_layouts(state)):
         return state
-      shardings = [getattr(x, 'sharding', None) for x in jax.tree.leaves(state)]
-      mesh = next(
-        (
-          s.mesh
-          for s in shardings
-          if isinstance(s, jax.sharding.NamedSharding)
-          and isinstance(s.mesh, jax.sharding.Mesh)
-        ),
-        None,
-      )
+      meshes = map(_mesh.array_mesh, jax.tree.leaves(state))
+      mesh = next((m for m in meshes if isinstance(m, jax.sharding.Mesh)), None)
       return _mesh.replicate_uncommitted(state, mesh)
 
     def update_fn(updates, state, params=None):

@@ -188,10 +188,8 @@ def without_axes(x: Any, axes: Sequence[str]) -> Any:
   if spec is None:
     return x
   names = x.get_metadata()['out_sharding'] if is_variable(x) else x.names
-  entries = spec_entries(spec)
-  entries += [()] * (len(names) - len(entries))
   new = []
-  for name, axes_of_dim in zip(names, entries):
+  for name, axes_of_dim in zip(names, spec_entries(spec) + [()] * len(names)):
     kept = tuple(a for a in axes_of_dim if a not in axes)
     new.append(name if kept == axes_of_dim else (kept or None))
   if is_variable(x):
@@ -335,9 +333,8 @@ def type_spec(x: Any) -> P:
 
 def is_explicit(mesh: Any) -> bool:
   """Whether a mesh has Explicit axes (sharding in the types)."""
-  return mesh is not None and any(
-    t == jax.sharding.AxisType.Explicit for t in getattr(mesh, 'axis_types', ())
-  )
+  types = getattr(mesh, 'axis_types', ())  # (none for None)
+  return jax.sharding.AxisType.Explicit in types
 
 
 def local_shape(
@@ -444,10 +441,9 @@ def split_tensor_parallel(leaf, entries: Entries, tp_axis: str, tp_size: int):
   if not dims:
     return None, None, tuple(leaf.shape)
   dim = dims[0]
-  spec = entries_spec(entries)
   if len(dims) > 1 or entries[dim] != (tp_axis,):
     raise ValueError(
-      f'dmuon: param {leaf.path!r} is sharded as {spec}: the '
+      f'dmuon: param {leaf.path!r} is sharded as {entries_spec(entries)}: the '
       f'tensor-parallel axis {tp_axis!r} must be the only axis of a '
       'single dimension (Megatron column- or row-parallel). Shard the '
       'other dimension over the data-parallel axes instead.'

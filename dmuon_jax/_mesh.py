@@ -34,17 +34,14 @@ def mesh_axes(
   mesh: Any, axis_names: Any = None
 ) -> tuple[tuple[str, ...], tuple[int, ...]]:
   """Owner axes (in mesh order) and their sizes."""
-  if mesh is None:
-    sizes = {}
-  elif isinstance(mesh, Mapping):
-    sizes = {str(k): v for k, v in mesh.items()}
-  elif hasattr(mesh, 'axis_names') and hasattr(mesh, 'shape'):
-    sizes = {n: mesh.shape[n] for n in mesh.axis_names}
-  else:
+  # (a Mesh's or AbstractMesh's shape: {axis_name: size}, in mesh order)
+  shape = {} if mesh is None else getattr(mesh, 'shape', mesh)
+  if not isinstance(shape, Mapping):
     raise TypeError(
       f'dmuon: mesh must be None, a jax.sharding.Mesh or AbstractMesh, or a'
       f' mapping {{axis_name: size}}; got {type(mesh).__name__}.'
     )
+  sizes = {str(k): v for k, v in shape.items()}
   for name, size in sizes.items():
     if not isinstance(size, (int, np.integer)) or size < 1:
       raise ValueError(
@@ -535,18 +532,12 @@ def resolve(
   if mesh is None:
     return None
   sizes = dict(zip(*mesh_axes(mesh)))
-  owners = mesh_axes(mesh, axis_names)[0]  # Raises for unknown names.
-  chosen = () if axis_names is None else owners
+  # (mesh_axes raises for unknown names)
+  chosen = () if axis_names is None else mesh_axes(mesh, axis_names)[0]
   tp = tensor_parallel_axis if tensor_parallel_axis in sizes else None
   if tensor_parallel_axis == AUTO:
-    hits = [
-      n
-      for n, size in sizes.items()
-      if n in TP_AXIS_NAMES
-      and size > 1
-      and n in (sharded_axes or ())
-      and n not in chosen
-    ]
+    named = set(TP_AXIS_NAMES).intersection(sharded_axes or ()) - set(chosen)
+    hits = [n for n in sizes if n in named and sizes[n] > 1]
     if len(hits) > 1:
       raise ValueError(
         f'dmuon: the Muon params are sharded over the mesh axes {hits}, and'
@@ -566,11 +557,11 @@ def resolve(
       'owners.'
     )
   if axis_names is None:
-    owners = tuple(n for n in sizes if n != tp)
+    chosen = tuple(n for n in sizes if n != tp)
   return MeshInfo(
     abstract=getattr(mesh, 'abstract_mesh', mesh),
     sizes=sizes,
-    owner_axes=owners,
+    owner_axes=chosen,
     tp_axis=None if tp is None or sizes[tp] == 1 else tp,
   )
 

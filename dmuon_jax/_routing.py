@@ -11,7 +11,6 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-import optax
 from optax.contrib import MuonDimensionNumbers
 
 Predicate = Callable[[str, Any], bool]
@@ -115,16 +114,7 @@ def normalize_path(path: jax.tree_util.KeyPath) -> str:
     and keys[-1].name == 'value'
   ):
     keys.pop()
-  return '/'.join(key_str(k) for k in keys)
-
-
-def key_str(key: Any) -> str:
-  """One key of a key path as a string (see :func:`normalize_path`)."""
-  if isinstance(key, jax.tree_util.GetAttrKey):
-    return key.name
-  if isinstance(key, jax.tree_util.SequenceKey):
-    return str(key.idx)
-  return str(getattr(key, 'key', key))  # DictKey, FlattenedIndexKey
+  return jax.tree_util.keystr(keys, simple=True, separator='/')
 
 
 def _segments(path: str) -> list[str]:
@@ -208,11 +198,6 @@ def _align_dims(dims: Any, tree: Any, path: tuple, arg: str) -> list[Any]:
     # optax.partition): no leaf to route, whatever the dims tree says here.
     return []
   at = normalize_path(path) or '<root>'
-  if isinstance(dims, optax.MaskedNode):
-    raise ValueError(
-      f'dmuon: {arg} has MaskedNode() at {at!r} where params has'
-      f' {num_leaves} leaves. {_HINT_DIMS_TREE}'
-    )
   (dims_def, dims_children), (tree_def, children) = map(
     _one_level, (dims, tree)
   )

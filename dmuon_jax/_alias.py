@@ -569,12 +569,9 @@ def dedicated_muon(
         'dedicated_muon update()',
       )
       params = DedicatedParams(None, None) if params is None else params
-      owned_u, muon_state = muon.update(updates.owned, state[0], params.owned)
-      rest_u, adam_state = adam.update(updates.rest, state[1], params.rest)
-      return (
-        DedicatedParams(owned=owned_u, rest=rest_u),
-        (muon_state, adam_state),
-      )
+      halves = zip((muon, adam), updates, state, params)  # (owned, rest)
+      new = [t.update(u, s, p) for t, u, s, p in halves]
+      return DedicatedParams(*(u for u, _ in new)), tuple(s for _, s in new)
 
     return optax.GradientTransformation(init_fn, update_fn)
 

@@ -107,13 +107,10 @@ def normalize_path(path: jax.tree_util.KeyPath) -> str:
   Returns:
     The normalized path string (``''`` for the root).
   """
-  keys = list(path)
-  if (
-    keys
-    and isinstance(keys[-1], jax.tree_util.GetAttrKey)
-    and keys[-1].name == 'value'
-  ):
-    keys.pop()
+  keys = tuple(path)
+  last = keys[-1] if keys else None
+  if isinstance(last, jax.tree_util.GetAttrKey) and last.name == 'value':
+    keys = keys[:-1]
   return jax.tree_util.keystr(keys, simple=True, separator='/')
 
 

@@ -400,7 +400,10 @@ def _make_leaf_spec(
   normalized = []
   for what in ('reduction_axis', 'output_axis'):
     value = getattr(dims, what)
-    axes = tuple(value) if hasattr(value, '__iter__') else (value,)
+    try:
+      axes = tuple((value,) if isinstance(value, (int, np.integer)) else value)
+    except TypeError:  # not iterable
+      axes = (None,)
     if not all(
       isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in axes
     ):

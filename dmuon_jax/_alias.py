@@ -344,21 +344,12 @@ def dmuon(
       state = inner.init(params)
       if not any(lay.distributed for lay in _transform.owner_layouts(state)):
         return state
-      shardings = [getattr(x, 'sharding', None) for x in jax.tree.leaves(state)]
-      mesh = next(
-        (
-          s.mesh
-          for s in shardings
-          if isinstance(s, jax.sharding.NamedSharding)
-          and isinstance(s.mesh, jax.sharding.Mesh)
-        ),
-        None,
-      )
+      meshes = map(_mesh.array_mesh, jax.tree.leaves(state))
+      mesh = next((m for m in meshes if isinstance(m, jax.sharding.Mesh)), None)
       return _mesh.replicate_uncommitted(state, mesh)
 
     def update_fn(updates, state, params=None):
-      if params is not None:
-        _routing.check_array_leaves(params)
+      _routing.check_array_leaves(params)  # (None has no leaves)
       # The AdamW moments keep init's tree and shapes (Muon leaves as
       # MaskedNode; the Muon chain checks their shapes itself).
       _checks.check_same_tree(
@@ -430,54 +421,46 @@ def _mean_rest(dedication: Dedication) -> optax.GradientTransformation:
   and averaged over the other axes it varies on (not over the TP axis of a
   TP-sharded param: each TP shard holds its own slice).
   """
-  mesh = dedication.mesh
+  mesh, tp_axis = dedication.mesh, dedication.tensor_parallel_axis
+
+  def mean(x, spec, path):
+    spec_axes = _mesh.sharded_axes([spec])
+    varying = _gather.varying_axes(x)
+    if tp_axis in varying and tp_axis not in spec_axes:
+      raise ValueError(
+        f'dmuon: the gradient of {path!r} differs between the shards of '
+        f'the tensor-parallel axis {tp_axis!r} (it is a partial sum '
+        'there). Compute gradients with dmuon_jax.local_value_and_grad('
+        f'loss, axis_names={dedication.buffer_axes}) so that autodiff '
+        'sums TP-replicated params over the TP axis.'
+      )
+    # Summed over the manual axes its sharding names (the transpose of
+    # gather_rest's all-gather), not over the TP axis (a TP-sharded
+    # param stays each TP shard's slice) nor over automatic axes
+    # (dmuon_jax.flax.train_step's TP axis: the partitioner's).
+    summed = {a for a in spec_axes & _gather.manual_axes() if a != tp_axis}
+    # Invariant over an axis of a step run whole inside shard_map
+    # (dmuon_jax.flax.train_step): autodiff summed it there.
+    summed |= _gather.summed_axes() - varying
+    if summed:
+      x = x / np.prod([mesh.shape[a] for a in summed])
+    others = tuple(
+      a for a in mesh.axis_names if a in varying - summed - spec_axes
+    )
+    return jax.lax.pmean(x, others) if others else x
 
   def update_fn(updates, state, params=None):
     del params
-    manual = _gather.manual_axes()
-    if mesh is None or not manual:
+    if mesh is None or not _gather.manual_axes():
       return updates, state
-    sizes = dict(mesh.shape)
-    tp_axis = dedication.tensor_parallel_axis
-    out = []
-    for x, spec, path in zip(
-      dedication.treedef.flatten_up_to(updates),
-      dedication.rest_specs,
-      dedication.leaf_paths,
-    ):
-      if x is None:
-        out.append(x)
-        continue
-      spec_axes = [a for e in _mesh.spec_entries(spec) for a in e]
-      varying = _gather.varying_axes(x)
-      if tp_axis in varying and tp_axis not in spec_axes:
-        raise ValueError(
-          f'dmuon: the gradient of {path!r} differs between the shards of '
-          f'the tensor-parallel axis {tp_axis!r} (it is a partial sum '
-          'there). Compute gradients with dmuon_jax.local_value_and_grad('
-          f'loss, axis_names={dedication.buffer_axes}) so that autodiff '
-          'sums TP-replicated params over the TP axis.'
-        )
-      # Summed over the manual axes its sharding names (the transpose of
-      # gather_rest's all-gather), not over the TP axis (a TP-sharded
-      # param stays each TP shard's slice) nor over automatic axes
-      # (dmuon_jax.flax.train_step's TP axis: the partitioner's).
-      summed = [a for a in spec_axes if a in manual and a != tp_axis]
-      # Invariant over an axis of a step run whole inside shard_map
-      # (dmuon_jax.flax.train_step): autodiff summed it there.
-      summed += [
-        a
-        for a in sorted(_gather.summed_axes())
-        if a not in summed and a not in varying
-      ]
-      if summed:
-        x = x / np.prod([sizes[a] for a in summed])
-      others = tuple(
-        a
-        for a in mesh.axis_names
-        if a not in summed and a not in spec_axes and a in varying
+    out = [
+      x if x is None else mean(x, spec, path)
+      for x, spec, path in zip(
+        dedication.treedef.flatten_up_to(updates),
+        dedication.rest_specs,
+        dedication.leaf_paths,
       )
-      out.append(jax.lax.pmean(x, others) if others else x)
+    ]
     return jax.tree.unflatten(dedication.treedef, out), state
 
   return optax.GradientTransformation(optax.init_empty_state, update_fn)
@@ -586,12 +569,9 @@ def dedicated_muon(
         'dedicated_muon update()',
       )
       params = DedicatedParams(None, None) if params is None else params
-      owned_u, muon_state = muon.update(updates.owned, state[0], params.owned)
-      rest_u, adam_state = adam.update(updates.rest, state[1], params.rest)
-      return (
-        DedicatedParams(owned=owned_u, rest=rest_u),
-        (muon_state, adam_state),
-      )
+      halves = zip((muon, adam), updates, state, params)  # (owned, rest)
+      new = [t.update(u, s, p) for t, u, s, p in halves]
+      return DedicatedParams(*(u for u, _ in new)), tuple(s for _, s in new)
 
     return optax.GradientTransformation(init_fn, update_fn)
 

@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dmuon_jax import _dedication, _owner_layout, _owner_update, _routing
+from dmuon_jax import _dedication, _owner_layout, _owner_update
 
 # Documented as dmuon_jax.checkpoint.COMMIT_MARKER.
 COMMIT_MARKER = 'commit_success.txt'
@@ -93,7 +93,7 @@ def check_directory(directory, where: str) -> pathlib.Path:
 
 def _path_str(path) -> str:
   """A key path as ``a/b/0``, the same for a NamedTuple and its dict."""
-  return '/'.join(map(_routing.key_str, path))
+  return jax.tree_util.keystr(path, simple=True, separator='/')
 
 
 def nest(by_path: dict[str, Any]) -> dict:

@@ -34,17 +34,14 @@ def mesh_axes(
   mesh: Any, axis_names: Any = None
 ) -> tuple[tuple[str, ...], tuple[int, ...]]:
   """Owner axes (in mesh order) and their sizes."""
-  if mesh is None:
-    sizes = {}
-  elif isinstance(mesh, Mapping):
-    sizes = {str(k): v for k, v in mesh.items()}
-  elif hasattr(mesh, 'axis_names') and hasattr(mesh, 'shape'):
-    sizes = {n: mesh.shape[n] for n in mesh.axis_names}
-  else:
+  # (a Mesh's or AbstractMesh's shape: {axis_name: size}, in mesh order)
+  shape = {} if mesh is None else getattr(mesh, 'shape', mesh)
+  if not isinstance(shape, Mapping):
     raise TypeError(
       f'dmuon: mesh must be None, a jax.sharding.Mesh or AbstractMesh, or a'
       f' mapping {{axis_name: size}}; got {type(mesh).__name__}.'
     )
+  sizes = {str(k): v for k, v in shape.items()}
   for name, size in sizes.items():
     if not isinstance(size, (int, np.integer)) or size < 1:
       raise ValueError(
@@ -188,10 +185,8 @@ def without_axes(x: Any, axes: Sequence[str]) -> Any:
   if spec is None:
     return x
   names = x.get_metadata()['out_sharding'] if is_variable(x) else x.names
-  entries = spec_entries(spec)
-  entries += [()] * (len(names) - len(entries))
   new = []
-  for name, axes_of_dim in zip(names, entries):
+  for name, axes_of_dim in zip(names, spec_entries(spec) + [()] * len(names)):
     kept = tuple(a for a in axes_of_dim if a not in axes)
     new.append(name if kept == axes_of_dim else (kept or None))
   if is_variable(x):
@@ -335,9 +330,8 @@ def type_spec(x: Any) -> P:
 
 def is_explicit(mesh: Any) -> bool:
   """Whether a mesh has Explicit axes (sharding in the types)."""
-  return mesh is not None and any(
-    t == jax.sharding.AxisType.Explicit for t in getattr(mesh, 'axis_types', ())
-  )
+  types = getattr(mesh, 'axis_types', ())  # (none for None)
+  return jax.sharding.AxisType.Explicit in types
 
 
 def local_shape(
@@ -444,10 +438,9 @@ def split_tensor_parallel(leaf, entries: Entries, tp_axis: str, tp_size: int):
   if not dims:
     return None, None, tuple(leaf.shape)
   dim = dims[0]
-  spec = entries_spec(entries)
   if len(dims) > 1 or entries[dim] != (tp_axis,):
     raise ValueError(
-      f'dmuon: param {leaf.path!r} is sharded as {spec}: the '
+      f'dmuon: param {leaf.path!r} is sharded as {entries_spec(entries)}: the '
       f'tensor-parallel axis {tp_axis!r} must be the only axis of a '
       'single dimension (Megatron column- or row-parallel). Shard the '
       'other dimension over the data-parallel axes instead.'
@@ -539,18 +532,12 @@ def resolve(
   if mesh is None:
     return None
   sizes = dict(zip(*mesh_axes(mesh)))
-  owners = mesh_axes(mesh, axis_names)[0]  # Raises for unknown names.
-  chosen = () if axis_names is None else owners
+  # (mesh_axes raises for unknown names)
+  chosen = () if axis_names is None else mesh_axes(mesh, axis_names)[0]
   tp = tensor_parallel_axis if tensor_parallel_axis in sizes else None
   if tensor_parallel_axis == AUTO:
-    hits = [
-      n
-      for n, size in sizes.items()
-      if n in TP_AXIS_NAMES
-      and size > 1
-      and n in (sharded_axes or ())
-      and n not in chosen
-    ]
+    named = set(TP_AXIS_NAMES).intersection(sharded_axes or ()) - set(chosen)
+    hits = [n for n in sizes if n in named and sizes[n] > 1]
     if len(hits) > 1:
       raise ValueError(
         f'dmuon: the Muon params are sharded over the mesh axes {hits}, and'
@@ -570,11 +557,11 @@ def resolve(
       'owners.'
     )
   if axis_names is None:
-    owners = tuple(n for n in sizes if n != tp)
+    chosen = tuple(n for n in sizes if n != tp)
   return MeshInfo(
     abstract=getattr(mesh, 'abstract_mesh', mesh),
     sizes=sizes,
-    owner_axes=owners,
+    owner_axes=chosen,
     tp_axis=None if tp is None or sizes[tp] == 1 else tp,
   )
 

@@ -6,17 +6,14 @@ import dataclasses
 import functools
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-import optax
 from optax.contrib import MuonDimensionNumbers
 
 Predicate = Callable[[str, Any], bool]
-# predicate='optax': optax.contrib.muon's routing.
-OPTAX_ROUTING = 'optax'
 # None, one MuonDimensionNumbers, a prefix tree of them, or a callable.
 WeightDimNums = Any
 
@@ -110,42 +107,15 @@ def normalize_path(path: jax.tree_util.KeyPath) -> str:
   Returns:
     The normalized path string (``''`` for the root).
   """
-  keys = list(path)
-  if (
-    keys
-    and isinstance(keys[-1], jax.tree_util.GetAttrKey)
-    and keys[-1].name == 'value'
-  ):
-    keys.pop()
-  return '/'.join(key_str(k) for k in keys)
-
-
-def key_str(key: Any) -> str:
-  """One key of a key path as a string (see :func:`normalize_path`)."""
-  if isinstance(key, jax.tree_util.GetAttrKey):
-    return key.name
-  if isinstance(key, jax.tree_util.SequenceKey):
-    return str(key.idx)
-  return str(getattr(key, 'key', key))  # DictKey, FlattenedIndexKey
+  keys = tuple(path)
+  last = keys[-1] if keys else None
+  if isinstance(last, jax.tree_util.GetAttrKey) and last.name == 'value':
+    keys = keys[:-1]
+  return jax.tree_util.keystr(keys, simple=True, separator='/')
 
 
 def _segments(path: str) -> list[str]:
   return [s for s in path.split('/') if s]
-
-
-def block_boundary_end(segments: Sequence[str]) -> int | None:
-  """Returns the end (exclusive) of the outermost block boundary, if any."""
-  for i, seg in enumerate(segments):
-    low = seg.lower()
-    if _BLOCK_SEGMENT_RE.match(low):
-      return i + 1
-    if (
-      low in _BLOCK_NAMES.split()
-      and i + 1 < len(segments)
-      and segments[i + 1].isdigit()
-    ):
-      return i + 2
-  return None
 
 
 def default_muon_predicate(path: str, leaf: Any) -> bool:
@@ -194,9 +164,8 @@ def default_muon_predicate(path: str, leaf: Any) -> bool:
   shape = np.shape(leaf)
   if len(shape) != 2 or min(shape) <= 1:
     return False
-  segments = _segments(path)
-  in_block = block_boundary_end(segments) is not None
-  for seg in segments:
+  in_block = layer_base(path)[0]
+  for seg in _segments(path):
     low = seg.lower()
     if any(s in low for s in _EXCLUDED_SUBSTRINGS):
       return False
@@ -205,10 +174,6 @@ def default_muon_predicate(path: str, leaf: Any) -> bool:
     if not in_block and low in _HEAD_NAMES:
       return False
   return True
-
-
-def _is_dims_leaf(x: Any) -> bool:
-  return x is None or isinstance(x, MuonDimensionNumbers)
 
 
 def _one_level(x: Any) -> tuple[Any, list[tuple[Any, Any]]]:
@@ -223,18 +188,13 @@ def _align_dims(dims: Any, tree: Any, path: tuple, arg: str) -> list[Any]:
   """One dimension-numbers entry per leaf of ``tree`` (``arg``: the
   argument's name as the user spelled it, for messages)."""
   num_leaves = len(jax.tree.leaves(tree))
-  if _is_dims_leaf(dims):
+  if dims is None or isinstance(dims, MuonDimensionNumbers):
     return [dims] * num_leaves
   if num_leaves == 0:
     # None, MaskedNode() or an empty container (e.g. a subtree masked out by
     # optax.partition): no leaf to route, whatever the dims tree says here.
     return []
   at = normalize_path(path) or '<root>'
-  if isinstance(dims, optax.MaskedNode):
-    raise ValueError(
-      f'dmuon: {arg} has MaskedNode() at {at!r} where params has'
-      f' {num_leaves} leaves. {_HINT_DIMS_TREE}'
-    )
   (dims_def, dims_children), (tree_def, children) = map(
     _one_level, (dims, tree)
   )
@@ -283,7 +243,7 @@ def resolve_dimension_numbers(
     ValueError: if the dimension-numbers tree does not match ``tree``.
   """
   dims = weight_dimension_numbers
-  if callable(dims) and not _is_dims_leaf(dims):
+  if callable(dims):  # (MuonDimensionNumbers and None are not)
     # A callable pytree node of the type of tree's root is a tree: mapping
     # over dmuon_jax.muon_labels of an Equinox model's arrays gives an
     # eqx.Module with the model's __call__ (calling it would run the model
@@ -493,7 +453,7 @@ def _make_leaf_spec(
 
 def check_predicate(predicate: Any) -> None:
   """Raises unless ``predicate`` is None, ``'optax'`` or a callable."""
-  if predicate is None or callable(predicate) or predicate == OPTAX_ROUTING:
+  if predicate is None or callable(predicate) or predicate == 'optax':
     return
   raise TypeError(
     f'dmuon: predicate={predicate!r} is not a routing rule. Pass None (the'
@@ -579,6 +539,11 @@ def route(
   all_dims = resolve_dimension_numbers(
     params, weight_dimension_numbers, dims_arg
   )
+  # Besides the dimension numbers: the predicate, else (without dimension
+  # numbers) the default rule.
+  rule = (
+    default_muon_predicate if predicate is None and not have_dims else predicate
+  )
   specs: list[LeafSpec | None] = []
   sizes = {True: [], False: []}  # elements of each leaf, by target
   only_optax, only_here, stacks = [], [], []
@@ -586,15 +551,10 @@ def route(
     path = normalize_path(key_path)
     # optax.contrib.muon's rule (optax 0.2.8, contrib/_muon.py).
     optax_target = dims is not None if have_dims else np.ndim(leaf) == 2
-    if isinstance(predicate, str):
-      target = optax_target
-    elif predicate is not None:
-      target = bool(predicate(path, leaf)) and (
+    target = optax_target
+    if not isinstance(predicate, str):
+      target = (rule is None or bool(rule(path, leaf))) and (
         not have_dims or dims is not None
-      )
-    else:
-      target = (
-        dims is not None if have_dims else default_muon_predicate(path, leaf)
       )
     specs.append(
       _make_leaf_spec(i, path, leaf, dims, dims_arg) if target else None
@@ -674,9 +634,14 @@ def layer_base(path: str) -> tuple[bool, str]:
   the outermost block (``layers/3``), else the first segment after a
   leading ``params`` collection (also a scanned stack's hook boundary)."""
   segments = _segments(path)
-  end = block_boundary_end(segments)
-  if end is not None:
-    return True, '/'.join(segments[:end])
+  for i, low in enumerate(seg.lower() for seg in segments):
+    if _BLOCK_SEGMENT_RE.match(low):
+      return True, '/'.join(segments[: i + 1])
+    # ('layers/3': a block name, then an integer segment)
+    if (
+      low in _BLOCK_NAMES.split() and ''.join(segments[i + 1 : i + 2]).isdigit()
+    ):
+      return True, '/'.join(segments[: i + 2])
   start = 0
   # (A leading linen 'params' collection names no module.)
   while start < len(segments) - 1 and segments[start] == 'params':

@@ -387,7 +387,9 @@ def owner_step(
         rule=cfg.momentum,
       )
       new_mu.extend(mu_g)
-    p, staged = param_groups[g], _staged.needs_stages(olayout, lay)
+    # Owner-group or TP matrices: the staged update.
+    tp = olayout.tp_size > 1 and any(s is not None for s in lay.tp_splits)
+    p, staged = param_groups[g], bool(lay.plan.groups) or tp
     work = slot_work(olayout, lay, decay, skip_distributed=staged)
     run = functools.partial(
       slot_update, cfg, hp, olayout, lay, work, decay=decay

@@ -44,8 +44,9 @@ import numpy as np
 from dmuon_jax import _gather, _layout, _newton_schulz, _plan
 
 
-def pack_symmetric(a: jax.Array) -> jax.Array:
-  """A symmetric ``g x g`` matrix as ``triangle_size(g)`` elements.
+def pack_symmetric(a: jax.Array, size: int = 0) -> jax.Array:
+  """A symmetric ``g x g`` matrix as ``triangle_size(g)`` elements,
+  zero-padded to ``size`` elements where that is more.
 
   With ``a = [[A, B], [B^T, C]]`` in halves (``g`` padded to even): ``B``,
   then one square holding ``A``'s upper triangle and ``C``'s strict lower
@@ -60,7 +61,8 @@ def pack_symmetric(a: jax.Array) -> jax.Array:
   i = jax.lax.broadcasted_iota(jnp.int32, (k, k), 0)
   j = jax.lax.broadcasted_iota(jnp.int32, (k, k), 1)
   q = jnp.where(j >= i, a11, a22)
-  return jnp.concatenate([a12.reshape(-1), q.reshape(-1), jnp.diagonal(a22)])
+  p = jnp.concatenate([a12.reshape(-1), q.reshape(-1), jnp.diagonal(a22)])
+  return jnp.pad(p, (0, size - p.shape[0])) if p.shape[0] < size else p
 
 
 def unpack_symmetric(v: jax.Array, g: int) -> jax.Array:
@@ -104,7 +106,7 @@ def _typed(per_slot):
     for typ, rank, row in items:
       per = found.setdefault(typ[1:], (typ, [[] for _ in per_slot]))[1]
       per[s].append((rank, row))
-  types, tables, trips = [], [], []
+  out = []
   for key in sorted(found, key=repr):
     typ, per = found[key]
     rows = [
@@ -112,13 +114,9 @@ def _typed(per_slot):
       for it in per
     ]
     width = max(map(len, rows))
-    table, trip = _layout.typed_table(
-      [r or [[] for _ in range(width)] for r in rows]
-    )
-    types.append(typ)
-    tables.append(table)
-    trips.append(trip)
-  return types, tables, trips
+    empty = [[] for _ in range(width)]
+    out.append((typ, *_layout.typed_table([r or empty for r in rows])))
+  return tuple(zip(*out)) or ((), (), ())
 
 
 class Stages:
@@ -278,12 +276,6 @@ class Stages:
       self.own_factor.append(own_factor)
 
 
-def needs_stages(olayout, lay) -> bool:
-  """Whether a layout group has distributed matrices (groups or TP)."""
-  tp = olayout.tp_size > 1 and any(s is not None for s in lay.tp_splits)
-  return bool(lay.plan.groups) or tp
-
-
 class Carry(NamedTuple):
   """What the stages of :func:`run` pass on, per device."""
 
@@ -324,12 +316,6 @@ def _set_block(v, start, value):
   return jax.lax.dynamic_update_slice_in_dim(
     v, value.reshape(-1).astype(v.dtype), start, 0
   )
-
-
-def _packed(m, block):
-  """``m`` (symmetric) packed, zero-padded to ``block`` elements."""
-  p = pack_symmetric(m)
-  return jnp.pad(p, (0, block - p.shape[0])) if p.shape[0] < block else p
 
 
 def _rows(st: Stages, num_plain: int, rows):
@@ -397,7 +383,7 @@ class _Bodies:
     """A slice's Gram packed and added to its held group's row; a TP
     matrix's set at its block."""
     if kind == 0:
-      return _add_row(v, at, _packed(gram, self.st.block))
+      return _add_row(v, at, pack_symmetric(gram, self.st.block))
     return _set_block(v, at, gram)
 
   def amax(self, r, c: Carry, hat, p) -> Carry:
@@ -445,7 +431,7 @@ class _Bodies:
       gram = unpack_symmetric(_gather.in_loop(_row(c.owned_grams, i), q), g)
       fac, sc = self._factor(w, st.group_segments, gram)
       fac = fac.astype(norm) * sc if w == 0 else fac
-      packed = _packed(fac.astype(norm), st.block)
+      packed = pack_symmetric(fac.astype(norm), st.block)
       return jax.lax.dynamic_update_index_in_dim(q, packed, i, 0)
 
     def one_tp(carry, kind, t, off, block, i):

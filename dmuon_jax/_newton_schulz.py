@@ -1,10 +1,11 @@
 """Newton-Schulz (direct, Gram, TP Gram), presets, the large-matrix rescale,
-the FLOP model. One Gram iteration (:func:`gram_factor` per restart window,
-:func:`gram_iterate` over them) for whole and TP matrices, the Grams'
-reduction an argument; ``_staged`` reduces between its stages instead."""
+the FLOP model. One Gram iteration (:func:`gram_factor` per restart window)
+for whole and split matrices; one window of a split matrix from its summed
+Grams (:func:`window_factor`) for the TP function here and ``_staged``'s
+stages (which sum the Grams between stages)."""
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Literal, TypeAlias
 
 import jax
@@ -445,34 +446,6 @@ def _quintic_step(y, gram, coeffs):
   return a * y + poly @ y
 
 
-def check_restart_iterations(
-  restart_iterations: Sequence[int] | None, num_iterations: int
-) -> tuple[int, ...]:
-  """Validates restart indices: sorted unique ints in [1, k - 1].
-
-  None means the default: restart before iteration 2 when there are at least
-  3 iterations, else never.
-  """
-  if restart_iterations is None:
-    return (2,) if num_iterations >= 3 else ()
-  try:
-    restarts = tuple(restart_iterations)
-  except TypeError as e:
-    raise ValueError(
-      'restart_iterations must be a sequence of ints, got'
-      f' {restart_iterations!r}.'
-    ) from e
-  valid = all(is_int(i) and 1 <= i < num_iterations for i in restarts)
-  increasing = all(a < b for a, b in zip(restarts, restarts[1:]))
-  if not valid or not increasing:
-    raise ValueError(
-      'restart_iterations must hold strictly increasing ints in [1,'
-      f' {num_iterations - 1}] (iteration indices, for {num_iterations}'
-      f' iterations), got {restart_iterations!r}. Pass () for no restart.'
-    )
-  return tuple(int(i) for i in restarts)
-
-
 def orthogonalize_via_gram_newton_schulz(
   x: jax.typing.ArrayLike,
   ns_coeffs: NSCoeffsLike = 'jordan',
@@ -561,21 +534,42 @@ def orthogonalize_via_gram_newton_schulz(
     eps,
     compute_dtype,
   )
-  return _finish(gram_iterate(x0, r, rows, windows), transposed, x)
+  for w, (start, end) in enumerate(windows):
+    if w or r is None:
+      r = x0 @ _transpose(x0)
+    x0 = gram_factor(r, rows[start:end]) @ x0
+  return _finish(x0, transposed, x)
 
 
 def gram_windows(
   k: int, restart_iterations: Sequence[int] | None = None, long_gram=False
 ) -> tuple[tuple[int, int], ...]:
   """The ``[start, end)`` iteration ranges between the restarts of ``k``
-  iterations (:func:`check_restart_iterations`). ``long_gram``: the Gram
-  of a TP-split matrix is over its long side, where None means ``(1, 3)``
-  for >= 4 iterations (the iteration amplifies the rounding in its large
-  null space; seen: 1.6e-5 against direct NS with one restart on
+  iterations. ``restart_iterations``: strictly increasing ints in ``[1, k -
+  1]``; None: ``(2,)`` for >= 3 iterations, else ``()``; with
+  ``long_gram`` (the Gram of a TP-split matrix is over its long side)
+  ``(1, 3)`` for >= 4 iterations (the iteration amplifies the rounding in
+  its large null space; seen: 1.6e-5 against direct NS with one restart on
   32 x 128, 3.7e-6 with two)."""
-  if restart_iterations is None and long_gram and k >= 4:
-    restart_iterations = (1, 3)
-  bounds = (0, *check_restart_iterations(restart_iterations, k), k)
+  if restart_iterations is None:
+    long = long_gram and k >= 4
+    restart_iterations = (1, 3) if long else (2,) if k >= 3 else ()
+  try:
+    restarts = tuple(restart_iterations)
+  except TypeError as e:
+    raise ValueError(
+      'restart_iterations must be a sequence of ints, got'
+      f' {restart_iterations!r}.'
+    ) from e
+  valid = all(is_int(i) and 1 <= i < k for i in restarts)
+  increasing = all(a < b for a, b in zip(restarts, restarts[1:]))
+  if not valid or not increasing:
+    raise ValueError(
+      'restart_iterations must hold strictly increasing ints in [1,'
+      f' {k - 1}] (iteration indices, for {k} iterations), got'
+      f' {restart_iterations!r}. Pass () for no restart.'
+    )
+  bounds = (0, *(int(i) for i in restarts), k)
   return tuple(zip(bounds[:-1], bounds[1:]))
 
 
@@ -597,29 +591,21 @@ def gram_factor(r: jax.Array, rows: np.ndarray) -> jax.Array:
   return q
 
 
-def gram_iterate(
-  x0: jax.Array,
-  r: jax.Array | None,
-  rows: np.ndarray,
-  windows: Sequence[tuple[int, int]],
-  reduce: Callable[[jax.Array], jax.Array] = lambda r: r,
-) -> jax.Array:
-  """The Gram iteration from ``X_0`` and ``R = X_0 X_0^T`` (None: formed
-  here) over :func:`gram_windows`; returns ``Q X_0``. ``R`` is formed as
-  ``reduce(X X^T)``: a sum of the local Grams of a sharded ``X`` (a
-  ``psum`` over its TP axis); the identity for a whole ``X``."""
-  for w, (start, end) in enumerate(windows):
-    if w or r is None:
-      r = reduce(x0 @ _transpose(x0))
-    x0 = gram_factor(r, rows[start:end]) @ x0
-  return x0
-
-
-def frobenius_scale(gram: jax.Array, eps: jax.typing.ArrayLike) -> jax.Array:
-  """``1 / (||X||_F + eps)`` (1 where that is zero) from ``X X^T``: the
-  Frobenius normalization of a matrix from its pieces' summed Grams."""
+def window_factor(
+  gram: jax.Array, rows: np.ndarray, first: bool, eps, compute_dtype
+) -> tuple[jax.Array, jax.Array | None]:
+  """One restart window of a matrix split over devices (TP shards, an
+  owner group's members), from ``gram``, the sum of its pieces' Grams (in
+  the norm dtype): the window's factor (:func:`gram_factor` in
+  ``compute_dtype``) and, in the ``first`` window, the Frobenius
+  normalization ``1 / (||X||_F + eps)`` (1 where that is zero, read from
+  ``trace(gram)``) that it assumes applied to ``X``; None in later ones."""
+  if not first:
+    return gram_factor(gram.astype(compute_dtype), rows), None
   norm = jnp.sqrt(jnp.maximum(jnp.trace(gram, axis1=-2, axis2=-1), 0)) + eps
-  return 1 / jnp.where(norm > 0, norm, 1)
+  scale = (1 / jnp.where(norm > 0, norm, 1))[..., None, None]
+  scale = scale.astype(gram.dtype)
+  return gram_factor((gram * scale**2).astype(compute_dtype), rows), scale
 
 
 def split_last(x: jax.Array, split_axis: int) -> jax.Array:
@@ -723,13 +709,13 @@ def orthogonalize_via_gram_newton_schulz_tp(
   x0 = split_last(x.astype(norm_dtype), split_axis)
   long_gram = x0.shape[-2] > x0.shape[-1] * tp
   windows = gram_windows(len(rows), restart_iterations, long_gram)
-  reduce = lambda a: jax.lax.psum(a, axis_name)
-  gram = reduce(x0 @ _transpose(x0))
-  scale = frobenius_scale(gram, eps)[..., None, None]
-  x0 = (x0 * scale).astype(compute_dtype)
-  r = (gram * scale**2).astype(compute_dtype)
-  out = gram_iterate(x0, r, rows, windows, reduce)
-  return split_last(out, split_axis).astype(x.dtype)
+  for w, (start, end) in enumerate(windows):
+    gram = jax.lax.psum(x0 @ _transpose(x0), axis_name)
+    q, scale = window_factor(gram, rows[start:end], not w, eps, compute_dtype)
+    if scale is not None:
+      x0 = (x0 * scale).astype(compute_dtype)
+    x0 = q @ x0
+  return split_last(x0, split_axis).astype(x.dtype)
 
 
 def matmul_flops(

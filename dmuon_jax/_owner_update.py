@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -223,40 +223,6 @@ def shape_scale(fan_in: int, fan_out: int, consistent_rms=None):
   return np.sqrt(max(fan_in, fan_out)) * consistent_rms
 
 
-def orthogonalize(
-  cfg: OwnerConfig,
-  hp: Hyperparams,
-  stack: jax.Array,
-  full_shape: Sequence[int],
-  out_dtype: Any,
-) -> jax.Array:
-  """Newton–Schulz of a ``(count, m, n)`` stack of whole matrices, then
-  adaptive scaling, the cast to the updates' dtype ``out_dtype`` and the
-  shape factor of ``full_shape``. (Matrices split over devices, by owner
-  groups or a tensor-parallel axis, run in ``_staged``.)"""
-  x = _newton_schulz.rescale_large(stack)
-  algo = cfg.ns_algorithm
-  if algo == 'auto':
-    algo = _newton_schulz.cheaper_ns_algorithm(*x.shape[-2:], len(cfg.coeffs))
-  form = (
-    _newton_schulz.orthogonalize_via_gram_newton_schulz
-    if algo == 'gram'
-    else _newton_schulz.orthogonalize_via_newton_schulz
-  )
-  out = form(
-    x,
-    cfg.coeffs,
-    preconditioning=cfg.preconditioning,
-    eps=hp.eps,
-    compute_dtype=cfg.compute_dtype,
-  )
-  dot = None
-  if cfg.adaptive:
-    # The dual norm <M, NS(M)> of the unscaled momentum, per matrix.
-    dot = jnp.sum(stack * out, axis=(-2, -1), keepdims=True)
-  return finish_ns(cfg, hp, out, dot, full_shape, out_dtype)
-
-
 def finish_ns(cfg, hp, out, dot, full_shape, out_dtype):
   """After Newton–Schulz: ``adaptive``'s dual norm ``dot`` (None without),
   the cast to the updates' dtype and the shape factor of ``full_shape``."""
@@ -299,13 +265,35 @@ def slot_update(
   """
 
   def fn(stacks, bucket):
-    dtype = stacks[0].dtype
-    x = stacks[0]
+    """Newton–Schulz of a ``(count, m, n)`` stack of whole matrices, then
+    :func:`finish_ns` (matrices split over devices, by owner groups or a
+    tensor-parallel axis, run in ``_staged``) and the decay."""
+    stack = stacks[0]
     if bucket.crop is not None:  # a padded leaf: its own rows and columns
-      x = _layout.crop_stack(x, bucket.crop)
-    out = orthogonalize(
-      cfg, hp, x, olayout.full_shape(lay, bucket.units[0]), dtype
+      stack = _layout.crop_stack(stack, bucket.crop)
+    x = _newton_schulz.rescale_large(stack)
+    algo = cfg.ns_algorithm
+    if algo == 'auto':
+      algo = _newton_schulz.cheaper_ns_algorithm(*x.shape[-2:], len(cfg.coeffs))
+    form = (
+      _newton_schulz.orthogonalize_via_gram_newton_schulz
+      if algo == 'gram'
+      else _newton_schulz.orthogonalize_via_newton_schulz
     )
+    out = form(
+      x,
+      cfg.coeffs,
+      preconditioning=cfg.preconditioning,
+      eps=hp.eps,
+      compute_dtype=cfg.compute_dtype,
+    )
+    # adaptive: the dual norm <M, NS(M)> of the unscaled momentum.
+    dot = (
+      jnp.sum(stack * out, (-2, -1), keepdims=True) if cfg.adaptive else None
+    )
+    dtype = stacks[0].dtype
+    full_shape = olayout.full_shape(lay, bucket.units[0])
+    out = finish_ns(cfg, hp, out, dot, full_shape, dtype)
     if bucket.crop is not None:
       out = _layout.uncrop_stack(out, bucket.crop, stacks[0].shape)
     if params is not None and decay:
@@ -327,8 +315,7 @@ def slot_work(olayout, lay, decay, skip_distributed=False) -> _layout.SlotWork:
   program for every slot, its matrices and their offsets read from tables.
   ``skip_distributed`` leaves out owner-group and TP matrices."""
 
-  distributed = lambda b: b.grouped or b.tp_split is not None
-  keep = lambda b: not (skip_distributed and distributed(b))
+  keep = lambda b: not (skip_distributed and (b.grouped or b.tp_split))
   return lay.slot_work(lambda u: _unit_key(olayout, lay, decay, u), keep)
 
 
@@ -400,18 +387,17 @@ def owner_step(
         rule=cfg.momentum,
       )
       new_mu.extend(mu_g)
-    p = param_groups[g]
-    if _staged.needs_stages(olayout, lay):
-      out.extend(
-        _staged_update(
-          cfg, hp, olayout, lay, h, p, decay, olayout.iterations[g]
-        )
-      )
-      continue
-    work = slot_work(olayout, lay, decay)
+    # Owner-group or TP matrices: the staged update.
+    tp = olayout.tp_size > 1 and any(s is not None for s in lay.tp_splits)
+    p, staged = param_groups[g], bool(lay.plan.groups) or tp
+    work = slot_work(olayout, lay, decay, skip_distributed=staged)
     run = functools.partial(
       slot_update, cfg, hp, olayout, lay, work, decay=decay
     )
+    if staged:
+      args = (h, p, decay, run, work, olayout.iterations[g])
+      out.extend(_staged_update(cfg, hp, olayout, lay, *args))
+      continue
     # Every slot runs one program (see slot_work), its matrices and their
     # offsets read from the tables.
     one = functools.partial(_gather.with_slot_rows, lay, run, work.offsets)
@@ -428,9 +414,12 @@ def owner_step(
   return tuple(out), new_mu
 
 
-def _staged_update(cfg, hp, olayout, lay, hat, params, decay, iterations):
+def _staged_update(
+  cfg, hp, olayout, lay, hat, params, decay, plain, work, iterations
+):
   """Owner-group and TP matrices by :mod:`_staged` (collectives between
-  stages), the slot's whole matrices in its first stage."""
+  stages), the slot's whole matrices (``plain``, by :func:`slot_update`
+  from ``work``) in its first stage."""
   # What finish reads of a unit: its key, its dtype group.
   keys = [
     _unit_key(olayout, lay, params is not None and decay, u)
@@ -438,11 +427,6 @@ def _staged_update(cfg, hp, olayout, lay, hat, params, decay, iterations):
     for u in range(len(lay.plan.units))
   ]
   stages = _stages(olayout, lay, len(cfg.coeffs), tuple(keys))
-  work = slot_work(olayout, lay, decay, skip_distributed=True)
-
-  plain = functools.partial(
-    slot_update, cfg, hp, olayout, lay, work, decay=decay
-  )
 
   def finish(u, ns_out, dot, param):
     shape, decays, group = keys[u]
@@ -565,29 +549,6 @@ def is_dmuon_state(x: Any) -> bool:
   )
 
 
-def find(
-  tree: Any, is_node: Callable[[Any], bool]
-) -> list[tuple[jax.tree_util.KeyPath, Any]]:
-  """Every node of ``tree`` where ``is_node`` holds, with its key path.
-
-  The one search through optimizer states: it descends into every pytree
-  node, so it sees through every optax wrapper (``chain``, ``named_chain``,
-  ``partition``, ``masked``, ``MultiSteps``, ``apply_if_finite``,
-  ``inject_hyperparams``) and through ``nnx.Optimizer``'s ``opt_state``
-  (its ``nnx.State`` and ``Variable``\\ s are pytrees too).
-
-  Args:
-    tree: any pytree (an optimizer state, a portable one, a whole train
-      state).
-    is_node: the predicate, e.g. :func:`is_dmuon_state`.
-
-  Returns:
-    ``[(key_path, node)]`` in tree order.
-  """
-  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_node)[0]
-  return [(path, x) for path, x in flat if is_node(x)]
-
-
 def stamp_value(layout: _owner_layout.OwnerLayout) -> tuple[np.ndarray, ...]:
   """The stamp of ``layout`` as data: two ``uint32`` scalars (a marker and
   the layout's fingerprint; scalars are placed alike eagerly and by jit)."""
@@ -652,27 +613,22 @@ class LayoutStamp:
 
   @classmethod
   def tree_unflatten(cls, name, children):
-    marker, value = children
-    check(marker, value, name)
-    return cls(marker, value, name)
+    """Raises if ``children`` are the stamp of a layout other than the one
+    named ``name`` (values not readable without waiting, or not stamps at
+    all, pass)."""
+    got = [_read(x) for x in children]
+    if all(
+      x is not None and x.shape == () and x.dtype == np.uint32 for x in got
+    ):
+      saved = int(got[1])
+      if int(got[0]) == _MAGIC and saved != int(name.rsplit('_', 1)[-1], 16):
+        raise ValueError(
+          STAMP_MISMATCH_MSG.format(name=name, saved=f'..._{saved:08x}')
+        )
+    return cls(*children, name)
 
   def __repr__(self) -> str:
     return f'LayoutStamp({self.name})'
-
-
-def check(marker: Any, value: Any, name: str) -> None:
-  """Raises if ``(marker, value)`` is the stamp of a layout other than the
-  one named ``name`` (values not readable without waiting, or not stamps
-  at all, pass)."""
-  got = [_read(x) for x in (marker, value)]
-  if any(x is None or x.shape != () or x.dtype != np.uint32 for x in got):
-    return
-  fingerprint = int(name.rsplit('_', 1)[-1], 16)
-  if int(got[0]) != _MAGIC or int(got[1]) == fingerprint:
-    return
-  raise ValueError(
-    STAMP_MISMATCH_MSG.format(name=name, saved=f'..._{int(got[1]):08x}')
-  )
 
 
 def make_stamp(layout: _owner_layout.OwnerLayout, place=None) -> LayoutStamp:

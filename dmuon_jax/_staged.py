@@ -44,8 +44,9 @@ import numpy as np
 from dmuon_jax import _gather, _layout, _newton_schulz, _plan
 
 
-def pack_symmetric(a: jax.Array) -> jax.Array:
-  """A symmetric ``g x g`` matrix as ``triangle_size(g)`` elements.
+def pack_symmetric(a: jax.Array, size: int = 0) -> jax.Array:
+  """A symmetric ``g x g`` matrix as ``triangle_size(g)`` elements,
+  zero-padded to ``size`` elements where that is more.
 
   With ``a = [[A, B], [B^T, C]]`` in halves (``g`` padded to even): ``B``,
   then one square holding ``A``'s upper triangle and ``C``'s strict lower
@@ -60,7 +61,8 @@ def pack_symmetric(a: jax.Array) -> jax.Array:
   i = jax.lax.broadcasted_iota(jnp.int32, (k, k), 0)
   j = jax.lax.broadcasted_iota(jnp.int32, (k, k), 1)
   q = jnp.where(j >= i, a11, a22)
-  return jnp.concatenate([a12.reshape(-1), q.reshape(-1), jnp.diagonal(a22)])
+  p = jnp.concatenate([a12.reshape(-1), q.reshape(-1), jnp.diagonal(a22)])
+  return jnp.pad(p, (0, size - p.shape[0])) if p.shape[0] < size else p
 
 
 def unpack_symmetric(v: jax.Array, g: int) -> jax.Array:
@@ -104,7 +106,7 @@ def _typed(per_slot):
     for typ, rank, row in items:
       per = found.setdefault(typ[1:], (typ, [[] for _ in per_slot]))[1]
       per[s].append((rank, row))
-  types, tables, trips = [], [], []
+  out = []
   for key in sorted(found, key=repr):
     typ, per = found[key]
     rows = [
@@ -112,13 +114,9 @@ def _typed(per_slot):
       for it in per
     ]
     width = max(map(len, rows))
-    table, trip = _layout.typed_table(
-      [r or [[] for _ in range(width)] for r in rows]
-    )
-    types.append(typ)
-    tables.append(table)
-    trips.append(trip)
-  return types, tables, trips
+    empty = [[] for _ in range(width)]
+    out.append((typ, *_layout.typed_table([r or empty for r in rows])))
+  return tuple(zip(*out)) or ((), (), ())
 
 
 class Stages:
@@ -138,12 +136,10 @@ class Stages:
     axes: the owner axes (the ``ppermute`` and tables run over them).
     group_axis: the axis a group's members share (its ``pmax``/``psum`` of
       per-matrix scalars).
-    slice_types, tp_types, iter_types: the slices' types (a representative
-      unit each), the TP matrices', per restart window of the groups the
-      Gram sizes a slot iterates.
     parts: per part (slices, TP matrices, each window's iterated groups)
-      its tables, their static trip counts (or None) and their number of
-      columns: a slice's (offset in the buffer, its group among the slot's
+      its types (a representative unit each; for the iterated groups,
+      their Gram sizes), its tables, their static trip counts (or None) and
+      their number of columns: a slice's (offset in the buffer, its group among the slot's
       held ones, its group's row position); a TP matrix's (offset, offset
       of its Gram in the TP block, position in the slot's TP vectors); an
       iterated group's position among the slot's of the window.
@@ -219,13 +215,10 @@ class Stages:
       )
       self.tp_block = max(self.tp_block, starts[-1])
       self.vec_tp = max(self.vec_tp, len(mine))
-    self.slice_types, *slice_part = _typed(slices)
-    self.tp_types, *tp_part = _typed(tps)
     # The stages' tables in the order _rows reads them: per part (slices,
-    # TP matrices, each window's iterated groups) its tables, their trip
-    # counts and their number of columns.
-    self.parts = [(*slice_part, 3), (*tp_part, 3)]
-    self.iter_types = []
+    # TP matrices, each window's iterated groups) its types, tables, their
+    # trip counts and their number of columns.
+    self.parts = [(*_typed(slices), 3), (*_typed(tps), 3)]
     for per_slot in self.iterated:
       types, *part = _typed(
         [
@@ -233,8 +226,7 @@ class Stages:
           for js in per_slot
         ]
       )
-      self.iter_types.append([t[1] for t in types])
-      self.parts.append((*part, 1))
+      self.parts.append(([t[1] for t in types], *part, 1))
     self.m_held = max(map(len, self.held), default=0)
     self.m_iterated = max(
       (len(js) for per_slot in self.iterated for js in per_slot), default=0
@@ -243,27 +235,18 @@ class Stages:
       (_plan.triangle_size(g.gram_size) for g in groups), default=0
     )
     # The groups' restart windows: the optimizer's, each with the plan's
-    # iteration owners of that window.
+    # iteration owners of that window (a plan places as many or more).
     self.group_windows = len(self.group_segments) if groups else 0
-    if len(self.iterated) < self.group_windows:
-      raise ValueError(
-        f'dmuon: the owner plan places {len(self.iterated)} restart '
-        f'window(s) per owner group, but {k} Newton-Schulz iterations run '
-        f"{self.group_windows}; plan with the optimizer's ns_steps."
-      )
     self.windows = max(
-      [self.group_windows] + [len(t.segments) for t in self.tp_types]
+      [self.group_windows] + [len(t.segments) for t in self.parts[1][0]]
     )
     self.schedules = [
       _plan.schedule(groups, plan.owners, w) for w in range(self.group_windows)
     ]
-    self._exchange_tables()
-
-  def _exchange_tables(self) -> None:
-    """Per window and round, what each slot sends and where it adds what
-    it receives (indices into its held / iterated groups); per window and
-    slot, its own slices' Grams and factors (a member that iterates its
-    group in the window)."""
+    # Per window and round, what each slot sends and where it adds what it
+    # receives (indices into its held / iterated groups); per window and
+    # slot, its own slices' Grams and factors (a member that iterates its
+    # group in the window).
     held = [{j: i for i, j in enumerate(h)} for h in self.held]
 
     def tables(rounds, src_of, dst_of):
@@ -293,12 +276,6 @@ class Stages:
       self.own_factor.append(own_factor)
 
 
-def needs_stages(olayout, lay) -> bool:
-  """Whether a layout group has distributed matrices (groups or TP)."""
-  tp = olayout.tp_size > 1 and any(s is not None for s in lay.tp_splits)
-  return bool(lay.plan.groups) or tp
-
-
 class Carry(NamedTuple):
   """What the stages of :func:`run` pass on, per device."""
 
@@ -313,29 +290,6 @@ class Carry(NamedTuple):
   factors: tuple  # (held, block): its held groups' factors; the TP ones'
   x: tuple[jax.Array, ...]  # the iterated slices, per dtype group
   out: tuple[jax.Array, ...]  # the results, per dtype group
-
-
-def _zeros(size, dtype):
-  return jnp.zeros((max(size, 1),), dtype)
-
-
-def _initial_carry(
-  st: Stages, hat: Sequence[jax.Array], norm, tie: jax.Array
-) -> Carry:
-  """Zeros, made when ``tie`` (see ``_gather.zero_after``) is."""
-  lay = st.lay
-  blocks = lambda m: jnp.zeros((max(m, 1), max(st.block, 1)), norm)
-  carry = Carry(
-    amax=(_zeros(st.vec_groups, norm), _zeros(st.vec_tp, norm)),
-    dots=(_zeros(st.vec_groups, norm), _zeros(st.vec_tp, norm)),
-    grams=(blocks(st.m_held), _zeros(st.tp_block, norm)),
-    owned_grams=blocks(st.m_iterated),
-    owned_factors=blocks(st.m_iterated),
-    factors=(blocks(st.m_held), _zeros(st.tp_block, norm)),
-    x=tuple(_zeros(size, norm) for size in lay.local_sizes),
-    out=tuple(_zeros(size, b.dtype) for size, b in zip(lay.local_sizes, hat)),
-  )
-  return jax.tree.map(lambda z: z + tie.astype(z.dtype), carry)
 
 
 def _zeros_like(x, tie):
@@ -364,38 +318,32 @@ def _set_block(v, start, value):
   )
 
 
-def _packed(m, block):
-  """``m`` (symmetric) packed, zero-padded to ``block`` elements."""
-  p = pack_symmetric(m)
-  return jnp.pad(p, (0, block - p.shape[0])) if p.shape[0] < block else p
-
-
-class _Rows(NamedTuple):
-  """One slot's rows of the tables (numpy, or read at run time): per type,
-  ``(trips, columns)``, the trip count a Python int where it is static."""
-
-  plain: Sequence  # the plain update's rows
-  slices: Sequence  # columns: offset, held group, row position
-  tps: Sequence  # columns: offset, Gram block offset, vector position
-  iters: Sequence  # per window; columns: position among its iterated groups
-
-
-def _rows(st: Stages, num_plain: int, rows) -> _Rows:
-  """The rows of ``num_plain`` plain tables, then of ``st.parts``."""
+def _rows(st: Stages, num_plain: int, rows):
+  """One slot's rows of the tables (numpy, or read at run time): those of
+  ``num_plain`` plain tables (the plain update's), then per part of
+  ``st.parts`` (its columns: a slice's offset, held group and row
+  position; a TP matrix's offset, Gram block offset and vector position;
+  an iterated group's position) per type ``(type, trips, columns)``, the
+  trip count a Python int where it is static."""
   rows = iter(rows)
   plain = [next(rows) for _ in range(num_plain)]
-  out = []
-  for _, trips, cols in st.parts:
+  parts = []
+  for types, _, trips, cols in st.parts:
     read = [_layout.table_columns(next(rows), cols) for _ in trips]
-    out.append([(n if t is None else t, v) for (n, v), t in zip(read, trips)])
-  return _Rows(plain, out[0], out[1], out[2:])
+    parts.append(
+      [
+        (ty, n if t is None else t, v)
+        for ty, (n, v), t in zip(types, read, trips)
+      ]
+    )
+  return plain, parts
 
 
-def _each(like, types, rows, fn, carry):
+def _each(like, part, fn, carry):
   """``carry = fn(carry, typ, *values)`` for each of the slot's items of
-  each type (``rows``: its :class:`_Rows` entries for ``types``; ``like``:
-  what ``fn`` reads besides, see ``_gather.for_each``)."""
-  for typ, (trips, columns) in zip(types, rows):
+  each type of ``part`` (its :func:`_rows`; ``like``: what ``fn`` reads
+  besides, see ``_gather.for_each``)."""
+  for typ, trips, columns in part:
     carry = _gather.for_each(
       trips, columns, lambda c, *v, typ=typ: fn(c, typ, *v), carry, like
     )
@@ -405,7 +353,7 @@ def _each(like, types, rows, fn, carry):
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Bodies:
   """The stages as one program for every slot, ``(rows, carry, hat,
-  params) -> carry`` (``rows``: :class:`_Rows`); ``iterate`` and ``apply``
+  params) -> carry`` (``rows``: :func:`_rows`'s); ``iterate`` and ``apply``
   take the restart window first. The fields are :func:`run`'s arguments
   (``norm``: the dtype of the norms, Grams and iterated slices)."""
 
@@ -419,18 +367,14 @@ class _Bodies:
   def cd(self, x):
     return x.astype(self.cfg.compute_dtype or x.dtype)
 
-  def _over(self, kind, r: _Rows, c: Carry, hat, p, fn, carry):
+  def _over(self, kind, r, c: Carry, hat, p, fn, carry):
     """``carry = fn(carry, kind, type, offset, at, position)`` for each of
     the slot's owner-group slices (``kind`` 0; ``at``: its held group) or
     TP matrices (1; ``at``: its Gram's offset in the TP block); position:
     its place in the per-matrix vectors (amax, dots)."""
-    types, rows = ((self.st.slice_types, r.slices), (self.st.tp_types, r.tps))[
-      kind
-    ]
     return _each(
       (hat, p, c),
-      types,
-      rows,
+      r[1][kind],
       lambda v, typ, off, at, i: fn(v, kind, typ, off, at, i),
       carry,
     )
@@ -439,11 +383,11 @@ class _Bodies:
     """A slice's Gram packed and added to its held group's row; a TP
     matrix's set at its block."""
     if kind == 0:
-      return _add_row(v, at, _packed(gram, self.st.block))
+      return _add_row(v, at, pack_symmetric(gram, self.st.block))
     return _set_block(v, at, gram)
 
-  def amax(self, r: _Rows, c: Carry, hat, p) -> Carry:
-    c = c._replace(out=self.plain_update(r.plain, hat, p))
+  def amax(self, r, c: Carry, hat, p) -> Carry:
+    c = c._replace(out=self.plain_update(r[0], hat, p))
     lay = self.st.lay
 
     def one(v, kind, t, off, at, i):
@@ -453,18 +397,16 @@ class _Bodies:
     amax = tuple(self._over(k, r, c, hat, p, one, c.amax[k]) for k in (0, 1))
     return c._replace(amax=amax)
 
-  def _scaled(self, hat, amax, t, off, i, carry):
-    """The slot's matrix of type ``t`` at ``off``, rescaled (``amax[i]``:
-    its max-abs entry), in the norm dtype (read in the loop of ``carry``,
-    see ``_gather.in_loop``)."""
-    raw = self.st.lay.matrix_at(hat[t.group], off, t.shape)
-    raw = _gather.in_loop(raw, carry)
-    return _newton_schulz.rescale_large(raw, _row(amax, i)).astype(self.norm)
-
-  def gram(self, r: _Rows, c: Carry, hat, p) -> Carry:
+  def gram(self, r, c: Carry, hat, p) -> Carry:
     def one(carry, kind, t, off, at, i):
+      """The matrix rescaled (its max-abs entry at ``amax[i]``), in the
+      norm dtype (read in the loop, see ``_gather.in_loop``); its Gram."""
       grams, x = carry
-      xi = self._scaled(hat, c.amax[kind], t, off, i, carry)
+      raw = _gather.in_loop(
+        self.st.lay.matrix_at(hat[t.group], off, t.shape), carry
+      )
+      xi = _newton_schulz.rescale_large(raw, _row(c.amax[kind], i))
+      xi = xi.astype(self.norm)
       m = _newton_schulz.split_last(xi, t.split)
       grams = self._put_gram(kind, grams, at, m @ m.T)
       return grams, _put(x, t.group, off, xi)
@@ -476,26 +418,20 @@ class _Bodies:
 
   def _factor(self, w, segments, g):
     """The window's factor of Gram ``g`` and the scale it applied (the
-    Frobenius normalization, in window 0)."""
-    norm, cd = self.norm, self.cd
+    Frobenius normalization, in window 0; else None)."""
     start, end = segments[w]
-    sc = jnp.ones((), norm)
-    if w == 0:
-      sc = _newton_schulz.frobenius_scale(g.astype(norm), self.eps).astype(norm)
-      r = cd(g.astype(norm) * sc**2)
-    else:
-      r = cd(g)
     rows = np.asarray(self.cfg.coeffs)[start:end]
-    return _newton_schulz.gram_factor(r, rows), sc
+    dtype = self.cfg.compute_dtype or self.norm
+    return _newton_schulz.window_factor(g, rows, w == 0, self.eps, dtype)
 
-  def iterate(self, w, r: _Rows, c: Carry, hat, p) -> Carry:
+  def iterate(self, w, r, c: Carry, hat, p) -> Carry:
     st, lay, norm, cd = self.st, self.st.lay, self.norm, self.cd
 
     def one_group(q, g, i):
       gram = unpack_symmetric(_gather.in_loop(_row(c.owned_grams, i), q), g)
       fac, sc = self._factor(w, st.group_segments, gram)
       fac = fac.astype(norm) * sc if w == 0 else fac
-      packed = _packed(fac.astype(norm), st.block)
+      packed = pack_symmetric(fac.astype(norm), st.block)
       return jax.lax.dynamic_update_index_in_dim(q, packed, i, 0)
 
     def one_tp(carry, kind, t, off, block, i):
@@ -511,11 +447,11 @@ class _Bodies:
 
     q = c.owned_factors
     if w < st.group_windows:
-      q = _each((hat, p, c), st.iter_types[w], r.iters[w], one_group, q)
+      q = _each((hat, p, c), r[1][2 + w], one_group, q)
     qt, x = self._over(1, r, c, hat, p, one_tp, (c.factors[1], c.x))
     return c._replace(owned_factors=q, factors=(c.factors[0], qt), x=x)
 
-  def apply(self, w, r: _Rows, c: Carry, hat, p) -> Carry:
+  def apply(self, w, r, c: Carry, hat, p) -> Carry:
     """One window of each slice and TP matrix: ``x`` left-multiplied by the
     window's factor; then the next window's Gram, or (last window,
     adaptive) the dual norm's term."""
@@ -553,7 +489,7 @@ class _Bodies:
         )
     return c._replace(grams=tuple(grams), x=x, dots=tuple(dots))
 
-  def finish_all(self, r: _Rows, c: Carry, hat, p) -> Carry:
+  def finish_all(self, r, c: Carry, hat, p) -> Carry:
     lay = self.st.lay
 
     def one(out, kind, t, off, at, i):
@@ -641,7 +577,7 @@ def run(
   norm = jnp.float64 if f64 else jnp.float32
   bodies = _Bodies(st, cfg, eps, finish, plain_update, norm)
   tables = list(plain_work.offsets)
-  tables += [t for part, _, _ in st.parts for t in part]
+  tables += [t for _, part, _, _ in st.parts for t in part]
 
   def stage(body, c):
     """One stage: ``body`` with this device's rows of ``tables`` (one
@@ -664,7 +600,19 @@ def run(
   # Buffers made from zeros wait for this group's inputs (else XLA may make
   # them at the start of the step and hold them through it).
   tie = _gather.zero_after(*hat)
-  c = _initial_carry(st, hat, norm, tie)
+  zeros = lambda size, dtype=norm: jnp.zeros((max(size, 1),), dtype)
+  blocks = lambda m: jnp.zeros((max(m, 1), max(st.block, 1)), norm)
+  c = Carry(
+    amax=(zeros(st.vec_groups), zeros(st.vec_tp)),
+    dots=(zeros(st.vec_groups), zeros(st.vec_tp)),
+    grams=(blocks(st.m_held), zeros(st.tp_block)),
+    owned_grams=blocks(st.m_iterated),
+    owned_factors=blocks(st.m_iterated),
+    factors=(blocks(st.m_held), zeros(st.tp_block)),
+    x=tuple(zeros(size) for size in st.lay.local_sizes),
+    out=tuple(zeros(n, b.dtype) for n, b in zip(st.lay.local_sizes, hat)),
+  )
+  c = jax.tree.map(lambda z: z + tie.astype(z.dtype), c)
   c = jax.tree.map(lambda y: _vary(y, vary), c)
   slot = _gather.slot_index(st.axes) if st.n > 1 else 0
   # Collectives run between the stages, on every device.

@@ -712,4 +712,5 @@ def owner_layouts(opt_state: Any) -> list[_owner_layout.OwnerLayout]:
     [1]
   """
   is_buffers = lambda x: isinstance(x, _owner_layout.OwnerBuffers)
-  return [x.layout for _, x in _owner_update.find(opt_state, is_buffers)]
+  found = jax.tree.leaves(opt_state, is_leaf=is_buffers)
+  return [x.layout for x in found if is_buffers(x)]

@@ -258,9 +258,8 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
   import dmuon_jax  # pylint: disable=g-import-not-at-top
   from dmuon_jax import _newton_schulz  # pylint: disable=g-import-not-at-top
 
-  # Private helpers: the FLOP model and the default restarts.
+  # Private helpers: the FLOP model and the restart windows.
   ns_flops = _newton_schulz.matmul_flops
-  check_restarts = _newton_schulz.check_restart_iterations
   tp_ns = dmuon_jax.orthogonalize_via_gram_newton_schulz_tp
 
   if jax.device_count() != n_dev:
@@ -270,7 +269,7 @@ def main(argv=None):  # pylint: disable=too-many-locals,too-many-statements
   load_start = _common.load_average()
   rows = dmuon_jax.resolve_ns_coeffs(NS_COEFFS)
   k = len(rows)
-  default_restarts = check_restarts(None, k)
+  default_restarts = tuple(w[0] for w in _newton_schulz.gram_windows(k)[1:])
   rng = np.random.default_rng(args.seed)
   s = args.short
   print(

@@ -41,8 +41,7 @@ def plan_gather_groups(
   group_axis: str | None = None,
   *,
   split: bool = False,
-  ns_steps: int = 5,
-  memo: dict | None = None,
+  memo: dict,
   bytes_only: bool = False,
 ) -> (
   tuple[OwnershipPlan, tuple[OwnershipPlan, ...], tuple[int, ...]]
@@ -72,9 +71,8 @@ def plan_gather_groups(
     group_axis: the axis owner groups range over (default: the last buffer
       axis).
     split: whether loop groups may split matrices to even out their bytes.
-    ns_steps: Newton–Schulz iterations, for the cost of split matrices.
-    memo: (optional) a dict kept across calls for one set of params: the
-      split chosen per group of equal shapes.
+    memo: a dict kept across calls for one set of params: the split chosen
+      per group of equal shapes.
     bytes_only: return, per gather group, only its bytes as this placement
       would give them, each group placed alone (groups of equal shapes
       once, through ``memo``): what ``layers_per_gather='auto'`` weighs.
@@ -97,9 +95,8 @@ def plan_gather_groups(
   shape = tuple(sizes[a] for a in buffer_axes)
   axis = buffer_axes.index(group_axis or buffer_axes[-1]) if buffer_axes else 0
   rows = group_rows(shape, axis)
-  memo = {} if memo is None else memo
   got = [
-    _split_views(plan, name, scanned, specs, k, rows, split, ns_steps, memo)
+    _split_views(plan, name, scanned, specs, k, rows, split, memo)
     for name, scanned, specs in groups
     if bytes_only or (split and not scanned)
   ]
@@ -107,11 +104,11 @@ def plan_gather_groups(
     return [b for _, b in got]
   views = {i: v for vs, _ in got for i, v in vs.items()}
   if views:
-    plan = resliced(plan, views, ns_steps)[0]
+    plan = resliced(plan, views, _NS_STEPS)[0]
   n = plan.num_slots
   work, placed = np.zeros(n), []
   for name, scanned, specs in groups:
-    sub = resliced(plan, {}, ns_steps, {s.leaf_index for s in specs})[0]
+    sub = resliced(plan, {}, _NS_STEPS, {s.leaf_index for s in specs})[0]
     placed.append(_place_gather_group(sub, name, scanned, k, rows, work))
   # Even out the work over the model by swapping owners inside loop gather
   # groups (see balance; a scanned stack keeps its rotation, a group with
@@ -184,6 +181,9 @@ def plan_gather_groups(
   )
 
 
+# Newton–Schulz iterations, for the cost of split matrices.
+_NS_STEPS = 5
+
 # Placing a loop gather group, a slot's bytes may exceed the group's mean
 # per slot by this fraction before its Newton-Schulz work stops mattering.
 _BYTE_SLACK = 0.02
@@ -201,7 +201,6 @@ def _split_views(
   k: int,
   rows: list[list[int]],
   split: bool,
-  ns_steps: int,
   memo: dict,
 ) -> tuple[dict[int, LeafSpec], GatherBytes]:
   """The slicing of one gather group's matrices, and its bytes placed
@@ -228,29 +227,23 @@ def _split_views(
     )
     return gp.gather_bytes(iters)
 
+  views = lambda counts: {  # (position in specs -> slice count)
+    specs[i].leaf_index: sliced_spec(specs[i], c, None, _min_slice(specs[i]))
+    for i, c in counts.items()
+  }
   if key not in memo:
-    sub = resliced(plan, {}, ns_steps, {s.leaf_index for s in specs})[0]
-    best = trial(sub, name, scanned, k)
-    counts = {}
+    sub = resliced(plan, {}, _NS_STEPS, {s.leaf_index for s in specs})[0]
+    best, counts = trial(sub, name, scanned, k), {}
     if split and best.padding > SPLIT_PADDING_PERCENT:
-      per_slot = best.payload / plan.num_slots
-      for views in byte_views(sub.leaves, per_slot):
-        got = trial(resliced(sub, views, ns_steps)[0], '', False, 1)
+      for c in byte_views(specs, best.payload / plan.num_slots):
+        got = trial(resliced(sub, views(c), _NS_STEPS)[0], '', False, 1)
         if got.padding < best.padding - 1e-9:
-          best = got
-          pos = {s.leaf_index: i for i, s in enumerate(sub.leaves)}
-          counts = {pos[i]: v.shape[v.slice_axis] for i, v in views.items()}
+          best, counts = got, c
         if got.padding <= SPLIT_PADDING_PERCENT:
           break
     memo[key] = (counts, best)
   counts, best = memo[key]
-  views = {
-    specs[i].leaf_index: sliced_spec(
-      specs[i], c, None, min_byte_slice(specs[i])
-    )
-    for i, c in counts.items()
-  }
-  return views, best
+  return views(counts), best
 
 
 def _place_gather_group(
@@ -334,7 +327,7 @@ def _place_gather_group(
   ), iters
 
 
-def min_byte_slice(spec: LeafSpec) -> int:
+def _min_slice(spec: LeafSpec) -> int:
   """The fewest rows/columns of the long side a slice cut to even out a
   gather's bytes keeps: ``MIN_SLICE``, or the short side if smaller (a
   slice then holds at least as many elements as the Gram its group
@@ -344,54 +337,50 @@ def min_byte_slice(spec: LeafSpec) -> int:
 
 def byte_views(
   specs: Sequence[LeafSpec], per_slot: float
-) -> Iterator[dict[int, LeafSpec]]:
+) -> Iterator[dict[int, int]]:
   """Ever finer slicings of one gather group's matrices, coarsest first.
 
   For a threshold ``q`` going down from ``per_slot`` (the group's bytes
   over its owners), every leaf not sliced yet whose matrices hold more than
-  ``q`` bytes is viewed as the fewest slices of at most ``q`` bytes that
-  :func:`sliced_spec` allows with :func:`min_byte_slice` (or the finest it
-  allows). Each distinct set of views (leaf index -> view) is yielded once,
-  until every leaf is at its finest.
+  ``q`` bytes is cut into the fewest slices of at most ``q`` bytes that
+  :func:`sliced_spec` allows with :func:`_min_slice` (or the finest it
+  allows). Each distinct slicing is yielded once, until every leaf is at
+  its finest.
 
   Args:
     specs: the gather group's leaves (sliced ones are left as they are).
     per_slot: the group's bytes divided by its number of owners.
 
   Yields:
-    Dicts from leaf index to its sliced view.
+    Dicts from a leaf's position in ``specs`` to its number of slices.
   """
-  leaves = []  # (spec, bytes of one of its matrices, slice counts)
-  for s in specs:
+  leaves = []  # (position, bytes of one of its matrices, slice counts)
+  for i, s in enumerate(specs):
     if s.sliced or min(s.matrix_shape) < 2:
       continue
     # The slice counts (> 1, ascending) that sliced_spec accepts: those
-    # dividing a long-side dimension that keep min_byte_slice.
+    # dividing a long-side dimension that keep _min_slice.
     fi, fo = s.matrix_shape
     long_axes = s.output_axes if fo >= fi else s.reduction_axes
     ks = [
       k
-      for k in range(2, max(fi, fo) // min_byte_slice(s) + 1)
+      for k in range(2, max(fi, fo) // _min_slice(s) + 1)
       if any(s.shape[a] % k == 0 for a in long_axes)
     ]
     if ks:
-      leaves.append((s, fi * fo * jnp.dtype(s.dtype).itemsize, ks))
+      leaves.append((i, fi * fo * jnp.dtype(s.dtype).itemsize, ks))
   # The thresholds at which some leaf's slice count changes.
   steps = {per_slot} | {size / k for _, size, ks in leaves for k in [1] + ks}
   seen = set()
   for q in sorted((t for t in steps if t <= per_slot), reverse=True):
     chosen = tuple(
-      (s, next((k for k in ks if size / k <= q), ks[-1]))
-      for s, size, ks in leaves
+      (i, next((k for k in ks if size / k <= q), ks[-1]))
+      for i, size, ks in leaves
       if size > q
     )
-    key = tuple((s.leaf_index, k) for s, k in chosen)
-    if key not in seen:
-      seen.add(key)
-      yield {
-        s.leaf_index: sliced_spec(s, k, None, min_byte_slice(s))
-        for s, k in chosen
-      }
+    if chosen not in seen:
+      seen.add(chosen)
+      yield dict(chosen)
 
 
 # The most moves of each of balance's two passes.

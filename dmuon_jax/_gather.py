@@ -149,12 +149,10 @@ def with_slot_rows(lay, body, tables: Sequence[np.ndarray], *operands, shift=0):
     tuple(np.asarray(t)[s].tobytes() for t in tables) for s in range(num_slots)
   ]
   first = {key: keys.index(key) for key in keys}  # distinct rows: 1st slot
-  branches = [
+  branches = [  # (lax.switch calls a lone branch without a conditional)
     lambda *ops, s=s: vary(body([np.asarray(t)[s] for t in tables], *ops))
     for s in first.values()
   ]
-  if len(branches) == 1:
-    return branches[0](*operands)
   ids = {key: j for j, key in enumerate(first)}
   which = jnp.asarray(np.asarray([ids[k] for k in keys], np.int32))[index]
   return jax.lax.switch(which, branches, *operands)
@@ -287,11 +285,7 @@ def after_inputs(local: Sequence[jax.Array], arrays: Sequence[Any]) -> list:
   first block is about to run, not every group at the start of the step
   (XLA would otherwise hoist every forward gather, holding all gathered
   weights at once). The tie is 0 for finite inputs."""
-  xs = [
-    x
-    for x in jax.tree.leaves(arrays)
-    if hasattr(x, 'dtype') and jnp.issubdtype(x.dtype, jnp.inexact)
-  ]
+  xs = [x for x in jax.tree.leaves(arrays) if _is_float(x)]
   if not xs:
     return list(local)
   tie = jnp.sum(xs[0]) * 0
@@ -364,11 +358,10 @@ def target_spec(ded, index: int) -> P:
   tensor-parallel axis on the dimension it splits, as the param was
   sharded; ``P()`` (whole on every device) without TP."""
   t = ded.layout.leaf(index)
-  if ded.tensor_parallel_axis is None or t.tp_dim is None:
+  if t.tp_dim is None:  # (set only on a mesh with a TP axis)
     return P()
-  entries: list[str | None] = [None] * len(t.shape)
-  entries[t.tp_dim] = ded.tensor_parallel_axis
-  return P(*entries)
+  tp = ded.tensor_parallel_axis
+  return P(*(tp if d == t.tp_dim else None for d in range(len(t.shape))))
 
 
 def target_specs(ded, g: int) -> dict[int, P]:
@@ -542,11 +535,7 @@ def regather_group_in_backward(
     res, token = saved
     ct, ct_token = cts
     if last:
-      floats = [
-        c
-        for c in jax.tree.leaves(ct)
-        if jnp.issubdtype(jnp.result_type(c), jnp.inexact)
-      ]
+      floats = [c for c in jax.tree.leaves(ct) if _is_float(c)]
       tie = sum((jnp.sum(c) for c in floats), jnp.zeros([])) * 0
       tie = to_varying(tie.astype(token.dtype), tuple(varying_axes(token)))
     else:
@@ -598,9 +587,13 @@ def _avals(xs) -> tuple:
   return tuple((tuple(x.shape), str(x.dtype)) for x in xs)
 
 
+def _is_float(x) -> bool:
+  return hasattr(x, 'dtype') and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
 def _sum_to(ct, kind: frozenset[str]):
   """``ct`` summed over the manual axes it varies on and ``kind`` not."""
-  if not hasattr(ct, 'dtype') or not jnp.issubdtype(ct.dtype, jnp.inexact):
+  if not _is_float(ct):
     return ct
   extra = tuple(sorted(varying_axes(ct) - kind))
   return jax.lax.psum(ct, extra) if extra else ct
@@ -739,13 +732,13 @@ def _owners_get_cotangents(ded, g: int, forward, local, iteration) -> Any:
         zeros = [jax.lax.pcast(z, tp, to='varying') for z in zeros]
       unpack = lambda f: ded.layout.unpack_group(g, f, whole=False)
       (full,) = jax.vjp(unpack, zeros)[1](cts)
-      if it is not None:  # unpack_group's rotation, undone
+      if iteration is not None:  # unpack_group's rotation, undone
         full = [roll_slots(x, it, ded.num_slots, True) for x in full]
       return [jax.lax.psum_scatter(f, axes, tiled=True) for f in full]
 
     unreduced = {i: P(*target_spec(ded, i), unreduced=set(axes)) for i in cts}
     owners = jax.shard_map(
-      pack if iteration is not None else lambda c, _: pack(c, None),
+      pack,
       mesh=ded.mesh,
       in_specs=(unreduced, P()),
       out_specs=[_buffer_spec(ded)] * len(local),

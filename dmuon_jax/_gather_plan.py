@@ -37,7 +37,7 @@ def plan_gather_groups(
   plan: OwnershipPlan,
   groups: Sequence[tuple[str, bool, Sequence[LeafSpec]]],
   layers_per_gather: int,
-  buffer_axes: Sequence[str],
+  buffer_axes: tuple[str, ...],
   group_axis: str | None = None,
   *,
   split: bool = False,
@@ -90,7 +90,6 @@ def plan_gather_groups(
       layer axis, or whose length ``layers_per_gather`` does not divide.
   """
   k = layers_per_gather
-  buffer_axes = tuple(buffer_axes)
   sizes = dict(zip(plan.axis_names, plan.mesh_shape))
   shape = tuple(sizes[a] for a in buffer_axes)
   axis = buffer_axes.index(group_axis or buffer_axes[-1]) if buffer_axes else 0
@@ -301,9 +300,8 @@ def _place_gather_group(
   dtypes = sorted({str(s.dtype) for s in specs})
   dtype_of = {s.leaf_index: dtypes.index(str(s.dtype)) for s in specs}
   key = [dtype_of[u.leaf_index] for u in base]
-  cap = np.zeros(len(dtypes))
-  for u, b in zip(base, key):
-    cap[b] += u.nbytes * (1 + _BYTE_SLACK) / n
+  cap = np.zeros(len(dtypes))  # (np.add.at: adds in order, as a loop)
+  np.add.at(cap, key, [u.nbytes * (1 + _BYTE_SLACK) / n for u in base])
   budget = _assign.Budget(key, cap)
   if sub:
     items = [
@@ -419,10 +417,8 @@ def balance(
     in the group goes to ``new slot`` (slots not named keep theirs).
   """
   groups = [g for g, m in enumerate(movable) if m]
-  if not groups:
-    return []
-  n = len(per_group[0])
   grid = np.asarray(rows)
+  n = grid.size
   row_of = np.argsort(grid.ravel()) // grid.shape[1]
   total = sum(per_group, np.zeros(n))
   moves = _balance_rows(per_group, groups, within_row, grid, total)
@@ -498,10 +494,7 @@ def _balance_rows(per_group, groups, within_row, grid, total):
   that moves within rows, that lowers the larger of the two rows' work
   the most. A row's content in a group is fixed by its bytes (a row holds
   a split matrix whole), so rows are evened out before their members."""
-  moves = []
-  rowed = [g for g in groups if within_row[g]]
-  if len(grid) < 2 or not rowed:
-    return moves
+  moves, rowed = [], [g for g in groups if within_row[g]]
   for _ in range(_MAX_MOVES):
     rt = total[grid].sum(axis=1)
     a = int(np.argmax(rt))

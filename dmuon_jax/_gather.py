@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -113,11 +112,9 @@ def roll_slots(flat: jax.Array, shift, n: int, unreduced: bool = False):
   if not unreduced:
     return jnp.roll(rows, shift, axis=0).reshape(-1)
   shift = shift % n
-  bit = 1
-  while bit < n:
+  for bit in (1 << b for b in range((n - 1).bit_length())):  # bit < n
     rolled = jnp.concatenate([rows[n - bit :], rows[: n - bit]])
     rows = jnp.where((shift & bit) > 0, rolled, rows)
-    bit *= 2
   return rows.reshape(-1)
 
 
@@ -236,8 +233,7 @@ def reduce_scatter_to_owners(
   Returns:
     ``(local,)``: the sum over all devices of this device's block.
   """
-  local = buf.shape[0] // math.prod(sizes)
-  x = buf.reshape(tuple(sizes) + (local,))
+  x = buf.reshape(tuple(sizes) + (-1,))
   # Reverse the axis order so that the innermost axis is the leading one.
   x = x.transpose(tuple(reversed(range(len(sizes)))) + (len(sizes),))
   x = x.reshape(-1)

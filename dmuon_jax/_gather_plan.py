@@ -113,16 +113,7 @@ def plan_gather_groups(
   # groups (see balance; a scanned stack keeps its rotation, a group with
   # owner groups swaps within a row); moved[g]: where each slot's share in
   # gather group g goes.
-  per_group = []
-  for gp, iters in placed:
-    w = np.zeros(n)
-    for u, slot in zip(gp.units, gp.owners):
-      for t in range(max(iters, 1)):
-        w[(slot + t) % n] += u.cost
-    for grp in gp.groups:
-      for slot, cost in zip(grp.iteration_owners, grp.iteration_costs):
-        w[slot] += cost
-    per_group.append(w)
+  per_group = [_add_work(np.zeros(n), gp, iters) for gp, iters in placed]
   moves = balance(
     per_group,
     [not iters for _, iters in placed],
@@ -313,16 +304,26 @@ def _place_gather_group(
     owners, sub = _assign.place(
       items, sub, base, rows, loads=work, budget=budget
     )
-  elif iters:
-    owners = _assign.assign(base, n, budget=budget)
-    for u, slot in zip(base, owners):
-      for t in range(iters):
-        work[(slot + t) % n] += u.cost
-  else:
-    owners = _assign.assign(base, n, loads=work, budget=budget)
-  return dataclasses.replace(
-    plan, owners=tuple(owners), groups=tuple(sub)
-  ), iters
+  else:  # a scanned stack's work added below, for every rotation
+    owners = _assign.assign(
+      base, n, loads=None if iters else work, budget=budget
+    )
+  placed = dataclasses.replace(plan, owners=tuple(owners), groups=tuple(sub))
+  if iters:
+    _add_work(work, placed, iters)
+  return placed, iters
+
+
+def _add_work(work: np.ndarray, gp: OwnershipPlan, iters: int) -> np.ndarray:
+  """``work`` (per slot, in place) with a placed gather group's
+  Newton–Schulz work added: a scanned stack's for every rotation."""
+  for u, slot in zip(gp.units, gp.owners):
+    for t in range(max(iters, 1)):
+      work[(slot + t) % len(work)] += u.cost
+  for grp in gp.groups:
+    for slot, cost in zip(grp.iteration_owners, grp.iteration_costs):
+      work[slot] += cost
+  return work
 
 
 def _min_slice(spec: LeafSpec) -> int:

@@ -171,10 +171,9 @@ def for_each(count, columns, body, carry, like=()):
         carry, *(int(v) if isinstance(v, np.integer) else v for v in got)
       )
     return carry
-  axes = set()
-  for x in jax.tree.leaves((like, columns, count, carry)):
-    axes |= varying_axes(x)
-  carry = jax.tree.map(lambda x: to_varying(x, sorted(axes)), carry)
+  leaves = jax.tree.leaves((like, columns, count, carry))
+  axes = sorted(set().union(*map(varying_axes, leaves)))
+  carry = jax.tree.map(lambda x: to_varying(x, axes), carry)
   return jax.lax.fori_loop(
     0, count, lambda i, c: body(c, *(col[i] for col in columns)), carry
   )
@@ -256,10 +255,7 @@ def gather_leaf(ded, i: int, x: Any, layer_slice: bool = False) -> Any:
   spec = ded.rest_specs[i]
   if x is None or spec is None:
     return x
-  entries = _mesh.spec_entries(spec)
-  if layer_slice:
-    entries = entries[1:]
-  for dim, axes in enumerate(entries):
+  for dim, axes in enumerate(_mesh.spec_entries(spec)[int(layer_slice) :]):
     # A TP-sharded param stays this TP shard's slice (as the matrices).
     axes = tuple(a for a in axes if a != ded.tensor_parallel_axis)
     if axes:

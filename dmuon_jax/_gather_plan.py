@@ -480,12 +480,9 @@ def _better(best_key, ok, new, dsq) -> tuple[int | None, tuple]:
 def _apply(per_group, total, moves, g, move) -> None:
   """Moves what slots own in group ``g`` (``move``: slot -> new slot),
   updating its work and the total (in place), and records the move."""
-  w = per_group[g]
-  old = {s: w[s] for s in move}
-  for s, t in move.items():
-    total[t] += old[s] - old[t]
-  for s, t in move.items():
-    w[t] = old[s]
+  w, src, dst = per_group[g], list(move), list(move.values())  # a permutation
+  total[dst] += w[src] - w[dst]
+  w[dst] = w[src]
   moves.append((g, move))
 
 
@@ -523,6 +520,5 @@ def _exchange(ra, rb, total, w) -> dict[int, int]:
   for mine, theirs in ((ra, rb), (rb, ra)):
     takers = mine[np.argsort(total[mine] - w[mine], kind='stable')]
     given = theirs[np.argsort(-w[theirs], kind='stable')]
-    for src, dst in zip(given, takers):
-      move[int(src)] = int(dst)
+    move.update(zip(given.tolist(), takers.tolist()))
   return move

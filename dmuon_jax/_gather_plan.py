@@ -422,7 +422,28 @@ def balance(
   n = grid.size
   row_of = np.argsort(grid.ravel()) // grid.shape[1]
   total = sum(per_group, np.zeros(n))
-  moves = _balance_rows(per_group, groups, within_row, grid, total)
+  # First the rows: repeatedly the busiest row and the exchange, in a group
+  # that moves within rows, that lowers the larger of the two rows' work
+  # the most. A row's content in a group is fixed by its bytes (a row holds
+  # a split matrix whole), so rows are evened out before their members.
+  moves, rowed = [], [g for g in groups if within_row[g]]
+  for _ in range(_MAX_MOVES):
+    rt = total[grid].sum(axis=1)
+    a = int(np.argmax(rt))
+    best, best_max = None, rt[a] * (1 - 1e-9)
+    for g in rowed:
+      w = per_group[g]
+      rw = w[grid].sum(axis=1)
+      new = np.maximum(rt[a] - rw[a] + rw, rt - rw + rw[a])
+      new[(np.arange(len(grid)) == a) | (rw == rw[a])] = np.inf
+      b = int(np.argmin(new))
+      if new[b] < best_max:
+        best = (g, _exchange(grid[a], grid[b], total, w))
+        best_max = new[b]
+    if best is None:
+      break
+    _apply(per_group, total, moves, *best)
+  # Then the slots.
   for _ in range(_MAX_MOVES):
     a = int(np.argmax(total))
     top, ra = total[a], row_of[a]
@@ -484,32 +505,6 @@ def _apply(per_group, total, moves, g, move) -> None:
   total[dst] += w[src] - w[dst]
   w[dst] = w[src]
   moves.append((g, move))
-
-
-def _balance_rows(per_group, groups, within_row, grid, total):
-  """The row exchanges of :func:`balance` that even out the rows' work
-  (in place): repeatedly the busiest row and the exchange, in a group
-  that moves within rows, that lowers the larger of the two rows' work
-  the most. A row's content in a group is fixed by its bytes (a row holds
-  a split matrix whole), so rows are evened out before their members."""
-  moves, rowed = [], [g for g in groups if within_row[g]]
-  for _ in range(_MAX_MOVES):
-    rt = total[grid].sum(axis=1)
-    a = int(np.argmax(rt))
-    best, best_max = None, rt[a] * (1 - 1e-9)
-    for g in rowed:
-      rw = per_group[g][grid].sum(axis=1)
-      new = np.maximum(rt[a] - rw[a] + rw, rt - rw + rw[a])
-      new[(np.arange(len(grid)) == a) | (rw == rw[a])] = np.inf
-      b = int(np.argmin(new))
-      if new[b] < best_max:
-        best, best_max = (g, b), new[b]
-    if best is None:
-      break
-    g, b = best
-    move = _exchange(grid[a], grid[b], total, per_group[g])
-    _apply(per_group, total, moves, g, move)
-  return moves
 
 
 def _exchange(ra, rb, total, w) -> dict[int, int]:

@@ -58,7 +58,7 @@ def plan_gather_groups(
   the whole model: rows first, then slots. With ``split``, a
   loop group whose whole matrices would pad more than
   ``SPLIT_PADDING_PERCENT`` has matrices split into slices over owners of
-  one row (owner groups, see :func:`_split_views`). A scanned stack is
+  one row (owner groups, see ``split_views`` below). A scanned stack is
   planned for one iteration of ``layers_per_gather`` layers; iteration
   ``t`` rotates those owners by ``t`` slots.
 
@@ -89,13 +89,51 @@ def plan_gather_groups(
     ValueError: for a scanned group whose leaves do not share the leading
       layer axis, or whose length ``layers_per_gather`` does not divide.
   """
-  k = layers_per_gather
+  k, n = layers_per_gather, plan.num_slots
   sizes = dict(zip(plan.axis_names, plan.mesh_shape))
   shape = tuple(sizes[a] for a in buffer_axes)
   axis = buffer_axes.index(group_axis or buffer_axes[-1]) if buffer_axes else 0
   rows = group_rows(shape, axis)
+
+  def split_views(name, scanned, specs):
+    """The slicing of one gather group's matrices, and its bytes placed
+    alone (a scanned stack's: ``k`` layers per iteration).
+
+    Whole matrices for a scanned stack, without ``split``, or if they pad
+    at most ``SPLIT_PADDING_PERCENT``; else the coarsest slicing of
+    :func:`byte_views` that does, placed as :func:`plan_gather_groups`
+    places it (else the one padding least). Groups of equal shapes share
+    one decision through ``memo`` (keyed on what placing reads of the
+    leaves: not their paths).
+    """
+    split_here, k_here = split and not scanned, k if scanned else 0
+    shapes = tuple(dataclasses.replace(s, leaf_index=0, path='') for s in specs)
+    key = (split_here, shapes, k_here, tuple(map(tuple, rows)))
+
+    def trial(sub, k):
+      gp, iters = _place_gather_group(sub, name, k, rows, np.zeros(n))
+      return gp.gather_bytes(iters)
+
+    views = lambda counts: {  # (position in specs -> slice count)
+      specs[i].leaf_index: sliced_spec(specs[i], c, None, _min_slice(specs[i]))
+      for i, c in counts.items()
+    }
+    if key not in memo:
+      sub = resliced(plan, {}, _NS_STEPS, {s.leaf_index for s in specs})[0]
+      best, counts = trial(sub, k_here), {}
+      if split_here and best.padding > SPLIT_PADDING_PERCENT:
+        for c in byte_views(specs, best.payload / n):
+          got = trial(resliced(sub, views(c), _NS_STEPS)[0], 0)
+          if got.padding < best.padding - 1e-9:
+            best, counts = got, c
+          if got.padding <= SPLIT_PADDING_PERCENT:
+            break
+      memo[key] = (counts, best)
+    counts, best = memo[key]
+    return views(counts), best
+
   got = [
-    _split_views(plan, name, scanned, specs, k, rows, split, memo)
+    split_views(name, scanned, specs)
     for name, scanned, specs in groups
     if bytes_only or (split and not scanned)
   ]
@@ -104,11 +142,12 @@ def plan_gather_groups(
   views = {i: v for vs, _ in got for i, v in vs.items()}
   if views:
     plan = resliced(plan, views, _NS_STEPS)[0]
-  n = plan.num_slots
   work, placed = np.zeros(n), []
   for name, scanned, specs in groups:
     sub = resliced(plan, {}, _NS_STEPS, {s.leaf_index for s in specs})[0]
-    placed.append(_place_gather_group(sub, name, scanned, k, rows, work))
+    placed.append(
+      _place_gather_group(sub, name, k if scanned else 0, rows, work)
+    )
   # Even out the work over the model by swapping owners inside loop gather
   # groups (see balance; a scanned stack keeps its rotation, a group with
   # owner groups swaps within a row); moved[g]: where each slot's share in
@@ -183,70 +222,17 @@ _BYTE_SLACK = 0.02
 SPLIT_PADDING_PERCENT = 5.0
 
 
-def _split_views(
-  plan: OwnershipPlan,
-  name: str,
-  scanned: bool,
-  specs: Sequence[LeafSpec],
-  k: int,
-  rows: list[list[int]],
-  split: bool,
-  memo: dict,
-) -> tuple[dict[int, LeafSpec], GatherBytes]:
-  """The slicing of one gather group's matrices, and its bytes placed
-  alone (a scanned stack's: ``k`` layers per iteration).
-
-  Whole matrices for a scanned stack, without ``split``, or if they pad
-  at most ``SPLIT_PADDING_PERCENT``; else the coarsest slicing of
-  :func:`byte_views` that does, placed as :func:`plan_gather_groups`
-  places it (else the one padding least). Groups of equal shapes share
-  one decision through ``memo`` (keyed on what placing reads of the
-  leaves: not their paths).
-  """
-  split, k = split and not scanned, k if scanned else 1
-  shapes = tuple(
-    (s.shape, s.dtype, s.batch_axes, s.reduction_axes, s.output_axes)
-    + (s.original_shape, s.slice_axis)
-    for s in specs
-  )
-  key = (split, scanned, shapes, k, tuple(map(tuple, rows)))
-
-  def trial(sub, name, scanned, k):
-    gp, iters = _place_gather_group(
-      sub, name, scanned, k, rows, np.zeros(sub.num_slots)
-    )
-    return gp.gather_bytes(iters)
-
-  views = lambda counts: {  # (position in specs -> slice count)
-    specs[i].leaf_index: sliced_spec(specs[i], c, None, _min_slice(specs[i]))
-    for i, c in counts.items()
-  }
-  if key not in memo:
-    sub = resliced(plan, {}, _NS_STEPS, {s.leaf_index for s in specs})[0]
-    best, counts = trial(sub, name, scanned, k), {}
-    if split and best.padding > SPLIT_PADDING_PERCENT:
-      for c in byte_views(specs, best.payload / plan.num_slots):
-        got = trial(resliced(sub, views(c), _NS_STEPS)[0], '', False, 1)
-        if got.padding < best.padding - 1e-9:
-          best, counts = got, c
-        if got.padding <= SPLIT_PADDING_PERCENT:
-          break
-    memo[key] = (counts, best)
-  counts, best = memo[key]
-  return views(counts), best
-
-
 def _place_gather_group(
   plan: OwnershipPlan,
   name: str,
-  scanned: bool,
   k: int,
   rows: list[list[int]],
   work: np.ndarray,
 ) -> tuple[OwnershipPlan, int]:
   """Places one gather group's matrices, ``plan`` (its leaves and units:
   see :func:`dmuon_jax._plan.resliced`; see :func:`plan_gather_groups`),
-  adding their Newton–Schulz work to ``work`` (per slot, in place).
+  adding their Newton–Schulz work to ``work`` (per slot, in place);
+  ``k``: a scanned stack's layers per iteration (0: a loop group).
 
   The assignment algorithm of every plan (:mod:`dmuon_jax._assign`), with
   ``work`` (the groups placed before) as its loads and a budget of bytes
@@ -263,7 +249,7 @@ def _place_gather_group(
   """
   n = plan.num_slots
   specs, iters = plan.leaves, 0
-  if scanned:  # one iteration of k layers
+  if k:  # a scanned stack: one iteration of k layers
     length = specs[0].shape[0]
     bad = [
       s.path for s in specs if 0 not in s.batch_axes or s.shape[0] != length

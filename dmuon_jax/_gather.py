@@ -496,10 +496,9 @@ def regather_group_in_backward(
 
   def fwd(local, token, *args):
     local = list(local)
-    zeros = []
-    if routed:  # fresh zeros, so that the caller's sink is not kept alive
-      zeros = [jnp.zeros_like(z) for z in args[0]]
-      args = (zeros, *args[1:])
+    # Fresh zeros, so that the caller's sink is not kept alive.
+    zeros = [jnp.zeros_like(z) for z in args[0]] if routed else []
+    args = (zeros, *args[1:]) if routed else args
     out, vjp = jax.vjp(remat, local, *args)
     res, tree = jax.tree.flatten(vjp)
     tied = [k for k, r in enumerate(res) if any(r is x for x in local)]
@@ -525,13 +524,11 @@ def regather_group_in_backward(
 
   def bwd(saved, cts):
     res, token = saved
-    ct, ct_token = cts
-    if last:
+    ct, tie = cts
+    if last:  # else the token's cotangent: the last call's tie
       floats = [c for c in jax.tree.leaves(ct) if _is_float(c)]
       tie = sum((jnp.sum(c) for c in floats), jnp.zeros([])) * 0
       tie = to_varying(tie.astype(token.dtype), tuple(varying_axes(token)))
-    else:
-      tie = ct_token
     tree, tied, holes = trace[_avals(res)]
     it = iter(res)
     res = [

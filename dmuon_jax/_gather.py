@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -113,11 +112,9 @@ def roll_slots(flat: jax.Array, shift, n: int, unreduced: bool = False):
   if not unreduced:
     return jnp.roll(rows, shift, axis=0).reshape(-1)
   shift = shift % n
-  bit = 1
-  while bit < n:
+  for bit in (1 << b for b in range((n - 1).bit_length())):  # bit < n
     rolled = jnp.concatenate([rows[n - bit :], rows[: n - bit]])
     rows = jnp.where((shift & bit) > 0, rolled, rows)
-    bit *= 2
   return rows.reshape(-1)
 
 
@@ -149,12 +146,10 @@ def with_slot_rows(lay, body, tables: Sequence[np.ndarray], *operands, shift=0):
     tuple(np.asarray(t)[s].tobytes() for t in tables) for s in range(num_slots)
   ]
   first = {key: keys.index(key) for key in keys}  # distinct rows: 1st slot
-  branches = [
+  branches = [  # (lax.switch calls a lone branch without a conditional)
     lambda *ops, s=s: vary(body([np.asarray(t)[s] for t in tables], *ops))
     for s in first.values()
   ]
-  if len(branches) == 1:
-    return branches[0](*operands)
   ids = {key: j for j, key in enumerate(first)}
   which = jnp.asarray(np.asarray([ids[k] for k in keys], np.int32))[index]
   return jax.lax.switch(which, branches, *operands)
@@ -176,10 +171,9 @@ def for_each(count, columns, body, carry, like=()):
         carry, *(int(v) if isinstance(v, np.integer) else v for v in got)
       )
     return carry
-  axes = set()
-  for x in jax.tree.leaves((like, columns, count, carry)):
-    axes |= varying_axes(x)
-  carry = jax.tree.map(lambda x: to_varying(x, sorted(axes)), carry)
+  leaves = jax.tree.leaves((like, columns, count, carry))
+  axes = sorted(set().union(*map(varying_axes, leaves)))
+  carry = jax.tree.map(lambda x: to_varying(x, axes), carry)
   return jax.lax.fori_loop(
     0, count, lambda i, c: body(c, *(col[i] for col in columns)), carry
   )
@@ -238,8 +232,7 @@ def reduce_scatter_to_owners(
   Returns:
     ``(local,)``: the sum over all devices of this device's block.
   """
-  local = buf.shape[0] // math.prod(sizes)
-  x = buf.reshape(tuple(sizes) + (local,))
+  x = buf.reshape(tuple(sizes) + (-1,))
   # Reverse the axis order so that the innermost axis is the leading one.
   x = x.transpose(tuple(reversed(range(len(sizes)))) + (len(sizes),))
   x = x.reshape(-1)
@@ -262,10 +255,7 @@ def gather_leaf(ded, i: int, x: Any, layer_slice: bool = False) -> Any:
   spec = ded.rest_specs[i]
   if x is None or spec is None:
     return x
-  entries = _mesh.spec_entries(spec)
-  if layer_slice:
-    entries = entries[1:]
-  for dim, axes in enumerate(entries):
+  for dim, axes in enumerate(_mesh.spec_entries(spec)[int(layer_slice) :]):
     # A TP-sharded param stays this TP shard's slice (as the matrices).
     axes = tuple(a for a in axes if a != ded.tensor_parallel_axis)
     if axes:
@@ -287,11 +277,7 @@ def after_inputs(local: Sequence[jax.Array], arrays: Sequence[Any]) -> list:
   first block is about to run, not every group at the start of the step
   (XLA would otherwise hoist every forward gather, holding all gathered
   weights at once). The tie is 0 for finite inputs."""
-  xs = [
-    x
-    for x in jax.tree.leaves(arrays)
-    if hasattr(x, 'dtype') and jnp.issubdtype(x.dtype, jnp.inexact)
-  ]
+  xs = [x for x in jax.tree.leaves(arrays) if _is_float(x)]
   if not xs:
     return list(local)
   tie = jnp.sum(xs[0]) * 0
@@ -364,11 +350,10 @@ def target_spec(ded, index: int) -> P:
   tensor-parallel axis on the dimension it splits, as the param was
   sharded; ``P()`` (whole on every device) without TP."""
   t = ded.layout.leaf(index)
-  if ded.tensor_parallel_axis is None or t.tp_dim is None:
+  if t.tp_dim is None:  # (set only on a mesh with a TP axis)
     return P()
-  entries: list[str | None] = [None] * len(t.shape)
-  entries[t.tp_dim] = ded.tensor_parallel_axis
-  return P(*entries)
+  tp = ded.tensor_parallel_axis
+  return P(*(tp if d == t.tp_dim else None for d in range(len(t.shape))))
 
 
 def target_specs(ded, g: int) -> dict[int, P]:
@@ -511,10 +496,9 @@ def regather_group_in_backward(
 
   def fwd(local, token, *args):
     local = list(local)
-    zeros = []
-    if routed:  # fresh zeros, so that the caller's sink is not kept alive
-      zeros = [jnp.zeros_like(z) for z in args[0]]
-      args = (zeros, *args[1:])
+    # Fresh zeros, so that the caller's sink is not kept alive.
+    zeros = [jnp.zeros_like(z) for z in args[0]] if routed else []
+    args = (zeros, *args[1:]) if routed else args
     out, vjp = jax.vjp(remat, local, *args)
     res, tree = jax.tree.flatten(vjp)
     tied = [k for k, r in enumerate(res) if any(r is x for x in local)]
@@ -540,17 +524,11 @@ def regather_group_in_backward(
 
   def bwd(saved, cts):
     res, token = saved
-    ct, ct_token = cts
-    if last:
-      floats = [
-        c
-        for c in jax.tree.leaves(ct)
-        if jnp.issubdtype(jnp.result_type(c), jnp.inexact)
-      ]
+    ct, tie = cts
+    if last:  # else the token's cotangent: the last call's tie
+      floats = [c for c in jax.tree.leaves(ct) if _is_float(c)]
       tie = sum((jnp.sum(c) for c in floats), jnp.zeros([])) * 0
       tie = to_varying(tie.astype(token.dtype), tuple(varying_axes(token)))
-    else:
-      tie = ct_token
     tree, tied, holes = trace[_avals(res)]
     it = iter(res)
     res = [
@@ -598,9 +576,13 @@ def _avals(xs) -> tuple:
   return tuple((tuple(x.shape), str(x.dtype)) for x in xs)
 
 
+def _is_float(x) -> bool:
+  return hasattr(x, 'dtype') and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
 def _sum_to(ct, kind: frozenset[str]):
   """``ct`` summed over the manual axes it varies on and ``kind`` not."""
-  if not hasattr(ct, 'dtype') or not jnp.issubdtype(ct.dtype, jnp.inexact):
+  if not _is_float(ct):
     return ct
   extra = tuple(sorted(varying_axes(ct) - kind))
   return jax.lax.psum(ct, extra) if extra else ct
@@ -739,13 +721,13 @@ def _owners_get_cotangents(ded, g: int, forward, local, iteration) -> Any:
         zeros = [jax.lax.pcast(z, tp, to='varying') for z in zeros]
       unpack = lambda f: ded.layout.unpack_group(g, f, whole=False)
       (full,) = jax.vjp(unpack, zeros)[1](cts)
-      if it is not None:  # unpack_group's rotation, undone
+      if iteration is not None:  # unpack_group's rotation, undone
         full = [roll_slots(x, it, ded.num_slots, True) for x in full]
       return [jax.lax.psum_scatter(f, axes, tiled=True) for f in full]
 
     unreduced = {i: P(*target_spec(ded, i), unreduced=set(axes)) for i in cts}
     owners = jax.shard_map(
-      pack if iteration is not None else lambda c, _: pack(c, None),
+      pack,
       mesh=ded.mesh,
       in_specs=(unreduced, P()),
       out_specs=[_buffer_spec(ded)] * len(local),

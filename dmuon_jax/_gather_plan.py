@@ -37,12 +37,11 @@ def plan_gather_groups(
   plan: OwnershipPlan,
   groups: Sequence[tuple[str, bool, Sequence[LeafSpec]]],
   layers_per_gather: int,
-  buffer_axes: Sequence[str],
+  buffer_axes: tuple[str, ...],
   group_axis: str | None = None,
   *,
   split: bool = False,
-  ns_steps: int = 5,
-  memo: dict | None = None,
+  memo: dict,
   bytes_only: bool = False,
 ) -> (
   tuple[OwnershipPlan, tuple[OwnershipPlan, ...], tuple[int, ...]]
@@ -59,7 +58,7 @@ def plan_gather_groups(
   the whole model: rows first, then slots. With ``split``, a
   loop group whose whole matrices would pad more than
   ``SPLIT_PADDING_PERCENT`` has matrices split into slices over owners of
-  one row (owner groups, see :func:`_split_views`). A scanned stack is
+  one row (owner groups, see ``split_views`` below). A scanned stack is
   planned for one iteration of ``layers_per_gather`` layers; iteration
   ``t`` rotates those owners by ``t`` slots.
 
@@ -72,9 +71,8 @@ def plan_gather_groups(
     group_axis: the axis owner groups range over (default: the last buffer
       axis).
     split: whether loop groups may split matrices to even out their bytes.
-    ns_steps: Newton–Schulz iterations, for the cost of split matrices.
-    memo: (optional) a dict kept across calls for one set of params: the
-      split chosen per group of equal shapes.
+    memo: a dict kept across calls for one set of params: the split chosen
+      per group of equal shapes.
     bytes_only: return, per gather group, only its bytes as this placement
       would give them, each group placed alone (groups of equal shapes
       once, through ``memo``): what ``layers_per_gather='auto'`` weighs.
@@ -91,15 +89,51 @@ def plan_gather_groups(
     ValueError: for a scanned group whose leaves do not share the leading
       layer axis, or whose length ``layers_per_gather`` does not divide.
   """
-  k = layers_per_gather
-  buffer_axes = tuple(buffer_axes)
+  k, n = layers_per_gather, plan.num_slots
   sizes = dict(zip(plan.axis_names, plan.mesh_shape))
   shape = tuple(sizes[a] for a in buffer_axes)
   axis = buffer_axes.index(group_axis or buffer_axes[-1]) if buffer_axes else 0
   rows = group_rows(shape, axis)
-  memo = {} if memo is None else memo
+
+  def split_views(name, scanned, specs):
+    """The slicing of one gather group's matrices, and its bytes placed
+    alone (a scanned stack's: ``k`` layers per iteration).
+
+    Whole matrices for a scanned stack, without ``split``, or if they pad
+    at most ``SPLIT_PADDING_PERCENT``; else the coarsest slicing of
+    :func:`byte_views` that does, placed as :func:`plan_gather_groups`
+    places it (else the one padding least). Groups of equal shapes share
+    one decision through ``memo`` (keyed on what placing reads of the
+    leaves: not their paths).
+    """
+    split_here, k_here = split and not scanned, k if scanned else 0
+    shapes = tuple(dataclasses.replace(s, leaf_index=0, path='') for s in specs)
+    key = (split_here, shapes, k_here, tuple(map(tuple, rows)))
+
+    def trial(sub, k):
+      gp, iters = _place_gather_group(sub, name, k, rows, np.zeros(n))
+      return gp.gather_bytes(iters)
+
+    views = lambda counts: {  # (position in specs -> slice count)
+      specs[i].leaf_index: sliced_spec(specs[i], c, None, _min_slice(specs[i]))
+      for i, c in counts.items()
+    }
+    if key not in memo:
+      sub = resliced(plan, {}, _NS_STEPS, {s.leaf_index for s in specs})[0]
+      best, counts = trial(sub, k_here), {}
+      if split_here and best.padding > SPLIT_PADDING_PERCENT:
+        for c in byte_views(specs, best.payload / n):
+          got = trial(resliced(sub, views(c), _NS_STEPS)[0], 0)
+          if got.padding < best.padding - 1e-9:
+            best, counts = got, c
+          if got.padding <= SPLIT_PADDING_PERCENT:
+            break
+      memo[key] = (counts, best)
+    counts, best = memo[key]
+    return views(counts), best
+
   got = [
-    _split_views(plan, name, scanned, specs, k, rows, split, ns_steps, memo)
+    split_views(name, scanned, specs)
     for name, scanned, specs in groups
     if bytes_only or (split and not scanned)
   ]
@@ -107,26 +141,18 @@ def plan_gather_groups(
     return [b for _, b in got]
   views = {i: v for vs, _ in got for i, v in vs.items()}
   if views:
-    plan = resliced(plan, views, ns_steps)[0]
-  n = plan.num_slots
+    plan = resliced(plan, views, _NS_STEPS)[0]
   work, placed = np.zeros(n), []
   for name, scanned, specs in groups:
-    sub = resliced(plan, {}, ns_steps, {s.leaf_index for s in specs})[0]
-    placed.append(_place_gather_group(sub, name, scanned, k, rows, work))
+    sub = resliced(plan, {}, _NS_STEPS, {s.leaf_index for s in specs})[0]
+    placed.append(
+      _place_gather_group(sub, name, k if scanned else 0, rows, work)
+    )
   # Even out the work over the model by swapping owners inside loop gather
   # groups (see balance; a scanned stack keeps its rotation, a group with
   # owner groups swaps within a row); moved[g]: where each slot's share in
   # gather group g goes.
-  per_group = []
-  for gp, iters in placed:
-    w = np.zeros(n)
-    for u, slot in zip(gp.units, gp.owners):
-      for t in range(max(iters, 1)):
-        w[(slot + t) % n] += u.cost
-    for grp in gp.groups:
-      for slot, cost in zip(grp.iteration_owners, grp.iteration_costs):
-        w[slot] += cost
-    per_group.append(w)
+  per_group = [_add_work(np.zeros(n), gp, iters) for gp, iters in placed]
   moves = balance(
     per_group,
     [not iters for _, iters in placed],
@@ -184,6 +210,9 @@ def plan_gather_groups(
   )
 
 
+# Newton–Schulz iterations, for the cost of split matrices.
+_NS_STEPS = 5
+
 # Placing a loop gather group, a slot's bytes may exceed the group's mean
 # per slot by this fraction before its Newton-Schulz work stops mattering.
 _BYTE_SLACK = 0.02
@@ -193,77 +222,17 @@ _BYTE_SLACK = 0.02
 SPLIT_PADDING_PERCENT = 5.0
 
 
-def _split_views(
-  plan: OwnershipPlan,
-  name: str,
-  scanned: bool,
-  specs: Sequence[LeafSpec],
-  k: int,
-  rows: list[list[int]],
-  split: bool,
-  ns_steps: int,
-  memo: dict,
-) -> tuple[dict[int, LeafSpec], GatherBytes]:
-  """The slicing of one gather group's matrices, and its bytes placed
-  alone (a scanned stack's: ``k`` layers per iteration).
-
-  Whole matrices for a scanned stack, without ``split``, or if they pad
-  at most ``SPLIT_PADDING_PERCENT``; else the coarsest slicing of
-  :func:`byte_views` that does, placed as :func:`plan_gather_groups`
-  places it (else the one padding least). Groups of equal shapes share
-  one decision through ``memo`` (keyed on what placing reads of the
-  leaves: not their paths).
-  """
-  split, k = split and not scanned, k if scanned else 1
-  shapes = tuple(
-    (s.shape, s.dtype, s.batch_axes, s.reduction_axes, s.output_axes)
-    + (s.original_shape, s.slice_axis)
-    for s in specs
-  )
-  key = (split, scanned, shapes, k, tuple(map(tuple, rows)))
-
-  def trial(sub, name, scanned, k):
-    gp, iters = _place_gather_group(
-      sub, name, scanned, k, rows, np.zeros(sub.num_slots)
-    )
-    return gp.gather_bytes(iters)
-
-  if key not in memo:
-    sub = resliced(plan, {}, ns_steps, {s.leaf_index for s in specs})[0]
-    best = trial(sub, name, scanned, k)
-    counts = {}
-    if split and best.padding > SPLIT_PADDING_PERCENT:
-      per_slot = best.payload / plan.num_slots
-      for views in byte_views(sub.leaves, per_slot):
-        got = trial(resliced(sub, views, ns_steps)[0], '', False, 1)
-        if got.padding < best.padding - 1e-9:
-          best = got
-          pos = {s.leaf_index: i for i, s in enumerate(sub.leaves)}
-          counts = {pos[i]: v.shape[v.slice_axis] for i, v in views.items()}
-        if got.padding <= SPLIT_PADDING_PERCENT:
-          break
-    memo[key] = (counts, best)
-  counts, best = memo[key]
-  views = {
-    specs[i].leaf_index: sliced_spec(
-      specs[i], c, None, min_byte_slice(specs[i])
-    )
-    for i, c in counts.items()
-  }
-  return views, best
-
-
 def _place_gather_group(
   plan: OwnershipPlan,
   name: str,
-  scanned: bool,
   k: int,
   rows: list[list[int]],
   work: np.ndarray,
 ) -> tuple[OwnershipPlan, int]:
   """Places one gather group's matrices, ``plan`` (its leaves and units:
   see :func:`dmuon_jax._plan.resliced`; see :func:`plan_gather_groups`),
-  adding their Newton–Schulz work to ``work`` (per slot, in place).
+  adding their Newton–Schulz work to ``work`` (per slot, in place);
+  ``k``: a scanned stack's layers per iteration (0: a loop group).
 
   The assignment algorithm of every plan (:mod:`dmuon_jax._assign`), with
   ``work`` (the groups placed before) as its loads and a budget of bytes
@@ -280,7 +249,7 @@ def _place_gather_group(
   """
   n = plan.num_slots
   specs, iters = plan.leaves, 0
-  if scanned:  # one iteration of k layers
+  if k:  # a scanned stack: one iteration of k layers
     length = specs[0].shape[0]
     bad = [
       s.path for s in specs if 0 not in s.batch_axes or s.shape[0] != length
@@ -308,9 +277,8 @@ def _place_gather_group(
   dtypes = sorted({str(s.dtype) for s in specs})
   dtype_of = {s.leaf_index: dtypes.index(str(s.dtype)) for s in specs}
   key = [dtype_of[u.leaf_index] for u in base]
-  cap = np.zeros(len(dtypes))
-  for u, b in zip(base, key):
-    cap[b] += u.nbytes * (1 + _BYTE_SLACK) / n
+  cap = np.zeros(len(dtypes))  # (np.add.at: adds in order, as a loop)
+  np.add.at(cap, key, [u.nbytes * (1 + _BYTE_SLACK) / n for u in base])
   budget = _assign.Budget(key, cap)
   if sub:
     items = [
@@ -322,19 +290,29 @@ def _place_gather_group(
     owners, sub = _assign.place(
       items, sub, base, rows, loads=work, budget=budget
     )
-  elif iters:
-    owners = _assign.assign(base, n, budget=budget)
-    for u, slot in zip(base, owners):
-      for t in range(iters):
-        work[(slot + t) % n] += u.cost
-  else:
-    owners = _assign.assign(base, n, loads=work, budget=budget)
-  return dataclasses.replace(
-    plan, owners=tuple(owners), groups=tuple(sub)
-  ), iters
+  else:  # a scanned stack's work added below, for every rotation
+    owners = _assign.assign(
+      base, n, loads=None if iters else work, budget=budget
+    )
+  placed = dataclasses.replace(plan, owners=tuple(owners), groups=tuple(sub))
+  if iters:
+    _add_work(work, placed, iters)
+  return placed, iters
 
 
-def min_byte_slice(spec: LeafSpec) -> int:
+def _add_work(work: np.ndarray, gp: OwnershipPlan, iters: int) -> np.ndarray:
+  """``work`` (per slot, in place) with a placed gather group's
+  Newton–Schulz work added: a scanned stack's for every rotation."""
+  for u, slot in zip(gp.units, gp.owners):
+    for t in range(max(iters, 1)):
+      work[(slot + t) % len(work)] += u.cost
+  for grp in gp.groups:
+    for slot, cost in zip(grp.iteration_owners, grp.iteration_costs):
+      work[slot] += cost
+  return work
+
+
+def _min_slice(spec: LeafSpec) -> int:
   """The fewest rows/columns of the long side a slice cut to even out a
   gather's bytes keeps: ``MIN_SLICE``, or the short side if smaller (a
   slice then holds at least as many elements as the Gram its group
@@ -344,54 +322,50 @@ def min_byte_slice(spec: LeafSpec) -> int:
 
 def byte_views(
   specs: Sequence[LeafSpec], per_slot: float
-) -> Iterator[dict[int, LeafSpec]]:
+) -> Iterator[dict[int, int]]:
   """Ever finer slicings of one gather group's matrices, coarsest first.
 
   For a threshold ``q`` going down from ``per_slot`` (the group's bytes
   over its owners), every leaf not sliced yet whose matrices hold more than
-  ``q`` bytes is viewed as the fewest slices of at most ``q`` bytes that
-  :func:`sliced_spec` allows with :func:`min_byte_slice` (or the finest it
-  allows). Each distinct set of views (leaf index -> view) is yielded once,
-  until every leaf is at its finest.
+  ``q`` bytes is cut into the fewest slices of at most ``q`` bytes that
+  :func:`sliced_spec` allows with :func:`_min_slice` (or the finest it
+  allows). Each distinct slicing is yielded once, until every leaf is at
+  its finest.
 
   Args:
     specs: the gather group's leaves (sliced ones are left as they are).
     per_slot: the group's bytes divided by its number of owners.
 
   Yields:
-    Dicts from leaf index to its sliced view.
+    Dicts from a leaf's position in ``specs`` to its number of slices.
   """
-  leaves = []  # (spec, bytes of one of its matrices, slice counts)
-  for s in specs:
+  leaves = []  # (position, bytes of one of its matrices, slice counts)
+  for i, s in enumerate(specs):
     if s.sliced or min(s.matrix_shape) < 2:
       continue
     # The slice counts (> 1, ascending) that sliced_spec accepts: those
-    # dividing a long-side dimension that keep min_byte_slice.
+    # dividing a long-side dimension that keep _min_slice.
     fi, fo = s.matrix_shape
     long_axes = s.output_axes if fo >= fi else s.reduction_axes
     ks = [
       k
-      for k in range(2, max(fi, fo) // min_byte_slice(s) + 1)
+      for k in range(2, max(fi, fo) // _min_slice(s) + 1)
       if any(s.shape[a] % k == 0 for a in long_axes)
     ]
     if ks:
-      leaves.append((s, fi * fo * jnp.dtype(s.dtype).itemsize, ks))
+      leaves.append((i, fi * fo * jnp.dtype(s.dtype).itemsize, ks))
   # The thresholds at which some leaf's slice count changes.
   steps = {per_slot} | {size / k for _, size, ks in leaves for k in [1] + ks}
   seen = set()
   for q in sorted((t for t in steps if t <= per_slot), reverse=True):
     chosen = tuple(
-      (s, next((k for k in ks if size / k <= q), ks[-1]))
-      for s, size, ks in leaves
+      (i, next((k for k in ks if size / k <= q), ks[-1]))
+      for i, size, ks in leaves
       if size > q
     )
-    key = tuple((s.leaf_index, k) for s, k in chosen)
-    if key not in seen:
-      seen.add(key)
-      yield {
-        s.leaf_index: sliced_spec(s, k, None, min_byte_slice(s))
-        for s, k in chosen
-      }
+    if chosen not in seen:
+      seen.add(chosen)
+      yield dict(chosen)
 
 
 # The most moves of each of balance's two passes.
@@ -430,13 +404,32 @@ def balance(
     in the group goes to ``new slot`` (slots not named keep theirs).
   """
   groups = [g for g, m in enumerate(movable) if m]
-  if not groups:
-    return []
-  n = len(per_group[0])
   grid = np.asarray(rows)
+  n = grid.size
   row_of = np.argsort(grid.ravel()) // grid.shape[1]
   total = sum(per_group, np.zeros(n))
-  moves = _balance_rows(per_group, groups, within_row, grid, total)
+  # First the rows: repeatedly the busiest row and the exchange, in a group
+  # that moves within rows, that lowers the larger of the two rows' work
+  # the most. A row's content in a group is fixed by its bytes (a row holds
+  # a split matrix whole), so rows are evened out before their members.
+  moves, rowed = [], [g for g in groups if within_row[g]]
+  for _ in range(_MAX_MOVES):
+    rt = total[grid].sum(axis=1)
+    a = int(np.argmax(rt))
+    best, best_max = None, rt[a] * (1 - 1e-9)
+    for g in rowed:
+      w = per_group[g]
+      rw = w[grid].sum(axis=1)
+      new = np.maximum(rt[a] - rw[a] + rw, rt - rw + rw[a])
+      new[(np.arange(len(grid)) == a) | (rw == rw[a])] = np.inf
+      b = int(np.argmin(new))
+      if new[b] < best_max:
+        best = (g, _exchange(grid[a], grid[b], total, w))
+        best_max = new[b]
+    if best is None:
+      break
+    _apply(per_group, total, moves, *best)
+  # Then the slots.
   for _ in range(_MAX_MOVES):
     a = int(np.argmax(total))
     top, ra = total[a], row_of[a]
@@ -494,42 +487,10 @@ def _better(best_key, ok, new, dsq) -> tuple[int | None, tuple]:
 def _apply(per_group, total, moves, g, move) -> None:
   """Moves what slots own in group ``g`` (``move``: slot -> new slot),
   updating its work and the total (in place), and records the move."""
-  w = per_group[g]
-  old = {s: w[s] for s in move}
-  for s, t in move.items():
-    total[t] += old[s] - old[t]
-  for s, t in move.items():
-    w[t] = old[s]
+  w, src, dst = per_group[g], list(move), list(move.values())  # a permutation
+  total[dst] += w[src] - w[dst]
+  w[dst] = w[src]
   moves.append((g, move))
-
-
-def _balance_rows(per_group, groups, within_row, grid, total):
-  """The row exchanges of :func:`balance` that even out the rows' work
-  (in place): repeatedly the busiest row and the exchange, in a group
-  that moves within rows, that lowers the larger of the two rows' work
-  the most. A row's content in a group is fixed by its bytes (a row holds
-  a split matrix whole), so rows are evened out before their members."""
-  moves = []
-  rowed = [g for g in groups if within_row[g]]
-  if len(grid) < 2 or not rowed:
-    return moves
-  for _ in range(_MAX_MOVES):
-    rt = total[grid].sum(axis=1)
-    a = int(np.argmax(rt))
-    best, best_max = None, rt[a] * (1 - 1e-9)
-    for g in rowed:
-      rw = per_group[g][grid].sum(axis=1)
-      new = np.maximum(rt[a] - rw[a] + rw, rt - rw + rw[a])
-      new[(np.arange(len(grid)) == a) | (rw == rw[a])] = np.inf
-      b = int(np.argmin(new))
-      if new[b] < best_max:
-        best, best_max = (g, b), new[b]
-    if best is None:
-      break
-    g, b = best
-    move = _exchange(grid[a], grid[b], total, per_group[g])
-    _apply(per_group, total, moves, g, move)
-  return moves
 
 
 def _exchange(ra, rb, total, w) -> dict[int, int]:
@@ -540,6 +501,5 @@ def _exchange(ra, rb, total, w) -> dict[int, int]:
   for mine, theirs in ((ra, rb), (rb, ra)):
     takers = mine[np.argsort(total[mine] - w[mine], kind='stable')]
     given = theirs[np.argsort(-w[theirs], kind='stable')]
-    for src, dst in zip(given, takers):
-      move[int(src)] = int(dst)
+    move.update(zip(given.tolist(), takers.tolist()))
   return move

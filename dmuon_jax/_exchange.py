@@ -325,7 +325,7 @@ class Exchange:
             at = jax.lax.axis_index(axes) * size
             x = jax.lax.dynamic_slice_in_dim(x, at, size, axis=dim)
         out[i] = x
-    back = {}  # per class, every owner's result rows, in slot order
+    back = {}  # per class, every owner's result rows and their order
     for key in self.fwd_units:
       axes, g = key
       routes = [route for route in self.routes if route[0] == key]
@@ -348,21 +348,18 @@ class Exchange:
       others = tuple(a for a in self.axes if a not in axes)
       if self.size(others) > 1:
         x = jax.lax.all_gather(x, others, axis=0, tiled=False)
-      # x: (others..., axes...) -> slot order (mesh order of self.axes).
-      order = others + tuple(axes)
-      x = x.reshape(tuple(self.sizes[a] for a in order) + x.shape[-1:])
-      perm = [order.index(a) for a in self.axes] + [len(order)]
-      back[key] = jnp.transpose(x, perm).reshape(lay.num_slots, -1)
+      # x: rows numbered row-major over (others..., axes...).
+      back[key] = x.reshape(lay.num_slots, -1), others + tuple(axes)
     for i, r in self.routed.items():  # this device's shard of each
       units = lay.leaf_units[i]
-      buf = back[(r.axes, lay.unit_group[units[0]])]
+      buf, order = back[(r.axes, lay.unit_group[units[0]])]
       # One gather of the leaf's pieces (each at its owner's row and
       # offset: a table of the leaf's unit count), not a slice per unit
       # (owner groups cut a matrix into many units: Llama-3-8B at N =
       # 1024 has 1,664; compile 54.0 s -> 20.1 s).
-      where = np.array(
-        [[lay.plan.owners[u], self.fwd_off[u]] for u in units], np.int32
-      )
+      owners = [lay.plan.owners[u] for u in units]
+      rows = _gather.renumber(owners, self.axes, order, self.sizes)
+      where = np.int32([rows, [self.fwd_off[u] for u in units]]).T
       mats = jax.vmap(
         lambda at, buf=buf, r=r: jax.lax.dynamic_slice(
           buf, at, (1, r.piece_size)

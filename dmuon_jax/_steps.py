@@ -189,14 +189,14 @@ def _update_entries(layout, targets, sizes, update_specs):
   """Each target's sharding on the whole mesh: from its type (Explicit
   meshes), else from the layout, else from ``update_specs`` (per target, a
   spec read at update, or None); unknown ones are treated as replicated
-  (warned once). Raises where it does not fit the layout (its padding or
-  tensor-parallel split differ from init's).
+  (warned once, after every target fits). Raises where one does not fit
+  the layout (its padding or tensor-parallel split differ from init's).
 
   Returns:
     ``(entries, in_specs)``: the normalized entries (size-1 axes dropped)
     and the spec to give ``shard_map`` (an Explicit mesh's type as it is).
   """
-  entries, specs, splits, unknown = [], [], [], []
+  entries, specs, unknown = [], [], []
   explicit = _mesh.is_explicit(jax.sharding.get_abstract_mesh()) or (
     _mesh.is_explicit(layout.mesh)
   )
@@ -227,9 +227,17 @@ def _update_entries(layout, targets, sizes, update_specs):
         f'{t.held_shape} (padded for the sharding it had at init). Make '
         'the state again with init() on params sharded as in training.'
       )
+    want = lay.tp_splits[len(entries)]
+    if split != want:
+      raise ValueError(
+        f'dmuon: param {t.path!r} is sharded as {_mesh.entries_spec(e)} '
+        'at update, but the optimizer state was laid out for '
+        f'{"no tensor-parallel split" if want is None else "a split"} '
+        f'over {layout.tp_axis!r}. Make the state again with init() '
+        'on params sharded as in training.'
+      )
     entries.append(e)
     specs.append(spec)
-    splits.append(split)
   if unknown:
     # The state-size sentence only where the owner buffers hold more than
     # 1.10x the even share.
@@ -251,15 +259,6 @@ def _update_entries(layout, targets, sizes, update_specs):
         momentum=momentum,
       ),
     )
-  for t, e, got, split in zip(layout.leaves, entries, splits, lay.tp_splits):
-    if got != split:
-      raise ValueError(
-        f'dmuon: param {t.path!r} is sharded as {_mesh.entries_spec(e)} '
-        'at update, but the optimizer state was laid out for '
-        f'{"no tensor-parallel split" if split is None else "a split"} '
-        f'over {layout.tp_axis!r}. Make the state again with init() '
-        'on params sharded as in training.'
-      )
   return entries, specs
 
 

@@ -81,7 +81,6 @@ class _Routed:
     axes = {a for e in self.dim_axes for a in e}
     self.axes = tuple(a for a in sizes if a in axes)  # mesh order
     self.axis_sizes = tuple(sizes[a] for a in self.axes)
-    self.blocks = math.prod(self.axis_sizes)
     self.full = tuple(spec.shape[a] for a in canon)
     self.piece = local(self.full, self.dim_axes)
     self.piece_size = math.prod(self.piece)
@@ -104,7 +103,8 @@ class _Routed:
     sizes = self.axis_sizes + self.piece
     x = full.reshape([sizes[k] for k in self.order])
     order = tuple(int(k) for k in np.argsort(self.order))
-    return jnp.transpose(x, order).reshape(self.blocks, self.piece_size)
+    blocks = math.prod(self.axis_sizes)
+    return jnp.transpose(x, order).reshape(blocks, self.piece_size)
 
 
 class Exchange:
@@ -114,11 +114,15 @@ class Exchange:
     routed: plan leaf index -> its route, for routed leaves.
     gathered: plan leaf indices gathered whole before Newton–Schulz (a
       sharded stack axis).
-    classes: ``(axes, dtype group)`` of each route class: its forward
-      all-to-all and its way back (the same rows, reversed, then gathered
-      over the other owner axes).
-    tables: the slot-indexed tables of what each device packs and sends
-      back (see :meth:`by_slot`).
+    fwd_units: per route class ``(axes, dtype group)`` (its forward
+      all-to-all and its way back: the same rows, reversed, then gathered
+      over the other owner axes), per slot its routed units.
+    routes: per route (a class, a leaf and a unit shape) ``(class, leaf,
+      unit shape, table)``, the table of every slot's units: (offset in the
+      class's rows, in the buffer).
+    rep: per dtype group and unit shape of the non-routed leaves' units,
+      ``(group, shape, table)``: (offset in the buffer, in the compact
+      one).
   """
 
   def __init__(self, layout: _layout.Layout, entries: Sequence[_mesh.Entries]):
@@ -134,7 +138,6 @@ class Exchange:
     plan = lay.plan
     self.axes = plan.axis_names
     self.sizes = dict(zip(plan.axis_names, plan.mesh_shape))
-    self.num_slots = n = plan.num_slots
     self.entries = list(entries)
     self.routed: dict[int, _Routed] = {}
     self.gathered: set[int] = set()
@@ -146,102 +149,70 @@ class Exchange:
           self.routed[i] = _Routed(spec, entries[i], self.sizes)
       else:
         self.gathered.add(i)
+    self.whole = [i for i in range(len(plan.leaves)) if i not in self.routed]
     # Forward classes: (axes, dtype group) -> per owner its routed units.
     # Replicated (and gathered) leaves: per dtype group, per owner its
     # units, packed compactly for one all_gather.
     self.fwd_units: dict[tuple, list[list[int]]] = {}
-    self.rep_units = [[[] for _ in range(n)] for _ in range(lay.num_groups)]
+    rep_units = []
+    r = lambda u: self.routed.get(lay.unit_leaf[u])
     for g, slots in enumerate(lay.slot_units):
-      for s, units in enumerate(slots):
-        for u in units:
-          r = self.routed.get(lay.unit_leaf[u])
-          per = (
-            self.rep_units[g]
-            if r is None
-            else self.fwd_units.setdefault((r.axes, g), [[] for _ in range(n)])
-          )
-          per[s].append(u)
-    self.classes: list[tuple[tuple[str, ...], int]] = list(self.fwd_units)
+      classes = _group(slots, lambda u: getattr(r(u), 'axes', None))
+      rep_units.append(classes.pop(None, [[] for _ in slots]))
+      self.fwd_units.update({(axes, g): per for axes, per in classes.items()})
     self.fwd_off: dict[int, int] = {}
     self.fwd_size = {
-      key: _offsets(
-        per, lambda u: self.routed[lay.unit_leaf[u]].piece_size, self.fwd_off
-      )
+      key: _offsets(per, lambda u: r(u).piece_size, self.fwd_off)
       for key, per in self.fwd_units.items()
     }
     self.rep_off: dict[int, int] = {}
     self.rep_size = [
       _offsets(per, lay.unit_size.__getitem__, self.rep_off)
-      for per in self.rep_units
+      for per in rep_units
     ]
     # Slot tables: what each device packs, sends back and gathers, read
-    # from tables by its slot (loops with run-time trip counts, one program
-    # for all devices). Per class: its routes (a route and a unit shape),
-    # each with a table of every slot's units: (offset in the class's rows,
-    # in the buffer).
-    self.routes: dict[tuple, list[tuple[int, tuple[int, int]]]] = {}
-    tables = []
-    for key in self.classes:
-      by_route: dict[tuple, tuple] = {}
-      for s, units in enumerate(self.fwd_units[key]):
-        for u in units:
-          i, shape = lay.unit_leaf[u], plan.units[u].shape
-          r = self.routed[i]
-          rk = (r.axes, r.axis_sizes, r.piece, r.dim_axes, r.full, shape)
-          new = ((i, shape), [[] for _ in range(n)])
-          by_route.setdefault(rk, new)[1][s].append(u)
-      self.routes[key] = [first for first, _ in by_route.values()]
-      tables += [
-        _layout.units_table(per, self.fwd_off, lay.unit_offset)
-        for _, per in by_route.values()
+    # by its slot (loops with run-time trip counts, one program for all
+    # devices): per route of a class (its units of one route and shape,
+    # led by the first one's leaf), and per replicated unit shape.
+    shape = lambda u: plan.units[u].shape
+    route = lambda u: (
+      (r(u).axis_sizes, r(u).piece, r(u).dim_axes, r(u).full),
+      shape(u),
+    )
+    self.routes: list[tuple] = []
+    for key, per_slot in self.fwd_units.items():
+      for per in _group(per_slot, route).values():
+        u = next(us[0] for us in per if us)
+        table = _layout.units_table(per, self.fwd_off, lay.unit_offset)
+        self.routes.append((key, lay.unit_leaf[u], shape(u), table))
+    self.rep: list[tuple] = []
+    for g, per_slot in enumerate(rep_units):
+      by_shape = _group(per_slot, shape)
+      self.rep += [
+        (g, s, _layout.units_table(by_shape[s], lay.unit_offset, self.rep_off))
+        for s in sorted(by_shape)
       ]
-    self.whole = [i for i in range(len(plan.leaves)) if i not in self.routed]
-    tables += lay.whole_tables(self.whole)
-    # Per dtype group, per unit shape: the replicated leaves' units
-    # (offset in the buffer, in the compact one).
-    self.rep_shapes: list[list[tuple[int, int]]] = []
-    for per_slot in self.rep_units:
-      shape_of = lambda u: plan.units[u].shape
-      shapes = sorted({shape_of(u) for us in per_slot for u in us})
-      self.rep_shapes.append(shapes)
-      tables += [
-        _layout.units_table(
-          [[u for u in us if shape_of(u) == shape] for us in per_slot],
-          lay.unit_offset,
-          self.rep_off,
-        )
-        for shape in shapes
-      ]
-    self.tables = tables
 
-  def _split_rows(self, rows):
-    """The rows of :attr:`tables`: per class its routes', the whole
-    leaves', per dtype group its replicated shapes'."""
-    it = iter(rows)
-    routes = {key: [next(it) for _ in self.routes[key]] for key in self.classes}
-    whole = [next(it) for _ in self.whole]
-    rep = [[next(it) for _ in shapes] for shapes in self.rep_shapes]
-    return routes, whole, rep
-
-  def by_slot(self, fn, *operands):
-    """``fn(rows, *operands)`` with this device's rows of :attr:`tables`
-    (run-time; per-slot constants in a ``switch`` for buffers past int32)."""
-    return _gather.with_slot_rows(self.layout, fn, self.tables, *operands)
+  def size(self, axes) -> int:
+    """The devices over mesh axes ``axes``."""
+    return math.prod(self.sizes[a] for a in axes)
 
   # -- forward: pieces to the owners --------------------------------------
 
-  def to_owners(self, targets: Sequence[jax.Array], dtypes) -> tuple:
-    """This device's owner buffers (one per dtype group, in ``dtypes``)
-    from its shards of the plan leaves ``targets``: each routed unit
-    assembled from the pieces its class's all-to-all brings, the others
-    read from their whole leaves (all-gathered first where sharded)."""
+  def to_owners(self, targets: Sequence[jax.Array]) -> tuple:
+    """This device's owner buffers (one per dtype group, in its leaves'
+    promoted dtype) from its shards of the plan leaves ``targets``: each
+    routed unit assembled from the pieces its class's all-to-all brings, the
+    others read from their whole leaves (all-gathered first where
+    sharded)."""
     lay = self.layout
+    dtypes = [lay.promoted(targets, g) for g in range(lay.num_groups)]
     recv = {}  # per class, (group size, row): rows in member order
     for key, per_slot in self.fwd_units.items():
       axes, g = key
       others = tuple(a for a in self.axes if a not in axes)
-      spread = math.prod(self.sizes[a] for a in others) > 1
-      group_size = math.prod(self.sizes[a] for a in axes)
+      spread = self.size(others) > 1
+      group_size = self.size(axes)
       leaves = {lay.unit_leaf[u]: None for per in per_slot for u in per}
       # Each local piece goes to exactly one owner; this device sends those
       # of the owners at its own coordinates off the class's axes. One
@@ -302,22 +273,22 @@ class Exchange:
 
     def pack(rows):
       bufs = [jnp.zeros((n,), dt) for n, dt in zip(lay.local_sizes, dtypes)]
-      routes, whole, _ = self._split_rows(rows)
-      for (axes, g), route_rows in routes.items():
-        for (i, _), row in zip(self.routes[(axes, g)], route_rows):
-          r, got = self.routed[i], recv[(axes, g)]
-          bufs[g] = _layout.write_at(
-            bufs[g],
-            row,
-            lambda src, r=r, got=got: r.assemble(
-              jax.lax.dynamic_slice_in_dim(got, src, r.piece_size, axis=1)
-            ),
-          )
+      for (key, i, _, _), row in zip(self.routes, rows):
+        r, got = self.routed[i], recv[key]
+        bufs[key[1]] = _layout.write_at(
+          bufs[key[1]],
+          row,
+          lambda src, r=r, got=got: r.assemble(
+            jax.lax.dynamic_slice_in_dim(got, src, r.piece_size, axis=1)
+          ),
+        )
+      whole = rows[len(self.routes) :]
       return tuple(lay.pack_whole_at(bufs, full, self.whole, whole))
 
     # Every device runs one program: its units and offsets are read from
     # tables by its slot.
-    return self.by_slot(pack)
+    tables = [t for *_, t in self.routes] + lay.whole_tables(self.whole)
+    return _gather.with_slot_rows(lay, pack, tables)
 
   def from_owners(self, ortho: Sequence[jax.Array]) -> list[jax.Array]:
     """This device's shard of each plan leaf from the owners' results
@@ -332,75 +303,68 @@ class Exchange:
 
       def rep_pack(rows, bufs):
         """This owner's results of non-routed leaves, compactly."""
-        rep, packed = self._split_rows(rows)[2], []
-        for g in reps:
-          o = jnp.zeros((self.rep_size[g],), bufs[g].dtype)
-          for shape, row in zip(self.rep_shapes[g], rep[g]):
-            o = _layout.write_at(
-              o, row, lambda s, b=bufs[g], sh=shape: lay.matrix_at(b, s, sh)
-            )
-          packed.append(o)
-        return tuple(packed)
+        packed = [jnp.zeros((n,), b.dtype) for n, b in zip(self.rep_size, bufs)]
+        for (g, shape, _), row in zip(self.rep, rows):
+          packed[g] = _layout.write_at(
+            packed[g],
+            row,
+            lambda s, b=bufs[g], sh=shape: lay.matrix_at(b, s, sh),
+          )
+        return tuple(packed[g] for g in reps)
 
+      tables = [t for *_, t in self.rep]
+      packed = _gather.with_slot_rows(lay, rep_pack, tables, ortho)
       gathered = [None] * lay.num_groups
-      for g, c in zip(reps, self.by_slot(rep_pack, ortho)):
+      for g, c in zip(reps, packed):
         gathered[g] = _gather.gather_from_owners(c, self.axes)
       got = lay.unpack_full(gathered, self.whole, self.rep_size, self.rep_off)
       for i, x in zip(self.whole, got):  # this device's shard of it
         for dim, axes in enumerate(self.entries[i]):
           if axes:
-            size = x.shape[dim] // math.prod(self.sizes[a] for a in axes)
+            size = x.shape[dim] // self.size(axes)
             at = jax.lax.axis_index(axes) * size
             x = jax.lax.dynamic_slice_in_dim(x, at, size, axis=dim)
         out[i] = x
-    back = {}  # per class, every owner's result rows, in slot order
-    for key in self.classes:
+    back = {}  # per class, every owner's result rows and their order
+    for key in self.fwd_units:
       axes, g = key
+      routes = [route for route in self.routes if route[0] == key]
 
-      def send_back(rows, bufs, key=key, g=g):
+      def send_back(rows, bufs, key=key, g=g, routes=routes):
         """This owner's ``(group size, row)`` result pieces of class
         ``key`` for the devices of its axis group (member order)."""
-        size = math.prod(self.sizes[a] for a in key[0])
-        x = jnp.zeros((size, max(self.fwd_size[key], 1)), bufs[g].dtype)
-        routes = self._split_rows(rows)[0][key]
-        for (i, shape), row in zip(self.routes[key], routes):
+        rows_shape = (self.size(key[0]), max(self.fwd_size[key], 1))
+        x = jnp.zeros(rows_shape, bufs[g].dtype)
+        for (_, i, shape, _), row in zip(routes, rows):
           get = lambda s, r=self.routed[i], shape=shape: r.split(
             lay.matrix_at(bufs[g], s, shape).reshape(r.full)
           )
           x = _layout.write_at(x, row, get, back=True)
         return x
 
-      x = self.by_slot(send_back, ortho)
-      if x.shape[0] > 1:
-        x = jax.lax.all_to_all(x, axes, 0, 0, tiled=True)
+      tables = [t for *_, t in routes]
+      x = _gather.with_slot_rows(lay, send_back, tables, ortho)
+      x = jax.lax.all_to_all(x, axes, 0, 0, tiled=True)
       others = tuple(a for a in self.axes if a not in axes)
-      if others and math.prod(self.sizes[a] for a in others) > 1:
+      if self.size(others) > 1:
         x = jax.lax.all_gather(x, others, axis=0, tiled=False)
-      # x: (others..., axes...) -> slot order (mesh order of self.axes).
-      order = others + tuple(axes)
-      x = x.reshape(tuple(self.sizes[a] for a in order) + x.shape[-1:])
-      perm = [order.index(a) for a in self.axes] + [len(order)]
-      back[key] = jnp.transpose(x, perm).reshape(self.num_slots, -1)
+      # x: rows numbered row-major over (others..., axes...).
+      back[key] = x.reshape(lay.num_slots, -1), others + tuple(axes)
     for i, r in self.routed.items():  # this device's shard of each
       units = lay.leaf_units[i]
-      buf = back[(r.axes, lay.unit_group[units[0]])]
-      if len(units) > 1:
-        # One gather of the leaf's pieces (each at its owner's row and
-        # offset: a table of the leaf's unit count), not a slice per unit
-        # (owner groups cut a matrix into many units: Llama-3-8B at N =
-        # 1024 has 1,664; compile 54.0 s -> 20.1 s).
-        where = np.array(
-          [[lay.plan.owners[u], self.fwd_off[u]] for u in units], np.int32
-        )
-        mats = jax.vmap(
-          lambda at, buf=buf, r=r: jax.lax.dynamic_slice(
-            buf, at, (1, r.piece_size)
-          )[0]
-        )(where)
-      else:
-        (u,) = units
-        off = self.fwd_off[u]
-        mats = buf[lay.plan.owners[u], off : off + r.piece_size][None]
+      buf, order = back[(r.axes, lay.unit_group[units[0]])]
+      # One gather of the leaf's pieces (each at its owner's row and
+      # offset: a table of the leaf's unit count), not a slice per unit
+      # (owner groups cut a matrix into many units: Llama-3-8B at N =
+      # 1024 has 1,664; compile 54.0 s -> 20.1 s).
+      owners = [lay.plan.owners[u] for u in units]
+      rows = _gather.renumber(owners, self.axes, order, self.sizes)
+      where = np.int32([rows, [self.fwd_off[u] for u in units]]).T
+      mats = jax.vmap(
+        lambda at, buf=buf, r=r: jax.lax.dynamic_slice(
+          buf, at, (1, r.piece_size)
+        )[0]
+      )(where)
       x = mats.reshape(r.batch_shape + r.piece)
       x = jnp.transpose(x, tuple(np.argsort(r.perm)))
       out[i] = x.reshape(r.leaf_local)
@@ -422,20 +386,29 @@ class Exchange:
       ``(routes, whole)``: ``(group size, bytes)`` pairs.
     """
     lay = self.layout
-    size = lambda axes: math.prod(self.sizes[a] for a in axes)
     routes = [
-      (size(axes), self.fwd_size[(axes, g)] * itemsizes[g])
-      for axes, g in self.classes
+      (self.size(axes), self.fwd_size[(axes, g)] * itemsizes[g])
+      for axes, g in self.fwd_units
     ] + [(1, rows * itemsizes[g]) for g, rows in enumerate(self.rep_size)]
     whole = [
       (
-        size([a for e in self.entries[i] for a in e]),
+        self.size([a for e in self.entries[i] for a in e]),
         math.prod(lay.plan.leaves[i].shape)
         * itemsizes[lay.unit_group[lay.leaf_units[i][0]]],
       )
       for i in self.gathered
     ]
     return routes, whole
+
+
+def _group(per_slot, key_of) -> dict:
+  """Each slot's units grouped by ``key_of(unit)``: key -> per slot its
+  units (keys in the order of their first units)."""
+  out = {}
+  for s, units in enumerate(per_slot):
+    for u in units:
+      out.setdefault(key_of(u), [[] for _ in per_slot])[s].append(u)
+  return out
 
 
 def _offsets(per_slot, size_of, offsets: dict[int, int]) -> int:
@@ -449,33 +422,26 @@ def _offsets(per_slot, size_of, offsets: dict[int, int]) -> int:
   return longest
 
 
-def reduced_route(ded) -> bool:
+def reduced_route(ded, who: str) -> bool:
   """Whether the model's gathers can be reduced gathers under plain jit:
   a distributed layout whose owner axes (and tensor-parallel axis, if
   any) are all ``Explicit`` in its mesh (jax refuses ``reduced`` over other
   axes, and types ``unreduced`` cotangents only on meshes whose axes are
-  all Explicit)."""
-  return _explicit(ded, tp=True)
+  all Explicit).
 
-
-def _explicit(ded, tp: bool) -> bool:
-  """Whether the layout is distributed on a mesh where the owner axes
-  (with ``tp``, the tensor-parallel axis too, if any) are Explicit."""
+  Raises (naming ``who``) where the owner axes are Explicit but the
+  tensor-parallel axis is not: under plain jit such a model would need
+  cotangents typed ``unreduced`` over the owner axes on a mesh with an
+  Auto axis, which jax does not type (jax 0.10: an assertion in
+  ``getu``)."""
   if not ded.layout.distributed or ded.mesh is None:
     return False
-  axes = list(ded.buffer_axes)
-  axes += [ded.tensor_parallel_axis] if tp and ded.layout.tp_size > 1 else []
   types = dict(zip(ded.mesh.axis_names, ded.mesh.axis_types))
-  return all(types.get(a) == jax.sharding.AxisType.Explicit for a in axes)
-
-
-def check_tp_axis_type(ded, who: str) -> None:
-  """Raises where the owner axes are Explicit but the tensor-parallel axis
-  is not: under plain jit such a model would need cotangents typed
-  ``unreduced`` over the owner axes on a mesh with an Auto axis, which
-  jax does not type (jax 0.10: an assertion in ``getu``)."""
-  if _explicit(ded, tp=False) and not _explicit(ded, tp=True):
-    tp = ded.tensor_parallel_axis
+  explicit = lambda a: types.get(a) == jax.sharding.AxisType.Explicit
+  tp = ded.tensor_parallel_axis
+  if not all(explicit(a) for a in ded.buffer_axes):
+    return False
+  if ded.layout.tp_size > 1 and not explicit(tp):
     raise ValueError(
       f'dmuon: {who} ran under plain jax.jit/nnx.jit on a mesh whose owner '
       f'axes {tuple(ded.buffer_axes)} are Explicit and whose '
@@ -488,6 +454,7 @@ def check_tp_axis_type(ded, who: str) -> None:
       'None)), or keep it Auto and decorate the step with '
       '@dmuon_jax.flax.train_step(ded).'
     )
+  return True
 
 
 # -- the explicit Dedication API: a user function run on gathered groups --

@@ -135,21 +135,19 @@ def explicit_step(cfg, hp, layout, targets, mus, count_inc):
     )
   lay = layout.groups[0]
   axes, sizes = lay.plan.axis_names, lay.plan.mesh_shape
-  n = lay.num_slots
   unreduced = any(_gather.varying_axes(x) & set(axes) for x in targets)
   if unreduced:
     # Per-device gradients, reduced straight to the owners (reduce-scatter),
     # results all-gathered: one all-reduce's bytes.
     grads = tuple(
-      _gather.reduce_scatter_to_owners(b, axes, sizes) / n
+      _gather.reduce_scatter_to_owners(b, axes, sizes) / lay.num_slots
       for b in lay.pack_full(targets)
     )
   else:
     # Already reduced (the same on every device): each owner reads its own,
     # as the drop-in path reads replicated leaves.
     ex = _exchange.Exchange(lay, layout.owner_entries([None] * len(targets)))
-    dtypes = [lay.promoted(targets, g) for g in range(lay.num_groups)]
-    grads = ex.to_owners(targets, dtypes)
+    grads = ex.to_owners(targets)
   ortho, mu = _owner_update.owner_step(cfg, hp, layout, grads, mus, count_inc)
   new = lay.unpack_full([_gather.gather_from_owners(o, axes) for o in ortho])
   return new, mu
@@ -181,8 +179,6 @@ def resolve_entries(leaf, spec, sizes, owner_axes, tp_axis=None, tp_size=1):
   e = _mesh.normalize_entries(spec, len(leaf.shape), sizes)
   _mesh.check_entries(e, leaf.shape, allowed, leaf.path, spec)
   shape = _mesh.padded_shape(leaf.shape, e, sizes)
-  if tp_axis is None:
-    return e, shape, None, None, shape
   split, dim, local = _mesh.split_tensor_parallel(
     dataclasses.replace(leaf, shape=shape), e, tp_axis, tp_size
   )
@@ -193,14 +189,14 @@ def _update_entries(layout, targets, sizes, update_specs):
   """Each target's sharding on the whole mesh: from its type (Explicit
   meshes), else from the layout, else from ``update_specs`` (per target, a
   spec read at update, or None); unknown ones are treated as replicated
-  (warned once). Raises where it does not fit the layout (its padding or
-  tensor-parallel split differ from init's).
+  (warned once, after every target fits). Raises where one does not fit
+  the layout (its padding or tensor-parallel split differ from init's).
 
   Returns:
     ``(entries, in_specs)``: the normalized entries (size-1 axes dropped)
     and the spec to give ``shard_map`` (an Explicit mesh's type as it is).
   """
-  entries, specs, splits, unknown = [], [], [], []
+  entries, specs, unknown = [], [], []
   explicit = _mesh.is_explicit(jax.sharding.get_abstract_mesh()) or (
     _mesh.is_explicit(layout.mesh)
   )
@@ -231,9 +227,17 @@ def _update_entries(layout, targets, sizes, update_specs):
         f'{t.held_shape} (padded for the sharding it had at init). Make '
         'the state again with init() on params sharded as in training.'
       )
+    want = lay.tp_splits[len(entries)]
+    if split != want:
+      raise ValueError(
+        f'dmuon: param {t.path!r} is sharded as {_mesh.entries_spec(e)} '
+        'at update, but the optimizer state was laid out for '
+        f'{"no tensor-parallel split" if want is None else "a split"} '
+        f'over {layout.tp_axis!r}. Make the state again with init() '
+        'on params sharded as in training.'
+      )
     entries.append(e)
     specs.append(spec)
-    splits.append(split)
   if unknown:
     # The state-size sentence only where the owner buffers hold more than
     # 1.10x the even share.
@@ -255,15 +259,6 @@ def _update_entries(layout, targets, sizes, update_specs):
         momentum=momentum,
       ),
     )
-  for t, e, got, split in zip(layout.leaves, entries, splits, lay.tp_splits):
-    if got != split:
-      raise ValueError(
-        f'dmuon: param {t.path!r} is sharded as {_mesh.entries_spec(e)} '
-        'at update, but the optimizer state was laid out for '
-        f'{"no tensor-parallel split" if split is None else "a split"} '
-        f'over {layout.tp_axis!r}. Make the state again with init() '
-        'on params sharded as in training.'
-      )
   return entries, specs
 
 
@@ -308,11 +303,11 @@ def _check_buffer_shardings(layout, mus, mesh) -> None:
     want, buffer = layout.buffer_spec(b), layout.buffer_shapes()[b]
     if want is None:
       return
-    shape = buffer.shape  # the buffers' (check_buffers)
+    shape = tuple(buffer.shape)  # the buffers' (check_buffers)
     if isinstance(got, jax.sharding.NamedSharding):
       got = got.spec
     if isinstance(got, jax.sharding.Sharding):
-      local = tuple(got.shard_shape(tuple(shape)))
+      local = tuple(got.shard_shape(shape))
     else:
       local = _mesh.local_shape(shape, got, sizes)
     owned = _mesh.local_shape(shape, want, sizes)
@@ -400,9 +395,9 @@ def drop_in_step(setup, layout, targets, mus, count_inc, specs):
     """The per-device program: pieces to owners, owner update, results
     back."""
     hp = setup.hp._replace(**dyn)
-    per_leaf_mu = None
+    owner_mu = mus
     if layout.per_leaf:
-      per_leaf_mu, targets = _owner_update.momentum_update(
+      new_mu, targets = _owner_update.momentum_update(
         targets,
         mus,
         count_inc,
@@ -410,15 +405,12 @@ def drop_in_step(setup, layout, targets, mus, count_inc, specs):
         nesterov=setup.cfg.nesterov,
         rule=setup.cfg.momentum,
       )
-      per_leaf_mu = [m.astype(b.dtype) for m, b in zip(per_leaf_mu, mus)]
-      mus = None
-    dtypes = [lay.promoted(targets, g) for g in range(lay.num_groups)]
-    grads = ex.to_owners(targets, dtypes)
-    ortho, new_mu = _owner_update.owner_step(
-      setup.cfg, hp, layout, grads, mus, count_inc
+      new_mu, owner_mu = [m.astype(b.dtype) for m, b in zip(new_mu, mus)], None
+    grads = ex.to_owners(targets)
+    ortho, mu = _owner_update.owner_step(
+      setup.cfg, hp, layout, grads, owner_mu, count_inc
     )
-    out = ex.from_owners(ortho)
-    return out, list(new_mu if per_leaf_mu is None else per_leaf_mu)
+    return ex.from_owners(ortho), list(new_mu if layout.per_leaf else mu)
 
   new, mu = jax.shard_map(
     body,

@@ -130,8 +130,7 @@ def gathered(
   )
   routed = manual
   if layout.distributed and not manual and traced:
-    _exchange.check_tp_axis_type(ded, f'the dedicated boundary {name!r}')
-    if _exchange.reduced_route(ded):
+    if _exchange.reduced_route(ded, f'the dedicated boundary {name!r}'):
       # The reduced gather's cotangent is a per-device partial sum: jax
       # types a weight ``reduced`` only where its contraction runs over the
       # owner axes, so the input must be split over every one of them.

@@ -659,12 +659,11 @@ def scale_by_dedicated_muon(
   )
   # The leaf indices of the Muon targets that decay (None: no decay;
   # make_hyperparams has rejected a bool weight_decay).
-  decay, mask, flags = None, weight_decay_mask, None
+  decay, mask = None, weight_decay_mask
   if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
+    mask = mask(dedication.abstract_params) if callable(mask) else mask
+    flags = dedication.treedef.flatten_up_to(mask) if mask is not None else None
     indices = [t.index for t in dedication.layout.leaves]
-    if mask is not None:
-      mask = mask(dedication.abstract_params) if callable(mask) else mask
-      flags = dedication.treedef.flatten_up_to(mask)
     bad = [
       dedication.leaf_paths[i]
       for i in indices
@@ -752,11 +751,6 @@ def _muon_update(cfg, hp, decay, ded, grads, state, params=None):
     (specs, specs),
   )
   ortho, mu = run(g, list(state.mu.buffers), param_bufs, count_inc, dyn)
-  # optax.contrib.muon's dtype: the momentum's promoted with the gradient's.
-  out = [
-    o.astype(jnp.result_type(m.dtype, g.dtype))
-    for o, m, g in zip(ortho, state.mu.buffers, grads.buffers)
-  ]
-  return grads.rebox(out), state._replace(
-    count=count_inc, mu=state.mu.rebox(mu)
-  )
+  dtypes = [m.dtype for m in state.mu.buffers]
+  out, state = _transform.finish(state, count_inc, mu, ortho, g, dtypes)
+  return grads.rebox(out), state

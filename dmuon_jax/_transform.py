@@ -121,17 +121,17 @@ def _holders(params: Any) -> list[Any]:
   return holders
 
 
-def _layout(setup: _Setup, params, with_path, holders, specs, mesh):
+def _layout(setup: _Setup, params, holders, specs, mesh):
   """The state's :class:`dmuon_jax.OwnerLayout`: the params' shardings read
   once (``specs``: under the logical axis rules in effect), their owner
   plan, and where the momentum is kept."""
-  paths = [_routing.normalize_path(k) for k, _ in with_path]
-  leaves = [x for _, x in with_path]
+  leaves = jax.tree.leaves(params)
   targets = _routing.route(
     params,
     predicate=lambda path, leaf: True,
     weight_dimension_numbers=setup.weight_dimension_numbers,
   ).specs
+  paths = [t.path for t in targets]  # (every leaf is a Muon target)
   given = setup.param_specs or {}
   # The state's structure (plan, padding, TP splits) is read from the
   # specs that do not depend on the logical axis rules in effect, so that
@@ -246,7 +246,7 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
     found = (_mesh.array_mesh(x) for _, x in with_path)
     mesh = next((m for m in found if m is not None), None)
   _mesh.check_devices(params, mesh)
-  layout = _layout(setup, params, with_path, holders, specs, mesh)
+  layout = _layout(setup, params, holders, specs, mesh)
   uneven, extra = layout.padding()
   if uneven:  # warned once per layout
     total = sum(math.prod(t.shape) for t in layout.leaves)
@@ -304,11 +304,12 @@ def _update(setup: _Setup, updates, state, params=None):
   targets = [x for _, x in with_path]
   count_inc = optax.safe_increment(state.count)
   mus = state.mu.buffers
-  lay = layout.groups[0]
-  cfg, hp = setup.cfg, setup.hp
   # The one dispatch of the drop-in transformation: one owner slot (no
   # routes), inside the caller's shard_map over the owner axes (explicit),
   # or global arrays under plain jit (drop-in; per-leaf momentum there).
+  # (One slot packs directly: the explicit step's exchange there costs
+  # temporary memory and FLOPs for no communication.)
+  cfg, hp, lay = setup.cfg, setup.hp, layout.groups[0]
   if not layout.distributed:
     _steps.check_buffers(layout, mus, local=False)
     ortho, mu = _owner_update.owner_step(

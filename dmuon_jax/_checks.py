@@ -553,8 +553,8 @@ def hook_boundaries(
   """:func:`find_hook_boundaries` of ``params`` routed as ``specs`` (per
   leaf, its ``_routing.route`` spec or None)."""
   flat = jax.tree.flatten_with_path(params)[0]
-  scanned: dict[str, bool] = {}  # boundary name -> scanned, in order
-  paths, names, missing = [], [], []
+  index: dict[str, int] = {}  # boundary name -> its index, in order
+  scanned, paths, of_target, missing = [], [], [], []
   for spec, (keys, _) in zip(specs, flat, strict=True):
     if spec is None:
       continue
@@ -574,9 +574,11 @@ def hook_boundaries(
       if strict:
         continue
       name = spec.path
-    scanned.setdefault(name, is_scan)
+    if name not in index:
+      index[name] = len(index)
+      scanned.append(is_scan)
     paths.append(spec.path)
-    names.append(name)
+    of_target.append(index[name])
   if strict and missing:
     raise ValueError(
       f'dmuon: {len(missing)} Muon target(s) have no hook boundary: '
@@ -585,10 +587,6 @@ def hook_boundaries(
       'modules, route these params to AdamW, or pass strict=False to '
       'gather each of them on its own.'
     )
-  order = list(scanned)
   return HookBoundaries(
-    names=tuple(order),
-    scanned=tuple(scanned.values()),
-    paths=tuple(paths),
-    of_target=tuple(order.index(n) for n in names),
+    tuple(index), tuple(scanned), tuple(paths), tuple(of_target)
   )

@@ -35,8 +35,8 @@ def _tp_local(params, targets, mesh, axis_names, tensor_parallel_axis):
   TP-split targets at one TP shard's shape.
 
   Returns:
-    ``(info, tp_axis, params, (tp_dims, tp_splits))``: the mesh's axes; the
-    TP axis if it has more than one device; the tree with
+    ``(info, params, (tp_dims, tp_splits))``: the mesh's axes (no axes
+    without a mesh); the tree with
     ``jax.ShapeDtypeStruct`` slices for split targets (the non-targets keep
     their leaves, for their shardings); and per split target's leaf index
     its split dim and its matrix split axis (-1 or -2).
@@ -49,10 +49,10 @@ def _tp_local(params, targets, mesh, axis_names, tensor_parallel_axis):
     sharded_axes=_mesh.sharded_axes(
       [_mesh.leaf_spec(leaves[t.leaf_index]) for t in targets]
     ),
-  )
+  ) or _mesh.MeshInfo(None, {}, (), None)
   dims, splits, whole = {}, {}, []
-  if info is None or info.tp_size == 1:
-    return info, None, params, (dims, splits)
+  if info.tp_size == 1:
+    return info, params, (dims, splits)
   for s in targets:
     x = leaves[s.leaf_index]
     entries = _mesh.normalize_entries(
@@ -75,7 +75,7 @@ def _tp_local(params, targets, mesh, axis_names, tensor_parallel_axis):
       'use the drop-in dmuon_jax.dmuon (which orthogonalizes '
       'TP-replicated matrices on every TP shard of the owner).'
     )
-  return info, info.tp_axis, jax.tree.unflatten(treedef, leaves), (dims, splits)
+  return info, jax.tree.unflatten(treedef, leaves), (dims, splits)
 
 
 def _owner_axes(
@@ -283,7 +283,7 @@ def dedicate(
   )
   targets = [t for t in routing.specs if t is not None]
   leaves = jax.tree.leaves(params)
-  info, tp_axis, local, tp = _tp_local(
+  info, local, tp = _tp_local(
     params, targets, mesh, axis_names, tensor_parallel_axis
   )
   of_target = dict(zip(bounds.paths, bounds.of_target))
@@ -291,13 +291,13 @@ def dedicate(
   owner_groups = _checks.check_option(
     owner_groups,
     ns_algorithm=ns_algorithm,
-    tp_axis=tp_axis,
+    tp_axis=info.tp_axis,
     scanned=[t.path for t in scanned],
   )
   plan = _assign.plan_ownership(
     local,
     mesh,
-    axis_names=None if info is None else info.owner_axes,
+    axis_names=info.owner_axes,
     predicate=predicate,
     weight_dimension_numbers=dims_numbers,
     ns_algorithm=ns_algorithm,
@@ -348,7 +348,7 @@ def dedicate(
     remat_policy=remat_policy or jax.checkpoint_policies.dots_saveable,
     **_rest(params, leaves, gathered[0], mesh, bounds),
     abstract_params=abstract,
-    tensor_parallel_axis=tp_axis,
+    tensor_parallel_axis=info.tp_axis,
     ns_algorithm=ns_algorithm,
   )
 
@@ -388,9 +388,9 @@ def _layout(
     split_of=tp_splits,
     buffer_axes=buffer_axes,
     buffer_sizes=tuple(sizes[a] for a in buffer_axes),
-    tp_axis=None if info is None else info.tp_axis,
-    tp_size=1 if info is None else info.tp_size,
-    mesh=None if info is None else info.abstract,
+    tp_axis=info.tp_axis,
+    tp_size=info.tp_size,
+    mesh=info.abstract,
     iterations=iterations,
     layers_per_iteration=tuple(k if it else 1 for it in iterations),
     kind='dedicated',

@@ -659,12 +659,11 @@ def scale_by_dedicated_muon(
   )
   # The leaf indices of the Muon targets that decay (None: no decay;
   # make_hyperparams has rejected a bool weight_decay).
-  decay, mask, flags = None, weight_decay_mask, None
+  decay, mask = None, weight_decay_mask
   if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
+    mask = mask(dedication.abstract_params) if callable(mask) else mask
+    flags = dedication.treedef.flatten_up_to(mask) if mask is not None else None
     indices = [t.index for t in dedication.layout.leaves]
-    if mask is not None:
-      mask = mask(dedication.abstract_params) if callable(mask) else mask
-      flags = dedication.treedef.flatten_up_to(mask)
     bad = [
       dedication.leaf_paths[i]
       for i in indices
@@ -688,15 +687,12 @@ def _muon_init(cfg, ded, owned):
   check_owned(ded.layout, owned, 'dedicated_muon init()')
   layout = owned.layout
   mu = [jnp.zeros_like(b, dtype=cfg.mu_dtype) for b in owned.buffers]
-  mesh = ded.mesh if ded.mesh is not None else layout.mesh
-  if (
-    layout.distributed
-    and mesh is not None
-    and not set(layout.buffer_axes) & _gather.manual_axes()
-  ):
+  # (A layout held by several devices has the dedication's mesh.)
+  if layout.distributed and not set(layout.buffer_axes) & _gather.manual_axes():
     # Under jax.jit on Auto axes zeros_like keeps no sharding: the momentum
     # placed as its layout says, as eagerly.
-    mu = [_mesh.place(m, mesh, s) for m, s in zip(mu, layout.buffer_specs())]
+    specs = layout.buffer_specs()
+    mu = [_mesh.place(m, ded.mesh, s) for m, s in zip(mu, specs)]
   return DedicatedMuonState(
     count=jnp.zeros([], jnp.int32),
     # Boxed as the owned buffers are (Flax's sharding tools read the boxes).
@@ -742,9 +738,8 @@ def _muon_update(cfg, hp, decay, ded, grads, state, params=None):
     wrap = functools.partial(_gather.on_tp_shards, ded)
   else:  # global arrays (plain jit): a shard_map over the whole mesh
     specs = list(layout.buffer_specs())
-    mesh = ded.mesh if ded.mesh is not None else layout.mesh
     wrap = lambda fn, i, o: jax.shard_map(
-      fn, mesh=mesh, in_specs=i, out_specs=o
+      fn, mesh=ded.mesh, in_specs=i, out_specs=o
     )
   run = wrap(
     body,
@@ -752,11 +747,6 @@ def _muon_update(cfg, hp, decay, ded, grads, state, params=None):
     (specs, specs),
   )
   ortho, mu = run(g, list(state.mu.buffers), param_bufs, count_inc, dyn)
-  # optax.contrib.muon's dtype: the momentum's promoted with the gradient's.
-  out = [
-    o.astype(jnp.result_type(m.dtype, g.dtype))
-    for o, m, g in zip(ortho, state.mu.buffers, grads.buffers)
-  ]
-  return grads.rebox(out), state._replace(
-    count=count_inc, mu=state.mu.rebox(mu)
-  )
+  dtypes = [m.dtype for m in state.mu.buffers]
+  out, state = _transform.finish(state, count_inc, mu, ortho, g, dtypes)
+  return grads.rebox(out), state

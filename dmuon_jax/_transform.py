@@ -121,17 +121,17 @@ def _holders(params: Any) -> list[Any]:
   return holders
 
 
-def _layout(setup: _Setup, params, with_path, holders, specs, mesh):
+def _layout(setup: _Setup, params, holders, specs, mesh):
   """The state's :class:`dmuon_jax.OwnerLayout`: the params' shardings read
   once (``specs``: under the logical axis rules in effect), their owner
   plan, and where the momentum is kept."""
-  paths = [_routing.normalize_path(k) for k, _ in with_path]
-  leaves = [x for _, x in with_path]
+  leaves = jax.tree.leaves(params)
   targets = _routing.route(
     params,
     predicate=lambda path, leaf: True,
     weight_dimension_numbers=setup.weight_dimension_numbers,
   ).specs
+  paths = [t.path for t in targets]  # (every leaf is a Muon target)
   given = setup.param_specs or {}
   # The state's structure (plan, padding, TP splits) is read from the
   # specs that do not depend on the logical axis rules in effect, so that
@@ -145,12 +145,9 @@ def _layout(setup: _Setup, params, with_path, holders, specs, mesh):
     setup.axis_names,
     setup.tensor_parallel_axis,
     sharded_axes=_mesh.sharded_axes(known),
-  )
-  sizes, owner_axes, tp_axis, tp_size = (
-    ({}, (), None, 1)
-    if info is None
-    else (info.sizes, info.owner_axes, info.tp_axis, info.tp_size)
-  )
+  ) or _mesh.MeshInfo(None, {}, (), None)  # (no mesh: one slot, no axes)
+  sizes, owner_axes, tp_axis = info.sizes, info.owner_axes, info.tp_axis
+  tp_size = info.tp_size
   # (tp_axis: None unless the mesh splits matrices over more than one device)
   _checks.check_preconditioning(
     setup.cfg.preconditioning, tp_axis=tp_axis, otherwise=_NO_TP
@@ -160,7 +157,7 @@ def _layout(setup: _Setup, params, with_path, holders, specs, mesh):
   # and its padded shape (None where even).
   rows = []
   for spec, leaf in zip(known, targets):
-    if info is None or info.num_slots * tp_size == 1:
+    if info.num_slots * tp_size == 1:
       spec = P()
     if spec is None:
       rows.append((None, None, None, tuple(leaf.shape), None))
@@ -178,7 +175,7 @@ def _layout(setup: _Setup, params, with_path, holders, specs, mesh):
       jax.tree.structure(params),
       [jax.ShapeDtypeStruct(s, x.dtype) for x, s in zip(leaves, local)],
     ),
-    None if info is None else {a: sizes[a] for a in owner_axes},
+    {a: sizes[a] for a in owner_axes},
     predicate=lambda path, leaf: True,
     weight_dimension_numbers=setup.weight_dimension_numbers,
     ns_steps=len(setup.cfg.coeffs),
@@ -217,12 +214,12 @@ def _layout(setup: _Setup, params, with_path, holders, specs, mesh):
     buffer_sizes=plan.mesh_shape,
     tp_axis=tp_axis,
     tp_size=tp_size,
-    mesh=None if info is None else info.abstract,
+    mesh=info.abstract,
     # The update routes each leaf from its context-free sharding where
     # known, else from the one the logical axis rules in effect here give.
     param_entries=[
       e
-      if e is not None or info is None or paths[i] in given
+      if e is not None or info.abstract is None or paths[i] in given
       else _steps.fitting(records[i], specs[i], sizes, owner_axes)
       for i, e in enumerate(entries)
     ],
@@ -249,7 +246,7 @@ def _init(setup: _Setup, params: optax.Params) -> ScaleByDMuonState:
     found = (_mesh.array_mesh(x) for _, x in with_path)
     mesh = next((m for m in found if m is not None), None)
   _mesh.check_devices(params, mesh)
-  layout = _layout(setup, params, with_path, holders, specs, mesh)
+  layout = _layout(setup, params, holders, specs, mesh)
   uneven, extra = layout.padding()
   if uneven:  # warned once per layout
     total = sum(math.prod(t.shape) for t in layout.leaves)
@@ -303,14 +300,16 @@ def _update(setup: _Setup, updates, state, params=None):
     [(t.path, t.shape) for t in layout.leaves],
     'update()',
   )
+  # (Every leaf is a Muon target: layout.leaves are the leaves, in order.)
   targets = [x for _, x in with_path]
   count_inc = optax.safe_increment(state.count)
   mus = state.mu.buffers
-  lay = layout.groups[0]
-  cfg, hp = setup.cfg, setup.hp
   # The one dispatch of the drop-in transformation: one owner slot (no
   # routes), inside the caller's shard_map over the owner axes (explicit),
   # or global arrays under plain jit (drop-in; per-leaf momentum there).
+  # (One slot packs directly: the explicit step's exchange there costs
+  # temporary memory and FLOPs for no communication.)
+  cfg, hp, lay = setup.cfg, setup.hp, layout.groups[0]
   if not layout.distributed:
     _steps.check_buffers(layout, mus, local=False)
     ortho, mu = _owner_update.owner_step(
@@ -330,19 +329,21 @@ def _update(setup: _Setup, updates, state, params=None):
         for t, e in zip(layout.leaves, layout.param_entries)
       ]
     new, mu = _steps.drop_in_step(setup, layout, targets, mus, count_inc, specs)
-  # optax.contrib.muon's dtype: its momentum (mu_dtype, else the params'
-  # dtype) promoted with the gradient's, e.g. float32 updates for float32
-  # params and bfloat16 gradients.
-  new = [
-    x.astype(jnp.result_type(jnp.dtype(d), t.dtype))
-    for x, t, d in zip(new, targets, lay.leaf_dtypes)
+  new, state = finish(state, count_inc, mu, new, targets, lay.leaf_dtypes)
+  return jax.tree.unflatten(treedef, new), state
+
+
+def finish(state, count_inc, mu, out, grads, mu_dtypes):
+  """The one tail of an owner update (drop-in and dedicated): the updates
+  in optax.contrib.muon's dtype, the momentum's (``mu_dtypes``: mu_dtype,
+  else the params' dtype) promoted with the gradient's (e.g. float32
+  updates for float32 params and bfloat16 gradients), and the state with
+  the new count and momentum ``mu``, boxed as it came."""
+  out = [
+    x.astype(jnp.result_type(jnp.dtype(d), g.dtype))
+    for x, g, d in zip(out, grads, mu_dtypes, strict=True)
   ]
-  out = [x for _, x in with_path]
-  for t, x in zip(layout.leaves, new):
-    out[t.index] = x
-  return jax.tree.unflatten(treedef, out), state._replace(
-    count=count_inc, mu=state.mu.rebox(mu)
-  )
+  return out, state._replace(count=count_inc, mu=state.mu.rebox(mu))
 
 
 def scale_by_dmuon(

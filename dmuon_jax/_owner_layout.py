@@ -195,15 +195,7 @@ class OwnerLayout:
     """
     # A zero-padded leaf's layout holds it at ``padded``, crops to ``shape``.
     logical_of = {t.index: t.shape for t in leaves if t.padded is not None}
-    groups = tuple(
-      Layout(
-        gp,
-        [dtype_of[s.leaf_index] for s in gp.leaves],
-        [split_of.get(s.leaf_index) for s in gp.leaves],
-        [logical_of.get(s.leaf_index) for s in gp.leaves],
-      )
-      for gp in plans
-    )
+    groups = tuple(Layout(gp, dtype_of, split_of, logical_of) for gp in plans)
     return cls(
       groups=groups,
       iterations=tuple(iterations or (0,) * len(groups)),
@@ -357,10 +349,8 @@ class OwnerLayout:
   def shardings(self, mesh: Any = None) -> tuple:
     """``NamedSharding`` of each buffer (``mesh`` default: the layout's)."""
     mesh = self.mesh if mesh is None else mesh
-    if mesh is None:
-      return (None,) * len(self.buffer_index)
     return tuple(
-      None if s is None else jax.sharding.NamedSharding(mesh, s)
+      None if mesh is None or s is None else jax.sharding.NamedSharding(mesh, s)
       for s in self.buffer_specs()
     )
 
@@ -374,10 +364,8 @@ class OwnerLayout:
 
   def mu_dtype(self, index: int) -> str:
     """The buffer dtype of leaf ``index``'s matrices."""
-    t = self.leaf(index)
-    lay = self.groups[t.group]
-    i = [s.leaf_index for s in lay.plan.leaves].index(index)
-    return lay.leaf_dtypes[i]
+    lay = self.groups[self.leaf(index).group]
+    return lay.leaf_dtypes[lay.leaf_index.index(index)]
 
   def leaf_buffer(self, index: int) -> int:
     """The flat buffer (position in buffer order) holding a leaf's
@@ -452,10 +440,7 @@ class OwnerLayout:
     out = [values[t.index] for t in self.leaves] if self.per_leaf else []
     for g, lay in enumerate(() if self.per_leaf else self.groups):
       it = self.iterations[g]
-      held = [self.leaf(s.leaf_index).held_shape for s in lay.plan.leaves]
-      xs = [
-        pad_to(values[s.leaf_index], h) for s, h in zip(lay.plan.leaves, held)
-      ]
+      xs = [pad_to(values[i], self.leaf(i).held_shape) for i in lay.leaf_index]
       if it:  # scan iteration i rotated by i slots
         xs = [x.reshape((it, -1) + x.shape[1:]) for x in xs]
         pack = lambda i, xs, g=g: self.pack_group(g, xs, i)
@@ -471,7 +456,7 @@ class OwnerLayout:
     buffers from its targets at their held shapes (``plan.leaves`` order),
     TP shard ``k``'s slices of slot ``s`` at block ``s * tp_size + k``."""
     lay, n, tp = self.groups[g], self.num_slots, self.tp_size
-    dims = [self.leaf(s.leaf_index).tp_dim for s in lay.plan.leaves]
+    dims = [self.leaf(i).tp_dim for i in lay.leaf_index]
     per_tp = [  # each TP shard's slices
       lay.pack_full(
         [x if d is None else jnp.split(x, tp, d)[k] for x, d in zip(xs, dims)]
@@ -526,10 +511,9 @@ class OwnerLayout:
         mine = [roll_slots(x, -iteration, n) for x in mine]
       parts.append(lay.unpack_full(mine))
     out = {}
-    for j, spec in enumerate(lay.plan.leaves):
-      t, xs = self.leaf(spec.leaf_index), [p[j] for p in parts]
-      joined = len(xs) > 1 and t.tp_dim is not None
-      out[t.index] = jnp.concatenate(xs, t.tp_dim) if joined else xs[0]
+    for i, *xs in zip(lay.leaf_index, *parts):
+      d = self.leaf(i).tp_dim
+      out[i] = xs[0] if d is None else jnp.concatenate(xs, d)
     return out
 
   # -- inspection ----------------------------------------------------------

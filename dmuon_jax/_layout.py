@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -395,7 +396,7 @@ class Layout:
         sorted(self.unit_offset[u] for u in per.get(s, ()))
         for s in range(self.num_slots)
       ]
-      rep = min(u for us in per.values() for u in us)
+      rep = min(map(min, per.values()))
       # Chunks of the fewest any slot holds, then the rest one at a time.
       width = min(len(o) for o in offsets if o)
       cut = [len(o) - len(o) % width for o in offsets]
@@ -472,12 +473,12 @@ class Layout:
   def whole_tables(self, leaves: Sequence[int]) -> list[np.ndarray]:
     """Per leaf of ``leaves`` (plan leaf indices), a :func:`unit_table` of
     each slot's units of it: (batch index, offset in its buffer)."""
+    owned = lambda i, s: [
+      u for u in self.leaf_units[i] if self.plan.owners[u] == s
+    ]
     return [
       units_table(
-        [
-          [u for u in self.leaf_units[i] if self.plan.owners[u] == s]
-          for s in range(self.num_slots)
-        ],
+        [owned(i, s) for s in range(self.num_slots)],
         self.unit_batch,
         self.unit_offset,
       )
@@ -496,11 +497,8 @@ class Layout:
     ``rows`` the slot's rows of :meth:`whole_tables`."""
     for i, row in zip(leaves, rows):
       g = self.unit_group[self.leaf_units[i][0]]
-      bufs[g] = write_at(
-        bufs[g],
-        row,
-        lambda k, mats=leaf_matrices[i]: jax.lax.dynamic_index_in_dim(
-          mats, k, 0, keepdims=False
-        ),
+      take = partial(
+        jax.lax.dynamic_index_in_dim, leaf_matrices[i], keepdims=False
       )
+      bufs[g] = write_at(bufs[g], row, take)
     return bufs

@@ -623,39 +623,34 @@ class OwnerLayout:
 
   def summary(self) -> str:
     """The layout's name, param shardings, predicted bytes and plans."""
+    human, tp = _checks.human_bytes, f', TP {self.tp_axis}={self.tp_size}'
     lines = [
       f'OwnerLayout {self.name}: {len(self.leaves)} Muon leaves, '
       f'{self.num_slots} owner slot(s) over {self.buffer_axes}'
-      + (f', TP {self.tp_axis}={self.tp_size}' if self.tp_size > 1 else '')
+      + (tp if self.tp_size > 1 else '')
     ]
     more = lambda xs: ' ...' if len(xs) > 4 else ''
     dmuon = self.kind == 'dmuon' and self.distributed
+    known = [e for e in self.param_entries if e is not None]
+    sharded = sum(1 for e in known if any(e))
     if dmuon and self.num_slots > 1:
-      predicted = self.collective_bytes().items()
-      lines.append(
+      lines += [
         '  predicted update bytes per device: '
-        + ', '.join(f'{k} {_checks.human_bytes(v)}' for k, v in predicted)
-      )
-      known = [e for e in self.param_entries if e is not None]
-      sharded = sum(1 for e in known if any(e))
-      lines.append(
+        + ', '.join(
+          f'{k} {human(v)}' for k, v in self.collective_bytes().items()
+        ),
         f'  param shardings read: {sharded} sharded, '
         f'{len(known) - sharded} replicated, '
-        f'{len(self.param_entries) - len(known)} unknown'
-      )
+        f'{len(self.param_entries) - len(known)} unknown',
+      ]
     if dmuon:
       held, even = self.momentum_share()
+      where = "as the params (one buffer per leaf, optax's layout)"
+      where = where if self.per_leaf else 'in owner buffers'
       lines.append(
-        '  momentum '
-        + (
-          "as the params (one buffer per leaf, optax's layout)"
-          if self.per_leaf
-          else 'in owner buffers'
-        )
-        + f': {_checks.human_bytes(held)} per device'
-        + (' (the busiest)' if not self.per_leaf else '')
-        + f', {held / max(even, 1):.2f}x the even share '
-        f'{_checks.human_bytes(even)}'
+        f'  momentum {where}: {human(held)} per device'
+        + ('' if self.per_leaf else ' (the busiest)')
+        + f', {held / max(even, 1):.2f}x the even share {human(even)}'
       )
     padded, extra = self.padding()
     if padded:

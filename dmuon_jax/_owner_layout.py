@@ -582,14 +582,13 @@ class OwnerLayout:
     ):
       return 'owners'
     sizes = dict(zip(self.buffer_axes, self.buffer_sizes))
-    flat = dataclasses.replace(self, momentum='owners')
-    owners, even = flat.momentum_share()
+    owners, even = dataclasses.replace(self, momentum='owners').momentum_share()
     held, any_named = 0.0, False
     for t, spec, name in zip(self.leaves, specs, named):
       devices = 1
       if spec is not None:
-        entries = _mesh.spec_entries(spec)
-        devices = math.prod(sizes.get(a, 1) for d in entries for a in d)
+        axes = [a for d in _mesh.spec_entries(spec) for a in d]
+        devices = math.prod(sizes.get(a, 1) for a in axes)
       elif name:
         devices, any_named = self.num_slots, True
       itemsize = jnp.dtype(self.mu_dtype(t.index)).itemsize

@@ -7,10 +7,10 @@ dedicated mode, or all Muon targets of ``dmuon``) in per-slot flat buffers;
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -280,14 +280,11 @@ class Layout:
     Returns:
       One flat buffer per dtype group.
     """
-    mats = {}  # each leaf's matrices, made where first read
-
-    def get(u):
-      i = self.unit_leaf[u]
-      if i not in mats:
-        mats[i] = to_matrices(leaves[i], self.plan.leaves[i])
-      return mats[i][self.unit_batch[u]]
-
+    # Each leaf's matrices, made where first read.
+    mats = functools.cache(
+      lambda i: to_matrices(leaves[i], self.plan.leaves[i])
+    )
+    get = lambda u: mats(self.unit_leaf[u])[self.unit_batch[u]]
     out = []
     for g, slots in enumerate(self.slot_units):
       dt = self.promoted(leaves, g)
@@ -295,7 +292,7 @@ class Layout:
       for s, units in enumerate(slots):
         pieces = [get(u).reshape(-1).astype(dt) for u in units]
         pad = self.local_sizes[g] - int(self.slot_used[g, s])
-        if pad or not units:
+        if pad:  # local_sizes >= 1: a slot without units is padding
           pieces.append(jnp.zeros((pad,), dt))
         blocks.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
       out.append(jnp.concatenate(blocks))
@@ -497,7 +494,7 @@ class Layout:
     ``rows`` the slot's rows of :meth:`whole_tables`."""
     for i, row in zip(leaves, rows):
       g = self.unit_group[self.leaf_units[i][0]]
-      take = partial(
+      take = functools.partial(
         jax.lax.dynamic_index_in_dim, leaf_matrices[i], keepdims=False
       )
       bufs[g] = write_at(bufs[g], row, take)

@@ -418,13 +418,9 @@ class OwnerLayout:
     bufs = self._pack(_replicated(dict(values), mesh), dtypes)
     if shardings is None and isinstance(mesh, jax.sharding.Mesh):
       shardings = self.shardings(mesh)
-    shardings = shardings or (None,) * len(bufs)
+    put = lambda b, s: b if s is None else jax.device_put(b, s)
     return OwnerBuffers(
-      [
-        b if s is None else jax.device_put(b, s)
-        for b, s in zip(bufs, shardings)
-      ],
-      self,
+      list(map(put, bufs, shardings or [None] * len(bufs))), self
     )
 
   def unpack(self, buffers: Sequence[jax.Array]) -> dict[int, jax.Array]:
@@ -602,10 +598,9 @@ class OwnerLayout:
     owner buffers), and the even share, all Muon momentum over the owner
     devices (what ``optax.contrib.muon`` holds on params sharded over all
     of them)."""
-    shapes = self.buffer_shapes()
     held = sum(
       math.prod(local) * jnp.dtype(s.dtype).itemsize
-      for local, s in zip(self.local_shapes(), shapes)
+      for local, s in zip(self.local_shapes(), self.buffer_shapes())
     )
     total = sum(
       math.prod(t.shape) * jnp.dtype(self.mu_dtype(t.index)).itemsize

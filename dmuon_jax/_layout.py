@@ -48,11 +48,9 @@ def unit_table(per_slot: Sequence[Sequence[Sequence[int]]]) -> np.ndarray:
   Args:
     per_slot: per slot, per column, the values (one per item).
   """
-  n = len(per_slot)
   cols = max((len(c) for c in per_slot), default=0)
-  width = max((len(v) for c in per_slot for v in c), default=0)
-  width = max(width, 2)
-  out = np.zeros((n, 1 + cols * width), np.int64)
+  width = max([2] + [len(v) for c in per_slot for v in c])
+  out = np.zeros((len(per_slot), 1 + cols * width), np.int64)
   for j in range(cols):  # Padding, never read, unlike every entry read.
     pad = max((max(c[j], default=-1) for c in per_slot if c), default=-1)
     out[:, 1 + j * width : 1 + (j + 1) * width] = pad + 1

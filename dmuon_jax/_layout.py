@@ -7,10 +7,11 @@ dedicated mode, or all Muon targets of ``dmuon``) in per-slot flat buffers;
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,11 +48,9 @@ def unit_table(per_slot: Sequence[Sequence[Sequence[int]]]) -> np.ndarray:
   Args:
     per_slot: per slot, per column, the values (one per item).
   """
-  n = len(per_slot)
   cols = max((len(c) for c in per_slot), default=0)
-  width = max((len(v) for c in per_slot for v in c), default=0)
-  width = max(width, 2)
-  out = np.zeros((n, 1 + cols * width), np.int64)
+  width = max([2] + [len(v) for c in per_slot for v in c])
+  out = np.zeros((len(per_slot), 1 + cols * width), np.int64)
   for j in range(cols):  # Padding, never read, unlike every entry read.
     pad = max((max(c[j], default=-1) for c in per_slot if c), default=-1)
     out[:, 1 + j * width : 1 + (j + 1) * width] = pad + 1
@@ -197,55 +196,51 @@ class Layout:
   def __init__(
     self,
     plan: _plan.OwnershipPlan,
-    dtypes: Sequence,
-    tp_splits: Sequence[int | None] | None = None,
-    logical: Sequence[tuple[int, ...] | None] | None = None,
+    dtype_of: Mapping[int, Any],
+    split_of: Mapping[int, int | None] | None = None,
+    logical_of: Mapping[int, tuple[int, ...]] | None = None,
   ):
     """Builds the layout.
 
     Args:
       plan: the ownership plan.
-      dtypes: the buffer dtype of each of ``plan.leaves``.
-      tp_splits: per ``plan.leaves`` entry, None, or the matrix axis (-1
-        columns, -2 rows) that a tensor-parallel mesh axis splits; the plan
-        then holds each TP shard's slice (see ``_staged``).
-      logical: per ``plan.leaves`` entry, None, or the param's own (whole)
-        shape when the plan holds it zero-padded (an unevenly sharded leaf,
-        padded to a multiple of its devices per sharded dimension).
+      dtype_of: leaf index -> the buffer dtype of each of ``plan.leaves``.
+      split_of: leaf index -> None, or the matrix axis (-1 columns, -2
+        rows) that a tensor-parallel mesh axis splits; the plan then holds
+        each TP shard's slice (see ``_staged``). Default: none split.
+      logical_of: leaf index -> the param's own (whole) shape where the
+        plan holds it zero-padded (an unevenly sharded leaf, padded to a
+        multiple of its devices per sharded dimension).
     """
     self.plan = plan
     self.num_slots = plan.num_slots
-    none = (None,) * len(plan.leaves)
-    self.leaf_dtypes = names = tuple(np.dtype(d).name for d in dtypes)
-    self.dtypes = tuple(sorted(set(names)))
-    self.tp_splits = tuple(tp_splits or none)
-    self.logical = tuple(x if x is None else tuple(x) for x in logical or none)
-    pos = {spec.leaf_index: i for i, spec in enumerate(plan.leaves)}
+    self.leaf_index = tuple(spec.leaf_index for spec in plan.leaves)
+    names = tuple(np.dtype(dtype_of[i]).name for i in self.leaf_index)
+    self.leaf_dtypes, self.dtypes = names, tuple(sorted(set(names)))
+    self.tp_splits = tuple((split_of or {}).get(i) for i in self.leaf_index)
+    self.logical = tuple((logical_of or {}).get(i) for i in self.leaf_index)
+    pos = {i: k for k, i in enumerate(self.leaf_index)}
     self.unit_leaf = [pos[u.leaf_index] for u in plan.units]
     self.unit_group = [self.dtypes.index(names[i]) for i in self.unit_leaf]
     self.unit_size = [math.prod(u.shape) for u in plan.units]
-    self.unit_batch, self.unit_offset = [], []
+    self.unit_batch = [
+      int(np.ravel_multi_index(u.batch_index, plan.leaves[i].batch_shape))
+      if u.batch_index
+      else 0
+      for u, i in zip(plan.units, self.unit_leaf)
+    ]
+    self.unit_offset = []
     # slot_units[g][s]: unit indices of group g owned by slot s, in order;
     # leaf_units[i]: unit indices of plan.leaves[i] by flat batch index.
     self.slot_units = [[[] for _ in range(self.num_slots)] for _ in self.dtypes]
     self.leaf_units = [[] for _ in plan.leaves]
-    used = np.zeros((len(self.dtypes), self.num_slots), np.int64)
-    for u, (unit, owner) in enumerate(zip(plan.units, plan.owners)):
-      spec, g = plan.leaves[self.unit_leaf[u]], self.unit_group[u]
-      dims = [spec.shape[a] for a in spec.batch_axes]
-      self.unit_batch.append(
-        int(np.ravel_multi_index(unit.batch_index, dims))
-        if unit.batch_index
-        else 0
-      )
+    used = self.slot_used = np.zeros((len(self.dtypes), self.num_slots), int)
+    for u, (g, owner) in enumerate(zip(self.unit_group, plan.owners)):
       self.leaf_units[self.unit_leaf[u]].append(u)
       self.slot_units[g][owner].append(u)
       self.unit_offset.append(int(used[g, owner]))
       used[g, owner] += self.unit_size[u]
-    self.slot_used = used
-    self.local_sizes = tuple(
-      max(1, int(used[g].max())) for g in range(len(self.dtypes))
-    )
+    self.local_sizes = tuple(max(1, int(m)) for m in used.max(1))
     if self.num_slots > 1 and not self.dynamic:
       warnings.warn(
         f'dmuon: a device owns {max(self.local_sizes):,} elements of one '
@@ -283,14 +278,11 @@ class Layout:
     Returns:
       One flat buffer per dtype group.
     """
-    mats = {}  # each leaf's matrices, made where first read
-
-    def get(u):
-      i = self.unit_leaf[u]
-      if i not in mats:
-        mats[i] = to_matrices(leaves[i], self.plan.leaves[i])
-      return mats[i][self.unit_batch[u]]
-
+    # Each leaf's matrices, made where first read.
+    mats = functools.cache(
+      lambda i: to_matrices(leaves[i], self.plan.leaves[i])
+    )
+    get = lambda u: mats(self.unit_leaf[u])[self.unit_batch[u]]
     out = []
     for g, slots in enumerate(self.slot_units):
       dt = self.promoted(leaves, g)
@@ -298,7 +290,7 @@ class Layout:
       for s, units in enumerate(slots):
         pieces = [get(u).reshape(-1).astype(dt) for u in units]
         pad = self.local_sizes[g] - int(self.slot_used[g, s])
-        if pad or not units:
+        if pad:  # local_sizes >= 1: a slot without units is padding
           pieces.append(jnp.zeros((pad,), dt))
         blocks.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
       out.append(jnp.concatenate(blocks))
@@ -399,7 +391,7 @@ class Layout:
         sorted(self.unit_offset[u] for u in per.get(s, ()))
         for s in range(self.num_slots)
       ]
-      rep = min(u for us in per.values() for u in us)
+      rep = min(map(min, per.values()))
       # Chunks of the fewest any slot holds, then the rest one at a time.
       width = min(len(o) for o in offsets if o)
       cut = [len(o) - len(o) % width for o in offsets]
@@ -476,12 +468,12 @@ class Layout:
   def whole_tables(self, leaves: Sequence[int]) -> list[np.ndarray]:
     """Per leaf of ``leaves`` (plan leaf indices), a :func:`unit_table` of
     each slot's units of it: (batch index, offset in its buffer)."""
+    owned = lambda i, s: [
+      u for u in self.leaf_units[i] if self.plan.owners[u] == s
+    ]
     return [
       units_table(
-        [
-          [u for u in self.leaf_units[i] if self.plan.owners[u] == s]
-          for s in range(self.num_slots)
-        ],
+        [owned(i, s) for s in range(self.num_slots)],
         self.unit_batch,
         self.unit_offset,
       )
@@ -500,11 +492,8 @@ class Layout:
     ``rows`` the slot's rows of :meth:`whole_tables`."""
     for i, row in zip(leaves, rows):
       g = self.unit_group[self.leaf_units[i][0]]
-      bufs[g] = write_at(
-        bufs[g],
-        row,
-        lambda k, mats=leaf_matrices[i]: jax.lax.dynamic_index_in_dim(
-          mats, k, 0, keepdims=False
-        ),
+      take = functools.partial(
+        jax.lax.dynamic_index_in_dim, leaf_matrices[i], keepdims=False
       )
+      bufs[g] = write_at(bufs[g], row, take)
     return bufs

@@ -195,15 +195,7 @@ class OwnerLayout:
     """
     # A zero-padded leaf's layout holds it at ``padded``, crops to ``shape``.
     logical_of = {t.index: t.shape for t in leaves if t.padded is not None}
-    groups = tuple(
-      Layout(
-        gp,
-        [dtype_of[s.leaf_index] for s in gp.leaves],
-        [split_of.get(s.leaf_index) for s in gp.leaves],
-        [logical_of.get(s.leaf_index) for s in gp.leaves],
-      )
-      for gp in plans
-    )
+    groups = tuple(Layout(gp, dtype_of, split_of, logical_of) for gp in plans)
     return cls(
       groups=groups,
       iterations=tuple(iterations or (0,) * len(groups)),
@@ -357,10 +349,8 @@ class OwnerLayout:
   def shardings(self, mesh: Any = None) -> tuple:
     """``NamedSharding`` of each buffer (``mesh`` default: the layout's)."""
     mesh = self.mesh if mesh is None else mesh
-    if mesh is None:
-      return (None,) * len(self.buffer_index)
     return tuple(
-      None if s is None else jax.sharding.NamedSharding(mesh, s)
+      None if mesh is None or s is None else jax.sharding.NamedSharding(mesh, s)
       for s in self.buffer_specs()
     )
 
@@ -374,10 +364,8 @@ class OwnerLayout:
 
   def mu_dtype(self, index: int) -> str:
     """The buffer dtype of leaf ``index``'s matrices."""
-    t = self.leaf(index)
-    lay = self.groups[t.group]
-    i = [s.leaf_index for s in lay.plan.leaves].index(index)
-    return lay.leaf_dtypes[i]
+    lay = self.groups[self.leaf(index).group]
+    return lay.leaf_dtypes[lay.leaf_index.index(index)]
 
   def leaf_buffer(self, index: int) -> int:
     """The flat buffer (position in buffer order) holding a leaf's
@@ -430,13 +418,9 @@ class OwnerLayout:
     bufs = self._pack(_replicated(dict(values), mesh), dtypes)
     if shardings is None and isinstance(mesh, jax.sharding.Mesh):
       shardings = self.shardings(mesh)
-    shardings = shardings or (None,) * len(bufs)
+    put = lambda b, s: b if s is None else jax.device_put(b, s)
     return OwnerBuffers(
-      [
-        b if s is None else jax.device_put(b, s)
-        for b, s in zip(bufs, shardings)
-      ],
-      self,
+      list(map(put, bufs, shardings or [None] * len(bufs))), self
     )
 
   def unpack(self, buffers: Sequence[jax.Array]) -> dict[int, jax.Array]:
@@ -452,10 +436,7 @@ class OwnerLayout:
     out = [values[t.index] for t in self.leaves] if self.per_leaf else []
     for g, lay in enumerate(() if self.per_leaf else self.groups):
       it = self.iterations[g]
-      held = [self.leaf(s.leaf_index).held_shape for s in lay.plan.leaves]
-      xs = [
-        pad_to(values[s.leaf_index], h) for s, h in zip(lay.plan.leaves, held)
-      ]
+      xs = [pad_to(values[i], self.leaf(i).held_shape) for i in lay.leaf_index]
       if it:  # scan iteration i rotated by i slots
         xs = [x.reshape((it, -1) + x.shape[1:]) for x in xs]
         pack = lambda i, xs, g=g: self.pack_group(g, xs, i)
@@ -471,7 +452,7 @@ class OwnerLayout:
     buffers from its targets at their held shapes (``plan.leaves`` order),
     TP shard ``k``'s slices of slot ``s`` at block ``s * tp_size + k``."""
     lay, n, tp = self.groups[g], self.num_slots, self.tp_size
-    dims = [self.leaf(s.leaf_index).tp_dim for s in lay.plan.leaves]
+    dims = [self.leaf(i).tp_dim for i in lay.leaf_index]
     per_tp = [  # each TP shard's slices
       lay.pack_full(
         [x if d is None else jnp.split(x, tp, d)[k] for x, d in zip(xs, dims)]
@@ -526,10 +507,9 @@ class OwnerLayout:
         mine = [roll_slots(x, -iteration, n) for x in mine]
       parts.append(lay.unpack_full(mine))
     out = {}
-    for j, spec in enumerate(lay.plan.leaves):
-      t, xs = self.leaf(spec.leaf_index), [p[j] for p in parts]
-      joined = len(xs) > 1 and t.tp_dim is not None
-      out[t.index] = jnp.concatenate(xs, t.tp_dim) if joined else xs[0]
+    for i, *xs in zip(lay.leaf_index, *parts):
+      d = self.leaf(i).tp_dim
+      out[i] = xs[0] if d is None else jnp.concatenate(xs, d)
     return out
 
   # -- inspection ----------------------------------------------------------
@@ -598,14 +578,13 @@ class OwnerLayout:
     ):
       return 'owners'
     sizes = dict(zip(self.buffer_axes, self.buffer_sizes))
-    flat = dataclasses.replace(self, momentum='owners')
-    owners, even = flat.momentum_share()
+    owners, even = dataclasses.replace(self, momentum='owners').momentum_share()
     held, any_named = 0.0, False
     for t, spec, name in zip(self.leaves, specs, named):
       devices = 1
       if spec is not None:
-        entries = _mesh.spec_entries(spec)
-        devices = math.prod(sizes.get(a, 1) for d in entries for a in d)
+        axes = [a for d in _mesh.spec_entries(spec) for a in d]
+        devices = math.prod(sizes.get(a, 1) for a in axes)
       elif name:
         devices, any_named = self.num_slots, True
       itemsize = jnp.dtype(self.mu_dtype(t.index)).itemsize
@@ -619,10 +598,9 @@ class OwnerLayout:
     owner buffers), and the even share, all Muon momentum over the owner
     devices (what ``optax.contrib.muon`` holds on params sharded over all
     of them)."""
-    shapes = self.buffer_shapes()
     held = sum(
       math.prod(local) * jnp.dtype(s.dtype).itemsize
-      for local, s in zip(self.local_shapes(), shapes)
+      for local, s in zip(self.local_shapes(), self.buffer_shapes())
     )
     total = sum(
       math.prod(t.shape) * jnp.dtype(self.mu_dtype(t.index)).itemsize
@@ -639,39 +617,34 @@ class OwnerLayout:
 
   def summary(self) -> str:
     """The layout's name, param shardings, predicted bytes and plans."""
+    human, tp = _checks.human_bytes, f', TP {self.tp_axis}={self.tp_size}'
     lines = [
       f'OwnerLayout {self.name}: {len(self.leaves)} Muon leaves, '
       f'{self.num_slots} owner slot(s) over {self.buffer_axes}'
-      + (f', TP {self.tp_axis}={self.tp_size}' if self.tp_size > 1 else '')
+      + (tp if self.tp_size > 1 else '')
     ]
     more = lambda xs: ' ...' if len(xs) > 4 else ''
     dmuon = self.kind == 'dmuon' and self.distributed
+    known = [e for e in self.param_entries if e is not None]
+    sharded = sum(1 for e in known if any(e))
     if dmuon and self.num_slots > 1:
-      predicted = self.collective_bytes().items()
-      lines.append(
+      lines += [
         '  predicted update bytes per device: '
-        + ', '.join(f'{k} {_checks.human_bytes(v)}' for k, v in predicted)
-      )
-      known = [e for e in self.param_entries if e is not None]
-      sharded = sum(1 for e in known if any(e))
-      lines.append(
+        + ', '.join(
+          f'{k} {human(v)}' for k, v in self.collective_bytes().items()
+        ),
         f'  param shardings read: {sharded} sharded, '
         f'{len(known) - sharded} replicated, '
-        f'{len(self.param_entries) - len(known)} unknown'
-      )
+        f'{len(self.param_entries) - len(known)} unknown',
+      ]
     if dmuon:
       held, even = self.momentum_share()
+      where = "as the params (one buffer per leaf, optax's layout)"
+      where = where if self.per_leaf else 'in owner buffers'
       lines.append(
-        '  momentum '
-        + (
-          "as the params (one buffer per leaf, optax's layout)"
-          if self.per_leaf
-          else 'in owner buffers'
-        )
-        + f': {_checks.human_bytes(held)} per device'
-        + (' (the busiest)' if not self.per_leaf else '')
-        + f', {held / max(even, 1):.2f}x the even share '
-        f'{_checks.human_bytes(even)}'
+        f'  momentum {where}: {human(held)} per device'
+        + ('' if self.per_leaf else ' (the busiest)')
+        + f', {held / max(even, 1):.2f}x the even share {human(even)}'
       )
     padded, extra = self.padding()
     if padded:

@@ -287,7 +287,7 @@ class PlannerGroupsTest(parameterized.TestCase):
     # Against the routes (all-to-all and all-gather) of the update with
     # params FSDP-sharded over 'shard' (bfloat16), as the scale study has
     # them: within 15%.
-    lay = _layout.Layout(plan, ['bfloat16'] * len(plan.leaves))
+    lay = _layout.Layout(plan, {s.leaf_index: 'bfloat16' for s in plan.leaves})
     entries = [
       tuple(
         ('shard',) if d == len(s.leaf_shape) - 2 else ()

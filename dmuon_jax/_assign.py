@@ -47,6 +47,7 @@ from dmuon_jax._plan import (
   MatrixUnit,
   OwnerGroup,
   OwnershipPlan,
+  group_rows,
   matrix_units,
   resliced,
   sliced_spec,
@@ -632,20 +633,18 @@ def plan_ownership(
   owner_groups = check_option(owner_groups, ns_algorithm=ns_algorithm)
   if owner_groups is None or (owner_groups == 'auto' and cost_fn is not None):
     return plan
-  n = plan.num_slots
   row_size = sizes[-1] if sizes else 1
   forced = owner_groups != 'auto'
-  if forced and not 2 <= owner_groups <= row_size:
+  if forced and owner_groups > row_size:  # (check_option: an int >= 2)
     raise ValueError(
       f'dmuon: owner_groups={owner_groups} needs 2 <= k <= the size of the '
       f'innermost owner axis ({row_size}), along which a group of owners '
       "shares a matrix. Pass a smaller k, or owner_groups='auto'."
     )
-  if n == 1 or row_size == 1:
+  if row_size == 1:  # (one slot too)
     return plan
-  costs = np.array(plan.slot_costs())
-  ideal = float(costs.sum()) / n
-  plain = float(costs.max(initial=0.0))
+  ideal = float(np.sum(plan.slot_costs())) / plan.num_slots
+  plain = plan.makespan
   if not forced and plain <= _GROUP_TRIGGER * ideal:
     return plan
   # The leaves whose matrices may be split: every groupable one when
@@ -659,43 +658,42 @@ def plan_ownership(
     and min(s.matrix_shape) >= 2
     and (forced or _MIN_GROUP_FLOPS <= cost[s.leaf_index] > _COARSE * ideal)
   ]
-  if not chosen:
-    return plan
   parts = {
     s.leaf_index: gram_parts(*sorted(s.matrix_shape), ns_steps) for s in chosen
   }
   bound = max([ideal] + [sum(p[1]) for p in parts.values()])
   views = {}
   for spec in chosen:
-    stride = (shard_counts or {}).get(spec.leaf_index)
-    if forced:  # k slices, or an error
-      view = sliced_spec(spec, owner_groups, stride)
-      if view is None:
-        raise ValueError(
-          f'dmuon: owner_groups={owner_groups}: the long side of param '
-          f'{spec.path!r} (matrices {spec.matrix_shape[0]}x'
-          f'{spec.matrix_shape[1]}) does not split into {owner_groups} '
-          'slices on a dimension divisible by that times its shard count. '
-          "Pass a k that divides it, or owner_groups='auto'."
-        )
-    else:
-      # The fewest slices of at most _SLICE_FRACTION * bound work each
-      # that divide and keep MIN_SLICE rows/columns; else, if those would
-      # be too narrow, the most coarser ones that do (None if none does).
+    # Forced: k slices, or an error. Else the fewest slices of at most
+    # _SLICE_FRACTION * bound work each that divide and keep MIN_SLICE
+    # rows/columns; else, if those would be too narrow, the most coarser
+    # ones that do (none if none does).
+    counts, narrowest = [owner_groups], 1
+    if not forced:
       work = parts[spec.leaf_index][0]
       least = max(2, math.ceil(work / (_SLICE_FRACTION * bound)))
-      counts = list(range(least, 4 * least + 1)) + list(range(least - 1, 1, -1))
-      for count in counts:
-        view = sliced_spec(spec, count, stride, MIN_SLICE)
-        if view is not None:
-          break
-    if view is not None:
-      views[spec.leaf_index] = view
+      counts = [*range(least, 4 * least + 1), *range(least - 1, 1, -1)]
+      narrowest = MIN_SLICE
+    stride = (shard_counts or {}).get(spec.leaf_index)
+    for count in counts:
+      view = sliced_spec(spec, count, stride, narrowest)
+      if view is not None:
+        views[spec.leaf_index] = view
+        break
+    if forced and spec.leaf_index not in views:
+      raise ValueError(
+        f'dmuon: owner_groups={owner_groups}: the long side of param '
+        f'{spec.path!r} (matrices {spec.matrix_shape[0]}x'
+        f'{spec.matrix_shape[1]}) does not split into {owner_groups} '
+        'slices on a dimension divisible by that times its shard count. '
+        "Pass a k that divides it, or owner_groups='auto'."
+      )
   if not views:
     return plan
   sliced, pieces = resliced(plan, views, ns_steps, distinct=forced)
-  rows = [list(range(r, r + row_size)) for r in range(0, n, row_size)]
-  owners, groups = place(pieces, sliced.groups, sliced.units, rows)
+  owners, groups = place(
+    pieces, sliced.groups, sliced.units, group_rows(sizes, -1)
+  )
   grouped = dataclasses.replace(
     sliced, owners=tuple(owners), groups=tuple(groups)
   )

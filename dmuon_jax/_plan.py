@@ -598,38 +598,32 @@ def _rounds(edges: Sequence[Message]) -> tuple[tuple[Message, ...], ...]:
   each colour's messages in input order."""
   if not edges:
     return ()
-  sends = collections.Counter(u for u, _, _ in edges)
-  gets = collections.Counter(v for _, v, _ in edges)
-  colours = max(max(sends.values()), max(gets.values()))
-  at_src: dict[int, dict[int, int]] = collections.defaultdict(dict)
-  at_dst: dict[int, dict[int, int]] = collections.defaultdict(dict)
+  ends = collections.Counter(x for u, v, _ in edges for x in ((0, u), (1, v)))
+  colours = max(ends.values())
+  # Per side (0: the sources, 1: the destinations): slot -> colour -> edge.
+  at = (collections.defaultdict(dict), collections.defaultdict(dict))
   colour = [0] * len(edges)
 
   def put(e, c):
     colour[e] = c
-    at_src[edges[e][0]][c] = e
-    at_dst[edges[e][1]][c] = e
+    for side in (0, 1):
+      at[side][edges[e][side]][c] = e
 
   for e, (u, v, _) in enumerate(edges):
-    a = next(c for c in range(colours) if c not in at_src[u])
-    b = next(c for c in range(colours) if c not in at_dst[v])
-    if a in at_dst[v]:
+    a = next(c for c in range(colours) if c not in at[0][u])
+    b = next(c for c in range(colours) if c not in at[1][v])
+    if a in at[1][v]:
       # Swap a and b on the path from v that alternates a, b, a, ...: it
       # cannot reach u (a is free there), and frees a at v.
-      path, node, on_dst, c = [], v, True, a
-      while True:
-        table = at_dst if on_dst else at_src
-        if c not in table[node]:
-          break
-        f = table[node][c]
-        path.append(f)
-        node = edges[f][0] if on_dst else edges[f][1]
-        on_dst, c = not on_dst, b if c == a else a
+      path, node, side, c = [], v, 1, a
+      while c in at[side][node]:
+        path.append(at[side][node][c])
+        node, side, c = edges[path[-1]][1 - side], 1 - side, a + b - c
       for f in path:
-        del at_src[edges[f][0]][colour[f]]
-        del at_dst[edges[f][1]][colour[f]]
+        for side in (0, 1):
+          del at[side][edges[f][side]][colour[f]]
       for f in path:
-        put(f, b if colour[f] == a else a)
+        put(f, a + b - colour[f])
     put(e, a)
   return tuple(
     tuple(edges[e] for e in range(len(edges)) if colour[e] == c)

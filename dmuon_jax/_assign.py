@@ -467,16 +467,13 @@ def _fill(
     homes = {ref[0]: m for ref, m in out.items() if isinstance(ref, tuple)}
     for g in order:
       todo = sorted(slices[g], key=lambda p: (-p[0], p[1], p[2]))
-      home = homes.get(g)
+      m = homes.get(g)  # first the group's iteration owner, if it has room
       while todo:
-        if home is not None and room(home, todo[0]) >= 1:
-          m = home
-        else:
+        if m is None or room(m, todo[0]) < 1:
           counts = [room(m, todo[0]) for m in range(row_size)]
           m = int(np.argmax(counts))  # ties: the lowest
           if counts[m] < 1:  # no room for its work
             m = least_loaded(todo[0][4])
-        home = None
         put(m, todo.pop(0))
         while todo and room(m, todo[0]):
           put(m, todo.pop(0))

@@ -287,12 +287,8 @@ class OwnershipPlan:
 
   @functools.cached_property
   def _leaf_offsets(self) -> dict[int, tuple[int, LeafSpec]]:
-    offsets = {}
-    start = 0
-    for spec in self.leaves:
-      offsets[spec.leaf_index] = (start, spec)
-      start += spec.num_matrices
-    return offsets
+    starts = np.cumsum([0] + [s.num_matrices for s in self.leaves]).tolist()
+    return {s.leaf_index: (a, s) for a, s in zip(starts, self.leaves)}
 
   def leaf_units(self, leaf_index: int) -> tuple[int, ...]:
     """Indices (into ``units``) of a leaf's matrices, row-major.
@@ -303,10 +299,8 @@ class OwnershipPlan:
     Returns:
       A tuple of unit indices; empty if the leaf is not a Muon target.
     """
-    if leaf_index not in self._leaf_offsets:
-      return ()
-    start, spec = self._leaf_offsets[leaf_index]
-    return tuple(range(start, start + spec.num_matrices))
+    start, spec = self._leaf_offsets.get(leaf_index, (0, None))
+    return tuple(range(start, start + spec.num_matrices)) if spec else ()
 
   def unit_index(self, leaf_index: int, batch_index: Sequence[int] = ()) -> int:
     """Index (into ``units``) of one matrix.
@@ -318,21 +312,19 @@ class OwnershipPlan:
     Returns:
       The unit index.
     """
-    if leaf_index not in self._leaf_offsets:
+    start, spec = self._leaf_offsets.get(leaf_index, (0, None))
+    if spec is None:
       raise ValueError(
         f'dmuon: leaf {leaf_index} is not a Muon target of this plan.'
       )
-    start, spec = self._leaf_offsets[leaf_index]
     batch_index = tuple(int(i) for i in batch_index)
-    batch_shape = spec.batch_shape
-    if len(batch_index) != len(batch_shape) or not all(
-      0 <= i < n for i, n in zip(batch_index, batch_shape)
-    ):
+    try:  # (raises for a wrong length or an index out of range)
+      return start + int(np.ravel_multi_index(batch_index, spec.batch_shape))
+    except ValueError:
       raise ValueError(
         f'dmuon: batch_index {batch_index} is out of range for'
-        f' {spec.path!r} with batch shape {batch_shape}.'
-      )
-    return start + int(np.ravel_multi_index(batch_index, batch_shape))
+        f' {spec.path!r} with batch shape {spec.batch_shape}.'
+      ) from None
 
   @property
   def makespan(self) -> float:
@@ -670,11 +662,10 @@ def sliced_spec(
   w = spec.shape[d] // (stride * slices)
   shape = spec.shape[:d] + (stride, slices, w) + spec.shape[d + 1 :]
 
-  def remap(axes):
-    out = []
-    for a in axes:
-      out += [d, d + 2] if a == d else [a if a < d else a + 2]
-    return tuple(out)
+  def remap(axes):  # d becomes (d, d + 1, d + 2), d + 1 a batch axis
+    return tuple(
+      b for a in axes for b in ((d, d + 2) if a == d else (a + 2 * (a > d),))
+    )
 
   return dataclasses.replace(
     spec,

@@ -166,13 +166,10 @@ def assign(
     ok = _room(held[key], unit.nbytes, budget.cap[key])
     g = int(np.argmin(np.where(ok, loads, np.inf)))  # ties: the lowest
     below = (count < limit) & ok
-    choice = g
-    if count[g] >= limit:
-      a = int(np.argmin(np.where(below, loads, np.inf)))
-      if below[a] and loads[a] + cost <= max(makespan, loads[g] + cost):
-        choice = a
-    move(i, -1, choice)
-    makespan = max(makespan, float(loads[choice]))
+    a = int(np.argmin(np.where(below, loads, np.inf)))
+    spread = below[a] and loads[a] + cost <= max(makespan, loads[g] + cost)
+    move(i, -1, a if count[g] >= limit and spread else g)
+    makespan = max(makespan, float(loads[owners[i]]))
 
   # The repair pass: a unit on a slot holding more than ``cap`` units of
   # its layer moves to a slot below the cap, or swaps with a unit there

@@ -355,13 +355,12 @@ class OwnershipPlan:
     mesh = ' '.join(
       f'{n}={s}' for n, s in zip(self.axis_names, self.mesh_shape)
     )
-    whole = sum(u.group < 0 for u in self.units) + len(self.groups)
-    what = plural(len(self.units), 'matrix', 'matrices')
+    sliced = sum(u.group >= 0 for u in self.units)
+    what = plural(
+      len(self.units) - sliced + len(self.groups), 'matrix', 'matrices'
+    )
     if self.groups:
-      what = (
-        f'{plural(whole, "matrix", "matrices")} ({len(self.groups)} split '
-        f'into {len(self.units) - whole + len(self.groups)} slices)'
-      )
+      what += f' ({len(self.groups)} split into {sliced} slices)'
     lines = [
       f'OwnershipPlan: {what}'
       f' in {plural(len(self.leaves), "leaf", "leaves")} on'

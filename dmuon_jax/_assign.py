@@ -190,9 +190,7 @@ def assign(
       count, limit = counts[layer], cap[layer]
       if count[s] <= limit:
         continue
-      for t in range(num_slots):
-        if count[t] >= limit:
-          continue
+      for t in np.flatnonzero(count < limit).tolist():  # (fixed till a move)
         partner = None
         if (
           loads[t] + unit.cost <= makespan

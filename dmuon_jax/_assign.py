@@ -47,6 +47,7 @@ from dmuon_jax._plan import (
   MatrixUnit,
   OwnerGroup,
   OwnershipPlan,
+  group_rows,
   matrix_units,
   resliced,
   sliced_spec,
@@ -139,29 +140,36 @@ def assign(
   if loads is None:
     loads = np.zeros(num_slots, dtype=np.float64)
   bounded = budget is not None
-  if not bounded:  # one bucket of infinite room
-    budget = Budget([0] * len(units), [np.inf])
+  budget = budget or Budget([0] * len(units), [np.inf])  # one bucket, no cap
   held = np.zeros((len(budget.cap), num_slots))
   owners = [0] * len(units)
+  on_slot: list[list[int]] = [[] for _ in range(num_slots)]
+
+  def move(i, src, dst):
+    """Unit ``i`` from slot ``src`` (-1: not placed yet) to ``dst``."""
+    owners[i] = dst
+    for slot, sign in ((src, -1), (dst, 1)):
+      if slot >= 0:
+        loads[slot] += sign * units[i].cost
+        counts[units[i].layer][slot] += sign
+        held[budget.key[i], slot] += sign * units[i].nbytes
+        if sign > 0:
+          on_slot[slot].append(i)
+        else:
+          on_slot[slot].remove(i)
+
   makespan = float(loads.max(initial=0.0))
-  order = sorted(range(len(units)), key=lambda i: (-units[i].cost, i))
-  for i in order:
+  for i in sorted(range(len(units)), key=lambda i: (-units[i].cost, i)):
     unit = units[i]
     cost, key = unit.cost, budget.key[i]
     count, limit = counts[unit.layer], cap[unit.layer]
     ok = _room(held[key], unit.nbytes, budget.cap[key])
     g = int(np.argmin(np.where(ok, loads, np.inf)))  # ties: the lowest
     below = (count < limit) & ok
-    choice = g
-    if count[g] >= limit:
-      a = int(np.argmin(np.where(below, loads, np.inf)))
-      if below[a] and loads[a] + cost <= max(makespan, loads[g] + cost):
-        choice = a
-    loads[choice] += cost
-    count[choice] += 1
-    held[key, choice] += unit.nbytes
-    makespan = max(makespan, float(loads[choice]))
-    owners[i] = choice
+    a = int(np.argmin(np.where(below, loads, np.inf)))
+    spread = below[a] and loads[a] + cost <= max(makespan, loads[g] + cost)
+    move(i, -1, a if count[g] >= limit and spread else g)
+    makespan = max(makespan, float(loads[owners[i]]))
 
   # The repair pass: a unit on a slot holding more than ``cap`` units of
   # its layer moves to a slot below the cap, or swaps with a unit there
@@ -171,22 +179,8 @@ def assign(
   # by at least one, so this terminates; the search is deterministic
   # (units and slots in index order) and bounded by ``_REPAIR_BUDGET``
   # partner checks. (``makespan`` is loads.max(): costs are >= 0.)
-  on_slot: list[list[int]] = [[] for _ in range(num_slots)]
-  for i, owner in enumerate(owners):
-    on_slot[owner].append(i)
-
-  def move(i, src, dst):
-    unit = units[i]
-    owners[i] = dst
-    loads[src] -= unit.cost
-    loads[dst] += unit.cost
-    counts[unit.layer][src] -= 1
-    counts[unit.layer][dst] += 1
-    on_slot[src].remove(i)
-    on_slot[dst].append(i)
-    held[budget.key[i], src] -= unit.nbytes
-    held[budget.key[i], dst] += unit.nbytes
-
+  for units_on in on_slot:
+    units_on.sort()
   checks = _REPAIR_BUDGET
   changed = True
   while changed and checks > 0:
@@ -196,9 +190,7 @@ def assign(
       count, limit = counts[layer], cap[layer]
       if count[s] <= limit:
         continue
-      for t in range(num_slots):
-        if count[t] >= limit:
-          continue
+      for t in np.flatnonzero(count < limit).tolist():  # (fixed till a move)
         partner = None
         if (
           loads[t] + unit.cost <= makespan
@@ -237,11 +229,11 @@ def assign(
   return owners
 
 
-# A piece of a row: (cost, order, kind, ref, group). ``kind`` is 'unit' (a
-# whole matrix or a slice, ``ref`` its unit index) or 'iteration' (``ref``
-# ``(group, restart window)``); ``group`` is a slice's or an iteration's
-# group, else -1.
-Piece = tuple[float, int, str, int | tuple[int, int], int]
+# A piece of a row: (cost, order, ref, group, bytes). ``ref`` is a unit
+# index (a whole matrix or a slice) or, for an iteration, ``(group,
+# restart window)`` (window -1: every window); ``group`` is a slice's or
+# an iteration's group, else -1.
+Piece = tuple[float, int, int | tuple[int, int], int, int]
 
 
 def place(
@@ -276,12 +268,10 @@ def place(
     ``(owners, groups)``: a slot per unit, the groups with their
     ``iteration_owners``.
   """
-  distinct = any(g.distinct for g in groups)
   if loads is None:
     loads = np.zeros(sum(len(r) for r in rows))
   bounded = budget is not None
-  if not bounded:  # one bucket of infinite room
-    budget = Budget([0] * len(units), [np.inf])
+  budget = budget or Budget([0] * len(units), [np.inf])  # one bucket, no cap
   # The rows are the slots of one assign, each piece its own layer (no
   # spreading), its bytes those of its units (a group's in one bucket).
   items = sorted(items, key=lambda x: x[1])
@@ -302,44 +292,39 @@ def place(
   row_pieces: list[list[Piece]] = [[] for _ in rows]
   for i in sorted(range(len(items)), key=lambda i: (-items[i][0], i)):
     cost, order, ref = items[i]
-    r = on_row[i]
+    pieces = row_pieces[on_row[i]]
     if ref >= 0:
-      row_pieces[r].append((cost, order, 'unit', ref, -1))
+      pieces.append((cost, order, ref, -1, units[ref].nbytes))
       continue
     g = -ref - 1
     # Without a budget the members' slices follow their work, so an
     # iteration owner holds few slices; with one (a gather's bytes spread
     # evenly) it holds its share, and the windows' iterations are pieces
     # of their own, so that no device holds a whole iteration and a share.
-    windows = (
-      enumerate(groups[g].iteration_costs)
-      if bounded
-      else [(-1, sum(groups[g].iteration_costs))]
-    )
-    for w, c in windows:
-      row_pieces[r].append((c, order, 'iteration', (g, w), g))
-    for u in groups[g].units:
-      row_pieces[r].append((units[u].cost, order, 'unit', u, g))
+    costs = groups[g].iteration_costs
+    windows = enumerate(costs) if bounded else [(-1, sum(costs))]
+    pieces += [(c, order, (g, w), g, 0) for w, c in windows]
+    pieces += [
+      (units[u].cost, order, u, g, units[u].nbytes) for u in groups[g].units
+    ]
   owners = [0] * len(units)
   iteration_owners = [[0] * len(g.iteration_costs) for g in groups]
-  nbytes = [u.nbytes for u in units]
+  members = _distinct if any(g.distinct for g in groups) else _fill
   for row, pieces in zip(rows, row_pieces):
     # One target for the row's members: a row's pieces share a bucket but
     # for mixed dtypes (then the caps' sum bounds it); inf without a budget.
-    keys = {budget.key[p[3]] for p in pieces if p[2] == 'unit'}
+    keys = {budget.key[p[2]] for p in pieces if not isinstance(p[2], tuple)}
     byte_cap = sum(budget.cap[k] for k in keys)
-    members = _distinct if distinct else _fill
-    got = members(pieces, len(row), nbytes, loads[row], byte_cap)
-    for (kind, ref), m in got.items():
+    for ref, m in members(pieces, loads[row], byte_cap).items():
       slot = row[m]
-      if kind == 'unit':
+      if not isinstance(ref, tuple):
         owners[ref] = slot
         loads[slot] += units[ref].cost
-      else:
-        g, w = ref
-        for v in range(len(iteration_owners[g])) if w < 0 else [w]:
-          iteration_owners[g][v] = slot
-          loads[slot] += groups[g].iteration_costs[v]
+        continue
+      g, w = ref
+      for v in range(len(iteration_owners[g])) if w < 0 else [w]:
+        iteration_owners[g][v] = slot
+        loads[slot] += groups[g].iteration_costs[v]
   return owners, [
     dataclasses.replace(g, iteration_owners=tuple(o))
     for g, o in zip(groups, iteration_owners)
@@ -347,51 +332,41 @@ def place(
 
 
 def _distinct(
-  pieces: list[Piece],
-  row_size: int,
-  nbytes: Sequence[int],
-  loads: np.ndarray,
-  byte_cap: float,
-) -> dict[tuple[str, int], int]:
+  pieces: list[Piece], loads: np.ndarray, byte_cap: float
+) -> dict[int | tuple[int, int], int]:
   """One row's pieces onto its members (``loads``: their work so far) for
   ``owner_groups=k`` (distinct groups; else :func:`_fill`): LPT, each piece
   to the least-loaded member (ties: lowest) among those with room for its
   bytes (``byte_cap``; inf without a budget), a group's slices to members
-  not yet holding one, its window iterations on them (``nbytes``: each
-  unit's bytes).
+  not yet holding one, its window iterations on them.
   """
   loads = np.array(loads, float)
-  held = np.zeros(row_size)
+  held = np.zeros(len(loads))
   heldby: dict[int, set[int]] = collections.defaultdict(set)
   out = {}
   # A distinct group's iteration goes to one of its k slice owners, so it
   # is placed after every slice.
-  ordered = sorted(pieces, key=lambda p: (p[2] == 'iteration', -p[0], p[1]))
-  for cost, _, kind, ref, group in ordered:
-    b = nbytes[ref] if kind == 'unit' else 0
+  iteration_last = lambda p: (isinstance(p[2], tuple), -p[0], p[1])
+  for cost, _, ref, group, b in sorted(pieces, key=iteration_last):
     fits = np.flatnonzero(_room(held, b, byte_cap))
     choice = int(fits[np.argmin(loads[fits])])
-    if kind == 'iteration':
+    if isinstance(ref, tuple):
       choice = min(heldby[group], key=lambda m: (loads[m], m))
     elif group >= 0:
       free = [m for m in fits if m not in heldby[group]]
-      free = free or [m for m in range(row_size) if m not in heldby[group]]
+      free = free or [m for m in range(len(loads)) if m not in heldby[group]]
       if free:
         choice = min(free, key=lambda m: (loads[m], m))
       heldby[group].add(int(choice))
     loads[choice] += cost
     held[choice] += b
-    out[(kind, ref)] = int(choice)
+    out[ref] = int(choice)
   return out
 
 
 def _fill(
-  pieces: list[Piece],
-  row_size: int,
-  nbytes: Sequence[int],
-  loads0: np.ndarray,
-  byte_cap: float,
-) -> dict[tuple[str, int], int]:
+  pieces: list[Piece], loads0: np.ndarray, byte_cap: float
+) -> dict[int | tuple[int, int], int]:
   """``'auto'``'s placement in a row.
 
   The groups' window iterations and the whole matrices at least as costly
@@ -414,37 +389,35 @@ def _fill(
 
   Args:
     pieces: see :func:`place`.
-    row_size: the members of the row.
-    nbytes: bytes of each unit (by unit index).
     loads0: the members' work so far.
     byte_cap: the most bytes a member should hold (inf: no budget).
   """
   base = np.array(loads0, float)
-  whole, slices = [], collections.defaultdict(list)
+  row_size = len(base)
+  whole = []
+  slices, windows = collections.defaultdict(list), collections.defaultdict(list)
+  for p in pieces:
+    if isinstance(p[2], tuple):
+      windows[p[3]].append(p)
+    elif p[3] >= 0:
+      slices[p[3]].append(p)
+    else:
+      whole.append(p)
   # A group's windows but its largest go after its slices, each to the
   # least-loaded member holding some (which then sends no Gram in that
   # window: no message more than with one iteration owner).
-  windows = collections.defaultdict(list)
-  for cost, order, kind, ref, group in pieces:
-    if kind == 'unit' and group >= 0:
-      slices[group].append((cost, order, ref))
-    elif kind == 'iteration':
-      windows[group].append((cost, order, kind, ref))
-    else:
-      whole.append((cost, order, kind, ref))
   later = {}
   for g, ws in windows.items():
-    ws.sort(key=lambda p: (-p[0], p[3]))
+    ws.sort(key=lambda p: (-p[0], p[2]))
     whole.append(ws[0])
     later[g] = ws[1:]
   whole.sort(key=lambda p: (-p[0], p[1]))
-  smallest = min((c for ss in slices.values() for c, _, _ in ss), default=0)
+  smallest = min((p[0] for ss in slices.values() for p in ss), default=0)
   large = [p for p in whole if p[0] >= smallest]
   small = [p for p in whole if p[0] < smallest]
-  size = lambda kind, ref: nbytes[ref] if kind == 'unit' else 0
   loads = base.copy()
-  for cost, _, _, _ in large:
-    loads[int(np.argmin(loads))] += cost
+  for p in large:
+    loads[int(np.argmin(loads))] += p[0]
   total = sum(p[0] for p in pieces) + base.sum()
   target = max(loads.max(initial=0.0), total / row_size) * (1 + 1e-9)
   # Groups with more work first; under a budget, those of larger slices
@@ -452,9 +425,9 @@ def _fill(
   order = sorted(
     slices,
     key=lambda g: (
-      -max(nbytes[r] for _, _, r in slices[g]) if byte_cap < np.inf else 0,
-      -sum(c for c, _, _ in slices[g]),
-      min(o for _, o, _ in slices[g]),
+      -max(p[4] for p in slices[g]) if byte_cap < np.inf else 0,
+      -sum(p[0] for p in slices[g]),
+      min(p[1] for p in slices[g]),
     ),
   )
 
@@ -464,10 +437,10 @@ def _fill(
     out, loads, held = {}, base.copy(), np.zeros(row_size)
     fit = True
 
-    def put(m, cost, kind, ref):
-      loads[m] += cost
-      held[m] += size(kind, ref)
-      out[(kind, ref)] = m
+    def put(m, piece):
+      loads[m] += piece[0]
+      held[m] += piece[4]
+      out[piece[2]] = m
 
     def least_loaded(b):
       nonlocal fit
@@ -477,44 +450,40 @@ def _fill(
         return min(range(row_size), key=lambda m: (held[m], loads[m], m))
       return min(spare, key=lambda m: (loads[m], m))
 
-    def room(m, c, b):
-      """How many pieces of cost ``c`` and ``b`` bytes fit on ``m``."""
+    def room(m, piece):
+      """How many pieces like ``piece`` (work and bytes) fit on ``m``."""
+      c, b = piece[0], piece[4]
       by_work = (target - loads[m]) // c if c > 0 else np.inf
       by_bytes = (byte_target - held[m]) // b if b > 0 else np.inf
       return max(min(by_work, by_bytes), 0)
 
-    for cost, _, kind, ref in large:
-      put(least_loaded(size(kind, ref)), cost, kind, ref)
-    homes = {ref[0]: m for (kind, ref), m in out.items() if kind == 'iteration'}
+    for p in large:
+      put(least_loaded(p[4]), p)
+    homes = {ref[0]: m for ref, m in out.items() if isinstance(ref, tuple)}
     for g in order:
       todo = sorted(slices[g], key=lambda p: (-p[0], p[1], p[2]))
-      home = homes.get(g)
+      m = homes.get(g)  # first the group's iteration owner, if it has room
       while todo:
-        c, _, ref = todo[0]
-        b = nbytes[ref]
-        if home is not None and room(home, c, b) >= 1:
-          m = home
-        else:
-          counts = [room(m, c, b) for m in range(row_size)]
+        if m is None or room(m, todo[0]) < 1:
+          counts = [room(m, todo[0]) for m in range(row_size)]
           m = int(np.argmax(counts))  # ties: the lowest
           if counts[m] < 1:  # no room for its work
-            m = least_loaded(b)
-        home = None
-        first = True
-        while todo and (first or room(m, todo[0][0], nbytes[todo[0][2]])):
-          c, _, ref = todo.pop(0)
-          put(m, c, 'unit', ref)
-          first = False
-      holders = {out['unit', ref] for _, _, ref in slices[g]}
-      for cost, _, kind, ref in later.get(g, ()):
-        taken = {m for (k, r), m in out.items() if k == kind and r[0] == g}
+            m = least_loaded(todo[0][4])
+        put(m, todo.pop(0))
+        while todo and room(m, todo[0]):
+          put(m, todo.pop(0))
+      holders = {out[p[2]] for p in slices[g]}
+      for p in later.get(g, ()):
+        taken = {
+          m for r, m in out.items() if isinstance(r, tuple) and r[0] == g
+        }
         pool = (holders - taken) or holders
-        put(min(pool, key=lambda m: (loads[m], m)), cost, kind, ref)
-    for cost, _, kind, ref in small:
-      put(least_loaded(size(kind, ref)), cost, kind, ref)
+        put(min(pool, key=lambda m: (loads[m], m)), p)
+    for p in small:
+      put(least_loaded(p[4]), p)
     return out, fit, loads.max(initial=0.0)
 
-  everything = sum(size(p[2], p[3]) for p in pieces)
+  everything = sum(p[4] for p in pieces)
   lo = everything / row_size
   hi = max(min(everything, byte_cap), lo)
   best, _, busiest = fill(hi)
@@ -656,20 +625,18 @@ def plan_ownership(
   owner_groups = check_option(owner_groups, ns_algorithm=ns_algorithm)
   if owner_groups is None or (owner_groups == 'auto' and cost_fn is not None):
     return plan
-  n = plan.num_slots
   row_size = sizes[-1] if sizes else 1
   forced = owner_groups != 'auto'
-  if forced and not 2 <= owner_groups <= row_size:
+  if forced and owner_groups > row_size:  # (check_option: an int >= 2)
     raise ValueError(
       f'dmuon: owner_groups={owner_groups} needs 2 <= k <= the size of the '
       f'innermost owner axis ({row_size}), along which a group of owners '
       "shares a matrix. Pass a smaller k, or owner_groups='auto'."
     )
-  if n == 1 or row_size == 1:
+  if row_size == 1:  # (one slot too)
     return plan
-  costs = np.array(plan.slot_costs())
-  ideal = float(costs.sum()) / n
-  plain = float(costs.max(initial=0.0))
+  ideal = float(np.sum(plan.slot_costs())) / plan.num_slots
+  plain = plan.makespan
   if not forced and plain <= _GROUP_TRIGGER * ideal:
     return plan
   # The leaves whose matrices may be split: every groupable one when
@@ -683,43 +650,42 @@ def plan_ownership(
     and min(s.matrix_shape) >= 2
     and (forced or _MIN_GROUP_FLOPS <= cost[s.leaf_index] > _COARSE * ideal)
   ]
-  if not chosen:
-    return plan
   parts = {
     s.leaf_index: gram_parts(*sorted(s.matrix_shape), ns_steps) for s in chosen
   }
   bound = max([ideal] + [sum(p[1]) for p in parts.values()])
   views = {}
   for spec in chosen:
-    stride = (shard_counts or {}).get(spec.leaf_index)
-    if forced:  # k slices, or an error
-      view = sliced_spec(spec, owner_groups, stride)
-      if view is None:
-        raise ValueError(
-          f'dmuon: owner_groups={owner_groups}: the long side of param '
-          f'{spec.path!r} (matrices {spec.matrix_shape[0]}x'
-          f'{spec.matrix_shape[1]}) does not split into {owner_groups} '
-          'slices on a dimension divisible by that times its shard count. '
-          "Pass a k that divides it, or owner_groups='auto'."
-        )
-    else:
-      # The fewest slices of at most _SLICE_FRACTION * bound work each
-      # that divide and keep MIN_SLICE rows/columns; else, if those would
-      # be too narrow, the most coarser ones that do (None if none does).
+    # Forced: k slices, or an error. Else the fewest slices of at most
+    # _SLICE_FRACTION * bound work each that divide and keep MIN_SLICE
+    # rows/columns; else, if those would be too narrow, the most coarser
+    # ones that do (none if none does).
+    counts, narrowest = [owner_groups], 1
+    if not forced:
       work = parts[spec.leaf_index][0]
       least = max(2, math.ceil(work / (_SLICE_FRACTION * bound)))
-      counts = list(range(least, 4 * least + 1)) + list(range(least - 1, 1, -1))
-      for count in counts:
-        view = sliced_spec(spec, count, stride, MIN_SLICE)
-        if view is not None:
-          break
-    if view is not None:
-      views[spec.leaf_index] = view
+      counts = [*range(least, 4 * least + 1), *range(least - 1, 1, -1)]
+      narrowest = MIN_SLICE
+    stride = (shard_counts or {}).get(spec.leaf_index)
+    for count in counts:
+      view = sliced_spec(spec, count, stride, narrowest)
+      if view is not None:
+        views[spec.leaf_index] = view
+        break
+    if forced and spec.leaf_index not in views:
+      raise ValueError(
+        f'dmuon: owner_groups={owner_groups}: the long side of param '
+        f'{spec.path!r} (matrices {spec.matrix_shape[0]}x'
+        f'{spec.matrix_shape[1]}) does not split into {owner_groups} '
+        'slices on a dimension divisible by that times its shard count. '
+        "Pass a k that divides it, or owner_groups='auto'."
+      )
   if not views:
     return plan
   sliced, pieces = resliced(plan, views, ns_steps, distinct=forced)
-  rows = [list(range(r, r + row_size)) for r in range(0, n, row_size)]
-  owners, groups = place(pieces, sliced.groups, sliced.units, rows)
+  owners, groups = place(
+    pieces, sliced.groups, sliced.units, group_rows(sizes, -1)
+  )
   grouped = dataclasses.replace(
     sliced, owners=tuple(owners), groups=tuple(groups)
   )

@@ -287,12 +287,8 @@ class OwnershipPlan:
 
   @functools.cached_property
   def _leaf_offsets(self) -> dict[int, tuple[int, LeafSpec]]:
-    offsets = {}
-    start = 0
-    for spec in self.leaves:
-      offsets[spec.leaf_index] = (start, spec)
-      start += spec.num_matrices
-    return offsets
+    starts = np.cumsum([0] + [s.num_matrices for s in self.leaves]).tolist()
+    return {s.leaf_index: (a, s) for a, s in zip(starts, self.leaves)}
 
   def leaf_units(self, leaf_index: int) -> tuple[int, ...]:
     """Indices (into ``units``) of a leaf's matrices, row-major.
@@ -303,10 +299,8 @@ class OwnershipPlan:
     Returns:
       A tuple of unit indices; empty if the leaf is not a Muon target.
     """
-    if leaf_index not in self._leaf_offsets:
-      return ()
-    start, spec = self._leaf_offsets[leaf_index]
-    return tuple(range(start, start + spec.num_matrices))
+    start, spec = self._leaf_offsets.get(leaf_index, (0, None))
+    return tuple(range(start, start + spec.num_matrices)) if spec else ()
 
   def unit_index(self, leaf_index: int, batch_index: Sequence[int] = ()) -> int:
     """Index (into ``units``) of one matrix.
@@ -318,21 +312,19 @@ class OwnershipPlan:
     Returns:
       The unit index.
     """
-    if leaf_index not in self._leaf_offsets:
+    start, spec = self._leaf_offsets.get(leaf_index, (0, None))
+    if spec is None:
       raise ValueError(
         f'dmuon: leaf {leaf_index} is not a Muon target of this plan.'
       )
-    start, spec = self._leaf_offsets[leaf_index]
     batch_index = tuple(int(i) for i in batch_index)
-    batch_shape = spec.batch_shape
-    if len(batch_index) != len(batch_shape) or not all(
-      0 <= i < n for i, n in zip(batch_index, batch_shape)
-    ):
+    try:  # (raises for a wrong length or an index out of range)
+      return start + int(np.ravel_multi_index(batch_index, spec.batch_shape))
+    except ValueError:
       raise ValueError(
         f'dmuon: batch_index {batch_index} is out of range for'
-        f' {spec.path!r} with batch shape {batch_shape}.'
-      )
-    return start + int(np.ravel_multi_index(batch_index, batch_shape))
+        f' {spec.path!r} with batch shape {spec.batch_shape}.'
+      ) from None
 
   @property
   def makespan(self) -> float:
@@ -363,13 +355,12 @@ class OwnershipPlan:
     mesh = ' '.join(
       f'{n}={s}' for n, s in zip(self.axis_names, self.mesh_shape)
     )
-    whole = sum(u.group < 0 for u in self.units) + len(self.groups)
-    what = plural(len(self.units), 'matrix', 'matrices')
+    sliced = sum(u.group >= 0 for u in self.units)
+    what = plural(
+      len(self.units) - sliced + len(self.groups), 'matrix', 'matrices'
+    )
     if self.groups:
-      what = (
-        f'{plural(whole, "matrix", "matrices")} ({len(self.groups)} split '
-        f'into {len(self.units) - whole + len(self.groups)} slices)'
-      )
+      what += f' ({len(self.groups)} split into {sliced} slices)'
     lines = [
       f'OwnershipPlan: {what}'
       f' in {plural(len(self.leaves), "leaf", "leaves")} on'
@@ -598,38 +589,32 @@ def _rounds(edges: Sequence[Message]) -> tuple[tuple[Message, ...], ...]:
   each colour's messages in input order."""
   if not edges:
     return ()
-  sends = collections.Counter(u for u, _, _ in edges)
-  gets = collections.Counter(v for _, v, _ in edges)
-  colours = max(max(sends.values()), max(gets.values()))
-  at_src: dict[int, dict[int, int]] = collections.defaultdict(dict)
-  at_dst: dict[int, dict[int, int]] = collections.defaultdict(dict)
+  ends = collections.Counter(x for u, v, _ in edges for x in ((0, u), (1, v)))
+  colours = max(ends.values())
+  # Per side (0: the sources, 1: the destinations): slot -> colour -> edge.
+  at = (collections.defaultdict(dict), collections.defaultdict(dict))
   colour = [0] * len(edges)
 
   def put(e, c):
     colour[e] = c
-    at_src[edges[e][0]][c] = e
-    at_dst[edges[e][1]][c] = e
+    for side in (0, 1):
+      at[side][edges[e][side]][c] = e
 
   for e, (u, v, _) in enumerate(edges):
-    a = next(c for c in range(colours) if c not in at_src[u])
-    b = next(c for c in range(colours) if c not in at_dst[v])
-    if a in at_dst[v]:
+    a = next(c for c in range(colours) if c not in at[0][u])
+    b = next(c for c in range(colours) if c not in at[1][v])
+    if a in at[1][v]:
       # Swap a and b on the path from v that alternates a, b, a, ...: it
       # cannot reach u (a is free there), and frees a at v.
-      path, node, on_dst, c = [], v, True, a
-      while True:
-        table = at_dst if on_dst else at_src
-        if c not in table[node]:
-          break
-        f = table[node][c]
-        path.append(f)
-        node = edges[f][0] if on_dst else edges[f][1]
-        on_dst, c = not on_dst, b if c == a else a
+      path, node, side, c = [], v, 1, a
+      while c in at[side][node]:
+        path.append(at[side][node][c])
+        node, side, c = edges[path[-1]][1 - side], 1 - side, a + b - c
       for f in path:
-        del at_src[edges[f][0]][colour[f]]
-        del at_dst[edges[f][1]][colour[f]]
+        for side in (0, 1):
+          del at[side][edges[f][side]][colour[f]]
       for f in path:
-        put(f, b if colour[f] == a else a)
+        put(f, a + b - colour[f])
     put(e, a)
   return tuple(
     tuple(edges[e] for e in range(len(edges)) if colour[e] == c)
@@ -676,11 +661,10 @@ def sliced_spec(
   w = spec.shape[d] // (stride * slices)
   shape = spec.shape[:d] + (stride, slices, w) + spec.shape[d + 1 :]
 
-  def remap(axes):
-    out = []
-    for a in axes:
-      out += [d, d + 2] if a == d else [a if a < d else a + 2]
-    return tuple(out)
+  def remap(axes):  # d becomes (d, d + 1, d + 2), d + 1 a batch axis
+    return tuple(
+      b for a in axes for b in ((d, d + 2) if a == d else (a + 2 * (a > d),))
+    )
 
   return dataclasses.replace(
     spec,

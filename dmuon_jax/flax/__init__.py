@@ -387,7 +387,7 @@ def dedicate_linen(
         box = _mesh.without_axes(box, ded.buffer_axes)
       value = _model.node_at(out, paths[i])
       _model.set_at(out, paths[i], _mesh.rebox(box, value))
-  md = _boundary.LinenDedication.of(
+  return _boundary.LinenDedication.of(
     ded,
     paths,
     boundary_paths,
@@ -396,5 +396,4 @@ def dedicate_linen(
     linen_model=model,
     placeholder_paths=tuple(paths[t.index] for t in ded.layout.leaves),
     boundary_paths=boundary_paths,
-  )
-  return md, out
+  ), out

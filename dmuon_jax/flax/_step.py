@@ -151,7 +151,7 @@ def _named(x: Any) -> NamedSharding | None:
   return sharding if isinstance(sharding, NamedSharding) else None
 
 
-def _manual_spec(x: Any, axes: frozenset[str]) -> P:
+def _manual_spec(x: Any, axes: Sequence[str]) -> P:
   """The PartitionSpec ``x`` (or an array's) restricted to the manual
   ``axes``."""
   x = x if isinstance(x, P) else getattr(_named(x), 'spec', P())
@@ -239,24 +239,24 @@ def _explain_annotation(err: Exception, axes: Sequence[str], mesh) -> None:
     ) from err
 
 
-def _output_sources(out: Any, treedef: Any, is_state) -> list[int | None]:
-  """Per output leaf: the index (among the argument leaves, ``treedef``'s:
-  the graph nodes' state, then the other arguments) of the leaf of the
+def _output_sources(out, treedef, is_state, of: Sequence, default) -> list:
+  """Per output leaf: ``of``'s entry (per argument leaf, ``treedef``'s:
+  the graph nodes' state, then the other arguments) for the leaf of the
   state argument it has the structure of (a returned ``TrainState``),
-  else None."""
+  else ``default``."""
   rest_def = treedef.children()[1]
   first = treedef.num_leaves - rest_def.num_leaves
   by_structure = {}
   for arg in rest_def.unflatten(range(first, treedef.num_leaves)):
     leaves = jax.tree.leaves(arg)
     if leaves and is_state[leaves[0]]:
-      by_structure.setdefault(jax.tree.structure(arg), leaves)
-  sources: list[int | None] = []
+      by_structure.setdefault(jax.tree.structure(arg), [of[k] for k in leaves])
+  sources = []
   for part in out if isinstance(out, (tuple, list)) else (out,):
-    none = [None] * len(jax.tree.leaves(part))
+    none = [default] * len(jax.tree.leaves(part))
     sources += by_structure.get(jax.tree.structure(part), none)
   n = len(jax.tree.leaves(out))
-  return sources if len(sources) == n else [None] * n
+  return sources if len(sources) == n else [default] * n
 
 
 def _respell(new: Any, old: Any) -> Any:
@@ -266,7 +266,7 @@ def _respell(new: Any, old: Any) -> Any:
   (``P(('shard', 'model'))`` for an owner buffer placed as
   ``P(('shard', 'replicate', 'model'))`` on a mesh with one replica): the
   next call's specs, read from the state, would then differ from this
-  call's, and the step would compile again."""
+  call's, and the step would compile again. ``old`` None: ``new``."""
   s, t = _named(new), _named(old)
   if s is None or t is None or s == t or not s.is_equivalent_to(t, new.ndim):
     return new
@@ -356,10 +356,7 @@ def _build_step(md, fn, axes, key, names):
     # (eval_shape computes nothing): replication typing off so that P()
     # fits every output before its specs are known.
     out = jax.eval_shape(mapped(None, P(), check_vma=False), leaves)[1]
-    leaf_specs = [
-      P() if k is None else specs[k]
-      for k in _output_sources(out, treedef, is_state)
-    ]
+    leaf_specs = _output_sources(out, treedef, is_state, specs, P())
     out_specs = jax.tree.unflatten(jax.tree.structure(out), leaf_specs)
     return mapped(leaf_specs, out_specs)(leaves)
 
@@ -451,7 +448,6 @@ def train_step(
     )
   ded = dedication.dedication
   axes = tuple(ded.buffer_axes) if ded.layout.distributed else ()
-  manual = frozenset(axes)
   compiled: dict[Any, Callable[..., Any]] = {}
   # Shapes and manual specs of the owner buffers (and their momentum), the
   # only state that may be sharded over the owner axes (size-1 axes
@@ -463,7 +459,7 @@ def train_step(
 
   layout = ded.layout
   owner_layout = {
-    lay(shape.shape, _manual_spec(spec, manual))
+    lay(shape.shape, _manual_spec(spec, axes))
     for shape, spec in zip(layout.buffer_shapes(), layout.buffer_specs())
   }
 
@@ -508,7 +504,7 @@ def train_step(
       # (a TrainState's batch statistics) are replicated.
       if axes and keys[0].idx and state and _named(x) is None:
         x = jax.device_put(x, NamedSharding(ded.mesh, P()))
-      spec = _manual_spec(x, manual)
+      spec = _manual_spec(x, axes)
       # The batch is split over the owner axes along its first axis unless
       # its sharding splits it over them already: a batch placed replicated
       # (jnp arrays made under jax.set_mesh are) would have every device run
@@ -520,16 +516,15 @@ def train_step(
       elif state and spec != P() and lay(x.shape, spec) not in owner_layout:
         raise ValueError(
           f'dmuon: train_step got {names()[i]!r} sharded {spec} over the owner '
-          f'axes {tuple(sorted(manual))}; each device runs the whole model '
+          f'axes {tuple(sorted(axes))}; each device runs the whole model '
           "there, so all but the owners' buffers and their momentum must be "
           'replicated over those axes. Place it as dmuon_jax.flax.dedicate '
           'left it (as its Flax metadata says; see ded.replicated).'
         )
       leaves.append(x)
       specs.append(spec)
-    specs = tuple(specs)
     on_mesh = tuple(_named(x) is not None for x in leaves)
-    key = (graphdef, treedef, specs, is_state, positions, on_mesh)
+    key = (graphdef, treedef, tuple(specs), is_state, positions, on_mesh)
     if key not in compiled:
       compiled[key] = _build_step(dedication, fn, axes, key, names())
     return compiled[key], leaves, nodes, treedef, is_state
@@ -543,13 +538,9 @@ def train_step(
     if not any(is_state[len(new_state) :]):  # nothing returned is state
       return out
     # A returned state argument (a TrainState) too, as it came in.
-    sources = _output_sources(out, treedef, is_state)
+    olds = _output_sources(out, treedef, is_state, leaves, None)
     out_leaves, out_def = jax.tree.flatten(out)
-    respelled = [
-      x if k is None else _respell(x, leaves[k])
-      for x, k in zip(out_leaves, sources)
-    ]
-    return out_def.unflatten(respelled)
+    return out_def.unflatten(list(map(_respell, out_leaves, olds)))
 
   def compile(*args):  # noqa: A001
     """The step compiled for these arguments (e.g. for

@@ -217,23 +217,16 @@ def dedicate(
       # other way to hook its __call__ than its type.
       module.__class__ = cls
   for t in ded.layout.leaves:  # a DedicatedWeight where each was
-    p = paths[t.index]
     boundary = ded.boundaries.names[_model.boundary_of(ded, t)]
+    name = _model.text(paths[t.index])
     hole = _model.placeholder(ded, t)
-    weight = DedicatedWeight(
-      hole, dmuon_name=_model.text(p), dmuon_boundary=boundary
-    )
-    _model.set_at(model, p, weight)
+    weight = DedicatedWeight(hole, dmuon_name=name, dmuon_boundary=boundary)
+    _model.set_at(model, paths[t.index], weight)
 
   owned_state = nnx.to_flat_state(nnx.state(model, OwnedBuffer))
   where = {id(v): tuple(p) for p, v in owned_state}
-  md = ModelDedication.of(
-    ded,
-    paths,
-    boundary_paths,
-    [where[id(v)] for v in owned_vars],
-    replicated,
-  )
+  buffer_paths = [where[id(v)] for v in owned_vars]
+  md = ModelDedication.of(ded, paths, boundary_paths, buffer_paths, replicated)
   for b, bpath in enumerate(boundary_paths):  # the dedication each serves
     _model.node_at(model, bpath).dmuon_hook = _boundary.Hook(md, b)
   return md
@@ -351,14 +344,11 @@ def dedicate_linen(
   flat, treedef = jax.tree.flatten(params, is_leaf=_mesh.is_box)
   boxes = [x if _mesh.is_box(x) else None for x in flat]
   specs = [None if box is None else _mesh.leaf_spec(box) for box in boxes]
-  values = [
-    v
-    if mesh is None
-    or spec is None
-    or isinstance(getattr(v, 'sharding', None), NamedSharding)
-    else jax.device_put(v, NamedSharding(mesh, spec))
-    for v, spec in zip(map(_mesh.unbox, flat), specs)
-  ]
+  values = list(map(_mesh.unbox, flat))
+  for i, spec in enumerate(specs):
+    placed = isinstance(getattr(values[i], 'sharding', None), NamedSharding)
+    if mesh is not None and spec is not None and not placed:
+      values[i] = jax.device_put(values[i], NamedSharding(mesh, spec))
   params = jax.tree.unflatten(treedef, values)
   kwargs = {k: v for k, v in locals().items() if k in _model.PLANNED}
   ded, out, dp, replicated, moved = _model.plan(
@@ -375,8 +365,8 @@ def dedicate_linen(
   boundary_paths = _model.gather_points(ded, paths)
   template = next((box for box in boxes if box is not None), None)
   buffer_paths: list[tuple] = [()] * len(dp.owned.buffers)
-  for g, group in enumerate(ded.groups):
-    mine = ded.layout.split_groups(range(len(buffer_paths)))[g]
+  groups = ded.layout.split_groups(range(len(buffer_paths)))
+  for group, mine in zip(ded.groups, groups):
     for j, bi in enumerate(mine):
       buffer_paths[bi] = boundary_paths[group[0]] + (f'dmuon_owned_{j}',)
       buf = dp.owned.buffers[bi]
@@ -389,17 +379,15 @@ def dedicate_linen(
   # a box whose logical names the rules in effect map says so whatever
   # the rules are (a jax.eval_shape of the init outside them, as Flax lm1b
   # runs it, gives the jax.jit inside them the same boxes).
-  owned_mesh = _model.owned_mesh(ded, mesh)
   for i, box in enumerate(boxes):
     if box is not None and ded.rest_specs[i] is not None:  # AdamW params
-      if owned_mesh and _mesh.rules_decide(box):
+      if _model.owned_mesh(ded, mesh) and _mesh.rules_decide(box):
         box = box.replace(names=(None,) * len(box.names))  # replicated
       elif i in moved:
         box = _mesh.without_axes(box, ded.buffer_axes)
-      _model.set_at(
-        out, paths[i], _mesh.rebox(box, _model.node_at(out, paths[i]))
-      )
-  md = _boundary.LinenDedication.of(
+      value = _model.node_at(out, paths[i])
+      _model.set_at(out, paths[i], _mesh.rebox(box, value))
+  return _boundary.LinenDedication.of(
     ded,
     paths,
     boundary_paths,
@@ -408,5 +396,4 @@ def dedicate_linen(
     linen_model=model,
     placeholder_paths=tuple(paths[t.index] for t in ded.layout.leaves),
     boundary_paths=boundary_paths,
-  )
-  return md, out
+  ), out

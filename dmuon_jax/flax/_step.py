@@ -75,11 +75,8 @@ def _same_leaf(x: Any, y: Any) -> bool:
   if isinstance(x, jax.core.Tracer) or isinstance(y, jax.core.Tracer):
     return False
   if hasattr(x, 'shape') or hasattr(y, 'shape'):
-    return (
-      np.shape(x) == np.shape(y)
-      and np.result_type(x) == np.result_type(y)
-      and np.array_equal(x, y)
-    )
+    # Unequal shapes: array_equal says False.
+    return np.result_type(x) == np.result_type(y) and np.array_equal(x, y)
   try:
     return bool(x == y)
   except Exception:  # no verdict: not the same value
@@ -135,11 +132,10 @@ class _ModelMuon:
     # (from init) kept.
     new = dict(zip(md.rest_paths, md.dedication.treedef.flatten_up_to(u.rest)))
     new.update(zip(md.buffer_paths, u.owned.buffers))
-    holes = frozenset(md.placeholder_paths)
 
     def pick(keys, x):
       p = _model.path(keys)
-      if p in holes:
+      if p in md.placeholder_paths:
         return jnp.zeros_like(_mesh.unbox(x))
       return _mesh.rebox(x, new[p]) if _mesh.is_box(x) else new[p]
 
@@ -155,7 +151,7 @@ def _named(x: Any) -> NamedSharding | None:
   return sharding if isinstance(sharding, NamedSharding) else None
 
 
-def _manual_spec(x: Any, axes: frozenset[str]) -> P:
+def _manual_spec(x: Any, axes: Sequence[str]) -> P:
   """The PartitionSpec ``x`` (or an array's) restricted to the manual
   ``axes``."""
   x = x if isinstance(x, P) else getattr(_named(x), 'spec', P())
@@ -170,18 +166,16 @@ def _node_positions(args) -> tuple[int, ...]:
   nodes inside a container argument (a list or dict of metrics): those
   would be copied in and their updates lost."""
   is_node = lambda x: isinstance(x, nnx.Pytree)
-  positions = tuple(k for k, a in enumerate(args) if is_node(a))
   for k, a in enumerate(args):
-    leaves = [] if k in positions else jax.tree.leaves(a, is_leaf=is_node)
-    nested = sorted({type(x).__name__ for x in leaves if is_node(x)})
-    if nested:
+    leaves = [] if is_node(a) else jax.tree.leaves(a, is_leaf=is_node)
+    if nested := sorted({type(x).__name__ for x in leaves if is_node(x)}):
       raise TypeError(
         f'dmuon: argument {k} of the train step holds NNX graph nodes '
         f'({", ".join(nested)}) inside a {type(a).__name__}, whose updates '
         'train_step would lose (as nnx.jit, it updates graph nodes passed '
         'as arguments themselves): pass each one as an argument of its own.'
       )
-  return positions
+  return tuple(k for k, a in enumerate(args) if is_node(a))
 
 
 def _settle(x, spec: P, axes: Sequence[str], what: str):
@@ -210,10 +204,6 @@ _MANUAL_AXIS_ERRORS = (
   # An annotation's NamedSharding over the concrete (Auto) mesh.
   '`manual_axis_type`',
 )
-# Errors that only a manual axis raises, whose text names no axis: jax's
-# NotImplementedError for a Manual -> Auto/Explicit conversion (nnx.Embed's
-# out_sharding= runs its lookup in jax.sharding.auto_axes).
-_MANUAL_ONLY_ERRORS = ('from `Manual` AxisType',)
 
 
 def _explain_annotation(err: Exception, axes: Sequence[str], mesh) -> None:
@@ -234,7 +224,10 @@ def _explain_annotation(err: Exception, axes: Sequence[str], mesh) -> None:
   names_axis = any(s in text for s in _MANUAL_AXIS_ERRORS) and any(
     a in text for a in axes
   )
-  if names_axis or any(s in text for s in _MANUAL_ONLY_ERRORS):
+  # An error that only a manual axis raises, whose text names no axis:
+  # jax's NotImplementedError for a Manual -> Auto/Explicit conversion
+  # (nnx.Embed's out_sharding= runs its lookup in jax.sharding.auto_axes).
+  if names_axis or 'from `Manual` AxisType' in text:
     raise ValueError(
       f'dmuon: a sharding annotation inside the step names an owner axis '
       f'of {tuple(axes)}, which dmuon_jax.flax.train_step runs manually '
@@ -246,25 +239,24 @@ def _explain_annotation(err: Exception, axes: Sequence[str], mesh) -> None:
     ) from err
 
 
-def _output_sources(out: Any, treedef: Any, is_state) -> list[int | None]:
-  """Per output leaf: the index (among the argument leaves, ``treedef``'s:
-  the graph nodes' state, then the other arguments) of the leaf of the
+def _output_sources(out, treedef, is_state, of: Sequence, default) -> list:
+  """Per output leaf: ``of``'s entry (per argument leaf, ``treedef``'s:
+  the graph nodes' state, then the other arguments) for the leaf of the
   state argument it has the structure of (a returned ``TrainState``),
-  else None."""
-  state_def, rest_def = treedef.children()
-  n = state_def.num_leaves
+  else ``default``."""
+  rest_def = treedef.children()[1]
+  first = treedef.num_leaves - rest_def.num_leaves
   by_structure = {}
-  for arg in jax.tree.unflatten(rest_def, range(n, treedef.num_leaves)):
+  for arg in rest_def.unflatten(range(first, treedef.num_leaves)):
     leaves = jax.tree.leaves(arg)
     if leaves and is_state[leaves[0]]:
-      by_structure.setdefault(jax.tree.structure(arg), leaves)
-  sources: list[int | None] = []
+      by_structure.setdefault(jax.tree.structure(arg), [of[k] for k in leaves])
+  sources = []
   for part in out if isinstance(out, (tuple, list)) else (out,):
-    n = len(jax.tree.leaves(part))
-    sources += by_structure.get(jax.tree.structure(part), [None] * n)
-  if len(sources) != len(jax.tree.leaves(out)):
-    return [None] * len(jax.tree.leaves(out))
-  return sources
+    none = [default] * len(jax.tree.leaves(part))
+    sources += by_structure.get(jax.tree.structure(part), none)
+  n = len(jax.tree.leaves(out))
+  return sources if len(sources) == n else [default] * n
 
 
 def _respell(new: Any, old: Any) -> Any:
@@ -274,12 +266,11 @@ def _respell(new: Any, old: Any) -> Any:
   (``P(('shard', 'model'))`` for an owner buffer placed as
   ``P(('shard', 'replicate', 'model'))`` on a mesh with one replica): the
   next call's specs, read from the state, would then differ from this
-  call's, and the step would compile again."""
+  call's, and the step would compile again. ``old`` None: ``new``."""
   s, t = _named(new), _named(old)
-  if s is not None and t is not None and s != t:
-    if s.is_equivalent_to(t, np.ndim(new)):
-      return jax.device_put(new, t)
-  return new
+  if s is None or t is None or s == t or not s.is_equivalent_to(t, new.ndim):
+    return new
+  return jax.device_put(new, t)
 
 
 def _build_step(md, fn, axes, key, names):
@@ -304,24 +295,21 @@ def _build_step(md, fn, axes, key, names):
       # draws its own random numbers (dropout masks of its batch): the RNG
       # keys folded with the device's index while the step runs; the
       # state keeps the keys as they were.
-      keys = []
+      index = jax.lax.axis_index(axes) if axes else None
+      fold = functools.partial(jax.random.fold_in, data=index)
+      saved = []
       for _, v in nnx.iter_graph(nodes):
         if axes and isinstance(v, nnx.BatchNorm) and v.axis_name is None:
           v.axis_name = axes
-        elif isinstance(v, nnx.RngKey):
-          keys.append(v)
-      saved = [v.get_value() for v in keys]
-      if axes:
-        index = jax.lax.axis_index(axes)
-        fold = functools.partial(jax.random.fold_in, data=index)
-        for v, k in zip(keys, saved):
+        elif axes and isinstance(v, nnx.RngKey):
+          saved.append((v, k := v.get_value()))
           v.set_value(jax.vmap(fold)(k.reshape(-1)).reshape(k.shape))
       try:
         out = fn(*args)
       except (ValueError, TypeError, NotImplementedError) as err:
         _explain_annotation(err, axes, mesh)
         raise
-      for v, k in zip(keys, saved):
+      for v, k in saved:
         v.set_value(k)
       new_state = treedef.children()[0].flatten_up_to(nnx.split(nodes)[1])
     new_state = [
@@ -354,8 +342,10 @@ def _build_step(md, fn, axes, key, names):
     # traced values carry no sharding) keep their sharding: their specs
     # were read from it, and a constraint to the manual axes alone would
     # gather them over the others (an owner buffer's TP axis).
-    place = lambda x, s, done: x if done else _mesh.place(x, mesh, s)
-    leaves = list(map(place, leaves, specs, done))
+    leaves = [
+      x if d else _mesh.place(x, mesh, s)
+      for x, s, d in zip(leaves, specs, done)
+    ]
     # Outputs like an argument (a returned TrainState) keep its specs;
     # the rest is averaged. With no state among the arguments that are not
     # graph nodes (an NNX step: model, optimizer, batch) every output is
@@ -366,10 +356,7 @@ def _build_step(md, fn, axes, key, names):
     # (eval_shape computes nothing): replication typing off so that P()
     # fits every output before its specs are known.
     out = jax.eval_shape(mapped(None, P(), check_vma=False), leaves)[1]
-    leaf_specs = [
-      P() if k is None else specs[k]
-      for k in _output_sources(out, treedef, is_state)
-    ]
+    leaf_specs = _output_sources(out, treedef, is_state, specs, P())
     out_specs = jax.tree.unflatten(jax.tree.structure(out), leaf_specs)
     return mapped(leaf_specs, out_specs)(leaves)
 
@@ -459,22 +446,20 @@ def train_step(
     return functools.partial(
       train_step, dedication, batch_argnums=batch_argnums
     )
-  md = dedication
-  ded = md.dedication
+  ded = dedication.dedication
   axes = tuple(ded.buffer_axes) if ded.layout.distributed else ()
-  manual = frozenset(axes)
   compiled: dict[Any, Callable[..., Any]] = {}
   # Shapes and manual specs of the owner buffers (and their momentum), the
   # only state that may be sharded over the owner axes (size-1 axes
   # dropped: XLA's spelling omits them).
   sizes = dict(ded.mesh.shape) if axes else {}
-  in_layout = lambda shape, spec: (
-    tuple(shape),
-    _mesh.normalize_entries(spec, len(shape), sizes),
-  )
+
+  def lay(shape, spec):
+    return tuple(shape), _mesh.normalize_entries(spec, len(shape), sizes)
+
   layout = ded.layout
   owner_layout = {
-    in_layout(shape.shape, _manual_spec(spec, manual))
+    lay(shape.shape, _manual_spec(spec, axes))
     for shape, spec in zip(layout.buffer_shapes(), layout.buffer_specs())
   }
 
@@ -498,75 +483,64 @@ def train_step(
     # more (trailing scalars, e.g. a step number or a typed RNG key, are
     # state).
     arg_of = [rest_at[keys[1].idx] if keys[0].idx else None for keys, _ in flat]
+    prng = lambda x: jax.dtypes.issubdtype(
+      getattr(x, 'dtype', None), jax.dtypes.prng_key
+    )
     data = [
       k
       for k, (_, x) in zip(arg_of, flat)
-      if k is not None
-      and np.ndim(x) >= 1
-      and not jax.dtypes.issubdtype(
-        getattr(x, 'dtype', None), jax.dtypes.prng_key
-      )
+      if k is not None and np.ndim(x) >= 1 and not prng(x)
     ]
     batch = set(data[-1:] if batch_argnums is None else batch_argnums)
-    is_state = tuple(k is None or k not in batch for k in arg_of)
-    # Arrays placed on the mesh keep their specs; unplaced batch arrays are
-    # split over the owner axes along their first axis, unplaced state
-    # arguments (a TrainState's batch statistics) are replicated.
-    leaves = [
-      jax.device_put(x, NamedSharding(ded.mesh, P()))
-      if axes and k is not None and k not in batch and _named(x) is None
-      else x
-      for k, (_, x) in zip(arg_of, flat)
-    ]
-    # The batch is split over the owner axes along its first axis unless
-    # its sharding splits it over them already: a batch placed replicated
-    # (jnp arrays made under jax.set_mesh are) would have every device run
-    # the whole batch.
-    specs = [_manual_spec(x, manual) for x in leaves]
-    specs = tuple(
-      P(axes) if axes and not state and np.ndim(x) >= 1 and s == P() else s
-      for x, s, state in zip(leaves, specs, is_state)
-    )
+    is_state = tuple(k not in batch for k in arg_of)
     # Per leaf its name in messages (built only when one is needed).
     names = lambda: tuple(
       ('argument ' if keys[0].idx else '') + _model.text(_model.path(keys[1:]))
       for keys, _ in flat
     )
-    # Inside the step each device runs the whole model: other state sharded
-    # over an owner axis would be seen as one device's shard.
-    for i, (x, spec, state) in enumerate(zip(leaves, specs, is_state)):
-      if state and spec != P() and in_layout(x.shape, spec) not in owner_layout:
+    leaves, specs = [], []
+    for i, ((keys, x), state) in enumerate(zip(flat, is_state)):
+      # Arrays placed on the mesh keep their specs; unplaced state arguments
+      # (a TrainState's batch statistics) are replicated.
+      if axes and keys[0].idx and state and _named(x) is None:
+        x = jax.device_put(x, NamedSharding(ded.mesh, P()))
+      spec = _manual_spec(x, axes)
+      # The batch is split over the owner axes along its first axis unless
+      # its sharding splits it over them already: a batch placed replicated
+      # (jnp arrays made under jax.set_mesh are) would have every device run
+      # the whole batch.
+      if axes and not state and np.ndim(x) >= 1 and spec == P():
+        spec = P(axes)
+      # Inside the step each device runs the whole model: other state
+      # sharded over an owner axis would be seen as one device's shard.
+      elif state and spec != P() and lay(x.shape, spec) not in owner_layout:
         raise ValueError(
           f'dmuon: train_step got {names()[i]!r} sharded {spec} over the owner '
-          f'axes {tuple(sorted(manual))}; each device runs the whole model '
+          f'axes {tuple(sorted(axes))}; each device runs the whole model '
           "there, so all but the owners' buffers and their momentum must be "
           'replicated over those axes. Place it as dmuon_jax.flax.dedicate '
           'left it (as its Flax metadata says; see ded.replicated).'
         )
+      leaves.append(x)
+      specs.append(spec)
     on_mesh = tuple(_named(x) is not None for x in leaves)
-    key = (graphdef, treedef, specs, is_state, positions, on_mesh)
+    key = (graphdef, treedef, tuple(specs), is_state, positions, on_mesh)
     if key not in compiled:
-      compiled[key] = _build_step(md, fn, axes, key, names())
+      compiled[key] = _build_step(dedication, fn, axes, key, names())
     return compiled[key], leaves, nodes, treedef, is_state
 
   @functools.wraps(fn)
   def call(*args):
     jitted, leaves, nodes, treedef, is_state = prepare(args)
     new_state, out = jitted(leaves)
-    new_state = [_respell(n, o) for n, o in zip(new_state, leaves)]
+    new_state = list(map(_respell, new_state, leaves))
     nnx.update(nodes, jax.tree.unflatten(treedef.children()[0], new_state))
     if not any(is_state[len(new_state) :]):  # nothing returned is state
       return out
     # A returned state argument (a TrainState) too, as it came in.
-    sources = _output_sources(out, treedef, is_state)
+    olds = _output_sources(out, treedef, is_state, leaves, None)
     out_leaves, out_def = jax.tree.flatten(out)
-    return jax.tree.unflatten(
-      out_def,
-      [
-        x if k is None else _respell(x, leaves[k])
-        for x, k in zip(out_leaves, sources)
-      ],
-    )
+    return out_def.unflatten(list(map(_respell, out_leaves, olds)))
 
   def compile(*args):  # noqa: A001
     """The step compiled for these arguments (e.g. for

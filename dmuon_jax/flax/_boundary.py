@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -76,7 +77,7 @@ def gathered(
   state,
   arrays,
   *,
-  traced: bool | None = None,
+  whole=None,
   remat: bool = False,
 ):
   """``run(mats, state, arrays)`` with boundary ``b``'s group gathered.
@@ -93,9 +94,10 @@ def gathered(
   on a mesh: a sharding constraint gathers (GSPMD; warned once).
 
   Args:
-    traced: whether the model runs under a transformation of the step
-      (``jit``); None: whether ``local`` are tracers (an eager call's scan
-      body traces them too, so a Linen stack says).
+    whole: the group's whole buffers (a Linen stack's, all its layers'),
+      whose being tracers says whether the model runs under a
+      transformation of the step (``jit``); None: ``local`` (an eager
+      call's scan body traces its slices too).
     remat: whether the call runs inside a rematerialization of the model's
       own (a Flax ``nn.remat`` around the block or its stack), which
       recomputes the gather in the backward pass: the plain gather is then
@@ -107,8 +109,7 @@ def gathered(
   g = _gather.group_of(ded, b)
   name = ded.boundaries.names[b]
   layout, n, z3 = ded.layout, ded.num_slots, ded.reshard_after_forward
-  if traced is None:
-    traced = any(isinstance(x, jax.core.Tracer) for x in local)
+  traced = any(isinstance(x, jax.core.Tracer) for x in whole or local)
   if remat and layout.distributed and not z3 and traced:
     warnings.warn(
       f'dmuon: the dedicated boundary {name!r} runs inside a Flax nn.remat '
@@ -131,30 +132,27 @@ def gathered(
   routed = manual
   if layout.distributed and not manual and traced:
     _exchange.check_tp_axis_type(ded, f'the dedicated boundary {name!r}')
-    if _exchange.reduced_route(ded):
-      # The reduced gather's cotangent is a per-device partial sum: jax
-      # types a weight ``reduced`` only where its contraction runs over the
-      # owner axes, so the input must be split over every one of them.
-      xs = [x for x in jax.tree.leaves(arrays) if np.ndim(x) >= 1]
-      split = lambda x: _mesh.sharded_axes([_mesh.type_spec(x)])
-      routed = any(set(ded.buffer_axes) <= split(x) for x in xs)
-      if not routed:
-        typed = str(jax.typeof(xs[0])) if xs else 'no array'
-        _warn_once(
-          md,
-          f'dmuon: the dedicated boundary {name!r} ran under jax.jit/nnx.jit '
-          f'on an input typed {typed}, not split over the owner axes '
-          f'{md.axes}: its matrices were gathered with GSPMD, and a gradient '
-          'through them is all-reduced (3(N-1)/N x the Muon bytes instead of '
-          'the reduce-scatter floor). Shard the batch over the owner axes, '
-          'e.g. jax.device_put(batch, NamedSharding(mesh, P(ded.axes))), or '
-          'use dmuon_jax.flax.train_step(ded), which does (evaluation on a '
-          'replicated batch is otherwise fine).',
-          stacklevel=4,
-        )
-    else:
-      _warn_once(
-        md,
+    # The reduced gather's cotangent is a per-device partial sum: jax types
+    # a weight ``reduced`` only where its contraction runs over the owner
+    # axes, so the input must be split over every one of them.
+    xs = [x for x in jax.tree.leaves(arrays) if np.ndim(x) >= 1]
+    split = lambda x: _mesh.sharded_axes([_mesh.type_spec(x)])
+    reduced = _exchange.reduced_route(ded)
+    routed = reduced and any(set(ded.buffer_axes) <= split(x) for x in xs)
+    if reduced and not routed:
+      typed = str(jax.typeof(xs[0])) if xs else 'no array'
+      message = (
+        f'dmuon: the dedicated boundary {name!r} ran under jax.jit/nnx.jit '
+        f'on an input typed {typed}, not split over the owner axes '
+        f'{md.axes}: its matrices were gathered with GSPMD, and a gradient '
+        'through them is all-reduced (3(N-1)/N x the Muon bytes instead of '
+        'the reduce-scatter floor). Shard the batch over the owner axes, '
+        'e.g. jax.device_put(batch, NamedSharding(mesh, P(ded.axes))), or '
+        'use dmuon_jax.flax.train_step(ded), which does (evaluation on a '
+        'replicated batch is otherwise fine).'
+      )
+    elif not routed:
+      message = (
         'dmuon: a dedicated model ran under plain jax.jit/nnx.jit (outside '
         'dmuon_jax.flax.train_step). It computes the same numbers, but XLA '
         'reduces the Muon gradients with an all-reduce rather than the '
@@ -168,9 +166,10 @@ def gathered(
         )
         + '. Decorate the train step with @dmuon_jax.flax.train_step('
         'dedication) instead of jax.jit/nnx.jit to get the floor (evaluation '
-        'outside it is fine).',
-        stacklevel=3,
+        'outside it is fine).'
       )
+    if not routed:
+      _warn_once(md, message, stacklevel=4)
   if not routed:
     # The boundaries of a group constrain the same buffers: XLA gathers them
     # once and keeps them (Z2 memory: a re-gather per boundary would move
@@ -229,37 +228,35 @@ def _trace_cache(md: ModelDedication, g: int, b: int, local, iteration, manual):
   """
   trace = jax.extend.core.get_opaque_trace_state(convention='nnx')
   cache = md.gathered_manual if manual else md.gathered
-  if cache.get('trace') != trace:
-    previous = cache.get('blocks', {})
-    cache.clear()
-    cache.update(trace=trace, blocks={}, previous=previous)
+  if cache.get('trace') != trace:  # per group: (buffers, gather, block)
+    old = {k: v[2] for k, v in cache.get('groups', {}).items()}
+    cache.update(trace=trace, groups={}, previous=old)
   keys = (*local, iteration)
-  hit = cache.get(g)
+  hit = cache['groups'].get(g)
   entry = hit[1] if hit and all(x is y for x, y in zip(hit[0], keys)) else None
   ded = md.dedication
   blocks = len(ded.groups[g])
-  if not manual and entry is None and blocks > 1:
-    if cache['previous'].get(g) not in (None, b):
-      linen = md.linen_model is not None
-      _warn_once(
-        md,
-        LIFTED_BOUNDARY_MSG.format(
-          name=ded.boundaries.names[b],
-          group=g,
-          blocks=blocks,
-          transforms=(
-            'a Flax lifted transform: nn.remat, nn.jit, nn.vmap ...'
-            if linen
-            else 'nnx.remat, nnx.jit, nnx.vmap ...'
-          ),
-          inside='nn.remat(nn.Dense)' if linen else 'nnx.remat around its MLP',
+  previous = cache['previous'].get(g)
+  if not manual and entry is None and blocks > 1 and previous not in (None, b):
+    linen = md.linen_model is not None
+    _warn_once(
+      md,
+      LIFTED_BOUNDARY_MSG.format(
+        name=ded.boundaries.names[b],
+        group=g,
+        blocks=blocks,
+        transforms=(
+          'a Flax lifted transform: nn.remat, nn.jit, nn.vmap ...'
+          if linen
+          else 'nnx.remat, nnx.jit, nnx.vmap ...'
         ),
-        stacklevel=3,
-      )
+        inside='nn.remat(nn.Dense)' if linen else 'nnx.remat around its MLP',
+      ),
+      stacklevel=3,
+    )
 
   def store(value):
-    cache[g] = (keys, value)
-    cache['blocks'][g] = b
+    cache['groups'][g] = (keys, value, b)
 
   return entry, store
 
@@ -292,8 +289,10 @@ class Hook:
 
 @functools.cache
 def hooked_class(cls: type) -> type:
-  """``cls`` whose ``__call__`` and public methods gather the boundary's
-  matrices first (a method called inside another runs as written)."""
+  """``cls`` whose ``__call__`` and the public methods it adds to
+  ``nnx.Module`` (``Embed.attend``, a block's helper: each may read the
+  Muon targets) gather the boundary's matrices first (a method called
+  inside another runs as written)."""
   if getattr(cls, '_dmuon_base', None) is not None:
     return cls
 
@@ -306,7 +305,16 @@ def hooked_class(cls: type) -> type:
 
     return method
 
-  attrs = {n: hook(getattr(cls, n)) for n in _model.public_methods(cls)}
+  attrs = {}
+  for klass in cls.__mro__:
+    if klass is nnx.Module or not issubclass(klass, nnx.Module):
+      break
+    for name, fn in vars(klass).items():
+      public = name == '__call__' or not (
+        name.startswith('_') or hasattr(nnx.Module, name)
+      )
+      if public and inspect.isfunction(fn) and name not in attrs:
+        attrs[name] = hook(fn)
   attrs.update(
     __module__=cls.__module__, __qualname__=cls.__qualname__, _dmuon_base=cls
   )
@@ -453,20 +461,11 @@ class _Interceptor:
       return next_fun(*args, **kwargs)
     b = md.boundary_paths.index(path)
     ded = md.dedication
-    bufs = ded.layout.split_groups(range(len(md.buffer_paths)))[
-      _gather.group_of(ded, b)
-    ]
-    scanned = ded.boundaries.scanned[b]
-    if scanned:
+    bufs = ded.layout.split_groups(md.buffer_paths)[_gather.group_of(ded, b)]
+    local, iteration = None, None
+    if ded.boundaries.scanned[b]:
       local, iteration = _one_layer(md, b, module, len(bufs))
-    # The group's whole buffers (a scanned stack's: all its layers'): they
-    # say whether the model runs under jit (an eager call's nn.scan traces
-    # its body, and so the slices, too).
-    whole = [
-      _mesh.unbox(_model.node_at(self.root, md.buffer_paths[k])) for k in bufs
-    ]
-    if not scanned:
-      local, iteration = whole, None
+    whole = [_mesh.unbox(_model.node_at(self.root, p)) for p in bufs]
     cols = {c: unfreeze(module.variables[c]) for c in module.variables}
     sub = {
       k: v
@@ -500,12 +499,12 @@ class _Interceptor:
     out, updates = gathered(
       md,
       b,
-      local,
+      local or whole,
       iteration,
       run,
       (sub, cols, rngs),
       arrays,
-      traced=any(isinstance(x, jax.core.Tracer) for x in whole),
+      whole=whole,
       remat=_lifted(module, 'remat'),
     )
     for c, tree in updates.items():
@@ -598,9 +597,7 @@ class LinenApply:
     # each iteration knows which owners hold its matrices (they rotate by
     # one slot per layer). Made here, they are no param of the TrainState:
     # nothing differentiates or updates them.
-    with_iterations = (
-      unfreeze(params) if any(ded.boundaries.scanned) else params
-    )
+    with_iterations = unfreeze(params)
     for b, scanned in enumerate(ded.boundaries.scanned):
       if scanned:
         n = ded.layout.iterations[_gather.group_of(ded, b)]

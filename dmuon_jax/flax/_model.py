@@ -622,19 +622,3 @@ def check_model(model, paths, specs, ded, mesh, boundary_paths) -> None:
         'the eval_shape inside the rules too (with '
         'nn.logical_axis_rules(rules): abstract = jax.eval_shape(init)).'
       )
-
-
-def public_methods(cls: type) -> list[str]:
-  """``__call__`` and the public methods ``cls`` adds to ``nnx.Module``
-  (``Embed.attend``, a block's helper): each may read the Muon targets."""
-  names = []
-  for klass in cls.__mro__:
-    if klass is nnx.Module or not issubclass(klass, nnx.Module):
-      break
-    for name, fn in vars(klass).items():
-      public = name == '__call__' or not (
-        name.startswith('_') or hasattr(nnx.Module, name)
-      )
-      if public and inspect.isfunction(fn) and name not in names:
-        names.append(name)
-  return names

@@ -67,6 +67,15 @@ LIFTED_BOUNDARY_MSG = (
   'each group once in the backward pass.'
 )
 
+# LIFTED_BOUNDARY_MSG's transforms and its fix, for NNX and for Linen.
+_LIFTED_BY = (
+  ('nnx.remat, nnx.jit, nnx.vmap ...', 'nnx.remat around its MLP'),
+  (
+    'a Flax lifted transform: nn.remat, nn.jit, nn.vmap ...',
+    'nn.remat(nn.Dense)',
+  ),
+)
+
 
 def gathered(
   md: ModelDedication,
@@ -126,9 +135,8 @@ def gathered(
   if ded.boundaries.scanned[b]:  # one layer per iteration: drop its axis
     run_layer = run
     run = lambda mats, *a: run_layer({i: m[0] for i, m in mats.items()}, *a)
-  manual = layout.distributed and set(ded.buffer_axes) <= (
-    _gather.manual_axes()
-  )
+  owners = set(ded.buffer_axes)
+  manual = layout.distributed and owners <= _gather.manual_axes()
   routed = manual
   if layout.distributed and not manual and traced:
     _exchange.check_tp_axis_type(ded, f'the dedicated boundary {name!r}')
@@ -138,7 +146,7 @@ def gathered(
     xs = [x for x in jax.tree.leaves(arrays) if np.ndim(x) >= 1]
     split = lambda x: _mesh.sharded_axes([_mesh.type_spec(x)])
     reduced = _exchange.reduced_route(ded)
-    routed = reduced and any(set(ded.buffer_axes) <= split(x) for x in xs)
+    routed = reduced and any(owners <= split(x) for x in xs)
     if reduced and not routed:
       typed = str(jax.typeof(xs[0])) if xs else 'no array'
       message = (
@@ -238,22 +246,12 @@ def _trace_cache(md: ModelDedication, g: int, b: int, local, iteration, manual):
   blocks = len(ded.groups[g])
   previous = cache['previous'].get(g)
   if not manual and entry is None and blocks > 1 and previous not in (None, b):
-    linen = md.linen_model is not None
-    _warn_once(
-      md,
-      LIFTED_BOUNDARY_MSG.format(
-        name=ded.boundaries.names[b],
-        group=g,
-        blocks=blocks,
-        transforms=(
-          'a Flax lifted transform: nn.remat, nn.jit, nn.vmap ...'
-          if linen
-          else 'nnx.remat, nnx.jit, nnx.vmap ...'
-        ),
-        inside='nn.remat(nn.Dense)' if linen else 'nnx.remat around its MLP',
-      ),
-      stacklevel=3,
+    transforms, inside = _LIFTED_BY[md.linen_model is not None]
+    name = ded.boundaries.names[b]
+    message = LIFTED_BOUNDARY_MSG.format(
+      name=name, group=g, blocks=blocks, transforms=transforms, inside=inside
     )
+    _warn_once(md, message, stacklevel=3)
 
   def store(value):
     cache['groups'][g] = (keys, value, b)
@@ -451,13 +449,9 @@ class _Interceptor:
     fixed = self._fixed(module)
     if fixed is not None:
       return getattr(fixed, method)(*args, **kwargs)
-    md = self.md
-    path = tuple(module.path)
-    if (
-      isinstance(module, nn.DenseGeneral)
-      or self.inner
-      or path not in md.boundary_paths
-    ):
+    md, path = self.md, tuple(module.path)
+    skip = isinstance(module, nn.DenseGeneral) or self.inner
+    if skip or path not in md.boundary_paths:
       return next_fun(*args, **kwargs)
     b = md.boundary_paths.index(path)
     ded = md.dedication
@@ -477,24 +471,22 @@ class _Interceptor:
     arrays, _, rebuild = split_args(args, kwargs)
 
     def run(mats, state, arrays):
-      p, others, keys = state
-      p = unfreeze(p)
+      p, others, keys = state  # (p: the dict made below, rebuilt by jax)
       for i, rel in md.targets[b]:
         _model.set_at(p, rel, mats[i])
       a, kw = rebuild(arrays)
       self.inner += 1
-      try:
-        result = module.clone(parent=None).apply(
+      try:  # (mutable=[]: the output and no updates)
+        return module.clone(parent=None).apply(
           {'params': p, **others},
           *a,
           rngs=keys,
-          mutable=mutable or False,
+          mutable=mutable,
           method=method,
           **kw,
         )
       finally:
         self.inner -= 1
-      return result if mutable else (result, {})
 
     out, updates = gathered(
       md,
@@ -589,23 +581,22 @@ class LinenApply:
     # Flax boxes come off here: unboxing inside the model would constrain
     # each value to its names, which train_step's manual owner axes refuse
     # (the arrays are placed already).
-    params = jax.tree.map(
-      _mesh.unbox, variables['params'], is_leaf=_mesh.is_box
+    params = unfreeze(
+      jax.tree.map(_mesh.unbox, variables['params'], is_leaf=_mesh.is_box)
     )
     # Each scanned stack's layer indices, dmuon_iteration = arange(layers),
     # beside its owned buffers: nn.scan slices them with the layers, so
     # each iteration knows which owners hold its matrices (they rotate by
     # one slot per layer). Made here, they are no param of the TrainState:
     # nothing differentiates or updates them.
-    with_iterations = unfreeze(params)
     for b, scanned in enumerate(ded.boundaries.scanned):
       if scanned:
         n = ded.layout.iterations[_gather.group_of(ded, b)]
         where = md.boundary_paths[b] + (ITERATION,)
-        _model.set_at(with_iterations, where, jnp.arange(n, dtype=jnp.int32))
+        _model.set_at(params, where, jnp.arange(n, dtype=jnp.int32))
     with nn.intercept_methods(_Interceptor(md, params)):
       return md.linen_model.apply(
-        {**variables, 'params': with_iterations}, *args, **kwargs
+        {**variables, 'params': params}, *args, **kwargs
       )
 
   def __repr__(self) -> str:

@@ -199,17 +199,12 @@ def gathered(
     return run(entry, state, arrays)
   sink = lambda: _gather.gather_sink(ded, g, local, iteration, mode)
   x, s, token = entry or (first(), sink(), _gather.new_token())
-
-  def run_z3(x, s, iteration, *args):
-    return run(gather(x, iteration, s), *args)
-
-  out, token = _gather.regather_group_in_backward(
-    run_z3,
-    ded.remat_policy,
-    last=b == ded.groups[g][-1] or ded.boundaries.scanned[b],
-    blocks=[name],
-    routed=True,
-  )(x, token, s, iteration, state, arrays)
+  run_z3 = lambda x, s, it, *args: run(gather(x, it, s), *args)
+  last = b == ded.groups[g][-1] or ded.boundaries.scanned[b]
+  tied = _gather.regather_group_in_backward(
+    run_z3, ded.remat_policy, last=last, blocks=[name], routed=True
+  )
+  out, token = tied(x, token, s, iteration, state, arrays)
   store((x, s, token))
   return out
 
@@ -323,10 +318,8 @@ def _boundary_call(module, original, args, kwargs):
   hook = module.dmuon_hook
   md, b = hook.md, hook.boundary
   ded = md.dedication
-  g = _gather.group_of(ded, b)
-  name = ded.boundaries.names[b]
-  scanned = ded.boundaries.scanned[b]
-  count = ded.layout.groups[g].num_groups
+  name, scanned = ded.boundaries.names[b], ded.boundaries.scanned[b]
+  count = ded.layout.groups[_gather.group_of(ded, b)].num_groups
   local = [
     getattr(module, f'dmuon_owned_{j}').get_value() for j in range(count)
   ]
@@ -424,21 +417,12 @@ class _Interceptor:
     statistics are the global batch's (a pmean of the devices' equal
     shares), as under ``jax.jit``.
     """
-    if isinstance(module, nn.DenseGeneral):
-      if isinstance(module.kernel_init, _Unboxed) or not module.has_variable(
-        'params', 'kernel'
-      ):
-        return None
-      return module.clone(
-        parent=module.scope, kernel_init=_Unboxed(module.kernel_init)
-      )
-    axes = self.md.axes
-    if (
-      isinstance(module, nn.BatchNorm)
-      and module.axis_name is None
-      and axes
-      and set(axes) <= _gather.manual_axes()
-    ):
+    axes, init = self.md.axes, getattr(module, 'kernel_init', None)
+    if isinstance(module, nn.DenseGeneral) and not isinstance(init, _Unboxed):
+      if module.has_variable('params', 'kernel'):
+        return module.clone(parent=module.scope, kernel_init=_Unboxed(init))
+    norm = isinstance(module, nn.BatchNorm) and module.axis_name is None
+    if norm and axes and set(axes) <= _gather.manual_axes():
       return module.clone(parent=module.scope, axis_name=tuple(axes))
     return None
 
@@ -461,11 +445,8 @@ class _Interceptor:
       local, iteration = _one_layer(md, b, module, len(bufs))
     whole = [_mesh.unbox(_model.node_at(self.root, p)) for p in bufs]
     cols = {c: unfreeze(module.variables[c]) for c in module.variables}
-    sub = {
-      k: v
-      for k, v in cols.pop('params', {}).items()
-      if not (str(k).startswith('dmuon_owned_') or k == ITERATION)
-    }
+    owned = lambda k: str(k).startswith('dmuon_owned_') or k == ITERATION
+    sub = {k: v for k, v in cols.pop('params', {}).items() if not owned(k)}
     mutable = [c for c in cols if module.is_mutable_collection(c)]
     rngs = {name: module.make_rng(name) for name in module.scope.rngs}
     arrays, _, rebuild = split_args(args, kwargs)

@@ -445,9 +445,7 @@ def plan(params, mesh, scan: str, kwargs, specs):
   leaves, treedef = jax.tree.flatten(params)
   owner = set(ded.buffer_axes)
   drop = lambda e: tuple(a for a in e if a not in owner) or None
-  ways = lambda sp: math.prod(
-    mesh.shape[a] for e in _mesh.spec_entries(sp) for a in e
-  )
+  ways = lambda sp: math.prod(mesh.shape[a] for a in _mesh.sharded_axes([sp]))
   replicated, moved, extra = [], {}, 0
   rest_specs = list(ded.rest_specs)  # (None: a Muon target)
   for i, (rest_spec, x) in enumerate(zip(ded.rest_specs, list(leaves))):

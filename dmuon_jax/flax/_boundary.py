@@ -177,7 +177,7 @@ def gathered(
         'outside it is fine).'
       )
     if not routed:
-      _warn_once(md, message, stacklevel=4)
+      _warn_once(md, message, stacklevel=4 if reduced else 3)
   if not routed:
     # The boundaries of a group constrain the same buffers: XLA gathers them
     # once and keeps them (Z2 memory: a re-gather per boundary would move

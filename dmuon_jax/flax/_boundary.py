@@ -443,6 +443,9 @@ class _Interceptor:
     local, iteration = None, None
     if ded.boundaries.scanned[b]:
       local, iteration = _one_layer(md, b, module, len(bufs))
+    # The group's whole buffers (a scanned stack's: all its layers'): they
+    # say whether the model runs under jit (an eager call's nn.scan traces
+    # its body, and so the slices, too).
     whole = [_mesh.unbox(_model.node_at(self.root, p)) for p in bufs]
     cols = {c: unfreeze(module.variables[c]) for c in module.variables}
     owned = lambda k: str(k).startswith('dmuon_owned_') or k == ITERATION

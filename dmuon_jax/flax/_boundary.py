@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -66,6 +67,15 @@ LIFTED_BOUNDARY_MSG = (
   'each group once in the backward pass.'
 )
 
+# LIFTED_BOUNDARY_MSG's transforms and its fix, for NNX and for Linen.
+_LIFTED_BY = (
+  ('nnx.remat, nnx.jit, nnx.vmap ...', 'nnx.remat around its MLP'),
+  (
+    'a Flax lifted transform: nn.remat, nn.jit, nn.vmap ...',
+    'nn.remat(nn.Dense)',
+  ),
+)
+
 
 def gathered(
   md: ModelDedication,
@@ -76,7 +86,7 @@ def gathered(
   state,
   arrays,
   *,
-  traced: bool | None = None,
+  whole=None,
   remat: bool = False,
 ):
   """``run(mats, state, arrays)`` with boundary ``b``'s group gathered.
@@ -93,9 +103,10 @@ def gathered(
   on a mesh: a sharding constraint gathers (GSPMD; warned once).
 
   Args:
-    traced: whether the model runs under a transformation of the step
-      (``jit``); None: whether ``local`` are tracers (an eager call's scan
-      body traces them too, so a Linen stack says).
+    whole: the group's whole buffers (a Linen stack's, all its layers'),
+      whose being tracers says whether the model runs under a
+      transformation of the step (``jit``); None: ``local`` (an eager
+      call's scan body traces its slices too).
     remat: whether the call runs inside a rematerialization of the model's
       own (a Flax ``nn.remat`` around the block or its stack), which
       recomputes the gather in the backward pass: the plain gather is then
@@ -107,8 +118,7 @@ def gathered(
   g = _gather.group_of(ded, b)
   name = ded.boundaries.names[b]
   layout, n, z3 = ded.layout, ded.num_slots, ded.reshard_after_forward
-  if traced is None:
-    traced = any(isinstance(x, jax.core.Tracer) for x in local)
+  traced = any(isinstance(x, jax.core.Tracer) for x in whole or local)
   if remat and layout.distributed and not z3 and traced:
     warnings.warn(
       f'dmuon: the dedicated boundary {name!r} runs inside a Flax nn.remat '
@@ -125,35 +135,31 @@ def gathered(
   if ded.boundaries.scanned[b]:  # one layer per iteration: drop its axis
     run_layer = run
     run = lambda mats, *a: run_layer({i: m[0] for i, m in mats.items()}, *a)
-  manual = layout.distributed and set(ded.buffer_axes) <= (
-    _gather.manual_axes()
-  )
+  owners = set(ded.buffer_axes)
+  manual = layout.distributed and owners <= _gather.manual_axes()
   routed = manual
   if layout.distributed and not manual and traced:
-    if _exchange.reduced_route(ded, f'the dedicated boundary {name!r}'):
-      # The reduced gather's cotangent is a per-device partial sum: jax
-      # types a weight ``reduced`` only where its contraction runs over the
-      # owner axes, so the input must be split over every one of them.
-      xs = [x for x in jax.tree.leaves(arrays) if np.ndim(x) >= 1]
-      split = lambda x: _mesh.sharded_axes([_mesh.type_spec(x)])
-      routed = any(set(ded.buffer_axes) <= split(x) for x in xs)
-      if not routed:
-        typed = str(jax.typeof(xs[0])) if xs else 'no array'
-        _warn_once(
-          md,
-          f'dmuon: the dedicated boundary {name!r} ran under jax.jit/nnx.jit '
-          f'on an input typed {typed}, not split over the owner axes '
-          f'{md.axes}: its matrices were gathered with GSPMD, and a gradient '
-          'through them is all-reduced (3(N-1)/N x the Muon bytes instead of '
-          'the reduce-scatter floor). Shard the batch over the owner axes, '
-          'e.g. jax.device_put(batch, NamedSharding(mesh, P(ded.axes))), or '
-          'use dmuon_jax.flax.train_step(ded), which does (evaluation on a '
-          'replicated batch is otherwise fine).',
-          stacklevel=4,
-        )
-    else:
-      _warn_once(
-        md,
+    # The reduced gather's cotangent is a per-device partial sum: jax types
+    # a weight ``reduced`` only where its contraction runs over the owner
+    # axes, so the input must be split over every one of them.
+    xs = [x for x in jax.tree.leaves(arrays) if np.ndim(x) >= 1]
+    split = lambda x: _mesh.sharded_axes([_mesh.type_spec(x)])
+    reduced = _exchange.reduced_route(ded, f'the dedicated boundary {name!r}')
+    routed = reduced and any(owners <= split(x) for x in xs)
+    if reduced and not routed:
+      typed = str(jax.typeof(xs[0])) if xs else 'no array'
+      message = (
+        f'dmuon: the dedicated boundary {name!r} ran under jax.jit/nnx.jit '
+        f'on an input typed {typed}, not split over the owner axes '
+        f'{md.axes}: its matrices were gathered with GSPMD, and a gradient '
+        'through them is all-reduced (3(N-1)/N x the Muon bytes instead of '
+        'the reduce-scatter floor). Shard the batch over the owner axes, '
+        'e.g. jax.device_put(batch, NamedSharding(mesh, P(ded.axes))), or '
+        'use dmuon_jax.flax.train_step(ded), which does (evaluation on a '
+        'replicated batch is otherwise fine).'
+      )
+    elif not routed:
+      message = (
         'dmuon: a dedicated model ran under plain jax.jit/nnx.jit (outside '
         'dmuon_jax.flax.train_step). It computes the same numbers, but XLA '
         'reduces the Muon gradients with an all-reduce rather than the '
@@ -167,9 +173,10 @@ def gathered(
         )
         + '. Decorate the train step with @dmuon_jax.flax.train_step('
         'dedication) instead of jax.jit/nnx.jit to get the floor (evaluation '
-        'outside it is fine).',
-        stacklevel=3,
+        'outside it is fine).'
       )
+    if not routed:
+      _warn_once(md, message, stacklevel=4 if reduced else 3)
   if not routed:
     # The boundaries of a group constrain the same buffers: XLA gathers them
     # once and keeps them (Z2 memory: a re-gather per boundary would move
@@ -191,17 +198,12 @@ def gathered(
     return run(entry, state, arrays)
   sink = lambda: _gather.gather_sink(ded, g, local, iteration, mode)
   x, s, token = entry or (first(), sink(), _gather.new_token())
-
-  def run_z3(x, s, iteration, *args):
-    return run(gather(x, iteration, s), *args)
-
-  out, token = _gather.regather_group_in_backward(
-    run_z3,
-    ded.remat_policy,
-    last=b == ded.groups[g][-1] or ded.boundaries.scanned[b],
-    blocks=[name],
-    routed=True,
-  )(x, token, s, iteration, state, arrays)
+  run_z3 = lambda x, s, it, *args: run(gather(x, it, s), *args)
+  last = b == ded.groups[g][-1] or ded.boundaries.scanned[b]
+  tied = _gather.regather_group_in_backward(
+    run_z3, ded.remat_policy, last=last, blocks=[name], routed=True
+  )
+  out, token = tied(x, token, s, iteration, state, arrays)
   store((x, s, token))
   return out
 
@@ -228,37 +230,25 @@ def _trace_cache(md: ModelDedication, g: int, b: int, local, iteration, manual):
   """
   trace = jax.extend.core.get_opaque_trace_state(convention='nnx')
   cache = md.gathered_manual if manual else md.gathered
-  if cache.get('trace') != trace:
-    previous = cache.get('blocks', {})
-    cache.clear()
-    cache.update(trace=trace, blocks={}, previous=previous)
+  if cache.get('trace') != trace:  # per group: (buffers, gather, block)
+    old = {k: v[2] for k, v in cache.get('groups', {}).items()}
+    cache.update(trace=trace, groups={}, previous=old)
   keys = (*local, iteration)
-  hit = cache.get(g)
+  hit = cache['groups'].get(g)
   entry = hit[1] if hit and all(x is y for x, y in zip(hit[0], keys)) else None
   ded = md.dedication
   blocks = len(ded.groups[g])
-  if not manual and entry is None and blocks > 1:
-    if cache['previous'].get(g) not in (None, b):
-      linen = md.linen_model is not None
-      _warn_once(
-        md,
-        LIFTED_BOUNDARY_MSG.format(
-          name=ded.boundaries.names[b],
-          group=g,
-          blocks=blocks,
-          transforms=(
-            'a Flax lifted transform: nn.remat, nn.jit, nn.vmap ...'
-            if linen
-            else 'nnx.remat, nnx.jit, nnx.vmap ...'
-          ),
-          inside='nn.remat(nn.Dense)' if linen else 'nnx.remat around its MLP',
-        ),
-        stacklevel=3,
-      )
+  previous = cache['previous'].get(g)
+  if not manual and entry is None and blocks > 1 and previous not in (None, b):
+    transforms, inside = _LIFTED_BY[md.linen_model is not None]
+    name = ded.boundaries.names[b]
+    message = LIFTED_BOUNDARY_MSG.format(
+      name=name, group=g, blocks=blocks, transforms=transforms, inside=inside
+    )
+    _warn_once(md, message, stacklevel=3)
 
   def store(value):
-    cache[g] = (keys, value)
-    cache['blocks'][g] = b
+    cache['groups'][g] = (keys, value, b)
 
   return entry, store
 
@@ -291,8 +281,10 @@ class Hook:
 
 @functools.cache
 def hooked_class(cls: type) -> type:
-  """``cls`` whose ``__call__`` and public methods gather the boundary's
-  matrices first (a method called inside another runs as written)."""
+  """``cls`` whose ``__call__`` and the public methods it adds to
+  ``nnx.Module`` (``Embed.attend``, a block's helper: each may read the
+  Muon targets) gather the boundary's matrices first (a method called
+  inside another runs as written)."""
   if getattr(cls, '_dmuon_base', None) is not None:
     return cls
 
@@ -305,7 +297,16 @@ def hooked_class(cls: type) -> type:
 
     return method
 
-  attrs = {n: hook(getattr(cls, n)) for n in _model.public_methods(cls)}
+  attrs = {}
+  for klass in cls.__mro__:
+    if klass is nnx.Module or not issubclass(klass, nnx.Module):
+      break
+    for name, fn in vars(klass).items():
+      public = name == '__call__' or not (
+        name.startswith('_') or hasattr(nnx.Module, name)
+      )
+      if public and inspect.isfunction(fn) and name not in attrs:
+        attrs[name] = hook(fn)
   attrs.update(
     __module__=cls.__module__, __qualname__=cls.__qualname__, _dmuon_base=cls
   )
@@ -316,10 +317,8 @@ def _boundary_call(module, original, args, kwargs):
   hook = module.dmuon_hook
   md, b = hook.md, hook.boundary
   ded = md.dedication
-  g = _gather.group_of(ded, b)
-  name = ded.boundaries.names[b]
-  scanned = ded.boundaries.scanned[b]
-  count = ded.layout.groups[g].num_groups
+  name, scanned = ded.boundaries.names[b], ded.boundaries.scanned[b]
+  count = ded.layout.groups[_gather.group_of(ded, b)].num_groups
   local = [
     getattr(module, f'dmuon_owned_{j}').get_value() for j in range(count)
   ]
@@ -417,21 +416,12 @@ class _Interceptor:
     statistics are the global batch's (a pmean of the devices' equal
     shares), as under ``jax.jit``.
     """
-    if isinstance(module, nn.DenseGeneral):
-      if isinstance(module.kernel_init, _Unboxed) or not module.has_variable(
-        'params', 'kernel'
-      ):
-        return None
-      return module.clone(
-        parent=module.scope, kernel_init=_Unboxed(module.kernel_init)
-      )
-    axes = self.md.axes
-    if (
-      isinstance(module, nn.BatchNorm)
-      and module.axis_name is None
-      and axes
-      and set(axes) <= _gather.manual_axes()
-    ):
+    axes, init = self.md.axes, getattr(module, 'kernel_init', None)
+    if isinstance(module, nn.DenseGeneral) and not isinstance(init, _Unboxed):
+      if module.has_variable('params', 'kernel'):
+        return module.clone(parent=module.scope, kernel_init=_Unboxed(init))
+    norm = isinstance(module, nn.BatchNorm) and module.axis_name is None
+    if norm and axes and set(axes) <= _gather.manual_axes():
       return module.clone(parent=module.scope, axis_name=tuple(axes))
     return None
 
@@ -442,69 +432,54 @@ class _Interceptor:
     fixed = self._fixed(module)
     if fixed is not None:
       return getattr(fixed, method)(*args, **kwargs)
-    md = self.md
-    path = tuple(module.path)
-    if (
-      isinstance(module, nn.DenseGeneral)
-      or self.inner
-      or path not in md.boundary_paths
-    ):
+    md, path = self.md, tuple(module.path)
+    skip = isinstance(module, nn.DenseGeneral) or self.inner
+    if skip or path not in md.boundary_paths:
       return next_fun(*args, **kwargs)
     b = md.boundary_paths.index(path)
     ded = md.dedication
-    bufs = ded.layout.split_groups(range(len(md.buffer_paths)))[
-      _gather.group_of(ded, b)
-    ]
-    scanned = ded.boundaries.scanned[b]
-    if scanned:
+    bufs = ded.layout.split_groups(md.buffer_paths)[_gather.group_of(ded, b)]
+    local, iteration = None, None
+    if ded.boundaries.scanned[b]:
       local, iteration = _one_layer(md, b, module, len(bufs))
     # The group's whole buffers (a scanned stack's: all its layers'): they
     # say whether the model runs under jit (an eager call's nn.scan traces
     # its body, and so the slices, too).
-    whole = [
-      _mesh.unbox(_model.node_at(self.root, md.buffer_paths[k])) for k in bufs
-    ]
-    if not scanned:
-      local, iteration = whole, None
+    whole = [_mesh.unbox(_model.node_at(self.root, p)) for p in bufs]
     cols = {c: unfreeze(module.variables[c]) for c in module.variables}
-    sub = {
-      k: v
-      for k, v in cols.pop('params', {}).items()
-      if not (str(k).startswith('dmuon_owned_') or k == ITERATION)
-    }
+    owned = lambda k: str(k).startswith('dmuon_owned_') or k == ITERATION
+    sub = {k: v for k, v in cols.pop('params', {}).items() if not owned(k)}
     mutable = [c for c in cols if module.is_mutable_collection(c)]
     rngs = {name: module.make_rng(name) for name in module.scope.rngs}
     arrays, _, rebuild = split_args(args, kwargs)
 
     def run(mats, state, arrays):
-      p, others, keys = state
-      p = unfreeze(p)
+      p, others, keys = state  # (p: the dict made below, rebuilt by jax)
       for i, rel in md.targets[b]:
         _model.set_at(p, rel, mats[i])
       a, kw = rebuild(arrays)
       self.inner += 1
-      try:
-        result = module.clone(parent=None).apply(
+      try:  # (mutable=[]: the output and no updates)
+        return module.clone(parent=None).apply(
           {'params': p, **others},
           *a,
           rngs=keys,
-          mutable=mutable or False,
+          mutable=mutable,
           method=method,
           **kw,
         )
       finally:
         self.inner -= 1
-      return result if mutable else (result, {})
 
     out, updates = gathered(
       md,
       b,
-      local,
+      local or whole,
       iteration,
       run,
       (sub, cols, rngs),
       arrays,
-      traced=any(isinstance(x, jax.core.Tracer) for x in whole),
+      whole=whole,
       remat=_lifted(module, 'remat'),
     )
     for c, tree in updates.items():
@@ -589,25 +564,22 @@ class LinenApply:
     # Flax boxes come off here: unboxing inside the model would constrain
     # each value to its names, which train_step's manual owner axes refuse
     # (the arrays are placed already).
-    params = jax.tree.map(
-      _mesh.unbox, variables['params'], is_leaf=_mesh.is_box
+    params = unfreeze(
+      jax.tree.map(_mesh.unbox, variables['params'], is_leaf=_mesh.is_box)
     )
     # Each scanned stack's layer indices, dmuon_iteration = arange(layers),
     # beside its owned buffers: nn.scan slices them with the layers, so
     # each iteration knows which owners hold its matrices (they rotate by
     # one slot per layer). Made here, they are no param of the TrainState:
     # nothing differentiates or updates them.
-    with_iterations = (
-      unfreeze(params) if any(ded.boundaries.scanned) else params
-    )
     for b, scanned in enumerate(ded.boundaries.scanned):
       if scanned:
         n = ded.layout.iterations[_gather.group_of(ded, b)]
         where = md.boundary_paths[b] + (ITERATION,)
-        _model.set_at(with_iterations, where, jnp.arange(n, dtype=jnp.int32))
+        _model.set_at(params, where, jnp.arange(n, dtype=jnp.int32))
     with nn.intercept_methods(_Interceptor(md, params)):
       return md.linen_model.apply(
-        {**variables, 'params': with_iterations}, *args, **kwargs
+        {**variables, 'params': params}, *args, **kwargs
       )
 
   def __repr__(self) -> str:

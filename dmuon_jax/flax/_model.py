@@ -244,15 +244,9 @@ class ModelDedication:
     for t in ded.layout.leaves:
       b = boundary_of(ded, t)
       targets[b].append((t.index, paths[t.index][len(modules[b]) :]))
-    held = {t.index for t in ded.layout.leaves}
-    return cls(
-      dedication=ded,
-      buffer_paths=tuple(buffer_paths),
-      rest_paths=tuple(None if i in held else p for i, p in enumerate(paths)),
-      targets=tuple(tuple(t) for t in targets),
-      replicated=tuple(replicated),
-      **kwargs,
-    )
+    rest = [None if s is None else p for p, s in zip(paths, ded.rest_specs)]
+    owned, mine = tuple(buffer_paths), tuple(map(tuple, targets))
+    return cls(ded, owned, tuple(rest), mine, tuple(replicated), **kwargs)
 
   @property
   def apply(self) -> Callable[..., Any]:
@@ -309,12 +303,8 @@ class ModelDedication:
     tree of the dedicated model, read by path; ``what`` names the caller
     in the error for a param the model did not have (None: ignored);
     ``boxes``: Linen boxes and NNX Variables kept on the leaves."""
-    found = {
-      path(keys): x if boxes and _mesh.is_boxed(x) else _mesh.unbox(x)
-      for keys, x in jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=_mesh.is_boxed
-      )[0]
-    }
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_mesh.is_boxed)
+    found = {path(k): x if boxes else _mesh.unbox(x) for k, x in flat[0]}
     known = {*self.buffer_paths, *self.rest_paths, *self.placeholder_paths}
     for p in found:
       if p not in known and what is not None:
@@ -349,11 +339,8 @@ def placeholder(ded, target) -> jax.Array:
 
 # The options dedicate and dedicate_linen hand to the planner (dmuon_jax.
 # dedicate's, but its params, mesh and deprecated spelling).
-PLANNED = frozenset(inspect.signature(_dedicated.dedicate).parameters) - {
-  'params',
-  'mesh',
-  'weight_dimension_numbers',
-}
+_OPTIONS = inspect.signature(_dedicated.dedicate).parameters
+PLANNED = frozenset(_OPTIONS) - {'params', 'mesh', 'weight_dimension_numbers'}
 
 
 def path(keys: Sequence[Any]) -> tuple[Any, ...]:
@@ -411,12 +398,12 @@ def plan(params, mesh, scan: str, kwargs, specs):
     ``(dedication, placed params, DedicatedParams, replicated paths, {leaf
     index: moved param})``.
   """
-  k = kwargs.pop('layers_per_gather')
+  k, is_boundary = kwargs.pop('layers_per_gather'), kwargs['boundary_predicate']
   bounds = _checks.find_hook_boundaries(
     params,
     predicate=kwargs['predicate'],
     weight_dimension_numbers=kwargs['muon_weight_dimension_numbers'],
-    boundary_predicate=kwargs['boundary_predicate'],
+    boundary_predicate=is_boundary,
     strict=kwargs['strict'],
   )
   stacks = [n for n, s in zip(bounds.names, bounds.scanned) if s]
@@ -429,7 +416,24 @@ def plan(params, mesh, scan: str, kwargs, specs):
   ded = _dedicated.dedicate(
     params, mesh, layers_per_gather=1 if stacks else k, **kwargs
   )
-  _check_boundaries_hold_targets(params, ded, kwargs['boundary_predicate'])
+  # A module the boundary predicate names (outermost matches) that holds no
+  # Muon target: its call would gather nothing.
+  targets, seen = [t.path for t in ded.layout.leaves], set()
+  for keys, _ in jax.tree.flatten_with_path(params)[0] if is_boundary else ():
+    for depth in range(1, len(keys)):
+      prefix = _routing.normalize_path(keys[:depth])
+      if prefix in seen:
+        break
+      seen.add(prefix)
+      if is_boundary(prefix, _checks.subtree(params, keys[:depth])):
+        if not any(t == prefix or t.startswith(prefix + '/') for t in targets):
+          raise ValueError(
+            f'dmuon: boundary_predicate names module {prefix!r}, which holds '
+            'no Muon target (its params are AdamW params): its call would '
+            'gather nothing. Leave it out of the predicate (the boundaries '
+            f'with targets are {list(ded.boundaries.names)}).'
+          )
+        break
   if ded.tensor_parallel_axis is not None and stacks:
     raise ValueError(
       'dmuon: dmuon_jax.flax does not run tensor-parallel matrices inside '
@@ -438,16 +442,13 @@ def plan(params, mesh, scan: str, kwargs, specs):
       'layers as a Python loop, or pass tensor_parallel_axis=None with the '
       'stack replicated over it.'
     )
-  flat, treedef = jax.tree.flatten_with_path(params)
-  leaves = [x for _, x in flat]
+  leaves, treedef = jax.tree.flatten(params)
   owner = set(ded.buffer_axes)
   drop = lambda e: tuple(a for a in e if a not in owner) or None
-  ways = lambda sp: math.prod(
-    mesh.shape[a] for e in _mesh.spec_entries(sp) for a in e
-  )
+  ways = lambda sp: math.prod(mesh.shape[a] for a in _mesh.sharded_axes([sp]))
   replicated, moved, extra = [], {}, 0
   rest_specs = list(ded.rest_specs)  # (None: a Muon target)
-  for i, (rest_spec, (keys, x)) in enumerate(zip(ded.rest_specs, flat)):
+  for i, (rest_spec, x) in enumerate(zip(ded.rest_specs, list(leaves))):
     spec = specs[i] if specs[i] is not None else rest_spec
     if rest_spec is None or not _mesh.sharded_axes([spec]) & owner:
       continue
@@ -457,7 +458,7 @@ def plan(params, mesh, scan: str, kwargs, specs):
     rest_specs[i] = _dedicated.rest_spec(
       leaves[i], ded.leaf_paths[i], mesh, stacks
     )
-    replicated.append(text(path(keys)))
+    replicated.append(ded.leaf_paths[i])
     nbytes = np.size(x) * jnp.dtype(x.dtype).itemsize
     extra += nbytes // ways(kept) - nbytes // ways(spec)
   if replicated:
@@ -487,30 +488,6 @@ def plan(params, mesh, scan: str, kwargs, specs):
 
 def boundary_of(ded, target) -> int:
   return ded.boundaries.of_target[ded.boundaries.paths.index(target.path)]
-
-
-def _check_boundaries_hold_targets(params, ded, boundary_predicate) -> None:
-  """Raises for a module the boundary predicate names (outermost matches)
-  that holds no Muon target: its call would gather nothing."""
-  if boundary_predicate is None:
-    return
-  targets = [t.path for t in ded.layout.leaves]
-  seen = set()
-  for keys, _ in jax.tree.flatten_with_path(params)[0]:
-    for depth in range(1, len(keys)):
-      prefix = _routing.normalize_path(keys[:depth])
-      if prefix in seen:
-        break
-      seen.add(prefix)
-      if boundary_predicate(prefix, _checks.subtree(params, keys[:depth])):
-        if not any(t == prefix or t.startswith(prefix + '/') for t in targets):
-          raise ValueError(
-            f'dmuon: boundary_predicate names module {prefix!r}, which holds '
-            'no Muon target (its params are AdamW params): its call would '
-            'gather nothing. Leave it out of the predicate (the boundaries '
-            f'with targets are {list(ded.boundaries.names)}).'
-          )
-        break
 
 
 def gather_points(ded, paths) -> tuple[tuple[Any, ...], ...]:
@@ -584,7 +561,8 @@ def check_model(model, paths, specs, ded, mesh, boundary_paths) -> None:
         'serve two boundaries. Route it to AdamW (predicate) or untie it.'
       )
     variable = node_at(model, p)
-    names = variable.get_metadata().get('out_sharding')
+    meta = variable.get_metadata()
+    names = meta.get('out_sharding')
     # Names that are mesh axes, which no rules change, are read the same
     # in any context.
     if (
@@ -599,12 +577,8 @@ def check_model(model, paths, specs, ded, mesh, boundary_paths) -> None:
           out_sharding=tuple(None if logical(e) else e for e in names)
         )
       continue
-    ruled = core_spmd.get_logical_axis_rules() or variable.get_metadata().get(
-      'sharding_rules'
-    )
-    unmapped = [
-      a for e in _mesh.spec_entries(specs[i]) for a in e if a not in axes
-    ]
+    ruled = core_spmd.get_logical_axis_rules() or meta.get('sharding_rules')
+    unmapped = sorted(_mesh.sharded_axes([specs[i]]) - axes)
     if unmapped and not ruled:  # (rules that leave a name out: as before)
       decides = (
         'whether its owners store it split over a tensor-parallel axis'
@@ -622,19 +596,3 @@ def check_model(model, paths, specs, ded, mesh, boundary_paths) -> None:
         'the eval_shape inside the rules too (with '
         'nn.logical_axis_rules(rules): abstract = jax.eval_shape(init)).'
       )
-
-
-def public_methods(cls: type) -> list[str]:
-  """``__call__`` and the public methods ``cls`` adds to ``nnx.Module``
-  (``Embed.attend``, a block's helper): each may read the Muon targets."""
-  names = []
-  for klass in cls.__mro__:
-    if klass is nnx.Module or not issubclass(klass, nnx.Module):
-      break
-    for name, fn in vars(klass).items():
-      public = name == '__call__' or not (
-        name.startswith('_') or hasattr(nnx.Module, name)
-      )
-      if public and inspect.isfunction(fn) and name not in names:
-        names.append(name)
-  return names

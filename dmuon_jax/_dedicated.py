@@ -371,6 +371,20 @@ def _layout(
   group_of = {
     s.leaf_index: g for g, gp in enumerate(group_plans) for s in gp.leaves
   }
+  # The owner update runs no TP Gram inside a scan over layers (yet).
+  stacked = [
+    s.path
+    for s in plan.leaves
+    if s.leaf_index in tp_splits and iterations[group_of[s.leaf_index]]
+  ]
+  if stacked:
+    raise ValueError(
+      f'dmuon: the Muon targets {stacked} are stacked layers (a scanned '
+      f'stack) split over the tensor-parallel axis {info.tp_axis!r}, which '
+      'dedicated mode does not run yet. Store the layers as separate params '
+      '(a Python loop over layers), pass tensor_parallel_axis=None with the '
+      'stack replicated over that axis, or use the drop-in dmuon_jax.dmuon.'
+    )
   return _owner_layout.OwnerLayout.build(
     group_plans,
     [

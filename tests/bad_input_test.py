@@ -190,6 +190,17 @@ def dedicate_owner_groups_with_scanned_stack():
   )
 
 
+def dedicate_tp_split_scanned_stack():
+  w = place(jnp.ones((2, 16, 64)), tp_mesh(), P(None, None, 'model'))
+  dmuon_jax.dedicate(
+    {'layers': {'w': w}},
+    tp_mesh(),
+    predicate=scanned_w,
+    muon_weight_dimension_numbers=stacks,
+    tensor_parallel_axis='model',
+  )
+
+
 def params_outside_the_mesh():
   mesh, other = half_meshes()
   dmuon_jax.dmuon(0.1, mesh=mesh).init(place(tree(), other))
@@ -789,6 +800,13 @@ CASES = (
       r"owner_groups=2 with scanned stacks \(param 'layers/w'\).*Pass "
       r"owner_groups='auto' \(scanned stacks stay whole\) or None"
     ),
+  ),
+  (
+    'dedicate_tp_split_scanned_stack',
+    dedicate_tp_split_scanned_stack,
+    ValueError,
+    r"targets \['layers/w'\] are stacked layers.*axis 'model'.*"
+    r'tensor_parallel_axis=None',
   ),
   (
     'plan_ns_steps_zero',

@@ -517,7 +517,7 @@ class OutsideTheStepTest(absltest.TestCase):
       }
       with self.assertRaisesRegex(
         ValueError,
-        r"tensor-parallel matrices inside scanned stacks yet \(\['layers'\]",
+        r"targets \['layers/up/kernel'\] are stacked layers.*'model'",
       ):
         dflax.dedicate(model, mesh, muon_weight_dimension_numbers=dims)
 

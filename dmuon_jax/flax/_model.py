@@ -434,14 +434,6 @@ def plan(params, mesh, scan: str, kwargs, specs):
             f'with targets are {list(ded.boundaries.names)}).'
           )
         break
-  if ded.tensor_parallel_axis is not None and stacks:
-    raise ValueError(
-      'dmuon: dmuon_jax.flax does not run tensor-parallel matrices inside '
-      f'scanned stacks yet ({stacks}, over {ded.tensor_parallel_axis!r}). '
-      'Use the explicit API (dmuon_jax.dedicate, Dedication.scan), run the '
-      'layers as a Python loop, or pass tensor_parallel_axis=None with the '
-      'stack replicated over it.'
-    )
   leaves, treedef = jax.tree.flatten(params)
   owner = set(ded.buffer_axes)
   drop = lambda e: tuple(a for a in e if a not in owner) or None

@@ -786,6 +786,18 @@ class NnxMistakeTest(absltest.TestCase):
           path == 'embed' or path.count('/') == 1 and path.startswith('layers/')
         ),
       )
+    # A sibling below a module visited before (each block's mlp_norm, after
+    # its attn): checked too.
+    parts = ('attn', 'gate', 'up', 'down', 'mlp_norm')
+    with self.assertRaisesRegex(ValueError, r"'layers/0/mlp_norm'.*no Muon"):
+      dflax.dedicate(
+        make_model(False),
+        None,
+        muon_weight_dimension_numbers=muon_dims,
+        boundary_predicate=lambda path, _: (
+          path.count('/') == 2 and path.split('/')[2] in parts
+        ),
+      )
 
   def test_dedicating_twice(self):
     model = make_model(False)

@@ -418,14 +418,16 @@ def plan(params, mesh, scan: str, kwargs, specs):
   )
   # A module the boundary predicate names (outermost matches) that holds no
   # Muon target: its call would gather nothing.
-  targets, seen = [t.path for t in ded.layout.leaves], set()
+  # (prefix -> whether the predicate names it: asked once per module;
+  # below a module it names, nothing is asked.)
+  targets, named = [t.path for t in ded.layout.leaves], {}
   for keys, _ in jax.tree.flatten_with_path(params)[0] if is_boundary else ():
     for depth in range(1, len(keys)):
       prefix = _routing.normalize_path(keys[:depth])
-      if prefix in seen:
-        break
-      seen.add(prefix)
-      if is_boundary(prefix, _checks.subtree(params, keys[:depth])):
+      if prefix not in named:
+        sub = _checks.subtree(params, keys[:depth])
+        named[prefix] = bool(is_boundary(prefix, sub))
+      if named[prefix]:
         if not any(t == prefix or t.startswith(prefix + '/') for t in targets):
           raise ValueError(
             f'dmuon: boundary_predicate names module {prefix!r}, which holds '

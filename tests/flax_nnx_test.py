@@ -586,6 +586,26 @@ class NnxBehaviourTest(absltest.TestCase):
     self.assertEqual(int(i), 3)
     np.testing.assert_allclose(float(loss), want, rtol=1e-5)
 
+  def test_a_sharded_batch_part_not_taken_for_the_batch_names_the_fix(self):
+    # step(model, optimizer, x, y): the default batch is y alone; x, placed
+    # split over the owner axes as a batch is, is state by that rule. The
+    # error names x's position and batch_argnums (before: "Place it as
+    # dmuon_jax.flax.dedicate left it", naming neither).
+    mesh = make_mesh((2, 4))
+    model = make_model(False, depth=1)
+    ded = dflax.dedicate(model, mesh, muon_weight_dimension_numbers=muon_dims)
+    optimizer = nnx.Optimizer(
+      model, dflax.dedicated_muon(ded, learning_rate=LR), wrt=nnx.Param
+    )
+    step = dflax.train_step(ded)(lambda model, optimizer, x, y: None)
+    x = jax.device_put(tokens(), NamedSharding(mesh, P(ded.axes)))
+    with self.assertRaisesRegex(
+      ValueError,
+      r"'argument 2' sharded .*takes argument 2 for state.*batch arguments "
+      r'are \[3\].*pass batch_argnums=\(2, 3\)',
+    ):
+      step(model, optimizer, x, tokens())
+
   def test_graph_nodes_inside_a_container_argument_are_refused(self):
     model = make_model(False, depth=1)
     ded = dflax.dedicate(model, None, muon_weight_dimension_numbers=muon_dims)

@@ -495,8 +495,12 @@ def train_step(
     is_state = tuple(k not in batch for k in arg_of)
     # Per leaf its name in messages (built only when one is needed).
     names = lambda: tuple(
-      ('argument ' if keys[0].idx else '') + _model.text(_model.path(keys[1:]))
-      for keys, _ in flat
+      _model.text(
+        (f'argument {k}', *_model.path(keys[2:]))
+        if keys[0].idx
+        else _model.path(keys[1:])
+      )
+      for k, (keys, _) in zip(arg_of, flat)
     )
     leaves, specs = [], []
     for i, ((keys, x), state) in enumerate(zip(flat, is_state)):
@@ -514,6 +518,22 @@ def train_step(
       # Inside the step each device runs the whole model: other state
       # sharded over an owner axis would be seen as one device's shard.
       elif state and spec != P() and lay(x.shape, spec) not in owner_layout:
+        if keys[0].idx:  # an argument of the step's own: a batch part?
+          k, given = arg_of[i], sorted(batch)
+          raise ValueError(
+            f'dmuon: train_step got {names()[i]!r} sharded {spec} over the '
+            f'owner axes {tuple(sorted(axes))}, and takes argument {k} for '
+            f'state, not batch: the batch arguments are {given} ('
+            + (
+              'the last argument holding an array of rank 1 or more'
+              if batch_argnums is None
+              else 'batch_argnums'
+            )
+            + f'). If argument {k} is batch too (inputs beside labels), pass '
+            f'batch_argnums={tuple(sorted({k, *given}))}; if it is state, '
+            'place it replicated over those axes (each device runs the whole '
+            'model on its share of the batch).'
+          )
         raise ValueError(
           f'dmuon: train_step got {names()[i]!r} sharded {spec} over the owner '
           f'axes {tuple(sorted(axes))}; each device runs the whole model '

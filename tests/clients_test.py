@@ -200,6 +200,21 @@ def warned_ok():
     yield
 
 
+@contextlib.contextmanager
+def plain_jit_on_auto():
+  """A plain ``jit`` step on an Auto mesh warns, as the guide says, that XLA
+  all-reduces the Muon gradients (true there: the floors need
+  ``train_step``); the client's step is that step, so that warning is let
+  through and every other one still fails the test."""
+  with warnings.catch_warnings():
+    warnings.filterwarnings(
+      'ignore',
+      message='dmuon: a dedicated model ran under plain jax.jit/nnx.jit',
+      category=dmuon_jax.DMuonWarning,
+    )
+    yield
+
+
 class BytesMixin:
   """The per-device optimizer state check shared by the patterns."""
 
@@ -389,7 +404,9 @@ class MnistTest(BytesMixin, absltest.TestCase):
   ``MultiMetric`` updated in the ``nnx.jit`` step."""
 
   def test_matches_optax_metrics_rngs_and_batch_stats(self):
-    want, got = mnist_reference(), run_mnist()
+    want = mnist_reference()
+    with plain_jit_on_auto():
+      got = run_mnist()
     assert_muon_close(self, got['params'], want['params'])
     for key, value in want['metrics'].items():
       self.assertAlmostEqual(got['metrics'][key], value, delta=1e-5, msg=key)
@@ -818,11 +835,28 @@ class GptBlock(nnx.Module):
 
 
 class Gpt(nnx.Module):
+  """Embedding and head FSDP over 'shard' (GSPMD style), blocks in a list."""
+
   def __init__(self, rngs):
-    self.wte = nnx.Embed(V, D, rngs=rngs)
+    self.wte = nnx.Embed(
+      V,
+      D,
+      embedding_init=nnx.with_partitioning(
+        nnx.initializers.normal(), ('shard', None)
+      ),
+      rngs=rngs,
+    )
     self.blocks = nnx.List([GptBlock(rngs) for _ in range(2)])
     self.ln_f = nnx.LayerNorm(D, rngs=rngs)
-    self.lm_head = nnx.Linear(D, V, use_bias=False, rngs=rngs)
+    self.lm_head = nnx.Linear(
+      D,
+      V,
+      use_bias=False,
+      kernel_init=nnx.with_partitioning(
+        nnx.initializers.lecun_normal(), (None, 'shard')
+      ),
+      rngs=rngs,
+    )
 
   def __call__(self, toks):
     x = self.wte(toks)
@@ -947,7 +981,9 @@ class Lm1bTest(BytesMixin, absltest.TestCase):
   on an Auto mesh."""
 
   def test_matches_optax(self):
-    want, got = lm1b_reference(), run_lm1b()
+    want = lm1b_reference()
+    with plain_jit_on_auto():
+      got = run_lm1b()
     assert_muon_close(self, got['params'], want['params'])
     np.testing.assert_allclose(
       got['losses'], [float(x) for x in want['outs']], rtol=RTOL

@@ -5,7 +5,7 @@ FSDP toy (params on the root module), the NNX MNIST tutorial (attribute
 layers, BatchNorm, Dropout, ``MultiMetric``), Flax's scan-over-layers toy
 (a ``(model, optimizer, x, y)`` step), Gemma (an Explicit ``(8, 1)`` mesh
 and a functional ``nnx.split``/``nnx.merge`` + ``jax.jit`` step), nanodo (a
-Linen trainer with FSDP-boxed embedding and head and per-layer param
+Linen trainer with an FSDP-boxed embedding tied to the head, per-layer param
 metrics inside the step), an NNX GPT on an Auto mesh whose blocks constrain
 activations to the batch sharding, and lm1b (Linen blocks named
 ``encoderdecoderblock_N``).
@@ -133,13 +133,13 @@ def plain_params(model):
   return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
-def nnx_reference(make, step, args, mesh, dimension_numbers=dims, jit=None):
+def nnx_reference(make, step, args, mesh, dimension_numbers=dims):
   """The plain model under ``nnx.jit`` with optax muon, replicated.
 
   ``make`` runs under ``jax.set_mesh(mesh)`` (sharding metadata needs a
   mesh), then every array is replicated; the step runs on ``mesh``."""
   model = replicated(make, mesh)
-  compiled = (jit or nnx.jit)(step)
+  compiled = nnx.jit(step)
   with jax.set_mesh(mesh):
     optimizer = nnx.Optimizer(
       model, optax_muon(dimension_numbers), wrt=nnx.Param

@@ -350,15 +350,21 @@ def _boundary_call(module, original, args, kwargs):
   fixed = jax.tree.map(jax.lax.stop_gradient, fixed)
 
   def run(mats, state, arrays):
-    m, new_nodes = nnx.merge(graphdef, fixed, state)
+    # A copy: the module's own variables may belong to an outer trace (the
+    # rest of a functional step's nnx.split, merged inside its jax.grad).
+    m, new_nodes = nnx.merge(graphdef, fixed, state, copy=True)
     for i, rel in mine:
       _model.node_at(m, rel).set_value(mats[i])
     a, kw = rebuild(arrays, new_nodes)
     m.dmuon_hook = dataclasses.replace(hook, running=True)  # this copy's
     out = original(m, *a, **kw)
-    for _, rel in mine:
-      _model.node_at(m, rel).set_value(jnp.zeros(*holes[rel]))
-    return out, nnx.state((m, new_nodes), nnx.Not(owned_filter))
+    # Only what the call changed flows out and is written back (nnx.jit's
+    # rule too): a variable of an outer trace can't be written from inside.
+    old = {p: v.get_raw_value() for p, v in nnx.to_flat_state(state)}
+    kept = nnx.Not((*owned_filter, _model.DedicatedWeight))  # (gathered)
+    new = nnx.to_flat_state(nnx.state((m, new_nodes), kept))
+    changed = [(p, v) for p, v in new if v.get_raw_value() is not old[p]]
+    return out, nnx.from_flat_state(changed)
 
   out, new_state = gathered(md, b, local, iteration, run, state, arrays)
   nnx.update((module, nodes), new_state)

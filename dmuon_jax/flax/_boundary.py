@@ -330,9 +330,9 @@ def _boundary_call(module, original, args, kwargs):
     )
   iteration = module.dmuon_iteration.get_value() if scanned else None
   mine = md.targets[b]
-  holes = {rel: _model.node_at(module, rel).get_raw_value() for _, rel in mine}
-  full = [rel for rel, x in holes.items() if np.size(x)]
-  holes = {rel: (tuple(x.shape), x.dtype) for rel, x in holes.items()}
+  full = [
+    r for _, r in mine if np.size(_model.node_at(module, r).get_raw_value())
+  ]
   if full:
     raise ValueError(
       f'dmuon: the Muon target(s) {[name + "/" + _model.text(r) for r in full]} of '

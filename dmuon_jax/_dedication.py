@@ -454,6 +454,8 @@ class Dedication:
       + f', {self.layers_per_gather} layer(s) per gather ({choice}), '
       f'layout {self.layout.name}'
     ]
+    if self.boundaries.names:
+      lines.append(f'  hook boundaries: {self.boundaries.chosen()}')
     for g, lay in enumerate(self.layout.groups):
       got = lay.plan.gather_bytes()
       names = ', '.join(

@@ -173,7 +173,7 @@ def dedicate(
   # metadata), also where a traced value on Auto axes says nothing.
   specs = [_mesh.leaf_spec(_model.node_at(model, p)) for p in paths]
   ded, _, dp, replicated, moved = _model.plan(
-    params, mesh, 'nnx.scan', kwargs, specs
+    params, mesh, 'nnx.scan', kwargs, specs, _model.containers(model)
   )
   for i, x in moved.items():
     variable = _model.node_at(model, paths[i])

@@ -441,7 +441,9 @@ class Dedication:
     return _gather_totals(self).exchange
 
   def summary(self) -> str:
-    """The gather groups, their padding, and the owner plan's summary."""
+    """The hook boundaries (and how each was found: see
+    :func:`dmuon_jax.find_hook_boundaries`), the gather groups, their
+    padding, and the owner plan's summary."""
     total = _gather_totals(self)
     mode = 'Z3' if self.reshard_after_forward else 'Z2'
     choice, rep = self.layers_per_gather_choice, self.replicate_axis

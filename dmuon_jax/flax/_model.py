@@ -271,7 +271,8 @@ class ModelDedication:
     return self.dedication.buffer_axes
 
   def summary(self) -> str:
-    """The dedication's summary (gather groups, padding, owner plan)."""
+    """The dedication's summary (the hook boundaries and how each was
+    found, gather groups, padding, owner plan)."""
     text = self.dedication.summary()
     if self.replicated:
       text += (

@@ -574,7 +574,7 @@ def find_hook_boundaries(
     ...           'layers_1': {'q': w, 'o': w}, 'mlp': {'w': w}}
     >>> dmuon_jax.find_hook_boundaries(params)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    ValueError: dmuon: 1 Muon target(s) have no hook boundary: ['mlp/w']. ...
+    ValueError: dmuon: 1 Muon target(s) have no hook boundary: ['mlp/w'], ...
     >>> b = dmuon_jax.find_hook_boundaries(params, strict=False)
     >>> b.names
     ('layers_0', 'layers_1', 'mlp')

@@ -139,30 +139,19 @@ class Block(nnx.Module):
 
 
 class LmLike(nnx.Module):
-  """Blocks as attributes named as Flax's lm1b names them."""
+  """Blocks as attributes named as Flax's lm1b names them, and more in an
+  ``nnx.Dict`` under names without an index."""
 
   def __init__(self, rngs):
     self.embed = nnx.Embed(V, D, rngs=rngs)
     self.encoderdecoderblock_0 = Block(rngs)
     self.encoderdecoderblock_1 = Block(rngs)
+    self.blocks = nnx.Dict(first=Block(rngs), second=Block(rngs))
     self.logitdense = nnx.Linear(D, V, rngs=rngs)  # 'logit': AdamW
 
   def __call__(self, tokens):
     x = self.embed(tokens)
     x = self.encoderdecoderblock_1(self.encoderdecoderblock_0(x))
-    return self.logitdense(x)
-
-
-class DictOfBlocks(LmLike):
-  """Blocks in an ``nnx.Dict`` under names without an index."""
-
-  def __init__(self, rngs):
-    self.embed = nnx.Embed(V, D, rngs=rngs)
-    self.blocks = nnx.Dict(first=Block(rngs), second=Block(rngs))
-    self.logitdense = nnx.Linear(D, V, rngs=rngs)
-
-  def __call__(self, tokens):
-    x = self.embed(tokens)
     return self.logitdense(self.blocks['second'](self.blocks['first'](x)))
 
 
@@ -292,18 +281,12 @@ class FoundBoundariesTest(absltest.TestCase):
       [w for w in got['warnings'] if 'dmuon' in w], [], got['summary']
     )
 
-  def test_indexed_attribute_blocks(self):  # lm1b: encoderdecoderblock_N
+  def test_indexed_attribute_blocks_and_a_dict_of_blocks(self):  # lm1b
     self.check(
       LmLike,
       'train_step',
-      'encoderdecoderblock_0, encoderdecoderblock_1 (repeated siblings)',
-    )
-
-  def test_dict_of_blocks(self):
-    self.check(
-      DictOfBlocks,
-      'train_step',
-      'blocks/first, blocks/second (repeated siblings)',
+      'blocks/first, blocks/second, encoderdecoderblock_0, '
+      'encoderdecoderblock_1 (repeated siblings)',
     )
 
   def test_attribute_layers_with_batchnorm_and_dropout(self):  # MNIST

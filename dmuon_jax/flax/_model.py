@@ -425,7 +425,7 @@ def plan(params, mesh, scan: str, kwargs, specs, blocks=frozenset()):
     params,
     predicate=kwargs['predicate'],
     weight_dimension_numbers=kwargs['muon_weight_dimension_numbers'],
-    boundary_predicate=is_boundary,
+    boundary_predicate=kwargs['boundary_predicate'],
     strict=kwargs['strict'],
   )
   stacks = [n for n, s in zip(bounds.names, bounds.scanned) if s]

@@ -197,7 +197,9 @@ def dedicate(
     muon_weight_dimension_numbers: as for :func:`dmuon_jax.dmuon`.
     boundary_predicate: custom hook boundaries, see
       :func:`dmuon_jax.find_hook_boundaries`.
-    strict: raise if a target has no boundary.
+    strict: raise if a target lies outside the model's blocks; False:
+      gather it with its own module (see
+      :func:`dmuon_jax.find_hook_boundaries`).
     reshard_after_forward: True for Z3 (gather again in the backward pass),
       False for Z2 (keep the gathered weights).
     layers_per_gather: boundaries (or scanned layers) per gather; must

@@ -863,7 +863,7 @@ class DocsMistakeTableTest(absltest.TestCase):
   """Every row of ``docs/reference/dedicated_mistakes.md`` names tests that
   exist in this file, ``flax_linen_test.py``, ``flax_linen_scan_test.py``
   or the plain-jit route's ``flax_route_test.py``/
-  ``flax_linen_route_test.py``."""
+  ``flax_linen_route_test.py``, or ``boundaries_test.py``."""
 
   def test_every_row_names_tests_that_exist(self):
     root = pathlib.Path(__file__).resolve().parent
@@ -876,6 +876,7 @@ class DocsMistakeTableTest(absltest.TestCase):
         'flax_linen_scan_test.py',
         'flax_route_test.py',
         'flax_linen_route_test.py',
+        'boundaries_test.py',
       )
     )
     rows = [r for r in table.splitlines() if r.startswith('| ') and '::' in r]

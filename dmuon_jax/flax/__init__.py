@@ -77,8 +77,11 @@ def dedicate(
   """Stores an NNX model's Muon targets on their owners, in place.
 
   The model's code does not change: each hook boundary module (see
-  :func:`dmuon_jax.find_hook_boundaries`: ``layers[i]``, ``blocks[i]``, a
-  ``nnx.vmap`` stack called through ``nnx.scan``) gathers its gather
+  :func:`dmuon_jax.find_hook_boundaries`: ``layers[i]``, ``blocks[i]``,
+  repeated submodules under an indexed name (``block0``) or in an
+  ``nnx.List``/``nnx.Dict``, a ``nnx.vmap`` stack called through
+  ``nnx.scan``, and in a model without blocks each Muon param's own module,
+  the root for params set on it) gathers its gather
   group's matrices when it is called. Under :func:`train_step` that is an
   all-gather over the owner axes whose transpose reduce-scatters the
   gradients to the owners (Z3 gathers again in the backward pass, Z2 keeps
@@ -111,7 +114,9 @@ def dedicate(
       the params as ``nnx.to_pure_dict(nnx.state(model, nnx.Param))``).
     boundary_predicate: as for :func:`dmuon_jax.dedicate`; boundaries must
       be module paths.
-    strict: as for :func:`dmuon_jax.dedicate`.
+    strict: as for :func:`dmuon_jax.dedicate`: False gathers a Muon
+      target outside the model's blocks with its own module (an error
+      naming it where that module holds blocks too).
     reshard_after_forward: True for Z3, False for Z2.
     layers_per_gather: as for :func:`dmuon_jax.dedicate` (default
       ``'auto'``); a scanned stack gathers one layer per ``nnx.scan``
@@ -173,7 +178,7 @@ def dedicate(
   # metadata), also where a traced value on Auto axes says nothing.
   specs = [_mesh.leaf_spec(_model.node_at(model, p)) for p in paths]
   ded, _, dp, replicated, moved = _model.plan(
-    params, mesh, 'nnx.scan', kwargs, specs
+    params, mesh, 'nnx.scan', kwargs, specs, _model.containers(model)
   )
   for i, x in moved.items():
     variable = _model.node_at(model, paths[i])

@@ -223,10 +223,12 @@ def _trace_cache(md: ModelDedication, g: int, b: int, local, iteration, manual):
   ``manual``: inside :func:`train_step` (``md.gathered_manual``); else
   (``md.gathered``) warns :data:`LIFTED_BOUNDARY_MSG` (once per model)
   where block ``b`` of a group of several blocks misses the group in its
-  trace while another block of the group gathered it in the trace just
-  before: a transform of its own around each block (``nnx.remat(lambda
-  block, x: block(x))``, a Flax ``nn.remat`` around the boundary module),
-  so the group is gathered and reduce-scattered per block.
+  trace while another block of the group was the first to gather it in the
+  trace just before: a transform of its own around each block
+  (``nnx.remat(lambda block, x: block(x))``, a Flax ``nn.remat`` around the
+  boundary module), so the group is gathered and reduce-scattered per
+  block. A new trace of the whole model (an evaluation step, a step traced
+  again) starts with the block that started the one before: no warning.
   """
   trace = jax.extend.core.get_opaque_trace_state(convention='nnx')
   cache = md.gathered_manual if manual else md.gathered
@@ -236,6 +238,9 @@ def _trace_cache(md: ModelDedication, g: int, b: int, local, iteration, manual):
   keys = (*local, iteration)
   hit = cache['groups'].get(g)
   entry = hit[1] if hit and all(x is y for x, y in zip(hit[0], keys)) else None
+  # The block whose call gathered the group in this trace (Z3's later
+  # blocks store the group again: the gatherer stays the first).
+  first = b if entry is None else hit[2]
   ded = md.dedication
   blocks = len(ded.groups[g])
   previous = cache['previous'].get(g)
@@ -248,7 +253,7 @@ def _trace_cache(md: ModelDedication, g: int, b: int, local, iteration, manual):
     _warn_once(md, message, stacklevel=3)
 
   def store(value):
-    cache['groups'][g] = (keys, value, b)
+    cache['groups'][g] = (keys, value, first)
 
   return entry, store
 

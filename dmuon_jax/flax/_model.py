@@ -271,7 +271,8 @@ class ModelDedication:
     return self.dedication.buffer_axes
 
   def summary(self) -> str:
-    """The dedication's summary (gather groups, padding, owner plan)."""
+    """The dedication's summary (the hook boundaries and how each was
+    found, gather groups, padding, owner plan)."""
     text = self.dedication.summary()
     if self.replicated:
       text += (
@@ -379,7 +380,21 @@ def set_at(root: Any, path: Sequence[Any], value: Any) -> None:
     setattr(parent, path[-1], value)
 
 
-def plan(params, mesh, scan: str, kwargs, specs):
+def containers(model: nnx.Module) -> frozenset[str]:
+  """The paths of ``model``'s containers (``nnx.List``, ``nnx.Dict``,
+  ``list``, ``dict``, ``tuple``) of two or more submodules of one class:
+  their entries are repeated siblings whatever their names."""
+  found = set()
+  for keys, node in nnx.iter_graph(model):
+    if isinstance(node, (nnx.List, nnx.Dict, list, dict, tuple)):
+      items = node.values() if isinstance(node, (dict, nnx.Dict)) else node
+      kinds = {type(x) for x in items if isinstance(x, nnx.Module)}
+      if len(kinds) == 1 and sum(isinstance(x, nnx.Module) for x in items) > 1:
+        found.add(text(keys))
+  return frozenset(found)
+
+
+def plan(params, mesh, scan: str, kwargs, specs, blocks=frozenset()):
   """The dedication of a Flax model's params, and the params placed for it.
 
   Plans with :func:`dmuon_jax.dedicate` (``kwargs``: its options; one layer
@@ -394,16 +409,23 @@ def plan(params, mesh, scan: str, kwargs, specs):
   init on Auto axes the traced values carry none, yet ``jit(init,
   out_shardings=...)`` would place them as their metadata says.
 
+  Without a ``boundary_predicate``, the boundaries are found by
+  :func:`dmuon_jax.find_hook_boundaries`'s default rules, ``blocks`` (the
+  model's containers of submodules, :func:`containers`) counting as
+  repeated siblings.
+
   Returns:
     ``(dedication, placed params, DedicatedParams, replicated paths, {leaf
     index: moved param})``.
   """
   k, is_boundary = kwargs.pop('layers_per_gather'), kwargs['boundary_predicate']
+  if is_boundary is None:
+    kwargs['boundary_predicate'] = _checks.ModelBlocks(blocks)
   bounds = _checks.find_hook_boundaries(
     params,
     predicate=kwargs['predicate'],
     weight_dimension_numbers=kwargs['muon_weight_dimension_numbers'],
-    boundary_predicate=is_boundary,
+    boundary_predicate=kwargs['boundary_predicate'],
     strict=kwargs['strict'],
   )
   stacks = [n for n, s in zip(bounds.names, bounds.scanned) if s]
@@ -534,10 +556,20 @@ def check_model(model, paths, specs, ded, mesh, boundary_paths) -> None:
   for b, bpath in enumerate(boundary_paths):
     module = node_at(model, bpath)
     if not isinstance(module, nnx.Module):
+      name = ded.boundaries.names[b]
+      how = (ded.boundaries.how or ('',) * (b + 1))[b]
+      why = (
+        f' (strict=False gathers a Muon target outside the blocks with its '
+        f'module, but {name!r} lies on {text(bpath[:-1]) or "the root"!r}, '
+        'which holds blocks too: its call would gather around theirs)'
+        if how == 'target itself'
+        else ''
+      )
       raise ValueError(
-        f'dmuon: hook boundary {ded.boundaries.names[b]!r} is a '
-        f'{type(module).__name__}, not an nnx.Module: its call cannot '
-        'gather. Pass a boundary_predicate that names modules.'
+        f'dmuon: hook boundary {name!r} is a {type(module).__name__}, not '
+        f'an nnx.Module: its call cannot gather{why}. Route {name!r} to '
+        'AdamW (predicate), or pass a boundary_predicate=(path, subtree) -> '
+        'bool that names the modules that use it.'
       )
   targets = {t.index for t in ded.layout.leaves}
   held = {p: paths for paths in nnx.find_duplicates(model) for p in paths}

@@ -109,15 +109,24 @@ def plan_gather_groups(
     at most ``SPLIT_PADDING_PERCENT``; else the coarsest slicing of
     :func:`byte_views` that does, placed as :func:`plan_gather_groups`
     places it, in rows of the group axis (else the one padding least);
-    if none pads at most ``SPLIT_PADDING_PERCENT`` there, the same over
-    one row of every owner device, where that pads less (a matrix that
-    outweighs a row's share: MNIST's 3136 x 256 ``linear1`` on 2 x 4).
+    if none pads at most ``SPLIT_PADDING_PERCENT`` there and one matrix
+    outweighs a row's share of the group's bytes (MNIST's 3136 x 256
+    ``linear1`` on 2 x 4), the same over one row of every owner device,
+    where that pads less and moves fewer bytes (:func:`moved`: a large
+    matrix's Gram exchange over every device can cost more than the
+    padding it saves).
     Groups of equal shapes share one decision through ``memo`` (keyed on
     what placing reads of the leaves: not their paths).
     """
     split_here, k_here = split and not scanned, k if scanned else 0
     shapes = tuple(dataclasses.replace(s, leaf_index=0, path='') for s in specs)
     key = (split_here, shapes, k_here, tuple(map(tuple, rows)))
+
+    def moved(b):
+      """Bytes a device sends per step for a group's bytes ``b``: its
+      gathers' at the all-reduce floor (Z2's; Z3 moves 3/2 of them) and
+      the owner groups' exchange, which spanning every device enlarges."""
+      return 2 * b.gathered * (n - 1) / n + b.exchange
 
     def trial(sub, k, where):
       gp, iters = _place_gather_group(sub, name, k, where, np.zeros(n))
@@ -130,14 +139,20 @@ def plan_gather_groups(
     if key not in memo:
       sub = resliced(plan, {}, _NS_STEPS, {s.leaf_index for s in specs})[0]
       best, counts, spans = trial(sub, k_here, rows), {}, False
-      for where in (rows, wide):
+      # (a row holds a split matrix whole: one that outweighs a row's share
+      # of the group's bytes pads every other row)
+      heaviest = max((u.nbytes for u in sub.units), default=0)
+      dominant = wide and heaviest > best.payload / len(rows)
+      for where in (rows, wide if dominant else None):
         if not split_here or where is None:
           continue
         if best.padding <= SPLIT_PADDING_PERCENT:
           break
         for c in byte_views(specs, best.payload / n):
           got = trial(resliced(sub, views(c), _NS_STEPS)[0], 0, where)
-          if got.padding < best.padding - 1e-9:
+          if got.padding < best.padding - 1e-9 and (
+            where is rows or moved(got) < moved(best)
+          ):
             best, counts, spans = got, c, where is wide
           if got.padding <= SPLIT_PADDING_PERCENT:
             break

@@ -112,7 +112,7 @@ def plan_gather_groups(
     if none pads at most ``SPLIT_PADDING_PERCENT`` there and one matrix
     outweighs a row's share of the group's bytes (MNIST's 3136 x 256
     ``linear1`` on 2 x 4), the same over one row of every owner device,
-    where that pads less and moves fewer bytes (:func:`moved`: a large
+    where that pads less and moves fewer bytes (``moved``: a large
     matrix's Gram exchange over every device can cost more than the
     padding it saves).
     Groups of equal shapes share one decision through ``memo`` (keyed on

@@ -160,7 +160,8 @@ def dedicate(
   transformer block of 4 ``d x d`` and 2 ``d x 2d`` matrices on 8 devices:
   100%). Where a loop group's whole matrices would pad more than 5%, some
   are split into slices of their long side over owners of one row of the
-  owner-group axis (owner groups, as ``owner_groups`` splits large
+  owner-group axis (of every owner device where one matrix outweighs a
+  row's share of the group) (owner groups, as ``owner_groups`` splits large
   matrices for the Newton–Schulz work; their Gram exchange is
   :meth:`Dedication.exchange_bytes`): the coarsest slicing that pads at
   most 5%, slices keeping at least ``min(128, short side)`` rows/columns.

@@ -415,7 +415,12 @@ def train_step(
     other arguments are state: arrays placed on the mesh keep
     their sharding, unplaced ones are replicated, and an output with the
     structure of a state argument (a returned ``TrainState``) keeps its
-    shardings.
+    shardings. State sharded over the owner axes but the owner buffers
+    and their momentum (FSDP-sharded AdamW params and their moments, in
+    graph nodes or in an argument holding the owner buffers) is gathered
+    over them for the step and re-sharded after: stored as it was given,
+    run as replicated params are (their gradients all-reduced, AdamW run
+    whole on every device).
   - Gradients are sums over devices of per-device mean-loss gradients; the
     optimizer of :func:`dedicated_muon` divides them (write the loss as a
     mean over the batch, as usual).

@@ -220,7 +220,7 @@ def dedicate(
   owned_state = nnx.to_flat_state(nnx.state(model, OwnedBuffer))
   where = {id(v): tuple(p) for p, v in owned_state}
   buffer_paths = [where[id(v)] for v in owned_vars]
-  md = ModelDedication.of(ded, paths, boundary_paths, buffer_paths)
+  md = ModelDedication.of(ded, paths, boundary_paths, buffer_paths, specs)
   for b, bpath in enumerate(boundary_paths):  # the dedication each serves
     _model.node_at(model, bpath).dmuon_hook = _boundary.Hook(md, b)
   return md
@@ -376,6 +376,7 @@ def dedicate_linen(
     paths,
     boundary_paths,
     buffer_paths,
+    specs,
     linen_model=model,
     placeholder_paths=tuple(paths[t.index] for t in ded.layout.leaves),
     boundary_paths=boundary_paths,

@@ -177,6 +177,9 @@ class ModelDedication:
     boundary_paths: per boundary, the path of the Linen module whose call
       gathers: the boundary's own, or for an ``nn.scan`` stack the deepest
       module holding all its Muon targets (run once per layer).
+    sharded: the AdamW params sharded over an owner axis (by their Flax
+      metadata, else their placement): they stay so, their moments alike,
+      and :func:`train_step` gathers them for the step.
 
   Examples:
     >>> import jax, jax.numpy as jnp, dmuon_jax.flax as dflax
@@ -203,16 +206,19 @@ class ModelDedication:
   linen_model: Any = None
   placeholder_paths: tuple[tuple[Any, ...], ...] = ()
   boundary_paths: tuple[tuple[Any, ...], ...] = ()
+  sharded: tuple[str, ...] = ()
 
   # Equal by value (Linen): a trainer's init that dedicates, traced twice
   # (jax.eval_shape, then jax.jit in another context: Flax lm1b's and
   # MaxText's setup_initial_state), makes two dedications, and the
   # TrainState's apply_fn and tx, which hold them, are pytree metadata
-  # that JAX compares with ==. An NNX dedication is its model's boundary
-  # modules' own: equal only to itself.
+  # that JAX compares with ==. The sharded list is left out: it depends on
+  # the logical axis rules in effect (a trace outside them cannot know it).
+  # An NNX dedication is its model's boundary modules' own: equal only to
+  # itself.
   @functools.cached_property
   def _key(self) -> tuple[Any, ...]:
-    skip = ('warned', 'gathered', 'gathered_manual')
+    skip = ('sharded', 'warned', 'gathered', 'gathered_manual')
     fields = [f.name for f in dataclasses.fields(self) if f.name not in skip]
     return tuple(getattr(self, name) for name in fields)
 
@@ -227,9 +233,19 @@ class ModelDedication:
     return id(self) if self.linen_model is None else hash(self.dedication)
 
   @classmethod
-  def of(cls, ded, paths, modules, buffer_paths, **kwargs) -> ModelDedication:
+  def of(
+    cls, ded, paths, modules, buffer_paths, specs, **kwargs
+  ) -> ModelDedication:
     """The record of ``ded`` over a model whose param leaves lie at
-    ``paths`` and whose boundaries' gathering modules at ``modules``."""
+    ``paths`` (their Flax metadata's specs: ``specs``, None where they have
+    none) and whose boundaries' gathering modules at ``modules``."""
+    owner = set(ded.buffer_axes)
+    kwargs['sharded'] = tuple(
+      p
+      for p, rest, spec in zip(ded.leaf_paths, ded.rest_specs, specs)
+      if rest is not None
+      and _mesh.sharded_axes([rest if spec is None else spec]) & owner
+    )
     targets: list[list[tuple[int, tuple]]] = [[] for _ in modules]
     for t in ded.layout.leaves:
       b = boundary_of(ded, t)
@@ -263,17 +279,12 @@ class ModelDedication:
   def summary(self) -> str:
     """The dedication's summary (gather groups, padding, owner plan) and
     the AdamW params stored sharded over the owner axes."""
-    ded, owner = self.dedication, set(self.axes)
-    sharded = [
-      p
-      for p, spec in zip(ded.leaf_paths, ded.rest_specs)
-      if spec is not None and _mesh.sharded_axes([spec]) & owner
-    ]
-    text = ded.summary()
-    if sharded:
+    text = self.dedication.summary()
+    if self.sharded:
       text += (
         f'\n  AdamW params sharded over the owner axes {self.axes}, their '
-        f'moments alike (train_step gathers them for the step): {sharded}'
+        'moments alike (train_step gathers them for the step): '
+        f'{list(self.sharded)}'
       )
     return text
 

@@ -955,15 +955,15 @@ def fsdp_adamw_gather_bytes(ded, params) -> float:
   """What ``dmuon_jax.flax.train_step`` all-gathers per device and step
   for the AdamW params of ``params`` (the dedicated params, placed) that
   are sharded over an owner axis of ``ded`` (a ``ModelDedication``): each
-  param and its two Adam moments, gathered over the owner axes it is
-  split over."""
-  total = 0.0
+  param and its two Adam moments, gathered (XLA's all-gather) over all the
+  N owner devices: (N - 1)/N of its bytes each."""
+  total, owners = 0.0, set(ded.axes)
+  n = math.prod(ded.dedication.mesh.shape[a] for a in owners)
   for x in jax.tree.leaves(ded.dedicated(params).rest):
     spec = x.sharding.spec
     axes = {a for e in spec if e for a in ((e,) if isinstance(e, str) else e)}
-    k = math.prod(x.sharding.mesh.shape[a] for a in axes & set(ded.axes))
-    if k > 1:
-      total += 3 * (k - 1) / k * x.nbytes
+    if axes & owners:
+      total += 3 * (n - 1) / n * x.nbytes
   return total
 
 

@@ -177,13 +177,9 @@ def dedicate(
   # What Flax's sharding tools say of each param (its out_sharding
   # metadata), also where a traced value on Auto axes says nothing.
   specs = [_mesh.leaf_spec(_model.node_at(model, p)) for p in paths]
-  ded, _, dp, replicated, moved = _model.plan(
-    params, mesh, 'nnx.scan', kwargs, specs, _model.containers(model)
+  ded, _, dp = _model.plan(
+    params, mesh, 'nnx.scan', kwargs, _model.containers(model)
   )
-  for i, x in moved.items():
-    variable = _model.node_at(model, paths[i])
-    variable.set_value(x)
-    _mesh.without_axes(variable, ded.buffer_axes)
   boundary_paths = [_model.path(k) for k in ded.boundary_keys]
   _model.check_model(model, paths, specs, ded, mesh, boundary_paths)
 
@@ -231,7 +227,7 @@ def dedicate(
   owned_state = nnx.to_flat_state(nnx.state(model, OwnedBuffer))
   where = {id(v): tuple(p) for p, v in owned_state}
   buffer_paths = [where[id(v)] for v in owned_vars]
-  md = ModelDedication.of(ded, paths, boundary_paths, buffer_paths, replicated)
+  md = ModelDedication.of(ded, paths, boundary_paths, buffer_paths, specs)
   for b, bpath in enumerate(boundary_paths):  # the dedication each serves
     _model.node_at(model, bpath).dmuon_hook = _boundary.Hook(md, b)
   return md
@@ -356,9 +352,7 @@ def dedicate_linen(
       values[i] = jax.device_put(values[i], NamedSharding(mesh, spec))
   params = jax.tree.unflatten(treedef, values)
   kwargs = {k: v for k, v in locals().items() if k in _model.PLANNED}
-  ded, out, dp, replicated, moved = _model.plan(
-    params, mesh, 'nn.scan', kwargs, specs
-  )
+  ded, out, dp = _model.plan(params, mesh, 'nn.scan', kwargs)
   paths = _model.leaf_paths(params)
   for t in ded.layout.leaves:
     hole = _model.placeholder(ded, t)
@@ -378,18 +372,10 @@ def dedicate_linen(
       if template is not None:  # boxed params: boxed buffers (their spec)
         buf = _mesh.box_like(template, buf, ded.layout.buffer_specs()[bi])
       _model.set_at(out, buffer_paths[bi], buf)
-  # Boxed params keep their boxes (Flax's sharding tools read them); those
-  # replicated over the owner axes say so. Where every mesh axis (of more
-  # than one device) is an owner axis, every AdamW param ends replicated:
-  # a box whose logical names the rules in effect map says so whatever
-  # the rules are (a jax.eval_shape of the init outside them, as Flax lm1b
-  # runs it, gives the jax.jit inside them the same boxes).
+  # Boxed params keep their boxes (Flax's sharding tools read them), AdamW
+  # params their sharding too.
   for i, box in enumerate(boxes):
     if box is not None and ded.rest_specs[i] is not None:  # AdamW params
-      if _model.owned_mesh(ded, mesh) and _mesh.rules_decide(box):
-        box = box.replace(names=(None,) * len(box.names))  # replicated
-      elif i in moved:
-        box = _mesh.without_axes(box, ded.buffer_axes)
       value = _model.node_at(out, paths[i])
       _model.set_at(out, paths[i], _mesh.rebox(box, value))
   return _boundary.LinenDedication.of(
@@ -397,7 +383,7 @@ def dedicate_linen(
     paths,
     boundary_paths,
     buffer_paths,
-    replicated,
+    specs,
     linen_model=model,
     placeholder_paths=tuple(paths[t.index] for t in ded.layout.leaves),
     boundary_paths=boundary_paths,

@@ -6,8 +6,10 @@ and trees when a factory or ``update`` is called, what dmuon tells the user
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
+import re
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -442,6 +444,15 @@ class HookBoundaries:
       over a leading layer axis: one gather per scan iteration).
     paths: the Muon targets' paths, in leaf order.
     of_target: for each of ``paths``, the index of its boundary in ``names``.
+    how: for each name, how it was chosen: ``'name pattern'`` (``layers/3``,
+      ``layers_3``, ``blocks``, ``h`` ...), ``'repeated siblings'``
+      (submodules of one structure under one name with an index:
+      ``block0``, ``encoderdecoderblock_1``, ``stages/2``, or entries of a
+      container that ``dmuon_jax.flax`` saw in the model: ``nnx.Dict``,
+      ``dict``, ``nnx.List``), ``'scanned stack'``, ``'parent module'``
+      (the module holding the targets, in a model without blocks, or with
+      ``strict=False``), ``'target itself'`` (``strict=False``, a target
+      whose module holds blocks too) or ``'boundary_predicate'``.
 
   Examples:
     >>> import jax, jax.numpy as jnp, dmuon_jax
@@ -462,6 +473,16 @@ class HookBoundaries:
   scanned: tuple[bool, ...]
   paths: tuple[str, ...]
   of_target: tuple[int, ...]
+  how: tuple[str, ...] = ()
+
+  def chosen(self) -> str:
+    """The boundaries by how they were chosen, one phrase per way
+    (``'layers/0, layers/1 (name pattern)'``); ``'<root>'`` for the root."""
+    ways: dict[str, list[str]] = {}
+    for name, how in zip(self.names, self.how or ('?',) * len(self.names)):
+      ways.setdefault(how, []).append(name or '<root>')
+    shown = lambda n: ', '.join(n if len(n) <= 6 else [*n[:3], '...', *n[-2:]])
+    return '; '.join(f'{shown(n)} ({how})' for how, n in ways.items())
 
   def targets_of(self, name: str) -> tuple[str, ...]:
     """Paths of the Muon targets in boundary ``name``."""
@@ -480,6 +501,21 @@ def subtree(tree: Any, keys) -> Any:
   return tree
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelBlocks:
+  """The default hook-boundary detection, told what a Flax model says of
+  its params' modules (``dmuon_jax.flax.dedicate`` passes it as the
+  ``boundary_predicate``).
+
+  Attributes:
+    containers: module paths of containers of submodules (``nnx.List``,
+      ``nnx.Dict``, ``list``, ``dict``): their entries of one structure are
+      repeated siblings whatever their names.
+  """
+
+  containers: frozenset[str] = frozenset()
+
+
 def find_hook_boundaries(
   params: Any,
   *,
@@ -490,13 +526,29 @@ def find_hook_boundaries(
 ) -> HookBoundaries:
   """Assigns every Muon target to a hook boundary.
 
-  Default detection, from the path: the outermost block segment —
-  ``layers/3`` (flax nnx lists), ``layers_3`` (flax linen auto-names), and
-  likewise ``blocks``, ``block``, ``layer``, ``h``, ``encoderblock``,
-  ``decoderblock``, ``resblocks`` — or, for a stacked leaf ``(L, m, n)``
-  outside any such block, the scanned stack it belongs to (its top-level
-  module, e.g. the ``nn.scan``-ed ``'layers'``), gathered once per scan
-  iteration.
+  Default detection, from the paths, the first that applies to a target:
+
+  1. name pattern: the outermost block segment — ``layers/3`` (flax nnx
+     lists), ``layers_3`` (flax linen auto-names), and likewise ``blocks``,
+     ``block``, ``layer``, ``h``, ``encoderblock``, ``decoderblock``,
+     ``resblocks``;
+  2. scanned stack: for a stacked leaf ``(L, m, n)`` outside such a block,
+     the stack it belongs to (its top-level module, e.g. the ``nn.scan``-ed
+     ``'layers'``), gathered once per scan iteration;
+  3. repeated siblings: the outermost module that is one of two or more
+     siblings of one structure (the same params, shapes and dtypes) whose
+     names carry an index on one stem (``block0``, ``block1``;
+     ``encoderdecoderblock_0``, ``encoderdecoderblock_1``; ``stages/0``,
+     ``stages/1``), all siblings of that stem alike;
+  4. parent module, in a model where no target has a boundary by 1-3 (no
+     blocks: an MLP's ``linear1``, ``linear2``; params on the root module):
+     the module holding the target, or an enclosing one holding others
+     (the root, for Flax's FSDP toy with ``w1``, ``w2`` on it and a
+     ``nn.Linear`` beside them).
+
+  A model with blocks and Muon targets outside them raises (``strict``),
+  or (``strict=False``) gathers each such target with its parent module
+  (the target alone where that module holds blocks too: the root).
 
   Args:
     params: the params tree (arrays or ``jax.ShapeDtypeStruct``).
@@ -507,10 +559,10 @@ def find_hook_boundaries(
       ``lambda path, sub: 'attn' in sub and 'mlp' in sub``). Replaces the
       default detection.
     strict: if True, raise when a target has no boundary; if False, such a
-      target is its own boundary (gathered alone).
+      target is gathered with its parent module (see above).
 
   Returns:
-    A :class:`HookBoundaries`.
+    A :class:`HookBoundaries` (``how``: each boundary's way of choice).
 
   Raises:
     ValueError: in strict mode, naming every target without a boundary.
@@ -522,14 +574,25 @@ def find_hook_boundaries(
     ...           'layers_1': {'q': w, 'o': w}, 'mlp': {'w': w}}
     >>> dmuon_jax.find_hook_boundaries(params)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    ValueError: dmuon: 1 Muon target(s) have no hook boundary: ['mlp/w']. ...
+    ValueError: dmuon: 1 Muon target(s) have no hook boundary: ['mlp/w'], ...
     >>> b = dmuon_jax.find_hook_boundaries(params, strict=False)
     >>> b.names
-    ('layers_0', 'layers_1', 'mlp/w')
+    ('layers_0', 'layers_1', 'mlp')
     >>> b.paths  # the embedding goes to AdamW
     ('layers_0/o', 'layers_0/q', 'layers_1/o', 'layers_1/q', 'mlp/w')
     >>> b.of_target
     (0, 0, 1, 1, 2)
+    >>> b.chosen()
+    'layers_0, layers_1 (name pattern); mlp (parent module)'
+
+    Blocks under any name with an index, and a model without blocks:
+
+    >>> lm = {'block0': {'q': w}, 'block1': {'q': w}}
+    >>> dmuon_jax.find_hook_boundaries(lm).chosen()
+    'block0, block1 (repeated siblings)'
+    >>> mlp = {'linear1': {'kernel': w}, 'w2': w}  # w2 on the root module
+    >>> dmuon_jax.find_hook_boundaries(mlp).chosen()
+    '<root> (parent module)'
 
     A custom rule, e.g. for blocks named without an index:
 
@@ -547,46 +610,131 @@ def find_hook_boundaries(
   return hook_boundaries(params, specs, boundary_predicate, strict)
 
 
+# A module name with an index: a stem, an optional '_', digits.
+_INDEXED = re.compile(r'^(.*?)_?(\d+)$')
+
+
+def _repeated(flat, containers: frozenset[str]) -> Callable[[tuple], bool]:
+  """Whether a module (its path's segments) is one of repeated siblings
+  (see :func:`find_hook_boundaries`, 3)."""
+  below: dict[tuple, list] = {}  # module -> (rest of path, shape, dtype)
+  for keys, x in flat:
+    segs = tuple(_routing.segments(normalize_path(keys)))
+    for d in range(1, len(segs)):
+      below.setdefault(segs[:d], []).append(
+        (segs[d:], tuple(np.shape(x)), str(getattr(x, 'dtype', '')))
+      )
+  sig = {m: tuple(sorted(v)) for m, v in below.items()}
+  children: dict[tuple, list[str]] = {}
+  for m in sig:
+    children.setdefault(m[:-1], []).append(m[-1])
+
+  @functools.cache
+  def repeated(module: tuple) -> bool:
+    parent, key = module[:-1], module[-1]
+    if '/'.join(parent) in containers:
+      kin = children[parent]
+    else:
+      stem = _INDEXED.match(key)
+      if stem is None:
+        return False
+      same = lambda k: (m := _INDEXED.match(k)) and m[1] == stem[1]
+      kin = [k for k in children[parent] if same(k)]
+    return len(kin) > 1 and len({sig[(*parent, k)] for k in kin}) == 1
+
+  return repeated
+
+
+def _within(name: str, module: str) -> bool:
+  """Whether boundary ``name`` is ``module`` or lies inside it."""
+  return not module or name == module or name.startswith(module + '/')
+
+
 def hook_boundaries(
   params, specs, boundary_predicate, strict
 ) -> HookBoundaries:
   """:func:`find_hook_boundaries` of ``params`` routed as ``specs`` (per
   leaf, its ``_routing.route`` spec or None)."""
   flat = jax.tree.flatten_with_path(params)[0]
-  index: dict[str, int] = {}  # boundary name -> its index, in order
-  scanned, paths, of_target, missing = [], [], [], []
+  given = boundary_predicate
+  if isinstance(given, ModelBlocks) or given is None:
+    containers = given.containers if given else frozenset()
+    repeated, given = _repeated(flat, containers), None
+  # Per target (leaf order): [path, (boundary, how, scanned) or None].
+  found: list[list[Any]] = []
   for spec, (keys, _) in zip(specs, flat, strict=True):
     if spec is None:
       continue
-    if boundary_predicate is not None:
-      name, is_scan = None, False
+    choice = None
+    if given is not None:
       for end in range(len(keys) - 1, -1, -1):  # the lowest ancestor, or ''
         path = normalize_path(keys[:end])
-        if boundary_predicate(path, subtree(params, keys[:end])):
-          name = path
+        if given(path, subtree(params, keys[:end])):
+          choice = (path, 'boundary_predicate', False)
           break
-    else:  # A block prefix (layers/3, layers_3), else a scanned stack.
+    else:  # A block prefix (layers/3, layers_3), a scanned stack, siblings.
       block, name = _routing.layer_base(spec.path)
-      is_scan = not block and bool(spec.batch_axes)
-      name = name if block or is_scan else None
-    if name is None:
-      missing.append(spec.path)
-      if strict:
-        continue
-      name = spec.path
+      segs = tuple(_routing.segments(spec.path))
+      if block:
+        choice = (name, 'name pattern', False)
+      elif spec.batch_axes:
+        choice = (name, 'scanned stack', True)
+      else:
+        module = next(
+          (segs[:d] for d in range(1, len(segs)) if repeated(segs[:d])), None
+        )
+        if module is not None:
+          choice = ('/'.join(module), 'repeated siblings', False)
+    found.append([spec.path, choice])
+  blocks = [c[0] for _, c in found if c is not None]
+  missing = [p for p, c in found if c is None]
+  if missing and (strict and (blocks or given is not None)):
+    raise ValueError(
+      f'dmuon: {len(missing)} Muon target(s) have no hook boundary: '
+      f'{missing}'
+      + (
+        '; the boundary_predicate names none of their modules. '
+        if given is not None
+        else f', outside the blocks found ({_shown(blocks)}). '
+      )
+      + 'Pass boundary_predicate=(path, subtree) -> bool to mark your block '
+      'modules, route these params to AdamW (predicate), or pass '
+      'strict=False to gather each of them with its own module ('
+      f'{_shown(["/".join(p.split("/")[:-1]) or "<root>" for p in missing])}).'
+    )
+  # Without blocks (or strict=False): each target's own module, merged into
+  # an enclosing one that holds other targets; a module that holds blocks
+  # too cannot gather (its call would gather again around theirs): the
+  # target alone then.
+  modules = {p: p.rpartition('/')[0] for p in missing}
+  free = [m for m in modules.values() if not any(_within(b, m) for b in blocks)]
+  for target in found:
+    if target[1] is None:
+      m = modules[target[0]]
+      if m in free:
+        outer = min((o for o in free if _within(m, o)), key=len)
+        target[1] = (outer, 'parent module', False)
+      else:
+        target[1] = (target[0], 'target itself', False)
+  index: dict[str, int] = {}  # boundary name -> its index, in order
+  scanned, how, of_target = [], [], []
+  for _, (name, way, is_scan) in found:
     if name not in index:
       index[name] = len(index)
       scanned.append(is_scan)
-    paths.append(spec.path)
+      how.append(way)
     of_target.append(index[name])
-  if strict and missing:
-    raise ValueError(
-      f'dmuon: {len(missing)} Muon target(s) have no hook boundary: '
-      f'{missing}. Name blocks like layers/N or layers_N, pass '
-      'boundary_predicate=(path, subtree) -> bool to mark your block '
-      'modules, route these params to AdamW, or pass strict=False to '
-      'gather each of them on its own.'
-    )
   return HookBoundaries(
-    tuple(index), tuple(scanned), tuple(paths), tuple(of_target)
+    tuple(index),
+    tuple(scanned),
+    tuple(p for p, _ in found),
+    tuple(of_target),
+    tuple(how),
   )
+
+
+def _shown(names: Sequence[str]) -> str:
+  """Up to five names, then how many more."""
+  names = list(dict.fromkeys(names))
+  more = f' and {len(names) - 5} more' if len(names) > 5 else ''
+  return str(names[:5])[:-1] + more + ']' if more else str(names)

@@ -160,7 +160,8 @@ def dedicate(
   transformer block of 4 ``d x d`` and 2 ``d x 2d`` matrices on 8 devices:
   100%). Where a loop group's whole matrices would pad more than 5%, some
   are split into slices of their long side over owners of one row of the
-  owner-group axis (owner groups, as ``owner_groups`` splits large
+  owner-group axis (of every owner device where one matrix outweighs a
+  row's share of the group) (owner groups, as ``owner_groups`` splits large
   matrices for the Newton–Schulz work; their Gram exchange is
   :meth:`Dedication.exchange_bytes`): the coarsest slicing that pads at
   most 5%, slices keeping at least ``min(128, short side)`` rows/columns.
@@ -197,7 +198,9 @@ def dedicate(
     muon_weight_dimension_numbers: as for :func:`dmuon_jax.dmuon`.
     boundary_predicate: custom hook boundaries, see
       :func:`dmuon_jax.find_hook_boundaries`.
-    strict: raise if a target has no boundary.
+    strict: raise if a target lies outside the model's blocks; False:
+      gather it with its own module (see
+      :func:`dmuon_jax.find_hook_boundaries`).
     reshard_after_forward: True for Z3 (gather again in the backward pass),
       False for Z2 (keep the gathered weights).
     layers_per_gather: boundaries (or scanned layers) per gather; must

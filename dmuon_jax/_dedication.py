@@ -441,7 +441,9 @@ class Dedication:
     return _gather_totals(self).exchange
 
   def summary(self) -> str:
-    """The gather groups, their padding, and the owner plan's summary."""
+    """The hook boundaries (and how each was found: see
+    :func:`dmuon_jax.find_hook_boundaries`), the gather groups, their
+    padding, and the owner plan's summary."""
     total = _gather_totals(self)
     mode = 'Z3' if self.reshard_after_forward else 'Z2'
     choice, rep = self.layers_per_gather_choice, self.replicate_axis
@@ -454,6 +456,8 @@ class Dedication:
       + f', {self.layers_per_gather} layer(s) per gather ({choice}), '
       f'layout {self.layout.name}'
     ]
+    if self.boundaries.names:
+      lines.append(f'  hook boundaries: {self.boundaries.chosen()}')
     for g, lay in enumerate(self.layout.groups):
       got = lay.plan.gather_bytes()
       names = ', '.join(

@@ -94,24 +94,42 @@ def plan_gather_groups(
   shape = tuple(sizes[a] for a in buffer_axes)
   axis = buffer_axes.index(group_axis or buffer_axes[-1]) if buffer_axes else 0
   rows = group_rows(shape, axis)
+  # Where a group's rows cannot even out its bytes (one matrix outweighs a
+  # row's share), its owner groups may span every owner device instead:
+  # one row over all the owner axes of more than one device.
+  wide_axes = tuple(a for a in buffer_axes if sizes[a] > 1)
+  wide = [list(range(n))] if len(rows) > 1 else None
 
   def split_views(name, scanned, specs):
-    """The slicing of one gather group's matrices, and its bytes placed
-    alone (a scanned stack's: ``k`` layers per iteration).
+    """The slicing of one gather group's matrices, whether its owner
+    groups span every owner device, and its bytes placed alone (a scanned
+    stack's: ``k`` layers per iteration).
 
     Whole matrices for a scanned stack, without ``split``, or if they pad
     at most ``SPLIT_PADDING_PERCENT``; else the coarsest slicing of
     :func:`byte_views` that does, placed as :func:`plan_gather_groups`
-    places it (else the one padding least). Groups of equal shapes share
-    one decision through ``memo`` (keyed on what placing reads of the
-    leaves: not their paths).
+    places it, in rows of the group axis (else the one padding least);
+    if none pads at most ``SPLIT_PADDING_PERCENT`` there and one matrix
+    outweighs a row's share of the group's bytes (MNIST's 3136 x 256
+    ``linear1`` on 2 x 4), the same over one row of every owner device,
+    where that pads less and moves fewer bytes (``moved``: a large
+    matrix's Gram exchange over every device can cost more than the
+    padding it saves).
+    Groups of equal shapes share one decision through ``memo`` (keyed on
+    what placing reads of the leaves: not their paths).
     """
     split_here, k_here = split and not scanned, k if scanned else 0
     shapes = tuple(dataclasses.replace(s, leaf_index=0, path='') for s in specs)
     key = (split_here, shapes, k_here, tuple(map(tuple, rows)))
 
-    def trial(sub, k):
-      gp, iters = _place_gather_group(sub, name, k, rows, np.zeros(n))
+    def moved(b):
+      """Bytes a device sends per step for a group's bytes ``b``: its
+      gathers' at the all-reduce floor (Z2's; Z3 moves 3/2 of them) and
+      the owner groups' exchange, which spanning every device enlarges."""
+      return 2 * b.gathered * (n - 1) / n + b.exchange
+
+    def trial(sub, k, where):
+      gp, iters = _place_gather_group(sub, name, k, where, np.zeros(n))
       return gp.gather_bytes(iters)
 
     views = lambda counts: {  # (position in specs -> slice count)
@@ -120,43 +138,57 @@ def plan_gather_groups(
     }
     if key not in memo:
       sub = resliced(plan, {}, _NS_STEPS, {s.leaf_index for s in specs})[0]
-      best, counts = trial(sub, k_here), {}
-      if split_here and best.padding > SPLIT_PADDING_PERCENT:
+      best, counts, spans = trial(sub, k_here, rows), {}, False
+      # (a row holds a split matrix whole: one that outweighs a row's share
+      # of the group's bytes pads every other row)
+      heaviest = max((u.nbytes for u in sub.units), default=0)
+      dominant = wide and heaviest > best.payload / len(rows)
+      for where in (rows, wide if dominant else None):
+        if not split_here or where is None:
+          continue
+        if best.padding <= SPLIT_PADDING_PERCENT:
+          break
         for c in byte_views(specs, best.payload / n):
-          got = trial(resliced(sub, views(c), _NS_STEPS)[0], 0)
-          if got.padding < best.padding - 1e-9:
-            best, counts = got, c
+          got = trial(resliced(sub, views(c), _NS_STEPS)[0], 0, where)
+          if got.padding < best.padding - 1e-9 and (
+            where is rows or moved(got) < moved(best)
+          ):
+            best, counts, spans = got, c, where is wide
           if got.padding <= SPLIT_PADDING_PERCENT:
             break
-      memo[key] = (counts, best)
-    counts, best = memo[key]
-    return views(counts), best
+      memo[key] = (counts, spans, best)
+    counts, spans, best = memo[key]
+    return views(counts), spans, best
 
   got = [
     split_views(name, scanned, specs)
-    for name, scanned, specs in groups
     if bytes_only or (split and not scanned)
+    else ({}, False, None)
+    for name, scanned, specs in groups
   ]
   if bytes_only:
-    return [b for _, b in got]
-  views = {i: v for vs, _ in got for i, v in vs.items()}
+    return [b for _, _, b in got]
+  views = {i: v for vs, _, _ in got for i, v in vs.items()}
+  spans = [s for _, s, _ in got]
   if views:
     plan = resliced(plan, views, _NS_STEPS)[0]
   work, placed = np.zeros(n), []
-  for name, scanned, specs in groups:
+  for (name, scanned, specs), span in zip(groups, spans):
     sub = resliced(plan, {}, _NS_STEPS, {s.leaf_index for s in specs})[0]
     placed.append(
-      _place_gather_group(sub, name, k if scanned else 0, rows, work)
+      _place_gather_group(
+        sub, name, k if scanned else 0, wide if span else rows, work
+      )
     )
   # Even out the work over the model by swapping owners inside loop gather
   # groups (see balance; a scanned stack keeps its rotation, a group with
-  # owner groups swaps within a row); moved[g]: where each slot's share in
-  # gather group g goes.
+  # owner groups in rows swaps within a row); moved[g]: where each slot's
+  # share in gather group g goes.
   per_group = [_add_work(np.zeros(n), gp, iters) for gp, iters in placed]
   moves = balance(
     per_group,
     [not iters for _, iters in placed],
-    [bool(gp.groups) for gp, _ in placed],
+    [bool(gp.groups) and not span for (gp, _), span in zip(placed, spans)],
     rows,
   )
   moved = [list(range(n)) for _ in placed]
@@ -172,7 +204,7 @@ def plan_gather_groups(
   }
   plan_groups = list(plan.groups)
   group_plans = []
-  for (gp, iters), move in zip(placed, moved):
+  for (gp, iters), move, span in zip(placed, moved, spans):
     sub_groups = []
     for grp in gp.groups:
       slots = tuple(move[s] for s in grp.iteration_owners)
@@ -195,7 +227,7 @@ def plan_gather_groups(
         mesh_shape=shape,
         owners=tuple(base_owner),
         groups=tuple(sub_groups),
-        group_axis_name=group_axis,
+        group_axis_name=wide_axes if span else group_axis,
       )
     )
   return (
@@ -203,7 +235,7 @@ def plan_gather_groups(
       plan,
       owners=tuple(owners),
       groups=tuple(plan_groups),
-      group_axis_name=group_axis,
+      group_axis_name=wide_axes if any(spans) else group_axis,
     ),
     tuple(group_plans),
     tuple(iters for _, iters in placed),

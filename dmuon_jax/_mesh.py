@@ -170,31 +170,6 @@ def box_like(template: Any, value: Any, spec: P) -> Any:
   return meta.Partitioned(value, names, mesh=getattr(template, 'mesh', None))
 
 
-def without_axes(x: Any, axes: Sequence[str]) -> Any:
-  """``x`` (a Linen box or an ``nnx.Variable``, changed in place) with its
-  sharding metadata naming none of ``axes``.
-
-  A dimension whose (mapped) mesh axes include one of ``axes`` is renamed
-  to the mesh axes it keeps (a tuple: Flax's logical rules pass tuples
-  unchanged) or None, so that Flax's sharding tools (``nn.get_sharding``,
-  ``nnx.get_named_sharding``) give the sharding the value has after it was
-  replicated over ``axes``. Anything without such metadata is returned as
-  it is.
-  """
-  spec = _meta_spec(x)
-  if spec is None:
-    return x
-  names = x.get_metadata()['out_sharding'] if is_variable(x) else x.names
-  new = []
-  for name, axes_of_dim in zip(names, spec_entries(spec) + [()] * len(names)):
-    kept = tuple(a for a in axes_of_dim if a not in axes)
-    new.append(name if kept == axes_of_dim else (kept or None))
-  if is_variable(x):
-    x.set_metadata(out_sharding=tuple(new))
-    return x
-  return x.replace(names=tuple(new))
-
-
 def array_mesh(x: Any) -> Any:
   """The mesh a (possibly abstract or traced) array is placed on, or None."""
   x = unbox(x)

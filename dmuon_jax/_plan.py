@@ -171,8 +171,10 @@ class OwnershipPlan:
     groups: the owner groups (:class:`OwnerGroup`): matrices whose slices
       are units owned by several slots; empty when every unit is a whole
       matrix.
-    group_axis_name: the owner axis the groups' slices range over; None
-      means the innermost owner axis.
+    group_axis_name: the owner axis the groups' slices range over, or a
+      tuple of owner axes (a group then ranges over all their devices:
+      dedicated mode's where one matrix outweighs a row's share of a
+      gather); None means the innermost owner axis.
     routing: the one-line routing summary of the params tree the plan was
       built from (Muon and AdamW leaves and elements, and the leaves
       ``optax.contrib.muon`` routes otherwise), as :func:`dmuon_jax.dmuon`
@@ -198,7 +200,7 @@ class OwnershipPlan:
   units: tuple[MatrixUnit, ...]
   owners: tuple[int, ...]
   groups: tuple[OwnerGroup, ...] = ()
-  group_axis_name: str | None = None
+  group_axis_name: str | tuple[str, ...] | None = None
   routing: str = dataclasses.field(default='', compare=False, repr=False)
 
   def __hash__(self) -> int:
@@ -242,14 +244,20 @@ class OwnershipPlan:
         costs[slot] += cost
     return tuple(costs)
 
-  def group_axis(self) -> str | None:
-    """The owner axis a group's slice owners range over (default: the
-    innermost)."""
+  def group_axis(self) -> str | tuple[str, ...] | None:
+    """The owner axis (or axes) a group's slice owners range over
+    (default: the innermost)."""
     return self.group_axis_name or (self.axis_names or (None,))[-1]
 
   def group_row(self, slot: int) -> int:
-    """The row of a slot: its index over the owner axes but the group axis."""
-    axis = self.axis_names.index(self.group_axis()) if self.axis_names else 0
+    """The row of a slot: its index over the owner axes but the group
+    axis (or axes)."""
+    axis = self.group_axis()
+    if self.axis_names:
+      names = axis if isinstance(axis, tuple) else (axis,)
+      axis = tuple(self.axis_names.index(a) for a in names)
+    else:
+      axis = 0
     self.slot_coords(slot)  # raises for a slot out of range
     rows = group_rows(self.mesh_shape, axis)
     return next(r for r, row in enumerate(rows) if slot in row)
@@ -788,10 +796,17 @@ def resliced(
   return replaced, pieces
 
 
-def group_rows(shape: Sequence[int], axis: int) -> list[list[int]]:
+def group_rows(
+  shape: Sequence[int], axis: int | Sequence[int]
+) -> list[list[int]]:
   """The slots (row-major over ``shape``) of each row of owner groups: of
-  one coordinate on every axis but ``axis``, rows in row-major order."""
+  one coordinate on every axis but ``axis`` (an axis, or several: a row
+  then spans them all, row-major), rows in row-major order."""
   if not shape:
     return [[0]]
+  axes = [axis] if isinstance(axis, int) else list(axis)
+  axes = [a % len(shape) for a in axes]
   slots = np.arange(math.prod(shape)).reshape(shape)
-  return np.moveaxis(slots, axis, -1).reshape(-1, shape[axis]).tolist()
+  size = math.prod(shape[a] for a in axes)
+  moved = np.moveaxis(slots, axes, range(len(shape) - len(axes), len(shape)))
+  return moved.reshape(-1, size).tolist()

@@ -114,7 +114,7 @@ def normalize_path(path: jax.tree_util.KeyPath) -> str:
   return jax.tree_util.keystr(keys, simple=True, separator='/')
 
 
-def _segments(path: str) -> list[str]:
+def segments(path: str) -> list[str]:
   return [s for s in path.split('/') if s]
 
 
@@ -165,7 +165,7 @@ def default_muon_predicate(path: str, leaf: Any) -> bool:
   if len(shape) != 2 or min(shape) <= 1:
     return False
   in_block = layer_base(path)[0]
-  for seg in _segments(path):
+  for seg in segments(path):
     low = seg.lower()
     if any(s in low for s in _EXCLUDED_SUBSTRINGS):
       return False
@@ -344,7 +344,7 @@ def _no_dims_message(shown: str, shape: tuple[int, ...], arg: str) -> str:
   )
   count = math.prod(shape[:-2])
   # The last path segment that is not a generic leaf name.
-  named = [g for g in _segments(shown) if g.lower() not in _GENERIC_LEAF_NAMES]
+  named = [g for g in segments(shown) if g.lower() not in _GENERIC_LEAF_NAMES]
   name = ([''] + named)[-1]
   hint = ''
   if name.lower() in _OUTPUT_PROJECTION_NAMES:
@@ -633,17 +633,15 @@ def layer_base(path: str) -> tuple[bool, str]:
   """``(whether the path has a block boundary, the key's path part)``:
   the outermost block (``layers/3``), else the first segment after a
   leading ``params`` collection (also a scanned stack's hook boundary)."""
-  segments = _segments(path)
-  for i, low in enumerate(seg.lower() for seg in segments):
+  segs = segments(path)
+  for i, low in enumerate(seg.lower() for seg in segs):
     if _BLOCK_SEGMENT_RE.match(low):
-      return True, '/'.join(segments[: i + 1])
+      return True, '/'.join(segs[: i + 1])
     # ('layers/3': a block name, then an integer segment)
-    if (
-      low in _BLOCK_NAMES.split() and ''.join(segments[i + 1 : i + 2]).isdigit()
-    ):
-      return True, '/'.join(segments[: i + 2])
+    if low in _BLOCK_NAMES.split() and ''.join(segs[i + 1 : i + 2]).isdigit():
+      return True, '/'.join(segs[: i + 2])
   start = 0
   # (A leading linen 'params' collection names no module.)
-  while start < len(segments) - 1 and segments[start] == 'params':
+  while start < len(segs) - 1 and segs[start] == 'params':
     start += 1
-  return False, '/'.join(segments[: start + 1])
+  return False, '/'.join(segs[: start + 1])

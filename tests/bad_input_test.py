@@ -302,7 +302,9 @@ def to_params_of_a_plain_tree():
 
 
 def no_hook_boundary_in_strict_mode():
-  dmuon_jax.dedicate({'proj': jnp.zeros((8, 8))}, None)
+  # A Muon target beside the model's blocks (a model without blocks
+  # gathers each target with its own module).
+  dmuon_jax.dedicate(tree() | {'proj': {'kernel': jnp.zeros((8, 8))}}, None)
 
 
 def unknown_boundary():
@@ -959,8 +961,9 @@ CASES = (
     no_hook_boundary_in_strict_mode,
     ValueError,
     (
-      r"no hook boundary: \['proj'\].*boundary_predicate.*"
-      r'strict=False'
+      r"no hook boundary: \['proj/kernel'\], outside the blocks found \("
+      r"\['layers_0'\]\).*boundary_predicate.*strict=False to gather each "
+      r"of them with its own module \(\['proj'\]\)"
     ),
   ),
   (

@@ -7,7 +7,10 @@ on 8 devices and a 4-block GPT with fused qkv, out, up and down matrices
 gather their bytes with at most 5% padding (from the plan and from the
 compiled step's collectives) and train as single-device
 ``optax.contrib.muon`` does; ``layers_per_gather='auto'`` weighs the
-gathered weights Z3 holds against the bytes a step moves.
+gathered weights Z3 holds against the bytes a step moves. A matrix that
+outweighs a row's share of its gather (MNIST's ``linear1`` on an HSDP
+mesh) is split over every owner device: a device's Muon state is then
+about total / N.
 """
 
 import functools
@@ -359,6 +362,150 @@ class GptTest(parameterized.TestCase):
     measured = gather_bytes(run['report'])
     floor = 3 * (N - 1) / N * payload
     self.assertBetween(measured, floor - 1, 1.05 * floor)
+    support.assert_no_collective_in_a_conditional(self, run['compiled'])
+
+
+# -- one matrix that dominates (MNIST's linear1): two Linears ---------------
+
+# MNIST's CNN on its Muon side: linear1 3136 x 256 and linear2 256 x 10,
+# here 512 x 32 and 32 x 10 (linear1 98% of the Muon bytes).
+FEATURES, HIDDEN, CLASSES = 512, 32, 10
+
+
+def dominant_params():
+  rng = np.random.RandomState(0)
+  draw = lambda *s: jnp.asarray(rng.randn(*s) / np.sqrt(s[0]), jnp.float32)
+  return {
+    'linear1': {'kernel': draw(FEATURES, HIDDEN), 'bias': draw(HIDDEN)},
+    'linear2': {'kernel': draw(HIDDEN, CLASSES), 'bias': draw(CLASSES)},
+  }
+
+
+def dominant_linear(layer, x):
+  return x @ layer['kernel'] + layer['bias']
+
+
+def dominant_loss(params, x):
+  h = jax.nn.relu(dominant_linear(params['linear1'], x))
+  logits = dominant_linear(params['linear2'], h)
+  labels = jnp.argmax(x[:, :CLASSES], axis=-1)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def dominant_batch():
+  return jax.random.normal(jax.random.key(2), (64, FEATURES))
+
+
+DOMINANT_BOUNDARY = lambda path, sub: path in ('linear1', 'linear2')
+DOMINANT_PAYLOAD = (FEATURES * HIDDEN + HIDDEN * CLASSES) * 4
+
+
+def muon_bytes_per_device(ded, state=None, dp=None):
+  """The Muon state one device holds, weights and momentum: from the
+  plan, its owner buffers' bytes (the gathers pad every owner to the
+  largest share); with ``dp`` and ``state``, device 0's shards of the
+  owner buffers (``dmuon_jax.OwnerBuffers``: the weights and ``mu``)."""
+  if dp is None:
+    return 2 * sum(
+      size * jnp.dtype(dtype).itemsize
+      for lay in ded.layouts
+      for size, dtype in zip(lay.local_sizes, lay.dtypes)
+    )
+  is_owned = lambda x: isinstance(x, dmuon_jax.OwnerBuffers)
+  owned = [
+    x for x in jax.tree.leaves((dp, state), is_leaf=is_owned) if is_owned(x)
+  ]
+  assert len(owned) == 2, owned  # the weights and the momentum
+  return sum(
+    x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(owned)
+  )
+
+
+@functools.cache
+def dominant_run(shape):
+  mesh = support.make_mesh(shape)
+  params = dominant_params()
+  ded = dmuon_jax.dedicate(
+    params, mesh, boundary_predicate=DOMINANT_BOUNDARY, layers_per_gather=1
+  )
+  dp = ded.to_dedicated(jax.device_put(params, NamedSharding(mesh, P())))
+  opt = dmuon_jax.dedicated_muon(ded, LR)
+  state = opt.init(dp)
+
+  def loss(dp, x):
+    h = jax.nn.relu(ded.block(dominant_linear, 'linear1')(dp, x))
+    logits = ded.block(dominant_linear, 'linear2')(dp, h)
+    labels = jnp.argmax(x[:, :CLASSES], axis=-1)
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, labels
+    ).mean()
+
+  step = support.explicit_step_fn(opt, mesh, state, loss, ded.specs())
+  x = jax.device_put(dominant_batch(), NamedSharding(mesh, P(AXES)))
+  compiled = step.lower(dp, state, x).compile()
+  per_device = muon_bytes_per_device(ded, state, dp)
+  run = support.compiled_dedicated_run(ded, compiled, dp, state, x, 3)
+  return {**run, 'per_device': per_device}
+
+
+@functools.cache
+def dominant_reference():
+  params = dominant_params()
+  return support.train_single_device(
+    support.optax_muon(LR, params),
+    params,
+    lambda p: dominant_loss(p, dominant_batch()),
+    3,
+  )
+
+
+class DominantMatrixTest(parameterized.TestCase):
+  """One matrix outweighs a row's share of its gather (MNIST's linear1 on
+  an HSDP or two-axis mesh): its owner groups span every owner device,
+  not one row of the group axis, so a device's Muon state is about
+  total / N (it was total / (row size): 2x on 2 x 4, 4x on 4 x 2)."""
+
+  @parameterized.named_parameters(
+    ('hsdp_2x4', {'replicate': 2, 'shard': 4}),
+    ('hsdp_4x2', {'replicate': 4, 'shard': 2}),
+    ('two_axes_2x4', {'data': 2, 'fsdp': 4}),
+  )
+  def test_state_per_device_near_total_over_n(self, mesh):
+    params = dominant_params()
+    for per_gather in ('auto', 1):
+      ded = dmuon_jax.dedicate(
+        params,
+        mesh,
+        boundary_predicate=DOMINANT_BOUNDARY,
+        layers_per_gather=per_gather,
+      )
+      # Floor: linear1's 8 slices of 64 rows, one per device, and
+      # linear2's share (its 32 x 10 splits at most in 2: slices keep 10
+      # rows), 1.06x total / N.
+      ideal = 2 * DOMINANT_PAYLOAD / N
+      self.assertLessEqual(
+        muon_bytes_per_device(ded), 1.1 * ideal, ded.summary()
+      )
+      (big,) = [g for g in ded.plan.groups if g.shape == (FEATURES, HIDDEN)]
+      self.assertLen({ded.plan.owners[u] for u in big.units}, N)
+      # Newton-Schulz: every device its slice of linear1; the floor with
+      # equal slices is a slice's share plus the largest restart window's
+      # 32 x 32 iteration (1.73x total / N here; with linear1's slices in
+      # one row, 2.5x on 2 x 4 and 4.2x on 4 x 2).
+      share = sum(ded.plan.units[u].cost for u in big.units) / N
+      floor = share + max(big.iteration_costs)
+      self.assertLessEqual(ded.plan.makespan, 1.05 * floor, ded.summary())
+
+  def test_trains_as_optax_with_state_near_total_over_n(self):
+    run = dominant_run((2, 4))
+    ded = run['ded']
+    self.assertLessEqual(
+      run['per_device'], 1.1 * 2 * DOMINANT_PAYLOAD / N, ded.summary()
+    )
+    self.assertIn("along ('shard', 'replicate')", ded.summary())
+    want, want_losses = dominant_reference()
+    chex.assert_trees_all_close(run['losses'], want_losses, rtol=1e-5)
+    support.assert_trees_rel_close(self, run['params'], want, rtol=1e-5)
     support.assert_no_collective_in_a_conditional(self, run['compiled'])
 
 

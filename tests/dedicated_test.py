@@ -156,44 +156,35 @@ class DedicatedMemoryTest(absltest.TestCase):
   def test_z3_temporaries_do_not_grow_with_depth(self):
     # Each group's forward gather waits for its first block's input (XLA
     # otherwise hoists every gather to the step's start and keeps every
-    # layer's weights): compiled temporaries stay ~one group's worth.
-    mesh = support.make_mesh((1, 8))
-    d = 128
-
-    def temp_bytes(layers):
-      s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-      params = {
-        f'layers_{i}': {'q': s(d, d), 'up': s(d, 4 * d), 'down': s(4 * d, d)}
-        for i in range(layers)
-      }
-
-      def block(p, x):
-        x = x + jnp.tanh(x @ p['q'])
-        return x + jnp.tanh(x @ p['up']) @ p['down']
-
-      _, compiled = _compiled_z3_step(params, mesh, block, (64, d))
-      return compiled.memory_analysis().temp_size_in_bytes
-
-    layer = (d * d + 8 * d * d) * 4
-    four, eight = temp_bytes(4), temp_bytes(8)
-    # Measured (2026-12-06): 3.37 and 3.45 layers' bytes (12 layers: 3.52).
+    # layer's weights): compiled temporaries stay ~one group's worth. The
+    # step of test_z3_step_peak_holds_two_gather_groups (qkv, out, up,
+    # down; d = 256, donated) at 2 and 4 layers: the 4-layer program is
+    # compiled once for both tests (_qkv_z3_step is cached).
+    layer = 12 * D * D * 4
+    two, four = (
+      _qkv_z3_step(n)[1].memory_analysis().temp_size_in_bytes for n in (2, 4)
+    )
+    # Measured (2026-12-06): 2.47 and 2.72 layers' bytes (8 layers: 3.23).
     # Without the wait for the block's input (_gather.after_inputs made the
-    # identity) 8.17 and 15.3; without _gather.zero_after's tie 5.84 and
-    # 8.59: either fails here (8 layers, not 12: the same check, 18 s less).
-    self.assertLess(abs(eight - four), layer, (four, eight))
+    # identity) 3.13 and 5.13; without _gather.zero_after's tie 3.47 and
+    # 4.98: either fails here (2 and 4 layers, not 4 and 8 of another
+    # model: the same check; this class took 31 s of CPU instead of 81,
+    # side by side).
+    self.assertLess(abs(four - two), layer, (two, four))
     self.assertLess(four, 6 * layer)
 
   def test_update_runs_one_gather_group_at_a_time(self):
-    # The owner update alone (8 layers of qkv, out, up, down; d = 256): one
+    # The owner update alone (4 layers of qkv, out, up, down; d = 256): one
     # gather group per layer holds the temporaries of one group at a time,
-    # well below those of one group per four layers. Each group's momentum
-    # and Newton-Schulz wait for the previous group's results (XLA
-    # otherwise ran the groups side by side). Measured: 10,241,128 bytes for
-    # k = 1 (0.70 of k = 4's 14,558,248; 9,870,488 and 12,985,376 before
-    # the zero buffers waited for their group's inputs, see the next test);
-    # before the tie 12,623,448 (0.97).
+    # well below those of one group of all four layers. Each group's
+    # momentum and Newton-Schulz wait for the previous group's results (XLA
+    # otherwise ran the groups side by side). Measured (2026-12-06):
+    # 6,162,584 bytes for k = 1 (0.63 of k = 4's 9,824,088); without the
+    # tie (_owner_update's _gather.zero_after a constant 0) 11,155,672
+    # (1.14). 4 layers, not 8 (0.67; k = 1 compiled in 19.7 s of CPU
+    # against 8.1 s): the same check.
     mesh = support.make_mesh((1, 8))
-    params = _qkv_model(8, 256)
+    params = _qkv_model(4, D)
 
     def temp_bytes(per_gather):
       ded, opt, dp, state = _abstract_z3(params, mesh, per_gather)
@@ -217,38 +208,54 @@ class DedicatedMemoryTest(absltest.TestCase):
     self.assertLessEqual(one, 0.85 * four, (one, four))
 
   def test_z3_step_peak_holds_two_gather_groups(self):
-    # An 8-layer model's whole Z3 train step (qkv, out, up, down; d = 256,
+    # A 4-layer model's whole Z3 train step (qkv, out, up, down; d = 256,
     # float32, 1x8, one layer per gather, params and optimizer state
     # donated as a training loop passes them): its peak holds the state
     # (params and momentum shards, and the step's gradient and update
     # shards, which every optax step holds) plus at most 2.2 gather groups
     # (a group's gathered weights and its regathered twin or gradient).
-    # Measured (2026-12-06): 1.23 groups above the state (16 layers: 1.10).
-    # Without the staged update's zero buffers waiting for their group's
-    # inputs (_gather.zero_after made a constant 0), XLA makes all of them
-    # at the start of the step and holds them through it: 5.90 groups
-    # (16 layers: 9.88). 8 layers, not 16: the same check, 25 s less.
-    mesh = support.make_mesh((1, 8))
-    d, n = 256, 8
-    params = _qkv_model(8, d)
-
-    def block(p, x):
-      x = x + jnp.tanh(x @ p['qkv'])[:, :d] @ p['out']
-      return x + jnp.tanh(x @ p['up']) @ p['down']
-
-    ded, compiled = _compiled_z3_step(
-      params, mesh, block, (2 * n, d), donate=True
-    )
+    # Measured (2026-12-06): 1.72 groups above the state (8 layers: 1.23;
+    # 16: 1.10). Without the staged update's zero buffers waiting for their
+    # group's inputs (_gather.zero_after made a constant 0), XLA makes all
+    # of them at the start of the step and holds them through it: 3.98
+    # groups (8 layers: 5.90; 16: 9.88); without the forward gathers'
+    # wait for their block's input (_gather.after_inputs the identity)
+    # 4.13. 4 layers, not 8: the same check, and the program
+    # test_z3_temporaries_do_not_grow_with_depth reads too (compiled once).
+    layers, n = 4, 8
+    ded, compiled = _qkv_z3_step(layers)
     report = dmuon_jax.analyze_compiled(compiled)
     payload, _ = ded.gather_bytes()
     group = max(lay.num_slots * sum(lay.local_sizes) * 4 for lay in ded.layouts)
     state_bytes = report.argument_bytes + 2 * payload / n
-    self.assertEqual(group, payload / 8)  # one layer, no padding
+    self.assertEqual(group, payload / layers)  # one layer, no padding
     self.assertLessEqual(
       report.peak_bytes,
       state_bytes + 2.2 * group,
       (report.peak_bytes, state_bytes, group),
     )
+
+
+D = 256  # the width of _qkv_z3_step's model
+
+
+@functools.cache
+def _qkv_z3_step(layers):
+  """``(dedication, compiled step)`` of :func:`_qkv_model` (``layers``
+  blocks of width :data:`D`) under Z3 on 1x8, one layer per gather, params
+  and state donated; cached: DedicatedMemoryTest's tests share it."""
+
+  def block(p, x):
+    x = x + jnp.tanh(x @ p['qkv'])[:, :D] @ p['out']
+    return x + jnp.tanh(x @ p['up']) @ p['down']
+
+  return _compiled_z3_step(
+    _qkv_model(layers, D),
+    support.make_mesh((1, 8)),
+    block,
+    (16, D),
+    donate=True,
+  )
 
 
 def _abstract_z3(params, mesh, per_gather=1):

@@ -7,6 +7,7 @@ The blocks carry BatchNorm statistics; dedication is three lines
 
 import functools
 import math
+import warnings
 from typing import Any
 
 import chex
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 import optax
 from absl.testing import absltest, parameterized
 from flax.training import train_state
+from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
 import dmuon_jax.flax as dflax
@@ -247,11 +249,10 @@ class LinenBoxedTest(absltest.TestCase):
     boxed = Boxed().init(jax.random.key(0), x)['params']
     loss = lambda p, x: jnp.mean(Boxed().apply({'params': p}, x) ** 2)
 
-    # The LayerNorm scale, sharded over 'shard' (an owner axis), is
-    # replicated for train_step, with a warning.
-    with self.assertWarnsRegex(
-      dmuon_jax.DMuonWarning, r"replicated the AdamW params \['LayerNorm_0"
-    ):
+    # The LayerNorm scale, sharded over 'shard' (an owner axis), stays
+    # sharded (before: replicated for train_step, with a warning).
+    with warnings.catch_warnings():
+      warnings.simplefilter('error', dmuon_jax.DMuonWarning)
       ded, params = dflax.dedicate_linen(Boxed(), boxed, mesh)
     # AdamW leaves keep their boxes; each owned buffer is boxed with its
     # layout's spec, so nn.get_sharding reads the owners' sharding.
@@ -292,6 +293,19 @@ class LinenBoxedTest(absltest.TestCase):
     self.assertIsInstance(
       state.params['layers_0']['dmuon_owned_0'], nn.Partitioned
     )
+    # The scale and its AdamW moments keep their FSDP sharding through
+    # train_step (gathered for the step, re-sharded after).
+    kept = [
+      (jax.tree_util.keystr(keys), x.sharding.spec)
+      for keys, x in jax.tree_util.tree_leaves_with_path(
+        nn.unbox((state.params, state.opt_state))
+      )
+      if 'LayerNorm_0' in jax.tree_util.keystr(keys)
+      and 'scale' in jax.tree_util.keystr(keys)
+    ]
+    self.assertLen(kept, 3)  # the param, Adam's mu and nu
+    self.assertEqual({spec for _, spec in kept}, {P('shard')}, kept)
+    self.assertIn('AdamW params sharded over the owner axes', ded.summary())
     support.assert_trees_rel_close(
       self,
       jax.device_get(ded.to_params(state.params)),

@@ -13,11 +13,12 @@ inside that ``init`` and the step compiled by
 device with ``optax.contrib.muon`` over 20 steps, at the Z3 floor.
 
 What it holds (each fails without its fix): the state's Flax boxes say
-what dedication did (the owner momentum sharded as its buffers, the
-replicated AdamW params replicated), so the recipe's ``out_shardings``
-place the state right; ``nn.DenseGeneral``'s boxed 3-D kernels run inside
-the step's ``shard_map`` (flax issue #3676); and a state leaf sharded over
-the owner axis outside owner layout is refused by name.
+what dedication did (the owner momentum sharded as its buffers, the AdamW
+params and their moments FSDP-sharded as their boxes say), so the
+recipe's ``out_shardings`` place the state right; ``nn.DenseGeneral``'s
+boxed 3-D kernels run inside the step's ``shard_map`` (flax issue #3676);
+and ``train_step`` gathers the FSDP AdamW params and their moments for the
+step and returns them sharded.
 """
 
 import functools
@@ -31,7 +32,6 @@ import optax
 from absl.testing import absltest
 from flax import nnx
 from flax.training.train_state import TrainState
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
@@ -196,7 +196,14 @@ def dedicated_run():
 class NanodoLikeTrainerTest(absltest.TestCase):
   def test_z3_matches_plain_jit_at_the_floor(self):
     got = dedicated_run()
-    support.assert_route_run(self, got, reference(), z3=True)
+    # Besides Muon's gathers: train_step's of the FSDP AdamW params and
+    # their moments (all of this model's AdamW params are sharded).
+    ded = got['ded']
+    adamw = support.fsdp_adamw_gather_bytes(ded, nn.unbox(got['state'].params))
+    self.assertGreater(adamw, 0)
+    support.assert_route_run(
+      self, got, reference(), z3=True, adamw_gathered=adamw
+    )
 
   def test_recipe_shardings_follow_the_dedication(self):
     got = dedicated_run()
@@ -214,14 +221,16 @@ class NanodoLikeTrainerTest(absltest.TestCase):
     self.assertTrue(all('data' in str(s) for s in specs))
     for buf, spec in zip(momentum.buffers, specs):
       self.assertEqual(buf.sharding.spec, spec)
-    # The AdamW params dedicate replicated (sharded over 'data' by their
-    # boxes) and their moments: replicated, as their boxes now say.
-    self.assertIn('embed/embedding', ded.replicated)
-    # ... and said so at init, once (jax.jit reuses eval_shape's trace).
-    replicated = [w for w in got['warnings'] if 'replicated the AdamW' in w]
-    self.assertLen(replicated, 1)
-    self.assertEqual(reference()['warnings'], [])
-    self.assertEqual(shardings.params['embed']['embedding'].spec, P(None, None))
+    # The AdamW params, sharded over 'data' by their boxes, and their
+    # moments: sharded so (before: replicated by dedicate, with a warning).
+    self.assertIn('embed/embedding', ded.sharded)
+    self.assertIn("'embed/embedding']", ded.summary())
+    self.assertEqual(got['warnings'], reference()['warnings'])
+    self.assertEqual(
+      shardings.params['embed']['embedding'].spec, P(None, 'data')
+    )
+    table = nn.unbox(got['state'].params)['embed']['embedding']
+    self.assertEqual(table.sharding.spec, P(None, 'data'))
     moments = [
       leaf
       for _, mu in optax.tree_utils.tree_get_all_with_path(
@@ -231,8 +240,15 @@ class NanodoLikeTrainerTest(absltest.TestCase):
       for leaf in jax.tree.leaves(mu)
     ]
     self.assertLen(moments, 1 + 4 * BLOCKS + 2 * BLOCKS + 1)  # AdamW leaves
+    specs = {
+      x.shape: x.sharding.spec
+      for x in jax.tree.leaves(
+        ded.dedicated(nn.unbox(got['state'].params)).rest
+      )
+    }
     for leaf in moments:
-      self.assertNotIn('data', str(leaf.sharding.spec))
+      self.assertEqual(leaf.sharding.spec, specs[leaf.shape])
+    self.assertTrue(any('data' in str(leaf.sharding.spec) for leaf in moments))
 
   def test_jitted_init_places_the_momentum_without_out_shardings(self):
     # jax.jit(init) with no out_shardings (XLA picks the outputs'): the
@@ -247,24 +263,6 @@ class NanodoLikeTrainerTest(absltest.TestCase):
     ]
     for buf, spec in zip(momentum.buffers, momentum.layout.buffer_specs()):
       self.assertEqual(buf.sharding.spec, spec)
-
-  def test_a_state_leaf_sharded_over_the_owner_axis_is_named(self):
-    got = dedicated_run()
-    state = got['state']
-    mesh = got['ded'].dedication.mesh
-    params = nn.unbox(state.params)
-    table = jax.device_put(
-      params['embed']['embedding'], NamedSharding(mesh, P(None, 'data'))
-    )
-    params['embed']['embedding'] = table
-    state = state.replace(params=params)
-    step = dflax.train_step(got['ded'])(loss_step)
-    with self.assertRaisesRegex(
-      ValueError,
-      r"embed/embedding.*sharded.*over the owner axes \('data',\).*"
-      r'replicated over those axes',
-    ):
-      step(state, support.token_batch(BATCH, LENGTH + 1, V))
 
 
 # -- the same recipe for an NNX model ------------------------------------------
@@ -286,9 +284,10 @@ class NnxModel(nnx.Module):
 
 
 class NnxAbstractInitTest(absltest.TestCase):
-  def test_replicated_adamw_param_says_so_in_its_metadata(self):
+  def test_fsdp_adamw_param_keeps_its_sharding_metadata(self):
     # nnx.eval_shape + nnx.get_named_sharding on an Auto mesh: the traced
-    # embedding carries no sharding, its out_sharding metadata does.
+    # embedding carries no sharding, its out_sharding metadata does: FSDP
+    # over 'shard' as written (before: replicated, renamed so, warned).
     mesh = support.make_mesh((2, 4), kind=jax.sharding.AxisType.Auto)
     made = []
 
@@ -301,12 +300,10 @@ class NnxAbstractInitTest(absltest.TestCase):
       warnings.simplefilter('always')
       abstract = nnx.eval_shape(create)
       shardings = nnx.get_named_sharding(nnx.state(abstract), mesh)
-    self.assertEqual(made[-1].replicated, ('embed/embedding',))
-    self.assertTrue(
-      any('replicated the AdamW' in str(w.message) for w in caught)
-    )
+    said = [w for w in caught if issubclass(w.category, dmuon_jax.DMuonWarning)]
+    self.assertEqual(said, [])
     self.assertEqual(
-      shardings['embed']['embedding'].get_value().spec, P(None, None)
+      shardings['embed']['embedding'].get_value().spec, P(None, 'shard')
     )
     (buffer_path,) = made[-1].buffer_paths
     flat = dict(nnx.to_flat_state(shardings))

@@ -217,7 +217,8 @@ def dedicated(
   per configuration (cached): every test of it reads the same run.
 
   The embedding starts sharded over 'shard' (an AdamW param sharded over an
-  owner axis): dedicate replicates it.
+  owner axis): it stays so, its moments alike, and train_step gathers it
+  and them for the step.
   """
   return _dedicated(tuple(shape), scan, z3, auto, owner_groups, per_gather)
 
@@ -299,6 +300,33 @@ def muon_bytes(report):
   return kinds.get('all-gather', 0) + kinds.get('reduce-scatter', 0)
 
 
+def sharded_adamw(run):
+  """The AdamW params sharded over an owner axis (the embedding), as
+  ``(array, devices it is split over)``."""
+  ded = run['ded']
+  leaves = nnx.to_flat_state(nnx.state(run['model'], nnx.Param))
+  found = []
+  for _, v in leaves:
+    x = v.get_value()
+    if isinstance(v, dflax.OwnedBuffer) or not isinstance(
+      x.sharding, NamedSharding
+    ):
+      continue
+    axes = set(jax.tree.leaves(tuple(x.sharding.spec))) & set(ded.axes)
+    if axes:
+      found.append((x, math.prod(x.sharding.mesh.shape[a] for a in axes)))
+  return found
+
+
+def adamw_gather_bytes(run):
+  """What train_step's gathers of those params and their two AdamW
+  moments move per device (all-gathers, once per step): XLA gathers each
+  over all the owner devices (measured on 2x4: the P('shard') embedding,
+  replicated over 'replicate', in a group of 8), (N-1)/N of its bytes."""
+  n = math.prod(run['ded'].dedication.mesh.shape[a] for a in run['ded'].axes)
+  return sum(3 * (n - 1) / n * x.nbytes for x, _ in sharded_adamw(run))
+
+
 class NnxParityTest(parameterized.TestCase):
   @parameterized.named_parameters(*CONFIGS)
   def test_matches_single_device_optax(self, shape, scan, z3, per_gather):
@@ -341,7 +369,8 @@ class NnxBytesTest(parameterized.TestCase):
     ) / r * gathered / s
     # Matrices split over owners (one block per gather: the gate, up, down
     # and kv kernels) exchange their Grams point to point, as predicted.
-    got = muon_bytes(report)
+    # The FSDP embedding and its moments are gathered for the step besides.
+    got = muon_bytes(report) - adamw_gather_bytes(run)
     self.assertAlmostEqual(
       report.bytes_by_kind.get('collective-permute', 0),
       ded.exchange_bytes(),
@@ -407,7 +436,9 @@ class NnxBytesTest(parameterized.TestCase):
       c for c in run['report'].collectives if c.kind == 'reduce-scatter'
     ]
     groups = len(ded.groups)
-    self.assertLen(gathers, 2 * groups)  # forward + backward
+    # Forward + backward, and the FSDP embedding, its mu and nu gathered
+    # for the step.
+    self.assertLen(gathers, 2 * groups + 3)
     self.assertLen(scatters, groups)
 
   def test_scanned_stack_gathers_one_layer_per_iteration(self):
@@ -436,14 +467,21 @@ class NnxMemoryTest(absltest.TestCase):
       for _, v in nnx.to_flat_state(nnx.state(run['model'], dflax.OwnedBuffer))
     ]
     # The Muon momentum: the optimizer state sharded over the owner axes
-    # (AdamW's moments are replicated).
-    momentum = [
+    # in owner layout (the FSDP embedding's AdamW moments are sharded over
+    # them too: 1/8 each).
+    sharded = [
       x
       for x in jax.tree.leaves(nnx.state(run['optimizer']))
       if isinstance(x.sharding, NamedSharding)
       and set(ded.buffer_axes) & set(jax.tree.leaves(tuple(x.sharding.spec)))
     ]
+    shapes = {x.shape for x in owned}
+    momentum = [x for x in sharded if x.shape in shapes]
     self.assertLen(momentum, len(owned))
+    ((table, k),) = sharded_adamw(run)
+    moments = [x for x in sharded if x.shape == table.shape]
+    self.assertLen(moments, 2)
+    self.assertEqual(per_device(moments), 2 * table.nbytes // k)
     self.assertLessEqual(per_device(owned), 1.2 * payload / 8)
     self.assertLessEqual(per_device(momentum), 1.2 * payload / 8)
     self.assertGreaterEqual(per_device(owned + momentum), 2 * payload / 8)
@@ -618,24 +656,28 @@ class NnxBehaviourTest(absltest.TestCase):
     with self.assertRaisesRegex(TypeError, r'argument 1 .*Average.*dict'):
       step(model, metrics, tokens())
 
-  def test_adamw_params_sharded_over_owner_axes_are_replicated(self):
+  def test_adamw_params_sharded_over_owner_axes_stay_sharded(self):
     # Every run of dedicated() starts with the embedding sharded over
     # 'shard'; this one's 20 steps match the reference (NnxParityTest).
+    # It stays sharded, its moments alike, with no warning (before:
+    # replicated, with a warning of the bytes it cost).
     run = dedicated((1, 8), False, True)
     self.assertIn(
-      "replicated over the owner axes ('shard', 'replicate'): "
+      "AdamW params sharded over the owner axes ('shard', 'replicate'), "
+      'their moments alike (train_step gathers them for the step): '
       "['embed/embedding']",
       run['ded'].summary(),
     )
-    self.assertEqual(run['embed_spec'], P(None))
-    # Not silently: a warning with the bytes it costs and what to do (the
-    # 64x32 float32 table: 8,192 B per device instead of 1,024 on 1x8).
-    (said,) = run['said']
-    self.assertRegex(
-      said,
-      r"replicated the AdamW params \['embed/embedding'\] over the owner "
-      r'axes .*\+7,168 bytes per device.*another mesh axis',
-    )
+    self.assertEqual(run['embed_spec'], P('shard'))
+    self.assertEqual(run['said'], [])
+    table = run['model'].embed.embedding.get_value()
+    self.assertEqual(table.sharding.spec, P('shard'))
+    moments = [
+      v.get_value().sharding.spec
+      for p, v in nnx.to_flat_state(nnx.state(run['optimizer']))
+      if 'embed' in p
+    ]
+    self.assertEqual(moments, [P('shard')] * 2)
 
   def test_bare_jit_warns_once_and_moves_what_it_says(self):
     # One block: the bytes checked below scale with the Muon payload, the
@@ -863,7 +905,7 @@ class DocsMistakeTableTest(absltest.TestCase):
   """Every row of ``docs/reference/dedicated_mistakes.md`` names tests that
   exist in this file, ``flax_linen_test.py``, ``flax_linen_scan_test.py``
   or the plain-jit route's ``flax_route_test.py``/
-  ``flax_linen_route_test.py``."""
+  ``flax_linen_route_test.py``, or ``boundaries_test.py``."""
 
   def test_every_row_names_tests_that_exist(self):
     root = pathlib.Path(__file__).resolve().parent
@@ -876,6 +918,7 @@ class DocsMistakeTableTest(absltest.TestCase):
         'flax_linen_scan_test.py',
         'flax_route_test.py',
         'flax_linen_route_test.py',
+        'boundaries_test.py',
       )
     )
     rows = [r for r in table.splitlines() if r.startswith('| ') and '::' in r]

@@ -109,6 +109,22 @@ def functional_step(graphdef, state, tokens):
   return loss, nnx.state((model, optimizer, metrics, rngs))
 
 
+@jax.jit
+def functional_grad_step(graphdef, state, tokens):
+  """Gemma's default step: the params split off inside ``jax.jit`` and
+  differentiated with ``jax.value_and_grad`` through ``nnx.merge`` (the
+  rest of the model, placeholders included, is made in the outer trace)."""
+  model, optimizer, metrics, rngs = nnx.merge(graphdef, state)
+  rest_def, params, rest = nnx.split(model, nnx.Param, ...)
+  plain = lambda params: loss_fn(
+    nnx.merge(rest_def, params, rest), tokens, rngs
+  )
+  loss, grads = jax.value_and_grad(plain)(params)
+  optimizer.update(model, grads)
+  metrics.update(loss=loss)
+  return loss, nnx.state((model, optimizer, metrics, rngs))
+
+
 def token_batch():
   return support.token_batch(BATCH, LENGTH, V)
 
@@ -142,11 +158,12 @@ def run_decoder(
     tokens = jax.device_put(token_batch(), NamedSharding(mesh, P(AXES)))
     losses = []
     if functional:
+      fn = functional_grad_step if functional == 'grad' else functional_step
       graphdef, state = nnx.split((model, optimizer, metrics, rngs))
       for _ in range(steps):
-        loss, state = functional_step(graphdef, state, tokens)
+        loss, state = fn(graphdef, state, tokens)
         losses.append(float(loss))
-      compiled = functional_step.lower(graphdef, state, tokens).compile()
+      compiled = fn.lower(graphdef, state, tokens).compile()
       nnx.update((model, optimizer, metrics, rngs), state)
     else:
       step = nnx.jit(nnx_step)
@@ -226,6 +243,9 @@ class GemmaLikeDecoderTest(absltest.TestCase):
 
   def test_z3_functional_jax_jit(self):
     self.check(True, True)
+
+  def test_z3_functional_jax_value_and_grad(self):
+    self.check(True, 'grad')
 
   def test_dropout_rng_state_advances_as_under_nnx_jit(self):
     want = decoder_reference(rate=0.1, steps=3)

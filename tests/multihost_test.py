@@ -34,7 +34,10 @@ SCRIPT = os.path.join(ROOT, 'examples', 'multihost.py')
 MODES = ('dropin', 'dedicated')
 TOPOLOGIES = ((2, 4), (1, 8))  # (processes, local devices)
 MESH = '2,4'  # the same global mesh in every run
-STEPS = 10
+# 3 steps, not the script's 10: the same checks (2 processes equal 1 after
+# several steps, the loss falls, the checkpoints); the set-up's children
+# took 27.2 s of CPU instead of 31.8 and 33.2 (side by side).
+STEPS = 3
 BLOCKS = 1
 RTOL = 1e-6
 FAIL_BOUND_S = 60

@@ -929,24 +929,42 @@ def muon_floor(ded, z3, n=8) -> float:
   return (3 if z3 else 2) * (n - 1) / n * gathered
 
 
-def assert_route_run(test, got, want, z3, rtol=1e-5):
+def assert_route_run(test, got, want, z3, rtol=1e-5, adamw_gathered=0.0):
   """A dedicated run (``losses``, ``params``, ``collectives``, ``ded``)
   equal to its reference within ``rtol``, its Muon traffic (all-gather
-  + reduce-scatter) at the plan's floor (within 5%) and the owner groups'
-  Gram exchange of matrices split over owners (collective-permutes) as
-  predicted."""
+  + reduce-scatter, less ``adamw_gathered``: bytes per device of the
+  all-gathers of AdamW params sharded over an owner axis, see
+  :func:`fsdp_adamw_gather_bytes`) at the plan's floor (within 5%) and the
+  owner groups' Gram exchange of matrices split over owners
+  (collective-permutes) as predicted."""
   rel = np.max(np.abs(got['losses'] - want['losses']) / want['losses'])
   test.assertLess(rel, rtol)
   assert_trees_max_rel_close(got['params'], want['params'], rtol)
   kinds = got['collectives']
   floor = muon_floor(got['ded'], z3)
-  muon = kinds['all-gather'][1] + kinds['reduce-scatter'][1]
+  muon = kinds['all-gather'][1] + kinds['reduce-scatter'][1] - adamw_gathered
   exchange = got['ded'].dedication.exchange_bytes()
   test.assertAlmostEqual(
     kinds.get('collective-permute', (0, 0))[1], exchange, delta=1
   )
   test.assertLessEqual(muon, 1.05 * floor)
   test.assertGreaterEqual(muon, floor - 1)
+
+
+def fsdp_adamw_gather_bytes(ded, params) -> float:
+  """What ``dmuon_jax.flax.train_step`` all-gathers per device and step
+  for the AdamW params of ``params`` (the dedicated params, placed) that
+  are sharded over an owner axis of ``ded`` (a ``ModelDedication``): each
+  param and its two Adam moments, gathered (XLA's all-gather) over all the
+  N owner devices: (N - 1)/N of its bytes each."""
+  total, owners = 0.0, set(ded.axes)
+  n = math.prod(ded.dedication.mesh.shape[a] for a in owners)
+  for x in jax.tree.leaves(ded.dedicated(params).rest):
+    spec = x.sharding.spec
+    axes = {a for e in spec if e for a in ((e,) if isinstance(e, str) else e)}
+    if axes & owners:
+      total += 3 * (n - 1) / n * x.nbytes
+  return total
 
 
 def llama3_matrices(layers, d, f, kv):

@@ -77,8 +77,11 @@ def dedicate(
   """Stores an NNX model's Muon targets on their owners, in place.
 
   The model's code does not change: each hook boundary module (see
-  :func:`dmuon_jax.find_hook_boundaries`: ``layers[i]``, ``blocks[i]``, a
-  ``nnx.vmap`` stack called through ``nnx.scan``) gathers its gather
+  :func:`dmuon_jax.find_hook_boundaries`: ``layers[i]``, ``blocks[i]``,
+  repeated submodules under an indexed name (``block0``) or in an
+  ``nnx.List``/``nnx.Dict``, a ``nnx.vmap`` stack called through
+  ``nnx.scan``, and in a model without blocks each Muon param's own module,
+  the root for params set on it) gathers its gather
   group's matrices when it is called. Under :func:`train_step` that is an
   all-gather over the owner axes whose transpose reduce-scatters the
   gradients to the owners (Z3 gathers again in the backward pass, Z2 keeps
@@ -111,7 +114,9 @@ def dedicate(
       the params as ``nnx.to_pure_dict(nnx.state(model, nnx.Param))``).
     boundary_predicate: as for :func:`dmuon_jax.dedicate`; boundaries must
       be module paths.
-    strict: as for :func:`dmuon_jax.dedicate`.
+    strict: as for :func:`dmuon_jax.dedicate`: False gathers a Muon
+      target outside the model's blocks with its own module (an error
+      naming it where that module holds blocks too).
     reshard_after_forward: True for Z3, False for Z2.
     layers_per_gather: as for :func:`dmuon_jax.dedicate` (default
       ``'auto'``); a scanned stack gathers one layer per ``nnx.scan``
@@ -172,13 +177,9 @@ def dedicate(
   # What Flax's sharding tools say of each param (its out_sharding
   # metadata), also where a traced value on Auto axes says nothing.
   specs = [_mesh.leaf_spec(_model.node_at(model, p)) for p in paths]
-  ded, _, dp, replicated, moved = _model.plan(
-    params, mesh, 'nnx.scan', kwargs, specs
+  ded, _, dp = _model.plan(
+    params, mesh, 'nnx.scan', kwargs, _model.containers(model)
   )
-  for i, x in moved.items():
-    variable = _model.node_at(model, paths[i])
-    variable.set_value(x)
-    _mesh.without_axes(variable, ded.buffer_axes)
   boundary_paths = [_model.path(k) for k in ded.boundary_keys]
   _model.check_model(model, paths, specs, ded, mesh, boundary_paths)
 
@@ -226,7 +227,7 @@ def dedicate(
   owned_state = nnx.to_flat_state(nnx.state(model, OwnedBuffer))
   where = {id(v): tuple(p) for p, v in owned_state}
   buffer_paths = [where[id(v)] for v in owned_vars]
-  md = ModelDedication.of(ded, paths, boundary_paths, buffer_paths, replicated)
+  md = ModelDedication.of(ded, paths, boundary_paths, buffer_paths, specs)
   for b, bpath in enumerate(boundary_paths):  # the dedication each serves
     _model.node_at(model, bpath).dmuon_hook = _boundary.Hook(md, b)
   return md
@@ -351,9 +352,7 @@ def dedicate_linen(
       values[i] = jax.device_put(values[i], NamedSharding(mesh, spec))
   params = jax.tree.unflatten(treedef, values)
   kwargs = {k: v for k, v in locals().items() if k in _model.PLANNED}
-  ded, out, dp, replicated, moved = _model.plan(
-    params, mesh, 'nn.scan', kwargs, specs
-  )
+  ded, out, dp = _model.plan(params, mesh, 'nn.scan', kwargs)
   paths = _model.leaf_paths(params)
   for t in ded.layout.leaves:
     hole = _model.placeholder(ded, t)
@@ -373,18 +372,10 @@ def dedicate_linen(
       if template is not None:  # boxed params: boxed buffers (their spec)
         buf = _mesh.box_like(template, buf, ded.layout.buffer_specs()[bi])
       _model.set_at(out, buffer_paths[bi], buf)
-  # Boxed params keep their boxes (Flax's sharding tools read them); those
-  # replicated over the owner axes say so. Where every mesh axis (of more
-  # than one device) is an owner axis, every AdamW param ends replicated:
-  # a box whose logical names the rules in effect map says so whatever
-  # the rules are (a jax.eval_shape of the init outside them, as Flax lm1b
-  # runs it, gives the jax.jit inside them the same boxes).
+  # Boxed params keep their boxes (Flax's sharding tools read them), AdamW
+  # params their sharding too.
   for i, box in enumerate(boxes):
     if box is not None and ded.rest_specs[i] is not None:  # AdamW params
-      if _model.owned_mesh(ded, mesh) and _mesh.rules_decide(box):
-        box = box.replace(names=(None,) * len(box.names))  # replicated
-      elif i in moved:
-        box = _mesh.without_axes(box, ded.buffer_axes)
       value = _model.node_at(out, paths[i])
       _model.set_at(out, paths[i], _mesh.rebox(box, value))
   return _boundary.LinenDedication.of(
@@ -392,7 +383,7 @@ def dedicate_linen(
     paths,
     boundary_paths,
     buffer_paths,
-    replicated,
+    specs,
     linen_model=model,
     placeholder_paths=tuple(paths[t.index] for t in ded.layout.leaves),
     boundary_paths=boundary_paths,

@@ -223,10 +223,12 @@ def _trace_cache(md: ModelDedication, g: int, b: int, local, iteration, manual):
   ``manual``: inside :func:`train_step` (``md.gathered_manual``); else
   (``md.gathered``) warns :data:`LIFTED_BOUNDARY_MSG` (once per model)
   where block ``b`` of a group of several blocks misses the group in its
-  trace while another block of the group gathered it in the trace just
-  before: a transform of its own around each block (``nnx.remat(lambda
-  block, x: block(x))``, a Flax ``nn.remat`` around the boundary module),
-  so the group is gathered and reduce-scattered per block.
+  trace while another block of the group was the first to gather it in the
+  trace just before: a transform of its own around each block
+  (``nnx.remat(lambda block, x: block(x))``, a Flax ``nn.remat`` around the
+  boundary module), so the group is gathered and reduce-scattered per
+  block. A new trace of the whole model (an evaluation step, a step traced
+  again) starts with the block that started the one before: no warning.
   """
   trace = jax.extend.core.get_opaque_trace_state(convention='nnx')
   cache = md.gathered_manual if manual else md.gathered
@@ -236,6 +238,9 @@ def _trace_cache(md: ModelDedication, g: int, b: int, local, iteration, manual):
   keys = (*local, iteration)
   hit = cache['groups'].get(g)
   entry = hit[1] if hit and all(x is y for x, y in zip(hit[0], keys)) else None
+  # The block whose call gathered the group in this trace (Z3's later
+  # blocks store the group again: the gatherer stays the first).
+  first = b if entry is None else hit[2]
   ded = md.dedication
   blocks = len(ded.groups[g])
   previous = cache['previous'].get(g)
@@ -248,7 +253,7 @@ def _trace_cache(md: ModelDedication, g: int, b: int, local, iteration, manual):
     _warn_once(md, message, stacklevel=3)
 
   def store(value):
-    cache['groups'][g] = (keys, value, b)
+    cache['groups'][g] = (keys, value, first)
 
   return entry, store
 
@@ -330,9 +335,9 @@ def _boundary_call(module, original, args, kwargs):
     )
   iteration = module.dmuon_iteration.get_value() if scanned else None
   mine = md.targets[b]
-  holes = {rel: _model.node_at(module, rel).get_raw_value() for _, rel in mine}
-  full = [rel for rel, x in holes.items() if np.size(x)]
-  holes = {rel: (tuple(x.shape), x.dtype) for rel, x in holes.items()}
+  full = [
+    r for _, r in mine if np.size(_model.node_at(module, r).get_raw_value())
+  ]
   if full:
     raise ValueError(
       f'dmuon: the Muon target(s) {[name + "/" + _model.text(r) for r in full]} of '
@@ -350,15 +355,21 @@ def _boundary_call(module, original, args, kwargs):
   fixed = jax.tree.map(jax.lax.stop_gradient, fixed)
 
   def run(mats, state, arrays):
-    m, new_nodes = nnx.merge(graphdef, fixed, state)
+    # A copy: the module's own variables may belong to an outer trace (the
+    # rest of a functional step's nnx.split, merged inside its jax.grad).
+    m, new_nodes = nnx.merge(graphdef, fixed, state, copy=True)
     for i, rel in mine:
       _model.node_at(m, rel).set_value(mats[i])
     a, kw = rebuild(arrays, new_nodes)
     m.dmuon_hook = dataclasses.replace(hook, running=True)  # this copy's
     out = original(m, *a, **kw)
-    for _, rel in mine:
-      _model.node_at(m, rel).set_value(jnp.zeros(*holes[rel]))
-    return out, nnx.state((m, new_nodes), nnx.Not(owned_filter))
+    # Only what the call changed flows out and is written back (nnx.jit's
+    # rule too): a variable of an outer trace can't be written from inside.
+    old = {p: v.get_raw_value() for p, v in nnx.to_flat_state(state)}
+    kept = nnx.Not((*owned_filter, _model.DedicatedWeight))  # (gathered)
+    new = nnx.to_flat_state(nnx.state((m, new_nodes), kept))
+    changed = [(p, v) for p, v in new if v.get_raw_value() is not old[p]]
+    return out, nnx.from_flat_state(changed)
 
   out, new_state = gathered(md, b, local, iteration, run, state, arrays)
   nnx.update((module, nodes), new_state)

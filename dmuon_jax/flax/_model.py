@@ -6,9 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import math
 import os
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -163,9 +161,6 @@ class ModelDedication:
       Muon targets).
     targets: per boundary, ``(leaf index, path inside the boundary module)``
       of its Muon targets.
-    replicated: AdamW params that were sharded over an owner axis and are
-      now replicated over the owner axes (inside :func:`train_step` every
-      device runs the whole model on its own batch).
     warned: a one-element list: whether the GSPMD-gather warning of a call
       outside :func:`train_step` was given (once per model).
     gathered: under plain ``jit`` on Explicit owner axes, each gather
@@ -182,6 +177,9 @@ class ModelDedication:
     boundary_paths: per boundary, the path of the Linen module whose call
       gathers: the boundary's own, or for an ``nn.scan`` stack the deepest
       module holding all its Muon targets (run once per layer).
+    sharded: the AdamW params sharded over an owner axis (by their Flax
+      metadata, else their placement): they stay so, their moments alike,
+      and :func:`train_step` gathers them for the step.
 
   Examples:
     >>> import jax, jax.numpy as jnp, dmuon_jax.flax as dflax
@@ -202,25 +200,25 @@ class ModelDedication:
   buffer_paths: tuple[tuple[Any, ...], ...]
   rest_paths: tuple[tuple[Any, ...] | None, ...]
   targets: tuple[tuple[tuple[int, tuple[Any, ...]], ...], ...]
-  replicated: tuple[str, ...]
   warned: list[bool] = dataclasses.field(default_factory=lambda: [False])
   gathered: dict = dataclasses.field(default_factory=dict, repr=False)
   gathered_manual: dict = dataclasses.field(default_factory=dict, repr=False)
   linen_model: Any = None
   placeholder_paths: tuple[tuple[Any, ...], ...] = ()
   boundary_paths: tuple[tuple[Any, ...], ...] = ()
+  sharded: tuple[str, ...] = ()
 
   # Equal by value (Linen): a trainer's init that dedicates, traced twice
   # (jax.eval_shape, then jax.jit in another context: Flax lm1b's and
   # MaxText's setup_initial_state), makes two dedications, and the
   # TrainState's apply_fn and tx, which hold them, are pytree metadata
-  # that JAX compares with ==. The replicated list is left out: it depends
-  # on the logical axis rules in effect (a trace outside them cannot know
-  # it). An NNX dedication is its model's boundary modules' own: equal
-  # only to itself.
+  # that JAX compares with ==. The sharded list is left out: it depends on
+  # the logical axis rules in effect (a trace outside them cannot know it).
+  # An NNX dedication is its model's boundary modules' own: equal only to
+  # itself.
   @functools.cached_property
   def _key(self) -> tuple[Any, ...]:
-    skip = ('replicated', 'warned', 'gathered', 'gathered_manual')
+    skip = ('sharded', 'warned', 'gathered', 'gathered_manual')
     fields = [f.name for f in dataclasses.fields(self) if f.name not in skip]
     return tuple(getattr(self, name) for name in fields)
 
@@ -236,17 +234,25 @@ class ModelDedication:
 
   @classmethod
   def of(
-    cls, ded, paths, modules, buffer_paths, replicated, **kwargs
+    cls, ded, paths, modules, buffer_paths, specs, **kwargs
   ) -> ModelDedication:
     """The record of ``ded`` over a model whose param leaves lie at
-    ``paths`` and whose boundaries' gathering modules at ``modules``."""
+    ``paths`` (their Flax metadata's specs: ``specs``, None where they have
+    none) and whose boundaries' gathering modules at ``modules``."""
+    owner = set(ded.buffer_axes)
+    kwargs['sharded'] = tuple(
+      p
+      for p, rest, spec in zip(ded.leaf_paths, ded.rest_specs, specs)
+      if rest is not None
+      and _mesh.sharded_axes([rest if spec is None else spec]) & owner
+    )
     targets: list[list[tuple[int, tuple]]] = [[] for _ in modules]
     for t in ded.layout.leaves:
       b = boundary_of(ded, t)
       targets[b].append((t.index, paths[t.index][len(modules[b]) :]))
     rest = [None if s is None else p for p, s in zip(paths, ded.rest_specs)]
     owned, mine = tuple(buffer_paths), tuple(map(tuple, targets))
-    return cls(ded, owned, tuple(rest), mine, tuple(replicated), **kwargs)
+    return cls(ded, owned, tuple(rest), mine, **kwargs)
 
   @property
   def apply(self) -> Callable[..., Any]:
@@ -271,12 +277,15 @@ class ModelDedication:
     return self.dedication.buffer_axes
 
   def summary(self) -> str:
-    """The dedication's summary (gather groups, padding, owner plan)."""
+    """The dedication's summary (the hook boundaries and how each was
+    found, gather groups, padding, owner plan) and the AdamW params stored
+    sharded over the owner axes."""
     text = self.dedication.summary()
-    if self.replicated:
+    if self.sharded:
       text += (
-        '\n  AdamW params replicated over the owner axes '
-        f'{self.axes}: {list(self.replicated)}'
+        f'\n  AdamW params sharded over the owner axes {self.axes}, their '
+        'moments alike (train_step gathers them for the step): '
+        f'{list(self.sharded)}'
       )
     return text
 
@@ -379,31 +388,45 @@ def set_at(root: Any, path: Sequence[Any], value: Any) -> None:
     setattr(parent, path[-1], value)
 
 
-def plan(params, mesh, scan: str, kwargs, specs):
+def containers(model: nnx.Module) -> frozenset[str]:
+  """The paths of ``model``'s containers (``nnx.List``, ``nnx.Dict``,
+  ``list``, ``dict``, ``tuple``) of two or more submodules of one class:
+  their entries are repeated siblings whatever their names."""
+  found = set()
+  for keys, node in nnx.iter_graph(model):
+    if isinstance(node, (nnx.List, nnx.Dict, list, dict, tuple)):
+      items = node.values() if isinstance(node, (dict, nnx.Dict)) else node
+      kinds = {type(x) for x in items if isinstance(x, nnx.Module)}
+      if len(kinds) == 1 and sum(isinstance(x, nnx.Module) for x in items) > 1:
+        found.add(text(keys))
+  return frozenset(found)
+
+
+def plan(params, mesh, scan: str, kwargs, blocks=frozenset()):
   """The dedication of a Flax model's params, and the params placed for it.
 
   Plans with :func:`dmuon_jax.dedicate` (``kwargs``: its options; one layer
   per gather in a model with ``scan``-ned stacks: one layer per ``scan``
-  iteration), checks what ``dmuon_jax.flax`` cannot run, replicates AdamW
-  params sharded over an owner axis over the owner axes (inside train_step
-  every device runs the whole model on its own batch) and puts unplaced
-  params on the mesh, replicated.
+  iteration), checks what ``dmuon_jax.flax`` cannot run and puts unplaced
+  params on the mesh, replicated. AdamW params keep their sharding (over
+  owner axes too: :func:`train_step` gathers them for the step).
 
-  A leaf's sharding is the one its Flax metadata gives (``specs``: per
-  leaf, its spec or None), where it has some: under an abstract or jitted
-  init on Auto axes the traced values carry none, yet ``jit(init,
-  out_shardings=...)`` would place them as their metadata says.
+  Without a ``boundary_predicate``, the boundaries are found by
+  :func:`dmuon_jax.find_hook_boundaries`'s default rules, ``blocks`` (the
+  model's containers of submodules, :func:`containers`) counting as
+  repeated siblings.
 
   Returns:
-    ``(dedication, placed params, DedicatedParams, replicated paths, {leaf
-    index: moved param})``.
+    ``(dedication, placed params, DedicatedParams)``.
   """
   k, is_boundary = kwargs.pop('layers_per_gather'), kwargs['boundary_predicate']
+  if is_boundary is None:
+    kwargs['boundary_predicate'] = _checks.ModelBlocks(blocks)
   bounds = _checks.find_hook_boundaries(
     params,
     predicate=kwargs['predicate'],
     weight_dimension_numbers=kwargs['muon_weight_dimension_numbers'],
-    boundary_predicate=is_boundary,
+    boundary_predicate=kwargs['boundary_predicate'],
     strict=kwargs['strict'],
   )
   stacks = [n for n, s in zip(bounds.names, bounds.scanned) if s]
@@ -437,47 +460,16 @@ def plan(params, mesh, scan: str, kwargs, specs):
           )
         break
   leaves, treedef = jax.tree.flatten(params)
-  owner = set(ded.buffer_axes)
-  drop = lambda e: tuple(a for a in e if a not in owner) or None
-  ways = lambda sp: math.prod(mesh.shape[a] for a in _mesh.sharded_axes([sp]))
-  replicated, moved, extra = [], {}, 0
-  rest_specs = list(ded.rest_specs)  # (None: a Muon target)
-  for i, (rest_spec, x) in enumerate(zip(ded.rest_specs, list(leaves))):
-    spec = specs[i] if specs[i] is not None else rest_spec
-    if rest_spec is None or not _mesh.sharded_axes([spec]) & owner:
-      continue
-    kept = P(*map(drop, _mesh.spec_entries(spec)))
-    moved[i] = leaves[i] = jax.device_put(x, NamedSharding(mesh, kept))
-    # The plan reads an AdamW param only for its spec: the one it has now.
-    rest_specs[i] = _dedicated.rest_spec(
-      leaves[i], ded.leaf_paths[i], mesh, stacks
-    )
-    replicated.append(ded.leaf_paths[i])
-    nbytes = np.size(x) * jnp.dtype(x.dtype).itemsize
-    extra += nbytes // ways(kept) - nbytes // ways(spec)
-  if replicated:
-    warnings.warn(
-      f'dmuon: dedicate replicated the AdamW params {replicated} over the '
-      f'owner axes {tuple(ded.buffer_axes)}, over which they were sharded: '
-      f'+{extra:,} bytes per device (their AdamW moments likewise), since '
-      'dmuon_jax.flax.train_step runs the whole model on each device. To '
-      'keep them sharded, shard them over another mesh axis; '
-      'ded.summary() lists them.',
-      _checks.DMuonWarning,
-      stacklevel=3,
-    )
   choice = f'one layer per {scan} iteration' if stacks else None
   ded = dataclasses.replace(
-    ded,
-    rest_specs=tuple(rest_specs),
-    layers_per_gather_choice=choice or ded.layers_per_gather_choice,
+    ded, layers_per_gather_choice=choice or ded.layers_per_gather_choice
   )
   if mesh is not None:  # unplaced params replicated on the mesh
     on_mesh = lambda x: isinstance(getattr(x, 'sharding', None), NamedSharding)
     put = lambda x: jax.device_put(x, NamedSharding(mesh, P()))
     leaves = [x if on_mesh(x) else put(x) for x in leaves]
   params = jax.tree.unflatten(treedef, leaves)
-  return ded, params, ded.to_dedicated(params), replicated, moved
+  return ded, params, ded.to_dedicated(params)
 
 
 def boundary_of(ded, target) -> int:
@@ -503,8 +495,8 @@ def gather_points(ded, paths) -> tuple[tuple[Any, ...], ...]:
 
 def owned_mesh(ded, mesh) -> bool:
   """Whether every axis of ``mesh`` of more than one device is an owner
-  axis (every AdamW param then ends replicated, whatever the logical axis
-  rules say)."""
+  axis (no Muon target is then split over a tensor-parallel axis, whatever
+  the logical axis rules say)."""
   return mesh is not None and all(
     a in ded.buffer_axes or mesh.shape[a] == 1 for a in mesh.axis_names
   )
@@ -514,36 +506,42 @@ def check_model(model, paths, specs, ded, mesh, boundary_paths) -> None:
   """Checks an NNX model for dedication, in one walk of its params.
 
   Raises for a hook boundary that is not an ``nnx.Module``, a Muon target
-  held by two modules (tied weights), or a param whose sharding the
-  logical axis rules in effect decide (below); on a mesh whose axes of
-  more than one device are all owner axes, makes what such an AdamW
-  param's metadata says of its sharding rules-free instead.
+  held by two modules (tied weights), or a Muon target whose sharding the
+  logical axis rules in effect decide (below).
 
   A trainer's init that dedicates may be traced twice: by
   ``jax.eval_shape`` outside ``nn.logical_axis_rules`` (Flax lm1b's and
   MaxText's order), then by ``jax.jit(init, out_shardings=...)`` inside
   them; ``jax.jit`` takes the two states for one tree only where their
   ``out_sharding`` metadata agree, and places the params as the abstract
-  one says. On a mesh whose axes of more than one device are all owner
-  axes, every AdamW param ends replicated whatever the rules are: its
-  logical names (those that are no mesh axis: what the rules map) are
-  renamed None in place. On any other mesh, a param naming logical axes
-  where no rules are in effect could be sharded over an owner axis or not:
-  an error naming it and the fix.
+  one says. AdamW params keep their metadata and their sharding, whatever
+  the rules map it to. On a mesh with an axis of more than one device that
+  is no owner axis, a Muon target naming logical axes where no rules are
+  in effect could be split over a tensor-parallel axis or not: an error
+  naming it and the fix.
   """
   for b, bpath in enumerate(boundary_paths):
     module = node_at(model, bpath)
     if not isinstance(module, nnx.Module):
+      name = ded.boundaries.names[b]
+      how = (ded.boundaries.how or ('',) * (b + 1))[b]
+      why = (
+        f' (strict=False gathers a Muon target outside the blocks with its '
+        f'module, but {name!r} lies on {text(bpath[:-1]) or "the root"!r}, '
+        'which holds blocks too: its call would gather around theirs)'
+        if how == 'target itself'
+        else ''
+      )
       raise ValueError(
-        f'dmuon: hook boundary {ded.boundaries.names[b]!r} is a '
-        f'{type(module).__name__}, not an nnx.Module: its call cannot '
-        'gather. Pass a boundary_predicate that names modules.'
+        f'dmuon: hook boundary {name!r} is a {type(module).__name__}, not '
+        f'an nnx.Module: its call cannot gather{why}. Route {name!r} to '
+        'AdamW (predicate), or pass a boundary_predicate=(path, subtree) -> '
+        'bool that names the modules that use it.'
       )
   targets = {t.index for t in ded.layout.leaves}
   held = {p: paths for paths in nnx.find_duplicates(model) for p in paths}
   axes = set(() if mesh is None else mesh.axis_names)
-  logical = lambda e: isinstance(e, str) and e not in axes
-  replicated = owned_mesh(ded, mesh)
+  owned = owned_mesh(ded, mesh)
   owners = ded.buffer_axes
   for i, p in enumerate(paths):
     # The target, or a module on its path, held by two parents: tied.
@@ -561,30 +559,22 @@ def check_model(model, paths, specs, ded, mesh, boundary_paths) -> None:
     # in any context.
     if (
       mesh is None
+      or owned
+      or i not in targets
       or not names
       or _mesh.context_free_spec(variable, axes) is not None
     ):
       continue
-    if replicated:
-      if i not in targets:  # Muon targets: placeholders
-        variable.set_metadata(
-          out_sharding=tuple(None if logical(e) else e for e in names)
-        )
-      continue
     ruled = core_spmd.get_logical_axis_rules() or meta.get('sharding_rules')
     unmapped = sorted(_mesh.sharded_axes([specs[i]]) - axes)
     if unmapped and not ruled:  # (rules that leave a name out: as before)
-      decides = (
-        'whether its owners store it split over a tensor-parallel axis'
-        if i in targets
-        else f'whether dedication replicates it over the owner axes {owners}'
-      )
       others = [a for a, n in mesh.shape.items() if n > 1 and a not in owners]
       raise ValueError(
         f'dmuon: dedicate cannot tell how param {text(p)!r} is sharded: its '
         f'out_sharding {tuple(names)} names logical axes {unmapped}, no '
         'logical axis rules are in effect to map them, and on this mesh (the '
-        f'axes {others} are no owner axes) they decide {decides}. An init '
+        f'axes {others} are no owner axes) they decide whether its owners '
+        'store it split over a tensor-parallel axis. An init '
         'traced by jax.eval_shape outside nn.logical_axis_rules and by jax.jit '
         'inside them would dedicate it two ways, which jax.jit refuses: run '
         'the eval_shape inside the rules too (with '

@@ -151,6 +151,13 @@ def _named(x: Any) -> NamedSharding | None:
   return sharding if isinstance(sharding, NamedSharding) else None
 
 
+def _drop(spec: P, axes: Sequence[str]) -> list[tuple[str, ...]]:
+  """``spec``'s entries without ``axes``."""
+  return [
+    tuple(a for a in e if a not in axes) for e in _mesh.spec_entries(spec)
+  ]
+
+
 def _manual_spec(x: Any, axes: Sequence[str]) -> P:
   """The PartitionSpec ``x`` (or an array's) restricted to the manual
   ``axes``."""
@@ -278,7 +285,7 @@ def _build_step(md, fn, axes, key, names):
   :func:`train_step`'s ``prepare``): ``fn`` run inside a ``shard_map``
   whose manual axes are ``axes``, compiled with ``jax.jit``."""
   mesh = md.dedication.mesh
-  graphdef, treedef, specs, is_state, positions, done = key
+  graphdef, treedef, specs, is_state, positions, done, whole = key
   n = treedef.children()[0].num_leaves  # the graph nodes' state first
 
   def body(out_specs, leaves):
@@ -336,29 +343,43 @@ def _build_step(md, fn, axes, key, names):
       **kw,
     )
 
+  def back(x, spec):
+    """A state leaf the step ran whole: re-sharded as it came (``spec``;
+    None: as it is)."""
+    return x if spec is None else _mesh.place(x, mesh, spec)
+
   def step(leaves):
     # The batch (and any unplaced state) onto the specs shard_map expects.
     # Arrays placed on the mesh already (``done``, known before tracing:
     # traced values carry no sharding) keep their sharding: their specs
     # were read from it, and a constraint to the manual axes alone would
-    # gather them over the others (an owner buffer's TP axis).
+    # gather them over the others (an owner buffer's TP axis). State
+    # sharded over the owner axes outside owner layout (AdamW params and
+    # their moments) is gathered over them (``whole``: per leaf, its spec
+    # without the owner axes and its own, or None) and re-sharded after.
     leaves = [
-      x if d else _mesh.place(x, mesh, s)
-      for x, s, d in zip(leaves, specs, done)
+      _mesh.place(x, mesh, w[0]) if w else x if d else _mesh.place(x, mesh, s)
+      for x, s, d, w in zip(leaves, specs, done, whole)
     ]
+    own = [w and w[1] for w in whole]
     # Outputs like an argument (a returned TrainState) keep its specs;
     # the rest is averaged. With no state among the arguments that are not
     # graph nodes (an NNX step: model, optimizer, batch) every output is
     # averaged: P() for all of them, and the step is traced once.
     if not any(is_state[n:]):
-      return mapped(None, P())(leaves)
+      new_state, out = mapped(None, P())(leaves)
+      return list(map(back, new_state, own)), out
     # Else the output's structure comes from a trace first. Shapes only
     # (eval_shape computes nothing): replication typing off so that P()
     # fits every output before its specs are known.
     out = jax.eval_shape(mapped(None, P(), check_vma=False), leaves)[1]
     leaf_specs = _output_sources(out, treedef, is_state, specs, P())
     out_specs = jax.tree.unflatten(jax.tree.structure(out), leaf_specs)
-    return mapped(leaf_specs, out_specs)(leaves)
+    new_state, out = mapped(leaf_specs, out_specs)(leaves)
+    out_own = _output_sources(out, treedef, is_state, own, None)
+    out_leaves, out_def = jax.tree.flatten(out)
+    out = out_def.unflatten(list(map(back, out_leaves, out_own)))
+    return list(map(back, new_state, own)), out
 
   return jax.jit(step)
 
@@ -394,7 +415,12 @@ def train_step(
     other arguments are state: arrays placed on the mesh keep
     their sharding, unplaced ones are replicated, and an output with the
     structure of a state argument (a returned ``TrainState``) keeps its
-    shardings.
+    shardings. State sharded over the owner axes but the owner buffers
+    and their momentum (FSDP-sharded AdamW params and their moments, in
+    graph nodes or in an argument holding the owner buffers) is gathered
+    over them for the step and re-sharded after: stored as it was given,
+    run as replicated params are (their gradients all-reduced, AdamW run
+    whole on every device).
   - Gradients are sums over devices of per-device mean-loss gradients; the
     optimizer of :func:`dedicated_muon` divides them (write the loss as a
     mean over the batch, as usual).
@@ -502,7 +528,17 @@ def train_step(
       )
       for k, (keys, _) in zip(arg_of, flat)
     )
-    leaves, specs = [], []
+    # The arguments holding owner buffers (a TrainState): their other
+    # leaves sharded over the owner axes are the model's (AdamW params,
+    # their moments).
+    holders = {
+      k
+      for k, (_, x) in zip(arg_of, flat)
+      if k is not None
+      and _named(x) is not None
+      and lay(x.shape, _manual_spec(x, axes)) in owner_layout
+    }
+    leaves, specs, whole = [], [], []
     for i, ((keys, x), state) in enumerate(zip(flat, is_state)):
       # Arrays placed on the mesh keep their specs; unplaced state arguments
       # (a TrainState's batch statistics) are replicated.
@@ -513,12 +549,15 @@ def train_step(
       # its sharding splits it over them already: a batch placed replicated
       # (jnp arrays made under jax.set_mesh are) would have every device run
       # the whole batch.
+      w = None
       if axes and not state and np.ndim(x) >= 1 and spec == P():
         spec = P(axes)
       # Inside the step each device runs the whole model: other state
-      # sharded over an owner axis would be seen as one device's shard.
+      # sharded over an owner axis (AdamW params and their moments) is
+      # gathered over the owner axes for the step and re-sharded after
+      # (its own spec kept, so the step's outputs keep it too).
       elif state and spec != P() and lay(x.shape, spec) not in owner_layout:
-        if keys[0].idx:  # an argument of the step's own: a batch part?
+        if keys[0].idx and arg_of[i] not in holders:  # a batch part?
           k, given = arg_of[i], sorted(batch)
           raise ValueError(
             f'dmuon: train_step got {names()[i]!r} sharded {spec} over the '
@@ -534,17 +573,22 @@ def train_step(
             'place it replicated over those axes (each device runs the whole '
             'model on its share of the batch).'
           )
-        raise ValueError(
-          f'dmuon: train_step got {names()[i]!r} sharded {spec} over the owner '
-          f'axes {tuple(sorted(axes))}; each device runs the whole model '
-          "there, so all but the owners' buffers and their momentum must be "
-          'replicated over those axes. Place it as dmuon_jax.flax.dedicate '
-          'left it (as its Flax metadata says; see ded.replicated).'
-        )
+        own = _named(x).spec
+        w = (_mesh.entries_spec(_drop(own, axes)), own)
+        spec = P()
       leaves.append(x)
       specs.append(spec)
+      whole.append(w)
     on_mesh = tuple(_named(x) is not None for x in leaves)
-    key = (graphdef, treedef, tuple(specs), is_state, positions, on_mesh)
+    key = (
+      graphdef,
+      treedef,
+      tuple(specs),
+      is_state,
+      positions,
+      on_mesh,
+      tuple(whole),
+    )
     if key not in compiled:
       compiled[key] = _build_step(dedication, fn, axes, key, names())
     return compiled[key], leaves, nodes, treedef, is_state

@@ -409,7 +409,9 @@ def train_step(
 
   - The batch arguments (``batch_argnums``, default: the last argument
     holding an array of rank 1 or more, so that trailing scalars such as a
-    step number are not taken for the batch) are split
+    step number are not taken for the batch, and every other argument
+    whose arrays all lead with that argument's leading dimension: inputs
+    beside labels) are split
     over the owner axes along their first axis unless their sharding splits
     them over those axes already (a batch placed replicated is split);
     other arguments are state: arrays placed on the mesh keep
@@ -444,7 +446,8 @@ def train_step(
       nodes among the arguments are updated in place, as with ``nnx.jit``)
       or ``(state, batch) -> (state, metrics)`` (Linen ``TrainState``).
     batch_argnums: the positions of the batch arguments (default: the
-      last argument holding an array of rank 1 or more).
+      last argument holding an array of rank 1 or more, and every other
+      whose arrays all share its leading dimension).
 
   Returns:
     The compiled step (or a decorator, without ``fn``).
@@ -507,17 +510,27 @@ def train_step(
     # Per leaf its argument (None: the graph nodes' state). The batch
     # arguments by default: the last one holding an array of rank 1 or
     # more (trailing scalars, e.g. a step number or a typed RNG key, are
-    # state).
+    # state), and every other whose arrays all lead with its first array's
+    # leading dimension (inputs beside labels).
     arg_of = [rest_at[keys[1].idx] if keys[0].idx else None for keys, _ in flat]
     prng = lambda x: jax.dtypes.issubdtype(
       getattr(x, 'dtype', None), jax.dtypes.prng_key
     )
-    data = [
-      k
-      for k, (_, x) in zip(arg_of, flat)
-      if k is not None and np.ndim(x) >= 1 and not prng(x)
+    leading = {}  # argument -> its arrays' leading dimensions
+    for k, (_, x) in zip(arg_of, flat):
+      if k is not None:
+        data = np.ndim(x) >= 1 and not prng(x)
+        leading.setdefault(k, []).append(np.shape(x)[0] if data else None)
+    last = [
+      k for k, dims in leading.items() if any(d is not None for d in dims)
     ]
-    batch = set(data[-1:] if batch_argnums is None else batch_argnums)
+    if batch_argnums is not None:
+      batch = set(batch_argnums)
+    elif last:
+      size = next(d for d in leading[last[-1]] if d is not None)
+      batch = {last[-1]} | {k for k, d in leading.items() if set(d) == {size}}
+    else:
+      batch = set()
     is_state = tuple(k not in batch for k in arg_of)
     # Per leaf its name in messages (built only when one is needed).
     names = lambda: tuple(
@@ -564,7 +577,8 @@ def train_step(
             f'owner axes {tuple(sorted(axes))}, and takes argument {k} for '
             f'state, not batch: the batch arguments are {given} ('
             + (
-              'the last argument holding an array of rank 1 or more'
+              'the last argument holding an array of rank 1 or more, and '
+              'the others whose arrays share its leading dimension'
               if batch_argnums is None
               else 'batch_argnums'
             )

@@ -187,6 +187,16 @@ class Dedication:
     return self.layout.iterations
 
   @property
+  def reduced_axes(self) -> tuple[str, ...]:
+    """The owner axes of more than one device: the axes the gathered
+    weights are typed ``reduced`` over under plain ``jit`` (and their
+    gradients ``unreduced``). An owner axis of size 1 (named in an explicit
+    ``axis_names``) splits nothing: in those types jax would ask every
+    contraction of the weight to run over it too."""
+    sizes = dict(zip(self.layout.buffer_axes, self.layout.buffer_sizes))
+    return tuple(a for a in self.buffer_axes if sizes.get(a, 1) > 1)
+
+  @property
   def shard_axes(self) -> tuple[str, ...]:
     """The owner axes but the replicate axis (where Z3 gathers again)."""
     return tuple(a for a in self.buffer_axes if a != self.replicate_axis)

@@ -684,7 +684,7 @@ def _whole(ded, g: int, local, iteration) -> dict[int, Any]:
 
 
 def _as_reduced(ded, mats: dict[int, Any]) -> dict[int, Any]:
-  owner = set(ded.buffer_axes)
+  owner = set(ded.reduced_axes)
   sharding = lambda i: jax.sharding.NamedSharding(
     ded.mesh, P(*target_spec(ded, i), reduced=owner)
   )
@@ -705,7 +705,7 @@ def _owners_get_cotangents(ded, g: int, forward, local, iteration) -> Any:
 
   def bwd(saved, cts):
     local, iteration = saved
-    axes = tuple(ded.buffer_axes)
+    axes = tuple(ded.reduced_axes)  # (the owner axes of size > 1)
     tp = ded.tensor_parallel_axis
     tp_size = ded.layout.tp_size
     # One TP shard's whole buffers (every slot's blocks of that TP shard).

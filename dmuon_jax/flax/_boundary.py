@@ -145,7 +145,8 @@ def gathered(
     xs = [x for x in jax.tree.leaves(arrays) if np.ndim(x) >= 1]
     split = lambda x: _mesh.sharded_axes([_mesh.type_spec(x)])
     reduced = _exchange.reduced_route(ded, f'the dedicated boundary {name!r}')
-    routed = reduced and any(owners <= split(x) for x in xs)
+    over = set(ded.reduced_axes)  # (an owner axis of size 1 splits nothing)
+    routed = reduced and any(over <= split(x) for x in xs)
     if reduced and not routed:
       typed = str(jax.typeof(xs[0])) if xs else 'no array'
       message = (

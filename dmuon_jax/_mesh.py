@@ -514,17 +514,7 @@ def resolve(
 
   Args:
     mesh: a ``Mesh`` or ``AbstractMesh``, or None.
-    axis_names: the owner axes (default: every axis of more than one
-      device but the TP one). Axes of size 1 are left out of the default:
-      they split nothing, and as owner axes they would be spelled into the
-      owner buffers' specs and the ``reduced``/``unreduced`` types of the
-      dedicated gathers, where jax then asks every contraction of a
-      gathered weight to run over them too (an activation split over such
-      an axis on a feature dimension, e.g. Gemma's ``'tensor'`` of an
-      ``(8, 1)`` mesh, fails to transpose). An explicit ``axis_names`` may
-      name a size-1 axis: it is kept in the layout (buffer specs, layout
-      name: the layout of dmuon_jax 0.2's default on such a mesh) but never
-      spelled into a ``reduced``/``unreduced`` type.
+    axis_names: the owner axes (default: every axis but the TP one).
     tensor_parallel_axis: the axis that splits matrices, if the mesh has it;
       ``'auto'``: the axis named ``'model'``, ``'tensor'`` or ``'tp'`` (of
       size > 1, not in ``axis_names``) that ``sharded_axes`` holds, if any.
@@ -566,8 +556,8 @@ def resolve(
       'axis_names, or pass tensor_parallel_axis=None to use it for '
       'owners.'
     )
-  if axis_names is None:  # an axis of one device owns nothing (see above)
-    chosen = tuple(n for n in sizes if n != tp and sizes[n] > 1)
+  if axis_names is None:
+    chosen = tuple(n for n in sizes if n != tp)
   return MeshInfo(
     abstract=getattr(mesh, 'abstract_mesh', mesh),
     sizes=sizes,

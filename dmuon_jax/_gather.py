@@ -459,6 +459,7 @@ def regather_group_in_backward(
   last: bool,
   blocks: Sequence[str] = (),
   routed: bool = False,
+  explain: Callable[[Exception], None] | None = None,
 ) -> Callable[..., Any]:
   """:func:`regather_in_backward` for one of several calls sharing a gather.
 
@@ -481,6 +482,9 @@ def regather_group_in_backward(
     routed: the first of ``args`` is a :func:`gather_sink` (zeros that only
       receive the gathered weights' cotangents): it is not saved for the
       backward pass (fresh zeros stand in for it there).
+    explain: called with an error raised while transposing ``run`` in the
+      backward pass (jax's, on the user's code), which it may restate
+      (raise a clearer one from it); the error is raised as it is if not.
 
   Returns:
     ``(local, token, *args) -> (out, token)``.
@@ -538,7 +542,12 @@ def regather_group_in_backward(
     res = [
       r + tie.astype(r.dtype) if k in tied else r for k, r in enumerate(res)
     ]
-    grads = jax.tree.unflatten(tree, res)(ct)
+    try:
+      grads = jax.tree.unflatten(tree, res)(ct)
+    except Exception as err:  # jax's, whatever it raises on the user's code
+      if explain is not None:
+        explain(err)
+      raise
     leaves, treedef = jax.tree.flatten((grads[0], grads[1:]))
     # A cotangent varying where its input does not (an axis the input's
     # sharding dropped) is summed there: the transpose of the broadcast.

@@ -669,8 +669,9 @@ class GemmaBlock(nnx.Module):
   on a kernel typed sharded over an Explicit axis have ambiguous output
   shardings)."""
 
-  def __init__(self, rngs, partitioned):
+  def __init__(self, rngs, partitioned, entry):
     init = functools.partial(gemma_init, partitioned=partitioned)
+    self.entry = entry  # (not None: its input resharded to ACT first)
     self.norm = nnx.RMSNorm(D, rngs=rngs)
     self.up = nnx.Linear(
       D, F, use_bias=False, kernel_init=init(GEMMA_AXES), rngs=rngs
@@ -680,17 +681,25 @@ class GemmaBlock(nnx.Module):
     )
 
   def __call__(self, x):
+    x = x if self.entry is None else jax.sharding.reshard(x, ACT)
     h = self.up(self.norm(x), out_sharding=ACT)
-    return x + self.down(nnx.gelu(h), out_sharding=ACT)
+    x = x + self.down(nnx.gelu(h), out_sharding=ACT)
+    return x if self.entry is None else jax.sharding.reshard(x, self.entry)
 
 
 class GemmaLike(nnx.Module):
-  def __init__(self, rngs, partitioned=True):
+  """``entry``: the embedding's sharding, the blocks' input and output
+  (``ACT`` unless given: then each block reshards its input to ``ACT``)."""
+
+  def __init__(self, rngs, partitioned=True, entry=None):
     self.embed = nnx.Embed(V, D, rngs=rngs)
-    self.layers = nnx.List([GemmaBlock(rngs, partitioned) for _ in range(2)])
+    self.entry = ACT if entry is None else entry
+    self.layers = nnx.List(
+      [GemmaBlock(rngs, partitioned, entry) for _ in range(2)]
+    )
 
   def __call__(self, tokens):
-    x = self.embed(tokens, out_sharding=ACT)
+    x = self.embed(tokens, out_sharding=self.entry)
     for block in self.layers:
       x = block(x)
     return self.embed.attend(x, out_sharding=P('fsdp'))
@@ -712,13 +721,14 @@ def gemma_step(model, optimizer, tokens):
 gemma_jit = nnx.jit(gemma_step)
 
 
-def gemma_run(shape, tx_of, steps=3):
-  """``steps`` steps of the Gemma-like model under ``gemma_jit`` on an
-  Explicit ``shape`` mesh over ``('fsdp', 'tensor')``, its optimizer
-  ``tx_of(model, mesh)``: losses, plain params, the dedication (if any)."""
+def gemma_run(shape, tx_of, steps=3, entry=None):
+  """``steps`` steps of the Gemma-like model (``entry``: see GemmaLike)
+  under ``gemma_jit`` on an Explicit ``shape`` mesh over ``('fsdp',
+  'tensor')``, its optimizer ``tx_of(model, mesh)``: losses, plain params,
+  the dedication (if any)."""
   mesh = support.make_mesh(shape, GEMMA_AXES)
   with jax.set_mesh(mesh):
-    model = GemmaLike(nnx.Rngs(0), partitioned=shape != (1, 1))
+    model = GemmaLike(nnx.Rngs(0), shape != (1, 1), entry)
     tx, ded = tx_of(model, mesh)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     tokens = jax.device_put(token_batch(), NamedSharding(mesh, P('fsdp')))
@@ -768,3 +778,38 @@ class SizeOneAxisTest(absltest.TestCase):
     got = gemma_run((8, 1), gemma_dedicated)
     self.assertEqual(got[2].dedication.reduced_axes, ('fsdp',))
     self.assert_muon_leaves_close(got, gemma_reference())
+
+  def test_an_owner_axis_on_the_feature_dimension_is_not_routed(self):
+    # 'tensor' (4 devices) an owner axis (no TP) and Gemma's activations
+    # split over it on their feature dimension: the weights' gradients keep
+    # that dimension, so a reduced gather would fail in jax's transpose (as
+    # it did: "unreduced axes should be equal to the contracting specs").
+    # The gather is GSPMD's instead, said once, with the same numbers.
+    with self.assertWarnsRegex(
+      dmuon_jax.DMuonWarning,
+      r"'layers/0' ran .*float32\[16@fsdp,8,32@tensor\], not split over "
+      r"the owner axes \('fsdp', 'tensor'\) on its batch dimensions",
+    ):
+      got = gemma_run(
+        (2, 4),
+        functools.partial(gemma_dedicated, tensor_parallel_axis=None),
+      )
+    self.assert_muon_leaves_close(got, gemma_reference())
+
+  def test_jax_transpose_error_in_a_block_is_restated(self):
+    # The batch split over both owner axes (a reduced gather), each block
+    # resharding it onto 'tensor' on the feature dimension: jax's error in
+    # the Z3 re-gather's backward (the last block's first), restated naming
+    # the boundary and the fixes.
+    with self.assertRaisesRegex(
+      ValueError,
+      r"dmuon: the dedicated boundary 'layers/1' .*typed reduced over the "
+      r"owner axes \('fsdp', 'tensor'\).*feature dimension.*axis_names=.*"
+      r'JAX said: .*unreduced axes should be equal to the contracting',
+    ):
+      gemma_run(
+        (2, 4),
+        functools.partial(gemma_dedicated, tensor_parallel_axis=None),
+        steps=1,
+        entry=P(GEMMA_AXES),
+      )

@@ -188,11 +188,14 @@ class Dedication:
 
   @property
   def reduced_axes(self) -> tuple[str, ...]:
-    """The owner axes of more than one device: the axes the gathered
-    weights are typed ``reduced`` over under plain ``jit`` (and their
-    gradients ``unreduced``). An owner axis of size 1 (named in an explicit
-    ``axis_names``) splits nothing: in those types jax would ask every
-    contraction of the weight to run over it too."""
+    """The owner axes of more than one device: the axes a dedicated
+    model's input must be split over (on its batch dimensions) under plain
+    ``jit`` for the gathered weights to be typed ``reduced`` (their
+    gradients ``unreduced``). The weights are typed ``reduced`` over these
+    and any owner axis of size 1 that the input's type spells (jax compares
+    the weight gradient's contraction axes as spelled); an owner axis of
+    size 1 that it does not spell (Gemma's ``'tensor'`` on an ``(8, 1)``
+    mesh, on the feature dimension) is left out."""
     sizes = dict(zip(self.layout.buffer_axes, self.layout.buffer_sizes))
     return tuple(a for a in self.buffer_axes if sizes.get(a, 1) > 1)
 

@@ -312,19 +312,26 @@ def gather_replicate(
 
 
 def materialize(
-  ded, g: int, rep_local, iteration=None, sink=None, mode: str = 'manual'
+  ded,
+  g: int,
+  rep_local,
+  iteration=None,
+  sink=None,
+  mode: str = 'manual',
+  reduced: Sequence[str] | None = None,
 ) -> dict[int, Any]:
   """Leaf index -> whole target, from :func:`gather_replicate`'s buffers.
 
   With ``sink`` (from :func:`gather_sink`), the targets' cotangents go to
   it rather than through this gather's own transpose. ``'reduced'``: the
-  targets typed ``reduced``, their cotangents reduce-scattered back onto
-  the owner buffers.
+  targets typed ``reduced`` over the owner axes ``reduced`` (default: all
+  of them), their cotangents reduce-scattered back onto the owner buffers.
   """
   if mode == 'reduced':
-    whole = lambda l, i: _as_reduced(ded, _whole(ded, g, l, i))
+    axes = ded.buffer_axes if reduced is None else tuple(reduced)
+    whole = lambda l, i: _as_reduced(ded, _whole(ded, g, l, i), axes)
     if sink is None:
-      return _owners_get_cotangents(ded, g, whole, rep_local, iteration)
+      return _owners_get_cotangents(ded, g, whole, rep_local, iteration, axes)
     mats = whole([jax.lax.stop_gradient(x) for x in rep_local], iteration)
     return {i: route(s, m) for s, (i, m) in zip(sink, mats.items())}
 
@@ -598,7 +605,12 @@ def _sum_to(ct, kind: frozenset[str]):
 
 
 def gather_sink(
-  ded, g: int, local: Sequence[jax.Array], iteration=None, mode='manual'
+  ded,
+  g: int,
+  local: Sequence[jax.Array],
+  iteration=None,
+  mode='manual',
+  reduced: Sequence[str] | None = None,
 ) -> list[jax.Array]:
   """Zeros that receive the cotangents of group ``g``'s gathered weights,
   their sum reduce-scattered onto ``local``: one reduce-scatter per gather
@@ -607,14 +619,16 @@ def gather_sink(
   axes, reduced over the shard axes, then the replicate axis (the
   transpose of :func:`gather_replicate` and :func:`materialize`'s gather).
   ``'reduced'``: shaped like the group's targets (a list, in
-  ``OwnerLayout.unpack_group``'s order), typed ``reduced``."""
+  ``OwnerLayout.unpack_group``'s order), typed ``reduced`` over the owner
+  axes ``reduced`` (default: all of them)."""
   if mode == 'reduced':
+    axes = ded.buffer_axes if reduced is None else tuple(reduced)
     shapes = jax.eval_shape(lambda l, i: _whole(ded, g, l, i), local, iteration)
     zeros = lambda l, i: _as_reduced(
-      ded, {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
+      ded, {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}, axes
     )
     return list(
-      _owners_get_cotangents(ded, g, zeros, local, iteration).values()
+      _owners_get_cotangents(ded, g, zeros, local, iteration, axes).values()
     )
   if mode == 'tp':
     return _per_tp_shard(ded, lambda xs: gather_sink(ded, g, xs), local)
@@ -692,21 +706,23 @@ def _whole(ded, g: int, local, iteration) -> dict[int, Any]:
   )(list(local), iteration)
 
 
-def _as_reduced(ded, mats: dict[int, Any]) -> dict[int, Any]:
-  owner = set(ded.reduced_axes)
+def _as_reduced(ded, mats: dict[int, Any], axes) -> dict[int, Any]:
+  owner = set(axes)
   sharding = lambda i: jax.sharding.NamedSharding(
     ded.mesh, P(*target_spec(ded, i), reduced=owner)
   )
   return {i: jax.reshard(m, sharding(i)) for i, m in mats.items()}
 
 
-def _owners_get_cotangents(ded, g: int, forward, local, iteration) -> Any:
+def _owners_get_cotangents(ded, g: int, forward, local, iteration, axes) -> Any:
   """``forward(local, iteration)`` (``{leaf: reduced target}``), its
   backward summing the targets' ``unreduced`` cotangents onto their owners:
   inside a shard_map over the owner axes each device packs its partial
   sums into group ``g``'s buffers (the transpose of
   ``OwnerLayout.unpack_group``, on plain local arrays) and one
-  reduce-scatter per buffer adds them up on the owners."""
+  reduce-scatter per buffer adds them up on the owners. ``axes``: the
+  owner axes the targets are typed ``reduced`` over (their cotangents
+  ``unreduced``)."""
 
   @jax.custom_vjp
   def f(local, iteration):
@@ -714,7 +730,6 @@ def _owners_get_cotangents(ded, g: int, forward, local, iteration) -> Any:
 
   def bwd(saved, cts):
     local, iteration = saved
-    axes = tuple(ded.reduced_axes)  # (the owner axes of size > 1)
     tp = ded.tensor_parallel_axis
     tp_size = ded.layout.tp_size
     # One TP shard's whole buffers (every slot's blocks of that TP shard).

@@ -137,7 +137,7 @@ def gathered(
     run = lambda mats, *a: run_layer({i: m[0] for i, m in mats.items()}, *a)
   owners = set(ded.buffer_axes)
   manual = layout.distributed and owners <= _gather.manual_axes()
-  routed = manual
+  routed, reduce_on = manual, None
   if layout.distributed and not manual and traced:
     # The reduced gather's cotangent is a per-device partial sum: jax types
     # a weight ``reduced`` only where the contraction forming its gradient
@@ -157,7 +157,12 @@ def gathered(
     )
     reduced = _exchange.reduced_route(ded, f'the dedicated boundary {name!r}')
     over = set(ded.reduced_axes)  # (an owner axis of size 1 splits nothing)
-    routed = reduced and any(over <= split(x) for x in xs)
+    hits = [split(x) for x in xs if over <= split(x)] if reduced else []
+    routed = bool(hits)
+    # Typed reduced over the owner axes that split the input (a size-1 one
+    # too where the input's type spells it: jax compares the contraction's
+    # axes as spelled), so over every owner axis of more than one device.
+    reduce_on = tuple(a for a in ded.buffer_axes if hits and a in hits[0])
     if reduced and not routed:
       typed = str(jax.typeof(xs[0])) if xs else 'no array'
       message = (
@@ -203,20 +208,23 @@ def gathered(
   mode = 'tp' if manual else 'reduced'
   if manual and entry is None:  # the group's first block
     local = _gather.after_inputs(local, arrays)
-  gather = lambda x, it, s=None: _gather.materialize(ded, g, x, it, s, mode)
+  on = None if manual else reduce_on  # (the reduced gather's axes)
+  gather = lambda x, it, s=None: _gather.materialize(
+    ded, g, x, it, s, mode, reduced=on
+  )
   first = lambda: _gather.gather_replicate(ded, local, mode)
   if not z3 or remat:
     if entry is None:
       entry = gather(first(), iteration)
       store(entry)
     return run(entry, state, arrays)
-  sink = lambda: _gather.gather_sink(ded, g, local, iteration, mode)
+  sink = lambda: _gather.gather_sink(ded, g, local, iteration, mode, reduced=on)
   x, s, token = entry or (first(), sink(), _gather.new_token())
   run_z3 = lambda x, s, it, *args: run(gather(x, it, s), *args)
   last = b == ded.groups[g][-1] or ded.boundaries.scanned[b]
   # (jax's errors on the reduced types surface in the re-gather's backward)
   explain = functools.partial(
-    explain_annotation, axes=ded.reduced_axes, mesh=ded.mesh, boundary=name
+    explain_annotation, axes=on, mesh=ded.mesh, boundary=name
   )
   tied = _gather.regather_group_in_backward(
     run_z3,

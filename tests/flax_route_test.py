@@ -758,8 +758,11 @@ def gemma_reference():
 
 
 class SizeOneAxisTest(absltest.TestCase):
-  """Gemma's Explicit ``jax.make_mesh((8, 1), ('fsdp', 'tensor'))``: the
-  size-1 ``'tensor'`` axis splits nothing, so it is never an owner axis."""
+  """Gemma's Explicit ``jax.make_mesh((8, 1), ('fsdp', 'tensor'))`` and
+  its activation annotations: the gathered matrices are typed ``reduced``
+  over the owner axes the batch dimensions are split over, never over the
+  size-1 ``'tensor'`` (an owner axis of the layout, as the default makes
+  it) nor over an owner axis on the feature dimension."""
 
   def assert_muon_leaves_close(self, got, want):
     labels = dmuon_jax.muon_labels(want[1])

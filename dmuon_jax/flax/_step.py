@@ -20,7 +20,7 @@ from dmuon_jax import (
   _gather,
   _mesh,
 )
-from dmuon_jax.flax import _model
+from dmuon_jax.flax import _boundary, _model
 from dmuon_jax.flax._model import ModelDedication
 
 
@@ -201,51 +201,6 @@ def _settle(x, spec: P, axes: Sequence[str], what: str):
   )
 
 
-_MANUAL_AXIS_ERRORS = (
-  'can only refer to Auto axes',
-  'Manual axes',
-  'manual axes',
-  # reshard / out_sharding= (dot_general, ...) naming a manual axis:
-  'of type Auto or Manual',
-  'AxisType.Manual',
-  # An annotation's NamedSharding over the concrete (Auto) mesh.
-  '`manual_axis_type`',
-)
-
-
-def _explain_annotation(err: Exception, axes: Sequence[str], mesh) -> None:
-  """Re-raises JAX's error for a sharding annotation naming a manual axis
-  inside the step with what to do about it (on ``mesh`` the owner ``axes``
-  are Explicit or not)."""
-  text = str(err)
-  kinds = dict(zip(mesh.axis_names, mesh.axis_types)) if axes else {}
-  explicit = axes and all(kinds[a].name == 'Explicit' for a in axes)
-  route = (
-    'On this mesh the owner axes are Explicit: a plain nnx.jit/jax.jit step'
-    ' keeps every annotation'
-    if explicit
-    else 'To keep them, make the owner axes Explicit (jax.make_mesh(..., '
-    'axis_types=(jax.sharding.AxisType.Explicit,) * n)), dedicate on that '
-    'mesh and use a plain nnx.jit/jax.jit step'
-  ) + ' (see the guide, "Your own jit step").'
-  names_axis = any(s in text for s in _MANUAL_AXIS_ERRORS) and any(
-    a in text for a in axes
-  )
-  # An error that only a manual axis raises, whose text names no axis:
-  # jax's NotImplementedError for a Manual -> Auto/Explicit conversion
-  # (nnx.Embed's out_sharding= runs its lookup in jax.sharding.auto_axes).
-  if names_axis or 'from `Manual` AxisType' in text:
-    raise ValueError(
-      f'dmuon: a sharding annotation inside the step names an owner axis '
-      f'of {tuple(axes)}, which dmuon_jax.flax.train_step runs manually '
-      '(each device runs the model on its own share of the batch). Leave '
-      "those axes out of the model's activation annotations "
-      '(with_sharding_constraint, out_sharding=, e.g. a sharding config '
-      'without the data-parallel axis); annotations over the other mesh '
-      f'axes keep working. {route} JAX said: {text.splitlines()[0]}'
-    ) from err
-
-
 def _output_sources(out, treedef, is_state, of: Sequence, default) -> list:
   """Per output leaf: ``of``'s entry (per argument leaf, ``treedef``'s:
   the graph nodes' state, then the other arguments) for the leaf of the
@@ -314,7 +269,7 @@ def _build_step(md, fn, axes, key, names):
       try:
         out = fn(*args)
       except (ValueError, TypeError, NotImplementedError) as err:
-        _explain_annotation(err, axes, mesh)
+        _boundary.explain_annotation(err, axes, mesh)
         raise
       for v, k in saved:
         v.set_value(k)

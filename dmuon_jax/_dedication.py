@@ -187,6 +187,19 @@ class Dedication:
     return self.layout.iterations
 
   @property
+  def reduced_axes(self) -> tuple[str, ...]:
+    """The owner axes of more than one device: the axes a dedicated
+    model's input must be split over (on its batch dimensions) under plain
+    ``jit`` for the gathered weights to be typed ``reduced`` (their
+    gradients ``unreduced``). The weights are typed ``reduced`` over these
+    and any owner axis of size 1 that the input's type spells (jax compares
+    the weight gradient's contraction axes as spelled); an owner axis of
+    size 1 that it does not spell (Gemma's ``'tensor'`` on an ``(8, 1)``
+    mesh, on the feature dimension) is left out."""
+    sizes = dict(zip(self.layout.buffer_axes, self.layout.buffer_sizes))
+    return tuple(a for a in self.buffer_axes if sizes.get(a, 1) > 1)
+
+  @property
   def shard_axes(self) -> tuple[str, ...]:
     """The owner axes but the replicate axis (where Z3 gathers again)."""
     return tuple(a for a in self.buffer_axes if a != self.replicate_axis)

@@ -312,19 +312,26 @@ def gather_replicate(
 
 
 def materialize(
-  ded, g: int, rep_local, iteration=None, sink=None, mode: str = 'manual'
+  ded,
+  g: int,
+  rep_local,
+  iteration=None,
+  sink=None,
+  mode: str = 'manual',
+  reduced: Sequence[str] | None = None,
 ) -> dict[int, Any]:
   """Leaf index -> whole target, from :func:`gather_replicate`'s buffers.
 
   With ``sink`` (from :func:`gather_sink`), the targets' cotangents go to
   it rather than through this gather's own transpose. ``'reduced'``: the
-  targets typed ``reduced``, their cotangents reduce-scattered back onto
-  the owner buffers.
+  targets typed ``reduced`` over the owner axes ``reduced`` (default: all
+  of them), their cotangents reduce-scattered back onto the owner buffers.
   """
   if mode == 'reduced':
-    whole = lambda l, i: _as_reduced(ded, _whole(ded, g, l, i))
+    axes = ded.buffer_axes if reduced is None else tuple(reduced)
+    whole = lambda l, i: _as_reduced(ded, _whole(ded, g, l, i), axes)
     if sink is None:
-      return _owners_get_cotangents(ded, g, whole, rep_local, iteration)
+      return _owners_get_cotangents(ded, g, whole, rep_local, iteration, axes)
     mats = whole([jax.lax.stop_gradient(x) for x in rep_local], iteration)
     return {i: route(s, m) for s, (i, m) in zip(sink, mats.items())}
 
@@ -459,6 +466,7 @@ def regather_group_in_backward(
   last: bool,
   blocks: Sequence[str] = (),
   routed: bool = False,
+  explain: Callable[[Exception], None] | None = None,
 ) -> Callable[..., Any]:
   """:func:`regather_in_backward` for one of several calls sharing a gather.
 
@@ -481,6 +489,9 @@ def regather_group_in_backward(
     routed: the first of ``args`` is a :func:`gather_sink` (zeros that only
       receive the gathered weights' cotangents): it is not saved for the
       backward pass (fresh zeros stand in for it there).
+    explain: called with an error raised while transposing ``run`` in the
+      backward pass (jax's, on the user's code), which it may restate
+      (raise a clearer one from it); the error is raised as it is if not.
 
   Returns:
     ``(local, token, *args) -> (out, token)``.
@@ -538,7 +549,12 @@ def regather_group_in_backward(
     res = [
       r + tie.astype(r.dtype) if k in tied else r for k, r in enumerate(res)
     ]
-    grads = jax.tree.unflatten(tree, res)(ct)
+    try:
+      grads = jax.tree.unflatten(tree, res)(ct)
+    except Exception as err:  # jax's, whatever it raises on the user's code
+      if explain is not None:
+        explain(err)
+      raise
     leaves, treedef = jax.tree.flatten((grads[0], grads[1:]))
     # A cotangent varying where its input does not (an axis the input's
     # sharding dropped) is summed there: the transpose of the broadcast.
@@ -589,7 +605,12 @@ def _sum_to(ct, kind: frozenset[str]):
 
 
 def gather_sink(
-  ded, g: int, local: Sequence[jax.Array], iteration=None, mode='manual'
+  ded,
+  g: int,
+  local: Sequence[jax.Array],
+  iteration=None,
+  mode='manual',
+  reduced: Sequence[str] | None = None,
 ) -> list[jax.Array]:
   """Zeros that receive the cotangents of group ``g``'s gathered weights,
   their sum reduce-scattered onto ``local``: one reduce-scatter per gather
@@ -598,14 +619,16 @@ def gather_sink(
   axes, reduced over the shard axes, then the replicate axis (the
   transpose of :func:`gather_replicate` and :func:`materialize`'s gather).
   ``'reduced'``: shaped like the group's targets (a list, in
-  ``OwnerLayout.unpack_group``'s order), typed ``reduced``."""
+  ``OwnerLayout.unpack_group``'s order), typed ``reduced`` over the owner
+  axes ``reduced`` (default: all of them)."""
   if mode == 'reduced':
+    axes = ded.buffer_axes if reduced is None else tuple(reduced)
     shapes = jax.eval_shape(lambda l, i: _whole(ded, g, l, i), local, iteration)
     zeros = lambda l, i: _as_reduced(
-      ded, {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
+      ded, {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}, axes
     )
     return list(
-      _owners_get_cotangents(ded, g, zeros, local, iteration).values()
+      _owners_get_cotangents(ded, g, zeros, local, iteration, axes).values()
     )
   if mode == 'tp':
     return _per_tp_shard(ded, lambda xs: gather_sink(ded, g, xs), local)
@@ -683,21 +706,23 @@ def _whole(ded, g: int, local, iteration) -> dict[int, Any]:
   )(list(local), iteration)
 
 
-def _as_reduced(ded, mats: dict[int, Any]) -> dict[int, Any]:
-  owner = set(ded.buffer_axes)
+def _as_reduced(ded, mats: dict[int, Any], axes) -> dict[int, Any]:
+  owner = set(axes)
   sharding = lambda i: jax.sharding.NamedSharding(
     ded.mesh, P(*target_spec(ded, i), reduced=owner)
   )
   return {i: jax.reshard(m, sharding(i)) for i, m in mats.items()}
 
 
-def _owners_get_cotangents(ded, g: int, forward, local, iteration) -> Any:
+def _owners_get_cotangents(ded, g: int, forward, local, iteration, axes) -> Any:
   """``forward(local, iteration)`` (``{leaf: reduced target}``), its
   backward summing the targets' ``unreduced`` cotangents onto their owners:
   inside a shard_map over the owner axes each device packs its partial
   sums into group ``g``'s buffers (the transpose of
   ``OwnerLayout.unpack_group``, on plain local arrays) and one
-  reduce-scatter per buffer adds them up on the owners."""
+  reduce-scatter per buffer adds them up on the owners. ``axes``: the
+  owner axes the targets are typed ``reduced`` over (their cotangents
+  ``unreduced``)."""
 
   @jax.custom_vjp
   def f(local, iteration):
@@ -705,7 +730,6 @@ def _owners_get_cotangents(ded, g: int, forward, local, iteration) -> Any:
 
   def bwd(saved, cts):
     local, iteration = saved
-    axes = tuple(ded.buffer_axes)
     tp = ded.tensor_parallel_axis
     tp_size = ded.layout.tp_size
     # One TP shard's whole buffers (every slot's blocks of that TP shard).

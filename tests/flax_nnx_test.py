@@ -625,24 +625,32 @@ class NnxBehaviourTest(absltest.TestCase):
     np.testing.assert_allclose(float(loss), want, rtol=1e-5)
 
   def test_a_sharded_batch_part_not_taken_for_the_batch_names_the_fix(self):
-    # step(model, optimizer, x, y): the default batch is y alone; x, placed
-    # split over the owner axes as a batch is, is state by that rule. The
-    # error names x's position and batch_argnums (before: "Place it as
-    # dmuon_jax.flax.dedicate left it", naming neither).
+    # step(model, optimizer, x, y): x and y lead with the batch dimension,
+    # so both are batch (before: y alone, and x, placed split over the
+    # owner axes as a batch is, raised). An x of another leading dimension
+    # is state by that rule: the error names its position and batch_argnums
+    # (before the last session: "Place it as dmuon_jax.flax.dedicate left
+    # it", naming neither).
     mesh = make_mesh((2, 4))
     model = make_model(False, depth=1)
     ded = dflax.dedicate(model, mesh, muon_weight_dimension_numbers=muon_dims)
     optimizer = nnx.Optimizer(
       model, dflax.dedicated_muon(ded, learning_rate=LR), wrt=nnx.Param
     )
-    step = dflax.train_step(ded)(lambda model, optimizer, x, y: None)
+    seen = []
+    step = dflax.train_step(ded)(
+      lambda model, optimizer, x, y: seen.append((x.shape, y.shape))
+    )
     x = jax.device_put(tokens(), NamedSharding(mesh, P(ded.axes)))
+    step(model, optimizer, x, tokens())
+    local = (tokens().shape[0] // 8, tokens().shape[1])
+    self.assertEqual(seen, [(local, local)])  # each device's share of both
     with self.assertRaisesRegex(
       ValueError,
       r"'argument 2' sharded .*takes argument 2 for state.*batch arguments "
       r'are \[3\].*pass batch_argnums=\(2, 3\)',
     ):
-      step(model, optimizer, x, tokens())
+      step(model, optimizer, x, tokens()[:4])
 
   def test_graph_nodes_inside_a_container_argument_are_refused(self):
     model = make_model(False, depth=1)

@@ -668,3 +668,171 @@ class LoggedGradientsTest(absltest.TestCase):
       return np.sqrt(total / sum(x.size for x in leaves))
 
     self.assertAlmostEqual(rms(got), rms(want), delta=1e-6 * rms(want))
+
+
+# -- Gemma's Explicit (8, 1) mesh: a size-1 'tensor' axis ------------------------
+
+GEMMA_AXES = ('fsdp', 'tensor')
+ACT = P('fsdp', None, 'tensor')  # Gemma's activation annotation (b, t, d)
+
+
+def gemma_init(names, partitioned):
+  init = nnx.initializers.lecun_normal()
+  return nnx.with_partitioning(init, names) if partitioned else init
+
+
+class GemmaBlock(nnx.Module):
+  """Kernels partitioned over ``('fsdp', 'tensor')`` and activations
+  annotated ``P('fsdp', None, 'tensor')``, as Gemma's sharding config
+  writes them (``partitioned=False``: the same values unannotated, for
+  the single-device reference: optax.contrib.muon's Newton-Schulz matmuls
+  on a kernel typed sharded over an Explicit axis have ambiguous output
+  shardings)."""
+
+  def __init__(self, rngs, partitioned, entry):
+    init = functools.partial(gemma_init, partitioned=partitioned)
+    self.entry = entry  # (not None: its input resharded to ACT first)
+    self.norm = nnx.RMSNorm(D, rngs=rngs)
+    self.up = nnx.Linear(
+      D, F, use_bias=False, kernel_init=init(GEMMA_AXES), rngs=rngs
+    )
+    self.down = nnx.Linear(
+      F, D, use_bias=False, kernel_init=init(GEMMA_AXES[::-1]), rngs=rngs
+    )
+
+  def __call__(self, x):
+    x = x if self.entry is None else jax.sharding.reshard(x, ACT)
+    h = self.up(self.norm(x), out_sharding=ACT)
+    x = x + self.down(nnx.gelu(h), out_sharding=ACT)
+    return x if self.entry is None else jax.sharding.reshard(x, self.entry)
+
+
+class GemmaLike(nnx.Module):
+  """``entry``: the embedding's sharding, the blocks' input and output
+  (``ACT`` unless given: then each block reshards its input to ``ACT``)."""
+
+  def __init__(self, rngs, partitioned=True, entry=None):
+    self.embed = nnx.Embed(V, D, rngs=rngs)
+    self.entry = ACT if entry is None else entry
+    self.layers = nnx.List(
+      [GemmaBlock(rngs, partitioned, entry) for _ in range(2)]
+    )
+
+  def __call__(self, tokens):
+    x = self.embed(tokens, out_sharding=self.entry)
+    for block in self.layers:
+      x = block(x)
+    return self.embed.attend(x, out_sharding=P('fsdp'))
+
+
+def gemma_step(model, optimizer, tokens):
+  def loss(model):
+    logits = model(tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, tokens[:, 1:]
+    ).mean()
+
+  value, grads = nnx.value_and_grad(loss)(model)
+  optimizer.update(model, grads)
+  return value
+
+
+# One jitted step for every run: a compile per mesh and optimizer.
+gemma_jit = nnx.jit(gemma_step)
+
+
+def gemma_run(shape, tx_of, steps=3, entry=None):
+  """``steps`` steps of the Gemma-like model (``entry``: see GemmaLike)
+  under ``gemma_jit`` on an Explicit ``shape`` mesh over ``('fsdp',
+  'tensor')``, its optimizer ``tx_of(model, mesh)``: losses, plain params,
+  the dedication (if any)."""
+  mesh = support.make_mesh(shape, GEMMA_AXES)
+  with jax.set_mesh(mesh):
+    model = GemmaLike(nnx.Rngs(0), shape != (1, 1), entry)
+    tx, ded = tx_of(model, mesh)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    tokens = jax.device_put(token_batch(), NamedSharding(mesh, P('fsdp')))
+    losses = [float(gemma_jit(model, optimizer, tokens)) for _ in range(steps)]
+    params = (
+      ded.to_params(model)
+      if ded is not None
+      else nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    )
+  return np.array(losses), jax.tree.map(np.asarray, params), ded
+
+
+def gemma_dedicated(model, mesh, **kwargs):
+  ded = dflax.dedicate(model, mesh, **kwargs)
+  return dflax.dedicated_muon(ded, learning_rate=LR), ded
+
+
+@functools.cache
+def gemma_reference():
+  muon = lambda model, mesh: (
+    optax.contrib.muon(
+      LR, muon_weight_dimension_numbers=support.same_routing_dims
+    ),
+    None,
+  )
+  return gemma_run((1, 1), muon)
+
+
+class SizeOneAxisTest(absltest.TestCase):
+  """Gemma's Explicit ``jax.make_mesh((8, 1), ('fsdp', 'tensor'))`` and
+  its activation annotations: the gathered matrices are typed ``reduced``
+  over the owner axes the batch dimensions are split over, never over the
+  size-1 ``'tensor'`` (an owner axis of the layout, as the default makes
+  it) nor over an owner axis on the feature dimension."""
+
+  def assert_muon_leaves_close(self, got, want):
+    labels = dmuon_jax.muon_labels(want[1])
+    pick = lambda tree: jax.tree.map(
+      lambda x, label: x if label == 'muon' else None, tree, labels
+    )
+    self.assertLess(np.max(np.abs(got[0] - want[0]) / want[0]), 1e-5)
+    support.assert_trees_max_rel_close(pick(got[1]), pick(want[1]), 1e-5)
+
+  def test_dedicated_default_axes_under_plain_nnx_jit(self):
+    # Was: the gathered weights typed reduced over {'fsdp', 'tensor'}, and
+    # the step failed in jax's transpose ("out_sharding's unreduced axes
+    # should be equal to the contracting specs. Got unreduced
+    # axes={'tensor', 'fsdp'} and contracting spec=('fsdp', None)"): the
+    # activations split over 'tensor' on their feature dimension.
+    got = gemma_run((8, 1), gemma_dedicated)
+    self.assertEqual(got[2].dedication.reduced_axes, ('fsdp',))
+    self.assert_muon_leaves_close(got, gemma_reference())
+
+  def test_an_owner_axis_on_the_feature_dimension_is_not_routed(self):
+    # 'tensor' (4 devices) an owner axis (no TP) and Gemma's activations
+    # split over it on their feature dimension: the weights' gradients keep
+    # that dimension, so a reduced gather would fail in jax's transpose (as
+    # it did: "unreduced axes should be equal to the contracting specs").
+    # The gather is GSPMD's instead, said once, with the same numbers.
+    with self.assertWarnsRegex(
+      dmuon_jax.DMuonWarning,
+      r"'layers/0' ran .*float32\[16@fsdp,8,32@tensor\], not split over "
+      r"the owner axes \('fsdp', 'tensor'\) on its batch dimensions",
+    ):
+      got = gemma_run(
+        (2, 4),
+        functools.partial(gemma_dedicated, tensor_parallel_axis=None),
+      )
+    self.assert_muon_leaves_close(got, gemma_reference())
+
+  def test_jax_transpose_error_in_a_block_is_restated(self):
+    # The batch split over both owner axes (a reduced gather), each block
+    # resharding it onto 'tensor' on the feature dimension: jax's error in
+    # the Z3 re-gather's backward (the last block's first), restated naming
+    # the boundary and the fixes.
+    with self.assertRaisesRegex(
+      ValueError,
+      r"dmuon: the dedicated boundary 'layers/1' .*typed reduced over the "
+      r"owner axes \('fsdp', 'tensor'\).*feature dimension.*axis_names=.*"
+      r'JAX said: .*unreduced axes should be equal to the contracting',
+    ):
+      gemma_run(
+        (2, 4),
+        functools.partial(gemma_dedicated, tensor_parallel_axis=None),
+        steps=1,
+        entry=P(GEMMA_AXES),
+      )

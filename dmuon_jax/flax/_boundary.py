@@ -7,7 +7,7 @@ import dataclasses
 import functools
 import inspect
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -137,21 +137,40 @@ def gathered(
     run = lambda mats, *a: run_layer({i: m[0] for i, m in mats.items()}, *a)
   owners = set(ded.buffer_axes)
   manual = layout.distributed and owners <= _gather.manual_axes()
-  routed = manual
+  routed, reduce_on = manual, None
   if layout.distributed and not manual and traced:
     # The reduced gather's cotangent is a per-device partial sum: jax types
-    # a weight ``reduced`` only where its contraction runs over the owner
-    # axes, so the input must be split over every one of them.
+    # a weight ``reduced`` only where the contraction forming its gradient
+    # runs over exactly the owner axes, so an input must be split over
+    # every one of them on dimensions that contraction sums: not on a float
+    # input's last (feature) dimension, which a layer contracts with its
+    # weight in the forward pass and keeps in the weight's gradient (jax:
+    # "unreduced axes should be equal to the contracting specs").
     xs = [x for x in jax.tree.leaves(arrays) if np.ndim(x) >= 1]
-    split = lambda x: _mesh.sharded_axes([_mesh.type_spec(x)])
+    summed = lambda x: (
+      x.ndim - 1
+      if x.ndim > 1 and jnp.issubdtype(x.dtype, jnp.inexact)
+      else x.ndim
+    )
+    split = lambda x: _mesh.sharded_axes(
+      [P(*tuple(_mesh.type_spec(x))[: summed(x)])]
+    )
     reduced = _exchange.reduced_route(ded, f'the dedicated boundary {name!r}')
-    routed = reduced and any(owners <= split(x) for x in xs)
+    over = set(ded.reduced_axes)  # (an owner axis of size 1 splits nothing)
+    hits = [split(x) for x in xs if over <= split(x)] if reduced else []
+    routed = bool(hits)
+    # Typed reduced over the owner axes that split the input (a size-1 one
+    # too where the input's type spells it: jax compares the contraction's
+    # axes as spelled), so over every owner axis of more than one device.
+    reduce_on = tuple(a for a in ded.buffer_axes if hits and a in hits[0])
     if reduced and not routed:
       typed = str(jax.typeof(xs[0])) if xs else 'no array'
       message = (
         f'dmuon: the dedicated boundary {name!r} ran under jax.jit/nnx.jit '
         f'on an input typed {typed}, not split over the owner axes '
-        f'{md.axes}: its matrices were gathered with GSPMD, and a gradient '
+        f'{ded.reduced_axes} on its batch dimensions (an owner axis on the '
+        'feature dimension does not count: the weight gradients keep it): '
+        'its matrices were gathered with GSPMD, and a gradient '
         'through them is all-reduced (3(N-1)/N x the Muon bytes instead of '
         'the reduce-scatter floor). Shard the batch over the owner axes, '
         'e.g. jax.device_put(batch, NamedSharding(mesh, P(ded.axes))), or '
@@ -189,19 +208,31 @@ def gathered(
   mode = 'tp' if manual else 'reduced'
   if manual and entry is None:  # the group's first block
     local = _gather.after_inputs(local, arrays)
-  gather = lambda x, it, s=None: _gather.materialize(ded, g, x, it, s, mode)
+  on = None if manual else reduce_on  # (the reduced gather's axes)
+  gather = lambda x, it, s=None: _gather.materialize(
+    ded, g, x, it, s, mode, reduced=on
+  )
   first = lambda: _gather.gather_replicate(ded, local, mode)
   if not z3 or remat:
     if entry is None:
       entry = gather(first(), iteration)
       store(entry)
     return run(entry, state, arrays)
-  sink = lambda: _gather.gather_sink(ded, g, local, iteration, mode)
+  sink = lambda: _gather.gather_sink(ded, g, local, iteration, mode, reduced=on)
   x, s, token = entry or (first(), sink(), _gather.new_token())
   run_z3 = lambda x, s, it, *args: run(gather(x, it, s), *args)
   last = b == ded.groups[g][-1] or ded.boundaries.scanned[b]
+  # (jax's errors on the reduced types surface in the re-gather's backward)
+  explain = functools.partial(
+    explain_annotation, axes=on, mesh=ded.mesh, boundary=name
+  )
   tied = _gather.regather_group_in_backward(
-    run_z3, ded.remat_policy, last=last, blocks=[name], routed=True
+    run_z3,
+    ded.remat_policy,
+    last=last,
+    blocks=[name],
+    routed=True,
+    explain=None if manual else explain,
   )
   out, token = tied(x, token, s, iteration, state, arrays)
   store((x, s, token))
@@ -256,6 +287,80 @@ def _trace_cache(md: ModelDedication, g: int, b: int, local, iteration, manual):
     cache['groups'][g] = (keys, value, first)
 
   return entry, store
+
+
+_MANUAL_AXIS_ERRORS = (
+  'can only refer to Auto axes',
+  'Manual axes',
+  'manual axes',
+  # reshard / out_sharding= (dot_general, ...) naming a manual axis:
+  'of type Auto or Manual',
+  'AxisType.Manual',
+  # An annotation's NamedSharding over the concrete (Auto) mesh.
+  '`manual_axis_type`',
+)
+
+
+# jax's rule for a weight typed ``reduced`` (the reduced gather): the
+# contraction forming its gradient must run over exactly those axes.
+_UNREDUCED_ERROR = 'unreduced axes should be equal to the contracting specs'
+
+
+def explain_annotation(
+  err: Exception, axes: Sequence[str], mesh, boundary: str | None = None
+) -> None:
+  """Re-raises JAX's error for a sharding annotation that meets dmuon's
+  own types with what to do about it; returns for any other error.
+
+  Inside :func:`dmuon_jax.flax.train_step`: an annotation naming a manual
+  owner axis (on ``mesh`` the owner ``axes`` are Explicit or not). Under
+  plain ``jit`` (``boundary``: the dedicated boundary whose matrices are
+  gathered typed ``reduced`` over ``axes``, the owner axes of more than
+  one device): a weight's gradient contracted over other axes than those
+  (an activation split over an owner axis on its feature dimension).
+  """
+  text = str(err)
+  if _UNREDUCED_ERROR in text:
+    raise ValueError(
+      f'dmuon: the dedicated boundary {boundary!r} ran under plain '
+      f'jax.jit/nnx.jit with its matrices gathered typed reduced over the '
+      f'owner axes {tuple(axes)} (each device holds a partial sum of their '
+      'gradients, reduce-scattered onto the owners), and jax needs the '
+      "contraction forming each weight's gradient to run over exactly "
+      'those axes; one ran over others. An activation inside the boundary '
+      "split over an owner axis on a dimension the weight's gradient keeps "
+      "(its feature dimension, e.g. P('data', None, 'seq') with 'seq' an "
+      'owner axis) does this. Split activations over the owner axes on '
+      'their batch (or sequence) dimensions only, as P(ded.axes) splits '
+      'the batch, or leave that axis out of the owners (dedicate(..., '
+      f'axis_names=...) without it). JAX said: {text.splitlines()[0]}'
+    ) from err
+  kinds = dict(zip(mesh.axis_names, mesh.axis_types)) if axes else {}
+  explicit = axes and all(kinds[a].name == 'Explicit' for a in axes)
+  route = (
+    'On this mesh the owner axes are Explicit: a plain nnx.jit/jax.jit step'
+    ' keeps every annotation'
+    if explicit
+    else 'To keep them, make the owner axes Explicit (jax.make_mesh(..., '
+    'axis_types=(jax.sharding.AxisType.Explicit,) * n)), dedicate on that '
+    'mesh and use a plain nnx.jit/jax.jit step'
+  ) + ' (see the guide, "Your own jit step").'
+  names_axis = any(s in text for s in _MANUAL_AXIS_ERRORS) and any(
+    a in text for a in axes
+  )
+  # An error that only a manual axis raises, whose text names no axis:
+  # jax's NotImplementedError for a Manual -> Auto/Explicit conversion
+  # (nnx.Embed's out_sharding= runs its lookup in jax.sharding.auto_axes).
+  if names_axis or 'from `Manual` AxisType' in text:
+    raise ValueError(
+      f'dmuon: a sharding annotation inside the step names an owner axis '
+      f'of {tuple(axes)}, which dmuon_jax.flax.train_step runs manually '
+      '(each device runs the model on its own share of the batch). Leave '
+      "those axes out of the model's activation annotations "
+      '(with_sharding_constraint, out_sharding=, e.g. a sharding config '
+      'without the data-parallel axis); annotations over the other mesh '
+      f'axes keep working. {route} JAX said: {text.splitlines()[0]}'
+    ) from err
 
 
 @dataclasses.dataclass(frozen=True)

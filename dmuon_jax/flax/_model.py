@@ -22,6 +22,7 @@ from dmuon_jax import (
   _checks,
   _dedicated,
   _dedication,
+  _gather,
   _mesh,
   _owner_layout,
   _routing,
@@ -301,11 +302,25 @@ class ModelDedication:
 
     Returns:
       The params as a nested dict of arrays, as before dedication
-      (``nnx.to_pure_dict`` form for NNX).
+      (``nnx.to_pure_dict`` form for NNX). Inside :func:`train_step` too
+      (e.g. metrics over the params): each device's owner blocks are
+      all-gathered there first.
     """
     if isinstance(model, nnx.Module):
       model = nnx.state(model, nnx.Param)
-    return self.dedication.to_params(self.dedicated(model))
+    dp = self.dedicated(model)
+    manual = _gather.manual_axes()
+    if manual & set(self.axes):  # inside train_step: this device's blocks
+
+      def whole(x, spec):
+        for dim, entry in enumerate(_mesh.spec_entries(spec)):
+          if axes := tuple(a for a in entry if a in manual):
+            x = jax.lax.all_gather(x, axes, axis=dim, tiled=True)
+        return x
+
+      specs = self.dedication.layout.buffer_specs()
+      dp = dp._replace(owned=dp.owned.rebox(map(whole, dp.owned, specs)))
+    return self.dedication.to_params(dp)
 
   def dedicated(self, tree: Any, what: str | None = None, boxes=False):
     """The :class:`dmuon_jax.DedicatedParams` of a params (or gradients)

@@ -20,7 +20,7 @@ from dmuon_jax import (
   _gather,
   _mesh,
 )
-from dmuon_jax.flax import _model
+from dmuon_jax.flax import _boundary, _model
 from dmuon_jax.flax._model import ModelDedication
 
 
@@ -201,51 +201,6 @@ def _settle(x, spec: P, axes: Sequence[str], what: str):
   )
 
 
-_MANUAL_AXIS_ERRORS = (
-  'can only refer to Auto axes',
-  'Manual axes',
-  'manual axes',
-  # reshard / out_sharding= (dot_general, ...) naming a manual axis:
-  'of type Auto or Manual',
-  'AxisType.Manual',
-  # An annotation's NamedSharding over the concrete (Auto) mesh.
-  '`manual_axis_type`',
-)
-
-
-def _explain_annotation(err: Exception, axes: Sequence[str], mesh) -> None:
-  """Re-raises JAX's error for a sharding annotation naming a manual axis
-  inside the step with what to do about it (on ``mesh`` the owner ``axes``
-  are Explicit or not)."""
-  text = str(err)
-  kinds = dict(zip(mesh.axis_names, mesh.axis_types)) if axes else {}
-  explicit = axes and all(kinds[a].name == 'Explicit' for a in axes)
-  route = (
-    'On this mesh the owner axes are Explicit: a plain nnx.jit/jax.jit step'
-    ' keeps every annotation'
-    if explicit
-    else 'To keep them, make the owner axes Explicit (jax.make_mesh(..., '
-    'axis_types=(jax.sharding.AxisType.Explicit,) * n)), dedicate on that '
-    'mesh and use a plain nnx.jit/jax.jit step'
-  ) + ' (see the guide, "Your own jit step").'
-  names_axis = any(s in text for s in _MANUAL_AXIS_ERRORS) and any(
-    a in text for a in axes
-  )
-  # An error that only a manual axis raises, whose text names no axis:
-  # jax's NotImplementedError for a Manual -> Auto/Explicit conversion
-  # (nnx.Embed's out_sharding= runs its lookup in jax.sharding.auto_axes).
-  if names_axis or 'from `Manual` AxisType' in text:
-    raise ValueError(
-      f'dmuon: a sharding annotation inside the step names an owner axis '
-      f'of {tuple(axes)}, which dmuon_jax.flax.train_step runs manually '
-      '(each device runs the model on its own share of the batch). Leave '
-      "those axes out of the model's activation annotations "
-      '(with_sharding_constraint, out_sharding=, e.g. a sharding config '
-      'without the data-parallel axis); annotations over the other mesh '
-      f'axes keep working. {route} JAX said: {text.splitlines()[0]}'
-    ) from err
-
-
 def _output_sources(out, treedef, is_state, of: Sequence, default) -> list:
   """Per output leaf: ``of``'s entry (per argument leaf, ``treedef``'s:
   the graph nodes' state, then the other arguments) for the leaf of the
@@ -314,7 +269,7 @@ def _build_step(md, fn, axes, key, names):
       try:
         out = fn(*args)
       except (ValueError, TypeError, NotImplementedError) as err:
-        _explain_annotation(err, axes, mesh)
+        _boundary.explain_annotation(err, axes, mesh)
         raise
       for v, k in saved:
         v.set_value(k)
@@ -409,7 +364,9 @@ def train_step(
 
   - The batch arguments (``batch_argnums``, default: the last argument
     holding an array of rank 1 or more, so that trailing scalars such as a
-    step number are not taken for the batch) are split
+    step number are not taken for the batch, and every other argument
+    whose arrays all lead with that argument's leading dimension: inputs
+    beside labels) are split
     over the owner axes along their first axis unless their sharding splits
     them over those axes already (a batch placed replicated is split);
     other arguments are state: arrays placed on the mesh keep
@@ -444,7 +401,8 @@ def train_step(
       nodes among the arguments are updated in place, as with ``nnx.jit``)
       or ``(state, batch) -> (state, metrics)`` (Linen ``TrainState``).
     batch_argnums: the positions of the batch arguments (default: the
-      last argument holding an array of rank 1 or more).
+      last argument holding an array of rank 1 or more, and every other
+      whose arrays all share its leading dimension).
 
   Returns:
     The compiled step (or a decorator, without ``fn``).
@@ -507,17 +465,27 @@ def train_step(
     # Per leaf its argument (None: the graph nodes' state). The batch
     # arguments by default: the last one holding an array of rank 1 or
     # more (trailing scalars, e.g. a step number or a typed RNG key, are
-    # state).
+    # state), and every other whose arrays all lead with its first array's
+    # leading dimension (inputs beside labels).
     arg_of = [rest_at[keys[1].idx] if keys[0].idx else None for keys, _ in flat]
     prng = lambda x: jax.dtypes.issubdtype(
       getattr(x, 'dtype', None), jax.dtypes.prng_key
     )
-    data = [
-      k
-      for k, (_, x) in zip(arg_of, flat)
-      if k is not None and np.ndim(x) >= 1 and not prng(x)
+    leading = {}  # argument -> its arrays' leading dimensions
+    for k, (_, x) in zip(arg_of, flat):
+      if k is not None:
+        data = np.ndim(x) >= 1 and not prng(x)
+        leading.setdefault(k, []).append(np.shape(x)[0] if data else None)
+    last = [
+      k for k, dims in leading.items() if any(d is not None for d in dims)
     ]
-    batch = set(data[-1:] if batch_argnums is None else batch_argnums)
+    if batch_argnums is not None:
+      batch = set(batch_argnums)
+    elif last:
+      size = next(d for d in leading[last[-1]] if d is not None)
+      batch = {last[-1]} | {k for k, d in leading.items() if set(d) == {size}}
+    else:
+      batch = set()
     is_state = tuple(k not in batch for k in arg_of)
     # Per leaf its name in messages (built only when one is needed).
     names = lambda: tuple(
@@ -564,7 +532,8 @@ def train_step(
             f'owner axes {tuple(sorted(axes))}, and takes argument {k} for '
             f'state, not batch: the batch arguments are {given} ('
             + (
-              'the last argument holding an array of rank 1 or more'
+              'the last argument holding an array of rank 1 or more, and '
+              'the others whose arrays share its leading dimension'
               if batch_argnums is None
               else 'batch_argnums'
             )

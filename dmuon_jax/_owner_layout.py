@@ -418,7 +418,14 @@ class OwnerLayout:
     bufs = self._pack(_replicated(dict(values), mesh), dtypes)
     if shardings is None and isinstance(mesh, jax.sharding.Mesh):
       shardings = self.shardings(mesh)
-    put = lambda b, s: b if s is None else jax.device_put(b, s)
+    # (Under jit, _mesh.place: device_put leaves an Auto mesh's unsharded.)
+    put = lambda b, s: (
+      b
+      if s is None
+      else _mesh.place(b, s.mesh, s.spec)
+      if isinstance(b, jax.core.Tracer)
+      else jax.device_put(b, s)
+    )
     return OwnerBuffers(
       list(map(put, bufs, shardings or [None] * len(bufs))), self
     )

@@ -46,7 +46,7 @@ def split_args(args, kwargs):
   return arrays, nodes, rebuild
 
 
-def _warn_once(md: ModelDedication, message: str, stacklevel: int) -> None:
+def warn_once(md: ModelDedication, message: str, stacklevel: int) -> None:
   """Warns ``message`` unless this model warned already (``md.warned``)."""
   if not md.warned[0]:
     md.warned[0] = True
@@ -195,7 +195,7 @@ def gathered(
         'outside it is fine).'
       )
     if not routed:
-      _warn_once(md, message, stacklevel=4 if reduced else 3)
+      warn_once(md, message, stacklevel=4 if reduced else 3)
   if not routed:
     # The boundaries of a group constrain the same buffers: XLA gathers them
     # once and keeps them (Z2 memory: a re-gather per boundary would move
@@ -281,7 +281,7 @@ def _trace_cache(md: ModelDedication, g: int, b: int, local, iteration, manual):
     message = LIFTED_BOUNDARY_MSG.format(
       name=name, group=g, blocks=blocks, transforms=transforms, inside=inside
     )
-    _warn_once(md, message, stacklevel=3)
+    warn_once(md, message, stacklevel=3)
 
   def store(value):
     cache['groups'][g] = (keys, value, first)
@@ -304,6 +304,12 @@ _MANUAL_AXIS_ERRORS = (
 # jax's rule for a weight typed ``reduced`` (the reduced gather): the
 # contraction forming its gradient must run over exactly those axes.
 _UNREDUCED_ERROR = 'unreduced axes should be equal to the contracting specs'
+
+
+class OwnerAxisAnnotationError(ValueError):
+  """A sharding annotation of the user's step names a manual owner axis
+  (:func:`explain_annotation`): ``train_step`` runs that step under plain
+  ``jit`` instead."""
 
 
 def explain_annotation(
@@ -352,7 +358,7 @@ def explain_annotation(
   # jax's NotImplementedError for a Manual -> Auto/Explicit conversion
   # (nnx.Embed's out_sharding= runs its lookup in jax.sharding.auto_axes).
   if names_axis or 'from `Manual` AxisType' in text:
-    raise ValueError(
+    raise OwnerAxisAnnotationError(
       f'dmuon: a sharding annotation inside the step names an owner axis '
       f'of {tuple(axes)}, which dmuon_jax.flax.train_step runs manually '
       '(each device runs the model on its own share of the batch). Leave '

@@ -562,10 +562,45 @@ def train_step(
       compiled[key] = _build_step(dedication, fn, axes, key, names())
     return compiled[key], leaves, nodes, treedef, is_state
 
+  plain = {}  # step -> the nnx.jit that runs it as written (run_plain)
+
+  def run_plain(jitted, args, how='__call__'):
+    """The step as written under plain ``nnx.jit`` (its arguments as given):
+    where the model constrains its activations over the owner axes, which
+    the manual step can't keep (on Explicit owner axes this is the
+    plain-jit route at the floors; on Auto ones, GSPMD's gathers)."""
+    if jitted not in plain:
+      plain[jitted] = nnx.jit(fn)
+      if not _mesh.is_explicit(ded.mesh):
+        n = ded.num_slots
+        _boundary.warn_once(
+          dedication,
+          'dmuon: the train step constrains activations over the owner axes '
+          f'{axes}, which dmuon_jax.flax.train_step runs manually: it runs '
+          'under plain nnx.jit instead, with the same numbers, but on the '
+          "mesh's Auto owner axes XLA gathers the Muon matrices and "
+          f'all-reduces their gradients, 3({n}-1)/{n} x the Muon bytes per '
+          'step, every gathered weight kept for the backward. For the '
+          'floors, make the owner axes Explicit (jax.make_mesh(..., '
+          'axis_types=(AxisType.Explicit,) * n)) and dedicate on that mesh, '
+          "or leave the owner axes out of the model's activation "
+          'annotations.',
+          stacklevel=4,
+        )
+    with jax.set_mesh(ded.mesh):  # (train_step's shard_map sets it too)
+      if how == 'compile':
+        return plain[jitted].lower(*args).compile()
+      return plain[jitted](*args)
+
   @functools.wraps(fn)
   def call(*args):
     jitted, leaves, nodes, treedef, is_state = prepare(args)
-    new_state, out = jitted(leaves)
+    if jitted in plain:
+      return run_plain(jitted, args)
+    try:
+      new_state, out = jitted(leaves)
+    except _boundary.OwnerAxisAnnotationError:
+      return run_plain(jitted, args)
     new_state = list(map(_respell, new_state, leaves))
     nnx.update(nodes, jax.tree.unflatten(treedef.children()[0], new_state))
     if not any(is_state[len(new_state) :]):  # nothing returned is state
@@ -579,7 +614,12 @@ def train_step(
     """The step compiled for these arguments (e.g. for
     :func:`dmuon_jax.analyze_compiled`; a compilation of its own)."""
     jitted, leaves, *_ = prepare(args)
-    return jitted.lower(leaves).compile()
+    if jitted not in plain:
+      try:
+        return jitted.lower(leaves).compile()
+      except _boundary.OwnerAxisAnnotationError:
+        pass
+    return run_plain(jitted, args, 'compile')
 
   call.compile = compile
   return call

@@ -183,9 +183,9 @@ def make_model(scan, depth=DEPTH, cls=Decoder):
 
 
 @functools.cache
-def reference(scan):
+def reference(scan, depth=DEPTH):
   """Single-device optax.contrib.muon (+ its AdamW), the same model."""
-  model = make_model(scan)
+  model = make_model(scan, depth)
   graphdef, state = nnx.split(model)
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
@@ -211,7 +211,13 @@ def initial_loss(model):
 
 
 def dedicated(
-  shape, scan, z3, auto=False, owner_groups='auto', per_gather='auto'
+  shape,
+  scan,
+  z3,
+  auto=False,
+  owner_groups='auto',
+  per_gather='auto',
+  depth=DEPTH,
 ):
   """The recipe: three lines added; 20 steps; the compiled step. One run
   per configuration (cached): every test of it reads the same run.
@@ -220,13 +226,15 @@ def dedicated(
   owner axis): it stays so, its moments alike, and train_step gathers it
   and them for the step.
   """
-  return _dedicated(tuple(shape), scan, z3, auto, owner_groups, per_gather)
+  return _dedicated(
+    tuple(shape), scan, z3, auto, owner_groups, per_gather, depth
+  )
 
 
 @functools.cache
-def _dedicated(shape, scan, z3, auto, owner_groups, per_gather):
+def _dedicated(shape, scan, z3, auto, owner_groups, per_gather, depth):
   mesh = make_mesh(shape, auto)
-  model = make_model(scan)
+  model = make_model(scan, depth)
   table = model.embed.embedding
   table.set_value(
     jax.device_put(table.get_value(), NamedSharding(mesh, P('shard')))
@@ -290,9 +298,13 @@ CONFIGS = [
 ]
 
 
-# (mesh, scanned, Z3, Auto axes, owner groups): the loop on HSDP, every Muon
-# kernel split over 2 devices, Auto mesh axes.
-AUTO_GROUPS = ((2, 4), False, True, True, 2)
+# (mesh, scanned, Z3, Auto axes, owner groups, layers per gather, depth):
+# the loop on HSDP, every Muon kernel split over 2 devices, Auto mesh axes.
+# Two blocks: what it checks (Auto axes, owner groups of 2, parity, no
+# collective in a conditional) does not depend on depth, and its step
+# compiles twice (see _dedicated). One block per gather (two groups), as
+# 'auto' chose at four blocks ('auto' gathers both at two).
+AUTO_GROUPS = ((2, 4), False, True, True, 2, 1, 2)
 
 
 def muon_bytes(report):
@@ -341,8 +353,9 @@ class NnxParityTest(parameterized.TestCase):
 
   def test_auto_mesh_axes(self):
     # The owner-groups run (FlaxNnxGroupsTest) is on Auto axes: one
-    # configuration for both (measured: params <= 1.3e-6, losses <= 1.1e-6).
-    want_params, want_losses = reference(False)
+    # configuration for both, two blocks (measured: params <= 3.6e-6,
+    # losses <= 4.2e-6; 1.3e-6 and 1.1e-6 at four blocks).
+    want_params, want_losses = reference(False, AUTO_GROUPS[-1])
     run = dedicated(*AUTO_GROUPS)
     self.assertEqual(
       set(run['ded'].dedication.mesh.axis_types), {jax.sharding.AxisType.Auto}
@@ -611,16 +624,19 @@ class NnxBehaviourTest(absltest.TestCase):
     optimizer = nnx.Optimizer(
       model, dflax.dedicated_muon(ded, learning_rate=LR), wrt=nnx.Param
     )
-    with_scalar = dflax.train_step(ded)(
-      lambda model, optimizer, toks, i: (train_step(model, optimizer, toks), i)
-    )
-    plain = dflax.train_step(ded)(train_step)
-    flops = lambda c: c.cost_analysis()['flops']
-    self.assertEqual(
-      flops(with_scalar.compile(model, optimizer, tokens(), jnp.int32(0))),
-      flops(plain.compile(model, optimizer, tokens())),
-    )
+    seen = []  # the batch's shape in the step, per device, as traced
+
+    def step(model, optimizer, toks, i):
+      seen.append(toks.shape)
+      return train_step(model, optimizer, toks), i
+
+    with_scalar = dflax.train_step(ded)(step)
     loss, i = with_scalar(model, optimizer, tokens(), jnp.int32(3))
+    # Every trace of the step (two: the step probed, then compiled) saw
+    # one device's 1/8 of the batch; no second program compiled for the
+    # FLOPs of a step without the scalar.
+    self.assertNotEmpty(seen)
+    self.assertEqual(set(seen), {(BATCH // 8, SEQ)})
     self.assertEqual(int(i), 3)
     np.testing.assert_allclose(float(loss), want, rtol=1e-5)
 
@@ -944,7 +960,7 @@ class FlaxNnxGroupsTest(absltest.TestCase):
   def test_gemma_like_decoder_equals_single_device_optax(self):
     # Every Muon kernel split over 2 devices of 'shard' (owner groups), on
     # HSDP with Auto axes (NnxParityTest.test_auto_mesh_axes).
-    want_params, want_losses = reference(False)
+    want_params, want_losses = reference(False, AUTO_GROUPS[-1])
     run = dedicated(*AUTO_GROUPS)
     self.assertIn('k=2 devices', run['ded'].summary())
     nesting = run['nesting']

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any

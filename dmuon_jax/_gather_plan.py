@@ -33,6 +33,67 @@ from dmuon_jax._plan import (
 from dmuon_jax._routing import LeafSpec
 
 
+def _split_views(plan, name, scanned, specs, *, split, k, rows, wide, memo):
+  """The slicing of one gather group's matrices, whether its owner
+  groups span every owner device, and its bytes placed alone (a scanned
+  stack's: ``k`` layers per iteration).
+
+  Whole matrices for a scanned stack, without ``split``, or if they pad
+  at most ``SPLIT_PADDING_PERCENT``; else the coarsest slicing of
+  :func:`byte_views` that does, placed as :func:`plan_gather_groups`
+  places it, in rows of the group axis (else the one padding least);
+  if none pads at most ``SPLIT_PADDING_PERCENT`` there and one matrix
+  outweighs a row's share of the group's bytes (MNIST's 3136 x 256
+  ``linear1`` on 2 x 4), the same over one row of every owner device,
+  where that pads less and moves fewer bytes (``moved``: a large
+  matrix's Gram exchange over every device can cost more than the
+  padding it saves).
+  Groups of equal shapes share one decision through ``memo`` (keyed on
+  what placing reads of the leaves: not their paths).
+  """
+  n, split_here, k_here = plan.num_slots, split and not scanned, k * scanned
+  shapes = tuple(dataclasses.replace(s, leaf_index=0, path='') for s in specs)
+  key = (split_here, shapes, k_here, tuple(map(tuple, rows)))
+
+  def moved(b):
+    """Bytes a device sends per step for a group's bytes ``b``: its
+    gathers' at the all-reduce floor (Z2's; Z3 moves 3/2 of them) and
+    the owner groups' exchange, which spanning every device enlarges."""
+    return 2 * b.gathered * (n - 1) / n + b.exchange
+
+  def trial(sub, k, where):
+    gp, iters = _place_gather_group(sub, name, k, where, np.zeros(n))
+    return gp.gather_bytes(iters)
+
+  views = lambda counts: {  # (position in specs -> slice count)
+    specs[i].leaf_index: sliced_spec(specs[i], c, None, _min_slice(specs[i]))
+    for i, c in counts.items()
+  }
+  if key not in memo:
+    sub = resliced(plan, {}, _NS_STEPS, {s.leaf_index for s in specs})[0]
+    best, counts, spans = trial(sub, k_here, rows), {}, False
+    # (a row holds a split matrix whole: one that outweighs a row's share
+    # of the group's bytes pads every other row)
+    heaviest = max((u.nbytes for u in sub.units), default=0)
+    dominant = wide and heaviest > best.payload / len(rows)
+    for where in (rows, wide if dominant else None):
+      if not split_here or where is None:
+        continue
+      if best.padding <= SPLIT_PADDING_PERCENT:
+        break
+      for c in byte_views(specs, best.payload / n):
+        got = trial(resliced(sub, views(c), _NS_STEPS)[0], 0, where)
+        if got.padding < best.padding - 1e-9 and (
+          where is rows or moved(got) < moved(best)
+        ):
+          best, counts, spans = got, c, where is wide
+        if got.padding <= SPLIT_PADDING_PERCENT:
+          break
+    memo[key] = (counts, spans, best)
+  counts, spans, best = memo[key]
+  return views(counts), spans, best
+
+
 def plan_gather_groups(
   plan: OwnershipPlan,
   groups: Sequence[tuple[str, bool, Sequence[LeafSpec]]],
@@ -100,68 +161,9 @@ def plan_gather_groups(
   wide_axes = tuple(a for a in buffer_axes if sizes[a] > 1)
   wide = [list(range(n))] if len(rows) > 1 else None
 
-  def split_views(name, scanned, specs):
-    """The slicing of one gather group's matrices, whether its owner
-    groups span every owner device, and its bytes placed alone (a scanned
-    stack's: ``k`` layers per iteration).
-
-    Whole matrices for a scanned stack, without ``split``, or if they pad
-    at most ``SPLIT_PADDING_PERCENT``; else the coarsest slicing of
-    :func:`byte_views` that does, placed as :func:`plan_gather_groups`
-    places it, in rows of the group axis (else the one padding least);
-    if none pads at most ``SPLIT_PADDING_PERCENT`` there and one matrix
-    outweighs a row's share of the group's bytes (MNIST's 3136 x 256
-    ``linear1`` on 2 x 4), the same over one row of every owner device,
-    where that pads less and moves fewer bytes (``moved``: a large
-    matrix's Gram exchange over every device can cost more than the
-    padding it saves).
-    Groups of equal shapes share one decision through ``memo`` (keyed on
-    what placing reads of the leaves: not their paths).
-    """
-    split_here, k_here = split and not scanned, k if scanned else 0
-    shapes = tuple(dataclasses.replace(s, leaf_index=0, path='') for s in specs)
-    key = (split_here, shapes, k_here, tuple(map(tuple, rows)))
-
-    def moved(b):
-      """Bytes a device sends per step for a group's bytes ``b``: its
-      gathers' at the all-reduce floor (Z2's; Z3 moves 3/2 of them) and
-      the owner groups' exchange, which spanning every device enlarges."""
-      return 2 * b.gathered * (n - 1) / n + b.exchange
-
-    def trial(sub, k, where):
-      gp, iters = _place_gather_group(sub, name, k, where, np.zeros(n))
-      return gp.gather_bytes(iters)
-
-    views = lambda counts: {  # (position in specs -> slice count)
-      specs[i].leaf_index: sliced_spec(specs[i], c, None, _min_slice(specs[i]))
-      for i, c in counts.items()
-    }
-    if key not in memo:
-      sub = resliced(plan, {}, _NS_STEPS, {s.leaf_index for s in specs})[0]
-      best, counts, spans = trial(sub, k_here, rows), {}, False
-      # (a row holds a split matrix whole: one that outweighs a row's share
-      # of the group's bytes pads every other row)
-      heaviest = max((u.nbytes for u in sub.units), default=0)
-      dominant = wide and heaviest > best.payload / len(rows)
-      for where in (rows, wide if dominant else None):
-        if not split_here or where is None:
-          continue
-        if best.padding <= SPLIT_PADDING_PERCENT:
-          break
-        for c in byte_views(specs, best.payload / n):
-          got = trial(resliced(sub, views(c), _NS_STEPS)[0], 0, where)
-          if got.padding < best.padding - 1e-9 and (
-            where is rows or moved(got) < moved(best)
-          ):
-            best, counts, spans = got, c, where is wide
-          if got.padding <= SPLIT_PADDING_PERCENT:
-            break
-      memo[key] = (counts, spans, best)
-    counts, spans, best = memo[key]
-    return views(counts), spans, best
-
+  place = dict(split=split, k=k, rows=rows, wide=wide, memo=memo)
   got = [
-    split_views(name, scanned, specs)
+    _split_views(plan, name, scanned, specs, **place)
     if bytes_only or (split and not scanned)
     else ({}, False, None)
     for name, scanned, specs in groups

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -339,6 +340,60 @@ def _build_step(md, fn, axes, key, names):
   return jax.jit(step)
 
 
+def _default_batch(arg_of, leaves, batch_argnums) -> set[int]:
+  """The batch arguments: ``batch_argnums``, or by default the last
+  argument holding an array of rank 1 or more (trailing scalars, e.g. a
+  step number or a typed RNG key, are state) and every other whose arrays
+  all lead with its first array's leading dimension (inputs beside
+  labels). ``arg_of``: per leaf its argument (None: graph-node state)."""
+  if batch_argnums is not None:
+    return set(batch_argnums)
+  prng = lambda x: jax.dtypes.issubdtype(
+    getattr(x, 'dtype', None), jax.dtypes.prng_key
+  )
+  leading = {}  # argument -> its arrays' leading dimensions
+  for k, x in zip(arg_of, leaves):
+    if k is not None:
+      data = np.ndim(x) >= 1 and not prng(x)
+      leading.setdefault(k, []).append(np.shape(x)[0] if data else None)
+  last = [k for k, dims in leading.items() if any(d is not None for d in dims)]
+  if not last:
+    return set()
+  size = next(d for d in leading[last[-1]] if d is not None)
+  return {last[-1]} | {k for k, d in leading.items() if set(d) == {size}}
+
+
+def _run_as_written(dedication, plain, jitted, fn, args, how='__call__'):
+  """The step ``fn`` as written under plain ``nnx.jit`` (its arguments as
+  given; ``plain``: :func:`train_step`'s cache, per manual step): where
+  the model constrains its activations over the owner axes, which the
+  manual step can't keep (on Explicit owner axes this is the plain-jit
+  route at the floors; on Auto ones, GSPMD's gathers, warned once)."""
+  ded = dedication.dedication
+  if jitted not in plain:
+    plain[jitted] = nnx.jit(fn)
+    if not _mesh.is_explicit(ded.mesh):
+      n = ded.num_slots
+      _boundary.warn_once(
+        dedication,
+        'dmuon: the train step constrains activations over the owner axes '
+        f'{dedication.axes}, which dmuon_jax.flax.train_step runs manually: '
+        'it runs under plain nnx.jit instead, with the same numbers, but on '
+        "the mesh's Auto owner axes XLA gathers the Muon matrices and "
+        f'all-reduces their gradients, 3({n}-1)/{n} x the Muon bytes per '
+        'step, every gathered weight kept for the backward. For the '
+        'floors, make the owner axes Explicit (jax.make_mesh(..., '
+        'axis_types=(AxisType.Explicit,) * n)) and dedicate on that mesh, '
+        "or leave the owner axes out of the model's activation "
+        'annotations.',
+        stacklevel=4,
+      )
+  with jax.set_mesh(ded.mesh):  # (train_step's shard_map sets it too)
+    if how == 'compile':
+      return plain[jitted].lower(*args).compile()
+    return plain[jitted](*args)
+
+
 def train_step(
   dedication: ModelDedication,
   fn: Callable[..., Any] | None = None,
@@ -468,24 +523,7 @@ def train_step(
     # state), and every other whose arrays all lead with its first array's
     # leading dimension (inputs beside labels).
     arg_of = [rest_at[keys[1].idx] if keys[0].idx else None for keys, _ in flat]
-    prng = lambda x: jax.dtypes.issubdtype(
-      getattr(x, 'dtype', None), jax.dtypes.prng_key
-    )
-    leading = {}  # argument -> its arrays' leading dimensions
-    for k, (_, x) in zip(arg_of, flat):
-      if k is not None:
-        data = np.ndim(x) >= 1 and not prng(x)
-        leading.setdefault(k, []).append(np.shape(x)[0] if data else None)
-    last = [
-      k for k, dims in leading.items() if any(d is not None for d in dims)
-    ]
-    if batch_argnums is not None:
-      batch = set(batch_argnums)
-    elif last:
-      size = next(d for d in leading[last[-1]] if d is not None)
-      batch = {last[-1]} | {k for k, d in leading.items() if set(d) == {size}}
-    else:
-      batch = set()
+    batch = _default_batch(arg_of, [x for _, x in flat], batch_argnums)
     is_state = tuple(k not in batch for k in arg_of)
     # Per leaf its name in messages (built only when one is needed).
     names = lambda: tuple(
@@ -562,45 +600,18 @@ def train_step(
       compiled[key] = _build_step(dedication, fn, axes, key, names())
     return compiled[key], leaves, nodes, treedef, is_state
 
-  plain = {}  # step -> the nnx.jit that runs it as written (run_plain)
-
-  def run_plain(jitted, args, how='__call__'):
-    """The step as written under plain ``nnx.jit`` (its arguments as given):
-    where the model constrains its activations over the owner axes, which
-    the manual step can't keep (on Explicit owner axes this is the
-    plain-jit route at the floors; on Auto ones, GSPMD's gathers)."""
-    if jitted not in plain:
-      plain[jitted] = nnx.jit(fn)
-      if not _mesh.is_explicit(ded.mesh):
-        n = ded.num_slots
-        _boundary.warn_once(
-          dedication,
-          'dmuon: the train step constrains activations over the owner axes '
-          f'{axes}, which dmuon_jax.flax.train_step runs manually: it runs '
-          'under plain nnx.jit instead, with the same numbers, but on the '
-          "mesh's Auto owner axes XLA gathers the Muon matrices and "
-          f'all-reduces their gradients, 3({n}-1)/{n} x the Muon bytes per '
-          'step, every gathered weight kept for the backward. For the '
-          'floors, make the owner axes Explicit (jax.make_mesh(..., '
-          'axis_types=(AxisType.Explicit,) * n)) and dedicate on that mesh, '
-          "or leave the owner axes out of the model's activation "
-          'annotations.',
-          stacklevel=4,
-        )
-    with jax.set_mesh(ded.mesh):  # (train_step's shard_map sets it too)
-      if how == 'compile':
-        return plain[jitted].lower(*args).compile()
-      return plain[jitted](*args)
+  plain = {}  # manual step -> its nnx.jit (_run_as_written)
+  run_plain = functools.partial(_run_as_written, dedication, plain)
 
   @functools.wraps(fn)
   def call(*args):
     jitted, leaves, nodes, treedef, is_state = prepare(args)
     if jitted in plain:
-      return run_plain(jitted, args)
+      return run_plain(jitted, fn, args)
     try:
       new_state, out = jitted(leaves)
     except _boundary.OwnerAxisAnnotationError:
-      return run_plain(jitted, args)
+      return run_plain(jitted, fn, args)
     new_state = list(map(_respell, new_state, leaves))
     nnx.update(nodes, jax.tree.unflatten(treedef.children()[0], new_state))
     if not any(is_state[len(new_state) :]):  # nothing returned is state
@@ -614,12 +625,10 @@ def train_step(
     """The step compiled for these arguments (e.g. for
     :func:`dmuon_jax.analyze_compiled`; a compilation of its own)."""
     jitted, leaves, *_ = prepare(args)
-    if jitted not in plain:
-      try:
+    if jitted not in plain:  # (else, or if it raises: the nnx.jit step's)
+      with contextlib.suppress(_boundary.OwnerAxisAnnotationError):
         return jitted.lower(leaves).compile()
-      except _boundary.OwnerAxisAnnotationError:
-        pass
-    return run_plain(jitted, args, 'compile')
+    return run_plain(jitted, fn, args, 'compile')
 
   call.compile = compile
   return call

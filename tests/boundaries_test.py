@@ -181,16 +181,7 @@ class RootParams(nnx.Module):
     return nnx.relu(x @ self.w1[...] + self.b1[...]) @ self.w2[...]
 
 
-def lm_step(model, optimizer, tokens):
-  def loss_fn(model):
-    logits = model(tokens[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(
-      logits, tokens[:, 1:]
-    ).mean()
-
-  loss, grads = nnx.value_and_grad(loss_fn)(model)
-  optimizer.update(model, grads)
-  return loss
+lm_step = support.nnx_lm_step
 
 
 def regression_step(model, optimizer, batch):

@@ -406,16 +406,7 @@ class FsdpRestModel(nnx.Module):
     return (x * rms * whole(self.norm[...])) @ whole(self.head[...])
 
 
-def fsdp_step(model, optimizer, tokens):
-  def loss_fn(model):
-    logits = model(tokens[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(
-      logits, tokens[:, 1:]
-    ).mean()
-
-  loss, grads = nnx.value_and_grad(loss_fn)(model)
-  optimizer.update(model, grads)
-  return loss
+fsdp_step = support.nnx_lm_step
 
 
 REST = ('embed', 'norm', 'head')

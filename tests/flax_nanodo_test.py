@@ -342,16 +342,7 @@ SEEN_BATCH = []  # the batch shapes norm_step was traced with
 
 def norm_step(model, optimizer, tokens):
   SEEN_BATCH.append(tokens.shape)
-
-  def loss_fn(model):
-    logits = model(tokens[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(
-      logits, tokens[:, 1:]
-    ).mean()
-
-  loss, grads = nnx.value_and_grad(loss_fn)(model)
-  optimizer.update(model, grads)
-  return loss
+  return support.nnx_lm_step(model, optimizer, tokens)
 
 
 def norm_run(mesh, dedicated, steps=5):

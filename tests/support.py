@@ -983,3 +983,19 @@ def llama3_matrices(layers, d, f, kv):
     }
     for i in range(layers)
   }
+
+
+def nnx_lm_step(model, optimizer, tokens):
+  """The user's NNX step on next-token cross-entropy (``tokens``: a batch
+  of sequences; the model maps all but the last token to logits)."""
+  from flax import nnx  # (only the Flax tests pay for importing it)
+
+  def loss_fn(model):
+    logits = model(tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, tokens[:, 1:]
+    ).mean()
+
+  loss, grads = nnx.value_and_grad(loss_fn)(model)
+  optimizer.update(model, grads)
+  return loss

@@ -363,7 +363,7 @@ def _default_batch(arg_of, leaves, batch_argnums) -> set[int]:
   return {last[-1]} | {k for k, d in leading.items() if set(d) == {size}}
 
 
-def _run_as_written(dedication, plain, jitted, fn, args, how='__call__'):
+def _run_as_written(dedication, fn, plain, jitted, args, how='__call__'):
   """The step ``fn`` as written under plain ``nnx.jit`` (its arguments as
   given; ``plain``: :func:`train_step`'s cache, per manual step): where
   the model constrains its activations over the owner axes, which the
@@ -537,20 +537,19 @@ def train_step(
     # The arguments holding owner buffers (a TrainState): their other
     # leaves sharded over the owner axes are the model's (AdamW params,
     # their moments).
-    holders = {
-      k
-      for k, (_, x) in zip(arg_of, flat)
-      if k is not None
-      and _named(x) is not None
-      and lay(x.shape, _manual_spec(x, axes)) in owner_layout
-    }
+    manual = [_manual_spec(x, axes) for _, x in flat]  # (P() if unplaced)
+    owned = [
+      _named(x) is not None and lay(x.shape, spec) in owner_layout
+      for (_, x), spec in zip(flat, manual)
+    ]
+    holders = {k for k, o in zip(arg_of, owned) if k is not None and o}
     leaves, specs, whole = [], [], []
     for i, ((keys, x), state) in enumerate(zip(flat, is_state)):
       # Arrays placed on the mesh keep their specs; unplaced state arguments
       # (a TrainState's batch statistics) are replicated.
       if axes and keys[0].idx and state and _named(x) is None:
         x = jax.device_put(x, NamedSharding(ded.mesh, P()))
-      spec = _manual_spec(x, axes)
+      spec = manual[i]
       # The batch is split over the owner axes along its first axis unless
       # its sharding splits it over them already: a batch placed replicated
       # (jnp arrays made under jax.set_mesh are) would have every device run
@@ -562,7 +561,7 @@ def train_step(
       # sharded over an owner axis (AdamW params and their moments) is
       # gathered over the owner axes for the step and re-sharded after
       # (its own spec kept, so the step's outputs keep it too).
-      elif state and spec != P() and lay(x.shape, spec) not in owner_layout:
+      elif state and spec != P() and not owned[i]:
         if keys[0].idx and arg_of[i] not in holders:  # a batch part?
           k, given = arg_of[i], sorted(batch)
           raise ValueError(
@@ -601,17 +600,17 @@ def train_step(
     return compiled[key], leaves, nodes, treedef, is_state
 
   plain = {}  # manual step -> its nnx.jit (_run_as_written)
-  run_plain = functools.partial(_run_as_written, dedication, plain)
+  run_plain = functools.partial(_run_as_written, dedication, fn, plain)
 
   @functools.wraps(fn)
   def call(*args):
     jitted, leaves, nodes, treedef, is_state = prepare(args)
     if jitted in plain:
-      return run_plain(jitted, fn, args)
+      return run_plain(jitted, args)
     try:
       new_state, out = jitted(leaves)
     except _boundary.OwnerAxisAnnotationError:
-      return run_plain(jitted, fn, args)
+      return run_plain(jitted, args)
     new_state = list(map(_respell, new_state, leaves))
     nnx.update(nodes, jax.tree.unflatten(treedef.children()[0], new_state))
     if not any(is_state[len(new_state) :]):  # nothing returned is state
@@ -628,7 +627,7 @@ def train_step(
     if jitted not in plain:  # (else, or if it raises: the nnx.jit step's)
       with contextlib.suppress(_boundary.OwnerAxisAnnotationError):
         return jitted.lower(leaves).compile()
-    return run_plain(jitted, fn, args, 'compile')
+    return run_plain(jitted, args, 'compile')
 
   call.compile = compile
   return call

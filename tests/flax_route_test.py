@@ -725,16 +725,7 @@ class GemmaLike(nnx.Module):
     return self.embed.attend(x, out_sharding=P('fsdp'))
 
 
-def gemma_step(model, optimizer, tokens):
-  def loss(model):
-    logits = model(tokens[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(
-      logits, tokens[:, 1:]
-    ).mean()
-
-  value, grads = nnx.value_and_grad(loss)(model)
-  optimizer.update(model, grads)
-  return value
+gemma_step = support.nnx_lm_step
 
 
 # One jitted step for every run: a compile per mesh and optimizer.

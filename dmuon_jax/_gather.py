@@ -324,11 +324,12 @@ def materialize(
 
   With ``sink`` (from :func:`gather_sink`), the targets' cotangents go to
   it rather than through this gather's own transpose. ``'reduced'``: the
-  targets typed ``reduced`` over the owner axes ``reduced`` (default: all
-  of them), their cotangents reduce-scattered back onto the owner buffers.
+  targets typed ``reduced`` over the owner axes ``reduced`` (those the
+  boundary's input splits), their cotangents reduce-scattered back onto
+  the owner buffers.
   """
   if mode == 'reduced':
-    axes = ded.buffer_axes if reduced is None else tuple(reduced)
+    axes = tuple(reduced)
     whole = lambda l, i: _as_reduced(ded, _whole(ded, g, l, i), axes)
     if sink is None:
       return _owners_get_cotangents(ded, g, whole, rep_local, iteration, axes)
@@ -620,9 +621,9 @@ def gather_sink(
   transpose of :func:`gather_replicate` and :func:`materialize`'s gather).
   ``'reduced'``: shaped like the group's targets (a list, in
   ``OwnerLayout.unpack_group``'s order), typed ``reduced`` over the owner
-  axes ``reduced`` (default: all of them)."""
+  axes ``reduced``."""
   if mode == 'reduced':
-    axes = ded.buffer_axes if reduced is None else tuple(reduced)
+    axes = tuple(reduced)
     shapes = jax.eval_shape(lambda l, i: _whole(ded, g, l, i), local, iteration)
     zeros = lambda l, i: _as_reduced(
       ded, {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}, axes

@@ -25,9 +25,7 @@ scanned stacks are not built yet, docs/reference/status.md).
 
 The ``run_*`` functions take ``dedicate``'s keyword arguments and
 ``train_step``'s ``batch_argnums``, so that the documented workarounds can
-be tried on the same programs (the tests use none). One line beyond the
-documented three: nanodo's metrics read ``ded.to_params(state.params)``
-(a params dict can't gather on read).
+be tried on the same programs (the tests use none).
 """
 
 import contextlib
@@ -742,17 +740,14 @@ def layer_metrics(params):
   return metrics
 
 
-def nanodo_step(to_params=lambda params: params):
-  """nanodo's step: per-layer metrics over the params, then the update.
-  Dedicated, the metrics read ``ded.to_params(state.params)`` (the one
-  line beyond the documented three: a params dict can't gather on read)."""
-
-  def step(state, toks):
-    metrics = layer_metrics(to_params(state.params))
-    state, loss = linen_loss_step(state, toks)
-    return state, {'loss': loss, **metrics}
-
-  return step
+def nanodo_step(state, toks):
+  """nanodo's step: per-layer metrics over the params, then the update
+  (dedicated under ``train_step``, ``state.params`` holds the whole
+  matrices at the placeholders for the step; the dedicated params also
+  hold the owner buffers, whose metrics the reference has not)."""
+  metrics = layer_metrics(state.params)
+  state, loss = linen_loss_step(state, toks)
+  return state, {'loss': loss, **metrics}
 
 
 def nanodo_init():
@@ -763,7 +758,7 @@ def nanodo_init():
 @functools.cache
 def nanodo_reference():
   model, params = nanodo_init()
-  return linen_reference(model, params, nanodo_step(), mesh_of(AxisType.Auto))
+  return linen_reference(model, params, nanodo_step, mesh_of(AxisType.Auto))
 
 
 def run_nanodo(batch_argnums=None, **dedicate_kwargs):
@@ -772,13 +767,16 @@ def run_nanodo(batch_argnums=None, **dedicate_kwargs):
   with jax.set_mesh(mesh):
     ded, state = linen_dedicated(model, params, mesh, **dedicate_kwargs)
   out = {'ded': ded, 'bytes': bytes_on_device0(state.opt_state), 'outs': []}
-  step = dflax.train_step(ded, batch_argnums=batch_argnums)(
-    nanodo_step(ded.to_params)
-  )
+  step = dflax.train_step(ded, batch_argnums=batch_argnums)(nanodo_step)
   for i in range(STEPS):
     state, metrics = step(state, linen_tokens(i, mesh))
     out['outs'].append(jax.tree.map(np.asarray, metrics))
   out['params'] = ded.to_params(state.params)
+  # (the step read whole matrices; the state keeps its placeholders)
+  out['placeholders'] = [
+    np.shape(functools.reduce(lambda d, k: d[k], p, state.params))
+    for p in ded.placeholder_paths
+  ]
   return out
 
 
@@ -789,6 +787,7 @@ class NanodoTest(BytesMixin, absltest.TestCase):
   def test_matches_optax_and_metrics(self):
     want, got = nanodo_reference(), run_nanodo()
     assert_muon_close(self, got['params'], want['params'])
+    self.assertEqual(got['placeholders'], [(0,)] * 4)
     for step, (g, w) in enumerate(zip(got['outs'], want['outs'])):
       for key, value in w.items():
         self.assertIn(key, g)

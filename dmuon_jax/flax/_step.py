@@ -267,11 +267,23 @@ def _build_step(md, fn, axes, key, names):
         elif axes and isinstance(v, nnx.RngKey):
           saved.append((v, k := v.get_value()))
           v.set_value(jax.vmap(fold)(k.reshape(-1)).reshape(k.shape))
+      # A dedicated params tree among the other arguments (a TrainState's
+      # params) reads the whole matrices at its placeholders for the step
+      # (metrics over the params); returned, they are placeholders again.
+      args, read = _whole_params(md, args)
+      read = [False] * n + read if read else read
       try:
         out = fn(*args)
       except (ValueError, TypeError, NotImplementedError) as err:
         _boundary.explain_annotation(err, axes, mesh)
         raise
+      if read:
+        out_def = jax.tree.structure(out)
+        olds = _output_sources(out, treedef, is_state, leaves, None)
+        was = _output_sources(out, treedef, is_state, read, False)
+        out = out_def.unflatten(
+          [o if w else x for x, o, w in zip(jax.tree.leaves(out), olds, was)]
+        )
       for v, k in saved:
         v.set_value(k)
       new_state = treedef.children()[0].flatten_up_to(nnx.split(nodes)[1])
@@ -338,6 +350,40 @@ def _build_step(md, fn, axes, key, names):
     return list(map(back, new_state, own)), out
 
   return jax.jit(step)
+
+
+def _whole_params(md: ModelDedication, args: list) -> tuple[list, list]:
+  """``args`` with every dedicated params tree in them (found by the owner
+  buffers' paths: a ``TrainState``'s ``params``, an EMA of them) holding
+  the whole matrices at its placeholders (each device's owner blocks
+  all-gathered, as :meth:`ModelDedication.to_params` does; XLA drops the
+  gather where nothing reads them), and per argument leaf (``args``
+  flattened, after the graph nodes' state) whether it is one of those."""
+  flat, tdef = jax.tree_util.tree_flatten_with_path(
+    args, is_leaf=_mesh.is_boxed
+  )
+  index = {_model.path(keys): i for i, (keys, _) in enumerate(flat)}
+  values = [x for _, x in flat]
+  paths = md.buffer_paths + md.rest_paths + md.placeholder_paths
+  need = [p for p in paths if p is not None]
+  first = md.buffer_paths[0] if md.placeholder_paths else None
+  put = set()
+  for p in [p for p in index if first and p[len(p) - len(first) :] == first]:
+    pre = p[: len(p) - len(first)]
+    if not all(pre + q in index for q in need):
+      continue
+    tree = {}
+    for q in need:
+      functools.reduce(lambda d, k: d.setdefault(k, {}), q[:-1], tree)[
+        q[-1]
+      ] = values[index[pre + q]]
+    whole = md.to_params(tree)
+    for q in md.placeholder_paths:
+      value = _model.node_at(whole, q)
+      values[index[pre + q]] = _mesh.rebox(values[index[pre + q]], value)
+      put.add(id(value))
+  args = tdef.unflatten(values)
+  return args, [id(x) in put for x in jax.tree.leaves(args)] if put else []
 
 
 def _default_batch(arg_of, leaves, batch_argnums) -> set[int]:
@@ -436,6 +482,11 @@ def train_step(
   - Gradients are sums over devices of per-device mean-loss gradients; the
     optimizer of :func:`dedicated_muon` divides them (write the loss as a
     mean over the batch, as usual).
+  - A dedicated params tree among the arguments (a Linen ``TrainState``'s
+    ``params``) holds the whole matrices at its placeholders for the step
+    (metrics over the params read them as written; all-gathered where
+    something reads them), and its placeholders again in the returned
+    state. An NNX model's read ``ded.to_params(model)``.
   - Every NNX graph node among the arguments (model, optimizer, metrics,
     ``nnx.Rngs``) is updated in place, as with ``nnx.jit``; graph nodes
     inside a container argument raise ``TypeError``.

@@ -548,6 +548,39 @@ class NnxBehaviourTest(absltest.TestCase):
     )
     self.assertTrue(np.isfinite(loss))
 
+  def test_reading_a_dedicated_weight_inside_the_step_gives_it_whole(self):
+    # Metrics over the params inside train_step read the Muon targets as
+    # written (an attribute and the model's DedicatedWeight state): the
+    # whole matrices, equal to the plain params; the placeholders are back
+    # after the step (before: the placeholder's error naming to_params).
+    mesh = make_mesh((1, 8))
+    model = make_model(False, depth=1)
+    plain = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    ded = dflax.dedicate(model, mesh, muon_weight_dimension_numbers=muon_dims)
+    optimizer = nnx.Optimizer(
+      model, dflax.dedicated_muon(ded, learning_rate=LR), wrt=nnx.Param
+    )
+
+    @dflax.train_step(ded)
+    def step(model, optimizer, toks):
+      norms = jax.tree.map(
+        lambda x: jnp.sqrt(jnp.sum(x * x)),
+        nnx.to_pure_dict(nnx.state(model, dflax.DedicatedWeight)),
+      )
+      read = model.layers[0].up.kernel[...]
+      return read, norms, train_step(model, optimizer, toks)
+
+    read, norms, _ = step(model, optimizer, tokens())
+    layer = plain['layers'][0]
+    # (outputs are averaged over the owner axes: a mean of 8 equal copies
+    # rounds by up to 1.5e-7 relative, measured)
+    np.testing.assert_allclose(read, layer['up']['kernel'], rtol=1e-6)
+    for path, norm in jax.tree_util.tree_leaves_with_path(norms):
+      want = functools.reduce(lambda d, k: d[k.key], path, plain)
+      np.testing.assert_allclose(norm, np.linalg.norm(want), rtol=1e-6)
+    self.assertLen(jax.tree.leaves(norms), len(ded.dedication.layout.leaves))
+    self.assertEqual(model.layers[0].up.kernel.shape, (0,))
+
   def test_graph_node_arguments_are_updated_as_under_nnx_jit(self):
     # An nnx.MultiMetric and an nnx.Rngs passed to the step: updated as
     # nnx.jit updates them (before: copied in, their updates lost; the

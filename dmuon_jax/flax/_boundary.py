@@ -449,7 +449,7 @@ def _boundary_call(module, original, args, kwargs):
   full = [
     r for _, r in mine if np.size(_model.node_at(module, r).get_raw_value())
   ]
-  if full:
+  if full and not md.reading_whole[0]:  # (train_step's: see _step.body)
     raise ValueError(
       f'dmuon: the Muon target(s) {[name + "/" + _model.text(r) for r in full]} of '
       'this dedicated model hold whole arrays: a plain (not dedicated) '
@@ -460,15 +460,22 @@ def _boundary_call(module, original, args, kwargs):
     )
   # The owned buffers stay out of the state that flows through the call:
   # every boundary of a group then sees the same buffer values.
+  # The placeholders neither (the call sets the gathered matrices there):
+  # where train_step put the whole matrices in them, those would be kept
+  # alive as the call's inputs.
   owned_filter = (OwnedBuffer, ScanIteration)
   arrays, nodes, rebuild = split_args(args, kwargs)
-  graphdef, fixed, state = nnx.split((module, nodes), owned_filter, ...)
+  graphdef, fixed, holes, state = nnx.split(
+    (module, nodes), owned_filter, _model.DedicatedWeight, ...
+  )
   fixed = jax.tree.map(jax.lax.stop_gradient, fixed)
+  holes = jax.tree.map(lambda x: jax.ShapeDtypeStruct((0,), x.dtype), holes)
 
   def run(mats, state, arrays):
     # A copy: the module's own variables may belong to an outer trace (the
     # rest of a functional step's nnx.split, merged inside its jax.grad).
-    m, new_nodes = nnx.merge(graphdef, fixed, state, copy=True)
+    empty = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), holes)
+    m, new_nodes = nnx.merge(graphdef, fixed, empty, state, copy=True)
     for i, rel in mine:
       _model.node_at(m, rel).set_value(mats[i])
     a, kw = rebuild(arrays, new_nodes)

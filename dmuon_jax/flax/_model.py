@@ -62,11 +62,13 @@ class DedicatedWeight(nnx.Variable):
   Holds a zero-size array (with the stack's layer axis for a scanned
   stack); the boundary module's call (or a call of one of its public
   methods, e.g. ``Embed.attend``) replaces it by the gathered matrix while
-  the module runs. Reading its value elsewhere (``[...]``, ``get_value()``,
-  ``jax.debug.visualize_array_sharding``, arithmetic) raises an error naming
-  the param and ``ModelDedication.to_params`` (the whole arrays), so that no
-  zero-size array reaches metrics or evaluation code; ``.shape`` is the
-  placeholder's (Flax's ``nnx.get_named_sharding`` reads it).
+  the module runs; inside :func:`train_step` it holds the whole matrix
+  (metrics over the params read it). Reading its value elsewhere (``[...]``,
+  ``get_value()``, ``jax.debug.visualize_array_sharding``, arithmetic)
+  raises an error naming the param and ``ModelDedication.to_params`` (the
+  whole arrays), so that no zero-size array reaches metrics or evaluation
+  code; ``.shape`` is the placeholder's (Flax's ``nnx.get_named_sharding``
+  reads it).
 
   Attributes:
     value: the zero-size array, ``(0,)`` (``(num_layers, 0)`` in a scanned
@@ -170,6 +172,9 @@ class ModelDedication:
       reduce-scatter); replaced when another trace starts.
     gathered_manual: the same inside :func:`train_step` (manual owner
       axes).
+    reading_whole: a one-element list: whether :func:`train_step`'s step
+      is running with the whole matrices in the placeholders (read as
+      written there).
     linen_model: the Linen module (from :func:`dedicate_linen`), or None
       for an NNX model.
     placeholder_paths: per Muon target, the path of its placeholder
@@ -204,6 +209,9 @@ class ModelDedication:
   warned: list[bool] = dataclasses.field(default_factory=lambda: [False])
   gathered: dict = dataclasses.field(default_factory=dict, repr=False)
   gathered_manual: dict = dataclasses.field(default_factory=dict, repr=False)
+  reading_whole: list[bool] = dataclasses.field(
+    default_factory=lambda: [False], repr=False
+  )
   linen_model: Any = None
   placeholder_paths: tuple[tuple[Any, ...], ...] = ()
   boundary_paths: tuple[tuple[Any, ...], ...] = ()
@@ -219,7 +227,7 @@ class ModelDedication:
   # itself.
   @functools.cached_property
   def _key(self) -> tuple[Any, ...]:
-    skip = ('sharded', 'warned', 'gathered', 'gathered_manual')
+    skip = ('sharded', 'warned', 'gathered', 'gathered_manual', 'reading_whole')
     fields = [f.name for f in dataclasses.fields(self) if f.name not in skip]
     return tuple(getattr(self, name) for name in fields)
 

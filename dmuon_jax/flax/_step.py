@@ -272,11 +272,18 @@ def _build_step(md, fn, axes, key, names):
       # (metrics over the params); returned, they are placeholders again.
       args, read = _whole_params(md, args)
       read = [False] * n + read if read else read
+      # An NNX model's placeholders too, put back after the step.
+      holes = _whole_weights(md, nodes)
+      md.reading_whole[0] = bool(holes)
       try:
         out = fn(*args)
       except (ValueError, TypeError, NotImplementedError) as err:
         _boundary.explain_annotation(err, axes, mesh)
         raise
+      finally:
+        md.reading_whole[0] = False
+      for var, value in holes:
+        var.set_raw_value(value)
       if read:
         out_def = jax.tree.structure(out)
         olds = _output_sources(out, treedef, is_state, leaves, None)
@@ -386,6 +393,28 @@ def _whole_params(md: ModelDedication, args: list) -> tuple[list, list]:
   return args, [id(x) in put for x in jax.tree.leaves(args)] if put else []
 
 
+def _whole_weights(md: ModelDedication, nodes) -> list:
+  """The NNX models among ``nodes`` with the whole matrices in their
+  placeholders (:class:`DedicatedWeight`; all-gathered where something
+  reads them), and per placeholder ``(variable, its value)`` to put back.
+  A model whose placeholders hold arrays already (a plain state written
+  into it) is left as it is: its boundaries raise."""
+  put = []
+  for node in nodes:
+    found = [
+      (path, v)
+      for path, v in nnx.iter_graph(node)
+      if isinstance(v, _model.DedicatedWeight)
+    ]
+    if not found or any(np.size(v.get_raw_value()) for _, v in found):
+      continue
+    whole = md.to_params(node)
+    for path, v in found:
+      put.append((v, v.get_raw_value()))
+      v.set_raw_value(_model.node_at(whole, path))
+  return put
+
+
 def _default_batch(arg_of, leaves, batch_argnums) -> set[int]:
   """The batch arguments: ``batch_argnums``, or by default the last
   argument holding an array of rank 1 or more (trailing scalars, e.g. a
@@ -482,11 +511,12 @@ def train_step(
   - Gradients are sums over devices of per-device mean-loss gradients; the
     optimizer of :func:`dedicated_muon` divides them (write the loss as a
     mean over the batch, as usual).
-  - A dedicated params tree among the arguments (a Linen ``TrainState``'s
-    ``params``) holds the whole matrices at its placeholders for the step
-    (metrics over the params read them as written; all-gathered where
-    something reads them), and its placeholders again in the returned
-    state. An NNX model's read ``ded.to_params(model)``.
+  - The placeholders of the Muon targets (an NNX model's
+    :class:`DedicatedWeight` variables, the zero-size leaves of a Linen
+    ``TrainState``'s ``params``) hold the whole matrices while the step
+    runs, so metrics over the params read them as written (all-gathered
+    where something reads them: (N-1)/N of those bytes per step); the
+    state keeps its placeholders.
   - Every NNX graph node among the arguments (model, optimizer, metrics,
     ``nnx.Rngs``) is updated in place, as with ``nnx.jit``; graph nodes
     inside a container argument raise ``TypeError``.

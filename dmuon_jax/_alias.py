@@ -237,7 +237,9 @@ def dmuon(
       ``static_args``: a Mesh is callable, so optax would take it for a
       schedule).
     axis_names: mesh axes the owners range over (default: every mesh axis
-      but the tensor-parallel one, whatever their names). Static.
+      of more than one device but the tensor-parallel one, whatever their
+      names; an axis of one device is an owner axis only where named).
+      Static.
     ns_algorithm: ``'auto'`` (the cheaper form per matrix shape by the
       planner's cost model), ``'standard'`` or ``'gram'`` Newton–Schulz.
       Static.

@@ -207,8 +207,9 @@ def dedicate(
       divide the length of every scanned stack. ``'auto'`` (default): the
       number that minimizes the Muon bytes a step moves plus twice the
       gathered bytes Z3 holds at its peak.
-    axis_names: the owner axes (default: all mesh axes but
-      ``tensor_parallel_axis``).
+    axis_names: the owner axes (default: the mesh axes of more than one
+      device but ``tensor_parallel_axis``; an axis of one device is one
+      only where named here).
     replicate_axis: the HSDP replicate axis name, if the mesh has it.
     remat_policy: for Z3, the ``jax.checkpoint`` policy of a block. The
       default ``jax.checkpoint_policies.dots_saveable`` keeps matmul outputs

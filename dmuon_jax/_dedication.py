@@ -192,10 +192,10 @@ class Dedication:
     model's input must be split over (on its batch dimensions) under plain
     ``jit`` for the gathered weights to be typed ``reduced`` (their
     gradients ``unreduced``). The weights are typed ``reduced`` over these
-    and any owner axis of size 1 that the input's type spells (jax compares
-    the weight gradient's contraction axes as spelled); an owner axis of
-    size 1 that it does not spell (Gemma's ``'tensor'`` on an ``(8, 1)``
-    mesh, on the feature dimension) is left out."""
+    and any axis of size 1 that the input's type spells there (jax compares
+    the weight gradient's contraction axes as spelled). By default every
+    owner axis has more than one device; an owner axis of size 1 (named in
+    ``axis_names``) that the input does not spell is left out."""
     sizes = dict(zip(self.layout.buffer_axes, self.layout.buffer_sizes))
     return tuple(a for a in self.buffer_axes if sizes.get(a, 1) > 1)
 
@@ -749,6 +749,8 @@ def _muon_update(cfg, hp, decay, ded, grads, state, params=None):
     # The local blocks (inside shard_map, or one device).
     n = layout.num_slots if manual else 1
     g = [x / n for x in g] if n > 1 else g
+    keep = layout.buffer_axes + (layout.tp_axis,)
+    g = [_gather.invariant_over_size_one(x, keep) for x in g]
     specs = _gather.buffer_tp_specs(ded, g)
     # With the TP axis automatic (dmuon_jax.flax.train_step), each TP
     # shard's slices in a shard_map over it: the Gram all-reduces need it.

@@ -69,6 +69,21 @@ def to_varying(x: jax.Array, axes: Sequence[str]) -> jax.Array:
   return jax.lax.pcast(x, missing, to='varying') if missing else x
 
 
+def invariant_over_size_one(x: jax.Array, keep: Sequence[str]) -> jax.Array:
+  """``x`` summed over the manual axes of one device that it varies on and
+  ``keep`` does not name: numerically the identity (a sum over one device
+  is its value), it types ``x`` invariant there, as an ``out_specs`` entry
+  that leaves such an axis out requires. An owner buffer's spec names only
+  the owner axes (by default those of more than one device), while the
+  gradients of a step run whole inside ``shard_map`` vary over every manual
+  axis its batch splits (a ``(1, 8)`` ``('replicate', 'shard')`` mesh's
+  ``'replicate'`` too)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  one = [a for a in varying_axes(x) - set(keep) if sizes.get(a) == 1]
+  return jax.lax.psum(x, tuple(sorted(one))) if one else x
+
+
 def zero_after(*arrays: jax.Array) -> jax.Array:
   """A float32 0 that XLA computes from ``arrays`` (one entry of each), so
   that what it is added to waits for them: a buffer of zeros made as
@@ -723,7 +738,7 @@ def _owners_get_cotangents(ded, g: int, forward, local, iteration, axes) -> Any:
   ``OwnerLayout.unpack_group``, on plain local arrays) and one
   reduce-scatter per buffer adds them up on the owners. ``axes``: the
   owner axes the targets are typed ``reduced`` over (their cotangents
-  ``unreduced``)."""
+  ``unreduced``), and any axis of size 1 the boundary's input spells."""
 
   @jax.custom_vjp
   def f(local, iteration):
@@ -751,12 +766,22 @@ def _owners_get_cotangents(ded, g: int, forward, local, iteration, axes) -> Any:
       return [jax.lax.psum_scatter(f, axes, tiled=True) for f in full]
 
     unreduced = {i: P(*target_spec(ded, i), unreduced=set(axes)) for i in cts}
+    # The axes of size 1 that are no owner axes (spelled by the boundary's
+    # input) in the spec too: the same layout as the buffer's, where a
+    # psum over them to drop them would stay in the program (XLA keeps an
+    # all-reduce over groups of one device).
+    (slots,) = _buffer_spec(ded)
+    extra = tuple(a for a in axes if a not in ded.buffer_axes)
+    slots = slots if isinstance(slots, tuple) else (slots,)
+    spec = P(slots + extra) if extra else _buffer_spec(ded)
     owners = jax.shard_map(
       pack,
       mesh=ded.mesh,
       in_specs=(unreduced, P()),
-      out_specs=[_buffer_spec(ded)] * len(local),
+      out_specs=[spec] * len(local),
     )(cts, jnp.zeros([], jnp.int32) if iteration is None else iteration)
+    if extra:
+      owners = [jax.sharding.reshard(o, _buffer_spec(ded)) for o in owners]
     return owners, None
 
   f.defvjp(lambda l, i: (f(l, i), (l, i)), bwd)

@@ -489,7 +489,11 @@ def resolve(
 
   Args:
     mesh: a ``Mesh`` or ``AbstractMesh``, or None.
-    axis_names: the owner axes (default: every axis but the TP one).
+    axis_names: the owner axes (default: every axis of more than one
+      device but the TP one). An axis of one device splits nothing: it
+      owns nothing and is left out, so it is no part of the owner buffers'
+      specs, the layout's name or ``ded.axes``. One named here is kept
+      (the layout dmuon_jax 0.2 gave such a mesh by default).
     tensor_parallel_axis: the axis that splits matrices, if the mesh has it;
       ``'auto'``: the axis named ``'model'``, ``'tensor'`` or ``'tp'`` (of
       size > 1, not in ``axis_names``) that ``sharded_axes`` holds, if any.
@@ -531,8 +535,8 @@ def resolve(
       'axis_names, or pass tensor_parallel_axis=None to use it for '
       'owners.'
     )
-  if axis_names is None:
-    chosen = tuple(n for n in sizes if n != tp)
+  if axis_names is None:  # (an axis of one device owns nothing)
+    chosen = tuple(n for n in sizes if n != tp and sizes[n] > 1)
   return MeshInfo(
     abstract=getattr(mesh, 'abstract_mesh', mesh),
     sizes=sizes,

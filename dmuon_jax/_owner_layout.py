@@ -124,8 +124,9 @@ class OwnerLayout:
     >>> mesh = jax.make_mesh((1,), ('data',), devices=jax.devices()[:1])
     >>> params = {'layers_0': {'w': jnp.ones((4, 8))},
     ...           'layers_1': {'w': jnp.ones((8, 8))}}
-    >>> state = dmuon_jax.dmuon(0.02, mesh=mesh).init(params)
-    >>> (layout,) = dmuon_jax.owner_layouts(state)
+    >>> # (an axis of one device is an owner axis only where it is named)
+    >>> tx = dmuon_jax.dmuon(0.02, mesh=mesh, axis_names=('data',))
+    >>> (layout,) = dmuon_jax.owner_layouts(tx.init(params))
     >>> layout.kind, layout.buffer_axes, layout.num_slots
     ('dmuon', ('data',), 1)
     >>> [leaf.path for leaf in layout.leaves]

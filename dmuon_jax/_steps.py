@@ -148,6 +148,8 @@ def explicit_step(cfg, hp, layout, targets, mus, count_inc):
     # as the drop-in path reads replicated leaves.
     ex = _exchange.Exchange(lay, layout.owner_entries([None] * len(targets)))
     grads = ex.to_owners(targets)
+  # (Summed over the manual axes of one device that are no owner axes.)
+  grads = tuple(_gather.invariant_over_size_one(g, axes) for g in grads)
   ortho, mu = _owner_update.owner_step(cfg, hp, layout, grads, mus, count_inc)
   new = lay.unpack_full([_gather.gather_from_owners(o, axes) for o in ortho])
   return new, mu

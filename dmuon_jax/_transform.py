@@ -486,8 +486,8 @@ def scale_by_dmuon(
     mesh: (optional, default None) ``jax.sharding.Mesh`` whose devices own
       the matrices; if None, the mesh from ``jax.set_mesh``, else the
       mesh the params are placed on, else one device. Static.
-    axis_names: mesh axes that owners range over (default: all but
-      ``tensor_parallel_axis``). Static.
+    axis_names: mesh axes that owners range over (default: those of more
+      than one device but ``tensor_parallel_axis``). Static.
     ns_algorithm: ``'auto'`` (per matrix shape, the form with fewer matmul
       FLOPs by the planner's cost model: Gram for aspect ratios above about
       1.5, direct otherwise), ``'standard'`` (direct iteration) or

@@ -325,10 +325,12 @@ def state_from_portable(portable: Any, target_state: Any) -> Any:
     >>> _, state = tx.update({'layers_0': {'w': jnp.eye(4, 8)}}, state, params)
     >>> portable = checkpoint.state_to_portable(state)
 
-    Into a state of another layout (here: of a one-device ``'data'`` mesh):
+    Into a state of another layout (here: owners over the axis ``'data'``
+    of a one-device mesh):
 
     >>> mesh = jax.make_mesh((1,), ('data',), devices=jax.devices()[:1])
-    >>> target = dmuon_jax.scale_by_dmuon(mesh=mesh).init(params)
+    >>> tx = dmuon_jax.scale_by_dmuon(mesh=mesh, axis_names=('data',))
+    >>> target = tx.init(params)
     >>> moved = checkpoint.state_from_portable(portable, target)
     >>> moved.mu.layout == target.mu.layout != state.mu.layout
     True
@@ -543,11 +545,11 @@ def restore(
     >>> opt = dmuon_jax.dmuon(0.02)
     >>> state = opt.init(params)
 
-    Restored into an optimizer of another layout (a one-device ``'data'``
-    mesh), the momentum is repacked for it:
+    Restored into an optimizer of another layout (owners over the axis
+    ``'data'`` of a one-device mesh), the momentum is repacked for it:
 
     >>> mesh = jax.make_mesh((1,), ('data',), devices=jax.devices()[:1])
-    >>> new_opt = dmuon_jax.dmuon(0.02, mesh=mesh)
+    >>> new_opt = dmuon_jax.dmuon(0.02, mesh=mesh, axis_names=('data',))
     >>> with tempfile.TemporaryDirectory() as directory:
     ...   print(checkpoint.restore(directory, params, new_opt))  # no step yet
     ...   _ = checkpoint.save(directory, 3, params, state, opt=opt)

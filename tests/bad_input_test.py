@@ -1165,7 +1165,7 @@ CASES = (
     state_of_another_mesh,
     ValueError,
     (
-      r'laid out as dmuon_replicate1_shard8_\w+.*runs on mesh '
+      r'laid out as dmuon_shard8_\w+.*runs on mesh '
       r"\{'replicate': 8, 'shard': 1\}.*state_from_portable"
     ),
   ),

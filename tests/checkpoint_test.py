@@ -202,14 +202,14 @@ def block_params():
   return support.block_params(blocks=BLOCKS)
 
 
-def dedicated_setup(mesh):
+def dedicated_setup(mesh, axis_names=None):
   """Dedicated Z3 (``dedicated_test``'s model, ``BLOCKS`` blocks) on
-  ``mesh`` (None: 1 device).
+  ``mesh`` (None: 1 device), owners over ``axis_names`` (None: default).
 
   Returns the dedication, its optimizer and a train step
   ``step(dp, state) -> (dp, state)``.
   """
-  ded = dmuon_jax.dedicate(block_params(), mesh)
+  ded = dmuon_jax.dedicate(block_params(), mesh, axis_names=axis_names)
   opt = dmuon_jax.dedicated_muon(ded, support.DEDICATED_LR, weight_decay=0.01)
   x = support.block_batch()
 
@@ -304,6 +304,42 @@ class DedicatedCheckpointTest(absltest.TestCase):
     chex.assert_trees_all_equal(
       checkpoint.state_to_portable(state), self.portable
     )
+
+  def test_raw_state_of_the_old_size_one_layout_restores(self):
+    # dmuon_jax 0.2's default owner axes on a (1, 8) mesh kept the size-1
+    # 'replicate': layout dmuon_shard8_replicate1_751ae696 (its name, read
+    # on that version), the keys of a state saved raw by orbax. The default
+    # now leaves 'replicate' out (another layout, so orbax refuses the old
+    # keys); axis_names naming it gives the old layout, whose raw state
+    # restores and converts into the default one, bitwise.
+    mesh = jax.make_mesh((1, 8), AXES)
+    zeros = jax.tree.map(jnp.zeros_like, block_params())
+    ded, opt, _ = dedicated_setup(mesh)
+    old, old_opt, _ = dedicated_setup(mesh, axis_names=AXES)
+    self.assertEqual(ded.buffer_axes, ('shard',))
+    self.assertEqual(old.layout.name, 'dmuon_shard8_replicate1_751ae696')
+    _, old_dp, old_state = checkpoint.restore(
+      self.tmp.name, old.to_dedicated(zeros), old_opt
+    )
+    raw = {'dp': old_dp, 'state': old_state}
+    with tempfile.TemporaryDirectory() as directory:
+      with ocp.CheckpointManager(directory) as mngr:
+        mngr.save(1, args=ocp.args.StandardSave(raw))
+        mngr.wait_until_finished()
+      like = abstract(raw)
+      with ocp.CheckpointManager(directory) as mngr:
+        raw = mngr.restore(1, args=ocp.args.StandardRestore(like))
+    target = ded.to_dedicated(zeros)
+    state = checkpoint.state_from_portable(
+      checkpoint.state_to_portable(raw['state']), opt.init(target)
+    )
+    dp = ded.to_dedicated(old.to_params(raw['dp']))
+    (layout,) = dmuon_jax.owner_layouts(state)
+    self.assertEqual(layout, target.owned.layout)
+    chex.assert_trees_all_equal(
+      checkpoint.state_to_portable(state), self.portable
+    )
+    chex.assert_trees_all_equal(ded.to_params(dp), self.ded.to_params(self.dp))
 
   def _resume(self, shape):
     mesh = (
@@ -411,7 +447,7 @@ class OrbaxManagerTest(absltest.TestCase):
       checkpoint.state_to_portable(opt_state), self.saved
     )
     (layout,) = dmuon_jax.owner_layouts(opt_state)
-    self.assertEqual(layout.buffer_sizes, (1, 4))
+    self.assertEqual(layout.buffer_sizes, (4,))  # (the 1x4 mesh's 'shard')
     self.assertGreater(float(opt_state.mini_step), 0)  # MultiSteps' own
     return opt_state
 

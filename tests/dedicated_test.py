@@ -47,7 +47,7 @@ class DedicatedTest(parameterized.TestCase):
     )
     self.assertLen(dp.owned.buffers, BLOCKS)  # one per block (one dtype)
     for buf in dp.owned:
-      self.assertEqual(buf.sharding.spec, P(('shard', 'replicate')))
+      self.assertEqual(buf.sharding.spec, P('shard'))
       # 8 equal matrices per block on 8 owners: no padding.
       self.assertEqual(buf.size, MATS * WIDTH * WIDTH)
     self.assertIsNone(dp.rest['layers_0'].get('w0'))

@@ -106,7 +106,7 @@ class ParityTest(parameterized.TestCase):
     (muon_state,) = support.dmuon_states(state)
     self.assertNotEmpty(muon_state.mu)
     for mu in muon_state.mu:
-      self.assertEqual(mu.sharding.spec, P(AXES))
+      self.assertEqual(mu.sharding.spec, P('shard'))  # ('replicate': 1)
       # Each device holds its own block only.
       self.assertLen(mu.addressable_shards, 8)
       self.assertEqual(mu.addressable_shards[0].data.shape[0] * 8, mu.shape[0])

@@ -720,7 +720,7 @@ class NnxBehaviourTest(absltest.TestCase):
     # replicated, with a warning of the bytes it cost).
     run = dedicated((1, 8), False, True)
     self.assertIn(
-      "AdamW params sharded over the owner axes ('shard', 'replicate'), "
+      "AdamW params sharded over the owner axes ('shard',), "
       'their moments alike (train_step gathers them for the step): '
       "['embed/embedding']",
       run['ded'].summary(),

@@ -450,7 +450,7 @@ def mlp_step(model, optimizer, batch):
 
 
 @functools.cache
-def mlp_run(dedicated, z3=False):
+def mlp_run(dedicated, z3=False, shape=(2, 4)):
   # The reference: one device, no mesh (optax.contrib.muon cannot
   # orthogonalize a kernel typed sharded over an Explicit axis: its
   # Newton-Schulz matmuls have ambiguous shardings). The same values either
@@ -463,7 +463,7 @@ def mlp_run(dedicated, z3=False):
     return model
 
   run = run_model(
-    support.make_mesh((2, 4)) if dedicated else None,
+    support.make_mesh(shape) if dedicated else None,
     make,
     mlp_step,
     dedicated,
@@ -792,6 +792,23 @@ class SizeOneAxisTest(absltest.TestCase):
     got = gemma_run((8, 1), gemma_dedicated)
     self.assertEqual(got[2].dedication.reduced_axes, ('fsdp',))
     self.assert_muon_leaves_close(got, gemma_reference())
+
+  def test_default_owner_axes_leave_out_size_one_axes(self):
+    # Were ('fsdp', 'tensor') and ('replicate', 'shard'): an axis of one
+    # device owns nothing (it named the layout and the buffers' specs).
+    mesh = support.make_mesh((8, 1), GEMMA_AXES)
+    with jax.set_mesh(mesh):
+      gemma = lambda **kw: dflax.dedicate(GemmaLike(nnx.Rngs(0)), mesh, **kw)
+      self.assertEqual(gemma().axes, ('fsdp',))
+      # Named, it stays an owner axis (the layout of dmuon_jax 0.2).
+      self.assertEqual(gemma(axis_names=GEMMA_AXES).axes, GEMMA_AXES)
+    # A (1, 8) ('replicate', 'shard') mesh, the batch split over both under
+    # plain nnx.jit: the gathered matrices typed reduced over 'shard' and
+    # the 'replicate' the batch spells (as jax compares the contraction's
+    # axes), equal to single-device optax.contrib.muon at the Z2 floor.
+    want, got = mlp_run(False), mlp_run(True, shape=(1, 8))
+    self.assertEqual(got['ded'].axes, ('shard',))
+    support.assert_route_run(self, got, want, False)
 
   def test_an_owner_axis_on_the_feature_dimension_is_not_routed(self):
     # 'tensor' (4 devices) an owner axis (no TP) and Gemma's activations

@@ -159,10 +159,15 @@ def gathered(
     over = set(ded.reduced_axes)  # (an owner axis of size 1 splits nothing)
     hits = [split(x) for x in xs if over <= split(x)] if reduced else []
     routed = bool(hits)
-    # Typed reduced over the owner axes that split the input (a size-1 one
-    # too where the input's type spells it: jax compares the contraction's
-    # axes as spelled), so over every owner axis of more than one device.
-    reduce_on = tuple(a for a in ded.buffer_axes if hits and a in hits[0])
+    # Typed reduced over the owner axes that split the input, so over every
+    # owner axis of more than one device, and over the axes of size 1 that
+    # the input's type spells there (jax compares the contraction's axes as
+    # spelled: a (1, 8) mesh's 'replicate' in a batch split over
+    # ('replicate', 'shard'), an owner axis or not).
+    spelled = hits[0] if hits else set()
+    one = [a for a, s in ded.mesh.shape.items() if s == 1 and a in spelled]
+    reduce_on = tuple(a for a in ded.buffer_axes if a in spelled)
+    reduce_on += tuple(a for a in one if a not in reduce_on)
     if reduced and not routed:
       typed = str(jax.typeof(xs[0])) if xs else 'no array'
       message = (

@@ -78,7 +78,8 @@ class Dedication:
     boundaries: the hook boundaries.
     groups: the boundary indices of each gather group.
     layout: the :class:`dmuon_jax.OwnerLayout` of the owned buffers (and of
-      the momentum of :func:`dedicated_muon`).
+      the momentum of :func:`dedicated_muon`, whose scanned stacks keep
+      only the rows of ``layout.momentum_rows``).
     layers_per_gather: boundaries (or scanned layers) per gather.
     layers_per_gather_choice: how it was chosen: ``'given'`` (an int
       passed to :func:`dedicate`), ``'auto'`` (the least bytes moved and
@@ -488,6 +489,12 @@ class Dedication:
         f'{_checks.human_bytes(got.payload)} gathered as '
         f'{_checks.human_bytes(got.gathered)} (padding {got.padding:.1f}%)'
       )
+      if (rows := self.layout.momentum_rows[g]) is not None:
+        lines.append(
+          f'    momentum: {rows.shape[1]} of {iters} iteration rows per '
+          "device (each owner slot's rows of the iterations it holds "
+          'matrices in)'
+        )
     lines.append(
       f'  total: Muon params {_checks.human_bytes(total.payload)}, '
       f'gathered {_checks.human_bytes(total.gathered)} '
@@ -575,7 +582,10 @@ class DedicatedMuonState(NamedTuple):
   Attributes:
     count: the step count.
     mu: the momentum, laid out like ``DedicatedParams.owned`` (the same
-      :class:`dmuon_jax.OwnerLayout`).
+      :class:`dmuon_jax.OwnerLayout`), except that a scanned stack's keeps,
+      per owner slot, only the rows of the scan iterations its slot holds
+      matrices in (``OwnerLayout.momentum_rows``; fewer than the
+      iterations where an iteration has fewer matrices than owners).
     stamp: the layout that wrote ``mu``, as data: a checkpoint of another
       layout restored with orbax's ``partial_restore=True`` raises instead
       of leaving zero momentum (see :class:`dmuon_jax.ScaleByDMuonState`).
@@ -703,7 +713,14 @@ def scale_by_dedicated_muon(
 def _muon_init(cfg, ded, owned):
   check_owned(ded.layout, owned, 'dedicated_muon init()')
   layout = owned.layout
-  mu = [jnp.zeros_like(b, dtype=cfg.mu_dtype) for b in owned.buffers]
+  # (A scanned stack's momentum keeps only the rows of the iterations its
+  # slot holds matrices in: layout.momentum_rows.)
+  mu = [
+    jnp.zeros_like(b, dtype=cfg.mu_dtype)
+    if layout.momentum_shape(i, b.shape) == b.shape
+    else jnp.zeros(layout.momentum_shape(i, b.shape), cfg.mu_dtype or b.dtype)
+    for i, b in enumerate(owned.buffers)
+  ]
   # (A layout held by several devices has the dedication's mesh.)
   if layout.distributed and not set(layout.buffer_axes) & _gather.manual_axes():
     # Under jax.jit on Auto axes zeros_like keeps no sharding: the momentum

@@ -346,6 +346,76 @@ class OwnerLayout:
       out.append((self.iterations[g], size) if self.iterations[g] else (size,))
     return tuple(out)
 
+  @functools.cached_property
+  def momentum_rows(self) -> tuple[np.ndarray | None, ...]:
+    """Per group, the rows its momentum keeps: None (laid out as the owned
+    buffers), or for a dedicated scanned stack whose owner slots hold
+    nothing in some of its iterations (fewer matrices per iteration than
+    slots), per slot (buffer order) the iterations whose rows it keeps,
+    ``(num_slots, rows)`` int32, padded with ``iterations`` (no row).
+
+    Iteration ``t`` holds base slot ``(slot - t) mod num_slots``'s
+    matrices; a slot's momentum keeps only the iterations where that base
+    slot holds any, so that a stack of fewer matrices per iteration than
+    owners holds about its even share per device (its owned params, which
+    ``scan`` slices by layer, keep every iteration's row).
+    """
+    n, out = self.num_slots, []
+    for lay, it in zip(self.groups, self.iterations):
+      held = set(lay.plan.owners)  # base slots holding a matrix
+      rows = [[t for t in range(it) if (s - t) % n in held] for s in range(n)]
+      r = max(1, max(map(len, rows)))
+      if not it or self.kind != 'dedicated' or self.tp_size > 1 or r >= it:
+        out.append(None)
+        continue
+      out.append(np.array([x + [it] * (r - len(x)) for x in rows], np.int32))
+    return tuple(out)
+
+  def momentum_shape(self, b: int, shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape of buffer ``b``'s momentum for an owned buffer of
+    ``shape`` (global or one device's block): its rows those of
+    :attr:`momentum_rows`."""
+    rows = (
+      None if self.per_leaf else self.momentum_rows[self.buffer_index[b][0]]
+    )
+    shape = tuple(shape)
+    return shape if rows is None else (rows.shape[1],) + shape[1:]
+
+  def to_momentum(self, buffers: Sequence[jax.Array]) -> list[jax.Array]:
+    """Global owned-shaped buffers (``(iterations, num_slots * local)``
+    for a scanned stack) -> the momentum's (:attr:`momentum_rows`)."""
+    out = []
+    for b, x in enumerate(buffers):
+      rows = (
+        None if self.per_leaf else self.momentum_rows[self.buffer_index[b][0]]
+      )
+      if rows is None or x.shape[0] == rows.shape[1]:
+        out.append(x)
+        continue
+      n = self.num_slots
+      x = x.reshape(x.shape[0], n, -1)
+      x = jnp.concatenate([x, jnp.zeros_like(x[:1])])  # row `iterations`: 0
+      out.append(x[rows.T, np.arange(n)].reshape(rows.shape[1], -1))
+    return out
+
+  def from_momentum(self, buffers: Sequence[jax.Array]) -> list[jax.Array]:
+    """Inverse of :meth:`to_momentum` (buffers already owned-shaped are
+    left as they are)."""
+    out = []
+    for b, x in enumerate(buffers):
+      g = None if self.per_leaf else self.buffer_index[b][0]
+      rows = None if g is None else self.momentum_rows[g]
+      if rows is None or x.shape[0] != rows.shape[1]:
+        out.append(x)
+        continue
+      n, r, it = self.num_slots, rows.shape[1], self.iterations[g]
+      where = np.full((n, it + 1), r, np.int32)  # row r: 0
+      where[np.arange(n)[:, None], rows] = np.arange(r)
+      x = x.reshape(r, n, -1)
+      x = jnp.concatenate([x, jnp.zeros_like(x[:1])])
+      out.append(x[where[:, :it].T, np.arange(n)].reshape(it, -1))
+    return out
+
   def shardings(self, mesh: Any = None) -> tuple:
     """``NamedSharding`` of each buffer (``mesh`` default: the layout's)."""
     mesh = self.mesh if mesh is None else mesh
@@ -399,6 +469,7 @@ class OwnerLayout:
     dtypes: Sequence | None = None,
     mesh: Any = None,
     shardings: Sequence | None = None,
+    momentum: bool = False,
   ) -> OwnerBuffers:
     """Owner buffers from whole arrays, one per Muon target (jitted once
     per layout).
@@ -410,12 +481,14 @@ class OwnerLayout:
         packing reads across owner slots) and the buffers placed as the
         layout says (default, or any other mesh: left where jit puts them).
       shardings: per buffer, its sharding (None: left), instead.
+      momentum: the buffers of a momentum (see :attr:`momentum_rows`).
 
     Returns:
       The :class:`OwnerBuffers`.
     """
     dtypes = None if dtypes is None else tuple(jnp.dtype(d) for d in dtypes)
     bufs = self._pack(_replicated(dict(values), mesh), dtypes)
+    bufs = self.to_momentum(bufs) if momentum else bufs
     if shardings is None and isinstance(mesh, jax.sharding.Mesh):
       shardings = self.shardings(mesh)
     # (Under jit, _mesh.place: device_put leaves an Auto mesh's unsharded.)
@@ -431,11 +504,11 @@ class OwnerLayout:
     )
 
   def unpack(self, buffers: Sequence[jax.Array]) -> dict[int, jax.Array]:
-    """Inverse of :meth:`pack`: leaf index -> whole array (replicated on
-    the buffers' mesh)."""
+    """Inverse of :meth:`pack` (of owned buffers or a momentum's): leaf
+    index -> whole array (replicated on the buffers' mesh)."""
     bufs = list(buffers)
     mesh = next(filter(None, map(_mesh.array_mesh, bufs)), None)
-    return self._unpack(_replicated(bufs, mesh))
+    return self._unpack(self.from_momentum(_replicated(bufs, mesh)))
 
   @functools.partial(jax.jit, static_argnums=(0, 2))
   def _pack(self, values, dtypes) -> tuple[jax.Array, ...]:

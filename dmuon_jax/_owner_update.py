@@ -375,6 +375,16 @@ def owner_step(
       # previous group's results through a tie that is 0 whatever they hold.
       tie = _gather.zero_after(*previous)
       grads_g = [x + tie.astype(x.dtype) for x in grads_g]
+    p, rows, iters = param_groups[g], olayout.momentum_rows[g], None
+    if rows is not None:
+      # A scanned stack whose momentum keeps only this slot's rows of the
+      # iterations it holds matrices in (OwnerLayout.momentum_rows; `iters`:
+      # their iterations, past the last one for a padding row): the update
+      # runs on those rows, the others' updates are 0.
+      iters = jnp.asarray(rows)[_gather.slot_index(olayout.buffer_axes)]
+      take = lambda x, i=iters: jnp.take(x, i, 0, mode='fill', fill_value=0)
+      grads_g = [take(x) for x in grads_g]
+      p = None if p is None else [take(x) for x in p]
     if mus is None:
       h = grads_g
     else:
@@ -389,7 +399,7 @@ def owner_step(
       new_mu.extend(mu_g)
     # Owner-group or TP matrices: the staged update.
     tp = olayout.tp_size > 1 and any(s is not None for s in lay.tp_splits)
-    p, staged = param_groups[g], bool(lay.plan.groups) or tp
+    staged = bool(lay.plan.groups) or tp
     work = slot_work(olayout, lay, decay, skip_distributed=staged)
     run = functools.partial(
       slot_update, cfg, hp, olayout, lay, work, decay=decay
@@ -403,10 +413,16 @@ def owner_step(
     one = functools.partial(_gather.with_slot_rows, lay, run, work.offsets)
     if olayout.iterations[g]:
       # Iteration t holds base slot (slot - t) mod n of the layout.
+      it = olayout.iterations[g]
       res = jax.lax.map(
         lambda a, one=one: one(a[1], a[2], shift=a[0]),
-        (jnp.arange(olayout.iterations[g]), h, p),
+        (jnp.arange(it) if iters is None else iters, h, p),
       )
+      if iters is not None:  # the iterations' rows (padding rows dropped)
+        res = [
+          jnp.zeros((it,) + x.shape[1:], x.dtype).at[iters].set(x, mode='drop')
+          for x in res
+        ]
     else:
       res = one(h, p)
     out.extend(res)

@@ -260,7 +260,7 @@ def dedicated_like(dp_like: _dedication.DedicatedParams):
 
 def pack_like(like: _owner_layout.OwnerBuffers, values: dict[int, Any]):
   """Owner buffers of ``like``'s layout, dtypes, placement and shapes (a
-  momentum's, see ``OwnerLayout.momentum_rows``), from whole arrays by leaf
+  momentum's, see ``OwnerLayout.momentum_segments``), from whole arrays by leaf
   index."""
   layout = like.layout
   shapes = [tuple(np.shape(b)) for b in like.buffers]

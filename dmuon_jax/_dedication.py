@@ -78,8 +78,9 @@ class Dedication:
     boundaries: the hook boundaries.
     groups: the boundary indices of each gather group.
     layout: the :class:`dmuon_jax.OwnerLayout` of the owned buffers (and of
-      the momentum of :func:`dedicated_muon`, whose scanned stacks keep
-      only the rows of ``layout.momentum_rows``).
+      the momentum of :func:`dedicated_muon`, which keeps only what each
+      slot holds of a scanned stack's iterations:
+      ``layout.momentum_segments``).
     layers_per_gather: boundaries (or scanned layers) per gather.
     layers_per_gather_choice: how it was chosen: ``'given'`` (an int
       passed to :func:`dedicate`), ``'auto'`` (the least bytes moved and
@@ -489,11 +490,14 @@ class Dedication:
         f'{_checks.human_bytes(got.payload)} gathered as '
         f'{_checks.human_bytes(got.gathered)} (padding {got.padding:.1f}%)'
       )
-      if (rows := self.layout.momentum_rows[g]) is not None:
+      if (seg := self.layout.momentum_segments[g]) is not None:
+        held = sum(
+          w * jnp.dtype(d).itemsize for w, d in zip(seg.widths, lay.dtypes)
+        )
         lines.append(
-          f'    momentum: {rows.shape[1]} of {iters} iteration rows per '
-          "device (each owner slot's rows of the iterations it holds "
-          'matrices in)'
+          f'    momentum per device: {_checks.human_bytes(held)}, what its '
+          'slot holds of each iteration (the owned buffer: '
+          f'{_checks.human_bytes(iters * got.gathered / lay.num_slots)})'
         )
     lines.append(
       f'  total: Muon params {_checks.human_bytes(total.payload)}, '
@@ -582,10 +586,9 @@ class DedicatedMuonState(NamedTuple):
   Attributes:
     count: the step count.
     mu: the momentum, laid out like ``DedicatedParams.owned`` (the same
-      :class:`dmuon_jax.OwnerLayout`), except that a scanned stack's keeps,
-      per owner slot, only the rows of the scan iterations its slot holds
-      matrices in (``OwnerLayout.momentum_rows``; fewer than the
-      iterations where an iteration has fewer matrices than owners).
+      :class:`dmuon_jax.OwnerLayout`), except that a scanned stack's whose
+      iterations pad keeps only what each owner slot holds of each
+      iteration, in one row (``OwnerLayout.momentum_segments``).
     stamp: the layout that wrote ``mu``, as data: a checkpoint of another
       layout restored with orbax's ``partial_restore=True`` raises instead
       of leaving zero momentum (see :class:`dmuon_jax.ScaleByDMuonState`).
@@ -713,8 +716,8 @@ def scale_by_dedicated_muon(
 def _muon_init(cfg, ded, owned):
   check_owned(ded.layout, owned, 'dedicated_muon init()')
   layout = owned.layout
-  # (A scanned stack's momentum keeps only the rows of the iterations its
-  # slot holds matrices in: layout.momentum_rows.)
+  # (A scanned stack's momentum keeps only what each slot holds of its
+  # iterations: layout.momentum_segments.)
   mu = [
     jnp.zeros_like(b, dtype=cfg.mu_dtype)
     if layout.momentum_shape(i, b.shape) == b.shape

@@ -375,27 +375,35 @@ def owner_step(
       # previous group's results through a tie that is 0 whatever they hold.
       tie = _gather.zero_after(*previous)
       grads_g = [x + tie.astype(x.dtype) for x in grads_g]
-    p, rows, iters = param_groups[g], olayout.momentum_rows[g], None
-    if rows is not None:
-      # A scanned stack whose momentum keeps only this slot's rows of the
-      # iterations it holds matrices in (OwnerLayout.momentum_rows; `iters`:
-      # their iterations, past the last one for a padding row): the update
-      # runs on those rows, the others' updates are 0.
-      iters = jnp.asarray(rows)[_gather.slot_index(olayout.buffer_axes)]
-      take = lambda x, i=iters: jnp.take(x, i, 0, mode='fill', fill_value=0)
-      grads_g = [take(x) for x in grads_g]
-      p = None if p is None else [take(x) for x in p]
+    p, mu_g = param_groups[g], None if mus is None else mu_groups[g]
+    seg, iters = olayout.momentum_segments[g], None
+    if seg is not None:
+      # A scanned stack whose momentum keeps only what this slot holds of
+      # each iteration (OwnerLayout.momentum_segments): the update runs on
+      # the rows of those iterations (`iters`; past the last one: none),
+      # the other rows' updates are 0.
+      slot = _gather.slot_index(olayout.buffer_axes)
+      iters = jnp.asarray(seg.iterations)[slot]
+      grads_g = [seg.rows(x, slot) for x in grads_g]
+      p = None if p is None else [seg.rows(x, slot) for x in p]
+      if mu_g is not None:
+        mu_g = [
+          seg.segment_rows(d, m[0], slot, x.shape[1])
+          for d, (m, x) in enumerate(zip(mu_g, grads_g))
+        ]
     if mus is None:
       h = grads_g
     else:
       mu_g, h = momentum_update(
         grads_g,
-        mu_groups[g],
+        mu_g,
         count_inc,
         beta=hp.beta,
         nesterov=cfg.nesterov,
         rule=cfg.momentum,
       )
+      if seg is not None:
+        mu_g = [seg.compact(d, m, slot)[None] for d, m in enumerate(mu_g)]
       new_mu.extend(mu_g)
     # Owner-group or TP matrices: the staged update.
     tp = olayout.tp_size > 1 and any(s is not None for s in lay.tp_splits)
@@ -418,11 +426,8 @@ def owner_step(
         lambda a, one=one: one(a[1], a[2], shift=a[0]),
         (jnp.arange(it) if iters is None else iters, h, p),
       )
-      if iters is not None:  # the iterations' rows (padding rows dropped)
-        res = [
-          jnp.zeros((it,) + x.shape[1:], x.dtype).at[iters].set(x, mode='drop')
-          for x in res
-        ]
+      if seg is not None:  # the iterations' rows, the others 0
+        res = [seg.expand(x, slot) for x in res]
     else:
       res = one(h, p)
     out.extend(res)

@@ -259,13 +259,18 @@ def dedicated_like(dp_like: _dedication.DedicatedParams):
 
 
 def pack_like(like: _owner_layout.OwnerBuffers, values: dict[int, Any]):
-  """Owner buffers of ``like``'s layout, dtypes and placement, from whole
-  arrays by leaf index."""
-  return like.layout.pack(
+  """Owner buffers of ``like``'s layout, dtypes, placement and shapes (a
+  momentum's, see ``OwnerLayout.momentum_segments``), from whole arrays by leaf
+  index."""
+  layout = like.layout
+  shapes = [tuple(np.shape(b)) for b in like.buffers]
+  owned = [s.shape for s in layout.buffer_shapes()]
+  return layout.pack(
     values,
     [b.dtype for b in like.buffers],
     concrete_mesh(like.buffers),
     [getattr(b, 'sharding', None) for b in like.buffers],
+    momentum=shapes != owned,
   )
 
 

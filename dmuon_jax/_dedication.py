@@ -78,7 +78,9 @@ class Dedication:
     boundaries: the hook boundaries.
     groups: the boundary indices of each gather group.
     layout: the :class:`dmuon_jax.OwnerLayout` of the owned buffers (and of
-      the momentum of :func:`dedicated_muon`).
+      the momentum of :func:`dedicated_muon`, which keeps only what each
+      slot holds of a scanned stack's iterations:
+      ``layout.momentum_segments``).
     layers_per_gather: boundaries (or scanned layers) per gather.
     layers_per_gather_choice: how it was chosen: ``'given'`` (an int
       passed to :func:`dedicate`), ``'auto'`` (the least bytes moved and
@@ -488,6 +490,15 @@ class Dedication:
         f'{_checks.human_bytes(got.payload)} gathered as '
         f'{_checks.human_bytes(got.gathered)} (padding {got.padding:.1f}%)'
       )
+      if (seg := self.layout.momentum_segments[g]) is not None:
+        held = sum(
+          w * jnp.dtype(d).itemsize for w, d in zip(seg.widths, lay.dtypes)
+        )
+        lines.append(
+          f'    momentum per device: {_checks.human_bytes(held)}, what its '
+          'slot holds of each iteration (the owned buffer: '
+          f'{_checks.human_bytes(iters * got.gathered / lay.num_slots)})'
+        )
     lines.append(
       f'  total: Muon params {_checks.human_bytes(total.payload)}, '
       f'gathered {_checks.human_bytes(total.gathered)} '
@@ -575,7 +586,9 @@ class DedicatedMuonState(NamedTuple):
   Attributes:
     count: the step count.
     mu: the momentum, laid out like ``DedicatedParams.owned`` (the same
-      :class:`dmuon_jax.OwnerLayout`).
+      :class:`dmuon_jax.OwnerLayout`), except that a scanned stack's whose
+      iterations pad keeps only what each owner slot holds of each
+      iteration, in one row (``OwnerLayout.momentum_segments``).
     stamp: the layout that wrote ``mu``, as data: a checkpoint of another
       layout restored with orbax's ``partial_restore=True`` raises instead
       of leaving zero momentum (see :class:`dmuon_jax.ScaleByDMuonState`).
@@ -703,7 +716,14 @@ def scale_by_dedicated_muon(
 def _muon_init(cfg, ded, owned):
   check_owned(ded.layout, owned, 'dedicated_muon init()')
   layout = owned.layout
-  mu = [jnp.zeros_like(b, dtype=cfg.mu_dtype) for b in owned.buffers]
+  # (A scanned stack's momentum keeps only what each slot holds of its
+  # iterations: layout.momentum_segments.)
+  mu = [
+    jnp.zeros_like(b, dtype=cfg.mu_dtype)
+    if layout.momentum_shape(i, b.shape) == b.shape
+    else jnp.zeros(layout.momentum_shape(i, b.shape), cfg.mu_dtype or b.dtype)
+    for i, b in enumerate(owned.buffers)
+  ]
   # (A layout held by several devices has the dedication's mesh.)
   if layout.distributed and not set(layout.buffer_axes) & _gather.manual_axes():
     # Under jax.jit on Auto axes zeros_like keeps no sharding: the momentum

@@ -328,10 +328,67 @@ def _place_gather_group(
     owners = _assign.assign(
       base, n, loads=None if iters else work, budget=budget
     )
+    if iters:
+      owners = _spread_rotation(owners, base, n, iters)
   placed = dataclasses.replace(plan, owners=tuple(owners), groups=tuple(sub))
   if iters:
     _add_work(work, placed, iters)
   return placed, iters
+
+
+# The most (slots x slots x window) steps _spread_rotation takes.
+_SPREAD_LIMIT = 20_000_000
+
+
+def _spread_rotation(
+  owners: Sequence[int], units: Sequence, n: int, iters: int
+) -> list[int]:
+  """A scanned stack's base owners relabelled so that the rotation spreads
+  its bytes evenly over the slots.
+
+  Slot ``s`` holds base slot ``(s - t) mod n``'s matrices in iteration
+  ``t``, so over the stack it holds the bytes of a window of ``iters``
+  consecutive base slots (wrapping): where an iteration pads (fewer
+  matrices than slots, or unequal ones), which base slots hold what
+  decides the busiest slot's bytes (its momentum,
+  ``OwnerLayout.momentum_segments``, and its Newton–Schulz work). The
+  base slots' contents are placed, largest first, each where the busiest
+  window it joins stays lowest (then the emptiest window, then the lowest
+  slot); the relabelling is kept where it lowers the busiest window
+  (gathered bytes and padding are a permutation's: unchanged).
+  """
+  w = iters % n
+  held = np.zeros(n)
+  for u, slot in zip(units, owners):
+    held[slot] += u.nbytes
+  filled = [s for s in range(n) if held[s]]
+  if not w or not filled or len(filled) * n * w > _SPREAD_LIMIT:
+    return list(owners)  # (every window alike, or too large to search)
+  windows = (np.arange(n)[:, None] + np.arange(w)[None, :]) % n  # p -> slots
+
+  def busiest(at):  # the busiest slot's bytes of one window: base -> bytes
+    per = np.zeros(n)
+    for base, b in at.items():
+      per[windows[base]] += b
+    return per.max()
+
+  total, free, move = np.zeros(n), np.ones(n, bool), {}
+  for base in sorted(filled, key=lambda s: (-held[s], s)):
+    joined = total[windows]  # (p, w): the slots a base at p adds to
+    key = np.lexsort(
+      (np.arange(n), joined.sum(1), np.where(free, joined.max(1), np.inf))
+    )
+    p = int(key[0])
+    move[base], free[p] = p, False
+    total[windows[p]] += held[base]
+  if busiest({move[b]: held[b] for b in filled}) >= busiest(
+    {b: held[b] for b in filled}
+  ):
+    return list(owners)
+  # Empty base slots take the free labels in order.
+  rest = iter(np.flatnonzero(free).tolist())
+  move.update({s: next(rest) for s in range(n) if s not in move})
+  return [move[s] for s in owners]
 
 
 def _add_work(work: np.ndarray, gp: OwnershipPlan, iters: int) -> np.ndarray:

@@ -15,7 +15,7 @@ import functools
 import hashlib
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import _checks, _exchange, _mesh
-from dmuon_jax._gather import roll_slots
+from dmuon_jax._gather import INDEX_LIMIT, roll_slots
 from dmuon_jax._layout import Layout
 
 
@@ -77,6 +77,63 @@ def _replicated(tree: Any, mesh: Any) -> Any:
   if not isinstance(mesh, jax.sharding.Mesh):
     return tree
   return jax.device_put(tree, jax.sharding.NamedSharding(mesh, P()))
+
+
+class MomentumSegments(NamedTuple):
+  """Where a scanned stack's momentum keeps what each owner slot holds
+  (see :attr:`OwnerLayout.momentum_segments`); the methods take a slot
+  (an int, or traced: this device's inside ``shard_map``).
+
+  Attributes:
+    iterations: ``(num_slots, segments)``: per slot, the scan iteration of
+      each of its segments (the stack's iterations for none).
+    offsets: per dtype group, ``(num_slots, segments)``: where each segment
+      starts in the slot's momentum.
+    sizes: per dtype group, ``(num_slots, segments)``: its elements (the
+      start of the iteration's row of the owned buffer).
+    widths: per dtype group, the elements of a slot's momentum (the
+      busiest slot's).
+    length: the stack's scan iterations.
+  """
+
+  iterations: np.ndarray
+  offsets: tuple[np.ndarray, ...]
+  sizes: tuple[np.ndarray, ...]
+  widths: tuple[int, ...]
+  length: int
+
+  def rows(self, x: jax.Array, slot) -> jax.Array:
+    """A slot's rows ``(iterations, local)`` -> those of its segments'
+    iterations ``(segments, local)`` (zeros for no segment)."""
+    its = jnp.asarray(self.iterations)[slot]
+    return jnp.take(x, its, 0, mode='fill', fill_value=0)
+
+  def expand(self, rows: jax.Array, slot) -> jax.Array:
+    """Inverse of :meth:`rows`: ``(iterations, local)``, zeros elsewhere."""
+    its = jnp.asarray(self.iterations)[slot]
+    shape = (self.length,) + rows.shape[1:]
+    return jnp.zeros(shape, rows.dtype).at[its].set(rows, mode='drop')
+
+  def _index(self, d: int, slot, local: int):
+    cols = jnp.arange(local)
+    off = jnp.asarray(self.offsets[d])[slot][:, None]
+    valid = cols < jnp.asarray(self.sizes[d])[slot][:, None]
+    return off + cols, valid
+
+  def compact(self, d: int, rows: jax.Array, slot) -> jax.Array:
+    """Dtype group ``d``'s segment rows ``(segments, local)`` -> the
+    slot's momentum ``(width,)``: each segment's elements in turn."""
+    idx, valid = self._index(d, slot, rows.shape[1])
+    idx = jnp.where(valid, idx, self.widths[d])  # (out of range: dropped)
+    flat = jnp.zeros((self.widths[d],), rows.dtype)
+    return flat.at[idx].set(rows, mode='drop')
+
+  def segment_rows(self, d: int, flat: jax.Array, slot, local: int):
+    """Inverse of :meth:`compact`: ``(segments, local)``, zeros past each
+    segment."""
+    idx, valid = self._index(d, slot, local)
+    got = jnp.take(flat, jnp.where(valid, idx, 0), 0)
+    return jnp.where(valid, got, jnp.zeros((), flat.dtype))
 
 
 # Owner buffers within this factor of the even share are kept for params
@@ -347,6 +404,117 @@ class OwnerLayout:
       out.append((self.iterations[g], size) if self.iterations[g] else (size,))
     return tuple(out)
 
+  @functools.cached_property
+  def momentum_segments(self) -> tuple[MomentumSegments | None, ...]:
+    """Per group, where its momentum differs from the owned buffers: None
+    (laid out as they are), or for a dedicated scanned stack whose
+    iterations pad (an owner slot holds fewer elements than the busiest,
+    none at all where an iteration has fewer matrices than slots) its
+    :class:`MomentumSegments`.
+
+    Iteration ``t`` holds base slot ``(slot - t) mod num_slots``'s
+    matrices at the start of the slot's row; a slot's momentum keeps, one
+    after the other, only those elements of each iteration (a segment), in
+    one row ``(1, num_slots * width)`` of the busiest slot's width: about
+    the stack's even share per device where its iterations pad (the owned
+    params, which ``scan`` slices by layer, keep every iteration's row).
+    """
+    n, out = self.num_slots, []
+    for lay, it in zip(self.groups, self.iterations):
+      if not it or self.kind != 'dedicated' or self.tp_size > 1:
+        out.append(None)
+        continue
+      used = lay.slot_used  # (dtype groups, base slots)
+      base = lambda s, t: (s - t) % n
+      iters = [
+        [t for t in range(it) if used[:, base(s, t)].any()] for s in range(n)
+      ]
+      r = max(1, max(map(len, iters)))
+      widths = tuple(
+        max(
+          1,
+          max(
+            sum(int(u[base(s, t)]) for t in ts) for s, ts in enumerate(iters)
+          ),
+        )
+        for u in used
+      )
+      # None where no padding is left out, or where a width is past the
+      # int32 offsets of the update's tables (then as the owned buffers).
+      if all(w >= it * size for w, size in zip(widths, lay.local_sizes)) or (
+        max(widths) >= INDEX_LIMIT
+      ):
+        out.append(None)
+        continue
+      table = np.full((n, r), it, np.int32)  # `it`: no segment
+      offsets = [np.zeros((n, r), np.int32) for _ in used]
+      sizes = [np.zeros((n, r), np.int32) for _ in used]
+      for s, ts in enumerate(iters):
+        table[s, : len(ts)] = ts
+        for d, u in enumerate(used):
+          got = np.array([u[base(s, t)] for t in ts], np.int64)
+          sizes[d][s, : len(ts)] = got
+          offsets[d][s, : len(ts)] = np.cumsum(got) - got
+      out.append(
+        MomentumSegments(table, tuple(offsets), tuple(sizes), widths, it)
+      )
+    return tuple(out)
+
+  def _segments_of(self, b: int) -> tuple[MomentumSegments | None, int]:
+    """The :attr:`momentum_segments` of buffer ``b``'s group and its dtype
+    group."""
+    if self.per_leaf:
+      return None, 0
+    g, d = self.buffer_index[b]
+    return self.momentum_segments[g], d
+
+  def momentum_shape(self, b: int, shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape of buffer ``b``'s momentum for an owned buffer of
+    ``shape`` (global or one device's block; see
+    :attr:`momentum_segments`)."""
+    seg, d = self._segments_of(b)
+    shape = tuple(shape)
+    if seg is None:
+      return shape
+    g = self.buffer_index[b][0]
+    slots = shape[-1] // self.groups[g].local_sizes[d]
+    return (1, slots * seg.widths[d])
+
+  def to_momentum(self, buffers: Sequence[jax.Array]) -> list[jax.Array]:
+    """Global owned-shaped buffers -> the momentum's (see
+    :attr:`momentum_segments`; buffers shaped so already are left)."""
+    out = []
+    for b, x in enumerate(buffers):
+      seg, d = self._segments_of(b)
+      if seg is None or tuple(x.shape) == self.momentum_shape(b, x.shape):
+        out.append(x)
+        continue
+      n = self.num_slots
+      x = x.reshape(x.shape[0], n, -1)
+      one = lambda col, s, seg=seg, d=d: seg.compact(d, seg.rows(col, s), s)
+      got = jax.vmap(one, (1, 0))(x, jnp.arange(n))  # (n, width)
+      out.append(got.reshape(1, -1))
+    return out
+
+  def from_momentum(self, buffers: Sequence[jax.Array]) -> list[jax.Array]:
+    """Inverse of :meth:`to_momentum` (owned-shaped buffers are left)."""
+    out = []
+    for b, x in enumerate(buffers):
+      seg, d = self._segments_of(b)
+      g = None if seg is None else self.buffer_index[b][0]
+      if seg is None or tuple(x.shape) != self.momentum_shape(
+        b, (self.iterations[g], self.num_slots * self.groups[g].local_sizes[d])
+      ):
+        out.append(x)
+        continue
+      n, size = self.num_slots, self.groups[g].local_sizes[d]
+      one = lambda c, s, seg=seg, d=d, size=size: seg.expand(
+        seg.segment_rows(d, c, s, size), s
+      )
+      got = jax.vmap(one, (0, 0), 1)(x.reshape(n, -1), jnp.arange(n))
+      out.append(got.reshape(got.shape[0], -1))  # (iterations, n * local)
+    return out
+
   def shardings(self, mesh: Any = None) -> tuple:
     """``NamedSharding`` of each buffer (``mesh`` default: the layout's)."""
     mesh = self.mesh if mesh is None else mesh
@@ -400,6 +568,7 @@ class OwnerLayout:
     dtypes: Sequence | None = None,
     mesh: Any = None,
     shardings: Sequence | None = None,
+    momentum: bool = False,
   ) -> OwnerBuffers:
     """Owner buffers from whole arrays, one per Muon target (jitted once
     per layout).
@@ -411,12 +580,14 @@ class OwnerLayout:
         packing reads across owner slots) and the buffers placed as the
         layout says (default, or any other mesh: left where jit puts them).
       shardings: per buffer, its sharding (None: left), instead.
+      momentum: the buffers of a momentum (see :attr:`momentum_segments`).
 
     Returns:
       The :class:`OwnerBuffers`.
     """
     dtypes = None if dtypes is None else tuple(jnp.dtype(d) for d in dtypes)
     bufs = self._pack(_replicated(dict(values), mesh), dtypes)
+    bufs = self.to_momentum(bufs) if momentum else bufs
     if shardings is None and isinstance(mesh, jax.sharding.Mesh):
       shardings = self.shardings(mesh)
     # (Under jit, _mesh.place: device_put leaves an Auto mesh's unsharded.)
@@ -432,11 +603,11 @@ class OwnerLayout:
     )
 
   def unpack(self, buffers: Sequence[jax.Array]) -> dict[int, jax.Array]:
-    """Inverse of :meth:`pack`: leaf index -> whole array (replicated on
-    the buffers' mesh)."""
+    """Inverse of :meth:`pack` (of owned buffers or a momentum's): leaf
+    index -> whole array (replicated on the buffers' mesh)."""
     bufs = list(buffers)
     mesh = next(filter(None, map(_mesh.array_mesh, bufs)), None)
-    return self._unpack(_replicated(bufs, mesh))
+    return self._unpack(self.from_momentum(_replicated(bufs, mesh)))
 
   @functools.partial(jax.jit, static_argnums=(0, 2))
   def _pack(self, values, dtypes) -> tuple[jax.Array, ...]:

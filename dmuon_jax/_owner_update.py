@@ -375,21 +375,39 @@ def owner_step(
       # previous group's results through a tie that is 0 whatever they hold.
       tie = _gather.zero_after(*previous)
       grads_g = [x + tie.astype(x.dtype) for x in grads_g]
+    p, mu_g = param_groups[g], None if mus is None else mu_groups[g]
+    seg, iters = olayout.momentum_segments[g], None
+    if seg is not None:
+      # A scanned stack whose momentum keeps only what this slot holds of
+      # each iteration (OwnerLayout.momentum_segments): the update runs on
+      # the rows of those iterations (`iters`; past the last one: none),
+      # the other rows' updates are 0.
+      slot = _gather.slot_index(olayout.buffer_axes)
+      iters = jnp.asarray(seg.iterations)[slot]
+      grads_g = [seg.rows(x, slot) for x in grads_g]
+      p = None if p is None else [seg.rows(x, slot) for x in p]
+      if mu_g is not None:
+        mu_g = [
+          seg.segment_rows(d, m[0], slot, x.shape[1])
+          for d, (m, x) in enumerate(zip(mu_g, grads_g))
+        ]
     if mus is None:
       h = grads_g
     else:
       mu_g, h = momentum_update(
         grads_g,
-        mu_groups[g],
+        mu_g,
         count_inc,
         beta=hp.beta,
         nesterov=cfg.nesterov,
         rule=cfg.momentum,
       )
+      if seg is not None:
+        mu_g = [seg.compact(d, m, slot)[None] for d, m in enumerate(mu_g)]
       new_mu.extend(mu_g)
     # Owner-group or TP matrices: the staged update.
     tp = olayout.tp_size > 1 and any(s is not None for s in lay.tp_splits)
-    p, staged = param_groups[g], bool(lay.plan.groups) or tp
+    staged = bool(lay.plan.groups) or tp
     work = slot_work(olayout, lay, decay, skip_distributed=staged)
     run = functools.partial(
       slot_update, cfg, hp, olayout, lay, work, decay=decay
@@ -403,10 +421,13 @@ def owner_step(
     one = functools.partial(_gather.with_slot_rows, lay, run, work.offsets)
     if olayout.iterations[g]:
       # Iteration t holds base slot (slot - t) mod n of the layout.
+      it = olayout.iterations[g]
       res = jax.lax.map(
         lambda a, one=one: one(a[1], a[2], shift=a[0]),
-        (jnp.arange(olayout.iterations[g]), h, p),
+        (jnp.arange(it) if iters is None else iters, h, p),
       )
+      if seg is not None:  # the iterations' rows, the others 0
+        res = [seg.expand(x, slot) for x in res]
     else:
       res = one(h, p)
     out.extend(res)

@@ -18,10 +18,7 @@ guide's reference) on the same init over ``STEPS`` steps: the Muon leaves
 within 1e-5, metrics, ``Rngs`` and BatchNorm statistics as under plain
 ``nnx.jit``. Each pattern's second test compares the optimizer state's
 bytes on device 0: dedicated <= the drop-in ``dmuon_jax.dmuon``'s on the
-params as the client places them. Not the scan toy's: each scanned layer
-holds one 16 x 16 matrix, which a scanned stack gathers whole from one
-owner per layer (2,580 B against the drop-in's 1,556: owner groups in
-scanned stacks are not built yet, docs/reference/status.md).
+params as the client places them.
 
 The ``run_*`` functions take ``dedicate``'s keyword arguments and
 ``train_step``'s ``batch_argnums``, so that the documented workarounds can
@@ -46,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 import dmuon_jax
 import dmuon_jax.flax as dflax
+from dmuon_jax import checkpoint
 
 AXES = ('replicate', 'shard')
 LR = 0.02
@@ -152,6 +150,7 @@ def nnx_reference(make, step, args, mesh, dimension_numbers=dims):
     'model': model,
     'outs': outs,
     'bytes': total_bytes(nnx.state(optimizer, nnx.OptState)),
+    'opt_state': nnx.as_pure(optimizer.opt_state),
   }
 
 
@@ -163,13 +162,14 @@ def replicated(make, mesh):
   return model
 
 
-def nnx_drop_in_bytes(make_placed, mesh):
+def nnx_drop_in_bytes(make_placed, mesh, dimension_numbers=None):
   """The drop-in's optimizer state on the params as the client places them."""
   with jax.set_mesh(mesh):
     model = make_placed()
-    optimizer = nnx.Optimizer(
-      model, dmuon_jax.dmuon(LR, mesh=mesh), wrt=nnx.Param
+    tx = dmuon_jax.dmuon(
+      LR, mesh=mesh, muon_weight_dimension_numbers=dimension_numbers
     )
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   return nnx_state_bytes(optimizer)
 
 
@@ -506,6 +506,7 @@ def run_scan(batch_argnums=None, **dedicate_kwargs):
   ]
   out['params'] = ded.to_params(model)
   out['batch_stats'] = flat(nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)))
+  out['opt_state'] = nnx.as_pure(optimizer.opt_state)
   return out
 
 
@@ -525,6 +526,37 @@ class ScanTest(BytesMixin, absltest.TestCase):
       np.testing.assert_allclose(
         got['batch_stats'][key], value, rtol=RTOL, atol=ATOL, err_msg=key
       )
+    # The momentum (each device keeps only what it owns of each layer):
+    # optax's in portable form, and back exactly.
+    portable = checkpoint.state_to_portable(got['opt_state'])
+    is_p = lambda x: isinstance(x, checkpoint.PortableDMuonState)
+    (mine,) = [x for x in jax.tree.leaves(portable, is_leaf=is_p) if is_p(x)]
+    np.testing.assert_allclose(
+      mine.mu['blocks']['linear']['kernel'],
+      want['opt_state']
+      .inner_states['muon']
+      .inner_state[0]
+      .mu['blocks']['linear']['kernel'],
+      rtol=RTOL,
+      atol=ATOL,
+    )
+    back = checkpoint.state_from_portable(portable, got['opt_state'])
+    jax.tree.map(np.testing.assert_array_equal, back, got['opt_state'])
+
+  def test_state_bytes(self):
+    # Each scanned layer's one 16 x 16 matrix sits on one of 8 owner slots
+    # per iteration: a device's momentum keeps only the layers it owns.
+    mesh = mesh_of(AxisType.Auto)
+    drop_in = nnx_drop_in_bytes(
+      lambda: ScanMlp(nnx.Rngs(0)), mesh, stacked_dims
+    )
+    with warned_ok():
+      optimizer = nnx_dedicated(
+        lambda: ScanMlp(nnx.Rngs(0)),
+        mesh,
+        muon_weight_dimension_numbers=stacked_dims,
+      )[-1]
+    self.check_bytes(nnx_state_bytes(optimizer), drop_in)
 
 
 # -- 4. Gemma: an Explicit (8, 1) mesh, a functional split/merge step ------------

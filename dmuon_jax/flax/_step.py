@@ -579,8 +579,11 @@ def train_step(
 
   layout = ded.layout
   owner_layout = {
-    lay(shape.shape, _manual_spec(spec, axes))
-    for shape, spec in zip(layout.buffer_shapes(), layout.buffer_specs())
+    lay(shaped, _manual_spec(spec, axes))
+    for b, (shape, spec) in enumerate(
+      zip(layout.buffer_shapes(), layout.buffer_specs())
+    )
+    for shaped in (shape.shape, layout.momentum_shape(b, shape.shape))
   }
 
   def prepare(args):

@@ -332,7 +332,8 @@ class NnxCheckpointTest(parameterized.TestCase):
     layout = assert_on_owners(
       self, nnx.as_pure(optimizer.opt_state), 4, exact=False
     )
-    self.assertEqual(layout.buffer_sizes, (1, 4))
+    # (the size-1 'replicate' axis owns nothing: no owner axis)
+    self.assertEqual(layout.buffer_sizes, (4,))
     final, losses = t.run(nnx.state((model, optimizer)), STEPS - HALF)
     _, _, want, want_losses = run(kind)
     chex.assert_trees_all_close(losses, want_losses[HALF:], rtol=RTOL)

@@ -232,13 +232,14 @@ class TensorParallelAxisTest(parameterized.TestCase):
   def test_sharded_over_it(self, name):
     layout = self._layout(name, P(None, name))
     self.assertEqual((layout.tp_axis, layout.tp_size), (name, 2))
-    self.assertEqual(layout.buffer_axes, AXES)
+    # (the size-1 'replicate' axis owns nothing: no owner axis)
+    self.assertEqual(layout.buffer_axes, ('shard',))
 
   @parameterized.named_parameters(('tensor', 'tensor'), ('tp', 'tp'))
   def test_not_sharded_over_it(self, name):
     layout = self._layout(name, P('shard'))
     self.assertIsNone(layout.tp_axis)
-    self.assertEqual(layout.buffer_axes, AXES + (name,))
+    self.assertEqual(layout.buffer_axes, ('shard', name))
 
   def test_two_candidates(self):
     mesh = support.make_mesh((2, 2, 2), ('shard', 'model', 'tensor'))

@@ -313,7 +313,8 @@ class TrainerCheckpointTest(parameterized.TestCase):
     # The trainer's tree as it was: boxed params, boxed owner buffers.
     chex.assert_trees_all_equal_structs(opt_state, target)
     (layout,) = dmuon_jax.owner_layouts(opt_state)
-    self.assertEqual(layout.buffer_sizes, (1, 4))
+    # (the size-1 'replicate' axis owns nothing: no owner axis)
+    self.assertEqual(layout.buffer_sizes, (4,))
     # ... with the momentum sharded as the new layout says (1/4 each).
     _, buffers = owner_buffers({'opt_state': opt_state})
     for buf, spec in zip(buffers, layout.buffer_specs(), strict=True):

@@ -1,7 +1,7 @@
 """Test set-up: 8 simulated CPU devices, float32 everywhere.
 
 The test processes (and their child processes: examples, benchmarks,
-guides run as projects, multi-host workers) compile with three XLA:CPU
+guides run as projects, multi-host workers) compile with four XLA:CPU
 settings that make compiling cheaper; the figures the docs quote come from
 runs outside the suite, at XLA's defaults:
 
@@ -15,7 +15,17 @@ runs outside the suite, at XLA's defaults:
   time in the fusion emitters' MLIR pipelines, much of it building an MLIR
   context per fusion; the suite 11 min 53 s / 1348 CPU s -> 6 min 20 s /
   690 CPU s within the same hour, the machine's speed varying ~25% by the
-  hour).
+  hour);
+- ``--xla_cpu_parallel_codegen_split_count=1``: each program's LLVM module
+  compiled whole instead of split into parts compiled on a thread pool
+  (the parts repeat per-module work; the suite's two workers on two cores
+  leave no core for the parallelism: measured CPU seconds of one process,
+  XLA's default -> 1: numerics_test 34.1 -> 29.2, dedicated_split_test
+  51.1 -> 47.9, two of flax_nnx_test's parity runs 26.6 -> 24.0 (two runs
+  each)). The kernels round differently in places (5 steps of
+  optax.contrib.muon in float32: a third of the values differ in their
+  last bits, at most 4.8e-7); the programs a test compares are compiled
+  alike.
 
 Compilation was most of the suite's time (XLA's backend compile 573 of 816
 CPU seconds in the test processes, jax.monitoring). The HLO the tests read
@@ -54,6 +64,7 @@ _TEST_FLAGS = (
   '--xla_llvm_disable_expensive_passes=true',
   '--xla_backend_optimization_level=0',
   '--xla_cpu_use_fusion_emitters=false',
+  '--xla_cpu_parallel_codegen_split_count=1',
 )
 _flags = os.environ.get('XLA_FLAGS', '').split()
 # xdist workers inherit the controller's env

@@ -114,8 +114,9 @@ def pytest_configure(config):
 
 # The longest modules, longest first (CPU seconds of each in the suite's
 # run of 2026-12-06, -n 2, children included: 86, 73, 59, 54, 53, 53, 49,
-# 46, 45, 44, 44, 39, 34, 33, 33, 32, 31; owner_groups_test 61 before its
-# batch was split over the devices, 49 after): xdist (--dist loadfile, see
+# 46, 45, 44, 44, 39, 34, 33, 33, 32, 31; owner_groups_test 61 then, ~37
+# since its batch is split over the devices, beside gpu_and_linen_examples'
+# 39 (one process each, side by side)): xdist (--dist loadfile, see
 # pyproject.toml) hands modules out in this order, so that none of them
 # ends the run on one worker while the other idles.
 LONGEST = (
@@ -125,13 +126,13 @@ LONGEST = (
   'tests/flax_dedicated_test.py',
   'tests/docs_test.py',
   'tests/clients_test.py',
-  'tests/owner_groups_test.py',
   'tests/layout_test.py',
   'tests/dedicated_split_test.py',
   'tests/flax_tp_test.py',
   'tests/checkpoint_test.py',
   'tests/flax_route_test.py',
   'tests/gpu_and_linen_examples_test.py',
+  'tests/owner_groups_test.py',
   'tests/multihost_test.py',
   'tests/tensor_parallel_model_test.py',
   'tests/flax_linen_scan_test.py',

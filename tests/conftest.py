@@ -1,7 +1,7 @@
 """Test set-up: 8 simulated CPU devices, float32 everywhere.
 
 The test processes (and their child processes: examples, benchmarks,
-guides run as projects, multi-host workers) compile with three XLA:CPU
+guides run as projects, multi-host workers) compile with four XLA:CPU
 settings that make compiling cheaper; the figures the docs quote come from
 runs outside the suite, at XLA's defaults:
 
@@ -15,7 +15,17 @@ runs outside the suite, at XLA's defaults:
   time in the fusion emitters' MLIR pipelines, much of it building an MLIR
   context per fusion; the suite 11 min 53 s / 1348 CPU s -> 6 min 20 s /
   690 CPU s within the same hour, the machine's speed varying ~25% by the
-  hour).
+  hour);
+- ``--xla_cpu_parallel_codegen_split_count=1``: each program's LLVM module
+  compiled whole instead of split into parts compiled on a thread pool
+  (the parts repeat per-module work; the suite's two workers on two cores
+  leave no core for the parallelism: measured CPU seconds of one process,
+  XLA's default -> 1: numerics_test 34.1 -> 29.2, dedicated_split_test
+  51.1 -> 47.9, two of flax_nnx_test's parity runs 26.6 -> 24.0 (two runs
+  each)). The kernels round differently in places (5 steps of
+  optax.contrib.muon in float32: a third of the values differ in their
+  last bits, at most 4.8e-7); the programs a test compares are compiled
+  alike.
 
 Compilation was most of the suite's time (XLA's backend compile 573 of 816
 CPU seconds in the test processes, jax.monitoring). The HLO the tests read
@@ -54,6 +64,7 @@ _TEST_FLAGS = (
   '--xla_llvm_disable_expensive_passes=true',
   '--xla_backend_optimization_level=0',
   '--xla_cpu_use_fusion_emitters=false',
+  '--xla_cpu_parallel_codegen_split_count=1',
 )
 _flags = os.environ.get('XLA_FLAGS', '').split()
 # xdist workers inherit the controller's env
@@ -73,6 +84,12 @@ gc.freeze()
 gc.set_threshold(50_000, 20, 20)
 jax.config.update('jax_num_cpu_devices', 8)
 jax.config.update('jax_platforms', 'cpu')
+# Each lowered op's location is its innermost user frame, not the whole
+# Python traceback (JAX's default: up to 100 frames per op, carried through
+# the MLIR module and XLA's HLO metadata). Nothing here reads them; two of
+# flax_nnx_test's parity runs took 20.7 CPU seconds instead of 23.8 (two
+# runs each). Child processes: support.subprocess_env.
+jax.config.update('jax_include_full_tracebacks_in_locations', False)
 
 
 def pytest_configure(config):
@@ -95,25 +112,32 @@ def pytest_configure(config):
   jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
 
 
-# The longest modules, longest first (measured CPU seconds of each alone,
-# after the changes of 2026-12-05): xdist (--dist loadfile, see
+# The longest modules, longest first (CPU seconds of each in the suite's
+# run of 2026-12-06, -n 2, children included: 86, 73, 59, 54, 53, 53, 49,
+# 46, 45, 44, 44, 39, 34, 33, 33, 32, 31; owner_groups_test 61 then, ~37
+# since its batch is split over the devices, beside gpu_and_linen_examples'
+# 39 (one process each, side by side)): xdist (--dist loadfile, see
 # pyproject.toml) hands modules out in this order, so that none of them
 # ends the run on one worker while the other idles.
 LONGEST = (
   'tests/flax_nnx_test.py',
   'tests/examples_test.py',
-  'tests/docs_test.py',
+  'tests/dedicated_test.py',
   'tests/flax_dedicated_test.py',
-  'tests/numerics_test.py',
+  'tests/docs_test.py',
+  'tests/clients_test.py',
+  'tests/layout_test.py',
+  'tests/dedicated_split_test.py',
   'tests/flax_tp_test.py',
   'tests/checkpoint_test.py',
-  'tests/dedicated_test.py',
-  'tests/distributed_test.py',
-  'tests/flax_linen_scan_test.py',
-  'tests/layout_test.py',
-  'tests/alias_test.py',
+  'tests/flax_route_test.py',
   'tests/gpu_and_linen_examples_test.py',
+  'tests/owner_groups_test.py',
   'tests/multihost_test.py',
+  'tests/tensor_parallel_model_test.py',
+  'tests/flax_linen_scan_test.py',
+  'tests/cost_test.py',
+  'tests/numerics_test.py',
 )
 
 

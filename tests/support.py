@@ -741,6 +741,9 @@ def subprocess_env():
   # No forced device count (a child sets its own); the compile-speed flags
   # of the test processes (tests/conftest.py) are kept.
   env['XLA_FLAGS'] = os.environ.get('DMUON_TEST_XLA_FLAGS', '')
+  # Op locations without whole tracebacks, as in the test processes
+  # (tests/conftest.py).
+  env['JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS'] = 'false'
   cache = os.environ.get('DMUON_TEST_COMPILATION_CACHE')
   if cache:
     env['JAX_COMPILATION_CACHE_DIR'] = cache

@@ -15,7 +15,7 @@ import functools
 import hashlib
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import _checks, _exchange, _mesh
 from dmuon_jax._gather import INDEX_LIMIT, roll_slots
-from dmuon_jax._layout import Layout
+from dmuon_jax._layout import Layout, MomentumSegments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,63 +77,6 @@ def _replicated(tree: Any, mesh: Any) -> Any:
   if not isinstance(mesh, jax.sharding.Mesh):
     return tree
   return jax.device_put(tree, jax.sharding.NamedSharding(mesh, P()))
-
-
-class MomentumSegments(NamedTuple):
-  """Where a scanned stack's momentum keeps what each owner slot holds
-  (see :attr:`OwnerLayout.momentum_segments`); the methods take a slot
-  (an int, or traced: this device's inside ``shard_map``).
-
-  Attributes:
-    iterations: ``(num_slots, segments)``: per slot, the scan iteration of
-      each of its segments (the stack's iterations for none).
-    offsets: per dtype group, ``(num_slots, segments)``: where each segment
-      starts in the slot's momentum.
-    sizes: per dtype group, ``(num_slots, segments)``: its elements (the
-      start of the iteration's row of the owned buffer).
-    widths: per dtype group, the elements of a slot's momentum (the
-      busiest slot's).
-    length: the stack's scan iterations.
-  """
-
-  iterations: np.ndarray
-  offsets: tuple[np.ndarray, ...]
-  sizes: tuple[np.ndarray, ...]
-  widths: tuple[int, ...]
-  length: int
-
-  def rows(self, x: jax.Array, slot) -> jax.Array:
-    """A slot's rows ``(iterations, local)`` -> those of its segments'
-    iterations ``(segments, local)`` (zeros for no segment)."""
-    its = jnp.asarray(self.iterations)[slot]
-    return jnp.take(x, its, 0, mode='fill', fill_value=0)
-
-  def expand(self, rows: jax.Array, slot) -> jax.Array:
-    """Inverse of :meth:`rows`: ``(iterations, local)``, zeros elsewhere."""
-    its = jnp.asarray(self.iterations)[slot]
-    shape = (self.length,) + rows.shape[1:]
-    return jnp.zeros(shape, rows.dtype).at[its].set(rows, mode='drop')
-
-  def _index(self, d: int, slot, local: int):
-    cols = jnp.arange(local)
-    off = jnp.asarray(self.offsets[d])[slot][:, None]
-    valid = cols < jnp.asarray(self.sizes[d])[slot][:, None]
-    return off + cols, valid
-
-  def compact(self, d: int, rows: jax.Array, slot) -> jax.Array:
-    """Dtype group ``d``'s segment rows ``(segments, local)`` -> the
-    slot's momentum ``(width,)``: each segment's elements in turn."""
-    idx, valid = self._index(d, slot, rows.shape[1])
-    idx = jnp.where(valid, idx, self.widths[d])  # (out of range: dropped)
-    flat = jnp.zeros((self.widths[d],), rows.dtype)
-    return flat.at[idx].set(rows, mode='drop')
-
-  def segment_rows(self, d: int, flat: jax.Array, slot, local: int):
-    """Inverse of :meth:`compact`: ``(segments, local)``, zeros past each
-    segment."""
-    idx, valid = self._index(d, slot, local)
-    got = jnp.take(flat, jnp.where(valid, idx, 0), 0)
-    return jnp.where(valid, got, jnp.zeros((), flat.dtype))
 
 
 # Owner buffers within this factor of the even share are kept for params

@@ -164,42 +164,11 @@ def gathered(
     # the input's type spells there (jax compares the contraction's axes as
     # spelled: a (1, 8) mesh's 'replicate' in a batch split over
     # ('replicate', 'shard'), an owner axis or not).
-    spelled = hits[0] if hits else set()
-    one = [a for a, s in ded.mesh.shape.items() if s == 1 and a in spelled]
-    reduce_on = tuple(a for a in ded.buffer_axes if a in spelled)
-    reduce_on += tuple(a for a in one if a not in reduce_on)
-    if reduced and not routed:
-      typed = str(jax.typeof(xs[0])) if xs else 'no array'
-      message = (
-        f'dmuon: the dedicated boundary {name!r} ran under jax.jit/nnx.jit '
-        f'on an input typed {typed}, not split over the owner axes '
-        f'{ded.reduced_axes} on its batch dimensions (an owner axis on the '
-        'feature dimension does not count: the weight gradients keep it): '
-        'its matrices were gathered with GSPMD, and a gradient '
-        'through them is all-reduced (3(N-1)/N x the Muon bytes instead of '
-        'the reduce-scatter floor). Shard the batch over the owner axes, '
-        'e.g. jax.device_put(batch, NamedSharding(mesh, P(ded.axes))), or '
-        'use dmuon_jax.flax.train_step(ded), which does (evaluation on a '
-        'replicated batch is otherwise fine).'
-      )
-    elif not routed:
-      message = (
-        'dmuon: a dedicated model ran under plain jax.jit/nnx.jit (outside '
-        'dmuon_jax.flax.train_step). It computes the same numbers, but XLA '
-        'reduces the Muon gradients with an all-reduce rather than the '
-        "owners' reduce-scatter: an all-gather forward and an all-reduce "
-        f'backward, 3({n}-1)/{n} x the Muon bytes per step'
-        + (
-          " (the Z3 floor's bytes), but the gathered weights are kept for "
-          'the backward (Z2 memory) and every device holds all Muon gradients'
-          if z3
-          else f' instead of the Z2 floor 2({n}-1)/{n}'
-        )
-        + '. Decorate the train step with @dmuon_jax.flax.train_step('
-        'dedication) instead of jax.jit/nnx.jit to get the floor (evaluation '
-        'outside it is fine).'
-      )
+    spelled, sizes = (hits[0] if hits else set()), ded.mesh.shape
+    ones = [a for a in sizes if sizes[a] == 1 and a not in ded.buffer_axes]
+    reduce_on = tuple(a for a in (*ded.buffer_axes, *ones) if a in spelled)
     if not routed:
+      message = _unrouted(ded, name, reduced, xs)
       warn_once(md, message, stacklevel=4 if reduced else 3)
   if not routed:
     # The boundaries of a group constrain the same buffers: XLA gathers them
@@ -242,6 +211,45 @@ def gathered(
   out, token = tied(x, token, s, iteration, state, arrays)
   store((x, s, token))
   return out
+
+
+def _unrouted(ded, name: str, reduced: bool, xs) -> str:
+  """The warning of a boundary that ran under plain ``jit`` gathering with
+  GSPMD: its input not split over the owner axes (``reduced``: the route
+  applies there; ``xs``: its arrays), or not on the owners' route at all."""
+  n, z3 = ded.num_slots, ded.reshard_after_forward
+  if reduced:
+    typed = str(jax.typeof(xs[0])) if xs else 'no array'
+    message = (
+      f'dmuon: the dedicated boundary {name!r} ran under jax.jit/nnx.jit '
+      f'on an input typed {typed}, not split over the owner axes '
+      f'{ded.reduced_axes} on its batch dimensions (an owner axis on the '
+      'feature dimension does not count: the weight gradients keep it): '
+      'its matrices were gathered with GSPMD, and a gradient '
+      'through them is all-reduced (3(N-1)/N x the Muon bytes instead of '
+      'the reduce-scatter floor). Shard the batch over the owner axes, '
+      'e.g. jax.device_put(batch, NamedSharding(mesh, P(ded.axes))), or '
+      'use dmuon_jax.flax.train_step(ded), which does (evaluation on a '
+      'replicated batch is otherwise fine).'
+    )
+  else:
+    message = (
+      'dmuon: a dedicated model ran under plain jax.jit/nnx.jit (outside '
+      'dmuon_jax.flax.train_step). It computes the same numbers, but XLA '
+      'reduces the Muon gradients with an all-reduce rather than the '
+      "owners' reduce-scatter: an all-gather forward and an all-reduce "
+      f'backward, 3({n}-1)/{n} x the Muon bytes per step'
+      + (
+        " (the Z3 floor's bytes), but the gathered weights are kept for "
+        'the backward (Z2 memory) and every device holds all Muon gradients'
+        if z3
+        else f' instead of the Z2 floor 2({n}-1)/{n}'
+      )
+      + '. Decorate the train step with @dmuon_jax.flax.train_step('
+      'dedication) instead of jax.jit/nnx.jit to get the floor (evaluation '
+      'outside it is fine).'
+    )
+  return message
 
 
 def _trace_cache(md: ModelDedication, g: int, b: int, local, iteration, manual):

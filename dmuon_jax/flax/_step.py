@@ -578,12 +578,11 @@ def train_step(
     return tuple(shape), _mesh.normalize_entries(spec, len(shape), sizes)
 
   layout = ded.layout
-  owner_layout = {
-    lay(shaped, _manual_spec(spec, axes))
-    for b, (shape, spec) in enumerate(
-      zip(layout.buffer_shapes(), layout.buffer_specs())
-    )
-    for shaped in (shape.shape, layout.momentum_shape(b, shape.shape))
+  specs = layout.buffer_specs()
+  owner_layout = {  # (a scanned stack's momentum may be shaped otherwise)
+    lay(s, _manual_spec(specs[b], axes))
+    for b, x in enumerate(layout.buffer_shapes())
+    for s in (x.shape, layout.momentum_shape(b, x.shape))
   }
 
   def prepare(args):

@@ -114,6 +114,13 @@ LR, ADAM_LR = 0.02, 3e-3
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 NS_STEPS, BETA, EPS = 5, 0.95, 1e-8
 OPTAX_F32_RTOL = 1e-5  # tests/support.py's
+# tests/conftest.py's: cheaper XLA:CPU code generation (LLVM passes,
+# backend optimization level, loop emitters), about half the compile time.
+FAST_XLA_FLAGS = (
+  '--xla_llvm_disable_expensive_passes=true '
+  '--xla_backend_optimization_level=0 '
+  '--xla_cpu_use_fusion_emitters=false'
+)
 
 
 def model_shapes(config, head_dim=HEAD_DIM):
@@ -398,8 +405,15 @@ class Strategy:
       self.opt = peer_muon(stacked_orthogonalize(mesh), dims, mu_dtype)
     elif name in ('dmuon', 'dmuon_shard'):
       axes = ('shard',) if name == 'dmuon_shard' else None
+      # param_specs: init on abstract params of an Auto mesh sees no
+      # shardings (it would take the matrices as replicated).
       self.opt = dmuon_jax.dmuon(
-        LR, mesh=mesh, axis_names=axes, nonfinite='propagate', **common
+        LR,
+        mesh=mesh,
+        axis_names=axes,
+        nonfinite='propagate',
+        param_specs=jax.tree.map(lambda sh: sh.spec, self.param_sh),
+        **common,
       )
       self.slots = mesh.shape['shard'] if axes else mesh.size
     elif name.startswith('dedicated'):
@@ -478,18 +492,27 @@ class Strategy:
 
     replicated = NamedSharding(self.mesh, P())
     if self.ded:
+      # specs_of reads the leaves' shardings, which abstract states lack:
+      # the momentum's specs are the owned buffers'.
       specs = self.ded.specs_of(jax.eval_shape(self.opt.init, params))
+      is_state = lambda x: type(x).__name__ == 'DedicatedMuonState'
+      owned = self.ded.specs().owned
+      specs = jax.tree.map(
+        lambda x: x._replace(mu=owned) if is_state(x) else x,
+        specs,
+        is_leaf=lambda x: is_state(x) or isinstance(x, P),
+      )
       return jax.tree.map(
         lambda s: NamedSharding(self.mesh, s),
         specs,
         is_leaf=lambda x: isinstance(x, P),
       )
+    if self.name.startswith('dmuon'):
+      # The shardings init places the momentum in (its owner layout).
+      with jax.set_mesh(self.mesh):
+        return jax.jit(self.opt.init).lower(params).compile().output_shardings
     with jax.set_mesh(self.mesh):
       state = jax.eval_shape(self.opt.init, params)
-    if self.name.startswith('dmuon'):
-      return jax.tree.map(
-        lambda s: s.sharding if s.sharding is not None else replicated, state
-      )
     # optax's states: a leaf at a params path (its dict keys end with the
     # param's) of the param's shape takes the param's sharding.
     by_path = {
@@ -717,6 +740,7 @@ def compile_row(model, name, n, s=8):
     'bytes_per_device': sum(cuda.values()),
     'cpu_bytes_by_kind': report.bytes_by_kind,
     'bytes_by_axis': _scale.by_axis(report, n, s),
+    'xla_flags': os.environ.get('XLA_FLAGS', ''),
     **_scale.memory(compiled),
   }
   if st.ded is not None:
@@ -883,6 +907,22 @@ def parse_args(argv=None):
     help='keep the rows of an existing results file not measured again',
   )
   p.add_argument(
+    '--fast-compile',
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help="compile-only rows with the suite's cheaper XLA:CPU backend "
+    'settings (FAST_XLA_FLAGS: backend code generation only; the HLO '
+    'passes that decide partitioning, collectives and buffers are '
+    'unchanged)',
+  )
+  p.add_argument(
+    '--check',
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help='run the numbers check and step times (--no-check: only the '
+    "compile-only rows, or with --devices '' --append re-render)",
+  )
+  p.add_argument(
     '--worker', type=int, default=0, help='(internal) one device count'
   )
   p.add_argument(
@@ -901,10 +941,10 @@ def parse_args(argv=None):
 def main(argv=None):
   args = parse_args(argv)
   if args.worker or args.check_worker:
-    os.environ['XLA_FLAGS'] = (
-      os.environ.get('XLA_FLAGS', '')
-      + f' --xla_force_host_platform_device_count={args.worker or 8}'
-    )
+    flags = f' --xla_force_host_platform_device_count={args.worker or 8}'
+    if args.worker and args.fast_compile:
+      flags += ' ' + FAST_XLA_FLAGS
+    os.environ['XLA_FLAGS'] = os.environ.get('XLA_FLAGS', '') + flags
     if args.worker:
       worker(args)
     else:
@@ -920,9 +960,12 @@ def main(argv=None):
     rows = [json.loads(l) for l in path.read_text().splitlines() if l]
   fresh = []
   common = ['--strategies', args.strategies, '--seed', str(args.seed)]
-  got, err = run_worker(
-    ['--check-worker', '--reps', str(args.reps), *common], args.worker_timeout
-  )
+  got, err = [], None
+  if args.check:
+    got, err = run_worker(
+      ['--check-worker', '--reps', str(args.reps), *common],
+      args.worker_timeout,
+    )
   fresh += got
   if err:
     fresh.append({'mode': 'worker', 'devices': 8, 'error': err})
@@ -937,8 +980,9 @@ def main(argv=None):
         flush=True,
       )
   for n in [int(x) for x in args.devices.split(',') if x]:
+    fast = '--fast-compile' if args.fast_compile else '--no-fast-compile'
     got, err = run_worker(
-      ['--worker', str(n), '--models', args.models, *common],
+      ['--worker', str(n), '--models', args.models, fast, *common],
       args.worker_timeout,
     )
     for row in got:

@@ -464,9 +464,9 @@ def parse_replica_groups(
 
 
 _MESH_GROUPS_RE = re.compile(
-  r"mesh\[(?P<axes>[^\]]*)\]"
+  r'mesh\[(?P<axes>[^\]]*)\]'
   r'(?:,device_ids=\((?P<ids>\[[\d,]+\](?:T\([\d,]+\))?)\))?'
-  r"\{(?P<over>[^}]*)\}"
+  r'\{(?P<over>[^}]*)\}'
 )
 
 
@@ -544,7 +544,7 @@ LOOP_RE = re.compile(r'\b(?P<key>body|condition)=%?(?P<name>[\w.\-]+)')
 TRIP_COUNT_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _GROUPS_RE = re.compile(
   r'replica_groups=(\{\}|\{(?:\{[\d,\s]*\},?\s*)*\}|\[[\d,]+\]<=\[[\d,]+\]'
-  r"(?:T\([\d,]+\))?|mesh\[[^\]]*\]"
+  r'(?:T\([\d,]+\))?|mesh\[[^\]]*\]'
   r'(?:,\s*device_ids=\(\[[\d,]+\](?:T\([\d,]+\))?\))?\s*'
   r'\{[^}]*\})'
 )

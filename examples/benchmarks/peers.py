@@ -123,6 +123,13 @@ FAST_XLA_FLAGS = (
 )
 
 
+def model_config(name):
+  """A model's config; ``<model>_L<k>``: the model cut to ``k`` layers."""
+  base, _, cut = name.partition('_L')
+  config = MODELS[base]
+  return (int(cut), *config[1:]) if cut else config
+
+
 def model_shapes(config, head_dim=HEAD_DIM):
   """``{name: shape}`` tree and the tree of Muon dimension numbers."""
   from optax.contrib import MuonDimensionNumbers as Dims  # pylint: disable=import-outside-toplevel
@@ -507,12 +514,14 @@ class Strategy:
         specs,
         is_leaf=lambda x: isinstance(x, P),
       )
-    if self.name.startswith('dmuon'):
-      # The shardings init places the momentum in (its owner layout).
-      with jax.set_mesh(self.mesh):
-        return jax.jit(self.opt.init).lower(params).compile().output_shardings
     with jax.set_mesh(self.mesh):
       state = jax.eval_shape(self.opt.init, params)
+      if self.name.startswith('dmuon'):
+        # The shardings init places the Muon momentum in (its owner
+        # layout); AdamW's state follows the params (below).
+        owner = jax.jit(self.opt.init).lower(params).compile().output_shardings
+      else:
+        owner = jax.tree.map(lambda _: replicated, state)
     # optax's states: a leaf at a params path (its dict keys end with the
     # param's) of the param's shape takes the param's sharding.
     by_path = {
@@ -522,15 +531,15 @@ class Strategy:
       )
     }
 
-    def one(path, s):
+    def one(path, s, default):
       keys = _dict_keys(path)
       for k in range(len(keys)):
         shape, sh = by_path.get(keys[k:], (None, None))
         if shape == s.shape:
           return sh
-      return replicated
+      return default
 
-    return jax.tree.map_with_path(one, state)
+    return jax.tree.map_with_path(one, state, owner)
 
   def init(self, params):
     import jax  # pylint: disable=import-outside-toplevel
@@ -564,20 +573,10 @@ class Strategy:
       )
     ded = self.ded
     specs = ded.specs()
-    axes = tuple(self.mesh.axis_names)
 
-    def body(params, state, grads):
-      # The rest's gradients arrive reduced (as FSDP's do for the other
-      # strategies); the update averages them over the devices, as it
-      # does local_value_and_grad's per-device ones.
-      def varying(g):
-        kind = getattr(jax.typeof(g), 'manual_axis_type', None)
-        have = getattr(kind, 'varying', ()) or ()
-        missing = tuple(a for a in axes if a not in have)
-        return jax.lax.pcast(g, missing, to='varying') if missing else g
-
-      grads = grads._replace(rest=jax.tree.map(varying, grads.rest))
-      return fn(params, state, grads)
+    # The rest's gradients come in reduced and replicated (invariant over
+    # the mesh): the update's average over devices moves nothing.
+    body = fn
 
     # (Outside jit: specs_of reads the state's shardings.)
     state_specs = ded.specs_of(state)
@@ -708,7 +707,7 @@ def compile_row(model, name, n, s=8):
     ('replicate', 'shard'),
     axis_types=(jax.sharding.AxisType.Auto,) * 2,
   )
-  shapes, dims = model_shapes(MODELS[model])
+  shapes, dims = model_shapes(model_config(model))
   abstract = jax.tree.map(
     lambda sh: jax.ShapeDtypeStruct(sh, jnp.bfloat16), shapes, is_leaf=is_shape
   )
@@ -737,7 +736,7 @@ def compile_row(model, name, n, s=8):
     'ns_flops_total': total,
     'ns_over_ideal': flops / (total / n),
     'bytes_by_kind': cuda,
-    'bytes_per_device': sum(cuda.values()),
+    'cuda_bytes_per_device': sum(cuda.values()),
     'cpu_bytes_by_kind': report.bytes_by_kind,
     'bytes_by_axis': _scale.by_axis(report, n, s),
     'xla_flags': os.environ.get('XLA_FLAGS', ''),
@@ -749,6 +748,54 @@ def compile_row(model, name, n, s=8):
     row['payload_bytes'] = payload
     row['layers_per_gather'] = st.ded.layers_per_gather
   return row
+
+
+def predict_rows(model, n, s=8):
+  """Predicted busiest-device NS / ideal without compiling: ``replicated``
+  N; ``stacked`` the most matrices of a shape on one device,
+  ``sum ceil(count / N) * flops`` over shapes; ``dmuon`` (owners over
+  both axes) and ``dmuon_shard`` the owner plans' makespans over their
+  own single-owner totals / N (``dmuon_jax.plan_ownership``, as
+  scale.py's plan rows)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  import dmuon_jax  # pylint: disable=import-outside-toplevel
+
+  shapes, dims = model_shapes(model_config(model))
+  mats = muon_shapes(shapes, dims)
+  total = sum(ns_flops(x) for x in mats)
+  counts = {}
+  for x in mats:
+    counts[x] = counts.get(x, 0) + 1
+  stacked = sum(-(-c // n) * ns_flops(x) for x, c in counts.items())
+  abstract = jax.tree.map(
+    lambda sh: jax.ShapeDtypeStruct(sh, jnp.bfloat16), shapes, is_leaf=is_shape
+  )
+  mesh = {'replicate': n // s, 'shard': s}
+  kw = dict(weight_dimension_numbers=dims)
+  plain = dmuon_jax.plan_ownership(abstract, mesh, owner_groups=None, **kw)
+  ideal = sum(u.cost for u in plain.units) / n
+  plan = dmuon_jax.plan_ownership(abstract, mesh, **kw)
+  shard = dmuon_jax.plan_ownership(abstract, mesh, axis_names=('shard',), **kw)
+  out = {
+    'replicated': float(n),
+    'stacked': stacked / (total / n),
+    'dmuon': plan.makespan / ideal,
+    'dmuon_shard': shard.makespan / ideal,
+  }
+  return [
+    {
+      'model': model,
+      'devices': n,
+      'mode': 'predict',
+      'strategy': k,
+      'ns_over_ideal': v,
+      'matrices': len(mats),
+      'shapes': len(counts),
+    }
+    for k, v in out.items()
+  ]
 
 
 def worker(args):
@@ -793,6 +840,23 @@ def run_worker(argv, timeout):
 # Report.
 
 
+# Strategies whose every collective is written in shard_map (visible in
+# the program lowered for CUDA); the others' come from XLA's partitioner,
+# in the compiled (CPU) program only.
+EXPLICIT = ('dmuon', 'dmuon_shard', 'dedicated_z2', 'dedicated_z3')
+
+
+def row_bytes(r):
+  """``(bytes by kind per device, source)`` of a compile row: the CUDA
+  program's for EXPLICIT strategies (XLA:CPU runs bfloat16 all-to-alls in
+  float32, doubling them), the compiled CPU program's for the others
+  (GSPMD's collectives exist only after partitioning; their data is the
+  float32 momentum and AdamW state)."""
+  if r['strategy'] in EXPLICIT:
+    return r['bytes_by_kind'], 'cuda'
+  return r['cpu_bytes_by_kind'], 'cpu'
+
+
 def _mib(b):
   return f'{b / 2**20:.1f}'
 
@@ -835,15 +899,25 @@ def write_markdown(rows, path):
       '## Compiled programs (abstract bfloat16 params, float32 momentum)',
       '',
       "NS / ideal: the busiest device's matmul FLOPs over optax's total / "
-      'N. Bytes: per device, the program lowered for CUDA (MiB). Peak: '
+      'N. Bytes: per device (MiB), of the program lowered for CUDA for '
+      'dmuon and dedicated (all their collectives are explicit; XLA:CPU '
+      'would double their bfloat16 all-to-alls), of the compiled program '
+      'for the GSPMD strategies (their collectives appear at '
+      'partitioning). Peak: '
       'memory_analysis per device (MiB).',
       '',
       '| model | N | strategy | NS / ideal | bytes / device | by kind | '
       'by axis (CPU program) | peak | compile |',
       '|---|---:|---|---:|---:|---|---|---:|---:|',
     ]
+    order = lambda m: (
+      list(MODELS).index(m.partition('_L')[0])
+      if m.partition('_L')[0] in MODELS
+      else 99,
+      m,
+    )
     key = lambda r: (
-      list(MODELS).index(r['model']) if r['model'] in MODELS else 99,
+      order(r['model']),
       r['devices'],
       STRATEGIES.index(r['strategy']) if r['strategy'] in STRATEGIES else 99,
     )
@@ -854,9 +928,10 @@ def write_markdown(rows, path):
           f'not reached: {r["error"][:160]} | | | | | |'
         )
         continue
+      by_kind, _ = row_bytes(r)
       kinds = ', '.join(
         f'{_common.KIND_ABBREV.get(k, k)} {_mib(v)}'
-        for k, v in sorted(r['bytes_by_kind'].items())
+        for k, v in sorted(by_kind.items())
         if v
       )
       axes = ', '.join(
@@ -864,15 +939,88 @@ def write_markdown(rows, path):
       )
       lines.append(
         f'| {r["model"]} | {r["devices"]} | {r["strategy"]} | '
-        f'{r["ns_over_ideal"]:.3f} | {_mib(r["bytes_per_device"])} | '
+        f'{r["ns_over_ideal"]:.3f} | {_mib(sum(by_kind.values()))} | '
         f'{kinds or "-"} | {axes or "-"} | {_mib(r["peak_bytes"])} | '
         f'{r["compile_s"]:.1f} s |'
       )
+  hsdp = {}
+  for r in compiled:
+    if r['strategy'] in ('dmuon', 'dmuon_shard') and 'error' not in r:
+      hsdp.setdefault((r['model'], r['devices']), {})[r['strategy']] = r
+  pairs = [(k, v) for k, v in sorted(hsdp.items()) if len(v) == 2]
+  if pairs:
+    lines += [
+      '',
+      "## HSDP: dmuon's owners over both axes against over 'shard' only",
+      '',
+      "Bytes over 'replicate': collectives whose groups have N / 8 "
+      "devices (at N = 64 both axes have 8: 'shard|replicate'), per "
+      'device, CPU program (MiB).',
+      '',
+      "| model | N | owners | NS / ideal | bytes over 'replicate' | "
+      'bytes / device | peak |',
+      '|---|---:|---|---:|---:|---:|---:|',
+    ]
+    for (model, n), v in pairs:
+      for name, label in (('dmuon', 'both axes'), ('dmuon_shard', "'shard'")):
+        r = v[name]
+        rep = sum(
+          b
+          for k, b in r['bytes_by_axis'].items()
+          if k.endswith('over replicate')
+        )
+        lines.append(
+          f'| {model} | {n} | {label} | {r["ns_over_ideal"]:.3f} | '
+          f'{_mib(rep)} | {_mib(sum(row_bytes(r)[0].values()))} | '
+          f'{_mib(r["peak_bytes"])} |'
+        )
   errors = [r for r in rows if r.get('mode') == 'worker']
   if errors:
     lines += ['', '## Workers that failed', '']
-    lines += [f'- N={r["devices"]}: {r["error"]}' for r in errors]
+    lines += [
+      f'- {r.get("model", "")} N={r["devices"]}: {r["error"]}' for r in errors
+    ]
   path.write_text('\n'.join(lines) + '\n')
+
+
+def plot(rows, path):
+  """NS / ideal per strategy against N, one panel per model."""
+  try:
+    import matplotlib  # pylint: disable=import-outside-toplevel
+
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return
+  compiled = [
+    r for r in rows if r.get('mode') == 'compile' and 'error' not in r
+  ]
+  models = sorted({r['model'] for r in compiled})
+  if not models:
+    return
+  fig, axes = plt.subplots(
+    1, len(models), figsize=(4.6 * len(models), 4), squeeze=False
+  )
+  for ax, model in zip(axes[0], models):
+    for name in STRATEGIES:
+      pts = sorted(
+        (r['devices'], r['ns_over_ideal'])
+        for r in compiled
+        if r['model'] == model and r['strategy'] == name
+      )
+      if pts:
+        ax.plot(*zip(*pts), 'o-', label=name)
+    ax.axhline(1.0, color='k', lw=0.6, ls='--')
+    ax.set(
+      xscale='log',
+      yscale='log',
+      xlabel='devices N',
+      ylabel='busiest device NS FLOPs / (total / N)',
+      title=model,
+    )
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
 
 
 def parse_args(argv=None):
@@ -921,6 +1069,15 @@ def parse_args(argv=None):
     default=True,
     help='run the numbers check and step times (--no-check: only the '
     "compile-only rows, or with --devices '' --append re-render)",
+  )
+  p.add_argument(
+    '--predict',
+    default='',
+    help='models (comma-separated) whose NS / ideal is predicted without '
+    'compiling (stacked; dmuon owner plans) at N = --predict-devices',
+  )
+  p.add_argument(
+    '--predict-devices', default='8,64,256', help='device counts of --predict'
   )
   p.add_argument(
     '--worker', type=int, default=0, help='(internal) one device count'
@@ -990,6 +1147,9 @@ def main(argv=None):
     fresh += got
     if err:
       fresh.append({'mode': 'worker', 'devices': n, 'error': err})
+  for model in [m for m in args.predict.split(',') if m]:
+    for n in [int(x) for x in args.predict_devices.split(',') if x]:
+      fresh += predict_rows(model, n)
   key = lambda r: (
     r.get('mode'),
     r.get('model'),
@@ -1003,6 +1163,8 @@ def main(argv=None):
     for row in rows:
       f.write(json.dumps(row) + '\n')
   write_markdown(rows, out_dir / f'{args.name}.md')
+  if any(r.get('mode') == 'compile' for r in rows):
+    plot(rows, out_dir / f'{args.name}.png')
   failed = [
     r['strategy']
     for r in fresh

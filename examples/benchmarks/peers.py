@@ -54,8 +54,16 @@ CPU program's replica groups), peak memory per device
 (``memory_analysis``), lowering and compile time. A failure or timeout is
 a row with its error.
 
+A model named ``<model>_L<k>`` is cut to its first ``k`` layers (fast
+to compile). ``--predict`` adds, without compiling, the busiest device's
+NS / ideal of ``stacked`` (from the counts of each matrix shape) and of
+dmuon's owner plans, at full depth; the compiled rows check the
+predictions where both exist.
+
     python examples/benchmarks/peers.py --quick   # the check + step times
     nice -n 19 python examples/benchmarks/peers.py --devices 8,64,256
+    python examples/benchmarks/peers.py --no-check --devices '' --append \
+      --predict qwen2.5_1.5b,llama3.2_3b,qwen2.5_7b,llama3.1_8b  # re-render
 
 Writes ``results/peers.json`` (one JSON object per line) and
 ``results/peers.md`` (``peers_quick.*`` with ``--quick``) next to this
@@ -857,6 +865,11 @@ def row_bytes(r):
   return r['cpu_bytes_by_kind'], 'cpu'
 
 
+def _model_order(m):
+  base = m.partition('_L')[0]
+  return (list(MODELS).index(base) if base in MODELS else 99, m)
+
+
 def _mib(b):
   return f'{b / 2**20:.1f}'
 
@@ -910,14 +923,8 @@ def write_markdown(rows, path):
       'by axis (CPU program) | peak | compile |',
       '|---|---:|---|---:|---:|---|---|---:|---:|',
     ]
-    order = lambda m: (
-      list(MODELS).index(m.partition('_L')[0])
-      if m.partition('_L')[0] in MODELS
-      else 99,
-      m,
-    )
     key = lambda r: (
-      order(r['model']),
+      _model_order(r['model']),
       r['devices'],
       STRATEGIES.index(r['strategy']) if r['strategy'] in STRATEGIES else 99,
     )
@@ -943,6 +950,65 @@ def write_markdown(rows, path):
         f'{kinds or "-"} | {axes or "-"} | {_mib(r["peak_bytes"])} | '
         f'{r["compile_s"]:.1f} s |'
       )
+  ded = [
+    r
+    for r in compiled
+    if r['strategy'].startswith('dedicated') and 'error' not in r
+  ]
+  if ded:
+    lines += [
+      '',
+      "## Dedicated: the update above, and the gathers that replace FSDP's",
+      '',
+      "The dedicated rows above are dedicated_muon's update alone (owned "
+      'gradients in, no gather). The forward and backward gather the '
+      "owned matrices instead of FSDP's gathers: per step, per device "
+      '(`Dedication.gather_bytes`, MiB; Z3 gathers again for the backward).',
+      '',
+      '| model | N | mode | layers per gather | gathered | payload |',
+      '|---|---:|---|---:|---:|---:|',
+    ]
+    for r in sorted(ded, key=key):
+      lines.append(
+        f'| {r["model"]} | {r["devices"]} | {r["strategy"]} | '
+        f'{r["layers_per_gather"]} | {_mib(r["gathered_bytes"])} | '
+        f'{_mib(r["payload_bytes"])} |'
+      )
+  predicted = [r for r in rows if r.get('mode') == 'predict']
+  if predicted:
+    names = ('replicated', 'stacked', 'dmuon', 'dmuon_shard')
+    table = {}
+    for r in predicted:
+      table.setdefault((r['model'], r['devices']), {})[r['strategy']] = r
+    measured = {
+      (r['model'], r['devices'], r['strategy']): r['ns_over_ideal']
+      for r in compiled
+      if 'error' not in r
+    }
+    lines += [
+      '',
+      '## Predicted busiest-device NS / ideal (no compile)',
+      '',
+      'replicated: N; stacked: the most matrices of one shape a device '
+      'gets (stacks padded to a multiple of N) times their FLOPs, over '
+      "optax's total / N; dmuon: the owner plan's makespan over its "
+      "single-owner total / N (dmuon's own cost model: its Gram "
+      "Newton–Schulz counts fewer FLOPs than optax's for rectangular "
+      'matrices). In brackets: the compiled row of the same model and N '
+      "(NS FLOPs over optax's total / N).",
+      '',
+      '| model | N | ' + ' | '.join(names) + ' |',
+      '|---|---:|' + '---:|' * len(names),
+    ]
+    for (model, n), v in sorted(
+      table.items(), key=lambda kv: (_model_order(kv[0][0]), kv[0][1])
+    ):
+      cells = []
+      for name in names:
+        got = measured.get((model, n, name))
+        cell = f'{v[name]["ns_over_ideal"]:.3f}' if name in v else '-'
+        cells.append(cell + (f' ({got:.3f})' if got is not None else ''))
+      lines.append(f'| {model} | {n} | ' + ' | '.join(cells) + ' |')
   hsdp = {}
   for r in compiled:
     if r['strategy'] in ('dmuon', 'dmuon_shard') and 'error' not in r:
@@ -969,9 +1035,10 @@ def write_markdown(rows, path):
           for k, b in r['bytes_by_axis'].items()
           if k.endswith('over replicate')
         )
+        rep = _mib(rep) if n // 8 != 8 else 'n/a (both axes 8)'
         lines.append(
           f'| {model} | {n} | {label} | {r["ns_over_ideal"]:.3f} | '
-          f'{_mib(rep)} | {_mib(sum(row_bytes(r)[0].values()))} | '
+          f'{rep} | {_mib(sum(row_bytes(r)[0].values()))} | '
           f'{_mib(r["peak_bytes"])} |'
         )
   errors = [r for r in rows if r.get('mode') == 'worker']

@@ -1062,28 +1062,37 @@ def plot(rows, path):
   compiled = [
     r for r in rows if r.get('mode') == 'compile' and 'error' not in r
   ]
-  models = sorted({r['model'] for r in compiled})
+  predicted = [r for r in rows if r.get('mode') == 'predict']
+  models = sorted({r['model'] for r in compiled}, key=_model_order)
   if not models:
     return
   fig, axes = plt.subplots(
     1, len(models), figsize=(4.6 * len(models), 4), squeeze=False
   )
   for ax, model in zip(axes[0], models):
-    for name in STRATEGIES:
+    for i, name in enumerate(STRATEGIES):
+      color = f'C{i}'
       pts = sorted(
         (r['devices'], r['ns_over_ideal'])
         for r in compiled
         if r['model'] == model and r['strategy'] == name
       )
       if pts:
-        ax.plot(*zip(*pts), 'o-', label=name)
+        ax.plot(*zip(*pts), 'o-', color=color, label=name)
+      pts = sorted(
+        (r['devices'], r['ns_over_ideal'])
+        for r in predicted
+        if r['model'] == model and r['strategy'] == name
+      )
+      if pts:
+        ax.plot(*zip(*pts), '--', color=color, alpha=0.6)
     ax.axhline(1.0, color='k', lw=0.6, ls='--')
     ax.set(
       xscale='log',
       yscale='log',
       xlabel='devices N',
       ylabel='busiest device NS FLOPs / (total / N)',
-      title=model,
+      title=f'{model} (dashed: predicted)',
     )
     ax.legend(fontsize=7)
   fig.tight_layout()

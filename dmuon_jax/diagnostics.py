@@ -408,10 +408,15 @@ def parse_replica_groups(
   """Parses an HLO ``replica_groups`` value into explicit groups.
 
   Args:
-    text: the value, in one of three forms: explicit ``{{0,1,2,3},{4,5,6,7}}``,
-      iota ``[2,4]<=[8]`` (2 groups of 4 from ``arange(8)``) or transposed
+    text: the value, in one of four forms: explicit ``{{0,1,2,3},{4,5,6,7}}``,
+      iota ``[2,4]<=[8]`` (2 groups of 4 from ``arange(8)``), transposed
       iota ``[4,2]<=[2,4]T(1,0)`` (``arange(8).reshape(2, 4).T`` cut into 4
-      groups of 2). Empty ``{}`` means one group of all devices.
+      groups of 2), or over named axes of a mesh (XLA with jax 0.10):
+      ``mesh['a'=4,'b'=2] {'a'}`` (devices ``arange(8).reshape(4, 2)``, a
+      group per index of the axes not named in the braces: 2 groups of 4),
+      with ``, device_ids=([2,4]T(1,0))`` before the braces where the
+      mesh's devices are an iota of their own. Empty ``{}`` means one
+      group of all devices.
     num_devices: (optional, default None) the number of devices that ``{}``
       stands for; if None, ``{}`` gives no groups.
 
@@ -426,8 +431,15 @@ def parse_replica_groups(
     ((0, 4), (1, 5), (2, 6), (3, 7))
     >>> diagnostics.parse_replica_groups('{}', num_devices=4)
     ((0, 1, 2, 3),)
+    >>> diagnostics.parse_replica_groups(
+    ...   "mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}"
+    ... )
+    ((0, 1, 2, 3), (4, 5, 6, 7))
   """
   compact = re.sub(r'\s+', '', text)
+  m = _MESH_GROUPS_RE.fullmatch(compact)
+  if m:
+    return _mesh_groups(text, m)
   m = _IOTA_RE.match(compact)
   if m:
     shape, dims, perm = (
@@ -449,6 +461,48 @@ def parse_replica_groups(
     f'Cannot parse replica_groups {text!r}; expected {{{{0,1}},{{2,3}}}},'
     ' [2,4]<=[8] or [4,2]<=[2,4]T(1,0).'
   )
+
+
+_MESH_GROUPS_RE = re.compile(
+  r'mesh\[(?P<axes>[^\]]*)\]'
+  r'(?:,device_ids=\((?P<ids>\[[\d,]+\](?:T\([\d,]+\))?)\))?'
+  r'\{(?P<over>[^}]*)\}'
+)
+
+
+def _mesh_groups(text: str, m: re.Match) -> tuple[tuple[int, ...], ...]:
+  """The groups of ``mesh['a'=4,'b'=2], device_ids=(...) {'a'}``."""
+  axes = re.findall(r"'?([\w.\-]+)'?=(\d+)", m['axes'])
+  names = [a for a, _ in axes]
+  sizes = [int(n) for _, n in axes]
+  over = [a.strip("'") for a in m['over'].split(',') if a]
+  if not axes or any(a not in names for a in over):
+    raise ValueError(f'Cannot parse replica_groups {text!r}: unknown axes.')
+  try:
+    if m['ids']:
+      iota = _IOTA_IDS_RE.fullmatch(m['ids'])
+      if iota is None:
+        raise ValueError(m['ids'])
+      dims, perm = (
+        [int(v) for v in (iota[k] or '').split(',') if v]
+        for k in ('dims', 'perm')
+      )
+      ids = np.arange(math.prod(dims)).reshape(dims).transpose(perm or None)
+    else:
+      ids = np.arange(math.prod(sizes))
+    ids = ids.reshape(sizes)
+  except ValueError as e:
+    raise ValueError(f'Inconsistent mesh replica_groups {text!r}.') from e
+  inside = [names.index(a) for a in over]
+  outside = [i for i in range(len(names)) if i not in inside]
+  size = math.prod(sizes[i] for i in inside)
+  ids = ids.transpose(outside + inside).reshape(-1, size)
+  return tuple(tuple(int(v) for v in row) for row in ids)
+
+
+_IOTA_IDS_RE = re.compile(
+  r'\[(?P<dims>\d+(?:,\d+)*)\](?:T\((?P<perm>\d+(?:,\d+)*)\))?'
+)
 
 
 def largest_component(pairs: Iterable[tuple[int, int]]) -> int:
@@ -490,7 +544,9 @@ LOOP_RE = re.compile(r'\b(?P<key>body|condition)=%?(?P<name>[\w.\-]+)')
 TRIP_COUNT_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _GROUPS_RE = re.compile(
   r'replica_groups=(\{\}|\{(?:\{[\d,\s]*\},?\s*)*\}|\[[\d,]+\]<=\[[\d,]+\]'
-  r'(?:T\([\d,]+\))?)'
+  r'(?:T\([\d,]+\))?|mesh\[[^\]]*\]'
+  r'(?:,\s*device_ids=\(\[[\d,]+\](?:T\([\d,]+\))?\))?\s*'
+  r'\{[^}]*\})'
 )
 _PAIRS_RE = re.compile(r'source_target_pairs=\{((?:\{[\d,\s]*\},?\s*)*)\}')
 

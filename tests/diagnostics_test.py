@@ -330,6 +330,61 @@ class ReplicaGroupsTest(parameterized.TestCase):
   def test_forms(self, text, expected):
     self.assertEqual(diagnostics.parse_replica_groups(text), expected)
 
+  # The named-axes form XLA prints with jax 0.10 (copied from compiled
+  # HLO of 2x4 ('replicate', 'shard') meshes): a group per index of the
+  # axes outside the braces.
+  @parameterized.named_parameters(
+    (
+      'mesh_transposed_ids',
+      "mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) "
+      "{'axis_0'}",
+      ((0, 1, 2, 3), (4, 5, 6, 7)),
+    ),
+    (
+      'mesh_middle_axis',
+      "mesh['axis_0'=1,'axis_1'=4,'axis_2'=2], device_ids=([2,4]T(1,0)) "
+      "{'axis_1'}",
+      ((0, 1, 2, 3), (4, 5, 6, 7)),
+    ),
+    (
+      'mesh_iota_ids',
+      "mesh['axis_0'=2,'axis_1'=1,'axis_2'=4,'axis_3'=1] {'axis_2'}",
+      ((0, 1, 2, 3), (4, 5, 6, 7)),
+    ),
+    (
+      'mesh_outer_axis',
+      "mesh['axis_0'=2,'axis_1'=4] {'axis_0'}",
+      ((0, 4), (1, 5), (2, 6), (3, 7)),
+    ),
+    (
+      'mesh_all',
+      "mesh['axis_0'=1,'axis_1'=8] {'axis_1'}",
+      (tuple(range(8)),),
+    ),
+    (
+      'mesh_two_axes',
+      "mesh['a'=2,'b'=2,'c'=2] {'a','c'}",
+      ((0, 1, 4, 5), (2, 3, 6, 7)),
+    ),
+  )
+  def test_mesh_forms(self, text, expected):
+    self.assertEqual(diagnostics.parse_replica_groups(text), expected)
+
+  def test_mesh_form_group_size_in_compiled_program(self):
+    # A sum over the 'shard'-sharded axis of a 2x4 mesh: one all-reduce
+    # over 'shard', printed in the named-axes form (jax 0.10): groups of
+    # 4, not all 8 devices.
+    mesh = jax.make_mesh(
+      (2, 4), AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2
+    )
+    x = _arg(mesh, (64, 32), P('shard'))
+    compiled = jax.jit(lambda x: x.sum(0)).lower(x).compile()
+    report = diagnostics.analyze_compiled(compiled)
+    self.assertEqual(
+      [(c.kind, c.group_size) for c in report.collectives],
+      [('all-reduce', 4)],
+    )
+
   def test_empty_means_all_devices(self):
     self.assertEqual(diagnostics.parse_replica_groups('{}'), ())
     self.assertEqual(

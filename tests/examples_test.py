@@ -361,6 +361,51 @@ class ExamplesTest(absltest.TestCase):
       self.assertTrue(pathlib.Path(out_dir, f'scaling_quick.{ext}').exists())
 
 
+class PeersTest(absltest.TestCase):
+  def test_peers_benchmark_quick(self):
+    # Every strategy (optax replicated and on FSDP, the levanter-style
+    # constraint, same-shape stacks, dmuon drop-in with owners over both
+    # axes and over 'shard', dedicated Z2/Z3) three steps on the small
+    # float32 tree on a 2x4 mesh against single-device optax.contrib.muon,
+    # then timed: the script exits nonzero if a check fails; here each row
+    # is read back.
+    out_dir = tempfile.mkdtemp()
+    run_script(
+      [
+        'examples/benchmarks/peers.py',
+        '--quick',
+        '--reps',
+        '1',
+        '--out-dir',
+        out_dir,
+      ]
+    )
+    lines = pathlib.Path(out_dir, 'peers_quick.json').read_text()
+    rows = [json.loads(line) for line in lines.splitlines() if line]
+    checks = {r['strategy']: r for r in rows if r['mode'] == 'check'}
+    self.assertEqual(
+      sorted(checks),
+      sorted(
+        (
+          'replicated',
+          'gspmd_fsdp',
+          'gspmd_constraint',
+          'stacked',
+          'dmuon',
+          'dmuon_shard',
+          'dedicated_z2',
+          'dedicated_z3',
+        )
+      ),
+    )
+    for name, row in checks.items():
+      self.assertNotIn('error', row, name)
+      self.assertTrue(row['passed'], name)
+      self.assertLessEqual(row['max_rel_diff'], 1e-5, name)
+      self.assertGreater(row['median_ms'], 0, name)
+    self.assertTrue(pathlib.Path(out_dir, 'peers_quick.md').exists())
+
+
 class TrainLmTest(absltest.TestCase):
   def test_dedicated_route_benchmark_quick(self):
     out_dir = tempfile.mkdtemp()

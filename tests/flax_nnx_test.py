@@ -332,11 +332,10 @@ def sharded_adamw(run):
 
 def adamw_gather_bytes(run):
   """What train_step's gathers of those params and their two AdamW
-  moments move per device (all-gathers, once per step): XLA gathers each
-  over all the owner devices (measured on 2x4: the P('shard') embedding,
-  replicated over 'replicate', in a group of 8), (N-1)/N of its bytes."""
-  n = math.prod(run['ded'].dedication.mesh.shape[a] for a in run['ded'].axes)
-  return sum(3 * (n - 1) / n * x.nbytes for x, _ in sharded_adamw(run))
+  moments move per device (all-gathers, once per step): each over the
+  devices it is split over (measured on 2x4: the P('shard') embedding,
+  replicated over 'replicate', in groups of 4), (n-1)/n of its bytes."""
+  return sum(3 * (n - 1) / n * x.nbytes for x, n in sharded_adamw(run))
 
 
 class NnxParityTest(parameterized.TestCase):

@@ -602,6 +602,19 @@ class NnxBehaviourTest(absltest.TestCase):
     self.assertLen(jax.tree.leaves(norms), len(ded.dedication.layout.leaves))
     self.assertEqual(model.layers[0].up.kernel.shape, (0,))
 
+    # A submodule passed before the model is no model of its own: the read
+    # through it is the same whole matrix (before: to_params of the
+    # submodule raised, missing the model's params).
+    @dflax.train_step(ded)
+    def read_block(block, model, toks):
+      del model, toks
+      return block.up.kernel[...]
+
+    got = read_block(model.layers[0], model, tokens())
+    np.testing.assert_allclose(
+      got, ded.to_params(model)['layers'][0]['up']['kernel'], rtol=1e-6
+    )
+
   def test_graph_node_arguments_are_updated_as_under_nnx_jit(self):
     # An nnx.MultiMetric and an nnx.Rngs passed to the step: updated as
     # nnx.jit updates them (before: copied in, their updates lost; the

@@ -398,7 +398,9 @@ def _whole_weights(md: ModelDedication, nodes) -> list:
   placeholders (:class:`DedicatedWeight`; all-gathered where something
   reads them), and per placeholder ``(variable, its value)`` to put back.
   A model whose placeholders hold arrays already (a plain state written
-  into it) is left as it is: its boundaries raise."""
+  into it, or the model seen through an earlier argument) is left as it
+  is, and so is a graph node that is not the dedicated model's root (one of
+  its submodules passed on its own: its boundaries gather as before)."""
   put = []
   for node in nodes:
     found = [
@@ -407,6 +409,10 @@ def _whole_weights(md: ModelDedication, nodes) -> list:
       if isinstance(v, _model.DedicatedWeight)
     ]
     if not found or any(np.size(v.get_raw_value()) for _, v in found):
+      continue
+    try:  # (only the dedicated model itself: a submodule of it is skipped)
+      _model.node_at(node, md.buffer_paths[0])
+    except (AttributeError, KeyError, IndexError, TypeError):
       continue
     whole = md.to_params(node)
     for path, v in found:

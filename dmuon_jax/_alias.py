@@ -10,6 +10,8 @@ from typing import Any, Literal
 import jax
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import (
   _checks,
@@ -559,9 +561,29 @@ def dedicated_muon(
   def combine(muon, adam):
     def init_fn(params):
       dedication.check_dedicated(params, 'dedicated_muon init()')
-      state = (muon.init(params.owned), adam.init(params.rest))
+      state = (
+        muon.init(params.owned),
+        _place_rest(params.rest, adam.init(params.rest)),
+      )
       # On the mesh (the step counts too), eagerly as under jax.jit.
       return _mesh.replicate_uncommitted(state, dedication.mesh)
+
+    def _place_rest(rest, state):
+      # AdamW's moments sharded as their params (under jax.jit too, where
+      # zeros carry no sharding and XLA would replicate them). The rest's
+      # tree may hold boxes (Flax's) around the leaves dedicate() saw.
+      mesh = dedication.mesh
+      if not isinstance(mesh, jax.sharding.Mesh) or mesh.size == 1:
+        return state
+      specs = jax.tree.leaves(
+        dedication.specs().rest, is_leaf=lambda x: isinstance(x, P)
+      )
+      shardings = jax.tree.structure(rest).unflatten(
+        NamedSharding(mesh, spec) for spec in specs
+      )
+      return optax.tree_map_params(
+        adam, lambda x, sh: _mesh.place(x, mesh, sh.spec), state, shardings
+      )
 
     def update_fn(updates, state, params=None):
       dedication.check_dedicated(updates, 'dedicated_muon update()')

@@ -24,6 +24,7 @@ from dmuon_jax import (
   _owner_layout,
   _owner_update,
   _plan,
+  _routing,
   _transform,
 )
 
@@ -221,16 +222,38 @@ class Dedication:
   def specs_of(tree: Any) -> Any:
     """PartitionSpecs of a tree of global arrays, e.g. the optimizer state.
 
-    Leaves with a ``NamedSharding`` give its spec; any other leaf (a scalar
-    step count, a single-device array) is replicated: ``P()``.
+    Leaves with a ``NamedSharding`` (arrays, ``jax.ShapeDtypeStruct``s with
+    one, or the shardings themselves, e.g. a compiled ``init``'s
+    ``output_shardings``) give its spec; any other array (a scalar step
+    count, a single-device array) is replicated: ``P()``.
+
+    Raises:
+      ValueError: for an abstract leaf of one or more dimensions without a
+        sharding (e.g. from ``jax.eval_shape``): its spec cannot be told
+        (replicated would be wrong for a sharded AdamW moment).
     """
-    return jax.tree.map(
-      lambda x: (
-        x.sharding.spec
-        if isinstance(getattr(x, 'sharding', None), NamedSharding)
-        else P()
-      ),
-      tree,
+
+    def one(path, x):
+      if isinstance(x, NamedSharding):
+        return x.spec
+      sharding = getattr(x, 'sharding', None)
+      if isinstance(sharding, NamedSharding):
+        return sharding.spec
+      if (
+        sharding is None and np.ndim(x) and isinstance(x, jax.ShapeDtypeStruct)
+      ):
+        raise ValueError(
+          f'dmuon: Dedication.specs_of: the leaf '
+          f'{_routing.normalize_path(path)!r} of shape {tuple(x.shape)} is '
+          'abstract with no sharding (as jax.eval_shape returns it), so its '
+          'spec is unknown. Pass the state init() made, or its shardings '
+          '(jax.jit(opt.init, out_shardings=...) or abstract leaves with '
+          'sharding=...).'
+        )
+      return P()
+
+    return jax.tree_util.tree_map_with_path(
+      one, tree, is_leaf=lambda x: isinstance(x, NamedSharding)
     )
 
   # -- inside shard_map ------------------------------------------------------

@@ -152,6 +152,51 @@ class DedicatedTest(parameterized.TestCase):
     chex.assert_trees_all_close(flops, ded.plan.makespan, rtol=1e-6)
 
 
+  def test_jit_init_places_adamw_state_as_its_params(self):
+    # MaxText's order: the state made under jax.jit (no out_shardings) and
+    # its specs read for the shard_map step. AdamW's moments of an FSDP
+    # leaf follow the leaf (XLA replicated them: specs_of read P() and the
+    # update inside shard_map raised that the shapes differ from init's).
+    # An Auto mesh, as MaxText's (abstract values carry no shardings).
+    mesh = jax.make_mesh(
+      (2, 4), AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2
+    )
+    fsdp = NamedSharding(mesh, P(AXES))
+    params = dict(init_params(), embed=jnp.ones((64, WIDTH)))
+    params['embed'] = jax.device_put(params['embed'], fsdp)
+    ded = dmuon_jax.dedicate(params, mesh)
+    dp = ded.to_dedicated(params)
+    opt = dmuon_jax.dedicated_muon(ded, LR)
+    with jax.set_mesh(mesh):
+      state = jax.jit(opt.init)(dp)
+      abstract = jax.eval_shape(opt.init, dp)
+    adam = state[1][1][0]
+    for moment in (adam.mu['embed'], adam.nu['embed']):
+      self.assertTrue(moment.sharding.is_equivalent_to(fsdp, 2))
+    with self.assertRaisesRegex(ValueError, 'abstract with no sharding'):
+      ded.specs_of(abstract)
+    specs, state_specs = ded.specs(), ded.specs_of(state)
+
+    @jax.jit
+    @functools.partial(
+      jax.shard_map,
+      mesh=mesh,
+      in_specs=(specs, state_specs, specs),
+      out_specs=specs,
+    )
+    def update(grads, state, dp):
+      return opt.update(grads, state, dp)[0]
+
+    grads = jax.tree.map(lambda x: 0.01 * jnp.ones_like(x), dp)
+    embed = update(grads, state, dp).rest['embed']
+    self.assertTrue(embed.sharding.is_equivalent_to(fsdp, 2))
+    # optax.contrib.muon's AdamW (Nesterov) on the leaf, one device.
+    adam = optax.adamw(LR, eps=1e-8, weight_decay=0.0, nesterov=True)
+    g = np.full((64, WIDTH), 0.01, np.float32)
+    want, _ = adam.update(g, adam.init(g), g)
+    np.testing.assert_allclose(embed, want, rtol=1e-5)
+
+
 class DedicatedMemoryTest(absltest.TestCase):
   def test_z3_temporaries_do_not_grow_with_depth(self):
     # Each group's forward gather waits for its first block's input (XLA

@@ -151,7 +151,6 @@ class DedicatedTest(parameterized.TestCase):
     # One 16x16 matrix per owner per block: that is the busiest slot's work.
     chex.assert_trees_all_close(flops, ded.plan.makespan, rtol=1e-6)
 
-
   def test_jit_init_places_adamw_state_as_its_params(self):
     # MaxText's order: the state made under jax.jit (no out_shardings) and
     # its specs read for the shard_map step. AdamW's moments of an FSDP

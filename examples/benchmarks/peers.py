@@ -298,6 +298,43 @@ def fsdp_spec(shape):
   return P(*spec)
 
 
+def chunked_dmuon(chunks, make, dims, specs):
+  """dmuon's update on the layers in ``chunks`` contiguous parts, each
+  part's gradients held back (``optimization_barrier``) until the previous
+  part's updates exist, so that one part's routing buffers are live at a
+  time; the leaves outside the layers go with the first part.
+  ``make(dims, specs)``: the dmuon of one part."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+
+  layers = sorted(
+    (k for k in dims if k.startswith('layers_')),
+    key=lambda k: int(k.removeprefix('layers_')),
+  )
+  per = -(-len(layers) // chunks)
+  parts = [layers[i : i + per] for i in range(0, len(layers), per)]
+  parts[0] = [k for k in dims if not k.startswith('layers_')] + parts[0]
+  pick = lambda tree, keys: {k: tree[k] for k in keys}
+  opts = [make(pick(dims, keys), pick(specs, keys)) for keys in parts]
+
+  def init(params):
+    return tuple(o.init(pick(params, k)) for o, k in zip(opts, parts))
+
+  def update(grads, state, params=None):
+    out, new, prev = {}, [], None
+    for o, keys, st in zip(opts, parts, state):
+      g = pick(grads, keys)
+      if prev is not None:
+        g, _ = jax.lax.optimization_barrier((g, prev))
+      p = None if params is None else pick(params, keys)
+      prev, st = o.update(g, st, p)
+      out.update(prev)
+      new.append(st)
+    return out, tuple(new)
+
+  return optax.GradientTransformation(init, update)
+
+
 def constraint_orthogonalize(mesh):
   """levanter-style: each wide NS input over ``P(None, all axes)``."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -390,20 +427,9 @@ class Strategy:
     replicated = NamedSharding(mesh, P())
     if name == 'replicated':
       self.param_sh = jax.tree.map(lambda _: replicated, abstract)
-    elif name.startswith('dedicated'):
-      # Muon matrices FSDP (dedicate moves them to owner buffers); the
-      # AdamW leaves replicated: dedicated_muon's update inside shard_map
-      # sees FSDP-sharded rest leaves as their shards and raises that they
-      # differ from the whole leaves init() saw.
-      self.param_sh = jax.tree.map(
-        lambda d, x: (
-          replicated if d is None else NamedSharding(mesh, fsdp_spec(x.shape))
-        ),
-        full_dims(dims, abstract),
-        abstract,
-        is_leaf=is_dims,
-      )
     else:
+      # dedicated: the Muon matrices FSDP too (dedicate moves them to
+      # owner buffers).
       self.param_sh = jax.tree.map(
         lambda x: NamedSharding(mesh, fsdp_spec(x.shape)), abstract
       )
@@ -431,6 +457,24 @@ class Strategy:
         **common,
       )
       self.slots = mesh.shape['shard'] if axes else mesh.size
+    elif name.startswith('dmuon_chunks'):
+      # dmuon's update in `chunks` parts in sequence (a memory experiment,
+      # not a default strategy).
+      self.opt = chunked_dmuon(
+        int(name.removeprefix('dmuon_chunks')),
+        lambda d, specs: dmuon_jax.dmuon(
+          LR,
+          mesh=mesh,
+          nonfinite='propagate',
+          param_specs=specs,
+          adam_learning_rate=ADAM_LR,
+          mu_dtype=mu_dtype,
+          muon_weight_dimension_numbers=d,
+        ),
+        dims,
+        jax.tree.map(lambda sh: sh.spec, self.param_sh),
+      )
+      self.slots = mesh.size
     elif name.startswith('dedicated'):
       placed = self.abstract_params(abstract)
       self.ded = dmuon_jax.dedicate(
@@ -468,16 +512,27 @@ class Strategy:
 
   def place_grads(self, tree):
     """Host gradients (averaged over devices) -> the step's gradients.
-    Dedicated: the Muon ones times the slots, as the gathers' transpose
-    (a reduce-scatter that sums) delivers them and the update divides."""
+    Dedicated: the Muon ones times the slots, the rest's times the devices
+    they are split over, as the gathers' transposes (reduce-scatters that
+    sum) deliver them and the update divides."""
+    import math  # pylint: disable=import-outside-toplevel
+
     import jax  # pylint: disable=import-outside-toplevel
 
     if self.ded:
       n = self.ded.num_slots
+      shape = self.mesh.shape
+      split = lambda sh: math.prod(
+        shape[a]
+        for e in sh.spec
+        if e is not None
+        for a in ((e,) if isinstance(e, str) else e)
+      )
       tree = jax.tree.map(
-        lambda d, g: g if d is None else g * n,
+        lambda d, g, sh: g * split(sh) if d is None else g * n,
         full_dims(self.dims, tree),
         tree,
+        self.param_sh,
         is_leaf=is_dims,
       )
     return self.place(tree)
@@ -485,10 +540,20 @@ class Strategy:
   def abstract_inputs(self, abstract):
     """``(params, state, grads)`` abstract, with shardings."""
     import jax  # pylint: disable=import-outside-toplevel
+    from jax.sharding import NamedSharding  # pylint: disable=import-outside-toplevel
+    from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
 
     params = self.abstract_params(abstract)
     if self.ded:
-      params = jax.eval_shape(self.ded.to_dedicated, params)
+      # The owned buffers and the rest as the step's shard_map takes them.
+      params = jax.tree.map(
+        lambda x, spec: jax.ShapeDtypeStruct(
+          x.shape, x.dtype, sharding=NamedSharding(self.mesh, spec)
+        ),
+        jax.eval_shape(self.ded.to_dedicated, params),
+        self.ded.specs(),
+        is_leaf=lambda x: isinstance(x, P),
+      )
     with jax.set_mesh(self.mesh):
       state = jax.eval_shape(self.opt.init, params)
     state = jax.tree.map(
@@ -507,21 +572,10 @@ class Strategy:
 
     replicated = NamedSharding(self.mesh, P())
     if self.ded:
-      # specs_of reads the leaves' shardings, which abstract states lack:
-      # the momentum's specs are the owned buffers'.
-      specs = self.ded.specs_of(jax.eval_shape(self.opt.init, params))
-      is_state = lambda x: type(x).__name__ == 'DedicatedMuonState'
-      owned = self.ded.specs().owned
-      specs = jax.tree.map(
-        lambda x: x._replace(mu=owned) if is_state(x) else x,
-        specs,
-        is_leaf=lambda x: is_state(x) or isinstance(x, P),
-      )
-      return jax.tree.map(
-        lambda s: NamedSharding(self.mesh, s),
-        specs,
-        is_leaf=lambda x: isinstance(x, P),
-      )
+      # dedicated_muon's init places its whole state (the momentum in
+      # owner buffers, AdamW's moments as their params).
+      with jax.set_mesh(self.mesh):
+        return jax.jit(self.opt.init).lower(params).compile().output_shardings
     with jax.set_mesh(self.mesh):
       state = jax.eval_shape(self.opt.init, params)
       if self.name.startswith('dmuon'):
@@ -582,8 +636,8 @@ class Strategy:
     ded = self.ded
     specs = ded.specs()
 
-    # The rest's gradients come in reduced and replicated (invariant over
-    # the mesh): the update's average over devices moves nothing.
+    # The gradients come in as the gathers' transposes deliver them
+    # (place_grads): the update averages them without moving anything.
     body = fn
 
     # (Outside jit: specs_of reads the state's shardings.)
@@ -854,13 +908,17 @@ def run_worker(argv, timeout):
 EXPLICIT = ('dmuon', 'dmuon_shard', 'dedicated_z2', 'dedicated_z3')
 
 
+def is_explicit(name):
+  return name in EXPLICIT or name.startswith('dmuon_chunks')
+
+
 def row_bytes(r):
   """``(bytes by kind per device, source)`` of a compile row: the CUDA
   program's for EXPLICIT strategies (XLA:CPU runs bfloat16 all-to-alls in
   float32, doubling them), the compiled CPU program's for the others
   (GSPMD's collectives exist only after partitioning; their data is the
   float32 momentum and AdamW state)."""
-  if r['strategy'] in EXPLICIT:
+  if is_explicit(r['strategy']):
     return r['bytes_by_kind'], 'cuda'
   return r['cpu_bytes_by_kind'], 'cpu'
 

@@ -326,6 +326,21 @@ def dedicate(
       plan, groups, k, buffer_axes, group_axis, bytes_only=bytes_only, **place
     )
 
+  def floor_with(k):
+    """Per gather group of ``k`` layers, bytes no placement goes below:
+    its matrices' bytes gathered as they are (no padding, no exchange)."""
+    out = []
+    for group in _gather_groups(bounds, k):
+      payload = sum(
+        math.prod(s.shape) * np.dtype(s.dtype).itemsize
+        for s in plan.leaves
+        if of_target[s.path] in group
+      )
+      stack = [s.shape[0] for s in scanned if of_target[s.path] in group]
+      iterations = stack[0] // k if stack else 0
+      out.append(_plan.GatherBytes(payload, payload, 0.0, iterations))
+    return out
+
   k, choice = layers_per_gather, 'given'
   if layers_per_gather == 'auto':
     k, choice = _auto_choice(
@@ -335,6 +350,7 @@ def dedicate(
       rep_axis,
       reshard_after_forward,
       functools.partial(place_with, bytes_only=True),
+      floor_with,
     )
   gathered = place_with(k)
   return Dedication(
@@ -478,7 +494,7 @@ def _gather_groups(
 
 
 def _auto_choice(
-  plan, bounds, scanned, rep_axis, z3, group_bytes
+  plan, bounds, scanned, rep_axis, z3, group_bytes, group_floor
 ) -> tuple[int, str]:
   """``(k, choice)`` of ``layers_per_gather='auto'``.
 
@@ -493,17 +509,17 @@ def _auto_choice(
   gradient in its backward pass), Z2 every group's weights. A byte held
   counts as two bytes moved (so a 70B model on 64 devices gathers 8
   layers at a time, not 17; ``HELD_WEIGHT``). Ties go to the smaller size.
+  A size whose cost on ``group_floor(k)`` (its matrices' bytes, unpadded:
+  the cost grows with every group's bytes) is already no better than the
+  best so far is not placed.
   """
   sizes = dict(zip(plan.axis_names, plan.mesh_shape))
   r = sizes.get(rep_axis, 1) if rep_axis else 1
   s = math.prod(sizes.values()) // r
   stacks = sorted({t.shape[0] for t in scanned})
   top = max([sum(1 for sc in bounds.scanned if not sc), *stacks, 1])
-  best = None
-  for k in range(1, top + 1):
-    if any(n % k for n in stacks):
-      continue
-    got = group_bytes(k)
+
+  def cost(got):
     moved = sum(
       (3 if z3 else 2) * _checks.ring_bytes('all-gather', s, b.gathered)
       + 2 * _checks.ring_bytes('all-gather', r, b.gathered / s)
@@ -514,9 +530,18 @@ def _auto_choice(
       held = sum(sorted(b.gathered / max(b.iterations, 1) for b in got)[-2:])
     else:
       held = sum(b.gathered for b in got)
-    cost = moved + HELD_WEIGHT * held
-    if best is None or cost < best[0] * (1 - 1e-9):
-      best = (cost, k, _plan.GatherBytes.total(got).padding)
+    return moved + HELD_WEIGHT * held
+
+  best = None
+  for k in range(1, top + 1):
+    if any(n % k for n in stacks):
+      continue
+    if best is not None and cost(group_floor(k)) >= best[0] * (1 - 1e-9):
+      continue
+    got = group_bytes(k)
+    c = cost(got)
+    if best is None or c < best[0] * (1 - 1e-9):
+      best = (c, k, _plan.GatherBytes.total(got).padding)
   _, k, pad = best
   return k, 'auto' if pad <= AUTO_PADDING_PERCENT else 'auto, padding above 5%'
 

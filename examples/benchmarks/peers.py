@@ -31,7 +31,12 @@ they differ in where each matrix's Newton–Schulz runs:
   ``dmuon_jax.dedicated_muon``'s update inside ``shard_map`` on gradients
   already in owner layout (what the gathers' transpose, a reduce-scatter,
   delivers in a train step; the gathers themselves replace FSDP's and are
-  reported apart: ``gathered_bytes``).
+  reported apart: ``gathered_bytes``); their AdamW leaves FSDP-sharded
+  as the other FSDP strategies'.
+
+``dmuon_chunks<c>`` (not in the defaults; ``--strategies`` names it) is
+a memory experiment: the drop-in's update on the layers in ``c`` parts in
+sequence (``chunked_dmuon``).
 
 The non-optax baselines share this file's momentum and Newton–Schulz
 (``peer_muon``), checked against single-device ``optax.contrib.muon``: the

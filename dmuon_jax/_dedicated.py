@@ -326,21 +326,6 @@ def dedicate(
       plan, groups, k, buffer_axes, group_axis, bytes_only=bytes_only, **place
     )
 
-  def floor_with(k):
-    """Per gather group of ``k`` layers, bytes no placement goes below:
-    its matrices' bytes gathered as they are (no padding, no exchange)."""
-    out = []
-    for group in _gather_groups(bounds, k):
-      payload = sum(
-        math.prod(s.shape) * np.dtype(s.dtype).itemsize
-        for s in plan.leaves
-        if of_target[s.path] in group
-      )
-      stack = [s.shape[0] for s in scanned if of_target[s.path] in group]
-      iterations = stack[0] // k if stack else 0
-      out.append(_plan.GatherBytes(payload, payload, 0.0, iterations))
-    return out
-
   k, choice = layers_per_gather, 'given'
   if layers_per_gather == 'auto':
     k, choice = _auto_choice(
@@ -350,7 +335,7 @@ def dedicate(
       rep_axis,
       reshard_after_forward,
       functools.partial(place_with, bytes_only=True),
-      floor_with,
+      functools.partial(_gather_floor, plan, bounds, scanned, of_target),
     )
   gathered = place_with(k)
   return Dedication(
@@ -491,6 +476,22 @@ def _gather_groups(
   if run:
     groups.append(tuple(run))
   return tuple(groups)
+
+
+def _gather_floor(plan, bounds, scanned, of_target, k):
+  """Per gather group of ``k`` layers, bytes no placement goes below: its
+  matrices' bytes gathered as they are (no padding, no exchange)."""
+  out = []
+  for group in _gather_groups(bounds, k):
+    payload = sum(
+      math.prod(s.shape) * np.dtype(s.dtype).itemsize
+      for s in plan.leaves
+      if of_target[s.path] in group
+    )
+    stack = [s.shape[0] for s in scanned if of_target[s.path] in group]
+    iterations = stack[0] // k if stack else 0
+    out.append(_plan.GatherBytes(payload, payload, 0.0, iterations))
+  return out
 
 
 def _auto_choice(

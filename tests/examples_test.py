@@ -10,7 +10,7 @@ import chex
 import pytest
 from absl.testing import absltest, parameterized
 
-from tests.support import ROOT, run_script, run_unchecked
+from tests.support import ROOT, read_rows, run_script, run_unchecked
 
 pytestmark = pytest.mark.slow
 
@@ -107,8 +107,7 @@ class ExamplesTest(absltest.TestCase):
         out_dir,
       ]
     )
-    lines = pathlib.Path(out_dir, 'optimizer_step_quick.json').read_text()
-    records = [json.loads(line) for line in lines.splitlines() if line]
+    records = read_rows(pathlib.Path(out_dir, 'optimizer_step_quick.json'))
     configs = {
       r['config']: r
       for r in records
@@ -206,8 +205,7 @@ class ExamplesTest(absltest.TestCase):
         out_dir,
       ]
     )
-    lines = pathlib.Path(out_dir, 'train_step_quick.json').read_text()
-    records = [json.loads(line) for line in lines.splitlines() if line]
+    records = read_rows(pathlib.Path(out_dir, 'train_step_quick.json'))
     configs = {r['config']: r for r in records if r['config'] != 'summary'}
     self.assertEqual(
       set(configs),
@@ -259,8 +257,7 @@ class ExamplesTest(absltest.TestCase):
     run_script(
       ['examples/benchmarks/gram_ns.py', '--quick', '--out-dir', out_dir]
     )
-    lines = pathlib.Path(out_dir, 'gram_ns_quick.json').read_text()
-    records = [json.loads(line) for line in lines.splitlines() if line]
+    records = read_rows(pathlib.Path(out_dir, 'gram_ns_quick.json'))
     part_a = [r for r in records if r['part'] == 'A']
     part_b = [r for r in records if r['part'] == 'B']
     self.assertEqual([r['ratio'] for r in part_a], [1, 2, 4, 8])
@@ -322,8 +319,7 @@ class ExamplesTest(absltest.TestCase):
       ],
       timeout=300,
     )
-    lines = pathlib.Path(out_dir, 'scaling_quick.json').read_text()
-    records = [json.loads(line) for line in lines.splitlines() if line]
+    records = read_rows(pathlib.Path(out_dir, 'scaling_quick.json'))
     rows = [r for r in records if r['config'] != 'summary']
     self.assertEqual(sorted({r['devices'] for r in rows}), [1, 2, 8])
     for r in rows:
@@ -380,8 +376,7 @@ class PeersTest(absltest.TestCase):
         out_dir,
       ]
     )
-    lines = pathlib.Path(out_dir, 'peers_quick.json').read_text()
-    rows = [json.loads(line) for line in lines.splitlines() if line]
+    rows = read_rows(pathlib.Path(out_dir, 'peers_quick.json'))
     checks = {r['strategy']: r for r in rows if r['mode'] == 'check'}
     self.assertEqual(
       sorted(checks),
@@ -417,9 +412,9 @@ class TrainLmTest(absltest.TestCase):
         out_dir,
       ]
     )
-    lines = pathlib.Path(out_dir, 'dedicated_route_quick.json').read_text()
     rows = {
-      r['config']: r for r in (json.loads(x) for x in lines.splitlines() if x)
+      r['config']: r
+      for r in read_rows(pathlib.Path(out_dir, 'dedicated_route_quick.json'))
     }
     plain = rows['plain_jit']
     # Muon bytes against the Z2 floor 2(N-1)/N * P_M, from the compiled

@@ -1,6 +1,5 @@
 """The GPU benchmark (CPU smoke mode) and the Linen example run end to end."""
 
-import json
 import math
 import pathlib
 import re
@@ -9,13 +8,9 @@ import tempfile
 import pytest
 from absl.testing import absltest
 
-from tests.support import run_script
+from tests.support import read_rows, run_script
 
 pytestmark = pytest.mark.slow
-
-
-def read_rows(path):
-  return [json.loads(line) for line in path.read_text().splitlines() if line]
 
 
 class GpuBenchmarkTest(absltest.TestCase):

@@ -5,6 +5,7 @@ own tests and the references they share are computed once per process.
 """
 
 import functools
+import json
 import math
 import os
 import pathlib
@@ -773,6 +774,11 @@ def run_script(args, timeout=600, executable=(sys.executable,)):
   if proc.returncode:
     raise AssertionError(f'{args} failed:\n{proc.stdout}\n{proc.stderr}')
   return proc.stdout
+
+
+def read_rows(path):
+  """The rows of a JSON-lines results file (one object per line)."""
+  return [json.loads(line) for line in path.read_text().splitlines() if line]
 
 
 # -- dedicated-mode tests (shared by flax_*/dedicated/owner_groups tests) --

@@ -275,6 +275,19 @@ class CpuMeter:
     return round(min(max(share, 0.0), 1.0), 3)
 
 
+def pyplot():
+  """``matplotlib.pyplot`` on the non-interactive Agg backend, or None if
+  matplotlib is not installed (the plots are optional)."""
+  try:
+    import matplotlib  # pylint: disable=import-outside-toplevel
+
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return None
+  return plt
+
+
 def machine_info(jax, optax, dmuon_jax) -> dict:
   return {
     'cpu_count': os.cpu_count(),

@@ -1115,12 +1115,8 @@ def write_markdown(rows, path):
 
 def plot(rows, path):
   """NS / ideal per strategy against N, one panel per model."""
-  try:
-    import matplotlib  # pylint: disable=import-outside-toplevel
-
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  except ImportError:
+  plt = _common.pyplot()
+  if plt is None:
     return
   compiled = [
     r for r in rows if r.get('mode') == 'compile' and 'error' not in r

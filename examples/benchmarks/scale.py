@@ -815,12 +815,8 @@ def write_markdown(rows, path):
 
 
 def plot(rows, path):
-  try:
-    import matplotlib  # pylint: disable=import-outside-toplevel
-
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  except ImportError:
+  plt = _common.pyplot()
+  if plt is None:
     return
   fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
   plans = [r for r in rows if r.get('mode') == 'plan' and 'error' not in r]

@@ -83,7 +83,6 @@ import math
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import time
 
@@ -886,20 +885,9 @@ def worker(args):
 
 def run_worker(argv, timeout):
   """``(rows, error or None)`` of one subprocess of this script."""
-  cmd = [sys.executable, __file__, *argv]
-  env = dict(os.environ)
-  env['PYTHONPATH'] = (
-    str(HERE.parent.parent) + os.pathsep + env.get('PYTHONPATH', '')
-  )
-  try:
-    proc = subprocess.run(
-      cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False
-    )
-    out, err, rc = proc.stdout, proc.stderr, proc.returncode
-  except subprocess.TimeoutExpired as e:
-    out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ''
-    err, rc = f'timeout after {timeout:.0f} s', 'timeout'
-  rows = [json.loads(l) for l in out.splitlines() if l.startswith('{')]
+  rows, rc, err = _scale.run_worker(__file__, argv, timeout)
+  if rc == 'timeout':
+    err = f'timeout after {timeout:.0f} s'
   return rows, None if rc == 0 else f'exit {rc}: {err[-400:]}'
 
 

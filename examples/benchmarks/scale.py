@@ -504,6 +504,30 @@ def worker(args):
       print(json.dumps(row), flush=True)
 
 
+def run_worker(script, argv, timeout):
+  """``(rows, exit status or 'timeout', stderr or 'timeout')`` of one
+  subprocess ``script argv`` (its JSON rows: the lines of its stdout that
+  start with ``{``), with the repository root on its ``PYTHONPATH``."""
+  env = dict(os.environ)
+  env['PYTHONPATH'] = (
+    str(HERE.parent.parent) + os.pathsep + env.get('PYTHONPATH', '')
+  )
+  try:
+    proc = subprocess.run(
+      [sys.executable, script, *argv],
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+      env=env,
+      check=False,
+    )
+    out, err, rc = proc.stdout, proc.stderr, proc.returncode
+  except subprocess.TimeoutExpired as e:
+    out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ''
+    err, rc = 'timeout', 'timeout'
+  return [json.loads(l) for l in out.splitlines() if l.startswith('{')], rc, err
+
+
 def run_all(args):
   out_dir = pathlib.Path(args.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
@@ -525,31 +549,11 @@ def run_all(args):
         }
       )
       continue
-    cmd = [
-      sys.executable,
+    got, rc, err = run_worker(
       __file__,
-      '--worker',
-      str(n),
-      '--models',
-      args.models,
-      '--modes',
-      args.modes,
-    ]
-    env = dict(os.environ)
-    env['PYTHONPATH'] = (
-      str(HERE.parent.parent) + os.pathsep + env.get('PYTHONPATH', '')
+      ['--worker', str(n), '--models', args.models, '--modes', args.modes],
+      left,
     )
-    try:
-      proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=left, env=env, check=False
-      )
-      out, err, rc = proc.stdout, proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as e:
-      out = (
-        e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or '')
-      )
-      err, rc = 'timeout', 'timeout'
-    got = [json.loads(l) for l in out.splitlines() if l.startswith('{')]
     rows.extend(got)
     for row in got:
       print(json.dumps(row), flush=True)

@@ -11,7 +11,6 @@ import jax
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from dmuon_jax import (
   _checks,
@@ -575,11 +574,10 @@ def dedicated_muon(
       mesh = dedication.mesh
       if not isinstance(mesh, jax.sharding.Mesh) or mesh.size == 1:
         return state
-      specs = jax.tree.leaves(
-        dedication.specs().rest, is_leaf=lambda x: isinstance(x, P)
-      )
       shardings = jax.tree.structure(rest).unflatten(
-        NamedSharding(mesh, spec) for spec in specs
+        NamedSharding(mesh, spec)
+        for spec in dedication.rest_specs
+        if spec is not None
       )
       return optax.tree_map_params(
         adam, lambda x, sh: _mesh.place(x, mesh, sh.spec), state, shardings
